@@ -1,0 +1,1 @@
+"""Process wiring: the command line, configuration, and (later) Ray placement and Redis."""

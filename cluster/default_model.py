@@ -1,0 +1,27 @@
+"""The embedded default model: created on first use in a cache directory, no network."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DEFAULT_ARCH = "llama"
+DEFAULT_SIZE = "tiny"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SPLITSERVE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "splitserve"
+    )
+    return Path(root)
+
+
+def default_model_dir(arch: str = DEFAULT_ARCH, size: str = DEFAULT_SIZE, seed: int = 0) -> Path:
+    """Path of the embedded model, writing it first if it is not there yet."""
+    from engine.tiny_model import make_tiny_model
+
+    path = cache_dir() / "models" / f"{arch}-{size}-seed{seed}"
+    if not (path / "config.json").is_file():
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        make_tiny_model(tmp, arch=arch, size=size, seed=seed)
+        tmp.replace(path) if not path.exists() else None
+    return path

@@ -1,0 +1,70 @@
+"""Attention over the paged pool, batched: no Python loop over requests.
+
+The model runner groups a step's requests by query length (decodes with one query
+token; prefill chunks with many) so padding stays small. Per group and layer:
+gather the group's KV blocks in one indexed copy, then one scaled-dot-product
+attention call with a causal-and-length mask. A GPU backend can replace
+`paged_attention` (FlashAttention / FlexAttention) behind the same metadata.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.kv_pool import KVPool
+
+
+@dataclass
+class AttentionGroup:
+    token_index: torch.Tensor
+    """[num_group_tokens] positions of this group's tokens in the packed batch."""
+    padded_index: torch.Tensor
+    """[num_group_tokens] flat positions of the same tokens in [batch, max_query_len]."""
+    batch: int
+    max_query_len: int
+    block_table: torch.Tensor
+    """[batch, max_blocks] int64, padded with block 0 (masked out)."""
+    mask: torch.Tensor
+    """[batch, 1, max_query_len, max_blocks * block_size] bool, True = attend."""
+
+
+@dataclass
+class AttentionMetadata:
+    slot_blocks: torch.Tensor
+    """[num_tokens] block id of each new token's slot."""
+    slot_offsets: torch.Tensor
+    """[num_tokens] offset inside that block."""
+    groups: list[AttentionGroup]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    pool: KVPool,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
+
+    Writes k, v into the pool, then attends over each request's whole context.
+    Returns [num_tokens, num_heads, head_dim].
+    """
+    pool.write(layer, meta.slot_blocks, meta.slot_offsets, k, v)
+    out = torch.empty_like(q)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    for g in meta.groups:
+        qp = q.new_zeros(g.batch * g.max_query_len, num_heads, head_dim)
+        qp[g.padded_index] = q[g.token_index]
+        qp = qp.view(g.batch, g.max_query_len, num_heads, head_dim).transpose(1, 2)
+        kc, vc = pool.gather(layer, g.block_table)  # [batch, ctx, kv_heads, head_dim]
+        o = F.scaled_dot_product_attention(
+            qp, kc.transpose(1, 2), vc.transpose(1, 2),
+            attn_mask=g.mask, scale=scale, enable_gqa=True,
+        )  # [batch, num_heads, max_query_len, head_dim]
+        o = o.transpose(1, 2).reshape(g.batch * g.max_query_len, num_heads, head_dim)
+        out[g.token_index] = o[g.padded_index]
+    return out

@@ -1,0 +1,179 @@
+"""The block pool: sole owner of reference counts, the free queue and the prefix cache.
+
+Data flow (all CPU, plain Python):
+  ref_cnt[block]      -> how many holders (requests, hand-offs) use a block
+  _free (OrderedDict) -> blocks with ref_cnt 0, least recently freed first; a block
+                         here may still carry a hash (cached, evictable)
+  _cached             -> block hash -> block id, for full blocks whose KV is computed
+  _events             -> KV events (stored / removed / cleared) for the router's index
+
+Allocation pops from the front of the free queue and evicts the block's hash if it
+had one. Callers free a request's blocks tail first, so a request's last blocks are
+evicted before its first ones (the shared prefix survives longest).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from engine.types import BlockHash, BlockId, InvariantError
+
+KVEventKind = Literal["stored", "removed", "cleared"]
+
+
+@dataclass(frozen=True)
+class KVEvent:
+    """A change to the set of cached blocks, numbered per worker without gaps."""
+
+    event_id: int
+    kind: KVEventKind
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    parent_block_hash: BlockHash | None = None
+    """For `stored`: hash of the block before the first stored one (None at the root)."""
+
+
+@dataclass(frozen=True)
+class PoolUsage:
+    num_total: int
+    num_free: int
+    """ref_cnt 0 and no hash."""
+    num_cached: int
+    """ref_cnt 0 with a hash: evictable."""
+    num_in_use: int
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self._ref_cnt = [0] * num_blocks
+        self._hash: list[BlockHash | None] = [None] * num_blocks
+        self._free: OrderedDict[BlockId, None] = OrderedDict(
+            (BlockId(i), None) for i in range(num_blocks)
+        )
+        self._cached: dict[BlockHash, BlockId] = {}
+        self._events: list[KVEvent] = []
+        self._next_event_id = 0
+
+    # -- queries -------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now (free plus evictable cached)."""
+        return len(self._free)
+
+    def ref_cnt(self, block_id: BlockId) -> int:
+        return self._ref_cnt[block_id]
+
+    def block_hash(self, block_id: BlockId) -> BlockHash | None:
+        return self._hash[block_id]
+
+    def lookup(self, block_hash: BlockHash) -> BlockId | None:
+        return self._cached.get(block_hash)
+
+    def free_queue(self) -> list[BlockId]:
+        """Free blocks in eviction order (first is evicted first)."""
+        return list(self._free)
+
+    # -- ownership -----------------------------------------------------------------
+    def allocate(self, num_blocks: int) -> list[BlockId] | None:
+        """Take `num_blocks` from the front of the free queue, or None if too few."""
+        if num_blocks > len(self._free):
+            return None
+        block_ids = []
+        evicted: list[BlockHash] = []
+        for _ in range(num_blocks):
+            block_id, _ = self._free.popitem(last=False)
+            old = self._hash[block_id]
+            if old is not None:
+                del self._cached[old]
+                self._hash[block_id] = None
+                evicted.append(old)
+            self._ref_cnt[block_id] = 1
+            block_ids.append(block_id)
+        if evicted:
+            self._emit("removed", evicted)
+        return block_ids
+
+    def touch(self, block_ids: Iterable[BlockId]) -> None:
+        """Add a holder to blocks found in the prefix cache."""
+        for block_id in block_ids:
+            if self._ref_cnt[block_id] == 0:
+                del self._free[block_id]
+            self._ref_cnt[block_id] += 1
+
+    def free(self, block_ids: Iterable[BlockId]) -> None:
+        """Drop one holder from each block; blocks reaching 0 join the free queue tail."""
+        for block_id in block_ids:
+            if self._ref_cnt[block_id] <= 0:
+                raise InvariantError(f"block {block_id} freed while not in use")
+            self._ref_cnt[block_id] -= 1
+            if self._ref_cnt[block_id] == 0:
+                self._free[block_id] = None
+
+    # -- prefix cache --------------------------------------------------------------
+    def cache_blocks(
+        self,
+        block_ids: Sequence[BlockId],
+        block_hashes: Sequence[BlockHash],
+        parent_block_hash: BlockHash | None,
+    ) -> None:
+        """Register full, computed blocks under their hashes (one `stored` event).
+
+        A hash already cached under another block keeps its first block; the
+        duplicate block stays uncached and is freed normally.
+        """
+        if not self.enable_caching:
+            return
+        stored: list[BlockHash] = []
+        for block_id, block_hash in zip(block_ids, block_hashes, strict=True):
+            if self._hash[block_id] is not None or block_hash in self._cached:
+                continue
+            self._hash[block_id] = block_hash
+            self._cached[block_hash] = block_id
+            stored.append(block_hash)
+        if stored:
+            self._emit("stored", stored, parent_block_hash)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; refused (False) while any block is in use."""
+        if len(self._free) != self.num_blocks:
+            return False
+        self._cached.clear()
+        self._hash = [None] * self.num_blocks
+        self._emit("cleared", [])
+        return True
+
+    # -- events and checks ---------------------------------------------------------
+    def take_events(self) -> list[KVEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def usage(self) -> PoolUsage:
+        in_use = sum(1 for c in self._ref_cnt if c > 0)
+        cached = sum(1 for b in self._free if self._hash[b] is not None)
+        return PoolUsage(self.num_blocks, len(self._free) - cached, cached, in_use)
+
+    def check_invariants(self) -> PoolUsage:
+        """free + cached + in_use == total, and every index agrees with ref counts."""
+        u = self.usage()
+        if u.num_free + u.num_cached + u.num_in_use != u.num_total:
+            raise InvariantError(f"block accounting broken: {u}")
+        for b, c in enumerate(self._ref_cnt):
+            if c < 0 or (c == 0) != (BlockId(b) in self._free):
+                raise InvariantError(f"block {b}: ref_cnt {c} disagrees with free queue")
+        for h, b in self._cached.items():
+            if self._hash[b] != h:
+                raise InvariantError(f"cache maps a hash to block {b} which holds another")
+        if sum(h is not None for h in self._hash) != len(self._cached):
+            raise InvariantError("a block carries a hash the cache does not know")
+        return u
+
+    def _emit(
+        self, kind: KVEventKind, hashes: list[BlockHash], parent: BlockHash | None = None
+    ) -> None:
+        self._events.append(KVEvent(self._next_event_id, kind, hashes, parent))
+        self._next_event_id += 1

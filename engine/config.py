@@ -1,0 +1,75 @@
+"""Engine configuration: every field documented, units in names, validated on creation."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Role = Literal["both", "prefill", "decode"]
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_blocks: int | None = None
+    """Blocks in the pool; None sizes the pool from `kv_cache_bytes`."""
+    kv_cache_bytes: int = 256 * 2**20
+    """Pool size in bytes when `num_blocks` is None."""
+    enable_prefix_caching: bool = True
+    cluster_secret: bytes = b"splitserve-default-secret"
+    """Key of the block hashes; share it across one cluster, keep it private."""
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step, shared by decode tokens and prefill chunks."""
+    max_num_seqs: int = 128
+    """Most requests running at once."""
+    enable_chunked_prefill: bool = True
+    """Off: a prompt is computed in one step or waits."""
+    aging_interval_s: float = 10.0
+    """Every this many seconds of waiting raises a request's priority by one class."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.aging_interval_s <= 0:
+            raise ValueError(f"aging_interval_s must be positive, got {self.aging_interval_s}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: str
+    """Local Hugging Face-format checkpoint directory."""
+    dtype: DType = "float32"
+    device: str = "cpu"
+    role: Role = "both"
+    """prefill: stop after the first token and hand blocks off; decode: accept remote KV."""
+    max_model_len: int | None = None
+    """Context limit in tokens; None uses the model's max_position_embeddings."""
+    model_id: str | None = None
+    """Name used in block hashes; None uses the model directory's name."""
+    seed: int = 0
+    """Seeds the sampler for requests without their own seed."""
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.role not in ("both", "prefill", "decode"):
+            raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")

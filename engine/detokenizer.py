@@ -1,0 +1,58 @@
+"""Incremental detokenization and stop strings, one object per request.
+
+Decodes a sliding window of ids (a few tokens of context before the unread ones), so
+each step costs O(window), and holds back text while it ends in an incomplete UTF-8
+sequence. Stop strings are searched only in the tail that the new text can complete.
+"""
+from __future__ import annotations
+
+from tokenizers import Tokenizer
+
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+        self._emitted = 0
+        self.stop = stop
+        self._max_stop_len = max((len(s) for s in stop), default=0)
+
+    def append(self, token_id: int) -> tuple[str, bool]:
+        """Add one token; returns (new text, whether a stop string ended the text)."""
+        self.ids.append(token_id)
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        prefix = decode(self.ids[self.prefix_offset : self.read_offset])
+        full = decode(self.ids[self.prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return "", False
+        delta = full[len(prefix) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return self._append_text(delta)
+
+    def _append_text(self, delta: str) -> tuple[str, bool]:
+        """Text may be emitted only once no stop string can still start inside it."""
+        start = len(self.text)
+        self.text += delta
+        if not self.stop:
+            self._emitted = len(self.text)
+            return delta, False
+        search_from = max(0, start - self._max_stop_len + 1)
+        hits = [i for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            return self.flush(), True
+        safe = len(self.text) - self._max_stop_len + 1
+        if safe <= self._emitted:
+            return "", False
+        out, self._emitted = self.text[self._emitted : safe], safe
+        return out, False
+
+    def flush(self) -> str:
+        """Text held back for stop-string matching; call when the request finishes."""
+        out, self._emitted = self.text[self._emitted :], len(self.text)
+        return out

@@ -1,0 +1,102 @@
+"""Per-request block tables over the block pool, with prefix-cache lookups (torch-free).
+
+Request.block_ids is append-only while the request holds its blocks; the pool alone
+touches reference counts. A request's blocks go back to the pool tail first.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.block_pool import BlockPool
+from engine.hashing import BlockHasher
+from engine.request import Request
+from engine.types import BlockId
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, hasher: BlockHasher) -> None:
+        self.pool = pool
+        self.hasher = hasher
+        self.block_size = hasher.block_size
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return _cdiv(num_tokens, self.block_size)
+
+    def find_cached_prefix(self, request: Request) -> tuple[list[BlockId], int]:
+        """Longest cached run of the request's full blocks, leaving >= 1 token to compute.
+
+        Returns (block ids, number of tokens they cover). Nothing is claimed yet.
+        """
+        if not self.pool.enable_caching:
+            return [], 0
+        self._update_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[BlockId] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        cached_block_ids: Sequence[BlockId] = (),
+    ) -> bool:
+        """Make room for `num_new_tokens` beyond the computed (and cached) tokens.
+
+        On success the cached blocks are claimed and new blocks appended to the
+        request's block table; on shortage nothing changes and False is returned.
+        """
+        num_cached = len(cached_block_ids) * self.block_size
+        total = request.num_computed_tokens + num_cached + num_new_tokens
+        num_new_blocks = self.blocks_needed(total) - len(request.block_ids) - len(cached_block_ids)
+        num_revived = sum(1 for b in cached_block_ids if self.pool.ref_cnt(b) == 0)
+        if num_new_blocks > self.pool.num_free_blocks - num_revived:
+            return False
+        if cached_block_ids:
+            self.pool.touch(cached_block_ids)
+            request.block_ids.extend(cached_block_ids)
+            request.num_cached_blocks += len(cached_block_ids)
+        if num_new_blocks > 0:
+            new = self.pool.allocate(num_new_blocks)
+            assert new is not None  # checked above
+            request.block_ids.extend(new)
+        return True
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Register the request's newly full and computed blocks in the prefix cache."""
+        if not self.pool.enable_caching:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        if num_full <= request.num_cached_blocks:
+            return
+        self._update_hashes(request)
+        start = request.num_cached_blocks
+        parent = request.block_hashes[start - 1] if start else None
+        self.pool.cache_blocks(
+            request.block_ids[start:num_full], request.block_hashes[start:num_full], parent
+        )
+        request.num_cached_blocks = num_full
+
+    def free(self, request: Request) -> None:
+        """Give all of the request's blocks back, tail first."""
+        self.pool.free(reversed(request.block_ids))
+        request.block_ids = []
+        request.num_cached_blocks = 0
+
+    def take_blocks(self, request: Request) -> list[BlockId]:
+        """Detach the block table from the request (an explicit hand-off); caller frees later."""
+        block_ids, request.block_ids = request.block_ids, []
+        request.num_cached_blocks = 0
+        return block_ids
+
+    def _update_hashes(self, request: Request) -> None:
+        if len(request.block_hashes) < request.num_tokens // self.block_size:
+            self.hasher.extend(request.block_hashes, request.all_token_ids, request.tenant)

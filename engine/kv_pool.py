@@ -1,0 +1,74 @@
+"""The paged KV pool: one device tensor, block-major.
+
+Layout: [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim], so one
+block (all layers' K and V for block_size tokens) is one contiguous region and runs of
+adjacent block ids are one contiguous range: what kvfabric copies. The memory comes from
+a `KVAllocator` (plain tensor here; shared memory or CUDA IPC-exportable memory later).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        n = 1
+        for d in self.block_shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+
+class KVAllocator(Protocol):
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+        """Return a tensor of `shape`; contents may be uninitialised."""
+        ...
+
+
+class TensorAllocator:
+    """Plain device memory, zero-filled."""
+
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+
+class KVPool:
+    def __init__(
+        self, layout: KVLayout, num_blocks: int, device: str, allocator: KVAllocator | None = None
+    ) -> None:
+        self.layout = layout
+        self.num_blocks = num_blocks
+        shape = (num_blocks, *layout.block_shape)
+        self.tensor = (allocator or TensorAllocator()).allocate(shape, layout.dtype, device)
+        if tuple(self.tensor.shape) != shape or not self.tensor.is_contiguous():
+            raise ValueError(f"allocator returned {tuple(self.tensor.shape)}, wanted contiguous {shape}")
+
+    def write(
+        self, layer: int, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor,
+        k: torch.Tensor, v: torch.Tensor,
+    ) -> None:
+        """Store K and V ([num_tokens, num_kv_heads, head_dim]) of one layer at token slots."""
+        self.tensor[slot_blocks, layer, :, slot_offsets] = torch.stack((k, v), dim=1)
+
+    def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer for a padded block table [batch, max_blocks].
+
+        Returns two [batch, max_blocks * block_size, num_kv_heads, head_dim] tensors.
+        """
+        kv = self.tensor[block_table, layer]  # [batch, max_blocks, 2, block_size, kv_heads, head_dim]
+        b, nb, _, bs, h, d = kv.shape
+        return kv[:, :, 0].reshape(b, nb * bs, h, d), kv[:, :, 1].reshape(b, nb * bs, h, d)

@@ -1,0 +1,287 @@
+"""LLMEngine: add_request / abort / step, and the hooks for the prefill and decode roles.
+
+One step reads top-down: schedule -> run the model -> sample -> update requests -> outputs.
+Role `prefill` finishes a request at its first token and hands its blocks to the
+caller's `KVHandoff` (they stay in use until `release_handoff`); role `decode`
+reserves blocks for prompts whose KV arrives from elsewhere (`add_remote_request`,
+then `remote_kv_ready`).
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from tokenizers import Tokenizer
+
+from engine.block_pool import BlockPool, KVEvent, PoolUsage
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.hashing import BlockHasher
+from engine.kv_cache_manager import KVCacheManager
+from engine.kv_pool import KVAllocator, KVLayout, KVPool
+from engine.model import LlamaForCausalLM
+from engine.model_config import ModelConfig
+from engine.model_runner import ModelRunner
+from engine.request import FinishReason, Request, SamplingParams
+from engine.sampler import Sampler
+from engine.scheduler import Scheduler
+from engine.types import BlockId, InvalidRequestError, InvariantError, RequestId
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (only what changed)."""
+
+    request_id: RequestId
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    new_logprobs: list[float] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class Completion:
+    request_id: RequestId
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    logprobs: list[float]
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Decode role: where a prompt's KV must be written."""
+
+    request_id: RequestId
+    block_ids: list[BlockId]
+    num_cached_tokens: int
+    """Leading prompt tokens already cached here: their blocks need not be sent."""
+
+
+class KVHandoff(Protocol):
+    """Prefill role: receives computed blocks; blocks stay in use until released."""
+
+    def on_blocks_computed(self, request: Request) -> None:
+        """After each step that advanced the request (chunk boundary)."""
+        ...
+
+    def on_prefill_finished(self, request: Request, block_ids: list[BlockId], first_token_id: int) -> None:
+        ...
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        clock: Callable[[], float] = time.monotonic,
+        handoff: KVHandoff | None = None,
+        allocator: KVAllocator | None = None,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.handoff = handoff
+        self.model_config = ModelConfig.from_dir(config.model_dir)
+        mc = self.model_config
+        dtype = _DTYPES[config.dtype]
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.model = LlamaForCausalLM.load(config.model_dir, mc, dtype, config.device)
+        layout = KVLayout(mc.num_layers, config.cache.block_size, mc.num_kv_heads, mc.head_dim, dtype)
+        num_blocks = config.cache.num_blocks or max(1, config.cache.kv_cache_bytes // layout.block_bytes)
+        self.kv_pool = KVPool(layout, num_blocks, config.device, allocator)
+        self.block_pool = BlockPool(num_blocks, config.cache.enable_prefix_caching)
+        model_id = config.model_id or Path(config.model_dir).resolve().name
+        self.hasher = BlockHasher(config.cache.cluster_secret, model_id, config.cache.block_size)
+        self.kv = KVCacheManager(self.block_pool, self.hasher)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, clock)
+        self.runner = ModelRunner(self.model, self.kv_pool, config.device)
+        self.sampler = Sampler(config.seed, config.device)
+        tok_path = Path(config.model_dir) / "tokenizer.json"
+        self.tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.is_file() else None
+        self._detok: dict[RequestId, IncrementalDetokenizer] = {}
+        self._handed_off: dict[RequestId, list[BlockId]] = {}
+
+    # -- requests ------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        tenant: str = "",
+    ) -> RequestId:
+        request = self._new_request(prompt, params, request_id, priority, tenant)
+        self.scheduler.add_request(request)
+        return request.request_id
+
+    def add_remote_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        tenant: str = "",
+    ) -> Reservation | None:
+        """Decode role: reserve blocks for a prompt computed elsewhere; None if the pool is full."""
+        request = self._new_request(prompt, params, request_id, priority, tenant)
+        if not self.scheduler.add_remote_request(request):
+            self._detok.pop(request.request_id, None)
+            return None
+        return Reservation(request.request_id, list(request.block_ids), request.num_cached_tokens)
+
+    def remote_kv_ready(self, request_id: RequestId, first_token_id: int) -> list[RequestOutput]:
+        """Decode role: the reserved blocks hold the prompt's KV; the first token came with it."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            raise InvalidRequestError(f"unknown request {request_id}")
+        self.scheduler.remote_kv_ready(request_id, first_token_id)
+        return [self._output_for(request)]
+
+    def abort(self, request_id: str) -> bool:
+        """Ends the request in any state and frees its blocks (also handed-off ones)."""
+        rid = RequestId(request_id)
+        released = self.release_handoff(rid)
+        aborted = self.scheduler.abort(rid)
+        self._forget(rid)
+        return aborted or released
+
+    def release_handoff(self, request_id: RequestId) -> bool:
+        """Prefill role: the transfer layer is done with the request's blocks."""
+        block_ids = self._handed_off.pop(request_id, None)
+        if block_ids is None:
+            return False
+        self.block_pool.free(reversed(block_ids))
+        return True
+
+    def _new_request(
+        self, prompt: str | Sequence[int], params: SamplingParams | None,
+        request_id: str | None, priority: int, tenant: str,
+    ) -> Request:
+        params = params or SamplingParams()
+        token_ids = self._tokenize(prompt)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        request = Request(
+            request_id=RequestId(request_id or uuid.uuid4().hex),
+            prompt_token_ids=token_ids,
+            params=params,
+            arrival_time=self.clock(),
+            priority=priority,
+            tenant=tenant,
+            eos_token_ids=frozenset(self.model_config.eos_token_ids),
+        )
+        if self.tokenizer is not None:
+            self._detok[request.request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
+        elif params.stop:
+            raise InvalidRequestError("stop strings need a tokenizer.json in the model directory")
+        return request
+
+    def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise InvalidRequestError("text prompts need a tokenizer.json in the model directory")
+        return self.tokenizer.encode(prompt).ids
+
+    # -- the step --------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        requests, logits = self.runner.execute(out)
+        sampled = dict(zip((r.request_id for r in requests), self.sampler.sample(logits, requests), strict=True))
+        updated = self.scheduler.update_after_step(out, sampled)
+        if self.config.role == "prefill" and self.handoff is not None:
+            for s in out.scheduled:
+                self.handoff.on_blocks_computed(s.request)
+        return [self._output_for(r) for r in updated]
+
+    def _output_for(self, request: Request) -> RequestOutput:
+        rid = request.request_id
+        token = request.output_token_ids[-1]
+        text, stopped = "", False
+        detok = self._detok.get(rid)
+        if detok is not None:
+            text, stopped = detok.append(token)
+        if stopped:
+            self.scheduler.finish(request, FinishReason.STOP)
+        elif not request.is_finished and self.config.role == "prefill":
+            self._hand_off(request, token)
+        if request.is_finished and detok is not None and not stopped:
+            text += detok.flush()
+        out = RequestOutput(
+            request_id=rid,
+            new_token_ids=[token],
+            new_text=text,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason,
+            new_logprobs=request.output_logprobs[-1:] if request.params.logprobs else [],
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+        if request.is_finished:
+            self._forget(rid)
+        return out
+
+    def _hand_off(self, request: Request, first_token_id: int) -> None:
+        block_ids = self.kv.take_blocks(request)
+        self.scheduler.finish(request, FinishReason.PREFILL_DONE, keep_blocks=True)
+        self._handed_off[request.request_id] = block_ids
+        if self.handoff is not None:
+            self.handoff.on_prefill_finished(request, block_ids, first_token_id)
+
+    def _forget(self, request_id: RequestId) -> None:
+        self._detok.pop(request_id, None)
+        self.sampler.forget(request_id)
+
+    # -- helpers ---------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def generate(
+        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[Completion]:
+        """Offline: run all prompts to completion as one continuous batch."""
+        per = params if isinstance(params, Sequence) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, per, strict=True)]
+        acc: dict[RequestId, Completion] = {}
+        while self.has_unfinished():
+            for o in self.step():
+                c = acc.setdefault(o.request_id, Completion(o.request_id, [], "", None, o.num_prompt_tokens, o.num_cached_tokens, []))
+                c.token_ids += o.new_token_ids
+                c.text += o.new_text
+                c.logprobs += o.new_logprobs
+                c.finish_reason = o.finish_reason
+        return [acc[i] for i in ids]
+
+    def take_kv_events(self) -> list[KVEvent]:
+        return self.block_pool.take_events()
+
+    def check_invariants(self) -> PoolUsage:
+        """Pool accounting holds, and every in-use block has a known holder."""
+        usage = self.block_pool.check_invariants()
+        holders: dict[BlockId, int] = {}
+        tables = [r.block_ids for r in self.scheduler.requests.values()] + list(self._handed_off.values())
+        for table in tables:
+            for b in table:
+                holders[b] = holders.get(b, 0) + 1
+        for b in range(self.block_pool.num_blocks):
+            if holders.get(BlockId(b), 0) != self.block_pool.ref_cnt(BlockId(b)):
+                raise InvariantError(f"block {b}: ref_cnt {self.block_pool.ref_cnt(BlockId(b))}, holders {holders.get(BlockId(b), 0)}")
+        return usage

@@ -1,0 +1,129 @@
+"""The request: carries its own tokens, counters, block table and status (torch-free).
+
+One accounting scheme for every role: `num_tokens` (prompt + output) and
+`num_computed_tokens` (tokens whose KV is in the pool). Prefix-cache hits, chunked
+prefill and KV imported from a prefill worker all just advance `num_computed_tokens`.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.types import BlockHash, BlockId, InvalidRequestError, RequestId
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    """Decode role: blocks reserved, KV arriving from a prefill worker."""
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    """A stop token, EOS or stop string."""
+    LENGTH = "length"
+    """max_tokens or the model's context length."""
+    ABORT = "abort"
+    PREFILL_DONE = "prefill_done"
+    """Prefill role: first token produced, blocks handed to the transfer layer."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    """0 means greedy."""
+    top_k: int = 0
+    """0 disables top-k."""
+    top_p: float = 1.0
+    seed: int | None = None
+    """Per-request seed: the same tokens whatever else is in the batch."""
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    """Stop strings; the output text is cut before the first one found."""
+    ignore_eos: bool = False
+    logprobs: bool = False
+    """Return the log-probability of each chosen token (from the raw logits)."""
+
+    def __post_init__(self) -> None:
+        if self.max_tokens <= 0:
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: RequestId
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    """Lower is more important (as in vLLM)."""
+    tenant: str = ""
+    eos_token_ids: frozenset[int] = frozenset()
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache at first schedule."""
+    block_ids: list[BlockId] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    """Leading blocks of `block_ids` already registered in the prefix cache."""
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    arrival_seq: int = 0
+    """Tie-break between equal arrival times (set by the scheduler)."""
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise InvalidRequestError("prompt is empty: send at least one token")
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output(self, token_id: int, logprob: float | None = None) -> None:
+        self.output_token_ids.append(token_id)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+
+    def stop_reason_for_last_token(self, max_model_len: int) -> FinishReason | None:
+        """Token-level stop check after appending an output token."""
+        last = self.output_token_ids[-1]
+        if last in self.params.stop_token_ids:
+            return FinishReason.STOP
+        if not self.params.ignore_eos and last in self.eos_token_ids:
+            return FinishReason.STOP
+        if len(self.output_token_ids) >= self.params.max_tokens:
+            return FinishReason.LENGTH
+        if self.num_tokens >= max_model_len:
+            return FinishReason.LENGTH
+        return None

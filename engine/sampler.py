@@ -1,0 +1,78 @@
+"""Sampling from float32 logits: greedy, temperature, top-k, top-p, per-request seeds.
+
+Random rows use the exponential-race trick (argmax of probs / Exp(1) noise), the noise
+drawn from the request's own generator when it has a seed, so a seeded request gets
+the same tokens whatever else shares its batch. Log-probabilities are of the raw
+(untempered) distribution, as vLLM reports them.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.request import Request
+from engine.types import RequestId
+
+
+class Sampler:
+    def __init__(self, seed: int, device: str) -> None:
+        self.device = device
+        self._generator = torch.Generator(device=device).manual_seed(seed)
+        self._request_generators: dict[RequestId, torch.Generator] = {}
+
+    def forget(self, request_id: RequestId) -> None:
+        self._request_generators.pop(request_id, None)
+
+    def sample(
+        self, logits: torch.Tensor, requests: list[Request]
+    ) -> list[tuple[int, float | None]]:
+        """logits: [num_requests, vocab] float32. Returns (token id, logprob or None) per row."""
+        tokens = logits.argmax(dim=-1)
+        rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if rows:
+            tokens[rows] = self._sample_random(logits[rows], [requests[i] for i in rows])
+        logprobs: list[float | None] = [None] * len(requests)
+        want = [i for i, r in enumerate(requests) if r.params.logprobs]
+        if want:
+            lp = torch.log_softmax(logits[want], dim=-1).gather(1, tokens[want, None])[:, 0]
+            for i, v in zip(want, lp.tolist(), strict=True):
+                logprobs[i] = v
+        return list(zip(tokens.tolist(), logprobs, strict=True))
+
+    def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        temps = torch.tensor([r.params.temperature for r in requests], device=logits.device)
+        logits = logits / temps[:, None]
+        logits = _apply_top_k_top_p(
+            logits, [r.params.top_k for r in requests], [r.params.top_p for r in requests]
+        )
+        probs = torch.softmax(logits, dim=-1)
+        noise = torch.empty_like(probs)
+        for i, r in enumerate(requests):
+            noise[i].exponential_(generator=self._generator_for(r))
+        return (probs / noise).argmax(dim=-1)
+
+    def _generator_for(self, request: Request) -> torch.Generator:
+        if request.params.seed is None:
+            return self._generator
+        g = self._request_generators.get(request.request_id)
+        if g is None:
+            g = torch.Generator(device=self.device).manual_seed(request.params.seed)
+            self._request_generators[request.request_id] = g
+        return g
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask (to -inf) everything outside each row's top-k and top-p nucleus."""
+    if all(k == 0 for k in top_k) and all(p == 1.0 for p in top_p):
+        return logits
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [rows, vocab]
+    ranks = torch.arange(vocab, device=logits.device)
+    k = torch.tensor([kk or vocab for kk in top_k], device=logits.device)
+    drop = ranks[None, :] >= k[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+    p = torch.tensor(top_p, device=logits.device)
+    drop |= before > p[:, None]
+    drop[:, 0] = False
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))

@@ -1,0 +1,236 @@
+"""Iteration-level scheduler: one token budget per step, no prefill/decode split (torch-free).
+
+Each step: running requests first (most important first), each gets up to its
+missing tokens within the budget; when blocks run out the least important running
+request (lowest priority, then newest) is preempted by recompute. Then waiting
+requests in order of aged priority, with prefix-cache hits claimed at first schedule.
+Requests in WAITING_FOR_REMOTE_KV hold reserved blocks and are skipped until their
+KV arrives; then they rejoin like any waiting request with computed tokens.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.config import SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import FinishReason, Request, RequestStatus
+from engine.types import BlockId, InvalidRequestError, RequestId
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    """Tokens computed this step, starting at request.num_computed_tokens."""
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step computes, in batch order."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[RequestId] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        clock: Callable[[], float],
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.clock = clock
+        self.requests: dict[RequestId, Request] = {}
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._seq = 0
+
+    # -- admission -----------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self._admit(request)
+        self.waiting.append(request)
+
+    def add_remote_request(self, request: Request) -> bool:
+        """Reserve blocks for a prompt whose KV another worker computes.
+
+        Cached prefix blocks are reused; request.num_cached_tokens tells the sender
+        which leading tokens it need not send. False (and nothing kept) on shortage.
+        """
+        self._admit(request)
+        cached, num_cached = self.kv.find_cached_prefix(request)
+        missing = request.num_prompt_tokens - num_cached
+        if not self.kv.allocate_slots(request, missing, cached):
+            del self.requests[request.request_id]
+            return False
+        request.num_cached_tokens = num_cached
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        return True
+
+    def remote_kv_ready(self, request_id: RequestId, first_token_id: int) -> None:
+        """The prompt's KV has landed in the reserved blocks; decode from here."""
+        request = self.requests[request_id]
+        if request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
+            raise InvalidRequestError(f"request {request_id} is not waiting for remote KV")
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv.cache_computed_blocks(request)
+        request.append_output(first_token_id)
+        reason = request.stop_reason_for_last_token(self.max_model_len)
+        if reason is not None:
+            self.finish(request, reason)
+            return
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def _admit(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id} is already in use")
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {request.num_prompt_tokens} tokens; the model's context is "
+                f"{self.max_model_len}, so the prompt must be shorter than that"
+            )
+        if (
+            not self.config.enable_chunked_prefill
+            and request.num_prompt_tokens > self.config.max_num_batched_tokens
+        ):
+            raise InvalidRequestError(
+                f"prompt has {request.num_prompt_tokens} tokens, more than "
+                f"max_num_batched_tokens={self.config.max_num_batched_tokens} with chunked "
+                "prefill off; enable chunked prefill or raise the budget"
+            )
+        if self.kv.blocks_needed(request.num_prompt_tokens + 1) > self.kv.pool.num_blocks:
+            raise InvalidRequestError(
+                f"prompt has {request.num_prompt_tokens} tokens, more than the KV pool holds"
+            )
+        request.arrival_seq = self._seq
+        self._seq += 1
+        self.requests[request.request_id] = request
+
+    # -- the step ------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted_ids:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        for request in sorted(self.running, key=self._rank):
+            if request.status is not RequestStatus.RUNNING or budget == 0:
+                continue
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0:
+                continue
+            while not self.kv.allocate_slots(request, num_new):
+                victim = max(self.running, key=self._rank)
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(request, num_new))
+                budget -= num_new
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        for request in sorted(self.waiting, key=self._rank):
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            cached: list[BlockId] = []
+            num_cached = 0
+            if not request.block_ids:
+                cached, num_cached = self.kv.find_cached_prefix(request)
+            request.num_computed_tokens += num_cached
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0 or not self.kv.allocate_slots(request, num_new, cached):
+                request.num_computed_tokens -= num_cached
+                break
+            if request.num_preemptions == 0 and not request.output_token_ids:
+                request.num_cached_tokens = num_cached
+            self.waiting.remove(request)
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        missing = request.num_tokens - request.num_computed_tokens
+        if missing > budget and not self.config.enable_chunked_prefill:
+            return 0
+        return min(missing, budget)
+
+    def _rank(self, request: Request) -> tuple[int, int]:
+        """Smaller ranks first: aged priority, then arrival order."""
+        waited_s = max(0.0, self.clock() - request.arrival_time)
+        aged = request.priority - int(waited_s / self.config.aging_interval_s)
+        return aged, request.arrival_seq
+
+    def _preempt(self, request: Request) -> None:
+        logger.debug("request %s: preempted (recompute)", request.request_id)
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.append(request)
+
+    # -- after the model ran ---------------------------------------------------------
+    def update_after_step(
+        self, out: SchedulerOutput, sampled: dict[RequestId, tuple[int, float | None]]
+    ) -> list[Request]:
+        """Advance counters, append sampled tokens, finish on token-level stops.
+
+        Returns the requests that got a new token this step.
+        """
+        updated = []
+        for s in out.scheduled:
+            request = s.request
+            request.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_computed_blocks(request)
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.append_output(*token)
+            updated.append(request)
+            reason = request.stop_reason_for_last_token(self.max_model_len)
+            if reason is not None:
+                self.finish(request, reason)
+        return updated
+
+    def finish(self, request: Request, reason: FinishReason, keep_blocks: bool = False) -> None:
+        """End a request in any state; its blocks go back unless handed off."""
+        if request.is_finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if not keep_blocks:
+            self.kv.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        del self.requests[request.request_id]
+
+    def abort(self, request_id: RequestId) -> bool:
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self.finish(request, FinishReason.ABORT)
+        return True
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)

@@ -1,0 +1,87 @@
+"""Writes deterministic Hugging Face-format checkpoints for tests and benchmarks.
+
+`tiny` (a few MB) is for tests; `small` (~100M parameters) for benchmarks. The llama
+arch uses Llama-3 rope scaling and untied embeddings; qwen2 has q/k/v biases and
+tied embeddings, so between them the tests cover every model variant we load.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from engine.tiny_tokenizer import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS, build_tokenizer
+
+SIZES = {
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048),
+    "small": dict(vocab_size=8192, hidden_size=768, intermediate_size=2560, num_hidden_layers=12,
+                  num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=4096),
+}
+ARCHS = ("llama", "qwen2")
+
+
+def model_config(arch: str, size: str) -> dict:
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {tuple(SIZES)}, got {size!r}")
+    cfg = dict(SIZES[size], hidden_act="silu", rms_norm_eps=1e-5, bos_token_id=BOS_ID,
+               eos_token_id=EOS_ID, pad_token_id=PAD_ID, torch_dtype="float32", use_cache=True)
+    if arch == "llama":
+        cfg.update(architectures=["LlamaForCausalLM"], model_type="llama", tie_word_embeddings=False,
+                   rope_theta=500000.0, attention_bias=False, mlp_bias=False,
+                   rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                     high_freq_factor=4.0, original_max_position_embeddings=256))
+    else:
+        cfg.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", tie_word_embeddings=True,
+                   rope_theta=1000000.0, use_sliding_window=False, sliding_window=None,
+                   max_window_layers=cfg["num_hidden_layers"])
+    return cfg
+
+
+def _weights(cfg: dict, arch: str, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    d = h // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * d
+    randn = lambda *shape, std=0.02: torch.randn(*shape, generator=g) * std  # noqa: E731
+    norm = lambda: 1.0 + randn(h, std=0.1)  # noqa: E731
+    # Tied embeddings stay small so the output is not just the input token echoed back.
+    embed_std = 0.05 if cfg["tie_word_embeddings"] else 0.5
+    w = {"model.embed_tokens.weight": randn(v, h, std=embed_std), "model.norm.weight": norm()}
+    if not cfg["tie_word_embeddings"]:
+        w["lm_head.weight"] = randn(v, h, std=0.05)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = norm()
+        w[p + "post_attention_layernorm.weight"] = norm()
+        for name, rows in (("q", h), ("k", kv), ("v", kv), ("o", h)):
+            w[p + f"self_attn.{name}_proj.weight"] = randn(rows, h, std=h**-0.5)
+            if arch == "qwen2" and name != "o":
+                w[p + f"self_attn.{name}_proj.bias"] = randn(rows, std=0.1)
+        w[p + "mlp.gate_proj.weight"] = randn(inter, h, std=h**-0.5)
+        w[p + "mlp.up_proj.weight"] = randn(inter, h, std=h**-0.5)
+        w[p + "mlp.down_proj.weight"] = randn(h, inter, std=inter**-0.5)
+    return {k: t.contiguous() for k, t in w.items()}
+
+
+def make_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny", seed: int = 0) -> Path:
+    """Write config, weights, tokenizer and generation config; returns the directory."""
+    cfg = model_config(arch, size)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(_weights(cfg, arch, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    build_tokenizer(cfg["vocab_size"], seed).save(str(out / "tokenizer.json"))
+    bos, eos, pad = SPECIAL_TOKENS
+    files = {
+        "config.json": cfg,
+        "generation_config.json": dict(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID),
+        "tokenizer_config.json": dict(tokenizer_class="PreTrainedTokenizerFast", bos_token=bos,
+                                      eos_token=eos, pad_token=pad, model_max_length=cfg["max_position_embeddings"]),
+    }
+    for name, content in files.items():
+        (out / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
+    return out
