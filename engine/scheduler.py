@@ -153,11 +153,10 @@ class Scheduler:
             num_cached = 0
             if not request.block_ids:
                 cached, num_cached = self.kv.find_cached_prefix(request)
-            request.num_computed_tokens += num_cached
-            num_new = self._num_new_tokens(request, budget)
+            num_new = self._num_new_tokens(request, budget, num_cached)
             if num_new == 0 or not self.kv.allocate_slots(request, num_new, cached):
-                request.num_computed_tokens -= num_cached
                 break
+            request.num_computed_tokens += num_cached
             if request.num_preemptions == 0 and not request.output_token_ids:
                 request.num_cached_tokens = num_cached
             self.waiting.remove(request)
@@ -166,8 +165,8 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
 
-    def _num_new_tokens(self, request: Request, budget: int) -> int:
-        missing = request.num_tokens - request.num_computed_tokens
+    def _num_new_tokens(self, request: Request, budget: int, num_cached: int = 0) -> int:
+        missing = request.num_tokens - request.num_computed_tokens - num_cached
         if missing > budget and not self.config.enable_chunked_prefill:
             return 0
         return min(missing, budget)

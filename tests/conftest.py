@@ -1,0 +1,44 @@
+"""Fixtures shared by every test layer: tiny checkpoints and an injectable clock."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+
+class FakeClock:
+    """Time that moves only when a test says so."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from engine.tiny_model import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), arch="llama", seed=0))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from engine.tiny_model import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2", seed=0))
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2"])
+def tiny_model_dir(request: pytest.FixtureRequest, tiny_llama_dir: str, tiny_qwen2_dir: str) -> str:
+    return tiny_llama_dir if request.param == "llama" else tiny_qwen2_dir

@@ -1,0 +1,51 @@
+"""Builders for bookkeeping tests: a scheduler over a block pool, no model."""
+from __future__ import annotations
+
+import zlib
+
+from engine.block_pool import BlockPool
+from engine.config import SchedulerConfig
+from engine.hashing import BlockHasher
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.types import RequestId
+
+SECRET = b"test-secret"
+
+
+def make_scheduler(
+    clock, num_blocks: int = 16, block_size: int = 4, budget: int = 64, max_seqs: int = 8,
+    chunked: bool = True, caching: bool = True, max_model_len: int = 1024, aging_s: float = 10.0,
+) -> Scheduler:
+    pool = BlockPool(num_blocks, enable_caching=caching)
+    kv = KVCacheManager(pool, BlockHasher(SECRET, "m", block_size))
+    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                          enable_chunked_prefill=chunked, aging_interval_s=aging_s)
+    return Scheduler(cfg, kv, max_model_len, clock)
+
+
+def make_request(rid: str, prompt: list[int] | int, clock, max_tokens: int = 8,
+                 priority: int = 0, tenant: str = "") -> Request:
+    """An int prompt is that many tokens, distinct per request id (no accidental prefix hits)."""
+    base = 1000 * (zlib.crc32(rid.encode()) % 1000)
+    tokens = list(range(base, base + prompt)) if isinstance(prompt, int) else prompt
+    return Request(RequestId(rid), tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                   arrival_time=clock(), priority=priority, tenant=tenant)
+
+
+def fake_step(s: Scheduler, token: int = 7) -> SchedulerOutput:
+    """Schedule, pretend the model ran, and sample `token` for every finished prefill."""
+    out = s.schedule()
+    sampled = {
+        x.request.request_id: (token, None)
+        for x in out.scheduled
+        if x.request.num_computed_tokens + x.num_new_tokens == x.request.num_tokens
+    }
+    s.update_after_step(out, sampled)
+    s.kv.pool.check_invariants()
+    return out
+
+
+def plan(out: SchedulerOutput) -> list[tuple[str, int]]:
+    return [(x.request.request_id, x.num_new_tokens) for x in out.scheduled]

@@ -1,0 +1,101 @@
+from __future__ import annotations
+
+import pytest
+
+from engine.block_pool import BlockPool
+from engine.types import BlockHash, InvariantError
+
+
+def h(i: int) -> BlockHash:
+    return BlockHash(bytes([i]) * 16)
+
+
+def test_allocates_lowest_ids_first_and_refuses_shortage() -> None:
+    pool = BlockPool(4)
+    assert pool.allocate(3) == [0, 1, 2]
+    assert pool.allocate(2) is None
+    assert pool.allocate(1) == [3]
+    assert pool.num_free_blocks == 0
+    pool.check_invariants()
+
+
+def test_freed_blocks_go_to_the_tail_in_free_order() -> None:
+    pool = BlockPool(6)
+    a = pool.allocate(3)
+    pool.free(reversed(a))  # a request frees its tail first
+    assert pool.free_queue() == [3, 4, 5, 2, 1, 0]
+    assert pool.allocate(4) == [3, 4, 5, 2]
+
+
+def test_eviction_order_is_lru_and_emits_removed() -> None:
+    pool = BlockPool(4)
+    blocks = pool.allocate(4)
+    pool.cache_blocks(blocks, [h(0), h(1), h(2), h(3)], None)
+    pool.free(reversed(blocks))  # free queue: 3, 2, 1, 0
+    usage = pool.check_invariants()
+    assert (usage.num_free, usage.num_cached, usage.num_in_use) == (0, 4, 0)
+    pool.take_events()
+    assert pool.allocate(2) == [3, 2]
+    events = pool.take_events()
+    assert [(e.kind, e.block_hashes) for e in events] == [("removed", [h(3), h(2)])]
+    assert pool.lookup(h(3)) is None and pool.lookup(h(1)) == 1
+
+
+def test_touch_revives_a_cached_free_block() -> None:
+    pool = BlockPool(3)
+    b = pool.allocate(1)
+    pool.cache_blocks(b, [h(9)], None)
+    pool.free(b)
+    assert pool.lookup(h(9)) == 0 and pool.ref_cnt(0) == 0
+    pool.touch([0])
+    assert pool.ref_cnt(0) == 1 and 0 not in pool.free_queue()
+    pool.touch([0])
+    pool.free([0])
+    pool.free([0])
+    assert pool.free_queue()[-1] == 0
+    pool.check_invariants()
+
+
+def test_events_are_numbered_without_gaps_and_carry_parents() -> None:
+    pool = BlockPool(4)
+    b = pool.allocate(2)
+    pool.cache_blocks(b, [h(1), h(2)], None)
+    c = pool.allocate(1)
+    pool.cache_blocks(c, [h(3)], h(2))
+    events = pool.take_events()
+    assert [e.event_id for e in events] == [0, 1]
+    assert events[1].parent_block_hash == h(2)
+    pool.free(b + c)
+    assert pool.reset_prefix_cache()
+    assert [(e.event_id, e.kind) for e in pool.take_events()] == [(2, "cleared")]
+    assert pool.check_invariants().num_cached == 0
+
+
+def test_duplicate_hash_keeps_first_block() -> None:
+    pool = BlockPool(2)
+    a, b = pool.allocate(1), pool.allocate(1)
+    pool.cache_blocks(a, [h(5)], None)
+    pool.cache_blocks(b, [h(5)], None)
+    assert pool.lookup(h(5)) == a[0] and pool.block_hash(b[0]) is None
+    assert len(pool.take_events()) == 1
+
+
+def test_reset_refused_while_blocks_in_use() -> None:
+    pool = BlockPool(2)
+    pool.allocate(1)
+    assert not pool.reset_prefix_cache()
+
+
+def test_double_free_is_a_bug() -> None:
+    pool = BlockPool(2)
+    b = pool.allocate(1)
+    pool.free(b)
+    with pytest.raises(InvariantError):
+        pool.free(b)
+
+
+def test_caching_disabled_stores_nothing() -> None:
+    pool = BlockPool(2, enable_caching=False)
+    b = pool.allocate(1)
+    pool.cache_blocks(b, [h(1)], None)
+    assert pool.lookup(h(1)) is None and pool.take_events() == []

@@ -1,0 +1,183 @@
+from __future__ import annotations
+
+import pytest
+
+from engine.request import FinishReason, RequestStatus
+from engine.types import InvalidRequestError, RequestId
+from tests.unit.helpers import fake_step, make_request, make_scheduler, plan
+
+
+def test_token_budget_is_shared_and_prefill_is_chunked(clock) -> None:
+    s = make_scheduler(clock, budget=8)
+    r1, r2 = make_request("r1", 10, clock), make_request("r2", 3, clock)
+    s.add_request(r1)
+    s.add_request(r2)
+    assert plan(fake_step(s)) == [("r1", 8)]  # first chunk fills the budget
+    assert r1.block_ids == [0, 1] and r1.output_token_ids == []
+    assert plan(fake_step(s)) == [("r1", 2), ("r2", 3)]  # last chunk + the short prompt
+    assert r1.block_ids == [0, 1, 2] and r2.block_ids == [3]
+    assert r1.output_token_ids == [7] and r2.output_token_ids == [7]
+    assert plan(fake_step(s)) == [("r1", 1), ("r2", 1)]  # decode tokens share the budget
+
+
+def test_decode_tokens_come_before_new_prefill_chunks(clock) -> None:
+    s = make_scheduler(clock, budget=6)
+    s.add_request(make_request("a", 2, clock))
+    fake_step(s)
+    s.add_request(make_request("b", 20, clock))
+    assert plan(fake_step(s)) == [("a", 1), ("b", 5)]
+
+
+def test_chunked_prefill_off_waits_for_a_whole_prompt(clock) -> None:
+    s = make_scheduler(clock, budget=8, chunked=False)
+    with pytest.raises(InvalidRequestError, match="max_num_batched_tokens"):
+        s.add_request(make_request("big", 9, clock))
+    s.add_request(make_request("a", 6, clock))
+    s.add_request(make_request("b", 5, clock))
+    assert plan(fake_step(s)) == [("a", 6)]
+    assert plan(fake_step(s)) == [("a", 1), ("b", 5)]
+
+
+def test_max_num_seqs(clock) -> None:
+    s = make_scheduler(clock, max_seqs=2)
+    for i in range(3):
+        s.add_request(make_request(f"r{i}", 2, clock))
+    assert plan(fake_step(s)) == [("r0", 2), ("r1", 2)]
+
+
+def test_preemption_by_recompute_picks_newest_and_evicts_its_tail(clock) -> None:
+    s = make_scheduler(clock, num_blocks=4, block_size=4)
+    r1, r2 = make_request("r1", 7, clock), make_request("r2", 7, clock)
+    s.add_request(r1)
+    s.add_request(r2)
+    fake_step(s)  # both prefill 7 tokens: r1 [0, 1], r2 [2, 3]
+    fake_step(s)  # token 8 of each fits in the second block
+    assert (r1.block_ids, r2.block_ids) == ([0, 1], [2, 3])
+    s.kv.pool.take_events()
+    out = fake_step(s)  # both need a third block; none free
+    assert out.preempted_ids == ["r2"]
+    assert plan(out) == [("r1", 1)]
+    assert r1.block_ids == [0, 1, 3]  # r2 freed tail first: 3 is evicted first
+    assert r2.status is RequestStatus.PREEMPTED and r2.num_computed_tokens == 0
+    assert r2.num_preemptions == 1 and r2.block_ids == []
+    assert [e.kind for e in s.kv.pool.take_events()] == ["removed"]
+
+
+def test_preempted_request_resumes_with_its_prefix_cached(clock) -> None:
+    s = make_scheduler(clock, num_blocks=5, block_size=4)
+    r1, r2 = make_request("r1", 7, clock, max_tokens=3), make_request("r2", 7, clock)
+    s.add_request(r1)
+    s.add_request(r2)
+    fake_step(s)
+    fake_step(s)
+    out = fake_step(s)  # r1 takes block 4; r2 then needs a block: preempted
+    assert out.preempted_ids == ["r2"]
+    assert r1.is_finished and r1.finish_reason is FinishReason.LENGTH
+    out = fake_step(s)
+    # r2's two full blocks survived in the cache: only its last token is recomputed
+    assert plan(out) == [("r2", 1)]
+    assert r2.block_ids == [2, 3, 4]
+    assert r2.num_computed_tokens == 9 and len(r2.output_token_ids) == 3
+
+
+def test_priority_orders_waiting_and_aging_prevents_starvation(clock) -> None:
+    s = make_scheduler(clock, budget=4)
+    s.add_request(make_request("low", 4, clock, priority=1))
+    s.add_request(make_request("high", 4, clock, priority=0))
+    assert plan(fake_step(s)) == [("high", 4)]
+    s2 = make_scheduler(clock, budget=4, aging_s=10.0)
+    s2.add_request(make_request("old-low", 4, clock, priority=2))
+    clock.advance(25.0)  # two aging intervals: effective priority 0
+    s2.add_request(make_request("new-mid", 4, clock, priority=1))
+    assert plan(fake_step(s2)) == [("old-low", 4)]
+
+
+def test_preemption_victim_is_lowest_priority_before_newest(clock) -> None:
+    s = make_scheduler(clock, num_blocks=4, block_size=4)
+    low = make_request("low", 7, clock, priority=5)
+    clock.advance(1)
+    high = make_request("high", 7, clock, priority=0)
+    s.add_request(low)
+    s.add_request(high)
+    fake_step(s)
+    fake_step(s)
+    out = fake_step(s)
+    assert out.preempted_ids == ["low"] and plan(out) == [("high", 1)]
+
+
+def _all_free(s) -> None:
+    u = s.kv.pool.check_invariants()
+    assert u.num_in_use == 0 and u.num_free + u.num_cached == u.num_total
+
+
+@pytest.mark.parametrize("state", ["waiting", "mid_prefill", "decoding", "preempted", "remote_kv"])
+def test_abort_in_every_state_frees_everything(clock, state: str) -> None:
+    s = make_scheduler(clock, num_blocks=4, block_size=4, budget=64 if state == "preempted" else 4)
+    r = make_request("r", 7, clock)
+    if state == "remote_kv":
+        assert s.add_remote_request(r)
+        assert r.status is RequestStatus.WAITING_FOR_REMOTE_KV and len(r.block_ids) == 2
+    else:
+        s.add_request(r)
+    if state == "preempted":
+        s.add_request(make_request("hog", 7, clock, priority=-1))
+        for _ in range(3):
+            fake_step(s)
+        assert r.status is RequestStatus.PREEMPTED and r.num_preemptions == 1
+        s.abort(RequestId("hog"))
+    if state in ("mid_prefill", "decoding"):
+        fake_step(s)
+        assert r.num_computed_tokens == 4 and r.status is RequestStatus.RUNNING
+    if state == "decoding":
+        fake_step(s)
+        assert r.output_token_ids == [7]
+    assert s.abort(RequestId("r"))
+    assert r.is_finished and r.finish_reason is FinishReason.ABORT
+    assert not s.abort(RequestId("r"))  # finished: nothing left to abort
+    assert s.waiting == [] and s.running == []
+    _all_free(s)
+
+
+def test_remote_kv_reuses_cached_prefix_then_decodes(clock) -> None:
+    s = make_scheduler(clock, num_blocks=8, block_size=4)
+    first = make_request("first", list(range(10)), clock, max_tokens=1)
+    s.add_request(first)
+    fake_step(s)
+    assert first.is_finished
+    r = make_request("remote", list(range(8)) + [50, 51, 52], clock)
+    assert s.add_remote_request(r)
+    assert r.num_cached_tokens == 8
+    assert r.block_ids == [0, 1, 3]  # two cached blocks shared, one new for the tail
+    assert plan(s.schedule()) == []  # nothing runs until the KV is there
+    s.remote_kv_ready(RequestId("remote"), 99)
+    assert r.output_token_ids == [99] and r.num_computed_tokens == 11
+    out = fake_step(s)
+    assert plan(out) == [("remote", 1)] and r.output_token_ids == [99, 7]
+
+
+def test_remote_reservation_refused_when_pool_is_full(clock) -> None:
+    s = make_scheduler(clock, num_blocks=2, block_size=4)
+    assert s.add_remote_request(make_request("a", 7, clock))
+    assert not s.add_remote_request(make_request("b", 5, clock))
+    assert "b" not in s.requests
+    _ = s.kv.pool.check_invariants()
+
+
+def test_bad_requests_refused(clock) -> None:
+    s = make_scheduler(clock, max_model_len=16, num_blocks=64)
+    with pytest.raises(InvalidRequestError, match="context"):
+        s.add_request(make_request("long", 16, clock))
+    with pytest.raises(InvalidRequestError, match="empty"):
+        make_request("empty", [], clock)
+    s.add_request(make_request("dup", 3, clock))
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        s.add_request(make_request("dup", 3, clock))
+
+
+def test_stops_at_model_length(clock) -> None:
+    s = make_scheduler(clock, max_model_len=6)
+    r = make_request("r", 4, clock, max_tokens=100)
+    s.add_request(r)
+    for _ in range(3):
+        fake_step(s)
+    assert r.is_finished and r.finish_reason is FinishReason.LENGTH and r.num_tokens == 6
