@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.tiny_tokenizer import build_tokenizer
+
+TOK = build_tokenizer(512)
+
+
+def stream(text: str, stop: tuple[str, ...] = ()) -> tuple[str, bool, IncrementalDetokenizer]:
+    ids = TOK.encode(text).ids
+    d = IncrementalDetokenizer(TOK, TOK.encode("Prompt:").ids, stop)
+    out = ""
+    for t in ids:
+        delta, stopped = d.append(t)
+        out += delta
+        if stopped:
+            return out, True, d
+    return out + d.flush(), False, d
+
+
+def test_incremental_text_equals_one_shot_decode() -> None:
+    text = "Hello world, the quick brown fox jumps over the lazy dog. ünïcödé ✓ 日本"
+    out, stopped, _ = stream(text)
+    assert out == text and not stopped
+
+
+def test_stop_string_cuts_text_and_never_leaks_a_partial_stop() -> None:
+    out, stopped, d = stream("the quick brown fox jumps", stop=("brown f",))
+    assert stopped and out == "the quick " and d.text == "the quick "
+
+
+def test_stop_string_split_across_many_tokens() -> None:
+    out, stopped, _ = stream("abc STOP def", stop=("STOP", "zzz"))
+    assert stopped and out == "abc "
+
+
+def test_no_stop_found_flushes_held_back_text() -> None:
+    out, stopped, _ = stream("hello there", stop=("xyz",))
+    assert out == "hello there" and not stopped
+
+
+def test_tokenizer_is_deterministic() -> None:
+    assert build_tokenizer(512, seed=3).to_str() == build_tokenizer(512, seed=3).to_str()
