@@ -1,0 +1,49 @@
+"""Hugging Face `transformers` as the slow reference, with results memoised per session."""
+from __future__ import annotations
+
+import functools
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+
+LOGITS_ATOL_FP32 = 1e-4
+"""Largest allowed |ours - transformers| on float32 logits (values are O(1..10))."""
+
+
+@functools.cache
+def hf_model(model_dir: str, dtype: torch.dtype = torch.float32):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+
+@functools.cache
+def hf_greedy(model_dir: str, prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
+    """transformers `generate`, greedy, EOS disabled (our ignore_eos)."""
+    gc = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=2)
+    with torch.inference_mode():
+        out = hf_model(model_dir).generate(torch.tensor([prompt]), generation_config=gc)
+    return out[0, len(prompt):].tolist()
+
+
+def hf_logits(model_dir: str, token_ids: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[len(token_ids), vocab] float32 logits of one forward pass."""
+    with torch.inference_mode():
+        return hf_model(model_dir, dtype)(torch.tensor([token_ids])).logits[0].float()
+
+
+def make_engine(model_dir: str, *, block_size: int = 4, num_blocks: int = 512, budget: int = 64,
+                chunked: bool = True, caching: bool = True, max_seqs: int = 64, role: str = "both",
+                dtype: str = "float32", seed: int = 0, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        model_dir=model_dir, dtype=dtype, role=role, seed=seed,
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching),
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
+                                  max_num_seqs=max_seqs),
+    ), **kw)
+
+
+def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]

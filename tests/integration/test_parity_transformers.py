@@ -1,0 +1,130 @@
+"""Our engine against Hugging Face `transformers` on the same tiny checkpoints (float32).
+
+Tolerance: logits within LOGITS_ATOL_FP32 (1e-4); greedy tokens identical.
+Each test runs for a Llama (llama3 rope, untied) and a Qwen2 (q/k/v bias, tied) model.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.request import SamplingParams
+from tests.integration.reference import (
+    LOGITS_ATOL_FP32, hf_greedy, hf_logits, make_engine, random_prompts,
+)
+
+# Lengths cross block boundaries (block_size 4) and chunk boundaries.
+LENGTHS = [1, 3, 4, 5, 15, 16, 17, 33, 47]
+NEW_TOKENS = 12
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def _prompts(model_dir: str, lengths=LENGTHS, seed: int = 0) -> list[list[int]]:
+    return random_prompts(lengths, 512, seed)
+
+
+def _assert_matches_hf(model_dir, prompts, completions) -> None:
+    for p, c in zip(prompts, completions, strict=True):
+        assert c.token_ids == hf_greedy(model_dir, tuple(p), NEW_TOKENS), f"prompt of {len(p)} tokens"
+
+
+def _all_position_logits(engine, prompt: list[int]) -> torch.Tensor:
+    """Run a prompt through the engine's scheduler and model chunk by chunk, keeping every logit."""
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=1))
+    chunks = []
+    while engine.has_unfinished():
+        out = engine.scheduler.schedule()
+        batch = engine.runner.prepare(out)
+        n = batch.input_ids.shape[0]
+        logits = engine.model.forward(batch.input_ids, batch.positions, engine.kv_pool, batch.meta, torch.arange(n))
+        chunks.append(logits)
+        done = out.scheduled[0].request.num_computed_tokens + n == len(prompt)
+        engine.scheduler.update_after_step(out, {rid: (int(logits[-1].argmax()), None)} if done else {})
+    return torch.cat(chunks)
+
+
+def test_prefill_logits_match_in_chunks(tiny_model_dir: str) -> None:
+    prompt = _prompts(tiny_model_dir, [37])[0]
+    engine = make_engine(tiny_model_dir, budget=8)  # five chunks
+    ours = _all_position_logits(engine, prompt)
+    ref = hf_logits(tiny_model_dir, prompt)
+    assert ours.shape == ref.shape
+    assert (ours - ref).abs().max().item() < LOGITS_ATOL_FP32
+
+
+def test_decode_logits_match(tiny_model_dir: str, monkeypatch) -> None:
+    prompts = _prompts(tiny_model_dir, [6, 19])
+    engine = make_engine(tiny_model_dir)
+    seen: list[tuple[list, torch.Tensor]] = []
+    execute = engine.runner.execute
+
+    def capture(out):
+        requests, logits = execute(out)
+        seen.append(([(r.request_id, r.num_tokens) for r in requests], logits.clone()))
+        return requests, logits
+
+    monkeypatch.setattr(engine.runner, "execute", capture)
+    completions = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    for p, c in zip(prompts, completions, strict=True):
+        full = p + c.token_ids
+        ref = hf_logits(tiny_model_dir, full)
+        for ids, logits in seen:
+            for row, (rid, num_tokens) in enumerate(ids):
+                if rid == c.request_id:
+                    diff = (logits[row] - ref[num_tokens - 1]).abs().max().item()
+                    assert diff < LOGITS_ATOL_FP32, f"position {num_tokens - 1}"
+
+
+@pytest.mark.parametrize("chunked, budget", [(True, 16), (False, 256)], ids=["chunked", "unchunked"])
+def test_concurrent_greedy_matches_generate(tiny_model_dir: str, chunked: bool, budget: int) -> None:
+    prompts = _prompts(tiny_model_dir)
+    engine = make_engine(tiny_model_dir, budget=budget, chunked=chunked)
+    completions = engine.generate(prompts, GREEDY)
+    _assert_matches_hf(tiny_model_dir, prompts, completions)
+    assert engine.check_invariants().num_in_use == 0
+
+
+def test_prefix_cache_hits_give_the_same_tokens(tiny_model_dir: str) -> None:
+    stem = _prompts(tiny_model_dir, [18], seed=7)[0]
+    tails = _prompts(tiny_model_dir, [1, 5, 9], seed=8)
+    prompts = [stem + t for t in tails]
+    engine = make_engine(tiny_model_dir, budget=32)
+    cold = engine.generate(prompts[:1], GREEDY)
+    warm = engine.generate(prompts, GREEDY)
+    assert cold[0].num_cached_tokens == 0
+    assert [c.num_cached_tokens for c in warm] == [16, 16, 16]  # four full blocks of the stem
+    _assert_matches_hf(tiny_model_dir, prompts, warm)
+    no_cache = make_engine(tiny_model_dir, budget=32, caching=False).generate(prompts, GREEDY)
+    assert [c.token_ids for c in no_cache] == [c.token_ids for c in warm]
+    assert [c.num_cached_tokens for c in no_cache] == [0, 0, 0]
+
+
+def test_preemption_by_a_tiny_pool_gives_the_same_tokens(tiny_model_dir: str) -> None:
+    prompts = _prompts(tiny_model_dir, [15, 17, 21, 9, 30, 12])
+    engine = make_engine(tiny_model_dir, num_blocks=16, budget=32)  # 64 slots for ~270 tokens
+    preempted: list[str] = []
+    schedule = engine.scheduler.schedule
+
+    def counting_schedule():
+        out = schedule()
+        preempted.extend(out.preempted_ids)
+        return out
+
+    engine.scheduler.schedule = counting_schedule
+    completions = engine.generate(prompts, GREEDY)
+    assert len(preempted) >= 2
+    _assert_matches_hf(tiny_model_dir, prompts, completions)
+    assert engine.check_invariants().num_in_use == 0
+
+
+def test_seeded_sampling_is_reproducible_across_batches(tiny_llama_dir: str) -> None:
+    prompt = _prompts(tiny_llama_dir, [10])[0]
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
+    alone = make_engine(tiny_llama_dir, seed=1).generate([prompt], params)[0].token_ids
+    others = _prompts(tiny_llama_dir, [4, 25], seed=3)
+    unseeded = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+    batched = make_engine(tiny_llama_dir, seed=2).generate(
+        [others[0], prompt, others[1]], [unseeded, params, unseeded])[1].token_ids
+    assert alone == batched
+    reseeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, top_k=50, seed=99, ignore_eos=True)
+    assert make_engine(tiny_llama_dir).generate([prompt], reseeded)[0].token_ids != alone
