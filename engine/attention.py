@@ -1,9 +1,10 @@
 """Attention over the paged pool, batched: no Python loop over requests.
 
-The model runner groups a step's requests by query length (decodes with one query
-token; prefill chunks with many) so padding stays small. Per group and layer:
+The model runner puts all decodes (one query token each) in one group, and each
+prefill chunk in a group of its own, so no query is padded. Per group and layer:
 gather the group's KV blocks in one indexed copy, then one scaled-dot-product
-attention call with a causal-and-length mask. A GPU backend can replace
+attention call with a causal-and-length mask; a first chunk (no earlier context)
+skips the gather and attends causally over its own new K and V. A GPU backend can replace
 `paged_attention` (FlashAttention / FlexAttention) behind the same metadata.
 """
 from __future__ import annotations
@@ -26,8 +27,9 @@ class AttentionGroup:
     max_query_len: int
     block_table: torch.Tensor
     """[batch, max_blocks] int64, padded with block 0 (masked out)."""
-    mask: torch.Tensor
-    """[batch, 1, max_query_len, max_blocks * block_size] bool, True = attend."""
+    mask: torch.Tensor | None
+    """[batch, 1, max_query_len, max_blocks * block_size] bool, True = attend.
+    None: one request with no earlier context, attending causally over its own new tokens."""
 
 
 @dataclass
@@ -57,6 +59,9 @@ def paged_attention(
     out = torch.empty_like(q)
     num_heads, head_dim = q.shape[1], q.shape[2]
     for g in meta.groups:
+        if g.mask is None:
+            out[g.token_index] = _causal_self_attention(q[g.token_index], k[g.token_index], v[g.token_index], scale)
+            continue
         qp = q.new_zeros(g.batch * g.max_query_len, num_heads, head_dim)
         qp[g.padded_index] = q[g.token_index]
         qp = qp.view(g.batch, g.max_query_len, num_heads, head_dim).transpose(1, 2)
@@ -68,3 +73,11 @@ def paged_attention(
         o = o.transpose(1, 2).reshape(g.batch * g.max_query_len, num_heads, head_dim)
         out[g.token_index] = o[g.padded_index]
     return out
+
+
+def _causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [n, num_heads, head_dim]; k, v: [n, num_kv_heads, head_dim] -> [n, num_heads, head_dim]."""
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True,
+    )  # [num_heads, n, head_dim]
+    return o.transpose(0, 1)

@@ -71,7 +71,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_blocks=t(slot_blocks),
             slot_offsets=t(slot_offsets),
-            groups=[self._group(g) for g in (decode, prefill) if g],
+            groups=[self._group(g) for g in [decode, *([m] for m in prefill)] if g],
         )
         return ForwardBatch(t(input_ids), t(positions), meta, t(logits_index), sampled)
 
@@ -91,10 +91,13 @@ class ModelRunner:
             query_pos[j, :n] = torch.arange(start, start + n)
             used = s.request.block_ids[: -(-ctx_lens[j] // bs)]
             table[j, : len(used)] = torch.tensor(used, dtype=torch.long)
+        dev = self.device
+        if len(members) == 1 and members[0][0].request.num_computed_tokens == 0:
+            return AttentionGroup(torch.tensor(token_index, device=dev), torch.tensor(padded_index, device=dev),
+                                  1, max_q, table.to(dev), mask=None)
         key_pos = torch.arange(max_blocks * bs)
         # Causal within the request; padded query rows see key 0 only (never an empty row).
         mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [batch, max_q, ctx]
-        dev = self.device
         return AttentionGroup(
             token_index=torch.tensor(token_index, device=dev),
             padded_index=torch.tensor(padded_index, device=dev),
