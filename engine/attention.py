@@ -64,13 +64,9 @@ def paged_attention(
             continue
         qp = q.new_zeros(g.batch * g.max_query_len, num_heads, head_dim)
         qp[g.padded_index] = q[g.token_index]
-        qp = qp.view(g.batch, g.max_query_len, num_heads, head_dim).transpose(1, 2)
         kc, vc = pool.gather(layer, g.block_table)  # [batch, ctx, kv_heads, head_dim]
-        o = F.scaled_dot_product_attention(
-            qp, kc.transpose(1, 2), vc.transpose(1, 2),
-            attn_mask=g.mask, scale=scale, enable_gqa=True,
-        )  # [batch, num_heads, max_query_len, head_dim]
-        o = o.transpose(1, 2).reshape(g.batch * g.max_query_len, num_heads, head_dim)
+        o = _masked_attention(qp.view(g.batch, g.max_query_len, num_heads, head_dim), kc, vc, g.mask, scale)
+        o = o.reshape(g.batch * g.max_query_len, num_heads, head_dim)
         out[g.token_index] = o[g.padded_index]
     return out
 
@@ -81,3 +77,23 @@ def _causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True,
     )  # [num_heads, n, head_dim]
     return o.transpose(0, 1)
+
+
+def _masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Two batched matmuls with a float32 softmax; query heads stay grouped by KV head.
+
+    q: [batch, q_len, heads, head_dim]; k, v: [batch, ctx, kv_heads, head_dim];
+    mask: [batch, 1, q_len, ctx]. Returns [batch, q_len, heads, head_dim].
+    (The CPU flash kernel is slow for one-token queries; this is not.)
+    """
+    b, n, h, d = q.shape
+    kvh = k.shape[2]
+    grp = h // kvh
+    qg = q.view(b, n, kvh, grp, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, grp * n, d)
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale  # [batch, kv_heads, grp * q_len, ctx]
+    scores = scores.view(b, kvh, grp, n, -1).masked_fill(~mask[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(b, kvh, grp * n, -1)
+    o = torch.matmul(probs, v.transpose(1, 2))  # [batch, kv_heads, grp * q_len, head_dim]
+    return o.view(b, kvh, grp, n, d).permute(0, 3, 1, 2, 4).reshape(b, n, h, d)
