@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 DEFAULT_ARCH = "llama"
@@ -21,7 +22,11 @@ def default_model_dir(arch: str = DEFAULT_ARCH, size: str = DEFAULT_SIZE, seed: 
 
     path = cache_dir() / "models" / f"{arch}-{size}-seed{seed}"
     if not (path / "config.json").is_file():
+        # Write aside and rename, so a concurrent first use never sees half a checkpoint.
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         make_tiny_model(tmp, arch=arch, size=size, seed=seed)
-        tmp.replace(path) if not path.exists() else None
+        if path.exists():
+            shutil.rmtree(tmp)
+        else:
+            tmp.replace(path)
     return path
