@@ -1,10 +1,10 @@
 """Attention over the paged pool, batched: no Python loop over requests.
 
-The model runner puts all decodes (one query token each) in one group, and each
-prefill chunk in a group of its own, so no query is padded. Per group and layer:
-gather the group's KV blocks in one indexed copy, then one scaled-dot-product
-attention call with a causal-and-length mask; a first chunk (no earlier context)
-skips the gather and attends causally over its own new K and V. A GPU backend can replace
+The model runner puts all decodes (one query token each) in one `PagedGroup` and each
+prefill chunk in a group of its own, so queries are barely padded. Per paged group and
+layer: gather the group's KV blocks in one indexed copy, then two batched matmuls with
+a causal-and-length mask. A first chunk with no earlier context is a `CausalGroup`: no
+gather, causal SDPA over its own new K and V. A GPU backend can replace
 `paged_attention` (FlashAttention / FlexAttention) behind the same metadata.
 """
 from __future__ import annotations
@@ -18,7 +18,15 @@ from engine.kv_pool import KVPool
 
 
 @dataclass
-class AttentionGroup:
+class CausalGroup:
+    """One request's first chunk: attends only to its own new tokens."""
+
+    token_index: torch.Tensor
+    """[num_group_tokens] positions of this group's tokens in the packed batch."""
+
+
+@dataclass
+class PagedGroup:
     token_index: torch.Tensor
     """[num_group_tokens] positions of this group's tokens in the packed batch."""
     padded_index: torch.Tensor
@@ -27,9 +35,8 @@ class AttentionGroup:
     max_query_len: int
     block_table: torch.Tensor
     """[batch, max_blocks] int64, padded with block 0 (masked out)."""
-    mask: torch.Tensor | None
-    """[batch, 1, max_query_len, max_blocks * block_size] bool, True = attend.
-    None: one request with no earlier context, attending causally over its own new tokens."""
+    mask: torch.Tensor
+    """[batch, 1, max_query_len, max_blocks * block_size] bool, True = attend."""
 
 
 @dataclass
@@ -38,7 +45,7 @@ class AttentionMetadata:
     """[num_tokens] block id of each new token's slot."""
     slot_offsets: torch.Tensor
     """[num_tokens] offset inside that block."""
-    groups: list[AttentionGroup]
+    groups: list[CausalGroup | PagedGroup]
 
 
 def paged_attention(
@@ -59,7 +66,7 @@ def paged_attention(
     out = torch.empty_like(q)
     num_heads, head_dim = q.shape[1], q.shape[2]
     for g in meta.groups:
-        if g.mask is None:
+        if isinstance(g, CausalGroup):
             out[g.token_index] = _causal_self_attention(q[g.token_index], k[g.token_index], v[g.token_index], scale)
             continue
         qp = q.new_zeros(g.batch * g.max_query_len, num_heads, head_dim)

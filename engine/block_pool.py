@@ -172,6 +172,18 @@ class BlockPool:
             raise InvariantError("a block carries a hash the cache does not know")
         return u
 
+    def check_holders(self, block_tables: Iterable[Sequence[BlockId]]) -> PoolUsage:
+        """check_invariants, plus: each ref count equals the number of tables holding the block."""
+        usage = self.check_invariants()
+        holders = [0] * self.num_blocks
+        for table in block_tables:
+            for b in table:
+                holders[b] += 1
+        for b, (held, refs) in enumerate(zip(holders, self._ref_cnt, strict=True)):
+            if held != refs:
+                raise InvariantError(f"block {b}: ref_cnt {refs} but {held} holders")
+        return usage
+
     def _emit(
         self, kind: KVEventKind, hashes: list[BlockHash], parent: BlockHash | None = None
     ) -> None:

@@ -15,7 +15,6 @@ from typing import Any
 from engine.types import UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionGroup, AttentionMetadata
+from engine.attention import AttentionMetadata, CausalGroup, PagedGroup
 from engine.kv_pool import KVPool
 from engine.model import LlamaForCausalLM
 from engine.request import Request
@@ -75,7 +75,11 @@ class ModelRunner:
         )
         return ForwardBatch(t(input_ids), t(positions), meta, t(logits_index), sampled)
 
-    def _group(self, members: list[tuple[ScheduledRequest, int]]) -> AttentionGroup:
+    def _group(self, members: list[tuple[ScheduledRequest, int]]) -> CausalGroup | PagedGroup:
+        dev = self.device
+        if len(members) == 1 and members[0][0].request.num_computed_tokens == 0:
+            (s, offset), = members
+            return CausalGroup(torch.arange(offset, offset + s.num_new_tokens, device=dev))
         bs = self.block_size
         max_q = max(s.num_new_tokens for s, _ in members)
         ctx_lens = [s.request.num_computed_tokens + s.num_new_tokens for s, _ in members]
@@ -91,14 +95,10 @@ class ModelRunner:
             query_pos[j, :n] = torch.arange(start, start + n)
             used = s.request.block_ids[: -(-ctx_lens[j] // bs)]
             table[j, : len(used)] = torch.tensor(used, dtype=torch.long)
-        dev = self.device
-        if len(members) == 1 and members[0][0].request.num_computed_tokens == 0:
-            return AttentionGroup(torch.tensor(token_index, device=dev), torch.tensor(padded_index, device=dev),
-                                  1, max_q, table.to(dev), mask=None)
         key_pos = torch.arange(max_blocks * bs)
         # Causal within the request; padded query rows see key 0 only (never an empty row).
         mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [batch, max_q, ctx]
-        return AttentionGroup(
+        return PagedGroup(
             token_index=torch.tensor(token_index, device=dev),
             padded_index=torch.tensor(padded_index, device=dev),
             batch=len(members),

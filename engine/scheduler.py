@@ -10,9 +10,10 @@ KV arrives; then they rejoin like any waiting request with computed tokens.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from engine.block_pool import PoolUsage
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import FinishReason, Request, RequestStatus
@@ -229,6 +230,11 @@ class Scheduler:
             return False
         self.finish(request, FinishReason.ABORT)
         return True
+
+    def check_invariants(self, other_tables: Iterable[Sequence[BlockId]] = ()) -> PoolUsage:
+        """Pool accounting holds and every in-use block is held by a request (or `other_tables`)."""
+        tables = [r.block_ids for r in self.requests.values()]
+        return self.kv.pool.check_holders([*tables, *other_tables])
 
     @property
     def num_unfinished(self) -> int:

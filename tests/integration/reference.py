@@ -47,3 +47,17 @@ def make_engine(model_dir: str, *, block_size: int = 4, num_blocks: int = 512, b
 def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def capture_logits(engine: LLMEngine) -> list[tuple[list, torch.Tensor]]:
+    """Record (sampled requests as (id, num_tokens), logits) for every step the engine runs."""
+    seen: list[tuple[list, torch.Tensor]] = []
+    execute = engine.runner.execute
+
+    def recording(out):
+        requests, logits = execute(out)
+        seen.append(([(r.request_id, r.num_tokens) for r in requests], logits.clone()))
+        return requests, logits
+
+    engine.runner.execute = recording
+    return seen

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.request import FinishReason, SamplingParams
 from engine.types import InvalidRequestError
-from tests.integration.reference import hf_greedy, hf_logits, make_engine, random_prompts
+from tests.integration.reference import capture_logits, hf_greedy, hf_logits, make_engine, random_prompts
 
 
 def test_stop_token_and_eos(tiny_llama_dir: str) -> None:
@@ -85,9 +85,7 @@ def test_half_precision_logits_track_float32(tiny_llama_dir: str, dtype: str, at
     """Half precision on CPU against the float32 reference; tolerance stated per dtype."""
     prompt = random_prompts([20], 512, seed=6)[0]
     engine = make_engine(tiny_llama_dir, dtype=dtype)
-    seen = []
-    execute = engine.runner.execute
-    engine.runner.execute = lambda out: seen.append(execute(out)) or seen[-1]
+    seen = capture_logits(engine)
     engine.generate([prompt], SamplingParams(max_tokens=1))
     ref = hf_logits(tiny_llama_dir, prompt)[-1]
     assert (seen[0][1][0] - ref).abs().max().item() < atol

@@ -10,7 +10,7 @@ import torch
 
 from engine.request import SamplingParams
 from tests.integration.reference import (
-    LOGITS_ATOL_FP32, hf_greedy, hf_logits, make_engine, random_prompts,
+    LOGITS_ATOL_FP32, capture_logits, hf_greedy, hf_logits, make_engine, random_prompts,
 )
 
 # Lengths cross block boundaries (block_size 4) and chunk boundaries.
@@ -52,18 +52,10 @@ def test_prefill_logits_match_in_chunks(tiny_model_dir: str) -> None:
     assert (ours - ref).abs().max().item() < LOGITS_ATOL_FP32
 
 
-def test_decode_logits_match(tiny_model_dir: str, monkeypatch) -> None:
+def test_decode_logits_match(tiny_model_dir: str) -> None:
     prompts = _prompts(tiny_model_dir, [6, 19])
     engine = make_engine(tiny_model_dir)
-    seen: list[tuple[list, torch.Tensor]] = []
-    execute = engine.runner.execute
-
-    def capture(out):
-        requests, logits = execute(out)
-        seen.append(([(r.request_id, r.num_tokens) for r in requests], logits.clone()))
-        return requests, logits
-
-    monkeypatch.setattr(engine.runner, "execute", capture)
+    seen = capture_logits(engine)
     completions = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
     for p, c in zip(prompts, completions, strict=True):
         full = p + c.token_ids

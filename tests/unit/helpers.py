@@ -43,7 +43,7 @@ def fake_step(s: Scheduler, token: int = 7) -> SchedulerOutput:
         if x.request.num_computed_tokens + x.num_new_tokens == x.request.num_tokens
     }
     s.update_after_step(out, sampled)
-    s.kv.pool.check_invariants()
+    s.check_invariants()
     return out
 
 

@@ -25,18 +25,6 @@ ops = st.one_of(
 )
 
 
-def check_holders(s) -> None:
-    """Every block's ref count equals the number of request block tables holding it."""
-    holders: dict[int, int] = {}
-    for r in s.requests.values():
-        for b in r.block_ids:
-            holders[b] = holders.get(b, 0) + 1
-    pool = s.kv.pool
-    for b in range(pool.num_blocks):
-        assert pool.ref_cnt(b) == holders.get(b, 0), f"block {b}"
-    pool.check_invariants()
-
-
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.lists(ops, min_size=1, max_size=60),
@@ -72,10 +60,10 @@ def test_random_operations_keep_invariants(ops_, num_blocks, block_size, budget,
                 clock.advance(op[1])
         except ValueError:
             pass  # refused at admission (too long for the pool or budget): nothing kept
-        check_holders(s)
+        s.check_invariants()
     for rid in list(s.requests):
         s.abort(rid)
-    u = s.kv.pool.check_invariants()
+    u = s.check_invariants()
     assert u.num_in_use == 0 and u.num_free + u.num_cached == num_blocks
     assert s.waiting == [] and s.running == []
 
@@ -95,4 +83,4 @@ def test_everything_finishes_without_aborts(prompt_list, num_blocks) -> None:
         fake_step(s)
         clock.advance(1.0)
     assert all(r.is_finished and len(r.output_token_ids) == 3 for r in reqs)
-    assert s.kv.pool.check_invariants().num_in_use == 0
+    assert s.check_invariants().num_in_use == 0

@@ -99,3 +99,14 @@ def test_caching_disabled_stores_nothing() -> None:
     b = pool.allocate(1)
     pool.cache_blocks(b, [h(1)], None)
     assert pool.lookup(h(1)) is None and pool.take_events() == []
+
+
+def test_holder_check_catches_a_block_nobody_holds() -> None:
+    pool = BlockPool(4)
+    a, b = pool.allocate(2), pool.allocate(1)
+    assert pool.check_holders([a, b]).num_in_use == 3
+    with pytest.raises(InvariantError, match="block 2: ref_cnt 1 but 0 holders"):
+        pool.check_holders([a])  # b's table was lost: a leak
+    pool.touch(b)
+    with pytest.raises(InvariantError, match="ref_cnt 2 but 1 holders"):
+        pool.check_holders([a, b])

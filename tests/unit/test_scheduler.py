@@ -106,7 +106,7 @@ def test_preemption_victim_is_lowest_priority_before_newest(clock) -> None:
 
 
 def _all_free(s) -> None:
-    u = s.kv.pool.check_invariants()
+    u = s.check_invariants()
     assert u.num_in_use == 0 and u.num_free + u.num_cached == u.num_total
 
 
@@ -160,7 +160,7 @@ def test_remote_reservation_refused_when_pool_is_full(clock) -> None:
     assert s.add_remote_request(make_request("a", 7, clock))
     assert not s.add_remote_request(make_request("b", 5, clock))
     assert "b" not in s.requests
-    _ = s.kv.pool.check_invariants()
+    assert s.check_invariants().num_in_use == 2
 
 
 def test_bad_requests_refused(clock) -> None:
