@@ -1,0 +1,19 @@
+"""kvfabric: moves KV blocks from prefill to decode workers. Knows nothing of models.
+
+Receiver (decode side) -> `Ticket` -> sender (prefill side) -> `Transfer.push` per
+chunk -> `Transfer.finish` -> receiver event `KVArrived`. See receiver.py / sender.py.
+"""
+from kvfabric.address import FabricAddress, Ticket
+from kvfabric.errors import FabricError, HandshakeError, PeerUnavailable, ProtocolError, ReservationRevoked
+from kvfabric.layout import FabricLayout, Run, coalesce
+from kvfabric.receiver import FabricReceiver, ReceiverConfig
+from kvfabric.region import BlockRegion, ShmKVAllocator, ShmSegment
+from kvfabric.reservations import BlocksFenced, FabricEvent, KVArrived, TransferFailed
+from kvfabric.sender import FabricSender, SenderConfig, Transfer
+
+__all__ = [
+    "BlockRegion", "BlocksFenced", "FabricAddress", "FabricError", "FabricEvent", "FabricLayout",
+    "FabricReceiver", "FabricSender", "HandshakeError", "KVArrived", "PeerUnavailable", "ProtocolError",
+    "ReceiverConfig", "ReservationRevoked", "Run", "SenderConfig", "ShmKVAllocator", "ShmSegment",
+    "Ticket", "Transfer", "TransferFailed", "coalesce",
+]

@@ -1,0 +1,71 @@
+"""The descriptors that travel between workers (msgpack-able dicts on the wire).
+
+`FabricAddress` says how to reach a receiver and what it offers; a `Ticket` is one
+reservation on it: the destination block ids, the leading blocks already cached there
+(not sent), and the lease. The router carries a Ticket from the decode worker to the
+prefill worker.
+"""
+from __future__ import annotations
+
+import functools
+import socket
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@functools.cache
+def local_host_id() -> str:
+    """Equal for two processes on the same machine (same boot), different otherwise."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = "unknown-boot"
+    return f"{socket.gethostname()}/{boot}"
+
+
+@dataclass(frozen=True)
+class FabricAddress:
+    host: str
+    port: int
+    host_id: str
+    receiver_id: str
+    device: str
+    """"cpu" or "cuda": where the receiver's pool lives."""
+    transports: tuple[str, ...]
+    shm_name: str | None = None
+    shm_nonce: str | None = None
+    shm_bytes: int = 0
+
+    def to_wire(self) -> dict[str, object]:
+        d = asdict(self)
+        d["transports"] = list(self.transports)
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict[str, object]) -> FabricAddress:
+        d = dict(d)
+        d["transports"] = tuple(d["transports"])  # type: ignore[arg-type]
+        return cls(**d)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Ticket:
+    address: FabricAddress
+    reservation_id: int
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_skip_blocks: int
+    lease_s: float
+
+    def to_wire(self) -> dict[str, object]:
+        d = asdict(self)
+        d["address"] = self.address.to_wire()
+        d["block_ids"] = list(self.block_ids)
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict[str, object]) -> Ticket:
+        d = dict(d)
+        d["address"] = FabricAddress.from_wire(d["address"])  # type: ignore[arg-type]
+        d["block_ids"] = tuple(d["block_ids"])  # type: ignore[arg-type]
+        return cls(**d)  # type: ignore[arg-type]

@@ -1,0 +1,269 @@
+"""The receiving side (decode worker): reservations under leases, and the listener senders talk to.
+
+Data flow: the owner (decode worker) allocates destination blocks in its engine and calls
+`expect()` -> `Ticket` (handed to a prefill worker). Senders connect, pass the handshake,
+`open` the reservation, then write blocks: over `shm` they copy into the shared pool and
+report `written`; over `tcp` the payload is received here straight into the blocks.
+`ready` completes it. The owner calls `poll()` to collect `KVArrived`, `TransferFailed`
+and `BlocksFenced` events and to expire leases; `cancel()` aborts one. One thread per
+sender connection; the reservation table is guarded by one lock and never held while
+bytes move.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+import socket
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvfabric.address import FabricAddress, Ticket, local_host_id
+from kvfabric.errors import FabricError, PeerUnavailable, ProtocolError, ReservationRevoked
+from kvfabric.layout import FabricLayout
+from kvfabric.region import BlockRegion, ShmSegment
+from kvfabric.reservations import FabricEvent, ReservationTable
+from kvfabric.wire import Conn, Idle
+
+logger = logging.getLogger(__name__)
+
+ONE_SIDED = frozenset({"shm", "cuda_ipc"})
+
+
+@dataclass(frozen=True)
+class ReceiverConfig:
+    host: str = "127.0.0.1"
+    """Interface to listen on; loopback unless configured otherwise."""
+    port: int = 0
+    """0 picks a free port."""
+    lease_s: float = 10.0
+    """A reservation not renewed, written or completed for this long is revoked."""
+    io_timeout_s: float = 10.0
+    """Bound on any single send, and on a frame that has started arriving."""
+    advertise_host: str | None = None
+    """Host senders should dial (defaults to `host`)."""
+
+    def __post_init__(self) -> None:
+        for f in ("lease_s", "io_timeout_s"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"ReceiverConfig.{f} must be positive, got {getattr(self, f)}")
+
+
+class FabricReceiver:
+    def __init__(
+        self,
+        layout: FabricLayout,
+        region: BlockRegion,
+        config: ReceiverConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        shm: ShmSegment | None = None,
+    ) -> None:
+        if region.block_bytes != layout.block_bytes:
+            raise ValueError(f"region blocks are {region.block_bytes} bytes, layout says {layout.block_bytes}")
+        self.layout, self.region, self.config = layout, region, config or ReceiverConfig()
+        self.table = ReservationTable(clock, self.config.lease_s)
+        self._cond = threading.Condition()
+        self._conns: dict[int, Conn] = {}
+        self._writer_ids = itertools.count(1)
+        self._closed = False
+        self._listener = socket.create_server((self.config.host, self.config.port))
+        self._listener.settimeout(0.2)
+        transports = ("shm", "tcp") if shm is not None else ("tcp",)
+        self.address = FabricAddress(
+            host=self.config.advertise_host or self.config.host,
+            port=self._listener.getsockname()[1],
+            host_id=local_host_id(),
+            receiver_id=secrets.token_hex(8),
+            device="cpu",
+            transports=transports,
+            shm_name=shm.name if shm else None,
+            shm_nonce=shm.nonce if shm else None,
+            shm_bytes=shm.nbytes if shm else 0,
+        )
+        self._accept_thread = threading.Thread(target=self._accept_loop, name="kvfabric-accept", daemon=True)
+        self._accept_thread.start()
+
+    # -- owner API -----------------------------------------------------------------------
+    def expect(self, request_id: str, block_ids: list[int], num_skip_blocks: int) -> Ticket:
+        """Put destination blocks (already allocated by the owner) under a lease."""
+        bad = [b for b in block_ids if not 0 <= b < self.region.num_blocks]
+        if bad:
+            raise ValueError(f"block ids {bad[:5]} outside the pool of {self.region.num_blocks}")
+        with self._cond:
+            res = self.table.add(request_id, block_ids, num_skip_blocks)
+        return Ticket(self.address, res.reservation_id, request_id, tuple(block_ids), num_skip_blocks, self.config.lease_s)
+
+    def cancel(self, request_id: str, reason: str = "aborted") -> bool | None:
+        """Abort a reservation. None: none active; True: hold its blocks until `BlocksFenced`."""
+        with self._cond:
+            held = self.table.cancel(request_id, reason)
+        self._send_revocations()
+        return held
+
+    def poll(self, timeout_s: float = 0.0) -> list[FabricEvent]:
+        """Expire leases and return the events since the last poll (waits up to timeout_s for one)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                self.table.expire()
+                events = self.table.take_events()
+                remaining = deadline - time.monotonic()
+                if events or remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+        self._send_revocations()
+        return events
+
+    def held_block_ids(self) -> list[int]:
+        with self._cond:
+            return self.table.held_block_ids()
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+        for conn in list(self._conns.values()):
+            conn.close()
+        self._accept_thread.join(timeout=2)
+
+    # -- connections ---------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                sock, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            writer = next(self._writer_ids)
+            conn = Conn(sock, self.config.io_timeout_s)
+            self._conns[writer] = conn
+            threading.Thread(target=self._serve, args=(writer, conn), name=f"kvfabric-recv-{writer}", daemon=True).start()
+
+    def _serve(self, writer: int, conn: Conn) -> None:
+        reason = "sender disconnected"
+        try:
+            one_sided = self._handshake(conn)
+            while not self._closed:
+                try:
+                    msg = conn.recv()
+                except Idle:
+                    continue
+                self._dispatch(writer, conn, msg, one_sided)
+                self._send_revocations()
+        except (FabricError, ValueError, KeyError, TypeError) as e:
+            reason = f"sender connection ended: {e}"
+            if not isinstance(e, PeerUnavailable):
+                logger.warning("kvfabric: closing sender %d: %s", writer, e)
+        finally:
+            conn.close()
+            self._conns.pop(writer, None)
+            with self._cond:
+                self.table.writer_gone(writer, reason)
+                self._cond.notify_all()
+
+    def _handshake(self, conn: Conn) -> bool:
+        try:
+            msg = conn.recv()
+        except Idle:
+            raise PeerUnavailable("no hello within the i/o timeout") from None
+        if msg["t"] != "hello":
+            raise ProtocolError(f"expected hello, got {msg['t']!r}")
+        theirs = FabricLayout.from_wire(msg["layout"])
+        field = self.layout.first_mismatch(theirs)
+        transport = msg["transport"]
+        if field is not None:
+            text = f"{field} differs: sender {getattr(theirs, field)!r}, receiver {getattr(self.layout, field)!r}"
+            conn.send({"t": "hello_err", "field": field, "error": text})
+            raise ProtocolError(f"handshake refused: {text}")
+        if transport not in self.address.transports:
+            text = f"transport {transport!r} not offered (receiver offers {list(self.address.transports)})"
+            conn.send({"t": "hello_err", "field": "transport", "error": text})
+            raise ProtocolError(f"handshake refused: {text}")
+        conn.send({"t": "hello_ok", "receiver_id": self.address.receiver_id})
+        return transport in ONE_SIDED
+
+    def _dispatch(self, writer: int, conn: Conn, msg: dict[str, Any], one_sided: bool) -> None:
+        t, rid = msg["t"], msg.get("rid")
+        if t == "data":
+            self._receive_frame(writer, conn, msg)
+            return
+        with self._cond:
+            if t == "open":
+                try:
+                    self.table.bind(rid, writer, one_sided)
+                    reply: dict[str, Any] = {"t": "open_ok", "rid": rid}
+                except ReservationRevoked as e:
+                    reply = {"t": "open_err", "rid": rid, "error": str(e)}
+            elif t == "written":
+                for index, n in msg["runs"]:
+                    self._record_written(rid, writer, index, n)
+                reply = None
+            elif t == "renew":
+                for r in msg["rids"]:
+                    self.table.renew(r, writer)
+                reply = None
+            elif t == "ready":
+                error = self.table.ready(rid, writer, msg["first_token_id"], msg["num_tokens"])
+                reply = {"t": "ready_ack", "rid": rid, "error": error}
+            elif t == "revoke_ack":
+                self.table.fence(rid, writer)
+                reply = None
+            elif t == "abort":
+                self.table.fail(rid, writer, f"sender aborted: {msg.get('reason', '')}")
+                self.table.fence(rid, writer)
+                reply = None
+            else:
+                raise ProtocolError(f"unknown message type {t!r}")
+            self._cond.notify_all()
+        if reply is not None:
+            conn.send(reply)
+
+    def _record_written(self, rid: int, writer: int, index: int, n: int) -> None:
+        try:
+            self.table.record_written(rid, writer, index, n)
+        except ValueError as e:
+            self.table.fail(rid, writer, str(e))
+
+    def _receive_frame(self, writer: int, conn: Conn, msg: dict[str, Any]) -> None:
+        rid, index, n, nbytes = msg["rid"], msg["index"], msg["n"], msg["nbytes"]
+        if nbytes != n * self.layout.block_bytes:
+            raise ProtocolError(f"frame of {n} blocks carries {nbytes} bytes, expected {n * self.layout.block_bytes}")
+        with self._cond:
+            try:
+                first = self.table.begin_frame(rid, writer, index, n)
+            except ValueError as e:
+                self.table.fail(rid, writer, str(e))
+                first = None
+        if first is None:  # revoked, expired or invalid: drop the bytes
+            conn.discard(nbytes)
+            return
+        error = None
+        try:
+            dst = self.region.blocks(first, n)
+            conn.recv_into(memoryview(dst).cast("B"))
+            crc = msg.get("crc32")
+            if crc is not None and zlib.crc32(dst) != crc:
+                error = f"checksum mismatch in blocks [{index}, {index + n})"
+        except FabricError as e:
+            error = f"frame failed: {e}"
+            raise
+        finally:
+            with self._cond:
+                self.table.end_frame(rid, index, n, error)
+                self._cond.notify_all()
+
+    def _send_revocations(self) -> None:
+        with self._cond:
+            revocations = self.table.take_revocations()
+        for rev in revocations:
+            conn = self._conns.get(rev.writer)
+            if conn is None:
+                continue
+            try:
+                conn.send({"t": "revoke", "rid": rev.reservation_id, "reason": rev.reason})
+            except PeerUnavailable:
+                conn.close()  # its serving thread sees the close and reports the writer gone

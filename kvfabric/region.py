@@ -1,0 +1,131 @@
+"""Block memory as bytes: a pool seen as [num_blocks, block_bytes] uint8, and POSIX shared
+memory to put a decode pool in.
+
+A `BlockRegion` is a numpy view sharing memory with the pool tensor, so copies and
+`recv_into` land straight in the blocks. `ShmSegment` is a file in /dev/shm (mode 0600)
+with one header page (magic + nonce, so a sender proves it mapped the right segment)
+followed by the pool's bytes; `ShmKVAllocator` is the engine's `KVAllocator` over one.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import weakref
+from pathlib import Path
+
+import numpy as np
+import torch
+
+_SHM_DIR = Path("/dev/shm")
+_HEADER_BYTES = mmap.PAGESIZE
+_MAGIC = b"splitserve-kvfabric-v1\0"
+
+
+class BlockRegion:
+    def __init__(self, array: np.ndarray) -> None:
+        if array.dtype != np.uint8 or array.ndim != 2 or not array.flags.c_contiguous:
+            raise ValueError("a BlockRegion is a C-contiguous uint8 array [num_blocks, block_bytes]")
+        self.array = array
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor) -> BlockRegion:
+        """A CPU pool tensor [num_blocks, ...] seen as bytes (no copy)."""
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError("BlockRegion.from_tensor needs a contiguous CPU tensor")
+        flat = tensor.reshape(tensor.shape[0], -1)
+        return cls(flat.view(torch.uint8).numpy())
+
+    @property
+    def num_blocks(self) -> int:
+        return self.array.shape[0]
+
+    @property
+    def block_bytes(self) -> int:
+        return self.array.shape[1]
+
+    def blocks(self, first: int, num_blocks: int) -> np.ndarray:
+        if first < 0 or num_blocks <= 0 or first + num_blocks > self.num_blocks:
+            raise ValueError(f"blocks [{first}, {first + num_blocks}) outside the pool of {self.num_blocks}")
+        return self.array[first:first + num_blocks]
+
+
+class ShmSegment:
+    """A shared-memory file: created (and unlinked) by the receiver, mapped by senders."""
+
+    def __init__(self, name: str, nonce: str, fd: int, nbytes: int, owner: bool) -> None:
+        self.name, self.nonce, self.nbytes, self.owner = name, nonce, nbytes, owner
+        flags = mmap.MAP_SHARED | (0 if owner else mmap.MAP_POPULATE)
+        try:
+            self.mmap = mmap.mmap(fd, _HEADER_BYTES + nbytes, flags=flags)
+        finally:
+            os.close(fd)
+        self.data = np.frombuffer(self.mmap, dtype=np.uint8, count=nbytes, offset=_HEADER_BYTES)
+        if owner:
+            self._finalizer = weakref.finalize(self, _unlink, _SHM_DIR / name)
+
+    @classmethod
+    def create(cls, nbytes: int) -> ShmSegment:
+        name = f"splitserve-kv-{os.getpid()}-{secrets.token_hex(6)}"
+        nonce = secrets.token_hex(16)
+        fd = os.open(_SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            # reserve the pages now: a full /dev/shm must fail here, not SIGBUS on first touch
+            os.posix_fallocate(fd, 0, _HEADER_BYTES + nbytes)
+        except OSError:
+            os.close(fd)
+            _unlink(_SHM_DIR / name)
+            raise
+        seg = cls(name, nonce, fd, nbytes, owner=True)
+        seg.mmap[: len(_MAGIC) + 32] = _MAGIC + nonce.encode()
+        return seg
+
+    @classmethod
+    def open(cls, name: str, nonce: str, nbytes: int) -> ShmSegment:
+        """Map a receiver's segment; raises OSError/ValueError if it is not the one announced."""
+        if "/" in name or not name.startswith("splitserve-kv-"):
+            raise ValueError(f"not a kvfabric segment name: {name!r}")
+        fd = os.open(_SHM_DIR / name, os.O_RDWR)
+        if os.fstat(fd).st_size != _HEADER_BYTES + nbytes:
+            os.close(fd)
+            raise ValueError(f"segment {name} has the wrong size")
+        seg = cls(name, nonce, fd, nbytes, owner=False)
+        if bytes(seg.mmap[: len(_MAGIC) + 32]) != _MAGIC + nonce.encode():
+            seg.close()
+            raise ValueError(f"segment {name} does not carry the announced nonce")
+        return seg
+
+    def close(self) -> None:
+        """Unmap (and unlink, for the creator). Views into the data must be gone first."""
+        self.data = None  # type: ignore[assignment]
+        if self.owner:
+            self._finalizer()
+        try:
+            self.mmap.close()
+        except BufferError:
+            pass  # a live view (e.g. the engine's pool tensor) keeps the mapping until it dies
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+class ShmKVAllocator:
+    """Engine `KVAllocator` that puts the pool in a fresh shared-memory segment."""
+
+    def __init__(self) -> None:
+        self.segment: ShmSegment | None = None
+
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+        if device != "cpu":
+            raise ValueError(f"shared-memory KV pools live on the CPU, not {device}")
+        if self.segment is not None:
+            raise ValueError("a ShmKVAllocator backs exactly one pool")
+        nbytes = dtype.itemsize
+        for d in shape:
+            nbytes *= d
+        self.segment = ShmSegment.create(nbytes)
+        return torch.from_numpy(self.segment.data).view(dtype).view(shape)  # zero-filled by the kernel

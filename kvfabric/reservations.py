@@ -1,0 +1,261 @@
+"""Reservations and their leases on the receiving side: a pure state machine.
+
+Data flow: the decode worker's engine allocates destination blocks and the receiver
+records them here as a `Reservation` (RESERVED). A sender binds it (OPEN), writes
+blocks (one-sided: it copies and then reports; two-sided: the receiver itself receives
+each frame), renews the lease, and finishes with ready (ARRIVED: the owner gets
+`KVArrived` and the blocks belong to its request). A lease that runs out, or an abort,
+revokes the reservation. When a one-sided writer may still be writing (or a two-sided
+frame is being received) the blocks are *quarantined*: the owner is told to hold them
+(`TransferFailed(blocks_held=True)`) until `BlocksFenced`, which comes when the writer
+acknowledges the revocation or is known dead. So a late write can never land in blocks
+that were given to another request.
+
+No sockets, no threads, no torch: time comes from an injected clock; the receiver
+serialises calls with its own lock.
+"""
+from __future__ import annotations
+
+import itertools
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kvfabric.errors import ReservationRevoked
+
+
+class State(Enum):
+    RESERVED = "reserved"  # waiting for a sender to bind it
+    OPEN = "open"  # bound to one writer
+    REVOKED = "revoked"  # quarantined until the writer is fenced
+
+
+@dataclass
+class Reservation:
+    reservation_id: int
+    request_id: str
+    block_ids: list[int]
+    num_skip_blocks: int
+    """Leading blocks the receiver already holds (cached prefix): never written."""
+    expires_at: float
+    state: State = State.RESERVED
+    writer: int | None = None
+    one_sided: bool = False
+    written: set[int] = field(default_factory=set)
+    inflight_frames: int = 0
+
+    def missing_indices(self) -> list[int]:
+        return [i for i in range(self.num_skip_blocks, len(self.block_ids)) if i not in self.written]
+
+
+@dataclass(frozen=True)
+class KVArrived:
+    request_id: str
+    reservation_id: int
+    first_token_id: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class TransferFailed:
+    request_id: str
+    reservation_id: int
+    reason: str
+    blocks_held: bool
+    """True: keep the blocks out of use until the matching `BlocksFenced`."""
+
+
+@dataclass(frozen=True)
+class BlocksFenced:
+    request_id: str
+    reservation_id: int
+
+
+FabricEvent = KVArrived | TransferFailed | BlocksFenced
+
+
+@dataclass(frozen=True)
+class Revocation:
+    """Tell `writer` to stop writing `reservation_id` (and acknowledge, if one-sided)."""
+
+    writer: int
+    reservation_id: int
+    reason: str
+
+
+class ReservationTable:
+    def __init__(self, clock: Callable[[], float], lease_s: float) -> None:
+        if lease_s <= 0:
+            raise ValueError(f"lease_s must be positive, got {lease_s}")
+        self.clock = clock
+        self.lease_s = lease_s
+        self._by_id: dict[int, Reservation] = {}
+        self._by_request: dict[str, int] = {}
+        self._events: list[FabricEvent] = []
+        self._revocations: list[Revocation] = []
+        self._ids = itertools.count(secrets.randbits(62))
+
+    # -- owner side ----------------------------------------------------------------------
+    def add(self, request_id: str, block_ids: list[int], num_skip_blocks: int) -> Reservation:
+        if request_id in self._by_request:
+            raise ValueError(f"request {request_id} already has a reservation")
+        if not 0 <= num_skip_blocks <= len(block_ids):
+            raise ValueError(f"num_skip_blocks {num_skip_blocks} outside [0, {len(block_ids)}]")
+        res = Reservation(next(self._ids), request_id, list(block_ids), num_skip_blocks, self.clock() + self.lease_s)
+        self._by_id[res.reservation_id] = res
+        self._by_request[request_id] = res.reservation_id
+        return res
+
+    def cancel(self, request_id: str, reason: str = "aborted") -> bool | None:
+        """Owner abort. None: nothing active; else whether the blocks must be held until fenced."""
+        rid = self._by_request.get(request_id)
+        res = self._by_id.get(rid) if rid is not None else None
+        if res is None or res.state is State.REVOKED:
+            return None if res is None else True
+        return self._revoke(res, reason, notify_owner=False)
+
+    def expire(self) -> None:
+        now = self.clock()
+        for res in [r for r in self._by_id.values() if r.state is not State.REVOKED and r.expires_at <= now]:
+            self._revoke(res, f"lease of {self.lease_s:g} s expired", notify_owner=True)
+
+    def take_events(self) -> list[FabricEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def take_revocations(self) -> list[Revocation]:
+        revs, self._revocations = self._revocations, []
+        return revs
+
+    # -- writer side ---------------------------------------------------------------------
+    def bind(self, reservation_id: int, writer: int, one_sided: bool) -> Reservation:
+        res = self._by_id.get(reservation_id)
+        if res is None or res.state is State.REVOKED:
+            raise ReservationRevoked(f"reservation {reservation_id} is unknown, expired or revoked")
+        if res.state is State.OPEN and res.writer != writer:
+            raise ReservationRevoked(f"reservation {reservation_id} is already bound to another sender")
+        res.state, res.writer, res.one_sided = State.OPEN, writer, one_sided
+        res.expires_at = self.clock() + self.lease_s
+        return res
+
+    def renew(self, reservation_id: int, writer: int) -> bool:
+        res = self._open(reservation_id, writer)
+        if res is None:
+            return False
+        res.expires_at = self.clock() + self.lease_s
+        return True
+
+    def record_written(self, reservation_id: int, writer: int, index: int, num_blocks: int) -> bool:
+        """One-sided writer reports blocks [index, index + num_blocks) are in place."""
+        res = self._open(reservation_id, writer)
+        if res is None:
+            return False
+        self._check_range(res, index, num_blocks)
+        res.written.update(range(index, index + num_blocks))
+        return True
+
+    def begin_frame(self, reservation_id: int, writer: int, index: int, num_blocks: int) -> int | None:
+        """Two-sided: the first destination block of a frame to receive, or None to drop it."""
+        res = self._open(reservation_id, writer)
+        if res is None:
+            return None
+        self._check_range(res, index, num_blocks)
+        first = res.block_ids[index]
+        if res.block_ids[index:index + num_blocks] != list(range(first, first + num_blocks)):
+            raise ValueError(f"frame blocks at [{index}, {index + num_blocks}) are not adjacent on the receiver")
+        res.inflight_frames += 1
+        return first
+
+    def end_frame(self, reservation_id: int, index: int, num_blocks: int, error: str | None) -> None:
+        res = self._by_id.get(reservation_id)
+        if res is None:
+            return
+        res.inflight_frames -= 1
+        if res.state is State.REVOKED:
+            if res.inflight_frames == 0:
+                self._close(res)
+                self._events.append(BlocksFenced(res.request_id, res.reservation_id))
+        elif error is not None:
+            self._revoke(res, error, notify_owner=True)
+        else:
+            res.written.update(range(index, index + num_blocks))
+
+    def ready(self, reservation_id: int, writer: int, first_token_id: int, num_tokens: int) -> str | None:
+        """The sender says everything is sent. Returns an error (and fails the transfer) or None."""
+        res = self._open(reservation_id, writer)
+        if res is None:
+            return f"reservation {reservation_id} is unknown, expired or revoked"
+        missing = res.missing_indices()
+        if missing or res.inflight_frames:
+            reason = f"ready with blocks at positions {missing[:8]} never written"
+            self._revoke(res, reason, notify_owner=True)
+            return reason
+        self._close(res)
+        self._events.append(KVArrived(res.request_id, reservation_id, first_token_id, num_tokens))
+        return None
+
+    def fail(self, reservation_id: int, writer: int, reason: str) -> None:
+        """The writer gave up or sent something invalid: the transfer fails."""
+        res = self._open(reservation_id, writer)
+        if res is not None:
+            self._revoke(res, reason, notify_owner=True)
+
+    def fence(self, reservation_id: int, writer: int) -> None:
+        """The writer acknowledged a revocation: it will not write these blocks again."""
+        res = self._by_id.get(reservation_id)
+        if res is not None and res.state is State.REVOKED and res.writer == writer and not res.inflight_frames:
+            self._close(res)
+            self._events.append(BlocksFenced(res.request_id, res.reservation_id))
+
+    def writer_gone(self, writer: int, reason: str) -> None:
+        """The writer's connection closed: it is dead or fenced for good."""
+        for res in [r for r in self._by_id.values() if r.writer == writer]:
+            if res.state is State.REVOKED:
+                res.inflight_frames = 0
+                self.fence(res.reservation_id, writer)
+            else:
+                self._close(res)
+                self._events.append(TransferFailed(res.request_id, res.reservation_id, reason, blocks_held=False))
+
+    # -- inspection ----------------------------------------------------------------------
+    def get(self, reservation_id: int) -> Reservation | None:
+        return self._by_id.get(reservation_id)
+
+    def held_block_ids(self) -> list[int]:
+        """Blocks this table keeps out of use: every active or quarantined reservation's."""
+        return [b for r in self._by_id.values() for b in r.block_ids]
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    # -- internals -----------------------------------------------------------------------
+    def _open(self, reservation_id: int, writer: int) -> Reservation | None:
+        res = self._by_id.get(reservation_id)
+        if res is None or res.state is not State.OPEN or res.writer != writer:
+            return None
+        return res
+
+    @staticmethod
+    def _check_range(res: Reservation, index: int, num_blocks: int) -> None:
+        if num_blocks <= 0 or index < res.num_skip_blocks or index + num_blocks > len(res.block_ids):
+            raise ValueError(
+                f"blocks [{index}, {index + num_blocks}) outside the writable range "
+                f"[{res.num_skip_blocks}, {len(res.block_ids)}) of reservation {res.reservation_id}"
+            )
+
+    def _revoke(self, res: Reservation, reason: str, notify_owner: bool) -> bool:
+        held = res.state is State.OPEN and (res.one_sided or res.inflight_frames > 0)
+        if res.state is State.OPEN and res.writer is not None:
+            self._revocations.append(Revocation(res.writer, res.reservation_id, reason))
+        if held:
+            res.state = State.REVOKED
+        else:
+            self._close(res)
+        if notify_owner:
+            self._events.append(TransferFailed(res.request_id, res.reservation_id, reason, blocks_held=held))
+        return held
+
+    def _close(self, res: Reservation) -> None:
+        del self._by_id[res.reservation_id]
+        self._by_request.pop(res.request_id, None)

@@ -1,0 +1,344 @@
+"""The sending side (prefill worker): push finished blocks into a receiver's reserved blocks.
+
+Data flow: `FabricSender.open(ticket)` connects to the receiver named in the ticket (once
+per receiver: handshake with the layout's compatibility hash, transport chosen for the
+pair) and binds the reservation -> `Transfer`. After each prefill chunk the worker calls
+`Transfer.push(src_block_ids, first_index)`; runs of adjacent ids become single copies
+(`shm`: straight into the mapped decode pool) or single frames (`tcp`). `finish()` sends
+`ready` with the first token after the data and waits for the receiver's ack. A
+background thread renews the leases of open transfers. A revocation from the receiver
+is applied under the transfer's lock and only then acknowledged, so once the receiver
+sees the ack no byte of that reservation can still be written (the fence).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import threading
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from kvfabric.address import FabricAddress, Ticket, local_host_id
+from kvfabric.errors import FabricError, HandshakeError, PeerUnavailable, ReservationRevoked
+from kvfabric.layout import FabricLayout, Run, coalesce
+from kvfabric.region import BlockRegion, ShmSegment
+from kvfabric.wire import Conn, Idle
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SenderConfig:
+    io_timeout_s: float = 10.0
+    """Bound on connecting and on any single send."""
+    ack_timeout_s: float = 5.0
+    """Bound on waiting for the receiver to answer open/ready."""
+    renew_interval_s: float = 2.0
+    """How often open transfers renew their lease (keep well under the lease)."""
+    checksum: bool = False
+    """tcp: send a CRC32 per frame; the receiver fails the transfer on mismatch."""
+    transport: str | None = None
+    """Force "shm" or "tcp"; None picks the best one the pair supports."""
+
+    def __post_init__(self) -> None:
+        for f in ("io_timeout_s", "ack_timeout_s", "renew_interval_s"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"SenderConfig.{f} must be positive, got {getattr(self, f)}")
+        if self.transport not in (None, "shm", "tcp"):
+            raise ValueError(f"SenderConfig.transport must be shm, tcp or None, got {self.transport!r}")
+
+
+class _Pending:
+    """One awaited reply (open_ok / ready_ack)."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.reply: dict[str, Any] | None = None
+
+
+class Transfer:
+    """One reservation being filled. Methods are called from one thread (the prefill loop)."""
+
+    def __init__(self, peer: _Peer, ticket: Ticket) -> None:
+        self.peer, self.ticket = peer, ticket
+        self.lock = threading.Lock()
+        self.revoked: str | None = None
+        self.done = False
+        self.num_blocks_sent = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.ticket.request_id
+
+    @property
+    def transport(self) -> str:
+        return self.peer.transport
+
+    def push(self, src_block_ids: list[int], first_index: int) -> None:
+        """Write source blocks into the reservation's blocks [first_index, first_index + len)."""
+        dst = list(self.ticket.block_ids[first_index:first_index + len(src_block_ids)])
+        if first_index < self.ticket.num_skip_blocks or len(dst) != len(src_block_ids):
+            raise ValueError(
+                f"blocks [{first_index}, {first_index + len(src_block_ids)}) outside the writable range "
+                f"[{self.ticket.num_skip_blocks}, {len(self.ticket.block_ids)}) of request {self.request_id}"
+            )
+        runs = coalesce(src_block_ids, dst, first_index)
+        with self.lock:
+            self._check_usable()
+            self.peer.write(self, runs)
+            self.num_blocks_sent += len(src_block_ids)
+
+    def finish(self, first_token_id: int, num_tokens: int) -> None:
+        """After all data: hand over the first token; returns once the receiver accepted."""
+        with self.lock:
+            self._check_usable()
+            self.done = True
+        try:
+            reply = self.peer.request({"t": "ready", "rid": self.ticket.reservation_id,
+                                       "first_token_id": first_token_id, "num_tokens": num_tokens})
+        finally:
+            self.peer.forget(self)
+        if reply.get("error"):
+            raise ReservationRevoked(f"request {self.request_id}: receiver refused ready: {reply['error']}")
+
+    def abort(self, reason: str = "aborted by sender") -> None:
+        """Give up; the receiver frees the blocks. Safe to call in any state."""
+        with self.lock:
+            if self.done:
+                return
+            self.done = True
+        self.peer.forget(self)
+        if not self.revoked:
+            self.peer.send_quietly({"t": "abort", "rid": self.ticket.reservation_id, "reason": reason})
+
+    def _check_usable(self) -> None:
+        if self.revoked is not None:
+            raise ReservationRevoked(f"request {self.request_id}: reservation revoked: {self.revoked}")
+        if self.peer.dead is not None:
+            raise PeerUnavailable(f"request {self.request_id}: receiver unavailable: {self.peer.dead}")
+        if self.done:
+            raise ValueError(f"request {self.request_id}: transfer already finished or aborted")
+
+
+class _Peer:
+    """One connection to one receiver, with its transport and reader thread."""
+
+    def __init__(self, sender: FabricSender, address: FabricAddress) -> None:
+        self.sender, self.address = sender, address
+        self.config = sender.config
+        self.transport, self.shm = self._choose_transport()
+        self.conn: Conn | None = None
+        self.dead: str | None = None
+        self.transfers: dict[int, Transfer] = {}
+        self._pending: dict[tuple[str, int], _Pending] = {}
+        self._lock = threading.Lock()
+        self.dst: BlockRegion | None = None
+        sock = socket.create_connection((address.host, address.port), timeout=self.config.io_timeout_s)
+        self.conn = Conn(sock, self.config.io_timeout_s)
+        try:
+            self._handshake()
+        except BaseException:
+            self.close()
+            raise
+        self._reader = threading.Thread(target=self._read_loop, name="kvfabric-send-reader", daemon=True)
+        self._reader.start()
+
+    def _choose_transport(self) -> tuple[str, ShmSegment | None]:
+        a, forced = self.address, self.config.transport
+        can_shm = "shm" in a.transports and a.host_id == local_host_id() and a.shm_name and a.shm_nonce
+        if forced == "tcp" or (forced is None and not can_shm):
+            return "tcp", None
+        if not can_shm:
+            raise HandshakeError(f"shm requested but receiver {a.receiver_id} is on another host or offers none", "transport")
+        try:
+            return "shm", ShmSegment.open(a.shm_name, a.shm_nonce, a.shm_bytes)  # type: ignore[arg-type]
+        except (OSError, ValueError) as e:
+            if forced == "shm":
+                raise HandshakeError(f"cannot map the receiver's shared memory: {e}", "transport") from e
+            logger.info("kvfabric: shm unavailable for receiver %s (%s); using tcp", a.receiver_id, e)
+            return "tcp", None
+
+    def _handshake(self) -> None:
+        self.conn.send({"t": "hello", "layout": self.sender.layout.to_wire(), "transport": self.transport,
+                        "host_id": local_host_id()})
+        try:
+            reply = self.conn.recv()
+        except Idle:
+            raise PeerUnavailable(f"receiver {self.address.receiver_id} did not answer the handshake") from None
+        if reply["t"] == "hello_err":
+            raise HandshakeError(f"kvfabric handshake refused: {reply['error']}", reply.get("field"))
+        if reply["t"] != "hello_ok":
+            raise HandshakeError(f"unexpected handshake reply {reply['t']!r}")
+        if self.shm is not None:
+            self.dst = BlockRegion(self.shm.data.reshape(-1, self.sender.layout.block_bytes))
+
+    # -- transfers -----------------------------------------------------------------------
+    def open(self, ticket: Ticket) -> Transfer:
+        transfer = Transfer(self, ticket)
+        with self._lock:
+            self.transfers[ticket.reservation_id] = transfer
+        try:
+            reply = self.request({"t": "open", "rid": ticket.reservation_id})
+        except BaseException:
+            self.forget(transfer)
+            raise
+        if reply["t"] != "open_ok":
+            self.forget(transfer)
+            raise ReservationRevoked(f"request {ticket.request_id}: {reply.get('error')}")
+        return transfer
+
+    def write(self, transfer: Transfer, runs: list[Run]) -> None:
+        """Called with the transfer's lock held."""
+        rid, src = transfer.ticket.reservation_id, self.sender.region
+        if self.transport == "shm":
+            assert self.dst is not None
+            for r in runs:
+                self.dst.blocks(r.dst_block, r.num_blocks)[:] = src.blocks(r.src_block, r.num_blocks)
+            self.conn.send({"t": "written", "rid": rid, "runs": [[r.index, r.num_blocks] for r in runs]})
+            return
+        for r in runs:
+            data = src.blocks(r.src_block, r.num_blocks)
+            header = {"t": "data", "rid": rid, "index": r.index, "n": r.num_blocks, "nbytes": data.nbytes}
+            if self.config.checksum:
+                header["crc32"] = zlib.crc32(data)
+            self.conn.send(header, memoryview(data).cast("B"))
+
+    def request(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Send and wait (bounded) for the reply that names the same reservation."""
+        key = ({"open": "open", "ready": "ready"}[msg["t"]], msg["rid"])
+        pending = _Pending()
+        with self._lock:
+            if self.dead is not None:
+                raise PeerUnavailable(f"receiver unavailable: {self.dead}")
+            self._pending[key] = pending
+        try:
+            self.conn.send(msg)
+            if not pending.done.wait(self.config.ack_timeout_s):
+                raise PeerUnavailable(f"receiver {self.address.receiver_id} did not answer {msg['t']} "
+                                      f"within {self.config.ack_timeout_s:g} s")
+        finally:
+            with self._lock:
+                self._pending.pop(key, None)
+        if pending.reply is None:
+            raise PeerUnavailable(f"receiver unavailable: {self.dead}")
+        return pending.reply
+
+    def send_quietly(self, msg: dict[str, Any]) -> None:
+        try:
+            self.conn.send(msg)
+        except PeerUnavailable:
+            pass
+
+    def forget(self, transfer: Transfer) -> None:
+        with self._lock:
+            self.transfers.pop(transfer.ticket.reservation_id, None)
+
+    def renew(self) -> None:
+        with self._lock:
+            rids = list(self.transfers)
+        if rids and self.dead is None:
+            self.send_quietly({"t": "renew", "rids": rids})
+
+    # -- the reader thread -------------------------------------------------------------------
+    def _read_loop(self) -> None:
+        reason = "connection closed"
+        try:
+            while self.dead is None:
+                try:
+                    msg = self.conn.recv()
+                except Idle:
+                    continue
+                self._handle(msg)
+        except (FabricError, KeyError, TypeError) as e:
+            reason = str(e)
+        finally:
+            self._die(reason)
+
+    def _handle(self, msg: dict[str, Any]) -> None:
+        t, rid = msg["t"], msg.get("rid")
+        if t in ("open_ok", "open_err", "ready_ack"):
+            with self._lock:
+                pending = self._pending.get(("open" if t.startswith("open") else "ready", rid))
+            if pending is not None:
+                pending.reply = msg
+                pending.done.set()
+        elif t == "revoke":
+            with self._lock:
+                transfer = self.transfers.pop(rid, None)
+            if transfer is not None:
+                with transfer.lock:  # waits out a copy in progress: after this, no byte moves
+                    transfer.revoked = msg.get("reason", "revoked")
+            self.conn.send({"t": "revoke_ack", "rid": rid})
+        else:
+            logger.warning("kvfabric: ignoring unknown message %r from receiver", t)
+
+    def _die(self, reason: str) -> None:
+        with self._lock:
+            if self.dead is None:
+                self.dead = reason
+            pending = list(self._pending.values())
+        for p in pending:
+            p.done.set()
+        self.close()
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+        if self.shm is not None:
+            self.dst = None
+            self.shm.close()
+            self.shm = None
+
+
+class FabricSender:
+    def __init__(self, layout: FabricLayout, region: BlockRegion, config: SenderConfig | None = None) -> None:
+        if region.block_bytes != layout.block_bytes:
+            raise ValueError(f"region blocks are {region.block_bytes} bytes, layout says {layout.block_bytes}")
+        self.layout, self.region, self.config = layout, region, config or SenderConfig()
+        self._peers: dict[str, _Peer] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._renewer = threading.Thread(target=self._renew_loop, name="kvfabric-renew", daemon=True)
+        self._renewer.start()
+
+    def open(self, ticket: Ticket) -> Transfer:
+        """Bind a reservation (connecting to its receiver first if needed)."""
+        return self._peer(ticket.address).open(ticket)
+
+    def _peer(self, address: FabricAddress) -> _Peer:
+        with self._lock:
+            peer = self._peers.get(address.receiver_id)
+            if peer is not None and peer.dead is None:
+                return peer
+        try:
+            peer = _Peer(self, address)
+        except OSError as e:
+            raise PeerUnavailable(f"cannot reach receiver at {address.host}:{address.port}: {e}") from e
+        with self._lock:
+            self._peers[address.receiver_id] = peer
+        return peer
+
+    def transport_for(self, address: FabricAddress) -> str:
+        return self._peer(address).transport
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.config.renew_interval_s):
+            with self._lock:
+                peers = list(self._peers.values())
+            for p in peers:
+                p.renew()
+
+    def close(self) -> None:
+        """Stop every transfer (they fail on the receiver as 'sender disconnected')."""
+        self._stop.set()
+        with self._lock:
+            peers, self._peers = list(self._peers.values()), {}
+        for p in peers:
+            with p._lock:
+                transfers = list(p.transfers.values())
+            for t in transfers:
+                with t.lock:
+                    t.done = True
+            p.close()

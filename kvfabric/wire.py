@@ -1,0 +1,112 @@
+"""Framing on a stream socket: [u32 big-endian header length][msgpack map][optional payload].
+
+A header is a msgpack map with a type `t`; a data header carries `nbytes` and the raw
+payload follows it, received with `recv_into` straight into destination memory. No
+pickle ever. Sends are serialised by a lock so a frame is never interleaved; every
+blocking call is bounded by the socket's timeout (`io_timeout_s`), except waiting idle
+for the next header, which the caller's loop may repeat.
+"""
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from typing import Any
+
+import msgpack
+
+from kvfabric.errors import PeerUnavailable, ProtocolError
+
+MAX_HEADER_BYTES = 1 << 20
+_LEN = struct.Struct(">I")
+_SOCKET_BUFFER_BYTES = 4 << 20
+
+
+def tune(sock: socket.socket, io_timeout_s: float) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER_BYTES)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER_BYTES)
+    sock.settimeout(io_timeout_s)
+
+
+class Idle(Exception):
+    """No frame started within the timeout (not an error)."""
+
+
+class Conn:
+    def __init__(self, sock: socket.socket, io_timeout_s: float) -> None:
+        tune(sock, io_timeout_s)
+        self.sock = sock
+        self._send_lock = threading.Lock()
+        self._hdr = bytearray(_LEN.size)
+        self.closed = False
+
+    # -- sending -------------------------------------------------------------------------
+    def send(self, msg: dict[str, Any], payload: memoryview | None = None) -> None:
+        body = msgpack.packb(msg)
+        with self._send_lock:
+            self._sendall(_LEN.pack(len(body)) + body)
+            if payload is not None:
+                self._sendall(payload)
+
+    def _sendall(self, data: bytes | memoryview) -> None:
+        try:
+            self.sock.sendall(data)
+        except (TimeoutError, OSError) as e:
+            self.close()
+            raise PeerUnavailable(f"send failed: {e}") from e
+
+    # -- receiving -----------------------------------------------------------------------
+    def recv(self) -> dict[str, Any]:
+        """The next header. Raises Idle when none started in time, PeerUnavailable on EOF."""
+        self._read_into(memoryview(self._hdr), idle_ok=True)
+        (n,) = _LEN.unpack(self._hdr)
+        if not 0 < n <= MAX_HEADER_BYTES:
+            raise ProtocolError(f"header length {n} outside (0, {MAX_HEADER_BYTES}]")
+        body = bytearray(n)
+        self._read_into(memoryview(body), idle_ok=False)
+        try:
+            msg = msgpack.unpackb(body, raw=False)
+        except Exception as e:  # msgpack raises several unrelated types
+            raise ProtocolError(f"undecodable header: {e}") from e
+        if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
+            raise ProtocolError("a header must be a map with a string 't'")
+        return msg
+
+    def recv_into(self, view: memoryview) -> None:
+        """Exactly len(view) payload bytes; a short stream is a ProtocolError (truncated)."""
+        self._read_into(view, idle_ok=False)
+
+    def discard(self, nbytes: int) -> None:
+        scratch = memoryview(bytearray(min(nbytes, 1 << 20)))
+        while nbytes:
+            n = min(nbytes, len(scratch))
+            self._read_into(scratch[:n], idle_ok=False)
+            nbytes -= n
+
+    def _read_into(self, view: memoryview, idle_ok: bool) -> None:
+        got = 0
+        while got < len(view):
+            try:
+                n = self.sock.recv_into(view[got:])
+            except TimeoutError:
+                if idle_ok and got == 0:
+                    raise Idle from None
+                raise ProtocolError(f"peer stalled mid-frame ({got} of {len(view)} bytes)") from None
+            except OSError as e:
+                raise PeerUnavailable(f"connection lost: {e}") from e
+            if n == 0:
+                if got == 0 and idle_ok:
+                    raise PeerUnavailable("connection closed by peer")
+                raise ProtocolError(f"truncated frame: connection closed after {got} of {len(view)} bytes")
+            got += n
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
