@@ -151,16 +151,26 @@ class LLMEngine:
         self.scheduler.remote_kv_ready(request_id, first_token_id)
         return [self._output_for(request)]
 
-    def abort(self, request_id: str) -> bool:
-        """Ends the request in any state and frees its blocks (also handed-off ones)."""
+    def abort(self, request_id: str, hold_blocks: bool = False) -> bool:
+        """Ends the request in any state and frees its blocks (also handed-off ones).
+
+        With `hold_blocks` its blocks are kept out of use until `release_handoff`: the
+        transfer layer's quarantine, while a one-sided writer may still write them.
+        """
         rid = RequestId(request_id)
-        released = self.release_handoff(rid)
+        request = self.scheduler.requests.get(rid)
+        if hold_blocks:
+            released = False
+            if request is not None:
+                self._handed_off.setdefault(rid, []).extend(self.kv.take_blocks(request))
+        else:
+            released = self.release_handoff(rid)
         aborted = self.scheduler.abort(rid)
         self._forget(rid)
         return aborted or released
 
     def release_handoff(self, request_id: RequestId) -> bool:
-        """Prefill role: the transfer layer is done with the request's blocks."""
+        """The transfer layer is done with the request's blocks (prefill hand-off or quarantine)."""
         block_ids = self._handed_off.pop(request_id, None)
         if block_ids is None:
             return False

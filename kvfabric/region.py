@@ -14,8 +14,12 @@ import secrets
 import weakref
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is only needed to view a pool tensor; senders and receivers run without it
+    import torch
 
 _SHM_DIR = Path("/dev/shm")
 _HEADER_BYTES = mmap.PAGESIZE
@@ -33,6 +37,8 @@ class BlockRegion:
         """A CPU pool tensor [num_blocks, ...] seen as bytes (no copy)."""
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             raise ValueError("BlockRegion.from_tensor needs a contiguous CPU tensor")
+        import torch
+
         flat = tensor.reshape(tensor.shape[0], -1)
         return cls(flat.view(torch.uint8).numpy())
 
@@ -127,5 +133,7 @@ class ShmKVAllocator:
         nbytes = dtype.itemsize
         for d in shape:
             nbytes *= d
+        import torch
+
         self.segment = ShmSegment.create(nbytes)
         return torch.from_numpy(self.segment.data).view(dtype).view(shape)  # zero-filled by the kernel

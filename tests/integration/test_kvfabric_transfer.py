@@ -1,0 +1,275 @@
+"""kvfabric across two real processes, for shm and tcp: bytes, chunking, concurrency,
+no write after free, killed peers, and no leaked block on either side.
+
+The receiver runs in the test process over a shared-memory pool whose blocks are
+allocated from the engine's `BlockPool`; senders run in spawned child processes
+(tests/integration/fabric_peer.py) with deterministic random source blocks.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from engine.block_pool import BlockPool
+from kvfabric import (
+    BlockRegion, BlocksFenced, FabricEvent, FabricReceiver, FabricSender, HandshakeError, KVArrived,
+    PeerUnavailable, ReceiverConfig, SenderConfig, ShmSegment, Ticket, TransferFailed,
+)
+from kvfabric.layout import FabricLayout
+from tests.integration.fabric_peer import LAYOUT, Peer, receiver_main, sender_main, source_blocks
+
+NUM_DST = 64
+NUM_SRC = 96
+BB = LAYOUT.block_bytes
+
+
+class Rx:
+    """The receiving side as a decode worker holds it: pool bookkeeping + shm pool + receiver."""
+
+    def __init__(self, num_blocks: int, lease_s: float) -> None:
+        self.seg = ShmSegment.create(num_blocks * BB)
+        self.region = BlockRegion(self.seg.data.reshape(num_blocks, BB))
+        self.pool = BlockPool(num_blocks, enable_caching=False)
+        self.receiver = FabricReceiver(LAYOUT, self.region, ReceiverConfig(lease_s=lease_s, io_timeout_s=5), shm=self.seg)
+        self.tables: dict[str, list[int]] = {}
+        self.held: dict[str, list[int]] = {}
+
+    def reserve(self, rid: str, num_blocks: int, num_skip: int = 0) -> Ticket | None:
+        block_ids = self.pool.allocate(num_blocks)
+        if block_ids is None:
+            return None
+        self.tables[rid] = list(block_ids)
+        return self.receiver.expect(rid, list(block_ids), num_skip)
+
+    def pump(self, until: int = 1, timeout_s: float = 10) -> list[FabricEvent]:
+        """Apply events as a decode worker would until `until` of them arrived."""
+        got: list[FabricEvent] = []
+        deadline = time.monotonic() + timeout_s
+        while len(got) < until and time.monotonic() < deadline:
+            for ev in self.receiver.poll(timeout_s=0.05):
+                got.append(ev)
+                if isinstance(ev, TransferFailed) and ev.blocks_held:
+                    self.held[ev.request_id] = self.tables.pop(ev.request_id)
+                elif isinstance(ev, TransferFailed):
+                    self.pool.free(self.tables.pop(ev.request_id))
+                elif isinstance(ev, BlocksFenced):
+                    self.pool.free(self.held.pop(ev.request_id))
+        return got
+
+    def finish(self, rid: str) -> None:
+        self.pool.free(self.tables.pop(rid))
+
+    def check_no_leak(self) -> None:
+        usage = self.pool.check_holders([*self.tables.values(), *self.held.values()])
+        assert usage.num_in_use == sum(map(len, self.tables.values())) + sum(map(len, self.held.values()))
+
+    def close(self) -> None:
+        self.receiver.close()
+        self.region = None  # type: ignore[assignment]
+        self.seg.close()
+
+
+@pytest.fixture
+def rx() -> Iterator[Rx]:
+    r = Rx(NUM_DST, lease_s=1.0)
+    yield r
+    r.close()
+
+
+@pytest.fixture(params=["shm", "tcp"])
+def transport(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def start_sender(transport: str, seed: int = 1, **config: object) -> Peer:
+    return Peer(sender_main, LAYOUT.to_wire(), NUM_SRC, seed, {"transport": transport, "checksum": True, **config})
+
+
+def test_random_block_sets_arrive_byte_identical_in_chunks_and_concurrently(rx: Rx, transport: str) -> None:
+    rng = random.Random(7)
+    src = source_blocks(NUM_SRC, BB, seed=1)
+    senders = [start_sender(transport, seed=1), start_sender(transport, seed=1)]
+    try:
+        plans = {}
+        for i in range(12):
+            n = rng.randint(1, 6)
+            skip = rng.randint(0, n - 1)
+            ticket = rx.reserve(f"r{i}", n, skip)
+            assert ticket is not None
+            sender = senders[i % 2]
+            assert sender.call("open", ticket.to_wire()) == transport
+            src_ids = rng.sample(range(NUM_SRC), n - skip) if i % 3 else list(range(10 * i, 10 * i + n - skip))
+            plans[f"r{i}"] = (sender, ticket, src_ids)
+        # round-robin chunk pushes across all open transfers: many requests in flight at once
+        cursors = {rid: plan[1].num_skip_blocks for rid, plan in plans.items()}
+        while any(c < len(p[1].block_ids) for c, p in zip(cursors.values(), plans.values())):
+            for rid, (sender, ticket, src_ids) in plans.items():
+                start = cursors[rid]
+                if start == len(ticket.block_ids):
+                    continue
+                end = min(len(ticket.block_ids), start + rng.randint(1, 3))
+                sender.call("push", rid, src_ids[start - ticket.num_skip_blocks:end - ticket.num_skip_blocks], start, 0.0)
+                cursors[rid] = end
+        for rid, (sender, ticket, _) in plans.items():
+            sender.call("finish", rid, 100 + int(rid[1:]), len(ticket.block_ids) * LAYOUT.block_size)
+        events = rx.pump(until=len(plans))
+        assert sorted(events, key=lambda e: e.request_id) == sorted(
+            (KVArrived(rid, p[1].reservation_id, 100 + int(rid[1:]), len(p[1].block_ids) * LAYOUT.block_size)
+             for rid, p in plans.items()), key=lambda e: e.request_id)
+        written = set()
+        for rid, (_, ticket, src_ids) in plans.items():
+            dst = list(ticket.block_ids[ticket.num_skip_blocks:])
+            assert np.array_equal(rx.region.array[dst], src[src_ids]), rid
+            written.update(dst)
+        untouched = [b for b in range(NUM_DST) if b not in written]
+        assert not rx.region.array[untouched].any()  # skipped and unreserved blocks: not a byte changed
+        for rid in plans:
+            rx.finish(rid)
+        rx.check_no_leak()
+        assert rx.pool.usage().num_in_use == 0 and len(rx.receiver.table) == 0
+    finally:
+        for s in senders:
+            s.stop()
+
+
+def test_lease_is_renewed_during_a_long_prefill(transport: str) -> None:
+    rx = Rx(8, lease_s=0.6)
+    sender = start_sender(transport, renew_interval_s=0.1)
+    try:
+        ticket = rx.reserve("long", 2)
+        sender.call("open", ticket.to_wire())
+        sender.call("push", "long", [5], 0, 0.0)
+        assert rx.pump(until=1, timeout_s=1.5) == []  # 2.5 leases pass: renewals keep it alive
+        sender.call("push", "long", [6], 1, 0.0)
+        sender.call("finish", "long", 9, 8)
+        [ev] = rx.pump()
+        assert isinstance(ev, KVArrived)
+    finally:
+        sender.stop()
+        rx.close()
+
+
+def test_no_write_after_free_a_stalled_sender_cannot_touch_reassigned_blocks(transport: str) -> None:
+    """A's lease expires while its sender sleeps; A's blocks go to B; the late push changes nothing."""
+    rx = Rx(4, lease_s=0.3)
+    sender = start_sender(transport, renew_interval_s=60)  # no renewals: the stall is real
+    try:
+        a = rx.reserve("A", 4)
+        sender.call("open", a.to_wire())
+        sender.call("push", "A", [0, 1], 0, 0.0)
+        sender.send("push", "A", [2, 3], 2, 1.5)  # the child sleeps 1.5 s, then tries to write
+        events = rx.pump(until=2 if transport == "shm" else 1, timeout_s=5)
+        assert isinstance(events[0], TransferFailed) and events[0].reason == "lease of 0.3 s expired"
+        if transport == "shm":  # one-sided: quarantined until the sender acknowledged the revocation
+            assert events[0].blocks_held and events[1] == BlocksFenced("A", a.reservation_id)
+        b = rx.reserve("B", 4)
+        assert b is not None and sorted(b.block_ids) == sorted(a.block_ids)  # the very same blocks
+        pattern = np.full((4, BB), 0xAB, dtype=np.uint8)
+        rx.region.array[list(b.block_ids)] = pattern  # B's data, written by its new owner
+        kind, message = sender.reply(timeout_s=5)[1:]
+        assert kind == "ReservationRevoked" and "lease of 0.3 s expired" in message
+        time.sleep(0.2)
+        assert np.array_equal(rx.region.array[list(b.block_ids)], pattern)  # not a single byte changed
+        rx.receiver.cancel("B")
+        rx.finish("B")
+        rx.check_no_leak()
+        assert rx.pool.usage().num_in_use == 0
+    finally:
+        sender.stop()
+        rx.close()
+
+
+def test_a_frozen_shm_sender_keeps_its_blocks_quarantined_until_it_acknowledges() -> None:
+    rx = Rx(6, lease_s=0.3)
+    sender = start_sender("shm", renew_interval_s=60)
+    try:
+        a = rx.reserve("A", 4)
+        sender.call("open", a.to_wire())
+        os.kill(sender.process.pid, signal.SIGSTOP)  # frozen: cannot acknowledge a revocation
+        [failed] = rx.pump(until=1, timeout_s=3)
+        assert isinstance(failed, TransferFailed) and failed.blocks_held
+        assert rx.pump(until=1, timeout_s=0.5) == []  # still no fence
+        assert rx.reserve("B", 4) is None  # only 2 free blocks: A's are not handed out
+        os.kill(sender.process.pid, signal.SIGCONT)
+        assert rx.pump(until=1, timeout_s=3) == [BlocksFenced("A", a.reservation_id)]
+        assert rx.reserve("B", 4) is not None
+        rx.receiver.cancel("B")
+        rx.finish("B")
+        rx.check_no_leak()
+        assert rx.pool.usage().num_in_use == 0
+    finally:
+        os.kill(sender.process.pid, signal.SIGCONT)
+        sender.stop()
+        rx.close()
+
+
+def test_a_killed_sender_fails_its_transfers_and_frees_the_blocks(rx: Rx, transport: str) -> None:
+    sender = start_sender(transport)
+    try:
+        tickets = [rx.reserve(f"k{i}", 3) for i in range(3)]
+        for t in tickets:
+            sender.call("open", t.to_wire())
+        sender.call("push", "k0", [1, 2], 0, 0.0)
+        t0 = time.monotonic()
+        sender.kill()
+        events = rx.pump(until=3, timeout_s=5)
+        elapsed = time.monotonic() - t0
+        assert sorted(e.request_id for e in events) == ["k0", "k1", "k2"]
+        assert all(isinstance(e, TransferFailed) and not e.blocks_held and "sender" in e.reason for e in events)
+        assert elapsed < 1.0  # noticed by the closed connection, well before the 1 s lease
+        rx.check_no_leak()
+        assert rx.pool.usage().num_in_use == 0 and len(rx.receiver.table) == 0
+    finally:
+        sender.stop()
+
+
+def test_a_sender_that_dies_before_connecting_is_cleaned_up_by_the_lease(rx: Rx) -> None:
+    rx.reserve("ghost", 2)
+    assert rx.pump(until=1, timeout_s=0.5) == []
+    [ev] = rx.pump(until=1, timeout_s=2)
+    assert isinstance(ev, TransferFailed) and ev.reason == "lease of 1 s expired" and not ev.blocks_held
+    assert rx.pool.usage().num_in_use == 0
+
+
+def test_a_killed_receiver_gives_the_sender_peer_unavailable_quickly(transport: str) -> None:
+    receiver = Peer(receiver_main, LAYOUT.to_wire(), 16, {"lease_s": 5.0})
+    src = BlockRegion(source_blocks(8, BB, seed=3))
+    sender = FabricSender(LAYOUT, src, SenderConfig(transport=transport, ack_timeout_s=2))
+    try:
+        ticket = Ticket.from_wire(receiver.call("expect", "x", [1, 2, 3], 0))
+        transfer = sender.open(ticket)
+        transfer.push([4], 0)
+        receiver.kill()
+        t0 = time.monotonic()
+        with pytest.raises(PeerUnavailable):
+            for _ in range(100):  # the first push may still land in a socket buffer
+                transfer.push([5], 1)
+                time.sleep(0.01)
+        assert time.monotonic() - t0 < 2.0
+        with pytest.raises(PeerUnavailable):
+            sender.open(ticket)
+    finally:
+        sender.close()
+        receiver.kill()
+
+
+def test_handshake_refuses_a_mismatched_layout_naming_the_field(rx: Rx, transport: str) -> None:
+    import dataclasses
+
+    other = dataclasses.replace(LAYOUT, block_size=8, num_layers=1)  # same block bytes, other meaning
+    assert other.block_bytes == LAYOUT.block_bytes
+    sender = FabricSender(other, BlockRegion(np.zeros((2, BB), np.uint8)), SenderConfig(transport=transport))
+    ticket = rx.reserve("h", 1)
+    try:
+        with pytest.raises(HandshakeError, match="num_layers differs: sender 1, receiver 2") as e:
+            sender.open(ticket)
+        assert e.value.field == "num_layers"
+        assert not rx.region.array.any()
+    finally:
+        sender.close()

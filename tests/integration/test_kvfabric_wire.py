@@ -1,0 +1,147 @@
+"""Bad bytes on a kvfabric connection: truncated, corrupt and malformed frames are errors,
+never silent data; frames for revoked reservations are dropped. Driven by a raw socket
+client speaking the wire format by hand (not our sender), against a real receiver.
+"""
+from __future__ import annotations
+
+import socket
+import struct
+import time
+import zlib
+from collections.abc import Iterator
+
+import msgpack
+import numpy as np
+import pytest
+
+from kvfabric import BlockRegion, FabricReceiver, ReceiverConfig, TransferFailed
+from tests.integration.fabric_peer import LAYOUT
+
+BB = LAYOUT.block_bytes
+
+
+@pytest.fixture
+def receiver() -> Iterator[FabricReceiver]:
+    region = BlockRegion(np.zeros((8, BB), np.uint8))
+    r = FabricReceiver(LAYOUT, region, ReceiverConfig(lease_s=5, io_timeout_s=1))
+    yield r
+    r.close()
+
+
+def frame(msg: dict) -> bytes:
+    body = msgpack.packb(msg)
+    return struct.pack(">I", len(body)) + body
+
+
+def read(sock: socket.socket) -> dict:
+    (n,) = struct.unpack(">I", sock.recv(4, socket.MSG_WAITALL))
+    return msgpack.unpackb(sock.recv(n, socket.MSG_WAITALL))
+
+
+def connect(receiver: FabricReceiver) -> socket.socket:
+    sock = socket.create_connection((receiver.address.host, receiver.address.port), timeout=5)
+    sock.sendall(frame({"t": "hello", "layout": LAYOUT.to_wire(), "transport": "tcp", "host_id": "x"}))
+    assert read(sock)["t"] == "hello_ok"
+    return sock
+
+
+def open_reservation(receiver: FabricReceiver, sock: socket.socket, rid: str, block_ids: list[int]) -> int:
+    ticket = receiver.expect(rid, block_ids, 0)
+    sock.sendall(frame({"t": "open", "rid": ticket.reservation_id}))
+    assert read(sock) == {"t": "open_ok", "rid": ticket.reservation_id}
+    return ticket.reservation_id
+
+
+def failures(receiver: FabricReceiver) -> list[TransferFailed]:
+    events = receiver.poll(timeout_s=3)
+    assert all(isinstance(e, TransferFailed) for e in events)
+    return events  # type: ignore[return-value]
+
+
+def test_truncated_payload_fails_the_transfer(receiver: FabricReceiver) -> None:
+    sock = connect(receiver)
+    rid = open_reservation(receiver, sock, "t", [2, 3])
+    sock.sendall(frame({"t": "data", "rid": rid, "index": 0, "n": 2, "nbytes": 2 * BB}) + b"\x01" * 100)
+    sock.close()
+    [ev] = failures(receiver)
+    assert ev.request_id == "t" and not ev.blocks_held
+    assert "truncated frame" in ev.reason and f"100 of {2 * BB}" in ev.reason
+    assert len(receiver.table) == 0
+
+
+def test_checksum_mismatch_fails_the_transfer_and_ready_is_refused(receiver: FabricReceiver) -> None:
+    sock = connect(receiver)
+    rid = open_reservation(receiver, sock, "c", [4])
+    payload = np.full(BB, 7, np.uint8).tobytes()
+    sock.sendall(frame({"t": "data", "rid": rid, "index": 0, "n": 1, "nbytes": BB, "crc32": zlib.crc32(payload) ^ 1}) + payload)
+    [ev] = failures(receiver)
+    assert ev.reason == "checksum mismatch in blocks [0, 1)"
+    assert read(sock) == {"t": "revoke", "rid": rid, "reason": ev.reason}  # the sender is told to stop
+    sock.sendall(frame({"t": "ready", "rid": rid, "first_token_id": 1, "num_tokens": 4}))
+    assert read(sock)["error"] == f"reservation {rid} is unknown, expired or revoked"
+    sock.close()
+
+
+def test_garbage_header_closes_the_connection_and_fails_its_transfers(receiver: FabricReceiver) -> None:
+    sock = connect(receiver)
+    open_reservation(receiver, sock, "g", [1])
+    sock.sendall(struct.pack(">I", 5) + b"\xc1\xc1\xc1\xc1\xc1")  # 0xc1 is never valid msgpack
+    [ev] = failures(receiver)
+    assert ev.request_id == "g" and "undecodable header" in ev.reason
+    assert sock.recv(1) == b""  # closed by the receiver
+
+
+def test_oversized_header_and_wrong_payload_size_are_protocol_errors(receiver: FabricReceiver) -> None:
+    sock = connect(receiver)
+    open_reservation(receiver, sock, "o", [1])
+    sock.sendall(struct.pack(">I", 1 << 30))
+    [ev] = failures(receiver)
+    assert "header length" in ev.reason
+    sock = connect(receiver)
+    rid = open_reservation(receiver, sock, "w", [1])
+    sock.sendall(frame({"t": "data", "rid": rid, "index": 0, "n": 1, "nbytes": BB - 1}))
+    [ev] = failures(receiver)
+    assert f"carries {BB - 1} bytes" in ev.reason
+
+
+def test_frames_for_a_revoked_reservation_are_dropped(receiver: FabricReceiver) -> None:
+    sock = connect(receiver)
+    rid = open_reservation(receiver, sock, "r", [5])
+    assert receiver.cancel("r") is False  # two-sided, nothing in flight: blocks free at once
+    assert read(sock) == {"t": "revoke", "rid": rid, "reason": "aborted"}
+    payload = np.full(BB, 9, np.uint8).tobytes()
+    sock.sendall(frame({"t": "data", "rid": rid, "index": 0, "n": 1, "nbytes": BB}) + payload)
+    rid2 = open_reservation(receiver, sock, "r2", [6])  # the connection is still in step
+    sock.sendall(frame({"t": "data", "rid": rid2, "index": 0, "n": 1, "nbytes": BB}) + payload)
+    sock.sendall(frame({"t": "ready", "rid": rid2, "first_token_id": 3, "num_tokens": 4}))
+    assert read(sock)["error"] is None
+    assert not receiver.region.array[5].any()  # dropped
+    assert (receiver.region.array[6] == 9).all()
+    sock.close()
+
+
+def test_a_sender_that_stalls_mid_frame_is_cut_off_after_the_io_timeout(receiver: FabricReceiver) -> None:
+    sock = connect(receiver)
+    open_reservation(receiver, sock, "s", [1])
+    rid = receiver.table._by_request["s"]
+    sock.sendall(frame({"t": "data", "rid": rid, "index": 0, "n": 1, "nbytes": BB}) + b"\x00" * 10)
+    t0 = time.monotonic()
+    [ev] = failures(receiver)
+    assert "stalled mid-frame" in ev.reason and time.monotonic() - t0 < 2.5
+    sock.close()
+
+
+def test_a_late_open_after_expiry_is_refused_before_any_byte_moves() -> None:
+    region = BlockRegion(np.zeros((4, BB), np.uint8))
+    receiver = FabricReceiver(LAYOUT, region, ReceiverConfig(lease_s=0.1, io_timeout_s=1))
+    try:
+        sock = connect(receiver)
+        ticket = receiver.expect("late", [0], 0)
+        [ev] = receiver.poll(timeout_s=1)
+        assert isinstance(ev, TransferFailed)
+        sock.sendall(frame({"t": "open", "rid": ticket.reservation_id}))
+        reply = read(sock)
+        assert reply["t"] == "open_err" and "expired or revoked" in reply["error"]
+        sock.close()
+    finally:
+        receiver.close()

@@ -1,0 +1,57 @@
+"""Handshake compatibility and block-run coalescing."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvfabric.address import FabricAddress, Ticket
+from kvfabric.layout import FabricLayout, Run, coalesce
+
+LAYOUT = FabricLayout("llama-tiny", "bfloat16", num_layers=2, block_size=16, num_kv_heads=2, head_dim=16, dtype_bytes=2)
+
+
+def test_block_bytes_of_a_llama3_8b_block() -> None:
+    l8b = FabricLayout("llama3-8b", "bfloat16", 32, 16, 8, 128, 2)
+    assert l8b.block_bytes == 2 * 1024 * 1024
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("model_id", "other"), ("dtype", "float16"), ("num_layers", 3), ("block_size", 32),
+     ("num_kv_heads", 4), ("head_dim", 8), ("dtype_bytes", 4), ("layout", "layer_major")],
+)
+def test_any_difference_changes_the_hash_and_is_named(field: str, value: object) -> None:
+    other = dataclasses.replace(LAYOUT, **{field: value})
+    assert other.compat_hash != LAYOUT.compat_hash
+    assert LAYOUT.first_mismatch(other) == field
+
+
+def test_identical_layouts_match_and_survive_the_wire() -> None:
+    again = FabricLayout.from_wire(LAYOUT.to_wire())
+    assert again == LAYOUT and again.compat_hash == LAYOUT.compat_hash
+    assert LAYOUT.first_mismatch(again) is None
+    with pytest.raises(ValueError, match="unknown layout fields"):
+        FabricLayout.from_wire({**LAYOUT.to_wire(), "sliding_window": 4})
+    with pytest.raises(ValueError, match="block_size must be positive"):
+        dataclasses.replace(LAYOUT, block_size=0)
+
+
+def test_coalesce_merges_runs_adjacent_on_both_sides() -> None:
+    assert coalesce([3, 4, 5, 9, 10, 2], [7, 8, 9, 10, 11, 12], first_index=2) == [
+        Run(2, 3, 7, 3),   # 3,4,5 -> 7,8,9
+        Run(5, 9, 10, 2),  # 9,10 -> 10,11 (source jumps 5 -> 9)
+        Run(7, 2, 12, 1),  # source goes backwards
+    ]
+    assert coalesce([1, 2, 3], [5, 7, 8]) == [Run(0, 1, 5, 1), Run(1, 2, 7, 2)]
+    assert coalesce([], []) == []
+    with pytest.raises(ValueError, match="3 source blocks for 2"):
+        coalesce([1, 2, 3], [1, 2])
+
+
+def test_ticket_round_trips_through_msgpack() -> None:
+    import msgpack
+
+    addr = FabricAddress("127.0.0.1", 5555, "h/b", "r1", "cpu", ("shm", "tcp"), "splitserve-kv-1-ab", "n" * 32, 4096)
+    ticket = Ticket(addr, 2**62 + 5, "req", (4, 5, 9), 1, 10.0)
+    assert Ticket.from_wire(msgpack.unpackb(msgpack.packb(ticket.to_wire()))) == ticket

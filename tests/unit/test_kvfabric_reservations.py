@@ -1,0 +1,144 @@
+"""The receiver's reservation/lease state machine, driven by an injected clock."""
+from __future__ import annotations
+
+import pytest
+
+from kvfabric.errors import ReservationRevoked
+from kvfabric.reservations import BlocksFenced, KVArrived, ReservationTable, State, TransferFailed
+from tests.conftest import FakeClock
+
+LEASE_S = 5.0
+SHM, TCP = 1, 2  # writer ids
+
+
+@pytest.fixture
+def table(clock: FakeClock) -> ReservationTable:
+    return ReservationTable(clock, LEASE_S)
+
+
+def test_complete_transfer_emits_arrived_and_forgets_the_reservation(table: ReservationTable) -> None:
+    res = table.add("a", [4, 5, 6, 9], num_skip_blocks=1)
+    table.bind(res.reservation_id, SHM, one_sided=True)
+    assert table.record_written(res.reservation_id, SHM, 1, 2)
+    assert table.record_written(res.reservation_id, SHM, 3, 1)
+    assert table.ready(res.reservation_id, SHM, first_token_id=17, num_tokens=15) is None
+    assert table.take_events() == [KVArrived("a", res.reservation_id, 17, 15)]
+    assert len(table) == 0 and table.held_block_ids() == []
+
+
+def test_ready_with_a_missing_block_fails_the_transfer(table: ReservationTable) -> None:
+    res = table.add("a", [4, 5, 6], num_skip_blocks=0)
+    table.bind(res.reservation_id, TCP, one_sided=False)
+    table.record_written(res.reservation_id, TCP, 0, 2)
+    error = table.ready(res.reservation_id, TCP, 1, 12)
+    assert error is not None and "[2]" in error
+    [failed] = table.take_events()
+    assert isinstance(failed, TransferFailed) and not failed.blocks_held
+    assert table.take_revocations()[0].writer == TCP
+
+
+def test_lease_expiry_of_an_unbound_reservation_frees_at_once(table: ReservationTable, clock: FakeClock) -> None:
+    res = table.add("a", [1, 2], 0)
+    clock.advance(LEASE_S - 0.01)
+    table.expire()
+    assert table.take_events() == []
+    clock.advance(0.01)
+    table.expire()
+    [failed] = table.take_events()
+    assert failed == TransferFailed("a", res.reservation_id, "lease of 5 s expired", blocks_held=False)
+    assert table.take_revocations() == []  # nobody to tell
+    with pytest.raises(ReservationRevoked):
+        table.bind(res.reservation_id, SHM, one_sided=True)  # a late sender is refused before writing
+
+
+def test_renewal_and_writes_keep_the_lease_alive(table: ReservationTable, clock: FakeClock) -> None:
+    res = table.add("a", [1, 2, 3], 0)
+    table.bind(res.reservation_id, SHM, one_sided=True)
+    for _ in range(4):
+        clock.advance(LEASE_S * 0.8)
+        assert table.renew(res.reservation_id, SHM)
+        table.expire()
+    assert table.get(res.reservation_id).state is State.OPEN
+    assert not table.renew(res.reservation_id, TCP)  # only the bound writer renews
+
+
+def test_expired_one_sided_reservation_is_quarantined_until_fenced(table: ReservationTable, clock: FakeClock) -> None:
+    res = table.add("a", [7, 8], 0)
+    table.bind(res.reservation_id, SHM, one_sided=True)
+    clock.advance(LEASE_S)
+    table.expire()
+    [failed] = table.take_events()
+    assert failed.blocks_held
+    [rev] = table.take_revocations()
+    assert (rev.writer, rev.reservation_id) == (SHM, res.reservation_id)
+    assert table.held_block_ids() == [7, 8]
+    assert not table.record_written(res.reservation_id, SHM, 0, 1)  # too late: not counted
+    table.fence(res.reservation_id, TCP)  # another writer cannot fence it
+    assert table.take_events() == []
+    table.fence(res.reservation_id, SHM)
+    assert table.take_events() == [BlocksFenced("a", res.reservation_id)]
+    assert table.held_block_ids() == []
+
+
+def test_a_dead_writer_fences_its_quarantine_and_fails_its_open_transfers(table: ReservationTable, clock: FakeClock) -> None:
+    q = table.add("q", [1], 0)
+    table.bind(q.reservation_id, SHM, one_sided=True)
+    clock.advance(LEASE_S)
+    table.expire()
+    table.take_events()
+    o = table.add("o", [2], 0)
+    table.bind(o.reservation_id, SHM, one_sided=True)
+    other = table.add("x", [3], 0)
+    table.bind(other.reservation_id, TCP, one_sided=False)
+    table.writer_gone(SHM, "sender disconnected")
+    assert table.take_events() == [
+        BlocksFenced("q", q.reservation_id),
+        TransferFailed("o", o.reservation_id, "sender disconnected", blocks_held=False),
+    ]
+    assert table.held_block_ids() == [3]
+
+
+def test_two_sided_revocation_waits_only_for_a_frame_in_flight(table: ReservationTable, clock: FakeClock) -> None:
+    res = table.add("a", [10, 11, 12, 20], 0)
+    table.bind(res.reservation_id, TCP, one_sided=False)
+    assert table.begin_frame(res.reservation_id, TCP, 0, 3) == 10
+    assert table.cancel("a") is True  # a frame is landing: hold the blocks
+    table.end_frame(res.reservation_id, 0, 3, error=None)
+    assert table.take_events() == [BlocksFenced("a", res.reservation_id)]
+    res2 = table.add("b", [1], 0)
+    table.bind(res2.reservation_id, TCP, one_sided=False)
+    assert table.cancel("b") is False  # nothing in flight: free now
+    assert table.begin_frame(res2.reservation_id, TCP, 0, 1) is None  # later frames are dropped
+
+
+def test_frame_checks_range_and_adjacency(table: ReservationTable) -> None:
+    res = table.add("a", [10, 11, 13], num_skip_blocks=1)
+    table.bind(res.reservation_id, TCP, one_sided=False)
+    with pytest.raises(ValueError, match="outside the writable range"):
+        table.begin_frame(res.reservation_id, TCP, 0, 1)  # a skipped (cached) block
+    with pytest.raises(ValueError, match="not adjacent"):
+        table.begin_frame(res.reservation_id, TCP, 1, 2)
+    with pytest.raises(ValueError, match="outside the writable range"):
+        table.record_written(res.reservation_id, TCP, 2, 2)
+
+
+def test_checksum_error_fails_the_transfer(table: ReservationTable) -> None:
+    res = table.add("a", [5], 0)
+    table.bind(res.reservation_id, TCP, one_sided=False)
+    table.begin_frame(res.reservation_id, TCP, 0, 1)
+    table.end_frame(res.reservation_id, 0, 1, error="checksum mismatch")
+    assert table.take_events() == [TransferFailed("a", res.reservation_id, "checksum mismatch", blocks_held=False)]
+
+
+def test_cancel_and_rebinding_rules(table: ReservationTable) -> None:
+    assert table.cancel("nobody") is None
+    res = table.add("a", [1], 0)
+    table.bind(res.reservation_id, SHM, one_sided=True)
+    table.bind(res.reservation_id, SHM, one_sided=True)  # idempotent for the same writer
+    with pytest.raises(ReservationRevoked, match="another sender"):
+        table.bind(res.reservation_id, TCP, one_sided=False)
+    assert table.cancel("a") is True
+    assert table.take_events() == []  # the owner asked: no failure event
+    assert table.cancel("a") is True  # still quarantined
+    with pytest.raises(ValueError, match="already has a reservation"):
+        table.add("a", [2], 0)
