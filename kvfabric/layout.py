@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import asdict, dataclass, fields
+from typing import NamedTuple
 
 import msgpack
 
@@ -61,8 +62,7 @@ class FabricLayout:
         return None
 
 
-@dataclass(frozen=True)
-class Run:
+class Run(NamedTuple):
     """`num_blocks` blocks from `src_block` (sender) to `dst_block` (receiver); `index` is
     the position of the first one in the reservation's block list."""
 

@@ -199,8 +199,7 @@ class FabricReceiver:
                 except ReservationRevoked as e:
                     reply = {"t": "open_err", "rid": rid, "error": str(e)}
             elif t == "written":
-                for index, n in msg["runs"]:
-                    self._record_written(rid, writer, index, n)
+                self._record_written(rid, writer, msg["runs"])
                 reply = None
             elif t == "renew":
                 for r in msg["rids"]:
@@ -222,38 +221,41 @@ class FabricReceiver:
         if reply is not None:
             conn.send(reply)
 
-    def _record_written(self, rid: int, writer: int, index: int, n: int) -> None:
+    def _record_written(self, rid: int, writer: int, runs: list[tuple[int, int]]) -> None:
         try:
-            self.table.record_written(rid, writer, index, n)
+            self.table.record_written(rid, writer, runs)
         except ValueError as e:
             self.table.fail(rid, writer, str(e))
 
     def _receive_frame(self, writer: int, conn: Conn, msg: dict[str, Any]) -> None:
-        rid, index, n, nbytes = msg["rid"], msg["index"], msg["n"], msg["nbytes"]
-        if nbytes != n * self.layout.block_bytes:
-            raise ProtocolError(f"frame of {n} blocks carries {nbytes} bytes, expected {n * self.layout.block_bytes}")
+        """Two-sided: receive a frame's runs straight into their destination blocks."""
+        rid, nbytes = msg["rid"], msg["nbytes"]
+        runs = [(int(i), int(n)) for i, n in msg["runs"]]
+        expected = sum(n for _, n in runs) * self.layout.block_bytes
+        if nbytes != expected:
+            raise ProtocolError(f"frame of {sum(n for _, n in runs)} blocks carries {nbytes} bytes, expected {expected}")
         with self._cond:
             try:
-                first = self.table.begin_frame(rid, writer, index, n)
+                firsts = self.table.begin_frame(rid, writer, runs)
             except ValueError as e:
                 self.table.fail(rid, writer, str(e))
-                first = None
-        if first is None:  # revoked, expired or invalid: drop the bytes
+                firsts = None
+        if firsts is None:  # revoked, expired or invalid: drop the bytes
             conn.discard(nbytes)
             return
         error = None
         try:
-            dst = self.region.blocks(first, n)
-            conn.recv_into(memoryview(dst).cast("B"))
+            dst = [self.region.blocks(first, n) for first, (_, n) in zip(firsts, runs)]
+            conn.recv_into([memoryview(d).cast("B") for d in dst])
             crc = msg.get("crc32")
-            if crc is not None and zlib.crc32(dst) != crc:
-                error = f"checksum mismatch in blocks [{index}, {index + n})"
+            if crc is not None and _crc32(dst) != crc:
+                error = f"checksum mismatch in a frame of {len(runs)} runs starting at block position {runs[0][0]}"
         except FabricError as e:
             error = f"frame failed: {e}"
             raise
         finally:
             with self._cond:
-                self.table.end_frame(rid, index, n, error)
+                self.table.end_frame(rid, runs, error)
                 self._cond.notify_all()
 
     def _send_revocations(self) -> None:
@@ -267,3 +269,10 @@ class FabricReceiver:
                 conn.send({"t": "revoke", "rid": rev.reservation_id, "reason": rev.reason})
             except PeerUnavailable:
                 conn.close()  # its serving thread sees the close and reports the writer gone
+
+
+def _crc32(arrays: list) -> int:
+    crc = 0
+    for a in arrays:
+        crc = zlib.crc32(a, crc)
+    return crc

@@ -8,6 +8,7 @@ followed by the pool's bytes; `ShmKVAllocator` is the engine's `KVAllocator` ove
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import secrets
@@ -31,6 +32,7 @@ class BlockRegion:
         if array.dtype != np.uint8 or array.ndim != 2 or not array.flags.c_contiguous:
             raise ValueError("a BlockRegion is a C-contiguous uint8 array [num_blocks, block_bytes]")
         self.array = array
+        self._address = array.ctypes.data
 
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor) -> BlockRegion:
@@ -54,6 +56,14 @@ class BlockRegion:
         if first < 0 or num_blocks <= 0 or first + num_blocks > self.num_blocks:
             raise ValueError(f"blocks [{first}, {first + num_blocks}) outside the pool of {self.num_blocks}")
         return self.array[first:first + num_blocks]
+
+    def copy_from(self, src: BlockRegion, src_block: int, dst_block: int, num_blocks: int) -> None:
+        """memcpy a run of blocks with the GIL released (other threads keep going)."""
+        for region, first in ((src, src_block), (self, dst_block)):
+            if first < 0 or num_blocks <= 0 or first + num_blocks > region.num_blocks:
+                raise ValueError(f"blocks [{first}, {first + num_blocks}) outside the pool of {region.num_blocks}")
+        bb = self.block_bytes
+        ctypes.memmove(self._address + dst_block * bb, src._address + src_block * bb, num_blocks * bb)
 
 
 class ShmSegment:

@@ -42,11 +42,21 @@ class Reservation:
     state: State = State.RESERVED
     writer: int | None = None
     one_sided: bool = False
-    written: set[int] = field(default_factory=set)
+    written: bytearray = field(default_factory=bytearray)
+    """One byte per block position: 1 once its data is in place."""
     inflight_frames: int = 0
+    opened_at: float | None = None
+
+    def __post_init__(self) -> None:
+        self.written = bytearray(len(self.block_ids))
+
+    def mark_written(self, index: int, num_blocks: int) -> None:
+        self.written[index:index + num_blocks] = b"\x01" * num_blocks
 
     def missing_indices(self) -> list[int]:
-        return [i for i in range(self.num_skip_blocks, len(self.block_ids)) if i not in self.written]
+        if self.written.find(0, self.num_skip_blocks) == -1:
+            return []
+        return [i for i in range(self.num_skip_blocks, len(self.block_ids)) if not self.written[i]]
 
 
 @dataclass(frozen=True)
@@ -55,6 +65,10 @@ class KVArrived:
     reservation_id: int
     first_token_id: int
     num_tokens: int
+    opened_at: float
+    """Receiver clock when the sender bound the reservation."""
+    arrived_at: float
+    """Receiver clock when the last byte and `ready` were in: the transfer window ends here."""
 
 
 @dataclass(frozen=True)
@@ -135,6 +149,8 @@ class ReservationTable:
             raise ReservationRevoked(f"reservation {reservation_id} is unknown, expired or revoked")
         if res.state is State.OPEN and res.writer != writer:
             raise ReservationRevoked(f"reservation {reservation_id} is already bound to another sender")
+        if res.state is State.RESERVED:
+            res.opened_at = self.clock()
         res.state, res.writer, res.one_sided = State.OPEN, writer, one_sided
         res.expires_at = self.clock() + self.lease_s
         return res
@@ -146,28 +162,34 @@ class ReservationTable:
         res.expires_at = self.clock() + self.lease_s
         return True
 
-    def record_written(self, reservation_id: int, writer: int, index: int, num_blocks: int) -> bool:
-        """One-sided writer reports blocks [index, index + num_blocks) are in place."""
+    def record_written(self, reservation_id: int, writer: int, runs: list[tuple[int, int]]) -> bool:
+        """One-sided writer reports runs (index, num_blocks) are in place."""
         res = self._open(reservation_id, writer)
         if res is None:
             return False
-        self._check_range(res, index, num_blocks)
-        res.written.update(range(index, index + num_blocks))
+        for index, num_blocks in runs:
+            self._check_range(res, index, num_blocks)
+        for index, num_blocks in runs:
+            res.mark_written(index, num_blocks)
         return True
 
-    def begin_frame(self, reservation_id: int, writer: int, index: int, num_blocks: int) -> int | None:
-        """Two-sided: the first destination block of a frame to receive, or None to drop it."""
+    def begin_frame(self, reservation_id: int, writer: int, runs: list[tuple[int, int]]) -> list[int] | None:
+        """Two-sided: the first destination block of each run (index, num_blocks) of a frame
+        about to be received, or None to drop the frame."""
         res = self._open(reservation_id, writer)
         if res is None:
             return None
-        self._check_range(res, index, num_blocks)
-        first = res.block_ids[index]
-        if res.block_ids[index:index + num_blocks] != list(range(first, first + num_blocks)):
-            raise ValueError(f"frame blocks at [{index}, {index + num_blocks}) are not adjacent on the receiver")
+        firsts = []
+        for index, num_blocks in runs:
+            self._check_range(res, index, num_blocks)
+            first = res.block_ids[index]
+            if res.block_ids[index:index + num_blocks] != list(range(first, first + num_blocks)):
+                raise ValueError(f"frame blocks at [{index}, {index + num_blocks}) are not adjacent on the receiver")
+            firsts.append(first)
         res.inflight_frames += 1
-        return first
+        return firsts
 
-    def end_frame(self, reservation_id: int, index: int, num_blocks: int, error: str | None) -> None:
+    def end_frame(self, reservation_id: int, runs: list[tuple[int, int]], error: str | None) -> None:
         res = self._by_id.get(reservation_id)
         if res is None:
             return
@@ -179,7 +201,8 @@ class ReservationTable:
         elif error is not None:
             self._revoke(res, error, notify_owner=True)
         else:
-            res.written.update(range(index, index + num_blocks))
+            for index, num_blocks in runs:
+                res.mark_written(index, num_blocks)
 
     def ready(self, reservation_id: int, writer: int, first_token_id: int, num_tokens: int) -> str | None:
         """The sender says everything is sent. Returns an error (and fails the transfer) or None."""
@@ -192,7 +215,9 @@ class ReservationTable:
             self._revoke(res, reason, notify_owner=True)
             return reason
         self._close(res)
-        self._events.append(KVArrived(res.request_id, reservation_id, first_token_id, num_tokens))
+        assert res.opened_at is not None  # set by bind, the only way to OPEN
+        self._events.append(
+            KVArrived(res.request_id, reservation_id, first_token_id, num_tokens, res.opened_at, self.clock()))
         return None
 
     def fail(self, reservation_id: int, writer: int, reason: str) -> None:

@@ -12,7 +12,6 @@ sees the ack no byte of that reservation can still be written (the fence).
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import socket
 import threading
@@ -190,20 +189,23 @@ class _Peer:
         return transfer
 
     def write(self, transfer: Transfer, runs: list[Run]) -> None:
-        """Called with the transfer's lock held."""
+        """Called with the transfer's lock held: shm copies then reports, tcp sends one frame."""
         rid, src = transfer.ticket.reservation_id, self.sender.region
+        spans = [[r.index, r.num_blocks] for r in runs]
         if self.transport == "shm":
             assert self.dst is not None
             for r in runs:
-                self.dst.blocks(r.dst_block, r.num_blocks)[:] = src.blocks(r.src_block, r.num_blocks)
-            self.conn.send({"t": "written", "rid": rid, "runs": [[r.index, r.num_blocks] for r in runs]})
+                self.dst.copy_from(src, r.src_block, r.dst_block, r.num_blocks)
+            self.conn.send({"t": "written", "rid": rid, "runs": spans})
             return
-        for r in runs:
-            data = src.blocks(r.src_block, r.num_blocks)
-            header = {"t": "data", "rid": rid, "index": r.index, "n": r.num_blocks, "nbytes": data.nbytes}
-            if self.config.checksum:
-                header["crc32"] = zlib.crc32(data)
-            self.conn.send(header, memoryview(data).cast("B"))
+        data = [src.blocks(r.src_block, r.num_blocks) for r in runs]
+        header = {"t": "data", "rid": rid, "runs": spans, "nbytes": sum(d.nbytes for d in data)}
+        if self.config.checksum:
+            crc = 0
+            for d in data:
+                crc = zlib.crc32(d, crc)
+            header["crc32"] = crc
+        self.conn.send(header, [memoryview(d).cast("B") for d in data])
 
     def request(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Send and wait (bounded) for the reply that names the same reservation."""

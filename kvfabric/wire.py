@@ -11,6 +11,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
@@ -18,6 +19,7 @@ import msgpack
 from kvfabric.errors import PeerUnavailable, ProtocolError
 
 MAX_HEADER_BYTES = 1 << 20
+_MAX_IOV = 512  # buffers per sendmsg/recvmsg_into call (Linux allows 1024)
 _LEN = struct.Struct(">I")
 _SOCKET_BUFFER_BYTES = 4 << 20
 
@@ -42,19 +44,18 @@ class Conn:
         self.closed = False
 
     # -- sending -------------------------------------------------------------------------
-    def send(self, msg: dict[str, Any], payload: memoryview | None = None) -> None:
+    def send(self, msg: dict[str, Any], payload: Sequence[memoryview] = ()) -> None:
+        """One frame: the header, then the payload buffers back to back (gathered, no copy)."""
         body = msgpack.packb(msg)
+        bufs = [memoryview(_LEN.pack(len(body)) + body), *payload]
         with self._send_lock:
-            self._sendall(_LEN.pack(len(body)) + body)
-            if payload is not None:
-                self._sendall(payload)
-
-    def _sendall(self, data: bytes | memoryview) -> None:
-        try:
-            self.sock.sendall(data)
-        except (TimeoutError, OSError) as e:
-            self.close()
-            raise PeerUnavailable(f"send failed: {e}") from e
+            try:
+                while bufs:
+                    sent = self.sock.sendmsg(bufs[:_MAX_IOV])
+                    bufs = _advance(bufs, sent)
+            except (TimeoutError, OSError) as e:
+                self.close()
+                raise PeerUnavailable(f"send failed: {e}") from e
 
     # -- receiving -----------------------------------------------------------------------
     def recv(self) -> dict[str, Any]:
@@ -73,9 +74,20 @@ class Conn:
             raise ProtocolError("a header must be a map with a string 't'")
         return msg
 
-    def recv_into(self, view: memoryview) -> None:
-        """Exactly len(view) payload bytes; a short stream is a ProtocolError (truncated)."""
-        self._read_into(view, idle_ok=False)
+    def recv_into(self, views: list[memoryview]) -> None:
+        """Exactly fill `views` in order (scattered, no copy); a short stream is a ProtocolError."""
+        total, got = sum(len(v) for v in views), 0
+        while views:
+            try:
+                n = self.sock.recvmsg_into(views[:_MAX_IOV])[0]
+            except TimeoutError:
+                raise ProtocolError(f"peer stalled mid-frame ({got} of {total} payload bytes)") from None
+            except OSError as e:
+                raise PeerUnavailable(f"connection lost: {e}") from e
+            if n == 0:
+                raise ProtocolError(f"truncated frame: connection closed after {got} of {total} payload bytes")
+            got += n
+            views = _advance(views, n)
 
     def discard(self, nbytes: int) -> None:
         scratch = memoryview(bytearray(min(nbytes, 1 << 20)))
@@ -110,3 +122,15 @@ class Conn:
         except OSError:
             pass
         self.sock.close()
+
+
+def _advance(bufs: list[memoryview], nbytes: int) -> list[memoryview]:
+    """Drop the first nbytes from a list of buffers."""
+    i = 0
+    while i < len(bufs) and nbytes >= len(bufs[i]):
+        nbytes -= len(bufs[i])
+        i += 1
+    rest = bufs[i:]
+    if rest and nbytes:
+        rest[0] = rest[0][nbytes:]
+    return rest

@@ -118,10 +118,13 @@ def test_random_block_sets_arrive_byte_identical_in_chunks_and_concurrently(rx: 
                 cursors[rid] = end
         for rid, (sender, ticket, _) in plans.items():
             sender.call("finish", rid, 100 + int(rid[1:]), len(ticket.block_ids) * LAYOUT.block_size)
-        events = rx.pump(until=len(plans))
-        assert sorted(events, key=lambda e: e.request_id) == sorted(
-            (KVArrived(rid, p[1].reservation_id, 100 + int(rid[1:]), len(p[1].block_ids) * LAYOUT.block_size)
-             for rid, p in plans.items()), key=lambda e: e.request_id)
+        events = {e.request_id: e for e in rx.pump(until=len(plans))}
+        assert sorted(events) == sorted(plans)
+        for rid, (_, ticket, _) in plans.items():
+            ev = events[rid]
+            assert isinstance(ev, KVArrived) and ev.reservation_id == ticket.reservation_id
+            assert (ev.first_token_id, ev.num_tokens) == (100 + int(rid[1:]), len(ticket.block_ids) * LAYOUT.block_size)
+            assert ev.opened_at <= ev.arrived_at
         written = set()
         for rid, (_, ticket, src_ids) in plans.items():
             dst = list(ticket.block_ids[ticket.num_skip_blocks:])

@@ -61,11 +61,11 @@ def failures(receiver: FabricReceiver) -> list[TransferFailed]:
 def test_truncated_payload_fails_the_transfer(receiver: FabricReceiver) -> None:
     sock = connect(receiver)
     rid = open_reservation(receiver, sock, "t", [2, 3])
-    sock.sendall(frame({"t": "data", "rid": rid, "index": 0, "n": 2, "nbytes": 2 * BB}) + b"\x01" * 100)
+    sock.sendall(frame({"t": "data", "rid": rid, "runs": [[0, 2]], "nbytes": 2 * BB}) + b"\x01" * 100)
     sock.close()
     [ev] = failures(receiver)
     assert ev.request_id == "t" and not ev.blocks_held
-    assert "truncated frame" in ev.reason and f"100 of {2 * BB}" in ev.reason
+    assert "truncated frame" in ev.reason and f"100 of {2 * BB} payload bytes" in ev.reason
     assert len(receiver.table) == 0
 
 
@@ -73,9 +73,9 @@ def test_checksum_mismatch_fails_the_transfer_and_ready_is_refused(receiver: Fab
     sock = connect(receiver)
     rid = open_reservation(receiver, sock, "c", [4])
     payload = np.full(BB, 7, np.uint8).tobytes()
-    sock.sendall(frame({"t": "data", "rid": rid, "index": 0, "n": 1, "nbytes": BB, "crc32": zlib.crc32(payload) ^ 1}) + payload)
+    sock.sendall(frame({"t": "data", "rid": rid, "runs": [[0, 1]], "nbytes": BB, "crc32": zlib.crc32(payload) ^ 1}) + payload)
     [ev] = failures(receiver)
-    assert ev.reason == "checksum mismatch in blocks [0, 1)"
+    assert ev.reason == "checksum mismatch in a frame of 1 runs starting at block position 0"
     assert read(sock) == {"t": "revoke", "rid": rid, "reason": ev.reason}  # the sender is told to stop
     sock.sendall(frame({"t": "ready", "rid": rid, "first_token_id": 1, "num_tokens": 4}))
     assert read(sock)["error"] == f"reservation {rid} is unknown, expired or revoked"
@@ -99,7 +99,7 @@ def test_oversized_header_and_wrong_payload_size_are_protocol_errors(receiver: F
     assert "header length" in ev.reason
     sock = connect(receiver)
     rid = open_reservation(receiver, sock, "w", [1])
-    sock.sendall(frame({"t": "data", "rid": rid, "index": 0, "n": 1, "nbytes": BB - 1}))
+    sock.sendall(frame({"t": "data", "rid": rid, "runs": [[0, 1]], "nbytes": BB - 1}))
     [ev] = failures(receiver)
     assert f"carries {BB - 1} bytes" in ev.reason
 
@@ -110,9 +110,9 @@ def test_frames_for_a_revoked_reservation_are_dropped(receiver: FabricReceiver) 
     assert receiver.cancel("r") is False  # two-sided, nothing in flight: blocks free at once
     assert read(sock) == {"t": "revoke", "rid": rid, "reason": "aborted"}
     payload = np.full(BB, 9, np.uint8).tobytes()
-    sock.sendall(frame({"t": "data", "rid": rid, "index": 0, "n": 1, "nbytes": BB}) + payload)
+    sock.sendall(frame({"t": "data", "rid": rid, "runs": [[0, 1]], "nbytes": BB}) + payload)
     rid2 = open_reservation(receiver, sock, "r2", [6])  # the connection is still in step
-    sock.sendall(frame({"t": "data", "rid": rid2, "index": 0, "n": 1, "nbytes": BB}) + payload)
+    sock.sendall(frame({"t": "data", "rid": rid2, "runs": [[0, 1]], "nbytes": BB}) + payload)
     sock.sendall(frame({"t": "ready", "rid": rid2, "first_token_id": 3, "num_tokens": 4}))
     assert read(sock)["error"] is None
     assert not receiver.region.array[5].any()  # dropped
@@ -124,7 +124,7 @@ def test_a_sender_that_stalls_mid_frame_is_cut_off_after_the_io_timeout(receiver
     sock = connect(receiver)
     open_reservation(receiver, sock, "s", [1])
     rid = receiver.table._by_request["s"]
-    sock.sendall(frame({"t": "data", "rid": rid, "index": 0, "n": 1, "nbytes": BB}) + b"\x00" * 10)
+    sock.sendall(frame({"t": "data", "rid": rid, "runs": [[0, 1]], "nbytes": BB}) + b"\x00" * 10)
     t0 = time.monotonic()
     [ev] = failures(receiver)
     assert "stalled mid-frame" in ev.reason and time.monotonic() - t0 < 2.5

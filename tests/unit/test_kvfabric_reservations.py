@@ -16,20 +16,22 @@ def table(clock: FakeClock) -> ReservationTable:
     return ReservationTable(clock, LEASE_S)
 
 
-def test_complete_transfer_emits_arrived_and_forgets_the_reservation(table: ReservationTable) -> None:
+def test_complete_transfer_emits_arrived_and_forgets_the_reservation(table: ReservationTable, clock: FakeClock) -> None:
     res = table.add("a", [4, 5, 6, 9], num_skip_blocks=1)
+    clock.advance(1.0)
     table.bind(res.reservation_id, SHM, one_sided=True)
-    assert table.record_written(res.reservation_id, SHM, 1, 2)
-    assert table.record_written(res.reservation_id, SHM, 3, 1)
+    clock.advance(0.25)
+    assert table.record_written(res.reservation_id, SHM, [(1, 2)])
+    assert table.record_written(res.reservation_id, SHM, [(3, 1)])
     assert table.ready(res.reservation_id, SHM, first_token_id=17, num_tokens=15) is None
-    assert table.take_events() == [KVArrived("a", res.reservation_id, 17, 15)]
+    assert table.take_events() == [KVArrived("a", res.reservation_id, 17, 15, opened_at=1001.0, arrived_at=1001.25)]
     assert len(table) == 0 and table.held_block_ids() == []
 
 
 def test_ready_with_a_missing_block_fails_the_transfer(table: ReservationTable) -> None:
     res = table.add("a", [4, 5, 6], num_skip_blocks=0)
     table.bind(res.reservation_id, TCP, one_sided=False)
-    table.record_written(res.reservation_id, TCP, 0, 2)
+    table.record_written(res.reservation_id, TCP, [(0, 2)])
     error = table.ready(res.reservation_id, TCP, 1, 12)
     assert error is not None and "[2]" in error
     [failed] = table.take_events()
@@ -72,7 +74,7 @@ def test_expired_one_sided_reservation_is_quarantined_until_fenced(table: Reserv
     [rev] = table.take_revocations()
     assert (rev.writer, rev.reservation_id) == (SHM, res.reservation_id)
     assert table.held_block_ids() == [7, 8]
-    assert not table.record_written(res.reservation_id, SHM, 0, 1)  # too late: not counted
+    assert not table.record_written(res.reservation_id, SHM, [(0, 1)])  # too late: not counted
     table.fence(res.reservation_id, TCP)  # another writer cannot fence it
     assert table.take_events() == []
     table.fence(res.reservation_id, SHM)
@@ -101,32 +103,34 @@ def test_a_dead_writer_fences_its_quarantine_and_fails_its_open_transfers(table:
 def test_two_sided_revocation_waits_only_for_a_frame_in_flight(table: ReservationTable, clock: FakeClock) -> None:
     res = table.add("a", [10, 11, 12, 20], 0)
     table.bind(res.reservation_id, TCP, one_sided=False)
-    assert table.begin_frame(res.reservation_id, TCP, 0, 3) == 10
+    assert table.begin_frame(res.reservation_id, TCP, [(0, 2), (2, 1)]) == [10, 12]
     assert table.cancel("a") is True  # a frame is landing: hold the blocks
-    table.end_frame(res.reservation_id, 0, 3, error=None)
+    table.end_frame(res.reservation_id, [(0, 2), (2, 1)], error=None)
     assert table.take_events() == [BlocksFenced("a", res.reservation_id)]
     res2 = table.add("b", [1], 0)
     table.bind(res2.reservation_id, TCP, one_sided=False)
     assert table.cancel("b") is False  # nothing in flight: free now
-    assert table.begin_frame(res2.reservation_id, TCP, 0, 1) is None  # later frames are dropped
+    assert table.begin_frame(res2.reservation_id, TCP, [(0, 1)]) is None  # later frames are dropped
 
 
 def test_frame_checks_range_and_adjacency(table: ReservationTable) -> None:
     res = table.add("a", [10, 11, 13], num_skip_blocks=1)
     table.bind(res.reservation_id, TCP, one_sided=False)
     with pytest.raises(ValueError, match="outside the writable range"):
-        table.begin_frame(res.reservation_id, TCP, 0, 1)  # a skipped (cached) block
+        table.begin_frame(res.reservation_id, TCP, [(1, 1), (0, 1)])  # a skipped (cached) block
+    assert res.inflight_frames == 0  # a refused frame is not counted
     with pytest.raises(ValueError, match="not adjacent"):
-        table.begin_frame(res.reservation_id, TCP, 1, 2)
+        table.begin_frame(res.reservation_id, TCP, [(1, 2)])
     with pytest.raises(ValueError, match="outside the writable range"):
-        table.record_written(res.reservation_id, TCP, 2, 2)
+        table.record_written(res.reservation_id, TCP, [(1, 1), (2, 2)])
+    assert not any(res.written)  # all or nothing
 
 
 def test_checksum_error_fails_the_transfer(table: ReservationTable) -> None:
     res = table.add("a", [5], 0)
     table.bind(res.reservation_id, TCP, one_sided=False)
-    table.begin_frame(res.reservation_id, TCP, 0, 1)
-    table.end_frame(res.reservation_id, 0, 1, error="checksum mismatch")
+    table.begin_frame(res.reservation_id, TCP, [(0, 1)])
+    table.end_frame(res.reservation_id, [(0, 1)], error="checksum mismatch")
     assert table.take_events() == [TransferFailed("a", res.reservation_id, "checksum mismatch", blocks_held=False)]
 
 

@@ -1,0 +1,215 @@
+"""kvfabric bandwidth and latency against the copy limit of each medium, in one run.
+
+The receiver runs in a child process (as a decode worker would) over a shared-memory
+pool; this process is the sender. For each case (transport, block shape, number of
+blocks, contiguous or scattered destination ids) it times open -> push -> finish (the
+time runs from the start of the push to the receiver's completion event, both read
+from the host's monotonic clock) and compares with the limit
+measured in the same run on the same bytes:
+- shm: memcpy from the source into a warm shared-memory segment (the medium: tmpfs
+  pages, as the decode pool has). Also reported: memcpy into private memory
+  (`memcpy_private_gb_per_s`), which is faster when numpy gets transparent huge pages
+  and when source and destination fit in the last-level cache together;
+- tcp: a raw long-lived loopback socket to another process (`recv_into` a buffer).
+Transfers and limit measurements alternate, best of --reps for each. Also the 1-block
+push latency (push start to receiver completion, median).
+
+One JSON line per case. Not part of the test suite.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import socket
+import statistics
+import sys
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvfabric import (  # noqa: E402
+    BlockRegion, FabricLayout, FabricReceiver, FabricSender, KVArrived, ReceiverConfig, SenderConfig, ShmSegment,
+    Ticket,
+)
+from kvfabric.wire import tune  # noqa: E402
+
+SHAPES = {
+    # the `small` embedded model: 12 layers, 4 KV heads, head dim 64, bf16, 16 tokens: 192 KiB
+    "small": FabricLayout("small", "bfloat16", 12, 16, 4, 64, 2),
+    # Llama-3-8B: 32 layers, 8 KV heads, head dim 128, bf16, 16 tokens: 2 MiB
+    "llama3_8b": FabricLayout("llama3-8b", "bfloat16", 32, 16, 8, 128, 2),
+}
+
+
+def receiver_child(pipe: Connection, layout_wire: dict, num_blocks: int) -> None:
+    layout = FabricLayout.from_wire(layout_wire)
+    seg = ShmSegment.create(num_blocks * layout.block_bytes)
+    region = BlockRegion(seg.data.reshape(num_blocks, layout.block_bytes))
+    region.array[:] = 0  # fault the pages in, as a long-running decode pool would have
+    # perf_counter is CLOCK_MONOTONIC: comparable with the sender's on the same host
+    receiver = FabricReceiver(layout, region, ReceiverConfig(lease_s=30), clock=time.perf_counter, shm=seg)
+    pipe.send(receiver.address.to_wire())
+    arrived: dict[str, float] = {}
+    while True:
+        cmd = pipe.recv()
+        if cmd is None:
+            return
+        if cmd[0] == "expect":
+            pipe.send(receiver.expect(cmd[1], cmd[2], 0).to_wire())
+            continue
+        while cmd[1] not in arrived:  # "arrival": when the receiver saw the transfer complete
+            arrived.update((e.request_id, e.arrived_at) for e in receiver.poll(timeout_s=5) if isinstance(e, KVArrived))
+        pipe.send(arrived.pop(cmd[1]))
+
+
+def raw_socket_child(port: int, max_bytes: int) -> None:
+    """The tcp limit's far end: receive [u64 length][payload] with recv_into, answer one byte."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    tune(sock, 60)
+    buf = memoryview(bytearray(max_bytes))
+    head = bytearray(8)
+    while sock.recv_into(head, 8, socket.MSG_WAITALL) == 8:
+        nbytes, got = int.from_bytes(head, "big"), 0
+        while got < nbytes:
+            got += sock.recv_into(buf[got:nbytes])
+        sock.sendall(b"k")
+
+
+class RawSocket:
+    """A long-lived loopback connection to a child process: the tcp copy limit."""
+
+    def __init__(self, max_bytes: int) -> None:
+        server = socket.create_server(("127.0.0.1", 0))
+        self.child = mp.get_context("spawn").Process(
+            target=raw_socket_child, args=(server.getsockname()[1], max_bytes), daemon=True)
+        self.child.start()
+        self.conn, _ = server.accept()
+        server.close()
+        tune(self.conn, 60)
+
+    def send_s(self, payload: np.ndarray) -> float:
+        t0 = time.perf_counter()
+        self.conn.sendall(payload.nbytes.to_bytes(8, "big"))
+        self.conn.sendall(memoryview(payload).cast("B"))
+        self.conn.recv(1)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.conn.close()
+        self.child.join(5)
+
+
+def memcpy_s(src: np.ndarray, dst: np.ndarray) -> float:
+    t0 = time.perf_counter()
+    np.copyto(dst[: len(src)], src)
+    return time.perf_counter() - t0
+
+
+class Bench:
+    def __init__(self, layout: FabricLayout, num_blocks: int) -> None:
+        self.layout, self.num_blocks = layout, num_blocks
+        ctx = mp.get_context("spawn")
+        self.pipe, child = ctx.Pipe()
+        self.child = ctx.Process(target=receiver_child, args=(child, layout.to_wire(), num_blocks), daemon=True)
+        self.child.start()
+        from kvfabric.address import FabricAddress
+
+        self.address = FabricAddress.from_wire(self.pipe.recv())
+        rng = np.random.default_rng(0)
+        self.src = rng.integers(0, 256, (num_blocks, layout.block_bytes), dtype=np.uint8)
+        self.senders = {t: FabricSender(layout, BlockRegion(self.src), SenderConfig(transport=t)) for t in ("shm", "tcp")}
+        self.n = 0
+        self.memcpy_dst = np.ones_like(self.src)  # private memory: numpy asks for transparent huge pages
+        self.shm_scratch = ShmSegment.create(self.src.nbytes)  # the medium itself: tmpfs pages, as the pool
+        self.shm_dst = self.shm_scratch.data.reshape(self.src.shape)
+        self.shm_dst[:] = 1
+        self.raw = RawSocket(self.src.nbytes)
+        for _ in range(3):  # let the connection's window open, as the fabric's long-lived one has
+            self.raw.send_s(self.src)
+
+    def limit_s(self, transport: str, n: int) -> float:
+        if transport == "shm":
+            return memcpy_s(self.src[:n], self.shm_dst)
+        return self.raw.send_s(self.src[:n])
+
+    def ticket(self, block_ids: list[int]) -> Ticket:
+        self.n += 1
+        self.pipe.send(("expect", f"b{self.n}", block_ids))
+        return Ticket.from_wire(self.pipe.recv())
+
+    def transfer_s(self, transport: str, src_ids: list[int], dst_ids: list[int]) -> float:
+        """From the start of the push until the receiver recorded completion (its KVArrived)."""
+        ticket = self.ticket(dst_ids)
+        transfer = self.senders[transport].open(ticket)
+        t0 = time.perf_counter()
+        transfer.push(src_ids, 0)
+        transfer.finish(1, len(dst_ids) * self.layout.block_size)
+        self.pipe.send(("arrival", ticket.request_id))
+        return self.pipe.recv() - t0
+
+    def close(self) -> None:
+        for s in self.senders.values():
+            s.close()
+        self.raw.close()
+        self.shm_dst = None
+        self.shm_scratch.close()
+        self.pipe.send(None)
+        self.child.join(5)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="small,llama3_8b")
+    ap.add_argument("--blocks", default="1,4,16,64,256")
+    ap.add_argument("--transports", default="shm,tcp")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--latency-iters", type=int, default=300)
+    args = ap.parse_args()
+    counts = [int(x) for x in args.blocks.split(",")]
+    for shape in args.shapes.split(","):
+        layout = SHAPES[shape]
+        bench = Bench(layout, max(counts))
+        try:
+            for transport in args.transports.split(","):
+                for n in counts:
+                    for contiguous in (True, False) if n > 1 else (True,):
+                        run_case(bench, transport, shape, n, contiguous, args)
+        finally:
+            bench.close()
+
+
+def run_case(bench: Bench, transport: str, shape: str, n: int, contiguous: bool, args: argparse.Namespace) -> None:
+    layout = bench.layout
+    rng = np.random.default_rng(n)
+    src_ids = list(range(n)) if contiguous else [int(x) for x in rng.permutation(bench.num_blocks)[:n]]
+    dst_ids = list(range(n)) if contiguous else [int(x) for x in rng.permutation(bench.num_blocks)[:n]]
+    bench.transfer_s(transport, src_ids, dst_ids)  # warm: connection, mapping
+    best, best_limit, best_private = float("inf"), float("inf"), float("inf")
+    for _ in range(args.reps):  # interleaved, so all see the same machine noise
+        best = min(best, bench.transfer_s(transport, src_ids, dst_ids))
+        best_limit = min(best_limit, bench.limit_s(transport, n))
+        if transport == "shm":
+            best_private = min(best_private, memcpy_s(bench.src[:n], bench.memcpy_dst))
+    limit = n * layout.block_bytes / best_limit / 1e9
+    private = n * layout.block_bytes / best_private / 1e9
+    gb_per_s = n * layout.block_bytes / best / 1e9
+    latency = None
+    if n == 1:
+        latency = statistics.median(bench.transfer_s(transport, [0], [0]) for _ in range(args.latency_iters)) * 1e6
+    print(json.dumps({
+        "bench": "kvfabric_bandwidth", "transport": transport, "shape": shape, "block_bytes": layout.block_bytes,
+        "blocks": n, "contiguous": contiguous, "reps": args.reps, "gb_per_s": round(gb_per_s, 3),
+        "limit_gb_per_s": round(limit, 3), "fraction_of_limit": round(gb_per_s / limit, 3),
+        "push_latency_us": None if latency is None else round(latency, 1),
+        **({"memcpy_private_gb_per_s": round(private, 3), "fraction_of_private_memcpy": round(gb_per_s / private, 3)}
+           if transport == "shm" else {}),
+    }), flush=True)
+
+
+if __name__ == "__main__":
+    main()
