@@ -104,8 +104,8 @@ class LLMEngine:
         num_blocks = config.cache.num_blocks or max(1, config.cache.kv_cache_bytes // layout.block_bytes)
         self.kv_pool = KVPool(layout, num_blocks, config.device, allocator)
         self.block_pool = BlockPool(num_blocks, config.cache.enable_prefix_caching)
-        model_id = config.model_id or Path(config.model_dir).resolve().name
-        self.hasher = BlockHasher(config.cache.cluster_secret, model_id, config.cache.block_size)
+        self.model_id = config.model_id or Path(config.model_dir).resolve().name
+        self.hasher = BlockHasher(config.cache.cluster_secret, self.model_id, config.cache.block_size)
         self.kv = KVCacheManager(self.block_pool, self.hasher)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, clock)
         self.runner = ModelRunner(self.model, self.kv_pool, config.device)

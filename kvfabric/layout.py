@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import asdict, dataclass, fields
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -33,6 +33,14 @@ class FabricLayout:
         for f in ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype_bytes"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"FabricLayout.{f} must be positive, got {getattr(self, f)}")
+
+    @classmethod
+    def of_pool(cls, model_id: str, pool_layout: Any) -> FabricLayout:
+        """From any pool layout with num_layers, block_size, num_kv_heads, head_dim and a
+        torch-style dtype (the engine's KVLayout), without importing it."""
+        dtype = pool_layout.dtype
+        return cls(model_id, str(dtype).removeprefix("torch."), pool_layout.num_layers, pool_layout.block_size,
+                   pool_layout.num_kv_heads, pool_layout.head_dim, dtype.itemsize)
 
     @property
     def block_bytes(self) -> int:

@@ -1,0 +1,1 @@
+"""Decode worker: the engine in decode role plus the kvfabric receiver."""

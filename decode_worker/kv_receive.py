@@ -1,0 +1,74 @@
+"""Decode side of a hand-off: reserve blocks for remote prompts and admit them once their KV arrived.
+
+Data flow: `reserve()` asks the engine for destination blocks (its cached prefix is
+reused, so only missing blocks travel) and puts them under a kvfabric lease -> `Ticket`
+for the router to hand to a prefill worker. `pump()` applies the receiver's events to
+the engine: `KVArrived` -> `remote_kv_ready` (the request joins the continuous batch
+with its first token); `TransferFailed` -> the request ends, its blocks freed or, when
+a one-sided writer may still write, held; `BlocksFenced` -> held blocks are freed.
+The engine's pool lives in shared memory (`ShmKVAllocator`) so `shm` senders on this
+host copy straight into it; other senders use `tcp`.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.request import SamplingParams
+from engine.types import RequestId
+from kvfabric import (
+    BlockRegion, BlocksFenced, FabricLayout, FabricReceiver, KVArrived, ReceiverConfig, ShmKVAllocator, Ticket,
+    TransferFailed,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RemoteFailure:
+    request_id: str
+    reason: str
+
+
+class RemoteKV:
+    def __init__(self, engine: LLMEngine, allocator: ShmKVAllocator | None, config: ReceiverConfig | None = None) -> None:
+        """`allocator`: the one the engine's pool came from (None: pool not shared, tcp only)."""
+        self.engine = engine
+        layout = FabricLayout.of_pool(engine.model_id, engine.kv_pool.layout)
+        self.block_size = engine.kv_pool.layout.block_size
+        region = BlockRegion.from_tensor(engine.kv_pool.tensor)
+        self.receiver = FabricReceiver(layout, region, config, engine.clock, allocator.segment if allocator else None)
+
+    def reserve(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None,
+        priority: int = 0, tenant: str = "",
+    ) -> Ticket | None:
+        """Destination blocks under a lease, or None when the pool cannot hold the prompt now."""
+        res = self.engine.add_remote_request(prompt, params, request_id, priority, tenant)
+        if res is None:
+            return None
+        return self.receiver.expect(res.request_id, [int(b) for b in res.block_ids], res.num_cached_tokens // self.block_size)
+
+    def pump(self, timeout_s: float = 0.0) -> list[RequestOutput | RemoteFailure]:
+        """Apply transfer events to the engine; returns first-token outputs and failures."""
+        results: list[RequestOutput | RemoteFailure] = []
+        for ev in self.receiver.poll(timeout_s):
+            rid = RequestId(ev.request_id)
+            if isinstance(ev, KVArrived):
+                results += self.engine.remote_kv_ready(rid, ev.first_token_id)
+            elif isinstance(ev, TransferFailed):
+                self.engine.abort(rid, hold_blocks=ev.blocks_held)
+                results.append(RemoteFailure(rid, ev.reason))
+            elif isinstance(ev, BlocksFenced):
+                self.engine.release_handoff(rid)
+        return results
+
+    def abort(self, request_id: str) -> bool:
+        """End a request in any state; blocks a sender may still write stay held until fenced."""
+        held = self.receiver.cancel(request_id)
+        return self.engine.abort(request_id, hold_blocks=bool(held))
+
+    def close(self) -> None:
+        self.receiver.close()

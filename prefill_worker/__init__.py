@@ -1,0 +1,1 @@
+"""Prefill worker: the engine in prefill role plus the kvfabric sender."""

@@ -1,0 +1,127 @@
+"""Prefill engine (child process) -> kvfabric -> decode engine (this process), for shm and tcp.
+
+Greedy tokens must equal transformers (and so the monolithic engine) for concurrent
+prompts; blocks are pushed chunk by chunk while prefill goes on; the decode side's cached
+prefix is not sent again; no block is leaked on either side.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from decode_worker.kv_receive import RemoteFailure, RemoteKV
+from engine.request import FinishReason, SamplingParams
+from kvfabric import ShmKVAllocator
+from tests.integration.fabric_peer import Peer
+from tests.integration.prefill_peer import prefill_main
+from tests.integration.reference import hf_greedy, make_engine, random_prompts
+
+MAX_TOKENS = 8
+PARAMS = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(params=["shm", "tcp"])
+def transport(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def prefill(tiny_llama_dir: str, transport: str) -> Iterator[Peer]:
+    peer = Peer(prefill_main, tiny_llama_dir, transport, 16)
+    yield peer
+    peer.stop()
+
+
+@pytest.fixture
+def decode(tiny_llama_dir: str) -> Iterator[RemoteKV]:
+    allocator = ShmKVAllocator()
+    engine = make_engine(tiny_llama_dir, role="decode", allocator=allocator)
+    remote = RemoteKV(engine, allocator)
+    yield remote
+    remote.close()
+
+
+def run_decode(decode: RemoteKV, tokens: dict[str, list[int]], expected: int) -> list[RemoteFailure]:
+    failures = []
+    arrived = 0
+    while arrived < expected or decode.engine.has_unfinished():
+        for item in decode.pump(timeout_s=0.05 if arrived < expected else 0):
+            arrived += 1
+            if isinstance(item, RemoteFailure):
+                failures.append(item)
+            else:
+                tokens[item.request_id] += item.new_token_ids
+        for out in decode.engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                assert out.finish_reason is FinishReason.LENGTH
+    return failures
+
+
+def test_disaggregated_greedy_equals_transformers_with_chunked_pushes(
+    tiny_llama_dir: str, prefill: Peer, decode: RemoteKV, transport: str,
+) -> None:
+    prompts = random_prompts([5, 16, 23, 41, 64], 512, seed=11)
+    tickets = [decode.reserve(p, PARAMS, request_id=f"p{i}") for i, p in enumerate(prompts)]
+    assert all(t is not None for t in tickets)
+    assert set(prefill.call("attach", [t.to_wire() for t in tickets]).values()) == {None}
+    reply = prefill.call("prefill", [(p, t.request_id, MAX_TOKENS) for p, t in zip(prompts, tickets)], timeout_s=60)
+    assert reply["in_use"] == 0  # the prefill side released every handed-off block
+    firsts = {rid: first for rid, first, error, _ in reply["done"]}
+    assert all(error is None for _, _, error, _ in reply["done"])
+    pushes = {rid: n for rid, _, _, n in reply["done"]}
+    assert pushes["p4"] >= 4  # 64 tokens at a 16-token budget: pushed after every chunk, not at the end
+    tokens = {f"p{i}": [] for i in range(len(prompts))}
+    assert run_decode(decode, tokens, len(prompts)) == []
+    for i, p in enumerate(prompts):
+        expected = hf_greedy(tiny_llama_dir, tuple(p), MAX_TOKENS)
+        assert tokens[f"p{i}"] == expected
+        assert firsts[f"p{i}"] == expected[0]
+    assert decode.engine.check_invariants().num_in_use == 0
+    assert decode.receiver.held_block_ids() == []
+
+
+def test_cached_prefix_on_decode_is_not_sent_again(tiny_llama_dir: str, prefill: Peer, decode: RemoteKV) -> None:
+    stem = random_prompts([16], 512, seed=12)[0]
+    first, second = stem + [9, 8, 7], stem + [5, 4]
+    t1 = decode.reserve(first, PARAMS, request_id="a")
+    prefill.call("attach", [t1.to_wire()])
+    prefill.call("prefill", [(first, "a", MAX_TOKENS)], timeout_s=60)
+    tokens = {"a": [], "b": []}
+    run_decode(decode, tokens, 1)
+    t2 = decode.reserve(second, PARAMS, request_id="b")
+    assert t2.num_skip_blocks == 4  # the stem's four 4-token blocks are cached on decode
+    prefill.call("attach", [t2.to_wire()])
+    prefill.call("prefill", [(second, "b", MAX_TOKENS)], timeout_s=60)
+    run_decode(decode, tokens, 1)
+    assert tokens["b"] == hf_greedy(tiny_llama_dir, tuple(second), MAX_TOKENS)
+    assert decode.engine.check_invariants().num_in_use == 0
+
+
+def test_abort_before_the_prefill_worker_opened_it_is_refused_there(prefill: Peer, decode: RemoteKV) -> None:
+    ticket = decode.reserve(random_prompts([30], 512, seed=13)[0], PARAMS, request_id="x")
+    assert decode.abort("x")
+    assert decode.engine.check_invariants().num_in_use == 0  # nobody had opened it: freed at once
+    [error] = prefill.call("attach", [ticket.to_wire()]).values()
+    assert error.startswith("ReservationRevoked") and "unknown, expired or revoked" in error
+
+
+def test_abort_during_prefill_frees_both_sides(prefill: Peer, decode: RemoteKV, transport: str) -> None:
+    prompt = random_prompts([60], 512, seed=14)[0]
+    ticket = decode.reserve(prompt, PARAMS, request_id="y")
+    assert prefill.call("attach", [ticket.to_wire()]) == {"y": None}
+    assert decode.abort("y")  # the client went away after the prefill worker opened the transfer
+    if transport == "shm":  # one-sided: quarantined until the prefill side acknowledges
+        assert decode.receiver.held_block_ids() == list(ticket.block_ids)
+        assert decode.engine.check_invariants().num_in_use == len(ticket.block_ids)
+    else:  # two-sided, no frame in flight: free at once
+        assert decode.receiver.held_block_ids() == []
+        assert decode.engine.check_invariants().num_in_use == 0
+    reply = prefill.call("prefill", [(prompt, "y", MAX_TOKENS)], timeout_s=60)
+    [(rid, first, error, _)] = reply["done"]
+    assert rid == "y" and first is None and "aborted" in error
+    assert reply["in_use"] == 0
+    assert decode.pump(timeout_s=0.5) == []  # the fence (shm) frees silently: nothing to report
+    assert decode.receiver.held_block_ids() == []
+    assert decode.engine.check_invariants().num_in_use == 0
