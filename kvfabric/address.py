@@ -35,6 +35,9 @@ class FabricAddress:
     shm_name: str | None = None
     shm_nonce: str | None = None
     shm_bytes: int = 0
+    cuda_ipc_handle: bytes | None = None
+    """The decode pool's CUDA IPC handle (device pools on this host)."""
+    pool_blocks: int = 0
 
     def to_wire(self) -> dict[str, object]:
         d = asdict(self)

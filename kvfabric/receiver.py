@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfabric.address import FabricAddress, Ticket, local_host_id
+from kvfabric.cuda import DeviceRegion, NcclLink, cupy
 from kvfabric.errors import FabricError, PeerUnavailable, ProtocolError, ReservationRevoked
 from kvfabric.layout import FabricLayout
 from kvfabric.region import BlockRegion, ShmSegment
@@ -57,11 +58,14 @@ class FabricReceiver:
     def __init__(
         self,
         layout: FabricLayout,
-        region: BlockRegion,
+        region: BlockRegion | DeviceRegion,
         config: ReceiverConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         shm: ShmSegment | None = None,
+        cuda_ipc_handle: bytes | None = None,
     ) -> None:
+        """A CPU pool (`BlockRegion`, in `shm` when given) offers shm and tcp; a device pool
+        (`DeviceRegion`, exported as `cuda_ipc_handle` when given) offers cuda_ipc and nccl."""
         if region.block_bytes != layout.block_bytes:
             raise ValueError(f"region blocks are {region.block_bytes} bytes, layout says {layout.block_bytes}")
         self.layout, self.region, self.config = layout, region, config or ReceiverConfig()
@@ -72,17 +76,23 @@ class FabricReceiver:
         self._closed = False
         self._listener = socket.create_server((self.config.host, self.config.port))
         self._listener.settimeout(0.2)
-        transports = ("shm", "tcp") if shm is not None else ("tcp",)
+        on_device = isinstance(region, DeviceRegion)
+        if on_device:
+            transports: tuple[str, ...] = ("cuda_ipc", "nccl") if cuda_ipc_handle else ("nccl",)
+        else:
+            transports = ("shm", "tcp") if shm is not None else ("tcp",)
         self.address = FabricAddress(
             host=self.config.advertise_host or self.config.host,
             port=self._listener.getsockname()[1],
             host_id=local_host_id(),
             receiver_id=secrets.token_hex(8),
-            device="cpu",
+            device="cuda" if on_device else "cpu",
             transports=transports,
             shm_name=shm.name if shm else None,
             shm_nonce=shm.nonce if shm else None,
             shm_bytes=shm.nbytes if shm else 0,
+            cuda_ipc_handle=cuda_ipc_handle if on_device else None,
+            pool_blocks=region.num_blocks,
         )
         self._accept_thread = threading.Thread(target=self._accept_loop, name="kvfabric-accept", daemon=True)
         self._accept_thread.start()
@@ -145,14 +155,19 @@ class FabricReceiver:
 
     def _serve(self, writer: int, conn: Conn) -> None:
         reason = "sender disconnected"
+        link = None
         try:
-            one_sided = self._handshake(conn)
+            transport, link = self._handshake(conn)
+            one_sided = transport in ONE_SIDED
             while not self._closed:
                 try:
                     msg = conn.recv()
                 except Idle:
                     continue
-                self._dispatch(writer, conn, msg, one_sided)
+                if msg["t"] == "nccl_data" and link is not None:
+                    self._receive_nccl_frame(writer, conn, link, msg)
+                else:
+                    self._dispatch(writer, conn, msg, one_sided)
                 self._send_revocations()
         except (FabricError, ValueError, KeyError, TypeError) as e:
             reason = f"sender connection ended: {e}"
@@ -160,12 +175,14 @@ class FabricReceiver:
                 logger.warning("kvfabric: closing sender %d: %s", writer, e)
         finally:
             conn.close()
+            if link is not None:
+                link.close()
             self._conns.pop(writer, None)
             with self._cond:
                 self.table.writer_gone(writer, reason)
                 self._cond.notify_all()
 
-    def _handshake(self, conn: Conn) -> bool:
+    def _handshake(self, conn: Conn) -> tuple[str, NcclLink | None]:
         try:
             msg = conn.recv()
         except Idle:
@@ -184,7 +201,11 @@ class FabricReceiver:
             conn.send({"t": "hello_err", "field": "transport", "error": text})
             raise ProtocolError(f"handshake refused: {text}")
         conn.send({"t": "hello_ok", "receiver_id": self.address.receiver_id})
-        return transport in ONE_SIDED
+        link = None
+        if transport == "nccl":  # rank 1; joins the sender's rank 0 (bounded by NCCL's own init)
+            assert isinstance(self.region, DeviceRegion)
+            link = NcclLink(msg["nccl_uid"], 2, 1, self.region.device)
+        return transport, link
 
     def _dispatch(self, writer: int, conn: Conn, msg: dict[str, Any], one_sided: bool) -> None:
         t, rid = msg["t"], msg.get("rid")
@@ -250,6 +271,34 @@ class FabricReceiver:
             crc = msg.get("crc32")
             if crc is not None and _crc32(dst) != crc:
                 error = f"checksum mismatch in a frame of {len(runs)} runs starting at block position {runs[0][0]}"
+        except FabricError as e:
+            error = f"frame failed: {e}"
+            raise
+        finally:
+            with self._cond:
+                self.table.end_frame(rid, runs, error)
+                self._cond.notify_all()
+
+    def _receive_nccl_frame(self, writer: int, conn: Conn, link: NcclLink, msg: dict[str, Any]) -> None:
+        """Two-sided on GPU: the runs arrive as grouped NCCL receives into their blocks."""
+        rid, runs = msg["rid"], [(int(i), int(n)) for i, n in msg["runs"]]
+        bb = self.layout.block_bytes
+        with self._cond:
+            try:
+                firsts = self.table.begin_frame(rid, writer, runs)
+            except ValueError as e:
+                self.table.fail(rid, writer, str(e))
+                firsts = None
+        region = self.region
+        assert isinstance(region, DeviceRegion)
+        if firsts is None:  # still receive (NCCL must stay in step), into scratch, then drop
+            scratch = cupy().empty(sum(n for _, n in runs) * bb, dtype="uint8")
+            link.exchange(0, [], [(scratch.data.ptr, scratch.nbytes)], self.config.io_timeout_s)
+            return
+        error = None
+        try:
+            recvs = [(region.block_ptr(first, n), n * bb) for first, (_, n) in zip(firsts, runs)]
+            link.exchange(0, [], recvs, self.config.io_timeout_s)
         except FabricError as e:
             error = f"frame failed: {e}"
             raise

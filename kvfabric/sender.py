@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfabric.address import FabricAddress, Ticket, local_host_id
+from kvfabric.cuda import DeviceRegion, IpcMapping, NcclLink, nccl_unique_id
 from kvfabric.errors import FabricError, HandshakeError, PeerUnavailable, ReservationRevoked
 from kvfabric.layout import FabricLayout, Run, coalesce
 from kvfabric.region import BlockRegion, ShmSegment
@@ -45,8 +46,8 @@ class SenderConfig:
         for f in ("io_timeout_s", "ack_timeout_s", "renew_interval_s"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"SenderConfig.{f} must be positive, got {getattr(self, f)}")
-        if self.transport not in (None, "shm", "tcp"):
-            raise ValueError(f"SenderConfig.transport must be shm, tcp or None, got {self.transport!r}")
+        if self.transport not in (None, "shm", "tcp", "cuda_ipc", "nccl"):
+            raise ValueError(f"SenderConfig.transport must be shm, tcp, cuda_ipc, nccl or None, got {self.transport!r}")
 
 
 class _Pending:
@@ -127,6 +128,9 @@ class _Peer:
     def __init__(self, sender: FabricSender, address: FabricAddress) -> None:
         self.sender, self.address = sender, address
         self.config = sender.config
+        self.ipc: IpcMapping | None = None
+        self.link: NcclLink | None = None
+        self._frame_lock = threading.Lock()
         self.transport, self.shm = self._choose_transport()
         self.conn: Conn | None = None
         self.dead: str | None = None
@@ -146,6 +150,8 @@ class _Peer:
 
     def _choose_transport(self) -> tuple[str, ShmSegment | None]:
         a, forced = self.address, self.config.transport
+        if isinstance(self.sender.region, DeviceRegion):
+            return self._choose_gpu_transport(), None
         can_shm = "shm" in a.transports and a.host_id == local_host_id() and a.shm_name and a.shm_nonce
         if forced == "tcp" or (forced is None and not can_shm):
             return "tcp", None
@@ -159,9 +165,25 @@ class _Peer:
             logger.info("kvfabric: shm unavailable for receiver %s (%s); using tcp", a.receiver_id, e)
             return "tcp", None
 
+    def _choose_gpu_transport(self) -> str:
+        a, forced, src = self.address, self.config.transport, self.sender.region
+        assert isinstance(src, DeviceRegion)
+        if a.device != "cuda":
+            raise HandshakeError(f"a device pool cannot push to receiver {a.receiver_id} on {a.device}", "device")
+        same_host = a.host_id == local_host_id() and a.cuda_ipc_handle is not None and "cuda_ipc" in a.transports
+        if forced in (None, "cuda_ipc") and same_host:
+            self.ipc = IpcMapping(a.cuda_ipc_handle, a.pool_blocks, self.sender.layout.block_bytes, src.device)  # type: ignore[arg-type]
+            return "cuda_ipc"
+        if forced == "cuda_ipc":
+            raise HandshakeError(f"cuda_ipc requested but receiver {a.receiver_id} is on another host", "transport")
+        return "nccl"
+
     def _handshake(self) -> None:
-        self.conn.send({"t": "hello", "layout": self.sender.layout.to_wire(), "transport": self.transport,
-                        "host_id": local_host_id()})
+        hello = {"t": "hello", "layout": self.sender.layout.to_wire(), "transport": self.transport,
+                 "host_id": local_host_id()}
+        if self.transport == "nccl":
+            hello["nccl_uid"] = uid = nccl_unique_id()
+        self.conn.send(hello)
         try:
             reply = self.conn.recv()
         except Idle:
@@ -172,6 +194,10 @@ class _Peer:
             raise HandshakeError(f"unexpected handshake reply {reply['t']!r}")
         if self.shm is not None:
             self.dst = BlockRegion(self.shm.data.reshape(-1, self.sender.layout.block_bytes))
+        if self.transport == "nccl":
+            src = self.sender.region
+            assert isinstance(src, DeviceRegion)
+            self.link = NcclLink(uid, 2, 0, src.device)
 
     # -- transfers -----------------------------------------------------------------------
     def open(self, ticket: Ticket) -> Transfer:
@@ -192,6 +218,9 @@ class _Peer:
         """Called with the transfer's lock held: shm copies then reports, tcp sends one frame."""
         rid, src = transfer.ticket.reservation_id, self.sender.region
         spans = [[r.index, r.num_blocks] for r in runs]
+        if isinstance(src, DeviceRegion):
+            self._write_device(rid, src, runs, spans)
+            return
         if self.transport == "shm":
             assert self.dst is not None
             for r in runs:
@@ -206,6 +235,19 @@ class _Peer:
                 crc = zlib.crc32(d, crc)
             header["crc32"] = crc
         self.conn.send(header, [memoryview(d).cast("B") for d in data])
+
+    def _write_device(self, rid: int, src: DeviceRegion, runs: list[Run], spans: list[list[int]]) -> None:
+        timeout_s = self.config.io_timeout_s
+        if self.ipc is not None:  # one-sided: copy, wait for the stream, then report
+            self.ipc.copy_runs(src, runs, timeout_s)
+            self.conn.send({"t": "written", "rid": rid, "runs": spans})
+            return
+        assert self.link is not None
+        bb = self.sender.layout.block_bytes
+        sends = [(src.block_ptr(r.src_block, r.num_blocks), r.num_blocks * bb) for r in runs]
+        with self._frame_lock:  # header and payload of one frame stay together
+            self.conn.send({"t": "nccl_data", "rid": rid, "runs": spans, "nbytes": sum(n for _, n in sends)})
+            self.link.exchange(1, sends, [], timeout_s)
 
     def request(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Send and wait (bounded) for the reply that names the same reservation."""
@@ -292,10 +334,18 @@ class _Peer:
             self.dst = None
             self.shm.close()
             self.shm = None
+        if self.ipc is not None:
+            self.ipc.close()
+            self.ipc = None
+        if self.link is not None:
+            self.link.close()
+            self.link = None
 
 
 class FabricSender:
-    def __init__(self, layout: FabricLayout, region: BlockRegion, config: SenderConfig | None = None) -> None:
+    def __init__(
+        self, layout: FabricLayout, region: BlockRegion | DeviceRegion, config: SenderConfig | None = None,
+    ) -> None:
         if region.block_bytes != layout.block_bytes:
             raise ValueError(f"region blocks are {region.block_bytes} bytes, layout says {layout.block_bytes}")
         self.layout, self.region, self.config = layout, region, config or SenderConfig()

@@ -55,3 +55,12 @@ def test_ticket_round_trips_through_msgpack() -> None:
     addr = FabricAddress("127.0.0.1", 5555, "h/b", "r1", "cpu", ("shm", "tcp"), "splitserve-kv-1-ab", "n" * 32, 4096)
     ticket = Ticket(addr, 2**62 + 5, "req", (4, 5, 9), 1, 10.0)
     assert Ticket.from_wire(msgpack.unpackb(msgpack.packb(ticket.to_wire()))) == ticket
+
+
+def test_the_cpu_fabric_imports_neither_torch_nor_cupy() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, kvfabric, kvfabric.receiver, kvfabric.sender; print('torch' in sys.modules, 'cupy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]

@@ -1,0 +1,90 @@
+"""kvfabric's GPU transports: cuda_ipc between two processes on one GPU, nccl to itself,
+and nccl between two processes on two GPUs. Need CUDA and CuPy (the `gpu` extra)."""
+from __future__ import annotations
+
+import multiprocessing as mp
+from multiprocessing.connection import Connection
+
+import pytest
+import torch
+
+from kvfabric import FabricLayout, FabricReceiver, FabricSender, KVArrived, ReceiverConfig, SenderConfig, Ticket
+from kvfabric.address import FabricAddress
+from kvfabric.cuda import CudaIpcKVAllocator, DeviceRegion, NcclLink, nccl_unique_id
+
+LAYOUT = FabricLayout("gpu-test", "bfloat16", num_layers=4, block_size=16, num_kv_heads=2, head_dim=64, dtype_bytes=2)
+NUM_BLOCKS = 32
+
+
+@pytest.fixture(autouse=True)
+def _needs_cupy() -> None:
+    pytest.importorskip("cupy")
+
+
+def receiver_child(pipe: Connection, device: int, use_ipc: bool) -> None:
+    torch.cuda.set_device(device)
+    allocator = CudaIpcKVAllocator()
+    pool = allocator.allocate((NUM_BLOCKS, LAYOUT.block_bytes // 2), torch.bfloat16, f"cuda:{device}")
+    receiver = FabricReceiver(LAYOUT, DeviceRegion.from_tensor(pool), ReceiverConfig(lease_s=30),
+                              cuda_ipc_handle=allocator.ipc_handle if use_ipc else None)
+    pipe.send(receiver.address.to_wire())
+    while True:
+        cmd = pipe.recv()
+        if cmd[0] == "expect":
+            pipe.send(receiver.expect(cmd[1], cmd[2], 0).to_wire())
+        elif cmd[0] == "poll":
+            pipe.send([(e.request_id, type(e).__name__) for e in receiver.poll(timeout_s=10)])
+        elif cmd[0] == "bytes":
+            torch.cuda.synchronize()
+            pipe.send(pool.view(torch.uint8)[cmd[1]].cpu().numpy().tobytes())
+        else:
+            receiver.close()
+            return
+
+
+def run_pair(transport: str, sender_device: int, receiver_device: int) -> None:
+    ctx = mp.get_context("spawn")
+    pipe, child = ctx.Pipe()
+    proc = ctx.Process(target=receiver_child, args=(child, receiver_device, transport == "cuda_ipc"), daemon=True)
+    proc.start()
+    try:
+        assert pipe.poll(120)
+        FabricAddress.from_wire(pipe.recv())
+        g = torch.Generator(device=f"cuda:{sender_device}").manual_seed(0)
+        src = torch.randint(0, 256, (NUM_BLOCKS, LAYOUT.block_bytes), dtype=torch.uint8,
+                            device=f"cuda:{sender_device}", generator=g)
+        sender = FabricSender(LAYOUT, DeviceRegion.from_tensor(src), SenderConfig(transport=transport))
+        dst_ids, src_ids = [3, 4, 5, 9, 20], [7, 8, 9, 1, 30]
+        pipe.send(("expect", "g", dst_ids))
+        transfer = sender.open(Ticket.from_wire(pipe.recv()))
+        assert transfer.transport == transport
+        transfer.push(src_ids[:3], 0)
+        transfer.push(src_ids[3:], 3)
+        transfer.finish(5, len(dst_ids) * LAYOUT.block_size)
+        pipe.send(("poll",))
+        assert pipe.recv() == [("g", KVArrived.__name__)]
+        pipe.send(("bytes", dst_ids))
+        assert pipe.recv() == src[src_ids].cpu().numpy().tobytes()
+        sender.close()
+    finally:
+        pipe.send(("exit",))
+        proc.join(10)
+        proc.kill()
+
+
+def test_cuda_ipc_between_two_processes_on_one_gpu() -> None:
+    run_pair("cuda_ipc", 0, 0)
+
+
+def test_nccl_send_to_self() -> None:
+    link = NcclLink(nccl_unique_id(), 1, 0, 0)
+    src = torch.randint(0, 256, (4, 4096), dtype=torch.uint8, device="cuda:0")
+    dst = torch.zeros_like(src)
+    link.exchange(0, [(src[1].data_ptr(), 8192)], [(dst[2].data_ptr(), 8192)], timeout_s=30)
+    assert torch.equal(dst[2:4], src[1:3]) and not dst[:2].any()
+    link.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nccl between processes needs two GPUs")
+def test_nccl_between_two_processes_on_two_gpus() -> None:
+    run_pair("nccl", 0, 1)
