@@ -249,56 +249,57 @@ class FabricReceiver:
             self.table.fail(rid, writer, str(e))
 
     def _receive_frame(self, writer: int, conn: Conn, msg: dict[str, Any]) -> None:
-        """Two-sided: receive a frame's runs straight into their destination blocks."""
-        rid, nbytes = msg["rid"], msg["nbytes"]
-        runs = [(int(i), int(n)) for i, n in msg["runs"]]
-        expected = sum(n for _, n in runs) * self.layout.block_bytes
-        if nbytes != expected:
-            raise ProtocolError(f"frame of {sum(n for _, n in runs)} blocks carries {nbytes} bytes, expected {expected}")
-        with self._cond:
-            try:
-                firsts = self.table.begin_frame(rid, writer, runs)
-            except ValueError as e:
-                self.table.fail(rid, writer, str(e))
-                firsts = None
-        if firsts is None:  # revoked, expired or invalid: drop the bytes
-            conn.discard(nbytes)
-            return
-        error = None
-        try:
+        """tcp: a frame's runs arrive straight into their destination blocks (scattered recv)."""
+        nbytes = msg["nbytes"]
+        num_blocks = sum(int(n) for _, n in msg["runs"])
+        if nbytes != num_blocks * self.layout.block_bytes:
+            raise ProtocolError(f"frame of {num_blocks} blocks carries {nbytes} bytes, "
+                                f"expected {num_blocks * self.layout.block_bytes}")
+
+        def receive(firsts: list[int], runs: list[tuple[int, int]]) -> str | None:
+            assert isinstance(self.region, BlockRegion)
             dst = [self.region.blocks(first, n) for first, (_, n) in zip(firsts, runs)]
             conn.recv_into([memoryview(d).cast("B") for d in dst])
             crc = msg.get("crc32")
             if crc is not None and _crc32(dst) != crc:
-                error = f"checksum mismatch in a frame of {len(runs)} runs starting at block position {runs[0][0]}"
-        except FabricError as e:
-            error = f"frame failed: {e}"
-            raise
-        finally:
-            with self._cond:
-                self.table.end_frame(rid, runs, error)
-                self._cond.notify_all()
+                return f"checksum mismatch in a frame of {len(runs)} runs starting at block position {runs[0][0]}"
+            return None
+
+        self._frame(writer, msg, receive, drop=lambda runs: conn.discard(nbytes))
 
     def _receive_nccl_frame(self, writer: int, conn: Conn, link: NcclLink, msg: dict[str, Any]) -> None:
-        """Two-sided on GPU: the runs arrive as grouped NCCL receives into their blocks."""
+        """nccl: the runs arrive as grouped NCCL receives into their blocks."""
+        bb, timeout_s = self.layout.block_bytes, self.config.io_timeout_s
+
+        def receive(firsts: list[int], runs: list[tuple[int, int]]) -> None:
+            assert isinstance(self.region, DeviceRegion)
+            link.exchange(0, [], [(self.region.block_ptr(f, n), n * bb) for f, (_, n) in zip(firsts, runs)], timeout_s)
+
+        def drop(runs: list[tuple[int, int]]) -> None:  # NCCL must stay in step: receive into scratch
+            scratch = cupy().empty(sum(n for _, n in runs) * bb, dtype="uint8")
+            link.exchange(0, [], [(scratch.data.ptr, scratch.nbytes)], timeout_s)
+
+        self._frame(writer, msg, receive, drop)
+
+    def _frame(
+        self, writer: int, msg: dict[str, Any],
+        receive: Callable[[list[int], list[tuple[int, int]]], str | None],
+        drop: Callable[[list[tuple[int, int]]], None],
+    ) -> None:
+        """A two-sided frame: validate and count it in flight, receive (or drop) it, account for it."""
         rid, runs = msg["rid"], [(int(i), int(n)) for i, n in msg["runs"]]
-        bb = self.layout.block_bytes
         with self._cond:
             try:
                 firsts = self.table.begin_frame(rid, writer, runs)
             except ValueError as e:
                 self.table.fail(rid, writer, str(e))
                 firsts = None
-        region = self.region
-        assert isinstance(region, DeviceRegion)
-        if firsts is None:  # still receive (NCCL must stay in step), into scratch, then drop
-            scratch = cupy().empty(sum(n for _, n in runs) * bb, dtype="uint8")
-            link.exchange(0, [], [(scratch.data.ptr, scratch.nbytes)], self.config.io_timeout_s)
+        if firsts is None:  # revoked, expired or invalid: the bytes are not kept
+            drop(runs)
             return
         error = None
         try:
-            recvs = [(region.block_ptr(first, n), n * bb) for first, (_, n) in zip(firsts, runs)]
-            link.exchange(0, [], recvs, self.config.io_timeout_s)
+            error = receive(firsts, runs)
         except FabricError as e:
             error = f"frame failed: {e}"
             raise

@@ -6,6 +6,7 @@ prefix is not sent again; no block is leaked on either side.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -45,7 +46,9 @@ def decode(tiny_llama_dir: str) -> Iterator[RemoteKV]:
 def run_decode(decode: RemoteKV, tokens: dict[str, list[int]], expected: int) -> list[RemoteFailure]:
     failures = []
     arrived = 0
+    deadline = time.monotonic() + 60
     while arrived < expected or decode.engine.has_unfinished():
+        assert time.monotonic() < deadline, f"only {arrived} of {expected} transfers arrived"
         for item in decode.pump(timeout_s=0.05 if arrived < expected else 0):
             arrived += 1
             if isinstance(item, RemoteFailure):
