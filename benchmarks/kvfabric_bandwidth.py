@@ -58,6 +58,9 @@ def receiver_child(pipe: Connection, layout_wire: dict, num_blocks: int) -> None
     while True:
         cmd = pipe.recv()
         if cmd is None:
+            receiver.close()
+            region = None
+            seg.close()  # a multiprocessing child skips atexit: unlink here
             return
         if cmd[0] == "expect":
             pipe.send(receiver.expect(cmd[1], cmd[2], 0).to_wire())

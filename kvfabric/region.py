@@ -82,6 +82,7 @@ class ShmSegment:
 
     @classmethod
     def create(cls, nbytes: int) -> ShmSegment:
+        sweep_dead_segments()
         name = f"splitserve-kv-{os.getpid()}-{secrets.token_hex(6)}"
         nonce = secrets.token_hex(16)
         fd = os.open(_SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -120,6 +121,20 @@ class ShmSegment:
             self.mmap.close()
         except BufferError:
             pass  # a live view (e.g. the engine's pool tensor) keeps the mapping until it dies
+
+
+def sweep_dead_segments() -> list[str]:
+    """Unlink segments whose creating process is gone (killed before it could clean up)."""
+    removed = []
+    for path in _SHM_DIR.glob("splitserve-kv-*-*"):
+        try:
+            pid = int(path.name.split("-")[2])
+        except ValueError:
+            continue
+        if not Path(f"/proc/{pid}").exists():
+            _unlink(path)
+            removed.append(path.name)
+    return removed
 
 
 def _unlink(path: Path) -> None:

@@ -69,6 +69,12 @@ def receiver_main(pipe: Connection, layout_wire: dict, num_blocks: int, config: 
             pipe.send(("ok", [repr(e) for e in receiver.poll(args[0])]))
         elif cmd == "blocks":
             pipe.send(("ok", region.array[args[0]].tobytes()))
+        elif cmd == "exit":
+            receiver.close()
+            region = None  # type: ignore[assignment]
+            seg.close()  # a multiprocessing child skips atexit: unlink here
+            pipe.send(("ok", None))
+            return
 
 
 class Peer:

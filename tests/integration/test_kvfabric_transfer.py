@@ -21,7 +21,7 @@ from kvfabric import (
     BlockRegion, BlocksFenced, FabricEvent, FabricReceiver, FabricSender, HandshakeError, KVArrived,
     PeerUnavailable, ReceiverConfig, SenderConfig, ShmSegment, Ticket, TransferFailed,
 )
-from kvfabric.layout import FabricLayout
+from kvfabric.region import sweep_dead_segments
 from tests.integration.fabric_peer import LAYOUT, Peer, receiver_main, sender_main, source_blocks
 
 NUM_DST = 64
@@ -257,6 +257,8 @@ def test_a_killed_receiver_gives_the_sender_peer_unavailable_quickly(transport: 
         assert time.monotonic() - t0 < 2.0
         with pytest.raises(PeerUnavailable):
             sender.open(ticket)
+        # the dead receiver could not unlink its pool; the next segment created sweeps it
+        assert ticket.address.shm_name in sweep_dead_segments()
     finally:
         sender.close()
         receiver.kill()
