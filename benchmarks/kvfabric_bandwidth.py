@@ -36,6 +36,7 @@ from kvfabric import (  # noqa: E402
     BlockRegion, FabricLayout, FabricReceiver, FabricSender, KVArrived, ReceiverConfig, SenderConfig, ShmSegment,
     Ticket,
 )
+from kvfabric.address import FabricAddress  # noqa: E402
 from kvfabric.wire import tune  # noqa: E402
 
 SHAPES = {
@@ -120,8 +121,6 @@ class Bench:
         self.pipe, child = ctx.Pipe()
         self.child = ctx.Process(target=receiver_child, args=(child, layout.to_wire(), num_blocks), daemon=True)
         self.child.start()
-        from kvfabric.address import FabricAddress
-
         self.address = FabricAddress.from_wire(self.pipe.recv())
         rng = np.random.default_rng(0)
         self.src = rng.integers(0, 256, (num_blocks, layout.block_bytes), dtype=np.uint8)

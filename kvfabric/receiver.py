@@ -164,7 +164,9 @@ class FabricReceiver:
                     msg = conn.recv()
                 except Idle:
                     continue
-                if msg["t"] == "nccl_data" and link is not None:
+                if msg["t"] == "data":
+                    self._receive_frame(writer, conn, msg)
+                elif msg["t"] == "nccl_data" and link is not None:
                     self._receive_nccl_frame(writer, conn, link, msg)
                 else:
                     self._dispatch(writer, conn, msg, one_sided)
@@ -209,9 +211,6 @@ class FabricReceiver:
 
     def _dispatch(self, writer: int, conn: Conn, msg: dict[str, Any], one_sided: bool) -> None:
         t, rid = msg["t"], msg.get("rid")
-        if t == "data":
-            self._receive_frame(writer, conn, msg)
-            return
         with self._cond:
             if t == "open":
                 try:
@@ -233,8 +232,7 @@ class FabricReceiver:
                 self.table.fence(rid, writer)
                 reply = None
             elif t == "abort":
-                self.table.fail(rid, writer, f"sender aborted: {msg.get('reason', '')}")
-                self.table.fence(rid, writer)
+                self.table.abandon(rid, writer, f"sender aborted: {msg.get('reason', '')}")
                 reply = None
             else:
                 raise ProtocolError(f"unknown message type {t!r}")

@@ -42,7 +42,7 @@ class Reservation:
     state: State = State.RESERVED
     writer: int | None = None
     one_sided: bool = False
-    written: bytearray = field(default_factory=bytearray)
+    written: bytearray = field(init=False)
     """One byte per block position: 1 once its data is in place."""
     inflight_frames: int = 0
     opened_at: float | None = None
@@ -124,9 +124,11 @@ class ReservationTable:
     def cancel(self, request_id: str, reason: str = "aborted") -> bool | None:
         """Owner abort. None: nothing active; else whether the blocks must be held until fenced."""
         rid = self._by_request.get(request_id)
-        res = self._by_id.get(rid) if rid is not None else None
-        if res is None or res.state is State.REVOKED:
-            return None if res is None else True
+        res = None if rid is None else self._by_id[rid]
+        if res is None:
+            return None
+        if res.state is State.REVOKED:
+            return True
         return self._revoke(res, reason, notify_owner=False)
 
     def expire(self) -> None:
@@ -225,6 +227,13 @@ class ReservationTable:
         res = self._open(reservation_id, writer)
         if res is not None:
             self._revoke(res, reason, notify_owner=True)
+
+    def abandon(self, reservation_id: int, writer: int, reason: str) -> None:
+        """The writer gave up and will not write again: the transfer fails, blocks free at once."""
+        res = self._open(reservation_id, writer)
+        if res is not None:  # its frames are received on the writer's own thread: none in flight
+            self._close(res)
+            self._events.append(TransferFailed(res.request_id, res.reservation_id, reason, blocks_held=False))
 
     def fence(self, reservation_id: int, writer: int) -> None:
         """The writer acknowledged a revocation: it will not write these blocks again."""

@@ -50,6 +50,10 @@ class SenderConfig:
             raise ValueError(f"SenderConfig.transport must be shm, tcp, cuda_ipc, nccl or None, got {self.transport!r}")
 
 
+_REPLY_TO = {"open_ok": "open", "open_err": "open", "ready_ack": "ready"}
+"""Which request each reply answers; a pending request is keyed by (type, reservation id)."""
+
+
 class _Pending:
     """One awaited reply (open_ok / ready_ack)."""
 
@@ -66,7 +70,6 @@ class Transfer:
         self.lock = threading.Lock()
         self.revoked: str | None = None
         self.done = False
-        self.num_blocks_sent = 0
 
     @property
     def request_id(self) -> str:
@@ -88,7 +91,6 @@ class Transfer:
         with self.lock:
             self._check_usable()
             self.peer.write(self, runs)
-            self.num_blocks_sent += len(src_block_ids)
 
     def finish(self, first_token_id: int, num_tokens: int) -> None:
         """After all data: hand over the first token; returns once the receiver accepted."""
@@ -138,9 +140,9 @@ class _Peer:
         self._pending: dict[tuple[str, int], _Pending] = {}
         self._lock = threading.Lock()
         self.dst: BlockRegion | None = None
-        sock = socket.create_connection((address.host, address.port), timeout=self.config.io_timeout_s)
-        self.conn = Conn(sock, self.config.io_timeout_s)
         try:
+            sock = socket.create_connection((address.host, address.port), timeout=self.config.io_timeout_s)
+            self.conn = Conn(sock, self.config.io_timeout_s)
             self._handshake()
         except BaseException:
             self.close()
@@ -251,7 +253,7 @@ class _Peer:
 
     def request(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Send and wait (bounded) for the reply that names the same reservation."""
-        key = ({"open": "open", "ready": "ready"}[msg["t"]], msg["rid"])
+        key = (msg["t"], msg["rid"])
         pending = _Pending()
         with self._lock:
             if self.dead is not None:
@@ -302,9 +304,9 @@ class _Peer:
 
     def _handle(self, msg: dict[str, Any]) -> None:
         t, rid = msg["t"], msg.get("rid")
-        if t in ("open_ok", "open_err", "ready_ack"):
+        if t in _REPLY_TO:
             with self._lock:
-                pending = self._pending.get(("open" if t.startswith("open") else "ready", rid))
+                pending = self._pending.get((_REPLY_TO[t], rid))
             if pending is not None:
                 pending.reply = msg
                 pending.done.set()
@@ -320,16 +322,22 @@ class _Peer:
 
     def _die(self, reason: str) -> None:
         with self._lock:
-            if self.dead is None:
-                self.dead = reason
             pending = list(self._pending.values())
         for p in pending:
             p.done.set()
-        self.close()
+        self.close(reason)
 
-    def close(self) -> None:
+    def close(self, reason: str = "sender closed") -> None:
+        """Stop every transfer, then release the mappings: no copy can run into an unmapped pool."""
+        with self._lock:
+            if self.dead is None:
+                self.dead = reason
+            transfers = list(self.transfers.values())
         if self.conn is not None:
-            self.conn.close()
+            self.conn.close()  # a push blocked in a send fails now and lets go of its lock
+        for t in transfers:
+            with t.lock:  # waits out a copy in progress; later pushes see `dead`
+                t.done = True
         if self.shm is not None:
             self.dst = None
             self.shm.close()
@@ -372,9 +380,6 @@ class FabricSender:
             self._peers[address.receiver_id] = peer
         return peer
 
-    def transport_for(self, address: FabricAddress) -> str:
-        return self._peer(address).transport
-
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.config.renew_interval_s):
             with self._lock:
@@ -388,9 +393,4 @@ class FabricSender:
         with self._lock:
             peers, self._peers = list(self._peers.values()), {}
         for p in peers:
-            with p._lock:
-                transfers = list(p.transfers.values())
-            for t in transfers:
-                with t.lock:
-                    t.done = True
             p.close()

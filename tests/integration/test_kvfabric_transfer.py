@@ -278,3 +278,18 @@ def test_handshake_refuses_a_mismatched_layout_naming_the_field(rx: Rx, transpor
         assert not rx.region.array.any()
     finally:
         sender.close()
+
+
+def test_a_sender_that_aborts_fails_the_transfer_and_frees_the_blocks(rx: Rx, transport: str) -> None:
+    sender = start_sender(transport)
+    try:
+        ticket = rx.reserve("ab", 3)
+        sender.call("open", ticket.to_wire())
+        sender.call("push", "ab", [4], 0, 0.0)
+        sender.call("abort", "ab")
+        [ev] = rx.pump(until=1, timeout_s=3)
+        assert ev == TransferFailed("ab", ticket.reservation_id, "sender aborted: aborted by sender", blocks_held=False)
+        rx.check_no_leak()
+        assert rx.pool.usage().num_in_use == 0 and len(rx.receiver.table) == 0
+    finally:
+        sender.stop()

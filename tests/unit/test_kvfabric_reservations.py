@@ -146,3 +146,14 @@ def test_cancel_and_rebinding_rules(table: ReservationTable) -> None:
     assert table.cancel("a") is True  # still quarantined
     with pytest.raises(ValueError, match="already has a reservation"):
         table.add("a", [2], 0)
+
+
+def test_a_writer_that_abandons_frees_the_blocks_at_once(table: ReservationTable) -> None:
+    res = table.add("a", [3, 4], 0)
+    table.bind(res.reservation_id, SHM, one_sided=True)
+    table.abandon(res.reservation_id, TCP, "not its writer")
+    assert table.take_events() == []
+    table.abandon(res.reservation_id, SHM, "sender aborted: prefill failed")
+    assert table.take_events() == [
+        TransferFailed("a", res.reservation_id, "sender aborted: prefill failed", blocks_held=False)]
+    assert table.take_revocations() == [] and len(table) == 0  # nothing to tell the writer
