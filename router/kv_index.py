@@ -1,0 +1,130 @@
+"""The router's in-memory KV index: which worker holds which cached block (torch-free).
+
+Data flow: each worker appends its block pool's KV events (`stored` / `removed` /
+`cleared`, numbered per worker without gaps) to a Redis stream; the router's
+`EventFeed` replays them into `apply()`. At routing time the router adds short-lived
+*predicted* entries for the worker it chose, so a burst of requests sharing a prefix
+lands together before that worker's events arrive. The index is a routing hint only:
+a gap in a worker's event ids (a trimmed stream, a restarted worker) clears that
+worker's entries rather than guessing.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from engine.types import BlockHash
+
+logger = logging.getLogger(__name__)
+
+WorkerId = str
+
+
+@dataclass(frozen=True)
+class IndexEvent:
+    """One KV event as it travels on a worker's stream."""
+
+    event_id: int
+    kind: str
+    """stored | removed | cleared"""
+    block_hashes: tuple[bytes, ...] = ()
+
+    def to_wire(self) -> dict[str, object]:
+        return {"id": self.event_id, "kind": self.kind, "hashes": list(self.block_hashes)}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, object]) -> IndexEvent:
+        kind = d["kind"]
+        if kind not in ("stored", "removed", "cleared"):
+            raise ValueError(f"unknown KV event kind {kind!r}")
+        return cls(int(d["id"]), str(kind), tuple(bytes(h) for h in d.get("hashes", ())))  # type: ignore[arg-type, union-attr]
+
+
+class KVIndex:
+    def __init__(self, clock: Callable[[], float], predicted_ttl_s: float = 2.0) -> None:
+        if predicted_ttl_s <= 0:
+            raise ValueError(f"predicted_ttl_s must be positive, got {predicted_ttl_s}")
+        self.clock = clock
+        self.predicted_ttl_s = predicted_ttl_s
+        self._holders: dict[BlockHash, set[WorkerId]] = {}
+        self._blocks: dict[WorkerId, set[BlockHash]] = {}
+        self._predicted: dict[BlockHash, dict[WorkerId, float]] = {}
+        self._last_event_id: dict[WorkerId, int] = {}
+        self.num_gaps = 0
+        """Times a worker's events skipped ids and its entries were dropped."""
+
+    # -- feeding -------------------------------------------------------------------------
+    def apply(self, worker_id: WorkerId, event: IndexEvent) -> None:
+        last = self._last_event_id.get(worker_id)
+        if last is not None and event.event_id != last + 1:
+            self.num_gaps += 1
+            logger.info("worker %s: KV event %d after %d; dropping its index entries", worker_id, event.event_id, last)
+            self.clear_worker(worker_id)
+        self._last_event_id[worker_id] = event.event_id
+        if event.kind == "stored":
+            for h in event.block_hashes:
+                self._holders.setdefault(BlockHash(h), set()).add(worker_id)
+                self._blocks.setdefault(worker_id, set()).add(BlockHash(h))
+        elif event.kind == "removed":
+            self._remove(worker_id, (BlockHash(h) for h in event.block_hashes))
+        else:
+            self.clear_worker(worker_id)
+
+    def clear_worker(self, worker_id: WorkerId) -> None:
+        """Forget what a worker holds (cleared, gap, or the worker left)."""
+        self._remove(worker_id, list(self._blocks.pop(worker_id, ())))
+
+    def forget_worker(self, worker_id: WorkerId) -> None:
+        self.clear_worker(worker_id)
+        self._last_event_id.pop(worker_id, None)
+        for by_worker in self._predicted.values():
+            by_worker.pop(worker_id, None)
+
+    def last_event_id(self, worker_id: WorkerId) -> int | None:
+        return self._last_event_id.get(worker_id)
+
+    def predict(self, worker_id: WorkerId, block_hashes: Sequence[BlockHash]) -> None:
+        """The router just sent these blocks' prompt to `worker_id`: count them as cached there for a while."""
+        expiry = self.clock() + self.predicted_ttl_s
+        for h in block_hashes:
+            self._predicted.setdefault(h, {})[worker_id] = expiry
+
+    # -- lookup --------------------------------------------------------------------------
+    def overlap(self, block_hashes: Sequence[BlockHash], workers: Iterable[WorkerId]) -> dict[WorkerId, int]:
+        """Per worker, how many leading blocks of the prompt it holds (confirmed or predicted)."""
+        now = self.clock()
+        result = {w: 0 for w in workers}
+        alive = set(result)
+        for i, h in enumerate(block_hashes):
+            holders = self._holders.get(h, set())
+            predicted = self._predicted.get(h, {})
+            alive = {w for w in alive if w in holders or predicted.get(w, 0.0) > now}
+            if not alive:
+                break
+            for w in alive:
+                result[w] = i + 1
+        return result
+
+    def expire_predictions(self) -> None:
+        now = self.clock()
+        for h in list(self._predicted):
+            by_worker = {w: t for w, t in self._predicted[h].items() if t > now}
+            if by_worker:
+                self._predicted[h] = by_worker
+            else:
+                del self._predicted[h]
+
+    def num_blocks(self, worker_id: WorkerId) -> int:
+        return len(self._blocks.get(worker_id, ()))
+
+    def _remove(self, worker_id: WorkerId, block_hashes: Iterable[BlockHash]) -> None:
+        mine = self._blocks.get(worker_id)
+        for h in block_hashes:
+            holders = self._holders.get(h)
+            if holders is not None:
+                holders.discard(worker_id)
+                if not holders:
+                    del self._holders[h]
+            if mine is not None:
+                mine.discard(h)

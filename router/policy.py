@@ -1,0 +1,126 @@
+"""Cache-aware P/D selection (torch-free, pure: loads and overlaps in, a decision out).
+
+Per ARCHITECTURE.md "Routing", lowest cost wins and ties are broken at random:
+- decode worker D: `active * decode_weight_tokens + queued local prefill tokens
+  + kv_pressure_weight_tokens * (used fraction after the request) - overlap credit`,
+  where the overlap credit (cached prefix on D, in tokens) is capped at
+  `affinity_bound_tokens`: a cache-hot worker stops winning once its load exceeds a
+  cold one's by that bound. Workers without room for the request's KV are skipped.
+- uncached part on D shorter than `local_prefill_tokens` (mode `auto`), or mode
+  `colocated`: D prefills itself.
+- prefill worker P: `max(prompt - P's cached prefix, 0) + queued prefill tokens`.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Literal
+
+Mode = Literal["disaggregated", "colocated", "auto"]
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    mode: Mode = "auto"
+    """disaggregated: every prompt goes through a prefill worker; colocated: decode workers
+    prefill everything themselves; auto: local prefill when the uncached part is short."""
+    local_prefill_tokens: int = 256
+    """auto mode: a decode worker prefills itself when fewer uncached prompt tokens remain."""
+    affinity_bound_tokens: int = 1024
+    """Most credit a cached prefix earns, in tokens of estimated wait."""
+    decode_weight_tokens: int = 64
+    """Estimated wait one running request adds on a decode worker, in prefill tokens."""
+    kv_pressure_weight_tokens: int = 512
+    """Cost of a full KV pool on a decode worker, in prefill tokens."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("disaggregated", "colocated", "auto"):
+            raise ValueError(f"mode must be disaggregated, colocated or auto, got {self.mode!r}")
+        for name in ("local_prefill_tokens", "affinity_bound_tokens", "decode_weight_tokens",
+                     "kv_pressure_weight_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    worker_id: str
+    num_active: int = 0
+    """Requests running or queued on the worker."""
+    queued_prefill_tokens: int = 0
+    """Uncached prompt tokens sent to the worker and not yet prefilled."""
+    num_free_blocks: int = 0
+    """Blocks it can allocate (free + evictable), less what is promised to requests in flight."""
+    num_total_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    decode_worker: str
+    prefill_worker: str | None
+    """None: the decode worker prefills locally."""
+    num_decode_cached_blocks: int
+    num_prefill_cached_blocks: int
+
+    @property
+    def local_prefill(self) -> bool:
+        return self.prefill_worker is None
+
+
+def choose_route(
+    num_prompt_tokens: int,
+    num_new_blocks: int,
+    overlap: dict[str, int],
+    decodes: list[WorkerLoad],
+    prefills: list[WorkerLoad],
+    config: RoutingConfig,
+    block_size: int,
+    rng: random.Random,
+) -> RouteDecision | None:
+    """Picks D (and P unless D prefills itself); None when no decode worker has room.
+
+    `num_new_blocks`: blocks the request needs on D beyond a cached prefix of 0
+    (prompt + output); `overlap`: leading cached blocks per worker id.
+    """
+    d = _pick_decode(num_prompt_tokens, num_new_blocks, overlap, decodes, config, block_size, rng)
+    if d is None:
+        return None
+    d_cached = overlap.get(d.worker_id, 0)
+    uncached_on_d = max(num_prompt_tokens - d_cached * block_size, 0)
+    local = config.mode == "colocated" or not prefills or (
+        config.mode == "auto" and uncached_on_d < config.local_prefill_tokens)
+    if local:
+        return RouteDecision(d.worker_id, None, d_cached, 0)
+    p = _lowest(prefills, lambda w: _prefill_cost(w, num_prompt_tokens, overlap, block_size), rng)
+    return RouteDecision(d.worker_id, p.worker_id, d_cached, overlap.get(p.worker_id, 0))
+
+
+def _prefill_cost(w: WorkerLoad, num_prompt_tokens: int, overlap: dict[str, int], block_size: int) -> float:
+    return max(num_prompt_tokens - overlap.get(w.worker_id, 0) * block_size, 0) + w.queued_prefill_tokens
+
+
+def _pick_decode(
+    num_prompt_tokens: int, num_new_blocks: int, overlap: dict[str, int], decodes: list[WorkerLoad],
+    config: RoutingConfig, block_size: int, rng: random.Random,
+) -> WorkerLoad | None:
+    def needed(w: WorkerLoad) -> int:
+        return max(num_new_blocks - overlap.get(w.worker_id, 0), 0)
+
+    fits = [w for w in decodes if needed(w) <= w.num_free_blocks]
+    if not fits:
+        return None
+
+    def cost(w: WorkerLoad) -> float:
+        cached_tokens = min(overlap.get(w.worker_id, 0) * block_size, num_prompt_tokens)
+        credit = min(cached_tokens, config.affinity_bound_tokens)
+        used_after = 1.0 - (w.num_free_blocks - needed(w)) / max(w.num_total_blocks, 1)
+        return (w.num_active * config.decode_weight_tokens + w.queued_prefill_tokens
+                + config.kv_pressure_weight_tokens * used_after - credit)
+
+    return _lowest(fits, cost, rng)
+
+
+def _lowest(workers: list[WorkerLoad], cost, rng: random.Random) -> WorkerLoad:  # type: ignore[no-untyped-def]
+    costs = [(cost(w), w) for w in workers]
+    best = min(c for c, _ in costs)
+    return rng.choice([w for c, w in costs if c <= best + 1e-9])

@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+from router.kv_index import IndexEvent, KVIndex
+
+
+def h(i: int) -> bytes:
+    return bytes([i]) * 16
+
+
+def stored(eid: int, *blocks: int) -> IndexEvent:
+    return IndexEvent(eid, "stored", tuple(h(b) for b in blocks))
+
+
+def test_overlap_counts_leading_blocks_only(clock) -> None:
+    idx = KVIndex(clock)
+    idx.apply("d0", stored(0, 1, 2, 3))
+    idx.apply("d1", stored(0, 1, 3))
+    assert idx.overlap([h(1), h(2), h(3)], ["d0", "d1", "d2"]) == {"d0": 3, "d1": 1, "d2": 0}
+
+
+def test_removed_and_cleared(clock) -> None:
+    idx = KVIndex(clock)
+    idx.apply("d0", stored(0, 1, 2))
+    idx.apply("d0", IndexEvent(1, "removed", (h(2),)))
+    assert idx.overlap([h(1), h(2)], ["d0"]) == {"d0": 1}
+    idx.apply("d0", IndexEvent(2, "cleared"))
+    assert idx.overlap([h(1)], ["d0"]) == {"d0": 0}
+    assert idx.num_blocks("d0") == 0
+
+
+def test_event_gap_drops_the_workers_entries(clock) -> None:
+    idx = KVIndex(clock)
+    idx.apply("d0", stored(0, 1, 2))
+    idx.apply("d1", stored(0, 1))
+    idx.apply("d0", stored(5, 7))  # events 1..4 lost
+    assert idx.num_gaps == 1
+    assert idx.overlap([h(1)], ["d0", "d1"]) == {"d0": 0, "d1": 1}
+    assert idx.overlap([h(7)], ["d0"]) == {"d0": 1}
+    assert idx.last_event_id("d0") == 5
+
+
+def test_predicted_entries_expire(clock) -> None:
+    idx = KVIndex(clock, predicted_ttl_s=2.0)
+    idx.apply("d0", stored(0, 1))
+    idx.predict("d1", [h(1), h(2)])
+    assert idx.overlap([h(1), h(2)], ["d0", "d1"]) == {"d0": 1, "d1": 2}
+    clock.advance(2.0)
+    assert idx.overlap([h(1), h(2)], ["d0", "d1"]) == {"d0": 1, "d1": 0}
+    idx.expire_predictions()
+    assert idx._predicted == {}
+
+
+def test_forget_worker_and_wire_round_trip(clock) -> None:
+    idx = KVIndex(clock)
+    ev = stored(0, 4, 5)
+    assert IndexEvent.from_wire(ev.to_wire()) == ev
+    idx.apply("d0", ev)
+    idx.predict("d0", [h(9)])
+    idx.forget_worker("d0")
+    assert idx.overlap([h(4)], ["d0"]) == {"d0": 0}
+    assert idx.last_event_id("d0") is None
+    idx.apply("d0", stored(0, 4))  # a restarted worker starts again at 0 without a gap
+    assert idx.num_gaps == 0

@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from router.policy import RoutingConfig, WorkerLoad, choose_route
+
+BS = 16
+
+
+def d(wid: str, active: int = 0, free: int = 100, total: int = 100, queued: int = 0) -> WorkerLoad:
+    return WorkerLoad(wid, num_active=active, num_free_blocks=free, num_total_blocks=total, queued_prefill_tokens=queued)
+
+
+def route(prompt: int, overlap: dict[str, int], decodes, prefills, **cfg):  # type: ignore[no-untyped-def]
+    blocks = -(-(prompt + 16) // BS)
+    return choose_route(prompt, blocks, overlap, decodes, prefills, RoutingConfig(**cfg), BS, random.Random(0))
+
+
+def test_cached_prefix_wins_among_equal_loads() -> None:
+    r = route(640, {"d1": 30, "p1": 20}, [d("d0"), d("d1")], [d("p0"), d("p1")], mode="disaggregated")
+    assert (r.decode_worker, r.prefill_worker) == ("d1", "p1")
+    assert (r.num_decode_cached_blocks, r.num_prefill_cached_blocks) == (30, 20)
+
+
+def test_affinity_yields_to_load() -> None:
+    # d1 holds 40 blocks (640 tokens) but the credit is capped at 256 tokens of wait.
+    cfg = dict(mode="disaggregated", affinity_bound_tokens=256, decode_weight_tokens=64, kv_pressure_weight_tokens=0)
+    assert route(640, {"d1": 40}, [d("d0", active=3), d("d1", active=6)], [d("p0")], **cfg).decode_worker == "d1"
+    assert route(640, {"d1": 40}, [d("d0", active=0), d("d1", active=5)], [d("p0")], **cfg).decode_worker == "d0"
+
+
+def test_prefill_cost_counts_queued_tokens() -> None:
+    r = route(512, {"p0": 32}, [d("d0")], [d("p0", queued=600), d("p1", queued=0)], mode="disaggregated")
+    assert r.prefill_worker == "p1"  # p0: 0 + 600 > p1: 512 + 0
+    r = route(512, {"p0": 32}, [d("d0")], [d("p0", queued=400), d("p1", queued=0)], mode="disaggregated")
+    assert r.prefill_worker == "p0"
+
+
+def test_local_prefill_when_uncached_part_is_short() -> None:
+    r = route(100, {"d0": 5}, [d("d0")], [d("p0")], mode="auto", local_prefill_tokens=32)
+    assert r.local_prefill and r.prefill_worker is None  # 100 - 80 = 20 < 32
+    r = route(100, {}, [d("d0")], [d("p0")], mode="auto", local_prefill_tokens=32)
+    assert r.prefill_worker == "p0"
+    assert route(5000, {}, [d("d0", free=1000, total=1000)], [d("p0")], mode="colocated").local_prefill
+    assert route(100, {}, [d("d0")], [], mode="disaggregated").local_prefill
+
+
+def test_decode_without_room_is_skipped_and_none_when_all_full() -> None:
+    r = route(320, {}, [d("d0", free=10), d("d1", free=30, active=9)], [d("p0")], mode="disaggregated")
+    assert r.decode_worker == "d1"  # 21 blocks needed
+    assert route(320, {"d0": 15}, [d("d0", free=10)], [d("p0")]).decode_worker == "d0"  # 6 new blocks
+    assert route(320, {}, [d("d0", free=10)], [d("p0")]) is None
+
+
+def test_ties_break_at_random() -> None:
+    picks = {choose_route(64, 5, {}, [d("d0"), d("d1")], [d("p0")], RoutingConfig(), BS, random.Random(s)).decode_worker
+             for s in range(20)}
+    assert picks == {"d0", "d1"}
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="mode"):
+        RoutingConfig(mode="split")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="local_prefill_tokens"):
+        RoutingConfig(local_prefill_tokens=-1)
