@@ -1,17 +1,29 @@
 """`splitserve` command line.
 
+  splitserve serve [--model DIR] [--num-prefill N] [--num-decode M] [--mode disaggregated|colocated|auto]
+                   [--port P] [--redis-url URL]       start a local cluster (Ray + Redis + router)
+  splitserve generate PROMPT [--target HOST:PORT] ... stream a completion from a running cluster
+  splitserve status [--redis-url URL]                 pools, queues, KV usage, prefix hit rate
   splitserve make-tiny-model DIR [--arch llama|qwen2] [--size tiny|small] [--seed N]
-  splitserve generate PROMPT [--model DIR] [--max-tokens N] [--temperature T] ...
-
-Until the cluster exists, `generate` runs the engine offline in this process and
-streams the completion to the terminal.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import signal
 import sys
+import threading
 import time
+from pathlib import Path
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+def _state_file() -> Path:
+    from cluster.default_model import cache_dir
+
+    return cache_dir() / "serve.json"
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
@@ -22,55 +34,141 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate(args: argparse.Namespace) -> int:
-    import torch
-
+def _serve(args: argparse.Namespace) -> int:
+    from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
     from cluster.default_model import default_model_dir
-    from engine.config import CacheConfig, EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.request import SamplingParams
-    from engine.types import EngineError
+    from cluster.local import LocalCluster
+    from router.policy import RoutingConfig
 
-    torch.set_num_threads(args.threads)
-    model_dir = args.model or str(default_model_dir())
+    started = time.perf_counter()
     try:
-        engine = LLMEngine(EngineConfig(model_dir=model_dir, dtype=args.dtype,
-                                        cache=CacheConfig(block_size=args.block_size)))
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                                stop=tuple(args.stop), ignore_eos=args.ignore_eos)
-        start = time.perf_counter()
-        request_id = engine.add_request(args.prompt, params)
-    except (EngineError, ValueError) as e:
+        config = ClusterConfig(
+            worker=WorkerConfig(model_dir=args.model or str(default_model_dir()), dtype=args.dtype,
+                                block_size=args.block_size, kv_cache_bytes=args.kv_cache_mib * 2**20),
+            num_prefill=args.num_prefill, num_decode=args.num_decode,
+            router=RouterConfig(host=args.host, port=args.port,
+                                routing=RoutingConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens)),
+            redis_url=args.redis_url or "", namespace=args.namespace)
+    except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    num_tokens, reason = 0, None
+    cluster = LocalCluster(config, embedded_redis=not args.redis_url)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        info = cluster.start()
+        _state_file().parent.mkdir(parents=True, exist_ok=True)
+        _state_file().write_text(json.dumps({"address": info["address"], "redis_url": cluster.redis_url,
+                                             "namespace": args.namespace}))
+        print(f"splitserve: serving {config.worker.model_dir} on {info['address']} "
+              f"({args.num_prefill} prefill, {args.num_decode} decode, mode {args.mode}, Redis {cluster.redis_url}); "
+              f"ready in {time.perf_counter() - started:.1f} s. Ctrl-C stops.", flush=True)
+        while not stop.wait(1.0):
+            pass
+    finally:
+        print("splitserve: stopping", file=sys.stderr, flush=True)
+        cluster.stop()
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from proto import generate_pb2 as pb
+    from proto import generate_pb2_grpc as pb_grpc
+
+    sampling = pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                                 top_p=args.top_p, stop=args.stop, ignore_eos=args.ignore_eos)
+    if args.seed is not None:
+        sampling.seed = args.seed
+    request = pb.GenerateRequest(text=args.prompt, sampling=sampling, priority=args.priority, tenant=args.tenant)
     print(args.prompt, end="", flush=True)
-    while engine.has_unfinished():
-        for out in engine.step():
-            print(out.new_text, end="", flush=True)
-            num_tokens += len(out.new_token_ids)
-            reason = out.finish_reason
-    elapsed = time.perf_counter() - start
-    print(f"\n[{request_id}] {num_tokens} tokens in {elapsed:.2f} s, finish reason "
-          f"{reason.value if reason else None}, model {model_dir}", file=sys.stderr)
+    last = None
+    try:
+        with grpc.insecure_channel(args.target) as channel:
+            for response in pb_grpc.GenerationStub(channel).Generate(request, timeout=args.timeout_s):
+                print(response.text, end="", flush=True)
+                last = response
+    except grpc.RpcError as e:
+        print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    if last is not None:
+        t, u, r = last.timing, last.usage, last.route
+        where = f"{r.decode_worker} (local prefill)" if r.local_prefill else f"{r.prefill_worker} -> {r.decode_worker}"
+        print(f"\n[{last.request_id}] {u.completion_tokens} tokens, finish {pb.FinishReason.Name(last.finish_reason)}, "
+              f"prompt {u.prompt_tokens} ({u.cached_tokens} cached), TTFT {t.ttft_ms:.1f} ms, "
+              f"transfer {t.transfer_ms:.1f} ms, via {where}", file=sys.stderr)
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from cluster.registry import RegistryReader
+
+    redis_url, namespace = args.redis_url, args.namespace
+    if redis_url is None:
+        if not _state_file().is_file():
+            print("error: no --redis-url given and no local cluster started by `splitserve serve`", file=sys.stderr)
+            return 2
+        state = json.loads(_state_file().read_text())
+        redis_url, namespace = state["redis_url"], state["namespace"]
+
+    async def read() -> tuple[dict, dict]:  # type: ignore[type-arg]
+        reader = RegistryReader(redis_url, namespace)
+        try:
+            return await reader.heartbeats(), await reader.router_stats()
+        finally:
+            await reader.close()
+
+    try:
+        beats, routers = asyncio.run(read())
+    except Exception as e:  # noqa: BLE001 - any Redis failure is reported, not raised
+        print(f"error: cannot read {redis_url}: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"workers": {w: b.__dict__ for w, b in beats.items()}, "routers": routers}, default=str))
+        return 0
+    print(f"{'worker':<12}{'role':<9}{'running':>8}{'waiting':>8}{'queued tok':>11}{'KV used':>16}{'prefix hit':>11}")
+    for w, b in sorted(beats.items()):
+        used = b.num_total_blocks - b.num_free_blocks - b.num_cached_blocks
+        hit = b.num_cached_tokens / b.num_prompt_tokens if b.num_prompt_tokens else 0.0
+        kv = f"{used}/{b.num_total_blocks} ({used / max(b.num_total_blocks, 1):.0%})"
+        print(f"{w:<12}{b.role:<9}{b.num_running:>8}{b.num_waiting:>8}{b.queued_prefill_tokens:>11}{kv:>16}{hit:>11.0%}")
+    for rid, s in sorted(routers.items()):
+        hit = s["num_cached_tokens"] / s["num_prompt_tokens"] if s["num_prompt_tokens"] else 0.0
+        print(f"{rid} on {s['address']}: {s['num_admitted']} running, {s['num_queued']} queued "
+              f"{s['queued_by_priority']}, {s['num_requests']} done, {s['num_refused']} refused, "
+              f"prefix hit rate {hit:.0%}, Redis feed {'up' if s['redis_healthy'] else 'DOWN'}")
+    if not beats and not routers:
+        print("no workers or routers are reporting (is the cluster running?)")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="splitserve", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="splitserve", description="Disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("make-tiny-model", help="write a deterministic HF-format test checkpoint")
-    p.add_argument("dir")
-    p.add_argument("--arch", choices=("llama", "qwen2"), default="llama")
-    p.add_argument("--size", choices=("tiny", "small"), default="tiny")
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=_make_tiny_model)
+    s = sub.add_parser("serve", help="start a local cluster: Ray, Redis, prefill + decode pools, router")
+    s.add_argument("--model", help="model directory (default: the embedded tiny model)")
+    s.add_argument("--num-prefill", type=int, default=1)
+    s.add_argument("--num-decode", type=int, default=1)
+    s.add_argument("--mode", choices=("disaggregated", "colocated", "auto"), default="auto")
+    s.add_argument("--local-prefill-tokens", type=int, default=256,
+                   help="auto mode: decode workers prefill prompts with fewer uncached tokens themselves")
+    s.add_argument("--port", type=int, default=50051)
+    s.add_argument("--host", default="127.0.0.1", help="interface to serve on (0.0.0.0 for other machines)")
+    s.add_argument("--redis-url", help="use this Redis instead of starting one (redis://host:port/db)")
+    s.add_argument("--namespace", default="splitserve", help="prefix of this cluster's Redis keys")
+    s.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    s.add_argument("--block-size", type=int, default=16)
+    s.add_argument("--kv-cache-mib", type=int, default=256, help="KV pool per worker")
+    s.set_defaults(func=_serve)
 
-    g = sub.add_parser("generate", help="stream a completion (offline engine for now)")
+    g = sub.add_parser("generate", help="stream a completion from a running cluster")
     g.add_argument("prompt")
-    g.add_argument("--model", help="model directory (default: the embedded tiny model)")
+    g.add_argument("--target", default=DEFAULT_TARGET, help="router address host:port")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -78,10 +176,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    g.add_argument("--priority", type=int, default=0, help="lower is more important")
+    g.add_argument("--tenant", default="")
+    g.add_argument("--timeout-s", type=float, default=120.0)
     g.set_defaults(func=_generate)
+
+    st = sub.add_parser("status", help="pools, queues, KV usage and prefix hit rate")
+    st.add_argument("--redis-url", help="default: the cluster last started by `splitserve serve`")
+    st.add_argument("--namespace", default="splitserve")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=_status)
+
+    p = sub.add_parser("make-tiny-model", help="write a deterministic HF-format test checkpoint")
+    p.add_argument("dir")
+    p.add_argument("--arch", choices=("llama", "qwen2"), default="llama")
+    p.add_argument("--size", choices=("tiny", "small"), default="tiny")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_make_tiny_model)
     return parser
 
 

@@ -40,6 +40,8 @@ class RemoteKV:
         self.block_size = engine.kv_pool.layout.block_size
         region = BlockRegion.from_tensor(engine.kv_pool.tensor)
         self.receiver = FabricReceiver(layout, region, config, engine.clock, allocator.segment if allocator else None)
+        self.transfer_s: dict[str, float] = {}
+        """Per arrived request: the receiver-clock window from the writer's open to `ready` (pop it)."""
 
     def reserve(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None,
@@ -57,6 +59,7 @@ class RemoteKV:
         for ev in self.receiver.poll(timeout_s):
             rid = RequestId(ev.request_id)
             if isinstance(ev, KVArrived):
+                self.transfer_s[rid] = ev.arrived_at - ev.opened_at
                 results += self.engine.remote_kv_ready(rid, ev.first_token_id)
             elif isinstance(ev, TransferFailed):
                 self.engine.abort(rid, hold_blocks=ev.blocks_held)
@@ -68,6 +71,7 @@ class RemoteKV:
     def abort(self, request_id: str) -> bool:
         """End a request in any state; blocks a sender may still write stay held until fenced."""
         held = self.receiver.cancel(request_id)
+        self.transfer_s.pop(request_id, None)
         return self.engine.abort(request_id, hold_blocks=bool(held))
 
     def close(self) -> None:

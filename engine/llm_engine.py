@@ -264,6 +264,15 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    @property
+    def num_handed_off(self) -> int:
+        """Requests whose blocks are held for the transfer layer."""
+        return len(self._handed_off)
+
+    def has_schedulable(self) -> bool:
+        """Requests a step could advance (not those waiting for remote KV)."""
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
     def generate(
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[Completion]:

@@ -65,6 +65,10 @@ class KVPusher:
                 return
             self._end(rid, first_token_id, None)
 
+    @property
+    def num_open(self) -> int:
+        return len(self._transfers)
+
     def take_done(self) -> list[PushDone]:
         done, self._done = self._done, []
         return done

@@ -1,6 +1,6 @@
 """The router's in-memory KV index: which worker holds which cached block (torch-free).
 
-Data flow: each worker appends its block pool's KV events (`stored` / `removed` /
+Data flow: each worker appends its block pool's `KVEvent`s (`stored` / `removed` /
 `cleared`, numbered per worker without gaps) to a Redis stream; the router's
 `EventFeed` replays them into `apply()`. At routing time the router adds short-lived
 *predicted* entries for the worker it chose, so a burst of requests sharing a prefix
@@ -12,33 +12,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-
+from engine.block_pool import KVEvent
 from engine.types import BlockHash
 
 logger = logging.getLogger(__name__)
 
 WorkerId = str
-
-
-@dataclass(frozen=True)
-class IndexEvent:
-    """One KV event as it travels on a worker's stream."""
-
-    event_id: int
-    kind: str
-    """stored | removed | cleared"""
-    block_hashes: tuple[bytes, ...] = ()
-
-    def to_wire(self) -> dict[str, object]:
-        return {"id": self.event_id, "kind": self.kind, "hashes": list(self.block_hashes)}
-
-    @classmethod
-    def from_wire(cls, d: dict[str, object]) -> IndexEvent:
-        kind = d["kind"]
-        if kind not in ("stored", "removed", "cleared"):
-            raise ValueError(f"unknown KV event kind {kind!r}")
-        return cls(int(d["id"]), str(kind), tuple(bytes(h) for h in d.get("hashes", ())))  # type: ignore[arg-type, union-attr]
 
 
 class KVIndex:
@@ -55,7 +34,7 @@ class KVIndex:
         """Times a worker's events skipped ids and its entries were dropped."""
 
     # -- feeding -------------------------------------------------------------------------
-    def apply(self, worker_id: WorkerId, event: IndexEvent) -> None:
+    def apply(self, worker_id: WorkerId, event: KVEvent) -> None:
         last = self._last_event_id.get(worker_id)
         if last is not None and event.event_id != last + 1:
             self.num_gaps += 1
@@ -64,10 +43,10 @@ class KVIndex:
         self._last_event_id[worker_id] = event.event_id
         if event.kind == "stored":
             for h in event.block_hashes:
-                self._holders.setdefault(BlockHash(h), set()).add(worker_id)
-                self._blocks.setdefault(worker_id, set()).add(BlockHash(h))
+                self._holders.setdefault(h, set()).add(worker_id)
+                self._blocks.setdefault(worker_id, set()).add(h)
         elif event.kind == "removed":
-            self._remove(worker_id, (BlockHash(h) for h in event.block_hashes))
+            self._remove(worker_id, event.block_hashes)
         else:
             self.clear_worker(worker_id)
 

@@ -1,14 +1,16 @@
 from __future__ import annotations
 
-from router.kv_index import IndexEvent, KVIndex
+from cluster.registry import event_from_wire, event_to_wire
+from engine.block_pool import KVEvent
+from router.kv_index import KVIndex
 
 
 def h(i: int) -> bytes:
     return bytes([i]) * 16
 
 
-def stored(eid: int, *blocks: int) -> IndexEvent:
-    return IndexEvent(eid, "stored", tuple(h(b) for b in blocks))
+def stored(eid: int, *blocks: int) -> KVEvent:
+    return KVEvent(eid, "stored", [h(b) for b in blocks])
 
 
 def test_overlap_counts_leading_blocks_only(clock) -> None:
@@ -21,9 +23,9 @@ def test_overlap_counts_leading_blocks_only(clock) -> None:
 def test_removed_and_cleared(clock) -> None:
     idx = KVIndex(clock)
     idx.apply("d0", stored(0, 1, 2))
-    idx.apply("d0", IndexEvent(1, "removed", (h(2),)))
+    idx.apply("d0", KVEvent(1, "removed", [h(2)]))
     assert idx.overlap([h(1), h(2)], ["d0"]) == {"d0": 1}
-    idx.apply("d0", IndexEvent(2, "cleared"))
+    idx.apply("d0", KVEvent(2, "cleared"))
     assert idx.overlap([h(1)], ["d0"]) == {"d0": 0}
     assert idx.num_blocks("d0") == 0
 
@@ -53,7 +55,9 @@ def test_predicted_entries_expire(clock) -> None:
 def test_forget_worker_and_wire_round_trip(clock) -> None:
     idx = KVIndex(clock)
     ev = stored(0, 4, 5)
-    assert IndexEvent.from_wire(ev.to_wire()) == ev
+    assert event_from_wire(event_to_wire(ev)) == ev
+    with_parent = KVEvent(3, "stored", [h(6)], h(5))
+    assert event_from_wire(event_to_wire(with_parent)) == with_parent
     idx.apply("d0", ev)
     idx.predict("d0", [h(9)])
     idx.forget_worker("d0")

@@ -1,0 +1,87 @@
+"""Controller: the Ray actor that creates a cluster's pools and router and answers for them.
+
+`start()` creates N prefill and M decode worker actors (CPU actors here, one GPU each
+when the worker's device is cuda), waits for them to load the model, then a router
+replica that knows their handles and addresses. `check_idle()` gathers every worker's
+pool accounting (tests assert nothing leaked); `shutdown()` stops the router first so
+no new work arrives, then the workers.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import ray
+
+from cluster.config import ClusterConfig
+from decode_worker.worker import DecodeWorker
+from prefill_worker.worker import PrefillWorker
+from router.service import RouterService
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 300.0
+CALL_TIMEOUT_S = 30.0
+
+
+async def await_ref(ref: Any, timeout_s: float = CALL_TIMEOUT_S) -> Any:
+    """Await a Ray ObjectRef with a timeout (Ray's own await has none)."""
+    return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout_s)
+
+
+class Controller:
+    def __init__(self, config: ClusterConfig, redis_url: str | None) -> None:
+        self.config = config
+        self.redis_url = redis_url
+        self.prefills: dict[str, Any] = {}
+        self.decodes: dict[str, Any] = {}
+        self.routers: dict[str, Any] = {}
+        self.info: dict[str, Any] = {}
+
+    def _worker_options(self) -> dict[str, Any]:
+        if self.config.worker.device.startswith("cuda"):
+            return {"num_gpus": 1, "num_cpus": 1}
+        return {"num_cpus": self.config.worker_num_cpus}
+
+    async def start(self) -> dict[str, Any]:
+        c = self.config
+        opts = self._worker_options()
+        P, D, R = ray.remote(PrefillWorker), ray.remote(DecodeWorker), ray.remote(RouterService)
+        self.prefills = {f"prefill-{i}": P.options(**opts).remote(f"prefill-{i}", c.worker, self.redis_url, c.namespace)
+                         for i in range(c.num_prefill)}
+        self.decodes = {f"decode-{i}": D.options(**opts).remote(f"decode-{i}", c.worker, self.redis_url, c.namespace)
+                        for i in range(c.num_decode)}
+        decode_info = await asyncio.gather(*(await_ref(d.start.remote(), START_TIMEOUT_S) for d in self.decodes.values()))
+        prefill_info = await asyncio.gather(*(await_ref(p.info.remote(), START_TIMEOUT_S) for p in self.prefills.values()))
+        decodes = {i["worker_id"]: i for i in decode_info}
+        router = R.options(num_cpus=0).remote("router-0", c.router, c.worker, self.prefills, decodes,
+                                               self.redis_url, c.namespace)
+        self.routers = {"router-0": router}
+        address = await await_ref(router.start.remote(), START_TIMEOUT_S)
+        self.info = {"address": address, "prefill": list(prefill_info), "decode": list(decode_info),
+                     "mode": c.router.routing.mode, "redis_url": self.redis_url}
+        logger.info("cluster up: %s", self.info)
+        return self.info
+
+    async def check_idle(self) -> list[dict[str, Any]]:
+        workers = [*self.prefills.values(), *self.decodes.values()]
+        return list(await asyncio.gather(*(await_ref(w.check_idle.remote()) for w in workers)))
+
+    async def router_stats(self) -> list[dict[str, Any]]:
+        return list(await asyncio.gather(*(await_ref(r.stats.remote()) for r in self.routers.values())))
+
+    async def shutdown(self) -> None:
+        for r in self.routers.values():
+            await _quietly(r.shutdown.remote())
+        for w in [*self.prefills.values(), *self.decodes.values()]:
+            await _quietly(w.shutdown.remote())
+        for a in [*self.routers.values(), *self.prefills.values(), *self.decodes.values()]:
+            ray.kill(a)
+
+
+async def _quietly(ref: Any) -> None:
+    try:
+        await await_ref(ref, 10.0)
+    except (TimeoutError, ray.exceptions.RayError) as e:
+        logger.warning("shutdown step failed: %s", e)

@@ -1,0 +1,132 @@
+"""A whole cluster on this machine: an embedded Redis server (child process), local Ray, the controller.
+
+`LocalCluster(config).start()` is what `splitserve serve` and the integration tests
+run. The Redis server is the real `redis-server` binary (Debian's package; `./dev`
+installs it), started on a free loopback port with persistence off, and stopped
+with the cluster.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from typing import Any
+
+import ray
+import redis
+
+from cluster.config import ClusterConfig
+from cluster.controller import START_TIMEOUT_S, Controller
+
+logger = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class EmbeddedRedis:
+    """A real redis-server child process on loopback; `url` once started."""
+
+    def __init__(self, port: int | None = None) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server not found: install it (Debian: apt-get install redis-server; "
+                               "./dev does this on first run) or pass --redis-url")
+        self.port = port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._dir = tempfile.mkdtemp(prefix="splitserve-redis-")
+        self._proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", self._dir, "--loglevel", "warning"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self._wait_ready(timeout_s=10.0)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        client = redis.Redis.from_url(self.url, socket_timeout=0.5, socket_connect_timeout=0.5)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._proc.poll() is not None:
+                err = self._proc.stderr.read().decode() if self._proc.stderr else ""
+                raise RuntimeError(f"redis-server exited at start (code {self._proc.returncode}): {err.strip()}")
+            try:
+                client.ping()
+                client.close()
+                return
+            except redis.RedisError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout_s} s") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(timeout=5)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class LocalCluster:
+    def __init__(self, config: ClusterConfig, embedded_redis: bool = True) -> None:
+        self.config = config
+        self.embedded_redis = embedded_redis
+        self.redis: EmbeddedRedis | None = None
+        self.controller: Any = None
+        self.info: dict[str, Any] = {}
+        self._owns_ray = False
+
+    @property
+    def redis_url(self) -> str:
+        return self.redis.url if self.redis else self.config.redis_url
+
+    @property
+    def address(self) -> str:
+        return str(self.info["address"])
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> dict[str, Any]:
+        if self.embedded_redis:
+            self.redis = EmbeddedRedis()
+        if not ray.is_initialized():
+            c = self.config
+            num_cpus = max(os.cpu_count() or 1, int((c.num_prefill + c.num_decode) * c.worker_num_cpus + 0.999))
+            ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING,
+                     configure_logging=False, log_to_driver=True)
+            self._owns_ray = True
+        try:
+            self.controller = ray.remote(Controller).options(num_cpus=0).remote(self.config, self.redis_url)
+            self.info = ray.get(self.controller.start.remote(), timeout=timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self.info
+
+    def check_idle(self) -> list[dict[str, Any]]:
+        return ray.get(self.controller.check_idle.remote(), timeout=60)
+
+    def router_stats(self) -> list[dict[str, Any]]:
+        return ray.get(self.controller.router_stats.remote(), timeout=60)
+
+    def stop(self) -> None:
+        if self.controller is not None:
+            try:
+                ray.get(self.controller.shutdown.remote(), timeout=60)
+            except (ray.exceptions.RayError, TimeoutError) as e:
+                logger.warning("controller shutdown failed: %s", e)
+            ray.kill(self.controller)
+            self.controller = None
+        if self._owns_ray:
+            ray.shutdown()
+            self._owns_ray = False
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None

@@ -1,0 +1,58 @@
+"""What the router knows of each worker's load (torch-free, pure).
+
+Two sources, merged conservatively: the router's own bookkeeping of what it sent
+(exact for its own requests, immediate) and the workers' heartbeats from Redis (which
+also see other routers' requests, half a second late). Free blocks take the smaller
+estimate, activity and queued prefill tokens the larger, so neither source alone can
+overload a worker. Without Redis the router's own view remains: load-only routing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cluster.registry import Heartbeat
+from router.policy import WorkerLoad
+
+
+@dataclass
+class _Own:
+    num_active: int = 0
+    queued_prefill_tokens: int = 0
+    promised_blocks: int = 0
+
+
+@dataclass
+class LoadBook:
+    num_blocks: dict[str, int]
+    """Worker id -> KV pool size in blocks (from the worker at start)."""
+    heartbeats: dict[str, Heartbeat] = field(default_factory=dict)
+    _own: dict[str, _Own] = field(default_factory=dict)
+
+    def start(self, worker_id: str, prefill_tokens: int, blocks: int) -> None:
+        o = self._own.setdefault(worker_id, _Own())
+        o.num_active += 1
+        o.queued_prefill_tokens += prefill_tokens
+        o.promised_blocks += blocks
+
+    def prefilled(self, worker_id: str, prefill_tokens: int) -> None:
+        self._own[worker_id].queued_prefill_tokens -= prefill_tokens
+
+    def end(self, worker_id: str, blocks: int) -> None:
+        o = self._own[worker_id]
+        o.num_active -= 1
+        o.promised_blocks -= blocks
+
+    def load(self, worker_id: str) -> WorkerLoad:
+        o = self._own.get(worker_id, _Own())
+        total = self.num_blocks[worker_id]
+        free = total - o.promised_blocks
+        active, queued = o.num_active, o.queued_prefill_tokens
+        hb = self.heartbeats.get(worker_id)
+        if hb is not None:
+            free = min(free, hb.num_free_blocks + hb.num_cached_blocks)
+            active = max(active, hb.num_running + hb.num_waiting)
+            queued = max(queued, hb.queued_prefill_tokens)
+        return WorkerLoad(worker_id, active, queued, max(free, 0), total)
+
+    def own_active(self, worker_id: str) -> int:
+        return self._own.get(worker_id, _Own()).num_active
