@@ -95,7 +95,7 @@ class Publisher:
     """A worker's Redis writer: heartbeats every `interval_s`, KV events as they come (batched)."""
 
     def __init__(
-        self, redis_url: str, namespace: str, worker_id: str, heartbeat: Callable[[], Heartbeat],
+        self, redis_url: str, namespace: str, worker_id: str, heartbeat: Callable[[], Heartbeat | None],
         interval_s: float = 0.5, ttl_s: float = 3.0, max_buffered_events: int = 100_000,
     ) -> None:
         self.client = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
@@ -153,8 +153,9 @@ class Publisher:
         for ev in batch:
             pipe.xadd(kv_key(self.ns, self.worker_id), {"e": msgpack.packb(event_to_wire(ev))},
                       maxlen=STREAM_MAXLEN, approximate=True)
-        if beat:
-            pipe.set(hb_key(self.ns, self.worker_id), self.heartbeat().to_wire(), px=int(self.ttl_s * 1000))
+        hb = self.heartbeat() if beat else None
+        if hb is not None:
+            pipe.set(hb_key(self.ns, self.worker_id), hb.to_wire(), px=int(self.ttl_s * 1000))
         pipe.execute()
         for _ in batch:
             self._events.popleft()

@@ -14,6 +14,7 @@ workers copy straight into it; others use tcp.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -90,10 +91,10 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
     async def shutdown(self) -> None:
         if self._server is not None:
             await self._server.stop(grace=1.0)
-        self.loop.stop()
-        self.remote.close()
         if self.publisher:
             self.publisher.stop()
+        self.loop.stop()
+        self.remote.close()
         if self.allocator.segment is not None:
             self.allocator.segment.close()
 
@@ -193,8 +194,12 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         self.remote.abort(request_id)
         self._seen.discard(request_id)
 
-    def _heartbeat(self) -> Heartbeat:
-        return self.loop.call(self._load).result(timeout=2.0)
+    def _heartbeat(self) -> Heartbeat | None:
+        """On the publisher thread: asks the engine thread, or skips this beat if it is busy or gone."""
+        try:
+            return self.loop.call(self._load).result(timeout=2.0)
+        except (RuntimeError, concurrent.futures.TimeoutError):
+            return None
 
     def _load(self, engine: LLMEngine) -> Heartbeat:
         u = engine.block_pool.usage()

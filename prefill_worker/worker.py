@@ -98,10 +98,10 @@ class PrefillWorker:
         return await asyncio.wrap_future(self.loop.call(self._idle_report))
 
     def shutdown(self) -> None:
-        self.loop.stop()
-        self.pusher.close()
         if self.publisher:
             self.publisher.stop()
+        self.loop.stop()
+        self.pusher.close()
 
     # -- on the engine thread --------------------------------------------------------------
     def _start(self, engine: LLMEngine, r: PrefillRequest) -> concurrent.futures.Future[PrefillResult]:
@@ -164,8 +164,12 @@ class PrefillWorker:
         if not fut.done():
             fut.set_result(PrefillResult(**{**asdict(result), "prefill_s": time.perf_counter() - started}))
 
-    def _heartbeat(self) -> Heartbeat:
-        return self.loop.call(self._load).result(timeout=2.0)
+    def _heartbeat(self) -> Heartbeat | None:
+        """On the publisher thread: asks the engine thread, or skips this beat if it is busy or gone."""
+        try:
+            return self.loop.call(self._load).result(timeout=2.0)
+        except (RuntimeError, concurrent.futures.TimeoutError):
+            return None
 
     def _load(self, engine: LLMEngine) -> Heartbeat:
         u = engine.block_pool.usage()

@@ -1,0 +1,248 @@
+"""The cluster end to end: real Ray actors, a real redis-server, gRPC on loopback.
+
+One cluster for the module (2 prefill + 2 decode workers, mode auto with
+local_prefill_tokens=8: prompts with fewer than 8 uncached tokens are prefilled on the
+decode worker, longer ones go through a prefill worker and kvfabric). After every
+test, every worker's pool must be back to idle: nothing in use, held or handed off.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import random
+import time
+
+import grpc
+import pytest
+
+from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
+from cluster.local import LocalCluster, free_port
+from engine.request import SamplingParams
+from proto import generate_pb2 as pb
+from proto import generate_pb2_grpc as pb_grpc
+from router.admission import AdmissionConfig
+from router.policy import RoutingConfig
+from tests.integration.reference import hf_greedy, make_engine
+
+pytestmark = pytest.mark.timeout(900)
+
+MAX_TOKENS_BUDGET = 1000
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_dir: str):  # type: ignore[no-untyped-def]
+    config = ClusterConfig(
+        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, kv_lease_s=5.0),
+        num_prefill=2, num_decode=2,
+        router=RouterConfig(port=free_port(), routing=RoutingConfig(mode="auto", local_prefill_tokens=8),
+                            admission=AdmissionConfig(max_inflight_tokens=MAX_TOKENS_BUDGET, max_queued_per_priority=3)),
+        worker_num_cpus=0.5)
+    c = LocalCluster(config)
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def stub(cluster: LocalCluster):  # type: ignore[no-untyped-def]
+    channel = grpc.insecure_channel(cluster.address)
+    yield pb_grpc.GenerationStub(channel)
+    channel.close()
+    assert_idle(cluster)
+
+
+def assert_idle(cluster: LocalCluster, timeout_s: float = 15.0) -> None:
+    """Every worker: no request left, no block in use, held, handed off or under transfer."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reports = cluster.check_idle()
+        busy = [r for r in reports if r["usage"]["num_in_use"] or r["num_unfinished"] or r["num_handed_off"]
+                or r.get("held_blocks") or r.get("num_transfers") or r.get("num_streams") or r.get("num_waiters")]
+        if not busy:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"workers not idle {timeout_s} s after the test: {busy}")
+        time.sleep(0.2)
+
+
+def generate(stub, prompt: list[int] | str, timeout: float = 60, **sampling) -> list[pb.GenerateResponse]:  # type: ignore[no-untyped-def]
+    sampling.setdefault("max_tokens", 8)
+    req = pb.GenerateRequest(sampling=pb.SamplingParams(**sampling))
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    return list(stub.Generate(req, timeout=timeout))
+
+
+def tokens_of(responses: list[pb.GenerateResponse]) -> list[int]:
+    return [t for r in responses for t in r.token_ids]
+
+
+def prompts(seed: int, n: int, length: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(length + i)] for i in range(n)]
+
+
+def test_greedy_disaggregated_equals_monolithic_and_transformers(stub, tiny_llama_dir: str) -> None:  # type: ignore[no-untyped-def]
+    batch = prompts(1, 6, 37)
+    with concurrent.futures.ThreadPoolExecutor(len(batch)) as pool:
+        results = list(pool.map(lambda p: generate(stub, p, max_tokens=12, ignore_eos=True), batch))
+    engine = make_engine(tiny_llama_dir, block_size=16)
+    expected = engine.generate(batch, SamplingParams(max_tokens=12, ignore_eos=True))
+    for p, got, want in zip(batch, results, expected, strict=True):
+        final = got[-1]
+        assert final.route.prefill_worker.startswith("prefill-") and not final.route.local_prefill
+        assert tokens_of(got) == want.token_ids == hf_greedy(tiny_llama_dir, tuple(p), 12)
+        assert final.finish_reason == pb.FINISH_REASON_LENGTH
+        assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (len(p), 12)
+        assert final.timing.transfer_ms > 0 and final.timing.ttft_ms >= final.timing.prefill_ms > 0
+    assert {r[-1].route.prefill_worker for r in results} == {"prefill-0", "prefill-1"}  # queued tokens spread them
+
+
+def test_local_prefill_path_equals_monolithic(stub, tiny_llama_dir: str) -> None:  # type: ignore[no-untyped-def]
+    batch = prompts(2, 3, 3)  # 3..5 tokens < local_prefill_tokens
+    with concurrent.futures.ThreadPoolExecutor(len(batch)) as pool:
+        results = list(pool.map(lambda p: generate(stub, p, max_tokens=10, ignore_eos=True), batch))
+    expected = make_engine(tiny_llama_dir, block_size=16).generate(batch, SamplingParams(max_tokens=10, ignore_eos=True))
+    for got, want in zip(results, expected, strict=True):
+        assert got[-1].route.local_prefill and got[-1].route.prefill_worker == ""
+        assert got[-1].timing.transfer_ms == 0
+        assert tokens_of(got) == want.token_ids
+
+
+def test_text_prompt_stop_string_and_first_token_finish(stub, tiny_llama_dir: str) -> None:  # type: ignore[no-untyped-def]
+    engine = make_engine(tiny_llama_dir, block_size=16)
+    prompt = "Once upon a time, in a land far away, there lived"
+    want = engine.generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    got = generate(stub, prompt, max_tokens=20, ignore_eos=True)
+    assert tokens_of(got) == want.token_ids and "".join(r.text for r in got) == want.text
+    stop = want.text[len(want.text) // 2:][:3]
+    want_stop = engine.generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True, stop=(stop,)))[0]
+    got_stop = generate(stub, prompt, max_tokens=20, ignore_eos=True, stop=[stop])
+    assert "".join(r.text for r in got_stop) == want_stop.text
+    assert got_stop[-1].finish_reason == pb.FINISH_REASON_STOP
+    one = generate(stub, prompt, max_tokens=1)  # ends on the prefill worker: no hand-off
+    assert tokens_of(one) == want.token_ids[:1] and one[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_repeated_prompt_is_cached_where_its_prefix_is(stub) -> None:  # type: ignore[no-untyped-def]
+    prompt = prompts(3, 1, 100)[0]
+    first = generate(stub, prompt)[-1]
+    assert first.usage.cached_tokens == 0
+    time.sleep(1.0)  # the workers' KV events reach the router's index through Redis
+    assert not first.route.local_prefill
+    again = generate(stub, prompt)[-1]
+    assert again.usage.cached_tokens == 96  # 6 full blocks of 16 on the decode worker...
+    assert again.route.decode_worker == first.route.decode_worker
+    assert again.route.local_prefill  # ...so only 4 tokens are left: it prefills them itself
+    sibling = generate(stub, prompt[:96] + prompts(7, 1, 30)[0])[-1]  # same prefix, 30 new tokens
+    assert not sibling.route.local_prefill
+    assert sibling.usage.cached_tokens == 96  # the prefill worker's own cache
+    assert sibling.route.prefill_worker == first.route.prefill_worker
+    assert sibling.route.decode_worker == first.route.decode_worker
+    other_tenant = list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), tenant="other",
+                                                         sampling=pb.SamplingParams(max_tokens=4)), timeout=60))
+    assert other_tenant[-1].usage.cached_tokens == 0
+
+
+def test_client_cancellation_frees_blocks(stub, cluster: LocalCluster) -> None:  # type: ignore[no-untyped-def]
+    for prompt in (prompts(4, 1, 60)[0], [5, 6, 7]):  # remote and local prefill
+        call = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
+                                                sampling=pb.SamplingParams(max_tokens=900, ignore_eos=True)), timeout=60)
+        got = [next(call) for _ in range(3)]
+        assert all(r.token_ids for r in got)
+        call.cancel()
+        with pytest.raises(grpc.RpcError) as e:
+            list(call)
+        assert e.value.code() == grpc.StatusCode.CANCELLED
+        assert_idle(cluster)
+
+
+def test_deadline_expiry_frees_blocks(stub, cluster: LocalCluster) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(grpc.RpcError) as e:
+        generate(stub, prompts(5, 1, 40)[0], timeout=0.5, max_tokens=900, ignore_eos=True)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert_idle(cluster)
+
+
+@pytest.mark.parametrize(("prompt", "sampling", "message"), [
+    ("", {}, "prompt is empty"),
+    ([], {}, "prompt is empty"),
+    ([1] * 2048, {}, "prompt has 2048 tokens; the model's context is 2048"),
+    ([1, 2], {"max_tokens": 0}, "max_tokens must be at least 1, got 0"),
+    ([1, 2], {"max_tokens": -3}, "max_tokens must be at least 1, got -3"),
+    ([1, 2], {"temperature": -0.5}, "temperature must be >= 0, got -0.5"),
+    ([1, 2], {"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
+    ([1, 2], {"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
+    ([1, 9999, 512], {}, "token ids [9999, 512] are outside the model's vocabulary [0, 512)"),
+])
+def test_bad_requests_are_invalid_argument(stub, prompt, sampling, message) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(grpc.RpcError) as e:
+        generate(stub, prompt, **sampling)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in e.value.details()
+
+
+def test_overload_is_refused_early_with_retry_hint(stub) -> None:  # type: ignore[no-untyped-def]
+    # Each request costs 10 + 400 tokens of the router's 1000-token budget: 2 run, 3 queue, the rest are refused.
+    def one(i: int):  # type: ignore[no-untyped-def]
+        try:
+            return generate(stub, [3 + i] * 10, max_tokens=400, ignore_eos=True, timeout=120)
+        except grpc.RpcError as e:
+            return e
+    with concurrent.futures.ThreadPoolExecutor(10) as pool:
+        outcomes = list(pool.map(one, range(10)))
+    refused = [o for o in outcomes if isinstance(o, grpc.RpcError)]
+    done = [o for o in outcomes if not isinstance(o, grpc.RpcError)]
+    assert len(done) == 5 and all(tokens_of(d).__len__() == 400 for d in done)
+    assert len(refused) == 5
+    for e in refused:
+        assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "queue for priority 0 is full" in e.details()
+        retry = dict(e.trailing_metadata())["retry-after-ms"]
+        assert int(retry) >= 200
+    assert any(d[-1].timing.queue_ms > 100 for d in done)  # the queued ones waited
+
+
+def test_generic_reflection_client_can_call_generate(cluster: LocalCluster) -> None:
+    from google.protobuf import descriptor_pool, message_factory
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(cluster.address) as channel:
+        db = ProtoReflectionDescriptorDatabase(channel)
+        assert "splitserve.v1.Generation" in db.get_services()
+        pool = descriptor_pool.DescriptorPool(db)
+        method = pool.FindServiceByName("splitserve.v1.Generation").FindMethodByName("Generate")
+        Request = message_factory.GetMessageClass(method.input_type)
+        Response = message_factory.GetMessageClass(method.output_type)
+        request = Request()
+        request.text = "Hello"
+        request.sampling.max_tokens = 4
+        rpc = channel.unary_stream("/splitserve.v1.Generation/Generate",
+                                   request_serializer=Request.SerializeToString,
+                                   response_deserializer=Response.FromString)
+        responses = list(rpc(request, timeout=60))
+    assert sum(len(r.token_ids) for r in responses) == 4
+    assert responses[-1].usage.completion_tokens == 4
+
+
+def test_health_service_reports_serving(cluster: LocalCluster) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(cluster.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "splitserve.v1.Generation"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_redis_away_means_load_only_routing(stub, cluster: LocalCluster) -> None:  # type: ignore[no-untyped-def]
+    """Last in the module: stops the cluster's Redis server."""
+    assert cluster.redis is not None
+    cluster.redis.stop()
+    time.sleep(1.5)
+    for p in prompts(6, 2, 40) + [[7, 8]]:
+        got = generate(stub, p, max_tokens=6, ignore_eos=True)
+        assert len(tokens_of(got)) == 6
+    (stats,) = cluster.router_stats()
+    assert stats["redis_healthy"] is False
