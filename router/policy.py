@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 Mode = Literal["disaggregated", "colocated", "auto"]
+Policy = Literal["cache_aware", "round_robin"]
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,8 @@ class RoutingConfig:
     mode: Mode = "auto"
     """disaggregated: every prompt goes through a prefill worker; colocated: decode workers
     prefill everything themselves; auto: local prefill when the uncached part is short."""
+    policy: Policy = "cache_aware"
+    """round_robin ignores caches and load (the baseline benchmarks compare against)."""
     local_prefill_tokens: int = 256
     """auto mode: a decode worker prefills itself when fewer uncached prompt tokens remain."""
     affinity_bound_tokens: int = 1024
@@ -36,6 +39,8 @@ class RoutingConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated", "auto"):
             raise ValueError(f"mode must be disaggregated, colocated or auto, got {self.mode!r}")
+        if self.policy not in ("cache_aware", "round_robin"):
+            raise ValueError(f"policy must be cache_aware or round_robin, got {self.policy!r}")
         for name in ("local_prefill_tokens", "affinity_bound_tokens", "decode_weight_tokens",
                      "kv_pressure_weight_tokens"):
             if getattr(self, name) < 0:
@@ -93,6 +98,21 @@ def choose_route(
         return RouteDecision(d.worker_id, None, d_cached, 0)
     p = _lowest(prefills, lambda w: _prefill_cost(w, num_prompt_tokens, overlap, block_size), rng)
     return RouteDecision(d.worker_id, p.worker_id, d_cached, overlap.get(p.worker_id, 0))
+
+
+def choose_round_robin(
+    turn: int, num_prompt_tokens: int, num_new_blocks: int, decodes: list[WorkerLoad], prefills: list[WorkerLoad],
+    config: RoutingConfig,
+) -> RouteDecision | None:
+    """The baseline: the `turn`-th worker of each pool in order (skipping decode workers without room)."""
+    fits = [w for w in decodes if num_new_blocks <= w.num_free_blocks]
+    if not fits:
+        return None
+    d = fits[turn % len(fits)]
+    local = config.mode == "colocated" or not prefills or (
+        config.mode == "auto" and num_prompt_tokens < config.local_prefill_tokens)
+    p = None if local else prefills[turn % len(prefills)].worker_id
+    return RouteDecision(d.worker_id, p, 0, 0)
 
 
 def _prefill_cost(w: WorkerLoad, num_prompt_tokens: int, overlap: dict[str, int], block_size: int) -> float:

@@ -37,7 +37,7 @@ from proto.convert import finish_to_pb, sampling_from_pb, sampling_to_pb
 from router.admission import AdmissionQueue, Refused
 from router.kv_index import KVIndex
 from router.loads import LoadBook
-from router.policy import RouteDecision, choose_route
+from router.policy import RouteDecision, choose_round_robin, choose_route
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,7 @@ class Router(pb_grpc.GenerationServicer):
         self.rng = random.Random(seed)
         self._waiters: dict[str, asyncio.Future[bool]] = {}
         self._active: set[str] = set()
+        self._turn = 0
         self.stats = {"num_requests": 0, "num_refused": 0, "num_local_prefill": 0, "num_remote_prefill": 0,
                       "num_prompt_tokens": 0, "num_cached_tokens": 0}
 
@@ -226,11 +227,15 @@ class Router(pb_grpc.GenerationServicer):
 
     def _route(self, prep: Prepared) -> tuple[RouteDecision, list[bytes]]:
         hashes = self.hasher.hash_prompt(prep.token_ids, prep.tenant)
-        overlap = self.index.overlap(hashes, [*self.decode_ids, *self.prefills])
-        decision = choose_route(
-            len(prep.token_ids), self._blocks_for(len(prep.token_ids)), overlap,
-            [self.loads.load(w) for w in self.decode_ids], [self.loads.load(w) for w in self.prefills],
-            self.config.routing, self.block_size, self.rng)
+        n, blocks = len(prep.token_ids), self._blocks_for(len(prep.token_ids))
+        decodes = [self.loads.load(w) for w in self.decode_ids]
+        prefills = [self.loads.load(w) for w in self.prefills]
+        if self.config.routing.policy == "round_robin":
+            self._turn += 1
+            decision = choose_round_robin(self._turn, n, blocks, decodes, prefills, self.config.routing)
+        else:
+            overlap = self.index.overlap(hashes, [*self.decode_ids, *self.prefills])
+            decision = choose_route(n, blocks, overlap, decodes, prefills, self.config.routing, self.block_size, self.rng)
         if decision is None:
             raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 "no decode worker has free KV blocks for this prompt now; retry after 1.0 s", 1.0)

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from router.policy import RoutingConfig, WorkerLoad, choose_route
+from router.policy import RoutingConfig, WorkerLoad, choose_round_robin, choose_route
 
 BS = 16
 
@@ -65,3 +65,13 @@ def test_config_validation() -> None:
         RoutingConfig(mode="split")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="local_prefill_tokens"):
         RoutingConfig(local_prefill_tokens=-1)
+
+
+def test_round_robin_ignores_caches_and_skips_full_workers() -> None:
+    cfg = RoutingConfig(policy="round_robin", mode="auto", local_prefill_tokens=32)
+    ds, ps = [d("d0"), d("d1", free=2), d("d2")], [d("p0"), d("p1")]
+    picks = [choose_round_robin(t, 100, 7, ds, ps, cfg) for t in range(4)]
+    assert [(r.decode_worker, r.prefill_worker) for r in picks] == [
+        ("d0", "p0"), ("d2", "p1"), ("d0", "p0"), ("d2", "p1")]
+    assert choose_round_robin(0, 10, 1, ds, ps, cfg).local_prefill
+    assert choose_round_robin(0, 100, 200, ds, ps, cfg) is None
