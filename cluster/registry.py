@@ -13,6 +13,7 @@ away costs routers their KV index and load reports, never a request.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -25,6 +26,8 @@ import redis
 import redis.asyncio
 
 from engine.block_pool import KVEvent
+from engine.engine_loop import EngineLoop
+from engine.llm_engine import LLMEngine
 from engine.types import BlockHash
 
 logger = logging.getLogger(__name__)
@@ -89,6 +92,26 @@ class Heartbeat:
         d = msgpack.unpackb(data)
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def engine_heartbeat(loop: EngineLoop, worker_id: str, role: str, address: str,
+                     num_prompt_tokens: Callable[[], tuple[int, int]]) -> Heartbeat | None:
+    """A worker's heartbeat, read on its engine thread; None (skip this beat) if that thread is busy or gone.
+
+    `num_prompt_tokens()` returns the worker's cumulative (prompt, prefix-cached) token counts.
+    """
+    def read(engine: LLMEngine) -> Heartbeat:
+        u = engine.block_pool.usage()
+        s = engine.scheduler
+        queued = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in [*s.waiting, *s.running])
+        prompt, cached = num_prompt_tokens()
+        return Heartbeat(worker_id, role, address, u.num_total, u.num_free, u.num_cached, len(s.running),
+                         len(s.waiting), queued, prompt, cached, time.time())
+
+    try:
+        return loop.call(read).result(timeout=2.0)
+    except (RuntimeError, concurrent.futures.TimeoutError):
+        return None
 
 
 class Publisher:

@@ -14,9 +14,7 @@ workers copy straight into it; others use tcp.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 
@@ -26,11 +24,11 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster.config import WorkerConfig
-from cluster.registry import Heartbeat, Publisher
+from cluster.registry import Heartbeat, Publisher, engine_heartbeat
 from decode_worker.kv_receive import RemoteFailure, RemoteKV
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine, RequestOutput
-from engine.types import EngineError, InvalidRequestError, RequestId
+from engine.types import EngineError, InvalidRequestError
 from kvfabric import ReceiverConfig, ShmKVAllocator
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
@@ -195,19 +193,8 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         self._seen.discard(request_id)
 
     def _heartbeat(self) -> Heartbeat | None:
-        """On the publisher thread: asks the engine thread, or skips this beat if it is busy or gone."""
-        try:
-            return self.loop.call(self._load).result(timeout=2.0)
-        except (RuntimeError, concurrent.futures.TimeoutError):
-            return None
-
-    def _load(self, engine: LLMEngine) -> Heartbeat:
-        u = engine.block_pool.usage()
-        s = engine.scheduler
-        queued = sum(r.num_prompt_tokens - r.num_computed_tokens for r in s.waiting if not r.output_token_ids)
-        return Heartbeat(self.worker_id, "decode", self.address, u.num_total, u.num_free, u.num_cached,
-                         len(s.running), len(s.waiting), queued, self._num_prompt_tokens,
-                         self._num_cached_tokens, time.time())
+        return engine_heartbeat(self.loop, self.worker_id, "decode", self.address,
+                                lambda: (self._num_prompt_tokens, self._num_cached_tokens))
 
     def _idle_report(self, engine: LLMEngine) -> dict[str, object]:
         usage = engine.check_invariants()

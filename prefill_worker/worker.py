@@ -20,7 +20,7 @@ import msgpack
 import torch
 
 from cluster.config import WorkerConfig
-from cluster.registry import Heartbeat, Publisher
+from cluster.registry import Heartbeat, Publisher, engine_heartbeat
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.request import FinishReason, SamplingParams
@@ -165,19 +165,8 @@ class PrefillWorker:
             fut.set_result(PrefillResult(**{**asdict(result), "prefill_s": time.perf_counter() - started}))
 
     def _heartbeat(self) -> Heartbeat | None:
-        """On the publisher thread: asks the engine thread, or skips this beat if it is busy or gone."""
-        try:
-            return self.loop.call(self._load).result(timeout=2.0)
-        except (RuntimeError, concurrent.futures.TimeoutError):
-            return None
-
-    def _load(self, engine: LLMEngine) -> Heartbeat:
-        u = engine.block_pool.usage()
-        s = engine.scheduler
-        queued = sum(r.num_prompt_tokens - r.num_computed_tokens for r in [*s.waiting, *s.running])
-        return Heartbeat(self.worker_id, "prefill", "", u.num_total, u.num_free, u.num_cached,
-                         len(s.running), len(s.waiting), queued, self._num_prompt_tokens,
-                         self._num_cached_tokens, time.time())
+        return engine_heartbeat(self.loop, self.worker_id, "prefill", "",
+                                lambda: (self._num_prompt_tokens, self._num_cached_tokens))
 
     def _idle_report(self, engine: LLMEngine) -> dict[str, object]:
         usage = engine.check_invariants()
