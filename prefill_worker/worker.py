@@ -114,8 +114,7 @@ class PrefillWorker:
         try:
             engine.add_request(r.prompt_token_ids, r.params, r.request_id, r.priority, r.tenant)
         except EngineError as e:
-            self.pusher.abort(r.request_id)
-            self.pusher.take_done()
+            self.pusher.abort(r.request_id)  # its PushDone reaches _hook, which finds no waiter
             fut.set_result(PrefillResult(r.request_id, error=str(e), invalid=True))
             return fut
         self._waiters[r.request_id] = (fut, time.perf_counter())
@@ -123,7 +122,6 @@ class PrefillWorker:
 
     def _abort(self, engine: LLMEngine, request_id: str, reason: str) -> bool:
         self.pusher.abort(request_id)
-        self.pusher.take_done()
         found = engine.abort(request_id)
         self._resolve(request_id, PrefillResult(request_id, error=reason))
         return found
@@ -138,7 +136,6 @@ class PrefillWorker:
                     out.request_id, out.new_token_ids[0], tuple(out.new_logprobs),
                     out.finish_reason.value if out.finish_reason else None, out.num_cached_tokens))
                 self.pusher.abort(out.request_id)
-        self._hook(0.0)
 
     def _hook(self, wait_s: float) -> bool:
         done = self.pusher.take_done()
