@@ -48,6 +48,8 @@ class Outcome:
     num_prompt: int = 0
     num_cached: int = 0
     num_out: int = 0
+    transfer_s: float = 0.0
+    """The server's KV transfer window (its Timing), 0 for local prefill."""
 
 
 def synthetic(n: int, prompt_len: int, output_len: int, shared_fraction: float, num_prefixes: int,
@@ -94,7 +96,8 @@ async def one(stub: pb_grpc.GenerationStub, item: Item, timeout_s: float) -> Out
         return Outcome(False, "EMPTY")
     itls = tuple(b - a for a, b in zip(stamps, stamps[1:]) if b > a)
     return Outcome(True, "OK", stamps[0] - start, itls, stamps[-1] - start,
-                   final.usage.prompt_tokens, final.usage.cached_tokens, final.usage.completion_tokens)
+                   final.usage.prompt_tokens, final.usage.cached_tokens, final.usage.completion_tokens,
+                   final.timing.transfer_ms / 1e3)
 
 
 async def run_load(target: str, items: list[Item], rate: float | None, concurrency: int | None,
@@ -147,6 +150,7 @@ def summarize(outcomes: list[Outcome], elapsed_s: float) -> dict[str, object]:
         **{f"ttft_p{q}_ms": ms(ttft, q) for q in (50, 95, 99)},
         **{f"itl_p{q}_ms": ms(itl, q) for q in (50, 95, 99)},
         **{f"e2e_p{q}_ms": ms(e2e, q) for q in (50, 95, 99)},
+        "transfer_p50_ms": ms([o.transfer_s for o in ok], 50),
         "output_tokens_per_s": round(sum(o.num_out for o in ok) / elapsed_s, 2),
         "requests_per_s": round(len(ok) / elapsed_s, 3),
         "prefix_hit_rate": round(sum(o.num_cached for o in ok) / prompt, 4) if prompt else 0.0,

@@ -61,13 +61,15 @@ def run_arm(name: str, config: ClusterConfig, items: list[Item], rate: float | N
     return result
 
 
-def mixed_items(n: int, long_len: int, seed: int) -> list[Item]:
-    decoders = synthetic(n, 32, 64, 0.0, 0, 0, 512, seed)
-    longs = synthetic(n // 4, long_len, 4, 0.0, 0, 0, 512, seed + 1)
+def mixed_items(n: int, long_len: int, long_every: int, decode_output_len: int, seed: int) -> list[Item]:
+    """n short-prompt requests that decode decode_output_len tokens (mean), with one long prompt
+    (long_len mean, 4 output tokens) after every long_every of them."""
+    decoders = synthetic(n, 32, decode_output_len, 0.0, 0, 0, 512, seed)
+    longs = synthetic(n // long_every, long_len, 4, 0.0, 0, 0, 512, seed + 1)
     out: list[Item] = []
     for i, d in enumerate(decoders):
         out.append(d)
-        if i % 4 == 3 and longs:
+        if i % long_every == long_every - 1 and longs:
             out.append(longs.pop())
     return out
 
@@ -78,7 +80,9 @@ def main() -> int:
     p.add_argument("--size", choices=("tiny", "small"), default="tiny")
     p.add_argument("--num-requests", type=int, default=48)
     p.add_argument("--rate", type=float, default=4.0)
-    p.add_argument("--long-len", type=int, default=768)
+    p.add_argument("--long-len", type=int, default=768, help="mixed/overhead: long prompt length (mean)")
+    p.add_argument("--long-every", type=int, default=4, help="mixed: one long prompt per this many decoders")
+    p.add_argument("--decode-output-len", type=int, default=64, help="mixed: decoders' output length (mean)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     model_dir = str(make_tiny_model(Path(tempfile.mkdtemp()) / "m", arch="llama", size=args.size, seed=0))
@@ -86,7 +90,8 @@ def main() -> int:
     arms: dict[str, dict[str, object]] = {}
     if args.scenario in ("mixed", "overhead"):
         if args.scenario == "mixed":
-            items, rate, conc = mixed_items(args.num_requests, args.long_len, args.seed), args.rate, None
+            items, rate, conc = mixed_items(args.num_requests, args.long_len, args.long_every,
+                                                  args.decode_output_len, args.seed), args.rate, None
         else:
             items, rate, conc = synthetic(args.num_requests // 2, args.long_len, 4, 0.0, 0, 0, 512, args.seed), None, 1
         arms["disaggregated"] = run_arm("disaggregated", arm(model_dir, 1, 1, RoutingConfig(mode="disaggregated")),
@@ -96,7 +101,8 @@ def main() -> int:
         d, c = arms["disaggregated"], arms["colocated"]
         ratios = {"itl_p99_disagg_over_coloc": _ratio(d["itl_p99_ms"], c["itl_p99_ms"]),
                   "ttft_p50_disagg_over_coloc": _ratio(d["ttft_p50_ms"], c["ttft_p50_ms"]),
-                  "ttft_p50_diff_ms": round(float(d["ttft_p50_ms"]) - float(c["ttft_p50_ms"]), 2)}  # type: ignore[arg-type]
+                  "ttft_p50_diff_ms": round(float(d["ttft_p50_ms"]) - float(c["ttft_p50_ms"]), 2),  # type: ignore[arg-type]
+                  "overhead_bound_ms": round(10.0 + float(d["transfer_p50_ms"]), 2)}  # type: ignore[arg-type]
     else:
         items = synthetic(args.num_requests, 160, 16, 0.9, 4, 128, 512, args.seed)
         rr = RoutingConfig(mode="auto", policy="round_robin", local_prefill_tokens=32)

@@ -73,16 +73,18 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("queue_ms", "prefill_ms", "transfer_ms", "ttft_ms")
+    __slots__ = ("queue_ms", "prefill_ms", "transfer_ms", "ttft_ms", "transfer_window_ms")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_WINDOW_MS_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     prefill_ms: float
     transfer_ms: float
     ttft_ms: float
-    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ...) -> None: ...
+    transfer_window_ms: float
+    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., transfer_window_ms: _Optional[float] = ...) -> None: ...
 
 class Route(_message.Message):
     __slots__ = ("decode_worker", "prefill_worker", "local_prefill")

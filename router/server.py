@@ -67,7 +67,8 @@ class Progress:
     admitted: float = 0.0
     routed: float = 0.0
     first_token: float = 0.0
-    transfer_ms: float = 0.0
+    handoff_ms: float = 0.0
+    transfer_window_ms: float = 0.0
     num_cached_tokens: int = 0
     num_sent: int = 0
 
@@ -268,18 +269,21 @@ class Router(pb_grpc.GenerationServicer):
                 prefill_open = False
                 self.loads.prefilled(p, uncached_p)
                 progress.num_cached_tokens = first.num_cached_tokens
+                progress.handoff_ms = first.handoff_s * 1e3
                 response, done = self._tokens_response(prep, progress, detok, [first.first_token_id],  # type: ignore[list-item]
                                                        list(first.logprobs), first.finish_reason)
                 yield response
                 if done:
                     yield self._final(prep, progress, decision, response.finish_reason)
                     return
+            first_from_p = p is not None
             while True:
                 ev = await stream.next_tokens()
                 token_ids, logprobs = list(ev.token_ids), list(ev.logprobs)
-                if p is not None and progress.num_sent == 1 and ev.transfer_ms:
-                    progress.transfer_ms = ev.transfer_ms
-                    token_ids, logprobs = token_ids[1:], logprobs[1:]  # the first token came from P
+                if first_from_p:  # D's first event repeats the first token, which came from P
+                    first_from_p = False
+                    progress.transfer_window_ms = ev.transfer_ms
+                    token_ids, logprobs = token_ids[1:], logprobs[1:]
                 elif p is None and progress.num_sent == 0:
                     progress.num_cached_tokens = ev.num_cached_tokens
                     self.loads.prefilled(d, uncached_d)
@@ -350,7 +354,8 @@ class Router(pb_grpc.GenerationServicer):
                            completion_tokens=progress.num_sent),
             timing=pb.Timing(queue_ms=(progress.admitted - progress.arrived) * ms,
                              prefill_ms=(progress.first_token - progress.routed) * ms,
-                             transfer_ms=progress.transfer_ms, ttft_ms=(progress.first_token - progress.arrived) * ms),
+                             transfer_ms=progress.handoff_ms, transfer_window_ms=progress.transfer_window_ms,
+                             ttft_ms=(progress.first_token - progress.arrived) * ms),
             route=pb.Route(decode_worker=decision.decode_worker, prefill_worker=decision.prefill_worker or "",
                            local_prefill=decision.local_prefill))
 
