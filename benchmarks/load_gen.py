@@ -132,7 +132,7 @@ async def run_load(target: str, items: list[Item], rate: float | None, concurren
 
 def pct(values: list[float], q: float) -> float:
     if not values:
-        return float("nan")
+        return 0.0
     v = sorted(values)
     return v[min(len(v) - 1, int(q / 100 * len(v)))]
 
@@ -149,8 +149,9 @@ def summarize(outcomes: list[Outcome], elapsed_s: float) -> dict[str, object]:
         "elapsed_s": round(elapsed_s, 3),
         **{f"ttft_p{q}_ms": ms(ttft, q) for q in (50, 95, 99)},
         **{f"itl_p{q}_ms": ms(itl, q) for q in (50, 95, 99)},
+        "itl_max_ms": round(max(itl, default=float("nan")) * 1e3, 2),
         **{f"e2e_p{q}_ms": ms(e2e, q) for q in (50, 95, 99)},
-        "transfer_p50_ms": ms([o.transfer_s for o in ok], 50),
+        "transfer_p50_ms": ms([o.transfer_s for o in ok if o.transfer_s > 0], 50),  # remote prefills only
         "output_tokens_per_s": round(sum(o.num_out for o in ok) / elapsed_s, 2),
         "requests_per_s": round(len(ok) / elapsed_s, 3),
         "prefix_hit_rate": round(sum(o.num_cached for o in ok) / prompt, 4) if prompt else 0.0,

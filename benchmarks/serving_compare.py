@@ -32,9 +32,11 @@ from router.admission import AdmissionConfig  # noqa: E402
 from router.policy import RoutingConfig  # noqa: E402
 
 
-def arm(model_dir: str, num_prefill: int, num_decode: int, routing: RoutingConfig) -> ClusterConfig:
+def arm(args: argparse.Namespace, model_dir: str, num_prefill: int, num_decode: int,
+        routing: RoutingConfig) -> ClusterConfig:
     return ClusterConfig(
-        worker=WorkerConfig(model_dir=model_dir, kv_cache_bytes=64 * 2**20, max_num_batched_tokens=512),
+        worker=WorkerConfig(model_dir=model_dir, kv_cache_bytes=args.kv_cache_mib * 2**20,
+                            max_num_batched_tokens=args.chunk_tokens),
         num_prefill=num_prefill, num_decode=num_decode,
         router=RouterConfig(port=free_port(), routing=routing, admission=AdmissionConfig()),
         worker_num_cpus=0.5)
@@ -83,6 +85,17 @@ def main() -> int:
     p.add_argument("--long-len", type=int, default=768, help="mixed/overhead: long prompt length (mean)")
     p.add_argument("--long-every", type=int, default=4, help="mixed: one long prompt per this many decoders")
     p.add_argument("--decode-output-len", type=int, default=64, help="mixed: decoders' output length (mean)")
+    p.add_argument("--disagg-mode", choices=("auto", "disaggregated"), default="auto",
+                   help="mixed/overhead: the 1P+1D arm's mode (auto prefills short prompts on the decode worker)")
+    p.add_argument("--chunk-tokens", type=int, default=512,
+                   help="max_num_batched_tokens of every worker (the chunked-prefill step size)")
+    p.add_argument("--kv-cache-mib", type=int, default=64, help="every worker's KV pool")
+    p.add_argument("--num-prefixes", type=int, default=8, help="prefix: distinct shared prefixes")
+    p.add_argument("--prefix-len", type=int, default=256, help="prefix: tokens per shared prefix")
+    p.add_argument("--suffix-len", type=int, default=32, help="prefix: the rest of the prompt (mean)")
+    p.add_argument("--shared-prefix-fraction", type=float, default=0.9, help="prefix: requests with a shared prefix")
+    p.add_argument("--local-prefill-tokens", type=int, default=64,
+                   help="prefix: uncached tokens at most for a local prefill on the decode worker")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     model_dir = str(make_tiny_model(Path(tempfile.mkdtemp()) / "m", arch="llama", size=args.size, seed=0))
@@ -90,25 +103,26 @@ def main() -> int:
     arms: dict[str, dict[str, object]] = {}
     if args.scenario in ("mixed", "overhead"):
         if args.scenario == "mixed":
-            items, rate, conc = mixed_items(args.num_requests, args.long_len, args.long_every,
-                                                  args.decode_output_len, args.seed), args.rate, None
+            items = mixed_items(args.num_requests, args.long_len, args.long_every, args.decode_output_len, args.seed)
+            rate, conc = args.rate, None
         else:
-            items, rate, conc = synthetic(args.num_requests // 2, args.long_len, 4, 0.0, 0, 0, 512, args.seed), None, 1
-        arms["disaggregated"] = run_arm("disaggregated", arm(model_dir, 1, 1, RoutingConfig(mode="disaggregated")),
-                                        items, rate, conc, warm)
-        arms["colocated"] = run_arm("colocated", arm(model_dir, 0, 2, RoutingConfig(mode="colocated")),
-                                    items, rate, conc, warm)
+            items = synthetic(args.num_requests // 2, args.long_len, 4, 0.0, 0, 0, 512, args.seed)
+            rate, conc = None, 1
+        disagg = arm(args, model_dir, 1, 1, RoutingConfig(mode=args.disagg_mode))
+        arms["disaggregated"] = run_arm("disaggregated", disagg, items, rate, conc, warm)
+        coloc = arm(args, model_dir, 0, 2, RoutingConfig(mode="colocated"))
+        arms["colocated"] = run_arm("colocated", coloc, items, rate, conc, warm)
         d, c = arms["disaggregated"], arms["colocated"]
         ratios = {"itl_p99_disagg_over_coloc": _ratio(d["itl_p99_ms"], c["itl_p99_ms"]),
                   "ttft_p50_disagg_over_coloc": _ratio(d["ttft_p50_ms"], c["ttft_p50_ms"]),
                   "ttft_p50_diff_ms": round(float(d["ttft_p50_ms"]) - float(c["ttft_p50_ms"]), 2),  # type: ignore[arg-type]
                   "overhead_bound_ms": round(10.0 + float(d["transfer_p50_ms"]), 2)}  # type: ignore[arg-type]
     else:
-        items = synthetic(args.num_requests, 160, 16, 0.9, 4, 128, 512, args.seed)
-        rr = RoutingConfig(mode="auto", policy="round_robin", local_prefill_tokens=32)
-        ca = RoutingConfig(mode="auto", policy="cache_aware", local_prefill_tokens=32)
-        arms["round_robin"] = run_arm("round_robin", arm(model_dir, 2, 2, rr), items, args.rate, None, [])
-        arms["cache_aware"] = run_arm("cache_aware", arm(model_dir, 2, 2, ca), items, args.rate, None, [])
+        items = synthetic(args.num_requests, args.prefix_len + args.suffix_len, 16, args.shared_prefix_fraction,
+                          args.num_prefixes, args.prefix_len, 512, args.seed)
+        for name, policy in (("round_robin", "round_robin"), ("cache_aware", "cache_aware")):
+            routing = RoutingConfig(mode="auto", policy=policy, local_prefill_tokens=args.local_prefill_tokens)
+            arms[name] = run_arm(name, arm(args, model_dir, 2, 2, routing), items, args.rate, None, [])
         a, r = arms["cache_aware"], arms["round_robin"]
         ratios = {"ttft_p50_cache_aware_over_rr": _ratio(a["ttft_p50_ms"], r["ttft_p50_ms"]),
                   "prefix_hit_rate_cache_aware": a["prefix_hit_rate"], "prefix_hit_rate_rr": r["prefix_hit_rate"]}

@@ -12,6 +12,7 @@ the first token or the error. Source blocks live in the engine's pool (CPU tenso
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from engine.llm_engine import LLMEngine
@@ -29,6 +30,9 @@ class PushDone:
     error: str | None
     """None when the decode worker accepted the KV; else why the hand-off failed."""
     num_pushes: int
+    push_s: float = 0.0
+    """Engine-thread time spent pushing this request's blocks and `ready`: what the transfer
+    added to the prefill (chunk copies run between compute steps)."""
 
 
 class KVPusher:
@@ -39,6 +43,7 @@ class KVPusher:
         self._transfers: dict[str, Transfer] = {}
         self._next_index: dict[str, int] = {}
         self._num_pushes: dict[str, int] = {}
+        self._push_s: dict[str, float] = {}
         self._done: list[PushDone] = []
 
     def attach(self, ticket: Ticket) -> Transfer:
@@ -47,6 +52,7 @@ class KVPusher:
         self._transfers[ticket.request_id] = transfer
         self._next_index[ticket.request_id] = ticket.num_skip_blocks
         self._num_pushes[ticket.request_id] = 0
+        self._push_s[ticket.request_id] = 0.0
         return transfer
 
     # -- KVHandoff ---------------------------------------------------------------------
@@ -58,11 +64,14 @@ class KVPusher:
         if rid not in self._transfers:
             return
         if self._push_upto(request, block_ids, len(block_ids)):
+            started = time.perf_counter()
             try:
                 self._transfers[rid].finish(first_token_id, request.num_prompt_tokens)
             except FabricError as e:
                 self._end(rid, None, str(e))
                 return
+            finally:
+                self._push_s[rid] += time.perf_counter() - started
             self._end(rid, first_token_id, None)
 
     @property
@@ -91,12 +100,16 @@ class KVPusher:
         start = self._next_index[rid]
         if end <= start:
             return True
+        started = time.perf_counter()
         try:
             transfer.push([int(b) for b in block_ids[start:end]], start)
         except FabricError as e:
             transfer.abort(str(e))
             self._end(rid, None, str(e))
             return False
+        finally:
+            if rid in self._push_s:
+                self._push_s[rid] += time.perf_counter() - started
         self._next_index[rid] = end
         self._num_pushes[rid] += 1
         return True
@@ -106,4 +119,5 @@ class KVPusher:
         self._next_index.pop(request_id, None)
         if error is not None:
             logger.warning("request %s: KV hand-off failed: %s", request_id, error)
-        self._done.append(PushDone(request_id, first_token_id, error, self._num_pushes.pop(request_id, 0)))
+        self._done.append(PushDone(request_id, first_token_id, error, self._num_pushes.pop(request_id, 0),
+                                   self._push_s.pop(request_id, 0.0)))

@@ -52,9 +52,9 @@ class PrefillResult:
     num_cached_tokens: int = 0
     """Prompt tokens this worker served from its prefix cache."""
     prefill_s: float = 0.0
-    handoff_s: float = 0.0
-    """From the first token computed to the decode worker's `ready`: the part of the KV
-    transfer that chunk-by-chunk pushing could not hide behind the prefill."""
+    transfer_s: float = 0.0
+    """Engine-thread time spent pushing the KV (every chunk and `ready`): the transfer's
+    share of the prefill time."""
     error: str | None = None
     """Why no first token: the transfer failed, the request was aborted or refused."""
     invalid: bool = False
@@ -70,8 +70,7 @@ class PrefillWorker:
         self.pusher = KVPusher(self.engine, SenderConfig(renew_interval_s=config.kv_lease_s / 4))
         self.engine.handoff = self.pusher
         self._waiters: dict[str, tuple[concurrent.futures.Future[PrefillResult], float]] = {}
-        self._cached: dict[str, tuple[int, tuple[float, ...], float]] = {}
-        """Prefilled, waiting for PushDone: (cached tokens, logprobs, when the first token was computed)."""
+        self._cached: dict[str, tuple[int, tuple[float, ...]]] = {}
         self._num_prompt_tokens = 0
         self._num_cached_tokens = 0
         self.loop = EngineLoop(self.engine, self._on_outputs, self._hook, name=f"engine-{worker_id}")
@@ -134,7 +133,7 @@ class PrefillWorker:
         for out in outputs:
             self._num_prompt_tokens += out.num_prompt_tokens
             self._num_cached_tokens += out.num_cached_tokens
-            self._cached[out.request_id] = (out.num_cached_tokens, tuple(out.new_logprobs), time.perf_counter())
+            self._cached[out.request_id] = (out.num_cached_tokens, tuple(out.new_logprobs))
             if out.finished and out.finish_reason is not FinishReason.PREFILL_DONE:
                 self._resolve(out.request_id, PrefillResult(
                     out.request_id, out.new_token_ids[0], tuple(out.new_logprobs),
@@ -145,12 +144,10 @@ class PrefillWorker:
         done = self.pusher.take_done()
         for d in done:
             rid = RequestId(d.request_id)
-            now = time.perf_counter()
-            cached, logprobs, computed_at = self._cached.pop(rid, (0, (), now))
+            cached, logprobs = self._cached.pop(rid, (0, ()))
             if d.error is None:
                 self.engine.release_handoff(rid)
-                self._resolve(rid, PrefillResult(rid, d.first_token_id, logprobs, None, cached,
-                                                 handoff_s=now - computed_at))
+                self._resolve(rid, PrefillResult(rid, d.first_token_id, logprobs, None, cached, transfer_s=d.push_s))
             else:
                 self.engine.abort(rid)
                 self._resolve(rid, PrefillResult(rid, error=f"KV transfer failed: {d.error}"))

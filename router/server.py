@@ -67,7 +67,7 @@ class Progress:
     admitted: float = 0.0
     routed: float = 0.0
     first_token: float = 0.0
-    handoff_ms: float = 0.0
+    transfer_ms: float = 0.0
     transfer_window_ms: float = 0.0
     num_cached_tokens: int = 0
     num_sent: int = 0
@@ -269,7 +269,7 @@ class Router(pb_grpc.GenerationServicer):
                 prefill_open = False
                 self.loads.prefilled(p, uncached_p)
                 progress.num_cached_tokens = first.num_cached_tokens
-                progress.handoff_ms = first.handoff_s * 1e3
+                progress.transfer_ms = first.transfer_s * 1e3
                 response, done = self._tokens_response(prep, progress, detok, [first.first_token_id],  # type: ignore[list-item]
                                                        list(first.logprobs), first.finish_reason)
                 yield response
@@ -354,7 +354,7 @@ class Router(pb_grpc.GenerationServicer):
                            completion_tokens=progress.num_sent),
             timing=pb.Timing(queue_ms=(progress.admitted - progress.arrived) * ms,
                              prefill_ms=(progress.first_token - progress.routed) * ms,
-                             transfer_ms=progress.handoff_ms, transfer_window_ms=progress.transfer_window_ms,
+                             transfer_ms=progress.transfer_ms, transfer_window_ms=progress.transfer_window_ms,
                              ttft_ms=(progress.first_token - progress.arrived) * ms),
             route=pb.Route(decode_worker=decision.decode_worker, prefill_worker=decision.prefill_worker or "",
                            local_prefill=decision.local_prefill))
