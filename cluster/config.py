@@ -73,12 +73,21 @@ class RouterConfig:
     """How often heartbeats (KV usage, queues) are re-read from Redis."""
     grace_s: float = 5.0
     """On shutdown, running streams get this long to finish."""
+    max_attempts: int = 3
+    """Tries per request when a worker fails under it (died, unreachable, out of KV). A
+    later try avoids the workers that failed it and continues from the tokens already
+    streamed (the prompt plus those tokens is prefilled again): the client sees one stream."""
+    worker_down_s: float = 10.0
+    """A worker that died or was unreachable gets no new requests for this long."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.prefill_timeout_s <= 0 or self.decode_idle_timeout_s <= 0:
             raise ValueError("prefill_timeout_s and decode_idle_timeout_s must be positive")
+        if self.max_attempts < 1 or self.worker_down_s < 0:
+            raise ValueError(f"max_attempts must be >= 1 and worker_down_s >= 0, got {self.max_attempts}, "
+                             f"{self.worker_down_s}")
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,9 @@
 `start()` creates N prefill and M decode worker actors (CPU actors here, one GPU each
 when the worker's device is cuda), waits for them to load the model, then a router
 replica that knows their handles and addresses. `check_idle()` gathers every worker's
-pool accounting (tests assert nothing leaked); `shutdown()` stops the router first so
-no new work arrives, then the workers.
+pool accounting (tests assert nothing leaked; a dead worker reports `dead`);
+`kill_worker()` ends one abruptly (what a crash looks like to the rest); `shutdown()`
+stops the router first so no new work arrives, then the workers.
 """
 from __future__ import annotations
 
@@ -65,8 +66,21 @@ class Controller:
         return self.info
 
     async def check_idle(self) -> list[dict[str, Any]]:
-        workers = [*self.prefills.values(), *self.decodes.values()]
-        return list(await asyncio.gather(*(await_ref(w.check_idle.remote()) for w in workers)))
+        async def one(worker_id: str, actor: Any) -> dict[str, Any]:
+            try:
+                return dict(await await_ref(actor.check_idle.remote()))
+            except ray.exceptions.RayActorError:
+                return {"worker_id": worker_id, "dead": True}
+
+        workers = {**self.prefills, **self.decodes}
+        return list(await asyncio.gather(*(one(w, a) for w, a in workers.items())))
+
+    def kill_worker(self, worker_id: str) -> None:
+        """Ends the worker's process at once, as a crash would (no shutdown, no clean-up)."""
+        actor = self.prefills.get(worker_id) or self.decodes.get(worker_id)
+        if actor is None:
+            raise KeyError(f"no worker {worker_id!r}")
+        ray.kill(actor, no_restart=True)
 
     async def router_stats(self) -> list[dict[str, Any]]:
         return list(await asyncio.gather(*(await_ref(r.stats.remote()) for r in self.routers.values())))

@@ -21,6 +21,7 @@ import redis
 
 from cluster.config import ClusterConfig
 from cluster.controller import START_TIMEOUT_S, Controller
+from kvfabric.region import sweep_dead_segments
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,9 @@ class LocalCluster:
     def router_stats(self) -> list[dict[str, Any]]:
         return ray.get(self.controller.router_stats.remote(), timeout=60)
 
+    def kill_worker(self, worker_id: str) -> None:
+        ray.get(self.controller.kill_worker.remote(worker_id), timeout=60)
+
     def stop(self) -> None:
         if self.controller is not None:
             try:
@@ -130,3 +134,4 @@ class LocalCluster:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+        sweep_dead_segments()  # the KV pools of workers that were killed

@@ -179,6 +179,8 @@ class Publisher:
         hb = self.heartbeat() if beat else None
         if hb is not None:
             pipe.set(hb_key(self.ns, self.worker_id), hb.to_wire(), px=int(self.ttl_s * 1000))
+        elif beat:  # the engine is busy in a long step: the process lives, keep the last beat alive
+            pipe.pexpire(hb_key(self.ns, self.worker_id), int(self.ttl_s * 1000))
         pipe.execute()
         for _ in batch:
             self._events.popleft()

@@ -116,7 +116,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
                                         f"request {rid}: no tokens for {STREAM_IDLE_TIMEOUT_S:.0f} s on {self.worker_id}")
                 if isinstance(item, RemoteFailure):
                     finished = True  # the engine already ended it
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: KV transfer failed: {item.reason}")
+                    await context.abort(grpc.StatusCode.ABORTED, f"request {rid}: KV transfer failed: {item.reason}")
                 finished = item.finished
                 yield pb.DecodeEvent(tokens=pb.Tokens(
                     token_ids=item.new_token_ids, logprobs=item.new_logprobs,

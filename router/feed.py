@@ -36,7 +36,7 @@ class RegistryFeed:
             try:
                 if time.monotonic() >= next_refresh:
                     beats = await self.reader.heartbeats()
-                    self.loads.heartbeats = {w: b for w, b in beats.items() if w in self.worker_ids}
+                    self.loads.set_heartbeats({w: b for w, b in beats.items() if w in self.worker_ids})
                     next_refresh = time.monotonic() + self.load_refresh_s
                 events = await self.reader.read_events(self.cursor, self.worker_ids, self.index_poll_ms)
                 for worker_id, ev in events:
@@ -50,5 +50,5 @@ class RegistryFeed:
                 if self.healthy:
                     logger.warning("router: Redis unavailable (%s); routing on load only", e)
                 self.healthy = False
-                self.loads.heartbeats = {}
+                self.loads.set_heartbeats(None)
                 await asyncio.sleep(self.retry_s)

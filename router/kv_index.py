@@ -69,6 +69,16 @@ class KVIndex:
         for h in block_hashes:
             self._predicted.setdefault(h, {})[worker_id] = expiry
 
+    def retract(self, worker_id: WorkerId, block_hashes: Sequence[BlockHash]) -> None:
+        """The request predicted there failed before its blocks were stored: drop those predictions
+        (confirmed entries stay; they come and go with the worker's own events)."""
+        for h in block_hashes:
+            by_worker = self._predicted.get(h)
+            if by_worker is not None:
+                by_worker.pop(worker_id, None)
+                if not by_worker:
+                    del self._predicted[h]
+
     # -- lookup --------------------------------------------------------------------------
     def overlap(self, block_hashes: Sequence[BlockHash], workers: Iterable[WorkerId]) -> dict[WorkerId, int]:
         """Per worker, how many leading blocks of the prompt it holds (confirmed or predicted)."""

@@ -27,6 +27,16 @@ class LoadBook:
     """Worker id -> KV pool size in blocks (from the worker at start)."""
     heartbeats: dict[str, Heartbeat] = field(default_factory=dict)
     _own: dict[str, _Own] = field(default_factory=dict)
+    _seen: set[str] = field(default_factory=set)
+
+    def set_heartbeats(self, heartbeats: dict[str, Heartbeat] | None) -> None:
+        """The registry's current heartbeats; None when the registry cannot be read (nothing is known)."""
+        self.heartbeats = heartbeats or {}
+        self._seen = self._seen | set(self.heartbeats) if heartbeats is not None else set()
+
+    def gone(self, worker_id: str) -> bool:
+        """Its heartbeat was seen and has expired since: the worker stopped (or hangs)."""
+        return worker_id in self._seen and worker_id not in self.heartbeats
 
     def start(self, worker_id: str, prefill_tokens: int, blocks: int) -> None:
         o = self._own.setdefault(worker_id, _Own())

@@ -13,6 +13,7 @@ prefill, which frees KV on both workers. Errors map to status codes in `_fail`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import time
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import ray
 from tokenizers import Tokenizer
 
 from cluster.config import RouterConfig, WorkerConfig
@@ -41,6 +43,9 @@ from router.policy import RouteDecision, choose_round_robin, choose_route
 
 logger = logging.getLogger(__name__)
 
+PEEK_AFTER_TRANSFER_ERROR_S = 1.0
+"""After a failed KV transfer, how long to watch the decode stream for the decode worker's death."""
+
 
 class RequestFailed(Exception):
     """Ends a Generate stream with `code`; `retry_after_s` becomes trailing metadata."""
@@ -50,6 +55,17 @@ class RequestFailed(Exception):
         self.code, self.message, self.retry_after_s = code, message, retry_after_s
 
 
+class WorkerFailed(RequestFailed):
+    """A worker failed under the request (not the request's fault): another try may go elsewhere."""
+
+    def __init__(self, worker_id: str, code: grpc.StatusCode, message: str, down: bool,
+                 retry_after_s: float | None = None) -> None:
+        super().__init__(code, message, retry_after_s)
+        self.worker_id = worker_id
+        self.down = down
+        """The worker itself is dead or unreachable (it gets no new requests for a while)."""
+
+
 @dataclass
 class Prepared:
     request_id: str
@@ -57,6 +73,17 @@ class Prepared:
     params: SamplingParams
     priority: int
     tenant: str
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One try of a request on workers: after a failure, the prompt grows by the tokens already sent."""
+
+    worker_request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    tenant: str
+    priority: int
 
 
 @dataclass
@@ -70,7 +97,14 @@ class Progress:
     transfer_ms: float = 0.0
     transfer_window_ms: float = 0.0
     num_cached_tokens: int = 0
-    num_sent: int = 0
+    route: pb.Route | None = None
+    """Where the current try runs."""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    """Sent to the client so far."""
+
+    @property
+    def num_sent(self) -> int:
+        return len(self.token_ids)
 
 
 class Router(pb_grpc.GenerationServicer):
@@ -98,9 +132,11 @@ class Router(pb_grpc.GenerationServicer):
         self.rng = random.Random(seed)
         self._waiters: dict[str, asyncio.Future[bool]] = {}
         self._active: set[str] = set()
+        self._down: dict[str, float] = {}
+        """Worker id -> until when (router clock) it gets no new requests."""
         self._turn = 0
         self.stats = {"num_requests": 0, "num_refused": 0, "num_local_prefill": 0, "num_remote_prefill": 0,
-                      "num_prompt_tokens": 0, "num_cached_tokens": 0}
+                      "num_prompt_tokens": 0, "num_cached_tokens": 0, "num_retries": 0}
 
     # -- the RPC ---------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -115,7 +151,8 @@ class Router(pb_grpc.GenerationServicer):
         self._active.add(prep.request_id)
         try:
             progress.admitted = time.perf_counter()
-            async for response in self._run(prep, deadline, progress):
+            detok = IncrementalDetokenizer(self.tokenizer, prep.token_ids, prep.params.stop) if self.tokenizer else None
+            async for response in self._attempts(prep, deadline, progress, detok):
                 yield response
         except RequestFailed as e:
             await self._fail(context, e)
@@ -226,49 +263,86 @@ class Router(pb_grpc.GenerationServicer):
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-(num_tokens + 1) // self.block_size)
 
-    def _route(self, prep: Prepared) -> tuple[RouteDecision, list[bytes]]:
-        hashes = self.hasher.hash_prompt(prep.token_ids, prep.tenant)
-        n, blocks = len(prep.token_ids), self._blocks_for(len(prep.token_ids))
-        decodes = [self.loads.load(w) for w in self.decode_ids]
-        prefills = [self.loads.load(w) for w in self.prefills]
+    def down_workers(self) -> list[str]:
+        now = self.clock()
+        return sorted(w for w in [*self.decode_ids, *self.prefills]
+                      if self._down.get(w, 0.0) > now or self.loads.gone(w))
+
+    def _route(self, attempt: Attempt, avoid: set[str]) -> tuple[RouteDecision, list[bytes]]:
+        """Workers that failed this request are avoided; ones that are down too, unless no decode
+        worker is left otherwise (down is a guess; a prefill worker is never needed)."""
+        hashes = self.hasher.hash_prompt(attempt.token_ids, attempt.tenant)
+        n, blocks = len(attempt.token_ids), self._blocks_for(len(attempt.token_ids))
+        down = set(self.down_workers())
+        decode_ids = [w for w in self.decode_ids if w not in avoid]
+        decode_ids = [w for w in decode_ids if w not in down] or decode_ids
+        if not decode_ids:
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "every decode worker failed this request; retry later", 1.0)
+        decodes = [self.loads.load(w) for w in decode_ids]
+        prefills = [self.loads.load(w) for w in self.prefills if w not in avoid and w not in down]
         if self.config.routing.policy == "round_robin":
             self._turn += 1
             decision = choose_round_robin(self._turn, n, blocks, decodes, prefills, self.config.routing)
         else:
-            overlap = self.index.overlap(hashes, [*self.decode_ids, *self.prefills])
+            overlap = self.index.overlap(hashes, [*decode_ids, *(w.worker_id for w in prefills)])
             decision = choose_route(n, blocks, overlap, decodes, prefills, self.config.routing, self.block_size, self.rng)
         if decision is None:
             raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 "no decode worker has free KV blocks for this prompt now; retry after 1.0 s", 1.0)
         return decision, hashes
 
-    async def _run(self, prep: Prepared, deadline: float | None, progress: Progress) -> AsyncIterator[pb.GenerateResponse]:
-        decision, hashes = self._route(prep)
-        progress.routed = time.perf_counter()
+    async def _attempts(self, prep: Prepared, deadline: float | None, progress: Progress,
+                        detok: IncrementalDetokenizer | None) -> AsyncIterator[pb.GenerateResponse]:
+        """Runs the request; when a worker fails under it, tries again on others, continuing
+        from the tokens already sent (greedy output stays the same)."""
+        avoid: set[str] = set()
+        for n in range(self.config.max_attempts):
+            attempt = Attempt(prep.request_id, prep.token_ids, prep.params, prep.tenant, prep.priority)
+            if n:
+                attempt = Attempt(f"{prep.request_id}~{n}", prep.token_ids + progress.token_ids,
+                                  dataclasses.replace(prep.params, max_tokens=prep.params.max_tokens - progress.num_sent),
+                                  prep.tenant, prep.priority)
+            try:
+                async for response in self._run(prep, attempt, deadline, progress, detok, avoid):
+                    yield response
+                return
+            except WorkerFailed as e:
+                avoid.add(e.worker_id)
+                if e.down:
+                    self._down[e.worker_id] = self.clock() + self.config.worker_down_s
+                if n + 1 == self.config.max_attempts:
+                    raise
+                self.stats["num_retries"] += 1
+                logger.warning("request %s: %s; trying again (%d tokens sent so far)",
+                               prep.request_id, e.message, progress.num_sent)
+
+    async def _run(self, prep: Prepared, attempt: Attempt, deadline: float | None, progress: Progress,
+                   detok: IncrementalDetokenizer | None, avoid: set[str]) -> AsyncIterator[pb.GenerateResponse]:
+        decision, hashes = self._route(attempt, avoid)
+        progress.routed = progress.routed or time.perf_counter()
         d, p = decision.decode_worker, decision.prefill_worker
-        uncached_d = len(prep.token_ids) - decision.num_decode_cached_blocks * self.block_size
-        uncached_p = len(prep.token_ids) - decision.num_prefill_cached_blocks * self.block_size
-        blocks = self._blocks_for(len(prep.token_ids))
+        progress.route = _route_pb(decision)
+        num_tokens, blocks = len(attempt.token_ids), self._blocks_for(len(attempt.token_ids))
+        uncached_d = num_tokens - decision.num_decode_cached_blocks * self.block_size
+        uncached_p = num_tokens - decision.num_prefill_cached_blocks * self.block_size
         self.loads.start(d, uncached_d if p is None else 0, blocks)
-        if p is not None:
-            self.loads.start(p, uncached_p, 0)
         self.index.predict(d, hashes)
         if p is not None:
+            self.loads.start(p, uncached_p, 0)
             self.index.predict(p, hashes)
         self.stats["num_local_prefill" if p is None else "num_remote_prefill"] += 1
-        detok = IncrementalDetokenizer(self.tokenizer, prep.token_ids, prep.params.stop) if self.tokenizer else None
         call = self._stubs[d].Decode(pb.DecodeRequest(
-            request_id=prep.request_id, prompt_token_ids=prep.token_ids,
-            sampling=sampling_to_pb(prep.params, keep_stop_strings=False), priority=prep.priority,
-            tenant=prep.tenant, local_prefill=p is None))
-        prefill_open = p is not None
+            request_id=attempt.worker_request_id, prompt_token_ids=attempt.token_ids,
+            sampling=sampling_to_pb(attempt.params, keep_stop_strings=False), priority=attempt.priority,
+            tenant=attempt.tenant, local_prefill=p is None))
+        prefill_open, local_open = p is not None, p is None
         try:
-            stream = _DecodeStream(call, self, deadline)
+            stream = _DecodeStream(call, d, self, deadline)
             if p is not None:
-                first = await self._remote_prefill(prep, p, stream, deadline)
+                first = await self._remote_prefill(attempt, p, stream, deadline)
                 prefill_open = False
                 self.loads.prefilled(p, uncached_p)
-                progress.num_cached_tokens = first.num_cached_tokens
+                self._first_prefilled(prep, progress, first.num_cached_tokens)
                 progress.transfer_ms = first.transfer_s * 1e3
                 response, done = self._tokens_response(prep, progress, detok, [first.first_token_id],  # type: ignore[list-item]
                                                        list(first.logprobs), first.finish_reason)
@@ -284,8 +358,9 @@ class Router(pb_grpc.GenerationServicer):
                     first_from_p = False
                     progress.transfer_window_ms = ev.transfer_ms
                     token_ids, logprobs = token_ids[1:], logprobs[1:]
-                elif p is None and progress.num_sent == 0:
-                    progress.num_cached_tokens = ev.num_cached_tokens
+                elif local_open:
+                    local_open = False
+                    self._first_prefilled(prep, progress, ev.num_cached_tokens)
                     self.loads.prefilled(d, uncached_d)
                 reason = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
                           pb.FINISH_REASON_ABORT: "abort"}.get(ev.finish_reason)
@@ -295,31 +370,50 @@ class Router(pb_grpc.GenerationServicer):
                 if done:
                     yield self._final(prep, progress, decision, response.finish_reason)
                     return
+        except WorkerFailed as e:
+            if e.worker_id == p and e.down:
+                prefill_open = False  # nothing left there to abort
+            for w in (d, p) if p is not None else (d,):  # a retry must not be routed on blocks that never landed
+                self.index.retract(w, hashes)
+            raise
         finally:
             call.cancel()
             if prefill_open:
                 self.loads.prefilled(p, uncached_p)  # type: ignore[arg-type]
-                self.prefills[p].abort.remote(prep.request_id)  # type: ignore[attr-defined, index]
-            if p is None and progress.num_sent == 0:
+                self.prefills[p].abort.remote(attempt.worker_request_id)  # type: ignore[attr-defined, index]
+            if local_open:
                 self.loads.prefilled(d, uncached_d)
             self.loads.end(d, blocks)
             if p is not None:
                 self.loads.end(p, 0)
 
-    async def _remote_prefill(self, prep: Prepared, p: str, stream: _DecodeStream, deadline: float | None) -> PrefillResult:
+    def _first_prefilled(self, prep: Prepared, progress: Progress, num_cached_tokens: int) -> None:
+        if progress.num_sent == 0:  # a later try's prompt includes tokens already sent
+            progress.num_cached_tokens = min(num_cached_tokens, len(prep.token_ids))
+
+    async def _remote_prefill(self, attempt: Attempt, p: str, stream: _DecodeStream,
+                              deadline: float | None) -> PrefillResult:
         reserved = await stream.reserved()
         ref = self.prefills[p].prefill.remote(PrefillRequest(  # type: ignore[attr-defined]
-            prep.request_id, prep.token_ids, prep.params, reserved.ticket, prep.priority, prep.tenant))
+            attempt.worker_request_id, attempt.token_ids, attempt.params, reserved.ticket, attempt.priority,
+            attempt.tenant))
+        cap_s = self.config.prefill_timeout_s
         try:
-            result: PrefillResult = await asyncio.wait_for(
-                asyncio.wrap_future(ref.future()), self._remaining(deadline, self.config.prefill_timeout_s))
+            result: PrefillResult = await asyncio.wait_for(asyncio.wrap_future(ref.future()),
+                                                           self._remaining(deadline, cap_s))
         except TimeoutError:
-            raise RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"prefill worker {p} did not return the first token in time") from None
-        if result.error is not None:
-            code = grpc.StatusCode.INVALID_ARGUMENT if result.invalid else grpc.StatusCode.UNAVAILABLE
-            raise RequestFailed(code, f"prefill on {p} failed: {result.error}")
-        return result
+            self._remaining(deadline, cap_s)  # raises when it was the request's own deadline
+            raise WorkerFailed(p, grpc.StatusCode.UNAVAILABLE,
+                               f"prefill worker {p} did not return the first token in {cap_s:.0f} s", down=True) from None
+        except ray.exceptions.RayError as e:
+            raise WorkerFailed(p, grpc.StatusCode.UNAVAILABLE, f"prefill worker {p} failed: {type(e).__name__}",
+                               down=True) from None
+        if result.error is None:
+            return result
+        if result.invalid:
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, f"prefill on {p} failed: {result.error}")
+        await stream.raise_if_failed(PEEK_AFTER_TRANSFER_ERROR_S)  # a dead decode worker fails the transfer too
+        raise WorkerFailed(p, grpc.StatusCode.UNAVAILABLE, f"prefill on {p} failed: {result.error}", down=False)
 
     def _tokens_response(self, prep: Prepared, progress: Progress, detok: IncrementalDetokenizer | None,
                          token_ids: list[int], logprobs: list[float], reason: str | None) -> tuple[pb.GenerateResponse, bool]:
@@ -334,13 +428,15 @@ class Router(pb_grpc.GenerationServicer):
                 if stopped:
                     reason = "stop"
                     break
-        progress.num_sent += len(sent)
+        progress.token_ids += sent
         done = reason is not None
         if done and detok is not None:
             text += detok.flush()
         response = pb.GenerateResponse(request_id=prep.request_id, token_ids=sent, text=text,
                                        logprobs=logprobs[:len(sent)] if prep.params.logprobs else [],
                                        finish_reason=finish_to_pb(reason))
+        if sent and progress.num_sent == len(sent) and progress.route is not None:
+            response.route.CopyFrom(progress.route)
         return response, done
 
     def _final(self, prep: Prepared, progress: Progress, decision: RouteDecision, reason: int) -> pb.GenerateResponse:
@@ -356,35 +452,59 @@ class Router(pb_grpc.GenerationServicer):
                              prefill_ms=(progress.first_token - progress.routed) * ms,
                              transfer_ms=progress.transfer_ms, transfer_window_ms=progress.transfer_window_ms,
                              ttft_ms=(progress.first_token - progress.arrived) * ms),
-            route=pb.Route(decode_worker=decision.decode_worker, prefill_worker=decision.prefill_worker or "",
-                           local_prefill=decision.local_prefill))
+            route=_route_pb(decision))
 
     async def close(self) -> None:
         for ch in self._channels.values():
             await ch.close()
 
 
+def _route_pb(decision: RouteDecision) -> pb.Route:
+    return pb.Route(decode_worker=decision.decode_worker, prefill_worker=decision.prefill_worker or "",
+                    local_prefill=decision.local_prefill)
+
+
 class _DecodeStream:
     """Reads one Decode call with a timeout per message; maps its errors to RequestFailed."""
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall, router: Router, deadline: float | None) -> None:
-        self.call, self.router, self.deadline = call, router, deadline
+    def __init__(self, call: grpc.aio.UnaryStreamCall, worker_id: str, router: Router, deadline: float | None) -> None:
+        self.call, self.worker_id, self.router, self.deadline = call, worker_id, router, deadline
+
+    def _failure(self, e: grpc.aio.AioRpcError) -> RequestFailed:
+        code, what = e.code(), f"decode worker {self.worker_id}: {e.details()}"
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return RequestFailed(code, what)
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return WorkerFailed(self.worker_id, code, what, down=False, retry_after_s=1.0)
+        # ABORTED: its KV transfer failed; INTERNAL/UNKNOWN: this request hit a fault there
+        down = code not in (grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+        return WorkerFailed(self.worker_id, grpc.StatusCode.UNAVAILABLE, what, down=down)
 
     async def _read(self, cap_s: float) -> pb.DecodeEvent:
+        timeout_s = self.router._remaining(self.deadline, cap_s)  # raises past the deadline, before a read is made
         try:
-            ev = await asyncio.wait_for(self.call.read(), self.router._remaining(self.deadline, cap_s))
+            ev = await asyncio.wait_for(self.call.read(), timeout_s)
         except TimeoutError:
-            raise RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "the decode worker sent nothing in time") from None
+            self.router._remaining(self.deadline, cap_s)  # raises when it was the request's own deadline
+            raise WorkerFailed(self.worker_id, grpc.StatusCode.UNAVAILABLE,
+                               f"decode worker {self.worker_id} sent nothing for {cap_s:.0f} s", down=True) from None
         except grpc.aio.AioRpcError as e:
-            code = e.code()
-            passthrough = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           grpc.StatusCode.DEADLINE_EXCEEDED}
-            retry = 1.0 if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
-            raise RequestFailed(code if code in passthrough else grpc.StatusCode.UNAVAILABLE,
-                                f"decode worker: {e.details()}", retry) from None
+            raise self._failure(e) from None
         if ev is grpc.aio.EOF:
-            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "the decode worker ended the stream early")
+            raise WorkerFailed(self.worker_id, grpc.StatusCode.UNAVAILABLE,
+                               f"decode worker {self.worker_id} ended the stream early", down=True)
         return ev
+
+    async def raise_if_failed(self, wait_s: float) -> None:
+        """Raises if the decode worker turns out dead or unreachable within `wait_s`."""
+        try:
+            await asyncio.wait_for(self.call.read(), wait_s)
+        except TimeoutError:
+            return
+        except grpc.aio.AioRpcError as e:
+            failure = self._failure(e)
+            if isinstance(failure, WorkerFailed) and failure.down:
+                raise failure from None
 
     async def reserved(self) -> pb.Reserved:
         ev = await self._read(self.router.config.prefill_timeout_s)
@@ -397,4 +517,3 @@ class _DecodeStream:
         if not ev.HasField("tokens"):
             raise RequestFailed(grpc.StatusCode.INTERNAL, "decode worker: expected tokens")
         return ev.tokens
-

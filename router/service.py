@@ -76,7 +76,8 @@ class RouterService:
                 "queued_by_priority": {str(k): v for k, v in r.admission.queued_by_priority().items()},
                 "inflight_tokens": r.admission.inflight_tokens,
                 "redis_healthy": bool(self.feed and self.feed.healthy),
-                "index_gaps": r.index.num_gaps, "index_events": self.feed.num_events if self.feed else 0}
+                "down_workers": r.down_workers(), "index_gaps": r.index.num_gaps,
+                "index_events": self.feed.num_events if self.feed else 0}
 
     async def _tick(self) -> None:
         n = 0

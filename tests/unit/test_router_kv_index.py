@@ -52,6 +52,18 @@ def test_predicted_entries_expire(clock) -> None:
     assert idx._predicted == {}
 
 
+def test_retract_drops_only_that_workers_predictions(clock) -> None:
+    idx = KVIndex(clock, predicted_ttl_s=2.0)
+    idx.apply("d0", stored(0, 1))
+    idx.predict("d0", [h(1), h(2)])
+    idx.predict("d1", [h(1), h(2)])
+    idx.retract("d0", [h(1), h(2)])
+    assert idx.overlap([h(1), h(2)], ["d0", "d1"]) == {"d0": 1, "d1": 2}
+    idx.retract("d1", [h(1), h(2)])
+    assert idx._predicted == {}
+    assert idx.overlap([h(1), h(2)], ["d0", "d1"]) == {"d0": 1, "d1": 0}
+
+
 def test_forget_worker_and_wire_round_trip(clock) -> None:
     idx = KVIndex(clock)
     ev = stored(0, 4, 5)

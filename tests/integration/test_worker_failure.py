@@ -1,0 +1,136 @@
+"""Workers dying under requests: real Ray actors killed mid-flight, a real redis-server, gRPC on loopback.
+
+The invariant (ARCHITECTURE.md): worker death frees KV on every worker involved within
+a bounded time, and the router never loses a request silently: it completes elsewhere
+(continuing from the tokens already streamed) or ends with a status that says why.
+The tests share one cluster (2 prefill + 2 decode) and run in order, each killing one
+more worker; the live ones must end every test idle.
+"""
+from __future__ import annotations
+
+import random
+import time
+
+import grpc
+import pytest
+
+from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
+from cluster.local import LocalCluster, free_port
+from engine.request import SamplingParams
+from proto import generate_pb2 as pb
+from proto import generate_pb2_grpc as pb_grpc
+from router.policy import RoutingConfig
+from tests.integration.reference import make_engine
+
+pytestmark = pytest.mark.timeout(600)
+
+LEASE_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_dir: str):  # type: ignore[no-untyped-def]
+    config = ClusterConfig(
+        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, kv_lease_s=LEASE_S),
+        num_prefill=2, num_decode=2,
+        router=RouterConfig(port=free_port(), routing=RoutingConfig(mode="auto", local_prefill_tokens=8),
+                            worker_down_s=600.0),
+        worker_num_cpus=0.5)
+    c = LocalCluster(config)
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(cluster: LocalCluster):  # type: ignore[no-untyped-def]
+    channel = grpc.insecure_channel(cluster.address)
+    yield pb_grpc.GenerationStub(channel)
+    channel.close()
+
+
+def live_idle(cluster: LocalCluster, timeout_s: float = 4 * LEASE_S + 5) -> list[str]:
+    """Waits until every live worker is idle (a killed writer's blocks wait out the lease); returns the dead."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reports = cluster.check_idle()
+        busy = [r for r in reports if not r.get("dead") and (
+            r["usage"]["num_in_use"] or r["num_unfinished"] or r["num_handed_off"] or r.get("held_blocks")
+            or r.get("num_transfers") or r.get("num_streams") or r.get("num_waiters"))]
+        if not busy:
+            return sorted(r["worker_id"] for r in reports if r.get("dead"))
+        if time.monotonic() > deadline:
+            raise AssertionError(f"live workers not idle {timeout_s} s after the failure: {busy}")
+        time.sleep(0.2)
+
+
+def request(prompt: list[int], max_tokens: int) -> pb.GenerateRequest:
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
+                              sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def greedy(tiny_llama_dir: str, prompt: list[int], max_tokens: int) -> list[int]:
+    engine = make_engine(tiny_llama_dir, block_size=16)
+    return engine.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0].token_ids
+
+
+def retries(cluster: LocalCluster) -> int:
+    return int(cluster.router_stats()[0]["num_retries"])
+
+
+def test_dead_prefill_worker_request_retried_on_the_other(cluster: LocalCluster, stub, tiny_llama_dir: str) -> None:  # type: ignore[no-untyped-def]
+    rng = random.Random(11)
+    first = [rng.randrange(3, 500) for _ in range(40)]
+    got = list(stub.Generate(request(first, 4), timeout=60))
+    victim = got[-1].route.prefill_worker
+    assert victim.startswith("prefill-")
+    live_idle(cluster)
+    before = retries(cluster)
+
+    cluster.kill_worker(victim)
+    # shares 2 cached blocks with `first` on the victim only, so the router picks the victim
+    second = first[:32] + [rng.randrange(3, 500) for _ in range(20)]
+    got = list(stub.Generate(request(second, 12), timeout=60))
+
+    assert [t for r in got for t in r.token_ids] == greedy(tiny_llama_dir, second, 12)
+    final = got[-1]
+    assert final.route.prefill_worker not in ("", victim) and not final.route.local_prefill
+    assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (len(second), 12)
+    assert retries(cluster) == before + 1
+    assert live_idle(cluster) == [victim]
+    stats = cluster.router_stats()[0]
+    assert victim in stats["down_workers"]
+
+
+def test_dead_decode_worker_mid_stream_request_continues_elsewhere(cluster: LocalCluster, stub,  # type: ignore[no-untyped-def]
+                                                                   tiny_llama_dir: str) -> None:
+    prompt = [random.Random(12).randrange(3, 500) for _ in range(20)]
+    max_tokens = 1500
+    before = retries(cluster)
+    stream = stub.Generate(request(prompt, max_tokens), timeout=120)
+    head = next(stream)
+    victim = head.route.decode_worker
+    assert victim.startswith("decode-") and head.token_ids
+    cluster.kill_worker(victim)
+    rest = list(stream)
+
+    tokens = [t for r in [head, *rest] for t in r.token_ids]
+    assert tokens == greedy(tiny_llama_dir, prompt, max_tokens)
+    final = rest[-1]
+    assert final.route.decode_worker not in ("", victim)
+    assert final.finish_reason == pb.FINISH_REASON_LENGTH
+    assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (len(prompt), max_tokens)
+    assert retries(cluster) == before + 1  # it was killed mid-stream, not after
+    assert victim in live_idle(cluster)
+
+
+def test_no_decode_worker_left_ends_with_unavailable(cluster: LocalCluster, stub) -> None:  # type: ignore[no-untyped-def]
+    last = [r for r in cluster.check_idle() if r["worker_id"].startswith("decode-") and not r.get("dead")]
+    assert len(last) == 1
+    cluster.kill_worker(last[0]["worker_id"])
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(request([5, 6, 7, 8, 9, 10, 11, 12, 13, 14], 4), timeout=60))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "decode worker" in e.value.details()
+    trailing = dict(e.value.trailing_metadata() or ())
+    assert "retry-after-ms" in trailing
+    live_idle(cluster)  # the prefill workers hold nothing
