@@ -19,7 +19,6 @@ import random
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -30,13 +29,13 @@ from cluster.config import RouterConfig, WorkerConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.hashing import BlockHasher
 from engine.model_config import ModelConfig
-from engine.request import SamplingParams
 from engine.types import InvalidRequestError
 from prefill_worker.worker import PrefillRequest, PrefillResult
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from proto.convert import finish_to_pb, sampling_from_pb, sampling_to_pb
 from router.admission import AdmissionQueue, Refused
+from router.attempt import Attempt, Deadline, DecodeStream, Prepared, Progress, RequestFailed, WorkerFailed
 from router.kv_index import KVIndex
 from router.loads import LoadBook
 from router.policy import RouteDecision, choose_round_robin, choose_route
@@ -45,66 +44,6 @@ logger = logging.getLogger(__name__)
 
 PEEK_AFTER_TRANSFER_ERROR_S = 1.0
 """After a failed KV transfer, how long to watch the decode stream for the decode worker's death."""
-
-
-class RequestFailed(Exception):
-    """Ends a Generate stream with `code`; `retry_after_s` becomes trailing metadata."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None) -> None:
-        super().__init__(message)
-        self.code, self.message, self.retry_after_s = code, message, retry_after_s
-
-
-class WorkerFailed(RequestFailed):
-    """A worker failed under the request (not the request's fault): another try may go elsewhere."""
-
-    def __init__(self, worker_id: str, code: grpc.StatusCode, message: str, down: bool,
-                 retry_after_s: float | None = None) -> None:
-        super().__init__(code, message, retry_after_s)
-        self.worker_id = worker_id
-        self.down = down
-        """The worker itself is dead or unreachable (it gets no new requests for a while)."""
-
-
-@dataclass
-class Prepared:
-    request_id: str
-    token_ids: list[int]
-    params: SamplingParams
-    priority: int
-    tenant: str
-
-
-@dataclass(frozen=True)
-class Attempt:
-    """One try of a request on workers: after a failure, the prompt grows by the tokens already sent."""
-
-    worker_request_id: str
-    token_ids: list[int]
-    params: SamplingParams
-    tenant: str
-    priority: int
-
-
-@dataclass
-class Progress:
-    """One request's counters and clock readings (perf_counter seconds)."""
-
-    arrived: float
-    admitted: float = 0.0
-    routed: float = 0.0
-    first_token: float = 0.0
-    transfer_ms: float = 0.0
-    transfer_window_ms: float = 0.0
-    num_cached_tokens: int = 0
-    route: pb.Route | None = None
-    """Where the current try runs."""
-    token_ids: list[int] = dataclasses.field(default_factory=list)
-    """Sent to the client so far."""
-
-    @property
-    def num_sent(self) -> int:
-        return len(self.token_ids)
 
 
 class Router(pb_grpc.GenerationServicer):
@@ -207,21 +146,13 @@ class Router(pb_grpc.GenerationServicer):
             raise InvalidRequestError("prompt is empty: send text or token_ids with at least one token")
         return ids
 
-    def _deadline(self, context: grpc.aio.ServicerContext) -> float | None:
+    def _deadline(self, context: grpc.aio.ServicerContext) -> Deadline:
         remaining = context.time_remaining()
-        return None if remaining is None else self.clock() + remaining
+        return Deadline(None if remaining is None else self.clock() + remaining, self.clock)
 
-    def _remaining(self, deadline: float | None, cap_s: float) -> float:
-        if deadline is None:
-            return cap_s
-        left = deadline - self.clock()
-        if left <= 0:
-            raise RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
-        return min(left, cap_s)
-
-    async def _admit(self, prep: Prepared, deadline: float | None) -> None:
+    async def _admit(self, prep: Prepared, deadline: Deadline) -> None:
         cost = len(prep.token_ids) + prep.params.max_tokens
-        verdict = self.admission.offer(prep.request_id, prep.priority, cost, deadline)
+        verdict = self.admission.offer(prep.request_id, prep.priority, cost, deadline.at)
         if isinstance(verdict, Refused):
             raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"{verdict.reason}; retry after {verdict.retry_after_s:.1f} s", verdict.retry_after_s)
@@ -229,8 +160,9 @@ class Router(pb_grpc.GenerationServicer):
             return
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._waiters[prep.request_id] = fut
+        wait_s = deadline.remaining(self.config.admission.max_queue_wait_s)
         try:
-            admitted = await asyncio.wait_for(fut, self._remaining(deadline, self.config.admission.max_queue_wait_s))
+            admitted = await asyncio.wait_for(fut, wait_s)
         except TimeoutError:
             self.admission.release(prep.request_id)
             raise RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -291,7 +223,7 @@ class Router(pb_grpc.GenerationServicer):
                                 "no decode worker has free KV blocks for this prompt now; retry after 1.0 s", 1.0)
         return decision, hashes
 
-    async def _attempts(self, prep: Prepared, deadline: float | None, progress: Progress,
+    async def _attempts(self, prep: Prepared, deadline: Deadline, progress: Progress,
                         detok: IncrementalDetokenizer | None) -> AsyncIterator[pb.GenerateResponse]:
         """Runs the request; when a worker fails under it, tries again on others, continuing
         from the tokens already sent (greedy output stays the same)."""
@@ -316,7 +248,7 @@ class Router(pb_grpc.GenerationServicer):
                 logger.warning("request %s: %s; trying again (%d tokens sent so far)",
                                prep.request_id, e.message, progress.num_sent)
 
-    async def _run(self, prep: Prepared, attempt: Attempt, deadline: float | None, progress: Progress,
+    async def _run(self, prep: Prepared, attempt: Attempt, deadline: Deadline, progress: Progress,
                    detok: IncrementalDetokenizer | None, avoid: set[str]) -> AsyncIterator[pb.GenerateResponse]:
         decision, hashes = self._route(attempt, avoid)
         progress.routed = progress.routed or time.perf_counter()
@@ -337,7 +269,7 @@ class Router(pb_grpc.GenerationServicer):
             tenant=attempt.tenant, local_prefill=p is None))
         prefill_open, local_open = p is not None, p is None
         try:
-            stream = _DecodeStream(call, d, self, deadline)
+            stream = DecodeStream(call, d, deadline, self.config.prefill_timeout_s, self.config.decode_idle_timeout_s)
             if p is not None:
                 first = await self._remote_prefill(attempt, p, stream, deadline)
                 prefill_open = False
@@ -391,18 +323,17 @@ class Router(pb_grpc.GenerationServicer):
         if progress.num_sent == 0:  # a later try's prompt includes tokens already sent
             progress.num_cached_tokens = min(num_cached_tokens, len(prep.token_ids))
 
-    async def _remote_prefill(self, attempt: Attempt, p: str, stream: _DecodeStream,
-                              deadline: float | None) -> PrefillResult:
+    async def _remote_prefill(self, attempt: Attempt, p: str, stream: DecodeStream,
+                              deadline: Deadline) -> PrefillResult:
         reserved = await stream.reserved()
         ref = self.prefills[p].prefill.remote(PrefillRequest(  # type: ignore[attr-defined]
             attempt.worker_request_id, attempt.token_ids, attempt.params, reserved.ticket, attempt.priority,
             attempt.tenant))
         cap_s = self.config.prefill_timeout_s
         try:
-            result: PrefillResult = await asyncio.wait_for(asyncio.wrap_future(ref.future()),
-                                                           self._remaining(deadline, cap_s))
+            result: PrefillResult = await asyncio.wait_for(asyncio.wrap_future(ref.future()), deadline.remaining(cap_s))
         except TimeoutError:
-            self._remaining(deadline, cap_s)  # raises when it was the request's own deadline
+            deadline.remaining(cap_s)  # raises when it was the request's own deadline
             raise WorkerFailed(p, grpc.StatusCode.UNAVAILABLE,
                                f"prefill worker {p} did not return the first token in {cap_s:.0f} s", down=True) from None
         except ray.exceptions.RayError as e:
@@ -462,58 +393,3 @@ class Router(pb_grpc.GenerationServicer):
 def _route_pb(decision: RouteDecision) -> pb.Route:
     return pb.Route(decode_worker=decision.decode_worker, prefill_worker=decision.prefill_worker or "",
                     local_prefill=decision.local_prefill)
-
-
-class _DecodeStream:
-    """Reads one Decode call with a timeout per message; maps its errors to RequestFailed."""
-
-    def __init__(self, call: grpc.aio.UnaryStreamCall, worker_id: str, router: Router, deadline: float | None) -> None:
-        self.call, self.worker_id, self.router, self.deadline = call, worker_id, router, deadline
-
-    def _failure(self, e: grpc.aio.AioRpcError) -> RequestFailed:
-        code, what = e.code(), f"decode worker {self.worker_id}: {e.details()}"
-        if code == grpc.StatusCode.INVALID_ARGUMENT:
-            return RequestFailed(code, what)
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            return WorkerFailed(self.worker_id, code, what, down=False, retry_after_s=1.0)
-        # ABORTED: its KV transfer failed; INTERNAL/UNKNOWN: this request hit a fault there
-        down = code not in (grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
-        return WorkerFailed(self.worker_id, grpc.StatusCode.UNAVAILABLE, what, down=down)
-
-    async def _read(self, cap_s: float) -> pb.DecodeEvent:
-        timeout_s = self.router._remaining(self.deadline, cap_s)  # raises past the deadline, before a read is made
-        try:
-            ev = await asyncio.wait_for(self.call.read(), timeout_s)
-        except TimeoutError:
-            self.router._remaining(self.deadline, cap_s)  # raises when it was the request's own deadline
-            raise WorkerFailed(self.worker_id, grpc.StatusCode.UNAVAILABLE,
-                               f"decode worker {self.worker_id} sent nothing for {cap_s:.0f} s", down=True) from None
-        except grpc.aio.AioRpcError as e:
-            raise self._failure(e) from None
-        if ev is grpc.aio.EOF:
-            raise WorkerFailed(self.worker_id, grpc.StatusCode.UNAVAILABLE,
-                               f"decode worker {self.worker_id} ended the stream early", down=True)
-        return ev
-
-    async def raise_if_failed(self, wait_s: float) -> None:
-        """Raises if the decode worker turns out dead or unreachable within `wait_s`."""
-        try:
-            await asyncio.wait_for(self.call.read(), wait_s)
-        except TimeoutError:
-            return
-        except grpc.aio.AioRpcError as e:
-            failure = self._failure(e)
-            if isinstance(failure, WorkerFailed) and failure.down:
-                raise failure from None
-
-    async def reserved(self) -> pb.Reserved:
-        ev = await self._read(self.router.config.prefill_timeout_s)
-        if not ev.HasField("reserved"):
-            raise RequestFailed(grpc.StatusCode.INTERNAL, "decode worker: expected a reservation first")
-        return ev.reserved
-
-    async def next_tokens(self) -> pb.Tokens:
-        ev = await self._read(self.router.config.decode_idle_timeout_s)
-        if not ev.HasField("tokens"):
-            raise RequestFailed(grpc.StatusCode.INTERNAL, "decode worker: expected tokens")
-        return ev.tokens
