@@ -45,7 +45,7 @@ def _serve(args: argparse.Namespace) -> int:
         config = ClusterConfig(
             worker=WorkerConfig(model_dir=args.model or str(default_model_dir()), dtype=args.dtype,
                                 block_size=args.block_size, kv_cache_bytes=args.kv_cache_mib * 2**20),
-            num_prefill=args.num_prefill, num_decode=args.num_decode,
+            num_prefill=args.num_prefill, num_decode=args.num_decode, num_routers=args.num_routers,
             router=RouterConfig(host=args.host, port=args.port,
                                 routing=RoutingConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens)),
             redis_url=args.redis_url or "", namespace=args.namespace)
@@ -62,7 +62,9 @@ def _serve(args: argparse.Namespace) -> int:
         _state_file().write_text(json.dumps({"address": info["address"], "redis_url": cluster.redis_url,
                                              "namespace": args.namespace}))
         print(f"splitserve: serving {config.worker.model_dir} on {info['address']} "
-              f"({args.num_prefill} prefill, {args.num_decode} decode, mode {args.mode}, Redis {cluster.redis_url}); "
+              f"({args.num_prefill} prefill, {args.num_decode} decode, mode {args.mode}"
+              + (f", {args.num_routers} routers" if args.num_routers > 1 else "")
+              + f", Redis {cluster.redis_url}); "
               f"ready in {time.perf_counter() - started:.1f} s. Ctrl-C stops.", flush=True)
         while not stop.wait(1.0):
             pass
@@ -156,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", help="model directory (default: the embedded tiny model)")
     s.add_argument("--num-prefill", type=int, default=1)
     s.add_argument("--num-decode", type=int, default=1)
+    s.add_argument("--num-routers", type=int, default=1,
+                   help="router replicas, all serving --port (the kernel spreads connections over them)")
     s.add_argument("--mode", choices=("disaggregated", "colocated", "auto"), default="auto")
     s.add_argument("--local-prefill-tokens", type=int, default=256,
                    help="auto mode: decode workers prefill prompts with fewer uncached tokens themselves")

@@ -61,6 +61,10 @@ class RouterConfig:
     """Interface the public gRPC server binds to (0.0.0.0 to serve other machines)."""
     port: int = 50051
     """0 picks a free port."""
+    share_port: bool = False
+    """Bind with SO_REUSEPORT so several router replicas on one host serve one port (the
+    kernel spreads connections over them). Off for a single router, so a port already
+    taken (by another splitserve too) is an error instead of a silent split."""
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     prefill_timeout_s: float = 120.0
@@ -101,10 +105,17 @@ class ClusterConfig:
     """Prefix of every Redis key of this cluster."""
     worker_num_cpus: float = 1.0
     """Ray CPUs each worker actor asks for (GPU workers ask for one GPU instead)."""
+    num_routers: int = 1
+    """Router replicas; more than one share `router.port` (see `RouterConfig.share_port`),
+    each with its own admission budget and its own KV index replayed from Redis."""
 
     def __post_init__(self) -> None:
         if self.num_decode <= 0:
             raise ValueError(f"num_decode must be at least 1, got {self.num_decode}")
+        if self.num_routers < 1:
+            raise ValueError(f"num_routers must be at least 1, got {self.num_routers}")
+        if self.num_routers > 1 and self.router.port == 0:
+            raise ValueError("router replicas share one port: give a port (not 0) with num_routers > 1")
         if self.num_prefill < 0:
             raise ValueError(f"num_prefill must be >= 0, got {self.num_prefill}")
         if self.num_prefill == 0 and self.router.routing.mode == "disaggregated":

@@ -1,15 +1,16 @@
 """Controller: the Ray actor that creates a cluster's pools and router and answers for them.
 
 `start()` creates N prefill and M decode worker actors (CPU actors here, one GPU each
-when the worker's device is cuda), waits for them to load the model, then a router
-replica that knows their handles and addresses. `check_idle()` gathers every worker's
+when the worker's device is cuda), waits for them to load the model, then the router
+replicas (`num_routers`, sharing one port), each knowing every worker's handle and address. `check_idle()` gathers every worker's
 pool accounting (tests assert nothing leaked; a dead worker reports `dead`);
 `kill_worker()` ends one abruptly (what a crash looks like to the rest); `shutdown()`
-stops the router first so no new work arrives, then the workers.
+stops the routers first so no new work arrives, then the workers.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any
 
@@ -56,11 +57,13 @@ class Controller:
         decode_info = await asyncio.gather(*(await_ref(d.start.remote(), START_TIMEOUT_S) for d in self.decodes.values()))
         prefill_info = await asyncio.gather(*(await_ref(p.info.remote(), START_TIMEOUT_S) for p in self.prefills.values()))
         decodes = {i["worker_id"]: i for i in decode_info}
-        router = R.options(num_cpus=0).remote("router-0", c.router, c.worker, self.prefills, decodes,
-                                               self.redis_url, c.namespace)
-        self.routers = {"router-0": router}
-        address = await await_ref(router.start.remote(), START_TIMEOUT_S)
-        self.info = {"address": address, "prefill": list(prefill_info), "decode": list(decode_info),
+        router_config = dataclasses.replace(c.router, share_port=c.num_routers > 1)
+        self.routers = {f"router-{i}": R.options(num_cpus=0).remote(f"router-{i}", router_config, c.worker, self.prefills,
+                                                                   decodes, self.redis_url, c.namespace)
+                        for i in range(c.num_routers)}
+        addresses = await asyncio.gather(*(await_ref(r.start.remote(), START_TIMEOUT_S) for r in self.routers.values()))
+        self.info = {"address": addresses[0], "routers": dict(zip(self.routers, addresses, strict=True)),
+                     "prefill": list(prefill_info), "decode": list(decode_info),
                      "mode": c.router.routing.mode, "redis_url": self.redis_url}
         logger.info("cluster up: %s", self.info)
         return self.info

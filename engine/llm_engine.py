@@ -258,7 +258,6 @@ class LLMEngine:
 
     def _forget(self, request_id: RequestId) -> None:
         self._detok.pop(request_id, None)
-        self.sampler.forget(request_id)
 
     # -- helpers ---------------------------------------------------------------------
     def has_unfinished(self) -> bool:

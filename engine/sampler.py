@@ -1,8 +1,10 @@
 """Sampling from float32 logits: greedy, temperature, top-k, top-p, per-request seeds.
 
 Random rows use the exponential-race trick (argmax of probs / Exp(1) noise), the noise
-drawn from the request's own generator when it has a seed, so a seeded request gets
-the same tokens whatever else shares its batch. Log-probabilities are of the raw
+drawn, when the request has a seed, from a generator seeded by (seed, position of the
+token): a seeded request gets the same tokens whatever else shares its batch, and
+whichever worker samples which token (prefill on one worker and decode on another,
+preemption by recompute, a router retry that re-prefills the tokens already sent). Log-probabilities are of the raw
 (untempered) distribution, as vLLM reports them.
 """
 from __future__ import annotations
@@ -10,17 +12,13 @@ from __future__ import annotations
 import torch
 
 from engine.request import Request
-from engine.types import RequestId
 
 
 class Sampler:
     def __init__(self, seed: int, device: str) -> None:
         self.device = device
         self._generator = torch.Generator(device=device).manual_seed(seed)
-        self._request_generators: dict[RequestId, torch.Generator] = {}
-
-    def forget(self, request_id: RequestId) -> None:
-        self._request_generators.pop(request_id, None)
+        self._seeded = torch.Generator(device=device)
 
     def sample(
         self, logits: torch.Tensor, requests: list[Request]
@@ -53,11 +51,12 @@ class Sampler:
     def _generator_for(self, request: Request) -> torch.Generator:
         if request.params.seed is None:
             return self._generator
-        g = self._request_generators.get(request.request_id)
-        if g is None:
-            g = torch.Generator(device=self.device).manual_seed(request.params.seed)
-            self._request_generators[request.request_id] = g
-        return g
+        return self._seeded.manual_seed(position_seed(request.params.seed, request.num_tokens))
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed for the token at `position` (its index in prompt + output) of a seeded request."""
+    return (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) % (1 << 63)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -45,14 +45,18 @@ class RouterService:
 
     async def start(self) -> str:
         self.router = Router(self.config, self.worker, self.prefills, self.decodes)
-        server = grpc.aio.server()
+        server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.config.share_port))])
         pb_grpc.add_GenerationServicer_to_server(self.router, server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        try:
+            port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        except RuntimeError:  # grpcio >= 1.5x raises where older ones returned 0
+            port = 0
         if port == 0:
-            raise RuntimeError(f"cannot listen on {self.config.host}:{self.config.port} (port in use?)")
+            raise RuntimeError(f"cannot listen on {self.config.host}:{self.config.port}: the port is in use "
+                               "(another splitserve? pick another with --port)")
         await server.start()
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -8,6 +8,7 @@ test, every worker's pool must be back to idle: nothing in use, held or handed o
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import random
 import time
 
@@ -109,6 +110,19 @@ def test_local_prefill_path_equals_monolithic(stub, tiny_llama_dir: str) -> None
         assert got[-1].route.local_prefill and got[-1].route.prefill_worker == ""
         assert got[-1].timing.transfer_ms == got[-1].timing.transfer_window_ms == 0
         assert tokens_of(got) == want.token_ids
+
+
+def test_seeded_sampling_is_the_same_on_every_path(stub, tiny_llama_dir: str) -> None:  # type: ignore[no-untyped-def]
+    """A seed fixes the tokens whoever samples them: P's first token and D's rest, or D alone."""
+    remote, local = prompts(3, 1, 40)[0], prompts(4, 1, 4)[0]
+    sampling = dict(max_tokens=16, ignore_eos=True, temperature=1.0, top_p=0.95, seed=1234)
+    got_remote, got_local = generate(stub, remote, **sampling), generate(stub, local, **sampling)
+    assert got_remote[-1].route.prefill_worker and got_local[-1].route.local_prefill
+    params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.0, top_p=0.95, seed=1234)
+    want = make_engine(tiny_llama_dir, block_size=16).generate([remote, local], params)
+    assert tokens_of(got_remote) == want[0].token_ids and tokens_of(got_local) == want[1].token_ids
+    other = make_engine(tiny_llama_dir, block_size=16).generate([remote], dataclasses.replace(params, seed=1235))
+    assert other[0].token_ids != want[0].token_ids  # the seed matters (the model is not near-greedy)
 
 
 def test_text_prompt_stop_string_and_first_token_finish(stub, tiny_llama_dir: str) -> None:  # type: ignore[no-untyped-def]

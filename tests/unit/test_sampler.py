@@ -41,11 +41,34 @@ def test_seeded_sampling_ignores_batch_composition() -> None:
     alone, batched = Sampler(1, "cpu"), Sampler(2, "cpu")
     a, b = req("a", temperature=1.0, seed=42), req("b", temperature=1.0, seed=42)
     other = req("o", temperature=1.0)
-    seq_alone = [alone.sample(x[1:2], [a])[0][0] for x in steps]
-    seq_batched = [batched.sample(x, [other, b, req(f"g{i}")])[1][0] for i, x in enumerate(steps)]
+    seq_alone, seq_batched = [], []
+    for i, x in enumerate(steps):
+        seq_alone.append(alone.sample(x[1:2], [a])[0][0])
+        a.append_output(seq_alone[-1])
+        seq_batched.append(batched.sample(x, [other, b, req(f"g{i}")])[1][0])
+        b.append_output(seq_batched[-1])
     assert seq_alone == seq_batched
+    assert len(set(seq_alone)) > 3  # fresh noise at every position, not one draw repeated
     c = req("c", temperature=1.0, seed=43)
     assert [Sampler(1, "cpu").sample(x[1:2], [c])[0][0] for x in steps] != seq_alone
+
+
+def test_seeded_sampling_depends_on_position_only_so_any_worker_can_continue() -> None:
+    """Prefill on one worker samples token 0; a decode worker (a fresh sampler, the request
+    rebuilt from prompt + first token) continues the very same sequence."""
+    g = torch.Generator().manual_seed(3)
+    steps = [torch.randn(1, 100, generator=g) for _ in range(6)]
+    whole = req("w", temperature=1.0, seed=7)
+    expected = []
+    for x in steps:
+        expected.append(Sampler(0, "cpu").sample(x, [whole])[0][0])
+        whole.append_output(expected[-1])
+    rebuilt = Request(RequestId("d"), [1, *expected[:2]], SamplingParams(temperature=1.0, seed=7), arrival_time=0.0)
+    continued = []
+    for x in steps[2:]:
+        continued.append(Sampler(99, "cpu").sample(x, [rebuilt])[0][0])
+        rebuilt.append_output(continued[-1])
+    assert continued == expected[2:]
 
 
 def test_sampling_follows_the_distribution() -> None:

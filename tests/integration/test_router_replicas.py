@@ -1,0 +1,91 @@
+"""Router replicas: several router actors serve one port; each routes on the KV index it
+replays from Redis, so a prefix cached through one replica is found through the other.
+Real Ray, a real redis-server, gRPC on loopback."""
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import time
+
+import grpc
+import pytest
+
+from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
+from cluster.local import LocalCluster, free_port
+from engine.request import SamplingParams
+from proto import generate_pb2 as pb
+from proto import generate_pb2_grpc as pb_grpc
+from router.policy import RoutingConfig
+from router.service import RouterService
+from tests.integration.reference import make_engine
+
+pytestmark = pytest.mark.timeout(600)
+
+NUM_CHANNELS = 16
+"""Separate connections; the chance that the kernel sends all of them to one of two replicas is 2**-15."""
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_dir: str):  # type: ignore[no-untyped-def]
+    config = ClusterConfig(
+        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20),
+        num_prefill=1, num_decode=2, num_routers=2,
+        router=RouterConfig(port=free_port(), routing=RoutingConfig(mode="auto", local_prefill_tokens=8)),
+        worker_num_cpus=0.5)
+    c = LocalCluster(config)
+    c.start()
+    yield c
+    c.stop()
+
+
+def generate(address: str, prompt: list[int]) -> list[pb.GenerateResponse]:
+    with grpc.insecure_channel(address) as channel:
+        req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(max_tokens=6, ignore_eos=True))
+        return list(pb_grpc.GenerationStub(channel).Generate(req, timeout=60))
+
+
+def test_replicas_share_the_port_and_each_serves(cluster: LocalCluster, tiny_llama_dir: str) -> None:
+    routers = cluster.info["routers"]
+    assert sorted(routers) == ["router-0", "router-1"] and len(set(routers.values())) == 1
+    rng = random.Random(5)
+    batch = [[rng.randrange(3, 500) for _ in range(20 + i)] for i in range(NUM_CHANNELS)]
+    got = [generate(cluster.address, p) for p in batch]
+    want = make_engine(tiny_llama_dir, block_size=16).generate(batch, SamplingParams(max_tokens=6, ignore_eos=True))
+    assert [[t for r in g for t in r.token_ids] for g in got] == [w.token_ids for w in want]
+    served = {s["router_id"]: s["num_requests"] for s in cluster.router_stats()}
+    assert sum(served.values()) == NUM_CHANNELS and min(served.values()) > 0, served
+    assert all(r["usage"]["num_in_use"] == 0 for r in cluster.check_idle())
+
+
+def test_a_prefix_cached_through_one_replica_is_found_through_the_other(cluster: LocalCluster) -> None:
+    rng = random.Random(6)
+    stem = [rng.randrange(3, 500) for _ in range(64)]
+    before = [s["index_events"] for s in cluster.router_stats()]
+    first = generate(cluster.address, stem + [7])[-1]
+    deadline = time.monotonic() + 10
+    while any(s["index_events"] < n + 2 for s, n in zip(cluster.router_stats(), before, strict=True)):
+        assert time.monotonic() < deadline, "a replica did not replay the P and D stored events from Redis"
+        time.sleep(0.1)
+    # every replica learns the new blocks from Redis; then each fresh connection, whichever
+    # replica it reaches, sends the same prefix to the decode worker that holds it
+    for i in range(6):
+        final = generate(cluster.address, stem + [8 + i, 9])[-1]
+        assert final.usage.cached_tokens == 64, (i, final.usage)
+        assert final.route.decode_worker == first.route.decode_worker
+
+
+def test_a_lone_router_refuses_a_taken_port(tiny_llama_dir: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        service = RouterService("router-x", RouterConfig(port=port), WorkerConfig(model_dir=tiny_llama_dir), {}, {},
+                                None, "t")
+        with pytest.raises(RuntimeError, match=f"127.0.0.1:{port}: the port is in use"):
+            asyncio.run(service.start())
+
+
+def test_replicas_need_a_fixed_port(tiny_llama_dir: str) -> None:
+    with pytest.raises(ValueError, match="num_routers > 1"):
+        ClusterConfig(worker=WorkerConfig(model_dir=tiny_llama_dir), num_routers=2, router=RouterConfig(port=0))
