@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import sys
@@ -50,6 +51,10 @@ class Outcome:
     num_out: int = 0
     transfer_s: float = 0.0
     """The server's KV transfer window (its Timing), 0 for local prefill."""
+    route: str = ""
+    """decode worker, then `<-prefill worker` or `local`."""
+    sent_s: float = 0.0
+    """When it was sent, from the start of the run."""
 
 
 def synthetic(n: int, prompt_len: int, output_len: int, shared_fraction: float, num_prefixes: int,
@@ -95,13 +100,15 @@ async def one(stub: pb_grpc.GenerationStub, item: Item, timeout_s: float) -> Out
     if not stamps or final is None:
         return Outcome(False, "EMPTY")
     itls = tuple(b - a for a, b in zip(stamps, stamps[1:]) if b > a)
+    route = final.route.decode_worker + ("<-" + final.route.prefill_worker if final.route.prefill_worker else " local")
     return Outcome(True, "OK", stamps[0] - start, itls, stamps[-1] - start,
                    final.usage.prompt_tokens, final.usage.cached_tokens, final.usage.completion_tokens,
-                   final.timing.transfer_ms / 1e3)
+                   final.timing.transfer_ms / 1e3, route)
 
 
 async def run_load(target: str, items: list[Item], rate: float | None, concurrency: int | None,
-                   seed: int = 0, timeout_s: float = 300.0) -> dict[str, object]:
+                   seed: int = 0, timeout_s: float = 300.0, per_request: Path | None = None) -> dict[str, object]:
+    """Runs the workload; `per_request`: also write one JSON line per request there (in send order)."""
     rng = random.Random(seed)
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.GenerationStub(channel)
@@ -112,10 +119,11 @@ async def run_load(target: str, items: list[Item], rate: float | None, concurren
 
             async def client() -> None:
                 while queue:
-                    outcomes.append(await one(stub, queue.pop(), timeout_s))
+                    sent = time.perf_counter() - start
+                    outcomes.append(dataclasses.replace(await one(stub, queue.pop(), timeout_s), sent_s=sent))
             await asyncio.gather(*(client() for _ in range(concurrency)))
         else:
-            tasks, t = [], 0.0
+            tasks, t, sent_at = [], 0.0, []
             for item in items:
                 if item.at_s is not None:
                     t = item.at_s
@@ -125,8 +133,16 @@ async def run_load(target: str, items: list[Item], rate: float | None, concurren
                 if delay > 0:
                     await asyncio.sleep(delay)
                 tasks.append(asyncio.create_task(one(stub, item, timeout_s)))
-            outcomes = list(await asyncio.gather(*tasks))
+                sent_at.append(time.perf_counter() - start)
+            outcomes = [dataclasses.replace(o, sent_s=s) for o, s in zip(await asyncio.gather(*tasks), sent_at, strict=True)]
         elapsed = time.perf_counter() - start
+    if per_request is not None:
+        with per_request.open("w") as f:
+            for o in sorted(outcomes, key=lambda o: o.sent_s):
+                f.write(json.dumps({"sent_s": round(o.sent_s, 3), "code": o.code, "route": o.route,
+                                    "prompt": o.num_prompt, "cached": o.num_cached, "out": o.num_out,
+                                    "ttft_ms": round(o.ttft_s * 1e3, 1), "e2e_ms": round(o.e2e_s * 1e3, 1),
+                                    "itl_max_ms": round(max(o.itls_s, default=0.0) * 1e3, 1)}) + "\n")
     return summarize(outcomes, elapsed)
 
 
@@ -186,11 +202,13 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="127.0.0.1:50051")
+    parser.add_argument("--per-request", type=Path, default=None, help="also write one JSON line per request here")
     add_workload_args(parser)
     args = parser.parse_args()
     if not args.rate and not args.concurrency and not args.trace:
         args.concurrency = 8
-    result = asyncio.run(run_load(args.target, build_items(args), args.rate, args.concurrency, args.seed))
+    result = asyncio.run(run_load(args.target, build_items(args), args.rate, args.concurrency, args.seed,
+                                  per_request=args.per_request))
     print(json.dumps({"benchmark": "load_gen", "config": vars(args), "results": result}))
     return 0
 

@@ -43,7 +43,7 @@ def arm(args: argparse.Namespace, model_dir: str, num_prefill: int, num_decode: 
 
 
 def run_arm(name: str, config: ClusterConfig, items: list[Item], rate: float | None, concurrency: int | None,
-            warmup: list[Item]) -> dict[str, object]:
+            warmup: list[Item], per_request_dir: str | None = None) -> dict[str, object]:
     cluster = LocalCluster(config)
     started = time.perf_counter()
     cluster.start()
@@ -51,7 +51,8 @@ def run_arm(name: str, config: ClusterConfig, items: list[Item], rate: float | N
         startup_s = time.perf_counter() - started
         if warmup:
             asyncio.run(run_load(cluster.address, warmup, None, 1))
-        result = asyncio.run(run_load(cluster.address, items, rate, concurrency))
+        dump = Path(per_request_dir) / f"{name}.jsonl" if per_request_dir else None
+        result = asyncio.run(run_load(cluster.address, items, rate, concurrency, per_request=dump))
         stats = cluster.router_stats()[0]
     finally:
         cluster.stop()
@@ -97,6 +98,7 @@ def main() -> int:
     p.add_argument("--local-prefill-tokens", type=int, default=64,
                    help="prefix: uncached tokens at most for a local prefill on the decode worker")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--per-request-dir", default=None, help="write each arm's requests there, one JSON line each")
     args = p.parse_args()
     model_dir = str(make_tiny_model(Path(tempfile.mkdtemp()) / "m", arch="llama", size=args.size, seed=0))
     warm = synthetic(4, 64, 4, 0.0, 0, 0, 512, 99)
@@ -109,9 +111,9 @@ def main() -> int:
             items = synthetic(args.num_requests // 2, args.long_len, 4, 0.0, 0, 0, 512, args.seed)
             rate, conc = None, 1
         disagg = arm(args, model_dir, 1, 1, RoutingConfig(mode=args.disagg_mode))
-        arms["disaggregated"] = run_arm("disaggregated", disagg, items, rate, conc, warm)
+        arms["disaggregated"] = run_arm("disaggregated", disagg, items, rate, conc, warm, args.per_request_dir)
         coloc = arm(args, model_dir, 0, 2, RoutingConfig(mode="colocated"))
-        arms["colocated"] = run_arm("colocated", coloc, items, rate, conc, warm)
+        arms["colocated"] = run_arm("colocated", coloc, items, rate, conc, warm, args.per_request_dir)
         d, c = arms["disaggregated"], arms["colocated"]
         ratios = {"itl_p99_disagg_over_coloc": _ratio(d["itl_p99_ms"], c["itl_p99_ms"]),
                   "ttft_p50_disagg_over_coloc": _ratio(d["ttft_p50_ms"], c["ttft_p50_ms"]),
@@ -122,7 +124,7 @@ def main() -> int:
                           args.num_prefixes, args.prefix_len, 512, args.seed)
         for name, policy in (("round_robin", "round_robin"), ("cache_aware", "cache_aware")):
             routing = RoutingConfig(mode="auto", policy=policy, local_prefill_tokens=args.local_prefill_tokens)
-            arms[name] = run_arm(name, arm(args, model_dir, 2, 2, routing), items, args.rate, None, [])
+            arms[name] = run_arm(name, arm(args, model_dir, 2, 2, routing), items, args.rate, None, [], args.per_request_dir)
         a, r = arms["cache_aware"], arms["round_robin"]
         ratios = {"ttft_p50_cache_aware_over_rr": _ratio(a["ttft_p50_ms"], r["ttft_p50_ms"]),
                   "prefix_hit_rate_cache_aware": a["prefix_hit_rate"], "prefix_hit_rate_rr": r["prefix_hit_rate"]}

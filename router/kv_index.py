@@ -4,7 +4,9 @@ Data flow: each worker appends its block pool's `KVEvent`s (`stored` / `removed`
 `cleared`, numbered per worker without gaps) to a Redis stream; the router's
 `EventFeed` replays them into `apply()`. At routing time the router adds short-lived
 *predicted* entries for the worker it chose, so a burst of requests sharing a prefix
-lands together before that worker's events arrive. The index is a routing hint only:
+lands together before that worker's events arrive; the worker's own `stored` or
+`removed` event for a block replaces the prediction (a worker that evicted a block says
+so, and a stale guess would send a request to a local prefill that misses). The index is a routing hint only:
 a gap in a worker's event ids (a trimmed stream, a restarted worker) clears that
 worker's entries rather than guessing.
 """
@@ -45,10 +47,14 @@ class KVIndex:
             for h in event.block_hashes:
                 self._holders.setdefault(h, set()).add(worker_id)
                 self._blocks.setdefault(worker_id, set()).add(h)
+            self.retract(worker_id, event.block_hashes)
         elif event.kind == "removed":
             self._remove(worker_id, event.block_hashes)
+            self.retract(worker_id, event.block_hashes)
         else:
             self.clear_worker(worker_id)
+            for by_worker in self._predicted.values():
+                by_worker.pop(worker_id, None)
 
     def clear_worker(self, worker_id: WorkerId) -> None:
         """Forget what a worker holds (cleared, gap, or the worker left)."""

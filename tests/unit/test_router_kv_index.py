@@ -64,6 +64,18 @@ def test_retract_drops_only_that_workers_predictions(clock) -> None:
     assert idx.overlap([h(1), h(2)], ["d0", "d1"]) == {"d0": 1, "d1": 0}
 
 
+def test_the_workers_own_events_replace_its_predictions(clock) -> None:
+    idx = KVIndex(clock, predicted_ttl_s=60.0)
+    idx.predict("d0", [h(1), h(2), h(3)])
+    idx.apply("d0", stored(0, 1, 2))
+    assert idx._predicted == {h(3): {"d0": clock() + 60.0}}
+    idx.apply("d0", KVEvent(1, "removed", [h(2)]))
+    assert idx.overlap([h(1), h(2), h(3)], ["d0"]) == {"d0": 1}  # evicted: no longer counted for 60 s
+    idx.predict("d0", [h(4)])
+    idx.apply("d0", KVEvent(2, "cleared"))
+    assert idx.overlap([h(3)], ["d0"]) == {"d0": 0} and idx.overlap([h(4)], ["d0"]) == {"d0": 0}
+
+
 def test_forget_worker_and_wire_round_trip(clock) -> None:
     idx = KVIndex(clock)
     ev = stored(0, 4, 5)
