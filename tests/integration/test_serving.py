@@ -114,7 +114,7 @@ def test_local_prefill_path_equals_monolithic(stub, tiny_llama_dir: str) -> None
 
 def test_seeded_sampling_is_the_same_on_every_path(stub, tiny_llama_dir: str) -> None:  # type: ignore[no-untyped-def]
     """A seed fixes the tokens whoever samples them: P's first token and D's rest, or D alone."""
-    remote, local = prompts(3, 1, 40)[0], prompts(4, 1, 4)[0]
+    remote, local = prompts(31, 1, 40)[0], prompts(32, 1, 4)[0]
     sampling = dict(max_tokens=16, ignore_eos=True, temperature=1.0, top_p=0.95, seed=1234)
     got_remote, got_local = generate(stub, remote, **sampling), generate(stub, local, **sampling)
     assert got_remote[-1].route.prefill_worker and got_local[-1].route.local_prefill
