@@ -36,7 +36,7 @@ def arm(args: argparse.Namespace, model_dir: str, num_prefill: int, num_decode: 
         routing: RoutingConfig) -> ClusterConfig:
     return ClusterConfig(
         worker=WorkerConfig(model_dir=model_dir, kv_cache_bytes=args.kv_cache_mib * 2**20,
-                            max_num_batched_tokens=args.chunk_tokens),
+                            max_num_batched_tokens=args.chunk_tokens, protected_fraction=args.protected_fraction),
         num_prefill=num_prefill, num_decode=num_decode,
         router=RouterConfig(port=free_port(), routing=routing, admission=AdmissionConfig()),
         worker_num_cpus=0.5)
@@ -97,6 +97,8 @@ def main() -> int:
     p.add_argument("--shared-prefix-fraction", type=float, default=0.9, help="prefix: requests with a shared prefix")
     p.add_argument("--local-prefill-tokens", type=int, default=64,
                    help="prefix: uncached tokens at most for a local prefill on the decode worker")
+    p.add_argument("--protected-fraction", type=float, default=0.5,
+                   help="every worker's KV pool share kept for reused prefixes (0: plain LRU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--per-request-dir", default=None, help="write each arm's requests there, one JSON line each")
     args = p.parse_args()

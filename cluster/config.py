@@ -20,6 +20,8 @@ class WorkerConfig:
     """Tokens per KV block; must be the same on every worker and router."""
     kv_cache_bytes: int = 256 * 2**20
     """KV pool per worker."""
+    protected_fraction: float = 0.5
+    """Pool share kept for cached blocks that were hit again (see `CacheConfig`); 0 is plain LRU."""
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     max_model_len: int | None = None
@@ -49,7 +51,7 @@ class WorkerConfig:
             model_dir=self.model_dir, dtype=self.dtype, device=self.device, role=role,
             max_model_len=self.max_model_len,
             cache=CacheConfig(block_size=self.block_size, kv_cache_bytes=self.kv_cache_bytes,
-                              cluster_secret=self.cluster_secret),
+                              protected_fraction=self.protected_fraction, cluster_secret=self.cluster_secret),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs),
         )

@@ -2,14 +2,20 @@
 
 Data flow (all CPU, plain Python):
   ref_cnt[block]      -> how many holders (requests, hand-offs) use a block
-  _free (OrderedDict) -> blocks with ref_cnt 0, least recently freed first; a block
-                         here may still carry a hash (cached, evictable)
+  _free (OrderedDict) -> probation: blocks with ref_cnt 0, least recently freed first;
+                         a block here may still carry a hash (cached, evictable)
+  _protected          -> cached ref_cnt-0 blocks that were hit again after they were
+                         stored (a shared prefix), least recently freed first
   _cached             -> block hash -> block id, for full blocks whose KV is computed
   _events             -> KV events (stored / removed / cleared) for the router's index
 
-Allocation pops from the front of the free queue and evicts the block's hash if it
-had one. Callers free a request's blocks tail first, so a request's last blocks are
-evicted before its first ones (the shared prefix survives longest).
+Allocation pops from the front of probation, then of protected, and evicts the
+block's hash if it had one. A block with no hash joins probation at the front (it
+holds nothing worth keeping); callers free a request's blocks tail first, so a
+request's last blocks are evicted before its first ones. The two segments (SLRU) keep
+a prefix that has proved shared alive through a stream of one-off prompts, whose
+blocks would otherwise push it out of a plain LRU; protected holds at most
+`protected_fraction` of the pool, its oldest blocks dropping back to probation.
 """
 from __future__ import annotations
 
@@ -45,16 +51,22 @@ class PoolUsage:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, protected_fraction: float = 0.5) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if not 0.0 <= protected_fraction < 1.0:
+            raise ValueError(f"protected_fraction must be in [0, 1), got {protected_fraction}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.max_protected = int(num_blocks * protected_fraction)
         self._ref_cnt = [0] * num_blocks
         self._hash: list[BlockHash | None] = [None] * num_blocks
+        self._reused = [False] * num_blocks
+        """Hit in the prefix cache since it was stored (goes to protected when freed)."""
         self._free: OrderedDict[BlockId, None] = OrderedDict(
             (BlockId(i), None) for i in range(num_blocks)
         )
+        self._protected: OrderedDict[BlockId, None] = OrderedDict()
         self._cached: dict[BlockHash, BlockId] = {}
         self._events: list[KVEvent] = []
         self._next_event_id = 0
@@ -63,7 +75,7 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation can take now (free plus evictable cached)."""
-        return len(self._free)
+        return len(self._free) + len(self._protected)
 
     def ref_cnt(self, block_id: BlockId) -> int:
         return self._ref_cnt[block_id]
@@ -76,22 +88,23 @@ class BlockPool:
 
     def free_queue(self) -> list[BlockId]:
         """Free blocks in eviction order (first is evicted first)."""
-        return list(self._free)
+        return [*self._free, *self._protected]
 
     # -- ownership -----------------------------------------------------------------
     def allocate(self, num_blocks: int) -> list[BlockId] | None:
         """Take `num_blocks` from the front of the free queue, or None if too few."""
-        if num_blocks > len(self._free):
+        if num_blocks > self.num_free_blocks:
             return None
         block_ids = []
         evicted: list[BlockHash] = []
         for _ in range(num_blocks):
-            block_id, _ = self._free.popitem(last=False)
+            block_id, _ = (self._free or self._protected).popitem(last=False)
             old = self._hash[block_id]
             if old is not None:
                 del self._cached[old]
                 self._hash[block_id] = None
                 evicted.append(old)
+            self._reused[block_id] = False
             self._ref_cnt[block_id] = 1
             block_ids.append(block_id)
         if evicted:
@@ -102,16 +115,30 @@ class BlockPool:
         """Add a holder to blocks found in the prefix cache."""
         for block_id in block_ids:
             if self._ref_cnt[block_id] == 0:
-                del self._free[block_id]
+                (self._protected if block_id in self._protected else self._free).pop(block_id)
             self._ref_cnt[block_id] += 1
+            self._reused[block_id] = self._hash[block_id] is not None
 
     def free(self, block_ids: Iterable[BlockId]) -> None:
-        """Drop one holder from each block; blocks reaching 0 join the free queue tail."""
+        """Drop one holder from each block; blocks reaching 0 join a free queue: a reused
+        cached block protected's tail, another cached block probation's tail, a block
+        with no hash probation's front."""
         for block_id in block_ids:
             if self._ref_cnt[block_id] <= 0:
                 raise InvariantError(f"block {block_id} freed while not in use")
             self._ref_cnt[block_id] -= 1
-            if self._ref_cnt[block_id] == 0:
+            if self._ref_cnt[block_id] > 0:
+                continue
+            if self._hash[block_id] is None:
+                self._free[block_id] = None
+                self._free.move_to_end(block_id, last=False)
+            elif self._reused[block_id] and self.max_protected:
+                self._protected[block_id] = None
+                if len(self._protected) > self.max_protected:
+                    oldest, _ = self._protected.popitem(last=False)
+                    self._reused[oldest] = False  # must prove itself again
+                    self._free[oldest] = None
+            else:
                 self._free[block_id] = None
 
     # -- prefix cache --------------------------------------------------------------
@@ -140,10 +167,13 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is in use."""
-        if len(self._free) != self.num_blocks:
+        if self.num_free_blocks != self.num_blocks:
             return False
         self._cached.clear()
         self._hash = [None] * self.num_blocks
+        self._reused = [False] * self.num_blocks
+        self._free.update(self._protected)
+        self._protected.clear()
         self._emit("cleared", [])
         return True
 
@@ -154,8 +184,8 @@ class BlockPool:
 
     def usage(self) -> PoolUsage:
         in_use = sum(1 for c in self._ref_cnt if c > 0)
-        cached = sum(1 for b in self._free if self._hash[b] is not None)
-        return PoolUsage(self.num_blocks, len(self._free) - cached, cached, in_use)
+        cached = sum(1 for b in self._free if self._hash[b] is not None) + len(self._protected)
+        return PoolUsage(self.num_blocks, len(self._free) + len(self._protected) - cached, cached, in_use)
 
     def check_invariants(self) -> PoolUsage:
         """free + cached + in_use == total, and every index agrees with ref counts."""
@@ -163,8 +193,10 @@ class BlockPool:
         if u.num_free + u.num_cached + u.num_in_use != u.num_total:
             raise InvariantError(f"block accounting broken: {u}")
         for b, c in enumerate(self._ref_cnt):
-            if c < 0 or (c == 0) != (BlockId(b) in self._free):
+            if c < 0 or (c == 0) != (BlockId(b) in self._free or BlockId(b) in self._protected):
                 raise InvariantError(f"block {b}: ref_cnt {c} disagrees with free queue")
+            if b in self._protected and (b in self._free or self._hash[b] is None):
+                raise InvariantError(f"block {b}: protected but also in probation or without a hash")
         for h, b in self._cached.items():
             if self._hash[b] != h:
                 raise InvariantError(f"cache maps a hash to block {b} which holds another")

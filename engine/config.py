@@ -17,6 +17,9 @@ class CacheConfig:
     kv_cache_bytes: int = 256 * 2**20
     """Pool size in bytes when `num_blocks` is None."""
     enable_prefix_caching: bool = True
+    protected_fraction: float = 0.5
+    """Share of the pool that cached blocks hit again after they were stored (shared
+    prefixes) may keep out of reach of one-off blocks (segmented LRU); 0 is plain LRU."""
     cluster_secret: bytes = b"splitserve-default-secret"
     """Key of the block hashes; share it across one cluster, keep it private."""
 
@@ -27,6 +30,8 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if not 0.0 <= self.protected_fraction < 1.0:
+            raise ValueError(f"protected_fraction must be in [0, 1), got {self.protected_fraction}")
 
 
 @dataclass(frozen=True)

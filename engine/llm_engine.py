@@ -103,7 +103,7 @@ class LLMEngine:
         layout = KVLayout(mc.num_layers, config.cache.block_size, mc.num_kv_heads, mc.head_dim, dtype)
         num_blocks = config.cache.num_blocks or max(1, config.cache.kv_cache_bytes // layout.block_bytes)
         self.kv_pool = KVPool(layout, num_blocks, config.device, allocator)
-        self.block_pool = BlockPool(num_blocks, config.cache.enable_prefix_caching)
+        self.block_pool = BlockPool(num_blocks, config.cache.enable_prefix_caching, config.cache.protected_fraction)
         self.model_id = config.model_id or Path(config.model_dir).resolve().name
         self.hasher = BlockHasher(config.cache.cluster_secret, self.model_id, config.cache.block_size)
         self.kv = KVCacheManager(self.block_pool, self.hasher)

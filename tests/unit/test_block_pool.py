@@ -19,12 +19,50 @@ def test_allocates_lowest_ids_first_and_refuses_shortage() -> None:
     pool.check_invariants()
 
 
-def test_freed_blocks_go_to_the_tail_in_free_order() -> None:
+def test_freed_blocks_without_a_hash_are_taken_first() -> None:
     pool = BlockPool(6)
     a = pool.allocate(3)
-    pool.free(reversed(a))  # a request frees its tail first
-    assert pool.free_queue() == [3, 4, 5, 2, 1, 0]
-    assert pool.allocate(4) == [3, 4, 5, 2]
+    pool.free(reversed(a))  # a request frees its tail first; nothing cached, so each goes to the front
+    assert pool.free_queue() == [0, 1, 2, 3, 4, 5]
+    b = pool.allocate(2)
+    pool.cache_blocks(b, [h(1), h(2)], None)
+    pool.free(reversed(b))
+    assert pool.free_queue() == [2, 3, 4, 5, 1, 0]  # cached blocks wait behind the empty ones
+    assert pool.allocate(4) == [2, 3, 4, 5] and pool.lookup(h(1)) == 0
+
+
+def test_a_reused_prefix_outlives_one_off_blocks() -> None:
+    """SLRU: blocks hit again after they were stored survive a stream of one-off cached blocks."""
+    pool = BlockPool(8, protected_fraction=0.25)  # protected holds at most 2
+    prefix = pool.allocate(2)
+    pool.cache_blocks(prefix, [h(1), h(2)], None)
+    pool.free(reversed(prefix))
+    pool.touch(prefix)  # a second request hits the prefix
+    pool.free(reversed(prefix))
+    assert pool.free_queue()[-2:] == [1, 0]
+    for i in range(10):  # one-off prompts, each caching a block never asked for again
+        b = pool.allocate(1)
+        pool.cache_blocks(b, [h(10 + i)], None)
+        pool.free(b)
+    assert pool.lookup(h(1)) == 0 and pool.lookup(h(2)) == 1
+    assert pool.allocate(7) is not None  # all of probation first, then protected's oldest
+    assert pool.lookup(h(2)) is None and pool.lookup(h(1)) == 0
+    pool.check_invariants()
+
+
+def test_protected_is_capped_and_its_oldest_drop_back() -> None:
+    pool = BlockPool(8, protected_fraction=0.25)
+    blocks = pool.allocate(3)
+    pool.cache_blocks(blocks, [h(1), h(2), h(3)], None)
+    pool.free(blocks)
+    pool.touch(blocks)
+    pool.free(blocks)  # 0, 1, 2 protected in that order: 0 drops back to probation's tail
+    assert pool.free_queue() == [3, 4, 5, 6, 7, 0, 1, 2]
+    pool.touch([0])
+    pool.free([0])  # hit again: protected once more, pushing out 1
+    assert pool.free_queue() == [3, 4, 5, 6, 7, 1, 2, 0]
+    assert pool.check_invariants().num_cached == 3
+    assert pool.reset_prefix_cache() and pool.check_invariants().num_cached == 0
 
 
 def test_eviction_order_is_lru_and_emits_removed() -> None:

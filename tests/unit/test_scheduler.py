@@ -147,7 +147,7 @@ def test_remote_kv_reuses_cached_prefix_then_decodes(clock) -> None:
     r = make_request("remote", list(range(8)) + [50, 51, 52], clock)
     assert s.add_remote_request(r)
     assert r.num_cached_tokens == 8
-    assert r.block_ids == [0, 1, 3]  # two cached blocks shared, one new for the tail
+    assert r.block_ids == [0, 1, 2]  # two cached blocks shared; first's uncached tail block is taken first
     assert plan(s.schedule()) == []  # nothing runs until the KV is there
     s.remote_kv_ready(RequestId("remote"), 99)
     assert r.output_token_ids == [99] and r.num_computed_tokens == 11
