@@ -254,15 +254,8 @@ class Router(pb_grpc.GenerationServicer):
         progress.routed = progress.routed or time.perf_counter()
         d, p = decision.decode_worker, decision.prefill_worker
         progress.route = _route_pb(decision)
-        num_tokens, blocks = len(attempt.token_ids), self._blocks_for(len(attempt.token_ids))
-        uncached_d = num_tokens - decision.num_decode_cached_blocks * self.block_size
-        uncached_p = num_tokens - decision.num_prefill_cached_blocks * self.block_size
-        self.loads.start(d, uncached_d if p is None else 0, blocks)
-        self.index.predict(d, hashes)
-        if p is not None:
-            self.loads.start(p, uncached_p, 0)
-            self.index.predict(p, hashes)
-        self.stats["num_local_prefill" if p is None else "num_remote_prefill"] += 1
+        blocks = self._blocks_for(len(attempt.token_ids))
+        uncached_d, uncached_p = self._book(attempt, decision, hashes, blocks)
         call = self._stubs[d].Decode(pb.DecodeRequest(
             request_id=attempt.worker_request_id, prompt_token_ids=attempt.token_ids,
             sampling=sampling_to_pb(attempt.params, keep_stop_strings=False), priority=attempt.priority,
@@ -318,6 +311,21 @@ class Router(pb_grpc.GenerationServicer):
             self.loads.end(d, blocks)
             if p is not None:
                 self.loads.end(p, 0)
+
+    def _book(self, attempt: Attempt, decision: RouteDecision, hashes: list[bytes], blocks: int) -> tuple[int, int]:
+        """Counts the routed attempt in the load book, the index's predictions and the stats;
+        returns the prompt tokens D and P will compute (uncached there)."""
+        d, p = decision.decode_worker, decision.prefill_worker
+        num_tokens = len(attempt.token_ids)
+        uncached_d = num_tokens - decision.num_decode_cached_blocks * self.block_size
+        uncached_p = num_tokens - decision.num_prefill_cached_blocks * self.block_size
+        self.loads.start(d, uncached_d if p is None else 0, blocks)
+        self.index.predict(d, hashes)
+        if p is not None:
+            self.loads.start(p, uncached_p, 0)
+            self.index.predict(p, hashes)
+        self.stats["num_local_prefill" if p is None else "num_remote_prefill"] += 1
+        return uncached_d, uncached_p
 
     def _first_prefilled(self, prep: Prepared, progress: Progress, num_cached_tokens: int) -> None:
         if progress.num_sent == 0:  # a later try's prompt includes tokens already sent
