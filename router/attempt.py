@@ -42,6 +42,14 @@ class Prepared:
     priority: int
     tenant: str
 
+    def attempt(self, n: int, sent: list[int]) -> Attempt:
+        """Try `n` (0 first): a later one re-prefills the prompt plus the tokens `sent` and asks for the rest."""
+        if n == 0:
+            return Attempt(self.request_id, self.token_ids, self.params, self.tenant, self.priority)
+        return Attempt(f"{self.request_id}~{n}", self.token_ids + sent,
+                       dataclasses.replace(self.params, max_tokens=self.params.max_tokens - len(sent)),
+                       self.tenant, self.priority)
+
 
 @dataclass(frozen=True)
 class Attempt:

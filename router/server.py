@@ -13,7 +13,6 @@ prefill, which frees KV on both workers. Errors map to status codes in `_fail`.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import random
 import time
@@ -229,13 +228,8 @@ class Router(pb_grpc.GenerationServicer):
         from the tokens already sent (greedy output stays the same)."""
         avoid: set[str] = set()
         for n in range(self.config.max_attempts):
-            attempt = Attempt(prep.request_id, prep.token_ids, prep.params, prep.tenant, prep.priority)
-            if n:
-                attempt = Attempt(f"{prep.request_id}~{n}", prep.token_ids + progress.token_ids,
-                                  dataclasses.replace(prep.params, max_tokens=prep.params.max_tokens - progress.num_sent),
-                                  prep.tenant, prep.priority)
             try:
-                async for response in self._run(prep, attempt, deadline, progress, detok, avoid):
+                async for response in self._run(prep, prep.attempt(n, progress.token_ids), deadline, progress, detok, avoid):
                     yield response
                 return
             except WorkerFailed as e:
@@ -273,7 +267,7 @@ class Router(pb_grpc.GenerationServicer):
                                                        list(first.logprobs), first.finish_reason)
                 yield response
                 if done:
-                    yield self._final(prep, progress, decision, response.finish_reason)
+                    yield self._final(prep, progress, response.finish_reason)
                     return
             first_from_p = p is not None
             while True:
@@ -293,7 +287,7 @@ class Router(pb_grpc.GenerationServicer):
                 if response.token_ids or done:
                     yield response
                 if done:
-                    yield self._final(prep, progress, decision, response.finish_reason)
+                    yield self._final(prep, progress, response.finish_reason)
                     return
         except WorkerFailed as e:
             if e.worker_id == p and e.down:
@@ -378,7 +372,7 @@ class Router(pb_grpc.GenerationServicer):
             response.route.CopyFrom(progress.route)
         return response, done
 
-    def _final(self, prep: Prepared, progress: Progress, decision: RouteDecision, reason: int) -> pb.GenerateResponse:
+    def _final(self, prep: Prepared, progress: Progress, reason: int) -> pb.GenerateResponse:
         self.stats["num_requests"] += 1
         self.stats["num_prompt_tokens"] += len(prep.token_ids)
         self.stats["num_cached_tokens"] += progress.num_cached_tokens
@@ -391,7 +385,7 @@ class Router(pb_grpc.GenerationServicer):
                              prefill_ms=(progress.first_token - progress.routed) * ms,
                              transfer_ms=progress.transfer_ms, transfer_window_ms=progress.transfer_window_ms,
                              ttft_ms=(progress.first_token - progress.arrived) * ms),
-            route=_route_pb(decision))
+            route=progress.route)
 
     async def close(self) -> None:
         for ch in self._channels.values():
