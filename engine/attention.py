@@ -2,10 +2,18 @@
 
 The model runner puts all decodes (one query token each) in one `PagedGroup` and each
 prefill chunk in a group of its own, so queries are barely padded. Per paged group and
-layer: gather the group's KV blocks in one indexed copy, then two batched matmuls with
-a causal-and-length mask. A first chunk with no earlier context is a `CausalGroup`: no
-gather, causal SDPA over its own new K and V. A GPU backend can replace
-`paged_attention` (FlashAttention / FlexAttention) behind the same metadata.
+layer: gather the group's K and V blocks (one `index_select` each), then two batched
+matmuls with a causal-and-length mask. A first chunk with no earlier context is a
+`CausalGroup`: no gather, causal SDPA over its own new K and V. A GPU backend can
+replace `paged_attention` (FlashAttention / FlexAttention) behind the same metadata.
+
+Two matmul forms, chosen by query length. Grouped KV heads leave the gathered K and V
+in [ctx, kv_heads, head_dim] order, which no batched matmul takes without a strided
+copy of the whole context. Short queries (decodes) skip that copy: every query head
+is scored against every KV head (`_all_pairs_attention`), kv_heads times the flops of
+a [heads, ctx] product that is memory-bound anyway, and the matching heads are kept.
+Long queries (prefill chunks) would pay kv_heads times a compute-bound product, so
+they take the copy (`_masked_attention`).
 """
 from __future__ import annotations
 
@@ -15,6 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.kv_pool import KVPool
+
+ALL_PAIRS_MAX_QUERY_LEN = 4
+"""Paged groups whose longest query is at most this many tokens use `_all_pairs_attention`."""
 
 
 @dataclass
@@ -69,12 +80,16 @@ def paged_attention(
         if isinstance(g, CausalGroup):
             out[g.token_index] = _causal_self_attention(q[g.token_index], k[g.token_index], v[g.token_index], scale)
             continue
-        qp = q.new_zeros(g.batch * g.max_query_len, num_heads, head_dim)
-        qp[g.padded_index] = q[g.token_index]
+        if g.max_query_len == 1:  # one token per request: nothing to pad
+            qp = q[g.token_index]
+        else:
+            qp = q.new_zeros(g.batch * g.max_query_len, num_heads, head_dim)
+            qp[g.padded_index] = q[g.token_index]
         kc, vc = pool.gather(layer, g.block_table)  # [batch, ctx, kv_heads, head_dim]
-        o = _masked_attention(qp.view(g.batch, g.max_query_len, num_heads, head_dim), kc, vc, g.mask, scale)
+        attend = _all_pairs_attention if g.max_query_len <= ALL_PAIRS_MAX_QUERY_LEN else _masked_attention
+        o = attend(qp.view(g.batch, g.max_query_len, num_heads, head_dim), kc, vc, g.mask, scale)
         o = o.reshape(g.batch * g.max_query_len, num_heads, head_dim)
-        out[g.token_index] = o[g.padded_index]
+        out[g.token_index] = o if g.max_query_len == 1 else o[g.padded_index]
     return out
 
 
@@ -104,3 +119,26 @@ def _masked_attention(
     probs = torch.softmax(scores, dim=-1).to(q.dtype).view(b, kvh, grp * n, -1)
     o = torch.matmul(probs, v.transpose(1, 2))  # [batch, kv_heads, grp * q_len, head_dim]
     return o.view(b, kvh, grp, n, d).permute(0, 3, 1, 2, 4).reshape(b, n, h, d)
+
+
+def _all_pairs_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Same contract as `_masked_attention`; k and v must be contiguous.
+
+    K viewed as [batch, ctx * kv_heads, head_dim] and V as [batch, ctx, kv_heads * head_dim]
+    are plain matrices, so both products run on the gathered memory as it lies; the
+    diagonal (query head's own KV head) of each result is what attention needs.
+    """
+    b, n, h, d = q.shape
+    ctx, kvh = k.shape[1], k.shape[2]
+    grp = h // kvh
+    qh = q.transpose(1, 2).reshape(b, h * n, d)  # rows: head-major, then query position
+    s_all = torch.bmm(qh, k.view(b, ctx * kvh, d).transpose(1, 2)).view(b, kvh, grp * n, ctx, kvh)
+    scores = torch.diagonal(s_all, dim1=1, dim2=4).permute(0, 3, 1, 2)  # [batch, kv_heads, grp * q_len, ctx]
+    scores = scores.float().reshape(b, kvh, grp, n, ctx) * scale
+    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(b, h * n, ctx)
+    o_all = torch.bmm(probs, v.view(b, ctx, kvh * d)).view(b, kvh, grp * n, kvh, d)
+    o = torch.diagonal(o_all, dim1=1, dim2=3)  # [batch, grp * q_len, head_dim, kv_heads]
+    return o.permute(0, 3, 1, 2).reshape(b, kvh, grp, n, d).permute(0, 3, 1, 2, 4).reshape(b, n, h, d)

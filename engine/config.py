@@ -68,6 +68,9 @@ class EngineConfig:
     """Name used in block hashes; None uses the model directory's name."""
     seed: int = 0
     """Seeds the sampler for requests without their own seed."""
+    prepack_weights: bool = True
+    """On CPU, lay linear weights out once for oneDNN (see engine/linear.py); False keeps
+    plain tensors and `F.linear`. Ignored on other devices."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

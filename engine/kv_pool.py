@@ -67,8 +67,14 @@ class KVPool:
     def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer for a padded block table [batch, max_blocks].
 
-        Returns two [batch, max_blocks * block_size, num_kv_heads, head_dim] tensors.
+        Returns two contiguous [batch, max_blocks * block_size, num_kv_heads, head_dim]
+        tensors. One layer's K (or V) of one block is a contiguous run, so each is one
+        `index_select` of whole runs (memcpy speed), not an element-wise gather.
         """
-        kv = self.tensor[block_table, layer]  # [batch, max_blocks, 2, block_size, kv_heads, head_dim]
-        b, nb, _, bs, h, d = kv.shape
-        return kv[:, :, 0].reshape(b, nb * bs, h, d), kv[:, :, 1].reshape(b, nb * bs, h, d)
+        b, nb = block_table.shape
+        lay = self.layout
+        flat = block_table.reshape(-1)
+        shape = (b, nb * lay.block_size, lay.num_kv_heads, lay.head_dim)
+        k = torch.index_select(self.tensor[:, layer, 0].reshape(self.num_blocks, -1), 0, flat)
+        v = torch.index_select(self.tensor[:, layer, 1].reshape(self.num_blocks, -1), 0, flat)
+        return k.view(shape), v.view(shape)

@@ -99,7 +99,7 @@ class LLMEngine:
         mc = self.model_config
         dtype = _DTYPES[config.dtype]
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        self.model = LlamaForCausalLM.load(config.model_dir, mc, dtype, config.device)
+        self.model = LlamaForCausalLM.load(config.model_dir, mc, dtype, config.device, config.prepack_weights)
         layout = KVLayout(mc.num_layers, config.cache.block_size, mc.num_kv_heads, mc.head_dim, dtype)
         num_blocks = config.cache.num_blocks or max(1, config.cache.kv_cache_bytes // layout.block_bytes)
         self.kv_pool = KVPool(layout, num_blocks, config.device, allocator)

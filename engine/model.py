@@ -2,7 +2,8 @@
 
 Reads as single-device code: batch layout and attention metadata come in as
 arguments. Tokens of all requests are packed into one [num_tokens] dimension.
-At load time q/k/v and gate/up projections are fused into one matmul each.
+At load time q/k/v and gate/up projections are fused into one matmul each, and every
+projection becomes a `Linear` (weights prepacked for oneDNN on CPU).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.kv_pool import KVPool
+from engine.linear import Linear
 from engine.model_config import ModelConfig
 from engine.rope import RotaryTable, apply_rotary
 from engine.weights import CheckpointReader
@@ -21,15 +23,11 @@ from engine.weights import CheckpointReader
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
+    qkv: Linear
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
-    down_bias: torch.Tensor | None
+    gate_up: Linear
+    down: Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -40,51 +38,55 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class LlamaForCausalLM:
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: str) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: str, prepack: bool = True) -> None:
         self.config = config
         self.dtype = dtype
         self.device = device
+        self.prepack = prepack
         self.scale = config.head_dim**-0.5
         self.rotary = RotaryTable(config.rope, config.head_dim, config.max_position_embeddings, device)
         self.layers: list[LayerWeights] = []
 
     @classmethod
-    def load(cls, model_dir: str, config: ModelConfig, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
-        model = cls(config, dtype, device)
+    def load(
+        cls, model_dir: str, config: ModelConfig, dtype: torch.dtype, device: str, prepack: bool = True,
+    ) -> LlamaForCausalLM:
+        model = cls(config, dtype, device, prepack)
         ckpt = CheckpointReader(model_dir)
         get = lambda name: ckpt.get(name, dtype, device)  # noqa: E731
         opt = lambda name: get(name) if ckpt.has(name) else None  # noqa: E731
+
+        def fused(names: list[str]) -> Linear:
+            biases = [opt(n + ".bias") for n in names]
+            bias = torch.cat(biases) if all(b is not None for b in biases) else None
+            return Linear(torch.cat([get(n + ".weight") for n in names]), bias, prepack)
+
         model.embed = get("model.embed_tokens.weight")
         model.norm = get("model.norm.weight")
-        if config.tie_word_embeddings or not ckpt.has("lm_head.weight"):
-            model.lm_head = model.embed
-        else:
-            model.lm_head = get("lm_head.weight")
+        model.tied = config.tie_word_embeddings or not ckpt.has("lm_head.weight")
+        model.lm_head = Linear(model.embed if model.tied else get("lm_head.weight"), None, prepack)
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
-            qkv_b = [opt(a + f"{n}_proj.bias") for n in "qkv"]
-            gu_b = [opt(m + f"{n}_proj.bias") for n in ("gate", "up")]
             model.layers.append(LayerWeights(
                 input_norm=get(p + "input_layernorm.weight"),
-                qkv=torch.cat([get(a + f"{n}_proj.weight") for n in "qkv"]),
-                qkv_bias=torch.cat(qkv_b) if all(b is not None for b in qkv_b) else None,
-                o=get(a + "o_proj.weight"),
-                o_bias=opt(a + "o_proj.bias"),
+                qkv=fused([a + f"{n}_proj" for n in "qkv"]),
+                o=fused([a + "o_proj"]),
                 post_norm=get(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]),
-                gate_up_bias=torch.cat(gu_b) if all(b is not None for b in gu_b) else None,
-                down=get(m + "down_proj.weight"),
-                down_bias=opt(m + "down_proj.bias"),
+                gate_up=fused([m + "gate_proj", m + "up_proj"]),
+                down=fused([m + "down_proj"]),
             ))
         return model
 
     @property
     def weight_bytes(self) -> int:
-        tensors = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        """Bytes of the checkpoint's weights as loaded (tied embeddings counted once)."""
+        size = lambda t: t.numel() * t.element_size()  # noqa: E731
+        total = size(self.embed) + size(self.norm) + (0 if self.tied else self.lm_head.nbytes)
         for layer in self.layers:
-            tensors += [t for t in vars(layer).values() if t is not None]
-        return sum(t.numel() * t.element_size() for t in tensors)
+            total += size(layer.input_norm) + size(layer.post_norm)
+            total += layer.qkv.nbytes + layer.o.nbytes + layer.gate_up.nbytes + layer.down.nbytes
+        return total
 
     @torch.inference_mode()
     def forward(
@@ -106,7 +108,7 @@ class LlamaForCausalLM:
             h = h + self._attention(i, layer, rms_norm(h, layer.input_norm, cfg.rms_norm_eps), cos, sin, pool, meta)
             h = h + self._mlp(layer, rms_norm(h, layer.post_norm, cfg.rms_norm_eps))
         h = rms_norm(h[logits_index], self.norm, cfg.rms_norm_eps)  # [num_logits, hidden]
-        return F.linear(h, self.lm_head).float()
+        return self.lm_head(h).float()
 
     def _attention(
         self, i: int, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -114,14 +116,14 @@ class LlamaForCausalLM:
     ) -> torch.Tensor:
         cfg = self.config
         n, d = x.shape[0], cfg.head_dim
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)  # [num_tokens, (heads + 2 * kv_heads) * head_dim]
+        qkv = layer.qkv(x)  # [num_tokens, (heads + 2 * kv_heads) * head_dim]
         q, k, v = qkv.split([cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d], dim=-1)
         q = apply_rotary(q.view(n, cfg.num_heads, d), cos, sin)  # [num_tokens, heads, head_dim]
         k = apply_rotary(k.view(n, cfg.num_kv_heads, d), cos, sin)  # [num_tokens, kv_heads, head_dim]
         v = v.view(n, cfg.num_kv_heads, d)
         o = paged_attention(q, k, v, i, pool, meta, self.scale)  # [num_tokens, heads, head_dim]
-        return F.linear(o.reshape(n, cfg.num_heads * d), layer.o, layer.o_bias)
+        return layer.o(o.reshape(n, cfg.num_heads * d))
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+        gate, up = layer.gate_up(x).chunk(2, dim=-1)
+        return layer.down(F.silu(gate) * up)

@@ -86,23 +86,23 @@ class ModelRunner:
         max_blocks = -(-max(ctx_lens) // bs)
         token_index: list[int] = []
         padded_index: list[int] = []
-        query_pos = torch.zeros(len(members), max_q, dtype=torch.long)
-        table = torch.zeros(len(members), max_blocks, dtype=torch.long)
+        query_pos: list[list[int]] = []
+        table: list[list[int]] = []
         for j, (s, offset) in enumerate(members):
             n, start = s.num_new_tokens, s.request.num_computed_tokens
             token_index += range(offset, offset + n)
             padded_index += range(j * max_q, j * max_q + n)
-            query_pos[j, :n] = torch.arange(start, start + n)
+            query_pos.append([*range(start, start + n), *[0] * (max_q - n)])
             used = s.request.block_ids[: -(-ctx_lens[j] // bs)]
-            table[j, : len(used)] = torch.tensor(used, dtype=torch.long)
+            table.append([*used, *[0] * (max_blocks - len(used))])
         key_pos = torch.arange(max_blocks * bs)
         # Causal within the request; padded query rows see key 0 only (never an empty row).
-        mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [batch, max_q, ctx]
+        mask = key_pos[None, None, :] <= torch.tensor(query_pos)[:, :, None]  # [batch, max_q, ctx]
         return PagedGroup(
             token_index=torch.tensor(token_index, device=dev),
             padded_index=torch.tensor(padded_index, device=dev),
             batch=len(members),
             max_query_len=max_q,
-            block_table=table.to(dev),
+            block_table=torch.tensor(table, dtype=torch.long, device=dev),
             mask=mask[:, None].to(dev),
         )

@@ -1,0 +1,83 @@
+"""Paged attention's two matmul forms, the KV gather and prepacked linears against slow references."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.attention import _all_pairs_attention, _masked_attention
+from engine.kv_pool import KVLayout, KVPool
+from engine.linear import Linear
+
+
+def reference_attention(q, k, v, ctx_lens, query_starts, scale):
+    """One request and one head at a time: q [b, n, h, d], k/v [b, ctx, kvh, d]."""
+    b, n, h, d = q.shape
+    grp = h // k.shape[2]
+    out = torch.zeros_like(q)
+    for i in range(b):
+        for t in range(n):
+            visible = min(query_starts[i] + t + 1, ctx_lens[i])
+            for head in range(h):
+                keys = k[i, :visible, head // grp]
+                p = torch.softmax((keys @ q[i, t, head]) * scale, dim=0)
+                out[i, t, head] = p @ v[i, :visible, head // grp]
+    return out
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (4, 1), (6, 2)])
+@pytest.mark.parametrize("q_len", [1, 3, 5])
+def test_both_forms_match_the_per_head_reference(heads, kv_heads, q_len):
+    g = torch.Generator().manual_seed(heads * 100 + kv_heads * 10 + q_len)
+    b, ctx, d = 3, 40, 8
+    q = torch.randn(b, q_len, heads, d, generator=g)
+    k = torch.randn(b, ctx, kv_heads, d, generator=g)
+    v = torch.randn(b, ctx, kv_heads, d, generator=g)
+    ctx_lens = [40, 17, q_len + 2]
+    starts = [c - q_len for c in ctx_lens]  # queries are the last q_len tokens of each context
+    query_pos = torch.tensor([[s + t for t in range(q_len)] for s in starts])
+    mask = (torch.arange(ctx)[None, None, :] <= query_pos[:, :, None])[:, None]  # [b, 1, n, ctx]
+    want = reference_attention(q, k, v, ctx_lens, starts, 0.3)
+    for form in (_all_pairs_attention, _masked_attention):
+        got = form(q, k, v, mask, 0.3)
+        assert got.shape == (b, q_len, heads, d)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=form.__name__)
+
+
+def test_the_two_forms_are_bit_identical_in_bfloat16():
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(5, 1, 12, 64, generator=g).bfloat16()
+    k = torch.randn(5, 48, 4, 64, generator=g).bfloat16()
+    v = torch.randn(5, 48, 4, 64, generator=g).bfloat16()
+    mask = (torch.arange(48)[None, :] < torch.tensor([48, 1, 16, 17, 33])[:, None])[:, None, None]
+    assert torch.equal(_all_pairs_attention(q, k, v, mask, 0.125), _masked_attention(q, k, v, mask, 0.125))
+
+
+def test_gather_returns_each_blocks_layer_in_table_order():
+    layout = KVLayout(num_layers=3, block_size=4, num_kv_heads=2, head_dim=5, dtype=torch.float32)
+    pool = KVPool(layout, num_blocks=9, device="cpu")
+    pool.tensor.copy_(torch.arange(pool.tensor.numel(), dtype=torch.float32).view(pool.tensor.shape))
+    table = torch.tensor([[7, 2, 0], [3, 3, 8]])
+    k, v = pool.gather(1, table)
+    assert k.shape == v.shape == (2, 12, 2, 5) and k.is_contiguous() and v.is_contiguous()
+    for i in range(2):
+        for j, blk in enumerate(table[i].tolist()):
+            assert torch.equal(k[i, 4 * j : 4 * j + 4], pool.tensor[blk, 1, 0])
+            assert torch.equal(v[i, 4 * j : 4 * j + 4], pool.tensor[blk, 1, 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_f_linear_prepacked_or_not(dtype, bias):
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 32, generator=g).to(dtype)
+    b = torch.randn(48, generator=g).to(dtype) if bias else None
+    packed, plain = Linear(w, b, prepack=True), Linear(w, b, prepack=False)
+    assert plain.packed is None
+    assert plain.nbytes == packed.nbytes == (48 * 32 + (48 if bias else 0)) * w.element_size()
+    for rows in (1, 7, 64):
+        x = torch.randn(rows, 32, generator=g).to(dtype)
+        want = F.linear(x, w, b)
+        assert torch.equal(plain(x), want)
+        tol = {torch.float32: 1e-5, torch.bfloat16: 0.0, torch.float16: 1e-3}[dtype]
+        torch.testing.assert_close(packed(x), want, atol=tol, rtol=tol)
