@@ -46,8 +46,11 @@ class PagedGroup:
     max_query_len: int
     block_table: torch.Tensor
     """[batch, max_blocks] int64, padded with block 0 (masked out)."""
-    mask: torch.Tensor
-    """[batch, 1, max_query_len, max_blocks * block_size] bool, True = attend."""
+    hidden: torch.Tensor
+    """[batch, 1, max_query_len, max_blocks * block_size] bool, True = may not attend
+    (a later position, or past the request's context)."""
+    in_order: bool = False
+    """The group is the whole batch, one token per request in batch order: no index maps."""
 
 
 @dataclass
@@ -80,15 +83,19 @@ def paged_attention(
         if isinstance(g, CausalGroup):
             out[g.token_index] = _causal_self_attention(q[g.token_index], k[g.token_index], v[g.token_index], scale)
             continue
-        if g.max_query_len == 1:  # one token per request: nothing to pad
+        if g.in_order:
+            qp = q
+        elif g.max_query_len == 1:  # one token per request: nothing to pad
             qp = q[g.token_index]
         else:
             qp = q.new_zeros(g.batch * g.max_query_len, num_heads, head_dim)
             qp[g.padded_index] = q[g.token_index]
         kc, vc = pool.gather(layer, g.block_table)  # [batch, ctx, kv_heads, head_dim]
         attend = _all_pairs_attention if g.max_query_len <= ALL_PAIRS_MAX_QUERY_LEN else _masked_attention
-        o = attend(qp.view(g.batch, g.max_query_len, num_heads, head_dim), kc, vc, g.mask, scale)
+        o = attend(qp.view(g.batch, g.max_query_len, num_heads, head_dim), kc, vc, g.hidden, scale)
         o = o.reshape(g.batch * g.max_query_len, num_heads, head_dim)
+        if g.in_order:  # the only group: its output is the whole output
+            return o
         out[g.token_index] = o if g.max_query_len == 1 else o[g.padded_index]
     return out
 
@@ -102,12 +109,12 @@ def _causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
 
 
 def _masked_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Two batched matmuls with a float32 softmax; query heads stay grouped by KV head.
 
     q: [batch, q_len, heads, head_dim]; k, v: [batch, ctx, kv_heads, head_dim];
-    mask: [batch, 1, q_len, ctx]. Returns [batch, q_len, heads, head_dim].
+    hidden: [batch, 1, q_len, ctx], True where a query may not look. Returns [batch, q_len, heads, head_dim].
     (The CPU flash kernel is slow for one-token queries; this is not.)
     """
     b, n, h, d = q.shape
@@ -115,14 +122,14 @@ def _masked_attention(
     grp = h // kvh
     qg = q.view(b, n, kvh, grp, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, grp * n, d)
     scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale  # [batch, kv_heads, grp * q_len, ctx]
-    scores = scores.view(b, kvh, grp, n, -1).masked_fill(~mask[:, :, None], float("-inf"))
+    scores = scores.view(b, kvh, grp, n, -1).masked_fill_(hidden[:, :, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype).view(b, kvh, grp * n, -1)
     o = torch.matmul(probs, v.transpose(1, 2))  # [batch, kv_heads, grp * q_len, head_dim]
     return o.view(b, kvh, grp, n, d).permute(0, 3, 1, 2, 4).reshape(b, n, h, d)
 
 
 def _all_pairs_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Same contract as `_masked_attention`; k and v must be contiguous.
 
@@ -137,7 +144,7 @@ def _all_pairs_attention(
     s_all = torch.bmm(qh, k.view(b, ctx * kvh, d).transpose(1, 2)).view(b, kvh, grp * n, ctx, kvh)
     scores = torch.diagonal(s_all, dim1=1, dim2=4).permute(0, 3, 1, 2)  # [batch, kv_heads, grp * q_len, ctx]
     scores = scores.float().reshape(b, kvh, grp, n, ctx) * scale
-    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    scores = scores.masked_fill_(hidden[:, :, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype).view(b, h * n, ctx)
     o_all = torch.bmm(probs, v.view(b, ctx, kvh * d)).view(b, kvh, grp * n, kvh, d)
     o = torch.diagonal(o_all, dim1=1, dim2=3)  # [batch, grp * q_len, head_dim, kv_heads]

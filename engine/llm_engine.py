@@ -108,6 +108,11 @@ class LLMEngine:
         self.hasher = BlockHasher(config.cache.cluster_secret, self.model_id, config.cache.block_size)
         self.kv = KVCacheManager(self.block_pool, self.hasher)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, clock)
+        if self.scheduler.context_limit < self.max_model_len:
+            logger.warning(
+                "the KV pool (%d blocks of %d tokens) is smaller than the model's context (%d tokens): "
+                "a sequence stops with finish reason length at %d tokens; raise kv_cache_bytes for more",
+                num_blocks, config.cache.block_size, self.max_model_len, self.scheduler.context_limit)
         self.runner = ModelRunner(self.model, self.kv_pool, config.device)
         self.sampler = Sampler(config.seed, config.device)
         tok_path = Path(config.model_dir) / "tokenizer.json"

@@ -116,11 +116,11 @@ class LlamaForCausalLM:
     ) -> torch.Tensor:
         cfg = self.config
         n, d = x.shape[0], cfg.head_dim
+        h, kvh = cfg.num_heads, cfg.num_kv_heads
         qkv = layer.qkv(x)  # [num_tokens, (heads + 2 * kv_heads) * head_dim]
-        q, k, v = qkv.split([cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d], dim=-1)
-        q = apply_rotary(q.view(n, cfg.num_heads, d), cos, sin)  # [num_tokens, heads, head_dim]
-        k = apply_rotary(k.view(n, cfg.num_kv_heads, d), cos, sin)  # [num_tokens, kv_heads, head_dim]
-        v = v.view(n, cfg.num_kv_heads, d)
+        qk = apply_rotary(qkv[:, : (h + kvh) * d].view(n, h + kvh, d), cos, sin)  # q and k in one pass
+        q, k = qk[:, :h], qk[:, h:]  # [num_tokens, heads | kv_heads, head_dim]
+        v = qkv[:, (h + kvh) * d :].view(n, kvh, d)
         o = paged_attention(q, k, v, i, pool, meta, self.scale)  # [num_tokens, heads, head_dim]
         return layer.o(o.reshape(n, cfg.num_heads * d))
 

@@ -71,11 +71,11 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_blocks=t(slot_blocks),
             slot_offsets=t(slot_offsets),
-            groups=[self._group(g) for g in [decode, *([m] for m in prefill)] if g],
+            groups=[self._group(g, len(input_ids)) for g in [decode, *([m] for m in prefill)] if g],
         )
         return ForwardBatch(t(input_ids), t(positions), meta, t(logits_index), sampled)
 
-    def _group(self, members: list[tuple[ScheduledRequest, int]]) -> CausalGroup | PagedGroup:
+    def _group(self, members: list[tuple[ScheduledRequest, int]], num_tokens: int) -> CausalGroup | PagedGroup:
         dev = self.device
         if len(members) == 1 and members[0][0].request.num_computed_tokens == 0:
             (s, offset), = members
@@ -97,12 +97,13 @@ class ModelRunner:
             table.append([*used, *[0] * (max_blocks - len(used))])
         key_pos = torch.arange(max_blocks * bs)
         # Causal within the request; padded query rows see key 0 only (never an empty row).
-        mask = key_pos[None, None, :] <= torch.tensor(query_pos)[:, :, None]  # [batch, max_q, ctx]
+        hidden = key_pos[None, None, :] > torch.tensor(query_pos)[:, :, None]  # [batch, max_q, ctx]
         return PagedGroup(
             token_index=torch.tensor(token_index, device=dev),
             padded_index=torch.tensor(padded_index, device=dev),
             batch=len(members),
             max_query_len=max_q,
             block_table=torch.tensor(table, dtype=torch.long, device=dev),
-            mask=mask[:, None].to(dev),
+            hidden=hidden[:, None].to(dev),
+            in_order=max_q == 1 and token_index == list(range(num_tokens)),
         )

@@ -40,15 +40,20 @@ class RotaryTable:
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
         self.cos = emb.cos()
-        self.sin = emb.sin()
+        sin = emb.sin()
+        self.signed_sin = torch.cat((-sin[:, : head_dim // 2], sin[:, head_dim // 2 :]), dim=-1)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[num_tokens, 1, head_dim] cos and sin, broadcast over heads."""
-        return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
+        """[num_tokens, 1, head_dim] cos and signed sin (first half negated), broadcast over heads."""
+        return self.cos[positions, None].to(dtype), self.signed_sin[positions, None].to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, num_heads, head_dim]."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, num_heads, head_dim], any strides.
+
+    Hugging Face's x * cos + cat(-x2, x1) * sin, bit for bit: the sign rides on the
+    table, so the halves are swapped without a negation pass.
+    """
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + swapped * signed_sin

@@ -52,6 +52,11 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
+        self.context_limit = min(max_model_len, kv.pool.num_blocks * kv.block_size + 1)
+        """Where a sequence stops with finish reason length: the model's context, or the
+        pool's, whichever is shorter. A sequence alone in a pool smaller than the model's
+        context would otherwise preempt itself to recompute, grow back, and again, forever.
+        (The last sampled token needs no slot, hence the + 1.)"""
         self.clock = clock
         self.requests: dict[RequestId, Request] = {}
         self.waiting: list[Request] = []
@@ -87,7 +92,7 @@ class Scheduler:
         request.num_computed_tokens = request.num_prompt_tokens
         self.kv.cache_computed_blocks(request)
         request.append_output(first_token_id)
-        reason = request.stop_reason_for_last_token(self.max_model_len)
+        reason = request.stop_reason_for_last_token(self.context_limit)
         if reason is not None:
             self.finish(request, reason)
             return
@@ -113,7 +118,8 @@ class Scheduler:
             )
         if self.kv.blocks_needed(request.num_prompt_tokens + 1) > self.kv.pool.num_blocks:
             raise InvalidRequestError(
-                f"prompt has {request.num_prompt_tokens} tokens, more than the KV pool holds"
+                f"prompt has {request.num_prompt_tokens} tokens, more than the KV pool holds "
+                f"(at most {self.kv.pool.num_blocks * self.kv.block_size - 1} prompt tokens)"
             )
         request.arrival_seq = self._seq
         self._seq += 1
@@ -205,7 +211,7 @@ class Scheduler:
                 continue
             request.append_output(*token)
             updated.append(request)
-            reason = request.stop_reason_for_last_token(self.max_model_len)
+            reason = request.stop_reason_for_last_token(self.context_limit)
             if reason is not None:
                 self.finish(request, reason)
         return updated

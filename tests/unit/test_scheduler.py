@@ -181,3 +181,37 @@ def test_stops_at_model_length(clock) -> None:
     for _ in range(3):
         fake_step(s)
     assert r.is_finished and r.finish_reason is FinishReason.LENGTH and r.num_tokens == 6
+
+
+def test_a_lone_sequence_stops_when_it_fills_the_pool_instead_of_preempting_itself(clock) -> None:
+    s = make_scheduler(clock, num_blocks=4, block_size=4, max_model_len=1024)
+    assert s.context_limit == 17
+    r = make_request("r", 5, clock, max_tokens=100)
+    s.add_request(r)
+    for _ in range(20):
+        out = fake_step(s)
+        assert not out.preempted_ids
+        if r.is_finished:
+            break
+    # 16 slots hold tokens 0..15; token 16 is sampled and never needs a slot.
+    assert r.finish_reason is FinishReason.LENGTH and r.num_tokens == 17 and r.num_preemptions == 0
+    assert s.check_invariants().num_in_use == 0
+
+
+def test_a_sequence_that_outgrows_its_share_preempts_others_then_fills_the_pool(clock) -> None:
+    s = make_scheduler(clock, num_blocks=4, block_size=4, max_model_len=1024)
+    old, new = make_request("old", 6, clock, max_tokens=100), make_request("new", 3, clock, max_tokens=100)
+    s.add_request(old)
+    s.add_request(new)
+    for _ in range(60):
+        fake_step(s)
+        if old.is_finished:
+            break
+    assert old.finish_reason is FinishReason.LENGTH and old.num_tokens == 17
+    assert new.num_preemptions >= 1 and old.num_preemptions == 0
+    for _ in range(60):
+        fake_step(s)
+        if new.is_finished:
+            break
+    assert new.finish_reason is FinishReason.LENGTH and new.num_tokens == 17
+    assert s.check_invariants().num_in_use == 0
