@@ -37,6 +37,7 @@ from kvfabric import (  # noqa: E402
     Ticket,
 )
 from kvfabric.address import FabricAddress  # noqa: E402
+from kvfabric.layout import coalesce  # noqa: E402
 from kvfabric.wire import tune  # noqa: E402
 
 SHAPES = {
@@ -134,6 +135,15 @@ class Bench:
         for _ in range(3):  # let the connection's window open, as the fabric's long-lived one has
             self.raw.send_s(self.src)
 
+    def same_pattern_s(self, src_ids: list[int], dst_ids: list[int]) -> float:
+        """The shm transfer's copies with nothing around them: coalesced runs, memmove each."""
+        dst = BlockRegion(self.shm_dst)
+        src = self.senders["shm"].region
+        t0 = time.perf_counter()
+        for r in coalesce(src_ids, dst_ids):
+            dst.copy_from(src, r.src_block, r.dst_block, r.num_blocks)
+        return time.perf_counter() - t0
+
     def limit_s(self, transport: str, n: int) -> float:
         if transport == "shm":
             return memcpy_s(self.src[:n], self.shm_dst)
@@ -191,14 +201,17 @@ def run_case(bench: Bench, transport: str, shape: str, n: int, contiguous: bool,
     src_ids = list(range(n)) if contiguous else [int(x) for x in rng.permutation(bench.num_blocks)[:n]]
     dst_ids = list(range(n)) if contiguous else [int(x) for x in rng.permutation(bench.num_blocks)[:n]]
     bench.transfer_s(transport, src_ids, dst_ids)  # warm: connection, mapping
-    best, best_limit, best_private = float("inf"), float("inf"), float("inf")
+    best, best_limit, best_private, best_pattern = (float("inf"),) * 4
     for _ in range(args.reps):  # interleaved, so all see the same machine noise
         best = min(best, bench.transfer_s(transport, src_ids, dst_ids))
         best_limit = min(best_limit, bench.limit_s(transport, n))
         if transport == "shm":
             best_private = min(best_private, memcpy_s(bench.src[:n], bench.memcpy_dst))
+            if not contiguous:
+                best_pattern = min(best_pattern, bench.same_pattern_s(src_ids, dst_ids))
     limit = n * layout.block_bytes / best_limit / 1e9
     private = n * layout.block_bytes / best_private / 1e9
+    pattern = n * layout.block_bytes / best_pattern / 1e9
     gb_per_s = n * layout.block_bytes / best / 1e9
     latency = None
     if n == 1:
@@ -210,6 +223,8 @@ def run_case(bench: Bench, transport: str, shape: str, n: int, contiguous: bool,
         "push_latency_us": None if latency is None else round(latency, 1),
         **({"memcpy_private_gb_per_s": round(private, 3), "fraction_of_private_memcpy": round(gb_per_s / private, 3)}
            if transport == "shm" else {}),
+        **({"same_pattern_memcpy_gb_per_s": round(pattern, 3), "fraction_of_same_pattern": round(gb_per_s / pattern, 3)}
+           if transport == "shm" and not contiguous else {}),
     }), flush=True)
 
 

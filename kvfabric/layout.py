@@ -85,10 +85,11 @@ def coalesce(src_block_ids: list[int], dst_block_ids: list[int], first_index: in
     if len(src_block_ids) != len(dst_block_ids):
         raise ValueError(f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} destination blocks")
     runs: list[Run] = []
-    for i, (s, d) in enumerate(zip(src_block_ids, dst_block_ids)):
-        last = runs[-1] if runs else None
-        if last and s == last.src_block + last.num_blocks and d == last.dst_block + last.num_blocks:
-            runs[-1] = Run(last.index, last.src_block, last.dst_block, last.num_blocks + 1)
-        else:
-            runs.append(Run(first_index + i, s, d, 1))
+    start = 0  # position of the current run's first block
+    for i in range(1, len(src_block_ids) + 1):
+        if (i < len(src_block_ids) and src_block_ids[i] == src_block_ids[i - 1] + 1
+                and dst_block_ids[i] == dst_block_ids[i - 1] + 1):
+            continue
+        runs.append(Run(first_index + start, src_block_ids[start], dst_block_ids[start], i - start))
+        start = i
     return runs

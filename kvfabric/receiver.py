@@ -3,8 +3,8 @@
 Data flow: the owner (decode worker) allocates destination blocks in its engine and calls
 `expect()` -> `Ticket` (handed to a prefill worker). Senders connect, pass the handshake,
 `open` the reservation, then write blocks: over `shm` they copy into the shared pool and
-report `written`; over `tcp` the payload is received here straight into the blocks.
-`ready` completes it. The owner calls `poll()` to collect `KVArrived`, `TransferFailed`
+report the runs written (`written`, or with `ready`); over `tcp` the payload is received
+here straight into the blocks. `ready` completes it. The owner calls `poll()` to collect `KVArrived`, `TransferFailed`
 and `BlocksFenced` events and to expire leases; `cancel()` aborts one. One thread per
 sender connection; the reservation table is guarded by one lock and never held while
 bytes move.
@@ -226,6 +226,8 @@ class FabricReceiver:
                     self.table.renew(r, writer)
                 reply = None
             elif t == "ready":
+                if msg.get("runs"):  # one-sided copies reported with the ready
+                    self._record_written(rid, writer, msg["runs"])
                 error = self.table.ready(rid, writer, msg["first_token_id"], msg["num_tokens"])
                 reply = {"t": "ready_ack", "rid": rid, "error": error}
             elif t == "revoke_ack":

@@ -5,7 +5,9 @@ per receiver: handshake with the layout's compatibility hash, transport chosen f
 pair) and binds the reservation -> `Transfer`. After each prefill chunk the worker calls
 `Transfer.push(src_block_ids, first_index)`; runs of adjacent ids become single copies
 (`shm`: straight into the mapped decode pool) or single frames (`tcp`). `finish()` sends
-`ready` with the first token after the data and waits for the receiver's ack. A
+`ready` with the first token after the data and waits for the receiver's ack; one-sided
+copies (`shm`, `cuda_ipc`) are reported in that same message, not one message per push,
+since only `ready` needs them. A
 background thread renews the leases of open transfers. A revocation from the receiver
 is applied under the transfer's lock and only then acknowledged, so once the receiver
 sees the ack no byte of that reservation can still be written (the fence).
@@ -70,6 +72,8 @@ class Transfer:
         self.lock = threading.Lock()
         self.revoked: str | None = None
         self.done = False
+        self.unreported: list[list[int]] = []
+        """One-sided runs [index, num_blocks] copied but not yet reported (sent with `ready`)."""
 
     @property
     def request_id(self) -> str:
@@ -98,7 +102,7 @@ class Transfer:
             self._check_usable()
             self.done = True
         try:
-            reply = self.peer.request({"t": "ready", "rid": self.ticket.reservation_id,
+            reply = self.peer.request({"t": "ready", "rid": self.ticket.reservation_id, "runs": self.unreported,
                                        "first_token_id": first_token_id, "num_tokens": num_tokens})
         finally:
             self.peer.forget(self)
@@ -217,17 +221,17 @@ class _Peer:
         return transfer
 
     def write(self, transfer: Transfer, runs: list[Run]) -> None:
-        """Called with the transfer's lock held: shm copies then reports, tcp sends one frame."""
+        """Called with the transfer's lock held: shm copies (reported at `ready`), tcp sends one frame."""
         rid, src = transfer.ticket.reservation_id, self.sender.region
         spans = [[r.index, r.num_blocks] for r in runs]
         if isinstance(src, DeviceRegion):
-            self._write_device(rid, src, runs, spans)
+            self._write_device(transfer, src, runs, spans)
             return
         if self.transport == "shm":
             assert self.dst is not None
             for r in runs:
                 self.dst.copy_from(src, r.src_block, r.dst_block, r.num_blocks)
-            self.conn.send({"t": "written", "rid": rid, "runs": spans})
+            transfer.unreported += spans
             return
         data = [src.blocks(r.src_block, r.num_blocks) for r in runs]
         header = {"t": "data", "rid": rid, "runs": spans, "nbytes": sum(d.nbytes for d in data)}
@@ -238,11 +242,11 @@ class _Peer:
             header["crc32"] = crc
         self.conn.send(header, [memoryview(d).cast("B") for d in data])
 
-    def _write_device(self, rid: int, src: DeviceRegion, runs: list[Run], spans: list[list[int]]) -> None:
-        timeout_s = self.config.io_timeout_s
-        if self.ipc is not None:  # one-sided: copy, wait for the stream, then report
+    def _write_device(self, transfer: Transfer, src: DeviceRegion, runs: list[Run], spans: list[list[int]]) -> None:
+        rid, timeout_s = transfer.ticket.reservation_id, self.config.io_timeout_s
+        if self.ipc is not None:  # one-sided: copy and wait for the stream; reported at `ready`
             self.ipc.copy_runs(src, runs, timeout_s)
-            self.conn.send({"t": "written", "rid": rid, "runs": spans})
+            transfer.unreported += spans
             return
         assert self.link is not None
         bb = self.sender.layout.block_bytes
