@@ -79,6 +79,16 @@ class Transfer:
     def request_id(self) -> str:
         return self.ticket.request_id
 
+    def report(self, spans: list[list[int]]) -> None:
+        """Note one-sided runs as written, merged by reservation position: runs split only
+        because source or destination ids jump are one span to the receiver."""
+        for index, num_blocks in spans:
+            last = self.unreported[-1] if self.unreported else None
+            if last is not None and last[0] + last[1] == index:
+                last[1] += num_blocks
+            else:
+                self.unreported.append([index, num_blocks])
+
     @property
     def transport(self) -> str:
         return self.peer.transport
@@ -231,7 +241,7 @@ class _Peer:
             assert self.dst is not None
             for r in runs:
                 self.dst.copy_from(src, r.src_block, r.dst_block, r.num_blocks)
-            transfer.unreported += spans
+            transfer.report(spans)
             return
         data = [src.blocks(r.src_block, r.num_blocks) for r in runs]
         header = {"t": "data", "rid": rid, "runs": spans, "nbytes": sum(d.nbytes for d in data)}
@@ -246,7 +256,7 @@ class _Peer:
         rid, timeout_s = transfer.ticket.reservation_id, self.config.io_timeout_s
         if self.ipc is not None:  # one-sided: copy and wait for the stream; reported at `ready`
             self.ipc.copy_runs(src, runs, timeout_s)
-            transfer.unreported += spans
+            transfer.report(spans)
             return
         assert self.link is not None
         bb = self.sender.layout.block_bytes
