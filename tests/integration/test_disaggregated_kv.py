@@ -116,7 +116,9 @@ def test_abort_during_prefill_frees_both_sides(prefill: Peer, decode: RemoteKV, 
     assert prefill.call("attach", [ticket.to_wire()]) == {"y": None}
     assert decode.abort("y")  # the client went away after the prefill worker opened the transfer
     if transport == "shm":  # one-sided: quarantined until the prefill side acknowledges
-        assert decode.receiver.held_block_ids() == list(ticket.block_ids)
+        # The prefill process may acknowledge the revocation at once (the receiver then holds
+        # nothing), but the engine gets the blocks back only when pump() sees the fence.
+        assert decode.receiver.held_block_ids() in (list(ticket.block_ids), [])
         assert decode.engine.check_invariants().num_in_use == len(ticket.block_ids)
     else:  # two-sided, no frame in flight: free at once
         assert decode.receiver.held_block_ids() == []
