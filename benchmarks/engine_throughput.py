@@ -131,7 +131,7 @@ def decode_step_ms(engine: LLMEngine, batch: int, steps: int = 8, context: int =
     return ms
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="model dir (default: the embedded small llama)")
     ap.add_argument("--num-requests", type=int, default=32)
@@ -145,7 +145,32 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--floor-rounds", type=int, default=5, help="alternating memcpy / batch-32 rounds")
     ap.add_argument("--long-context", type=int, default=512, help="context of the long-context decode step")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def floors(engine: LLMEngine, dtype: torch.dtype, num_rounds: int) -> dict:
+    """The batch-32 step against the memory floor (alternating rounds) and the compute floor."""
+    weight_bytes = engine.model.weight_bytes
+    rounds = [(memcpy_gb_per_s(), decode_step_ms(engine, 32)) for _ in range(num_rounds)]
+    ratios = sorted(ms / (weight_bytes / (bw * 1e9) * 1e3) for bw, ms in rounds)
+    bw = sorted(bw for bw, _ in rounds)[len(rounds) // 2]
+    gflops = gemm_gflops(dtype)
+    m = engine.model
+    linears = [m.lm_head] + [x for layer in m.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    matmul_flops_bs32 = 2 * 32 * sum(x.in_features * x.out_features for x in linears)
+    return {
+        "weight_bytes": weight_bytes,
+        "memcpy_gb_per_s": round(bw, 2),
+        "floor_ms": round(weight_bytes / (bw * 1e9) * 1e3, 2),
+        "floor_ratio_bs32": round(ratios[len(ratios) // 2], 2),
+        "floor_rounds": [{"memcpy_gb_per_s": round(b, 2), "step_ms_bs32": round(ms, 2)} for b, ms in rounds],
+        "gemm_gflops": round(gflops, 1),
+        "compute_floor_ms_bs32": round(matmul_flops_bs32 / (gflops * 1e9) * 1e3, 2),
+    }
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(args.threads)
     model_dir = args.model or str(default_model_dir(size="small"))
     work = workload(args.num_requests, args.input_scale, args.output_scale, args.seed)
@@ -155,16 +180,7 @@ def main() -> None:
     engine_tps = run_engine(engine, work)
     steps = {bs: decode_step_ms(engine, bs) for bs in (1, 8, 32)}
     long_ms = decode_step_ms(engine, 32, context=args.long_context)
-    rounds = []  # (memcpy GB/s, batch-32 step ms)
-    for _ in range(args.floor_rounds):
-        rounds.append((memcpy_gb_per_s(), decode_step_ms(engine, 32)))
-    ratios = sorted(ms / (engine.model.weight_bytes / (bw * 1e9) * 1e3) for bw, ms in rounds)
-    bw = sorted(bw for bw, _ in rounds)[len(rounds) // 2]
-    floor_ms = engine.model.weight_bytes / (bw * 1e9) * 1e3
-    gflops = gemm_gflops(getattr(torch, args.dtype))
-    m = engine.model
-    linears = [m.lm_head] + [x for layer in m.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    matmul_flops_bs32 = 2 * 32 * sum(x.in_features * x.out_features for x in linears)
+    floor = floors(engine, getattr(torch, args.dtype), args.floor_rounds)
 
     from transformers import AutoModelForCausalLM
 
@@ -187,13 +203,7 @@ def main() -> None:
         "speedup": round(engine_tps / hf_best, 2),
         "decode_step_ms": {str(k): round(v, 2) for k, v in steps.items()},
         "decode_step_ms_bs32_long_context": round(long_ms, 2),
-        "weight_bytes": engine.model.weight_bytes,
-        "memcpy_gb_per_s": round(bw, 2),
-        "floor_ms": round(floor_ms, 2),
-        "floor_ratio_bs32": round(ratios[len(ratios) // 2], 2),
-        "floor_rounds": [{"memcpy_gb_per_s": round(b, 2), "step_ms_bs32": round(m, 2)} for b, m in rounds],
-        "gemm_gflops": round(gflops, 1),
-        "compute_floor_ms_bs32": round(matmul_flops_bs32 / (gflops * 1e9) * 1e3, 2),
+        **floor,
     }))
 
 

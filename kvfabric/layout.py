@@ -93,3 +93,13 @@ def coalesce(src_block_ids: list[int], dst_block_ids: list[int], first_index: in
         runs.append(Run(first_index + start, src_block_ids[start], dst_block_ids[start], i - start))
         start = i
     return runs
+
+
+def merge_spans(spans: list[list[int]], new: list[list[int]]) -> None:
+    """Append [index, num_blocks] spans to `spans`, merging by reservation position: runs
+    split only because source or destination ids jump are one span to the receiver."""
+    for index, num_blocks in new:
+        if spans and spans[-1][0] + spans[-1][1] == index:
+            spans[-1][1] += num_blocks
+        else:
+            spans.append([index, num_blocks])

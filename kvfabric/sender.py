@@ -24,7 +24,7 @@ from typing import Any
 from kvfabric.address import FabricAddress, Ticket, local_host_id
 from kvfabric.cuda import DeviceRegion, IpcMapping, NcclLink, nccl_unique_id
 from kvfabric.errors import FabricError, HandshakeError, PeerUnavailable, ReservationRevoked
-from kvfabric.layout import FabricLayout, Run, coalesce
+from kvfabric.layout import FabricLayout, Run, coalesce, merge_spans
 from kvfabric.region import BlockRegion, ShmSegment
 from kvfabric.wire import Conn, Idle
 
@@ -78,16 +78,6 @@ class Transfer:
     @property
     def request_id(self) -> str:
         return self.ticket.request_id
-
-    def report(self, spans: list[list[int]]) -> None:
-        """Note one-sided runs as written, merged by reservation position: runs split only
-        because source or destination ids jump are one span to the receiver."""
-        for index, num_blocks in spans:
-            last = self.unreported[-1] if self.unreported else None
-            if last is not None and last[0] + last[1] == index:
-                last[1] += num_blocks
-            else:
-                self.unreported.append([index, num_blocks])
 
     @property
     def transport(self) -> str:
@@ -241,7 +231,7 @@ class _Peer:
             assert self.dst is not None
             for r in runs:
                 self.dst.copy_from(src, r.src_block, r.dst_block, r.num_blocks)
-            transfer.report(spans)
+            merge_spans(transfer.unreported, spans)
             return
         data = [src.blocks(r.src_block, r.num_blocks) for r in runs]
         header = {"t": "data", "rid": rid, "runs": spans, "nbytes": sum(d.nbytes for d in data)}
@@ -256,7 +246,7 @@ class _Peer:
         rid, timeout_s = transfer.ticket.reservation_id, self.config.io_timeout_s
         if self.ipc is not None:  # one-sided: copy and wait for the stream; reported at `ready`
             self.ipc.copy_runs(src, runs, timeout_s)
-            transfer.report(spans)
+            merge_spans(transfer.unreported, spans)
             return
         assert self.link is not None
         bb = self.sender.layout.block_bytes

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from kvfabric.address import FabricAddress, Ticket
-from kvfabric.layout import FabricLayout, Run, coalesce
+from kvfabric.layout import FabricLayout, Run, coalesce, merge_spans
 
 LAYOUT = FabricLayout("llama-tiny", "bfloat16", num_layers=2, block_size=16, num_kv_heads=2, head_dim=16, dtype_bytes=2)
 
@@ -50,16 +50,13 @@ def test_coalesce_merges_runs_adjacent_on_both_sides() -> None:
 
 
 def test_one_sided_writes_are_reported_as_spans_merged_by_position() -> None:
-    from kvfabric.sender import Transfer
-
-    addr = FabricAddress("127.0.0.1", 5555, "h/b", "r1", "cpu", ("shm", "tcp"), "seg", "n" * 32, 4096)
-    transfer = Transfer(None, Ticket(addr, 1, "req", tuple(range(20, 40)), 2, 10.0))  # type: ignore[arg-type]
+    spans: list[list[int]] = []
     runs = coalesce([9, 3, 4, 17], [30, 22, 23, 35], first_index=2)  # scattered: three runs
-    transfer.report([[r.index, r.num_blocks] for r in runs])
-    assert transfer.unreported == [[2, 4]]
-    transfer.report([[6, 2]])  # the next push continues where the last ended
-    transfer.report([[10, 1]])  # a gap stays a gap
-    assert transfer.unreported == [[2, 6], [10, 1]]
+    merge_spans(spans, [[r.index, r.num_blocks] for r in runs])
+    assert spans == [[2, 4]]
+    merge_spans(spans, [[6, 2]])  # the next push continues where the last ended
+    merge_spans(spans, [[10, 1]])  # a gap stays a gap
+    assert spans == [[2, 6], [10, 1]]
 
 
 def test_ticket_round_trips_through_msgpack() -> None:
