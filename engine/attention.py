@@ -13,7 +13,9 @@ copy of the whole context. Short queries (decodes) skip that copy: every query h
 is scored against every KV head (`_all_pairs_attention`), kv_heads times the flops of
 a [heads, ctx] product that is memory-bound anyway, and the matching heads are kept.
 Long queries (prefill chunks) would pay kv_heads times a compute-bound product, so
-they take the copy (`_masked_attention`).
+they take the copy (`_masked_attention`) in 16-bit dtypes, and SDPA's CPU kernel,
+which reads the gathered K and V through their strides, in float32, where it measured
+1.2-1.9x faster (and the other way round in bfloat16).
 """
 from __future__ import annotations
 
@@ -91,7 +93,10 @@ def paged_attention(
             qp = q.new_zeros(g.batch * g.max_query_len, num_heads, head_dim)
             qp[g.padded_index] = q[g.token_index]
         kc, vc = pool.gather(layer, g.block_table)  # [batch, ctx, kv_heads, head_dim]
-        attend = _all_pairs_attention if g.max_query_len <= ALL_PAIRS_MAX_QUERY_LEN else _masked_attention
+        if g.max_query_len <= ALL_PAIRS_MAX_QUERY_LEN:
+            attend = _all_pairs_attention
+        else:
+            attend = _sdpa_attention if q.dtype == torch.float32 else _masked_attention
         o = attend(qp.view(g.batch, g.max_query_len, num_heads, head_dim), kc, vc, g.hidden, scale)
         o = o.reshape(g.batch * g.max_query_len, num_heads, head_dim)
         if g.in_order:  # the only group: its output is the whole output
@@ -126,6 +131,16 @@ def _masked_attention(
     probs = torch.softmax(scores, dim=-1).to(q.dtype).view(b, kvh, grp * n, -1)
     o = torch.matmul(probs, v.transpose(1, 2))  # [batch, kv_heads, grp * q_len, head_dim]
     return o.view(b, kvh, grp, n, d).permute(0, 3, 1, 2, 4).reshape(b, n, h, d)
+
+
+def _sdpa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Same contract as `_masked_attention`; the mask never hides a whole row (see the runner)."""
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=~hidden, scale=scale, enable_gqa=True,
+    )  # [batch, heads, q_len, head_dim]
+    return o.transpose(1, 2)
 
 
 def _all_pairs_attention(

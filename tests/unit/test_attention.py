@@ -1,11 +1,11 @@
-"""Paged attention's two matmul forms, the KV gather and prepacked linears against slow references."""
+"""Paged attention's three forms, the KV gather and prepacked linears against slow references."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import _all_pairs_attention, _masked_attention
+from engine.attention import _all_pairs_attention, _masked_attention, _sdpa_attention
 from engine.kv_pool import KVLayout, KVPool
 from engine.linear import Linear
 
@@ -38,7 +38,7 @@ def test_both_forms_match_the_per_head_reference(heads, kv_heads, q_len):
     query_pos = torch.tensor([[s + t for t in range(q_len)] for s in starts])
     mask = (torch.arange(ctx)[None, None, :] <= query_pos[:, :, None])[:, None]  # [b, 1, n, ctx]
     want = reference_attention(q, k, v, ctx_lens, starts, 0.3)
-    for form in (_all_pairs_attention, _masked_attention):
+    for form in (_all_pairs_attention, _masked_attention, _sdpa_attention):
         got = form(q, k, v, ~mask, 0.3)
         assert got.shape == (b, q_len, heads, d)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=form.__name__)
