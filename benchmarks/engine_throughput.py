@@ -116,15 +116,20 @@ def gemm_gflops(dtype: torch.dtype, size: int = 2048, repeats: int = 3) -> float
 
 
 def decode_step_ms(engine: LLMEngine, batch: int, steps: int = 8, context: int = 32) -> float:
-    """Mean step time of `batch` requests decoding with about `context` tokens each."""
+    """Mean step time of exactly `batch` requests decoding with about `context` tokens each.
+
+    Their output limit is far off, so none finishes while the others' prompts are still
+    being prefilled (with long prompts that used to shrink the timed batch)."""
     for i in range(batch):
-        engine.add_request([3 + (i * 7 + j) % 8000 for j in range(context)], SamplingParams(max_tokens=steps + 4, ignore_eos=True))
+        engine.add_request([3 + (i * 7 + j) % 8000 for j in range(context)],
+                           SamplingParams(max_tokens=1024, ignore_eos=True))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
         engine.step()
     engine.step()  # warm the decode-only path
     t = time.perf_counter()
     for _ in range(steps):
-        engine.step()
+        out = engine.step()
+        assert len(out) == batch, f"{len(out)} requests decoded, wanted {batch}"
     ms = (time.perf_counter() - t) / steps * 1e3
     for rid in list(engine.scheduler.requests):
         engine.abort(rid)
