@@ -9,9 +9,10 @@ replace `paged_attention` (FlashAttention / FlexAttention) behind the same metad
 
 Over gathered K and V, the form is chosen by dtype and query length (`_paged_form`),
 as measured on CPU. float32: SDPA's CPU kernel, which reads K and V through their
-strides, for every group (1.3-4.6x faster than the alternatives, most for MHA). 16-bit,
-where that kernel is slow: grouped KV heads leave K and V in [ctx, kv_heads, head_dim]
-order, which no batched matmul takes without a strided copy of the whole context.
+strides, for every group (up to 5x faster than the alternatives, most for MHA; about
+even for GQA decodes at long contexts). 16-bit dtypes, where that kernel is slow:
+grouped KV heads leave K and V in [ctx, kv_heads, head_dim] order, which no batched
+matmul takes without a strided copy of the whole context.
 Short queries (decodes) skip that copy: every query head is scored against every KV
 head (`_all_pairs_attention`), kv_heads times the flops of a product that is
 memory-bound anyway, and the matching heads are kept. Long queries (prefill chunks)
