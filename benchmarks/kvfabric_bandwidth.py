@@ -179,7 +179,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="small,llama3_8b")
     ap.add_argument("--blocks", default="1,4,16,64,256")
     ap.add_argument("--transports", default="shm,tcp")
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--latency-iters", type=int, default=300)
     args = ap.parse_args()
     counts = [int(x) for x in args.blocks.split(",")]

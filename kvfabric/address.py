@@ -38,6 +38,8 @@ class FabricAddress:
     cuda_ipc_handle: bytes | None = None
     """The decode pool's CUDA IPC handle (device pools on this host)."""
     pool_blocks: int = 0
+    local_name: str | None = None
+    """Abstract Unix socket name for same-host senders of one-sided transports."""
 
     def to_wire(self) -> dict[str, object]:
         d = asdict(self)

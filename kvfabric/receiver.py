@@ -15,6 +15,7 @@ import itertools
 import logging
 import secrets
 import socket
+import sys
 import threading
 import time
 import zlib
@@ -75,7 +76,13 @@ class FabricReceiver:
         self._writer_ids = itertools.count(1)
         self._closed = False
         self._listener = socket.create_server((self.config.host, self.config.port))
-        self._listener.settimeout(0.2)
+        receiver_id = secrets.token_hex(8)
+        # Same-host senders of one-sided transports talk over a Unix socket instead:
+        # about 11 us less per message than loopback TCP (the `ready` is on the critical path).
+        self._local, local_name = _local_listener(receiver_id)
+        listeners = [x for x in (self._listener, self._local) if x is not None]
+        for x in listeners:
+            x.settimeout(0.2)
         on_device = isinstance(region, DeviceRegion)
         if on_device:
             transports: tuple[str, ...] = ("cuda_ipc", "nccl") if cuda_ipc_handle else ("nccl",)
@@ -85,7 +92,7 @@ class FabricReceiver:
             host=self.config.advertise_host or self.config.host,
             port=self._listener.getsockname()[1],
             host_id=local_host_id(),
-            receiver_id=secrets.token_hex(8),
+            receiver_id=receiver_id,
             device="cuda" if on_device else "cpu",
             transports=transports,
             shm_name=shm.name if shm else None,
@@ -93,9 +100,13 @@ class FabricReceiver:
             shm_bytes=shm.nbytes if shm else 0,
             cuda_ipc_handle=cuda_ipc_handle if on_device else None,
             pool_blocks=region.num_blocks,
+            local_name=local_name,
         )
-        self._accept_thread = threading.Thread(target=self._accept_loop, name="kvfabric-accept", daemon=True)
-        self._accept_thread.start()
+        self._accept_threads = [
+            threading.Thread(target=self._accept_loop, args=(x,), name="kvfabric-accept", daemon=True)
+            for x in listeners]
+        for t in self._accept_threads:
+            t.start()
 
     # -- owner API -----------------------------------------------------------------------
     def expect(self, request_id: str, block_ids: list[int], num_skip_blocks: int) -> Ticket:
@@ -135,15 +146,18 @@ class FabricReceiver:
     def close(self) -> None:
         self._closed = True
         self._listener.close()
+        if self._local is not None:
+            self._local.close()
         for conn in list(self._conns.values()):
             conn.close()
-        self._accept_thread.join(timeout=2)
+        for t in self._accept_threads:
+            t.join(timeout=2)
 
     # -- connections ---------------------------------------------------------------------
-    def _accept_loop(self) -> None:
+    def _accept_loop(self, listener: socket.socket) -> None:
         while not self._closed:
             try:
-                sock, _ = self._listener.accept()
+                sock, _ = listener.accept()
             except TimeoutError:
                 continue
             except OSError:
@@ -326,3 +340,19 @@ def _crc32(arrays: list) -> int:
     for a in arrays:
         crc = zlib.crc32(a, crc)
     return crc
+
+
+def _local_listener(receiver_id: str) -> tuple[socket.socket | None, str | None]:
+    """A Unix socket in the abstract namespace (Linux; nothing to unlink), or none."""
+    if not sys.platform.startswith("linux"):
+        return None, None
+    name = f"splitserve-kv-{receiver_id}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind("\0" + name)
+        sock.listen()
+    except OSError as e:
+        sock.close()
+        logger.info("kvfabric: no local socket (%s); same-host senders use tcp", e)
+        return None, None
+    return sock, name

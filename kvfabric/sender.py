@@ -15,7 +15,6 @@ sees the ack no byte of that reservation can still be written (the fence).
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import zlib
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from kvfabric.cuda import DeviceRegion, IpcMapping, NcclLink, nccl_unique_id
 from kvfabric.errors import FabricError, HandshakeError, PeerUnavailable, ReservationRevoked
 from kvfabric.layout import FabricLayout, Run, coalesce, merge_spans
 from kvfabric.region import BlockRegion, ShmSegment
-from kvfabric.wire import Conn, Idle
+from kvfabric.wire import Conn, Idle, dial
 
 logger = logging.getLogger(__name__)
 
@@ -145,8 +144,9 @@ class _Peer:
         self._lock = threading.Lock()
         self.dst: BlockRegion | None = None
         try:
-            sock = socket.create_connection((address.host, address.port), timeout=self.config.io_timeout_s)
-            self.conn = Conn(sock, self.config.io_timeout_s)
+            a = self.address
+            local = a.local_name if self.transport in ("shm", "cuda_ipc") and a.host_id == local_host_id() else None
+            self.conn = Conn(dial(a.host, a.port, local, self.config.io_timeout_s), self.config.io_timeout_s)
             self._handshake()
         except BaseException:
             self.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import socket
 import time
 from collections.abc import Iterator
 
@@ -247,6 +248,8 @@ def test_a_killed_receiver_gives_the_sender_peer_unavailable_quickly(transport: 
     try:
         ticket = Ticket.from_wire(receiver.call("expect", "x", [1, 2, 3], 0))
         transfer = sender.open(ticket)
+        # same host: one-sided shm talks over the receiver's Unix socket, tcp over TCP
+        assert transfer.peer.conn.sock.family == (socket.AF_UNIX if transport == "shm" else socket.AF_INET)
         transfer.push([4], 0)
         receiver.kill()
         t0 = time.monotonic()
