@@ -1,6 +1,9 @@
-"""Our engine against Hugging Face `transformers` on the same tiny checkpoints (float32).
+"""Our engine against Hugging Face `transformers` on the same tiny checkpoints.
 
-Tolerance: logits within LOGITS_ATOL_FP32 (1e-4); greedy tokens identical.
+float32: logits within LOGITS_ATOL_FP32 (1e-4); greedy tokens identical.
+bfloat16 (CPU; its attention takes other code paths than float32): logits within
+LOGITS_ATOL_BF16 (0.05, on logits of magnitude up to about 1.6) of the float32
+reference, and no further from it than 1.5x what transformers' own bfloat16 is.
 Each test runs for a Llama (llama3 rope, untied) and a Qwen2 (q/k/v bias, tied) model.
 """
 from __future__ import annotations
@@ -10,7 +13,7 @@ import torch
 
 from engine.request import SamplingParams
 from tests.integration.reference import (
-    LOGITS_ATOL_FP32, capture_logits, hf_greedy, hf_logits, make_engine, random_prompts,
+    LOGITS_ATOL_BF16, LOGITS_ATOL_FP32, capture_logits, hf_greedy, hf_logits, make_engine, random_prompts,
 )
 
 # Lengths cross block boundaries (block_size 4) and chunk boundaries.
@@ -120,3 +123,25 @@ def test_seeded_sampling_is_reproducible_across_batches(tiny_llama_dir: str) -> 
     assert alone == batched
     reseeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, top_k=50, seed=99, ignore_eos=True)
     assert make_engine(tiny_llama_dir).generate([prompt], reseeded)[0].token_ids != alone
+
+
+def test_bfloat16_tracks_the_float32_reference_as_closely_as_transformers_does(tiny_model_dir: str) -> None:
+    """First chunks (causal SDPA), chunks over earlier context and prefix-cache tails
+    (two-matmul form), and batched decodes (all-pairs form), all in bfloat16."""
+    prompts = _prompts(tiny_model_dir, [6, 19, 37], seed=5)
+    engine = make_engine(tiny_model_dir, dtype="bfloat16", budget=16)
+    seen = capture_logits(engine)
+    cold = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    warm = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert [c.num_cached_tokens for c in warm] == [4, 16, 36]
+    ours = hf_err = 0.0
+    for run in (cold, warm):
+        for p, c in zip(prompts, run, strict=True):
+            full = p + c.token_ids
+            ref = hf_logits(tiny_model_dir, full)
+            hf_err = max(hf_err, (hf_logits(tiny_model_dir, full, torch.bfloat16) - ref).abs().max().item())
+            rows = [(logits[row], n) for ids, logits in seen for row, (rid, n) in enumerate(ids) if rid == c.request_id]
+            assert len(rows) == 8
+            ours = max(ours, *((lg - ref[n - 1]).abs().max().item() for lg, n in rows))
+    assert ours < LOGITS_ATOL_BF16
+    assert ours <= 1.5 * hf_err, f"ours {ours:.4f} vs transformers bfloat16 {hf_err:.4f}"
