@@ -51,9 +51,8 @@ class PagedGroup:
     max_query_len: int
     block_table: torch.Tensor
     """[batch, max_blocks] int64, padded with block 0 (masked out)."""
-    hidden: torch.Tensor
-    """[batch, 1, max_query_len, max_blocks * block_size] bool, True = may not attend
-    (a later position, or past the request's context)."""
+    mask: torch.Tensor
+    """[batch, 1, max_query_len, max_blocks * block_size] bool, True = attend."""
     in_order: bool = False
     """The group is the whole batch, one token per request in batch order: no index maps."""
 
@@ -97,7 +96,7 @@ def paged_attention(
             qp[g.padded_index] = q[g.token_index]
         kc, vc = pool.gather(layer, g.block_table)  # [batch, ctx, kv_heads, head_dim]
         attend = _paged_form(q.dtype, g.max_query_len)
-        o = attend(qp.view(g.batch, g.max_query_len, num_heads, head_dim), kc, vc, g.hidden, scale)
+        o = attend(qp.view(g.batch, g.max_query_len, num_heads, head_dim), kc, vc, g.mask, scale)
         o = o.reshape(g.batch * g.max_query_len, num_heads, head_dim)
         if g.in_order:  # the only group: its output is the whole output
             return o
@@ -120,12 +119,12 @@ def _causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
 
 
 def _masked_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Two batched matmuls with a float32 softmax; query heads stay grouped by KV head.
 
     q: [batch, q_len, heads, head_dim]; k, v: [batch, ctx, kv_heads, head_dim];
-    hidden: [batch, 1, q_len, ctx], True where a query may not look. Returns [batch, q_len, heads, head_dim].
+    mask: [batch, 1, q_len, ctx], True = attend. Returns [batch, q_len, heads, head_dim].
     (The CPU flash kernel is slow for one-token queries; this is not.)
     """
     b, n, h, d = q.shape
@@ -133,24 +132,24 @@ def _masked_attention(
     grp = h // kvh
     qg = q.view(b, n, kvh, grp, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, grp * n, d)
     scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale  # [batch, kv_heads, grp * q_len, ctx]
-    scores = scores.view(b, kvh, grp, n, -1).masked_fill_(hidden[:, :, None], float("-inf"))
+    scores = torch.where(mask[:, :, None], scores.view(b, kvh, grp, n, -1), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype).view(b, kvh, grp * n, -1)
     o = torch.matmul(probs, v.transpose(1, 2))  # [batch, kv_heads, grp * q_len, head_dim]
     return o.view(b, kvh, grp, n, d).permute(0, 3, 1, 2, 4).reshape(b, n, h, d)
 
 
 def _sdpa_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Same contract as `_masked_attention`; the mask never hides a whole row (see the runner)."""
     o = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=~hidden, scale=scale, enable_gqa=True,
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True,
     )  # [batch, heads, q_len, head_dim]
     return o.transpose(1, 2)
 
 
 def _all_pairs_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Same contract as `_masked_attention`; k and v must be contiguous.
 
@@ -165,7 +164,7 @@ def _all_pairs_attention(
     s_all = torch.bmm(qh, k.view(b, ctx * kvh, d).transpose(1, 2)).view(b, kvh, grp * n, ctx, kvh)
     scores = torch.diagonal(s_all, dim1=1, dim2=4).permute(0, 3, 1, 2)  # [batch, kv_heads, grp * q_len, ctx]
     scores = scores.float().reshape(b, kvh, grp, n, ctx) * scale
-    scores = scores.masked_fill_(hidden[:, :, None], float("-inf"))
+    scores = torch.where(mask[:, :, None], scores, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype).view(b, h * n, ctx)
     o_all = torch.bmm(probs, v.view(b, ctx, kvh * d)).view(b, kvh, grp * n, kvh, d)
     o = torch.diagonal(o_all, dim1=1, dim2=3)  # [batch, grp * q_len, head_dim, kv_heads]

@@ -38,11 +38,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class LlamaForCausalLM:
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: str, prepack: bool = True) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: str) -> None:
         self.config = config
         self.dtype = dtype
         self.device = device
-        self.prepack = prepack
         self.scale = config.head_dim**-0.5
         self.rotary = RotaryTable(config.rope, config.head_dim, config.max_position_embeddings, device)
         self.layers: list[LayerWeights] = []
@@ -51,7 +50,7 @@ class LlamaForCausalLM:
     def load(
         cls, model_dir: str, config: ModelConfig, dtype: torch.dtype, device: str, prepack: bool = True,
     ) -> LlamaForCausalLM:
-        model = cls(config, dtype, device, prepack)
+        model = cls(config, dtype, device)
         ckpt = CheckpointReader(model_dir)
         get = lambda name: ckpt.get(name, dtype, device)  # noqa: E731
         opt = lambda name: get(name) if ckpt.has(name) else None  # noqa: E731
@@ -122,7 +121,7 @@ class LlamaForCausalLM:
         q, k = qk[:, :h], qk[:, h:]  # [num_tokens, heads | kv_heads, head_dim]
         v = qkv[:, (h + kvh) * d :].view(n, kvh, d)
         o = paged_attention(q, k, v, i, pool, meta, self.scale)  # [num_tokens, heads, head_dim]
-        return layer.o(o.reshape(n, cfg.num_heads * d))
+        return layer.o(o.reshape(n, h * d))
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         gate, up = layer.gate_up(x).chunk(2, dim=-1)

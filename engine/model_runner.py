@@ -97,13 +97,13 @@ class ModelRunner:
             table.append([*used, *[0] * (max_blocks - len(used))])
         key_pos = torch.arange(max_blocks * bs)
         # Causal within the request; padded query rows see key 0 only (never an empty row).
-        hidden = key_pos[None, None, :] > torch.tensor(query_pos)[:, :, None]  # [batch, max_q, ctx]
+        mask = key_pos[None, None, :] <= torch.tensor(query_pos)[:, :, None]  # [batch, max_q, ctx]
         return PagedGroup(
             token_index=torch.tensor(token_index, device=dev),
             padded_index=torch.tensor(padded_index, device=dev),
             batch=len(members),
             max_query_len=max_q,
             block_table=torch.tensor(table, dtype=torch.long, device=dev),
-            hidden=hidden[:, None].to(dev),
+            mask=mask[:, None].to(dev),
             in_order=max_q == 1 and token_index == list(range(num_tokens)),
         )

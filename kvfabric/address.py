@@ -23,6 +23,10 @@ def local_host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+ONE_SIDED = frozenset({"shm", "cuda_ipc"})
+"""Transports where the sender writes straight into the receiver's pool."""
+
+
 @dataclass(frozen=True)
 class FabricAddress:
     host: str

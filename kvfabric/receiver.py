@@ -3,11 +3,11 @@
 Data flow: the owner (decode worker) allocates destination blocks in its engine and calls
 `expect()` -> `Ticket` (handed to a prefill worker). Senders connect, pass the handshake,
 `open` the reservation, then write blocks: over `shm` they copy into the shared pool and
-report the runs written (`written`, or with `ready`); over `tcp` the payload is received
-here straight into the blocks. `ready` completes it. The owner calls `poll()` to collect `KVArrived`, `TransferFailed`
-and `BlocksFenced` events and to expire leases; `cancel()` aborts one. One thread per
-sender connection; the reservation table is guarded by one lock and never held while
-bytes move.
+list the runs written in their `ready`; over `tcp` the payload is received here straight
+into the blocks. `ready` completes it. The owner calls `poll()` to collect `KVArrived`,
+`TransferFailed` and `BlocksFenced` events and to expire leases; `cancel()` aborts one.
+One thread per sender connection; the reservation table is guarded by one lock and
+never held while bytes move.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvfabric.address import FabricAddress, Ticket, local_host_id
+from kvfabric.address import ONE_SIDED, FabricAddress, Ticket, local_host_id
 from kvfabric.cuda import DeviceRegion, NcclLink, cupy
 from kvfabric.errors import FabricError, PeerUnavailable, ProtocolError, ReservationRevoked
 from kvfabric.layout import FabricLayout
@@ -32,9 +32,6 @@ from kvfabric.reservations import FabricEvent, ReservationTable
 from kvfabric.wire import Conn, Idle
 
 logger = logging.getLogger(__name__)
-
-ONE_SIDED = frozenset({"shm", "cuda_ipc"})
-
 
 @dataclass(frozen=True)
 class ReceiverConfig:
@@ -232,9 +229,6 @@ class FabricReceiver:
                     reply: dict[str, Any] = {"t": "open_ok", "rid": rid}
                 except ReservationRevoked as e:
                     reply = {"t": "open_err", "rid": rid, "error": str(e)}
-            elif t == "written":
-                self._record_written(rid, writer, msg["runs"])
-                reply = None
             elif t == "renew":
                 for r in msg["rids"]:
                     self.table.renew(r, writer)

@@ -20,7 +20,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from kvfabric.address import FabricAddress, Ticket, local_host_id
+from kvfabric.address import ONE_SIDED, FabricAddress, Ticket, local_host_id
 from kvfabric.cuda import DeviceRegion, IpcMapping, NcclLink, nccl_unique_id
 from kvfabric.errors import FabricError, HandshakeError, PeerUnavailable, ReservationRevoked
 from kvfabric.layout import FabricLayout, Run, coalesce, merge_spans
@@ -145,7 +145,7 @@ class _Peer:
         self.dst: BlockRegion | None = None
         try:
             a = self.address
-            local = a.local_name if self.transport in ("shm", "cuda_ipc") and a.host_id == local_host_id() else None
+            local = a.local_name if self.transport in ONE_SIDED and a.host_id == local_host_id() else None
             self.conn = Conn(dial(a.host, a.port, local, self.config.io_timeout_s), self.config.io_timeout_s)
             self._handshake()
         except BaseException:

@@ -39,7 +39,7 @@ def test_both_forms_match_the_per_head_reference(heads, kv_heads, q_len):
     mask = (torch.arange(ctx)[None, None, :] <= query_pos[:, :, None])[:, None]  # [b, 1, n, ctx]
     want = reference_attention(q, k, v, ctx_lens, starts, 0.3)
     for form in (_all_pairs_attention, _masked_attention, _sdpa_attention):
-        got = form(q, k, v, ~mask, 0.3)
+        got = form(q, k, v, mask, 0.3)
         assert got.shape == (b, q_len, heads, d)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=form.__name__)
 
@@ -50,7 +50,7 @@ def test_the_two_forms_are_bit_identical_in_bfloat16():
     k = torch.randn(5, 48, 4, 64, generator=g).bfloat16()
     v = torch.randn(5, 48, 4, 64, generator=g).bfloat16()
     mask = (torch.arange(48)[None, :] < torch.tensor([48, 1, 16, 17, 33])[:, None])[:, None, None]
-    assert torch.equal(_all_pairs_attention(q, k, v, ~mask, 0.125), _masked_attention(q, k, v, ~mask, 0.125))
+    assert torch.equal(_all_pairs_attention(q, k, v, mask, 0.125), _masked_attention(q, k, v, mask, 0.125))
 
 
 def test_gather_returns_each_blocks_layer_in_table_order():
