@@ -10,6 +10,7 @@ _FINISH_TO_PB = {
     FinishReason.ABORT: pb.FINISH_REASON_ABORT,
 }
 _FINISH_NAMES = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+_FINISH_FROM_PB = {code: name for name, code in _FINISH_NAMES.items()}
 
 
 def sampling_from_pb(s: pb.SamplingParams, keep_stop_strings: bool = True) -> SamplingParams:
@@ -36,6 +37,11 @@ def sampling_to_pb(p: SamplingParams, keep_stop_strings: bool = True) -> pb.Samp
     if keep_stop_strings:
         msg.stop.extend(p.stop)
     return msg
+
+
+def finish_name_from_pb(code: int) -> str | None:
+    """"stop" | "length" | "abort", or None for FINISH_REASON_UNSPECIFIED (not finished)."""
+    return _FINISH_FROM_PB.get(code)
 
 
 def finish_to_pb(reason: FinishReason | str | None) -> int:

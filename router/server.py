@@ -32,7 +32,7 @@ from engine.types import InvalidRequestError
 from prefill_worker.worker import PrefillRequest, PrefillResult
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
-from proto.convert import finish_to_pb, sampling_from_pb, sampling_to_pb
+from proto.convert import finish_name_from_pb, finish_to_pb, sampling_from_pb, sampling_to_pb
 from router.admission import AdmissionQueue, Refused
 from router.attempt import Attempt, Deadline, DecodeStream, Prepared, Progress, RequestFailed, WorkerFailed
 from router.kv_index import KVIndex
@@ -281,9 +281,8 @@ class Router(pb_grpc.GenerationServicer):
                     local_open = False
                     self._first_prefilled(prep, progress, ev.num_cached_tokens)
                     self.loads.prefilled(d, uncached_d)
-                reason = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
-                          pb.FINISH_REASON_ABORT: "abort"}.get(ev.finish_reason)
-                response, done = self._tokens_response(prep, progress, detok, token_ids, logprobs, reason)
+                response, done = self._tokens_response(prep, progress, detok, token_ids, logprobs,
+                                                       finish_name_from_pb(ev.finish_reason))
                 if response.token_ids or done:
                     yield response
                 if done:
