@@ -7,6 +7,11 @@ a causal-and-length mask. A first chunk with no earlier context is a
 `CausalGroup`: no gather, causal SDPA over its own new K and V. A GPU backend can
 replace `paged_attention` (FlashAttention / FlexAttention) behind the same metadata.
 
+On CPU, short-query groups (decodes) normally take the native kernel
+(engine/csrc/paged_attention.c): it reads each request's blocks where they lie, with
+no gather, splits long contexts across threads and accumulates in float32. The torch
+forms below are its fallback (no C compiler) and the path of longer queries.
+
 Over gathered K and V, the form is chosen by dtype and query length (`_paged_form`),
 as measured on CPU. float32: SDPA's CPU kernel, which reads K and V through their
 strides, for every group (up to 5x faster than the alternatives, most for MHA; about
@@ -28,9 +33,11 @@ import torch
 import torch.nn.functional as F
 
 from engine.kv_pool import KVPool
+from engine.native import NativeKernels
 
-ALL_PAIRS_MAX_QUERY_LEN = 4
-"""Paged groups whose longest query is at most this many tokens use `_all_pairs_attention`."""
+SHORT_QUERY_MAX_LEN = 4
+"""Paged groups whose longest query is at most this many tokens (decodes) take the native
+kernel when there is one, else `_all_pairs_attention` in 16-bit dtypes."""
 
 
 @dataclass
@@ -53,6 +60,10 @@ class PagedGroup:
     """[batch, max_blocks] int64, padded with block 0 (masked out)."""
     mask: torch.Tensor
     """[batch, 1, max_query_len, max_blocks * block_size] bool, True = attend."""
+    rows: torch.Tensor
+    """[num_group_tokens] int64, each token's row of the block table."""
+    ctx_lens: torch.Tensor
+    """[num_group_tokens] int64, keys each token attends to (its position + 1)."""
     in_order: bool = False
     """The group is the whole batch, one token per request in batch order: no index maps."""
 
@@ -74,11 +85,13 @@ def paged_attention(
     pool: KVPool,
     meta: AttentionMetadata,
     scale: float,
+    kernels: NativeKernels | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
 
     Writes k, v into the pool, then attends over each request's whole context.
-    Returns [num_tokens, num_heads, head_dim].
+    Returns [num_tokens, num_heads, head_dim]. With `kernels`, short-query groups run
+    the native kernel straight over the pool (no gather).
     """
     pool.write(layer, meta.slot_blocks, meta.slot_offsets, k, v)
     out = torch.empty_like(q)
@@ -86,6 +99,9 @@ def paged_attention(
     for g in meta.groups:
         if isinstance(g, CausalGroup):
             out[g.token_index] = _causal_self_attention(q[g.token_index], k[g.token_index], v[g.token_index], scale)
+            continue
+        if kernels is not None and g.max_query_len <= SHORT_QUERY_MAX_LEN:
+            kernels.paged_attention(q, pool.tensor, layer, g.block_table, g.token_index, g.rows, g.ctx_lens, scale, out)
             continue
         if g.in_order:
             qp = q
@@ -107,7 +123,7 @@ def paged_attention(
 def _paged_form(dtype: torch.dtype, max_query_len: int) -> Callable[..., torch.Tensor]:
     if dtype == torch.float32:
         return _sdpa_attention
-    return _all_pairs_attention if max_query_len <= ALL_PAIRS_MAX_QUERY_LEN else _masked_attention
+    return _all_pairs_attention if max_query_len <= SHORT_QUERY_MAX_LEN else _masked_attention
 
 
 def _causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -71,6 +71,10 @@ class EngineConfig:
     prepack_weights: bool = True
     """On CPU, lay linear weights out once for oneDNN (see engine/linear.py); False keeps
     plain tensors and `F.linear`. Ignored on other devices."""
+    native_kernels: bool = True
+    """On CPU, decode attention runs a C kernel over the paged pool (engine/native.py),
+    compiled at first use with the C compiler on PATH; False, or no compiler, keeps the
+    torch forms (engine/attention.py)."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

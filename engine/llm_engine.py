@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 from tokenizers import Tokenizer
 
+from engine import native
 from engine.block_pool import BlockPool, KVEvent, PoolUsage
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -99,7 +100,8 @@ class LLMEngine:
         mc = self.model_config
         dtype = _DTYPES[config.dtype]
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        self.model = LlamaForCausalLM.load(config.model_dir, mc, dtype, config.device, config.prepack_weights)
+        kernels = native.load() if config.native_kernels and config.device == "cpu" else None
+        self.model = LlamaForCausalLM.load(config.model_dir, mc, dtype, config.device, config.prepack_weights, kernels)
         layout = KVLayout(mc.num_layers, config.cache.block_size, mc.num_kv_heads, mc.head_dim, dtype)
         num_blocks = config.cache.num_blocks or max(1, config.cache.kv_cache_bytes // layout.block_bytes)
         self.kv_pool = KVPool(layout, num_blocks, config.device, allocator)

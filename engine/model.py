@@ -16,6 +16,7 @@ from engine.attention import AttentionMetadata, paged_attention
 from engine.kv_pool import KVPool
 from engine.linear import Linear
 from engine.model_config import ModelConfig
+from engine.native import NativeKernels
 from engine.rope import RotaryTable, apply_rotary
 from engine.weights import CheckpointReader
 
@@ -45,12 +46,15 @@ class LlamaForCausalLM:
         self.scale = config.head_dim**-0.5
         self.rotary = RotaryTable(config.rope, config.head_dim, config.max_position_embeddings, device)
         self.layers: list[LayerWeights] = []
+        self.kernels: NativeKernels | None = None
 
     @classmethod
     def load(
         cls, model_dir: str, config: ModelConfig, dtype: torch.dtype, device: str, prepack: bool = True,
+        kernels: NativeKernels | None = None,
     ) -> LlamaForCausalLM:
         model = cls(config, dtype, device)
+        model.kernels = kernels if kernels is not None and kernels.supports(dtype, device) else None
         ckpt = CheckpointReader(model_dir)
         get = lambda name: ckpt.get(name, dtype, device)  # noqa: E731
         opt = lambda name: get(name) if ckpt.has(name) else None  # noqa: E731
@@ -120,7 +124,7 @@ class LlamaForCausalLM:
         qk = apply_rotary(qkv[:, : (h + kvh) * d].view(n, h + kvh, d), cos, sin)  # q and k in one pass
         q, k = qk[:, :h], qk[:, h:]  # [num_tokens, heads | kv_heads, head_dim]
         v = qkv[:, (h + kvh) * d :].view(n, kvh, d)
-        o = paged_attention(q, k, v, i, pool, meta, self.scale)  # [num_tokens, heads, head_dim]
+        o = paged_attention(q, k, v, i, pool, meta, self.scale, self.kernels)  # [num_tokens, heads, head_dim]
         return layer.o(o.reshape(n, h * d))
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:

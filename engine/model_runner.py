@@ -86,12 +86,16 @@ class ModelRunner:
         max_blocks = -(-max(ctx_lens) // bs)
         token_index: list[int] = []
         padded_index: list[int] = []
+        rows: list[int] = []
+        key_counts: list[int] = []
         query_pos: list[list[int]] = []
         table: list[list[int]] = []
         for j, (s, offset) in enumerate(members):
             n, start = s.num_new_tokens, s.request.num_computed_tokens
             token_index += range(offset, offset + n)
             padded_index += range(j * max_q, j * max_q + n)
+            rows += [j] * n
+            key_counts += range(start + 1, start + n + 1)  # each token sees up to itself
             query_pos.append([*range(start, start + n), *[0] * (max_q - n)])
             used = s.request.block_ids[: -(-ctx_lens[j] // bs)]
             table.append([*used, *[0] * (max_blocks - len(used))])
@@ -105,5 +109,7 @@ class ModelRunner:
             max_query_len=max_q,
             block_table=torch.tensor(table, dtype=torch.long, device=dev),
             mask=mask[:, None].to(dev),
+            rows=torch.tensor(rows, device=dev),
+            ctx_lens=torch.tensor(key_counts, device=dev),
             in_order=max_q == 1 and token_index == list(range(num_tokens)),
         )

@@ -1,0 +1,148 @@
+"""Native CPU kernels: C sources in engine/csrc, compiled at first use, called through ctypes.
+
+`load()` compiles engine/csrc/*.c once per source, compiler and CPU into the cache
+directory (`$XDG_CACHE_HOME/splitserve/kernels`, the file named by their hash, so a
+cache shared between machines never runs code built for another CPU) and returns the
+kernels, or None with the reason logged once when there is no C compiler or the build
+fails: callers then keep their torch path. The library links libgomp, so its parallel
+regions run on the OpenMP pool torch already loaded (one pool, no oversubscription).
+
+Data crosses as raw pointers: the caller checks dtypes, devices and contiguity (the
+`paged_attention` wrapper does), the C side trusts them.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).with_name("csrc") / "paged_attention.c"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+BUILD_TIMEOUT_S = 120.0
+
+_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+class _AttnArgs(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in (
+        "num_queries", "num_heads", "num_kv_heads", "head_dim", "block_size", "q_token_stride",
+        "out_token_stride", "block_stride", "layer_offset", "v_offset", "table_stride", "table_rows", "num_blocks",
+        "num_tokens",
+    )] + [("scale", ctypes.c_float), ("num_threads", ctypes.c_int32)]
+
+
+class NativeKernels:
+    """The compiled library; one method per kernel."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._attn = {}
+        for dtype, name in _DTYPES.items():
+            fn = getattr(lib, f"paged_attention_{name}")
+            fn.argtypes = [ctypes.POINTER(_AttnArgs)] + [ctypes.c_void_p] * 7
+            fn.restype = ctypes.c_int
+            self._attn[dtype] = fn
+
+    def supports(self, dtype: torch.dtype, device: torch.device | str) -> bool:
+        return dtype in self._attn and torch.device(device).type == "cpu"
+
+    def paged_attention(
+        self, q: torch.Tensor, pool: torch.Tensor, layer: int, block_table: torch.Tensor,
+        token_index: torch.Tensor, rows: torch.Tensor, ctx_lens: torch.Tensor, scale: float, out: torch.Tensor,
+    ) -> None:
+        """Writes out[token_index[i]] = attention of q[token_index[i]] over keys 0 .. ctx_lens[i] - 1
+        of block-table row rows[i], for one layer of the pool.
+
+        q, out: [num_tokens, heads, head_dim], heads and head_dim dense (tokens may be
+        strided); pool: [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
+        contiguous; block_table: [batch, max_blocks] int64 contiguous; token_index, rows,
+        ctx_lens: [n] int64 contiguous. Indices are range-checked in C before any work
+        (ValueError); every ctx_len must be in 1 .. max_blocks * block_size.
+        """
+        _, heads, d = q.shape
+        nb, nl, _, bs, kvh, d2 = pool.shape
+        for name, t in (("q", q), ("out", out)):
+            if t.stride(2) != 1 or t.stride(1) != d:
+                raise ValueError(f"{name} must have dense heads, got strides {t.stride()}")
+        if d2 != d or heads % kvh or q.dtype != pool.dtype or out.dtype != q.dtype or not pool.is_contiguous():
+            raise ValueError(f"q {tuple(q.shape)} {q.dtype} does not match pool {tuple(pool.shape)} {pool.dtype}")
+        index = [block_table, token_index, rows, ctx_lens]
+        if any(t.dtype != torch.int64 or not t.is_contiguous() for t in index):
+            raise ValueError("block_table, token_index, rows and ctx_lens must be contiguous int64")
+        args = _AttnArgs(
+            num_queries=token_index.numel(), num_heads=heads, num_kv_heads=kvh, head_dim=d, block_size=bs,
+            q_token_stride=q.stride(0), out_token_stride=out.stride(0), block_stride=pool.stride(0),
+            layer_offset=layer * pool.stride(1), v_offset=pool.stride(2), table_stride=block_table.shape[1],
+            table_rows=block_table.shape[0], num_blocks=nb, num_tokens=min(q.shape[0], out.shape[0]),
+            scale=scale, num_threads=torch.get_num_threads(),
+        )
+        ptrs = [q, pool, block_table, token_index, rows, ctx_lens, out]
+        status = self._attn[q.dtype](ctypes.byref(args), *(t.data_ptr() for t in ptrs))
+        if status == -3:
+            raise ValueError("paged_attention: a context length, block-table row, token or block id is out of range")
+        if status == -2:
+            raise ValueError(f"paged_attention: head_dim {d} is over the kernel's 512")
+        if status != 0:
+            raise MemoryError("paged_attention: no memory for the score scratch")
+
+
+_loaded: tuple[NativeKernels | None] | None = None
+
+
+def load() -> NativeKernels | None:
+    """The kernels, built on first call in this process (None: see the log for why)."""
+    global _loaded
+    if _loaded is None:
+        try:
+            _loaded = (NativeKernels(ctypes.CDLL(str(_build()))),)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            log.warning("native kernels unavailable, using the torch paths: %s", e)
+            _loaded = (None,)
+    return _loaded[0]
+
+
+def _build() -> Path:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH; set CC to one")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256()
+    for part in [version, " ".join(FLAGS), platform.machine(), _cpu_flags(), *(p.read_text() for p in SOURCES)]:
+        key.update(part.encode())
+    out_dir = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "splitserve" / "kernels"
+    target = out_dir / f"splitserve_kernels_{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")  # concurrent builders each write their own
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"],
+                              capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("built native kernels: %s", target)
+    return target
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()

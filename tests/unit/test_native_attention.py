@@ -1,0 +1,144 @@
+"""The native paged-attention kernel (engine/csrc) against a per-request, per-head loop reference.
+
+Float32 within 1e-5; bfloat16 within the output's own rounding (the kernel accumulates
+in float32 and rounds once, so it may differ from the reference by one bfloat16 step).
+The build needs a C compiler: this test fails, not skips, when one is on PATH and the
+kernel still does not load.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from engine import native
+from engine.attention import AttentionMetadata, PagedGroup, paged_attention
+from engine.kv_pool import KVLayout, KVPool
+
+if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
+    pytest.skip("no C compiler on PATH: the native kernels can't be built here", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def kernels() -> native.NativeKernels:
+    k = native.load()
+    assert k is not None, "a C compiler is on PATH but the native kernels did not build (see the log)"
+    return k
+
+
+def make_pool(heads_kv: int, head_dim: int, dtype: torch.dtype, num_blocks: int = 40, block_size: int = 4) -> KVPool:
+    pool = KVPool(KVLayout(3, block_size, heads_kv, head_dim, dtype), num_blocks, "cpu")
+    pool.tensor.copy_(torch.randn(pool.tensor.shape, generator=torch.Generator().manual_seed(1)))
+    return pool
+
+
+def reference(q, pool: KVPool, layer, table, rows, ctx_lens, scale) -> torch.Tensor:
+    """[n, heads, d] float32: each query token and head on its own, blocks read one at a time."""
+    n, heads, d = q.shape
+    kvh = pool.layout.num_kv_heads
+    out = torch.zeros(n, heads, d)
+    for i in range(n):
+        blocks = table[rows[i]].tolist()
+        k = torch.cat([pool.tensor[b, layer, 0] for b in blocks])[: ctx_lens[i]].float()  # [ctx, kvh, d]
+        v = torch.cat([pool.tensor[b, layer, 1] for b in blocks])[: ctx_lens[i]].float()
+        for h in range(heads):
+            g = h // (heads // kvh)
+            p = torch.softmax((k[:, g] @ q[i, h].float()) * scale, dim=0)
+            out[i, h] = p @ v[:, g]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 8), (4, 4, 16), (8, 1, 32), (6, 2, 64)])
+def test_kernel_matches_the_reference(kernels, dtype, heads, kv_heads, head_dim):
+    pool = make_pool(kv_heads, head_dim, dtype)
+    g = torch.Generator().manual_seed(heads + head_dim)
+    table = torch.randperm(40, generator=g)[:36].view(3, 12).contiguous()  # 3 requests, up to 48 keys
+    rows = torch.tensor([0, 1, 1, 1, 2])  # request 1 has a 3-token query (a short chunk)
+    ctx_lens = torch.tensor([1, 18, 19, 20, 48])  # one key; across block edges; the whole table
+    qkv = torch.randn(5, heads + 2 * kv_heads, head_dim, generator=g).to(dtype)
+    q = qkv[:, :heads]  # tokens strided, as the model's fused qkv leaves them
+    out = torch.full((5, heads, head_dim), float("nan"), dtype=dtype)
+    kernels.paged_attention(q, pool.tensor, 2, table, torch.arange(5), rows, ctx_lens, 0.3, out)
+    want = reference(q, pool, 2, table, rows, ctx_lens, 0.3)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
+
+
+def test_long_contexts_split_across_threads_give_the_unsplit_result(kernels):
+    """One request alone is cut into context splits (one per thread and more); each split's
+    softmax is combined by its max and sum, equal to one pass within float rounding."""
+    pool = make_pool(2, 16, torch.float32, num_blocks=300, block_size=4)
+    table = torch.randperm(300, generator=torch.Generator().manual_seed(3))[:256].view(1, 256).contiguous()
+    q = torch.randn(1, 4, 16, generator=torch.Generator().manual_seed(4))
+    out = torch.empty_like(q)
+    for ctx in (1, 15, 16, 17, 1000, 1024):
+        lens = torch.tensor([ctx])
+        kernels.paged_attention(q, pool.tensor, 0, table, torch.arange(1), torch.tensor([0]), lens, 0.25, out)
+        torch.testing.assert_close(out, reference(q, pool, 0, table, [0], lens, 0.25), atol=1e-5, rtol=1e-5)
+
+
+def test_only_the_indexed_tokens_are_written(kernels):
+    pool = make_pool(2, 8, torch.float32)
+    table = torch.arange(12).view(1, 12)
+    q = torch.randn(6, 4, 8)
+    out = torch.full((6, 4, 8), 7.0)
+    kernels.paged_attention(q, pool.tensor, 1, table, torch.tensor([4, 1]), torch.tensor([0, 0]),
+                            torch.tensor([5, 9]), 0.5, out)
+    untouched = [0, 2, 3, 5]
+    assert torch.equal(out[untouched], torch.full((4, 4, 8), 7.0))
+    want = reference(q[[4, 1]], pool, 1, table, [0, 0], [5, 9], 0.5)
+    torch.testing.assert_close(out[[4, 1]], want, atol=1e-5, rtol=1e-5)
+
+
+def test_paged_attention_gives_the_same_with_and_without_the_kernel(kernels):
+    """A decode group through `paged_attention`: native kernel against the torch form."""
+    pool = make_pool(2, 16, torch.float32)
+    table = torch.tensor([[3, 9, 1], [20, 21, 0]])
+    group = PagedGroup(
+        token_index=torch.arange(2), padded_index=torch.arange(2), batch=2, max_query_len=1, block_table=table,
+        mask=(torch.arange(12)[None, :] < torch.tensor([11, 6])[:, None])[:, None, None], rows=torch.arange(2),
+        ctx_lens=torch.tensor([11, 6]), in_order=True,
+    )
+    meta = AttentionMetadata(slot_blocks=torch.tensor([1, 21]), slot_offsets=torch.tensor([2, 1]), groups=[group])
+    q, k, v = torch.randn(2, 4, 16), torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+    plain = paged_attention(q, k, v, 1, pool, meta, 0.25)
+    fast = paged_attention(q, k, v, 1, pool, meta, 0.25, kernels)
+    torch.testing.assert_close(fast, plain, atol=1e-5, rtol=1e-5)
+    assert torch.equal(pool.tensor[21, 1, 0, 1], k[1])  # the new token's K was written before attending
+
+
+def test_mismatched_inputs_are_refused(kernels):
+    pool = make_pool(2, 8, torch.float32)
+    table, rows, lens = torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long)
+    q = torch.randn(1, 4, 8)
+    with pytest.raises(ValueError, match="does not match pool"):
+        kernels.paged_attention(q.bfloat16(), pool.tensor, 0, table, rows, rows, lens, 1.0, q.bfloat16())
+    with pytest.raises(ValueError, match="int64"):
+        kernels.paged_attention(q, pool.tensor, 0, table.int(), rows, rows, lens, 1.0, torch.empty_like(q))
+    with pytest.raises(ValueError, match="dense heads"):
+        kernels.paged_attention(q.transpose(1, 2).contiguous().transpose(1, 2), pool.tensor, 0, table, rows, rows,
+                                lens, 1.0, torch.empty_like(q))
+
+
+@pytest.mark.parametrize("case", ["context past the table row", "block id past the pool", "row past the table",
+                                  "token past q", "empty context"])
+def test_out_of_range_indices_are_refused_before_any_write(kernels, case):
+    pool = make_pool(2, 8, torch.float32, num_blocks=10)
+    table, rows, lens, tokens = torch.tensor([[1, 2, 3]]), torch.tensor([0]), torch.tensor([12]), torch.tensor([0])
+    if case == "context past the table row":
+        lens = torch.tensor([13])
+    elif case == "block id past the pool":
+        table = torch.tensor([[1, 10, 3]])
+    elif case == "row past the table":
+        rows = torch.tensor([1])
+    elif case == "token past q":
+        tokens = torch.tensor([2])
+    else:
+        lens = torch.tensor([0])
+    q, out = torch.randn(2, 4, 8), torch.full((2, 4, 8), 7.0)
+    with pytest.raises(ValueError, match="out of range"):
+        kernels.paged_attention(q, pool.tensor, 0, table, tokens, rows, lens, 1.0, out)
+    assert torch.equal(out, torch.full((2, 4, 8), 7.0))
