@@ -50,6 +50,121 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stay
 #define STORE_f32(x) (x)
 #define STORE_bf16(x) f32_to_bf16(x)
 
+/* e^x for x <= 0 (scores minus their max), vectorisable (glibc's expf is not): Cephes'
+ * range reduction to r in [-ln2/2, ln2/2] and degree-6 polynomial, within 2 ulp; below
+ * -87 it returns 2^-126, which is 0 for every use here (weights next to e^0 = 1). */
+static inline float exp_nonpos(float x) {
+    x = x < -87.f ? -87.f : x;
+    const float n = __builtin_rintf(x * 1.44269504088896341f);
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* float32 kernels of the inner loops: K and V rows are converted once per KV head into
+ * `row`, then shared by that head's group of query heads. With AVX-512 and head_dim a
+ * multiple of 16 they are written out (the compiler's own reduction adds lane by lane). */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define VEC_OK(d) ((d) % 16 == 0)
+#else
+#define VEC_OK(d) 0
+#endif
+
+static inline float dot(const float *restrict a, const float *restrict b, int64_t d) {
+#if defined(__AVX512F__)
+    if (VEC_OK(d)) {
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
+        for (int64_t i = 16; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+        return _mm512_reduce_add_ps(acc);
+    }
+#endif
+    float s = 0.f;
+    _Pragma("omp simd reduction(+ : s)")
+    for (int64_t i = 0; i < d; i++) s += a[i] * b[i];
+    return s;
+}
+
+static inline void axpy(float *restrict acc, float w, const float *restrict x, int64_t d) {
+#if defined(__AVX512F__)
+    if (VEC_OK(d)) {
+        const __m512 wv = _mm512_set1_ps(w);
+        for (int64_t i = 0; i < d; i += 16)
+            _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i), _mm512_loadu_ps(acc + i)));
+        return;
+    }
+#endif
+    _Pragma("omp simd")
+    for (int64_t i = 0; i < d; i++) acc[i] += w * x[i];
+}
+
+static inline void row_f32(float *restrict row, const float *restrict x, int64_t d) { memcpy(row, x, sizeof(float) * d); }
+
+static inline void row_bf16(float *restrict row, const uint16_t *restrict x, int64_t d) {
+#if defined(__AVX512F__)
+    if (VEC_OK(d)) {
+        for (int64_t i = 0; i < d; i += 16) {
+            const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + i)));
+            _mm512_storeu_ps(row + i, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+        }
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < d; i++) row[i] = bf16_to_f32(x[i]);
+}
+
+#if defined(__AVX512F__)
+/* r[i] = the sum of v[i]'s 16 lanes: a transposing add tree, 45 ops for 16 sums. */
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 u[4];
+    for (int g = 0; g < 4; g++) {
+        const __m512 *w = v + 4 * g;
+        const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(w[0], w[1]), _mm512_unpackhi_ps(w[0], w[1]));
+        const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(w[2], w[3]), _mm512_unpackhi_ps(w[2], w[3]));
+        const __m512d a = _mm512_castps_pd(s01), b = _mm512_castps_pd(s23);
+        /* each 128-bit lane k: the lane's partial sums of w[0], w[1], w[2], w[3] */
+        u[g] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    const __m512 p = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xdd));
+    const __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(p, q, 0x88), _mm512_shuffle_f32x4(p, q, 0xdd));
+}
+
+/* out[t] = dot(qh, rows + t * d) for 16 rows; d a multiple of 16. */
+static inline void qk16(const float *restrict qh, const float *restrict rows, int64_t d, float *restrict out) {
+    __m512 acc[16];
+    for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < d; j += 16) {
+        const __m512 qv = _mm512_loadu_ps(qh + j);
+        for (int t = 0; t < 16; t++) acc[t] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(rows + t * d + j), acc[t]);
+    }
+    _mm512_storeu_ps(out, sum16(acc));
+}
+
+/* acc += sum over 16 rows of w[t] * rows[t]; d a multiple of 16. */
+static inline void pv16(float *restrict acc, const float *restrict w, const float *restrict rows, int64_t d) {
+    for (int64_t j = 0; j < d; j += 16) {
+        __m512 a = _mm512_loadu_ps(acc + j);
+        for (int t = 0; t < 16; t++) a = _mm512_fmadd_ps(_mm512_set1_ps(w[t]), _mm512_loadu_ps(rows + t * d + j), a);
+        _mm512_storeu_ps(acc + j, a);
+    }
+}
+#define CHUNK16(d) ((d) % 16 == 0)
+#else
+#define CHUNK16(d) 0
+#define qk16(qh, rows, d, out) ((void)0)
+#define pv16(acc, w, rows, d) ((void)0)
+#endif
+
 /* Splits of one query's context: enough tasks for the threads when the batch is small,
  * at least MIN_SPLIT_BLOCKS blocks each. */
 #define MIN_SPLIT_BLOCKS 4
@@ -57,10 +172,12 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stay
 /* One task: query token `tok` (its q and block-table row) over context blocks [b0, b1),
  * the last holding keys up to ctx - 1. Leaves per head the running max m, the sum of
  * exp(score - m) l, and acc = sum of exp(score - m) * v, in part[h * (d + 2) ...]:
- * acc[0 .. d-1], m, l. scores: scratch of heads * (b1 - b0) * block_size floats; qf: heads * d. */
+ * acc[0 .. d-1], m, l. scores: scratch of heads * (b1 - b0) * block_size floats; qf: heads * d;
+ * row: 16 * d (K or V rows converted to float32). */
 #define DEFINE_TASK(NAME, T)                                                                  \
 static void task_##NAME(const attn_args *a, const T *q, const T *pool, const int64_t *blocks, \
-                        int64_t b0, int64_t b1, int64_t ctx, float *part, float *scores, float *qf) { \
+                        int64_t b0, int64_t b1, int64_t ctx, float *part, float *scores, float *qf, \
+                        float *row) {                                                         \
     const int64_t d = a->head_dim, bs = a->block_size, kvh = a->num_kv_heads;                 \
     const int64_t heads = a->num_heads, grp = heads / kvh, tok_stride = kvh * d;              \
     const int64_t n_keys = (b1 * bs < ctx ? b1 * bs : ctx) - b0 * bs;                         \
@@ -74,20 +191,26 @@ static void task_##NAME(const attn_args *a, const T *q, const T *pool, const int
                 __builtin_prefetch(next + off);                                               \
         }                                                                                     \
         const int64_t t0 = (b - b0) * bs, n = n_keys - t0 < bs ? n_keys - t0 : bs;            \
-        for (int64_t t = 0; t < n; t++)                                                       \
-            for (int64_t h = 0; h < heads; h++) {                                             \
-                const float *qh = qf + h * d;                                                 \
-                const T *kr = k + t * tok_stride + (h / grp) * d;                             \
-                float s = 0.f;                                                                \
-                _Pragma("omp simd reduction(+ : s)")                                          \
-                for (int64_t i = 0; i < d; i++) s += qh[i] * LOAD_##NAME(kr, i);              \
-                scores[h * n_keys + t0 + t] = s;                                              \
+        int64_t t = 0;                                                                        \
+        for (; CHUNK16(d) && t + 16 <= n; t += 16) /* 16 keys at a time, rows in L1 */        \
+            for (int64_t g = 0; g < kvh; g++) {                                               \
+                for (int64_t r = 0; r < 16; r++) row_##NAME(row + r * d, k + (t + r) * tok_stride + g * d, d); \
+                for (int64_t h = g * grp; h < (g + 1) * grp; h++)                             \
+                    qk16(qf + h * d, row, d, scores + h * n_keys + t0 + t);                   \
+            }                                                                                 \
+        for (; t < n; t++)                                                                    \
+            for (int64_t g = 0; g < kvh; g++) {                                               \
+                row_##NAME(row, k + t * tok_stride + g * d, d);                               \
+                for (int64_t h = g * grp; h < (g + 1) * grp; h++)                             \
+                    scores[h * n_keys + t0 + t] = dot(qf + h * d, row, d);                    \
             }                                                                                 \
     }                                                                                         \
     for (int64_t h = 0; h < heads; h++) {                                                     \
         float *s = scores + h * n_keys, m = -INFINITY, l = 0.f;                               \
+        _Pragma("omp simd reduction(max : m)")                                                \
         for (int64_t t = 0; t < n_keys; t++) m = s[t] > m ? s[t] : m;                         \
-        for (int64_t t = 0; t < n_keys; t++) { s[t] = expf(s[t] - m); l += s[t]; }            \
+        _Pragma("omp simd reduction(+ : l)")                                                  \
+        for (int64_t t = 0; t < n_keys; t++) { s[t] = exp_nonpos(s[t] - m); l += s[t]; }      \
         float *ph = part + h * (d + 2);                                                       \
         memset(ph, 0, sizeof(float) * d);                                                     \
         ph[d] = m;                                                                            \
@@ -101,13 +224,18 @@ static void task_##NAME(const attn_args *a, const T *q, const T *pool, const int
                 __builtin_prefetch(next + off);                                               \
         }                                                                                     \
         const int64_t t0 = (b - b0) * bs, n = n_keys - t0 < bs ? n_keys - t0 : bs;            \
-        for (int64_t t = 0; t < n; t++)                                                       \
-            for (int64_t h = 0; h < heads; h++) {                                             \
-                const float w = scores[h * n_keys + t0 + t];                                  \
-                const T *vr = v + t * tok_stride + (h / grp) * d;                             \
-                float *acc = part + h * (d + 2);                                              \
-                _Pragma("omp simd")                                                           \
-                for (int64_t i = 0; i < d; i++) acc[i] += w * LOAD_##NAME(vr, i);             \
+        int64_t t = 0;                                                                        \
+        for (; CHUNK16(d) && t + 16 <= n; t += 16)                                            \
+            for (int64_t g = 0; g < kvh; g++) {                                               \
+                for (int64_t r = 0; r < 16; r++) row_##NAME(row + r * d, v + (t + r) * tok_stride + g * d, d); \
+                for (int64_t h = g * grp; h < (g + 1) * grp; h++)                             \
+                    pv16(part + h * (d + 2), scores + h * n_keys + t0 + t, row, d);           \
+            }                                                                                 \
+        for (; t < n; t++)                                                                    \
+            for (int64_t g = 0; g < kvh; g++) {                                               \
+                row_##NAME(row, v + t * tok_stride + g * d, d);                               \
+                for (int64_t h = g * grp; h < (g + 1) * grp; h++)                             \
+                    axpy(part + h * (d + 2), scores[h * n_keys + t0 + t], row, d);            \
             }                                                                                 \
     }                                                                                         \
 }                                                                                             \
@@ -172,7 +300,7 @@ int paged_attention_##NAME(const attn_args *a, const T *q, const T *pool, const 
     int failed = 0;                                                                           \
     _Pragma("omp parallel num_threads(a->num_threads) reduction(| : failed)")                 \
     {                                                                                         \
-        float *scratch = malloc(sizeof(float) * heads * (per_split * bs + d));                \
+        float *scratch = malloc(sizeof(float) * (heads * (per_split * bs + d) + 16 * d));     \
         if (scratch == NULL) failed = 1;                                                      \
         _Pragma("omp for schedule(dynamic, 1)")                                               \
         for (int64_t task = 0; task < nq * splits; task++) {                                  \
@@ -185,7 +313,7 @@ int paged_attention_##NAME(const attn_args *a, const T *q, const T *pool, const 
                 continue;                                                                     \
             }                                                                                 \
             task_##NAME(a, q + token_index[i] * a->q_token_stride, pool, table + rows[i] * a->table_stride, \
-                        b0, b1, ctx_lens[i], part, scratch + heads * d, scratch);             \
+                        b0, b1, ctx_lens[i], part, scratch + heads * d + 16 * d, scratch, scratch + heads * d); \
         }                                                                                     \
         _Pragma("omp for schedule(static)")                                                   \
         for (int64_t i = 0; i < nq; i++)                                                      \

@@ -51,13 +51,17 @@ def reference(q, pool: KVPool, layer, table, rows, ctx_lens, scale) -> torch.Ten
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 8), (4, 4, 16), (8, 1, 32), (6, 2, 64)])
-def test_kernel_matches_the_reference(kernels, dtype, heads, kv_heads, head_dim):
-    pool = make_pool(kv_heads, head_dim, dtype)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 8), (4, 4, 16), (8, 1, 32), (6, 2, 64), (8, 2, 128)])
+@pytest.mark.parametrize("block_size", [4, 16, 32])
+def test_kernel_matches_the_reference(kernels, dtype, heads, kv_heads, head_dim, block_size):
+    """Block sizes of 16 and more take the 16-keys-at-a-time path (where head_dim allows),
+    with the block's leftover keys one at a time; 4 takes the one-at-a-time path only."""
+    pool = make_pool(kv_heads, head_dim, dtype, block_size=block_size)
     g = torch.Generator().manual_seed(heads + head_dim)
-    table = torch.randperm(40, generator=g)[:36].view(3, 12).contiguous()  # 3 requests, up to 48 keys
+    per_row = 48 // block_size + 1
+    table = torch.randperm(40, generator=g)[: 3 * per_row].view(3, per_row).contiguous()  # 3 requests
     rows = torch.tensor([0, 1, 1, 1, 2])  # request 1 has a 3-token query (a short chunk)
-    ctx_lens = torch.tensor([1, 18, 19, 20, 48])  # one key; across block edges; the whole table
+    ctx_lens = torch.tensor([1, 18, 19, 33, 48])  # one key; across block edges; whole blocks
     qkv = torch.randn(5, heads + 2 * kv_heads, head_dim, generator=g).to(dtype)
     q = qkv[:, :heads]  # tokens strided, as the model's fused qkv leaves them
     out = torch.full((5, heads, head_dim), float("nan"), dtype=dtype)
@@ -70,11 +74,11 @@ def test_kernel_matches_the_reference(kernels, dtype, heads, kv_heads, head_dim)
 def test_long_contexts_split_across_threads_give_the_unsplit_result(kernels):
     """One request alone is cut into context splits (one per thread and more); each split's
     softmax is combined by its max and sum, equal to one pass within float rounding."""
-    pool = make_pool(2, 16, torch.float32, num_blocks=300, block_size=4)
+    pool = make_pool(2, 16, torch.float32, num_blocks=300, block_size=16)
     table = torch.randperm(300, generator=torch.Generator().manual_seed(3))[:256].view(1, 256).contiguous()
     q = torch.randn(1, 4, 16, generator=torch.Generator().manual_seed(4))
     out = torch.empty_like(q)
-    for ctx in (1, 15, 16, 17, 1000, 1024):
+    for ctx in (1, 15, 16, 17, 1000, 4096):
         lens = torch.tensor([ctx])
         kernels.paged_attention(q, pool.tensor, 0, table, torch.arange(1), torch.tensor([0]), lens, 0.25, out)
         torch.testing.assert_close(out, reference(q, pool, 0, table, [0], lens, 0.25), atol=1e-5, rtol=1e-5)
