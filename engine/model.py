@@ -104,14 +104,22 @@ class LlamaForCausalLM:
 
         Returns float32 logits [num_logits, vocab_size].
         """
-        cfg = self.config
         cos, sin = self.rotary.lookup(positions, self.dtype)
-        h = self.embed[input_ids]  # [num_tokens, hidden]
+        h = self.embed[input_ids]  # [num_tokens, hidden], a copy: the residual stream, added to in place
+        delta = None  # the last block's output, not yet added to h
         for i, layer in enumerate(self.layers):
-            h = h + self._attention(i, layer, rms_norm(h, layer.input_norm, cfg.rms_norm_eps), cos, sin, pool, meta)
-            h = h + self._mlp(layer, rms_norm(h, layer.post_norm, cfg.rms_norm_eps))
-        h = rms_norm(h[logits_index], self.norm, cfg.rms_norm_eps)  # [num_logits, hidden]
-        return self.lm_head(h).float()
+            delta = self._attention(i, layer, self._add_norm(h, delta, layer.input_norm), cos, sin, pool, meta)
+            delta = self._mlp(layer, self._add_norm(h, delta, layer.post_norm))
+        x = self._add_norm(h[logits_index], delta[logits_index], self.norm)  # [num_logits, hidden]
+        return self.lm_head(x).float()
+
+    def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+        """h += delta (in place), then RMSNorm(h): one native pass where there are kernels."""
+        if self.kernels is not None:
+            return self.kernels.add_rms_norm(h, delta, weight, self.config.rms_norm_eps)
+        if delta is not None:
+            h.add_(delta)
+        return rms_norm(h, weight, self.config.rms_norm_eps)
 
     def _attention(
         self, i: int, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

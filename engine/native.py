@@ -26,7 +26,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("csrc") / "paged_attention.c"]
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.c", "rms_norm.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 BUILD_TIMEOUT_S = 120.0
 
@@ -51,6 +51,12 @@ class NativeKernels:
             fn.argtypes = [ctypes.POINTER(_AttnArgs)] + [ctypes.c_void_p] * 7
             fn.restype = ctypes.c_int
             self._attn[dtype] = fn
+        self._norm = {}
+        for dtype, name in _DTYPES.items():
+            fn = getattr(lib, f"add_rms_norm_{name}")
+            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int32]
+            fn.restype = None
+            self._norm[dtype] = fn
 
     def supports(self, dtype: torch.dtype, device: torch.device | str) -> bool:
         return dtype in self._attn and torch.device(device).type == "cpu"
@@ -93,6 +99,25 @@ class NativeKernels:
             raise ValueError(f"paged_attention: head_dim {d} is over the kernel's 512")
         if status != 0:
             raise MemoryError("paged_attention: no memory for the score scratch")
+
+
+    def add_rms_norm(
+        self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+    ) -> torch.Tensor:
+        """h += residual (in place, when given), then returns RMSNorm(h) * weight.
+
+        h, residual: [rows, dim] contiguous; weight: [dim]; all of one dtype.
+        """
+        rows, dim = h.shape
+        for name, t in (("h", h), ("residual", residual), ("weight", weight)):
+            if t is not None and (not t.is_contiguous() or t.dtype != h.dtype or t.shape[-1] != dim):
+                raise ValueError(f"{name} must be contiguous {h.dtype} [..., {dim}], got {t.dtype} {tuple(t.shape)}")
+        if residual is not None and residual.shape != h.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} does not match h {tuple(h.shape)}")
+        out = torch.empty_like(h)
+        self._norm[h.dtype](h.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                            out.data_ptr(), rows, dim, eps, torch.get_num_threads())
+        return out
 
 
 _loaded: tuple[NativeKernels | None] | None = None

@@ -1,0 +1,64 @@
+/* Residual add and RMSNorm in one pass (see engine/native.py for how this is built).
+ *
+ * For each row: h += residual (when given, rounded to the tensor's dtype, as torch's add
+ * is), then out = weight * round(h * rsqrt(mean(h^2) + eps)), the variance in float32 and
+ * the normalised value rounded to the dtype before the weight multiplies it, in the order
+ * Hugging Face's LlamaRMSNorm rounds. The sum of squares may add in another order than
+ * torch's, so results can differ from it in the last bit.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_in(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t bf16_out(float f) { /* round to nearest even; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float f32_in(float x) { return x; }
+static inline float f32_out(float x) { return x; }
+static inline float bf16_round(float x) { return bf16_in(bf16_out(x)); }
+static inline float f32_round(float x) { return x; }
+
+#define DEFINE_NORM(NAME, T)                                                                  \
+void add_rms_norm_##NAME(T *h, const T *residual, const T *weight, T *out, int64_t rows,     \
+                         int64_t dim, float eps, int32_t num_threads) {                       \
+    _Pragma("omp parallel for num_threads(num_threads) if (rows * dim >= 262144) schedule(static)") \
+    for (int64_t r = 0; r < rows; r++) {                                                      \
+        T *hr = h + r * dim;                                                                  \
+        T *o = out + r * dim;                                                                 \
+        float ss = 0.f;                                                                       \
+        if (residual != NULL) {                                                               \
+            const T *a = residual + r * dim;                                                  \
+            _Pragma("omp simd reduction(+ : ss)")                                             \
+            for (int64_t i = 0; i < dim; i++) {                                               \
+                const float v = NAME##_round(NAME##_in(hr[i]) + NAME##_in(a[i]));             \
+                hr[i] = NAME##_out(v);                                                        \
+                ss += v * v;                                                                  \
+            }                                                                                 \
+        } else {                                                                              \
+            _Pragma("omp simd reduction(+ : ss)")                                             \
+            for (int64_t i = 0; i < dim; i++) {                                               \
+                const float v = NAME##_in(hr[i]);                                             \
+                ss += v * v;                                                                  \
+            }                                                                                 \
+        }                                                                                     \
+        const float inv = 1.f / sqrtf(ss / (float)dim + eps);                                 \
+        _Pragma("omp simd")                                                                   \
+        for (int64_t i = 0; i < dim; i++)                                                     \
+            o[i] = NAME##_out(NAME##_in(weight[i]) * NAME##_round(NAME##_in(hr[i]) * inv));   \
+    }                                                                                         \
+}
+
+DEFINE_NORM(f32, float)
+DEFINE_NORM(bf16, uint16_t)
