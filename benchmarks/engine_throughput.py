@@ -57,9 +57,10 @@ def memcpy_gb_per_s(num_bytes: int = 256 * 2**20, repeats: int = 5) -> float:
     return num_bytes / best / 1e9
 
 
-def make_engine(model_dir: str, dtype: str = "float32") -> LLMEngine:
+def make_engine(model_dir: str, dtype: str = "float32", native_kernels: bool = True) -> LLMEngine:
     return LLMEngine(EngineConfig(
-        model_dir=model_dir, dtype=dtype, cache=CacheConfig(block_size=16, kv_cache_bytes=2 * 2**30),
+        model_dir=model_dir, dtype=dtype, native_kernels=native_kernels,
+        cache=CacheConfig(block_size=16, kv_cache_bytes=2 * 2**30),
         scheduler=SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=64)))
 
 
@@ -150,6 +151,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--floor-rounds", type=int, default=5, help="alternating memcpy / batch-32 rounds")
     ap.add_argument("--long-context", type=int, default=512, help="context of the long-context decode step")
+    ap.add_argument("--no-native-kernels", action="store_true",
+                    help="the engine's torch paths only (EngineConfig.native_kernels=False), for comparison")
     return ap.parse_args()
 
 
@@ -180,7 +183,7 @@ def main() -> None:
     model_dir = args.model or str(default_model_dir(size="small"))
     work = workload(args.num_requests, args.input_scale, args.output_scale, args.seed)
 
-    engine = make_engine(model_dir, args.dtype)
+    engine = make_engine(model_dir, args.dtype, native_kernels=not args.no_native_kernels)
     run_engine(engine, work[:2])  # warm-up
     engine_tps = run_engine(engine, work)
     steps = {bs: decode_step_ms(engine, bs) for bs in (1, 8, 32)}
@@ -200,7 +203,8 @@ def main() -> None:
                    "mean_prompt_tokens": sum(len(p) for p, _ in work) / len(work),
                    "mean_output_tokens": sum(o for _, o in work) / len(work),
                    "threads": args.threads, "block_size": 16, "max_num_batched_tokens": 1024,
-                   "floor_rounds": args.floor_rounds, "long_context": args.long_context},
+                   "floor_rounds": args.floor_rounds, "long_context": args.long_context,
+                   "native_kernels": engine.model.kernels is not None},
         "engine_tokens_per_s": round(engine_tps, 1),
         "transformers_tokens_per_s": round(hf_best, 1),
         "transformers_single_tokens_per_s": round(hf_single, 1),

@@ -3,7 +3,9 @@
 Reads as single-device code: batch layout and attention metadata come in as
 arguments. Tokens of all requests are packed into one [num_tokens] dimension.
 At load time q/k/v and gate/up projections are fused into one matmul each, and every
-projection becomes a `Linear` (weights prepacked for oneDNN on CPU).
+projection becomes a `Linear` (weights prepacked for oneDNN on CPU). With native kernels
+(engine/native.py) each block's output is added to the residual stream and normalised
+in one pass, and decode attention reads the paged pool directly.
 """
 from __future__ import annotations
 
