@@ -97,19 +97,32 @@ class LocalCluster:
     def start(self, timeout_s: float = START_TIMEOUT_S) -> dict[str, Any]:
         if self.embedded_redis:
             self.redis = EmbeddedRedis()
-        if not ray.is_initialized():
-            c = self.config
-            num_cpus = max(os.cpu_count() or 1, int((c.num_prefill + c.num_decode) * c.worker_num_cpus + 0.999))
-            ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING,
-                     configure_logging=False, log_to_driver=True)
-            self._owns_ray = True
         try:
+            if not ray.is_initialized():
+                self._init_ray()
             self.controller = ray.remote(Controller).options(num_cpus=0).remote(self.config, self.redis_url)
             self.info = ray.get(self.controller.start.remote(), timeout=timeout_s)
         except BaseException:
             self.stop()
             raise
         return self.info
+
+    def _init_ray(self) -> None:
+        """A local Ray node; one more try when its raylet never registers (a start-up race
+        seen about once in a few hundred starts on a loaded 2-core machine)."""
+        c = self.config
+        num_cpus = max(os.cpu_count() or 1, int((c.num_prefill + c.num_decode) * c.worker_num_cpus + 0.999))
+        for attempt in (1, 2):
+            try:
+                ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING,
+                         configure_logging=False, log_to_driver=True)
+                self._owns_ray = True
+                return
+            except Exception as e:  # Ray raises a bare Exception for this
+                ray.shutdown()  # whatever half of the node did start
+                if attempt == 2 or "timed out during startup" not in str(e):
+                    raise
+                logger.warning("Ray's local node did not start (%s); trying once more", e)
 
     def check_idle(self) -> list[dict[str, Any]]:
         return ray.get(self.controller.check_idle.remote(), timeout=60)
