@@ -26,7 +26,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.c", "rms_norm.c")]
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / name for name in ("paged_attention.c", "rms_norm.c")]
+HEADERS = [CSRC / "bf16.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 BUILD_TIMEOUT_S = 120.0
 
@@ -141,7 +143,7 @@ def _build() -> Path:
         raise RuntimeError("no C compiler (cc or gcc) on PATH; set CC to one")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256()
-    for part in [version, " ".join(FLAGS), platform.machine(), _cpu_flags(), *(p.read_text() for p in SOURCES)]:
+    for part in [version, " ".join(FLAGS), platform.machine(), _cpu_flags(), *(p.read_text() for p in SOURCES + HEADERS)]:
         key.update(part.encode())
     out_dir = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "splitserve" / "kernels"
     target = out_dir / f"splitserve_kernels_{key.hexdigest()[:16]}.so"

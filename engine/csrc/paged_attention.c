@@ -14,6 +14,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 typedef struct {
     int64_t num_queries;      /* tokens to compute */
     int64_t num_heads, num_kv_heads, head_dim, block_size;
@@ -29,21 +31,6 @@ typedef struct {
     float scale;
     int32_t num_threads;
 } attn_args;
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 #define LOAD_f32(p, i) ((p)[i])
 #define LOAD_bf16(p, i) bf16_to_f32((p)[i])

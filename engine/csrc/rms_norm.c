@@ -10,20 +10,10 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_in(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+#include "bf16.h"
 
-static inline uint16_t bf16_out(float f) { /* round to nearest even; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+#define bf16_in bf16_to_f32
+#define bf16_out f32_to_bf16
 
 static inline float f32_in(float x) { return x; }
 static inline float f32_out(float x) { return x; }
