@@ -108,8 +108,8 @@ class LocalCluster:
         return self.info
 
     def _init_ray(self) -> None:
-        """A local Ray node; one more try when its raylet never registers (a start-up race
-        seen about once in a few hundred starts on a loaded 2-core machine)."""
+        """A local Ray node; one more try when its raylet never registers (seen once in
+        three CI runs of the suite, about 30 Ray starts each, on a 2-core machine)."""
         c = self.config
         num_cpus = max(os.cpu_count() or 1, int((c.num_prefill + c.num_decode) * c.worker_num_cpus + 0.999))
         for attempt in (1, 2):

@@ -13,6 +13,7 @@ Data crosses as raw pointers: the caller checks dtypes, devices and contiguity (
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -122,19 +123,14 @@ class NativeKernels:
         return out
 
 
-_loaded: tuple[NativeKernels | None] | None = None
-
-
+@functools.cache
 def load() -> NativeKernels | None:
     """The kernels, built on first call in this process (None: see the log for why)."""
-    global _loaded
-    if _loaded is None:
-        try:
-            _loaded = (NativeKernels(ctypes.CDLL(str(_build()))),)
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            log.warning("native kernels unavailable, using the torch paths: %s", e)
-            _loaded = (None,)
-    return _loaded[0]
+    try:
+        return NativeKernels(ctypes.CDLL(str(_build())))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("native kernels unavailable, using the torch paths: %s", e)
+        return None
 
 
 def _build() -> Path:

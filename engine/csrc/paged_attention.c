@@ -4,9 +4,11 @@
  * through ctypes with tensor data pointers; nothing here knows Python or torch.
  *
  * Pool layout (elements): [num_blocks, num_layers, 2 (K, V), block_size, kv_heads, head_dim].
- * One task is one (query token, KV head): its `grp` query heads are scored against every
- * key of the token's context (no gather, no padding), softmax in float32, then the
- * weighted sum of V. Everything accumulates in float32; only the output is rounded.
+ * One task is one query token over one split of its context (one split unless the batch is
+ * too small to keep the threads busy): all its heads are scored against the split's keys
+ * (no gather, no padding), softmax in float32, then the weighted sum of V; the splits are
+ * combined by their max and sum. Everything accumulates in float32; only the output is
+ * rounded.
  * Tasks run on the caller's OpenMP pool (torch's libgomp, loaded first, is shared).
  */
 #include <math.h>
@@ -152,6 +154,12 @@ static inline void pv16(float *restrict acc, const float *restrict w, const floa
 #define pv16(acc, w, rows, d) ((void)0)
 #endif
 
+/* Asks for the next block's K (or V) run of one layer, block_size * kv_heads * head_dim
+ * elements in a row, while this block is computed. */
+static inline void prefetch_run(const void *start, int64_t nbytes) {
+    for (int64_t off = 0; off < nbytes; off += 64) __builtin_prefetch((const char *)start + off);
+}
+
 /* Splits of one query's context: enough tasks for the threads when the batch is small,
  * at least MIN_SPLIT_BLOCKS blocks each. */
 #define MIN_SPLIT_BLOCKS 4
@@ -168,15 +176,13 @@ static void task_##NAME(const attn_args *a, const T *q, const T *pool, const int
     const int64_t d = a->head_dim, bs = a->block_size, kvh = a->num_kv_heads;                 \
     const int64_t heads = a->num_heads, grp = heads / kvh, tok_stride = kvh * d;              \
     const int64_t n_keys = (b1 * bs < ctx ? b1 * bs : ctx) - b0 * bs;                         \
+    const int64_t run_bytes = bs * tok_stride * (int64_t)sizeof(T);                           \
     for (int64_t h = 0; h < heads; h++)                                                       \
         for (int64_t i = 0; i < d; i++) qf[h * d + i] = LOAD_##NAME(q, h * d + i) * a->scale; \
     for (int64_t b = b0; b < b1; b++) {                                                       \
         const T *k = pool + blocks[b] * a->block_stride + a->layer_offset;                    \
-        if (b + 1 < b1) { /* the next block's K: one contiguous run */                        \
-            const char *next = (const char *)(pool + blocks[b + 1] * a->block_stride + a->layer_offset); \
-            for (int64_t off = 0; off < (int64_t)(bs * tok_stride * sizeof(T)); off += 64)    \
-                __builtin_prefetch(next + off);                                               \
-        }                                                                                     \
+        if (b + 1 < b1)                                                                       \
+            prefetch_run(pool + blocks[b + 1] * a->block_stride + a->layer_offset, run_bytes); \
         const int64_t t0 = (b - b0) * bs, n = n_keys - t0 < bs ? n_keys - t0 : bs;            \
         int64_t t = 0;                                                                        \
         for (; CHUNK16(d) && t + 16 <= n; t += 16) /* 16 keys at a time, rows in L1 */        \
@@ -205,11 +211,8 @@ static void task_##NAME(const attn_args *a, const T *q, const T *pool, const int
     }                                                                                         \
     for (int64_t b = b0; b < b1; b++) {                                                       \
         const T *v = pool + blocks[b] * a->block_stride + a->layer_offset + a->v_offset;      \
-        if (b + 1 < b1) {                                                                     \
-            const char *next = (const char *)(pool + blocks[b + 1] * a->block_stride + a->layer_offset + a->v_offset); \
-            for (int64_t off = 0; off < (int64_t)(bs * tok_stride * sizeof(T)); off += 64)    \
-                __builtin_prefetch(next + off);                                               \
-        }                                                                                     \
+        if (b + 1 < b1)                                                                       \
+            prefetch_run(pool + blocks[b + 1] * a->block_stride + a->layer_offset + a->v_offset, run_bytes); \
         const int64_t t0 = (b - b0) * bs, n = n_keys - t0 < bs ? n_keys - t0 : bs;            \
         int64_t t = 0;                                                                        \
         for (; CHUNK16(d) && t + 16 <= n; t += 16)                                            \
