@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load_gen import Item, run_load, synthetic  # noqa: E402
 
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig  # noqa: E402
-from cluster.local import LocalCluster, free_port  # noqa: E402
+from cluster.local import LocalCluster  # noqa: E402
 from engine.tiny_model import make_tiny_model  # noqa: E402
 from router.admission import AdmissionConfig  # noqa: E402
 from router.policy import RoutingConfig  # noqa: E402
@@ -38,7 +38,7 @@ def arm(args: argparse.Namespace, model_dir: str, num_prefill: int, num_decode: 
         worker=WorkerConfig(model_dir=model_dir, kv_cache_bytes=args.kv_cache_mib * 2**20,
                             max_num_batched_tokens=args.chunk_tokens, protected_fraction=args.protected_fraction),
         num_prefill=num_prefill, num_decode=num_decode,
-        router=RouterConfig(port=free_port(), routing=routing, admission=AdmissionConfig()),
+        router=RouterConfig(port=0, routing=routing, admission=AdmissionConfig()),
         worker_num_cpus=0.5)
 
 

@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mode", choices=("disaggregated", "colocated", "auto"), default="auto")
     s.add_argument("--local-prefill-tokens", type=int, default=256,
                    help="auto mode: decode workers prefill prompts with fewer uncached tokens themselves")
-    s.add_argument("--port", type=int, default=50051)
+    s.add_argument("--port", type=int, default=50051, help="router port (0: a free one, printed when ready)")
     s.add_argument("--host", default="127.0.0.1", help="interface to serve on (0.0.0.0 for other machines)")
     s.add_argument("--redis-url", help="use this Redis instead of starting one (redis://host:port/db)")
     s.add_argument("--namespace", default="splitserve", help="prefix of this cluster's Redis keys")

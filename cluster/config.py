@@ -62,7 +62,7 @@ class RouterConfig:
     host: str = "127.0.0.1"
     """Interface the public gRPC server binds to (0.0.0.0 to serve other machines)."""
     port: int = 50051
-    """0 picks a free port."""
+    """0 picks a free port (router replicas all join the one the first replica got)."""
     share_port: bool = False
     """Bind with SO_REUSEPORT so several router replicas on one host serve one port (the
     kernel spreads connections over them). Off for a single router, so a port already
@@ -108,7 +108,7 @@ class ClusterConfig:
     worker_num_cpus: float = 1.0
     """Ray CPUs each worker actor asks for (GPU workers ask for one GPU instead)."""
     num_routers: int = 1
-    """Router replicas; more than one share `router.port` (see `RouterConfig.share_port`),
+    """Router replicas; more than one share one port (see `RouterConfig.share_port`),
     each with its own admission budget and its own KV index replayed from Redis."""
 
     def __post_init__(self) -> None:
@@ -116,8 +116,6 @@ class ClusterConfig:
             raise ValueError(f"num_decode must be at least 1, got {self.num_decode}")
         if self.num_routers < 1:
             raise ValueError(f"num_routers must be at least 1, got {self.num_routers}")
-        if self.num_routers > 1 and self.router.port == 0:
-            raise ValueError("router replicas share one port: give a port (not 0) with num_routers > 1")
         if self.num_prefill < 0:
             raise ValueError(f"num_prefill must be >= 0, got {self.num_prefill}")
         if self.num_prefill == 0 and self.router.routing.mode == "disaggregated":

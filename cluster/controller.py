@@ -2,7 +2,8 @@
 
 `start()` creates N prefill and M decode worker actors (CPU actors here, one GPU each
 when the worker's device is cuda), waits for them to load the model, then the router
-replicas (`num_routers`, sharing one port), each knowing every worker's handle and address. `check_idle()` gathers every worker's
+replicas (`num_routers`, sharing one port: the first binds `router.port`,
+0 for a free one, and the others join the port it got), each knowing every worker's handle and address. `check_idle()` gathers every worker's
 pool accounting (tests assert nothing leaked; a dead worker reports `dead`);
 `kill_worker()` ends one abruptly (what a crash looks like to the rest); `shutdown()`
 stops the routers first so no new work arrives, then the workers.
@@ -61,7 +62,11 @@ class Controller:
         self.routers = {f"router-{i}": R.options(num_cpus=0).remote(f"router-{i}", router_config, c.worker, self.prefills,
                                                                    decodes, self.redis_url, c.namespace)
                         for i in range(c.num_routers)}
-        addresses = await asyncio.gather(*(await_ref(r.start.remote(), START_TIMEOUT_S) for r in self.routers.values()))
+        replicas = list(self.routers.values())
+        first = await await_ref(replicas[0].start.remote(), START_TIMEOUT_S)
+        port = int(first.rsplit(":", 1)[1])  # what port 0 resolved to; the other replicas join it
+        addresses = [first, *await asyncio.gather(*(await_ref(r.start.remote(port), START_TIMEOUT_S)
+                                                    for r in replicas[1:]))]
         self.info = {"address": addresses[0], "routers": dict(zip(self.routers, addresses, strict=True)),
                      "prefill": list(prefill_info), "decode": list(decode_info),
                      "mode": c.router.routing.mode, "redis_url": self.redis_url}

@@ -32,6 +32,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+class PortTaken(RuntimeError):
+    """The port was in use when redis-server tried to bind it."""
+
+
 class EmbeddedRedis:
     """A real redis-server child process on loopback; `url` once started."""
 
@@ -40,31 +44,51 @@ class EmbeddedRedis:
         if binary is None:
             raise RuntimeError("redis-server not found: install it (Debian: apt-get install redis-server; "
                                "./dev does this on first run) or pass --redis-url")
-        self.port = port or free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
         self._dir = tempfile.mkdtemp(prefix="splitserve-redis-")
-        self._proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self._dir, "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        self._wait_ready(timeout_s=10.0)
+        self._log = os.path.join(self._dir, "redis.log")
+        for attempt in (1, 2, 3):
+            self.port = port or free_port()
+            self.url = f"redis://127.0.0.1:{self.port}/0"
+            self._proc = subprocess.Popen(
+                [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                 "--dir", self._dir, "--loglevel", "warning", "--logfile", self._log],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # no pipe that nobody drains
+            try:
+                self._wait_ready(timeout_s=10.0)
+                return
+            except PortTaken:
+                # a free port found by binding and closing can be taken before redis binds it
+                if port or attempt == 3:
+                    self.stop()
+                    raise
 
     def _wait_ready(self, timeout_s: float) -> None:
         client = redis.Redis.from_url(self.url, socket_timeout=0.5, socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout_s
         while True:
             if self._proc.poll() is not None:
-                err = self._proc.stderr.read().decode() if self._proc.stderr else ""
-                raise RuntimeError(f"redis-server exited at start (code {self._proc.returncode}): {err.strip()}")
+                err = self._last_log_lines(2)
+                kind = PortTaken if "in use" in err else RuntimeError
+                raise kind(f"redis-server exited at start (code {self._proc.returncode}): {err}")
             try:
-                client.ping()
-                client.close()
-                return
+                # whoever answers must be our child, not a server that held the port first
+                if int(client.info("server")["process_id"]) == self._proc.pid:
+                    client.close()
+                    return
             except redis.RedisError:
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout_s} s") from None
-                time.sleep(0.05)
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout_s} s")
+            time.sleep(0.05)
+
+    def _last_log_lines(self, n: int) -> str:
+        try:
+            with open(self._log, errors="replace") as f:
+                lines = [line.split("# ", 1)[-1].strip() for line in f if line.strip()]
+        except OSError:
+            return ""
+        return " ".join(lines[-n:])
 
     def stop(self) -> None:
         if self._proc.poll() is None:

@@ -43,7 +43,9 @@ class RouterService:
         self._tasks: list[asyncio.Task[None]] = []
         self.address = ""
 
-    async def start(self) -> str:
+    async def start(self, port: int | None = None) -> str:
+        """Serves on `port` (default: the configured one; 0 picks a free one) and returns host:port."""
+        port = self.config.port if port is None else port
         self.router = Router(self.config, self.worker, self.prefills, self.decodes)
         server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.config.share_port))])
         pb_grpc.add_GenerationServicer_to_server(self.router, server)
@@ -51,12 +53,13 @@ class RouterService:
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         try:
-            port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+            bound = server.add_insecure_port(f"{self.config.host}:{port}")
         except RuntimeError:  # grpcio >= 1.5x raises where older ones returned 0
-            port = 0
-        if port == 0:
-            raise RuntimeError(f"cannot listen on {self.config.host}:{self.config.port}: the port is in use "
+            bound = 0
+        if bound == 0:
+            raise RuntimeError(f"cannot listen on {self.config.host}:{port}: the port is in use "
                                "(another splitserve? pick another with --port)")
+        port = bound
         await server.start()
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

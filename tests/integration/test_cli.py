@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import select
 import signal
 import subprocess
@@ -38,15 +39,14 @@ STARTUP_BUDGET_S = 90
 
 def test_readme_serve_then_generate_and_status(tmp_path: Path) -> None:
     """As a new user: `serve` (creating the default model on first use), `generate`, `status`, Ctrl-C."""
-    from cluster.local import free_port
-
-    port = free_port()
     env = {**os.environ, "SPLITSERVE_CACHE": str(tmp_path / "cache")}
-    serve = subprocess.Popen(CLI + ["serve", "--port", str(port)], env=env, text=True,
+    serve = subprocess.Popen(CLI + ["serve", "--port", "0"], env=env, text=True,  # 0: a free port, no race
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         ready = _wait_for_line(serve, "ready in", STARTUP_BUDGET_S)
-        assert f"on 127.0.0.1:{port}" in ready and "1 prefill, 1 decode, mode auto" in ready
+        found = re.search(r" on 127\.0\.0\.1:(\d+) ", ready)
+        assert found and int(found[1]) > 0 and "1 prefill, 1 decode, mode auto" in ready, ready
+        port = int(found[1])
         assert (tmp_path / "cache/models/llama-tiny-seed0/config.json").is_file()
         target = ["--target", f"127.0.0.1:{port}"]
         r = run(["generate", "Once upon a time", "--max-tokens", "8", *target], env)

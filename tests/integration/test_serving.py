@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
-from cluster.local import LocalCluster, free_port
+from cluster.local import LocalCluster
 from engine.request import SamplingParams
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
@@ -34,7 +34,7 @@ def cluster(tiny_llama_dir: str):  # type: ignore[no-untyped-def]
     config = ClusterConfig(
         worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, kv_lease_s=5.0),
         num_prefill=2, num_decode=2,
-        router=RouterConfig(port=free_port(), routing=RoutingConfig(mode="auto", local_prefill_tokens=8),
+        router=RouterConfig(port=0, routing=RoutingConfig(mode="auto", local_prefill_tokens=8),
                             admission=AdmissionConfig(max_inflight_tokens=MAX_TOKENS_BUDGET, max_queued_per_priority=3)),
         worker_num_cpus=0.5)
     c = LocalCluster(config)

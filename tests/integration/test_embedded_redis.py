@@ -1,0 +1,48 @@
+"""The embedded redis-server (a real one) when its port is taken between choosing and binding."""
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+import cluster.local as local
+from cluster.local import EmbeddedRedis, PortTaken
+
+
+@pytest.fixture
+def held_port() -> Iterator[int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield int(s.getsockname()[1])
+
+
+def test_a_given_port_in_use_is_refused_and_nothing_is_left_running(held_port: int) -> None:
+    with pytest.raises(PortTaken, match="in use"):
+        EmbeddedRedis(port=held_port)
+
+
+def test_a_chosen_port_taken_before_redis_binds_it_is_chosen_again(held_port: int,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    real = local.free_port
+    picks = iter([held_port])
+    monkeypatch.setattr(local, "free_port", lambda: next(picks, None) or real())
+    server = EmbeddedRedis()
+    try:
+        assert server.port != held_port
+        client = redis.Redis.from_url(server.url)
+        assert client.set("k", "v") and client.get("k") == b"v"
+        client.close()
+    finally:
+        server.stop()
+
+
+def test_another_redis_on_the_port_is_not_mistaken_for_ours() -> None:
+    first = EmbeddedRedis()
+    try:
+        with pytest.raises(PortTaken):
+            EmbeddedRedis(port=first.port)
+    finally:
+        first.stop()
