@@ -101,12 +101,13 @@ def run_hf_batched(hf, work, batch: int) -> float:
     return sum(o for _, o in work) / (time.perf_counter() - t)
 
 
-def gemm_gflops(dtype: torch.dtype, size: int = 2048, repeats: int = 3) -> float:
-    """Peak-ish matmul rate: a square GEMM with a prepacked weight, as the engine runs them."""
+def gemm_gflops(engine: LLMEngine, dtype: torch.dtype, size: int = 2048, repeats: int = 3) -> float:
+    """Peak-ish matmul rate: a square GEMM with a prepacked weight, as the engine runs them
+    (its native kernel where it has one, else oneDNN)."""
     from engine.linear import Linear
 
     a = torch.randn(size, size, dtype=dtype)
-    lin = Linear(torch.randn(size, size, dtype=dtype), None, prepack=True)
+    lin = Linear(torch.randn(size, size, dtype=dtype), None, prepack=True, kernels=engine.model.kernels)
     lin(a)
     best = float("inf")
     for _ in range(repeats):
@@ -162,7 +163,7 @@ def floors(engine: LLMEngine, dtype: torch.dtype, num_rounds: int) -> dict:
     rounds = [(memcpy_gb_per_s(), decode_step_ms(engine, 32)) for _ in range(num_rounds)]
     ratios = sorted(ms / (weight_bytes / (bw * 1e9) * 1e3) for bw, ms in rounds)
     bw = sorted(bw for bw, _ in rounds)[len(rounds) // 2]
-    gflops = gemm_gflops(dtype)
+    gflops = gemm_gflops(engine, dtype)
     m = engine.model
     linears = [m.lm_head] + [x for layer in m.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     matmul_flops_bs32 = 2 * 32 * sum(x.in_features * x.out_features for x in linears)

@@ -64,12 +64,12 @@ class LlamaForCausalLM:
         def fused(names: list[str]) -> Linear:
             biases = [opt(n + ".bias") for n in names]
             bias = torch.cat(biases) if all(b is not None for b in biases) else None
-            return Linear(torch.cat([get(n + ".weight") for n in names]), bias, prepack)
+            return Linear(torch.cat([get(n + ".weight") for n in names]), bias, prepack, model.kernels)
 
         model.embed = get("model.embed_tokens.weight")
         model.norm = get("model.norm.weight")
         model.tied = config.tie_word_embeddings or not ckpt.has("lm_head.weight")
-        model.lm_head = Linear(model.embed if model.tied else get("lm_head.weight"), None, prepack)
+        model.lm_head = Linear(model.embed if model.tied else get("lm_head.weight"), None, prepack, model.kernels)
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."

@@ -28,7 +28,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("paged_attention.c", "rms_norm.c")]
+SOURCES = [CSRC / name for name in ("paged_attention.c", "rms_norm.c", "linear.c")]
 HEADERS = [CSRC / "bf16.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 BUILD_TIMEOUT_S = 120.0
@@ -60,6 +60,12 @@ class NativeKernels:
             fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int32]
             fn.restype = None
             self._norm[dtype] = fn
+        self._linear = lib.linear_bf16
+        self._linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
+        self._linear.restype = ctypes.c_int
+        self.has_linear = bool(lib.linear_bf16_available())
+        """Whether this CPU runs the bfloat16 linear kernel (AVX-512 BF16); else oneDNN stays."""
 
     def supports(self, dtype: torch.dtype, device: torch.device | str) -> bool:
         return dtype in self._attn and torch.device(device).type == "cpu"
@@ -121,6 +127,31 @@ class NativeKernels:
         self._norm[h.dtype](h.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
                             out.data_ptr(), rows, dim, eps, torch.get_num_threads())
         return out
+
+    def pack_linear(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The layout `linear` reads: tiles of 16 outputs by pairs of inputs,
+        [N / 16, K / 2, 16, 2]. None where the kernel can't take the weight (not bfloat16
+        on CPU, N not a multiple of 16, K odd, or no AVX-512 BF16 here)."""
+        n, k = weight.shape
+        if not self.has_linear or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or n % 16 or k % 2:
+            return None
+        return weight.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [rows, K] @ W.T (+ bias) for W packed by `pack_linear`; bfloat16 in and out."""
+        tiles, pairs, _, _ = packed.shape
+        n, k = tiles * 16, pairs * 2
+        if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.bfloat16 or x.stride(1) != 1:
+            raise ValueError(f"x must be bfloat16 [rows, {k}] with dense rows, got {x.dtype} {tuple(x.shape)}")
+        if bias is not None and (bias.shape != (n,) or bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+            raise ValueError(f"bias must be contiguous bfloat16 [{n}], got {bias.dtype} {tuple(bias.shape)}")
+        y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+        status = self._linear(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                              y.data_ptr(), n, x.shape[0], n, k, torch.get_num_threads())
+        if status != 0:
+            raise ValueError(f"linear: the kernel refused x {tuple(x.shape)} stride {x.stride()} for [{n}, {k}]"
+                             if status == -3 else "linear: not built with AVX-512 BF16 on this CPU")
+        return y
 
 
 @functools.cache
