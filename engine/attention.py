@@ -89,11 +89,11 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
 
-    Writes k, v into the pool, then attends over each request's whole context.
-    Returns [num_tokens, num_heads, head_dim]. With `kernels`, short-query groups run
-    the native kernel straight over the pool (no gather).
+    Attends over each request's whole context; the caller has written k, v into the pool
+    (`KVPool.write`, or the native `rotary_store`). Returns [num_tokens, num_heads,
+    head_dim]. With `kernels`, short-query groups run the native kernel straight over
+    the pool (no gather).
     """
-    pool.write(layer, meta.slot_blocks, meta.slot_offsets, k, v)
     out = torch.empty_like(q)
     num_heads, head_dim = q.shape[1], q.shape[2]
     for g in meta.groups:

@@ -28,8 +28,8 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("paged_attention.c", "rms_norm.c", "linear.c")]
-HEADERS = [CSRC / "bf16.h"]
+SOURCES = [CSRC / name for name in ("paged_attention.c", "rms_norm.c", "linear.c", "pointwise.c")]
+HEADERS = [CSRC / name for name in ("bf16.h", "fastmath.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 BUILD_TIMEOUT_S = 120.0
 
@@ -60,6 +60,17 @@ class NativeKernels:
             fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int32]
             fn.restype = None
             self._norm[dtype] = fn
+        self._silu_mul, self._rotary = {}, {}
+        for dtype, name in _DTYPES.items():
+            fn = getattr(lib, f"silu_mul_{name}")
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32]
+            fn.restype = None
+            self._silu_mul[dtype] = fn
+            fn = getattr(lib, f"rotary_store_{name}")
+            fn.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 2 + [ctypes.c_int64]
+                           + [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 2 + [ctypes.c_int32])
+            fn.restype = ctypes.c_int
+            self._rotary[dtype] = fn
         self._linear = lib.linear_bf16
         self._linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                  ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
@@ -109,7 +120,6 @@ class NativeKernels:
         if status != 0:
             raise MemoryError("paged_attention: no memory for the score scratch")
 
-
     def add_rms_norm(
         self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
     ) -> torch.Tensor:
@@ -127,6 +137,42 @@ class NativeKernels:
         self._norm[h.dtype](h.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
                             out.data_ptr(), rows, dim, eps, torch.get_num_threads())
         return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up = [gate | up] of shape [rows, 2 I]; returns [rows, I]."""
+        rows, two_i = gate_up.shape
+        if not gate_up.is_contiguous() or two_i % 2 or gate_up.dtype not in self._silu_mul:
+            raise ValueError(f"gate_up must be contiguous [rows, 2 I] float32 or bfloat16, got "
+                             f"{gate_up.dtype} {tuple(gate_up.shape)} strides {gate_up.stride()}")
+        out = gate_up.new_empty(rows, two_i // 2)
+        self._silu_mul[gate_up.dtype](gate_up.data_ptr(), rows, two_i // 2, out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def rotary_store(
+        self, qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, signed_sin: torch.Tensor,
+        pool: torch.Tensor, layer: int, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor,
+    ) -> None:
+        """Rotates q and k in place in qkv [tokens, (heads + 2 kv_heads) head_dim] (rows may be
+        strided) as engine/rope.py's apply_rotary does, then stores each token's k and v in
+        pool[slot_blocks[t], layer, :, slot_offsets[t]]. cos, signed_sin: [tokens, 1, head_dim]."""
+        tokens = qkv.shape[0]
+        nb, nl, _, bs, kvh, d = pool.shape
+        if kvh != kv_heads or qkv.shape[1] != (heads + 2 * kv_heads) * d or qkv.stride(1) != 1 or d % 2 or d > 1024:
+            raise ValueError(f"qkv {tuple(qkv.shape)} does not hold {heads} + 2 x {kv_heads} heads of the pool's {d}")
+        for name, t in (("cos", cos), ("signed_sin", signed_sin)):
+            if t.shape != (tokens, 1, d) or t.stride(2) != 1 or t.stride(0) != cos.stride(0) or t.dtype != qkv.dtype:
+                raise ValueError(f"{name} must be {qkv.dtype} [{tokens}, 1, {d}], got {t.dtype} {tuple(t.shape)}")
+        if qkv.dtype != pool.dtype or qkv.dtype not in self._rotary or not pool.is_contiguous() or not 0 <= layer < nl:
+            raise ValueError(f"pool {pool.dtype} {tuple(pool.shape)} layer {layer} does not take qkv {qkv.dtype}")
+        for name, t in (("slot_blocks", slot_blocks), ("slot_offsets", slot_offsets)):
+            if t.shape != (tokens,) or t.dtype != torch.int64 or not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous int64 [{tokens}], got {t.dtype} {tuple(t.shape)}")
+        status = self._rotary[qkv.dtype](
+            qkv.data_ptr(), tokens, qkv.stride(0), heads, kv_heads, d, cos.data_ptr(), signed_sin.data_ptr(),
+            cos.stride(0), pool.data_ptr(), nb, bs, pool.stride(0), layer * pool.stride(1), pool.stride(2),
+            slot_blocks.data_ptr(), slot_offsets.data_ptr(), torch.get_num_threads())
+        if status != 0:
+            raise ValueError("rotary_store: a slot's block id or offset is out of range")
 
     def pack_linear(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The layout `linear` reads: tiles of 16 outputs by pairs of inputs,

@@ -8,7 +8,10 @@
  * too small to keep the threads busy): all its heads are scored against the split's keys
  * (no gather, no padding), softmax in float32, then the weighted sum of V; the splits are
  * combined by their max and sum. Everything accumulates in float32; only the output is
- * rounded.
+ * rounded. With AVX-512, keys go 16 at a time: bfloat16 K rows straight from the pool
+ * through vdpbf16ps where the CPU has it (the scale applied to the scores, not to q),
+ * otherwise widened once into L1 for the group's heads; V rows widened in registers and
+ * summed into 4 heads' accumulators at once where head_dim is a multiple of 64.
  * Tasks run on the caller's OpenMP pool (torch's libgomp, loaded first, is shared).
  */
 #include <math.h>
@@ -17,6 +20,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "fastmath.h"
 
 typedef struct {
     int64_t num_queries;      /* tokens to compute */
@@ -38,26 +42,6 @@ typedef struct {
 #define LOAD_bf16(p, i) bf16_to_f32((p)[i])
 #define STORE_f32(x) (x)
 #define STORE_bf16(x) f32_to_bf16(x)
-
-/* e^x for x <= 0 (scores minus their max), vectorisable (glibc's expf is not): Cephes'
- * range reduction to r in [-ln2/2, ln2/2] and degree-6 polynomial, within 2 ulp; below
- * -87 it returns 2^-126, which is 0 for every use here (weights next to e^0 = 1). */
-static inline float exp_nonpos(float x) {
-    x = x < -87.f ? -87.f : x;
-    const float n = __builtin_rintf(x * 1.44269504088896341f);
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
 
 /* float32 kernels of the inner loops: K and V rows are converted once per KV head into
  * `row`, then shared by that head's group of query heads. With AVX-512 and head_dim a
@@ -148,8 +132,84 @@ static inline void pv16(float *restrict acc, const float *restrict w, const floa
     }
 }
 #define CHUNK16(d) ((d) % 16 == 0)
+
+static inline __m512 load16_f32(const float *x) { return _mm512_loadu_ps(x); }
+static inline __m512 load16_bf16(const uint16_t *x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
+}
+
+/* acc[h] += sum over n keys of w[h][t] * v[t], for HN heads of one KV head's group and 64
+ * of the head's dims: 4 x HN float32 accumulators stay in registers over the keys, each
+ * V row is read (and widened) once for all the group's heads. */
+#define DEFINE_PV64(NAME, T, HN)                                                              \
+static inline void pv64_##NAME##_##HN(float *acc, int64_t acc_stride, const float *w, int64_t w_stride, \
+                                     const T *v, int64_t v_stride, int64_t n) {              \
+    __m512 a[HN][4];                                                                          \
+    for (int h = 0; h < HN; h++)                                                              \
+        for (int c = 0; c < 4; c++) a[h][c] = _mm512_loadu_ps(acc + h * acc_stride + 16 * c); \
+    for (int64_t t = 0; t < n; t++) {                                                         \
+        __m512 x[4];                                                                          \
+        for (int c = 0; c < 4; c++) x[c] = load16_##NAME(v + t * v_stride + 16 * c);          \
+        for (int h = 0; h < HN; h++) {                                                        \
+            const __m512 wb = _mm512_set1_ps(w[h * w_stride + t]);                           \
+            for (int c = 0; c < 4; c++) a[h][c] = _mm512_fmadd_ps(wb, x[c], a[h][c]);         \
+        }                                                                                     \
+    }                                                                                         \
+    for (int h = 0; h < HN; h++)                                                              \
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + h * acc_stride + 16 * c, a[h][c]); \
+}
+
+/* The same over a group of `grp` heads and head_dim d, a multiple of 64: 4 heads at a time. */
+#define DEFINE_PV_GROUP(NAME, T)                                                              \
+DEFINE_PV64(NAME, T, 1) DEFINE_PV64(NAME, T, 2) DEFINE_PV64(NAME, T, 3) DEFINE_PV64(NAME, T, 4) \
+static void pv_group_##NAME(float *acc, int64_t acc_stride, const float *w, int64_t w_stride, \
+                            const T *v, int64_t v_stride, int64_t n, int64_t d, int64_t grp) { \
+    for (int64_t j = 0; j < d; j += 64)                                                       \
+        for (int64_t h = 0; h < grp; h += 4) {                                                \
+            float *ah = acc + h * acc_stride + j;                                             \
+            const float *wh = w + h * w_stride;                                               \
+            switch (grp - h < 4 ? grp - h : 4) {                                              \
+            case 1: pv64_##NAME##_1(ah, acc_stride, wh, w_stride, v + j, v_stride, n); break; \
+            case 2: pv64_##NAME##_2(ah, acc_stride, wh, w_stride, v + j, v_stride, n); break; \
+            case 3: pv64_##NAME##_3(ah, acc_stride, wh, w_stride, v + j, v_stride, n); break; \
+            default: pv64_##NAME##_4(ah, acc_stride, wh, w_stride, v + j, v_stride, n); break; \
+            }                                                                                 \
+        }                                                                                     \
+}
+DEFINE_PV_GROUP(f32, float)
+DEFINE_PV_GROUP(bf16, uint16_t)
+#define CHUNK64(d) ((d) % 64 == 0)
+
+#if defined(__AVX512BF16__)
+/* out[t] = scale * dot(qh, k_t) for 16 bfloat16 K rows `k_stride` apart, straight from the
+ * pool: pairs multiplied exactly and summed in float32 (vdpbf16ps), no widening pass. */
+static inline void qk16_dp(const uint16_t *qh, const uint16_t *k, int64_t k_stride, int64_t d, float scale,
+                           float *out) {
+    __m512 acc[16];
+    for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < d; j += 32) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qh + j);
+        for (int t = 0; t < 16; t++)
+            acc[t] = _mm512_dpbf16_ps(acc[t], qv, (__m512bh)_mm512_loadu_si512(k + t * k_stride + j));
+    }
+    _mm512_storeu_ps(out, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
+}
+/* Whole 16-row chunks inside every block (rows past the context are read, their scores
+ * dropped) and head_dim in 32-element steps. */
+#define QK_DP_bf16(d, bs) ((d) % 32 == 0 && (bs) % 16 == 0)
+#else
+#define QK_DP_bf16(d, bs) 0
+#define qk16_dp(qh, k, ks, d, scale, out) ((void)0)
+#endif
+#define QK_DP_f32(d, bs) 0
 #else
 #define CHUNK16(d) 0
+#define CHUNK64(d) 0
+#define QK_DP_bf16(d, bs) 0
+#define QK_DP_f32(d, bs) 0
+#define qk16_dp(qh, k, ks, d, scale, out) ((void)0)
+#define pv_group_f32(acc, as, w, ws, v, vs, n, d, grp) ((void)0)
+#define pv_group_bf16(acc, as, w, ws, v, vs, n, d, grp) ((void)0)
 #define qk16(qh, rows, d, out) ((void)0)
 #define pv16(acc, w, rows, d) ((void)0)
 #endif
@@ -185,12 +245,28 @@ static void task_##NAME(const attn_args *a, const T *q, const T *pool, const int
             prefetch_run(pool + blocks[b + 1] * a->block_stride + a->layer_offset, run_bytes); \
         const int64_t t0 = (b - b0) * bs, n = n_keys - t0 < bs ? n_keys - t0 : bs;            \
         int64_t t = 0;                                                                        \
-        for (; CHUNK16(d) && t + 16 <= n; t += 16) /* 16 keys at a time, rows in L1 */        \
+        for (; QK_DP_##NAME(d, bs) && t < n; t += 16) { /* bfloat16 K as it is in the pool */ \
+            const int64_t m = n - t < 16 ? n - t : 16;                                        \
+            for (int64_t g = 0; g < kvh; g++)                                                 \
+                for (int64_t h = g * grp; h < (g + 1) * grp; h++) {                           \
+                    float s16[16];                                                            \
+                    qk16_dp((const uint16_t *)q + h * d, (const uint16_t *)k + t * tok_stride + g * d, \
+                            tok_stride, d, a->scale, s16);                                    \
+                    memcpy(scores + h * n_keys + t0 + t, s16, sizeof(float) * m);             \
+                }                                                                             \
+        }                                                                                     \
+        for (; CHUNK16(d) && t < n; t += 16) { /* 16 keys at a time, rows in L1; zero rows pad */ \
+            const int64_t m = n - t < 16 ? n - t : 16;                                        \
             for (int64_t g = 0; g < kvh; g++) {                                               \
-                for (int64_t r = 0; r < 16; r++) row_##NAME(row + r * d, k + (t + r) * tok_stride + g * d, d); \
-                for (int64_t h = g * grp; h < (g + 1) * grp; h++)                             \
-                    qk16(qf + h * d, row, d, scores + h * n_keys + t0 + t);                   \
+                for (int64_t r = 0; r < m; r++) row_##NAME(row + r * d, k + (t + r) * tok_stride + g * d, d); \
+                memset(row + m * d, 0, sizeof(float) * (16 - m) * d);                         \
+                for (int64_t h = g * grp; h < (g + 1) * grp; h++) {                           \
+                    float s16[16];                                                            \
+                    qk16(qf + h * d, row, d, s16);                                            \
+                    memcpy(scores + h * n_keys + t0 + t, s16, sizeof(float) * m);             \
+                }                                                                             \
             }                                                                                 \
+        }                                                                                     \
         for (; t < n; t++)                                                                    \
             for (int64_t g = 0; g < kvh; g++) {                                               \
                 row_##NAME(row, k + t * tok_stride + g * d, d);                               \
@@ -215,12 +291,24 @@ static void task_##NAME(const attn_args *a, const T *q, const T *pool, const int
             prefetch_run(pool + blocks[b + 1] * a->block_stride + a->layer_offset + a->v_offset, run_bytes); \
         const int64_t t0 = (b - b0) * bs, n = n_keys - t0 < bs ? n_keys - t0 : bs;            \
         int64_t t = 0;                                                                        \
-        for (; CHUNK16(d) && t + 16 <= n; t += 16)                                            \
+        if (CHUNK64(d)) { /* V rows straight from the pool, accumulators in registers */     \
+            for (int64_t g = 0; g < kvh; g++)                                                 \
+                pv_group_##NAME(part + g * grp * (d + 2), d + 2, scores + g * grp * n_keys + t0, n_keys, \
+                                v + g * d, tok_stride, n, d, grp);                            \
+            t = n;                                                                            \
+        }                                                                                     \
+        for (; CHUNK16(d) && t < n; t += 16) {                                                \
+            const int64_t m = n - t < 16 ? n - t : 16;                                        \
             for (int64_t g = 0; g < kvh; g++) {                                               \
-                for (int64_t r = 0; r < 16; r++) row_##NAME(row + r * d, v + (t + r) * tok_stride + g * d, d); \
-                for (int64_t h = g * grp; h < (g + 1) * grp; h++)                             \
-                    pv16(part + h * (d + 2), scores + h * n_keys + t0 + t, row, d);           \
+                for (int64_t r = 0; r < m; r++) row_##NAME(row + r * d, v + (t + r) * tok_stride + g * d, d); \
+                memset(row + m * d, 0, sizeof(float) * (16 - m) * d);                         \
+                for (int64_t h = g * grp; h < (g + 1) * grp; h++) {                           \
+                    float w16[16] = {0};                                                      \
+                    memcpy(w16, scores + h * n_keys + t0 + t, sizeof(float) * m);             \
+                    pv16(part + h * (d + 2), w16, row, d);                                    \
+                }                                                                             \
             }                                                                                 \
+        }                                                                                     \
         for (; t < n; t++)                                                                    \
             for (int64_t g = 0; g < kvh; g++) {                                               \
                 row_##NAME(row, v + t * tok_stride + g * d, d);                               \

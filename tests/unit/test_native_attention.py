@@ -52,11 +52,14 @@ def reference(q, pool: KVPool, layer, table, rows, ctx_lens, scale) -> torch.Ten
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 8), (4, 4, 16), (8, 1, 32), (6, 2, 64), (8, 2, 128)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim",
+                         [(4, 2, 8), (4, 4, 16), (8, 1, 32), (6, 2, 64), (8, 2, 128), (10, 2, 64)])
 @pytest.mark.parametrize("block_size", [4, 16, 32])
 def test_kernel_matches_the_reference(kernels, dtype, heads, kv_heads, head_dim, block_size):
-    """Block sizes of 16 and more take the 16-keys-at-a-time path (where head_dim allows),
-    with the block's leftover keys one at a time; 4 takes the one-at-a-time path only."""
+    """Block sizes of 16 and more take the 16-keys-at-a-time paths, a block's last partial
+    chunk included: bfloat16 K read straight from the pool where head_dim is a multiple of
+    32, V summed in registers for up to 4 heads of a group at a time (10/2 heads: 4 + 1)
+    where it is a multiple of 64; 4 takes the one-key-at-a-time path only."""
     pool = make_pool(kv_heads, head_dim, dtype, block_size=block_size)
     g = torch.Generator().manual_seed(heads + head_dim)
     per_row = 48 // block_size + 1
@@ -109,10 +112,11 @@ def test_paged_attention_gives_the_same_with_and_without_the_kernel(kernels):
     )
     meta = AttentionMetadata(slot_blocks=torch.tensor([1, 21]), slot_offsets=torch.tensor([2, 1]), groups=[group])
     q, k, v = torch.randn(2, 4, 16), torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+    pool.write(1, meta.slot_blocks, meta.slot_offsets, k, v)
     plain = paged_attention(q, k, v, 1, pool, meta, 0.25)
     fast = paged_attention(q, k, v, 1, pool, meta, 0.25, kernels)
     torch.testing.assert_close(fast, plain, atol=1e-5, rtol=1e-5)
-    assert torch.equal(pool.tensor[21, 1, 0, 1], k[1])  # the new token's K was written before attending
+    assert torch.equal(pool.tensor[21, 1, 0, 1], k[1])  # attention only reads the pool
 
 
 def test_mismatched_inputs_are_refused(kernels):
