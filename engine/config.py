@@ -72,9 +72,10 @@ class EngineConfig:
     """On CPU, lay linear weights out once for oneDNN (see engine/linear.py); False keeps
     plain tensors and `F.linear`. Ignored on other devices."""
     native_kernels: bool = True
-    """On CPU, decode attention runs a C kernel over the paged pool (engine/native.py),
-    compiled at first use with the C compiler on PATH; False, or no compiler, keeps the
-    torch forms (engine/attention.py)."""
+    """On CPU, C kernels (engine/native.py, compiled at first use with the C compiler on
+    PATH) run decode attention over the paged pool, add + RMSNorm, SwiGLU, rotary + KV
+    store, and bfloat16 matmuls where the CPU has AVX-512 BF16; False, or no compiler,
+    keeps the torch forms (engine/attention.py, oneDNN linears)."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

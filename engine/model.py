@@ -3,9 +3,11 @@
 Reads as single-device code: batch layout and attention metadata come in as
 arguments. Tokens of all requests are packed into one [num_tokens] dimension.
 At load time q/k/v and gate/up projections are fused into one matmul each, and every
-projection becomes a `Linear` (weights prepacked for oneDNN on CPU). With native kernels
-(engine/native.py) each block's output is added to the residual stream and normalised
-in one pass, and decode attention reads the paged pool directly.
+projection becomes a `Linear` (weights packed once on CPU: for the native bfloat16
+matmul or for oneDNN). With native kernels (engine/native.py) each block's output is
+added to the residual stream and normalised in one pass, q and k are rotated in place
+and k, v stored into the pool in one pass, SwiGLU is one pass, and decode attention
+reads the paged pool directly.
 """
 from __future__ import annotations
 
