@@ -3,30 +3,16 @@ reference, and the fused residual add + RMSNorm against the model's torch versio
 
 Float32 within 1e-5; bfloat16 within the output's own rounding (the kernel accumulates
 in float32 and rounds once, so it may differ from the reference by one bfloat16 step).
-The build needs a C compiler: this test fails, not skips, when one is on PATH and the
-kernel still does not load.
+The build needs a C compiler: the `kernels` fixture (tests/unit/conftest.py) fails, not
+skips, when one is on PATH and the kernel still does not load.
 """
 from __future__ import annotations
-
-import os
-import shutil
 
 import pytest
 import torch
 
-from engine import native
 from engine.attention import AttentionMetadata, PagedGroup, paged_attention
 from engine.kv_pool import KVLayout, KVPool
-
-if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
-    pytest.skip("no C compiler on PATH: the native kernels can't be built here", allow_module_level=True)
-
-
-@pytest.fixture(scope="module")
-def kernels() -> native.NativeKernels:
-    k = native.load()
-    assert k is not None, "a C compiler is on PATH but the native kernels did not build (see the log)"
-    return k
 
 
 def make_pool(heads_kv: int, head_dim: int, dtype: torch.dtype, num_blocks: int = 40, block_size: int = 4) -> KVPool:

@@ -1,14 +1,11 @@
 """The native bfloat16 linear kernel (engine/csrc/linear.c) against a float64 reference.
 
 Tolerance: the kernel multiplies bfloat16 pairs exactly, sums in float32 and rounds once,
-so |y - ref| <= half a bfloat16 step of ref (2**-8 relative: 8 significant bits) plus the float32 summation
-error (at most K * 2**-24 * sum |x w|), checked elementwise. It needs AVX-512 BF16: on
+so |y - ref| <= half a bfloat16 step of ref (2**-8 relative: 8 significant bits) plus
+the float32 summation error (at most K * 2**-24 * sum |x w|), checked elementwise. It needs AVX-512 BF16: on
 another CPU it must say so (`has_linear` False, `pack_linear` None) and Linear keeps oneDNN.
 """
 from __future__ import annotations
-
-import os
-import shutil
 
 import pytest
 import torch
@@ -17,18 +14,13 @@ import torch.nn.functional as F
 from engine import native
 from engine.linear import Linear
 
-if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
-    pytest.skip("no C compiler on PATH: the native kernels can't be built here", allow_module_level=True)
-
 
 @pytest.fixture(scope="module")
-def kernels() -> native.NativeKernels:
-    k = native.load()
-    assert k is not None, "a C compiler is on PATH but the native kernels did not build (see the log)"
-    if not k.has_linear:
-        assert k.pack_linear(torch.ones(16, 16, dtype=torch.bfloat16)) is None
+def linear_kernels(kernels: native.NativeKernels) -> native.NativeKernels:
+    if not kernels.has_linear:
+        assert kernels.pack_linear(torch.ones(16, 16, dtype=torch.bfloat16)) is None
         pytest.skip("this CPU has no AVX-512 BF16: the linear kernel is not used here")
-    return k
+    return kernels
 
 
 def check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -43,70 +35,70 @@ def check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 32, 33, 64, 130])
 @pytest.mark.parametrize("n,k", [(16, 2), (48, 30), (64, 768), (80, 64), (1280, 768), (768, 2560)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_matches_the_float64_reference(kernels, rows, n, k, with_bias):
+def test_linear_matches_the_float64_reference(linear_kernels, rows, n, k, with_bias):
     """Every row-block remainder (rows mod 8) and tile-group remainder (N / 16 mod 3),
     one to many row blocks (the prefetching path), K from one pair to 2560."""
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
     w = (torch.randn(n, k, generator=g) * k**-0.5).to(torch.bfloat16)
     bias = torch.randn(n, generator=g).to(torch.bfloat16) if with_bias else None
-    y = kernels.linear(x, kernels.pack_linear(w), bias)
+    y = linear_kernels.linear(x, linear_kernels.pack_linear(w), bias)
     assert y.shape == (rows, n) and y.dtype == torch.bfloat16
     check(y, x, w, bias)
 
 
-def test_strided_rows_and_no_rows(kernels):
+def test_strided_rows_and_no_rows(linear_kernels):
     g = torch.Generator().manual_seed(5)
     wide = torch.randn(20, 200, generator=g).to(torch.bfloat16)
     x = wide[:, 40:168]  # rows 200 apart, 128 dense columns
     w = torch.randn(96, 128, generator=g).to(torch.bfloat16)
-    packed = kernels.pack_linear(w)
-    check(kernels.linear(x, packed, None), x, w, None)
-    assert kernels.linear(x[:0], packed, None).shape == (0, 96)
+    packed = linear_kernels.pack_linear(w)
+    check(linear_kernels.linear(x, packed, None), x, w, None)
+    assert linear_kernels.linear(x[:0], packed, None).shape == (0, 96)
 
 
-def test_agrees_with_f_linear_to_a_bfloat16_step(kernels):
+def test_agrees_with_f_linear_to_a_bfloat16_step(linear_kernels):
     """Against torch's own bfloat16 matmul: mostly the same value, else one step apart, or
     as far apart as two float32 sums in different orders can be before the rounding."""
     g = torch.Generator().manual_seed(7)
     x = torch.randn(32, 768, generator=g).to(torch.bfloat16)
     w = (torch.randn(2560, 768, generator=g) * 768**-0.5).to(torch.bfloat16)
-    got, want = kernels.linear(x, kernels.pack_linear(w), None).float(), F.linear(x, w).float()
+    got, want = linear_kernels.linear(x, linear_kernels.pack_linear(w), None).float(), F.linear(x, w).float()
     magnitude = x.float().abs() @ w.float().abs().T
     assert ((got - want).abs() <= want.abs() * 2**-7 + 2 * magnitude * 768 * 2**-24).all()
     assert (got == want).float().mean() > 0.9
 
 
-def test_pack_linear_declines_what_the_kernel_cannot_take(kernels):
-    assert kernels.pack_linear(torch.ones(24, 16, dtype=torch.bfloat16)) is None  # N not a multiple of 16
-    assert kernels.pack_linear(torch.ones(16, 15, dtype=torch.bfloat16)) is None  # K odd
-    assert kernels.pack_linear(torch.ones(16, 16)) is None  # float32 stays with oneDNN
-    packed = kernels.pack_linear(torch.arange(32 * 4, dtype=torch.bfloat16).reshape(32, 4))
+def test_pack_linear_declines_what_the_kernel_cannot_take(linear_kernels):
+    assert linear_kernels.pack_linear(torch.ones(24, 16, dtype=torch.bfloat16)) is None  # N not a multiple of 16
+    assert linear_kernels.pack_linear(torch.ones(16, 15, dtype=torch.bfloat16)) is None  # K odd
+    assert linear_kernels.pack_linear(torch.ones(16, 16)) is None  # float32 stays with oneDNN
+    packed = linear_kernels.pack_linear(torch.arange(32 * 4, dtype=torch.bfloat16).reshape(32, 4))
     assert packed.shape == (2, 2, 16, 2)
     # tile 1, pair 1, column 3 holds W[16 + 3][2:4]
     assert packed[1, 1, 3].tolist() == [(19 * 4 + 2), (19 * 4 + 3)]
 
 
-def test_linear_refuses_mismatched_inputs(kernels):
-    packed = kernels.pack_linear(torch.ones(32, 8, dtype=torch.bfloat16))
+def test_linear_refuses_mismatched_inputs(linear_kernels):
+    packed = linear_kernels.pack_linear(torch.ones(32, 8, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"x must be bfloat16 \[rows, 8\]"):
-        kernels.linear(torch.ones(2, 6, dtype=torch.bfloat16), packed, None)
+        linear_kernels.linear(torch.ones(2, 6, dtype=torch.bfloat16), packed, None)
     with pytest.raises(ValueError, match="x must be bfloat16"):
-        kernels.linear(torch.ones(2, 8), packed, None)
+        linear_kernels.linear(torch.ones(2, 8), packed, None)
     with pytest.raises(ValueError, match="x must be bfloat16"):
-        kernels.linear(torch.ones(8, 2, dtype=torch.bfloat16).t(), packed, None)
+        linear_kernels.linear(torch.ones(8, 2, dtype=torch.bfloat16).t(), packed, None)
     with pytest.raises(ValueError, match=r"bias must be contiguous bfloat16 \[32\]"):
-        kernels.linear(torch.ones(2, 8, dtype=torch.bfloat16), packed, torch.ones(16, dtype=torch.bfloat16))
+        linear_kernels.linear(torch.ones(2, 8, dtype=torch.bfloat16), packed, torch.ones(16, dtype=torch.bfloat16))
 
 
-def test_the_model_linear_takes_the_kernel_for_bfloat16_only(kernels):
+def test_the_model_linear_takes_the_kernel_for_bfloat16_only(linear_kernels):
     w = torch.randn(64, 32).to(torch.bfloat16)
     b = torch.randn(64).to(torch.bfloat16)
-    lin = Linear(w, b, prepack=True, kernels=kernels)
+    lin = Linear(w, b, prepack=True, kernels=linear_kernels)
     assert lin.tiles is not None and lin.packed is None and lin.weight is None
     x = torch.randn(5, 32).to(torch.bfloat16)
     check(lin(x), x, w, b)
-    f32 = Linear(w.float(), None, prepack=True, kernels=kernels)
+    f32 = Linear(w.float(), None, prepack=True, kernels=linear_kernels)
     assert f32.tiles is None
-    odd = Linear(torch.randn(24, 32).to(torch.bfloat16), None, prepack=True, kernels=kernels)
+    odd = Linear(torch.randn(24, 32).to(torch.bfloat16), None, prepack=True, kernels=linear_kernels)
     assert odd.tiles is None  # oneDNN (or F.linear) instead
