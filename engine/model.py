@@ -133,15 +133,14 @@ class LlamaForCausalLM:
         n, d = x.shape[0], cfg.head_dim
         h, kvh = cfg.num_heads, cfg.num_kv_heads
         qkv = layer.qkv(x)  # [num_tokens, (heads + 2 * kv_heads) * head_dim]
-        if self.kernels is not None:  # rotary in place and the KV store, one pass
-            self.kernels.rotary_store(qkv, h, kvh, cos, sin, pool.tensor, i, meta.slot_blocks, meta.slot_offsets)
-            qk = qkv[:, : (h + kvh) * d].view(n, h + kvh, d)
-        else:
-            qk = apply_rotary(qkv[:, : (h + kvh) * d].view(n, h + kvh, d), cos, sin)  # q and k in one pass
-        q, k = qk[:, :h], qk[:, h:]  # [num_tokens, heads | kv_heads, head_dim]
+        qk = qkv[:, : (h + kvh) * d].view(n, h + kvh, d)
         v = qkv[:, (h + kvh) * d :].view(n, kvh, d)
-        if self.kernels is None:
-            pool.write(i, meta.slot_blocks, meta.slot_offsets, k, v)
+        if self.kernels is not None:  # q and k rotated in place, k and v stored: one pass
+            self.kernels.rotary_store(qkv, h, kvh, cos, sin, pool.tensor, i, meta.slot_blocks, meta.slot_offsets)
+        else:
+            qk = apply_rotary(qk, cos, sin)  # q and k in one pass
+            pool.write(i, meta.slot_blocks, meta.slot_offsets, qk[:, h:], v)
+        q, k = qk[:, :h], qk[:, h:]  # [num_tokens, heads | kv_heads, head_dim]
         o = paged_attention(q, k, v, i, pool, meta, self.scale, self.kernels)  # [num_tokens, heads, head_dim]
         return layer.o(o.reshape(n, h * d))
 

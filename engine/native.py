@@ -48,33 +48,14 @@ class NativeKernels:
     """The compiled library; one method per kernel."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._attn = {}
-        for dtype, name in _DTYPES.items():
-            fn = getattr(lib, f"paged_attention_{name}")
-            fn.argtypes = [ctypes.POINTER(_AttnArgs)] + [ctypes.c_void_p] * 7
-            fn.restype = ctypes.c_int
-            self._attn[dtype] = fn
-        self._norm = {}
-        for dtype, name in _DTYPES.items():
-            fn = getattr(lib, f"add_rms_norm_{name}")
-            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int32]
-            fn.restype = None
-            self._norm[dtype] = fn
-        self._silu_mul, self._rotary = {}, {}
-        for dtype, name in _DTYPES.items():
-            fn = getattr(lib, f"silu_mul_{name}")
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32]
-            fn.restype = None
-            self._silu_mul[dtype] = fn
-            fn = getattr(lib, f"rotary_store_{name}")
-            fn.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 2 + [ctypes.c_int64]
-                           + [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 2 + [ctypes.c_int32])
-            fn.restype = ctypes.c_int
-            self._rotary[dtype] = fn
-        self._linear = lib.linear_bf16
-        self._linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                 ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
-        self._linear.restype = ctypes.c_int
+        ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+        self._attn = _bind(lib, "paged_attention", [ctypes.POINTER(_AttnArgs)] + [ptr] * 7, ctypes.c_int)
+        self._norm = _bind(lib, "add_rms_norm", [ptr] * 4 + [i64, i64, ctypes.c_float, i32], None)
+        self._silu_mul = _bind(lib, "silu_mul", [ptr, i64, i64, ptr, i32], None)
+        self._rotary = _bind(lib, "rotary_store", [ptr] + [i64] * 5 + [ptr] * 2 + [i64] + [ptr] + [i64] * 5
+                             + [ptr] * 2 + [i32], ctypes.c_int)
+        self._linear = _bind(lib, "linear", [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32], ctypes.c_int,
+                             {torch.bfloat16: "bf16"})[torch.bfloat16]
         self.has_linear = bool(lib.linear_bf16_available())
         """Whether this CPU runs the bfloat16 linear kernel (AVX-512 BF16); else oneDNN stays."""
 
@@ -198,6 +179,17 @@ class NativeKernels:
             raise ValueError(f"linear: the kernel refused x {tuple(x.shape)} stride {x.stride()} for [{n}, {k}]"
                              if status == -3 else "linear: not built with AVX-512 BF16 on this CPU")
         return y
+
+
+def _bind(lib: ctypes.CDLL, prefix: str, argtypes: list, restype: object,
+          dtypes: dict[torch.dtype, str] = _DTYPES) -> dict[torch.dtype, ctypes._CFuncPtr]:
+    """The library's `prefix`_f32 / `prefix`_bf16 functions by dtype, typed for ctypes."""
+    fns = {}
+    for dtype, name in dtypes.items():
+        fn = getattr(lib, f"{prefix}_{name}")
+        fn.argtypes, fn.restype = argtypes, restype
+        fns[dtype] = fn
+    return fns
 
 
 @functools.cache
