@@ -11,8 +11,13 @@ measured in the same run on the same bytes:
   (`memcpy_private_gb_per_s`), which is faster when numpy gets transparent huge pages
   and when source and destination fit in the last-level cache together;
 - tcp: a raw long-lived loopback socket to another process (`recv_into` a buffer).
-Transfers and limit measurements alternate, best of --reps for each. Also the 1-block
-push latency (push start to receiver completion, median).
+Transfers and limit measurements alternate, best of --reps for each, and each starts with
+cold caches (a scratch buffer twice the last-level cache is written first): otherwise the
+limit's destination, rewritten every rep, stays cached while the decode pool's blocks do
+not, and the comparison is unequal. A decode pool's blocks are cold in service too (every
+decode step streams the weights through the cache). Also the 1-block push latency (push
+start to receiver completion, median), back to back (`push_latency_us`) and from cold
+caches (`push_latency_cold_us`).
 
 One JSON line per case. Not part of the test suite.
 """
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import socket
 import statistics
 import sys
@@ -109,6 +115,13 @@ class RawSocket:
         self.child.join(5)
 
 
+def last_level_cache_bytes() -> int:
+    try:
+        return max(int(os.sysconf("SC_LEVEL3_CACHE_SIZE")), 1 << 20)
+    except (ValueError, OSError):
+        return 32 << 20
+
+
 def memcpy_s(src: np.ndarray, dst: np.ndarray) -> float:
     t0 = time.perf_counter()
     np.copyto(dst[: len(src)], src)
@@ -132,8 +145,14 @@ class Bench:
         self.shm_dst = self.shm_scratch.data.reshape(self.src.shape)
         self.shm_dst[:] = 1
         self.raw = RawSocket(self.src.nbytes)
+        self.scratch = np.zeros(2 * last_level_cache_bytes(), dtype=np.uint8)
         for _ in range(3):  # let the connection's window open, as the fabric's long-lived one has
             self.raw.send_s(self.src)
+
+    def cold(self) -> Bench:
+        """Evict the caches (write a buffer twice the last-level cache); returns self."""
+        self.scratch.fill(self.n & 0xFF)
+        return self
 
     def same_pattern_s(self, src_ids: list[int], dst_ids: list[int]) -> float:
         """The shm transfer's copies with nothing around them: coalesced runs, memmove each."""
@@ -203,24 +222,27 @@ def run_case(bench: Bench, transport: str, shape: str, n: int, contiguous: bool,
     bench.transfer_s(transport, src_ids, dst_ids)  # warm: connection, mapping
     best, best_limit, best_private, best_pattern = (float("inf"),) * 4
     for _ in range(args.reps):  # interleaved, so all see the same machine noise
-        best = min(best, bench.transfer_s(transport, src_ids, dst_ids))
-        best_limit = min(best_limit, bench.limit_s(transport, n))
+        best = min(best, bench.cold().transfer_s(transport, src_ids, dst_ids))
+        best_limit = min(best_limit, bench.cold().limit_s(transport, n))
         if transport == "shm":
-            best_private = min(best_private, memcpy_s(bench.src[:n], bench.memcpy_dst))
+            best_private = min(best_private, memcpy_s(bench.src[:n], bench.cold().memcpy_dst))
             if not contiguous:
-                best_pattern = min(best_pattern, bench.same_pattern_s(src_ids, dst_ids))
+                best_pattern = min(best_pattern, bench.cold().same_pattern_s(src_ids, dst_ids))
     limit = n * layout.block_bytes / best_limit / 1e9
     private = n * layout.block_bytes / best_private / 1e9
     pattern = n * layout.block_bytes / best_pattern / 1e9
     gb_per_s = n * layout.block_bytes / best / 1e9
-    latency = None
+    latency = latency_cold = None
     if n == 1:
         latency = statistics.median(bench.transfer_s(transport, [0], [0]) for _ in range(args.latency_iters)) * 1e6
+        latency_cold = statistics.median(
+            bench.cold().transfer_s(transport, [0], [0]) for _ in range(args.latency_iters)) * 1e6
     print(json.dumps({
         "bench": "kvfabric_bandwidth", "transport": transport, "shape": shape, "block_bytes": layout.block_bytes,
         "blocks": n, "contiguous": contiguous, "reps": args.reps, "gb_per_s": round(gb_per_s, 3),
         "limit_gb_per_s": round(limit, 3), "fraction_of_limit": round(gb_per_s / limit, 3),
         "push_latency_us": None if latency is None else round(latency, 1),
+        "push_latency_cold_us": None if latency_cold is None else round(latency_cold, 1),
         **({"memcpy_private_gb_per_s": round(private, 3), "fraction_of_private_memcpy": round(gb_per_s / private, 3)}
            if transport == "shm" else {}),
         **({"same_pattern_memcpy_gb_per_s": round(pattern, 3), "fraction_of_same_pattern": round(gb_per_s / pattern, 3)}
