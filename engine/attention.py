@@ -26,6 +26,7 @@ would pay kv_heads times a compute-bound product, so they take the copy
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -58,14 +59,24 @@ class PagedGroup:
     max_query_len: int
     block_table: torch.Tensor
     """[batch, max_blocks] int64, padded with block 0 (masked out)."""
-    mask: torch.Tensor
-    """[batch, 1, max_query_len, max_blocks * block_size] bool, True = attend."""
+    num_keys: int
+    """max_blocks * block_size: the gathered context length the torch forms attend over."""
     rows: torch.Tensor
     """[num_group_tokens] int64, each token's row of the block table."""
     ctx_lens: torch.Tensor
     """[num_group_tokens] int64, keys each token attends to (its position + 1)."""
     in_order: bool = False
     """The group is the whole batch, one token per request in batch order: no index maps."""
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor:
+        """[batch, 1, max_query_len, num_keys] bool, True = attend: each token its first
+        ctx_lens keys (causal within the request); padded query rows key 0 only (never an
+        empty row). Built on first use: the native kernel reads ctx_lens instead."""
+        limit = torch.ones(self.batch * self.max_query_len, dtype=torch.long, device=self.ctx_lens.device)
+        limit[self.padded_index] = self.ctx_lens
+        keys = torch.arange(self.num_keys, device=limit.device)
+        return (keys[None, :] < limit[:, None]).view(self.batch, 1, self.max_query_len, self.num_keys)
 
 
 @dataclass

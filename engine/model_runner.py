@@ -88,7 +88,6 @@ class ModelRunner:
         padded_index: list[int] = []
         rows: list[int] = []
         key_counts: list[int] = []
-        query_pos: list[list[int]] = []
         table: list[list[int]] = []
         for j, (s, offset) in enumerate(members):
             n, start = s.num_new_tokens, s.request.num_computed_tokens
@@ -96,19 +95,15 @@ class ModelRunner:
             padded_index += range(j * max_q, j * max_q + n)
             rows += [j] * n
             key_counts += range(start + 1, start + n + 1)  # each token sees up to itself
-            query_pos.append([*range(start, start + n), *[0] * (max_q - n)])
             used = s.request.block_ids[: -(-ctx_lens[j] // bs)]
-            table.append([*used, *[0] * (max_blocks - len(used))])
-        key_pos = torch.arange(max_blocks * bs)
-        # Causal within the request; padded query rows see key 0 only (never an empty row).
-        mask = key_pos[None, None, :] <= torch.tensor(query_pos)[:, :, None]  # [batch, max_q, ctx]
+            table.append(used + [0] * (max_blocks - len(used)))
         return PagedGroup(
             token_index=torch.tensor(token_index, device=dev),
             padded_index=torch.tensor(padded_index, device=dev),
             batch=len(members),
             max_query_len=max_q,
             block_table=torch.tensor(table, dtype=torch.long, device=dev),
-            mask=mask[:, None].to(dev),
+            num_keys=max_blocks * bs,
             rows=torch.tensor(rows, device=dev),
             ctx_lens=torch.tensor(key_counts, device=dev),
             in_order=max_q == 1 and token_index == list(range(num_tokens)),

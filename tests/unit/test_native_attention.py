@@ -93,7 +93,7 @@ def test_paged_attention_gives_the_same_with_and_without_the_kernel(kernels):
     table = torch.tensor([[3, 9, 1], [20, 21, 0]])
     group = PagedGroup(
         token_index=torch.arange(2), padded_index=torch.arange(2), batch=2, max_query_len=1, block_table=table,
-        mask=(torch.arange(12)[None, :] < torch.tensor([11, 6])[:, None])[:, None, None], rows=torch.arange(2),
+        num_keys=12, rows=torch.arange(2),
         ctx_lens=torch.tensor([11, 6]), in_order=True,
     )
     meta = AttentionMetadata(slot_blocks=torch.tensor([1, 21]), slot_offsets=torch.tensor([2, 1]), groups=[group])
