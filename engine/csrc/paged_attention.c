@@ -182,9 +182,10 @@ DEFINE_PV_GROUP(bf16, uint16_t)
 
 #if defined(__AVX512BF16__)
 /* out[t] = scale * dot(qh, k_t) for 16 bfloat16 K rows `k_stride` apart, straight from the
- * pool: pairs multiplied exactly and summed in float32 (vdpbf16ps), no widening pass. */
+ * pool: pairs multiplied exactly and summed in float32 (vdpbf16ps), no widening pass.
+ * Only out[0 .. m-1] are written (1 <= m <= 16). */
 static inline void qk16_dp(const uint16_t *qh, const uint16_t *k, int64_t k_stride, int64_t d, float scale,
-                           float *out) {
+                           float *out, int64_t m) {
     __m512 acc[16];
     for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t j = 0; j < d; j += 32) {
@@ -192,14 +193,14 @@ static inline void qk16_dp(const uint16_t *qh, const uint16_t *k, int64_t k_stri
         for (int t = 0; t < 16; t++)
             acc[t] = _mm512_dpbf16_ps(acc[t], qv, (__m512bh)_mm512_loadu_si512(k + t * k_stride + j));
     }
-    _mm512_storeu_ps(out, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
+    _mm512_mask_storeu_ps(out, (__mmask16)(0xffffu >> (16 - m)), _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
 }
 /* Whole 16-row chunks inside every block (rows past the context are read, their scores
  * dropped) and head_dim in 32-element steps. */
 #define QK_DP_bf16(d, bs) ((d) % 32 == 0 && (bs) % 16 == 0)
 #else
 #define QK_DP_bf16(d, bs) 0
-#define qk16_dp(qh, k, ks, d, scale, out) ((void)0)
+#define qk16_dp(qh, k, ks, d, scale, out, m) ((void)0)
 #endif
 #define QK_DP_f32(d, bs) 0
 #else
@@ -207,7 +208,7 @@ static inline void qk16_dp(const uint16_t *qh, const uint16_t *k, int64_t k_stri
 #define CHUNK64(d) 0
 #define QK_DP_bf16(d, bs) 0
 #define QK_DP_f32(d, bs) 0
-#define qk16_dp(qh, k, ks, d, scale, out) ((void)0)
+#define qk16_dp(qh, k, ks, d, scale, out, m) ((void)0)
 #define pv_group_f32(acc, as, w, ws, v, vs, n, d, grp) ((void)0)
 #define pv_group_bf16(acc, as, w, ws, v, vs, n, d, grp) ((void)0)
 #define qk16(qh, rows, d, out) ((void)0)
@@ -218,6 +219,36 @@ static inline void qk16_dp(const uint16_t *qh, const uint16_t *k, int64_t k_stri
  * elements in a row, while this block is computed. */
 static inline void prefetch_run(const void *start, int64_t nbytes) {
     for (int64_t off = 0; off < nbytes; off += 64) __builtin_prefetch((const char *)start + off);
+}
+
+/* s[t] = e^(s[t] - m) for m = max(s[0 .. n-1]); *max_out = m, *sum_out = the sum of the
+ * new s[t]. n >= 1. */
+static inline void softmax_row(float *s, int64_t n, float *max_out, float *sum_out) {
+    float m = -INFINITY, l = 0.f;
+#if defined(__AVX512F__)
+    __m512 vm = _mm512_set1_ps(-INFINITY), vl = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 k = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1);
+        vm = _mm512_max_ps(vm, _mm512_mask_loadu_ps(vm, k, s + t));
+    }
+    m = _mm512_reduce_max_ps(vm);
+    const __m512 vmax = _mm512_set1_ps(m), floor = _mm512_set1_ps(-87.f);
+    for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 k = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1);
+        const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), vmax), floor);
+        const __m512 e = exp16_clamped(x);
+        _mm512_mask_storeu_ps(s + t, k, e);
+        vl = _mm512_add_ps(vl, _mm512_maskz_mov_ps(k, e));
+    }
+    l = _mm512_reduce_add_ps(vl);
+#else
+    _Pragma("omp simd reduction(max : m)")
+    for (int64_t t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
+    _Pragma("omp simd reduction(+ : l)")
+    for (int64_t t = 0; t < n; t++) { s[t] = exp_nonpos(s[t] - m); l += s[t]; }
+#endif
+    *max_out = m;
+    *sum_out = l;
 }
 
 /* Splits of one query's context: enough tasks for the threads when the batch is small,
@@ -237,7 +268,7 @@ static void task_##NAME(const attn_args *a, const T *q, const T *pool, const int
     const int64_t heads = a->num_heads, grp = heads / kvh, tok_stride = kvh * d;              \
     const int64_t n_keys = (b1 * bs < ctx ? b1 * bs : ctx) - b0 * bs;                         \
     const int64_t run_bytes = bs * tok_stride * (int64_t)sizeof(T);                           \
-    for (int64_t h = 0; h < heads; h++)                                                       \
+    for (int64_t h = 0; !QK_DP_##NAME(d, bs) && h < heads; h++) /* qf: the other paths' q */ \
         for (int64_t i = 0; i < d; i++) qf[h * d + i] = LOAD_##NAME(q, h * d + i) * a->scale; \
     for (int64_t b = b0; b < b1; b++) {                                                       \
         const T *k = pool + blocks[b] * a->block_stride + a->layer_offset;                    \
@@ -248,12 +279,9 @@ static void task_##NAME(const attn_args *a, const T *q, const T *pool, const int
         for (; QK_DP_##NAME(d, bs) && t < n; t += 16) { /* bfloat16 K as it is in the pool */ \
             const int64_t m = n - t < 16 ? n - t : 16;                                        \
             for (int64_t g = 0; g < kvh; g++)                                                 \
-                for (int64_t h = g * grp; h < (g + 1) * grp; h++) {                           \
-                    float s16[16];                                                            \
+                for (int64_t h = g * grp; h < (g + 1) * grp; h++)                             \
                     qk16_dp((const uint16_t *)q + h * d, (const uint16_t *)k + t * tok_stride + g * d, \
-                            tok_stride, d, a->scale, s16);                                    \
-                    memcpy(scores + h * n_keys + t0 + t, s16, sizeof(float) * m);             \
-                }                                                                             \
+                            tok_stride, d, a->scale, scores + h * n_keys + t0 + t, m);        \
         }                                                                                     \
         for (; CHUNK16(d) && t < n; t += 16) { /* 16 keys at a time, rows in L1; zero rows pad */ \
             const int64_t m = n - t < 16 ? n - t : 16;                                        \
@@ -275,15 +303,9 @@ static void task_##NAME(const attn_args *a, const T *q, const T *pool, const int
             }                                                                                 \
     }                                                                                         \
     for (int64_t h = 0; h < heads; h++) {                                                     \
-        float *s = scores + h * n_keys, m = -INFINITY, l = 0.f;                               \
-        _Pragma("omp simd reduction(max : m)")                                                \
-        for (int64_t t = 0; t < n_keys; t++) m = s[t] > m ? s[t] : m;                         \
-        _Pragma("omp simd reduction(+ : l)")                                                  \
-        for (int64_t t = 0; t < n_keys; t++) { s[t] = exp_nonpos(s[t] - m); l += s[t]; }      \
         float *ph = part + h * (d + 2);                                                       \
         memset(ph, 0, sizeof(float) * d);                                                     \
-        ph[d] = m;                                                                            \
-        ph[d + 1] = l;                                                                        \
+        softmax_row(scores + h * n_keys, n_keys, ph + d, ph + d + 1);                         \
     }                                                                                         \
     for (int64_t b = b0; b < b1; b++) {                                                       \
         const T *v = pool + blocks[b] * a->block_stride + a->layer_offset + a->v_offset;      \
