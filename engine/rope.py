@@ -42,10 +42,15 @@ class RotaryTable:
         self.cos = emb.cos()
         sin = emb.sin()
         self.signed_sin = torch.cat((-sin[:, : head_dim // 2], sin[:, head_dim // 2 :]), dim=-1)
+        self._tables = {torch.float32: (self.cos, self.signed_sin)}
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[num_tokens, 1, head_dim] cos and signed sin (first half negated), broadcast over heads."""
-        return self.cos[positions, None].to(dtype), self.signed_sin[positions, None].to(dtype)
+        tables = self._tables.get(dtype)
+        if tables is None:  # rounded once, not per step (the same values: rounding commutes with indexing)
+            tables = self._tables[dtype] = (self.cos.to(dtype), self.signed_sin.to(dtype))
+        cos, signed_sin = tables
+        return cos[positions, None], signed_sin[positions, None]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
