@@ -28,7 +28,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("paged_attention.c", "rms_norm.c", "linear.c", "pointwise.c")]
+SOURCES = [CSRC / name for name in ("paged_attention.c", "rms_norm.c", "linear.c", "pointwise.c", "copy.c")]
 HEADERS = [CSRC / name for name in ("bf16.h", "fastmath.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 BUILD_TIMEOUT_S = 120.0
@@ -58,6 +58,10 @@ class NativeKernels:
                              {torch.bfloat16: "bf16"})[torch.bfloat16]
         self.has_linear = bool(lib.linear_bf16_available())
         """Whether this CPU runs the bfloat16 linear kernel (AVX-512 BF16); else oneDNN stays."""
+        self.copy_stream = lib.copy_stream
+        """copy_stream(dst address, src address, nbytes): memcpy with non-temporal stores,
+        for bytes this process won't read back (kvfabric's shm pushes); releases the GIL."""
+        self.copy_stream.argtypes, self.copy_stream.restype = [ptr, ptr, i64], None
 
     def supports(self, dtype: torch.dtype, device: torch.device | str) -> bool:
         return dtype in self._attn and torch.device(device).type == "cpu"

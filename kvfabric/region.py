@@ -13,14 +13,19 @@ import mmap
 import os
 import secrets
 import weakref
+from collections.abc import Callable
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 if TYPE_CHECKING:  # torch is only needed to view a pool tensor; senders and receivers run without it
     import torch
+
+CopyBytes = Callable[[int, int, int], None]
+"""copy(dst address, src address, nbytes) for non-overlapping memory, the GIL released
+(a ctypes function): `ctypes.memmove`, or one that streams past the cache (the engine's
+`copy_stream`)."""
 
 _SHM_DIR = Path("/dev/shm")
 _HEADER_BYTES = mmap.PAGESIZE
@@ -57,13 +62,15 @@ class BlockRegion:
             raise ValueError(f"blocks [{first}, {first + num_blocks}) outside the pool of {self.num_blocks}")
         return self.array[first:first + num_blocks]
 
-    def copy_from(self, src: BlockRegion, src_block: int, dst_block: int, num_blocks: int) -> None:
-        """memcpy a run of blocks with the GIL released (other threads keep going)."""
+    def copy_from(
+        self, src: BlockRegion, src_block: int, dst_block: int, num_blocks: int, copy: CopyBytes = ctypes.memmove,
+    ) -> None:
+        """Copy a run of blocks with the GIL released (other threads keep going)."""
         for region, first in ((src, src_block), (self, dst_block)):
             if first < 0 or num_blocks <= 0 or first + num_blocks > region.num_blocks:
                 raise ValueError(f"blocks [{first}, {first + num_blocks}) outside the pool of {region.num_blocks}")
         bb = self.block_bytes
-        ctypes.memmove(self._address + dst_block * bb, src._address + src_block * bb, num_blocks * bb)
+        copy(self._address + dst_block * bb, src._address + src_block * bb, num_blocks * bb)
 
 
 class ShmSegment:

@@ -14,6 +14,7 @@ sees the ack no byte of that reservation can still be written (the fence).
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import zlib
@@ -24,7 +25,7 @@ from kvfabric.address import ONE_SIDED, FabricAddress, Ticket, local_host_id
 from kvfabric.cuda import DeviceRegion, IpcMapping, NcclLink, nccl_unique_id
 from kvfabric.errors import FabricError, HandshakeError, PeerUnavailable, ReservationRevoked
 from kvfabric.layout import FabricLayout, Run, coalesce, merge_spans
-from kvfabric.region import BlockRegion, ShmSegment
+from kvfabric.region import BlockRegion, CopyBytes, ShmSegment
 from kvfabric.wire import Conn, Idle, dial
 
 logger = logging.getLogger(__name__)
@@ -230,7 +231,7 @@ class _Peer:
         if self.transport == "shm":
             assert self.dst is not None
             for r in runs:
-                self.dst.copy_from(src, r.src_block, r.dst_block, r.num_blocks)
+                self.dst.copy_from(src, r.src_block, r.dst_block, r.num_blocks, self.sender.copy)
             merge_spans(transfer.unreported, spans)
             return
         data = [src.blocks(r.src_block, r.num_blocks) for r in runs]
@@ -357,10 +358,13 @@ class _Peer:
 class FabricSender:
     def __init__(
         self, layout: FabricLayout, region: BlockRegion | DeviceRegion, config: SenderConfig | None = None,
+        copy: CopyBytes = ctypes.memmove,
     ) -> None:
+        """`copy` moves the bytes of `shm` pushes; the prefill worker passes the engine's
+        `copy_stream` (non-temporal stores: the decode pool is never read back here)."""
         if region.block_bytes != layout.block_bytes:
             raise ValueError(f"region blocks are {region.block_bytes} bytes, layout says {layout.block_bytes}")
-        self.layout, self.region, self.config = layout, region, config or SenderConfig()
+        self.layout, self.region, self.config, self.copy = layout, region, config or SenderConfig(), copy
         self._peers: dict[str, _Peer] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()

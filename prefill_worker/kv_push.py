@@ -11,6 +11,7 @@ the first token or the error. Source blocks live in the engine's pool (CPU tenso
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from dataclasses import dataclass
@@ -39,7 +40,9 @@ class KVPusher:
     def __init__(self, engine: LLMEngine, config: SenderConfig | None = None) -> None:
         self.layout = FabricLayout.of_pool(engine.model_id, engine.kv_pool.layout)
         self.block_size = engine.kv_pool.layout.block_size
-        self.sender = FabricSender(self.layout, BlockRegion.from_tensor(engine.kv_pool.tensor), config)
+        kernels = engine.model.kernels
+        copy = kernels.copy_stream if kernels is not None else ctypes.memmove
+        self.sender = FabricSender(self.layout, BlockRegion.from_tensor(engine.kv_pool.tensor), config, copy)
         self._transfers: dict[str, Transfer] = {}
         self._next_index: dict[str, int] = {}
         self._num_pushes: dict[str, int] = {}
