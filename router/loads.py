@@ -38,6 +38,14 @@ class LoadBook:
         """Its heartbeat was seen and has expired since: the worker stopped (or hangs)."""
         return worker_id in self._seen and worker_id not in self.heartbeats
 
+    def book(self, decode: str, prefill: str | None, prompt_tokens: int, blocks: int) -> Booking:
+        """Counts a routed attempt: `prompt_tokens` queued on its prefiller (P, or D for a
+        local prefill), `blocks` promised on D, one active request on each."""
+        self.start(decode, prompt_tokens if prefill is None else 0, blocks)
+        if prefill is not None:
+            self.start(prefill, prompt_tokens, 0)
+        return Booking(self, decode, prefill, prompt_tokens, blocks)
+
     def start(self, worker_id: str, prefill_tokens: int, blocks: int) -> None:
         o = self._own.setdefault(worker_id, _Own())
         o.num_active += 1
@@ -66,3 +74,36 @@ class LoadBook:
 
     def own_active(self, worker_id: str) -> int:
         return self._own.get(worker_id, _Own()).num_active
+
+
+@dataclass
+class Booking:
+    """One routed attempt's entries in a `LoadBook`, each settled exactly once, however the
+    attempt ends (finished, cancelled, a worker failed): the prompt stops counting as
+    queued prefill at the first token, the rest when the attempt ends."""
+
+    book: LoadBook
+    decode: str
+    prefill: str | None
+    prompt_tokens: int
+    """Prompt tokens the prefiller computes (not cached there)."""
+    blocks: int
+    prefilling: bool = True
+    """The prompt still counts as queued on the prefiller."""
+    _ended: bool = False
+
+    def prefilled(self) -> None:
+        """The first token exists: the prompt no longer waits on the prefiller."""
+        if self.prefilling:
+            self.prefilling = False
+            self.book.prefilled(self.prefill or self.decode, self.prompt_tokens)
+
+    def end(self) -> None:
+        """The attempt is over: settles whatever is still counted."""
+        if self._ended:
+            return
+        self._ended = True
+        self.prefilled()
+        self.book.end(self.decode, self.blocks)
+        if self.prefill is not None:
+            self.book.end(self.prefill, 0)

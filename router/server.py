@@ -36,7 +36,7 @@ from proto.convert import finish_name_from_pb, finish_to_pb, sampling_from_pb, s
 from router.admission import AdmissionQueue, Refused
 from router.attempt import Attempt, Deadline, DecodeStream, Prepared, Progress, RequestFailed, WorkerFailed
 from router.kv_index import KVIndex
-from router.loads import LoadBook
+from router.loads import Booking, LoadBook
 from router.policy import RouteDecision, choose_round_robin, choose_route
 
 logger = logging.getLogger(__name__)
@@ -246,79 +246,80 @@ class Router(pb_grpc.GenerationServicer):
                    detok: IncrementalDetokenizer | None, avoid: set[str]) -> AsyncIterator[pb.GenerateResponse]:
         decision, hashes = self._route(attempt, avoid)
         progress.routed = progress.routed or time.perf_counter()
-        d, p = decision.decode_worker, decision.prefill_worker
         progress.route = _route_pb(decision)
-        blocks = self._blocks_for(len(attempt.token_ids))
-        uncached_d, uncached_p = self._book(attempt, decision, hashes, blocks)
+        booking = self._book(attempt, decision, hashes)
+        d, p = booking.decode, booking.prefill
         call = self._stubs[d].Decode(pb.DecodeRequest(
             request_id=attempt.worker_request_id, prompt_token_ids=attempt.token_ids,
             sampling=sampling_to_pb(attempt.params, keep_stop_strings=False), priority=attempt.priority,
             tenant=attempt.tenant, local_prefill=p is None))
-        prefill_open, local_open = p is not None, p is None
+        abort_prefill = p is not None
         try:
             stream = DecodeStream(call, d, deadline, self.config.prefill_timeout_s, self.config.decode_idle_timeout_s)
             if p is not None:
                 first = await self._remote_prefill(attempt, p, stream, deadline)
-                prefill_open = False
-                self.loads.prefilled(p, uncached_p)
-                self._first_prefilled(prep, progress, first.num_cached_tokens)
-                progress.transfer_ms = first.transfer_s * 1e3
-                response, done = self._tokens_response(prep, progress, detok, [first.first_token_id],  # type: ignore[list-item]
-                                                       list(first.logprobs), first.finish_reason)
+                abort_prefill = False
+                booking.prefilled()
+                response, done = self._first_token_response(prep, progress, detok, first)
                 yield response
                 if done:
                     yield self._final(prep, progress, response.finish_reason)
                     return
-            first_from_p = p is not None
-            while True:
-                ev = await stream.next_tokens()
-                token_ids, logprobs = list(ev.token_ids), list(ev.logprobs)
-                if first_from_p:  # D's first event repeats the first token, which came from P
-                    first_from_p = False
-                    progress.transfer_window_ms = ev.transfer_ms
-                    token_ids, logprobs = token_ids[1:], logprobs[1:]
-                elif local_open:
-                    local_open = False
-                    self._first_prefilled(prep, progress, ev.num_cached_tokens)
-                    self.loads.prefilled(d, uncached_d)
-                response, done = self._tokens_response(prep, progress, detok, token_ids, logprobs,
-                                                       finish_name_from_pb(ev.finish_reason))
-                if response.token_ids or done:
-                    yield response
-                if done:
-                    yield self._final(prep, progress, response.finish_reason)
-                    return
+            async for response in self._decode_tokens(prep, progress, detok, stream, booking):
+                yield response
         except WorkerFailed as e:
             if e.worker_id == p and e.down:
-                prefill_open = False  # nothing left there to abort
+                abort_prefill = False  # nothing left there to abort
             for w in (d, p) if p is not None else (d,):  # a retry must not be routed on blocks that never landed
                 self.index.retract(w, hashes)
             raise
         finally:
             call.cancel()
-            if prefill_open:
-                self.loads.prefilled(p, uncached_p)  # type: ignore[arg-type]
+            if abort_prefill:
                 self.prefills[p].abort.remote(attempt.worker_request_id)  # type: ignore[attr-defined, index]
-            if local_open:
-                self.loads.prefilled(d, uncached_d)
-            self.loads.end(d, blocks)
-            if p is not None:
-                self.loads.end(p, 0)
+            booking.end()
 
-    def _book(self, attempt: Attempt, decision: RouteDecision, hashes: list[bytes], blocks: int) -> tuple[int, int]:
-        """Counts the routed attempt in the load book, the index's predictions and the stats;
-        returns the prompt tokens D and P will compute (uncached there)."""
+    async def _decode_tokens(self, prep: Prepared, progress: Progress, detok: IncrementalDetokenizer | None,
+                             stream: DecodeStream, booking: Booking) -> AsyncIterator[pb.GenerateResponse]:
+        """The decode worker's tokens to the client, then the final response. After a remote
+        prefill D's first event repeats the first token, which came from P."""
+        repeats_first = booking.prefill is not None
+        while True:
+            ev = await stream.next_tokens()
+            token_ids, logprobs = list(ev.token_ids), list(ev.logprobs)
+            if repeats_first:
+                repeats_first = False
+                progress.transfer_window_ms = ev.transfer_ms
+                token_ids, logprobs = token_ids[1:], logprobs[1:]
+            elif booking.prefilling:  # a local prefill's first token
+                booking.prefilled()
+                self._first_prefilled(prep, progress, ev.num_cached_tokens)
+            response, done = self._tokens_response(prep, progress, detok, token_ids, logprobs,
+                                                   finish_name_from_pb(ev.finish_reason))
+            if response.token_ids or done:
+                yield response
+            if done:
+                yield self._final(prep, progress, response.finish_reason)
+                return
+
+    def _first_token_response(self, prep: Prepared, progress: Progress, detok: IncrementalDetokenizer | None,
+                              first: PrefillResult) -> tuple[pb.GenerateResponse, bool]:
+        self._first_prefilled(prep, progress, first.num_cached_tokens)
+        progress.transfer_ms = first.transfer_s * 1e3
+        return self._tokens_response(prep, progress, detok, [first.first_token_id],  # type: ignore[list-item]
+                                     list(first.logprobs), first.finish_reason)
+
+    def _book(self, attempt: Attempt, decision: RouteDecision, hashes: list[bytes]) -> Booking:
+        """Counts the routed attempt in the load book, the index's predictions and the stats."""
         d, p = decision.decode_worker, decision.prefill_worker
+        cached_blocks = decision.num_decode_cached_blocks if p is None else decision.num_prefill_cached_blocks
         num_tokens = len(attempt.token_ids)
-        uncached_d = num_tokens - decision.num_decode_cached_blocks * self.block_size
-        uncached_p = num_tokens - decision.num_prefill_cached_blocks * self.block_size
-        self.loads.start(d, uncached_d if p is None else 0, blocks)
+        booking = self.loads.book(d, p, num_tokens - cached_blocks * self.block_size, self._blocks_for(num_tokens))
         self.index.predict(d, hashes)
         if p is not None:
-            self.loads.start(p, uncached_p, 0)
             self.index.predict(p, hashes)
         self.stats["num_local_prefill" if p is None else "num_remote_prefill"] += 1
-        return uncached_d, uncached_p
+        return booking
 
     def _first_prefilled(self, prep: Prepared, progress: Progress, num_cached_tokens: int) -> None:
         if progress.num_sent == 0:  # a later try's prompt includes tokens already sent

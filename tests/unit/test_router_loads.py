@@ -39,3 +39,38 @@ def test_registry_away_forgets_everything() -> None:
     book.set_heartbeats(None)
     assert not book.gone("d0")
     assert book.load("d0").num_free_blocks == 20
+
+
+def loads(book: LoadBook, worker_id: str) -> tuple[int, int, int]:
+    load = book.load(worker_id)
+    return load.num_active, load.queued_prefill_tokens, load.num_free_blocks
+
+
+def test_a_remote_prefill_booking_settles_each_entry_once() -> None:
+    book = LoadBook({"d0": 20, "p0": 1 << 30})
+    booking = book.book("d0", "p0", prompt_tokens=48, blocks=4)
+    assert loads(book, "d0") == (1, 0, 16) and loads(book, "p0") == (1, 48, 1 << 30)
+    booking.prefilled()
+    booking.prefilled()  # the first token is counted once
+    assert loads(book, "p0") == (1, 0, 1 << 30)
+    booking.end()
+    booking.end()
+    assert loads(book, "d0") == (0, 0, 20) and loads(book, "p0") == (0, 0, 1 << 30)
+
+
+def test_an_attempt_ended_before_its_first_token_frees_its_queued_prompt() -> None:
+    """A prefill worker that died mid-prefill must not keep the prompt queued in the book:
+    when it comes back it would look busy forever."""
+    book = LoadBook({"d0": 20, "p0": 1 << 30})
+    book.book("d0", "p0", prompt_tokens=48, blocks=4).end()
+    assert loads(book, "p0") == (0, 0, 1 << 30) and loads(book, "d0") == (0, 0, 20)
+
+
+def test_a_local_prefill_queues_its_prompt_on_the_decode_worker() -> None:
+    book = LoadBook({"d0": 20})
+    booking = book.book("d0", None, prompt_tokens=30, blocks=2)
+    assert loads(book, "d0") == (1, 30, 18)
+    booking.prefilled()
+    assert loads(book, "d0") == (1, 0, 18)
+    booking.end()
+    assert loads(book, "d0") == (0, 0, 20)
