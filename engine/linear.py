@@ -35,11 +35,18 @@ class Linear:
         on_cpu = prepack and weight.device.type == "cpu"
         self.packed = _prepack(weight) if self.tiles is None and on_cpu else None
         self.weight = weight if self.tiles is None and self.packed is None else None
+        self.after: torch.Tensor | None = None
+        """The tiles of the linear that runs after this one (see `runs_before`)."""
+
+    def runs_before(self, other: Linear) -> None:
+        """`other` is the next linear the model calls: this one's kernel prefetches the start
+        of its weights while finishing (both must be native tile layouts)."""
+        self.after = other.tiles if self.tiles is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.tiles is not None:
             assert self.kernels is not None
-            return self.kernels.linear(x, self.tiles, self.bias)
+            return self.kernels.linear(x, self.tiles, self.bias, self.after)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

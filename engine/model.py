@@ -83,6 +83,9 @@ class LlamaForCausalLM:
                 gate_up=fused([m + "gate_proj", m + "up_proj"]),
                 down=fused([m + "down_proj"]),
             ))
+        order = [x for layer in model.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        for first, then in zip(order, order[1:] + [model.lm_head]):  # the order forward() calls them in
+            first.runs_before(then)
         return model
 
     @property

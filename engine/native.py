@@ -54,7 +54,8 @@ class NativeKernels:
         self._silu_mul = _bind(lib, "silu_mul", [ptr, i64, i64, ptr, i32], None)
         self._rotary = _bind(lib, "rotary_store", [ptr] + [i64] * 5 + [ptr] * 2 + [i64] + [ptr] + [i64] * 5
                              + [ptr] * 2 + [i32], ctypes.c_int)
-        self._linear = _bind(lib, "linear", [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32], ctypes.c_int,
+        self._linear = _bind(lib, "linear", [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32, ptr, i64, i64],
+                             ctypes.c_int,
                              {torch.bfloat16: "bf16"})[torch.bfloat16]
         self.has_linear = bool(lib.linear_bf16_available())
         """Whether this CPU runs the bfloat16 linear kernel (AVX-512 BF16); else oneDNN stays."""
@@ -168,8 +169,11 @@ class NativeKernels:
             return None
         return weight.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
-    def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [rows, K] @ W.T (+ bias) for W packed by `pack_linear`; bfloat16 in and out."""
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+               after: torch.Tensor | None = None) -> torch.Tensor:
+        """x [rows, K] @ W.T (+ bias) for W packed by `pack_linear`; bfloat16 in and out.
+        `after`: the packed weight of the linear the caller runs next (its first tiles are
+        prefetched while this one finishes)."""
         tiles, pairs, _, _ = packed.shape
         n, k = tiles * 16, pairs * 2
         if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.bfloat16 or x.stride(1) != 1:
@@ -177,8 +181,10 @@ class NativeKernels:
         if bias is not None and (bias.shape != (n,) or bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
             raise ValueError(f"bias must be contiguous bfloat16 [{n}], got {bias.dtype} {tuple(bias.shape)}")
         y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+        a_tiles, a_pairs = after.shape[:2] if after is not None else (0, 0)
         status = self._linear(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                              y.data_ptr(), n, x.shape[0], n, k, torch.get_num_threads())
+                              y.data_ptr(), n, x.shape[0], n, k, torch.get_num_threads(),
+                              None if after is None else after.data_ptr(), a_tiles * 16, a_pairs * 2)
         if status != 0:
             raise ValueError(f"linear: the kernel refused x {tuple(x.shape)} stride {x.stride()} for [{n}, {k}]"
                              if status == -3 else "linear: not built with AVX-512 BF16 on this CPU")

@@ -47,6 +47,31 @@ def test_linear_matches_the_float64_reference(linear_kernels, rows, n, k, with_b
     check(y, x, w, bias)
 
 
+@pytest.mark.parametrize("rows", [1, 9, 32, 130])
+@pytest.mark.parametrize("after_n,after_k", [(48, 30), (1280, 768), (768, 2560), (16, 2)])
+def test_prefetching_the_next_linear_changes_no_output(linear_kernels, rows, after_n, after_k):
+    """`after` only prefetches: the same bits with it as without, for next weights larger,
+    smaller and with fewer tile groups than threads."""
+    g = torch.Generator().manual_seed(rows + after_n)
+    x = torch.randn(rows, 768, generator=g).to(torch.bfloat16)
+    packed = linear_kernels.pack_linear(torch.randn(1280, 768, generator=g).to(torch.bfloat16))
+    after = linear_kernels.pack_linear(torch.randn(after_n, after_k, generator=g).to(torch.bfloat16))
+    assert torch.equal(linear_kernels.linear(x, packed, None, after), linear_kernels.linear(x, packed, None))
+
+
+def test_the_model_chains_its_linears_in_call_order(linear_kernels, tmp_path):
+    from engine.model import LlamaForCausalLM
+    from engine.model_config import ModelConfig
+    from engine.tiny_model import make_tiny_model
+
+    make_tiny_model(tmp_path, arch="llama", size="tiny", seed=0)
+    m = LlamaForCausalLM.load(str(tmp_path), ModelConfig.from_dir(tmp_path), torch.bfloat16, "cpu",
+                              kernels=linear_kernels)
+    order = [x for layer in m.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [m.lm_head]
+    assert all(x.tiles is not None for x in order)
+    assert all(a.after is b.tiles for a, b in zip(order, order[1:])) and m.lm_head.after is None
+
+
 def test_strided_rows_and_no_rows(linear_kernels):
     g = torch.Generator().manual_seed(5)
     wide = torch.randn(20, 200, generator=g).to(torch.bfloat16)
