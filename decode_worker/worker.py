@@ -26,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from cluster.config import WorkerConfig
 from cluster.registry import Heartbeat, Publisher, engine_heartbeat
 from decode_worker.kv_receive import RemoteFailure, RemoteKV
-from engine.engine_loop import EngineLoop
+from engine.engine_loop import EngineLoop, freeze_startup_heap
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.types import EngineError, InvalidRequestError
 from kvfabric import ReceiverConfig, ShmKVAllocator
@@ -60,6 +60,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         self._num_cached_tokens = 0
         self._seen: set[str] = set()
         """Engine thread: requests whose first output was counted in the prefix-hit statistics."""
+        freeze_startup_heap()
 
     # -- actor methods ---------------------------------------------------------------------
     async def start(self) -> dict[str, object]:

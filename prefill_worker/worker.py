@@ -21,7 +21,7 @@ import torch
 
 from cluster.config import WorkerConfig
 from cluster.registry import Heartbeat, Publisher, engine_heartbeat
-from engine.engine_loop import EngineLoop
+from engine.engine_loop import EngineLoop, freeze_startup_heap
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.request import FinishReason, SamplingParams
 from engine.types import EngineError, RequestId
@@ -76,6 +76,7 @@ class PrefillWorker:
         self.loop = EngineLoop(self.engine, self._on_outputs, self._hook, name=f"engine-{worker_id}")
         self.publisher = Publisher(redis_url, namespace, worker_id, self._heartbeat,
                                    config.heartbeat_interval_s, config.heartbeat_ttl_s) if redis_url else None
+        freeze_startup_heap()
         self.loop.start()
         if self.publisher:
             self.publisher.start()
