@@ -7,10 +7,10 @@ pair) and binds the reservation -> `Transfer`. After each prefill chunk the work
 (`shm`: straight into the mapped decode pool) or single frames (`tcp`). `finish()` sends
 `ready` with the first token after the data and waits for the receiver's ack; one-sided
 copies (`shm`, `cuda_ipc`) are reported in that same message, not one message per push,
-since only `ready` needs them. A
-background thread renews the leases of open transfers. A revocation from the receiver
-is applied under the transfer's lock and only then acknowledged, so once the receiver
-sees the ack no byte of that reservation can still be written (the fence).
+since only `ready` needs them. A background thread renews the leases of open transfers.
+A revocation from the receiver is applied under the transfer's lock and only then
+acknowledged, so once the receiver sees the ack no byte of that reservation can still be
+written (the fence).
 """
 from __future__ import annotations
 
@@ -356,12 +356,9 @@ class _Peer:
 
 
 class FabricSender:
-    def __init__(
-        self, layout: FabricLayout, region: BlockRegion | DeviceRegion, config: SenderConfig | None = None,
-        copy: CopyBytes = ctypes.memmove,
-    ) -> None:
-        """`copy` moves the bytes of `shm` pushes; the prefill worker passes the engine's
-        `copy_stream` (non-temporal stores: the decode pool is never read back here)."""
+    def __init__(self, layout: FabricLayout, region: BlockRegion | DeviceRegion, config: SenderConfig | None = None,
+                 copy: CopyBytes = ctypes.memmove) -> None:
+        """`copy` moves `shm` pushes' bytes (the prefill worker passes the engine's copy_stream)."""
         if region.block_bytes != layout.block_bytes:
             raise ValueError(f"region blocks are {region.block_bytes} bytes, layout says {layout.block_bytes}")
         self.layout, self.region, self.config, self.copy = layout, region, config or SenderConfig(), copy
