@@ -232,10 +232,10 @@ static inline void softmax_row(float *s, int64_t n, float *max_out, float *sum_o
         vm = _mm512_max_ps(vm, _mm512_mask_loadu_ps(vm, k, s + t));
     }
     m = _mm512_reduce_max_ps(vm);
-    const __m512 vmax = _mm512_set1_ps(m), floor = _mm512_set1_ps(-87.f);
+    const __m512 vmax = _mm512_set1_ps(m), lowest = _mm512_set1_ps(-87.f);
     for (int64_t t = 0; t < n; t += 16) {
         const __mmask16 k = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1);
-        const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), vmax), floor);
+        const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), vmax), lowest); /* as exp_nonpos */
         const __m512 e = exp16_clamped(x);
         _mm512_mask_storeu_ps(s + t, k, e);
         vl = _mm512_add_ps(vl, _mm512_maskz_mov_ps(k, e));
