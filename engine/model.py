@@ -7,19 +7,23 @@ projection becomes a `Linear` (weights packed once on CPU: for the native bfloat
 matmul or for oneDNN). With native kernels (engine/native.py) each block's output is
 added to the residual stream and normalised in one pass, q and k are rotated in place
 and k, v stored into the pool in one pass, SwiGLU is one pass, and decode attention
-reads the paged pool directly.
+reads the paged pool directly. A bfloat16 step that is one decode batch runs all layers
+in one native call (`NativeKernels.decode_layers`: the same kernels in the same order,
+without the Python in between).
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata, paged_attention
+from engine.attention import AttentionMetadata, PagedGroup, paged_attention
 from engine.kv_pool import KVPool
 from engine.linear import Linear
 from engine.model_config import ModelConfig
+from engine.native import LayerWeights as NativeLayer
 from engine.native import NativeKernels
 from engine.rope import RotaryTable, apply_rotary
 from engine.weights import CheckpointReader
@@ -51,6 +55,8 @@ class LlamaForCausalLM:
         self.rotary = RotaryTable(config.rope, config.head_dim, config.max_position_embeddings, device)
         self.layers: list[LayerWeights] = []
         self.kernels: NativeKernels | None = None
+        self.native_layers: ctypes.Array | None = None
+        """The layers' weight pointers for `NativeKernels.decode_layers`, where it can run them."""
 
     @classmethod
     def load(
@@ -86,7 +92,21 @@ class LlamaForCausalLM:
         order = [x for layer in model.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         for first, then in zip(order, order[1:] + [model.lm_head]):  # the order forward() calls them in
             first.runs_before(then)
+        model.native_layers = model._native_layers()
         return model
+
+    def _native_layers(self) -> ctypes.Array | None:
+        if self.kernels is None or self.dtype != torch.bfloat16:
+            return None
+        linears = [x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        if any(x.tiles is None for x in linears):  # decode_layers runs the native matmul only
+            return None
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        return (NativeLayer * len(self.layers))(*(NativeLayer(
+            input_norm=ptr(x.input_norm), qkv=ptr(x.qkv.tiles), qkv_bias=ptr(x.qkv.bias), o=ptr(x.o.tiles),
+            o_bias=ptr(x.o.bias), post_norm=ptr(x.post_norm), gate_up=ptr(x.gate_up.tiles),
+            gate_up_bias=ptr(x.gate_up.bias), down=ptr(x.down.tiles), down_bias=ptr(x.down.bias),
+        ) for x in self.layers))
 
     @property
     def weight_bytes(self) -> int:
@@ -113,10 +133,19 @@ class LlamaForCausalLM:
         """
         cos, sin = self.rotary.lookup(positions, self.dtype)
         h = self.embed[input_ids]  # [num_tokens, hidden], a copy: the residual stream, added to in place
-        delta = None  # the last block's output, not yet added to h
-        for i, layer in enumerate(self.layers):
-            delta = self._attention(i, layer, self._add_norm(h, delta, layer.input_norm), cos, sin, pool, meta)
-            delta = self._mlp(layer, self._add_norm(h, delta, layer.post_norm))
+        group = meta.groups[0] if len(meta.groups) == 1 else None
+        if self.native_layers is not None and isinstance(group, PagedGroup) and group.in_order:  # a decode batch
+            assert self.kernels is not None
+            cfg, gate_up = self.config, self.layers[0].gate_up
+            delta = self.kernels.decode_layers(
+                self.native_layers, h, cos, sin, pool.tensor, meta.slot_blocks, meta.slot_offsets, group.block_table,
+                group.rows, group.ctx_lens, (cfg.num_heads, cfg.num_kv_heads, gate_up.out_features // 2),
+                cfg.rms_norm_eps, self.scale, self.lm_head.tiles)
+        else:
+            delta = None  # the last block's output, not yet added to h
+            for i, layer in enumerate(self.layers):
+                delta = self._attention(i, layer, self._add_norm(h, delta, layer.input_norm), cos, sin, pool, meta)
+                delta = self._mlp(layer, self._add_norm(h, delta, layer.post_norm))
         x = self._add_norm(h[logits_index], delta[logits_index], self.norm)  # [num_logits, hidden]
         return self.lm_head(x).float()
 

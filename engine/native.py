@@ -28,8 +28,9 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("paged_attention.c", "rms_norm.c", "linear.c", "pointwise.c", "copy.c")]
-HEADERS = [CSRC / name for name in ("bf16.h", "fastmath.h")]
+SOURCES = [CSRC / name for name in (
+    "paged_attention.c", "rms_norm.c", "linear.c", "pointwise.c", "copy.c", "forward.c")]
+HEADERS = [CSRC / name for name in ("bf16.h", "fastmath.h", "kernels.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 BUILD_TIMEOUT_S = 120.0
 
@@ -42,6 +43,26 @@ class _AttnArgs(ctypes.Structure):
         "out_token_stride", "block_stride", "layer_offset", "v_offset", "table_stride", "table_rows", "num_blocks",
         "num_tokens",
     )] + [("scale", ctypes.c_float), ("num_threads", ctypes.c_int32)]
+
+
+_LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias", "down",
+                 "down_bias")
+
+
+class LayerWeights(ctypes.Structure):
+    """One decoder layer's weight pointers for `decode_layers` (forward.c's layer_weights)."""
+    _fields_ = [(name, ctypes.c_void_p) for name in _LAYER_FIELDS]
+
+
+class _ForwardArgs(ctypes.Structure):
+    _fields_ = ([(name, ctypes.c_int64) for name in
+                 ("num_layers", "tokens", "hidden", "heads", "kv_heads", "head_dim", "inter")]
+                + [("eps", ctypes.c_float), ("num_threads", ctypes.c_int32), ("cos", ctypes.c_void_p),
+                   ("sin", ctypes.c_void_p), ("rope_stride", ctypes.c_int64), ("pool", ctypes.c_void_p),
+                   ("layer_stride", ctypes.c_int64)]
+                + [(name, ctypes.c_void_p) for name in ("slot_blocks", "slot_offsets", "table", "token_index", "rows",
+                                                        "ctx_lens", "x", "qkv", "attn", "gate_up", "act", "after")]
+                + [("after_n", ctypes.c_int64), ("after_k", ctypes.c_int64)])
 
 
 class NativeKernels:
@@ -63,6 +84,10 @@ class NativeKernels:
         """copy_stream(dst address, src address, nbytes): memcpy with non-temporal stores,
         for bytes this process won't read back (kvfabric's shm pushes); releases the GIL."""
         self.copy_stream.argtypes, self.copy_stream.restype = [ptr, ptr, i64], None
+        self._layers = lib.decode_layers_bf16
+        self._layers.argtypes = [ctypes.POINTER(_ForwardArgs), ctypes.POINTER(LayerWeights),
+                                 ctypes.POINTER(_AttnArgs), ptr, ptr]
+        self._layers.restype = ctypes.c_int
 
     def supports(self, dtype: torch.dtype, device: torch.device | str) -> bool:
         return dtype in self._attn and torch.device(device).type == "cpu"
@@ -80,29 +105,13 @@ class NativeKernels:
         ctx_lens: [n] int64 contiguous. Indices are range-checked in C before any work
         (ValueError); every ctx_len must be in 1 .. max_blocks * block_size.
         """
-        _, heads, d = q.shape
-        nb, nl, _, bs, kvh, d2 = pool.shape
-        for name, t in (("q", q), ("out", out)):
-            if t.stride(2) != 1 or t.stride(1) != d:
-                raise ValueError(f"{name} must have dense heads, got strides {t.stride()}")
-        if d2 != d or heads % kvh or q.dtype != pool.dtype or out.dtype != q.dtype or not pool.is_contiguous():
-            raise ValueError(f"q {tuple(q.shape)} {q.dtype} does not match pool {tuple(pool.shape)} {pool.dtype}")
-        index = [block_table, token_index, rows, ctx_lens]
-        if any(t.dtype != torch.int64 or not t.is_contiguous() for t in index):
-            raise ValueError("block_table, token_index, rows and ctx_lens must be contiguous int64")
-        args = _AttnArgs(
-            num_queries=token_index.numel(), num_heads=heads, num_kv_heads=kvh, head_dim=d, block_size=bs,
-            q_token_stride=q.stride(0), out_token_stride=out.stride(0), block_stride=pool.stride(0),
-            layer_offset=layer * pool.stride(1), v_offset=pool.stride(2), table_stride=block_table.shape[1],
-            table_rows=block_table.shape[0], num_blocks=nb, num_tokens=min(q.shape[0], out.shape[0]),
-            scale=scale, num_threads=torch.get_num_threads(),
-        )
+        args = _attention_args(q, pool, layer, block_table, token_index, rows, ctx_lens, scale, out)
         ptrs = [q, pool, block_table, token_index, rows, ctx_lens, out]
         status = self._attn[q.dtype](ctypes.byref(args), *(t.data_ptr() for t in ptrs))
         if status == -3:
             raise ValueError("paged_attention: a context length, block-table row, token or block id is out of range")
         if status == -2:
-            raise ValueError(f"paged_attention: head_dim {d} is over the kernel's 512")
+            raise ValueError(f"paged_attention: head_dim {q.shape[2]} is over the kernel's 512")
         if status != 0:
             raise MemoryError("paged_attention: no memory for the score scratch")
 
@@ -142,23 +151,57 @@ class NativeKernels:
         strided) as engine/rope.py's apply_rotary does, then stores each token's k and v in
         pool[slot_blocks[t], layer, :, slot_offsets[t]]. cos, signed_sin: [tokens, 1, head_dim]."""
         tokens = qkv.shape[0]
-        nb, nl, _, bs, kvh, d = pool.shape
-        if kvh != kv_heads or qkv.shape[1] != (heads + 2 * kv_heads) * d or qkv.stride(1) != 1 or d % 2 or d > 1024:
-            raise ValueError(f"qkv {tuple(qkv.shape)} does not hold {heads} + 2 x {kv_heads} heads of the pool's {d}")
-        for name, t in (("cos", cos), ("signed_sin", signed_sin)):
-            if t.shape != (tokens, 1, d) or t.stride(2) != 1 or t.stride(0) != cos.stride(0) or t.dtype != qkv.dtype:
-                raise ValueError(f"{name} must be {qkv.dtype} [{tokens}, 1, {d}], got {t.dtype} {tuple(t.shape)}")
-        if qkv.dtype != pool.dtype or qkv.dtype not in self._rotary or not pool.is_contiguous() or not 0 <= layer < nl:
-            raise ValueError(f"pool {pool.dtype} {tuple(pool.shape)} layer {layer} does not take qkv {qkv.dtype}")
-        for name, t in (("slot_blocks", slot_blocks), ("slot_offsets", slot_offsets)):
-            if t.shape != (tokens,) or t.dtype != torch.int64 or not t.is_contiguous():
-                raise ValueError(f"{name} must be contiguous int64 [{tokens}], got {t.dtype} {tuple(t.shape)}")
+        nb, _, _, bs, _, d = pool.shape
+        if qkv.dtype not in self._rotary:
+            raise ValueError(f"rotary_store takes float32 or bfloat16, got {qkv.dtype}")
+        _check_rotary(qkv, heads, kv_heads, cos, signed_sin, pool, layer, slot_blocks, slot_offsets)
         status = self._rotary[qkv.dtype](
             qkv.data_ptr(), tokens, qkv.stride(0), heads, kv_heads, d, cos.data_ptr(), signed_sin.data_ptr(),
             cos.stride(0), pool.data_ptr(), nb, bs, pool.stride(0), layer * pool.stride(1), pool.stride(2),
             slot_blocks.data_ptr(), slot_offsets.data_ptr(), torch.get_num_threads())
         if status != 0:
             raise ValueError("rotary_store: a slot's block id or offset is out of range")
+
+    def decode_layers(
+        self, weights: ctypes.Array, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+        pool: torch.Tensor, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor, block_table: torch.Tensor,
+        rows: torch.Tensor, ctx_lens: torch.Tensor, shape: tuple[int, int, int], eps: float, scale: float,
+        after: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """All decoder layers of a bfloat16 step whose tokens are one decode group in batch
+        order (forward.c, the same kernels as the model's layer loop, bit for bit). h
+        [tokens, hidden] (the residual stream) is added to in place; returns the last
+        layer's MLP output. weights: one `LayerWeights` per layer, linears in `pack_linear`
+        tiles; shape: (heads, kv_heads, intermediate size); after: the tiles of the linear
+        the caller runs next. Arguments are checked as `rotary_store` and `paged_attention`
+        check theirs; the kernels range-check indices before writing (ValueError)."""
+        n, hidden = h.shape
+        heads, kv_heads, inter = shape
+        d = pool.shape[-1]
+        if h.dtype != torch.bfloat16 or not h.is_contiguous():
+            raise ValueError(f"h must be contiguous bfloat16 [tokens, hidden], got {h.dtype} {tuple(h.shape)}")
+        new = lambda *size: h.new_empty(size)  # noqa: E731
+        x, qkv, attn = new(n, hidden), new(n, (heads + 2 * kv_heads) * d), new(n, heads, d)
+        gate_up, act, delta = new(n, 2 * inter), new(n, inter), new(n, hidden)
+        _check_rotary(qkv, heads, kv_heads, cos, signed_sin, pool, 0, slot_blocks, slot_offsets)
+        token_index = torch.arange(n)
+        q = qkv[:, : heads * d].view(n, heads, d)
+        attn_args = _attention_args(q, pool, 0, block_table, token_index, rows, ctx_lens, scale, attn)
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        args = _ForwardArgs(
+            num_layers=len(weights), tokens=n, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=d, inter=inter,
+            eps=eps, num_threads=torch.get_num_threads(), cos=ptr(cos), sin=ptr(signed_sin),
+            rope_stride=cos.stride(0), pool=ptr(pool), layer_stride=pool.stride(1), slot_blocks=ptr(slot_blocks),
+            slot_offsets=ptr(slot_offsets), table=ptr(block_table), token_index=ptr(token_index), rows=ptr(rows),
+            ctx_lens=ptr(ctx_lens), x=ptr(x), qkv=ptr(qkv), attn=ptr(attn), gate_up=ptr(gate_up), act=ptr(act),
+            after=ptr(after), after_n=0 if after is None else after.shape[0] * 16,
+            after_k=0 if after is None else after.shape[1] * 2,
+        )
+        status = self._layers(ctypes.byref(args), weights, ctypes.byref(attn_args), h.data_ptr(), delta.data_ptr())
+        if status != 0:
+            raise ValueError(f"decode_layers: a kernel refused its arguments (status {status}): a slot, context "
+                             "length, block-table row or block id out of range, or a weight of the wrong shape")
+        return delta
 
     def pack_linear(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The layout `linear` reads: tiles of 16 outputs by pairs of inputs,
@@ -200,6 +243,49 @@ def _bind(lib: ctypes.CDLL, prefix: str, argtypes: list, restype: object,
         fn.argtypes, fn.restype = argtypes, restype
         fns[dtype] = fn
     return fns
+
+
+def _attention_args(
+    q: torch.Tensor, pool: torch.Tensor, layer: int, block_table: torch.Tensor, token_index: torch.Tensor,
+    rows: torch.Tensor, ctx_lens: torch.Tensor, scale: float, out: torch.Tensor,
+) -> _AttnArgs:
+    """paged_attention's arguments, checked (ValueError) as its docstring says."""
+    _, heads, d = q.shape
+    nb, nl, _, bs, kvh, d2 = pool.shape
+    for name, t in (("q", q), ("out", out)):
+        if t.stride(2) != 1 or t.stride(1) != d:
+            raise ValueError(f"{name} must have dense heads, got strides {t.stride()}")
+    if d2 != d or heads % kvh or q.dtype != pool.dtype or out.dtype != q.dtype or not pool.is_contiguous():
+        raise ValueError(f"q {tuple(q.shape)} {q.dtype} does not match pool {tuple(pool.shape)} {pool.dtype}")
+    index = [block_table, token_index, rows, ctx_lens]
+    if any(t.dtype != torch.int64 or not t.is_contiguous() for t in index):
+        raise ValueError("block_table, token_index, rows and ctx_lens must be contiguous int64")
+    return _AttnArgs(
+        num_queries=token_index.numel(), num_heads=heads, num_kv_heads=kvh, head_dim=d, block_size=bs,
+        q_token_stride=q.stride(0), out_token_stride=out.stride(0), block_stride=pool.stride(0),
+        layer_offset=layer * pool.stride(1), v_offset=pool.stride(2), table_stride=block_table.shape[1],
+        table_rows=block_table.shape[0], num_blocks=nb, num_tokens=min(q.shape[0], out.shape[0]),
+        scale=scale, num_threads=torch.get_num_threads(),
+    )
+
+
+def _check_rotary(
+    qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, signed_sin: torch.Tensor, pool: torch.Tensor,
+    layer: int, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor,
+) -> None:
+    """rotary_store's arguments, checked (ValueError) as its docstring says."""
+    tokens = qkv.shape[0]
+    _, nl, _, _, kvh, d = pool.shape
+    if kvh != kv_heads or qkv.shape[1] != (heads + 2 * kv_heads) * d or qkv.stride(1) != 1 or d % 2 or d > 1024:
+        raise ValueError(f"qkv {tuple(qkv.shape)} does not hold {heads} + 2 x {kv_heads} heads of the pool's {d}")
+    for name, t in (("cos", cos), ("signed_sin", signed_sin)):
+        if t.shape != (tokens, 1, d) or t.stride(2) != 1 or t.stride(0) != cos.stride(0) or t.dtype != qkv.dtype:
+            raise ValueError(f"{name} must be {qkv.dtype} [{tokens}, 1, {d}], got {t.dtype} {tuple(t.shape)}")
+    if qkv.dtype != pool.dtype or not pool.is_contiguous() or not 0 <= layer < nl:
+        raise ValueError(f"pool {pool.dtype} {tuple(pool.shape)} layer {layer} does not take qkv {qkv.dtype}")
+    for name, t in (("slot_blocks", slot_blocks), ("slot_offsets", slot_offsets)):
+        if t.shape != (tokens,) or t.dtype != torch.int64 or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous int64 [{tokens}], got {t.dtype} {tuple(t.shape)}")
 
 
 @functools.cache

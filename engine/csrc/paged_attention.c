@@ -21,22 +21,8 @@
 
 #include "bf16.h"
 #include "fastmath.h"
+#include "kernels.h"
 
-typedef struct {
-    int64_t num_queries;      /* tokens to compute */
-    int64_t num_heads, num_kv_heads, head_dim, block_size;
-    int64_t q_token_stride;   /* elements between tokens of q (heads are head_dim apart) */
-    int64_t out_token_stride; /* elements between tokens of out */
-    int64_t block_stride;     /* elements between blocks of the pool */
-    int64_t layer_offset;     /* elements from a block's start to this layer's K */
-    int64_t v_offset;         /* elements from a layer's K to its V */
-    int64_t table_stride;     /* block-table row length */
-    int64_t table_rows;       /* block-table rows */
-    int64_t num_blocks;       /* blocks in the pool */
-    int64_t num_tokens;       /* tokens (first dimension) of q and of out */
-    float scale;
-    int32_t num_threads;
-} attn_args;
 
 #define LOAD_f32(p, i) ((p)[i])
 #define LOAD_bf16(p, i) bf16_to_f32((p)[i])
