@@ -164,9 +164,7 @@ def floors(engine: LLMEngine, dtype: torch.dtype, num_rounds: int) -> dict:
     ratios = sorted(ms / (weight_bytes / (bw * 1e9) * 1e3) for bw, ms in rounds)
     bw = sorted(bw for bw, _ in rounds)[len(rounds) // 2]
     gflops = gemm_gflops(engine, dtype)
-    m = engine.model
-    linears = [m.lm_head] + [x for layer in m.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    matmul_flops_bs32 = 2 * 32 * sum(x.in_features * x.out_features for x in linears)
+    matmul_flops_bs32 = 2 * 32 * sum(x.in_features * x.out_features for x in engine.model.linears())
     return {
         "weight_bytes": weight_bytes,
         "memcpy_gb_per_s": round(bw, 2),

@@ -89,17 +89,20 @@ class LlamaForCausalLM:
                 gate_up=fused([m + "gate_proj", m + "up_proj"]),
                 down=fused([m + "down_proj"]),
             ))
-        order = [x for layer in model.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        for first, then in zip(order, order[1:] + [model.lm_head]):  # the order forward() calls them in
+        order = model.linears()
+        for first, then in zip(order, order[1:]):
             first.runs_before(then)
         model.native_layers = model._native_layers()
         return model
 
+    def linears(self) -> list[Linear]:
+        """Every projection, in the order forward() calls them (the lm_head last)."""
+        return [x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
+
     def _native_layers(self) -> ctypes.Array | None:
         if self.kernels is None or self.dtype != torch.bfloat16:
             return None
-        linears = [x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        if any(x.tiles is None for x in linears):  # decode_layers runs the native matmul only
+        if any(x.tiles is None for x in self.linears()[:-1]):  # decode_layers runs the native matmul only
             return None
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         return (NativeLayer * len(self.layers))(*(NativeLayer(

@@ -68,6 +68,7 @@ def test_the_model_chains_its_linears_in_call_order(linear_kernels, tmp_path):
     m = LlamaForCausalLM.load(str(tmp_path), ModelConfig.from_dir(tmp_path), torch.bfloat16, "cpu",
                               kernels=linear_kernels)
     order = [x for layer in m.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [m.lm_head]
+    assert m.linears() == order
     assert all(x.tiles is not None for x in order)
     assert all(a.after is b.tiles for a, b in zip(order, order[1:])) and m.lm_head.after is None
 
