@@ -5,6 +5,8 @@ A request is sampled when this step computes its last known token.
 """
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -60,26 +62,29 @@ class ModelRunner:
             r, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
             (decode if n == 1 else prefill).append((s, len(input_ids)))
             input_ids += _token_slice(r, start, start + n)
-            pos = range(start, start + n)
-            positions += pos
-            slot_blocks += [r.block_ids[p // bs] for p in pos]
-            slot_offsets += [p % bs for p in pos]
+            positions += range(start, start + n)
+            slot_blocks += (r.block_ids[p // bs] for p in range(start, start + n))
+            slot_offsets += (p % bs for p in range(start, start + n))
             if start + n == r.num_tokens:
                 logits_index.append(len(input_ids) - 1)
                 sampled.append(r)
-        t = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        meta = AttentionMetadata(
-            slot_blocks=t(slot_blocks),
-            slot_offsets=t(slot_offsets),
-            groups=[self._group(g, len(input_ids)) for g in [decode, *([m] for m in prefill)] if g],
-        )
-        return ForwardBatch(t(input_ids), t(positions), meta, t(logits_index), sampled)
+        groups = [self._group(g, len(input_ids)) for g in [decode, *([m] for m in prefill)] if g]
+        # every index list goes to the device as one tensor (one copy), then is split into views
+        lists = [input_ids, positions, slot_blocks, slot_offsets, logits_index, *(x for g in groups for x in g[0])]
+        flat = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.long, device=self.device)
+        views = iter(flat.split([len(x) for x in lists]))
+        ids, pos, blocks, offsets, logits = (next(views) for _ in range(5))
+        meta = AttentionMetadata(slot_blocks=blocks, slot_offsets=offsets,
+                                 groups=[make(*(next(views) for _ in tensors)) for tensors, make in groups])
+        return ForwardBatch(ids, pos, meta, logits, sampled)
 
-    def _group(self, members: list[tuple[ScheduledRequest, int]], num_tokens: int) -> CausalGroup | PagedGroup:
-        dev = self.device
+    def _group(self, members: list[tuple[ScheduledRequest, int]], num_tokens: int) -> tuple[
+        list[list[int]], Callable[..., CausalGroup | PagedGroup]
+    ]:
+        """A group's index lists and what makes the group of them once they are tensors."""
         if len(members) == 1 and members[0][0].request.num_computed_tokens == 0:
             (s, offset), = members
-            return CausalGroup(torch.arange(offset, offset + s.num_new_tokens, device=dev))
+            return [list(range(offset, offset + s.num_new_tokens))], CausalGroup
         bs = self.block_size
         max_q = max(s.num_new_tokens for s, _ in members)
         ctx_lens = [s.request.num_computed_tokens + s.num_new_tokens for s, _ in members]
@@ -88,7 +93,7 @@ class ModelRunner:
         padded_index: list[int] = []
         rows: list[int] = []
         key_counts: list[int] = []
-        table: list[list[int]] = []
+        table: list[int] = []
         for j, (s, offset) in enumerate(members):
             n, start = s.num_new_tokens, s.request.num_computed_tokens
             token_index += range(offset, offset + n)
@@ -96,15 +101,14 @@ class ModelRunner:
             rows += [j] * n
             key_counts += range(start + 1, start + n + 1)  # each token sees up to itself
             used = s.request.block_ids[: -(-ctx_lens[j] // bs)]
-            table.append(used + [0] * (max_blocks - len(used)))
-        return PagedGroup(
-            token_index=torch.tensor(token_index, device=dev),
-            padded_index=torch.tensor(padded_index, device=dev),
-            batch=len(members),
-            max_query_len=max_q,
-            block_table=torch.tensor(table, dtype=torch.long, device=dev),
-            num_keys=max_blocks * bs,
-            rows=torch.tensor(rows, device=dev),
-            ctx_lens=torch.tensor(key_counts, device=dev),
-            in_order=max_q == 1 and token_index == list(range(num_tokens)),
-        )
+            table += used
+            table += [0] * (max_blocks - len(used))
+        in_order = max_q == 1 and token_index == list(range(num_tokens))
+
+        def make(token_index: torch.Tensor, padded_index: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
+                 ctx_lens: torch.Tensor) -> PagedGroup:
+            return PagedGroup(token_index=token_index, padded_index=padded_index, batch=len(members),
+                              max_query_len=max_q, block_table=table.view(len(members), max_blocks),
+                              num_keys=max_blocks * bs, rows=rows, ctx_lens=ctx_lens, in_order=in_order)
+
+        return [token_index, padded_index, table, rows, key_counts], make
