@@ -15,23 +15,28 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.native import NativeKernels
+from engine.native import NativeKernels, swiglu_order
 
 
 class Linear:
-    """y = x @ weight.T + bias for x of shape [num_tokens, in_features]."""
+    """y = x @ weight.T + bias for x of shape [num_tokens, in_features].
+
+    swiglu: weight (and bias) are an MLP's [gate; up] projections, 2 I rows, and a call
+    returns the activation silu(gate) * up, [num_tokens, I]: in the native kernel's
+    epilogue where the weight is in its tiles, else after the product (`silu_mul`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool,
-                 kernels: NativeKernels | None = None) -> None:
+                 kernels: NativeKernels | None = None, swiglu: bool = False) -> None:
         self.out_features, self.in_features = weight.shape
         self.nbytes = weight.numel() * weight.element_size()
         if bias is not None:
             self.nbytes += bias.numel() * bias.element_size()
         self.bias = bias
         self.kernels = kernels
-        self.tiles = kernels.pack_linear(weight) if prepack and kernels is not None else None
+        self.swiglu = swiglu
+        self.tiles = kernels.pack_linear(weight, swiglu) if prepack and kernels is not None else None
         if self.tiles is not None and bias is not None:
-            self.bias = bias.contiguous()
+            self.bias = (swiglu_order(bias) if swiglu else bias).contiguous()
         on_cpu = prepack and weight.device.type == "cpu"
         self.packed = _prepack(weight) if self.tiles is None and on_cpu else None
         self.weight = weight if self.tiles is None and self.packed is None else None
@@ -46,10 +51,18 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.tiles is not None:
             assert self.kernels is not None
-            return self.kernels.linear(x, self.tiles, self.bias, self.after)
+            return self.kernels.linear(x, self.tiles, self.bias, self.after, self.swiglu)
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return self._silu_mul(y) if self.swiglu else y
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 def _prepack(weight: torch.Tensor) -> torch.Tensor | None:

@@ -17,7 +17,6 @@ import ctypes
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, PagedGroup, paged_attention
 from engine.kv_pool import KVPool
@@ -36,6 +35,7 @@ class LayerWeights:
     o: Linear
     post_norm: torch.Tensor
     gate_up: Linear
+    """[gate; up], `swiglu`: returns the MLP's activation silu(gate) * up."""
     down: Linear
 
 
@@ -69,10 +69,10 @@ class LlamaForCausalLM:
         get = lambda name: ckpt.get(name, dtype, device)  # noqa: E731
         opt = lambda name: get(name) if ckpt.has(name) else None  # noqa: E731
 
-        def fused(names: list[str]) -> Linear:
+        def fused(names: list[str], swiglu: bool = False) -> Linear:
             biases = [opt(n + ".bias") for n in names]
             bias = torch.cat(biases) if all(b is not None for b in biases) else None
-            return Linear(torch.cat([get(n + ".weight") for n in names]), bias, prepack, model.kernels)
+            return Linear(torch.cat([get(n + ".weight") for n in names]), bias, prepack, model.kernels, swiglu)
 
         model.embed = get("model.embed_tokens.weight")
         model.norm = get("model.norm.weight")
@@ -86,7 +86,7 @@ class LlamaForCausalLM:
                 qkv=fused([a + f"{n}_proj" for n in "qkv"]),
                 o=fused([a + "o_proj"]),
                 post_norm=get(p + "post_attention_layernorm.weight"),
-                gate_up=fused([m + "gate_proj", m + "up_proj"]),
+                gate_up=fused([m + "gate_proj", m + "up_proj"], swiglu=True),
                 down=fused([m + "down_proj"]),
             ))
         order = model.linears()
@@ -180,8 +180,4 @@ class LlamaForCausalLM:
         return layer.o(o.reshape(n, h * d))
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate_up = layer.gate_up(x)
-        if self.kernels is not None:
-            return layer.down(self.kernels.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return layer.down(F.silu(gate) * up)
+        return layer.down(layer.gate_up(x))  # gate_up returns silu(gate) * up

@@ -61,7 +61,7 @@ class _ForwardArgs(ctypes.Structure):
                    ("sin", ctypes.c_void_p), ("rope_stride", ctypes.c_int64), ("pool", ctypes.c_void_p),
                    ("layer_stride", ctypes.c_int64)]
                 + [(name, ctypes.c_void_p) for name in ("slot_blocks", "slot_offsets", "table", "token_index", "rows",
-                                                        "ctx_lens", "x", "qkv", "attn", "gate_up", "act", "after")]
+                                                        "ctx_lens", "x", "qkv", "attn", "act", "after")]
                 + [("after_n", ctypes.c_int64), ("after_k", ctypes.c_int64)])
 
 
@@ -75,9 +75,9 @@ class NativeKernels:
         self._silu_mul = _bind(lib, "silu_mul", [ptr, i64, i64, ptr, i32], None)
         self._rotary = _bind(lib, "rotary_store", [ptr] + [i64] * 5 + [ptr] * 2 + [i64] + [ptr] + [i64] * 5
                              + [ptr] * 2 + [i32], ctypes.c_int)
-        self._linear = _bind(lib, "linear", [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32, ptr, i64, i64],
-                             ctypes.c_int,
-                             {torch.bfloat16: "bf16"})[torch.bfloat16]
+        linear_args = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32, ptr, i64, i64]
+        self._linear = {swiglu: _bind(lib, name, linear_args, ctypes.c_int, {torch.bfloat16: "bf16"})[torch.bfloat16]
+                        for swiglu, name in ((False, "linear"), (True, "linear_swiglu"))}
         self.has_linear = bool(lib.linear_bf16_available())
         """Whether this CPU runs the bfloat16 linear kernel (AVX-512 BF16); else oneDNN stays."""
         self.copy_stream = lib.copy_stream
@@ -182,7 +182,7 @@ class NativeKernels:
             raise ValueError(f"h must be contiguous bfloat16 [tokens, hidden], got {h.dtype} {tuple(h.shape)}")
         new = lambda *size: h.new_empty(size)  # noqa: E731
         x, qkv, attn = new(n, hidden), new(n, (heads + 2 * kv_heads) * d), new(n, heads, d)
-        gate_up, act, delta = new(n, 2 * inter), new(n, inter), new(n, hidden)
+        act, delta = new(n, inter), new(n, hidden)
         _check_rotary(qkv, heads, kv_heads, cos, signed_sin, pool, 0, slot_blocks, slot_offsets)
         token_index = torch.arange(n)
         q = qkv[:, : heads * d].view(n, heads, d)
@@ -193,7 +193,7 @@ class NativeKernels:
             eps=eps, num_threads=torch.get_num_threads(), cos=ptr(cos), sin=ptr(signed_sin),
             rope_stride=cos.stride(0), pool=ptr(pool), layer_stride=pool.stride(1), slot_blocks=ptr(slot_blocks),
             slot_offsets=ptr(slot_offsets), table=ptr(block_table), token_index=ptr(token_index), rows=ptr(rows),
-            ctx_lens=ptr(ctx_lens), x=ptr(x), qkv=ptr(qkv), attn=ptr(attn), gate_up=ptr(gate_up), act=ptr(act),
+            ctx_lens=ptr(ctx_lens), x=ptr(x), qkv=ptr(qkv), attn=ptr(attn), act=ptr(act),
             after=ptr(after), after_n=0 if after is None else after.shape[0] * 16,
             after_k=0 if after is None else after.shape[1] * 2,
         )
@@ -203,35 +203,48 @@ class NativeKernels:
                              "length, block-table row or block id out of range, or a weight of the wrong shape")
         return delta
 
-    def pack_linear(self, weight: torch.Tensor) -> torch.Tensor | None:
+    def pack_linear(self, weight: torch.Tensor, swiglu: bool = False) -> torch.Tensor | None:
         """The layout `linear` reads: tiles of 16 outputs by pairs of inputs,
         [N / 16, K / 2, 16, 2]. None where the kernel can't take the weight (not bfloat16
-        on CPU, N not a multiple of 16, K odd, or no AVX-512 BF16 here)."""
+        on CPU, N not a multiple of 16, K odd, or no AVX-512 BF16 here). swiglu: weight is
+        [gate; up], its rows taken in `swiglu_order` (for `linear(..., swiglu=True)`)."""
         n, k = weight.shape
         if not self.has_linear or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or n % 16 or k % 2:
             return None
+        if swiglu:
+            weight = swiglu_order(weight)
         return weight.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-               after: torch.Tensor | None = None) -> torch.Tensor:
+               after: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
         """x [rows, K] @ W.T (+ bias) for W packed by `pack_linear`; bfloat16 in and out.
         `after`: the packed weight of the linear the caller runs next (its first tiles are
-        prefetched while this one finishes)."""
+        prefetched while this one finishes). swiglu: W is [gate; up] packed with
+        swiglu=True, bias in `swiglu_order`; returns silu(gate) * up [rows, N / 2], bit for
+        bit `silu_mul` of the plain product."""
         tiles, pairs, _, _ = packed.shape
         n, k = tiles * 16, pairs * 2
         if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.bfloat16 or x.stride(1) != 1:
             raise ValueError(f"x must be bfloat16 [rows, {k}] with dense rows, got {x.dtype} {tuple(x.shape)}")
         if bias is not None and (bias.shape != (n,) or bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
             raise ValueError(f"bias must be contiguous bfloat16 [{n}], got {bias.dtype} {tuple(bias.shape)}")
-        y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+        width = n // 2 if swiglu else n
+        y = torch.empty(x.shape[0], width, dtype=torch.bfloat16)
         a_tiles, a_pairs = after.shape[:2] if after is not None else (0, 0)
-        status = self._linear(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                              y.data_ptr(), n, x.shape[0], n, k, torch.get_num_threads(),
-                              None if after is None else after.data_ptr(), a_tiles * 16, a_pairs * 2)
+        status = self._linear[swiglu](
+            x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+            width, x.shape[0], n, k, torch.get_num_threads(), None if after is None else after.data_ptr(),
+            a_tiles * 16, a_pairs * 2)
         if status != 0:
             raise ValueError(f"linear: the kernel refused x {tuple(x.shape)} stride {x.stride()} for [{n}, {k}]"
                              if status == -3 else "linear: not built with AVX-512 BF16 on this CPU")
         return y
+
+
+def swiglu_order(t: torch.Tensor) -> torch.Tensor:
+    """The rows of [gate; up] (2 I rows, I a multiple of 8) interleaved by 8: gate rows
+    0-7, up rows 0-7, gate rows 8-15, ... as linear.c's SwiGLU epilogue reads them."""
+    return t.reshape(2, t.shape[0] // 16, 8, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
 
 def _bind(lib: ctypes.CDLL, prefix: str, argtypes: list, restype: object,

@@ -31,7 +31,7 @@ static inline __m512 bf16x16_load(const uint16_t *x) {
 
 /* 16 float32 -> 16 bfloat16, bit for bit as f32_to_bf16 (round to nearest even, NaN kept
  * a quiet NaN, denormals kept). */
-static inline void bf16x16_store(uint16_t *out, __m512 v) {
+static inline __m256i bf16x16_pack(__m512 v) {
     const __m512i u = _mm512_castps_si512(v);
     const __m512i hi = _mm512_srli_epi32(u, 16);
     __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(1)),
@@ -40,8 +40,10 @@ static inline void bf16x16_store(uint16_t *out, __m512 v) {
     const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
                                                   _mm512_set1_epi32(0x7f800000));
     r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
-    _mm256_storeu_si256((__m256i *)out, _mm512_cvtepi32_epi16(r));
+    return _mm512_cvtepi32_epi16(r);
 }
+
+static inline void bf16x16_store(uint16_t *out, __m512 v) { _mm256_storeu_si256((__m256i *)out, bf16x16_pack(v)); }
 
 /* v rounded to bfloat16 and back, as bf16_to_f32(f32_to_bf16(v)) (a NaN stays a NaN). */
 static inline __m512 bf16x16_round(__m512 v) {

@@ -5,9 +5,10 @@
  *
  * Per layer: h += delta; x = RMSNorm(h) -> qkv = x Wqkv (+ b) -> q, k rotated, k and v
  * stored in the pool -> attention over the pool -> delta = attn Wo; h += delta;
- * x = RMSNorm(h) -> gate_up -> silu(gate) * up -> delta = act Wdown. The last delta is
- * left for the caller's final add + norm. Each linear prefetches the next one's first
- * tiles (linear.c's `after`), the last one the caller's (`after` in the arguments).
+ * x = RMSNorm(h) -> act = silu(x Wgate) * x Wup (one linear, linear.c's SwiGLU epilogue)
+ * -> delta = act Wdown. The last delta is left for the caller's final add + norm. Each
+ * linear prefetches the next one's first tiles (linear.c's `after`), the last one the
+ * caller's (`after` in the arguments).
  */
 #include <stdint.h>
 
@@ -27,8 +28,8 @@ typedef struct {
     int64_t layer_stride;      /* elements between layers of a block */
     const int64_t *slot_blocks, *slot_offsets, *table, *token_index, *rows, *ctx_lens;
     /* scratch, `tokens` rows each: x [hidden], qkv [(heads + 2 kv_heads) head_dim],
-     * attn [heads head_dim], gate_up [2 inter], act [inter] */
-    uint16_t *x, *qkv, *attn, *gate_up, *act;
+     * attn [heads head_dim], act [inter] */
+    uint16_t *x, *qkv, *attn, *act;
     const uint16_t *after;     /* the linear the caller runs next (may be NULL) */
     int64_t after_n, after_k;
 } forward_args;
@@ -61,10 +62,9 @@ int decode_layers_bf16(const forward_args *a, const layer_weights *w, const attn
                              l->gate_up, 2 * a->inter, hid);
         if (status) break;
         add_rms_norm_bf16(h, delta, l->post_norm, a->x, n, hid, a->eps, th);
-        status = linear_bf16(a->x, hid, l->gate_up, l->gate_up_bias, a->gate_up, 2 * a->inter, n, 2 * a->inter,
-                             hid, th, l->down, hid, a->inter);
+        status = linear_swiglu_bf16(a->x, hid, l->gate_up, l->gate_up_bias, a->act, a->inter, n, 2 * a->inter,
+                                    hid, th, l->down, hid, a->inter);
         if (status) break;
-        silu_mul_bf16(a->gate_up, n, a->inter, a->act, th);
         const int last = i + 1 == a->num_layers;
         status = linear_bf16(a->act, a->inter, l->down, l->down_bias, delta, hid, n, hid, a->inter, th,
                              last ? a->after : w[i + 1].qkv, last ? a->after_n : qkv_width, last ? a->after_k : hid);

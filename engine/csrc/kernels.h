@@ -33,5 +33,8 @@ int rotary_store_bf16(uint16_t *qkv, int64_t tokens, int64_t token_stride, int64
 int linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
                 int64_t ldy, int64_t rows, int64_t n, int64_t k, int num_threads, const uint16_t *after,
                 int64_t after_n, int64_t after_k);
+int linear_swiglu_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
+                       int64_t ldy, int64_t rows, int64_t n, int64_t k, int num_threads, const uint16_t *after,
+                       int64_t after_n, int64_t after_k);
 
 #endif

@@ -20,7 +20,16 @@
  * round-to-nearest-even (the instruction flushes float32 denormals to zero); the
  * output is rounded once. The sum order differs from oneDNN's, so results equal
  * F.linear up to float32 summation order, then bfloat16 rounding.
+ *
+ * SwiGLU epilogue (`swiglu`): the weight is the MLP's gate and up projections with their
+ * rows interleaved by 8 (`pack_linear(..., swiglu=True)`: each 16-output tile is 8 gate
+ * rows, then the same 8 up rows), and the kernel stores silu(gate) * up, [rows, n / 2],
+ * instead of [gate | up]: the activation pass, its fork and join, and the round trip of
+ * the projection's output through memory are gone. Bit for bit what pointwise.c's
+ * silu_mul makes of the plain layout's output (the same roundings, the same silu).
  */
+#pragma GCC optimize("fp-contract=off") /* the epilogue's silu rounds as pointwise.c's does */
+
 #include <stdint.h>
 #include <string.h>
 
@@ -28,13 +37,16 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include "bf16.h"
+#include "fastmath.h"
+
 #define MR 8
 #define NR 3
 
 /* One row block of one tile group: y[0..mr) x [0..16 nr) over all of K. */
 static inline __attribute__((always_inline)) void row_block(
     const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t pairs, int mr, int nr,
-    const uint16_t *bias, uint16_t *y, int64_t ldy,
+    const uint16_t *bias, uint16_t *y, int64_t ldy, int swiglu,
     const uint16_t *next, int num_next, int64_t next_tile, int64_t next_line, int64_t next_end, int every)
 {
     __m512 acc[MR][NR];
@@ -64,20 +76,30 @@ static inline __attribute__((always_inline)) void row_block(
         __m512 b = _mm512_setzero_ps();
         if (bias) b = _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + j * 16))), 16));
-        for (int i = 0; i < mr; i++)
-            _mm256_storeu_si256((__m256i *)(y + i * ldy + j * 16),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[i][j], b)));
+        for (int i = 0; i < mr; i++) {
+            const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[i][j], b));
+            if (!swiglu) {
+                _mm256_storeu_si256((__m256i *)(y + i * ldy + j * 16), (__m256i)out);
+                continue;
+            }
+            /* lanes 0-7: 8 outputs' gate, 8-15: their up, each rounded as the plain store rounds */
+            const __m512 gu = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)out), 16));
+            const __m512 up = _mm512_shuffle_f32x4(gu, gu, 0xee);
+            const __m256i act = bf16x16_pack(_mm512_mul_ps(bf16x16_round(silu16(gu)), up));
+            _mm_storeu_si128((__m128i *)(y + i * ldy + j * 8), _mm256_castsi256_si128(act));
+        }
     }
 }
 
 /* mr and nr as constants, so each instance keeps its accumulators in registers. */
 #define ROWS(m) case m: switch (nr) { \
-    case 1: row_block(x, ldx, w, pairs, m, 1, bias, y, ldy, next, num_next, tile, line, end, every); return; \
-    case 2: row_block(x, ldx, w, pairs, m, 2, bias, y, ldy, next, num_next, tile, line, end, every); return; \
-    default: row_block(x, ldx, w, pairs, m, 3, bias, y, ldy, next, num_next, tile, line, end, every); return; }
+    case 1: row_block(x, ldx, w, pairs, m, 1, bias, y, ldy, swiglu, next, num_next, tile, line, end, every); return; \
+    case 2: row_block(x, ldx, w, pairs, m, 2, bias, y, ldy, swiglu, next, num_next, tile, line, end, every); return; \
+    default: row_block(x, ldx, w, pairs, m, 3, bias, y, ldy, swiglu, next, num_next, tile, line, end, every); \
+        return; }
 
 static void dispatch(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t pairs, int mr, int nr,
-                     const uint16_t *bias, uint16_t *y, int64_t ldy,
+                     const uint16_t *bias, uint16_t *y, int64_t ldy, int swiglu,
                      const uint16_t *next, int num_next, int64_t tile, int64_t line, int64_t end, int every) {
     switch (mr) { ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) default: ROWS(8) }
 }
@@ -100,11 +122,11 @@ static upcoming group_of(const uint16_t *packed, int64_t n, int64_t k, int64_t g
 }
 
 /* after (may be NULL): the packed weights [after_n / 16, after_k / 2, 16, 2] of the linear
- * the caller runs next, with the same number of threads. */
-int linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint16_t *bias,
-                uint16_t *y, int64_t ldy, int64_t rows, int64_t n, int64_t k, int num_threads,
-                const uint16_t *after, int64_t after_n, int64_t after_k) {
-    if (rows < 0 || n % 16 || k % 2 || ldx < k || ldy < n) return -3;
+ * the caller runs next, with the same number of threads. swiglu: y is [rows, n / 2]. */
+static int linear(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint16_t *bias,
+                  uint16_t *y, int64_t ldy, int64_t rows, int64_t n, int64_t k, int num_threads,
+                  const uint16_t *after, int64_t after_n, int64_t after_k, int swiglu) {
+    if (rows < 0 || n % 16 || k % 2 || ldx < k || ldy < (swiglu ? n / 2 : n)) return -3;
     if (after && (after_n <= 0 || after_n % 16 || after_k <= 0 || after_k % 2)) return -3;
     const int64_t pairs = k / 2, tiles = n / 16, groups = (tiles + NR - 1) / NR;
     const int64_t blocks = (rows + MR - 1) / MR;
@@ -132,12 +154,25 @@ int linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const ui
                 const int64_t m0 = r * MR, line = r * per_block;
                 const int64_t end = line + per_block < next.pairs ? line + per_block : next.pairs;
                 dispatch(x + m0 * ldx, ldx, w, pairs, (int)(rows - m0 < MR ? rows - m0 : MR), nr,
-                         bias ? bias + t0 * 16 : 0, y + m0 * ldy + t0 * 16, ldy,
+                         bias ? bias + t0 * 16 : 0, y + m0 * ldy + t0 * (swiglu ? 8 : 16), ldy, swiglu,
                          next.first ? next.first : w, next.tiles, next.tile, line, end, every);
             }
         }
     }
     return 0;
+}
+
+int linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint16_t *bias,
+                uint16_t *y, int64_t ldy, int64_t rows, int64_t n, int64_t k, int num_threads,
+                const uint16_t *after, int64_t after_n, int64_t after_k) {
+    return linear(x, ldx, packed, bias, y, ldy, rows, n, k, num_threads, after, after_n, after_k, 0);
+}
+
+/* The SwiGLU epilogue: packed and bias interleaved by 8 (see the top); y [rows, n / 2]. */
+int linear_swiglu_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint16_t *bias,
+                       uint16_t *y, int64_t ldy, int64_t rows, int64_t n, int64_t k, int num_threads,
+                       const uint16_t *after, int64_t after_n, int64_t after_k) {
+    return linear(x, ldx, packed, bias, y, ldy, rows, n, k, num_threads, after, after_n, after_k, 1);
 }
 
 int linear_bf16_available(void) { return 1; }
@@ -150,6 +185,12 @@ int linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const ui
     (void)x; (void)ldx; (void)packed; (void)bias; (void)y; (void)ldy; (void)rows; (void)n; (void)k;
     (void)num_threads; (void)after; (void)after_n; (void)after_k;
     return -1;
+}
+
+int linear_swiglu_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint16_t *bias,
+                       uint16_t *y, int64_t ldy, int64_t rows, int64_t n, int64_t k, int num_threads,
+                       const uint16_t *after, int64_t after_n, int64_t after_k) {
+    return linear_bf16(x, ldx, packed, bias, y, ldy, rows, n, k, num_threads, after, after_n, after_k);
 }
 
 int linear_bf16_available(void) { return 0; }

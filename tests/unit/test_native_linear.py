@@ -128,3 +128,44 @@ def test_the_model_linear_takes_the_kernel_for_bfloat16_only(linear_kernels):
     assert f32.tiles is None
     odd = Linear(torch.randn(24, 32).to(torch.bfloat16), None, prepack=True, kernels=linear_kernels)
     assert odd.tiles is None  # oneDNN (or F.linear) instead
+
+
+def test_swiglu_order_interleaves_gate_and_up_by_eight():
+    t = torch.arange(32)  # gate rows 0-15, up rows 16-31
+    assert native.swiglu_order(t).tolist() == [*range(0, 8), *range(16, 24), *range(8, 16), *range(24, 32)]
+    w = torch.arange(32 * 3).reshape(32, 3)
+    assert torch.equal(native.swiglu_order(w), w[native.swiglu_order(t)])
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 32, 33, 130])
+@pytest.mark.parametrize("inter,k", [(8, 2), (24, 30), (40, 64), (2560, 768)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_swiglu_epilogue_equals_silu_mul_of_the_plain_product(linear_kernels, rows, inter, k, with_bias):
+    """The fused activation is bit for bit silu_mul of the plain layout's output: every
+    row-block remainder, tile groups of 1 to 3 tiles (inter 8, 24, 40), with and without
+    a bias, gates large enough to reach silu's saturated ends."""
+    g = torch.Generator().manual_seed(rows * 7 + inter + k)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    w = (torch.randn(2 * inter, k, generator=g) * 8 * k**-0.5).to(torch.bfloat16)
+    bias = (torch.randn(2 * inter, generator=g) * 4).to(torch.bfloat16) if with_bias else None
+    want = linear_kernels.silu_mul(linear_kernels.linear(x, linear_kernels.pack_linear(w), bias))
+    fused_bias = native.swiglu_order(bias).contiguous() if with_bias else None
+    got = linear_kernels.linear(x, linear_kernels.pack_linear(w, swiglu=True), fused_bias, swiglu=True)
+    assert got.shape == (rows, inter) and got.dtype == torch.bfloat16
+    assert torch.equal(got, want)
+
+
+def test_a_swiglu_linear_returns_the_activation_on_every_path(linear_kernels):
+    """Native tiles, plain F.linear with the native silu_mul, and torch alone all return
+    silu(gate) * up of their own product."""
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(96, 64, generator=g) * 0.5).to(torch.bfloat16)
+    b = torch.randn(96, generator=g).to(torch.bfloat16)
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    tiles = Linear(w, b, prepack=True, kernels=linear_kernels, swiglu=True)
+    assert tiles.tiles is not None
+    assert torch.equal(tiles(x), linear_kernels.silu_mul(linear_kernels.linear(x, linear_kernels.pack_linear(w), b)))
+    assert torch.equal(Linear(w, b, prepack=False, kernels=linear_kernels, swiglu=True)(x),
+                       linear_kernels.silu_mul(F.linear(x, w, b)))
+    gate, up = F.linear(x, w, b).chunk(2, dim=-1)
+    assert torch.equal(Linear(w, b, prepack=False, kernels=None, swiglu=True)(x), F.silu(gate) * up)
