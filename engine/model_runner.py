@@ -75,7 +75,7 @@ class ModelRunner:
         views = iter(flat.split([len(x) for x in lists]))
         ids, pos, blocks, offsets, logits = (next(views) for _ in range(5))
         meta = AttentionMetadata(slot_blocks=blocks, slot_offsets=offsets,
-                                 groups=[make(*(next(views) for _ in tensors)) for tensors, make in groups])
+                                 groups=[make(*(next(views) for _ in own)) for own, make in groups])
         return ForwardBatch(ids, pos, meta, logits, sampled)
 
     def _group(self, members: list[tuple[ScheduledRequest, int]], num_tokens: int) -> tuple[

@@ -25,7 +25,6 @@ int paged_attention_bf16(const attn_args *a, const uint16_t *q, const uint16_t *
                          const int64_t *token_index, const int64_t *rows, const int64_t *ctx_lens, uint16_t *out);
 void add_rms_norm_bf16(uint16_t *h, const uint16_t *residual, const uint16_t *weight, uint16_t *out, int64_t rows,
                        int64_t dim, float eps, int32_t num_threads);
-void silu_mul_bf16(const uint16_t *gate_up, int64_t rows, int64_t inter, uint16_t *out, int num_threads);
 int rotary_store_bf16(uint16_t *qkv, int64_t tokens, int64_t token_stride, int64_t heads, int64_t kv_heads,
                       int64_t d, const uint16_t *cos, const uint16_t *sin, int64_t table_stride, uint16_t *pool,
                       int64_t num_blocks, int64_t block_size, int64_t block_stride, int64_t layer_offset,

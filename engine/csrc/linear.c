@@ -39,6 +39,7 @@
 
 #include "bf16.h"
 #include "fastmath.h"
+#include "kernels.h"
 
 #define MR 8
 #define NR 3

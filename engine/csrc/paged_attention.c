@@ -81,6 +81,15 @@ static inline void row_bf16(float *restrict row, const uint16_t *restrict x, int
     for (int64_t i = 0; i < d; i++) row[i] = bf16_to_f32(x[i]);
 }
 
+/* m <= 16 rows `stride` elements apart converted into row[16][d], rows m .. 15 zero. */
+#define DEFINE_ROWS16(NAME, T)                                                                \
+static inline void rows16_##NAME(float *restrict row, const T *src, int64_t stride, int64_t m, int64_t d) { \
+    for (int64_t r = 0; r < m; r++) row_##NAME(row + r * d, src + r * stride, d);             \
+    memset(row + m * d, 0, sizeof(float) * (16 - m) * d);                                     \
+}
+DEFINE_ROWS16(f32, float)
+DEFINE_ROWS16(bf16, uint16_t)
+
 #if defined(__AVX512F__)
 /* r[i] = the sum of v[i]'s 16 lanes: a transposing add tree, 45 ops for 16 sums. */
 static inline __m512 sum16(const __m512 v[16]) {
@@ -272,8 +281,7 @@ static void task_##NAME(const attn_args *a, const T *q, const T *pool, const int
         for (; CHUNK16(d) && t < n; t += 16) { /* 16 keys at a time, rows in L1; zero rows pad */ \
             const int64_t m = n - t < 16 ? n - t : 16;                                        \
             for (int64_t g = 0; g < kvh; g++) {                                               \
-                for (int64_t r = 0; r < m; r++) row_##NAME(row + r * d, k + (t + r) * tok_stride + g * d, d); \
-                memset(row + m * d, 0, sizeof(float) * (16 - m) * d);                         \
+                rows16_##NAME(row, k + t * tok_stride + g * d, tok_stride, m, d);                \
                 for (int64_t h = g * grp; h < (g + 1) * grp; h++) {                           \
                     float s16[16];                                                            \
                     qk16(qf + h * d, row, d, s16);                                            \
@@ -308,8 +316,7 @@ static void task_##NAME(const attn_args *a, const T *q, const T *pool, const int
         for (; CHUNK16(d) && t < n; t += 16) {                                                \
             const int64_t m = n - t < 16 ? n - t : 16;                                        \
             for (int64_t g = 0; g < kvh; g++) {                                               \
-                for (int64_t r = 0; r < m; r++) row_##NAME(row + r * d, v + (t + r) * tok_stride + g * d, d); \
-                memset(row + m * d, 0, sizeof(float) * (16 - m) * d);                         \
+                rows16_##NAME(row, v + t * tok_stride + g * d, tok_stride, m, d);                \
                 for (int64_t h = g * grp; h < (g + 1) * grp; h++) {                           \
                     float w16[16] = {0};                                                      \
                     memcpy(w16, scores + h * n_keys + t0 + t, sizeof(float) * m);             \
