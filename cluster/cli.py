@@ -107,7 +107,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     import asyncio
 
-    from cluster.registry import RegistryReader
+    from control.reader import RegistryReader
 
     redis_url, namespace = args.redis_url, args.namespace
     if redis_url is None:

@@ -1,9 +1,10 @@
 """Controller: the Ray actor that creates a cluster's pools and router and answers for them.
 
 `start()` creates N prefill and M decode worker actors (CPU actors here, one GPU each
-when the worker's device is cuda), waits for them to load the model, then the router
-replicas (`num_routers`, sharing one port: the first binds `router.port`,
-0 for a free one, and the others join the port it got), each knowing every worker's handle and address. `check_idle()` gathers every worker's
+when the worker's device is cuda), waits for them to load the model and serve, then the
+router replicas (`num_routers`, sharing one port: the first binds `router.port`, 0 for
+a free one, and the others join the port it got), and waits until every router has
+seen every worker's heartbeat in Redis (routers find workers there, not from here). `check_idle()` gathers every worker's
 pool accounting (tests assert nothing leaked; a dead worker reports `dead`);
 `kill_worker()` ends one abruptly (what a crash looks like to the rest); `shutdown()`
 stops the routers first so no new work arrives, then the workers.
@@ -17,7 +18,7 @@ from typing import Any
 
 import ray
 
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, RouterConfig
 from decode_worker.worker import DecodeWorker
 from prefill_worker.worker import PrefillWorker
 from router.service import RouterService
@@ -34,7 +35,7 @@ async def await_ref(ref: Any, timeout_s: float = CALL_TIMEOUT_S) -> Any:
 
 
 class Controller:
-    def __init__(self, config: ClusterConfig, redis_url: str | None) -> None:
+    def __init__(self, config: ClusterConfig, redis_url: str) -> None:
         self.config = config
         self.redis_url = redis_url
         self.prefills: dict[str, Any] = {}
@@ -55,23 +56,30 @@ class Controller:
                          for i in range(c.num_prefill)}
         self.decodes = {f"decode-{i}": D.options(**opts).remote(f"decode-{i}", c.worker, self.redis_url, c.namespace)
                         for i in range(c.num_decode)}
-        decode_info = await asyncio.gather(*(await_ref(d.start.remote(), START_TIMEOUT_S) for d in self.decodes.values()))
-        prefill_info = await asyncio.gather(*(await_ref(p.info.remote(), START_TIMEOUT_S) for p in self.prefills.values()))
-        decodes = {i["worker_id"]: i for i in decode_info}
-        router_config = dataclasses.replace(c.router, share_port=c.num_routers > 1)
-        self.routers = {f"router-{i}": R.options(num_cpus=0).remote(f"router-{i}", router_config, c.worker, self.prefills,
-                                                                   decodes, self.redis_url, c.namespace)
+        workers = {**self.prefills, **self.decodes}
+        infos = await asyncio.gather(*(await_ref(w.start.remote(), START_TIMEOUT_S) for w in workers.values()))
+        self.routers = {f"router-{i}": R.options(num_cpus=0).remote(f"router-{i}", self._router_config(),
+                                                                   self.redis_url, c.namespace)
                         for i in range(c.num_routers)}
         replicas = list(self.routers.values())
         first = await await_ref(replicas[0].start.remote(), START_TIMEOUT_S)
         port = int(first.rsplit(":", 1)[1])  # what port 0 resolved to; the other replicas join it
         addresses = [first, *await asyncio.gather(*(await_ref(r.start.remote(port), START_TIMEOUT_S)
                                                     for r in replicas[1:]))]
+        await asyncio.gather(*(await_ref(r.await_workers.remote(list(workers), 30.0), 40.0) for r in replicas))
+        prefill_info = [i for i in infos if i["role"] == "prefill"]
+        decode_info = [i for i in infos if i["role"] == "decode"]
         self.info = {"address": addresses[0], "routers": dict(zip(self.routers, addresses, strict=True)),
                      "prefill": list(prefill_info), "decode": list(decode_info),
                      "mode": c.router.routing.mode, "redis_url": self.redis_url}
         logger.info("cluster up: %s", self.info)
         return self.info
+
+    def _router_config(self) -> RouterConfig:
+        c = self.config
+        return dataclasses.replace(c.router, share_port=c.num_routers > 1,
+                                   tokenizer_dir=c.router.tokenizer_dir or c.worker.model_dir,
+                                   cluster_secret=c.worker.cluster_secret)
 
     async def check_idle(self) -> list[dict[str, Any]]:
         async def one(worker_id: str, actor: Any) -> dict[str, Any]:

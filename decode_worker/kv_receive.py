@@ -4,7 +4,7 @@ Data flow: `reserve()` asks the engine for destination blocks (its cached prefix
 reused, so only missing blocks travel) and puts them under a kvfabric lease -> `Ticket`
 for the router to hand to a prefill worker. `pump()` applies the receiver's events to
 the engine: `KVArrived` -> `remote_kv_ready` (the request joins the continuous batch
-with its first token); `TransferFailed` -> the request ends, its blocks freed or, when
+with its first token) -> `Landed`; `TransferFailed` -> the request ends, its blocks freed or, when
 a one-sided writer may still write, held; `BlocksFenced` -> held blocks are freed.
 The engine's pool lives in shared memory (`ShmKVAllocator`) so `shm` senders on this
 host copy straight into it; other senders use `tcp`.
@@ -32,6 +32,17 @@ class RemoteFailure:
     reason: str
 
 
+@dataclass(frozen=True)
+class Landed:
+    """A request's KV and first token arrived; it joined the batch."""
+
+    request_id: str
+    output: RequestOutput
+    """The engine's output for the first token (the prefill worker's)."""
+    transfer_window_s: float
+    """The transfer's open to its `ready`, on this worker's clock."""
+
+
 class RemoteKV:
     def __init__(self, engine: LLMEngine, allocator: ShmKVAllocator | None, config: ReceiverConfig | None = None) -> None:
         """`allocator`: the one the engine's pool came from (None: pool not shared, tcp only)."""
@@ -40,8 +51,6 @@ class RemoteKV:
         self.block_size = engine.kv_pool.layout.block_size
         region = BlockRegion.from_tensor(engine.kv_pool.tensor)
         self.receiver = FabricReceiver(layout, region, config, engine.clock, allocator.segment if allocator else None)
-        self.transfer_s: dict[str, float] = {}
-        """Per arrived request: the receiver-clock window from the writer's open to `ready` (pop it)."""
 
     def reserve(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None,
@@ -53,14 +62,14 @@ class RemoteKV:
             return None
         return self.receiver.expect(res.request_id, [int(b) for b in res.block_ids], res.num_cached_tokens // self.block_size)
 
-    def pump(self, timeout_s: float = 0.0) -> list[RequestOutput | RemoteFailure]:
-        """Apply transfer events to the engine; returns first-token outputs and failures."""
-        results: list[RequestOutput | RemoteFailure] = []
+    def pump(self, timeout_s: float = 0.0) -> list[Landed | RemoteFailure]:
+        """Apply transfer events to the engine; returns arrivals and failures."""
+        results: list[Landed | RemoteFailure] = []
         for ev in self.receiver.poll(timeout_s):
             rid = RequestId(ev.request_id)
             if isinstance(ev, KVArrived):
-                self.transfer_s[rid] = ev.arrived_at - ev.opened_at
-                results += self.engine.remote_kv_ready(rid, ev.first_token_id)
+                for out in self.engine.remote_kv_ready(rid, ev.first_token_id):
+                    results.append(Landed(rid, out, ev.arrived_at - ev.opened_at))
             elif isinstance(ev, TransferFailed):
                 self.engine.abort(rid, hold_blocks=ev.blocks_held)
                 results.append(RemoteFailure(rid, ev.reason))
@@ -71,7 +80,6 @@ class RemoteKV:
     def abort(self, request_id: str) -> bool:
         """End a request in any state; blocks a sender may still write stay held until fenced."""
         held = self.receiver.cancel(request_id)
-        self.transfer_s.pop(request_id, None)
         return self.engine.abort(request_id, hold_blocks=bool(held))
 
     def close(self) -> None:

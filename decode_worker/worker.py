@@ -1,34 +1,35 @@
-"""DecodeWorker: the Ray actor body of a decode worker, serving the internal DecodeWorker gRPC stream.
+"""DecodeWorker: a decode worker's engine, KV receiver and `DecodeWorker` gRPC service.
 
 Data flow: the router opens `Decode(DecodeRequest)` -> remote prefill: blocks are
 reserved under a kvfabric lease (`RemoteKV.reserve`) and the first event is
 `Reserved{ticket}`; local prefill: the request joins the engine at once -> the engine
-thread (`EngineLoop`) pumps kvfabric events (`KVArrived` admits the request with the
-first token from the prefill worker) and steps the continuous batch -> each step's
-outputs go to the request's asyncio queue on the actor's event loop -> `Tokens` events
-to the router. Cancelling the stream (client gone, deadline, router abort) aborts the
-request and frees its blocks (or quarantines them until a one-sided writer is fenced).
-The KV pool is a shared-memory segment (`ShmKVAllocator`) so same-host prefill
-workers copy straight into it; others use tcp.
+thread (`EngineLoop`) pumps kvfabric events (`Landed` admits the request with the
+first token from the prefill worker: the stream says `Arrived`, and tokens follow from
+the second on, since the router already sent the first) and steps the continuous batch
+-> each step's outputs go to the request's `_Decode` object on the event loop ->
+`Tokens` events to the router. Cancelling the stream (client gone, deadline, router
+abort) aborts the request and frees its blocks (or quarantines them until a one-sided
+writer is fenced). The KV pool is a shared-memory segment (`ShmKVAllocator`) so
+same-host prefill workers copy straight into it; others use tcp.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 
 import grpc
 import msgpack
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from cluster.config import WorkerConfig
-from cluster.registry import Heartbeat, Publisher, engine_heartbeat
-from decode_worker.kv_receive import RemoteFailure, RemoteKV
+from control.heartbeat import ModelFacts
+from control.worker_config import WorkerConfig
+from control.worker_host import WorkerHost, engine_load_reader, status_for
+from decode_worker.kv_receive import Landed, RemoteFailure, RemoteKV
 from engine.engine_loop import EngineLoop, freeze_startup_heap
 from engine.llm_engine import LLMEngine, RequestOutput
-from engine.types import EngineError, InvalidRequestError
+from engine.types import RequestId
 from kvfabric import ReceiverConfig, ShmKVAllocator
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
@@ -38,6 +39,17 @@ logger = logging.getLogger(__name__)
 
 STREAM_IDLE_TIMEOUT_S = 120.0
 """Longest a Decode stream waits for its next tokens (the KV lease bounds the wait for arrival)."""
+
+Item = RequestOutput | Landed | RemoteFailure
+
+
+@dataclass
+class _Decode:
+    """One request on this worker, on the asyncio side: what the engine thread sends it."""
+
+    request_id: str
+    events: asyncio.Queue[Item] = field(default_factory=asyncio.Queue)
+    finished: bool = False
 
 
 class DecodeWorker(pb_grpc.DecodeWorkerServicer):
@@ -49,13 +61,13 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         self.engine = LLMEngine(config.engine_config("decode"), allocator=self.allocator)
         self.remote = RemoteKV(self.engine, self.allocator, ReceiverConfig(host=config.host, lease_s=config.kv_lease_s))
         self.loop = EngineLoop(self.engine, self._on_outputs, self._hook, name=f"engine-{worker_id}")
-        self.publisher = Publisher(redis_url, namespace, worker_id, self._heartbeat,
-                                   config.heartbeat_interval_s, config.heartbeat_ttl_s) if redis_url else None
-        self._streams: dict[str, asyncio.Queue[RequestOutput | RemoteFailure]] = {}
-        self._transfer_s: dict[str, float] = {}
+        e = self.engine
+        facts = ModelFacts(e.model_id, config.block_size, e.model_config.vocab_size, e.max_model_len,
+                           e.kv_pool.num_blocks)
+        self.host = WorkerHost(worker_id, "decode", config, facts, engine_load_reader(self.loop, self._counters), redis_url, namespace)
+        self._requests: dict[str, _Decode] = {}
+        """Asyncio side: the running calls."""
         self._aio: asyncio.AbstractEventLoop | None = None
-        self._server: grpc.aio.Server | None = None
-        self.address = ""
         self._num_prompt_tokens = 0
         self._num_cached_tokens = 0
         self._seen: set[str] = set()
@@ -64,70 +76,68 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
 
     # -- actor methods ---------------------------------------------------------------------
     async def start(self) -> dict[str, object]:
-        """Starts the gRPC server and the engine thread; returns this worker's info."""
+        """Starts the engine thread and the gRPC server; returns this worker's info."""
         self._aio = asyncio.get_running_loop()
-        self._server = grpc.aio.server()
-        pb_grpc.add_DecodeWorkerServicer_to_server(self, self._server)
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._server)
-        port = self._server.add_insecure_port(f"{self.config.host}:0")
-        await self._server.start()
-        await health_servicer.set("splitserve.v1.DecodeWorker", health_pb2.HealthCheckResponse.SERVING)
-        self.address = f"{self.config.host}:{port}"
         self.loop.start()
-        if self.publisher:
-            self.publisher.start()
+        await self.host.start(lambda server: pb_grpc.add_DecodeWorkerServicer_to_server(self, server))
         return self.info()
 
     def info(self) -> dict[str, object]:
-        return {"worker_id": self.worker_id, "role": "decode", "address": self.address,
-                "model_id": self.engine.model_id, "num_blocks": self.engine.kv_pool.num_blocks,
-                "block_size": self.config.block_size}
+        return self.host.info()
 
     async def check_idle(self) -> dict[str, object]:
         return await asyncio.wrap_future(self.loop.call(self._idle_report))
 
     async def shutdown(self) -> None:
-        if self._server is not None:
-            await self._server.stop(grace=1.0)
-        if self.publisher:
-            self.publisher.stop()
+        await self.host.stop()
         self.loop.stop()
         self.remote.close()
         if self.allocator.segment is not None:
             self.allocator.segment.close()
 
-    # -- the Decode stream (on the actor's event loop) -------------------------------------
+    # -- the Decode stream (on the event loop) ---------------------------------------------
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeEvent]:
         rid = request.request_id
-        if not rid or rid in self._streams:
+        if not rid or rid in self._requests:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is empty or already running here")
-        queue: asyncio.Queue[RequestOutput | RemoteFailure] = asyncio.Queue()
-        self._streams[rid] = queue
-        finished = False
+        if self.host.state != "serving":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.worker_id} is {self.host.state}")
+        state = self._requests[rid] = _Decode(rid)
         try:
             reserved = await self._admit(request, context)
             if reserved is not None:
                 yield pb.DecodeEvent(reserved=reserved)
-            while not finished:
-                try:
-                    item = await asyncio.wait_for(queue.get(), STREAM_IDLE_TIMEOUT_S)
-                except TimeoutError:
-                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                        f"request {rid}: no tokens for {STREAM_IDLE_TIMEOUT_S:.0f} s on {self.worker_id}")
-                if isinstance(item, RemoteFailure):
-                    finished = True  # the engine already ended it
-                    await context.abort(grpc.StatusCode.ABORTED, f"request {rid}: KV transfer failed: {item.reason}")
-                finished = item.finished
-                yield pb.DecodeEvent(tokens=pb.Tokens(
-                    token_ids=item.new_token_ids, logprobs=item.new_logprobs,
-                    finish_reason=finish_to_pb(item.finish_reason), num_cached_tokens=item.num_cached_tokens,
-                    transfer_ms=self._transfer_s.pop(rid, 0.0) * 1e3))
+            while not state.finished:
+                for event in self._events(rid, await self._next(state, context)):
+                    yield event
         finally:
-            self._streams.pop(rid, None)
-            self._transfer_s.pop(rid, None)
-            if not finished:
+            self._requests.pop(rid, None)
+            if not state.finished:
                 self.loop.call(lambda e: self._abort(rid))
+
+    async def _next(self, state: _Decode, context: grpc.aio.ServicerContext) -> Item:
+        try:
+            item = await asyncio.wait_for(state.events.get(), STREAM_IDLE_TIMEOUT_S)
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"request {state.request_id}: no tokens for {STREAM_IDLE_TIMEOUT_S:.0f} s on {self.worker_id}")
+        if isinstance(item, RemoteFailure):
+            state.finished = True  # the engine already ended it
+            await context.abort(grpc.StatusCode.ABORTED, f"request {state.request_id}: KV transfer failed: {item.reason}")
+        state.finished = item.output.finished if isinstance(item, Landed) else item.finished
+        return item
+
+    @staticmethod
+    def _events(rid: str, item: Item) -> list[pb.DecodeEvent]:
+        if isinstance(item, Landed):  # the first token came from the prefill worker: not sent again
+            events = [pb.DecodeEvent(arrived=pb.Arrived(transfer_window_ms=item.transfer_window_s * 1e3))]
+            if item.output.finished:
+                events.append(pb.DecodeEvent(tokens=pb.Tokens(finish_reason=finish_to_pb(item.output.finish_reason))))
+            return events
+        assert isinstance(item, RequestOutput)
+        return [pb.DecodeEvent(tokens=pb.Tokens(
+            token_ids=item.new_token_ids, logprobs=item.new_logprobs, finish_reason=finish_to_pb(item.finish_reason),
+            num_cached_tokens=item.num_cached_tokens))]
 
     async def _admit(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> pb.Reserved | None:
         rid = request.request_id
@@ -140,65 +150,54 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
                 return None
             ticket = await asyncio.wrap_future(self.loop.call(
                 lambda e: self.remote.reserve(prompt, params, rid, request.priority, request.tenant)))
-        except InvalidRequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except EngineError as e:
-            await context.abort(grpc.StatusCode.INTERNAL, f"{self.worker_id}: {e}")
+        except Exception as e:  # noqa: BLE001 - every failure becomes the call's status
+            await context.abort(*status_for(e))
         if ticket is None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"{self.worker_id} has no free KV blocks for a {len(prompt)}-token prompt now")
-        return pb.Reserved(ticket=msgpack.packb(ticket.to_wire()), num_cached_tokens=ticket.num_skip_blocks * self.config.block_size)
+        return pb.Reserved(ticket=msgpack.packb(ticket.to_wire()),
+                           num_cached_tokens=ticket.num_skip_blocks * self.config.block_size)
 
-    def _deliver(self, items: list[RequestOutput | RemoteFailure], transfer_s: dict[str, float]) -> None:
-        self._transfer_s.update(transfer_s)
+    def _deliver(self, items: list[Item]) -> None:
         for item in items:
-            q = self._streams.get(item.request_id)
-            if q is not None:
-                q.put_nowait(item)
+            state = self._requests.get(item.request_id)
+            if state is not None:
+                state.events.put_nowait(item)
 
     # -- on the engine thread --------------------------------------------------------------
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         self._send(list(outputs))
-        if self.publisher:
-            self.publisher.publish_events(self.engine.take_kv_events())
+        self.host.publish_events(self.engine.take_kv_events())
 
     def _hook(self, wait_s: float) -> bool:
         items = self.remote.pump(wait_s)
         if items:
             self._send(items)
-        if self.publisher:
-            self.publisher.publish_events(self.engine.take_kv_events())
+        self.host.publish_events(self.engine.take_kv_events())
         return bool(items)
 
-    def _send(self, items: list[RequestOutput | RemoteFailure]) -> None:
-        transfer_s = {}
+    def _send(self, items: list[Item]) -> None:
         for item in items:
-            if isinstance(item, RequestOutput):
-                rid = item.request_id
-                t = self.remote.transfer_s.pop(rid, None)
-                if t is not None:
-                    transfer_s[rid] = t
-                if rid not in self._seen:
-                    self._seen.add(rid)
-                    self._num_prompt_tokens += item.num_prompt_tokens
-                    self._num_cached_tokens += item.num_cached_tokens
-                if item.finished:
-                    self._seen.discard(rid)
-            else:
-                self._seen.discard(item.request_id)
+            out = item.output if isinstance(item, Landed) else item
+            rid = out.request_id
+            if isinstance(out, RequestOutput) and rid not in self._seen:
+                self._seen.add(rid)
+                self._num_prompt_tokens += out.num_prompt_tokens
+                self._num_cached_tokens += out.num_cached_tokens
+            if not isinstance(out, RequestOutput) or out.finished:
+                self._seen.discard(rid)
         assert self._aio is not None
-        self._aio.call_soon_threadsafe(self._deliver, items, transfer_s)
+        self._aio.call_soon_threadsafe(self._deliver, items)
 
     def _abort(self, request_id: str) -> None:
-        self.remote.abort(request_id)
+        self.remote.abort(RequestId(request_id))
         self._seen.discard(request_id)
 
-    def _heartbeat(self) -> Heartbeat | None:
-        return engine_heartbeat(self.loop, self.worker_id, "decode", self.address,
-                                lambda: (self._num_prompt_tokens, self._num_cached_tokens))
+    def _counters(self) -> tuple[int, int]:
+        return self._num_prompt_tokens, self._num_cached_tokens
 
     def _idle_report(self, engine: LLMEngine) -> dict[str, object]:
         usage = engine.check_invariants()
         return {"worker_id": self.worker_id, "usage": asdict(usage), "num_unfinished": engine.scheduler.num_unfinished,
                 "num_handed_off": engine.num_handed_off, "held_blocks": len(self.remote.receiver.held_block_ids()),
-                "num_streams": len(self._streams)}
+                "num_streams": len(self._requests)}

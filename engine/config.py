@@ -76,6 +76,9 @@ class EngineConfig:
     PATH) run decode attention over the paged pool, add + RMSNorm, SwiGLU, rotary + KV
     store, and bfloat16 matmuls where the CPU has AVX-512 BF16; False, or no compiler,
     keeps the torch forms (engine/attention.py, oneDNN linears)."""
+    detokenize: bool = True
+    """Turn output tokens into text (and honour stop strings). Workers serving a router
+    turn it off: the router detokenizes once, for every worker a request ran on."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

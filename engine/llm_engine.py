@@ -32,7 +32,7 @@ from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Request, SamplingParams
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
-from engine.types import BlockId, InvalidRequestError, RequestId
+from engine.types import BlockId, EngineLoad, InvalidRequestError, RequestId
 
 logger = logging.getLogger(__name__)
 
@@ -203,10 +203,11 @@ class LLMEngine:
             tenant=tenant,
             eos_token_ids=frozenset(self.model_config.eos_token_ids),
         )
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and self.config.detokenize:
             self._detok[request.request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
         elif params.stop:
-            raise InvalidRequestError("stop strings need a tokenizer.json in the model directory")
+            raise InvalidRequestError("stop strings need a tokenizer.json in the model directory"
+                                      if self.tokenizer is None else "stop strings need detokenize=True")
         return request
 
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
@@ -294,6 +295,13 @@ class LLMEngine:
                 c.logprobs += o.new_logprobs
                 c.finish_reason = o.finish_reason
         return [acc[i] for i in ids]
+
+    def load(self) -> EngineLoad:
+        """What the engine holds now, for heartbeats."""
+        u = self.block_pool.usage()
+        s = self.scheduler
+        queued = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in [*s.waiting, *s.running])
+        return EngineLoad(u.num_total, u.num_free, u.num_cached, len(s.running), len(s.waiting), queued)
 
     def take_kv_events(self) -> list[KVEvent]:
         return self.block_pool.take_events()

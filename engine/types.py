@@ -1,6 +1,7 @@
 """Identifiers and the engine's error hierarchy (torch-free)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NewType
 
 RequestId = NewType("RequestId", str)
@@ -22,3 +23,17 @@ class InvalidRequestError(EngineError, ValueError):
 
 class InvariantError(EngineError, AssertionError):
     """Block accounting is broken: a bug, never a capacity shortage."""
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What an engine holds at one moment (`LLMEngine.load()`), for heartbeats."""
+
+    num_total_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    """Evictable: free for new requests, still a prefix-cache hit until reused."""
+    num_running: int
+    num_waiting: int
+    queued_prefill_tokens: int
+    """Prompt tokens of running and waiting requests not computed yet."""

@@ -1,19 +1,31 @@
-"""Prefill side of a hand-off: stream a request's blocks through kvfabric as chunks finish.
+"""Prefill side of a hand-off: stream a request's blocks through kvfabric off the engine thread.
 
-Data flow: the router gives the prefill worker a `Ticket` (the decode worker's reserved
-blocks) with each request; `attach()` opens the transfer before the request enters the
-engine. The engine calls this object as its `KVHandoff`: after every step that advanced
-a request, the blocks that became full are pushed (chunk i travels while chunk i+1
-computes); at the first token the rest (including the last, partial block) is pushed
-and `ready` is sent after the data. Finished hand-offs are collected by `take_done()`;
-the worker then releases the engine's blocks (`LLMEngine.release_handoff`) and reports
-the first token or the error. Source blocks live in the engine's pool (CPU tensor).
+Data flow (who owns what):
+  engine thread                             push lane thread (one per decode worker)
+  `attach(ticket)` -> `Handoff` --open-->   `FabricSender.open` (dial, handshake, `open` ack)
+  step: `on_blocks_computed` --push ids-->  `Transfer.push` (shm copy / tcp frame)
+  first token: `on_prefill_finished` -->    push the rest, `Transfer.finish` (`ready`, ack)
+  `on_done(PushDone)` <-------------------  the hand-off ended (accepted, failed, cancelled)
+
+The engine thread only queues block ids (a snapshot of ints) and never waits on the
+network: chunk i's copy runs on the lane while chunk i+1 computes, and one slow or
+stalled decode worker stalls only its own lane. Source blocks stay the engine's: full
+blocks are immutable, and they are not freed while a lane may read them (handed-off
+blocks wait for `release_handoff`; an aborted request is held the same way, see
+`cancel`). The one exception is a request that finishes at its first token (EOS,
+max_tokens 1): the engine frees its blocks at once and its transfer is cancelled,
+so a copy still in flight may read reused blocks, but no `ready` ever follows it and
+the decode worker discards the reservation. `on_done` runs on the lane thread; the
+worker hands it to its engine thread (which releases or frees the blocks).
 """
 from __future__ import annotations
 
 import ctypes
 import logging
+import queue
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.llm_engine import LLMEngine
@@ -27,100 +39,197 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class PushDone:
     request_id: str
-    first_token_id: int | None
     error: str | None
     """None when the decode worker accepted the KV; else why the hand-off failed."""
     num_pushes: int
     push_s: float = 0.0
-    """Engine-thread time spent pushing this request's blocks and `ready`: what the transfer
-    added to the prefill (chunk copies run between compute steps)."""
+    """Wall time from the first kvfabric call (open) to the end (the `ready` ack)."""
+    fabric_s: float = 0.0
+    """Lane-thread time spent in kvfabric calls (open, pushes, ready)."""
+    engine_s: float = 0.0
+    """Engine-thread time this hand-off cost (queueing block ids): what the transfer added to steps."""
+
+
+@dataclass
+class Handoff:
+    """One request's transfer. The engine thread sets `next_index` and queues jobs; the
+    lane thread owns `transfer` and the counters; `cancelled` and `ended` are the flags
+    both read (a single assignment each, so no lock)."""
+
+    ticket: Ticket
+    next_index: int
+    transfer: Transfer | None = None
+    num_pushes: int = 0
+    opened_at: float = 0.0
+    fabric_s: float = 0.0
+    engine_s: float = 0.0
+    cancelled: str | None = None
+    ended: bool = False
+    finishing: bool = False
+    """The first token was handed over: the last push and `ready` are queued."""
+
+    @property
+    def request_id(self) -> str:
+        return self.ticket.request_id
+
+
+_Job = tuple[str, tuple[object, ...]]
+
+
+class _Lane:
+    """One decode worker's push thread: runs its requests' jobs in order."""
+
+    def __init__(self, pusher: KVPusher, receiver_id: str) -> None:
+        self.pusher = pusher
+        self._jobs: queue.SimpleQueue[tuple[Handoff, _Job] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"kvfabric-push-{receiver_id[:8]}", daemon=True)
+        self._thread.start()
+
+    def put(self, handoff: Handoff, job: _Job) -> None:
+        self._jobs.put((handoff, job))
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            handoff, (kind, args) = item
+            if handoff.ended:
+                continue
+            started = time.perf_counter()
+            try:
+                self._do(handoff, kind, args)
+            except (FabricError, ValueError) as e:
+                if handoff.transfer is not None:
+                    handoff.transfer.abort(str(e))
+                self.pusher.end(handoff, str(e))
+            except Exception as e:  # a bug: fail this hand-off, keep the lane for the others
+                logger.exception("request %s: push lane failed", handoff.request_id)
+                if handoff.transfer is not None:
+                    handoff.transfer.abort(repr(e))
+                self.pusher.end(handoff, repr(e))
+            finally:
+                handoff.fabric_s += time.perf_counter() - started
+
+    def _do(self, h: Handoff, kind: str, args: tuple[object, ...]) -> None:
+        if h.cancelled is not None:
+            if h.transfer is not None:
+                h.transfer.abort(h.cancelled)
+            self.pusher.end(h, h.cancelled)
+        elif kind == "open":
+            h.opened_at = time.perf_counter()
+            h.transfer = self.pusher.sender.open(h.ticket)
+        elif kind == "push":
+            block_ids, start = args
+            assert h.transfer is not None
+            h.transfer.push(block_ids, start)  # type: ignore[arg-type]
+            h.num_pushes += 1
+        elif kind == "finish":
+            first_token_id, num_tokens = args
+            assert h.transfer is not None
+            h.transfer.finish(first_token_id, num_tokens)  # type: ignore[arg-type]
+            self.pusher.end(h, None)
 
 
 class KVPusher:
-    def __init__(self, engine: LLMEngine, config: SenderConfig | None = None) -> None:
+    def __init__(self, engine: LLMEngine, config: SenderConfig | None = None,
+                 on_done: Callable[[PushDone], None] | None = None) -> None:
+        """`on_done` is called on a lane thread when a hand-off ends (default: kept for `take_done`)."""
         self.layout = FabricLayout.of_pool(engine.model_id, engine.kv_pool.layout)
         self.block_size = engine.kv_pool.layout.block_size
         kernels = engine.model.kernels
         copy = kernels.copy_stream if kernels is not None else ctypes.memmove
         self.sender = FabricSender(self.layout, BlockRegion.from_tensor(engine.kv_pool.tensor), config, copy)
-        self._transfers: dict[str, Transfer] = {}
-        self._next_index: dict[str, int] = {}
-        self._num_pushes: dict[str, int] = {}
-        self._push_s: dict[str, float] = {}
+        self.on_done = on_done or self._keep
+        self._handoffs: dict[str, Handoff] = {}
+        """Engine thread: the open hand-offs by request id."""
+        self._lanes: dict[str, _Lane] = {}
+        self._lock = threading.Lock()
         self._done: list[PushDone] = []
 
-    def attach(self, ticket: Ticket) -> Transfer:
-        """Open the transfer for a request about to be added to the engine (raises FabricError)."""
-        transfer = self.sender.open(ticket)
-        self._transfers[ticket.request_id] = transfer
-        self._next_index[ticket.request_id] = ticket.num_skip_blocks
-        self._num_pushes[ticket.request_id] = 0
-        self._push_s[ticket.request_id] = 0.0
-        return transfer
+    # -- engine thread -------------------------------------------------------------------
+    def attach(self, ticket: Ticket) -> Handoff:
+        """Queues the transfer's opening for a request about to be added to the engine."""
+        if ticket.request_id in self._handoffs:
+            raise ValueError(f"request {ticket.request_id} already has a transfer on this worker")
+        handoff = Handoff(ticket, ticket.num_skip_blocks)
+        self._handoffs[ticket.request_id] = handoff
+        self._queue(handoff, ("open", ()))
+        return handoff
 
-    # -- KVHandoff ---------------------------------------------------------------------
     def on_blocks_computed(self, request: Request) -> None:
-        self._push_upto(request, request.block_ids, request.num_computed_tokens // self.block_size)
+        handoff = self._handoffs.get(request.request_id)
+        if handoff is not None and not handoff.finishing:
+            self._push_upto(handoff, request.block_ids, request.num_computed_tokens // self.block_size)
 
     def on_prefill_finished(self, request: Request, block_ids: list[BlockId], first_token_id: int) -> None:
-        rid = request.request_id
-        if rid not in self._transfers:
+        handoff = self._handoffs.get(request.request_id)
+        if handoff is None:
             return
-        if self._push_upto(request, block_ids, len(block_ids)):
-            started = time.perf_counter()
-            try:
-                self._transfers[rid].finish(first_token_id, request.num_prompt_tokens)
-            except FabricError as e:
-                self._end(rid, None, str(e))
-                return
-            finally:
-                self._push_s[rid] += time.perf_counter() - started
-            self._end(rid, first_token_id, None)
+        handoff.finishing = True
+        self._push_upto(handoff, block_ids, len(block_ids))
+        self._queue(handoff, ("finish", (first_token_id, request.num_prompt_tokens)))
+
+    def cancel(self, request_id: str, reason: str = "aborted") -> bool:
+        """Ends the request's hand-off (its `on_done` follows from the lane); True when one
+        was open: the lane may still read its source blocks until then, so hold them."""
+        handoff = self._handoffs.pop(request_id, None)
+        if handoff is None:
+            return False
+        handoff.cancelled = reason
+        self._queue(handoff, ("cancel", ()))
+        return True
 
     @property
     def num_open(self) -> int:
-        return len(self._transfers)
+        return len(self._handoffs)
 
+    def forget(self, request_id: str) -> None:
+        """The engine thread took this request's `PushDone`."""
+        self._handoffs.pop(request_id, None)
+
+    # -- lane threads ----------------------------------------------------------------------
+    def end(self, handoff: Handoff, error: str | None) -> None:
+        """Lane thread: the hand-off is over; reports it once."""
+        if handoff.ended:
+            return
+        handoff.ended = True
+        if error is not None and handoff.cancelled is None:
+            logger.warning("request %s: KV hand-off failed: %s", handoff.request_id, error)
+        push_s = time.perf_counter() - handoff.opened_at if handoff.opened_at else 0.0
+        self.on_done(PushDone(handoff.request_id, error, handoff.num_pushes, push_s, handoff.fabric_s,
+                              handoff.engine_s))
+
+    # -- engine thread -------------------------------------------------------------------
     def take_done(self) -> list[PushDone]:
-        done, self._done = self._done, []
+        """Engine thread, with the default `on_done`: the hand-offs that ended since the last call."""
+        with self._lock:
+            done, self._done = self._done, []
+        for d in done:
+            self.forget(d.request_id)
         return done
 
-    def abort(self, request_id: str) -> None:
-        transfer = self._transfers.get(request_id)
-        if transfer is not None:
-            transfer.abort()
-            self._end(request_id, None, "aborted")
-
     def close(self) -> None:
+        for lane in self._lanes.values():
+            lane.stop()
         self.sender.close()
 
     # -- internals -----------------------------------------------------------------------
-    def _push_upto(self, request: Request, block_ids: list[BlockId], end: int) -> bool:
-        rid = request.request_id
-        transfer = self._transfers.get(rid)
-        if transfer is None:
-            return False
-        start = self._next_index[rid]
-        if end <= start:
-            return True
-        started = time.perf_counter()
-        try:
-            transfer.push([int(b) for b in block_ids[start:end]], start)
-        except FabricError as e:
-            transfer.abort(str(e))
-            self._end(rid, None, str(e))
-            return False
-        finally:
-            if rid in self._push_s:
-                self._push_s[rid] += time.perf_counter() - started
-        self._next_index[rid] = end
-        self._num_pushes[rid] += 1
-        return True
+    def _keep(self, done: PushDone) -> None:
+        with self._lock:
+            self._done.append(done)
 
-    def _end(self, request_id: str, first_token_id: int | None, error: str | None) -> None:
-        self._transfers.pop(request_id, None)
-        self._next_index.pop(request_id, None)
-        if error is not None:
-            logger.warning("request %s: KV hand-off failed: %s", request_id, error)
-        self._done.append(PushDone(request_id, first_token_id, error, self._num_pushes.pop(request_id, 0),
-                                   self._push_s.pop(request_id, 0.0)))
+    def _push_upto(self, handoff: Handoff, block_ids: list[BlockId], end: int) -> None:
+        if end > handoff.next_index:
+            ids = [int(b) for b in block_ids[handoff.next_index:end]]
+            self._queue(handoff, ("push", (ids, handoff.next_index)))
+            handoff.next_index = end
+
+    def _queue(self, handoff: Handoff, job: _Job) -> None:
+        started = time.perf_counter()
+        receiver_id = handoff.ticket.address.receiver_id
+        lane = self._lanes.get(receiver_id)
+        if lane is None:
+            lane = self._lanes[receiver_id] = _Lane(self, receiver_id)
+        lane.put(handoff, job)
+        handoff.engine_s += time.perf_counter() - started

@@ -1,176 +1,201 @@
-"""PrefillWorker: the Ray actor body of a prefill worker (the controller wraps it with `ray.remote`).
+"""PrefillWorker: a prefill worker's engine, KV pusher and `PrefillWorker` gRPC service.
 
-Data flow: the router calls `prefill(request)` with the decode worker's kvfabric
-ticket -> on the engine thread (`EngineLoop`) the transfer is opened and the request
-added -> chunked prefill; after each chunk `KVPusher` pushes the blocks that became
-full -> at the first token the rest is pushed and `ready` sent -> `PushDone` -> the
-engine's blocks are released and `prefill()` returns the first token. A request that
-ends at its first token (EOS, max_tokens 1) returns that token with its finish reason
-and no hand-off. KV events go to Redis through the `Publisher` thread.
+Data flow: the router calls `Prefill(PrefillRequest{ticket})` -> on the engine thread
+(`EngineLoop`) the transfer is queued to open on its push lane and the request added
+-> chunked prefill; after each chunk `KVPusher` queues the blocks that became full ->
+the first token goes back to the router at once (`FirstToken`) while the lane pushes
+the rest and sends `ready` -> `PushDone` comes back through the engine thread, which
+releases the blocks, and the call ends with `KVPushed` (or ABORTED when the transfer
+failed). A request that ends at its first token (EOS, max_tokens 1) ends the call after
+`FirstToken` and its transfer is cancelled. Cancelling the call aborts the request.
+Each running request is one `_Prefill` object on the asyncio side. Runs as a Ray actor
+(the controller wraps it with `ray.remote`) or in any process with an event loop.
 """
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
-import time
-from dataclasses import asdict, dataclass
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
 
+import grpc
 import msgpack
 import torch
 
-from cluster.config import WorkerConfig
-from cluster.registry import Heartbeat, Publisher, engine_heartbeat
+from control.heartbeat import ModelFacts
+from control.worker_config import WorkerConfig
+from control.worker_host import WorkerHost, engine_load_reader, status_for
 from engine.engine_loop import EngineLoop, freeze_startup_heap
 from engine.llm_engine import LLMEngine, RequestOutput
-from engine.request import FinishReason, SamplingParams
-from engine.types import EngineError, RequestId
-from kvfabric import FabricError, SenderConfig, Ticket
-from prefill_worker.kv_push import KVPusher
+from engine.request import FinishReason
+from engine.types import InvalidRequestError, RequestId
+from kvfabric import SenderConfig, Ticket
+from prefill_worker.kv_push import KVPusher, PushDone
+from proto import generate_pb2 as pb
+from proto import generate_pb2_grpc as pb_grpc
+from proto.convert import finish_to_pb, sampling_from_pb
 
 logger = logging.getLogger(__name__)
 
+STREAM_IDLE_TIMEOUT_S = 120.0
+"""Longest a Prefill call waits for its next event (the first token, or the push's end)."""
 
-@dataclass(frozen=True)
-class PrefillRequest:
+
+@dataclass
+class _Prefill:
+    """One request on this worker, on the asyncio side: what the engine thread sends it."""
+
     request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    ticket: bytes
-    """msgpack of the decode worker's `Ticket.to_wire()`."""
-    priority: int = 0
-    tenant: str = ""
+    events: asyncio.Queue[RequestOutput | PushDone | BaseException] = field(default_factory=asyncio.Queue)
 
 
-@dataclass(frozen=True)
-class PrefillResult:
-    request_id: str
-    first_token_id: int | None = None
-    logprobs: tuple[float, ...] = ()
-    finish_reason: str | None = None
-    """Set when the request ended here at its first token (no hand-off)."""
-    num_cached_tokens: int = 0
-    """Prompt tokens this worker served from its prefix cache."""
-    prefill_s: float = 0.0
-    transfer_s: float = 0.0
-    """Engine-thread time spent pushing the KV (every chunk and `ready`): the transfer's
-    share of the prefill time."""
-    error: str | None = None
-    """Why no first token: the transfer failed, the request was aborted or refused."""
-    invalid: bool = False
-    """The error is the request's fault (INVALID_ARGUMENT), not the cluster's."""
-
-
-class PrefillWorker:
+class PrefillWorker(pb_grpc.PrefillWorkerServicer):
     def __init__(self, worker_id: str, config: WorkerConfig, redis_url: str | None, namespace: str) -> None:
         torch.set_num_threads(config.num_threads)
         self.worker_id = worker_id
         self.config = config
         self.engine = LLMEngine(config.engine_config("prefill"))
-        self.pusher = KVPusher(self.engine, SenderConfig(renew_interval_s=config.kv_lease_s / 4))
+        self.pusher = KVPusher(self.engine, SenderConfig(renew_interval_s=config.kv_lease_s / 4), self._push_ended)
         self.engine.handoff = self.pusher
-        self._waiters: dict[str, tuple[concurrent.futures.Future[PrefillResult], float]] = {}
-        self._cached: dict[str, tuple[int, tuple[float, ...]]] = {}
+        self.loop = EngineLoop(self.engine, self._on_outputs, self._hook, name=f"engine-{worker_id}")
+        e = self.engine
+        facts = ModelFacts(e.model_id, config.block_size, e.model_config.vocab_size, e.max_model_len,
+                           e.kv_pool.num_blocks)
+        self.host = WorkerHost(worker_id, "prefill", config, facts, engine_load_reader(self.loop, self._counters), redis_url, namespace)
+        self._requests: dict[str, _Prefill] = {}
+        """Asyncio side: the running calls."""
+        self._aio: asyncio.AbstractEventLoop | None = None
         self._num_prompt_tokens = 0
         self._num_cached_tokens = 0
-        self.loop = EngineLoop(self.engine, self._on_outputs, self._hook, name=f"engine-{worker_id}")
-        self.publisher = Publisher(redis_url, namespace, worker_id, self._heartbeat,
-                                   config.heartbeat_interval_s, config.heartbeat_ttl_s) if redis_url else None
         freeze_startup_heap()
-        self.loop.start()
-        if self.publisher:
-            self.publisher.start()
 
     # -- actor methods ---------------------------------------------------------------------
+    async def start(self) -> dict[str, object]:
+        """Starts the engine thread and the gRPC server; returns this worker's info."""
+        self._aio = asyncio.get_running_loop()
+        self.loop.start()
+        await self.host.start(lambda server: pb_grpc.add_PrefillWorkerServicer_to_server(self, server))
+        return self.info()
+
     def info(self) -> dict[str, object]:
-        return {"worker_id": self.worker_id, "role": "prefill", "model_id": self.engine.model_id,
-                "num_blocks": self.engine.kv_pool.num_blocks, "block_size": self.config.block_size}
-
-    async def prefill(self, request: PrefillRequest) -> PrefillResult:
-        try:
-            fut = await asyncio.wrap_future(self.loop.call(lambda e: self._start(e, request)))
-            return await asyncio.wrap_future(fut)
-        except asyncio.CancelledError:
-            await self.abort(request.request_id)
-            raise
-
-    async def abort(self, request_id: str) -> bool:
-        return await asyncio.wrap_future(self.loop.call(lambda e: self._abort(e, request_id, "aborted")))
+        return self.host.info()
 
     async def check_idle(self) -> dict[str, object]:
         """For tests and drains: pool accounting, and what is still held."""
         return await asyncio.wrap_future(self.loop.call(self._idle_report))
 
-    def shutdown(self) -> None:
-        if self.publisher:
-            self.publisher.stop()
+    async def shutdown(self) -> None:
+        await self.host.stop()
         self.loop.stop()
         self.pusher.close()
 
-    # -- on the engine thread --------------------------------------------------------------
-    def _start(self, engine: LLMEngine, r: PrefillRequest) -> concurrent.futures.Future[PrefillResult]:
-        fut: concurrent.futures.Future[PrefillResult] = concurrent.futures.Future()
+    # -- the Prefill stream (on the event loop) ---------------------------------------------
+    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.PrefillEvent]:
+        rid = request.request_id
+        if not rid or rid in self._requests:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is empty or already running here")
+        if self.host.state != "serving":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.worker_id} is {self.host.state}")
+        state = self._requests[rid] = _Prefill(rid)
+        ended = False
         try:
-            self.pusher.attach(Ticket.from_wire(msgpack.unpackb(r.ticket)))
-        except (FabricError, KeyError, TypeError, ValueError) as e:
-            fut.set_result(PrefillResult(r.request_id, error=f"cannot open the KV transfer: {e}"))
-            return fut
-        try:
-            engine.add_request(r.prompt_token_ids, r.params, r.request_id, r.priority, r.tenant)
-        except EngineError as e:
-            self.pusher.abort(r.request_id)  # its PushDone reaches _hook, which finds no waiter
-            fut.set_result(PrefillResult(r.request_id, error=str(e), invalid=True))
-            return fut
-        self._waiters[r.request_id] = (fut, time.perf_counter())
-        return fut
+            try:
+                await asyncio.wrap_future(self.loop.call(lambda e: self._start(e, request)))
+            except Exception as e:  # noqa: BLE001 - every failure becomes the call's status
+                ended = True  # _start cleaned up
+                await context.abort(*status_for(e))
+            while True:
+                item = await self._next(state, context)
+                if isinstance(item, RequestOutput):
+                    ended = item.finished and item.finish_reason is not FinishReason.PREFILL_DONE
+                    reason = item.finish_reason if ended else None
+                    yield pb.PrefillEvent(first=pb.FirstToken(
+                        token_id=item.new_token_ids[0], logprobs=item.new_logprobs,
+                        finish_reason=finish_to_pb(reason), num_cached_tokens=item.num_cached_tokens))
+                    if ended:
+                        return
+                else:
+                    ended = True
+                    if item.error is not None:
+                        await context.abort(grpc.StatusCode.ABORTED, f"request {rid}: KV transfer failed: {item.error}")
+                    yield pb.PrefillEvent(pushed=pb.KVPushed(push_ms=item.push_s * 1e3, kvfabric_ms=item.fabric_s * 1e3,
+                                                             num_pushes=item.num_pushes))
+                    return
+        finally:
+            self._requests.pop(rid, None)
+            if not ended:
+                self.loop.call(lambda e: self._abort(e, RequestId(rid)))
 
-    def _abort(self, engine: LLMEngine, request_id: str, reason: str) -> bool:
-        self.pusher.abort(request_id)
-        found = engine.abort(request_id)
-        self._resolve(request_id, PrefillResult(request_id, error=reason))
-        return found
+    async def _next(self, state: _Prefill, context: grpc.aio.ServicerContext) -> RequestOutput | PushDone:
+        try:
+            item = await asyncio.wait_for(state.events.get(), STREAM_IDLE_TIMEOUT_S)
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"request {state.request_id}: nothing for {STREAM_IDLE_TIMEOUT_S:.0f} s on {self.worker_id}")
+        if isinstance(item, BaseException):
+            await context.abort(*status_for(item))
+        return item  # type: ignore[return-value]
+
+    def _deliver(self, request_id: str, item: RequestOutput | PushDone | BaseException) -> None:
+        state = self._requests.get(request_id)
+        if state is not None:
+            state.events.put_nowait(item)
+
+    def _send(self, request_id: str, item: RequestOutput | PushDone | BaseException) -> None:
+        assert self._aio is not None
+        self._aio.call_soon_threadsafe(self._deliver, request_id, item)
+
+    # -- on the engine thread --------------------------------------------------------------
+    def _start(self, engine: LLMEngine, r: pb.PrefillRequest) -> None:
+        try:
+            ticket = Ticket.from_wire(msgpack.unpackb(r.ticket))
+        except (KeyError, TypeError, ValueError, msgpack.UnpackException) as e:
+            raise InvalidRequestError(f"the request's KV ticket cannot be read: {e}") from None
+        if ticket.request_id != r.request_id:
+            raise InvalidRequestError(f"the KV ticket is for request {ticket.request_id}, not {r.request_id}")
+        params = sampling_from_pb(r.sampling, keep_stop_strings=False)
+        self.pusher.attach(ticket)
+        try:
+            engine.add_request(list(r.prompt_token_ids), params, r.request_id, r.priority, r.tenant)
+        except BaseException:
+            self.pusher.cancel(r.request_id, "refused")  # nothing was computed: no blocks to hold
+            raise
+
+    def _abort(self, engine: LLMEngine, request_id: RequestId) -> None:
+        """The call ended early: a lane that may still read the blocks keeps them held until its PushDone."""
+        live = self.pusher.cancel(request_id)
+        engine.abort(request_id, hold_blocks=live)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             self._num_prompt_tokens += out.num_prompt_tokens
             self._num_cached_tokens += out.num_cached_tokens
-            self._cached[out.request_id] = (out.num_cached_tokens, tuple(out.new_logprobs))
             if out.finished and out.finish_reason is not FinishReason.PREFILL_DONE:
-                self._resolve(out.request_id, PrefillResult(
-                    out.request_id, out.new_token_ids[0], tuple(out.new_logprobs),
-                    out.finish_reason.value if out.finish_reason else None, out.num_cached_tokens))
-                self.pusher.abort(out.request_id)
+                self.pusher.cancel(out.request_id, f"finished at the first token ({out.finish_reason})")
+            self._send(out.request_id, out)
+
+    def _push_ended(self, done: PushDone) -> None:
+        """Lane thread: the hand-off is over; its blocks are settled on the engine thread."""
+        self.loop.call(lambda e: self._settle(e, done))
+
+    def _settle(self, engine: LLMEngine, done: PushDone) -> None:
+        rid = RequestId(done.request_id)
+        self.pusher.forget(rid)
+        if done.error is None:
+            engine.release_handoff(rid)
+        else:
+            engine.abort(rid)  # still prefilling, handed off or held: freed either way
+        self._send(rid, done)
 
     def _hook(self, wait_s: float) -> bool:
-        done = self.pusher.take_done()
-        for d in done:
-            rid = RequestId(d.request_id)
-            cached, logprobs = self._cached.pop(rid, (0, ()))
-            if d.error is None:
-                self.engine.release_handoff(rid)
-                self._resolve(rid, PrefillResult(rid, d.first_token_id, logprobs, None, cached, transfer_s=d.push_s))
-            else:
-                self.engine.abort(rid)
-                self._resolve(rid, PrefillResult(rid, error=f"KV transfer failed: {d.error}"))
-        if self.publisher:
-            self.publisher.publish_events(self.engine.take_kv_events())
-        return bool(done)
+        self.host.publish_events(self.engine.take_kv_events())
+        return False
 
-    def _resolve(self, request_id: str, result: PrefillResult) -> None:
-        waiter = self._waiters.pop(request_id, None)
-        self._cached.pop(request_id, None)
-        if waiter is None:
-            return
-        fut, started = waiter
-        if not fut.done():
-            fut.set_result(PrefillResult(**{**asdict(result), "prefill_s": time.perf_counter() - started}))
-
-    def _heartbeat(self) -> Heartbeat | None:
-        return engine_heartbeat(self.loop, self.worker_id, "prefill", "",
-                                lambda: (self._num_prompt_tokens, self._num_cached_tokens))
+    def _counters(self) -> tuple[int, int]:
+        return self._num_prompt_tokens, self._num_cached_tokens
 
     def _idle_report(self, engine: LLMEngine) -> dict[str, object]:
         usage = engine.check_invariants()
         return {"worker_id": self.worker_id, "usage": asdict(usage), "num_unfinished": engine.scheduler.num_unfinished,
                 "num_handed_off": engine.num_handed_off, "num_transfers": self.pusher.num_open,
-                "num_waiters": len(self._waiters)}
+                "num_streams": len(self._requests)}

@@ -116,6 +116,52 @@ class GenerateResponse(_message.Message):
     route: Route
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., route: _Optional[_Union[Route, _Mapping]] = ...) -> None: ...
 
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "tenant", "ticket")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    priority: int
+    tenant: str
+    ticket: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ..., ticket: _Optional[bytes] = ...) -> None: ...
+
+class FirstToken(_message.Message):
+    __slots__ = ("token_id", "logprobs", "finish_reason", "num_cached_tokens")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    finish_reason: FinishReason
+    num_cached_tokens: int
+    def __init__(self, token_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class KVPushed(_message.Message):
+    __slots__ = ("push_ms", "kvfabric_ms", "num_pushes")
+    PUSH_MS_FIELD_NUMBER: _ClassVar[int]
+    KVFABRIC_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PUSHES_FIELD_NUMBER: _ClassVar[int]
+    push_ms: float
+    kvfabric_ms: float
+    num_pushes: int
+    def __init__(self, push_ms: _Optional[float] = ..., kvfabric_ms: _Optional[float] = ..., num_pushes: _Optional[int] = ...) -> None: ...
+
+class PrefillEvent(_message.Message):
+    __slots__ = ("first", "pushed")
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    PUSHED_FIELD_NUMBER: _ClassVar[int]
+    first: FirstToken
+    pushed: KVPushed
+    def __init__(self, first: _Optional[_Union[FirstToken, _Mapping]] = ..., pushed: _Optional[_Union[KVPushed, _Mapping]] = ...) -> None: ...
+
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "tenant", "local_prefill")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -141,23 +187,29 @@ class Reserved(_message.Message):
     def __init__(self, ticket: _Optional[bytes] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Tokens(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "num_cached_tokens", "transfer_ms")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "num_cached_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     finish_reason: FinishReason
     num_cached_tokens: int
-    transfer_ms: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_cached_tokens: _Optional[int] = ..., transfer_ms: _Optional[float] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class Arrived(_message.Message):
+    __slots__ = ("transfer_window_ms",)
+    TRANSFER_WINDOW_MS_FIELD_NUMBER: _ClassVar[int]
+    transfer_window_ms: float
+    def __init__(self, transfer_window_ms: _Optional[float] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
-    __slots__ = ("reserved", "tokens")
+    __slots__ = ("reserved", "tokens", "arrived")
     RESERVED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ARRIVED_FIELD_NUMBER: _ClassVar[int]
     reserved: Reserved
     tokens: Tokens
-    def __init__(self, reserved: _Optional[_Union[Reserved, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ...) -> None: ...
+    arrived: Arrived
+    def __init__(self, reserved: _Optional[_Union[Reserved, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., arrived: _Optional[_Union[Arrived, _Mapping]] = ...) -> None: ...

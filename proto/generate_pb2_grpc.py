@@ -99,6 +99,83 @@ class Generation:
             _registered_method=True)
 
 
+class PrefillWorkerStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Prefill = channel.unary_stream(
+                '/splitserve.v1.PrefillWorker/Prefill',
+                request_serializer=proto_dot_generate__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=proto_dot_generate__pb2.PrefillEvent.FromString,
+                _registered_method=True)
+
+
+class PrefillWorkerServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Prefill(self, request, context):
+        """Prefills one prompt and pushes its KV into the decode worker's reserved blocks
+        (the ticket), chunk by chunk while later chunks compute. The first event is the
+        first token, sent as soon as it is sampled; the call then ends OK once the
+        decode worker accepted the KV, or ABORTED when the transfer failed. A request
+        that ends at its first token (EOS, max_tokens 1) ends the call after `first`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PrefillWorkerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Prefill': grpc.unary_stream_rpc_method_handler(
+                    servicer.Prefill,
+                    request_deserializer=proto_dot_generate__pb2.PrefillRequest.FromString,
+                    response_serializer=proto_dot_generate__pb2.PrefillEvent.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'splitserve.v1.PrefillWorker', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('splitserve.v1.PrefillWorker', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class PrefillWorker:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Prefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/splitserve.v1.PrefillWorker/Prefill',
+            proto_dot_generate__pb2.PrefillRequest.SerializeToString,
+            proto_dot_generate__pb2.PrefillEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class DecodeWorkerStub:
     """Missing associated documentation comment in .proto file."""
 
@@ -121,8 +198,9 @@ class DecodeWorkerServicer:
     def Decode(self, request, context):
         """Runs one request on this decode worker. With local_prefill the worker
         computes the prompt itself; otherwise the first event is `reserved` (a
-        kvfabric ticket for the prefill worker) and tokens follow once the KV has
-        arrived. Cancelling the call aborts the request and frees its blocks.
+        kvfabric ticket for the prefill worker), `arrived` follows once the KV and the
+        first token are in, then tokens from the second on (the router already has the
+        first). Cancelling the call aborts the request and frees its blocks.
         RESOURCE_EXHAUSTED: no room for the prompt's KV now.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

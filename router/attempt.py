@@ -1,9 +1,8 @@
-"""One request's state in the router: its tries on workers, its deadline, the failures that
-end a try (`WorkerFailed`: another try may go elsewhere) or the request (`RequestFailed`),
-and the decode worker's stream read with a timeout per message."""
+"""One request's state in the router: its tries on workers, its deadline, its progress, and
+the failures that end a try (`WorkerFailed`: another try may go elsewhere) or the
+request (`RequestFailed`)."""
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from collections.abc import Callable
@@ -71,6 +70,7 @@ class Progress:
     routed: float = 0.0
     first_token: float = 0.0
     transfer_ms: float = 0.0
+    """First token sent to the KV arriving on the decode worker (remote prefill)."""
     transfer_window_ms: float = 0.0
     num_cached_tokens: int = 0
     route: pb.Route | None = None
@@ -98,60 +98,3 @@ class Deadline:
         if left <= 0:
             raise RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
         return min(left, cap_s)
-
-
-class DecodeStream:
-    """Reads one Decode call with a timeout per message; maps its errors to RequestFailed."""
-
-    def __init__(self, call: grpc.aio.UnaryStreamCall, worker_id: str, deadline: Deadline,
-                 prefill_timeout_s: float, idle_timeout_s: float) -> None:
-        self.call, self.worker_id, self.deadline = call, worker_id, deadline
-        self.prefill_timeout_s, self.idle_timeout_s = prefill_timeout_s, idle_timeout_s
-
-    def _failure(self, e: grpc.aio.AioRpcError) -> RequestFailed:
-        code, what = e.code(), f"decode worker {self.worker_id}: {e.details()}"
-        if code == grpc.StatusCode.INVALID_ARGUMENT:
-            return RequestFailed(code, what)
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            return WorkerFailed(self.worker_id, code, what, down=False, retry_after_s=1.0)
-        # ABORTED: its KV transfer failed; INTERNAL/UNKNOWN: this request hit a fault there
-        down = code not in (grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
-        return WorkerFailed(self.worker_id, grpc.StatusCode.UNAVAILABLE, what, down=down)
-
-    async def _read(self, cap_s: float) -> pb.DecodeEvent:
-        timeout_s = self.deadline.remaining(cap_s)  # raises past the deadline, before a read is made
-        try:
-            ev = await asyncio.wait_for(self.call.read(), timeout_s)
-        except TimeoutError:
-            self.deadline.remaining(cap_s)  # raises when it was the request's own deadline
-            raise WorkerFailed(self.worker_id, grpc.StatusCode.UNAVAILABLE,
-                               f"decode worker {self.worker_id} sent nothing for {cap_s:.0f} s", down=True) from None
-        except grpc.aio.AioRpcError as e:
-            raise self._failure(e) from None
-        if ev is grpc.aio.EOF:
-            raise WorkerFailed(self.worker_id, grpc.StatusCode.UNAVAILABLE,
-                               f"decode worker {self.worker_id} ended the stream early", down=True)
-        return ev
-
-    async def raise_if_failed(self, wait_s: float) -> None:
-        """Raises if the decode worker turns out dead or unreachable within `wait_s`."""
-        try:
-            await asyncio.wait_for(self.call.read(), wait_s)
-        except TimeoutError:
-            return
-        except grpc.aio.AioRpcError as e:
-            failure = self._failure(e)
-            if isinstance(failure, WorkerFailed) and failure.down:
-                raise failure from None
-
-    async def reserved(self) -> pb.Reserved:
-        ev = await self._read(self.prefill_timeout_s)
-        if not ev.HasField("reserved"):
-            raise RequestFailed(grpc.StatusCode.INTERNAL, "decode worker: expected a reservation first")
-        return ev.reserved
-
-    async def next_tokens(self) -> pb.Tokens:
-        ev = await self._read(self.idle_timeout_s)
-        if not ev.HasField("tokens"):
-            raise RequestFailed(grpc.StatusCode.INTERNAL, "decode worker: expected tokens")
-        return ev.tokens

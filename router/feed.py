@@ -1,50 +1,68 @@
 """RegistryFeed: the router's background reader of Redis (heartbeats and KV event streams).
 
 Runs as one asyncio task: every `load_refresh_s` it re-reads heartbeats into the
-`LoadBook`; in between it blocks (at most `index_poll_ms`) on the workers' KV event
-streams and replays them into the `KVIndex`. When Redis is away it logs once, marks
-itself unhealthy (routing goes on from the router's own load view), and retries.
+`Members` table (who serves, where, with which model) and the `LoadBook`; in between
+it blocks (at most `index_poll_ms`) on the members' KV event streams and replays them
+into the `KVIndex`. When Redis is away it logs once, marks itself unhealthy (routing
+goes on from the last membership and the router's own load view), and retries.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import redis
 
-from cluster.registry import RegistryReader, StreamCursor
+from control.reader import RegistryReader, StreamCursor
 from router.kv_index import KVIndex
 from router.loads import LoadBook
+from router.members import Members
 
 logger = logging.getLogger(__name__)
 
 
 class RegistryFeed:
-    def __init__(self, reader: RegistryReader, index: KVIndex, loads: LoadBook, worker_ids: list[str],
-                 load_refresh_s: float, index_poll_ms: int, retry_s: float = 1.0) -> None:
-        self.reader, self.index, self.loads = reader, index, loads
-        self.worker_ids = worker_ids
+    def __init__(self, reader: RegistryReader, members: Members, index: KVIndex, loads: LoadBook,
+                 load_refresh_s: float, index_poll_ms: int, on_left: Callable[[str], Awaitable[None]] | None = None,
+                 retry_s: float = 1.0) -> None:
+        """`on_left(address)`: a worker left (its connections can close)."""
+        self.reader, self.members, self.index, self.loads = reader, members, index, loads
         self.load_refresh_s, self.index_poll_ms, self.retry_s = load_refresh_s, index_poll_ms, retry_s
+        self.on_left = on_left
         self.cursor = StreamCursor()
         self.healthy = False
+        self.num_refreshes = 0
         self.num_events = 0
+
+    async def refresh(self) -> None:
+        """Reads the heartbeats once into the members table and the load book."""
+        beats = await self.reader.heartbeats()
+        for address in self.members.update(beats):
+            if self.on_left is not None:
+                await self.on_left(address)
+        self.loads.num_blocks = self.members.num_blocks()
+        self.loads.set_heartbeats({w: b for w, b in beats.items() if w in self.members})
+        self.num_refreshes += 1
 
     async def run(self) -> None:
         next_refresh = 0.0
         while True:
             try:
                 if time.monotonic() >= next_refresh:
-                    beats = await self.reader.heartbeats()
-                    self.loads.set_heartbeats({w: b for w, b in beats.items() if w in self.worker_ids})
+                    await self.refresh()
                     next_refresh = time.monotonic() + self.load_refresh_s
-                events = await self.reader.read_events(self.cursor, self.worker_ids, self.index_poll_ms)
+                if not self.members.ids():  # nobody to read from yet: wait for the next refresh
+                    await asyncio.sleep(max(next_refresh - time.monotonic(), 0.0))
+                    continue
+                events = await self.reader.read_events(self.cursor, self.members.ids(), self.index_poll_ms)
                 for worker_id, ev in events:
                     self.index.apply(worker_id, ev)
                 self.num_events += len(events)
                 self.index.expire_predictions()
                 if not self.healthy:
-                    logger.info("router: Redis feed is up (%d workers)", len(self.worker_ids))
+                    logger.info("router: Redis feed is up (%d workers)", len(self.members.ids()))
                 self.healthy = True
             except (redis.RedisError, OSError, TimeoutError, ValueError) as e:
                 if self.healthy:

@@ -2,7 +2,7 @@
 
 Data flow: each worker appends its block pool's `KVEvent`s (`stored` / `removed` /
 `cleared`, numbered per worker without gaps) to a Redis stream; the router's
-`EventFeed` replays them into `apply()`. At routing time the router adds short-lived
+`RegistryFeed` replays them into `apply()`. At routing time the router adds short-lived
 *predicted* entries for the worker it chose, so a burst of requests sharing a prefix
 lands together before that worker's events arrive; the worker's own `stored` or
 `removed` event for a block replaces the prediction (a worker that evicted a block says

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cluster.registry import Heartbeat
+from control.heartbeat import Heartbeat
 from router.policy import WorkerLoad
 
 
@@ -24,7 +24,7 @@ class _Own:
 @dataclass
 class LoadBook:
     num_blocks: dict[str, int]
-    """Worker id -> KV pool size in blocks (from the worker at start)."""
+    """Worker id -> KV pool size in blocks (from its heartbeats)."""
     heartbeats: dict[str, Heartbeat] = field(default_factory=dict)
     _own: dict[str, _Own] = field(default_factory=dict)
     _seen: set[str] = field(default_factory=set)
@@ -62,7 +62,7 @@ class LoadBook:
 
     def load(self, worker_id: str) -> WorkerLoad:
         o = self._own.get(worker_id, _Own())
-        total = self.num_blocks[worker_id]
+        total = self.num_blocks.get(worker_id, 0)
         free = total - o.promised_blocks
         active, queued = o.num_active, o.queued_prefill_tokens
         hb = self.heartbeats.get(worker_id)

@@ -1,12 +1,13 @@
 """A prefill engine with a kvfabric pusher, in a child process driven over a Pipe."""
 from __future__ import annotations
 
+import time
 from multiprocessing.connection import Connection
 
 import torch
 
 from engine.request import SamplingParams
-from kvfabric import FabricError, SenderConfig, Ticket
+from kvfabric import SenderConfig, Ticket
 from prefill_worker.kv_push import KVPusher
 from tests.integration.reference import make_engine
 
@@ -23,27 +24,30 @@ def prefill_main(pipe: Connection, model_dir: str, transport: str, budget: int) 
             pusher.close()
             pipe.send(("ok", None))
             return
-        if cmd == "attach":  # [ticket wire] -> {request id: error or None}
-            errors = {}
-            for ticket_wire in args[0]:
-                ticket = Ticket.from_wire(ticket_wire)
-                try:
-                    pusher.attach(ticket)
-                    errors[ticket.request_id] = None
-                except FabricError as e:
-                    errors[ticket.request_id] = f"{type(e).__name__}: {e}"
-            pipe.send(("ok", errors))
+        if cmd == "attach":  # [ticket wire] -> {request id: error or None}, once each transfer opened or failed
+            handoffs = [pusher.attach(Ticket.from_wire(w)) for w in args[0]]
+            deadline = time.monotonic() + 10
+            failed: dict[str, str | None] = {}
+            while any(h.transfer is None and h.request_id not in failed for h in handoffs):
+                assert time.monotonic() < deadline, "a transfer neither opened nor failed in 10 s"
+                time.sleep(0.001)
+                failed |= {d.request_id: d.error for d in pusher.take_done()}
+            pipe.send(("ok", {h.request_id: failed.get(h.request_id) for h in handoffs}))
             continue
         # "prefill": [(prompt token ids, request id, max_tokens)] -> first tokens, pushes, errors
         for prompt, rid, max_tokens in args[0]:
             engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), rid)
-        done = []
-        while engine.has_unfinished():
-            engine.step()
+        firsts, done = {}, []
+        while engine.has_unfinished() or pusher.num_open:
+            if engine.has_schedulable():
+                firsts |= {o.request_id: o.new_token_ids[0] for o in engine.step()}
+            else:
+                time.sleep(0.001)  # the push lanes finish the hand-offs
             for d in pusher.take_done():
                 if d.error is None:
                     engine.release_handoff(d.request_id)
                 else:
                     engine.abort(d.request_id)  # still prefilling, or handed off: either way freed
-                done.append((d.request_id, d.first_token_id, d.error, d.num_pushes))
+                done.append((d.request_id, firsts.get(d.request_id) if d.error is None else None, d.error,
+                             d.num_pushes))
         pipe.send(("ok", {"done": done, "in_use": engine.check_invariants().num_in_use}))

@@ -54,7 +54,7 @@ def run_decode(decode: RemoteKV, tokens: dict[str, list[int]], expected: int) ->
             if isinstance(item, RemoteFailure):
                 failures.append(item)
             else:
-                tokens[item.request_id] += item.new_token_ids
+                tokens[item.request_id] += item.output.new_token_ids
         for out in decode.engine.step():
             tokens[out.request_id] += out.new_token_ids
             if out.finished:
@@ -107,7 +107,7 @@ def test_abort_before_the_prefill_worker_opened_it_is_refused_there(prefill: Pee
     assert decode.abort("x")
     assert decode.engine.check_invariants().num_in_use == 0  # nobody had opened it: freed at once
     [error] = prefill.call("attach", [ticket.to_wire()]).values()
-    assert error.startswith("ReservationRevoked") and "unknown, expired or revoked" in error
+    assert "unknown, expired or revoked" in error
 
 
 def test_abort_during_prefill_frees_both_sides(prefill: Peer, decode: RemoteKV, transport: str) -> None:

@@ -81,7 +81,6 @@ def test_a_lone_router_refuses_a_taken_port(tiny_llama_dir: str) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        service = RouterService("router-x", RouterConfig(port=port), WorkerConfig(model_dir=tiny_llama_dir), {}, {},
-                                None, "t")
+        service = RouterService("router-x", RouterConfig(port=port), "redis://127.0.0.1:1/0", "t")
         with pytest.raises(RuntimeError, match=f"127.0.0.1:{port}: the port is in use"):
             asyncio.run(service.start())

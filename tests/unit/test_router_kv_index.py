@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from cluster.registry import event_from_wire, event_to_wire
+from control.kv_events import event_from_wire, event_to_wire
 from engine.block_pool import KVEvent
 from router.kv_index import KVIndex
 

@@ -1,7 +1,7 @@
 """LoadBook: merging the router's own bookkeeping with heartbeats, and telling a worker that stopped."""
 from __future__ import annotations
 
-from cluster.registry import Heartbeat
+from control.heartbeat import Heartbeat
 from router.loads import LoadBook
 
 

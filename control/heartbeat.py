@@ -1,0 +1,84 @@
+"""A worker's heartbeat: who it is, where to reach it, what model it serves, how loaded it is.
+
+Workers write one every `heartbeat_interval_s` under a TTL key, so a missing key is a
+gone worker; routers read them to learn membership (address, role, state), the model
+facts they validate and hash with, and load. msgpack on the wire, never pickle; unknown
+fields are ignored, so a newer worker can talk to an older router.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Literal
+
+import msgpack
+
+Role = Literal["prefill", "decode"]
+WorkerState = Literal["starting", "serving", "draining"]
+"""A worker moves starting -> serving -> draining -> gone (its key expires or is deleted)."""
+
+
+def hb_key(ns: str, worker_id: str) -> str:
+    return f"{ns}:hb:{worker_id}"
+
+
+def kv_key(ns: str, worker_id: str) -> str:
+    return f"{ns}:kv:{worker_id}"
+
+
+def router_key(ns: str, router_id: str) -> str:
+    return f"{ns}:router:{router_id}"
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a worker's engine owns and a router must agree with."""
+
+    model_id: str = ""
+    """Keys the block hashes (with the cluster secret): same id, same hashes."""
+    block_size: int = 0
+    """Tokens per KV block."""
+    vocab_size: int = 0
+    max_model_len: int = 0
+    """Longest sequence (prompt + output) the engine serves."""
+    num_total_blocks: int = 0
+    """KV pool size in blocks."""
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    worker_id: str
+    role: Role
+    address: str = ""
+    """host:port of the worker's gRPC service (PrefillWorker or DecodeWorker)."""
+    state: WorkerState = "serving"
+    incarnation: str = ""
+    """Random per process start: a restarted worker with the same id is a new one."""
+    model_id: str = ""
+    block_size: int = 0
+    vocab_size: int = 0
+    max_model_len: int = 0
+    num_total_blocks: int = 0
+    num_free_blocks: int = 0
+    num_cached_blocks: int = 0
+    """Evictable: free for new requests, still a prefix-cache hit until reused."""
+    num_running: int = 0
+    num_waiting: int = 0
+    queued_prefill_tokens: int = 0
+    num_prompt_tokens: int = 0
+    """Cumulative prompt tokens seen, and how many of them were prefix-cache hits."""
+    num_cached_tokens: int = 0
+    sent_at: float = 0.0
+    """Wall-clock time of the report (s since the epoch)."""
+
+    @property
+    def facts(self) -> ModelFacts:
+        return ModelFacts(self.model_id, self.block_size, self.vocab_size, self.max_model_len, self.num_total_blocks)
+
+    def to_wire(self) -> bytes:
+        return msgpack.packb(asdict(self))
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> Heartbeat:
+        d = msgpack.unpackb(data)
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})

@@ -1,0 +1,67 @@
+"""Async reads of the registry for routers and `splitserve status`; every call is bounded by the client's timeouts.
+
+Keys under one namespace `ns` (msgpack values, never pickle):
+  {ns}:hb:{worker_id}      a worker's `Heartbeat`; expires after its TTL, so a missing key is a gone worker
+  {ns}:kv:{worker_id}      Redis Stream of the worker's KV events (field `e`: `event_to_wire`)
+  {ns}:router:{router_id}  a router's stats (queues, prefix hit rate); expires like a heartbeat
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgpack
+import redis.asyncio
+
+from control.heartbeat import Heartbeat, hb_key, kv_key, router_key
+from control.kv_events import event_from_wire
+from engine.block_pool import KVEvent
+
+
+@dataclass
+class StreamCursor:
+    """Where a reader is in each worker's KV stream."""
+
+    last_ids: dict[str, str] = field(default_factory=dict)
+
+
+class RegistryReader:
+    """Async reads for routers and `splitserve status`; every call is bounded by the client's timeouts."""
+
+    def __init__(self, redis_url: str, namespace: str, timeout_s: float = 2.0) -> None:
+        self.client = redis.asyncio.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.ns = namespace
+
+    async def heartbeats(self) -> dict[str, Heartbeat]:
+        keys = [k async for k in self.client.scan_iter(match=hb_key(self.ns, "*"), count=500)]
+        if not keys:
+            return {}
+        values = await self.client.mget(keys)
+        beats = [Heartbeat.from_wire(v) for v in values if v is not None]
+        return {b.worker_id: b for b in beats}
+
+    async def read_events(self, cursor: StreamCursor, worker_ids: list[str], block_ms: int) -> list[tuple[str, KVEvent]]:
+        """KV events after the cursor for these workers (waits up to block_ms for the first)."""
+        if not worker_ids:
+            return []
+        streams = {kv_key(self.ns, w): cursor.last_ids.get(w, "0-0") for w in worker_ids}
+        reply = await self.client.xread(streams, count=1000, block=block_ms)
+        out: list[tuple[str, KVEvent]] = []
+        prefix = len(kv_key(self.ns, ""))
+        for stream, entries in reply or []:
+            worker = (stream.decode() if isinstance(stream, bytes) else stream)[prefix:]
+            for entry_id, data in entries:
+                cursor.last_ids[worker] = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                out.append((worker, event_from_wire(msgpack.unpackb(data[b"e"]))))
+        return out
+
+    async def set_router_stats(self, router_id: str, stats: dict[str, object], ttl_s: float) -> None:
+        await self.client.set(router_key(self.ns, router_id), msgpack.packb(stats), px=int(ttl_s * 1000))
+
+    async def router_stats(self) -> dict[str, dict[str, object]]:
+        keys = [k async for k in self.client.scan_iter(match=router_key(self.ns, "*"), count=100)]
+        values = await self.client.mget(keys) if keys else []
+        prefix = len(router_key(self.ns, ""))
+        return {k.decode()[prefix:]: msgpack.unpackb(v) for k, v in zip(keys, values, strict=True) if v is not None}
+
+    async def close(self) -> None:
+        await self.client.aclose()

@@ -1,0 +1,63 @@
+"""WorkerConfig: what a prefill or decode worker reads (every field documented, units in names)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config import CacheConfig, DType, EngineConfig, Role, SchedulerConfig
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One prefill or decode worker (a Ray actor, or a plain process)."""
+
+    model_dir: str
+    """Local checkpoint directory, readable on every node."""
+    dtype: DType = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    """Tokens per KV block; must be the same on every worker."""
+    kv_cache_bytes: int = 256 * 2**20
+    """KV pool per worker."""
+    protected_fraction: float = 0.5
+    """Pool share kept for cached blocks that were hit again (see `CacheConfig`); 0 is plain LRU."""
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int | None = None
+    model_id: str | None = None
+    """Name the block hashes are keyed with; None uses the model directory's name. Set it
+    when hosts reach one checkpoint by different paths."""
+    cluster_secret: bytes = b"splitserve-default-secret"
+    """Key of the block hashes: the same on every worker, kept private."""
+    num_threads: int = 1
+    """torch CPU threads per worker (workers share the machine's cores)."""
+    host: str = "127.0.0.1"
+    """Interface the worker's gRPC and kvfabric listeners bind to."""
+    kv_lease_s: float = 10.0
+    """A reservation not written and renewed within this long is revoked."""
+    heartbeat_interval_s: float = 0.5
+    heartbeat_ttl_s: float = 3.0
+    """A worker whose heartbeat is older than this counts as gone."""
+    grace_s: float = 5.0
+    """On shutdown, running calls get this long to finish."""
+
+    def __post_init__(self) -> None:
+        if self.num_threads <= 0:
+            raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+        if self.kv_lease_s <= 0 or self.heartbeat_interval_s <= 0:
+            raise ValueError("kv_lease_s and heartbeat_interval_s must be positive")
+        if self.heartbeat_ttl_s <= self.heartbeat_interval_s:
+            raise ValueError(f"heartbeat_ttl_s ({self.heartbeat_ttl_s}) must exceed heartbeat_interval_s "
+                             f"({self.heartbeat_interval_s})")
+        if self.grace_s < 0:
+            raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+
+    def engine_config(self, role: Role) -> EngineConfig:
+        """The engine of a worker that serves a router: the router detokenizes."""
+        return EngineConfig(
+            model_dir=self.model_dir, dtype=self.dtype, device=self.device, role=role,
+            max_model_len=self.max_model_len, model_id=self.model_id, detokenize=False,
+            cache=CacheConfig(block_size=self.block_size, kv_cache_bytes=self.kv_cache_bytes,
+                              protected_fraction=self.protected_fraction, cluster_secret=self.cluster_secret),
+            scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
+                                      max_num_seqs=self.max_num_seqs),
+        )

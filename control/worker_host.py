@@ -1,0 +1,117 @@
+"""WorkerHost: the process side of a worker, shared by both roles.
+
+A role (prefill or decode) builds its engine and servicer, then hands them here:
+`start()` serves the servicer and the standard health service on `host:0`, registers
+the worker (heartbeats with its address, state, incarnation, model facts and load,
+through a `Publisher` thread) and marks it serving; `stop()` marks it draining, lets
+running calls finish within the grace period and removes its registry entry. The load
+is read through `read_load`, which the role runs on its engine thread with a bound.
+`status_for` is the one map from a worker-side failure to the gRPC status the router's
+client maps back.
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from control.heartbeat import Heartbeat, ModelFacts, Role, WorkerState
+from control.publisher import Publisher
+from control.worker_config import WorkerConfig
+from engine.block_pool import KVEvent
+from engine.types import EngineLoad, InvalidRequestError
+from kvfabric.errors import FabricError
+
+logger = logging.getLogger(__name__)
+
+LoadReader = Callable[[], tuple[EngineLoad, int, int] | None]
+"""Returns the engine's load and the cumulative (prompt, prefix-cached) tokens, or None
+when the engine thread is too busy to answer now (the beat keeps the last one alive)."""
+
+
+def status_for(e: BaseException) -> tuple[grpc.StatusCode, str]:
+    """A worker-side failure of one request as (status code, message for the router)."""
+    if isinstance(e, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+    if isinstance(e, FabricError):
+        return grpc.StatusCode.ABORTED, f"KV transfer failed: {e}"
+    if isinstance(e, RuntimeError) and "engine loop has stopped" in str(e):
+        return grpc.StatusCode.UNAVAILABLE, "the worker is stopping"
+    return grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
+
+
+def engine_load_reader(loop: Any, counters: Callable[[], tuple[int, int]]) -> LoadReader:
+    """A `LoadReader` over an `EngineLoop` (`loop.call(fn)` runs `fn(engine)` on its thread):
+    reads the engine's load and the role's `counters()` there, waiting at most 2 s."""
+    def read() -> tuple[EngineLoad, int, int] | None:
+        fut = loop.call(lambda engine: (engine.load(), *counters()))
+        try:
+            return fut.result(timeout=2.0)  # type: ignore[no-any-return]
+        except Exception:  # noqa: BLE001 - busy or stopped: skip this beat
+            return None
+    return read
+
+
+class WorkerHost:
+    def __init__(self, worker_id: str, role: Role, config: WorkerConfig, facts: ModelFacts, read_load: LoadReader,
+                 redis_url: str | None, namespace: str) -> None:
+        self.worker_id, self.role, self.config, self.facts = worker_id, role, config, facts
+        self.read_load = read_load
+        self.incarnation = secrets.token_hex(8)
+        self.state: WorkerState = "starting"
+        self.address = ""
+        self.server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self.publisher = Publisher(redis_url, namespace, worker_id, self.heartbeat, config.heartbeat_interval_s,
+                                   config.heartbeat_ttl_s) if redis_url else None
+
+    @property
+    def service_name(self) -> str:
+        return "splitserve.v1.PrefillWorker" if self.role == "prefill" else "splitserve.v1.DecodeWorker"
+
+    async def start(self, add_servicer: Callable[[grpc.aio.Server], None]) -> str:
+        """Serves on `config.host`, a free port; returns the address it advertises."""
+        self.server = grpc.aio.server()
+        add_servicer(self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
+        port = self.server.add_insecure_port(f"{self.config.host}:0")
+        await self.server.start()
+        self.address = f"{self.config.host}:{port}"
+        await self._health.set(self.service_name, health_pb2.HealthCheckResponse.SERVING)
+        self.state = "serving"
+        if self.publisher:
+            self.publisher.start()
+        logger.info("%s worker %s serving on %s", self.role, self.worker_id, self.address)
+        return self.address
+
+    def info(self) -> dict[str, object]:
+        return {"worker_id": self.worker_id, "role": self.role, "address": self.address, "state": self.state,
+                "incarnation": self.incarnation, **asdict(self.facts)}
+
+    def publish_events(self, events: list[KVEvent]) -> None:
+        if self.publisher:
+            self.publisher.publish_events(events)
+
+    def heartbeat(self) -> Heartbeat | None:
+        read = self.read_load()
+        if read is None:
+            return None
+        load, prompt, cached = read
+        return Heartbeat(self.worker_id, self.role, self.address, self.state, self.incarnation,
+                         **asdict(self.facts) | asdict(load), num_prompt_tokens=prompt, num_cached_tokens=cached,
+                         sent_at=time.time())
+
+    async def stop(self) -> None:
+        """Draining: no new calls; running ones get `grace_s`; then the registry entry goes."""
+        self.state = "draining"
+        await self._health.set(self.service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.server is not None:
+            await self.server.stop(grace=self.config.grace_s)
+        if self.publisher:
+            self.publisher.stop()

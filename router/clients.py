@@ -1,0 +1,136 @@
+"""The router's one client interface to workers of both kinds.
+
+`WorkerClients.call(worker_id, request)` starts a worker's server stream (a
+`PrefillRequest` goes to the PrefillWorker service, a `DecodeRequest` to DecodeWorker)
+and returns a `WorkerCall`: `next(cap_s)` reads one event within the cap and the
+request's deadline, `cancel()` ends the call, which is how an abort reaches the worker.
+Every failure a worker reports, or a broken connection, becomes a `RequestFailed` or
+`WorkerFailed` here (`failure_for`, the one status-code map). The transport behind it is
+a `Streams`: `GrpcStreams` in production, in-process fakes in the unit tests.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Protocol
+
+import grpc
+
+from proto import generate_pb2 as pb
+from proto import generate_pb2_grpc as pb_grpc
+from router.attempt import Deadline, RequestFailed, WorkerFailed
+
+WorkerRequest = pb.PrefillRequest | pb.DecodeRequest
+WorkerEvent = pb.PrefillEvent | pb.DecodeEvent
+
+
+class RawStream(Protocol):
+    """A started server-streaming call (`grpc.aio.UnaryStreamCall`'s surface that we use)."""
+
+    async def read(self) -> object:
+        """The next message, or `grpc.aio.EOF` after the last; raises `grpc.aio.AioRpcError`."""
+        ...
+
+    def cancel(self) -> bool:
+        ...
+
+
+class Streams(Protocol):
+    def open(self, address: str, request: WorkerRequest) -> RawStream:
+        ...
+
+    async def close(self) -> None:
+        ...
+
+
+def failure_for(worker_id: str, code: grpc.StatusCode, details: str) -> RequestFailed:
+    """The one map from a worker's status to what the router does with the request."""
+    what = f"{worker_id}: {details}"
+    if code == grpc.StatusCode.INVALID_ARGUMENT:  # the request's fault: no retry
+        return RequestFailed(code, what)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # no room there now: elsewhere, or later
+        return WorkerFailed(worker_id, code, what, down=False, retry_after_s=1.0)
+    # ABORTED: the request's KV transfer failed; INTERNAL/UNKNOWN: a fault there hit this
+    # request; the worker itself still serves. Anything else: it is gone or unreachable.
+    down = code not in (grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+    return WorkerFailed(worker_id, grpc.StatusCode.UNAVAILABLE, what, down=down, retry_after_s=1.0 if down else None)
+
+
+class WorkerCall:
+    """One call to one worker, read with a timeout per event."""
+
+    def __init__(self, raw: RawStream, worker_id: str, deadline: Deadline) -> None:
+        self.raw, self.worker_id, self.deadline = raw, worker_id, deadline
+
+    async def next(self, cap_s: float, allow_end: bool = False) -> WorkerEvent | None:
+        """The next event; None at the call's clean end when `allow_end`, else that end is a failure."""
+        timeout_s = self.deadline.remaining(cap_s)  # raises past the deadline, before a read is made
+        try:
+            ev = await asyncio.wait_for(self.raw.read(), timeout_s)
+        except TimeoutError:
+            self.deadline.remaining(cap_s)  # raises when it was the request's own deadline
+            raise WorkerFailed(self.worker_id, grpc.StatusCode.UNAVAILABLE,
+                               f"{self.worker_id} sent nothing for {cap_s:.0f} s", down=True) from None
+        except grpc.aio.AioRpcError as e:
+            raise failure_for(self.worker_id, e.code(), e.details() or "") from None
+        if ev is grpc.aio.EOF:
+            if allow_end:
+                return None
+            raise WorkerFailed(self.worker_id, grpc.StatusCode.UNAVAILABLE, f"{self.worker_id} ended the call early",
+                               down=True)
+        return ev  # type: ignore[return-value]
+
+    async def failure_within(self, wait_s: float) -> RequestFailed | None:
+        """The call's failure if it fails within `wait_s` (an event read meanwhile is dropped)."""
+        try:
+            await asyncio.wait_for(self.raw.read(), wait_s)
+        except TimeoutError:
+            return None
+        except grpc.aio.AioRpcError as e:
+            return failure_for(self.worker_id, e.code(), e.details() or "")
+        return None
+
+    def cancel(self) -> None:
+        self.raw.cancel()
+
+
+class WorkerClients:
+    """Calls to workers by id; `address_of` says where a worker is now (the membership table)."""
+
+    def __init__(self, streams: Streams, address_of: Callable[[str], str | None]) -> None:
+        self.streams, self.address_of = streams, address_of
+
+    def call(self, worker_id: str, request: WorkerRequest, deadline: Deadline) -> WorkerCall:
+        address = self.address_of(worker_id)
+        if address is None:
+            raise WorkerFailed(worker_id, grpc.StatusCode.UNAVAILABLE, f"{worker_id} is no longer a member", down=True)
+        return WorkerCall(self.streams.open(address, request), worker_id, deadline)
+
+    async def close(self) -> None:
+        await self.streams.close()
+
+
+class GrpcStreams:
+    """gRPC channels to workers, one per address, opened on first use."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def open(self, address: str, request: WorkerRequest) -> RawStream:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+        if isinstance(request, pb.PrefillRequest):
+            return pb_grpc.PrefillWorkerStub(channel).Prefill(request)  # type: ignore[no-any-return]
+        return pb_grpc.DecodeWorkerStub(channel).Decode(request)  # type: ignore[no-any-return]
+
+    async def forget(self, address: str) -> None:
+        """A worker left: its channel closes."""
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            await channel.close()
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close()

@@ -1,0 +1,51 @@
+"""RouterConfig: what a router replica reads (every field documented, units in names, validated)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from router.admission import AdmissionConfig
+from router.policy import RoutingConfig
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    """Interface the public gRPC server binds to (0.0.0.0 to serve other machines)."""
+    port: int = 50051
+    """0 picks a free port (router replicas all join the one the first replica got)."""
+    share_port: bool = False
+    """Bind with SO_REUSEPORT so several router replicas on one host serve one port (the
+    kernel spreads connections over them). Off for a single router, so a port already
+    taken (by another splitserve too) is an error instead of a silent split."""
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    prefill_timeout_s: float = 120.0
+    """Longest a prefill worker may take to return a request's first token."""
+    decode_idle_timeout_s: float = 60.0
+    """Longest the router waits for the next tokens of a running request."""
+    index_poll_ms: int = 200
+    """How long one read of the workers' KV event streams may block."""
+    load_refresh_s: float = 0.5
+    """How often heartbeats (KV usage, queues) are re-read from Redis."""
+    grace_s: float = 5.0
+    """On shutdown, running streams get this long to finish."""
+    max_attempts: int = 3
+    """Tries per request when a worker fails under it (died, unreachable, out of KV). A
+    later try avoids the workers that failed it and continues from the tokens already
+    streamed (the prompt plus those tokens is prefilled again): the client sees one stream."""
+    worker_down_s: float = 10.0
+    """A worker that died or was unreachable gets no new requests for this long."""
+    tokenizer_dir: str | None = None
+    """Directory with the model's tokenizer.json (the model directory); None: prompts
+    must come as token ids and stop strings are refused."""
+    cluster_secret: bytes = b"splitserve-default-secret"
+    """Key of the block hashes: the workers' `cluster_secret`, so the KV index matches them."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.prefill_timeout_s <= 0 or self.decode_idle_timeout_s <= 0:
+            raise ValueError("prefill_timeout_s and decode_idle_timeout_s must be positive")
+        if self.max_attempts < 1 or self.worker_down_s < 0:
+            raise ValueError(f"max_attempts must be >= 1 and worker_down_s >= 0, got {self.max_attempts}, "
+                             f"{self.worker_down_s}")

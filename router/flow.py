@@ -1,0 +1,244 @@
+"""RequestFlow: runs an admitted request on workers, retrying elsewhere when one fails under it.
+
+One try (`_run`): route (KV index overlap + loads -> decode worker D, prefill worker P
+or none) -> book it in the `LoadBook` -> open D's `Decode` call -> remote prefill: D
+answers `reserved{ticket}`, P's `Prefill` call gets the ticket and answers the first
+token, which goes to the client at once; D says `arrived` once the KV and first token
+landed (P's call, watched meanwhile, ends when D acked the push) -> D's tokens from the
+second on -> the final response. A local prefill skips P: D's first tokens event is
+the first token. Whatever ends a try cancels both calls (that is the abort: each
+worker frees its blocks) and settles the booking once. A `WorkerFailed` ends only the
+try: the next one avoids that worker and continues from the tokens already sent (the
+prompt plus those tokens is prefilled again), so the client sees one stream.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from engine.hashing import BlockHasher
+from proto import generate_pb2 as pb
+from proto.convert import finish_name_from_pb, sampling_to_pb
+from router.attempt import Attempt, Deadline, Prepared, Progress, RequestFailed, WorkerFailed
+from router.clients import WorkerCall, WorkerClients
+from router.config import RouterConfig
+from router.frontend import Responses, blocks_for
+from router.kv_index import KVIndex
+from router.loads import Booking, LoadBook
+from router.members import Members
+from router.policy import RouteDecision, choose_round_robin, choose_route
+
+logger = logging.getLogger(__name__)
+
+PEEK_AFTER_TRANSFER_ERROR_S = 1.0
+"""After a failed KV transfer, how long to watch the decode call for the decode worker's death."""
+
+
+class RequestFlow:
+    def __init__(self, config: RouterConfig, members: Members, clients: WorkerClients, index: KVIndex,
+                 loads: LoadBook, clock: Callable[[], float] = time.monotonic, seed: int | None = None) -> None:
+        self.config, self.members, self.clients = config, members, clients
+        self.index, self.loads, self.clock = index, loads, clock
+        self.rng = random.Random(seed)
+        self._hashers: dict[tuple[str, int], BlockHasher] = {}
+        self._down: dict[str, float] = {}
+        """Worker id -> until when (router clock) it gets no new requests."""
+        self._turn = 0
+        self.stats = {"num_local_prefill": 0, "num_remote_prefill": 0, "num_retries": 0}
+
+    def down_workers(self) -> list[str]:
+        now = self.clock()
+        known = {*self.members.serving("decode"), *self.members.serving("prefill"), *self._down}
+        return sorted(w for w in known if self._down.get(w, 0.0) > now or self.loads.gone(w))
+
+    async def run(self, prep: Prepared, deadline: Deadline, progress: Progress,
+                  out: Responses) -> AsyncIterator[pb.GenerateResponse]:
+        """The request's responses; when a worker fails under it, tries again on others."""
+        avoid: set[str] = set()
+        for n in range(self.config.max_attempts):
+            try:
+                async for response in self._run(prep.attempt(n, progress.token_ids), deadline, progress, out, avoid):
+                    yield response
+                return
+            except WorkerFailed as e:
+                avoid.add(e.worker_id)
+                if e.down:
+                    self._down[e.worker_id] = self.clock() + self.config.worker_down_s
+                if n + 1 == self.config.max_attempts:
+                    raise
+                self.stats["num_retries"] += 1
+                logger.warning("request %s: %s; trying again (%d tokens sent so far)",
+                               prep.request_id, e.message, progress.num_sent)
+
+    # -- one try -------------------------------------------------------------------------------
+    async def _run(self, attempt: Attempt, deadline: Deadline, progress: Progress, out: Responses,
+                   avoid: set[str]) -> AsyncIterator[pb.GenerateResponse]:
+        decision, hashes, block_size = self._route(attempt, avoid)
+        progress.routed = progress.routed or time.perf_counter()
+        progress.route = pb.Route(decode_worker=decision.decode_worker, prefill_worker=decision.prefill_worker or "",
+                                  local_prefill=decision.local_prefill)
+        booking = self._book(attempt, decision, hashes, block_size)
+        d, p = booking.decode, booking.prefill
+        calls: list[WorkerCall] = []
+        try:
+            decode = self.clients.call(d, pb.DecodeRequest(
+                request_id=attempt.worker_request_id, prompt_token_ids=attempt.token_ids,
+                sampling=sampling_to_pb(attempt.params, keep_stop_strings=False), priority=attempt.priority,
+                tenant=attempt.tenant, local_prefill=p is None), deadline)
+            calls.append(decode)
+            if p is not None:
+                prefill = await self._remote_prefill(attempt, p, decode, deadline, calls)
+                booking.prefilled()
+                first_at = time.perf_counter()
+                self._first_prefilled(progress, prefill.num_cached_tokens)
+                response, done = out.tokens([prefill.token_id], list(prefill.logprobs),
+                                            finish_name_from_pb(prefill.finish_reason))
+                yield response
+                if done:
+                    yield out.final(response.finish_reason)
+                    return
+                await self._arrival(calls[1], decode, progress, first_at)
+            async for response in self._decode_tokens(progress, out, decode, booking):
+                yield response
+        except WorkerFailed:
+            for w in (d, p) if p is not None else (d,):  # a retry must not be routed on blocks that never landed
+                self.index.retract(w, hashes)
+            raise
+        finally:
+            for call in calls:
+                call.cancel()
+            booking.end()
+
+    async def _remote_prefill(self, attempt: Attempt, p: str, decode: WorkerCall, deadline: Deadline,
+                              calls: list[WorkerCall]) -> pb.FirstToken:
+        ev = await decode.next(self.config.prefill_timeout_s)
+        if ev.WhichOneof("event") != "reserved":  # type: ignore[union-attr]
+            raise RequestFailed(grpc.StatusCode.INTERNAL, f"{decode.worker_id}: expected a reservation first")
+        prefill = self.clients.call(p, pb.PrefillRequest(
+            request_id=attempt.worker_request_id, prompt_token_ids=attempt.token_ids,
+            sampling=sampling_to_pb(attempt.params, keep_stop_strings=False), priority=attempt.priority,
+            tenant=attempt.tenant, ticket=ev.reserved.ticket), deadline)  # type: ignore[union-attr]
+        calls.append(prefill)
+        try:
+            ev = await prefill.next(self.config.prefill_timeout_s)
+        except WorkerFailed as e:
+            if not e.down:  # its transfer failed: a dead decode worker fails it too
+                await self._raise_if_dead(decode)
+            raise
+        if ev.WhichOneof("event") != "first":  # type: ignore[union-attr]
+            raise RequestFailed(grpc.StatusCode.INTERNAL, f"{p}: expected the first token first")
+        return ev.first  # type: ignore[union-attr]
+
+    async def _arrival(self, prefill: WorkerCall, decode: WorkerCall, progress: Progress, first_at: float) -> None:
+        """Waits for D's `arrived` while watching P's call: either side's failure ends the try,
+        blamed on P (the writer) unless D itself is gone."""
+        d_next = asyncio.ensure_future(decode.next(self.config.prefill_timeout_s))
+        p_end = asyncio.ensure_future(prefill.next(self.config.prefill_timeout_s, allow_end=True))
+        try:
+            while True:
+                done, _ = await asyncio.wait({d_next, p_end} if not p_end.done() else {d_next},
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if d_next in done:
+                    break
+                try:
+                    p_end.result()  # `pushed`: D acked the KV; its `arrived` follows
+                except WorkerFailed as e:
+                    if not e.down:
+                        await self._raise_if_dead(decode)
+                    raise
+            try:
+                ev = d_next.result()
+            except WorkerFailed as e:
+                if e.down:
+                    raise
+                raise WorkerFailed(prefill.worker_id, grpc.StatusCode.UNAVAILABLE, e.message, down=False) from None
+        finally:
+            for task in (d_next, p_end):
+                if not task.done():
+                    task.cancel()  # cancels that call too: the try is over, or P's part is
+                elif not task.cancelled():
+                    task.exception()  # retrieved: a failure that lost the race is not logged as lost
+        if ev.WhichOneof("event") != "arrived":  # type: ignore[union-attr]
+            raise RequestFailed(grpc.StatusCode.INTERNAL, f"{decode.worker_id}: expected the KV's arrival")
+        progress.transfer_ms = (time.perf_counter() - first_at) * 1e3
+        progress.transfer_window_ms = ev.arrived.transfer_window_ms  # type: ignore[union-attr]
+
+    @staticmethod
+    async def _raise_if_dead(decode: WorkerCall) -> None:
+        """Raises D's failure if D turns out dead or unreachable within a short peek."""
+        failure = await decode.failure_within(PEEK_AFTER_TRANSFER_ERROR_S)
+        if isinstance(failure, WorkerFailed) and failure.down:
+            raise failure
+
+    async def _decode_tokens(self, progress: Progress, out: Responses, decode: WorkerCall,
+                             booking: Booking) -> AsyncIterator[pb.GenerateResponse]:
+        while True:
+            ev = await decode.next(self.config.decode_idle_timeout_s)
+            if ev.WhichOneof("event") != "tokens":  # type: ignore[union-attr]
+                raise RequestFailed(grpc.StatusCode.INTERNAL, f"{decode.worker_id}: expected tokens")
+            tokens = ev.tokens  # type: ignore[union-attr]
+            if booking.prefilling:  # a local prefill's first token
+                booking.prefilled()
+                self._first_prefilled(progress, tokens.num_cached_tokens)
+            response, done = out.tokens(list(tokens.token_ids), list(tokens.logprobs),
+                                        finish_name_from_pb(tokens.finish_reason))
+            if response.token_ids or done:
+                yield response
+            if done:
+                yield out.final(response.finish_reason)
+                return
+
+    # -- routing -----------------------------------------------------------------------------
+    def _route(self, attempt: Attempt, avoid: set[str]) -> tuple[RouteDecision, list[bytes], int]:
+        """Workers that failed this request are avoided; ones that are down too, unless no decode
+        worker is left otherwise (down is a guess; a prefill worker is never needed)."""
+        facts = self.members.facts
+        decode_ids = [w for w in self.members.serving("decode") if w not in avoid]
+        if facts is None or not decode_ids:
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE,
+                                "every decode worker failed this request or is gone; retry later", 1.0)
+        hashes = self._hasher(facts.model_id, facts.block_size).hash_prompt(attempt.token_ids, attempt.tenant)
+        n, blocks = len(attempt.token_ids), blocks_for(len(attempt.token_ids), facts.block_size)
+        down = set(self.down_workers())
+        decode_ids = [w for w in decode_ids if w not in down] or decode_ids
+        decodes = [self.loads.load(w) for w in decode_ids]
+        prefills = [self.loads.load(w) for w in self.members.serving("prefill") if w not in avoid and w not in down]
+        if self.config.routing.policy == "round_robin":
+            self._turn += 1
+            decision = choose_round_robin(self._turn, n, blocks, decodes, prefills, self.config.routing)
+        else:
+            overlap = self.index.overlap(hashes, [*decode_ids, *(w.worker_id for w in prefills)])
+            decision = choose_route(n, blocks, overlap, decodes, prefills, self.config.routing, facts.block_size,
+                                    self.rng)
+        if decision is None:
+            raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                "no decode worker has free KV blocks for this prompt now; retry after 1.0 s", 1.0)
+        return decision, hashes, facts.block_size
+
+    def _hasher(self, model_id: str, block_size: int) -> BlockHasher:
+        key = (model_id, block_size)
+        if key not in self._hashers:
+            self._hashers[key] = BlockHasher(self.config.cluster_secret, model_id, block_size)
+        return self._hashers[key]
+
+    def _book(self, attempt: Attempt, decision: RouteDecision, hashes: list[bytes], block_size: int) -> Booking:
+        """Counts the routed attempt in the load book, the index's predictions and the stats."""
+        d, p = decision.decode_worker, decision.prefill_worker
+        cached_blocks = decision.num_decode_cached_blocks if p is None else decision.num_prefill_cached_blocks
+        num_tokens = len(attempt.token_ids)
+        booking = self.loads.book(d, p, num_tokens - cached_blocks * block_size, blocks_for(num_tokens, block_size))
+        self.index.predict(d, hashes)
+        if p is not None:
+            self.index.predict(p, hashes)
+        self.stats["num_local_prefill" if p is None else "num_remote_prefill"] += 1
+        return booking
+
+    @staticmethod
+    def _first_prefilled(progress: Progress, num_cached_tokens: int) -> None:
+        if progress.num_sent == 0:  # a later try's prompt includes tokens already sent
+            progress.num_cached_tokens = num_cached_tokens

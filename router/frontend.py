@@ -1,0 +1,119 @@
+"""The router's text side: a `GenerateRequest` in, `Prepared` out; tokens in, `GenerateResponse`s out.
+
+The only place a request is tokenized and its output detokenized (workers send token
+ids only, whichever worker computed them, so a retried request's text stays one
+stream). Checks that need the model use the facts the workers report (`ModelFacts`):
+vocabulary, context length, and the KV blocks the largest decode worker holds.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+from tokenizers import Tokenizer
+
+from control.heartbeat import ModelFacts
+from engine.detokenizer import IncrementalDetokenizer
+from engine.types import InvalidRequestError
+from proto import generate_pb2 as pb
+from proto.convert import finish_to_pb, sampling_from_pb
+from router.attempt import Prepared, Progress, RequestFailed
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """KV blocks a prompt of `num_tokens` needs once its first token is in."""
+    return -(-(num_tokens + 1) // block_size)
+
+
+class Frontend:
+    def __init__(self, tokenizer_dir: str | None) -> None:
+        tok = Path(tokenizer_dir) / "tokenizer.json" if tokenizer_dir else None
+        self.tokenizer = Tokenizer.from_file(str(tok)) if tok is not None and tok.is_file() else None
+
+    def prepare(self, request: pb.GenerateRequest, facts: ModelFacts | None, max_decode_blocks: int) -> Prepared:
+        """Validates and tokenizes; raises RequestFailed with the status the client gets."""
+        if facts is None:
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "no decode worker is serving yet; retry after 1.0 s", 1.0)
+        try:
+            params = sampling_from_pb(request.sampling)
+            token_ids = self._tokenize(request)
+        except InvalidRequestError as e:
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        bad = [t for t in token_ids if t >= facts.vocab_size]
+        if bad:
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"token ids {bad[:5]} are outside the model's vocabulary [0, {facts.vocab_size})")
+        if len(token_ids) >= facts.max_model_len:
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"prompt has {len(token_ids)} tokens; the model's context is {facts.max_model_len} "
+                                "tokens, so the prompt must be shorter than that")
+        need = blocks_for(len(token_ids), facts.block_size)
+        if need > max_decode_blocks:
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"prompt needs {need} KV blocks; the largest decode worker holds {max_decode_blocks}")
+        if params.stop and self.tokenizer is None:
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "stop strings need a model with a tokenizer")
+        return Prepared(request.request_id or uuid.uuid4().hex, token_ids, params, request.priority, request.tenant)
+
+    def _tokenize(self, request: pb.GenerateRequest) -> list[int]:
+        which = request.WhichOneof("prompt")
+        if which == "token_ids":
+            ids = list(request.token_ids.ids)
+        elif which == "text":
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: send the prompt as token_ids")
+            ids = self.tokenizer.encode(request.text).ids
+        else:
+            ids = []
+        if not ids:
+            raise InvalidRequestError("prompt is empty: send text or token_ids with at least one token")
+        return ids
+
+    def detokenizer(self, prep: Prepared) -> IncrementalDetokenizer | None:
+        return IncrementalDetokenizer(self.tokenizer, prep.token_ids, prep.params.stop) if self.tokenizer else None
+
+
+class Responses:
+    """One request's output side: detokenizes each token once (stop strings too) and builds responses."""
+
+    def __init__(self, prep: Prepared, progress: Progress, detok: IncrementalDetokenizer | None) -> None:
+        self.prep, self.progress, self.detok = prep, progress, detok
+
+    def tokens(self, token_ids: list[int], logprobs: list[float], reason: str | None) -> tuple[pb.GenerateResponse, bool]:
+        """A response with these new tokens (cut at a stop string); True when it is the last."""
+        progress = self.progress
+        if progress.num_sent == 0 and token_ids:
+            progress.first_token = time.perf_counter()
+        text, sent = "", []
+        for t in token_ids:
+            sent.append(t)
+            if self.detok is not None:
+                delta, stopped = self.detok.append(t)
+                text += delta
+                if stopped:
+                    reason = "stop"
+                    break
+        progress.token_ids += sent
+        done = reason is not None
+        if done and self.detok is not None:
+            text += self.detok.flush()
+        response = pb.GenerateResponse(request_id=self.prep.request_id, token_ids=sent, text=text,
+                                       logprobs=logprobs[:len(sent)] if self.prep.params.logprobs else [],
+                                       finish_reason=finish_to_pb(reason))
+        if sent and progress.num_sent == len(sent) and progress.route is not None:
+            response.route.CopyFrom(progress.route)
+        return response, done
+
+    def final(self, reason: int) -> pb.GenerateResponse:
+        prep, progress, ms = self.prep, self.progress, 1e3
+        return pb.GenerateResponse(
+            request_id=prep.request_id, finish_reason=reason,
+            usage=pb.Usage(prompt_tokens=len(prep.token_ids), cached_tokens=progress.num_cached_tokens,
+                           completion_tokens=progress.num_sent),
+            timing=pb.Timing(queue_ms=(progress.admitted - progress.arrived) * ms,
+                             prefill_ms=(progress.first_token - progress.routed) * ms,
+                             transfer_ms=progress.transfer_ms, transfer_window_ms=progress.transfer_window_ms,
+                             ttft_ms=(progress.first_token - progress.arrived) * ms),
+            route=progress.route)

@@ -1,0 +1,72 @@
+"""AdmissionGate: the asyncio side of `AdmissionQueue` — a request waits here until admitted.
+
+`admit()` offers the request: admitted at once, refused early (RESOURCE_EXHAUSTED with
+a retry-after hint), or queued on a future that `release()` (a request left) or
+`expire()` (a timer: waited too long) resolves. The wait is bounded by the request's
+deadline and `max_queue_wait_s`; however the wait ends, the request's place is given
+back exactly once.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import grpc
+
+from router.admission import AdmissionConfig, AdmissionQueue, Refused
+from router.attempt import Deadline, Prepared, RequestFailed
+
+
+class AdmissionGate:
+    def __init__(self, config: AdmissionConfig, clock: Callable[[], float]) -> None:
+        self.config = config
+        self.queue = AdmissionQueue(config, clock)
+        self._waiters: dict[str, asyncio.Future[bool]] = {}
+
+    def waiting(self, request_id: str) -> bool:
+        return request_id in self._waiters
+
+    async def admit(self, prep: Prepared, deadline: Deadline) -> None:
+        cost = len(prep.token_ids) + prep.params.max_tokens
+        verdict = self.queue.offer(prep.request_id, prep.priority, cost, deadline.at)
+        if isinstance(verdict, Refused):
+            raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{verdict.reason}; retry after {verdict.retry_after_s:.1f} s", verdict.retry_after_s)
+        if verdict:
+            return
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._waiters[prep.request_id] = fut
+        wait_s = deadline.remaining(self.config.max_queue_wait_s)
+        try:
+            admitted = await asyncio.wait_for(fut, wait_s)
+        except TimeoutError:
+            self.queue.release(prep.request_id)
+            raise RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                "the request's deadline passed while it waited for admission") from None
+        except BaseException:
+            self.release(prep.request_id)
+            raise
+        finally:
+            self._waiters.pop(prep.request_id, None)
+        if not admitted:
+            raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, "waited too long for admission; retry later",
+                                self.config.min_retry_after_s)
+
+    def release(self, request_id: str) -> None:
+        """The request left: its budget goes to the queued requests it admits."""
+        self._wake(self.queue.release(request_id))
+
+    def _wake(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            fut = self._waiters.get(rid)
+            if fut is not None and not fut.done():
+                fut.set_result(True)
+            elif fut is None:  # left already: give its place back
+                self._wake(self.queue.release(rid))
+
+    def expire(self) -> None:
+        """Called on a timer: queued requests past their max wait are refused."""
+        for rid in self.queue.expire():
+            fut = self._waiters.get(rid)
+            if fut is not None and not fut.done():
+                fut.set_result(False)

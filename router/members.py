@@ -1,0 +1,91 @@
+"""Who the router can send requests to: the workers' heartbeats, followed at runtime (pure).
+
+`update(heartbeats)` takes the registry's current heartbeats: a worker appears when its
+first heartbeat does, follows its state (`starting -> serving -> draining`), and is
+gone when its heartbeat expires (`LoadBook.gone` remembers it), or new when it comes
+back with a new incarnation (a restart).
+When the registry cannot be read the router keeps the last table it had (Redis being
+away costs routing hints, never the workers). The model facts the router validates
+and hashes with are the ones the serving workers report; a worker whose facts differ
+from the others' (another model id, block size) is left out of routing and logged.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+from control.heartbeat import Heartbeat, ModelFacts, Role
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Member:
+    worker_id: str
+    role: Role
+    address: str
+    state: str
+    incarnation: str
+    facts: ModelFacts
+
+
+class Members:
+    def __init__(self) -> None:
+        self._members: dict[str, Member] = {}
+        self._mismatched: set[str] = set()
+
+    def update(self, heartbeats: dict[str, Heartbeat]) -> list[str]:
+        """Applies the registry's heartbeats; returns the addresses of workers that left."""
+        left = [m.address for w, m in self._members.items()
+                if w not in heartbeats or heartbeats[w].incarnation != m.incarnation]
+        self._members = {w: Member(w, hb.role, hb.address, hb.state, hb.incarnation, hb.facts)
+                         for w, hb in heartbeats.items() if hb.address}
+        self._check_facts()
+        return left
+
+    def _check_facts(self) -> None:
+        facts = self.facts
+        mismatched = {w for w, m in self._members.items() if facts is not None and not _same_model(m.facts, facts)}
+        for w in sorted(mismatched - self._mismatched):
+            logger.warning("router: worker %s serves %s, the others %s: it gets no requests",
+                           w, self._members[w].facts, facts)
+        self._mismatched = mismatched
+
+    @property
+    def facts(self) -> ModelFacts | None:
+        """The model facts most serving workers report (None before any worker serves)."""
+        counts = Counter(_model_key(m.facts) for m in self._members.values() if m.state == "serving")
+        if not counts:
+            return None
+        key, _ = counts.most_common(1)[0]
+        return next(m.facts for m in self._members.values() if _model_key(m.facts) == key)
+
+    def serving(self, role: Role) -> list[str]:
+        """Workers of `role` that take new requests, sorted by id."""
+        return sorted(w for w, m in self._members.items()
+                      if m.role == role and m.state == "serving" and w not in self._mismatched)
+
+    def ids(self) -> list[str]:
+        return sorted(self._members)
+
+    def address(self, worker_id: str) -> str | None:
+        m = self._members.get(worker_id)
+        return m.address if m is not None else None
+
+    def num_blocks(self) -> dict[str, int]:
+        return {w: m.facts.num_total_blocks for w, m in self._members.items()}
+
+    def max_decode_blocks(self) -> int:
+        return max((self._members[w].facts.num_total_blocks for w in self.serving("decode")), default=0)
+
+    def __contains__(self, worker_id: object) -> bool:
+        return worker_id in self._members
+
+
+def _model_key(f: ModelFacts) -> tuple[str, int, int, int]:
+    return f.model_id, f.block_size, f.vocab_size, f.max_model_len
+
+
+def _same_model(a: ModelFacts, b: ModelFacts) -> bool:
+    return _model_key(a) == _model_key(b)

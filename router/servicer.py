@@ -1,0 +1,70 @@
+"""Generation: the public `Generate` stream, a thin servicer over the router's parts.
+
+proto in -> `Frontend.prepare` (validate, tokenize) -> `AdmissionGate.admit` (may wait,
+or refuse early with a retry-after hint) -> `RequestFlow.run` (workers, retries) ->
+responses out. A `RequestFailed` from any of them ends the stream with its status
+code and message (and `retry-after-ms` trailing metadata when it has a hint); the
+client going away cancels the flow, which cancels its worker calls.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from proto import generate_pb2 as pb
+from proto import generate_pb2_grpc as pb_grpc
+from router.attempt import Deadline, Prepared, Progress, RequestFailed
+from router.flow import RequestFlow
+from router.frontend import Frontend, Responses
+from router.gate import AdmissionGate
+from router.members import Members
+
+
+class Generation(pb_grpc.GenerationServicer):
+    def __init__(self, frontend: Frontend, gate: AdmissionGate, flow: RequestFlow, members: Members,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.frontend, self.gate, self.flow, self.members, self.clock = frontend, gate, flow, members, clock
+        self._active: set[str] = set()
+        self.stats = {"num_requests": 0, "num_refused": 0, "num_prompt_tokens": 0, "num_cached_tokens": 0}
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        progress = Progress(time.perf_counter())
+        try:
+            prep = self._prepare(request)
+            remaining = context.time_remaining()
+            deadline = Deadline(None if remaining is None else self.clock() + remaining, self.clock)
+            await self.gate.admit(prep, deadline)
+        except RequestFailed as e:
+            self.stats["num_refused"] += 1
+            await _fail(context, e)
+        self._active.add(prep.request_id)
+        try:
+            progress.admitted = time.perf_counter()
+            out = Responses(prep, progress, self.frontend.detokenizer(prep))
+            async for response in self.flow.run(prep, deadline, progress, out):
+                yield response
+            self._count(prep, progress)
+        except RequestFailed as e:
+            await _fail(context, e)
+        finally:
+            self._active.discard(prep.request_id)
+            self.gate.release(prep.request_id)
+
+    def _prepare(self, request: pb.GenerateRequest) -> Prepared:
+        rid = request.request_id
+        if rid and (rid in self._active or self.gate.waiting(rid)):
+            raise RequestFailed(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already running; use a new id")
+        return self.frontend.prepare(request, self.members.facts, self.members.max_decode_blocks())
+
+    def _count(self, prep: Prepared, progress: Progress) -> None:
+        self.stats["num_requests"] += 1
+        self.stats["num_prompt_tokens"] += len(prep.token_ids)
+        self.stats["num_cached_tokens"] += progress.num_cached_tokens
+
+
+async def _fail(context: grpc.aio.ServicerContext, e: RequestFailed) -> None:
+    if e.retry_after_s is not None:
+        context.set_trailing_metadata((("retry-after-ms", str(int(e.retry_after_s * 1000))),))
+    await context.abort(e.code, e.message)
