@@ -1,0 +1,42 @@
+"""The package boundaries the design holds: the router process loads no torch; the roles
+import neither each other nor `cluster`; the control plane below them is torch-free."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ROLES = ("router", "prefill_worker", "decode_worker")
+
+
+def test_the_router_process_imports_no_torch() -> None:
+    code = ("import sys, router.service, control.reader, control.worker_host; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'engine.model', "
+            "'engine.llm_engine', 'prefill_worker', 'decode_worker', 'cluster'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def imported_packages(package: str) -> set[str]:
+    names: set[str] = set()
+    for path in (ROOT / package).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module.split(".")[0])
+            elif isinstance(node, ast.Import):
+                names.update(a.name.split(".")[0] for a in node.names)
+    return names
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_a_role_imports_neither_another_role_nor_cluster(role: str) -> None:
+    others = {*ROLES, "cluster"} - {role}
+    assert imported_packages(role) & others == set()
+
+
+def test_the_control_plane_imports_no_role_and_no_torch() -> None:
+    assert imported_packages("control") & {*ROLES, "cluster", "torch"} == set()

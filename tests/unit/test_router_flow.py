@@ -1,0 +1,274 @@
+"""The router's request flow with in-process fake workers (no Ray, no sockets).
+
+Each fake worker plays a script of events and failures through the same `Streams`
+interface the gRPC client implements; failures are real `grpc.aio.AioRpcError`s, so the
+status-code map is exercised as in production. Every test checks the exact status
+code or token stream, which workers were tried, that every call was cancelled and
+that the load book holds nothing afterwards (bookings settled once).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import grpc
+import pytest
+
+from control.heartbeat import Heartbeat
+from engine.request import SamplingParams
+from proto import generate_pb2 as pb
+from router.attempt import Deadline, Prepared, Progress, RequestFailed
+from router.clients import WorkerClients, WorkerRequest
+from router.config import RouterConfig
+from router.flow import RequestFlow
+from router.frontend import Responses
+from router.kv_index import KVIndex
+from router.loads import LoadBook
+from router.members import Members
+from router.policy import RoutingConfig
+
+HANG = "hang"
+Script = list[object]
+"""Events to return in order; an AioRpcError is raised; HANG waits until cancelled; the end is EOF."""
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class FakeStream:
+    def __init__(self, script: Script) -> None:
+        self.script = list(script)
+        self.cancelled = False
+        self._cancel = asyncio.Event()
+
+    async def read(self) -> object:
+        if self.cancelled:
+            raise rpc_error(grpc.StatusCode.CANCELLED, "cancelled")
+        if not self.script:
+            return grpc.aio.EOF
+        item = self.script.pop(0)
+        if item == HANG:
+            await self._cancel.wait()
+            raise rpc_error(grpc.StatusCode.CANCELLED, "cancelled")
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        self._cancel.set()
+        return True
+
+
+class FakeStreams:
+    """Workers by address; `scripts[worker_id]` makes each call's script from its request."""
+
+    def __init__(self, scripts: dict[str, Callable[[WorkerRequest], Script]]) -> None:
+        self.scripts = scripts
+        self.calls: list[tuple[str, WorkerRequest, FakeStream]] = []
+
+    def open(self, address: str, request: WorkerRequest) -> FakeStream:
+        stream = FakeStream(self.scripts[address](request))
+        self.calls.append((address, request, stream))
+        return stream
+
+    async def close(self) -> None:
+        pass
+
+    def tried(self) -> list[str]:
+        return [w for w, _, _ in self.calls]
+
+
+def reserved() -> pb.DecodeEvent:
+    return pb.DecodeEvent(reserved=pb.Reserved(ticket=b"ticket"))
+
+
+def arrived() -> pb.DecodeEvent:
+    return pb.DecodeEvent(arrived=pb.Arrived(transfer_window_ms=1.0))
+
+
+def tokens(ids: list[int], finish: int = pb.FINISH_REASON_UNSPECIFIED) -> pb.DecodeEvent:
+    return pb.DecodeEvent(tokens=pb.Tokens(token_ids=ids, finish_reason=finish))
+
+
+def first(token_id: int) -> pb.PrefillEvent:
+    return pb.PrefillEvent(first=pb.FirstToken(token_id=token_id))
+
+
+def pushed() -> pb.PrefillEvent:
+    return pb.PrefillEvent(pushed=pb.KVPushed(push_ms=1.0))
+
+
+def good_prefill(req: WorkerRequest) -> Script:
+    """The first token of the sequence 100, 101, ... after wherever the request's prompt ends."""
+    return [first(100 + len(req.prompt_token_ids) - len(PROMPT)), pushed()]
+
+
+def good_decode(req: WorkerRequest) -> Script:
+    """Continues the sequence 100, 101, ... from wherever the request's prompt ends."""
+    assert isinstance(req, pb.DecodeRequest)
+    done = len(req.prompt_token_ids) - len(PROMPT)  # tokens a retried request already sent
+    n = req.sampling.max_tokens
+    if req.local_prefill:
+        return [tokens([100 + done + i], pb.FINISH_REASON_LENGTH if i == n - 1 else 0) for i in range(n)]
+    rest = [tokens([100 + done + i], pb.FINISH_REASON_LENGTH if i == n - 1 else 0) for i in range(1, n)]
+    return [reserved(), arrived(), *rest]
+
+
+PROMPT = list(range(1, 41))
+MAX_TOKENS = 5
+EXPECTED = [100, 101, 102, 103, 104]
+
+
+def first_call_then(failing: Callable[[WorkerRequest], Script],
+                    good: Callable[[WorkerRequest], Script]) -> Callable[[WorkerRequest], Script]:
+    """A script maker shared by workers of one kind: the first call fails, later ones go well."""
+    n = [0]
+
+    def script(req: WorkerRequest) -> Script:
+        n[0] += 1
+        return failing(req) if n[0] == 1 else good(req)
+    return script
+
+
+def make_flow(scripts: dict[str, Callable[[WorkerRequest], Script]],
+              mode: str = "disaggregated") -> tuple[RequestFlow, FakeStreams]:
+    members = Members()
+    beats = {w: Heartbeat(w, "prefill" if w.startswith("p") else "decode", address=w, model_id="m", block_size=16,
+                          vocab_size=1000, max_model_len=512, num_total_blocks=64) for w in scripts}
+    members.update(beats)
+    loads = LoadBook(members.num_blocks())
+    streams = FakeStreams(scripts)
+    config = RouterConfig(routing=RoutingConfig(mode=mode), prefill_timeout_s=5.0, decode_idle_timeout_s=5.0)  # type: ignore[arg-type]
+    return RequestFlow(config, members, WorkerClients(streams, members.address), KVIndex(time.monotonic), loads,
+                       seed=0), streams
+
+
+async def run(flow: RequestFlow, deadline_s: float | None = None) -> tuple[list[int], list[pb.GenerateResponse]]:
+    prep = Prepared("r1", PROMPT, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), 0, "")
+    progress = Progress(time.perf_counter())
+    deadline = Deadline(None if deadline_s is None else time.monotonic() + deadline_s)
+    responses = [r async for r in flow.run(prep, deadline, progress, Responses(prep, progress, None))]
+    return [t for r in responses for t in r.token_ids], responses
+
+
+def assert_settled(flow: RequestFlow, streams: FakeStreams) -> None:
+    assert all(s.cancelled for _, _, s in streams.calls)  # every call ended by the router (the abort)
+    for w in ["p0", "p1", "d0", "d1"]:
+        load = flow.loads.load(w)
+        assert (flow.loads.own_active(w), load.queued_prefill_tokens) == (0, 0), w
+        assert load.num_free_blocks == load.num_total_blocks, w
+
+
+def test_remote_prefill_streams_the_first_token_from_p_and_the_rest_from_d() -> None:
+    flow, streams = make_flow({"p0": good_prefill, "p1": good_prefill, "d0": good_decode, "d1": good_decode})
+    got, responses = asyncio.run(run(flow))
+    assert got == EXPECTED
+    assert responses[0].token_ids == [100] and responses[0].route.prefill_worker in ("p0", "p1")
+    assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert [type(r).__name__ for _, r, _ in streams.calls] == ["DecodeRequest", "PrefillRequest"]
+    assert streams.calls[1][1].ticket == b"ticket"  # D's reservation goes to P
+    assert flow.stats == {"num_local_prefill": 0, "num_remote_prefill": 1, "num_retries": 0}
+    assert_settled(flow, streams)
+
+
+def test_a_prefill_failure_is_retried_on_the_other_prefill_worker() -> None:
+    prefill = first_call_then(lambda req: [rpc_error(grpc.StatusCode.INTERNAL, "InvariantError: boom")], good_prefill)
+    flow, streams = make_flow({"p0": prefill, "p1": prefill, "d0": good_decode, "d1": good_decode})
+    got, responses = asyncio.run(run(flow))
+    assert got == EXPECTED
+    tried = streams.tried()
+    assert len(tried) == 4 and {tried[1], tried[3]} == {"p0", "p1"}
+    assert responses[-1].route.prefill_worker == tried[3]
+    assert flow.stats["num_retries"] == 1
+    assert flow.down_workers() == []  # INTERNAL: a fault hit the request, the worker still serves
+    assert_settled(flow, streams)
+
+
+def test_invalid_argument_from_a_worker_ends_the_request_without_a_retry() -> None:
+    invalid = lambda req: [rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "token ids [9999] are outside")]  # noqa: E731
+    flow, streams = make_flow({"p0": invalid, "p1": invalid, "d0": good_decode, "d1": good_decode})
+    with pytest.raises(RequestFailed) as e:
+        asyncio.run(run(flow))
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "outside" in e.value.message
+    assert flow.stats["num_retries"] == 0 and len(streams.calls) == 2
+    assert_settled(flow, streams)
+
+
+def test_a_decode_death_mid_stream_continues_on_the_other_decode_worker() -> None:
+    dies = lambda req: [*good_decode(req)[:4], rpc_error(grpc.StatusCode.UNAVAILABLE, "Socket closed")]  # noqa: E731
+    decode = first_call_then(dies, good_decode)
+    flow, streams = make_flow({"p0": good_prefill, "d0": decode, "d1": decode})
+    got, responses = asyncio.run(run(flow))
+    assert got == EXPECTED  # one unbroken stream: 100, 101, 102 from the first D, the rest from the other
+    victim = streams.tried()[0]
+    assert responses[-1].route.decode_worker not in ("", victim)
+    [retry] = [r for _, r, _ in streams.calls[2:] if isinstance(r, pb.DecodeRequest)]
+    assert list(retry.prompt_token_ids) == PROMPT + [100, 101, 102] and retry.sampling.max_tokens == 2
+    assert retry.request_id == "r1~1"
+    assert flow.stats["num_retries"] == 1 and flow.down_workers() == [victim]
+    assert_settled(flow, streams)
+
+
+def test_a_transfer_failure_after_the_first_token_blames_the_prefill_worker() -> None:
+    aborted = rpc_error(grpc.StatusCode.ABORTED, "request r1: KV transfer failed: peer gone")
+    decode = first_call_then(lambda req: [reserved(), aborted], good_decode)
+    prefill = first_call_then(lambda req: [first(100), HANG], good_prefill)
+    flow, streams = make_flow({"p0": prefill, "p1": prefill, "d0": decode})
+    got, responses = asyncio.run(run(flow))
+    assert got == EXPECTED  # the first token (from the first P) is sent once, the retry continues after it
+    tried = streams.tried()
+    assert tried[0] == tried[2] == "d0" and {tried[1], tried[3]} == {"p0", "p1"}
+    assert responses[-1].route.prefill_worker == tried[3]
+    assert flow.stats["num_retries"] == 1
+    assert flow.down_workers() == []  # ABORTED: its transfer failed, the workers live
+    assert_settled(flow, streams)
+
+
+def test_a_request_past_its_deadline_ends_with_deadline_exceeded_and_frees_everything() -> None:
+    flow, streams = make_flow({"p0": good_prefill, "d0": lambda req: [reserved(), arrived(), HANG]})
+    started = time.monotonic()
+    with pytest.raises(RequestFailed) as e:
+        asyncio.run(run(flow, deadline_s=0.3))
+    assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert 0.25 < time.monotonic() - started < 2.0
+    assert flow.stats["num_retries"] == 0  # the request's own deadline: no other worker is tried
+    assert_settled(flow, streams)
+
+
+def test_a_client_cancel_cancels_both_worker_calls_and_settles_the_booking() -> None:
+    flow, streams = make_flow({"p0": lambda req: [first(100), HANG], "d0": lambda req: [reserved(), HANG]})
+
+    async def cancel_after_first() -> list[pb.GenerateResponse]:
+        prep = Prepared("r1", PROMPT, SamplingParams(max_tokens=MAX_TOKENS), 0, "")
+        progress = Progress(time.perf_counter())
+        got = []
+
+        async def consume() -> None:
+            async for r in flow.run(prep, Deadline(None), progress, Responses(prep, progress, None)):
+                got.append(r)
+
+        task = asyncio.create_task(consume())
+        while not got:
+            await asyncio.sleep(0.01)
+        task.cancel()  # what grpc does to the servicer when the client goes away
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return got
+
+    got = asyncio.run(cancel_after_first())
+    assert [r.token_ids for r in got] == [[100]]
+    assert_settled(flow, streams)
+
+
+def test_no_decode_worker_left_is_unavailable_with_a_retry_hint() -> None:
+    dead = lambda req: [rpc_error(grpc.StatusCode.UNAVAILABLE, "failed to connect")]  # noqa: E731
+    flow, streams = make_flow({"d0": dead, "d1": dead}, mode="colocated")
+    with pytest.raises(RequestFailed) as e:
+        asyncio.run(run(flow))
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE and e.value.retry_after_s == 1.0
+    assert sorted(streams.tried()) == ["d0", "d1"]
+    assert flow.down_workers() == ["d0", "d1"]
+    assert_settled(flow, streams)
