@@ -1,6 +1,6 @@
 """Engine throughput against transformers on the `small` model, in one process.
 
-Workload: the first N requests of ../shared/traces/mooncake_synthetic_trace.jsonl with
+Workload: the first N requests of benchmarks/traces/mooncake_synthetic_trace.jsonl with
 prompt lengths divided by --input-scale and output lengths by --output-scale (clamped),
 prompts of random token ids (seeded). Our engine runs them as one continuous batch;
 transformers runs them one request at a time (on a subset: a rate) and in static
@@ -32,7 +32,7 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E4
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
 
-TRACE = ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+TRACE = ROOT / "benchmarks" / "traces" / "mooncake_synthetic_trace.jsonl"
 
 
 def workload(n: int, input_scale: int, output_scale: int, seed: int) -> list[tuple[list[int], int]]:

@@ -3,7 +3,7 @@
 Workloads (token-id prompts, so any model works):
   synthetic: --prompt-len / --output-len means (uniform +-50%), --shared-prefix-fraction of
              requests start with one of --num-prefixes shared prefixes of --prefix-len tokens
-  trace:     --trace ../shared/traces/mooncake_synthetic_trace.jsonl; each 512-token hash block
+  trace:     --trace benchmarks/traces/mooncake_synthetic_trace.jsonl; each 512-token hash block
              becomes --trace-block-tokens tokens (same hash id -> same tokens: shared prefixes
              stay shared), output lengths scaled the same way (at least 1)
 Arrivals: Poisson at --rate requests/s, or closed loop with --concurrency clients.
@@ -50,7 +50,7 @@ class Outcome:
     num_cached: int = 0
     num_out: int = 0
     transfer_s: float = 0.0
-    """The server's KV transfer window (its Timing), 0 for local prefill."""
+    """First token sent to the KV landing on the decode worker (its Timing), 0 for local prefill."""
     route: str = ""
     """decode worker, then `<-prefill worker` or `local`."""
     sent_s: float = 0.0

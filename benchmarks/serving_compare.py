@@ -6,6 +6,11 @@ same core count; arms run one after the other in this process):
             arriving while short-prompt requests decode: p99 ITL and TTFT ratios
   overhead  the same two set-ups at low load, one request at a time: TTFT difference
             against the measured KV transfer time
+  long_prompt  disaggregated (1 prefill + 1 decode, every prompt through the prefill
+            worker) vs colocated (2 decode) on one --long-len-token prompt at a time
+            (default 4,096, chunked --chunk-tokens): the TTFT overhead of disaggregation
+            against the prefill worker's push of the last chunk (+ 5 ms), and the
+            engine-thread time spent in kvfabric per request
   prefix    cache-aware vs round-robin routing (2 prefill + 2 decode) on a shared-prefix
             workload: TTFT p50 ratio and prefix hit rates
 
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import sys
 import tempfile
 import time
@@ -44,6 +50,8 @@ def arm(args: argparse.Namespace, model_dir: str, num_prefill: int, num_decode: 
 
 def run_arm(name: str, config: ClusterConfig, items: list[Item], rate: float | None, concurrency: int | None,
             warmup: list[Item], per_request_dir: str | None = None) -> dict[str, object]:
+    """Runs the workload on a fresh cluster; the result has `handoffs`: the prefill workers'
+    hand-off costs per request (ms), warm-up included."""
     cluster = LocalCluster(config)
     started = time.perf_counter()
     cluster.start()
@@ -54,6 +62,7 @@ def run_arm(name: str, config: ClusterConfig, items: list[Item], rate: float | N
         dump = Path(per_request_dir) / f"{name}.jsonl" if per_request_dir else None
         result = asyncio.run(run_load(cluster.address, items, rate, concurrency, per_request=dump))
         stats = cluster.router_stats()[0]
+        result["handoffs"] = _handoffs(cluster.check_idle())
     finally:
         cluster.stop()
     line = {"benchmark": "serving_compare", "arm": name, "num_prefill": config.num_prefill,
@@ -62,6 +71,22 @@ def run_arm(name: str, config: ClusterConfig, items: list[Item], rate: float | N
             "router": {k: stats[k] for k in ("num_local_prefill", "num_remote_prefill", "num_refused")}}
     print(json.dumps(line), flush=True)
     return result
+
+
+def _handoffs(reports: list[dict[str, object]]) -> dict[str, float]:
+    """The prefill workers' summed hand-off costs as means per hand-off, in ms."""
+    totals = [r["handoffs"] for r in reports if "handoffs" in r]
+    n = sum(t["num_handoffs"] for t in totals)  # type: ignore[index]
+    if not n:
+        return {}
+    mean = {k: round(sum(t[k] for t in totals) / n * 1e3, 3) for k in ("engine_s", "fabric_s", "tail_s")}  # type: ignore[index]
+    return {"num_handoffs": n, "engine_kvfabric_ms": mean["engine_s"], "lane_kvfabric_ms": mean["fabric_s"],
+            "last_chunk_push_ms": mean["tail_s"]}
+
+
+def long_prompts(n: int, length: int, seed: int) -> list[Item]:
+    rng = random.Random(seed)
+    return [Item([rng.randrange(3, 500) for _ in range(length)], 4) for _ in range(n)]
 
 
 def mixed_items(n: int, long_len: int, long_every: int, decode_output_len: int, seed: int) -> list[Item]:
@@ -79,18 +104,20 @@ def mixed_items(n: int, long_len: int, long_every: int, decode_output_len: int, 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--scenario", choices=("mixed", "overhead", "prefix"), required=True)
+    p.add_argument("--scenario", choices=("mixed", "overhead", "long_prompt", "prefix"), required=True)
     p.add_argument("--size", choices=("tiny", "small"), default="tiny")
     p.add_argument("--num-requests", type=int, default=48)
     p.add_argument("--rate", type=float, default=4.0)
-    p.add_argument("--long-len", type=int, default=768, help="mixed/overhead: long prompt length (mean)")
+    p.add_argument("--long-len", type=int, default=None,
+                   help="mixed/overhead: long prompt length (mean, default 768); long_prompt: exact (default 4096)")
     p.add_argument("--long-every", type=int, default=4, help="mixed: one long prompt per this many decoders")
     p.add_argument("--decode-output-len", type=int, default=64, help="mixed: decoders' output length (mean)")
     p.add_argument("--disagg-mode", choices=("auto", "disaggregated"), default="auto",
                    help="mixed/overhead: the 1P+1D arm's mode (auto prefills short prompts on the decode worker)")
     p.add_argument("--chunk-tokens", type=int, default=512,
                    help="max_num_batched_tokens of every worker (the chunked-prefill step size)")
-    p.add_argument("--kv-cache-mib", type=int, default=64, help="every worker's KV pool")
+    p.add_argument("--kv-cache-mib", type=int, default=None,
+                   help="every worker's KV pool (default 64; long_prompt: 256)")
     p.add_argument("--num-prefixes", type=int, default=8, help="prefix: distinct shared prefixes")
     p.add_argument("--prefix-len", type=int, default=256, help="prefix: tokens per shared prefix")
     p.add_argument("--suffix-len", type=int, default=32, help="prefix: the rest of the prompt (mean)")
@@ -102,10 +129,26 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--per-request-dir", default=None, help="write each arm's requests there, one JSON line each")
     args = p.parse_args()
+    long_prompt = args.scenario == "long_prompt"
+    args.long_len = args.long_len or (4096 if long_prompt else 768)
+    args.kv_cache_mib = args.kv_cache_mib or (256 if long_prompt else 64)
     model_dir = str(make_tiny_model(Path(tempfile.mkdtemp()) / "m", arch="llama", size=args.size, seed=0))
     warm = synthetic(4, 64, 4, 0.0, 0, 0, 512, 99)
     arms: dict[str, dict[str, object]] = {}
-    if args.scenario in ("mixed", "overhead"):
+    if long_prompt:
+        items, warm = long_prompts(args.num_requests, args.long_len, args.seed), long_prompts(2, args.long_len, 99)
+        disagg = arm(args, model_dir, 1, 1, RoutingConfig(mode="disaggregated"))
+        arms["disaggregated"] = run_arm("disaggregated", disagg, items, None, 1, warm, args.per_request_dir)
+        coloc = arm(args, model_dir, 0, 2, RoutingConfig(mode="colocated"))
+        arms["colocated"] = run_arm("colocated", coloc, items, None, 1, warm, args.per_request_dir)
+        d, c = arms["disaggregated"], arms["colocated"]
+        h = d["handoffs"]
+        overhead = float(d["ttft_p50_ms"]) - float(c["ttft_p50_ms"])  # type: ignore[arg-type]
+        bound = float(h["last_chunk_push_ms"]) + 5.0  # type: ignore[index]
+        ratios = {"ttft_p50_disagg_over_coloc": _ratio(d["ttft_p50_ms"], c["ttft_p50_ms"]),
+                  "ttft_overhead_ms": round(overhead, 2), "overhead_bound_ms": round(bound, 2),
+                  "within_bound": overhead <= bound, "engine_kvfabric_ms_per_request": h["engine_kvfabric_ms"]}  # type: ignore[index]
+    elif args.scenario in ("mixed", "overhead"):
         if args.scenario == "mixed":
             items = mixed_items(args.num_requests, args.long_len, args.long_every, args.decode_output_len, args.seed)
             rate, conc = args.rate, None

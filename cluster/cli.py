@@ -66,6 +66,10 @@ def _serve(args: argparse.Namespace) -> int:
               + (f", {args.num_routers} routers" if args.num_routers > 1 else "")
               + f", Redis {cluster.redis_url}); "
               f"ready in {time.perf_counter() - started:.1f} s. Ctrl-C stops.", flush=True)
+        if not args.model:
+            print("splitserve: the embedded default model has random weights, so its text is noise by design; "
+                  "serve a real checkpoint with --model DIR (a local Hugging Face Llama, Mistral or Qwen2 "
+                  "directory with safetensors and tokenizer.json)", flush=True)
         while not stop.wait(1.0):
             pass
     finally:
@@ -132,12 +136,14 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"workers": {w: b.__dict__ for w, b in beats.items()}, "routers": routers}, default=str))
         return 0
-    print(f"{'worker':<12}{'role':<9}{'running':>8}{'waiting':>8}{'queued tok':>11}{'KV used':>16}{'prefix hit':>11}")
+    print(f"{'worker':<12}{'role':<9}{'state':<10}{'address':<22}{'running':>8}{'waiting':>8}{'queued tok':>11}"
+          f"{'KV used':>16}{'prefix hit':>11}")
     for w, b in sorted(beats.items()):
         used = b.num_total_blocks - b.num_free_blocks - b.num_cached_blocks
         hit = b.num_cached_tokens / b.num_prompt_tokens if b.num_prompt_tokens else 0.0
         kv = f"{used}/{b.num_total_blocks} ({used / max(b.num_total_blocks, 1):.0%})"
-        print(f"{w:<12}{b.role:<9}{b.num_running:>8}{b.num_waiting:>8}{b.queued_prefill_tokens:>11}{kv:>16}{hit:>11.0%}")
+        print(f"{w:<12}{b.role:<9}{b.state:<10}{b.address:<22}{b.num_running:>8}{b.num_waiting:>8}"
+              f"{b.queued_prefill_tokens:>11}{kv:>16}{hit:>11.0%}")
     for rid, s in sorted(routers.items()):
         hit = s["num_cached_tokens"] / s["num_prompt_tokens"] if s["num_prompt_tokens"] else 0.0
         print(f"{rid} on {s['address']}: {s['num_admitted']} running, {s['num_queued']} queued "

@@ -30,9 +30,9 @@ from kvfabric.errors import FabricError
 
 logger = logging.getLogger(__name__)
 
-LoadReader = Callable[[], tuple[EngineLoad, int, int] | None]
-"""Returns the engine's load and the cumulative (prompt, prefix-cached) tokens, or None
-when the engine thread is too busy to answer now (the beat keeps the last one alive)."""
+LoadReader = Callable[[], EngineLoad | None]
+"""Returns the engine's load, or None when the engine thread is too busy to answer now
+(the beat keeps the last one alive)."""
 
 
 def status_for(e: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -46,11 +46,11 @@ def status_for(e: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
 
 
-def engine_load_reader(loop: Any, counters: Callable[[], tuple[int, int]]) -> LoadReader:
+def engine_load_reader(loop: Any) -> LoadReader:
     """A `LoadReader` over an `EngineLoop` (`loop.call(fn)` runs `fn(engine)` on its thread):
-    reads the engine's load and the role's `counters()` there, waiting at most 2 s."""
-    def read() -> tuple[EngineLoad, int, int] | None:
-        fut = loop.call(lambda engine: (engine.load(), *counters()))
+    reads `engine.load()` there, waiting at most 2 s."""
+    def read() -> EngineLoad | None:
+        fut = loop.call(lambda engine: engine.load())
         try:
             return fut.result(timeout=2.0)  # type: ignore[no-any-return]
         except Exception:  # noqa: BLE001 - busy or stopped: skip this beat
@@ -99,13 +99,11 @@ class WorkerHost:
             self.publisher.publish_events(events)
 
     def heartbeat(self) -> Heartbeat | None:
-        read = self.read_load()
-        if read is None:
+        load = self.read_load()
+        if load is None:
             return None
-        load, prompt, cached = read
         return Heartbeat(self.worker_id, self.role, self.address, self.state, self.incarnation,
-                         **asdict(self.facts) | asdict(load), num_prompt_tokens=prompt, num_cached_tokens=cached,
-                         sent_at=time.time())
+                         **asdict(self.facts) | asdict(load), sent_at=time.time())
 
     async def stop(self) -> None:
         """Draining: no new calls; running ones get `grace_s`; then the registry entry goes."""

@@ -64,14 +64,10 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         e = self.engine
         facts = ModelFacts(e.model_id, config.block_size, e.model_config.vocab_size, e.max_model_len,
                            e.kv_pool.num_blocks)
-        self.host = WorkerHost(worker_id, "decode", config, facts, engine_load_reader(self.loop, self._counters), redis_url, namespace)
+        self.host = WorkerHost(worker_id, "decode", config, facts, engine_load_reader(self.loop), redis_url, namespace)
         self._requests: dict[str, _Decode] = {}
         """Asyncio side: the running calls."""
         self._aio: asyncio.AbstractEventLoop | None = None
-        self._num_prompt_tokens = 0
-        self._num_cached_tokens = 0
-        self._seen: set[str] = set()
-        """Engine thread: requests whose first output was counted in the prefix-hit statistics."""
         freeze_startup_heap()
 
     # -- actor methods ---------------------------------------------------------------------
@@ -177,24 +173,11 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         return bool(items)
 
     def _send(self, items: list[Item]) -> None:
-        for item in items:
-            out = item.output if isinstance(item, Landed) else item
-            rid = out.request_id
-            if isinstance(out, RequestOutput) and rid not in self._seen:
-                self._seen.add(rid)
-                self._num_prompt_tokens += out.num_prompt_tokens
-                self._num_cached_tokens += out.num_cached_tokens
-            if not isinstance(out, RequestOutput) or out.finished:
-                self._seen.discard(rid)
         assert self._aio is not None
         self._aio.call_soon_threadsafe(self._deliver, items)
 
     def _abort(self, request_id: str) -> None:
         self.remote.abort(RequestId(request_id))
-        self._seen.discard(request_id)
-
-    def _counters(self) -> tuple[int, int]:
-        return self._num_prompt_tokens, self._num_cached_tokens
 
     def _idle_report(self, engine: LLMEngine) -> dict[str, object]:
         usage = engine.check_invariants()

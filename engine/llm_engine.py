@@ -121,6 +121,10 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.is_file() else None
         self._detok: dict[RequestId, IncrementalDetokenizer] = {}
         self._handed_off: dict[RequestId, list[BlockId]] = {}
+        self.num_prompt_tokens = 0
+        """Cumulative prompt tokens of requests that got their first token here."""
+        self.num_cached_tokens = 0
+        """Of those, the ones served from the prefix cache."""
 
     # -- requests ------------------------------------------------------------------
     def add_request(
@@ -233,6 +237,9 @@ class LLMEngine:
     def _output_for(self, request: Request) -> RequestOutput:
         rid = request.request_id
         token = request.output_token_ids[-1]
+        if len(request.output_token_ids) == 1:
+            self.num_prompt_tokens += request.num_prompt_tokens
+            self.num_cached_tokens += request.num_cached_tokens
         text, stopped = "", False
         detok = self._detok.get(rid)
         if detok is not None:
@@ -301,7 +308,8 @@ class LLMEngine:
         u = self.block_pool.usage()
         s = self.scheduler
         queued = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in [*s.waiting, *s.running])
-        return EngineLoad(u.num_total, u.num_free, u.num_cached, len(s.running), len(s.waiting), queued)
+        return EngineLoad(u.num_total, u.num_free, u.num_cached, len(s.running), len(s.waiting), queued,
+                          self.num_prompt_tokens, self.num_cached_tokens)
 
     def take_kv_events(self) -> list[KVEvent]:
         return self.block_pool.take_events()

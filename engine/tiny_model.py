@@ -18,7 +18,7 @@ SIZES = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048),
     "small": dict(vocab_size=8192, hidden_size=768, intermediate_size=2560, num_hidden_layers=12,
-                  num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=4096),
+                  num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=8192),
 }
 ARCHS = ("llama", "qwen2")
 

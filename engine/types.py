@@ -37,3 +37,7 @@ class EngineLoad:
     num_waiting: int
     queued_prefill_tokens: int
     """Prompt tokens of running and waiting requests not computed yet."""
+    num_prompt_tokens: int
+    """Cumulative prompt tokens of requests that got their first token here, and how many
+    of them were prefix-cache hits."""
+    num_cached_tokens: int

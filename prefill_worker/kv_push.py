@@ -48,6 +48,8 @@ class PushDone:
     """Lane-thread time spent in kvfabric calls (open, pushes, ready)."""
     engine_s: float = 0.0
     """Engine-thread time this hand-off cost (queueing block ids): what the transfer added to steps."""
+    tail_s: float = 0.0
+    """Lane time of what was left at the first token: the last push and `ready` with its ack."""
 
 
 @dataclass
@@ -63,6 +65,7 @@ class Handoff:
     opened_at: float = 0.0
     fabric_s: float = 0.0
     engine_s: float = 0.0
+    tail_s: float = 0.0
     cancelled: str | None = None
     ended: bool = False
     finishing: bool = False
@@ -109,7 +112,10 @@ class _Lane:
                     handoff.transfer.abort(repr(e))
                 self.pusher.end(handoff, repr(e))
             finally:
-                handoff.fabric_s += time.perf_counter() - started
+                took = time.perf_counter() - started
+                handoff.fabric_s += took
+                if kind in ("push_last", "finish"):
+                    handoff.tail_s += took
 
     def _do(self, h: Handoff, kind: str, args: tuple[object, ...]) -> None:
         if h.cancelled is not None:
@@ -119,7 +125,7 @@ class _Lane:
         elif kind == "open":
             h.opened_at = time.perf_counter()
             h.transfer = self.pusher.sender.open(h.ticket)
-        elif kind == "push":
+        elif kind in ("push", "push_last"):
             block_ids, start = args
             assert h.transfer is not None
             h.transfer.push(block_ids, start)  # type: ignore[arg-type]
@@ -167,7 +173,7 @@ class KVPusher:
         if handoff is None:
             return
         handoff.finishing = True
-        self._push_upto(handoff, block_ids, len(block_ids))
+        self._push_upto(handoff, block_ids, len(block_ids), "push_last")
         self._queue(handoff, ("finish", (first_token_id, request.num_prompt_tokens)))
 
     def cancel(self, request_id: str, reason: str = "aborted") -> bool:
@@ -198,7 +204,7 @@ class KVPusher:
             logger.warning("request %s: KV hand-off failed: %s", handoff.request_id, error)
         push_s = time.perf_counter() - handoff.opened_at if handoff.opened_at else 0.0
         self.on_done(PushDone(handoff.request_id, error, handoff.num_pushes, push_s, handoff.fabric_s,
-                              handoff.engine_s))
+                              handoff.engine_s, handoff.tail_s))
 
     # -- engine thread -------------------------------------------------------------------
     def take_done(self) -> list[PushDone]:
@@ -219,10 +225,10 @@ class KVPusher:
         with self._lock:
             self._done.append(done)
 
-    def _push_upto(self, handoff: Handoff, block_ids: list[BlockId], end: int) -> None:
+    def _push_upto(self, handoff: Handoff, block_ids: list[BlockId], end: int, kind: str = "push") -> None:
         if end > handoff.next_index:
             ids = [int(b) for b in block_ids[handoff.next_index:end]]
-            self._queue(handoff, ("push", (ids, handoff.next_index)))
+            self._queue(handoff, (kind, (ids, handoff.next_index)))
             handoff.next_index = end
 
     def _queue(self, handoff: Handoff, job: _Job) -> None:

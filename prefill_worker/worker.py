@@ -42,6 +42,27 @@ STREAM_IDLE_TIMEOUT_S = 120.0
 
 
 @dataclass
+class HandoffTotals:
+    """Engine thread: what this worker's finished hand-offs cost, summed (for benchmarks and status)."""
+
+    num_handoffs: int = 0
+    num_failed: int = 0
+    engine_s: float = 0.0
+    """Engine-thread time spent on kvfabric (queueing pushes): what transfers added to steps."""
+    fabric_s: float = 0.0
+    """Push-lane time in kvfabric calls."""
+    tail_s: float = 0.0
+    """Push-lane time after the first tokens: the last pushes and `ready` acks."""
+
+    def add(self, done: PushDone) -> None:
+        self.num_handoffs += 1
+        self.num_failed += done.error is not None
+        self.engine_s += done.engine_s
+        self.fabric_s += done.fabric_s
+        self.tail_s += done.tail_s
+
+
+@dataclass
 class _Prefill:
     """One request on this worker, on the asyncio side: what the engine thread sends it."""
 
@@ -61,12 +82,11 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         e = self.engine
         facts = ModelFacts(e.model_id, config.block_size, e.model_config.vocab_size, e.max_model_len,
                            e.kv_pool.num_blocks)
-        self.host = WorkerHost(worker_id, "prefill", config, facts, engine_load_reader(self.loop, self._counters), redis_url, namespace)
+        self.host = WorkerHost(worker_id, "prefill", config, facts, engine_load_reader(self.loop), redis_url, namespace)
         self._requests: dict[str, _Prefill] = {}
         """Asyncio side: the running calls."""
+        self.totals = HandoffTotals()
         self._aio: asyncio.AbstractEventLoop | None = None
-        self._num_prompt_tokens = 0
-        self._num_cached_tokens = 0
         freeze_startup_heap()
 
     # -- actor methods ---------------------------------------------------------------------
@@ -168,8 +188,6 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            self._num_prompt_tokens += out.num_prompt_tokens
-            self._num_cached_tokens += out.num_cached_tokens
             if out.finished and out.finish_reason is not FinishReason.PREFILL_DONE:
                 self.pusher.cancel(out.request_id, f"finished at the first token ({out.finish_reason})")
             self._send(out.request_id, out)
@@ -181,6 +199,7 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
     def _settle(self, engine: LLMEngine, done: PushDone) -> None:
         rid = RequestId(done.request_id)
         self.pusher.forget(rid)
+        self.totals.add(done)
         if done.error is None:
             engine.release_handoff(rid)
         else:
@@ -191,11 +210,8 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         self.host.publish_events(self.engine.take_kv_events())
         return False
 
-    def _counters(self) -> tuple[int, int]:
-        return self._num_prompt_tokens, self._num_cached_tokens
-
     def _idle_report(self, engine: LLMEngine) -> dict[str, object]:
         usage = engine.check_invariants()
         return {"worker_id": self.worker_id, "usage": asdict(usage), "num_unfinished": engine.scheduler.num_unfinished,
                 "num_handed_off": engine.num_handed_off, "num_transfers": self.pusher.num_open,
-                "num_streams": len(self._requests)}
+                "num_streams": len(self._requests), "handoffs": asdict(self.totals)}

@@ -125,12 +125,22 @@ class GrpcStreams:
         return pb_grpc.DecodeWorkerStub(channel).Decode(request)  # type: ignore[no-any-return]
 
     async def forget(self, address: str) -> None:
-        """A worker left: its channel closes."""
+        """A worker left: its channel closes (its calls are cancelled; bounded wait)."""
         channel = self._channels.pop(address, None)
         if channel is not None:
-            await channel.close()
+            await _close(channel)
 
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
-            await channel.close()
+            await _close(channel)
+
+
+CHANNEL_CLOSE_TIMEOUT_S = 2.0
+
+
+async def _close(channel: grpc.aio.Channel) -> None:
+    try:
+        await asyncio.wait_for(channel.close(), CHANNEL_CLOSE_TIMEOUT_S)
+    except TimeoutError:
+        pass  # its calls were cancelled; the rest is grpc's clean-up

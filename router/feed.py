@@ -39,9 +39,15 @@ class RegistryFeed:
     async def refresh(self) -> None:
         """Reads the heartbeats once into the members table and the load book."""
         beats = await self.reader.heartbeats()
+        before = set(self.members.ids())
         for address in self.members.update(beats):
             if self.on_left is not None:
                 await self.on_left(address)
+        now = set(self.members.ids())
+        for w in sorted(now - before):
+            logger.info("router: worker %s joined (%s at %s)", w, beats[w].role, beats[w].address)
+        for w in sorted(before - now):
+            logger.info("router: worker %s left", w)
         self.loads.num_blocks = self.members.num_blocks()
         self.loads.set_heartbeats({w: b for w, b in beats.items() if w in self.members})
         self.num_refreshes += 1

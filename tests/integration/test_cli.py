@@ -47,6 +47,7 @@ def test_readme_serve_then_generate_and_status(tmp_path: Path) -> None:
         found = re.search(r" on 127\.0\.0\.1:(\d+) ", ready)
         assert found and int(found[1]) > 0 and "1 prefill, 1 decode, mode auto" in ready, ready
         port = int(found[1])
+        assert "--model DIR" in _wait_for_line(serve, "random weights", 5)  # says its text is noise, and the way out
         assert (tmp_path / "cache/models/llama-tiny-seed0/config.json").is_file()
         target = ["--target", f"127.0.0.1:{port}"]
         r = run(["generate", "Once upon a time", "--max-tokens", "8", *target], env)
@@ -62,6 +63,7 @@ def test_readme_serve_then_generate_and_status(tmp_path: Path) -> None:
             time.sleep(0.5)  # the router reports its stats once a second
         assert st.returncode == 0, st.stderr
         assert "decode-0" in st.stdout and "prefill-0" in st.stdout
+        assert st.stdout.count(" serving ") == 2  # both workers' state, from their heartbeats
         assert "2 done, 1 refused" in st.stdout and "Redis feed up" in st.stdout
     finally:
         serve.send_signal(signal.SIGINT)

@@ -1,6 +1,6 @@
 """Workers dying under requests: real Ray actors killed mid-flight, a real redis-server, gRPC on loopback.
 
-The invariant (ARCHITECTURE.md): worker death frees KV on every worker involved within
+The invariant (docs/architecture.md): worker death frees KV on every worker involved within
 a bounded time, and the router never loses a request silently: it completes elsewhere
 (continuing from the tokens already streamed) or ends with a status that says why.
 The tests share one cluster (2 prefill + 2 decode) and run in order, each killing one
