@@ -100,29 +100,33 @@ class _Lane:
             if handoff.ended:
                 continue
             started = time.perf_counter()
+            error: str | None = None
+            ran = False
             try:
-                self._do(handoff, kind, args)
+                ran = self._do(handoff, kind, args)
             except (FabricError, ValueError) as e:
-                if handoff.transfer is not None:
-                    handoff.transfer.abort(str(e))
-                self.pusher.end(handoff, str(e))
+                error = str(e)
             except Exception as e:  # a bug: fail this hand-off, keep the lane for the others
                 logger.exception("request %s: push lane failed", handoff.request_id)
+                error = repr(e)
+            took = time.perf_counter() - started
+            handoff.fabric_s += took
+            if kind in ("push_last", "finish"):
+                handoff.tail_s += took
+            if error is None and not ran:
+                error = handoff.cancelled
+            if error is not None:
                 if handoff.transfer is not None:
-                    handoff.transfer.abort(repr(e))
-                self.pusher.end(handoff, repr(e))
-            finally:
-                took = time.perf_counter() - started
-                handoff.fabric_s += took
-                if kind in ("push_last", "finish"):
-                    handoff.tail_s += took
+                    handoff.transfer.abort(error)  # safe in any state
+                self.pusher.end(handoff, error)
+            elif kind == "finish":
+                self.pusher.end(handoff, None)
 
-    def _do(self, h: Handoff, kind: str, args: tuple[object, ...]) -> None:
+    def _do(self, h: Handoff, kind: str, args: tuple[object, ...]) -> bool:
+        """Runs one job; False when the hand-off was cancelled (no job runs; the caller aborts it)."""
         if h.cancelled is not None:
-            if h.transfer is not None:
-                h.transfer.abort(h.cancelled)
-            self.pusher.end(h, h.cancelled)
-        elif kind == "open":
+            return False
+        if kind == "open":
             h.opened_at = time.perf_counter()
             h.transfer = self.pusher.sender.open(h.ticket)
         elif kind in ("push", "push_last"):
@@ -134,7 +138,7 @@ class _Lane:
             first_token_id, num_tokens = args
             assert h.transfer is not None
             h.transfer.finish(first_token_id, num_tokens)  # type: ignore[arg-type]
-            self.pusher.end(h, None)
+        return True
 
 
 class KVPusher:
@@ -158,23 +162,29 @@ class KVPusher:
         """Queues the transfer's opening for a request about to be added to the engine."""
         if ticket.request_id in self._handoffs:
             raise ValueError(f"request {ticket.request_id} already has a transfer on this worker")
+        started = time.perf_counter()
         handoff = Handoff(ticket, ticket.num_skip_blocks)
         self._handoffs[ticket.request_id] = handoff
         self._queue(handoff, ("open", ()))
+        handoff.engine_s += time.perf_counter() - started
         return handoff
 
     def on_blocks_computed(self, request: Request) -> None:
         handoff = self._handoffs.get(request.request_id)
         if handoff is not None and not handoff.finishing:
+            started = time.perf_counter()
             self._push_upto(handoff, request.block_ids, request.num_computed_tokens // self.block_size)
+            handoff.engine_s += time.perf_counter() - started
 
     def on_prefill_finished(self, request: Request, block_ids: list[BlockId], first_token_id: int) -> None:
         handoff = self._handoffs.get(request.request_id)
         if handoff is None:
             return
+        started = time.perf_counter()
         handoff.finishing = True
         self._push_upto(handoff, block_ids, len(block_ids), "push_last")
         self._queue(handoff, ("finish", (first_token_id, request.num_prompt_tokens)))
+        handoff.engine_s += time.perf_counter() - started
 
     def cancel(self, request_id: str, reason: str = "aborted") -> bool:
         """Ends the request's hand-off (its `on_done` follows from the lane); True when one
@@ -232,10 +242,8 @@ class KVPusher:
             handoff.next_index = end
 
     def _queue(self, handoff: Handoff, job: _Job) -> None:
-        started = time.perf_counter()
         receiver_id = handoff.ticket.address.receiver_id
         lane = self._lanes.get(receiver_id)
         if lane is None:
             lane = self._lanes[receiver_id] = _Lane(self, receiver_id)
         lane.put(handoff, job)
-        handoff.engine_s += time.perf_counter() - started
