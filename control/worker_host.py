@@ -11,12 +11,13 @@ client maps back.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -29,6 +30,8 @@ from engine.types import EngineLoad, InvalidRequestError
 from kvfabric.errors import FabricError
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 LoadReader = Callable[[], EngineLoad | None]
 """Returns the engine's load, or None when the engine thread is too busy to answer now
@@ -44,6 +47,20 @@ def status_for(e: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(e, RuntimeError) and "engine loop has stopped" in str(e):
         return grpc.StatusCode.UNAVAILABLE, "the worker is stopping"
     return grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
+
+
+STREAM_IDLE_TIMEOUT_S = 120.0
+"""Longest a worker's call waits for its request's next event (the KV lease and the
+transfer timeouts bound the waits behind it); then the call ends DEADLINE_EXCEEDED."""
+
+
+async def next_event(events: asyncio.Queue[T], context: grpc.aio.ServicerContext, what: str) -> T:
+    """A running call's next item from the engine thread, within `STREAM_IDLE_TIMEOUT_S`."""
+    try:
+        return await asyncio.wait_for(events.get(), STREAM_IDLE_TIMEOUT_S)
+    except TimeoutError:
+        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{what}: nothing for {STREAM_IDLE_TIMEOUT_S:.0f} s")
+        raise  # abort raises; this line is for the type checker
 
 
 def engine_load_reader(loop: Any) -> LoadReader:

@@ -25,7 +25,7 @@ import torch
 
 from control.heartbeat import ModelFacts
 from control.worker_config import WorkerConfig
-from control.worker_host import WorkerHost, engine_load_reader, status_for
+from control.worker_host import WorkerHost, engine_load_reader, next_event, status_for
 from decode_worker.kv_receive import Landed, RemoteFailure, RemoteKV
 from engine.engine_loop import EngineLoop, freeze_startup_heap
 from engine.llm_engine import LLMEngine, RequestOutput
@@ -36,9 +36,6 @@ from proto import generate_pb2_grpc as pb_grpc
 from proto.convert import finish_to_pb, sampling_from_pb
 
 logger = logging.getLogger(__name__)
-
-STREAM_IDLE_TIMEOUT_S = 120.0
-"""Longest a Decode stream waits for its next tokens (the KV lease bounds the wait for arrival)."""
 
 Item = RequestOutput | Landed | RemoteFailure
 
@@ -112,11 +109,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
                 self.loop.call(lambda e: self._abort(rid))
 
     async def _next(self, state: _Decode, context: grpc.aio.ServicerContext) -> Item:
-        try:
-            item = await asyncio.wait_for(state.events.get(), STREAM_IDLE_TIMEOUT_S)
-        except TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"request {state.request_id}: no tokens for {STREAM_IDLE_TIMEOUT_S:.0f} s on {self.worker_id}")
+        item = await next_event(state.events, context, f"request {state.request_id} on {self.worker_id}")
         if isinstance(item, RemoteFailure):
             state.finished = True  # the engine already ended it
             await context.abort(grpc.StatusCode.ABORTED, f"request {state.request_id}: KV transfer failed: {item.reason}")

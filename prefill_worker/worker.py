@@ -24,7 +24,7 @@ import torch
 
 from control.heartbeat import ModelFacts
 from control.worker_config import WorkerConfig
-from control.worker_host import WorkerHost, engine_load_reader, status_for
+from control.worker_host import WorkerHost, engine_load_reader, next_event, status_for
 from engine.engine_loop import EngineLoop, freeze_startup_heap
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.request import FinishReason
@@ -36,10 +36,6 @@ from proto import generate_pb2_grpc as pb_grpc
 from proto.convert import finish_to_pb, sampling_from_pb
 
 logger = logging.getLogger(__name__)
-
-STREAM_IDLE_TIMEOUT_S = 120.0
-"""Longest a Prefill call waits for its next event (the first token, or the push's end)."""
-
 
 @dataclass
 class HandoffTotals:
@@ -67,7 +63,7 @@ class _Prefill:
     """One request on this worker, on the asyncio side: what the engine thread sends it."""
 
     request_id: str
-    events: asyncio.Queue[RequestOutput | PushDone | BaseException] = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue[RequestOutput | PushDone] = field(default_factory=asyncio.Queue)
 
 
 class PrefillWorker(pb_grpc.PrefillWorkerServicer):
@@ -125,7 +121,7 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
                 ended = True  # _start cleaned up
                 await context.abort(*status_for(e))
             while True:
-                item = await self._next(state, context)
+                item = await next_event(state.events, context, f"request {rid} on {self.worker_id}")
                 if isinstance(item, RequestOutput):
                     ended = item.finished and item.finish_reason is not FinishReason.PREFILL_DONE
                     reason = item.finish_reason if ended else None
@@ -146,22 +142,12 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
             if not ended:
                 self.loop.call(lambda e: self._abort(e, RequestId(rid)))
 
-    async def _next(self, state: _Prefill, context: grpc.aio.ServicerContext) -> RequestOutput | PushDone:
-        try:
-            item = await asyncio.wait_for(state.events.get(), STREAM_IDLE_TIMEOUT_S)
-        except TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"request {state.request_id}: nothing for {STREAM_IDLE_TIMEOUT_S:.0f} s on {self.worker_id}")
-        if isinstance(item, BaseException):
-            await context.abort(*status_for(item))
-        return item  # type: ignore[return-value]
-
-    def _deliver(self, request_id: str, item: RequestOutput | PushDone | BaseException) -> None:
+    def _deliver(self, request_id: str, item: RequestOutput | PushDone) -> None:
         state = self._requests.get(request_id)
         if state is not None:
             state.events.put_nowait(item)
 
-    def _send(self, request_id: str, item: RequestOutput | PushDone | BaseException) -> None:
+    def _send(self, request_id: str, item: RequestOutput | PushDone) -> None:
         assert self._aio is not None
         self._aio.call_soon_threadsafe(self._deliver, request_id, item)
 

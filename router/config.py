@@ -21,6 +21,9 @@ class RouterConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     prefill_timeout_s: float = 120.0
     """Longest a prefill worker may take to return a request's first token."""
+    reserve_timeout_s: float = 15.0
+    """Longest a decode worker may take to answer a reservation (its engine thread runs it
+    between steps); one that does not is treated as unreachable."""
     decode_idle_timeout_s: float = 60.0
     """Longest the router waits for the next tokens of a running request."""
     index_poll_ms: int = 200
@@ -44,8 +47,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        if self.prefill_timeout_s <= 0 or self.decode_idle_timeout_s <= 0:
-            raise ValueError("prefill_timeout_s and decode_idle_timeout_s must be positive")
+        if min(self.prefill_timeout_s, self.reserve_timeout_s, self.decode_idle_timeout_s) <= 0:
+            raise ValueError("prefill_timeout_s, reserve_timeout_s and decode_idle_timeout_s must be positive")
         if self.max_attempts < 1 or self.worker_down_s < 0:
             raise ValueError(f"max_attempts must be >= 1 and worker_down_s >= 0, got {self.max_attempts}, "
                              f"{self.worker_down_s}")

@@ -116,7 +116,7 @@ class RequestFlow:
 
     async def _remote_prefill(self, attempt: Attempt, p: str, decode: WorkerCall, deadline: Deadline,
                               calls: list[WorkerCall]) -> pb.FirstToken:
-        ev = await decode.next(self.config.prefill_timeout_s)
+        ev = await decode.next(self.config.reserve_timeout_s)
         if ev.WhichOneof("event") != "reserved":  # type: ignore[union-attr]
             raise RequestFailed(grpc.StatusCode.INTERNAL, f"{decode.worker_id}: expected a reservation first")
         prefill = self.clients.call(p, pb.PrefillRequest(
