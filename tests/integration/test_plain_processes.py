@@ -1,0 +1,72 @@
+"""A cluster without Ray: `splitserve worker prefill|decode` and `splitserve router` as plain
+processes around a real redis-server. The router finds the workers through their heartbeats;
+greedy output equals the monolithic engine; SIGTERM stops each process cleanly."""
+from __future__ import annotations
+
+import os
+import random
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from cluster.local import EmbeddedRedis
+from engine.request import SamplingParams
+from proto import generate_pb2 as pb
+from proto import generate_pb2_grpc as pb_grpc
+from tests.integration.reference import make_engine
+
+CLI = [sys.executable, "-m", "cluster.cli"]
+pytestmark = pytest.mark.timeout(300)
+
+
+def start(args: list[str]) -> tuple[subprocess.Popen, str]:
+    """Starts a CLI process and waits for its 'serving on HOST:PORT' line."""
+    proc = subprocess.Popen(CLI + args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "SPLITSERVE_CLUSTER_SECRET": "plain-test-secret"})
+    deadline = time.monotonic() + 120
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        if select.select([proc.stdout], [], [], 1.0)[0]:
+            line = proc.stdout.readline()
+            found = re.search(r"serving on (\S+:\d+)", line)
+            if found:
+                return proc, found[1]
+            if not line and proc.poll() is not None:
+                break
+    proc.kill()
+    raise AssertionError(f"{args[:2]} did not start (exit code {proc.poll()})")
+
+
+def test_plain_process_workers_serve_through_a_plain_process_router(tiny_llama_dir: str) -> None:
+    redis = EmbeddedRedis()
+    procs: list[subprocess.Popen] = []
+    try:
+        common = ["--redis-url", redis.url, "--namespace", "plain", "--model", tiny_llama_dir, "--kv-cache-mib", "8"]
+        for role, wid in (("decode", "decode-a"), ("prefill", "prefill-a")):
+            proc, _ = start(["worker", role, "--worker-id", wid, *common])
+            procs.append(proc)
+        router, address = start(["router", "--redis-url", redis.url, "--namespace", "plain", "--port", "0",
+                                 "--mode", "disaggregated", "--tokenizer", tiny_llama_dir])
+        procs.append(router)
+        prompt = [random.Random(5).randrange(3, 500) for _ in range(40)]
+        want = make_engine(tiny_llama_dir, block_size=16).generate(
+            [prompt], SamplingParams(max_tokens=10, ignore_eos=True))[0].token_ids
+        with grpc.insecure_channel(address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
+                                         sampling=pb.SamplingParams(max_tokens=10, ignore_eos=True))
+            got = list(stub.Generate(request, timeout=60))
+        assert [t for r in got for t in r.token_ids] == want
+        assert (got[-1].route.prefill_worker, got[-1].route.decode_worker) == ("prefill-a", "decode-a")
+    finally:
+        for proc in reversed(procs):
+            proc.send_signal(signal.SIGTERM)
+        codes = [proc.wait(timeout=60) for proc in reversed(procs)]
+        redis.stop()
+    assert codes == [0, 0, 0]
