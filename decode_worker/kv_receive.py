@@ -6,8 +6,9 @@ for the router to hand to a prefill worker. `pump()` applies the receiver's even
 the engine: `KVArrived` -> `remote_kv_ready` (the request joins the continuous batch
 with its first token) -> `Landed`; `TransferFailed` -> the request ends, its blocks freed or, when
 a one-sided writer may still write, held; `BlocksFenced` -> held blocks are freed.
-The engine's pool lives in shared memory (`ShmKVAllocator`) so `shm` senders on this
-host copy straight into it; other senders use `tcp`.
+The engine's pool comes from `kvfabric.pools.kv_allocator`: shared memory on CPU (`shm`
+senders on this host copy straight into it, others use `tcp`), an IPC-exportable
+cudaMalloc on GPU (`cuda_ipc` on this host, `nccl` across hosts).
 """
 from __future__ import annotations
 
@@ -18,10 +19,8 @@ from dataclasses import dataclass
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.request import SamplingParams
 from engine.types import RequestId
-from kvfabric import (
-    BlockRegion, BlocksFenced, FabricLayout, FabricReceiver, KVArrived, ReceiverConfig, ShmKVAllocator, Ticket,
-    TransferFailed,
-)
+from kvfabric import BlocksFenced, FabricLayout, FabricReceiver, KVArrived, ReceiverConfig, Ticket, TransferFailed
+from kvfabric.pools import KVAllocator, exports, pool_region
 
 logger = logging.getLogger(__name__)
 
@@ -44,13 +43,14 @@ class Landed:
 
 
 class RemoteKV:
-    def __init__(self, engine: LLMEngine, allocator: ShmKVAllocator | None, config: ReceiverConfig | None = None) -> None:
-        """`allocator`: the one the engine's pool came from (None: pool not shared, tcp only)."""
+    def __init__(self, engine: LLMEngine, allocator: KVAllocator | None, config: ReceiverConfig | None = None) -> None:
+        """`allocator`: the one the engine's pool came from (`kvfabric.pools.kv_allocator`; None: a
+        CPU pool not in shared memory, tcp only)."""
         self.engine = engine
         layout = FabricLayout.of_pool(engine.model_id, engine.kv_pool.layout)
         self.block_size = engine.kv_pool.layout.block_size
-        region = BlockRegion.from_tensor(engine.kv_pool.tensor)
-        self.receiver = FabricReceiver(layout, region, config, engine.clock, allocator.segment if allocator else None)
+        self.receiver = FabricReceiver(layout, pool_region(engine.kv_pool.tensor), config, engine.clock,
+                                       **exports(allocator))
 
     def reserve(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None,

@@ -9,8 +9,9 @@ the second on, since the router already sent the first) and steps the continuous
 -> each step's outputs go to the request's `_Decode` object on the event loop ->
 `Tokens` events to the router. Cancelling the stream (client gone, deadline, router
 abort) aborts the request and frees its blocks (or quarantines them until a one-sided
-writer is fenced). The KV pool is a shared-memory segment (`ShmKVAllocator`) so
-same-host prefill workers copy straight into it; others use tcp.
+writer is fenced). The KV pool comes from `kvfabric.pools.kv_allocator` (shared memory
+on CPU, IPC-exportable device memory on GPU), so same-host prefill workers copy straight
+into it.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ from decode_worker.kv_receive import Landed, RemoteFailure, RemoteKV
 from engine.engine_loop import EngineLoop, freeze_startup_heap
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.types import RequestId
-from kvfabric import ReceiverConfig, ShmKVAllocator
+from kvfabric import ReceiverConfig
+from kvfabric.pools import kv_allocator
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from proto.convert import finish_to_pb, sampling_from_pb
@@ -54,7 +56,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         torch.set_num_threads(config.num_threads)
         self.worker_id = worker_id
         self.config = config
-        self.allocator = ShmKVAllocator()
+        self.allocator = kv_allocator(config.device)
         self.engine = LLMEngine(config.engine_config("decode"), allocator=self.allocator)
         self.remote = RemoteKV(self.engine, self.allocator, ReceiverConfig(host=config.host, lease_s=config.kv_lease_s))
         self.loop = EngineLoop(self.engine, self._on_outputs, self._hook, name=f"engine-{worker_id}")
@@ -85,8 +87,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         await self.host.stop()
         self.loop.stop()
         self.remote.close()
-        if self.allocator.segment is not None:
-            self.allocator.segment.close()
+        self.allocator.close()
 
     # -- the Decode stream (on the event loop) ---------------------------------------------
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeEvent]:

@@ -68,6 +68,9 @@ class CudaIpcKVAllocator:
             self.ipc_handle = bytes(cp.cuda.runtime.ipcGetMemHandle(self.memory.ptr))
         return torch.from_dlpack(flat).view(dtype).view(shape)
 
+    def close(self) -> None:
+        self.memory = None  # freed once the pool tensor that views it is gone
+
 
 def wait_stream(stream: Any, timeout_s: float, on_timeout: Any = None) -> None:
     """Wait for a stream without an unbounded block."""

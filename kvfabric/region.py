@@ -169,3 +169,7 @@ class ShmKVAllocator:
 
         self.segment = ShmSegment.create(nbytes)
         return torch.from_numpy(self.segment.data).view(dtype).view(shape)  # zero-filled by the kernel
+
+    def close(self) -> None:
+        if self.segment is not None:
+            self.segment.close()

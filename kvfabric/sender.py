@@ -25,6 +25,7 @@ from kvfabric.address import ONE_SIDED, FabricAddress, Ticket, local_host_id
 from kvfabric.cuda import DeviceRegion, IpcMapping, NcclLink, nccl_unique_id
 from kvfabric.errors import FabricError, HandshakeError, PeerUnavailable, ReservationRevoked
 from kvfabric.layout import FabricLayout, Run, coalesce, merge_spans
+from kvfabric.pools import pick_transport
 from kvfabric.region import BlockRegion, CopyBytes, ShmSegment
 from kvfabric.wire import Conn, Idle, dial
 
@@ -156,14 +157,16 @@ class _Peer:
         self._reader.start()
 
     def _choose_transport(self) -> tuple[str, ShmSegment | None]:
-        a, forced = self.address, self.config.transport
-        if isinstance(self.sender.region, DeviceRegion):
-            return self._choose_gpu_transport(), None
-        can_shm = "shm" in a.transports and a.host_id == local_host_id() and a.shm_name and a.shm_nonce
-        if forced == "tcp" or (forced is None and not can_shm):
-            return "tcp", None
-        if not can_shm:
-            raise HandshakeError(f"shm requested but receiver {a.receiver_id} is on another host or offers none", "transport")
+        a, forced, src = self.address, self.config.transport, self.sender.region
+        same_host = a.host_id == local_host_id()
+        offered = a.transports if a.shm_name and a.shm_nonce else tuple(t for t in a.transports if t != "shm")
+        transport = pick_transport("cuda" if isinstance(src, DeviceRegion) else "cpu", a.device, same_host, offered,
+                                   forced)
+        if transport == "cuda_ipc":
+            assert isinstance(src, DeviceRegion) and a.cuda_ipc_handle is not None
+            self.ipc = IpcMapping(a.cuda_ipc_handle, a.pool_blocks, self.sender.layout.block_bytes, src.device)
+        if transport != "shm":
+            return transport, None
         try:
             return "shm", ShmSegment.open(a.shm_name, a.shm_nonce, a.shm_bytes)  # type: ignore[arg-type]
         except (OSError, ValueError) as e:
@@ -171,19 +174,6 @@ class _Peer:
                 raise HandshakeError(f"cannot map the receiver's shared memory: {e}", "transport") from e
             logger.info("kvfabric: shm unavailable for receiver %s (%s); using tcp", a.receiver_id, e)
             return "tcp", None
-
-    def _choose_gpu_transport(self) -> str:
-        a, forced, src = self.address, self.config.transport, self.sender.region
-        assert isinstance(src, DeviceRegion)
-        if a.device != "cuda":
-            raise HandshakeError(f"a device pool cannot push to receiver {a.receiver_id} on {a.device}", "device")
-        same_host = a.host_id == local_host_id() and a.cuda_ipc_handle is not None and "cuda_ipc" in a.transports
-        if forced in (None, "cuda_ipc") and same_host:
-            self.ipc = IpcMapping(a.cuda_ipc_handle, a.pool_blocks, self.sender.layout.block_bytes, src.device)  # type: ignore[arg-type]
-            return "cuda_ipc"
-        if forced == "cuda_ipc":
-            raise HandshakeError(f"cuda_ipc requested but receiver {a.receiver_id} is on another host", "transport")
-        return "nccl"
 
     def _handshake(self) -> None:
         hello = {"t": "hello", "layout": self.sender.layout.to_wire(), "transport": self.transport,

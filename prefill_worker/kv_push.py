@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from engine.llm_engine import LLMEngine
 from engine.request import Request
 from engine.types import BlockId
-from kvfabric import BlockRegion, FabricError, FabricLayout, FabricSender, SenderConfig, Ticket, Transfer
+from kvfabric import FabricError, FabricLayout, FabricSender, SenderConfig, Ticket, Transfer
+from kvfabric.pools import pool_region
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ class KVPusher:
         self.block_size = engine.kv_pool.layout.block_size
         kernels = engine.model.kernels
         copy = kernels.copy_stream if kernels is not None else ctypes.memmove
-        self.sender = FabricSender(self.layout, BlockRegion.from_tensor(engine.kv_pool.tensor), config, copy)
+        self.sender = FabricSender(self.layout, pool_region(engine.kv_pool.tensor), config, copy)
         self.on_done = on_done or self._keep
         self._handoffs: dict[str, Handoff] = {}
         """Engine thread: the open hand-offs by request id."""

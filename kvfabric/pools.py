@@ -1,0 +1,93 @@
+"""KV pools by device, in one place, and which transport a pair of pools uses.
+
+`kv_allocator(device)` is the engine `KVAllocator` a worker's pool comes from: shared
+memory on CPU (same-host senders copy straight into it), a dedicated cudaMalloc on GPU
+(exported as a CUDA IPC handle). `pool_region(tensor)` sees a pool as blocks of bytes
+for kvfabric, `exports(allocator)` is what a receiver offers senders. `pick_transport`
+is the rule: same host -> `shm` (CPU) or `cuda_ipc` (GPU, also across two GPUs of one
+host); other hosts -> `tcp` (CPU) or `nccl` (GPU). `require_cupy` gives one clear error
+at start-up when a GPU pool cannot use the GPU transports.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvfabric.cuda import CudaIpcKVAllocator, DeviceRegion
+from kvfabric.errors import FabricError, HandshakeError
+from kvfabric.region import BlockRegion, ShmKVAllocator
+
+if TYPE_CHECKING:
+    import torch
+
+KVAllocator = ShmKVAllocator | CudaIpcKVAllocator
+
+
+def device_kind(device: str) -> str:
+    """"cpu" or "cuda" for a torch device string ("cuda:1" -> "cuda")."""
+    kind = device.split(":", 1)[0]
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"KV pools live on cpu or cuda devices, not {device!r}")
+    return kind
+
+
+def kv_allocator(device: str) -> KVAllocator:
+    if device_kind(device) == "cuda":
+        require_cupy()
+        return CudaIpcKVAllocator()
+    return ShmKVAllocator()
+
+
+def pool_region(tensor: torch.Tensor) -> BlockRegion | DeviceRegion:
+    return DeviceRegion.from_tensor(tensor) if tensor.device.type == "cuda" else BlockRegion.from_tensor(tensor)
+
+
+def exports(allocator: KVAllocator | None) -> dict[str, Any]:
+    """The receiver's keyword arguments for what this pool offers senders."""
+    if isinstance(allocator, CudaIpcKVAllocator):
+        return {"cuda_ipc_handle": allocator.ipc_handle}
+    if isinstance(allocator, ShmKVAllocator):
+        return {"shm": allocator.segment}
+    return {}
+
+
+def pick_transport(src_device: str, dst_device: str, same_host: bool, offered: tuple[str, ...],
+                   forced: str | None = None) -> str:
+    """The transport from a pool on `src_device` to a receiver on `dst_device` offering `offered`."""
+    src, dst = device_kind(src_device), device_kind(dst_device)
+    if src != dst:
+        raise HandshakeError(f"a {src} KV pool cannot push to a receiver whose pool is on {dst}: run both "
+                             "workers on the same kind of device", "device")
+    local, remote = ("cuda_ipc", "nccl") if src == "cuda" else ("shm", "tcp")
+    if forced is not None and forced not in (local, remote):
+        raise HandshakeError(f"transport {forced!r} cannot move {src} pools (use {local} or {remote})", "transport")
+    if forced == local or (forced is None and same_host and local in offered):
+        if not same_host or local not in offered:
+            raise HandshakeError(f"{local} needs the receiver on this host offering it (it offers {list(offered)})",
+                                 "transport")
+        return local
+    if remote not in offered:
+        raise HandshakeError(f"the receiver offers {list(offered)}, none of which reaches it from here", "transport")
+    return remote
+
+
+def require_cupy(torch_cuda: str | None = None) -> Any:
+    """CuPy for the GPU transports, built for torch's CUDA major version; else one clear error."""
+    try:
+        import cupy
+    except ImportError:
+        raise FabricError("GPU KV pools move over CUDA IPC and NCCL through CuPy, which is not installed: "
+                          f"pip install 'splitserve[{gpu_extra(torch_cuda)}]'") from None
+    if torch_cuda is None:
+        import torch
+
+        torch_cuda = torch.version.cuda
+    cupy_major = int(cupy.cuda.runtime.runtimeGetVersion()) // 1000
+    if torch_cuda is not None and cupy_major != int(torch_cuda.split(".")[0]):
+        raise FabricError(f"CuPy is built for CUDA {cupy_major}, torch for CUDA {torch_cuda}: "
+                          f"pip install 'splitserve[{gpu_extra(torch_cuda)}]' instead")
+    return cupy
+
+
+def gpu_extra(torch_cuda: str | None) -> str:
+    """The pip extra whose CuPy matches torch's CUDA: `gpu` (CUDA 12) or `gpu-cu13`."""
+    return "gpu-cu13" if torch_cuda is not None and torch_cuda.split(".")[0] == "13" else "gpu"

@@ -1,0 +1,58 @@
+"""Which transport a pair of KV pools uses, and the one place pools are allocated by device."""
+from __future__ import annotations
+
+import pytest
+
+from kvfabric.errors import HandshakeError
+from kvfabric.pools import device_kind, gpu_extra, kv_allocator, pick_transport
+from kvfabric.region import ShmKVAllocator
+
+CPU_OFFER = ("shm", "tcp")
+GPU_OFFER = ("cuda_ipc", "nccl")
+
+
+@pytest.mark.parametrize(("src", "dst", "same_host", "offered", "want"), [
+    ("cpu", "cpu", True, CPU_OFFER, "shm"),
+    ("cpu", "cpu", False, CPU_OFFER, "tcp"),  # another host: its shared memory is out of reach
+    ("cpu", "cpu", True, ("tcp",), "tcp"),  # a receiver whose pool is not in shared memory
+    ("cuda", "cuda", True, GPU_OFFER, "cuda_ipc"),
+    ("cuda:1", "cuda:0", True, GPU_OFFER, "cuda_ipc"),  # two GPUs of one host
+    ("cuda", "cuda", False, GPU_OFFER, "nccl"),
+    ("cuda", "cuda", True, ("nccl",), "nccl"),  # a device pool not exported for IPC
+])
+def test_the_transport_follows_host_identity_and_device(src: str, dst: str, same_host: bool,
+                                                         offered: tuple[str, ...], want: str) -> None:
+    assert pick_transport(src, dst, same_host, offered) == want
+
+
+@pytest.mark.parametrize(("src", "dst", "same_host", "offered", "forced", "field", "match"), [
+    ("cpu", "cuda", True, GPU_OFFER, None, "device", "cpu KV pool cannot push to a receiver whose pool is on cuda"),
+    ("cuda", "cpu", True, CPU_OFFER, None, "device", "same kind of device"),
+    ("cpu", "cpu", False, CPU_OFFER, "shm", "transport", "shm needs the receiver on this host"),
+    ("cuda", "cuda", False, GPU_OFFER, "cuda_ipc", "transport", "cuda_ipc needs the receiver on this host"),
+    ("cuda", "cuda", True, GPU_OFFER, "tcp", "transport", "'tcp' cannot move cuda pools"),
+    ("cpu", "cpu", False, ("shm",), None, "transport", "none of which reaches it"),
+])
+def test_impossible_pairs_are_refused_with_a_reason(src: str, dst: str, same_host: bool, offered: tuple[str, ...],
+                                                    forced: str | None, field: str, match: str) -> None:
+    with pytest.raises(HandshakeError, match=match) as e:
+        pick_transport(src, dst, same_host, offered, forced)
+    assert e.value.field == field
+
+
+def test_forcing_the_remote_transport_on_one_host_is_allowed() -> None:
+    assert pick_transport("cpu", "cpu", True, CPU_OFFER, forced="tcp") == "tcp"
+    assert pick_transport("cuda", "cuda", True, GPU_OFFER, forced="nccl") == "nccl"
+
+
+def test_cpu_pools_come_from_shared_memory_and_other_devices_are_refused() -> None:
+    assert isinstance(kv_allocator("cpu"), ShmKVAllocator)
+    assert device_kind("cuda:3") == "cuda"
+    with pytest.raises(ValueError, match="cpu or cuda devices, not 'mps'"):
+        kv_allocator("mps")
+
+
+def test_the_gpu_extra_matches_torchs_cuda_major() -> None:
+    assert gpu_extra("12.8") == "gpu"
+    assert gpu_extra("13.0") == "gpu-cu13"
+    assert gpu_extra(None) == "gpu"
