@@ -9,14 +9,53 @@
   frame's header travels on the control connection; the payload follows as grouped
   NCCL send/recv, one per run of adjacent blocks.
 Every wait on a stream is bounded: past the timeout the communicator is aborted and the
-peer reported unavailable.
+peer reported unavailable; so is a communicator's setup. CUDA and NCCL errors from CuPy
+become `FabricError`s (`_fabric_errors`): the transfer fails, the worker lives.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from kvfabric.errors import FabricError, PeerUnavailable
+
+T = TypeVar("T")
+
+
+@contextlib.contextmanager
+def _fabric_errors(what: str) -> Iterator[None]:
+    """CuPy's CUDA runtime and NCCL errors (any non-fabric error) as a FabricError."""
+    try:
+        yield
+    except FabricError:
+        raise
+    except Exception as e:
+        raise FabricError(f"{what} failed: {type(e).__name__}: {e}") from e
+
+
+def bounded(fn: Callable[[], T], timeout_s: float, what: str) -> T:
+    """Runs a call that has no timeout of its own (NCCL's communicator setup waits for every
+    rank) on a helper thread; past `timeout_s` the peer counts as unavailable (the helper is
+    left to NCCL's own bootstrap timeout)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # handed to the caller below
+            box["error"] = e
+
+    helper = threading.Thread(target=run, name="kvfabric-bounded", daemon=True)
+    helper.start()
+    helper.join(timeout_s)
+    if helper.is_alive():
+        raise PeerUnavailable(f"{what} did not complete within {timeout_s:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]  # type: ignore[no-any-return]
 
 
 def cupy() -> Any:
@@ -89,7 +128,7 @@ class IpcMapping:
     def __init__(self, handle: bytes, num_blocks: int, block_bytes: int, device: int) -> None:
         cp = cupy()
         self.device = device
-        with cp.cuda.Device(device):
+        with _fabric_errors("opening the receiver's CUDA IPC handle"), cp.cuda.Device(device):
             ptr = cp.cuda.runtime.ipcOpenMemHandle(handle, cp.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
             self.stream = cp.cuda.Stream(non_blocking=True)
         self.dst = DeviceRegion(ptr, num_blocks, block_bytes, device)
@@ -97,7 +136,7 @@ class IpcMapping:
     def copy_runs(self, src: DeviceRegion, runs: list[Any], timeout_s: float) -> None:
         cp = cupy()
         rt = cp.cuda.runtime
-        with cp.cuda.Device(self.device):
+        with _fabric_errors("a cuda_ipc copy"), cp.cuda.Device(self.device):
             for r in runs:
                 rt.memcpyAsync(self.dst.block_ptr(r.dst_block, r.num_blocks), src.block_ptr(r.src_block, r.num_blocks),
                                r.num_blocks * src.block_bytes, rt.memcpyDefault, self.stream.ptr)
@@ -105,31 +144,53 @@ class IpcMapping:
 
     def close(self) -> None:
         cp = cupy()
-        with cp.cuda.Device(self.device):
+        with _fabric_errors("closing a CUDA IPC mapping"), cp.cuda.Device(self.device):
             cp.cuda.runtime.ipcCloseMemHandle(self.dst.ptr)
 
 
-def nccl_unique_id() -> list[int]:
+def nccl_unique_id() -> tuple[list[int], bool]:
+    """A new NCCL unique id as msgpack-able ints, and whether this CuPy gives it as bytes
+    (newer) or a tuple of ints (older): the receiver rebuilds it in the same form."""
     uid = cupy().cuda.nccl.get_unique_id()
-    return list(uid)  # a tuple of ints (older CuPy) or bytes: msgpack-able either way as ints
+    return list(uid), isinstance(uid, bytes)
+
+
+def nccl_payload(ptrs: list[int], sizes: list[int]) -> list[tuple[int, int]]:
+    """A frame's NCCL operations: one per run, (pointer, bytes). Sender, receiver and a
+    dropped frame's scratch receive all post exactly this list, so they stay in step."""
+    return list(zip(ptrs, sizes, strict=True))
 
 
 class NcclLink:
     """One communicator between a sender (rank 0) and a receiver (rank 1), or to itself (1 rank)."""
 
-    def __init__(self, uid: list[int], nranks: int, rank: int, device: int) -> None:
+    def __init__(self, uid: list[int], uid_is_bytes: bool, nranks: int, rank: int, device: int,
+                 timeout_s: float) -> None:
         cp = cupy()
         self.device, self.rank = device, rank
-        uid_arg: Any = bytes(uid) if isinstance(cp.cuda.nccl.get_unique_id(), bytes) else tuple(uid)
-        with cp.cuda.Device(device):
-            self.comm = cp.cuda.nccl.NcclCommunicator(nranks, uid_arg, rank)
-            self.stream = cp.cuda.Stream(non_blocking=True)
+        uid_arg: Any = bytes(b & 0xFF for b in uid) if uid_is_bytes else tuple(uid)
+
+        def setup() -> Any:
+            with cp.cuda.Device(device):
+                return cp.cuda.nccl.NcclCommunicator(nranks, uid_arg, rank)
+
+        with _fabric_errors("NCCL communicator setup"):
+            self.comm = bounded(setup, timeout_s, "NCCL communicator setup")
+            with cp.cuda.Device(device):
+                self.stream = cp.cuda.Stream(non_blocking=True)
+
+    def scratch(self, nbytes: int) -> tuple[int, Any]:
+        """Device memory to receive a dropped frame into: (pointer, the owner to keep alive)."""
+        cp = cupy()
+        with _fabric_errors("allocating a scratch buffer"), cp.cuda.Device(self.device):
+            buf = cp.empty(nbytes, dtype="uint8")
+        return int(buf.data.ptr), buf
 
     def exchange(self, peer: int, sends: list[tuple[int, int]], recvs: list[tuple[int, int]], timeout_s: float) -> None:
         """Grouped point-to-point: (pointer, bytes) sends to and recvs from `peer`."""
         cp = cupy()
         nccl = cp.cuda.nccl
-        with cp.cuda.Device(self.device):
+        with _fabric_errors("an NCCL transfer"), cp.cuda.Device(self.device):
             nccl.groupStart()
             for ptr, n in sends:
                 self.comm.send(ptr, n, nccl.NCCL_UINT8, peer, self.stream.ptr)
@@ -139,4 +200,5 @@ class NcclLink:
             wait_stream(self.stream, timeout_s, on_timeout=self.comm.abort)
 
     def close(self) -> None:
-        self.comm.destroy()
+        with _fabric_errors("closing an NCCL communicator"):
+            self.comm.destroy()

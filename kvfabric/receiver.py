@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfabric.address import ONE_SIDED, FabricAddress, Ticket, local_host_id
-from kvfabric.cuda import DeviceRegion, NcclLink, cupy
+from kvfabric.cuda import DeviceRegion, NcclLink, nccl_payload
 from kvfabric.errors import FabricError, PeerUnavailable, ProtocolError, ReservationRevoked
 from kvfabric.layout import FabricLayout
 from kvfabric.region import BlockRegion, ShmSegment
@@ -217,7 +217,8 @@ class FabricReceiver:
         link = None
         if transport == "nccl":  # rank 1; joins the sender's rank 0 (bounded by NCCL's own init)
             assert isinstance(self.region, DeviceRegion)
-            link = NcclLink(msg["nccl_uid"], 2, 1, self.region.device)
+            link = NcclLink(msg["nccl_uid"], bool(msg.get("nccl_uid_bytes")), 2, 1, self.region.device,
+                            self.config.io_timeout_s)
         return transport, link
 
     def _dispatch(self, writer: int, conn: Conn, msg: dict[str, Any], one_sided: bool) -> None:
@@ -276,16 +277,20 @@ class FabricReceiver:
         self._frame(writer, msg, receive, drop=lambda runs: conn.discard(nbytes))
 
     def _receive_nccl_frame(self, writer: int, conn: Conn, link: NcclLink, msg: dict[str, Any]) -> None:
-        """nccl: the runs arrive as grouped NCCL receives into their blocks."""
+        """nccl: the runs arrive as grouped NCCL receives into their blocks, one per run, as sent."""
         bb, timeout_s = self.layout.block_bytes, self.config.io_timeout_s
 
         def receive(firsts: list[int], runs: list[tuple[int, int]]) -> None:
             assert isinstance(self.region, DeviceRegion)
-            link.exchange(0, [], [(self.region.block_ptr(f, n), n * bb) for f, (_, n) in zip(firsts, runs)], timeout_s)
+            ptrs = [self.region.block_ptr(f, n) for f, (_, n) in zip(firsts, runs)]
+            link.exchange(0, [], nccl_payload(ptrs, [n * bb for _, n in runs]), timeout_s)
 
-        def drop(runs: list[tuple[int, int]]) -> None:  # NCCL must stay in step: receive into scratch
-            scratch = cupy().empty(sum(n for _, n in runs) * bb, dtype="uint8")
-            link.exchange(0, [], [(scratch.data.ptr, scratch.nbytes)], timeout_s)
+        def drop(runs: list[tuple[int, int]]) -> None:  # NCCL must stay in step: the same receives, into scratch
+            sizes = [n * bb for _, n in runs]
+            base, keep = link.scratch(sum(sizes))
+            offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+            link.exchange(0, [], nccl_payload([base + o for o in offsets], sizes), timeout_s)
+            del keep
 
         self._frame(writer, msg, receive, drop)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfabric.address import ONE_SIDED, FabricAddress, Ticket, local_host_id
-from kvfabric.cuda import DeviceRegion, IpcMapping, NcclLink, nccl_unique_id
+from kvfabric.cuda import DeviceRegion, IpcMapping, NcclLink, nccl_payload, nccl_unique_id
 from kvfabric.errors import FabricError, HandshakeError, PeerUnavailable, ReservationRevoked
 from kvfabric.layout import FabricLayout, Run, coalesce, merge_spans
 from kvfabric.pools import pick_transport
@@ -179,7 +179,8 @@ class _Peer:
         hello = {"t": "hello", "layout": self.sender.layout.to_wire(), "transport": self.transport,
                  "host_id": local_host_id()}
         if self.transport == "nccl":
-            hello["nccl_uid"] = uid = nccl_unique_id()
+            uid, uid_is_bytes = nccl_unique_id()
+            hello["nccl_uid"], hello["nccl_uid_bytes"] = uid, uid_is_bytes
         self.conn.send(hello)
         try:
             reply = self.conn.recv()
@@ -194,7 +195,7 @@ class _Peer:
         if self.transport == "nccl":
             src = self.sender.region
             assert isinstance(src, DeviceRegion)
-            self.link = NcclLink(uid, 2, 0, src.device)
+            self.link = NcclLink(uid, uid_is_bytes, 2, 0, src.device, self.config.io_timeout_s)
 
     # -- transfers -----------------------------------------------------------------------
     def open(self, ticket: Ticket) -> Transfer:
@@ -241,7 +242,7 @@ class _Peer:
             return
         assert self.link is not None
         bb = self.sender.layout.block_bytes
-        sends = [(src.block_ptr(r.src_block, r.num_blocks), r.num_blocks * bb) for r in runs]
+        sends = nccl_payload([src.block_ptr(r.src_block, r.num_blocks) for r in runs], [r.num_blocks * bb for r in runs])
         with self._frame_lock:  # header and payload of one frame stay together
             self.conn.send({"t": "nccl_data", "rid": rid, "runs": spans, "nbytes": sum(n for _, n in sends)})
             self.link.exchange(1, sends, [], timeout_s)

@@ -77,7 +77,8 @@ def test_cuda_ipc_between_two_processes_on_one_gpu() -> None:
 
 
 def test_nccl_send_to_self() -> None:
-    link = NcclLink(nccl_unique_id(), 1, 0, 0)
+    uid, uid_is_bytes = nccl_unique_id()
+    link = NcclLink(uid, uid_is_bytes, 1, 0, 0, 30.0)
     src = torch.randint(0, 256, (4, 4096), dtype=torch.uint8, device="cuda:0")
     dst = torch.zeros_like(src)
     link.exchange(0, [(src[1].data_ptr(), 8192)], [(dst[2].data_ptr(), 8192)], timeout_s=30)
