@@ -111,15 +111,48 @@ class CudaIpcKVAllocator:
         self.memory = None  # freed once the pool tensor that views it is gone
 
 
+class CopyInFlight(PeerUnavailable):
+    """A stream wait timed out: the copy may still be writing the receiver's blocks. Its
+    transfer keeps them fenced until `stream` is done (see `when_done`)."""
+
+    def __init__(self, message: str, stream: Any) -> None:
+        super().__init__(message)
+        self.stream = stream
+
+
 def wait_stream(stream: Any, timeout_s: float, on_timeout: Any = None) -> None:
-    """Wait for a stream without an unbounded block."""
+    """Wait for a stream without an unbounded block; raises CopyInFlight past the timeout."""
     deadline = time.monotonic() + timeout_s
     while not stream.done:
         if time.monotonic() > deadline:
             if on_timeout is not None:
                 on_timeout()
-            raise PeerUnavailable(f"GPU transfer did not complete within {timeout_s:g} s")
+            raise CopyInFlight(f"GPU transfer did not complete within {timeout_s:g} s", stream)
         time.sleep(20e-6)
+
+
+def when_done(stream: Any, fn: Callable[[], None], poll_s: float = 1e-3) -> None:
+    """Calls `fn` on a helper thread once `stream` has finished (now, if it has)."""
+    if stream.done:
+        fn()
+        return
+
+    def wait() -> None:
+        while not stream.done:
+            time.sleep(poll_s)
+        fn()
+
+    threading.Thread(target=wait, name="kvfabric-fence", daemon=True).start()
+
+
+def record_event(stream_ptr: int, device: int) -> Any:
+    """A CUDA event on the stream that wrote the KV (torch's): a copy or NCCL stream waits
+    on it before reading the blocks, so a push never reads KV the GPU has not written."""
+    cp = cupy()
+    with _fabric_errors("recording the step's CUDA event"), cp.cuda.Device(device):
+        event = cp.cuda.Event(disable_timing=True)
+        event.record(cp.cuda.ExternalStream(stream_ptr))
+    return event
 
 
 class IpcMapping:
@@ -133,10 +166,13 @@ class IpcMapping:
             self.stream = cp.cuda.Stream(non_blocking=True)
         self.dst = DeviceRegion(ptr, num_blocks, block_bytes, device)
 
-    def copy_runs(self, src: DeviceRegion, runs: list[Any], timeout_s: float) -> None:
+    def copy_runs(self, src: DeviceRegion, runs: list[Any], timeout_s: float, after: Any = None) -> None:
+        """Copies on this mapping's stream once `after` (the step's event) has happened."""
         cp = cupy()
         rt = cp.cuda.runtime
         with _fabric_errors("a cuda_ipc copy"), cp.cuda.Device(self.device):
+            if after is not None:
+                self.stream.wait_event(after)
             for r in runs:
                 rt.memcpyAsync(self.dst.block_ptr(r.dst_block, r.num_blocks), src.block_ptr(r.src_block, r.num_blocks),
                                r.num_blocks * src.block_bytes, rt.memcpyDefault, self.stream.ptr)
@@ -186,11 +222,15 @@ class NcclLink:
             buf = cp.empty(nbytes, dtype="uint8")
         return int(buf.data.ptr), buf
 
-    def exchange(self, peer: int, sends: list[tuple[int, int]], recvs: list[tuple[int, int]], timeout_s: float) -> None:
-        """Grouped point-to-point: (pointer, bytes) sends to and recvs from `peer`."""
+    def exchange(self, peer: int, sends: list[tuple[int, int]], recvs: list[tuple[int, int]], timeout_s: float,
+                 after: Any = None) -> None:
+        """Grouped point-to-point: (pointer, bytes) sends to and recvs from `peer`, once `after`
+        (the step's event, for sends) has happened."""
         cp = cupy()
         nccl = cp.cuda.nccl
         with _fabric_errors("an NCCL transfer"), cp.cuda.Device(self.device):
+            if after is not None:
+                self.stream.wait_event(after)
             nccl.groupStart()
             for ptr, n in sends:
                 self.comm.send(ptr, n, nccl.NCCL_UINT8, peer, self.stream.ptr)

@@ -18,11 +18,12 @@ import ctypes
 import logging
 import threading
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from kvfabric.address import ONE_SIDED, FabricAddress, Ticket, local_host_id
-from kvfabric.cuda import DeviceRegion, IpcMapping, NcclLink, nccl_payload, nccl_unique_id
+from kvfabric.cuda import CopyInFlight, DeviceRegion, IpcMapping, NcclLink, nccl_payload, nccl_unique_id, when_done
 from kvfabric.errors import FabricError, HandshakeError, PeerUnavailable, ReservationRevoked
 from kvfabric.layout import FabricLayout, Run, coalesce, merge_spans
 from kvfabric.pools import pick_transport
@@ -75,6 +76,9 @@ class Transfer:
         self.done = False
         self.unreported: list[list[int]] = []
         """One-sided runs [index, num_blocks] copied but not yet reported (sent with `ready`)."""
+        self.in_flight: Any = None
+        """A device copy whose wait timed out: until its stream is done, the receiver hears
+        neither our abort nor our revoke ack, so its blocks stay fenced."""
 
     @property
     def request_id(self) -> str:
@@ -84,8 +88,9 @@ class Transfer:
     def transport(self) -> str:
         return self.peer.transport
 
-    def push(self, src_block_ids: list[int], first_index: int) -> None:
-        """Write source blocks into the reservation's blocks [first_index, first_index + len)."""
+    def push(self, src_block_ids: list[int], first_index: int, after: Any = None) -> None:
+        """Write source blocks into the reservation's blocks [first_index, first_index + len);
+        a device pool's copy waits for `after` (the CUDA event of the step that wrote them)."""
         dst = list(self.ticket.block_ids[first_index:first_index + len(src_block_ids)])
         if first_index < self.ticket.num_skip_blocks or len(dst) != len(src_block_ids):
             raise ValueError(
@@ -95,7 +100,7 @@ class Transfer:
         runs = coalesce(src_block_ids, dst, first_index)
         with self.lock:
             self._check_usable()
-            self.peer.write(self, runs)
+            self.peer.write(self, runs, after)
 
     def finish(self, first_token_id: int, num_tokens: int) -> None:
         """After all data: hand over the first token; returns once the receiver accepted."""
@@ -118,7 +123,8 @@ class Transfer:
             self.done = True
         self.peer.forget(self)
         if not self.revoked:
-            self.peer.send_quietly({"t": "abort", "rid": self.ticket.reservation_id, "reason": reason})
+            msg = {"t": "abort", "rid": self.ticket.reservation_id, "reason": reason}
+            self.peer.after_copies(self, lambda: self.peer.send_quietly(msg))
 
     def _check_usable(self) -> None:
         if self.revoked is not None:
@@ -212,12 +218,16 @@ class _Peer:
             raise ReservationRevoked(f"request {ticket.request_id}: {reply.get('error')}")
         return transfer
 
-    def write(self, transfer: Transfer, runs: list[Run]) -> None:
+    def write(self, transfer: Transfer, runs: list[Run], after: Any = None) -> None:
         """Called with the transfer's lock held: shm copies (reported at `ready`), tcp sends one frame."""
         rid, src = transfer.ticket.reservation_id, self.sender.region
         spans = [[r.index, r.num_blocks] for r in runs]
         if isinstance(src, DeviceRegion):
-            self._write_device(transfer, src, runs, spans)
+            try:
+                self._write_device(transfer, src, runs, spans, after)
+            except CopyInFlight as e:
+                transfer.in_flight = e.stream
+                raise
             return
         if self.transport == "shm":
             assert self.dst is not None
@@ -234,10 +244,11 @@ class _Peer:
             header["crc32"] = crc
         self.conn.send(header, [memoryview(d).cast("B") for d in data])
 
-    def _write_device(self, transfer: Transfer, src: DeviceRegion, runs: list[Run], spans: list[list[int]]) -> None:
+    def _write_device(self, transfer: Transfer, src: DeviceRegion, runs: list[Run], spans: list[list[int]],
+                      after: Any = None) -> None:
         rid, timeout_s = transfer.ticket.reservation_id, self.config.io_timeout_s
         if self.ipc is not None:  # one-sided: copy and wait for the stream; reported at `ready`
-            self.ipc.copy_runs(src, runs, timeout_s)
+            self.ipc.copy_runs(src, runs, timeout_s, after)
             merge_spans(transfer.unreported, spans)
             return
         assert self.link is not None
@@ -245,7 +256,7 @@ class _Peer:
         sends = nccl_payload([src.block_ptr(r.src_block, r.num_blocks) for r in runs], [r.num_blocks * bb for r in runs])
         with self._frame_lock:  # header and payload of one frame stay together
             self.conn.send({"t": "nccl_data", "rid": rid, "runs": spans, "nbytes": sum(n for _, n in sends)})
-            self.link.exchange(1, sends, [], timeout_s)
+            self.link.exchange(1, sends, [], timeout_s, after)
 
     def request(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Send and wait (bounded) for the reply that names the same reservation."""
@@ -272,6 +283,15 @@ class _Peer:
             self.conn.send(msg)
         except PeerUnavailable:
             pass
+
+    def after_copies(self, transfer: Transfer, fn: Callable[[], None]) -> None:
+        """Runs `fn` now, or once a device copy of the transfer that timed out has finished."""
+        if transfer.in_flight is None:
+            fn()
+        else:
+            logger.warning("request %s: a GPU copy outlived its wait; the receiver's blocks stay fenced until it ends",
+                           transfer.request_id)
+            when_done(transfer.in_flight, fn)
 
     def forget(self, transfer: Transfer) -> None:
         with self._lock:
@@ -312,7 +332,9 @@ class _Peer:
             if transfer is not None:
                 with transfer.lock:  # waits out a copy in progress: after this, no byte moves
                     transfer.revoked = msg.get("reason", "revoked")
-            self.conn.send({"t": "revoke_ack", "rid": rid})
+                self.after_copies(transfer, lambda: self.send_quietly({"t": "revoke_ack", "rid": rid}))
+            else:
+                self.conn.send({"t": "revoke_ack", "rid": rid})
         else:
             logger.warning("kvfabric: ignoring unknown message %r from receiver", t)
 

@@ -7,8 +7,9 @@ Data flow (who owns what):
   first token: `on_prefill_finished` -->    push the rest, `Transfer.finish` (`ready`, ack)
   `on_done(PushDone)` <-------------------  the hand-off ended (accepted, failed, cancelled)
 
-The engine thread only queues block ids (a snapshot of ints) and never waits on the
-network: chunk i's copy runs on the lane while chunk i+1 computes, and one slow or
+The engine thread only queues block ids (a snapshot of ints; on GPU with a CUDA event
+recorded after the step that wrote them, which the copy or NCCL stream waits on before
+reading) and never waits on the network: chunk i's copy runs on the lane while chunk i+1 computes, and one slow or
 stalled decode worker stalls only its own lane. Source blocks stay the engine's: full
 blocks are immutable, and they are not freed while a lane may read them (handed-off
 blocks wait for `release_handoff`; an aborted request is held the same way, see
@@ -32,6 +33,7 @@ from engine.llm_engine import LLMEngine
 from engine.request import Request
 from engine.types import BlockId
 from kvfabric import FabricError, FabricLayout, FabricSender, SenderConfig, Ticket, Transfer
+from kvfabric.cuda import DeviceRegion, record_event
 from kvfabric.pools import pool_region
 
 logger = logging.getLogger(__name__)
@@ -131,9 +133,9 @@ class _Lane:
             h.opened_at = time.perf_counter()
             h.transfer = self.pusher.sender.open(h.ticket)
         elif kind in ("push", "push_last"):
-            block_ids, start = args
+            block_ids, start, after = args
             assert h.transfer is not None
-            h.transfer.push(block_ids, start)  # type: ignore[arg-type]
+            h.transfer.push(block_ids, start, after)  # type: ignore[arg-type]
             h.num_pushes += 1
         elif kind == "finish":
             first_token_id, num_tokens = args
@@ -150,7 +152,10 @@ class KVPusher:
         self.block_size = engine.kv_pool.layout.block_size
         kernels = engine.model.kernels
         copy = kernels.copy_stream if kernels is not None else ctypes.memmove
-        self.sender = FabricSender(self.layout, pool_region(engine.kv_pool.tensor), config, copy)
+        region = pool_region(engine.kv_pool.tensor)
+        self.sender = FabricSender(self.layout, region, config, copy)
+        self._cuda_device = region.device if isinstance(region, DeviceRegion) else None
+        """A device pool's GPU: each push waits on an event recorded after the step that wrote its blocks."""
         self.on_done = on_done or self._keep
         self._handoffs: dict[str, Handoff] = {}
         """Engine thread: the open hand-offs by request id."""
@@ -239,8 +244,16 @@ class KVPusher:
     def _push_upto(self, handoff: Handoff, block_ids: list[BlockId], end: int, kind: str = "push") -> None:
         if end > handoff.next_index:
             ids = [int(b) for b in block_ids[handoff.next_index:end]]
-            self._queue(handoff, (kind, (ids, handoff.next_index)))
+            self._queue(handoff, (kind, (ids, handoff.next_index, self._step_event())))
             handoff.next_index = end
+
+    def _step_event(self) -> object | None:
+        """On GPU: a CUDA event on torch's stream, after the step that just computed these blocks."""
+        if self._cuda_device is None:
+            return None
+        import torch
+
+        return record_event(torch.cuda.current_stream(self._cuda_device).cuda_stream, self._cuda_device)
 
     def _queue(self, handoff: Handoff, job: _Job) -> None:
         receiver_id = handoff.ticket.address.receiver_id

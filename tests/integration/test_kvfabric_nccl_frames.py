@@ -8,6 +8,7 @@ of the same sizes. A dropped multi-run frame used to post one receive for the wh
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -26,7 +27,8 @@ class CountingLink:
         self.sends: list[list[int]] = []
         self.recvs: list[list[int]] = []
 
-    def exchange(self, peer: int, sends: list[tuple[int, int]], recvs: list[tuple[int, int]], timeout_s: float) -> None:
+    def exchange(self, peer: int, sends: list[tuple[int, int]], recvs: list[tuple[int, int]], timeout_s: float,
+                 after: object = None) -> None:
         if sends:
             self.sends.append([n for _, n in sends])
         if recvs:
@@ -83,3 +85,30 @@ def test_a_kept_multi_run_frame_receives_run_by_run_into_its_blocks(receiver: Fa
     receiver._receive_nccl_frame(1, None, link, header)
     assert link.recvs == link.sends == [[2 * BB, 3 * BB, 1 * BB]]
     assert receiver.table.get(ticket.reservation_id).missing_indices() == []
+
+
+class Stream:
+    """A CUDA stream's `done` flag, set by the test."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+
+def test_after_a_timed_out_gpu_copy_the_revoke_is_acked_only_once_the_copy_ended() -> None:
+    from kvfabric.sender import Transfer
+
+    peer = object.__new__(_Peer)
+    peer.conn, peer.dead, peer._lock = SentHeaders(), None, threading.Lock()
+    transfer = object.__new__(Transfer)
+    transfer.lock, transfer.revoked, transfer.in_flight = threading.Lock(), None, Stream()
+    transfer.ticket = type("K", (), {"reservation_id": 7, "request_id": "r"})()
+    peer.transfers = {7: transfer}
+    peer._handle({"t": "revoke", "rid": 7, "reason": "lease expired"})
+    assert transfer.revoked == "lease expired"
+    time.sleep(0.05)
+    assert peer.conn.headers == []  # the copy may still be writing: the receiver's blocks stay fenced
+    transfer.in_flight.done = True
+    deadline = time.monotonic() + 2
+    while not peer.conn.headers and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert peer.conn.headers == [{"t": "revoke_ack", "rid": 7}]

@@ -18,10 +18,10 @@ from tests.integration.reference import make_engine, random_prompts
 def test_a_non_fabric_transport_error_fails_only_its_transfer(tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     push = Transfer.push
 
-    def flaky(self: Transfer, src_block_ids: list[int], first_index: int) -> None:
+    def flaky(self: Transfer, src_block_ids: list[int], first_index: int, after: object = None) -> None:
         if self.request_id == "bad":
             raise RuntimeError("cudaErrorIllegalAddress: an illegal memory access was encountered")
-        push(self, src_block_ids, first_index)
+        push(self, src_block_ids, first_index, after)
 
     monkeypatch.setattr(Transfer, "push", flaky)
     prefill = make_engine(tiny_llama_dir, role="prefill", budget=16)
