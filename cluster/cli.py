@@ -44,10 +44,13 @@ def _serve(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     try:
+        device, dtype, mib, utilization, gpus = _placement(args, args.num_prefill + args.num_decode)
         config = ClusterConfig(
-            worker=WorkerConfig(model_dir=args.model or str(default_model_dir()), dtype=args.dtype,
-                                block_size=args.block_size, kv_cache_bytes=args.kv_cache_mib * 2**20),
+            worker=WorkerConfig(model_dir=args.model or str(default_model_dir()), dtype=dtype, device=device,
+                                block_size=args.block_size, kv_cache_bytes=mib * 2**20 if mib else None,
+                                gpu_memory_utilization=utilization),
             num_prefill=args.num_prefill, num_decode=args.num_decode, num_routers=args.num_routers,
+            gpus_per_worker=gpus,
             router=RouterConfig(host=args.host, port=args.port,
                                 routing=RoutingConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens)),
             redis_url=args.redis_url or "", namespace=args.namespace)
@@ -64,7 +67,8 @@ def _serve(args: argparse.Namespace) -> int:
         _state_file().write_text(json.dumps({"address": info["address"], "redis_url": cluster.redis_url,
                                              "namespace": args.namespace}))
         print(f"splitserve: serving {config.worker.model_dir} on {info['address']} "
-              f"({args.num_prefill} prefill, {args.num_decode} decode, mode {args.mode}"
+              f"({args.num_prefill} prefill, {args.num_decode} decode on {config.worker.device} "
+              f"{config.worker.dtype}, mode {args.mode}"
               + (f", {args.num_routers} routers" if args.num_routers > 1 else "")
               + f", Redis {cluster.redis_url}); "
               f"ready in {time.perf_counter() - started:.1f} s. Ctrl-C stops.", flush=True)
@@ -78,6 +82,31 @@ def _serve(args: argparse.Namespace) -> int:
         print("splitserve: stopping", file=sys.stderr, flush=True)
         cluster.stop()
     return 0
+
+
+def _placement(args: argparse.Namespace, num_local_workers: int) -> tuple[str, str, int | None, float, float]:
+    """--device/--dtype/--kv-cache-mib/--gpu-memory-utilization/--gpus-per-worker, resolved:
+    (device, dtype, KV MiB or None to size from memory, utilization, GPUs per worker)."""
+    import torch
+
+    from engine.devices import default_dtype, default_gpus_per_worker, resolve_device
+
+    num_gpus = torch.cuda.device_count()
+    device = resolve_device(args.device, num_gpus)
+    gpus = args.gpus_per_worker or default_gpus_per_worker(num_gpus, num_local_workers)
+    utilization = args.gpu_memory_utilization or round(0.9 * min(gpus, 1.0), 3)
+    mib = args.kv_cache_mib if args.kv_cache_mib or device.startswith("cuda") else 256
+    return device, args.dtype or default_dtype(device), mib, utilization, gpus
+
+
+def _add_device_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="auto (cuda when torch sees a GPU), cpu or cuda")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="default: bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--kv-cache-mib", type=int, default=None,
+                   help="KV pool per worker (default: sized from GPU memory on cuda, 256 on cpu)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="share of its GPU a worker may use in all (default 0.9 x its GPU share)")
 
 
 def _cluster_secret() -> bytes | None:
@@ -117,9 +146,11 @@ def _worker(args: argparse.Namespace) -> int:
     from control.worker_config import WorkerConfig
 
     try:
-        config = WorkerConfig(model_dir=args.model or str(default_model_dir()), dtype=args.dtype,
-                              block_size=args.block_size, kv_cache_bytes=args.kv_cache_mib * 2**20, host=args.host,
-                              num_threads=args.num_threads, model_id=args.model_id)
+        device, dtype, mib, utilization, _ = _placement(args, 1)
+        config = WorkerConfig(model_dir=args.model or str(default_model_dir()), dtype=dtype, device=device,
+                              block_size=args.block_size, kv_cache_bytes=mib * 2**20 if mib else None,
+                              gpu_memory_utilization=utilization, host=args.host, num_threads=args.num_threads,
+                              model_id=args.model_id)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -259,9 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="interface to serve on (0.0.0.0 for other machines)")
     s.add_argument("--redis-url", help="use this Redis instead of starting one (redis://host:port/db)")
     s.add_argument("--namespace", default="splitserve", help="prefix of this cluster's Redis keys")
-    s.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    _add_device_flags(s)
+    s.add_argument("--gpus-per-worker", type=float, default=None,
+                   help="GPUs each worker asks Ray for (default 1; 1/N when N workers share a one-GPU machine)")
     s.add_argument("--block-size", type=int, default=16)
-    s.add_argument("--kv-cache-mib", type=int, default=256, help="KV pool per worker")
     s.set_defaults(func=_serve)
 
     g = sub.add_parser("generate", help="stream a completion from a running cluster")
@@ -293,9 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--model", help="model directory (default: the embedded tiny model)")
     w.add_argument("--model-id", help="name the block hashes are keyed with (default: the directory's name)")
     w.add_argument("--host", default="127.0.0.1", help="interface for the worker's gRPC and kvfabric listeners")
-    w.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    _add_device_flags(w)
+    w.add_argument("--gpus-per-worker", type=float, default=1.0, help=argparse.SUPPRESS)
     w.add_argument("--block-size", type=int, default=16)
-    w.add_argument("--kv-cache-mib", type=int, default=256, help="KV pool")
     w.add_argument("--num-threads", type=int, default=1, help="torch CPU threads")
     w.set_defaults(func=_worker)
 

@@ -19,7 +19,10 @@ class ClusterConfig:
     namespace: str = "splitserve"
     """Prefix of every Redis key of this cluster."""
     worker_num_cpus: float = 1.0
-    """Ray CPUs each worker actor asks for (GPU workers ask for one GPU instead)."""
+    """Ray CPUs each worker actor asks for on CPU (GPU workers ask for one CPU and `gpus_per_worker`)."""
+    gpus_per_worker: float = 1.0
+    """Ray GPUs each worker actor asks for when the workers run on cuda; a fraction lets
+    workers share a GPU (see `engine.devices.default_gpus_per_worker`)."""
     num_routers: int = 1
     """Router replicas; more than one share one port (see `RouterConfig.share_port`),
     each with its own admission budget and its own KV index replayed from Redis."""
@@ -29,6 +32,8 @@ class ClusterConfig:
             raise ValueError(f"num_decode must be at least 1, got {self.num_decode}")
         if self.num_routers < 1:
             raise ValueError(f"num_routers must be at least 1, got {self.num_routers}")
+        if not 0 < self.gpus_per_worker <= 8:
+            raise ValueError(f"gpus_per_worker must be in (0, 8], got {self.gpus_per_worker}")
         if self.num_prefill < 0:
             raise ValueError(f"num_prefill must be >= 0, got {self.num_prefill}")
         if self.num_prefill == 0 and self.router.routing.mode == "disaggregated":

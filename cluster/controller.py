@@ -1,7 +1,7 @@
 """Controller: the Ray actor that creates a cluster's pools and router and answers for them.
 
-`start()` creates N prefill and M decode worker actors (CPU actors here, one GPU each
-when the worker's device is cuda), waits for them to load the model and serve, then the
+`start()` creates N prefill and M decode worker actors (CPU actors here, `gpus_per_worker`
+of a GPU each when the worker's device is cuda), waits for them to load the model and serve, then the
 router replicas (`num_routers`, sharing one port: the first binds `router.port`, 0 for
 a free one, and the others join the port it got), and waits until every router has
 seen every worker's heartbeat in Redis (routers find workers there, not from here). `check_idle()` gathers every worker's
@@ -45,7 +45,7 @@ class Controller:
 
     def _worker_options(self) -> dict[str, Any]:
         if self.config.worker.device.startswith("cuda"):
-            return {"num_gpus": 1, "num_cpus": 1}
+            return {"num_gpus": self.config.gpus_per_worker, "num_cpus": 1}
         return {"num_cpus": self.config.worker_num_cpus}
 
     async def start(self) -> dict[str, Any]:

@@ -16,8 +16,11 @@ class WorkerConfig:
     device: str = "cpu"
     block_size: int = 16
     """Tokens per KV block; must be the same on every worker."""
-    kv_cache_bytes: int = 256 * 2**20
-    """KV pool per worker."""
+    kv_cache_bytes: int | None = None
+    """KV pool per worker; None: sized from memory on a GPU (`gpu_memory_utilization`), 256 MiB on CPU."""
+    gpu_memory_utilization: float = 0.9
+    """Share of its GPU this worker may use in all (weights, activations, KV pool), as vLLM's
+    flag: two workers sharing one GPU take about half each."""
     protected_fraction: float = 0.5
     """Pool share kept for cached blocks that were hit again (see `CacheConfig`); 0 is plain LRU."""
     max_num_batched_tokens: int = 2048
@@ -57,6 +60,7 @@ class WorkerConfig:
             model_dir=self.model_dir, dtype=self.dtype, device=self.device, role=role,
             max_model_len=self.max_model_len, model_id=self.model_id, detokenize=False,
             cache=CacheConfig(block_size=self.block_size, kv_cache_bytes=self.kv_cache_bytes,
+                              gpu_memory_utilization=self.gpu_memory_utilization,
                               protected_fraction=self.protected_fraction, cluster_secret=self.cluster_secret),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs),

@@ -14,8 +14,11 @@ class CacheConfig:
     """Tokens per KV block."""
     num_blocks: int | None = None
     """Blocks in the pool; None sizes the pool from `kv_cache_bytes`."""
-    kv_cache_bytes: int = 256 * 2**20
-    """Pool size in bytes when `num_blocks` is None."""
+    kv_cache_bytes: int | None = None
+    """Pool size in bytes when `num_blocks` is None. None: on a GPU, sized from memory
+    (`gpu_memory_utilization`, see engine/kv_sizing.py); on CPU 256 MiB."""
+    gpu_memory_utilization: float = 0.9
+    """Share of the GPU's memory this engine may use in all (weights, activations, KV pool)."""
     enable_prefix_caching: bool = True
     protected_fraction: float = 0.5
     """Share of the pool that cached blocks hit again after they were stored (shared
@@ -28,8 +31,10 @@ class CacheConfig:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
-        if self.kv_cache_bytes <= 0:
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not 0.0 <= self.protected_fraction < 1.0:
             raise ValueError(f"protected_fraction must be in [0, 1), got {self.protected_fraction}")
 

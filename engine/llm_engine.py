@@ -26,6 +26,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.hashing import BlockHasher
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_pool import KVAllocator, KVLayout, KVPool
+from engine.kv_sizing import DEFAULT_CPU_KV_BYTES, kv_pool_bytes, num_blocks_for
 from engine.model import LlamaForCausalLM
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
@@ -102,23 +103,61 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         kernels = native.load() if config.native_kernels and config.device == "cpu" else None
         self.model = LlamaForCausalLM.load(config.model_dir, mc, dtype, config.device, config.prepack_weights, kernels)
-        layout = KVLayout(mc.num_layers, config.cache.block_size, mc.num_kv_heads, mc.head_dim, dtype)
-        num_blocks = config.cache.num_blocks or max(1, config.cache.kv_cache_bytes // layout.block_bytes)
-        self.kv_pool = KVPool(layout, num_blocks, config.device, allocator)
-        self.block_pool = BlockPool(num_blocks, config.cache.enable_prefix_caching, config.cache.protected_fraction)
         self.model_id = config.model_id or Path(config.model_dir).resolve().name
         self.hasher = BlockHasher(config.cache.cluster_secret, self.model_id, config.cache.block_size)
+        self.layout = KVLayout(mc.num_layers, config.cache.block_size, mc.num_kv_heads, mc.head_dim, dtype)
+        self.sampler = Sampler(config.seed, config.device)
+        tok_path = Path(config.model_dir) / "tokenizer.json"
+        self.tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.is_file() else None
+        self._reset_state()
+        self._attach_pool(self._pool_blocks(), allocator)
+        self._reset_state()  # a profiled forward's requests and counts are not the worker's
+
+    # -- the KV pool -----------------------------------------------------------------
+    def _attach_pool(self, num_blocks: int, allocator: KVAllocator | None) -> None:
+        """The pool and everything that counts its blocks: block pool, cache manager, scheduler, runner."""
+        config = self.config
+        self.kv_pool = KVPool(self.layout, num_blocks, config.device, allocator)
+        self.block_pool = BlockPool(num_blocks, config.cache.enable_prefix_caching, config.cache.protected_fraction)
         self.kv = KVCacheManager(self.block_pool, self.hasher)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, clock)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.clock)
+        self.runner = ModelRunner(self.model, self.kv_pool, config.device)
         if self.scheduler.context_limit < self.max_model_len:
             logger.warning(
                 "the KV pool (%d blocks of %d tokens) is smaller than the model's context (%d tokens): "
                 "a sequence stops with finish reason length at %d tokens; raise kv_cache_bytes for more",
                 num_blocks, config.cache.block_size, self.max_model_len, self.scheduler.context_limit)
-        self.runner = ModelRunner(self.model, self.kv_pool, config.device)
-        self.sampler = Sampler(config.seed, config.device)
-        tok_path = Path(config.model_dir) / "tokenizer.json"
-        self.tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.is_file() else None
+
+    def _pool_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_blocks:
+            return cache.num_blocks
+        if cache.kv_cache_bytes is not None or not self.config.device.startswith("cuda"):
+            return num_blocks_for(cache.kv_cache_bytes or DEFAULT_CPU_KV_BYTES, self.layout.block_bytes)
+        return num_blocks_for(self._profile_kv_bytes(), self.layout.block_bytes)
+
+    def _profile_kv_bytes(self) -> int:
+        """GPU: one forward at the largest step on a provisional pool, then what memory is left
+        of this engine's share (engine/kv_sizing.py)."""
+        device = torch.device(self.config.device)
+        num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len - 1)
+        profile_blocks = -(-(num_tokens + 1) // self.layout.block_size) + 1
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        self._attach_pool(profile_blocks, None)
+        self.generate([[0] * num_tokens], SamplingParams(max_tokens=1, ignore_eos=True))
+        torch.cuda.synchronize(device)
+        used = torch.cuda.max_memory_reserved(device) - profile_blocks * self.layout.block_bytes
+        del self.kv_pool, self.runner, self.scheduler, self.kv, self.block_pool
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(device).total_memory
+        pool_bytes = kv_pool_bytes(total, used, self.config.cache.gpu_memory_utilization)
+        logger.info("KV pool sized from memory: %.2f GiB (%.2f of %.1f GiB, %.2f GiB used by weights and a "
+                    "%d-token forward)", pool_bytes / 2**30, self.config.cache.gpu_memory_utilization,
+                    total / 2**30, used / 2**30, num_tokens)
+        return pool_bytes
+
+    def _reset_state(self) -> None:
         self._detok: dict[RequestId, IncrementalDetokenizer] = {}
         self._handed_off: dict[RequestId, list[BlockId]] = {}
         self.num_prompt_tokens = 0

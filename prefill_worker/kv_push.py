@@ -34,7 +34,7 @@ from engine.request import Request
 from engine.types import BlockId
 from kvfabric import FabricError, FabricLayout, FabricSender, SenderConfig, Ticket, Transfer
 from kvfabric.cuda import DeviceRegion, record_event
-from kvfabric.pools import pool_region
+from kvfabric.pools import pool_region, require_cupy
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +153,8 @@ class KVPusher:
         kernels = engine.model.kernels
         copy = kernels.copy_stream if kernels is not None else ctypes.memmove
         region = pool_region(engine.kv_pool.tensor)
+        if isinstance(region, DeviceRegion):
+            require_cupy()  # one clear error at start-up, naming the extra to install
         self.sender = FabricSender(self.layout, region, config, copy)
         self._cuda_device = region.device if isinstance(region, DeviceRegion) else None
         """A device pool's GPU: each push waits on an event recorded after the step that wrote its blocks."""

@@ -45,7 +45,7 @@ def test_readme_serve_then_generate_and_status(tmp_path: Path) -> None:
     try:
         ready = _wait_for_line(serve, "ready in", STARTUP_BUDGET_S)
         found = re.search(r" on 127\.0\.0\.1:(\d+) ", ready)
-        assert found and int(found[1]) > 0 and "1 prefill, 1 decode, mode auto" in ready, ready
+        assert found and int(found[1]) > 0 and "1 prefill, 1 decode on cpu float32, mode auto" in ready, ready
         port = int(found[1])
         assert "--model DIR" in _wait_for_line(serve, "random weights", 5)  # says its text is noise, and the way out
         assert (tmp_path / "cache/models/llama-tiny-seed0/config.json").is_file()

@@ -1,0 +1,48 @@
+"""Device, dtype and GPU share per worker; the KV pool's size from memory figures (pure functions)."""
+from __future__ import annotations
+
+import pytest
+
+from engine.devices import default_dtype, default_gpus_per_worker, resolve_device
+from engine.kv_sizing import kv_pool_bytes, num_blocks_for
+
+GIB = 2**30
+
+
+def test_auto_picks_cuda_only_when_torch_sees_a_gpu() -> None:
+    assert resolve_device("auto", 0) == "cpu"
+    assert resolve_device("auto", 2) == "cuda"
+    assert resolve_device("cpu", 8) == "cpu"
+    assert resolve_device("cuda:1", 2) == "cuda:1"
+    with pytest.raises(ValueError, match="torch sees no GPU"):
+        resolve_device("cuda", 0)
+    with pytest.raises(ValueError, match="auto, cpu or cuda"):
+        resolve_device("tpu", 1)
+
+
+def test_bfloat16_on_gpu_float32_on_cpu() -> None:
+    assert (default_dtype("cuda"), default_dtype("cuda:0"), default_dtype("cpu")) == ("bfloat16", "bfloat16", "float32")
+
+
+def test_workers_share_a_lone_gpu_and_get_a_whole_one_otherwise() -> None:
+    assert default_gpus_per_worker(1, 2) == 0.5  # one prefill + one decode worker on a one-GPU machine
+    assert default_gpus_per_worker(1, 4) == 0.25
+    assert default_gpus_per_worker(8, 2) == 1.0
+    assert default_gpus_per_worker(0, 2) == 1.0  # no GPU on this node: Ray places the workers elsewhere
+
+
+def test_the_kv_pool_gets_this_workers_share_less_what_the_profile_used() -> None:
+    # an 80 GiB GPU, 0.9 of it for this worker, 16 GiB of weights and 2 GiB of peak activations
+    assert kv_pool_bytes(80 * GIB, 18 * GIB, 0.9) == int(72 * GIB) - 18 * GIB
+    # two workers sharing it at 0.45 each
+    assert kv_pool_bytes(80 * GIB, 18 * GIB, 0.45) == int(36 * GIB) - 18 * GIB
+    assert num_blocks_for(kv_pool_bytes(80 * GIB, 18 * GIB, 0.45), 2 * 2**20) == 9216
+
+
+def test_no_room_left_says_what_took_it_and_what_to_change() -> None:
+    with pytest.raises(ValueError, match=r"may use 0\.20 of 80\.0 GiB = 16\.00 GiB.*already take 18\.00 GiB.*"
+                                         r"raise --gpu-memory-utilization"):
+        kv_pool_bytes(80 * GIB, 18 * GIB, 0.2)
+    with pytest.raises(ValueError, match=r"in \(0, 1\]"):
+        kv_pool_bytes(80 * GIB, GIB, 1.5)
+    assert num_blocks_for(10, 2 * 2**20) == 1
