@@ -2,13 +2,16 @@
 and nccl between two processes on two GPUs. Need CUDA and CuPy (the `gpu` extra)."""
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 from multiprocessing.connection import Connection
 
 import pytest
 import torch
 
-from kvfabric import FabricLayout, FabricReceiver, FabricSender, KVArrived, ReceiverConfig, SenderConfig, Ticket
+from kvfabric import (
+    FabricError, FabricLayout, FabricReceiver, FabricSender, KVArrived, ReceiverConfig, SenderConfig, Ticket,
+)
 from kvfabric.address import FabricAddress
 from kvfabric.cuda import CudaIpcKVAllocator, DeviceRegion, NcclLink, nccl_unique_id
 
@@ -21,11 +24,11 @@ def _needs_cupy() -> None:
     pytest.importorskip("cupy")
 
 
-def receiver_child(pipe: Connection, device: int, use_ipc: bool) -> None:
+def receiver_child(pipe: Connection, device: int, use_ipc: bool, lease_s: float = 30.0) -> None:
     torch.cuda.set_device(device)
     allocator = CudaIpcKVAllocator()
     pool = allocator.allocate((NUM_BLOCKS, LAYOUT.block_bytes // 2), torch.bfloat16, f"cuda:{device}")
-    receiver = FabricReceiver(LAYOUT, DeviceRegion.from_tensor(pool), ReceiverConfig(lease_s=30),
+    receiver = FabricReceiver(LAYOUT, DeviceRegion.from_tensor(pool), ReceiverConfig(lease_s=lease_s),
                               cuda_ipc_handle=allocator.ipc_handle if use_ipc else None)
     pipe.send(receiver.address.to_wire())
     while True:
@@ -34,6 +37,10 @@ def receiver_child(pipe: Connection, device: int, use_ipc: bool) -> None:
             pipe.send(receiver.expect(cmd[1], cmd[2], 0).to_wire())
         elif cmd[0] == "poll":
             pipe.send([(e.request_id, type(e).__name__) for e in receiver.poll(timeout_s=10)])
+        elif cmd[0] == "cancel":
+            pipe.send(receiver.cancel(cmd[1]))
+        elif cmd[0] == "held":
+            pipe.send(receiver.held_block_ids())
         elif cmd[0] == "bytes":
             torch.cuda.synchronize()
             pipe.send(pool.view(torch.uint8)[cmd[1]].cpu().numpy().tobytes())
@@ -89,3 +96,40 @@ def test_nccl_send_to_self() -> None:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nccl between processes needs two GPUs")
 def test_nccl_between_two_processes_on_two_gpus() -> None:
     run_pair("nccl", 0, 1)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nccl between processes needs two GPUs")
+def test_nccl_abort_and_dropped_multi_run_frames_leave_nothing_hanging() -> None:
+    """A revoked reservation's multi-run frames are received into scratch run by run (NCCL
+    stays in step: the next transfer on the same link still arrives), and nothing is held."""
+    ctx = mp.get_context("spawn")
+    pipe, child = ctx.Pipe()
+    proc = ctx.Process(target=receiver_child, args=(child, 1, False), daemon=True)
+    proc.start()
+    try:
+        assert pipe.poll(120)
+        pipe.recv()
+        src = torch.randint(0, 256, (NUM_BLOCKS, LAYOUT.block_bytes), dtype=torch.uint8, device="cuda:0")
+        sender = FabricSender(LAYOUT, DeviceRegion.from_tensor(src), SenderConfig(transport="nccl", io_timeout_s=20))
+        pipe.send(("expect", "a", [0, 1, 2, 5, 6, 9]))
+        doomed = sender.open(Ticket.from_wire(pipe.recv()))
+        doomed.push([3, 4, 10, 11, 12], 0)  # three runs on the sender, three receives
+        pipe.send(("cancel", "a"))
+        pipe.recv()
+        with contextlib.suppress(FabricError):  # revoked: the frame is dropped, or refused before it goes
+            doomed.push([20, 21, 22, 30], 2)
+        pipe.send(("expect", "b", [12, 13, 14]))
+        after = sender.open(Ticket.from_wire(pipe.recv()))
+        after.push([1, 2, 7], 0)
+        after.finish(9, 3 * LAYOUT.block_size)
+        pipe.send(("poll",))
+        assert ("b", KVArrived.__name__) in pipe.recv()
+        pipe.send(("bytes", [12, 13, 14]))
+        assert pipe.recv() == src[[1, 2, 7]].cpu().numpy().tobytes()
+        pipe.send(("held",))
+        assert pipe.recv() == []
+        sender.close()
+    finally:
+        pipe.send(("exit",))
+        proc.join(10)
+        proc.kill()

@@ -12,9 +12,12 @@ from prefill_worker.kv_push import KVPusher
 from tests.integration.reference import make_engine
 
 
-def prefill_main(pipe: Connection, model_dir: str, transport: str, budget: int) -> None:
+def prefill_main(pipe: Connection, model_dir: str, transport: str, budget: int, device: str = "cpu",
+                 num_blocks: int = 512) -> None:
     torch.set_num_threads(1)
-    engine = make_engine(model_dir, role="prefill", budget=budget)
+    if device.startswith("cuda"):  # the GPU tests compare bytes: no TF32 in either engine
+        torch.backends.cuda.matmul.allow_tf32 = False
+    engine = make_engine(model_dir, role="prefill", budget=budget, device=device, num_blocks=num_blocks)
     pusher = KVPusher(engine, SenderConfig(transport=transport, checksum=True))
     engine.handoff = pusher
     pipe.send(("ok", "ready"))
@@ -37,7 +40,7 @@ def prefill_main(pipe: Connection, model_dir: str, transport: str, budget: int) 
         # "prefill": [(prompt token ids, request id, max_tokens)] -> first tokens, pushes, errors
         for prompt, rid, max_tokens in args[0]:
             engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), rid)
-        firsts, done = {}, []
+        firsts, done, pool_bytes = {}, [], {}
         while engine.has_unfinished() or pusher.num_open:
             if engine.has_schedulable():
                 firsts |= {o.request_id: o.new_token_ids[0] for o in engine.step()}
@@ -45,9 +48,13 @@ def prefill_main(pipe: Connection, model_dir: str, transport: str, budget: int) 
                 time.sleep(0.001)  # the push lanes finish the hand-offs
             for d in pusher.take_done():
                 if d.error is None:
+                    if device.startswith("cuda"):  # the pushed blocks as the pool holds them once the GPU is done
+                        blocks = engine._handed_off[d.request_id]
+                        torch.cuda.synchronize()
+                        pool_bytes[d.request_id] = engine.kv_pool.tensor[blocks].cpu().numpy().tobytes()
                     engine.release_handoff(d.request_id)
                 else:
                     engine.abort(d.request_id)  # still prefilling, or handed off: either way freed
                 done.append((d.request_id, firsts.get(d.request_id) if d.error is None else None, d.error,
                              d.num_pushes))
-        pipe.send(("ok", {"done": done, "in_use": engine.check_invariants().num_in_use}))
+        pipe.send(("ok", {"done": done, "in_use": engine.check_invariants().num_in_use, "pool_bytes": pool_bytes}))
