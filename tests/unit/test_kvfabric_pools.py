@@ -56,3 +56,18 @@ def test_the_gpu_extra_matches_torchs_cuda_major() -> None:
     assert gpu_extra("12.8") == "gpu"
     assert gpu_extra("13.0") == "gpu-cu13"
     assert gpu_extra(None) == "gpu"
+
+
+def test_a_missing_cupy_is_one_error_naming_the_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from kvfabric.errors import FabricError
+    from kvfabric.pools import require_cupy
+
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
+    with pytest.raises(FabricError, match=r"CuPy, which is not installed: pip install 'splitserve\[gpu\]'"):
+        require_cupy("12.8")
+    with pytest.raises(FabricError, match=r"splitserve\[gpu-cu13\]"):
+        require_cupy("13.0")
+    with pytest.raises(FabricError, match="not installed"):
+        kv_allocator("cuda")
