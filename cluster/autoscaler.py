@@ -1,0 +1,206 @@
+"""The autoscaler policy: pool sizes from a metrics snapshot (pure: no torch, no Ray, no I/O).
+
+`decide(snapshot, state, now) -> Decision` is called once per tick, live by the
+controller and offline by a simulator, with the same inputs: what the pools report
+(`Snapshot`) and what the policy remembers (`AutoscaleState`, which it returns updated
+inside the decision). Signals:
+- prefill: estimated queue time = queued uncached prefill tokens / the pool's measured
+  prefill tokens per second, against the TTFT budget (`ttft_slo_ms`), and requests
+  waiting in the routers' admission queues;
+- decode: KV pressure = (used + reserved blocks) / total blocks, and measured ITL against
+  the ITL budget (`itl_slo_ms`).
+No thrash: a signal must hold past its band for `up_delay_s` (or `down_delay_s`) before it
+acts (hysteresis: scale-up and scale-down bands do not touch); one step of at most
+`max_step` workers per pool per action; `cooldown_s` between actions on a pool; nothing
+while a pool has a worker starting or draining (its last action is still pending); pools
+stay within [min, max]. With `prefill_min` 0 (mode auto: decode workers prefill short
+prompts themselves) an idle prefill pool scales to zero and comes back on queued work.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+Pool = Literal["prefill", "decode"]
+
+
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    prefill_min: int = 1
+    prefill_max: int = 4
+    decode_min: int = 1
+    decode_max: int = 4
+    ttft_slo_ms: float = 2000.0
+    """TTFT budget: prefill grows when the estimated queue time passes `queue_up_fraction` of it."""
+    itl_slo_ms: float = 100.0
+    """ITL budget: decode grows when the measured ITL passes it."""
+    queue_up_fraction: float = 0.5
+    queue_down_fraction: float = 0.1
+    """Prefill shrinks when the queue time stays under this fraction of the TTFT budget."""
+    kv_up: float = 0.85
+    """Decode grows when KV pressure passes this..."""
+    kv_down: float = 0.4
+    """...and shrinks when it stays under this (with ITL well under budget)."""
+    up_delay_s: float = 5.0
+    """How long a scale-up signal must hold before acting (a spike shorter than this is ridden out)."""
+    down_delay_s: float = 30.0
+    cooldown_s: float = 15.0
+    """Least time between two actions on one pool."""
+    max_step: int = 1
+    """Most workers added or removed in one action."""
+
+    def __post_init__(self) -> None:
+        for pool in ("prefill", "decode"):
+            lo, hi = getattr(self, f"{pool}_min"), getattr(self, f"{pool}_max")
+            if not 0 <= lo <= hi:
+                raise ValueError(f"{pool}: need 0 <= min <= max, got min {lo}, max {hi}")
+        if self.decode_min < 1:
+            raise ValueError("decode_min must be at least 1: decode workers serve every request")
+        if not 0 <= self.queue_down_fraction < self.queue_up_fraction:
+            raise ValueError("need 0 <= queue_down_fraction < queue_up_fraction (a hysteresis band)")
+        if not 0 <= self.kv_down < self.kv_up <= 1:
+            raise ValueError("need 0 <= kv_down < kv_up <= 1 (a hysteresis band)")
+        if min(self.ttft_slo_ms, self.itl_slo_ms) <= 0 or self.max_step < 1:
+            raise ValueError("ttft_slo_ms and itl_slo_ms must be positive and max_step >= 1")
+        if min(self.up_delay_s, self.down_delay_s, self.cooldown_s) < 0:
+            raise ValueError("up_delay_s, down_delay_s and cooldown_s must be >= 0")
+
+
+@dataclass(frozen=True)
+class PoolMetrics:
+    """One pool, summed over its workers (heartbeats) and the routers (stats)."""
+
+    num_serving: int
+    num_starting: int = 0
+    """Added and not serving yet: they count toward the pool's size."""
+    num_draining: int = 0
+    """Being removed: they do not count. Starting or draining, the last action is still pending."""
+    queued_prefill_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0
+    """Measured over the last window; 0 when nothing was prefilled (no estimate)."""
+    num_used_blocks: int = 0
+    """KV blocks in use plus reserved for arriving KV."""
+    num_total_blocks: int = 0
+    itl_ms: float | None = None
+    """Measured inter-token latency (p50 over the window); None without decode traffic."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    prefill: PoolMetrics
+    decode: PoolMetrics
+    num_admission_queued: int = 0
+    """Requests waiting in the routers' admission queues."""
+
+
+@dataclass(frozen=True)
+class AutoscaleState:
+    """What the policy remembers between ticks (returned updated in each Decision)."""
+
+    up_since: dict[str, float] = field(default_factory=dict)
+    """Pool -> since when its scale-up signal has held."""
+    down_since: dict[str, float] = field(default_factory=dict)
+    last_action_at: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Decision:
+    prefill_target: int
+    decode_target: int
+    reason: str
+    """What moved, and why; "hold: ..." when nothing did."""
+    state: AutoscaleState
+
+    def target(self, pool: Pool) -> int:
+        return self.prefill_target if pool == "prefill" else self.decode_target
+
+
+def prefill_signal(m: PoolMetrics, num_admission_queued: int, c: AutoscaleConfig) -> tuple[int, str]:
+    """+1 (grow), -1 (shrink) or 0, and the figures behind it."""
+    if m.num_serving == 0:  # scaled to zero: any queued work brings one back
+        if m.queued_prefill_tokens > 0 or num_admission_queued > 0:
+            return 1, f"{m.queued_prefill_tokens} prefill tokens queued with no prefill worker"
+        return 0, "no prefill work"
+    if m.queued_prefill_tokens and m.prefill_tokens_per_s <= 0:
+        return 0, "prefill rate not measured yet"
+    queue_ms = m.queued_prefill_tokens / m.prefill_tokens_per_s * 1e3 if m.queued_prefill_tokens else 0.0
+    figures = f"prefill queue {queue_ms:.0f} ms of a {c.ttft_slo_ms:.0f} ms TTFT budget"
+    if queue_ms > c.queue_up_fraction * c.ttft_slo_ms or (num_admission_queued > 0 and queue_ms > 0):
+        return 1, figures + (f", {num_admission_queued} waiting for admission" if num_admission_queued else "")
+    if queue_ms < c.queue_down_fraction * c.ttft_slo_ms and num_admission_queued == 0:
+        return -1, figures
+    return 0, figures
+
+
+def decode_signal(m: PoolMetrics, c: AutoscaleConfig) -> tuple[int, str]:
+    pressure = m.num_used_blocks / m.num_total_blocks if m.num_total_blocks else 0.0
+    figures = f"KV pressure {pressure:.2f}" + (f", ITL {m.itl_ms:.0f} ms of {c.itl_slo_ms:.0f}" if m.itl_ms else "")
+    itl_over = m.itl_ms is not None and m.itl_ms > c.itl_slo_ms
+    if pressure > c.kv_up or itl_over:
+        return 1, figures
+    itl_low = m.itl_ms is None or m.itl_ms < 0.5 * c.itl_slo_ms
+    if pressure < c.kv_down and itl_low:
+        return -1, figures
+    return 0, figures
+
+
+def decide(snapshot: Snapshot, state: AutoscaleState, now: float, config: AutoscaleConfig) -> Decision:
+    """One tick: at most one bounded step per pool, each only once its signal has held long enough."""
+    up, down, last = dict(state.up_since), dict(state.down_since), dict(state.last_action_at)
+    targets: dict[str, int] = {}
+    reasons: list[str] = []
+    for pool, m, (signal, figures) in (
+        ("prefill", snapshot.prefill, prefill_signal(snapshot.prefill, snapshot.num_admission_queued, config)),
+        ("decode", snapshot.decode, decode_signal(snapshot.decode, config)),
+    ):
+        lo, hi = getattr(config, f"{pool}_min"), getattr(config, f"{pool}_max")
+        current = m.num_serving + m.num_starting
+        targets[pool] = min(max(current, lo), hi)  # clamps act at once
+        if targets[pool] != current:
+            reasons.append(f"{pool} {current} -> {targets[pool]}: outside [{lo}, {hi}]")
+            last[pool] = now
+            continue
+        if signal > 0:
+            up.setdefault(pool, now)
+            down.pop(pool, None)
+        elif signal < 0:
+            down.setdefault(pool, now)
+            up.pop(pool, None)
+        else:
+            up.pop(pool, None)
+            down.pop(pool, None)
+        step = _step(pool, signal, m, up, down, last, now, config, current, lo, hi)
+        if isinstance(step, str):
+            reasons.append(f"{pool} holds at {current}: {step}; {figures}")
+            continue
+        targets[pool] = current + step
+        last[pool] = now
+        up.pop(pool, None)
+        down.pop(pool, None)
+        reasons.append(f"{pool} {current} -> {targets[pool]}: {figures}")
+    moved = [r for r in reasons if "->" in r]
+    reason = "; ".join(moved) if moved else "hold: " + "; ".join(reasons)
+    new_state = dataclasses.replace(state, up_since=up, down_since=down, last_action_at=last)
+    return Decision(targets["prefill"], targets["decode"], reason, new_state)
+
+
+def _step(pool: str, signal: int, m: PoolMetrics, up: dict[str, float], down: dict[str, float],
+          last: dict[str, float], now: float, c: AutoscaleConfig, current: int, lo: int, hi: int) -> int | str:
+    """The step to take now, or why none is taken."""
+    if signal == 0:
+        return "within its band"
+    if m.num_starting or m.num_draining:
+        return f"{m.num_starting + m.num_draining} worker(s) still starting or draining"
+    since = up.get(pool) if signal > 0 else down.get(pool)
+    delay = c.up_delay_s if signal > 0 else c.down_delay_s
+    assert since is not None
+    if now - since < delay:
+        return f"signal held {now - since:.0f} of {delay:.0f} s"
+    if pool in last and now - last[pool] < c.cooldown_s:
+        return f"cooling down ({now - last[pool]:.0f} of {c.cooldown_s:.0f} s)"
+    if signal > 0 and current >= hi:
+        return f"at its max {hi}"
+    if signal < 0 and current <= lo:
+        return f"at its min {lo}"
+    return min(c.max_step, hi - current) if signal > 0 else -min(c.max_step, current - lo)
