@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cluster.autoscaler import AutoscaleConfig
 from control.worker_config import WorkerConfig
 from router.config import RouterConfig
 
@@ -23,6 +24,21 @@ class ClusterConfig:
     gpus_per_worker: float = 1.0
     """Ray GPUs each worker actor asks for when the workers run on cuda; a fraction lets
     workers share a GPU (see `engine.devices.default_gpus_per_worker`)."""
+    replace_dead_workers: bool = True
+    """The controller replaces a worker whose actor died (a new id, a fresh KV pool); off, a
+    dead worker lowers its pool's target instead."""
+    supervise_interval_s: float = 1.0
+    """How often the controller checks liveness, targets and the autoscaler."""
+    drain_timeout_s: float = 30.0
+    """Scale-down: how long a draining worker's running requests may take before the rest
+    continue on other workers (through the routers' retry, from the tokens already streamed)."""
+    place_timeout_s: float = 300.0
+    """A new worker not serving within this long (Ray could not place it) is cancelled and reported."""
+    role_resources: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Extra Ray resources per role's actors, e.g. {"prefill": {"prefill": 1}}, so that on a
+    real cluster the Ray autoscaler provisions the right node type."""
+    autoscale: AutoscaleConfig | None = None
+    """None: pools stay at their targets (`num_prefill`, `num_decode`, `splitserve scale`)."""
     num_routers: int = 1
     """Router replicas; more than one share one port (see `RouterConfig.share_port`),
     each with its own admission budget and its own KV index replayed from Redis."""
@@ -32,6 +48,8 @@ class ClusterConfig:
             raise ValueError(f"num_decode must be at least 1, got {self.num_decode}")
         if self.num_routers < 1:
             raise ValueError(f"num_routers must be at least 1, got {self.num_routers}")
+        if min(self.supervise_interval_s, self.drain_timeout_s, self.place_timeout_s) <= 0:
+            raise ValueError("supervise_interval_s, drain_timeout_s and place_timeout_s must be positive")
         if not 0 < self.gpus_per_worker <= 8:
             raise ValueError(f"gpus_per_worker must be in (0, 8], got {self.gpus_per_worker}")
         if self.num_prefill < 0:

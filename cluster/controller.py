@@ -1,24 +1,46 @@
-"""Controller: the Ray actor that creates a cluster's pools and router and answers for them.
+"""Controller: the Ray actor that creates a cluster's pools and routers and keeps the pools at their targets.
 
-`start()` creates N prefill and M decode worker actors (CPU actors here, `gpus_per_worker`
-of a GPU each when the worker's device is cuda), waits for them to load the model and serve, then the
-router replicas (`num_routers`, sharing one port: the first binds `router.port`, 0 for
-a free one, and the others join the port it got), and waits until every router has
-seen every worker's heartbeat in Redis (routers find workers there, not from here). `check_idle()` gathers every worker's
-pool accounting (tests assert nothing leaked; a dead worker reports `dead`);
-`kill_worker()` ends one abruptly (what a crash looks like to the rest); `shutdown()`
-stops the routers first so no new work arrives, then the workers.
+`start()` launches `num_prefill` prefill and `num_decode` decode worker actors (CPU actors
+here, `gpus_per_worker` of a GPU each when the workers run on cuda), waits for them to
+serve, then the router replicas (`num_routers`, sharing one port: the first binds
+`router.port`, 0 for a free one, the others join the port it got), and waits until every
+router has seen every worker's heartbeat (routers find workers in Redis, not from here).
+
+Then it supervises, once per `supervise_interval_s` (`tick`):
+- targets: `splitserve scale ROLE N` writes `{ns}:target:{role}` in Redis; with
+  `autoscale` the policy in cluster/autoscaler.py sets them from heartbeats and router stats;
+- liveness: a worker whose actor is dead is forgotten (its Redis keys deleted) and, with
+  `replace_dead_workers`, replaced by a new one (a new id, a fresh KV pool);
+- reconcile: a pool under its target launches workers (one that cannot be placed within
+  `place_timeout_s` is cancelled and reported); a pool over it drains the worker whose
+  removal costs least (fewest running requests): it takes no new requests, its running
+  ones finish within `drain_timeout_s` or continue elsewhere through the routers' retry,
+  and only then is the actor stopped and its KV pool released;
+- status: targets, every worker's state, the last actions and the autoscaler's last
+  decision go to `{ns}:controller` for `splitserve status`.
+`check_idle()` gathers every live worker's pool accounting (and lists the dead);
+`kill_worker()` ends one abruptly (what a crash looks like); `shutdown()` stops the routers
+first so no new work arrives, then the workers.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 import ray
+import redis
+import redis.asyncio
 
+from cluster.autoscaler import AutoscaleState, Decision, PoolMetrics, Snapshot, decide
 from cluster.config import ClusterConfig, RouterConfig
+from control.heartbeat import Heartbeat, Role, hb_key, kv_key
+from control.reader import RegistryReader
 from decode_worker.worker import DecodeWorker
 from prefill_worker.worker import PrefillWorker
 from router.service import RouterService
@@ -27,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 300.0
 CALL_TIMEOUT_S = 30.0
+ROLES: tuple[Role, Role] = ("prefill", "decode")
 
 
 async def await_ref(ref: Any, timeout_s: float = CALL_TIMEOUT_S) -> Any:
@@ -34,30 +57,56 @@ async def await_ref(ref: Any, timeout_s: float = CALL_TIMEOUT_S) -> Any:
     return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout_s)
 
 
+def target_key(ns: str, role: str) -> str:
+    return f"{ns}:target:{role}"
+
+
+def controller_key(ns: str) -> str:
+    return f"{ns}:controller"
+
+
+@dataclass
+class Worker:
+    """The controller's view of one worker actor."""
+
+    worker_id: str
+    role: Role
+    actor: Any
+    state: str = "starting"
+    """starting -> serving -> draining (then gone)."""
+    info: dict[str, Any] = field(default_factory=dict)
+
+
 class Controller:
     def __init__(self, config: ClusterConfig, redis_url: str) -> None:
         self.config = config
         self.redis_url = redis_url
-        self.prefills: dict[str, Any] = {}
-        self.decodes: dict[str, Any] = {}
+        self.targets: dict[str, int] = {"prefill": config.num_prefill, "decode": config.num_decode}
+        self.workers: dict[str, Worker] = {}
+        self.dead: list[str] = []
+        self.drains: list[dict[str, Any]] = []
+        """Each finished drain: the worker, requests left to continue elsewhere, late calls."""
+        self.actions: deque[str] = deque(maxlen=20)
         self.routers: dict[str, Any] = {}
         self.info: dict[str, Any] = {}
+        self.decision: Decision | None = None
+        self._autoscale_state = AutoscaleState()
+        self._rate: dict[str, tuple[float, int, float]] = {}
+        """Prefill rate window: (time, cumulative uncached prompt tokens, last measured tokens/s)."""
+        self._next = {"prefill": 0, "decode": 0}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._supervisor: asyncio.Task[None] | None = None
+        self.reader = RegistryReader(redis_url, config.namespace)
+        self._beats: dict[str, Heartbeat] = {}
 
-    def _worker_options(self) -> dict[str, Any]:
-        if self.config.worker.device.startswith("cuda"):
-            return {"num_gpus": self.config.gpus_per_worker, "num_cpus": 1}
-        return {"num_cpus": self.config.worker_num_cpus}
-
+    # -- start -------------------------------------------------------------------------------
     async def start(self) -> dict[str, Any]:
         c = self.config
-        opts = self._worker_options()
-        P, D, R = ray.remote(PrefillWorker), ray.remote(DecodeWorker), ray.remote(RouterService)
-        self.prefills = {f"prefill-{i}": P.options(**opts).remote(f"prefill-{i}", c.worker, self.redis_url, c.namespace)
-                         for i in range(c.num_prefill)}
-        self.decodes = {f"decode-{i}": D.options(**opts).remote(f"decode-{i}", c.worker, self.redis_url, c.namespace)
-                        for i in range(c.num_decode)}
-        workers = {**self.prefills, **self.decodes}
-        infos = await asyncio.gather(*(await_ref(w.start.remote(), START_TIMEOUT_S) for w in workers.values()))
+        await asyncio.gather(*(self._launch(role, START_TIMEOUT_S) for role in ROLES for _ in range(self.targets[role])))
+        short = {r: self.targets[r] - len(self._live(r)) for r in ROLES if len(self._live(r)) < self.targets[r]}
+        if short:
+            raise RuntimeError(f"workers did not start: {short} short; last actions: {list(self.actions)}")
+        R = ray.remote(RouterService)
         self.routers = {f"router-{i}": R.options(num_cpus=0).remote(f"router-{i}", self._router_config(),
                                                                    self.redis_url, c.namespace)
                         for i in range(c.num_routers)}
@@ -66,12 +115,11 @@ class Controller:
         port = int(first.rsplit(":", 1)[1])  # what port 0 resolved to; the other replicas join it
         addresses = [first, *await asyncio.gather(*(await_ref(r.start.remote(port), START_TIMEOUT_S)
                                                     for r in replicas[1:]))]
-        await asyncio.gather(*(await_ref(r.await_workers.remote(list(workers), 30.0), 40.0) for r in replicas))
-        prefill_info = [i for i in infos if i["role"] == "prefill"]
-        decode_info = [i for i in infos if i["role"] == "decode"]
+        await asyncio.gather(*(await_ref(r.await_workers.remote(list(self.workers), 30.0), 40.0) for r in replicas))
         self.info = {"address": addresses[0], "routers": dict(zip(self.routers, addresses, strict=True)),
-                     "prefill": list(prefill_info), "decode": list(decode_info),
+                     "prefill": [w.info for w in self._live("prefill")], "decode": [w.info for w in self._live("decode")],
                      "mode": c.router.routing.mode, "redis_url": self.redis_url}
+        self._supervisor = asyncio.create_task(self._supervise())
         logger.info("cluster up: %s", self.info)
         return self.info
 
@@ -81,33 +129,223 @@ class Controller:
                                    tokenizer_dir=c.router.tokenizer_dir or c.worker.model_dir,
                                    cluster_secret=c.worker.cluster_secret)
 
-    async def check_idle(self) -> list[dict[str, Any]]:
-        async def one(worker_id: str, actor: Any) -> dict[str, Any]:
-            try:
-                return dict(await await_ref(actor.check_idle.remote()))
-            except ray.exceptions.RayActorError:
-                return {"worker_id": worker_id, "dead": True}
+    def _worker_options(self, role: Role) -> dict[str, Any]:
+        c = self.config
+        opts: dict[str, Any] = ({"num_gpus": c.gpus_per_worker, "num_cpus": 1} if c.worker.device.startswith("cuda")
+                                else {"num_cpus": c.worker_num_cpus})
+        if c.role_resources.get(role):
+            opts["resources"] = dict(c.role_resources[role])
+        return opts
 
-        workers = {**self.prefills, **self.decodes}
-        return list(await asyncio.gather(*(one(w, a) for w, a in workers.items())))
+    async def _launch(self, role: Role, timeout_s: float) -> None:
+        """Starts one worker; one that is not serving within `timeout_s` (not placed, or failed) is cancelled."""
+        worker_id = f"{role}-{self._next[role]}"
+        self._next[role] += 1
+        cls = PrefillWorker if role == "prefill" else DecodeWorker
+        actor = ray.remote(cls).options(**self._worker_options(role)).remote(
+            worker_id, self.config.worker, self.redis_url, self.config.namespace)
+        w = self.workers[worker_id] = Worker(worker_id, role, actor)
+        try:
+            w.info = await await_ref(actor.start.remote(), timeout_s)
+        except (TimeoutError, ray.exceptions.RayError) as e:
+            ray.kill(actor)
+            self.workers.pop(worker_id, None)
+            self.targets[role] = max(self.targets[role] - 1, 1 if role == "decode" else 0)  # undone, not retried forever
+            why = f"not serving within {timeout_s:.0f} s" if isinstance(e, TimeoutError) else type(e).__name__
+            self._act(f"cancelled {worker_id}: {why} (it may need resources no node has); {role} target "
+                      f"back to {self.targets[role]}")
+            return
+        w.state = "serving"
+        self._act(f"{worker_id} serving at {w.info.get('address')}")
+
+    # -- supervision -------------------------------------------------------------------------
+    async def _supervise(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.supervise_interval_s)
+            try:
+                await self.tick()
+            except Exception:  # a bug or Redis away: log, keep supervising
+                logger.exception("controller tick failed")
+
+    async def tick(self) -> None:
+        try:
+            self._beats = await self.reader.heartbeats()
+            await self._read_manual_targets()
+        except (redis.RedisError, OSError, TimeoutError) as e:
+            logger.warning("controller: Redis unavailable (%s); supervising from the last view", e)
+        await self._check_liveness()
+        if self.config.autoscale is not None:
+            await self._autoscale()
+        self._reconcile()
+        await self._publish()
+
+    async def _read_manual_targets(self) -> None:
+        for role in ROLES:
+            value = await self.reader.client.getdel(target_key(self.config.namespace, role))
+            if value is not None:
+                n = max(int(value), 1 if role == "decode" else 0)
+                self._act(f"{role} target {self.targets[role]} -> {n} (splitserve scale)")
+                self.targets[role] = n
+
+    async def _check_liveness(self) -> None:
+        serving = [w for w in self.workers.values() if w.state == "serving"]
+        alive = await asyncio.gather(*(self._alive(w) for w in serving))
+        for w, ok in zip(serving, alive, strict=True):
+            if not ok:
+                await self._forget_dead(w)
+
+    @staticmethod
+    async def _alive(w: Worker) -> bool:
+        try:
+            await await_ref(w.actor.info.remote(), 10.0)
+        except ray.exceptions.RayActorError:
+            return False
+        except (TimeoutError, ray.exceptions.RayError):
+            return True  # busy or slow, not known dead: routers' heartbeat TTL and retries cover it
+        return True
+
+    async def _forget_dead(self, w: Worker) -> None:
+        self.workers.pop(w.worker_id, None)
+        self.dead.append(w.worker_id)
+        if not self.config.replace_dead_workers:
+            self.targets[w.role] = max(self.targets[w.role] - 1, 0)
+        self._act(f"{w.worker_id} died" + ("; replacing it" if self.config.replace_dead_workers else ""))
+        try:  # its heartbeat would expire anyway; its KV event stream would not
+            await self.reader.client.delete(hb_key(self.config.namespace, w.worker_id),
+                                            kv_key(self.config.namespace, w.worker_id))
+        except (redis.RedisError, OSError, TimeoutError):
+            pass
+
+    def _reconcile(self) -> None:
+        for role in ROLES:
+            live = self._live(role)
+            for _ in range(self.targets[role] - len(live)):
+                self._spawn(self._launch(role, self.config.place_timeout_s))
+            draining = [w for w in self.workers.values() if w.role == role and w.state == "draining"]
+            serving = [w for w in live if w.state == "serving"]
+            if len(live) > self.targets[role] and not draining and serving:
+                self._spawn(self._drain(min(serving, key=self._cost)))
+
+    def _cost(self, w: Worker) -> tuple[int, int, str]:
+        """What removing this worker costs: its running requests, then its cached KV."""
+        hb = self._beats.get(w.worker_id)
+        if hb is None:
+            return (0, 0, w.worker_id)
+        return (hb.num_running + hb.num_waiting, hb.num_cached_blocks, w.worker_id)
+
+    async def _drain(self, w: Worker) -> None:
+        """Routers first (no new requests), then the worker (finish or hand back the running
+        ones), then the actor and its KV pool."""
+        w.state = "draining"
+        self._act(f"draining {w.worker_id}")
+        await asyncio.gather(*(_quietly(r.drain_worker.remote(w.worker_id)) for r in self.routers.values()))
+        timeout_s = self.config.drain_timeout_s
+        try:
+            report = dict(await await_ref(w.actor.drain.remote(timeout_s), timeout_s + 10.0))
+        except (TimeoutError, ray.exceptions.RayError) as e:
+            report = {"error": type(e).__name__}
+        await _quietly(w.actor.shutdown.remote())
+        ray.kill(w.actor)
+        self.workers.pop(w.worker_id, None)
+        self.drains.append({"worker_id": w.worker_id, **report})
+        left = report.get("left")
+        self._act(f"{w.worker_id} drained and stopped" + (f"; {left} request(s) continued elsewhere" if left else ""))
+
+    def _live(self, role: str) -> list[Worker]:
+        """Workers that count toward the pool's target (starting or serving)."""
+        return [w for w in self.workers.values() if w.role == role and w.state in ("starting", "serving")]
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _act(self, what: str) -> None:
+        logger.info("controller: %s", what)
+        self.actions.append(f"{time.strftime('%H:%M:%S')} {what}")
+
+    # -- autoscaling -----------------------------------------------------------------------------
+    async def _autoscale(self) -> None:
+        config = self.config.autoscale
+        assert config is not None
+        routers = await self.reader.router_stats() if self.routers else {}
+        snapshot = Snapshot(self._pool_metrics("prefill"), self._pool_metrics("decode"),
+                            sum(int(s.get("num_queued", 0)) for s in routers.values()))
+        self.decision = decide(snapshot, self._autoscale_state, time.monotonic(), config)
+        self._autoscale_state = self.decision.state
+        for role in ROLES:
+            if self.decision.target(role) != self.targets[role]:  # type: ignore[arg-type]
+                self._act(f"autoscaler: {self.decision.reason}")
+                self.targets[role] = self.decision.target(role)  # type: ignore[arg-type]
+
+    def _pool_metrics(self, role: Role) -> PoolMetrics:
+        mine = {w.worker_id: w for w in self.workers.values() if w.role == role}
+        beats = [b for w, b in self._beats.items() if w in mine]
+        queued_from = beats if mine or role == "decode" else [b for b in self._beats.values() if b.role == "decode"]
+        prompt = sum(b.num_prompt_tokens - b.num_cached_tokens for b in beats)
+        now = time.monotonic()
+        then, before, rate = self._rate.get(role, (now, prompt, 0.0))
+        if now > then and prompt > before:  # measured while it had work
+            rate = (prompt - before) / (now - then)
+        self._rate[role] = (now, prompt, rate)
+        states = [w.state for w in mine.values()]
+        used = sum(b.num_total_blocks - b.num_free_blocks - b.num_cached_blocks for b in beats)
+        return PoolMetrics(states.count("serving"), states.count("starting"), states.count("draining"),
+                           sum(b.queued_prefill_tokens for b in queued_from), rate, used,
+                           sum(b.num_total_blocks for b in beats), None)
+
+    async def _publish(self) -> None:
+        status = {"targets": self.targets, "workers": {w.worker_id: w.state for w in self.workers.values()},
+                  "dead": self.dead[-20:], "actions": list(self.actions)[-10:],
+                  "decision": self.decision.reason if self.decision else None,
+                  "autoscale": self.config.autoscale is not None}
+        try:
+            await self.reader.client.set(controller_key(self.config.namespace), msgpack.packb(status), px=10_000)
+        except (redis.RedisError, OSError, TimeoutError):
+            pass
+
+    # -- for tests and the local cluster ------------------------------------------------------------
+    async def check_idle(self) -> list[dict[str, Any]]:
+        async def one(w: Worker) -> dict[str, Any]:
+            try:
+                return dict(await await_ref(w.actor.check_idle.remote()))
+            except ray.exceptions.RayActorError:
+                return {"worker_id": w.worker_id, "dead": True}
+
+        live = [w for w in self.workers.values() if w.state == "serving"]
+        return [*await asyncio.gather(*(one(w) for w in live)), *({"worker_id": w, "dead": True} for w in self.dead)]
+
+    async def status(self) -> dict[str, Any]:
+        return {"targets": dict(self.targets), "workers": {w.worker_id: w.state for w in self.workers.values()},
+                "dead": list(self.dead), "drains": list(self.drains), "actions": list(self.actions)}
+
+    async def scale(self, role: Role, n: int) -> None:
+        self._act(f"{role} target {self.targets[role]} -> {n}")
+        self.targets[role] = n
+        self._reconcile()
 
     def kill_worker(self, worker_id: str) -> None:
         """Ends the worker's process at once, as a crash would (no shutdown, no clean-up)."""
-        actor = self.prefills.get(worker_id) or self.decodes.get(worker_id)
-        if actor is None:
+        w = self.workers.get(worker_id)
+        if w is None:
             raise KeyError(f"no worker {worker_id!r}")
-        ray.kill(actor, no_restart=True)
+        ray.kill(w.actor, no_restart=True)
 
     async def router_stats(self) -> list[dict[str, Any]]:
         return list(await asyncio.gather(*(await_ref(r.stats.remote()) for r in self.routers.values())))
 
     async def shutdown(self) -> None:
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+        for task in list(self._tasks):
+            task.cancel()
         for r in self.routers.values():
             await _quietly(r.shutdown.remote())
-        for w in [*self.prefills.values(), *self.decodes.values()]:
-            await _quietly(w.shutdown.remote())
-        for a in [*self.routers.values(), *self.prefills.values(), *self.decodes.values()]:
+        for w in list(self.workers.values()):
+            await _quietly(w.actor.shutdown.remote())
+        for a in [*self.routers.values(), *(w.actor for w in self.workers.values())]:
             ray.kill(a)
+        await self.reader.close()
 
 
 async def _quietly(ref: Any) -> None:

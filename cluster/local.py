@@ -138,8 +138,8 @@ class LocalCluster:
         num_cpus = max(os.cpu_count() or 1, int((c.num_prefill + c.num_decode) * c.worker_num_cpus + 0.999))
         for attempt in (1, 2):
             try:
-                ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING,
-                         configure_logging=False, log_to_driver=True)
+                ray.init(num_cpus=num_cpus, resources=self._role_resources(), include_dashboard=False,
+                         logging_level=logging.WARNING, configure_logging=False, log_to_driver=True)
                 self._owns_ray = True
                 return
             except Exception as e:  # Ray raises a bare Exception for this
@@ -148,11 +148,30 @@ class LocalCluster:
                     raise
                 logger.warning("Ray's local node did not start (%s); trying once more", e)
 
+    def _role_resources(self) -> dict[str, float]:
+        """This node offers exactly the custom resources the initial pools ask for (`role_resources`)."""
+        c = self.config
+        total: dict[str, float] = {}
+        for role, n in (("prefill", c.num_prefill), ("decode", c.num_decode)):
+            for name, amount in c.role_resources.get(role, {}).items():
+                total[name] = total.get(name, 0.0) + amount * n
+        return total
+
     def check_idle(self) -> list[dict[str, Any]]:
         return ray.get(self.controller.check_idle.remote(), timeout=60)
 
     def router_stats(self) -> list[dict[str, Any]]:
         return ray.get(self.controller.router_stats.remote(), timeout=60)
+
+    def scale(self, role: str, n: int) -> None:
+        ray.get(self.controller.scale.remote(role, n), timeout=60)
+
+    def controller_status(self) -> dict[str, Any]:
+        return ray.get(self.controller.status.remote(), timeout=60)
+
+    def tick(self) -> None:
+        """One supervision step now (tests; it also runs every `supervise_interval_s`)."""
+        ray.get(self.controller.tick.remote(), timeout=120)
 
     def kill_worker(self, worker_id: str) -> None:
         ray.get(self.controller.kill_worker.remote(worker_id), timeout=60)

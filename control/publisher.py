@@ -53,8 +53,8 @@ class Publisher:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=5)
-        try:
-            self.client.delete(hb_key(self.ns, self.worker_id))
+        try:  # gone: its heartbeat and its KV event stream (nobody replays a gone worker's cache)
+            self.client.delete(hb_key(self.ns, self.worker_id), kv_key(self.ns, self.worker_id))
         except redis.RedisError:
             pass
         self.client.close()

@@ -82,6 +82,8 @@ class WorkerHost:
         self.read_load = read_load
         self.incarnation = secrets.token_hex(8)
         self.state: WorkerState = "starting"
+        self.num_late_calls = 0
+        """Calls that arrived after draining began (refused UNAVAILABLE; the router tries elsewhere)."""
         self.address = ""
         self.server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
@@ -121,6 +123,26 @@ class WorkerHost:
             return None
         return Heartbeat(self.worker_id, self.role, self.address, self.state, self.incarnation,
                          **asdict(self.facts) | asdict(load), sent_at=time.time())
+
+    def refuse_if_not_serving(self) -> tuple[grpc.StatusCode, str] | None:
+        """For a new call: None when this worker takes it, else the status to end it with."""
+        if self.state == "serving":
+            return None
+        if self.state == "draining":
+            self.num_late_calls += 1
+        return grpc.StatusCode.UNAVAILABLE, f"{self.worker_id} is {self.state}: try another worker"
+
+    async def drain(self, timeout_s: float, num_running: Callable[[], int]) -> int:
+        """Takes no new calls (routers see `draining` in the next heartbeat; a call that still
+        arrives is refused UNAVAILABLE and tried elsewhere) and waits up to `timeout_s` for the
+        running ones to finish; returns how many are left (`stop` cuts them, and the router
+        continues them elsewhere from the tokens already streamed)."""
+        self.state = "draining"
+        await self._health.set(self.service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        deadline = time.monotonic() + timeout_s
+        while num_running() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return num_running()
 
     async def stop(self) -> None:
         """Draining: no new calls; running ones get `grace_s`; then the registry entry goes."""

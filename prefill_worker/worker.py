@@ -96,6 +96,12 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
     def info(self) -> dict[str, object]:
         return self.host.info()
 
+    async def drain(self, timeout_s: float) -> dict[str, int]:
+        """No new requests; waits for the running ones: how many were left, and how many new
+        calls still arrived after draining began (refused; routers are told before)."""
+        left = await self.host.drain(timeout_s, lambda: len(self._requests))
+        return {"left": left, "late_calls": self.host.num_late_calls}
+
     async def check_idle(self) -> dict[str, object]:
         """For tests and drains: pool accounting, and what is still held."""
         return await asyncio.wrap_future(self.loop.call(self._idle_report))
@@ -110,8 +116,8 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         rid = request.request_id
         if not rid or rid in self._requests:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is empty or already running here")
-        if self.host.state != "serving":
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.worker_id} is {self.host.state}")
+        if (refusal := self.host.refuse_if_not_serving()) is not None:
+            await context.abort(*refusal)
         state = self._requests[rid] = _Prefill(rid)
         ended = False
         try:

@@ -40,9 +40,11 @@ class RegistryFeed:
         """Reads the heartbeats once into the members table and the load book."""
         beats = await self.reader.heartbeats()
         before = set(self.members.ids())
-        for address in self.members.update(beats):
+        for member in self.members.update(beats):
+            self.index.forget_worker(member.worker_id)
+            self.cursor.last_ids.pop(member.worker_id, None)
             if self.on_left is not None:
-                await self.on_left(address)
+                await self.on_left(member.address)
         now = set(self.members.ids())
         for w in sorted(now - before):
             logger.info("router: worker %s joined (%s at %s)", w, beats[w].role, beats[w].address)

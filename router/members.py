@@ -33,14 +33,18 @@ class Member:
 class Members:
     def __init__(self) -> None:
         self._members: dict[str, Member] = {}
+        self._draining: set[str] = set()
+        """Told to drain by the controller: no new requests, even before its heartbeat says so."""
         self._mismatched: set[str] = set()
 
-    def update(self, heartbeats: dict[str, Heartbeat]) -> list[str]:
-        """Applies the registry's heartbeats; returns the addresses of workers that left."""
-        left = [m.address for w, m in self._members.items()
+    def update(self, heartbeats: dict[str, Heartbeat]) -> list[Member]:
+        """Applies the registry's heartbeats; returns the members that left (gone, or restarted
+        as a new incarnation: the old one's cache and connections are gone with it)."""
+        left = [m for w, m in self._members.items()
                 if w not in heartbeats or heartbeats[w].incarnation != m.incarnation]
         self._members = {w: Member(w, hb.role, hb.address, hb.state, hb.incarnation, hb.facts)
                          for w, hb in heartbeats.items() if hb.address}
+        self._draining &= set(self._members)
         self._check_facts()
         return left
 
@@ -64,7 +68,11 @@ class Members:
     def serving(self, role: Role) -> list[str]:
         """Workers of `role` that take new requests, sorted by id."""
         return sorted(w for w, m in self._members.items()
-                      if m.role == role and m.state == "serving" and w not in self._mismatched)
+                      if m.role == role and m.state == "serving" and w not in self._mismatched | self._draining)
+
+    def drain(self, worker_id: str) -> None:
+        """The worker gets no new requests from now on (its heartbeat will say draining soon)."""
+        self._draining.add(worker_id)
 
     def ids(self) -> list[str]:
         return sorted(self._members)

@@ -90,6 +90,10 @@ class RouterService:
                 raise TimeoutError(f"router {self.router_id}: no heartbeat from {missing} in {timeout_s:.0f} s")
             await asyncio.sleep(0.05)
 
+    async def drain_worker(self, worker_id: str) -> None:
+        """The controller is about to drain this worker: route nothing new to it."""
+        self.members.drain(worker_id)
+
     async def stats(self) -> dict[str, object]:
         q = self.gate.queue
         return {"router_id": self.router_id, "address": self.address, **self.generation.stats, **self.flow.stats,

@@ -34,7 +34,7 @@ def cluster(tiny_llama_dir: str):  # type: ignore[no-untyped-def]
         num_prefill=2, num_decode=2,
         router=RouterConfig(port=0, routing=RoutingConfig(mode="auto", local_prefill_tokens=8),
                             worker_down_s=600.0),
-        worker_num_cpus=0.5)
+        worker_num_cpus=0.5, replace_dead_workers=False)  # the routers' retries alone (replacement: test_elastic)
     c = LocalCluster(config)
     c.start()
     yield c

@@ -1,0 +1,134 @@
+"""Elastic pools on a real local cluster (Ray actors, redis-server, gRPC): workers join at
+runtime and serve, scale-down drains while requests stream (nothing fails, routers send the
+draining worker nothing new), a killed worker is replaced, and a worker that cannot be
+placed is cancelled and reported. The tests share one cluster and run in order."""
+from __future__ import annotations
+
+import concurrent.futures
+import random
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
+from cluster.local import LocalCluster
+from engine.request import SamplingParams
+from proto import generate_pb2 as pb
+from proto import generate_pb2_grpc as pb_grpc
+from router.policy import RoutingConfig
+from tests.integration.reference import make_engine
+
+pytestmark = pytest.mark.timeout(600)
+
+PLACE_TIMEOUT_S = 15.0
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_dir: str):  # type: ignore[no-untyped-def]
+    config = ClusterConfig(
+        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, kv_lease_s=3.0),
+        num_prefill=1, num_decode=1,
+        router=RouterConfig(port=0, routing=RoutingConfig(mode="auto", local_prefill_tokens=8)),
+        worker_num_cpus=0.25, supervise_interval_s=0.5, drain_timeout_s=20.0, place_timeout_s=PLACE_TIMEOUT_S,
+        role_resources={"prefill": {"prefill-slot": 1.0}})  # this node has room for exactly one prefill worker
+    c = LocalCluster(config)
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(cluster: LocalCluster):  # type: ignore[no-untyped-def]
+    channel = grpc.insecure_channel(cluster.address)
+    yield pb_grpc.GenerationStub(channel)
+    channel.close()
+
+
+def generate(stub, prompt: list[int], max_tokens: int) -> list[pb.GenerateResponse]:  # type: ignore[no-untyped-def]
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
+                                 sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return list(stub.Generate(request, timeout=120))
+
+
+def greedy(model_dir: str, prompt: list[int], max_tokens: int) -> list[int]:
+    engine = make_engine(model_dir, block_size=16)
+    return engine.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0].token_ids
+
+
+def wait_for(what: str, predicate, timeout_s: float = 120.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(0.25)
+    return value
+
+
+def serving(cluster: LocalCluster, role: str) -> list[str]:
+    return sorted(w for w, s in cluster.controller_status()["workers"].items() if w.startswith(role) and s == "serving")
+
+
+def tokens(responses: list[pb.GenerateResponse]) -> list[int]:
+    return [t for r in responses for t in r.token_ids]
+
+
+def test_a_decode_worker_added_at_runtime_serves_and_gets_its_cached_prefix(cluster: LocalCluster, stub,  # type: ignore[no-untyped-def]
+                                                                            tiny_llama_dir: str) -> None:
+    cluster.scale("decode", 2)
+    [new] = wait_for("a second decode worker", lambda: [w for w in serving(cluster, "decode") if w != "decode-0"])
+    wait_for("every router sees it", lambda: all(new in s["members"] for s in cluster.router_stats()), 10)
+    rng = random.Random(3)
+    for _ in range(12):  # cache-aware routing: a fresh prompt lands on the empty worker soon
+        prompt = [rng.randrange(3, 500) for _ in range(48)]
+        got = generate(stub, prompt, 6)
+        assert tokens(got) == greedy(tiny_llama_dir, prompt, 6)
+        if got[-1].route.decode_worker == new:
+            break
+    assert got[-1].route.decode_worker == new
+    sibling = prompt[:32] + [rng.randrange(3, 500) for _ in range(16)]  # its two cached blocks are on `new`
+    time.sleep(1.0)  # its KV events reach the routers' index
+    got = generate(stub, sibling, 6)
+    assert got[-1].route.decode_worker == new and got[-1].usage.cached_tokens >= 32
+    assert tokens(got) == greedy(tiny_llama_dir, sibling, 6)
+
+
+def test_scale_down_while_requests_stream_fails_nothing(cluster: LocalCluster, stub, tiny_llama_dir: str) -> None:  # type: ignore[no-untyped-def]
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 500) for _ in range(24 + i)] for i in range(6)]
+    segments_before = len(list(Path("/dev/shm").glob("splitserve-kv-*")))
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(generate, stub, p, 300) for p in prompts]
+        time.sleep(1.0)  # every request is streaming now
+        cluster.scale("decode", 1)
+        results = [f.result() for f in futures]
+    for p, got in zip(prompts, results, strict=True):
+        assert tokens(got) == greedy(tiny_llama_dir, p, 300)  # one unbroken stream each, wherever it ended
+    [drain] = wait_for("the drain to finish", lambda: cluster.controller_status()["drains"], 60)
+    assert drain["late_calls"] == 0  # routers were told before: nothing new reached the draining worker
+    assert len(serving(cluster, "decode")) == 1
+    assert len(list(Path("/dev/shm").glob("splitserve-kv-*"))) == segments_before - 1  # its KV pool is gone
+    assert all(not r.get("dead") and r["usage"]["num_in_use"] == 0 for r in cluster.check_idle())
+
+
+def test_a_killed_decode_worker_is_replaced_and_serves(cluster: LocalCluster, stub, tiny_llama_dir: str) -> None:  # type: ignore[no-untyped-def]
+    [victim] = serving(cluster, "decode")
+    started = time.monotonic()
+    cluster.kill_worker(victim)
+    [replacement] = wait_for("a replacement", lambda: [w for w in serving(cluster, "decode") if w != victim])
+    back_s = time.monotonic() - started
+    assert victim in cluster.controller_status()["dead"] and back_s < 60
+    wait_for("the routers see it", lambda: all(replacement in s["members"] for s in cluster.router_stats()), 10)
+    prompt = [random.Random(5).randrange(3, 500) for _ in range(40)]
+    got = generate(stub, prompt, 8)
+    assert tokens(got) == greedy(tiny_llama_dir, prompt, 8) and got[-1].route.decode_worker == replacement
+
+
+def test_a_worker_that_cannot_be_placed_is_cancelled_and_reported(cluster: LocalCluster, stub) -> None:  # type: ignore[no-untyped-def]
+    cluster.scale("prefill", 2)  # the node's one prefill slot is taken
+    wait_for("the cancellation", lambda: any("cancelled prefill-" in a for a in cluster.controller_status()["actions"]),
+             PLACE_TIMEOUT_S + 30)
+    status = cluster.controller_status()
+    assert status["targets"]["prefill"] == 1 and serving(cluster, "prefill") == ["prefill-0"]
+    cluster.scale("decode", 2)  # later decisions are not blocked
+    wait_for("a second decode worker", lambda: len(serving(cluster, "decode")) == 2)
