@@ -4,6 +4,7 @@
                    [--port P] [--redis-url URL]       start a local cluster (Ray + Redis + router)
   splitserve generate PROMPT [--target HOST:PORT] ... stream a completion from a running cluster
   splitserve status [--redis-url URL]                 pools, queues, KV usage, prefix hit rate
+  splitserve scale prefill|decode N                   resize a running cluster's pool
   splitserve worker prefill|decode --redis-url URL [--model DIR] ...   one worker as a plain process (no Ray)
   splitserve router --redis-url URL [--port P] ...    one router replica as a plain process (no Ray)
   splitserve make-tiny-model DIR [--arch llama|qwen2] [--size tiny|small] [--seed N]
@@ -50,7 +51,7 @@ def _serve(args: argparse.Namespace) -> int:
                                 block_size=args.block_size, kv_cache_bytes=mib * 2**20 if mib else None,
                                 gpu_memory_utilization=utilization),
             num_prefill=args.num_prefill, num_decode=args.num_decode, num_routers=args.num_routers,
-            gpus_per_worker=gpus,
+            gpus_per_worker=gpus, autoscale=_autoscale_config(args),
             router=RouterConfig(host=args.host, port=args.port,
                                 routing=RoutingConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens)),
             redis_url=args.redis_url or "", namespace=args.namespace)
@@ -107,6 +108,50 @@ def _add_device_flags(p: argparse.ArgumentParser) -> None:
                    help="KV pool per worker (default: sized from GPU memory on cuda, 256 on cpu)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="share of its GPU a worker may use in all (default 0.9 x its GPU share)")
+
+
+def _autoscale_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """serve --autoscale: the policy's bounds and budgets (None without the flag)."""
+    if not args.autoscale:
+        return None
+    from cluster.autoscaler import AutoscaleConfig
+
+    return AutoscaleConfig(prefill_min=args.min_prefill, prefill_max=max(args.max_prefill, args.num_prefill),
+                           decode_min=args.min_decode, decode_max=max(args.max_decode, args.num_decode),
+                           ttft_slo_ms=args.ttft_slo_ms, itl_slo_ms=args.itl_slo_ms)
+
+
+def _scale(args: argparse.Namespace) -> int:
+    import redis
+
+    from control.heartbeat import target_key
+
+    redis_url, namespace = _cluster_redis(args)
+    if redis_url is None:
+        return 2
+    if args.n < (1 if args.role == "decode" else 0):
+        print(f"error: a cluster needs at least {1 if args.role == 'decode' else 0} {args.role} workers", file=sys.stderr)
+        return 2
+    try:
+        client = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        client.set(target_key(namespace, args.role), args.n, ex=60)
+    except redis.RedisError as e:
+        print(f"error: cannot reach {redis_url}: {e}", file=sys.stderr)
+        return 1
+    print(f"{args.role} target set to {args.n}; the controller acts on it within a second "
+          "(`splitserve status` shows the pools)")
+    return 0
+
+
+def _cluster_redis(args: argparse.Namespace) -> tuple[str | None, str]:
+    """--redis-url/--namespace, or those of the cluster `splitserve serve` started last."""
+    if args.redis_url is not None:
+        return args.redis_url, args.namespace
+    if not _state_file().is_file():
+        print("error: no --redis-url given and no local cluster started by `splitserve serve`", file=sys.stderr)
+        return None, args.namespace
+    state = json.loads(_state_file().read_text())
+    return state["redis_url"], state["namespace"]
 
 
 def _cluster_secret() -> bytes | None:
@@ -228,31 +273,42 @@ def _generate(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     import asyncio
 
+    import msgpack
+
+    from control.heartbeat import controller_key
     from control.reader import RegistryReader
 
-    redis_url, namespace = args.redis_url, args.namespace
+    redis_url, namespace = _cluster_redis(args)
     if redis_url is None:
-        if not _state_file().is_file():
-            print("error: no --redis-url given and no local cluster started by `splitserve serve`", file=sys.stderr)
-            return 2
-        state = json.loads(_state_file().read_text())
-        redis_url, namespace = state["redis_url"], state["namespace"]
+        return 2
 
-    async def read() -> tuple[dict, dict]:  # type: ignore[type-arg]
+    async def read() -> tuple[dict, dict, dict | None]:  # type: ignore[type-arg]
         reader = RegistryReader(redis_url, namespace)
         try:
-            return await reader.heartbeats(), await reader.router_stats()
+            raw = await reader.client.get(controller_key(namespace))
+            return await reader.heartbeats(), await reader.router_stats(), msgpack.unpackb(raw) if raw else None
         finally:
             await reader.close()
 
     try:
-        beats, routers = asyncio.run(read())
+        beats, routers, controller = asyncio.run(read())
     except Exception as e:  # noqa: BLE001 - any Redis failure is reported, not raised
         print(f"error: cannot read {redis_url}: {e}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps({"workers": {w: b.__dict__ for w, b in beats.items()}, "routers": routers}, default=str))
+        print(json.dumps({"workers": {w: b.__dict__ for w, b in beats.items()}, "routers": routers,
+                          "controller": controller}, default=str))
         return 0
+    if controller is not None:
+        live = controller["workers"]
+        for role in ("prefill", "decode"):
+            states = sorted(f"{w} {s}" for w, s in live.items() if w.startswith(role))
+            print(f"{role} pool: target {controller['targets'][role]}, {sum(1 for s in states if s.endswith(' serving'))}"
+                  f" serving" + (f" ({', '.join(states)})" if states else ""))
+        if controller.get("decision"):
+            print(f"autoscaler: {controller['decision']}")
+        for action in controller.get("actions", [])[-3:]:
+            print(f"  {action}")
     print(f"{'worker':<12}{'role':<9}{'state':<10}{'address':<22}{'running':>8}{'waiting':>8}{'queued tok':>11}"
           f"{'KV used':>16}{'prefix hit':>11}")
     for w, b in sorted(beats.items()):
@@ -290,6 +346,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="interface to serve on (0.0.0.0 for other machines)")
     s.add_argument("--redis-url", help="use this Redis instead of starting one (redis://host:port/db)")
     s.add_argument("--namespace", default="splitserve", help="prefix of this cluster's Redis keys")
+    s.add_argument("--autoscale", action="store_true",
+                   help="scale prefill on queue time and decode on KV pressure, within the --min/--max bounds")
+    s.add_argument("--min-prefill", type=int, default=0, help="--autoscale: (0 lets mode auto drop the prefill pool)")
+    s.add_argument("--max-prefill", type=int, default=4)
+    s.add_argument("--min-decode", type=int, default=1)
+    s.add_argument("--max-decode", type=int, default=4)
+    s.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="--autoscale: the TTFT budget prefill scales on")
+    s.add_argument("--itl-slo-ms", type=float, default=100.0, help="--autoscale: the ITL budget decode scales on")
     _add_device_flags(s)
     s.add_argument("--gpus-per-worker", type=float, default=None,
                    help="GPUs each worker asks Ray for (default 1; 1/N when N workers share a one-GPU machine)")
@@ -310,6 +374,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tenant", default="")
     g.add_argument("--timeout-s", type=float, default=120.0)
     g.set_defaults(func=_generate)
+
+    sc = sub.add_parser("scale", help="set a running cluster's prefill or decode pool size")
+    sc.add_argument("role", choices=("prefill", "decode"))
+    sc.add_argument("n", type=int)
+    sc.add_argument("--redis-url", help="default: the cluster last started by `splitserve serve`")
+    sc.add_argument("--namespace", default="splitserve")
+    sc.set_defaults(func=_scale)
 
     st = sub.add_parser("status", help="pools, queues, KV usage and prefix hit rate")
     st.add_argument("--redis-url", help="default: the cluster last started by `splitserve serve`")

@@ -39,7 +39,7 @@ import redis.asyncio
 
 from cluster.autoscaler import AutoscaleState, Decision, PoolMetrics, Snapshot, decide
 from cluster.config import ClusterConfig, RouterConfig
-from control.heartbeat import Heartbeat, Role, hb_key, kv_key
+from control.heartbeat import Heartbeat, Role, controller_key, hb_key, kv_key, target_key
 from control.reader import RegistryReader
 from decode_worker.worker import DecodeWorker
 from prefill_worker.worker import PrefillWorker
@@ -55,14 +55,6 @@ ROLES: tuple[Role, Role] = ("prefill", "decode")
 async def await_ref(ref: Any, timeout_s: float = CALL_TIMEOUT_S) -> Any:
     """Await a Ray ObjectRef with a timeout (Ray's own await has none)."""
     return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout_s)
-
-
-def target_key(ns: str, role: str) -> str:
-    return f"{ns}:target:{role}"
-
-
-def controller_key(ns: str) -> str:
-    return f"{ns}:controller"
 
 
 @dataclass

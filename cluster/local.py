@@ -25,6 +25,9 @@ from kvfabric.region import sweep_dead_segments
 
 logger = logging.getLogger(__name__)
 
+LOCAL_HEADROOM_WORKERS = 4
+"""Workers a local cluster can add beyond its initial pools (splitserve scale)."""
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -135,7 +138,12 @@ class LocalCluster:
         """A local Ray node; one more try when its raylet never registers (seen once in
         three CI runs of the suite, about 30 Ray starts each, on a 2-core machine)."""
         c = self.config
-        num_cpus = max(os.cpu_count() or 1, int((c.num_prefill + c.num_decode) * c.worker_num_cpus + 0.999))
+        # Ray's CPUs are bookkeeping here (a worker runs one torch thread): room for the pools
+        # to grow by LOCAL_HEADROOM_WORKERS (or to the autoscaler's maxima) on any machine.
+        most = c.num_prefill + c.num_decode + LOCAL_HEADROOM_WORKERS
+        if c.autoscale is not None:
+            most = max(most, c.autoscale.prefill_max + c.autoscale.decode_max)
+        num_cpus = max(os.cpu_count() or 1, int(most * c.worker_num_cpus + 0.999))
         for attempt in (1, 2):
             try:
                 ray.init(num_cpus=num_cpus, resources=self._role_resources(), include_dashboard=False,

@@ -29,6 +29,16 @@ def router_key(ns: str, router_id: str) -> str:
     return f"{ns}:router:{router_id}"
 
 
+def target_key(ns: str, role: str) -> str:
+    """A pool's requested size (`splitserve scale`), taken by the controller."""
+    return f"{ns}:target:{role}"
+
+
+def controller_key(ns: str) -> str:
+    """The controller's status: targets, workers' states, last actions and autoscaler decision."""
+    return f"{ns}:controller"
+
+
 @dataclass(frozen=True)
 class ModelFacts:
     """What a worker's engine owns and a router must agree with."""

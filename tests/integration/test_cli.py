@@ -63,7 +63,16 @@ def test_readme_serve_then_generate_and_status(tmp_path: Path) -> None:
             time.sleep(0.5)  # the router reports its stats once a second
         assert st.returncode == 0, st.stderr
         assert "decode-0" in st.stdout and "prefill-0" in st.stdout
-        assert st.stdout.count(" serving ") == 2  # both workers' state, from their heartbeats
+        for worker, role in (("decode-0", "decode"), ("prefill-0", "prefill")):  # state, from their heartbeats
+            assert re.search(rf"^{worker}\s+{role}\s+serving\s+127\.0\.0\.1:\d+", st.stdout, re.M), st.stdout
+        assert "decode pool: target 1, 1 serving (decode-0 serving)" in st.stdout
+        sc = run(["scale", "decode", "2"], env)
+        assert sc.returncode == 0 and "decode target set to 2" in sc.stdout, sc.stderr
+        deadline = time.monotonic() + 60
+        while "decode pool: target 2, 2 serving" not in (st := run(["status"], env)).stdout:
+            assert time.monotonic() < deadline, st.stdout
+            time.sleep(0.5)
+        assert "decode target 1 -> 2 (splitserve scale)" in st.stdout
         assert "2 done, 1 refused" in st.stdout and "Redis feed up" in st.stdout
     finally:
         serve.send_signal(signal.SIGINT)
