@@ -1,0 +1,72 @@
+"""The autoscaler live: a load ramp through the public gRPC path grows the prefill pool once
+its queue time passes the TTFT budget, and the pool shrinks back after the load stops, with
+exactly one action each way (the policy's delays and cooldown hold it there)."""
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import grpc
+import pytest
+
+from cluster.autoscaler import AutoscaleConfig
+from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
+from cluster.local import LocalCluster
+from proto import generate_pb2 as pb
+from proto import generate_pb2_grpc as pb_grpc
+from router.policy import RoutingConfig
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_a_load_ramp_grows_prefill_and_it_shrinks_after(tiny_llama_dir: str) -> None:
+    autoscale = AutoscaleConfig(prefill_min=1, prefill_max=2, decode_min=1, decode_max=1, ttft_slo_ms=20.0,
+                                up_delay_s=1.0, down_delay_s=4.0, cooldown_s=2.0)
+    config = ClusterConfig(
+        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=16 * 2**20,
+                            max_num_batched_tokens=256),
+        num_prefill=1, num_decode=1, worker_num_cpus=0.25, supervise_interval_s=0.5, drain_timeout_s=10.0,
+        router=RouterConfig(port=0, routing=RoutingConfig(mode="disaggregated")), autoscale=autoscale)
+    cluster = LocalCluster(config)
+    cluster.start()
+    stop = threading.Event()
+    failures: list[str] = []
+
+    def client(seed: int) -> None:
+        rng = random.Random(seed)
+        with grpc.insecure_channel(cluster.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            while not stop.is_set():
+                prompt = [rng.randrange(3, 500) for _ in range(1500)]
+                request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
+                                             sampling=pb.SamplingParams(max_tokens=2, ignore_eos=True))
+                try:
+                    list(stub.Generate(request, timeout=120))
+                except grpc.RpcError as e:
+                    failures.append(f"{e.code().name}: {e.details()}")
+
+    try:
+        clients = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(6)]
+        for t in clients:
+            t.start()
+        deadline = time.monotonic() + 90
+        while cluster.controller_status()["targets"]["prefill"] < 2:
+            assert time.monotonic() < deadline, cluster.controller_status()["actions"]
+            time.sleep(0.5)
+        grown = [a for a in cluster.controller_status()["actions"] if "autoscaler: prefill 1 -> 2" in a]
+        assert grown and "prefill queue" in grown[0]
+        stop.set()
+        for t in clients:
+            t.join(150)
+        deadline = time.monotonic() + 90
+        while (status := cluster.controller_status())["targets"]["prefill"] > 1 or len(
+                [w for w in status["workers"] if w.startswith("prefill")]) > 1:
+            assert time.monotonic() < deadline, status["actions"]
+            time.sleep(0.5)
+        actions = [a for a in status["actions"] if "autoscaler:" in a]
+        assert [("prefill 1 -> 2" in a, "prefill 2 -> 1" in a) for a in actions] == [(True, False), (False, True)]
+        assert failures == []
+    finally:
+        stop.set()
+        cluster.stop()
