@@ -38,6 +38,10 @@ class RouterConfig:
     streamed (the prompt plus those tokens is prefilled again): the client sees one stream."""
     worker_down_s: float = 10.0
     """A worker that died or was unreachable gets no new requests for this long."""
+    no_worker_wait_s: float = 10.0
+    """With no decode worker to run a try on (all gone, or all failed this request), how long
+    the request waits (within its deadline) for one to join, e.g. a replacement, before it
+    ends UNAVAILABLE."""
     tokenizer_dir: str | None = None
     """Directory with the model's tokenizer.json (the model directory); None: prompts
     must come as token ids and stop strings are refused."""
@@ -49,6 +53,8 @@ class RouterConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if min(self.prefill_timeout_s, self.reserve_timeout_s, self.decode_idle_timeout_s) <= 0:
             raise ValueError("prefill_timeout_s, reserve_timeout_s and decode_idle_timeout_s must be positive")
+        if self.no_worker_wait_s < 0:
+            raise ValueError(f"no_worker_wait_s must be >= 0, got {self.no_worker_wait_s}")
         if self.max_attempts < 1 or self.worker_down_s < 0:
             raise ValueError(f"max_attempts must be >= 1 and worker_down_s >= 0, got {self.max_attempts}, "
                              f"{self.worker_down_s}")

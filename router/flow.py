@@ -78,6 +78,7 @@ class RequestFlow:
     # -- one try -------------------------------------------------------------------------------
     async def _run(self, attempt: Attempt, deadline: Deadline, progress: Progress, out: Responses,
                    avoid: set[str]) -> AsyncIterator[pb.GenerateResponse]:
+        await self._await_decode_worker(avoid, deadline)
         decision, hashes, block_size = self._route(attempt, avoid)
         progress.routed = progress.routed or time.perf_counter()
         progress.route = pb.Route(decode_worker=decision.decode_worker, prefill_worker=decision.prefill_worker or "",
@@ -192,6 +193,14 @@ class RequestFlow:
             if done:
                 yield out.final(response.finish_reason)
                 return
+
+    async def _await_decode_worker(self, avoid: set[str], deadline: Deadline) -> None:
+        """With no decode worker left to try, waits (bounded) for one to join, e.g. a replacement."""
+        if self.config.no_worker_wait_s <= 0:
+            return
+        until = self.clock() + deadline.remaining(self.config.no_worker_wait_s)
+        while not [w for w in self.members.serving("decode") if w not in avoid] and self.clock() < until:
+            await asyncio.sleep(0.1)
 
     # -- routing -----------------------------------------------------------------------------
     def _route(self, attempt: Attempt, avoid: set[str]) -> tuple[RouteDecision, list[bytes], int]:

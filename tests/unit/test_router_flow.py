@@ -141,7 +141,8 @@ def make_flow(scripts: dict[str, Callable[[WorkerRequest], Script]],
     members.update(beats)
     loads = LoadBook(members.num_blocks())
     streams = FakeStreams(scripts)
-    config = RouterConfig(routing=RoutingConfig(mode=mode), prefill_timeout_s=5.0, decode_idle_timeout_s=5.0)  # type: ignore[arg-type]
+    config = RouterConfig(routing=RoutingConfig(mode=mode), prefill_timeout_s=5.0, decode_idle_timeout_s=5.0,  # type: ignore[arg-type]
+                          no_worker_wait_s=0.3)
     return RequestFlow(config, members, WorkerClients(streams, members.address), KVIndex(time.monotonic), loads,
                        seed=0), streams
 
@@ -266,9 +267,32 @@ def test_a_client_cancel_cancels_both_worker_calls_and_settles_the_booking() -> 
 def test_no_decode_worker_left_is_unavailable_with_a_retry_hint() -> None:
     dead = lambda req: [rpc_error(grpc.StatusCode.UNAVAILABLE, "failed to connect")]  # noqa: E731
     flow, streams = make_flow({"d0": dead, "d1": dead}, mode="colocated")
+    started = time.monotonic()
     with pytest.raises(RequestFailed) as e:
         asyncio.run(run(flow))
+    assert 0.3 <= time.monotonic() - started < 2.0  # it waited no_worker_wait_s for one to join
     assert e.value.code == grpc.StatusCode.UNAVAILABLE and e.value.retry_after_s == 1.0
     assert sorted(streams.tried()) == ["d0", "d1"]
     assert flow.down_workers() == ["d0", "d1"]
     assert_settled(flow, streams)
+
+
+def test_a_request_with_no_decode_worker_waits_for_one_to_join() -> None:
+    dead = lambda req: [rpc_error(grpc.StatusCode.UNAVAILABLE, "failed to connect")]  # noqa: E731
+    flow, streams = make_flow({"d0": dead}, mode="colocated")
+    streams.scripts["d9"] = good_decode
+
+    async def replaced_meanwhile() -> list[int]:
+        async def join() -> None:
+            await asyncio.sleep(0.1)  # the controller's replacement starts serving
+            flow.members.update({w: Heartbeat(w, "decode", address=w, model_id="m", block_size=16, vocab_size=1000,
+                                              max_model_len=512, num_total_blocks=64) for w in ("d0", "d9")})
+            flow.loads.num_blocks = flow.members.num_blocks()
+
+        joining = asyncio.create_task(join())
+        got, _ = await run(flow)
+        await joining
+        return got
+
+    assert asyncio.run(replaced_meanwhile()) == EXPECTED
+    assert streams.tried() == ["d0", "d9"] and flow.stats["num_retries"] == 1
