@@ -261,7 +261,9 @@ class Controller:
         config = self.config.autoscale
         assert config is not None
         routers = await self.reader.router_stats() if self.routers else {}
-        snapshot = Snapshot(self._pool_metrics("prefill"), self._pool_metrics("decode"),
+        itls = [float(s["itl_p50_ms"]) for s in routers.values() if s.get("itl_p50_ms") is not None]
+        snapshot = Snapshot(self._pool_metrics("prefill"),
+                            dataclasses.replace(self._pool_metrics("decode"), itl_ms=max(itls) if itls else None),
                             sum(int(s.get("num_queued", 0)) for s in routers.values()))
         self.decision = decide(snapshot, self._autoscale_state, time.monotonic(), config)
         self._autoscale_state = self.decision.state

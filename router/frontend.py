@@ -7,8 +7,10 @@ vocabulary, context length, and the KV blocks the largest decode worker holds.
 """
 from __future__ import annotations
 
+import statistics
 import time
 import uuid
+from collections import deque
 from pathlib import Path
 
 import grpc
@@ -75,17 +77,34 @@ class Frontend:
         return IncrementalDetokenizer(self.tokenizer, prep.token_ids, prep.params.stop) if self.tokenizer else None
 
 
+class ItlWindow:
+    """The router's recent inter-token latencies (what clients see between tokens), for the autoscaler."""
+
+    def __init__(self, size: int = 2048) -> None:
+        self.samples: deque[float] = deque(maxlen=size)
+
+    def p50_ms(self) -> float | None:
+        return statistics.median(self.samples) * 1e3 if self.samples else None
+
+
 class Responses:
     """One request's output side: detokenizes each token once (stop strings too) and builds responses."""
 
-    def __init__(self, prep: Prepared, progress: Progress, detok: IncrementalDetokenizer | None) -> None:
-        self.prep, self.progress, self.detok = prep, progress, detok
+    def __init__(self, prep: Prepared, progress: Progress, detok: IncrementalDetokenizer | None,
+                 itl: ItlWindow | None = None) -> None:
+        self.prep, self.progress, self.detok, self.itl = prep, progress, detok, itl
+        self._last_at = 0.0
 
     def tokens(self, token_ids: list[int], logprobs: list[float], reason: str | None) -> tuple[pb.GenerateResponse, bool]:
         """A response with these new tokens (cut at a stop string); True when it is the last."""
         progress = self.progress
+        now = time.perf_counter()
         if progress.num_sent == 0 and token_ids:
-            progress.first_token = time.perf_counter()
+            progress.first_token = now
+        elif token_ids and self.itl is not None and self._last_at:
+            self.itl.samples.append((now - self._last_at) / len(token_ids))
+        if token_ids:
+            self._last_at = now
         text, sent = "", []
         for t in token_ids:
             sent.append(t)

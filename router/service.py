@@ -101,7 +101,8 @@ class RouterService:
                 "queued_by_priority": {str(k): v for k, v in q.queued_by_priority().items()},
                 "inflight_tokens": q.inflight_tokens, "redis_healthy": self.feed.healthy,
                 "members": self.members.ids(), "down_workers": self.flow.down_workers(),
-                "index_gaps": self.index.num_gaps, "index_events": self.feed.num_events}
+                "index_gaps": self.index.num_gaps, "index_events": self.feed.num_events,
+                "itl_p50_ms": self.generation.itl.p50_ms()}
 
     async def _tick(self) -> None:
         n = 0

@@ -17,7 +17,7 @@ from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from router.attempt import Deadline, Prepared, Progress, RequestFailed
 from router.flow import RequestFlow
-from router.frontend import Frontend, Responses
+from router.frontend import Frontend, ItlWindow, Responses
 from router.gate import AdmissionGate
 from router.members import Members
 
@@ -27,6 +27,7 @@ class Generation(pb_grpc.GenerationServicer):
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.frontend, self.gate, self.flow, self.members, self.clock = frontend, gate, flow, members, clock
         self._active: set[str] = set()
+        self.itl = ItlWindow()
         self.stats = {"num_requests": 0, "num_refused": 0, "num_prompt_tokens": 0, "num_cached_tokens": 0}
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -42,7 +43,7 @@ class Generation(pb_grpc.GenerationServicer):
         self._active.add(prep.request_id)
         try:
             progress.admitted = time.perf_counter()
-            out = Responses(prep, progress, self.frontend.detokenizer(prep))
+            out = Responses(prep, progress, self.frontend.detokenizer(prep), self.itl)
             async for response in self.flow.run(prep, deadline, progress, out):
                 yield response
             self._count(prep, progress)

@@ -296,3 +296,20 @@ def test_a_request_with_no_decode_worker_waits_for_one_to_join() -> None:
 
     assert asyncio.run(replaced_meanwhile()) == EXPECTED
     assert streams.tried() == ["d0", "d9"] and flow.stats["num_retries"] == 1
+
+
+def test_the_router_measures_inter_token_latency_for_the_autoscaler() -> None:
+    from router.frontend import ItlWindow
+
+    flow, _ = make_flow({"p0": good_prefill, "d0": good_decode})
+    window = ItlWindow()
+    prep = Prepared("r1", PROMPT, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), 0, "")
+    progress = Progress(time.perf_counter())
+
+    async def go() -> None:
+        async for _ in flow.run(prep, Deadline(None), progress, Responses(prep, progress, None, window)):
+            pass
+
+    asyncio.run(go())
+    assert len(window.samples) == MAX_TOKENS - 1  # one interval per token after the first
+    assert window.p50_ms() is not None and window.p50_ms() >= 0
