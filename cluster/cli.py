@@ -321,6 +321,7 @@ def _status(args: argparse.Namespace) -> int:
         hit = s["num_cached_tokens"] / s["num_prompt_tokens"] if s["num_prompt_tokens"] else 0.0
         print(f"{rid} on {s['address']}: {s['num_admitted']} running, {s['num_queued']} queued "
               f"{s['queued_by_priority']}, {s['num_requests']} done, {s['num_refused']} refused, "
+              f"{s.get('num_invalid', 0)} invalid, "
               f"{s.get('num_retries', 0)} retried, prefix hit rate {hit:.0%}, "
               f"Redis feed {'up' if s['redis_healthy'] else 'DOWN'}"
               + (f", workers down: {', '.join(s['down_workers'])}" if s.get("down_workers") else ""))

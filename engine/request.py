@@ -7,6 +7,7 @@ prefill and KV imported from a prefill worker all just advance `num_computed_tok
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 from engine.types import BlockHash, BlockId, InvalidRequestError, RequestId
@@ -31,6 +32,11 @@ class FinishReason(enum.Enum):
     """Prefill role: first token produced, blocks handed to the transfer layer."""
 
 
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -51,14 +57,19 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise InvalidRequestError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_STRING_CHARS} "
+                                      f"characters each, got {len(self.stop)} (longest {max(map(len, self.stop))})")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
 
     @property
     def greedy(self) -> bool:

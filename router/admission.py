@@ -156,6 +156,10 @@ class AdmissionQueue:
         short = self._tokens_ahead(priority) + cost_tokens - room
         return max(short, 0) / self._rate_tokens_per_s
 
+    def retry_after_s(self, cost_tokens: int, priority: int) -> float:
+        """When a request of this cost would likely get in: the estimated wait from the measured drain rate."""
+        return self._retry_after(cost_tokens, priority)
+
     def _retry_after(self, cost_tokens: int, priority: int) -> float:
         wait = self._estimated_wait_s(cost_tokens, priority)
         return min(max(wait or 0.0, self.config.min_retry_after_s), self.config.max_queue_wait_s)

@@ -24,6 +24,15 @@ from proto.convert import finish_to_pb, sampling_from_pb
 from router.attempt import Prepared, Progress, RequestFailed
 
 
+MAX_ID_CHARS = 128
+"""request_id and tenant: at most this many printable characters."""
+MIN_PRIORITY, MAX_PRIORITY = -8, 8
+"""Priorities (lower is more important) outside this range are refused, so a caller cannot
+open a queue of its own with each new value; waiting requests age toward the front."""
+MAX_TEXT_CHARS_PER_TOKEN = 32
+"""A text prompt longer than this many characters per token of context is refused before tokenizing."""
+
+
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """KV blocks a prompt of `num_tokens` needs once its first token is in."""
     return -(-(num_tokens + 1) // block_size)
@@ -39,6 +48,7 @@ class Frontend:
         if facts is None:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "no decode worker is serving yet; retry after 1.0 s", 1.0)
         try:
+            _check_fields(request, facts)
             params = sampling_from_pb(request.sampling)
             token_ids = self._tokenize(request)
         except InvalidRequestError as e:
@@ -75,6 +85,28 @@ class Frontend:
 
     def detokenizer(self, prep: Prepared) -> IncrementalDetokenizer | None:
         return IncrementalDetokenizer(self.tokenizer, prep.token_ids, prep.params.stop) if self.tokenizer else None
+
+
+def _check_fields(request: pb.GenerateRequest, facts: ModelFacts) -> None:
+    """Limits on the fields the model does not check itself (each error says what to change)."""
+    for name in ("request_id", "tenant"):
+        value = getattr(request, name)
+        if len(value) > MAX_ID_CHARS or not value.isprintable():
+            raise InvalidRequestError(f"{name} must be at most {MAX_ID_CHARS} printable characters "
+                                      f"(got {len(value)} characters)")
+    if not MIN_PRIORITY <= request.priority <= MAX_PRIORITY:
+        raise InvalidRequestError(f"priority must be in [{MIN_PRIORITY}, {MAX_PRIORITY}] (lower is more important), "
+                                  f"got {request.priority}")
+    if request.WhichOneof("prompt") == "text" and len(request.text) > MAX_TEXT_CHARS_PER_TOKEN * facts.max_model_len:
+        raise InvalidRequestError(f"prompt text has {len(request.text)} characters; the model's context is "
+                                  f"{facts.max_model_len} tokens")
+
+
+def admission_cost(prep: Prepared, max_model_len: int) -> int:
+    """Tokens a request can really hold: its prompt plus the output it can produce before
+    the context ends (a huge max_tokens costs no more than the context allows)."""
+    n = len(prep.token_ids)
+    return n + max(min(prep.params.max_tokens, max_model_len - n), 0)
 
 
 class ItlWindow:

@@ -26,8 +26,10 @@ class AdmissionGate:
     def waiting(self, request_id: str) -> bool:
         return request_id in self._waiters
 
-    async def admit(self, prep: Prepared, deadline: Deadline) -> None:
-        cost = len(prep.token_ids) + prep.params.max_tokens
+    async def admit(self, prep: Prepared, deadline: Deadline, cost: int) -> None:
+        """Admits the request (`cost` tokens of the budget) or raises RequestFailed: refused at
+        once with a retry hint, its own deadline passed while queued (DEADLINE_EXCEEDED), or the
+        queue's wait limit passed (RESOURCE_EXHAUSTED with a hint from the measured drain rate)."""
         verdict = self.queue.offer(prep.request_id, prep.priority, cost, deadline.at)
         if isinstance(verdict, Refused):
             raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -38,19 +40,24 @@ class AdmissionGate:
         self._waiters[prep.request_id] = fut
         wait_s = deadline.remaining(self.config.max_queue_wait_s)
         try:
-            admitted = await asyncio.wait_for(fut, wait_s)
+            admitted = await asyncio.wait_for(fut, wait_s + 0.5)  # the queue's own expiry answers first
         except TimeoutError:
             self.queue.release(prep.request_id)
-            raise RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                "the request's deadline passed while it waited for admission") from None
+            admitted = False
         except BaseException:
             self.release(prep.request_id)
             raise
         finally:
             self._waiters.pop(prep.request_id, None)
-        if not admitted:
-            raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, "waited too long for admission; retry later",
-                                self.config.min_retry_after_s)
+        if admitted:
+            return
+        if deadline.at is not None and deadline.clock() >= deadline.at - 0.01:
+            raise RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                "the request's deadline passed while it waited for admission")
+        retry_s = self.queue.retry_after_s(cost, prep.priority)
+        raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"waited {self.config.max_queue_wait_s:g} s for admission (the router's queue limit) "
+                            f"while the cluster stayed full; retry after {retry_s:.1f} s", retry_s)
 
     def release(self, request_id: str) -> None:
         """The request left: its budget goes to the queued requests it admits."""

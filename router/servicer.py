@@ -17,7 +17,7 @@ from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from router.attempt import Deadline, Prepared, Progress, RequestFailed
 from router.flow import RequestFlow
-from router.frontend import Frontend, ItlWindow, Responses
+from router.frontend import Frontend, ItlWindow, Responses, admission_cost
 from router.gate import AdmissionGate
 from router.members import Members
 
@@ -28,15 +28,21 @@ class Generation(pb_grpc.GenerationServicer):
         self.frontend, self.gate, self.flow, self.members, self.clock = frontend, gate, flow, members, clock
         self._active: set[str] = set()
         self.itl = ItlWindow()
-        self.stats = {"num_requests": 0, "num_refused": 0, "num_prompt_tokens": 0, "num_cached_tokens": 0}
+        self.stats = {"num_requests": 0, "num_refused": 0, "num_invalid": 0, "num_prompt_tokens": 0,
+                      "num_cached_tokens": 0}
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         progress = Progress(time.perf_counter())
         try:
             prep = self._prepare(request)
+        except RequestFailed as e:
+            self.stats["num_invalid" if e.code == grpc.StatusCode.INVALID_ARGUMENT else "num_refused"] += 1
+            await _fail(context, e)
+        try:
             remaining = context.time_remaining()
             deadline = Deadline(None if remaining is None else self.clock() + remaining, self.clock)
-            await self.gate.admit(prep, deadline)
+            facts = self.members.facts
+            await self.gate.admit(prep, deadline, admission_cost(prep, facts.max_model_len if facts else 1 << 30))
         except RequestFailed as e:
             self.stats["num_refused"] += 1
             await _fail(context, e)

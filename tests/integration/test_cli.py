@@ -73,7 +73,7 @@ def test_readme_serve_then_generate_and_status(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, st.stdout
             time.sleep(0.5)
         assert "decode target 1 -> 2 (splitserve scale)" in st.stdout
-        assert "2 done, 1 refused" in st.stdout and "Redis feed up" in st.stdout
+        assert "2 done, 0 refused, 1 invalid" in st.stdout and "Redis feed up" in st.stdout
     finally:
         serve.send_signal(signal.SIGINT)
         try:

@@ -187,7 +187,7 @@ def test_deadline_expiry_frees_blocks(stub, cluster: LocalCluster) -> None:  # t
     ([1] * 2048, {}, "prompt has 2048 tokens; the model's context is 2048"),
     ([1, 2], {"max_tokens": 0}, "max_tokens must be at least 1, got 0"),
     ([1, 2], {"max_tokens": -3}, "max_tokens must be at least 1, got -3"),
-    ([1, 2], {"temperature": -0.5}, "temperature must be >= 0, got -0.5"),
+    ([1, 2], {"temperature": -0.5}, "temperature must be a finite number >= 0 (0 is greedy), got -0.5"),
     ([1, 2], {"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
     ([1, 2], {"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
     ([1, 9999, 512], {}, "token ids [9999, 512] are outside the model's vocabulary [0, 512)"),

@@ -1,0 +1,54 @@
+"""The router's input limits and admission cost: every bad field is INVALID_ARGUMENT with a
+message that says what to change; a huge max_tokens costs no more than the context allows."""
+from __future__ import annotations
+
+import math
+
+import grpc
+import pytest
+
+from control.heartbeat import ModelFacts
+from proto import generate_pb2 as pb
+from router.attempt import RequestFailed
+from router.frontend import Frontend, admission_cost
+
+FACTS = ModelFacts("m", 16, 1000, 512, 64)
+
+
+def prepare(**fields: object) -> object:
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=fields.pop("ids", [5, 6, 7])), **fields)  # type: ignore[arg-type]
+    return Frontend(None).prepare(request, FACTS, 64)
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"sampling": pb.SamplingParams(temperature=math.nan)}, "temperature must be a finite number >= 0"),
+    ({"sampling": pb.SamplingParams(temperature=math.inf)}, "temperature must be a finite number >= 0"),
+    ({"sampling": pb.SamplingParams(top_p=math.nan)}, "top_p must be in (0, 1]"),
+    ({"sampling": pb.SamplingParams(max_tokens=0)}, "max_tokens must be at least 1"),
+    ({"sampling": pb.SamplingParams(stop_token_ids=list(range(65)))}, "at most 64 stop_token_ids, got 65"),
+    ({"request_id": "x" * 129}, "request_id must be at most 128 printable characters (got 129"),
+    ({"request_id": "a\nb"}, "request_id must be at most 128 printable characters"),
+    ({"tenant": "t" * 10**6}, "tenant must be at most 128 printable characters (got 1000000"),
+    ({"priority": 9}, "priority must be in [-8, 8]"),
+    ({"priority": -2**31}, "priority must be in [-8, 8]"),
+    ({"ids": [5, 1000]}, "token ids [1000] are outside the model's vocabulary [0, 1000)"),
+    ({"ids": list(range(3, 515))}, "prompt has 512 tokens; the model's context is 512 tokens"),
+    ({"ids": []}, "prompt is empty"),
+])
+def test_bad_fields_are_invalid_argument_with_a_message_that_says_what_to_change(fields: dict, message: str) -> None:
+    with pytest.raises(RequestFailed) as e:
+        prepare(**fields)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in e.value.message
+
+
+def test_too_many_stop_strings_are_refused() -> None:
+    with pytest.raises(RequestFailed, match="at most 16 stop strings"):
+        Frontend(None).prepare(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5]),
+                                                  sampling=pb.SamplingParams(stop=["x"] * 17)), FACTS, 64)
+
+
+def test_a_huge_max_tokens_costs_only_what_the_context_allows() -> None:
+    prep = prepare(sampling=pb.SamplingParams(max_tokens=2**31 - 1))
+    assert admission_cost(prep, FACTS.max_model_len) == 512  # 3 prompt tokens + 509 the context leaves
+    assert admission_cost(prepare(sampling=pb.SamplingParams(max_tokens=10)), FACTS.max_model_len) == 13
