@@ -55,6 +55,7 @@ def _serve(args: argparse.Namespace) -> int:
             router=RouterConfig(host=args.host, port=args.port,
                                 routing=RoutingConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens)),
             redis_url=args.redis_url or "", namespace=args.namespace)
+        _preflight(config)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -83,6 +84,27 @@ def _serve(args: argparse.Namespace) -> int:
         print("splitserve: stopping", file=sys.stderr, flush=True)
         cluster.stop()
     return 0
+
+
+def _preflight(config) -> None:  # type: ignore[no-untyped-def]
+    """What would otherwise fail only after Ray and the workers start: the model and the port."""
+    import socket
+
+    from engine.model_config import ModelConfig
+    from engine.types import EngineError
+
+    try:
+        ModelConfig.from_dir(config.worker.model_dir)
+    except (EngineError, OSError, ValueError) as e:
+        raise ValueError(f"--model {config.worker.model_dir}: {e}") from None
+    port = config.router.port
+    if port:
+        with socket.socket() as probe:
+            try:
+                probe.bind((config.router.host, port))
+            except OSError as e:
+                raise ValueError(f"cannot listen on {config.router.host}:{port} ({e.strerror}): another splitserve? "
+                                 "pick another with --port") from None
 
 
 def _placement(args: argparse.Namespace, num_local_workers: int) -> tuple[str, str, int | None, float, float]:

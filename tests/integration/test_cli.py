@@ -98,3 +98,19 @@ def _wait_for_line(proc: subprocess.Popen, needle: str, timeout_s: float) -> str
             if needle in line:
                 return line
     raise AssertionError(f"no {needle!r} within {timeout_s} s; output so far:\n{''.join(seen)}")
+
+
+def test_serve_refuses_a_bad_model_or_a_taken_port_before_starting_anything(tmp_path: Path) -> None:
+    started = time.monotonic()
+    r = run(["serve", "--model", str(tmp_path / "nowhere")])
+    assert r.returncode == 2 and "error: --model" in r.stderr and "config.json not found" in r.stderr
+    assert "Traceback" not in r.stderr
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = run(["serve", "--port", str(port)], {"SPLITSERVE_CACHE": str(tmp_path / "cache")})
+    assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr
+    assert time.monotonic() - started < 60  # no Ray, no workers were started
