@@ -152,3 +152,39 @@ class WorkerHost:
             await self.server.stop(grace=self.config.grace_s)
         if self.publisher:
             self.publisher.stop()
+
+
+class HostedWorker:
+    """The actor surface both roles share; a role sets `loop` (its EngineLoop), `host`, the
+    running calls in `_requests`, and defines `_add_servicer(server)` and `_idle_report(engine)`."""
+
+    loop: Any
+    host: WorkerHost
+    _requests: dict[str, Any]
+    _aio: asyncio.AbstractEventLoop | None
+
+    def _add_servicer(self, server: grpc.aio.Server) -> None:
+        raise NotImplementedError
+
+    def _idle_report(self, engine: Any) -> dict[str, object]:
+        raise NotImplementedError
+
+    async def start(self) -> dict[str, object]:
+        """Starts the engine thread and the gRPC server; returns this worker's info."""
+        self._aio = asyncio.get_running_loop()
+        self.loop.start()
+        await self.host.start(self._add_servicer)
+        return self.info()
+
+    def info(self) -> dict[str, object]:
+        return self.host.info()
+
+    async def drain(self, timeout_s: float) -> dict[str, int]:
+        """No new requests; waits for the running ones: how many were left, and how many new
+        calls still arrived after draining began (refused; routers are told before)."""
+        left = await self.host.drain(timeout_s, lambda: len(self._requests))
+        return {"left": left, "late_calls": self.host.num_late_calls}
+
+    async def check_idle(self) -> dict[str, object]:
+        """For tests and drains: pool accounting, and what is still held."""
+        return await asyncio.wrap_future(self.loop.call(self._idle_report))

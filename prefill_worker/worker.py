@@ -24,7 +24,7 @@ import torch
 
 from control.heartbeat import ModelFacts
 from control.worker_config import WorkerConfig
-from control.worker_host import WorkerHost, engine_load_reader, next_event, status_for
+from control.worker_host import HostedWorker, WorkerHost, engine_load_reader, next_event, status_for
 from engine.engine_loop import EngineLoop, freeze_startup_heap
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.request import FinishReason
@@ -66,7 +66,7 @@ class _Prefill:
     events: asyncio.Queue[RequestOutput | PushDone] = field(default_factory=asyncio.Queue)
 
 
-class PrefillWorker(pb_grpc.PrefillWorkerServicer):
+class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
     def __init__(self, worker_id: str, config: WorkerConfig, redis_url: str | None, namespace: str) -> None:
         torch.set_num_threads(config.num_threads)
         self.worker_id = worker_id
@@ -86,25 +86,8 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         freeze_startup_heap()
 
     # -- actor methods ---------------------------------------------------------------------
-    async def start(self) -> dict[str, object]:
-        """Starts the engine thread and the gRPC server; returns this worker's info."""
-        self._aio = asyncio.get_running_loop()
-        self.loop.start()
-        await self.host.start(lambda server: pb_grpc.add_PrefillWorkerServicer_to_server(self, server))
-        return self.info()
-
-    def info(self) -> dict[str, object]:
-        return self.host.info()
-
-    async def drain(self, timeout_s: float) -> dict[str, int]:
-        """No new requests; waits for the running ones: how many were left, and how many new
-        calls still arrived after draining began (refused; routers are told before)."""
-        left = await self.host.drain(timeout_s, lambda: len(self._requests))
-        return {"left": left, "late_calls": self.host.num_late_calls}
-
-    async def check_idle(self) -> dict[str, object]:
-        """For tests and drains: pool accounting, and what is still held."""
-        return await asyncio.wrap_future(self.loop.call(self._idle_report))
+    def _add_servicer(self, server: grpc.aio.Server) -> None:
+        pb_grpc.add_PrefillWorkerServicer_to_server(self, server)
 
     async def shutdown(self) -> None:
         await self.host.stop()
