@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -25,6 +26,8 @@ from kvfabric.region import sweep_dead_segments
 
 logger = logging.getLogger(__name__)
 
+REDIS_WATCH_INTERVAL_S = 0.5
+"""How often the local cluster checks its embedded redis-server is alive."""
 LOCAL_HEADROOM_WORKERS = 4
 """Workers a local cluster can add beyond its initial pools (splitserve scale)."""
 
@@ -47,23 +50,47 @@ class EmbeddedRedis:
         if binary is None:
             raise RuntimeError("redis-server not found: install it (Debian: apt-get install redis-server; "
                                "./dev does this on first run) or pass --redis-url")
+        self._binary = binary
         self._dir = tempfile.mkdtemp(prefix="splitserve-redis-")
         self._log = os.path.join(self._dir, "redis.log")
         for attempt in (1, 2, 3):
             self.port = port or free_port()
             self.url = f"redis://127.0.0.1:{self.port}/0"
-            self._proc = subprocess.Popen(
-                [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                 "--dir", self._dir, "--loglevel", "warning", "--logfile", self._log],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # no pipe that nobody drains
             try:
-                self._wait_ready(timeout_s=10.0)
+                self._spawn()
                 return
             except PortTaken:
                 # a free port found by binding and closing can be taken before redis binds it
                 if port or attempt == 3:
                     self.stop()
                     raise
+
+    def _spawn(self) -> None:
+        self._proc = subprocess.Popen(
+            [self._binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", self._dir, "--loglevel", "warning", "--logfile", self._log],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # no pipe that nobody drains
+        self._wait_ready(timeout_s=10.0)
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def restart(self) -> None:
+        """The server died: a new one on the same port (empty: workers re-publish their heartbeats
+        at once and the KV events they buffered meanwhile; routers reconnect on their own)."""
+        self._proc.wait(timeout=5)
+        for attempt in (1, 2, 3, 4, 5):
+            try:
+                self._spawn()
+                return
+            except PortTaken:  # the old socket may linger a moment
+                if attempt == 5:
+                    raise
+                time.sleep(0.5)
 
     def _wait_ready(self, timeout_s: float) -> None:
         client = redis.Redis.from_url(self.url, socket_timeout=0.5, socket_connect_timeout=0.5)
@@ -112,6 +139,9 @@ class LocalCluster:
         self.controller: Any = None
         self.info: dict[str, Any] = {}
         self._owns_ray = False
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self.num_redis_restarts = 0
 
     @property
     def redis_url(self) -> str:
@@ -124,6 +154,8 @@ class LocalCluster:
     def start(self, timeout_s: float = START_TIMEOUT_S) -> dict[str, Any]:
         if self.embedded_redis:
             self.redis = EmbeddedRedis()
+            self._watcher = threading.Thread(target=self._watch_redis, name="redis-watch", daemon=True)
+            self._watcher.start()
         try:
             if not ray.is_initialized():
                 self._init_ray()
@@ -184,7 +216,22 @@ class LocalCluster:
     def kill_worker(self, worker_id: str) -> None:
         ray.get(self.controller.kill_worker.remote(worker_id), timeout=60)
 
+    def _watch_redis(self) -> None:
+        """Supervises the embedded redis-server: one that dies is started again on its port."""
+        while not self._stopping.wait(REDIS_WATCH_INTERVAL_S):
+            server = self.redis
+            if server is None or server.alive():
+                continue
+            logger.warning("the embedded redis-server (pid %d) died; starting it again on port %d",
+                           server.pid, server.port)
+            try:
+                server.restart()
+                self.num_redis_restarts += 1
+            except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+                logger.error("could not restart redis-server: %s; retrying", e)
+
     def stop(self) -> None:
+        self._stopping.set()
         if self.controller is not None:
             try:
                 ray.get(self.controller.shutdown.remote(), timeout=60)
@@ -195,6 +242,9 @@ class LocalCluster:
         if self._owns_ray:
             ray.shutdown()
             self._owns_ray = False
+        if self._watcher is not None:
+            self._watcher.join(timeout=15)
+            self._watcher = None
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
