@@ -36,6 +36,8 @@ class Members:
         self._draining: set[str] = set()
         """Told to drain by the controller: no new requests, even before its heartbeat says so."""
         self._mismatched: set[str] = set()
+        self.facts: ModelFacts | None = None
+        """The model facts most serving workers report (None before any worker serves); set by `update`."""
 
     def update(self, heartbeats: dict[str, Heartbeat]) -> list[Member]:
         """Applies the registry's heartbeats; returns the members that left (gone, or restarted
@@ -49,16 +51,15 @@ class Members:
         return left
 
     def _check_facts(self) -> None:
-        facts = self.facts
-        mismatched = {w for w, m in self._members.items() if facts is not None and not _same_model(m.facts, facts)}
+        self.facts = facts = self._agreed_facts()
+        key = _model_key(facts) if facts is not None else None
+        mismatched = {w for w, m in self._members.items() if key is not None and _model_key(m.facts) != key}
         for w in sorted(mismatched - self._mismatched):
             logger.warning("router: worker %s serves %s, the others %s: it gets no requests",
                            w, self._members[w].facts, facts)
         self._mismatched = mismatched
 
-    @property
-    def facts(self) -> ModelFacts | None:
-        """The model facts most serving workers report (None before any worker serves)."""
+    def _agreed_facts(self) -> ModelFacts | None:
         counts = Counter(_model_key(m.facts) for m in self._members.values() if m.state == "serving")
         if not counts:
             return None
@@ -93,7 +94,3 @@ class Members:
 
 def _model_key(f: ModelFacts) -> tuple[str, int, int, int]:
     return f.model_id, f.block_size, f.vocab_size, f.max_model_len
-
-
-def _same_model(a: ModelFacts, b: ModelFacts) -> bool:
-    return _model_key(a) == _model_key(b)
