@@ -26,7 +26,7 @@ from control.heartbeat import Heartbeat, ModelFacts, Role, WorkerState
 from control.publisher import Publisher
 from control.worker_config import WorkerConfig
 from engine.block_pool import KVEvent
-from engine.types import EngineLoad, InvalidRequestError
+from engine.types import EngineLoad, EngineStopped, InvalidRequestError
 from kvfabric.errors import FabricError
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def status_for(e: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, str(e)
     if isinstance(e, FabricError):
         return grpc.StatusCode.ABORTED, f"KV transfer failed: {e}"
-    if isinstance(e, RuntimeError) and "engine loop has stopped" in str(e):
+    if isinstance(e, EngineStopped):
         return grpc.StatusCode.UNAVAILABLE, "the worker is stopping"
     return grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
 

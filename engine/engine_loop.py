@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from engine.llm_engine import LLMEngine, RequestOutput
+from engine.types import EngineStopped
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class EngineLoop:
     def call(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future[T]:
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
         if self._stop.is_set():
-            fut.set_exception(RuntimeError("the engine loop has stopped"))
+            fut.set_exception(EngineStopped("the engine loop has stopped"))
         else:
             self._calls.put((fn, fut))
         return fut
@@ -127,4 +128,4 @@ class EngineLoop:
             except queue.Empty:
                 return
             if item is not None:
-                item[1].set_exception(RuntimeError(f"the engine loop has stopped: {self.error!r}"))
+                item[1].set_exception(EngineStopped(f"the engine loop has stopped: {self.error!r}"))

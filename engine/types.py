@@ -21,6 +21,10 @@ class InvalidRequestError(EngineError, ValueError):
     """A request the engine refuses: the message says which field and why."""
 
 
+class EngineStopped(EngineError, RuntimeError):
+    """The engine's loop has stopped (shutdown, or it died): calls into it are refused."""
+
+
 class InvariantError(EngineError, AssertionError):
     """Block accounting is broken: a bug, never a capacity shortage."""
 
