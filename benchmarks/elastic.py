@@ -102,9 +102,9 @@ def main() -> int:
         for _ in range(args.cycles):
             cluster.scale("decode", 2)
             up_s.append(until(lambda: len(serving(cluster, "decode")) == 2))
-            drains = len(cluster.controller_status()["drains"])
+            drains = cluster.controller_status()["num_drains"]
             cluster.scale("decode", 1)
-            drain_s.append(until(lambda: len(cluster.controller_status()["drains"]) > drains))  # noqa: B023
+            drain_s.append(until(lambda: cluster.controller_status()["num_drains"] > drains))  # noqa: B023
         failed_scaling, completed_scaling = len(load.failed), load.completed
         [victim] = serving(cluster, "decode")
         cluster.kill_worker(victim)

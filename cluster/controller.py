@@ -75,9 +75,10 @@ class Controller:
         self.redis_url = redis_url
         self.targets: dict[str, int] = {"prefill": config.num_prefill, "decode": config.num_decode}
         self.workers: dict[str, Worker] = {}
-        self.dead: list[str] = []
-        self.drains: list[dict[str, Any]] = []
-        """Each finished drain: the worker, requests left to continue elsewhere, late calls."""
+        self.dead: deque[str] = deque(maxlen=100)
+        self.drains: deque[dict[str, Any]] = deque(maxlen=20)
+        """The last finished drains: the worker, requests left to continue elsewhere, late calls."""
+        self.num_drains = 0
         self.actions: deque[str] = deque(maxlen=20)
         self.routers: dict[str, Any] = {}
         self.info: dict[str, Any] = {}
@@ -240,6 +241,7 @@ class Controller:
         ray.kill(w.actor)
         self.workers.pop(w.worker_id, None)
         self.drains.append({"worker_id": w.worker_id, **report})
+        self.num_drains += 1
         left = report.get("left")
         self._act(f"{w.worker_id} drained and stopped" + (f"; {left} request(s) continued elsewhere" if left else ""))
 
@@ -289,16 +291,13 @@ class Controller:
                            sum(b.num_total_blocks for b in beats), None)
 
     async def _publish(self) -> None:
-        status = {"targets": self.targets, "workers": {w.worker_id: w.state for w in self.workers.values()},
-                  "dead": self.dead[-20:], "actions": list(self.actions)[-10:],
-                  "decision": self.decision.reason if self.decision else None,
-                  "autoscale": self.config.autoscale is not None}
         try:
-            await self.reader.client.set(controller_key(self.config.namespace), msgpack.packb(status), px=10_000)
+            await self.reader.client.set(controller_key(self.config.namespace), msgpack.packb(await self.status()),
+                                         px=10_000)
         except (redis.RedisError, OSError, TimeoutError):
             pass
 
-    # -- for tests and the local cluster ------------------------------------------------------------
+    # -- for `status`, tests and the local cluster ----------------------------------------------------
     async def check_idle(self) -> list[dict[str, Any]]:
         async def one(w: Worker) -> dict[str, Any]:
             try:
@@ -310,13 +309,12 @@ class Controller:
         return [*await asyncio.gather(*(one(w) for w in live)), *({"worker_id": w, "dead": True} for w in self.dead)]
 
     async def status(self) -> dict[str, Any]:
+        """What `splitserve status` shows (published to Redis every tick)."""
         return {"targets": dict(self.targets), "workers": {w.worker_id: w.state for w in self.workers.values()},
-                "dead": list(self.dead), "drains": list(self.drains), "actions": list(self.actions)}
-
-    async def scale(self, role: Role, n: int) -> None:
-        self._act(f"{role} target {self.targets[role]} -> {n}")
-        self.targets[role] = n
-        self._reconcile()
+                "dead": list(self.dead), "drains": list(self.drains), "num_drains": self.num_drains,
+                "actions": list(self.actions),
+                "decision": self.decision.reason if self.decision else None,
+                "autoscale": self.config.autoscale is not None}
 
     def kill_worker(self, worker_id: str) -> None:
         """Ends the worker's process at once, as a crash would (no shutdown, no clean-up)."""

@@ -22,6 +22,7 @@ import redis
 
 from cluster.config import ClusterConfig
 from cluster.controller import START_TIMEOUT_S, Controller
+from control.heartbeat import target_key
 from kvfabric.region import sweep_dead_segments
 
 logger = logging.getLogger(__name__)
@@ -204,14 +205,15 @@ class LocalCluster:
         return ray.get(self.controller.router_stats.remote(), timeout=60)
 
     def scale(self, role: str, n: int) -> None:
-        ray.get(self.controller.scale.remote(role, n), timeout=60)
+        """As `splitserve scale` does: the target goes through Redis; the controller takes it on its next tick."""
+        client = redis.Redis.from_url(self.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        try:
+            client.set(target_key(self.config.namespace, role), n, ex=60)
+        finally:
+            client.close()
 
     def controller_status(self) -> dict[str, Any]:
         return ray.get(self.controller.status.remote(), timeout=60)
-
-    def tick(self) -> None:
-        """One supervision step now (tests; it also runs every `supervise_interval_s`)."""
-        ray.get(self.controller.tick.remote(), timeout=120)
 
     def kill_worker(self, worker_id: str) -> None:
         ray.get(self.controller.kill_worker.remote(worker_id), timeout=60)
