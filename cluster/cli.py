@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import signal
@@ -19,6 +20,9 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from cluster.processes import add_device_flags, cluster_secret, placement
+from cluster.processes import add_parsers as add_process_parsers
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -45,7 +49,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     try:
-        device, dtype, mib, utilization, gpus = _placement(args, args.num_prefill + args.num_decode)
+        device, dtype, mib, utilization, gpus = placement(args, args.num_prefill + args.num_decode)
         config = ClusterConfig(
             worker=WorkerConfig(model_dir=args.model or str(default_model_dir()), dtype=dtype, device=device,
                                 block_size=args.block_size, kv_cache_bytes=mib * 2**20 if mib else None,
@@ -55,6 +59,8 @@ def _serve(args: argparse.Namespace) -> int:
             router=RouterConfig(host=args.host, port=args.port,
                                 routing=RoutingConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens)),
             redis_url=args.redis_url or "", namespace=args.namespace)
+        if secret := cluster_secret():
+            config = dataclasses.replace(config, worker=dataclasses.replace(config.worker, cluster_secret=secret))
         _preflight(config)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -107,31 +113,6 @@ def _preflight(config) -> None:  # type: ignore[no-untyped-def]
                                  "pick another with --port") from None
 
 
-def _placement(args: argparse.Namespace, num_local_workers: int) -> tuple[str, str, int | None, float, float]:
-    """--device/--dtype/--kv-cache-mib/--gpu-memory-utilization/--gpus-per-worker, resolved:
-    (device, dtype, KV MiB or None to size from memory, utilization, GPUs per worker)."""
-    import torch
-
-    from engine.devices import default_dtype, default_gpus_per_worker, resolve_device
-
-    num_gpus = torch.cuda.device_count()
-    device = resolve_device(args.device, num_gpus)
-    gpus = args.gpus_per_worker or default_gpus_per_worker(num_gpus, num_local_workers)
-    utilization = args.gpu_memory_utilization or round(0.9 * min(gpus, 1.0), 3)
-    mib = args.kv_cache_mib if args.kv_cache_mib or device.startswith("cuda") else 256
-    return device, args.dtype or default_dtype(device), mib, utilization, gpus
-
-
-def _add_device_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="auto", help="auto (cuda when torch sees a GPU), cpu or cuda")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="default: bfloat16 on GPU, float32 on CPU")
-    p.add_argument("--kv-cache-mib", type=int, default=None,
-                   help="KV pool per worker (default: sized from GPU memory on cuda, 256 on cpu)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="share of its GPU a worker may use in all (default 0.9 x its GPU share)")
-
-
 def _autoscale_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """serve --autoscale: the policy's bounds and budgets (None without the flag)."""
     if not args.autoscale:
@@ -174,92 +155,6 @@ def _cluster_redis(args: argparse.Namespace) -> tuple[str | None, str]:
         return None, args.namespace
     state = json.loads(_state_file().read_text())
     return state["redis_url"], state["namespace"]
-
-
-def _cluster_secret() -> bytes | None:
-    """The cluster secret from $SPLITSERVE_CLUSTER_SECRET_FILE or $SPLITSERVE_CLUSTER_SECRET (never argv)."""
-    import os
-
-    path = os.environ.get("SPLITSERVE_CLUSTER_SECRET_FILE")
-    if path:
-        return Path(path).read_bytes().strip()
-    value = os.environ.get("SPLITSERVE_CLUSTER_SECRET")
-    return value.encode() if value else None
-
-
-def _run_until_signal(start, stop) -> int:  # type: ignore[no-untyped-def]
-    """Runs `await start()` (returns a line to print), then waits for SIGINT/SIGTERM, then `await stop()`."""
-    import asyncio
-
-    async def main() -> None:
-        stopping = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stopping.set)
-        print(await start(), flush=True)
-        await stopping.wait()
-        print("splitserve: stopping", file=sys.stderr, flush=True)
-        await stop()
-
-    asyncio.run(main())
-    return 0
-
-
-def _worker(args: argparse.Namespace) -> int:
-    import dataclasses
-    import secrets
-
-    from cluster.default_model import default_model_dir
-    from control.worker_config import WorkerConfig
-
-    try:
-        device, dtype, mib, utilization, _ = _placement(args, 1)
-        config = WorkerConfig(model_dir=args.model or str(default_model_dir()), dtype=dtype, device=device,
-                              block_size=args.block_size, kv_cache_bytes=mib * 2**20 if mib else None,
-                              gpu_memory_utilization=utilization, host=args.host, num_threads=args.num_threads,
-                              model_id=args.model_id)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    secret = _cluster_secret()
-    if secret:
-        config = dataclasses.replace(config, cluster_secret=secret)
-    worker_id = args.worker_id or f"{args.role}-{secrets.token_hex(3)}"
-    if args.role == "prefill":
-        from prefill_worker.worker import PrefillWorker as Worker
-    else:
-        from decode_worker.worker import DecodeWorker as Worker  # type: ignore[assignment]
-    worker = Worker(worker_id, config, args.redis_url, args.namespace)
-
-    async def start() -> str:
-        info = await worker.start()
-        return f"splitserve: {args.role} worker {worker_id} serving on {info['address']} (Redis {args.redis_url})"
-
-    return _run_until_signal(start, worker.shutdown)
-
-
-def _router(args: argparse.Namespace) -> int:
-    import dataclasses
-
-    from router.config import RouterConfig
-    from router.policy import RoutingConfig
-    from router.service import RouterService
-
-    try:
-        config = RouterConfig(host=args.host, port=args.port, tokenizer_dir=args.tokenizer,
-                              routing=RoutingConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens))
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    secret = _cluster_secret()
-    if secret:
-        config = dataclasses.replace(config, cluster_secret=secret)
-    service = RouterService(args.router_id, config, args.redis_url, args.namespace)
-
-    async def start() -> str:
-        return f"splitserve: router {args.router_id} serving on {await service.start()} (Redis {args.redis_url})"
-
-    return _run_until_signal(start, service.shutdown)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -355,7 +250,19 @@ def _status(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description="Disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve_parser(sub)
+    _add_client_parsers(sub)
+    add_process_parsers(sub)
+    p = sub.add_parser("make-tiny-model", help="write a deterministic HF-format test checkpoint")
+    p.add_argument("dir")
+    p.add_argument("--arch", choices=("llama", "qwen2"), default="llama")
+    p.add_argument("--size", choices=("tiny", "small"), default="tiny")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_make_tiny_model)
+    return parser
 
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     s = sub.add_parser("serve", help="start a local cluster: Ray, Redis, prefill + decode pools, router")
     s.add_argument("--model", help="model directory (default: the embedded tiny model)")
     s.add_argument("--num-prefill", type=int, default=1)
@@ -377,12 +284,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-decode", type=int, default=4)
     s.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="--autoscale: the TTFT budget prefill scales on")
     s.add_argument("--itl-slo-ms", type=float, default=100.0, help="--autoscale: the ITL budget decode scales on")
-    _add_device_flags(s)
+    add_device_flags(s)
     s.add_argument("--gpus-per-worker", type=float, default=None,
                    help="GPUs each worker asks Ray for (default 1; 1/N when N workers share a one-GPU machine)")
     s.add_argument("--block-size", type=int, default=16)
     s.set_defaults(func=_serve)
 
+
+def _add_client_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Commands against a running cluster: generate, scale, status."""
     g = sub.add_parser("generate", help="stream a completion from a running cluster")
     g.add_argument("prompt")
     g.add_argument("--target", default=DEFAULT_TARGET, help="router address host:port")
@@ -410,39 +320,6 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--namespace", default="splitserve")
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=_status)
-
-    w = sub.add_parser("worker", help="run one prefill or decode worker as a plain process (no Ray)")
-    w.add_argument("role", choices=("prefill", "decode"))
-    w.add_argument("--redis-url", required=True, help="the cluster's Redis (redis://host:port/db)")
-    w.add_argument("--namespace", default="splitserve", help="prefix of the cluster's Redis keys")
-    w.add_argument("--worker-id", help="unique in the cluster (default: ROLE-<random>)")
-    w.add_argument("--model", help="model directory (default: the embedded tiny model)")
-    w.add_argument("--model-id", help="name the block hashes are keyed with (default: the directory's name)")
-    w.add_argument("--host", default="127.0.0.1", help="interface for the worker's gRPC and kvfabric listeners")
-    _add_device_flags(w)
-    w.add_argument("--gpus-per-worker", type=float, default=1.0, help=argparse.SUPPRESS)
-    w.add_argument("--block-size", type=int, default=16)
-    w.add_argument("--num-threads", type=int, default=1, help="torch CPU threads")
-    w.set_defaults(func=_worker)
-
-    r = sub.add_parser("router", help="run one router replica as a plain process (no Ray)")
-    r.add_argument("--redis-url", required=True, help="the cluster's Redis (redis://host:port/db)")
-    r.add_argument("--namespace", default="splitserve", help="prefix of the cluster's Redis keys")
-    r.add_argument("--router-id", default="router-0")
-    r.add_argument("--port", type=int, default=50051, help="0: a free one, printed when ready")
-    r.add_argument("--host", default="127.0.0.1", help="interface to serve on (0.0.0.0 for other machines)")
-    r.add_argument("--tokenizer", help="directory with the model's tokenizer.json (default: token-id prompts only)")
-    r.add_argument("--mode", choices=("disaggregated", "colocated", "auto"), default="auto")
-    r.add_argument("--local-prefill-tokens", type=int, default=256)
-    r.set_defaults(func=_router)
-
-    p = sub.add_parser("make-tiny-model", help="write a deterministic HF-format test checkpoint")
-    p.add_argument("dir")
-    p.add_argument("--arch", choices=("llama", "qwen2"), default="llama")
-    p.add_argument("--size", choices=("tiny", "small"), default="tiny")
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=_make_tiny_model)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,145 @@
+"""`splitserve worker` and `splitserve router`: one worker or router replica as a plain process
+(no Ray), and the device and secret settings they share with `serve`."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+
+
+def placement(args: argparse.Namespace, num_local_workers: int) -> tuple[str, str, int | None, float, float]:
+    """--device/--dtype/--kv-cache-mib/--gpu-memory-utilization/--gpus-per-worker, resolved:
+    (device, dtype, KV MiB or None to size from memory, utilization, GPUs per worker)."""
+    import torch
+
+    from engine.devices import default_dtype, default_gpus_per_worker, resolve_device
+
+    num_gpus = torch.cuda.device_count()
+    device = resolve_device(args.device, num_gpus)
+    gpus = args.gpus_per_worker or default_gpus_per_worker(num_gpus, num_local_workers)
+    utilization = args.gpu_memory_utilization or round(0.9 * min(gpus, 1.0), 3)
+    mib = args.kv_cache_mib if args.kv_cache_mib or device.startswith("cuda") else 256
+    return device, args.dtype or default_dtype(device), mib, utilization, gpus
+
+
+def add_device_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="auto (cuda when torch sees a GPU), cpu or cuda")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="default: bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--kv-cache-mib", type=int, default=None,
+                   help="KV pool per worker (default: sized from GPU memory on cuda, 256 on cpu)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="share of its GPU a worker may use in all (default 0.9 x its GPU share)")
+
+
+def cluster_secret() -> bytes | None:
+    """The cluster secret from $SPLITSERVE_CLUSTER_SECRET_FILE or $SPLITSERVE_CLUSTER_SECRET (never argv)."""
+    path = os.environ.get("SPLITSERVE_CLUSTER_SECRET_FILE")
+    if path:
+        return Path(path).read_bytes().strip()
+    value = os.environ.get("SPLITSERVE_CLUSTER_SECRET")
+    return value.encode() if value else None
+
+
+def _run_until_signal(start, stop) -> int:  # type: ignore[no-untyped-def]
+    """Runs `await start()` (returns a line to print), then waits for SIGINT/SIGTERM, then `await stop()`."""
+    import asyncio
+
+    async def main() -> None:
+        stopping = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stopping.set)
+        print(await start(), flush=True)
+        await stopping.wait()
+        print("splitserve: stopping", file=sys.stderr, flush=True)
+        await stop()
+
+    asyncio.run(main())
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    import dataclasses
+    import secrets
+
+    from cluster.default_model import default_model_dir
+    from control.worker_config import WorkerConfig
+
+    try:
+        device, dtype, mib, utilization, _ = placement(args, 1)
+        config = WorkerConfig(model_dir=args.model or str(default_model_dir()), dtype=dtype, device=device,
+                              block_size=args.block_size, kv_cache_bytes=mib * 2**20 if mib else None,
+                              gpu_memory_utilization=utilization, host=args.host, num_threads=args.num_threads,
+                              model_id=args.model_id)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    secret = cluster_secret()
+    if secret:
+        config = dataclasses.replace(config, cluster_secret=secret)
+    worker_id = args.worker_id or f"{args.role}-{secrets.token_hex(3)}"
+    if args.role == "prefill":
+        from prefill_worker.worker import PrefillWorker as Worker
+    else:
+        from decode_worker.worker import DecodeWorker as Worker  # type: ignore[assignment]
+    worker = Worker(worker_id, config, args.redis_url, args.namespace)
+
+    async def start() -> str:
+        info = await worker.start()
+        return f"splitserve: {args.role} worker {worker_id} serving on {info['address']} (Redis {args.redis_url})"
+
+    return _run_until_signal(start, worker.shutdown)
+
+
+def _router(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from router.config import RouterConfig
+    from router.policy import RoutingConfig
+    from router.service import RouterService
+
+    try:
+        config = RouterConfig(host=args.host, port=args.port, tokenizer_dir=args.tokenizer,
+                              routing=RoutingConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    secret = cluster_secret()
+    if secret:
+        config = dataclasses.replace(config, cluster_secret=secret)
+    service = RouterService(args.router_id, config, args.redis_url, args.namespace)
+
+    async def start() -> str:
+        return f"splitserve: router {args.router_id} serving on {await service.start()} (Redis {args.redis_url})"
+
+    return _run_until_signal(start, service.shutdown)
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    w = sub.add_parser("worker", help="run one prefill or decode worker as a plain process (no Ray)")
+    w.add_argument("role", choices=("prefill", "decode"))
+    w.add_argument("--redis-url", required=True, help="the cluster's Redis (redis://host:port/db)")
+    w.add_argument("--namespace", default="splitserve", help="prefix of the cluster's Redis keys")
+    w.add_argument("--worker-id", help="unique in the cluster (default: ROLE-<random>)")
+    w.add_argument("--model", help="model directory (default: the embedded tiny model)")
+    w.add_argument("--model-id", help="name the block hashes are keyed with (default: the directory's name)")
+    w.add_argument("--host", default="127.0.0.1", help="interface for the worker's gRPC and kvfabric listeners")
+    add_device_flags(w)
+    w.add_argument("--gpus-per-worker", type=float, default=1.0, help=argparse.SUPPRESS)
+    w.add_argument("--block-size", type=int, default=16)
+    w.add_argument("--num-threads", type=int, default=1, help="torch CPU threads")
+    w.set_defaults(func=_worker)
+
+    r = sub.add_parser("router", help="run one router replica as a plain process (no Ray)")
+    r.add_argument("--redis-url", required=True, help="the cluster's Redis (redis://host:port/db)")
+    r.add_argument("--namespace", default="splitserve", help="prefix of the cluster's Redis keys")
+    r.add_argument("--router-id", default="router-0")
+    r.add_argument("--port", type=int, default=50051, help="0: a free one, printed when ready")
+    r.add_argument("--host", default="127.0.0.1", help="interface to serve on (0.0.0.0 for other machines)")
+    r.add_argument("--tokenizer", help="directory with the model's tokenizer.json (default: token-id prompts only)")
+    r.add_argument("--mode", choices=("disaggregated", "colocated", "auto"), default="auto")
+    r.add_argument("--local-prefill-tokens", type=int, default=256)
+    r.set_defaults(func=_router)
