@@ -4,8 +4,8 @@ Scenarios (each arm is a fresh local cluster with the same number of workers, so
 same core count; arms run one after the other in this process):
   mixed     disaggregated (1 prefill + 1 decode) vs colocated (2 decode) on long prompts
             arriving while short-prompt requests decode: p99 ITL and TTFT ratios
-  overhead  the same two set-ups at low load, one request at a time: TTFT difference
-            against the measured KV transfer time
+  overhead  the same two set-ups at low load, one request at a time: TTFT overhead of
+            disaggregation against the push of what was left at the first token (+ 5 ms)
   long_prompt  disaggregated (1 prefill + 1 decode, every prompt through the prefill
             worker) vs colocated (2 decode) on one --long-len-token prompt at a time
             (default 4,096, chunked --chunk-tokens): the TTFT overhead of disaggregation
@@ -84,6 +84,10 @@ def _handoffs(reports: list[dict[str, object]]) -> dict[str, float]:
             "last_chunk_push_ms": mean["tail_s"]}
 
 
+WARM = synthetic(4, 64, 4, 0.0, 0, 0, 512, 99)
+"""Requests each arm serves before the measured ones (connections, kernels, first allocations)."""
+
+
 def long_prompts(n: int, length: int, seed: int) -> list[Item]:
     rng = random.Random(seed)
     return [Item([rng.randrange(3, 500) for _ in range(length)], 4) for _ in range(n)]
@@ -133,49 +137,59 @@ def main() -> int:
     args.long_len = args.long_len or (4096 if long_prompt else 768)
     args.kv_cache_mib = args.kv_cache_mib or (256 if long_prompt else 64)
     model_dir = str(make_tiny_model(Path(tempfile.mkdtemp()) / "m", arch="llama", size=args.size, seed=0))
-    warm = synthetic(4, 64, 4, 0.0, 0, 0, 512, 99)
-    arms: dict[str, dict[str, object]] = {}
-    if long_prompt:
-        items, warm = long_prompts(args.num_requests, args.long_len, args.seed), long_prompts(2, args.long_len, 99)
-        disagg = arm(args, model_dir, 1, 1, RoutingConfig(mode="disaggregated"))
-        arms["disaggregated"] = run_arm("disaggregated", disagg, items, None, 1, warm, args.per_request_dir)
-        coloc = arm(args, model_dir, 0, 2, RoutingConfig(mode="colocated"))
-        arms["colocated"] = run_arm("colocated", coloc, items, None, 1, warm, args.per_request_dir)
-        d, c = arms["disaggregated"], arms["colocated"]
-        h = d["handoffs"]
-        overhead = float(d["ttft_p50_ms"]) - float(c["ttft_p50_ms"])  # type: ignore[arg-type]
-        bound = float(h["last_chunk_push_ms"]) + 5.0  # type: ignore[index]
-        ratios = {"ttft_p50_disagg_over_coloc": _ratio(d["ttft_p50_ms"], c["ttft_p50_ms"]),
-                  "ttft_overhead_ms": round(overhead, 2), "overhead_bound_ms": round(bound, 2),
-                  "within_bound": overhead <= bound, "engine_kvfabric_ms_per_request": h["engine_kvfabric_ms"]}  # type: ignore[index]
-    elif args.scenario in ("mixed", "overhead"):
-        if args.scenario == "mixed":
-            items = mixed_items(args.num_requests, args.long_len, args.long_every, args.decode_output_len, args.seed)
-            rate, conc = args.rate, None
-        else:
-            items = synthetic(args.num_requests // 2, args.long_len, 4, 0.0, 0, 0, 512, args.seed)
-            rate, conc = None, 1
-        disagg = arm(args, model_dir, 1, 1, RoutingConfig(mode=args.disagg_mode))
-        arms["disaggregated"] = run_arm("disaggregated", disagg, items, rate, conc, warm, args.per_request_dir)
-        coloc = arm(args, model_dir, 0, 2, RoutingConfig(mode="colocated"))
-        arms["colocated"] = run_arm("colocated", coloc, items, rate, conc, warm, args.per_request_dir)
-        d, c = arms["disaggregated"], arms["colocated"]
+    if args.scenario == "prefix":
+        ratios = _prefix(args, model_dir)
+    elif args.scenario == "mixed":
+        items = mixed_items(args.num_requests, args.long_len, args.long_every, args.decode_output_len, args.seed)
+        d, c = _disagg_vs_coloc(args, model_dir, items, args.rate, None, args.disagg_mode, WARM)
         ratios = {"itl_p99_disagg_over_coloc": _ratio(d["itl_p99_ms"], c["itl_p99_ms"]),
-                  "ttft_p50_disagg_over_coloc": _ratio(d["ttft_p50_ms"], c["ttft_p50_ms"]),
-                  "ttft_p50_diff_ms": round(float(d["ttft_p50_ms"]) - float(c["ttft_p50_ms"]), 2),  # type: ignore[arg-type]
-                  "overhead_bound_ms": round(10.0 + float(d["transfer_p50_ms"]), 2)}  # type: ignore[arg-type]
-    else:
-        items = synthetic(args.num_requests, args.prefix_len + args.suffix_len, 16, args.shared_prefix_fraction,
-                          args.num_prefixes, args.prefix_len, 512, args.seed)
-        for name, policy in (("round_robin", "round_robin"), ("cache_aware", "cache_aware")):
-            routing = RoutingConfig(mode="auto", policy=policy, local_prefill_tokens=args.local_prefill_tokens)
-            arms[name] = run_arm(name, arm(args, model_dir, 2, 2, routing), items, args.rate, None, [], args.per_request_dir)
-        a, r = arms["cache_aware"], arms["round_robin"]
-        ratios = {"ttft_p50_cache_aware_over_rr": _ratio(a["ttft_p50_ms"], r["ttft_p50_ms"]),
-                  "prefix_hit_rate_cache_aware": a["prefix_hit_rate"], "prefix_hit_rate_rr": r["prefix_hit_rate"]}
+                  "ttft_p50_disagg_over_coloc": _ratio(d["ttft_p50_ms"], c["ttft_p50_ms"])}
+    else:  # one request at a time: what disaggregation adds to TTFT
+        if long_prompt:  # warmed with other prompts of the same length: no prefix-cache help
+            items, mode = long_prompts(args.num_requests, args.long_len, args.seed), "disaggregated"
+            warm = long_prompts(2, args.long_len, 99)
+        else:
+            items, mode = synthetic(args.num_requests // 2, args.long_len, 4, 0.0, 0, 0, 512, args.seed), args.disagg_mode
+            warm = WARM
+        ratios = _overhead(*_disagg_vs_coloc(args, model_dir, items, None, 1, mode, warm))
     print(json.dumps({"benchmark": "serving_compare", "scenario": args.scenario, "config": vars(args),
                       "ratios": ratios}), flush=True)
     return 0
+
+
+def _disagg_vs_coloc(args: argparse.Namespace, model_dir: str, items: list[Item], rate: float | None,
+                     concurrency: int | None, mode: str, warm: list[Item]) -> tuple[dict[str, object], dict[str, object]]:
+    """1 prefill + 1 decode (in `mode`) against 2 decode workers, colocated: the two arms' results."""
+    disagg = run_arm("disaggregated", arm(args, model_dir, 1, 1, RoutingConfig(mode=mode)), items, rate, concurrency,  # type: ignore[arg-type]
+                     warm, args.per_request_dir)
+    coloc = run_arm("colocated", arm(args, model_dir, 0, 2, RoutingConfig(mode="colocated")), items, rate,
+                    concurrency, warm, args.per_request_dir)
+    return disagg, coloc
+
+
+def _overhead(d: dict[str, object], c: dict[str, object]) -> dict[str, object]:
+    """TTFT overhead of disaggregation against its bound: the prefill worker's push of what was
+    left at the first token (the last chunk and `ready`) + 5 ms; and the engine thread's kvfabric time."""
+    h: dict[str, float] = d["handoffs"]  # type: ignore[assignment]
+    overhead = float(d["ttft_p50_ms"]) - float(c["ttft_p50_ms"])  # type: ignore[arg-type]
+    bound = h.get("last_chunk_push_ms", 0.0) + 5.0
+    return {"ttft_p50_disagg_over_coloc": _ratio(d["ttft_p50_ms"], c["ttft_p50_ms"]),
+            "ttft_overhead_ms": round(overhead, 2), "overhead_bound_ms": round(bound, 2),
+            "within_bound": overhead <= bound, "engine_kvfabric_ms_per_request": h.get("engine_kvfabric_ms")}
+
+
+def _prefix(args: argparse.Namespace, model_dir: str) -> dict[str, object]:
+    """Cache-aware against round-robin routing (2 prefill + 2 decode) on shared prefixes."""
+    items = synthetic(args.num_requests, args.prefix_len + args.suffix_len, 16, args.shared_prefix_fraction,
+                      args.num_prefixes, args.prefix_len, 512, args.seed)
+    arms = {}
+    for policy in ("round_robin", "cache_aware"):
+        routing = RoutingConfig(mode="auto", policy=policy, local_prefill_tokens=args.local_prefill_tokens)  # type: ignore[arg-type]
+        arms[policy] = run_arm(policy, arm(args, model_dir, 2, 2, routing), items, args.rate, None, [],
+                               args.per_request_dir)
+    a, r = arms["cache_aware"], arms["round_robin"]
+    return {"ttft_p50_cache_aware_over_rr": _ratio(a["ttft_p50_ms"], r["ttft_p50_ms"]),
+            "prefix_hit_rate_cache_aware": a["prefix_hit_rate"], "prefix_hit_rate_rr": r["prefix_hit_rate"]}
 
 
 def _ratio(a: object, b: object) -> float:
