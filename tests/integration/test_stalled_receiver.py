@@ -44,6 +44,39 @@ class StalledReceiver(FabricReceiver):
         super()._receive_frame(*args, **kwargs)
 
 
+def drive(prefill, pusher: KVPusher, healthy: RemoteKV,  # type: ignore[no-untyped-def]
+          stalled: StalledReceiver) -> tuple[list[float], dict[str, tuple[float, str | None]], float | None, float]:
+    """Steps the prefill engine until both hand-offs ended and the stalled reservation failed on
+    its receiver: each step's duration, when each hand-off ended (s, error), when the healthy KV
+    landed and when the stalled one failed on the decode side."""
+    steps: list[float] = []
+    done_at: dict[str, tuple[float, str | None]] = {}
+    landed_at, failed_on_decode_at = None, None
+    started = time.monotonic()
+    while len(done_at) < 2 or failed_on_decode_at is None:
+        assert time.monotonic() - started < 20, f"not over in 20 s: {done_at}, {failed_on_decode_at}"
+        if prefill.has_schedulable():
+            t = time.perf_counter()
+            prefill.step()
+            steps.append(time.perf_counter() - t)
+        else:
+            time.sleep(0.002)
+        for d in pusher.take_done():
+            done_at[d.request_id] = (time.monotonic() - started, d.error)
+            if d.error is None:
+                prefill.release_handoff(d.request_id)
+            else:
+                prefill.abort(d.request_id)
+        if any(isinstance(item, Landed) for item in healthy.pump()):
+            landed_at = time.monotonic() - started
+        for ev in stalled.poll():
+            assert not isinstance(ev, KVArrived)
+            if isinstance(ev, TransferFailed):
+                assert ev.request_id == "s" and "lease" in ev.reason
+                failed_on_decode_at = time.monotonic() - started
+    return steps, done_at, landed_at, failed_on_decode_at
+
+
 def test_a_stalled_decode_receiver_does_not_slow_the_prefill_steps(tiny_llama_dir: str) -> None:
     prefill = make_engine(tiny_llama_dir, role="prefill", budget=16)
     pusher = KVPusher(prefill, SenderConfig(transport="tcp", ack_timeout_s=ACK_TIMEOUT_S, io_timeout_s=ACK_TIMEOUT_S,
@@ -66,32 +99,7 @@ def test_a_stalled_decode_receiver_does_not_slow_the_prefill_steps(tiny_llama_di
         prefill.add_request(prompt_s, params, "s")
         prefill.add_request(prompt_h, params, "h")
 
-        steps: list[float] = []
-        done_at: dict[str, tuple[float, str | None]] = {}
-        landed_at, failed_on_decode_at = None, None
-        started = time.monotonic()
-        while len(done_at) < 2 or failed_on_decode_at is None:
-            assert time.monotonic() - started < 20, f"not over in 20 s: {done_at}, {failed_on_decode_at}"
-            if prefill.has_schedulable():
-                t = time.perf_counter()
-                prefill.step()
-                steps.append(time.perf_counter() - t)
-            else:
-                time.sleep(0.002)
-            for d in pusher.take_done():
-                done_at[d.request_id] = (time.monotonic() - started, d.error)
-                if d.error is None:
-                    prefill.release_handoff(d.request_id)
-                else:
-                    prefill.abort(d.request_id)
-            for item in healthy.pump():
-                if isinstance(item, Landed):
-                    landed_at = time.monotonic() - started
-            for ev in stalled.poll():
-                assert not isinstance(ev, KVArrived)
-                if isinstance(ev, TransferFailed):
-                    assert ev.request_id == "s" and "lease" in ev.reason
-                    failed_on_decode_at = time.monotonic() - started
+        steps, done_at, landed_at, failed_on_decode_at = drive(prefill, pusher, healthy, stalled)
 
         assert stalled.stalled.is_set()
         assert max(steps) < STEP_BOUND_S, sorted(steps)[-5:]
