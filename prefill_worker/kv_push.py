@@ -71,8 +71,6 @@ class Handoff:
     tail_s: float = 0.0
     cancelled: str | None = None
     ended: bool = False
-    finishing: bool = False
-    """The first token was handed over: the last push and `ready` are queued."""
 
     @property
     def request_id(self) -> str:
@@ -179,7 +177,7 @@ class KVPusher:
 
     def on_blocks_computed(self, request: Request) -> None:
         handoff = self._handoffs.get(request.request_id)
-        if handoff is not None and not handoff.finishing:
+        if handoff is not None:
             started = time.perf_counter()
             self._push_upto(handoff, request.block_ids, request.num_computed_tokens // self.block_size)
             handoff.engine_s += time.perf_counter() - started
@@ -189,7 +187,6 @@ class KVPusher:
         if handoff is None:
             return
         started = time.perf_counter()
-        handoff.finishing = True
         self._push_upto(handoff, block_ids, len(block_ids), "push_last")
         self._queue(handoff, ("finish", (first_token_id, request.num_prompt_tokens)))
         handoff.engine_s += time.perf_counter() - started
