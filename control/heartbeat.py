@@ -88,7 +88,27 @@ class Heartbeat:
         return msgpack.packb(asdict(self))
 
     @classmethod
-    def from_wire(cls, data: bytes) -> Heartbeat:
-        d = msgpack.unpackb(data)
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+    def from_wire(cls, data: object) -> Heartbeat:
+        """Raises BadEntry for anything but a heartbeat map with fields of the right types."""
+        try:
+            d = msgpack.unpackb(data, raw=False) if isinstance(data, bytes) else None
+        except Exception as e:  # noqa: BLE001 - msgpack raises several unrelated types
+            raise BadEntry(f"undecodable heartbeat: {e}") from None
+        if not isinstance(d, dict):
+            raise BadEntry("a heartbeat is a msgpack map")
+        values = {f.name: d[f.name] for f in fields(cls) if f.name in d}
+        for name, v in values.items():
+            if not isinstance(v, _FIELD_TYPES[name]) or isinstance(v, bool):
+                raise BadEntry(f"heartbeat field {name} has a {type(v).__name__}")
+        if "worker_id" not in values or values.get("role") not in ("prefill", "decode") or \
+                values.get("state", "serving") not in ("starting", "serving", "draining"):
+            raise BadEntry(f"heartbeat of {values.get('worker_id')!r:.40} lacks a worker id, a role or a known state")
+        return cls(**values)
+
+
+class BadEntry(ValueError):
+    """A registry entry (heartbeat or KV event) not in the format: it is skipped, never fatal."""
+
+
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    f.name: {"int": int, "float": (int, float)}.get(str(f.type), str) for f in fields(Heartbeat)}

@@ -7,14 +7,20 @@ Keys under one namespace `ns` (msgpack values, never pickle):
 """
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import msgpack
 import redis.asyncio
 
-from control.heartbeat import Heartbeat, hb_key, kv_key, router_key
-from control.kv_events import event_from_wire
+from control.heartbeat import BadEntry, Heartbeat, hb_key, kv_key, router_key
+from control.kv_events import event_from_bytes
 from engine.block_pool import KVEvent
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -30,13 +36,16 @@ class RegistryReader:
     def __init__(self, redis_url: str, namespace: str, timeout_s: float = 2.0) -> None:
         self.client = redis.asyncio.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.ns = namespace
+        self.num_bad_entries = 0
+        """Malformed heartbeats and KV events skipped (each logged once as it is met)."""
 
     async def heartbeats(self) -> dict[str, Heartbeat]:
         keys = [k async for k in self.client.scan_iter(match=hb_key(self.ns, "*"), count=500)]
         if not keys:
             return {}
         values = await self.client.mget(keys)
-        beats = [Heartbeat.from_wire(v) for v in values if v is not None]
+        beats = [b for k, v in zip(keys, values, strict=True) if v is not None
+                 and (b := self._parse(k, v, Heartbeat.from_wire)) is not None]
         return {b.worker_id: b for b in beats}
 
     async def read_events(self, cursor: StreamCursor, worker_ids: list[str], block_ms: int) -> list[tuple[str, KVEvent]]:
@@ -51,8 +60,18 @@ class RegistryReader:
             worker = (stream.decode() if isinstance(stream, bytes) else stream)[prefix:]
             for entry_id, data in entries:
                 cursor.last_ids[worker] = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                out.append((worker, event_from_wire(msgpack.unpackb(data[b"e"]))))
+                ev = self._parse(stream, data.get(b"e"), event_from_bytes)
+                if ev is not None:
+                    out.append((worker, ev))
         return out
+
+    def _parse(self, key: object, data: object, parse: Callable[[object], T]) -> T | None:
+        try:
+            return parse(data)
+        except BadEntry as e:
+            self.num_bad_entries += 1
+            logger.warning("registry: skipping a malformed entry in %r: %s", key, e)
+            return None
 
     async def set_router_stats(self, router_id: str, stats: dict[str, object], ttl_s: float) -> None:
         await self.client.set(router_key(self.ns, router_id), msgpack.packb(stats), px=int(ttl_s * 1000))

@@ -29,7 +29,7 @@ from kvfabric.errors import FabricError, PeerUnavailable, ProtocolError, Reserva
 from kvfabric.layout import FabricLayout
 from kvfabric.region import BlockRegion, ShmSegment
 from kvfabric.reservations import FabricEvent, ReservationTable
-from kvfabric.wire import Conn, Idle
+from kvfabric.wire import HELLO, RECEIVER_MESSAGES, Conn, Idle, check_message
 
 logger = logging.getLogger(__name__)
 
@@ -172,12 +172,14 @@ class FabricReceiver:
             one_sided = transport in ONE_SIDED
             while not self._closed:
                 try:
-                    msg = conn.recv()
+                    msg = check_message(conn.recv(), RECEIVER_MESSAGES)
                 except Idle:
                     continue
                 if msg["t"] == "data":
                     self._receive_frame(writer, conn, msg)
-                elif msg["t"] == "nccl_data" and link is not None:
+                elif msg["t"] == "nccl_data":
+                    if link is None:
+                        raise ProtocolError("an nccl_data frame on a connection that is not nccl")
                     self._receive_nccl_frame(writer, conn, link, msg)
                 else:
                     self._dispatch(writer, conn, msg, one_sided)
@@ -201,7 +203,8 @@ class FabricReceiver:
         except Idle:
             raise PeerUnavailable("no hello within the i/o timeout") from None
         if msg["t"] != "hello":
-            raise ProtocolError(f"expected hello, got {msg['t']!r}")
+            raise ProtocolError(f"expected hello, got {msg['t']!r:.40}")
+        check_message(msg, HELLO)
         theirs = FabricLayout.from_wire(msg["layout"])
         field = self.layout.first_mismatch(theirs)
         transport = msg["transport"]

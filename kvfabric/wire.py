@@ -11,7 +11,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
@@ -45,6 +45,51 @@ def dial(host: str, port: int, local_name: str | None, timeout_s: float) -> sock
         except OSError:
             sock.close()
     return socket.create_connection((host, port), timeout=timeout_s)
+
+
+MAX_RUNS = 1 << 16
+"""Most block runs one message may name."""
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and -(1 << 63) <= v < (1 << 63)
+
+
+def _is_runs(v: object) -> bool:
+    return isinstance(v, list) and len(v) <= MAX_RUNS and all(
+        isinstance(r, list | tuple) and len(r) == 2 and _is_int(r[0]) and _is_int(r[1]) for r in v)
+
+
+_FIELD_CHECKS: dict[str, Callable[[object], bool]] = {
+    "int": _is_int, "str": lambda v: isinstance(v, str), "runs": _is_runs, "map": lambda v: isinstance(v, dict),
+    "ints": lambda v: isinstance(v, list) and len(v) <= MAX_RUNS and all(_is_int(x) for x in v)}
+RECEIVER_MESSAGES: dict[str, dict[str, str]] = {
+    # type -> field -> kind; a trailing "?" marks an optional field
+    "open": {"rid": "int"},
+    "renew": {"rids": "ints"},
+    "ready": {"rid": "int", "first_token_id": "int", "num_tokens": "int", "runs?": "runs"},
+    "revoke_ack": {"rid": "int"},
+    "abort": {"rid": "int", "reason?": "str"},
+    "data": {"rid": "int", "runs": "runs", "nbytes": "int", "crc32?": "int"},
+    "nccl_data": {"rid": "int", "runs": "runs"},
+}
+"""What a sender may send a receiver after the handshake."""
+HELLO = {"hello": {"layout": "map", "transport": "str"}}
+
+
+def check_message(msg: dict[str, Any], schema: dict[str, dict[str, str]]) -> dict[str, Any]:
+    """`msg` if its type is in `schema` and every field it needs has the right kind; else a
+    ProtocolError naming the first bad field (the connection ends, nothing else)."""
+    fields = schema.get(msg["t"])
+    if fields is None:
+        raise ProtocolError(f"unknown message type {msg['t']!r:.40}")
+    for name, kind in fields.items():
+        key = name.rstrip("?")
+        if key not in msg and name.endswith("?"):
+            continue
+        if key not in msg or not _FIELD_CHECKS[kind](msg[key]):
+            raise ProtocolError(f"{msg['t']!r} message: field {key!r} missing or not a valid {kind}")
+    return msg
 
 
 class Idle(Exception):

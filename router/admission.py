@@ -1,24 +1,38 @@
-"""Admission control (torch-free, pure, injected clock): bounded per-priority queues, a token budget, deadlines.
+"""Admission control (torch-free, pure, injected clock): a token budget shared fairly.
 
-A request costs `prompt + max_tokens` tokens of the budget while it is admitted.
-`offer()` admits at once, queues, or refuses *early*: when its priority's queue is
-full, or when the estimated wait (tokens ahead of it over the measured drain rate)
-already exceeds its deadline or `max_queue_wait_s`. A refusal carries a retry-after
-hint. `release()` returns the queued requests it admitted, most important first,
-FIFO within a priority; the head of a queue is never bypassed by a smaller request,
-so large prompts do not starve.
+A request costs the tokens it can really hold (`frontend.admission_cost`) while it is
+admitted. The budget is `max_inflight_tokens`, lowered to `kv_overcommit` times the
+decode pool's KV capacity once the router knows it (`set_capacity`), so what is admitted
+can start on a decode worker instead of waiting there for room.
+
+Queued requests wait in priority classes (lower number first). A class ages: for each
+`aging_s` its oldest request waits, the class moves up one, so the least important
+class still progresses. Within a class each tenant has its own FIFO, and tenants are
+served in start-time fair order (`_Class`): a tenant's share of the budget follows its
+weight (`tenant_weights`, default 1) however fast it sends. The request chosen next is
+never bypassed by a smaller one that would fit, so large prompts do not starve.
+
+`offer()` admits at once, queues, or refuses *early*, at arrival: when its class's queue
+is full, when its tenant already has its share of that queue waiting, or when the
+estimated wait (the tokens served before it over the measured drain rate) exceeds its
+deadline or `max_queue_wait_s`. A refusal says which and carries a retry-after hint.
 """
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+DRAIN_WINDOW = 64
+"""Releases the drain rate is measured over."""
+DRAIN_WINDOW_S = 60.0
+"""...and at most this far back."""
 
 
 @dataclass(frozen=True)
 class AdmissionConfig:
     max_inflight_tokens: int = 262_144
-    """Token budget: sum of prompt + max_tokens over admitted requests."""
+    """Token budget: the sum of the admitted requests' costs (prompt + the output each can produce)."""
     max_inflight_requests: int = 512
     """Most requests admitted at once."""
     max_queued_per_priority: int = 256
@@ -27,148 +41,302 @@ class AdmissionConfig:
     """Longest a request may wait for admission; a longer estimated wait is refused up front."""
     min_retry_after_s: float = 0.2
     """Smallest retry-after hint given with a refusal."""
+    kv_overcommit: float = 1.0
+    """The budget is at most this many times the decode pool's KV capacity in tokens. At
+    1.0 every admitted request can hold its whole KV at once: none waits on a decode
+    worker for room. Above 1.0 bets that requests stop before `max_tokens`."""
+    aging_s: float = 10.0
+    """A priority class whose oldest request has waited this long is served as one class
+    more important (two after twice as long, and so on)."""
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
+    """Tenant -> weight of its fair share within a priority class; tenants not named weigh 1."""
+    tenant_quota_tokens: Mapping[str, int] = field(default_factory=dict)
+    """Tenant -> most tokens it may have admitted at once (no cap for tenants not named)."""
 
     def __post_init__(self) -> None:
         for name in ("max_inflight_tokens", "max_inflight_requests", "max_queued_per_priority"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.max_queue_wait_s <= 0 or self.min_retry_after_s <= 0:
-            raise ValueError("max_queue_wait_s and min_retry_after_s must be positive")
+        if min(self.max_queue_wait_s, self.min_retry_after_s, self.kv_overcommit, self.aging_s) <= 0:
+            raise ValueError("max_queue_wait_s, min_retry_after_s, kv_overcommit and aging_s must be positive")
+        bad = {t: w for t, w in self.tenant_weights.items() if not w > 0} | \
+              {t: q for t, q in self.tenant_quota_tokens.items() if q <= 0}
+        if bad:
+            raise ValueError(f"tenant weights and quotas must be positive, got {bad}")
 
 
 @dataclass(frozen=True)
 class Refused:
     reason: str
-    retry_after_s: float
+    retry_after_s: float | None
+    """None: retrying the same request cannot help."""
+    kind: str
+    """queue_full | tenant_share | wait | quota (for the router's stats)."""
 
 
 @dataclass
 class _Entry:
     request_id: str
     priority: int
+    tenant: str
     cost_tokens: int
     deadline: float | None
     queued_at: float
+    start_tag: float = 0.0
+    """Start-time fair queueing tag: the class's virtual time its tenant's turn begins."""
+
+
+class _Class:
+    """One priority class: a FIFO per tenant, served in start-time fair order. A tenant's
+    next request starts where its previous one finished in virtual time (cost over weight),
+    or at the class's virtual time if that is later; the smallest start goes first."""
+
+    def __init__(self) -> None:
+        self.fifos: dict[str, deque[_Entry]] = {}
+        self.vtime = 0.0
+        self._finish: dict[str, float] = {}
+        self.num_queued = 0
+
+    def start_tag(self, tenant: str, lead_cap: float) -> float:
+        """A new request's start tag: where the tenant's previous one finishes. A tenant that
+        starts waiting anew has its lead over the class capped (`lead_cap`), so what it ran
+        while the cluster had room is not held against it for long."""
+        finish = self._finish.get(tenant, 0.0)
+        if tenant in self.fifos:
+            return max(self.vtime, finish)
+        return max(self.vtime, min(finish, self.vtime + lead_cap))
+
+    def charge(self, e: _Entry, weight: float) -> None:
+        self._finish[e.tenant] = e.start_tag + e.cost_tokens / weight
+
+    def push(self, e: _Entry) -> None:
+        self.fifos.setdefault(e.tenant, deque()).append(e)
+        self.num_queued += 1
+
+    def remove(self, e: _Entry) -> None:
+        fifo = self.fifos[e.tenant]
+        fifo.remove(e)
+        self.num_queued -= 1
+        if not fifo:
+            del self.fifos[e.tenant]
+
+    def served(self, e: _Entry) -> None:
+        """`e` leaves the queue to run: virtual time moves to its start; stale tags go."""
+        self.vtime = max(self.vtime, e.start_tag)
+        if e in self.fifos.get(e.tenant, ()):
+            self.remove(e)
+        if len(self._finish) > 2 * len(self.fifos) + 64:
+            self._finish = {t: f for t, f in self._finish.items() if f > self.vtime or t in self.fifos}
+
+    def heads(self) -> Iterator[_Entry]:
+        return (fifo[0] for fifo in self.fifos.values())
+
+    def entries(self) -> Iterator[_Entry]:
+        return (e for fifo in self.fifos.values() for e in fifo)
+
+    def oldest(self) -> float:
+        return min(e.queued_at for e in self.heads())
 
 
 class AdmissionQueue:
     def __init__(self, config: AdmissionConfig, clock: Callable[[], float]) -> None:
         self.config = config
         self.clock = clock
-        self._queues: dict[int, deque[_Entry]] = {}
-        self._admitted: dict[str, int] = {}
+        self.budget_tokens = config.max_inflight_tokens
+        self._classes: dict[int, _Class] = {}
+        self._admitted: dict[str, tuple[int, str]] = {}
+        """Request id -> (cost, tenant)."""
+        self._tenant_tokens: dict[str, int] = {}
         self.inflight_tokens = 0
-        self._rate_tokens_per_s: float | None = None
-        self._last_release: float | None = None
+        self._releases: deque[tuple[float, int]] = deque(maxlen=DRAIN_WINDOW)
 
-    # -- the three moves ---------------------------------------------------------------
-    def offer(self, request_id: str, priority: int, cost_tokens: int, deadline: float | None) -> bool | Refused:
+    # -- the moves ---------------------------------------------------------------------------
+    def offer(self, request_id: str, priority: int, cost_tokens: int, deadline: float | None,
+              tenant: str = "") -> bool | Refused:
         """True: admitted now; False: queued (wait for `release` to return it); or Refused."""
-        entry = _Entry(request_id, priority, cost_tokens, deadline, self.clock())
-        if not self._queued_ahead(priority) and self._fits(cost_tokens):
-            self._admit(entry)
+        quota = self.config.tenant_quota_tokens.get(tenant)
+        if quota is not None and cost_tokens > quota:
+            return Refused(f"the request needs {cost_tokens} tokens of the budget, more than tenant {tenant!r}'s "
+                           f"quota of {quota}: send a shorter prompt or a smaller max_tokens", None, "quota")
+        c = self._classes.setdefault(priority, _Class())
+        weight = self._weight(tenant)
+        e = _Entry(request_id, priority, tenant, cost_tokens, deadline, self.clock())
+        e.start_tag = c.start_tag(tenant, self.budget_tokens / weight)
+        refusal = self._refusal(c, e)
+        c.push(e)
+        if self._next_candidate() is e and self._fits(e):
+            self._admit(c, e)
             return True
-        q = self._queues.setdefault(priority, deque())
-        if len(q) >= self.config.max_queued_per_priority:
-            return Refused(f"the router's queue for priority {priority} is full "
-                           f"({len(q)} requests waiting)", self._retry_after(cost_tokens, priority))
-        wait = self._estimated_wait_s(cost_tokens, priority)
-        limit = self.config.max_queue_wait_s if deadline is None else min(self.config.max_queue_wait_s, deadline - entry.queued_at)
-        if wait is not None and wait > limit:
-            return Refused(f"estimated queue wait {wait:.1f} s exceeds the {limit:.1f} s this request "
-                           "can wait", self._retry_after(cost_tokens, priority))
-        q.append(entry)
+        if refusal is not None:
+            c.remove(e)
+            return refusal
+        c.charge(e, weight)
         return False
 
     def release(self, request_id: str) -> list[str]:
         """An admitted request ended (or a queued one left); returns the requests admitted now."""
-        cost = self._admitted.pop(request_id, None)
-        if cost is None:
+        admitted = self._admitted.pop(request_id, None)
+        if admitted is None:
             self._withdraw_queued(request_id)
             return []
+        cost, tenant = admitted
         self.inflight_tokens -= cost
-        self._note_drain(cost)
+        self._tenant_tokens[tenant] -= cost
+        if not self._tenant_tokens[tenant]:
+            del self._tenant_tokens[tenant]
+        self._releases.append((self.clock(), cost))
+        return self._dispatch()
+
+    def set_capacity(self, kv_tokens: int) -> list[str]:
+        """The decode pool holds `kv_tokens` of KV (0: unknown): the budget follows it; returns
+        the requests a larger budget admits now."""
+        budget = self.config.max_inflight_tokens
+        if kv_tokens > 0:
+            budget = min(budget, max(int(kv_tokens * self.config.kv_overcommit), 1))
+        self.budget_tokens = budget
         return self._dispatch()
 
     def expire(self) -> list[str]:
         """Queued requests whose deadline or max wait passed (removed; the caller refuses them)."""
         now = self.clock()
-        gone: list[str] = []
-        for q in self._queues.values():
-            for e in list(q):
-                if (e.deadline is not None and e.deadline <= now) or now - e.queued_at >= self.config.max_queue_wait_s:
-                    q.remove(e)
-                    gone.append(e.request_id)
-        return gone
+        gone = [e for c in self._classes.values() for e in c.entries()
+                if (e.deadline is not None and e.deadline <= now) or now - e.queued_at >= self.config.max_queue_wait_s]
+        for e in gone:
+            self._classes[e.priority].remove(e)
+        return [e.request_id for e in gone]
 
     # -- views -------------------------------------------------------------------------------
     @property
     def num_queued(self) -> int:
-        return sum(len(q) for q in self._queues.values())
+        return sum(c.num_queued for c in self._classes.values())
 
     @property
     def num_admitted(self) -> int:
         return len(self._admitted)
 
     def queued_by_priority(self) -> dict[int, int]:
-        return {p: len(q) for p, q in sorted(self._queues.items()) if q}
+        return {p: c.num_queued for p, c in sorted(self._classes.items()) if c.num_queued}
+
+    def tenant_tokens(self) -> dict[str, int]:
+        """Admitted tokens per tenant."""
+        return dict(self._tenant_tokens)
+
+    def drain_rate(self) -> float | None:
+        """Tokens released per second over the recent releases (None before two of them)."""
+        now = self.clock()
+        recent = [(t, n) for t, n in self._releases if now - t <= DRAIN_WINDOW_S]
+        if len(recent) < 2 or recent[-1][0] <= recent[0][0]:
+            return None
+        return sum(n for _, n in recent[1:]) / (recent[-1][0] - recent[0][0])
+
+    def retry_after_s(self, cost_tokens: int, priority: int, tenant: str = "") -> float:
+        """When a request of this cost would likely get in: its estimated wait were it queued now."""
+        c = self._classes.get(priority) or _Class()
+        e = _Entry("", priority, tenant, cost_tokens, None, self.clock())
+        e.start_tag = c.start_tag(tenant, self.budget_tokens / self._weight(tenant))
+        return self._retry_after(e)
 
     # -- internals ---------------------------------------------------------------------------
-    def _fits(self, cost_tokens: int) -> bool:
-        if not self._admitted:
-            return True
-        return (len(self._admitted) < self.config.max_inflight_requests
-                and self.inflight_tokens + cost_tokens <= self.config.max_inflight_tokens)
+    def _refusal(self, c: _Class, e: _Entry) -> Refused | None:
+        """Why `e` may not wait in the queue, or None."""
+        limit = self.config.max_queued_per_priority
+        if c.num_queued >= limit:
+            return Refused(f"the router's queue for priority {e.priority} is full ({c.num_queued} requests "
+                           f"waiting)", self._retry_after(e), "queue_full")
+        mine = len(c.fifos.get(e.tenant, ()))
+        if mine and len(c.fifos) > 1:  # others wait too: each tenant gets its share of the queue
+            weights = {t: self._weight(t) for t in [*c.fifos, e.tenant]}
+            share = max(int(limit * weights[e.tenant] / sum(weights.values())), 1)
+            if mine >= share:
+                return Refused(f"tenant {e.tenant!r} already has {mine} requests waiting at priority {e.priority}, "
+                               f"its fair share of that queue ({share} of {limit} at weight "
+                               f"{weights[e.tenant]:g} of {sum(weights.values()):g})", self._retry_after(e),
+                               "tenant_share")
+        wait = self._estimated_wait_s(e)
+        can_wait = self.config.max_queue_wait_s if e.deadline is None else min(self.config.max_queue_wait_s,
+                                                                                 e.deadline - e.queued_at)
+        if wait is not None and wait > can_wait:
+            return Refused(f"estimated queue wait {wait:.1f} s exceeds the {can_wait:.1f} s this request "
+                           f"can wait{self._share_note(e.tenant)}", self._retry_after(e), "wait")
+        return None
 
-    def _admit(self, e: _Entry) -> None:
-        self._admitted[e.request_id] = e.cost_tokens
+    def _share_note(self, tenant: str) -> str:
+        """For a refusal: the tenant's part of the admitted tokens against its fair share, when
+        other tenants are admitted too."""
+        if len(self._tenant_tokens) < 2 or tenant not in self._tenant_tokens:
+            return ""
+        weights = {t: self._weight(t) for t in self._tenant_tokens}
+        share = weights[tenant] / sum(weights.values())
+        held = self._tenant_tokens[tenant] / max(self.inflight_tokens, 1)
+        return f"; tenant {tenant!r} holds {held:.0%} of the admitted tokens, its fair share is {share:.0%}"
+
+    def _weight(self, tenant: str) -> float:
+        return self.config.tenant_weights.get(tenant, 1.0)
+
+    def _fits(self, e: _Entry) -> bool:
+        quota = self.config.tenant_quota_tokens.get(e.tenant)
+        if quota is not None and self._tenant_tokens.get(e.tenant, 0) + e.cost_tokens > quota:
+            return False
+        if not self._admitted:
+            return True  # even a request over the whole budget runs, alone
+        return (len(self._admitted) < self.config.max_inflight_requests
+                and self.inflight_tokens + e.cost_tokens <= self.budget_tokens)
+
+    def _admit(self, c: _Class, e: _Entry) -> None:
+        c.charge(e, self._weight(e.tenant))
+        c.served(e)
+        self._admitted[e.request_id] = (e.cost_tokens, e.tenant)
+        self._tenant_tokens[e.tenant] = self._tenant_tokens.get(e.tenant, 0) + e.cost_tokens
         self.inflight_tokens += e.cost_tokens
+
+    def _next_candidate(self) -> _Entry | None:
+        """The queued request served next: the class first (aged priority, then priority), then
+        the smallest start tag among its tenants' heads, skipping tenants at their quota."""
+        now = self.clock()
+        order = sorted((p - int((now - c.oldest()) / self.config.aging_s), p)
+                       for p, c in self._classes.items() if c.num_queued)
+        for _, p in order:
+            heads = [e for e in self._classes[p].heads() if self._within_quota(e)]
+            if heads:
+                return min(heads, key=lambda e: (e.start_tag, e.queued_at))
+        return None
+
+    def _within_quota(self, e: _Entry) -> bool:
+        quota = self.config.tenant_quota_tokens.get(e.tenant)
+        return quota is None or self._tenant_tokens.get(e.tenant, 0) + e.cost_tokens <= quota
 
     def _dispatch(self) -> list[str]:
         admitted: list[str] = []
-        for p in sorted(self._queues):
-            q = self._queues[p]
-            while q and self._fits(q[0].cost_tokens):
-                e = q.popleft()
-                self._admit(e)
-                admitted.append(e.request_id)
-            if q:
-                break
+        while (e := self._next_candidate()) is not None and self._fits(e):
+            self._admit(self._classes[e.priority], e)
+            admitted.append(e.request_id)
         return admitted
 
     def _withdraw_queued(self, request_id: str) -> None:
-        for q in self._queues.values():
-            for e in q:
+        for c in self._classes.values():
+            for e in c.entries():
                 if e.request_id == request_id:
-                    q.remove(e)
+                    c.remove(e)
                     return
 
-    def _queued_ahead(self, priority: int) -> bool:
-        return any(q for p, q in self._queues.items() if p <= priority)
+    def _tokens_before(self, e: _Entry) -> int:
+        """Queued tokens served before `e`: every more important class, and the requests of its
+        own class whose turn starts no later than its."""
+        ahead = 0
+        for p, c in self._classes.items():
+            if p < e.priority:
+                ahead += sum(x.cost_tokens for x in c.entries())
+            elif p == e.priority:
+                ahead += sum(x.cost_tokens for x in c.entries() if x.start_tag <= e.start_tag and x is not e)
+        return ahead
 
-    def _tokens_ahead(self, priority: int) -> int:
-        return sum(e.cost_tokens for p, q in self._queues.items() if p <= priority for e in q)
-
-    def _estimated_wait_s(self, cost_tokens: int, priority: int) -> float | None:
-        if not self._rate_tokens_per_s:
+    def _estimated_wait_s(self, e: _Entry) -> float | None:
+        rate = self.drain_rate()
+        if not rate:
             return None
-        room = self.config.max_inflight_tokens - self.inflight_tokens
-        short = self._tokens_ahead(priority) + cost_tokens - room
-        return max(short, 0) / self._rate_tokens_per_s
+        short = self._tokens_before(e) + e.cost_tokens - (self.budget_tokens - self.inflight_tokens)
+        return max(short, 0) / rate
 
-    def retry_after_s(self, cost_tokens: int, priority: int) -> float:
-        """When a request of this cost would likely get in: the estimated wait from the measured drain rate."""
-        return self._retry_after(cost_tokens, priority)
-
-    def _retry_after(self, cost_tokens: int, priority: int) -> float:
-        wait = self._estimated_wait_s(cost_tokens, priority)
+    def _retry_after(self, e: _Entry) -> float:
+        wait = self._estimated_wait_s(e)
         return min(max(wait or 0.0, self.config.min_retry_after_s), self.config.max_queue_wait_s)
-
-    def _note_drain(self, cost_tokens: int) -> None:
-        """EWMA of tokens released per second (the rate the budget frees up)."""
-        now = self.clock()
-        if self._last_release is not None and now > self._last_release:
-            rate = cost_tokens / (now - self._last_release)
-            prev = self._rate_tokens_per_s
-            self._rate_tokens_per_s = rate if prev is None else 0.8 * prev + 0.2 * rate
-        self._last_release = now

@@ -26,11 +26,13 @@ class WorkerFailed(RequestFailed):
     """A worker failed under the request (not the request's fault): another try may go elsewhere."""
 
     def __init__(self, worker_id: str, code: grpc.StatusCode, message: str, down: bool,
-                 retry_after_s: float | None = None) -> None:
+                 retry_after_s: float | None = None, timed_out: bool = False) -> None:
         super().__init__(code, message, retry_after_s)
         self.worker_id = worker_id
         self.down = down
         """The worker itself is dead or unreachable (it gets no new requests for a while)."""
+        self.timed_out = timed_out
+        """It sent nothing in time; the call is still open (a busy worker may still answer)."""
 
 
 @dataclass

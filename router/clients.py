@@ -57,20 +57,27 @@ def failure_for(worker_id: str, code: grpc.StatusCode, details: str) -> RequestF
 
 
 class WorkerCall:
-    """One call to one worker, read with a timeout per event."""
+    """One call to one worker, read with a timeout per event. A read that times out stays
+    pending (cancelling it would cancel the call): the next `next` goes on waiting for it."""
 
     def __init__(self, raw: RawStream, worker_id: str, deadline: Deadline) -> None:
         self.raw, self.worker_id, self.deadline = raw, worker_id, deadline
+        self._read: asyncio.Future[object] | None = None
 
     async def next(self, cap_s: float, allow_end: bool = False) -> WorkerEvent | None:
-        """The next event; None at the call's clean end when `allow_end`, else that end is a failure."""
+        """The next event; None at the call's clean end when `allow_end`, else that end is a failure.
+        Nothing within `cap_s` raises a `WorkerFailed` with `timed_out` set (the call goes on)."""
         timeout_s = self.deadline.remaining(cap_s)  # raises past the deadline, before a read is made
-        try:
-            ev = await asyncio.wait_for(self.raw.read(), timeout_s)
-        except TimeoutError:
+        read = self._read = self._read or asyncio.ensure_future(self.raw.read())
+        done, _ = await asyncio.wait({read}, timeout=timeout_s)
+        if not done:
             self.deadline.remaining(cap_s)  # raises when it was the request's own deadline
             raise WorkerFailed(self.worker_id, grpc.StatusCode.UNAVAILABLE,
-                               f"{self.worker_id} sent nothing for {cap_s:.0f} s", down=True) from None
+                               f"{self.worker_id} sent nothing for {cap_s:.0f} s", down=True, timed_out=True)
+        if self._read is read:  # (a concurrent `failure_within` may have taken it already)
+            self._read = None
+        try:
+            ev = read.result()
         except grpc.aio.AioRpcError as e:
             raise failure_for(self.worker_id, e.code(), e.details() or "") from None
         if ev is grpc.aio.EOF:
@@ -83,14 +90,20 @@ class WorkerCall:
     async def failure_within(self, wait_s: float) -> RequestFailed | None:
         """The call's failure if it fails within `wait_s` (an event read meanwhile is dropped)."""
         try:
-            await asyncio.wait_for(self.raw.read(), wait_s)
-        except TimeoutError:
-            return None
-        except grpc.aio.AioRpcError as e:
-            return failure_for(self.worker_id, e.code(), e.details() or "")
+            await self.next(wait_s, allow_end=True)
+        except WorkerFailed as e:
+            return None if e.timed_out else e
+        except RequestFailed as e:
+            return e
         return None
 
     def cancel(self) -> None:
+        read, self._read = self._read, None
+        if read is not None:
+            if not read.done():
+                read.cancel()
+            elif not read.cancelled():
+                read.exception()  # retrieved: a failure after the try ended is not logged as lost
         self.raw.cancel()
 
 

@@ -25,7 +25,12 @@ class RouterConfig:
     """Longest a decode worker may take to answer a reservation (its engine thread runs it
     between steps); one that does not is treated as unreachable."""
     decode_idle_timeout_s: float = 60.0
-    """Longest the router waits for the next tokens of a running request."""
+    """Longest the router waits for the next tokens of a running request before it checks
+    the worker: one still heartbeating is busy and waited on (see `busy_wait_s`), one whose
+    heartbeat is gone is dead and the request goes on elsewhere."""
+    busy_wait_s: float = 300.0
+    """Longest a request waits on a worker that still heartbeats but sends it nothing (each
+    of the timeouts above, renewed while the worker is alive); then it ends RESOURCE_EXHAUSTED."""
     index_poll_ms: int = 200
     """How long one read of the workers' KV event streams may block."""
     load_refresh_s: float = 0.5
@@ -51,8 +56,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        if min(self.prefill_timeout_s, self.reserve_timeout_s, self.decode_idle_timeout_s) <= 0:
-            raise ValueError("prefill_timeout_s, reserve_timeout_s and decode_idle_timeout_s must be positive")
+        if min(self.prefill_timeout_s, self.reserve_timeout_s, self.decode_idle_timeout_s, self.busy_wait_s) <= 0:
+            raise ValueError("prefill_timeout_s, reserve_timeout_s, decode_idle_timeout_s and busy_wait_s must be positive")
         if self.no_worker_wait_s < 0:
             raise ValueError(f"no_worker_wait_s must be >= 0, got {self.no_worker_wait_s}")
         if self.max_attempts < 1 or self.worker_down_s < 0:

@@ -25,7 +25,7 @@ from engine.hashing import BlockHasher
 from proto import generate_pb2 as pb
 from proto.convert import finish_name_from_pb, sampling_to_pb
 from router.attempt import Attempt, Deadline, Prepared, Progress, RequestFailed, WorkerFailed
-from router.clients import WorkerCall, WorkerClients
+from router.clients import WorkerCall, WorkerClients, WorkerEvent
 from router.config import RouterConfig
 from router.frontend import Responses, blocks_for
 from router.kv_index import KVIndex
@@ -49,12 +49,26 @@ class RequestFlow:
         self._down: dict[str, float] = {}
         """Worker id -> until when (router clock) it gets no new requests."""
         self._turn = 0
-        self.stats = {"num_local_prefill": 0, "num_remote_prefill": 0, "num_retries": 0}
+        self.stats = {"num_local_prefill": 0, "num_remote_prefill": 0, "num_retries": 0, "num_busy_waits": 0}
 
     def down_workers(self) -> list[str]:
+        """Workers that failed as dead or unreachable lately, or whose heartbeat expired. A down
+        mark outlasts `worker_down_s` while the registry is away: only a heartbeat can clear it."""
         now = self.clock()
+        if self.loads.reachable:
+            self._down = {w: t for w, t in self._down.items() if t > now}
         known = {*self.members.serving("decode"), *self.members.serving("prefill"), *self._down}
-        return sorted(w for w in known if self._down.get(w, 0.0) > now or self.loads.gone(w))
+        return sorted(w for w in known if w in self._down or self.loads.gone(w))
+
+    def cached_tokens(self, prep: Prepared) -> int:
+        """The longest prefix of the prompt some serving worker holds (the KV index's view)."""
+        facts = self.members.facts
+        workers = [*self.members.serving("decode"), *self.members.serving("prefill")]
+        if facts is None or not workers:
+            return 0
+        hashes = self._hasher(facts.model_id, facts.block_size).hash_prompt(prep.token_ids, prep.tenant)
+        best = max(self.index.overlap(hashes, workers).values())
+        return min(best * facts.block_size, max(len(prep.token_ids) - 1, 0))
 
     async def run(self, prep: Prepared, deadline: Deadline, progress: Progress,
                   out: Responses) -> AsyncIterator[pb.GenerateResponse]:
@@ -117,7 +131,7 @@ class RequestFlow:
 
     async def _remote_prefill(self, attempt: Attempt, p: str, decode: WorkerCall, deadline: Deadline,
                               calls: list[WorkerCall]) -> pb.FirstToken:
-        ev = await decode.next(self.config.reserve_timeout_s)
+        ev = await self._next(decode, self.config.reserve_timeout_s)
         if ev.WhichOneof("event") != "reserved":  # type: ignore[union-attr]
             raise RequestFailed(grpc.StatusCode.INTERNAL, f"{decode.worker_id}: expected a reservation first")
         prefill = self.clients.call(p, pb.PrefillRequest(
@@ -126,7 +140,7 @@ class RequestFlow:
             tenant=attempt.tenant, ticket=ev.reserved.ticket), deadline)  # type: ignore[union-attr]
         calls.append(prefill)
         try:
-            ev = await prefill.next(self.config.prefill_timeout_s)
+            ev = await self._next(prefill, self.config.prefill_timeout_s)
         except WorkerFailed as e:
             if not e.down:  # its transfer failed: a dead decode worker fails it too
                 await self._raise_if_dead(decode)
@@ -138,8 +152,8 @@ class RequestFlow:
     async def _arrival(self, prefill: WorkerCall, decode: WorkerCall, progress: Progress, first_at: float) -> None:
         """Waits for D's `arrived` while watching P's call: either side's failure ends the try,
         blamed on P (the writer) unless D itself is gone."""
-        d_next = asyncio.ensure_future(decode.next(self.config.prefill_timeout_s))
-        p_end = asyncio.ensure_future(prefill.next(self.config.prefill_timeout_s, allow_end=True))
+        d_next = asyncio.ensure_future(self._next(decode, self.config.prefill_timeout_s))
+        p_end = asyncio.ensure_future(self._next(prefill, self.config.prefill_timeout_s, allow_end=True))
         try:
             while True:
                 done, _ = await asyncio.wait({d_next, p_end} if not p_end.done() else {d_next},
@@ -161,13 +175,34 @@ class RequestFlow:
         finally:
             for task in (d_next, p_end):
                 if not task.done():
-                    task.cancel()  # cancels that call too: the try is over, or P's part is
+                    task.cancel()  # the read stays pending on its call; `_run` cancels the calls
                 elif not task.cancelled():
                     task.exception()  # retrieved: a failure that lost the race is not logged as lost
         if ev.WhichOneof("event") != "arrived":  # type: ignore[union-attr]
             raise RequestFailed(grpc.StatusCode.INTERNAL, f"{decode.worker_id}: expected the KV's arrival")
         progress.transfer_ms = (time.perf_counter() - first_at) * 1e3
         progress.transfer_window_ms = ev.arrived.transfer_window_ms  # type: ignore[union-attr]
+
+    async def _next(self, call: WorkerCall, cap_s: float, allow_end: bool = False) -> WorkerEvent | None:
+        """`call.next(cap_s)`, except that a worker that sends nothing for `cap_s` but still
+        heartbeats is busy, not dead: the wait goes on (re-checked each `cap_s`) for up to
+        `busy_wait_s` in all, and then the request ends RESOURCE_EXHAUSTED, not retried
+        elsewhere as if the worker had died."""
+        waited = 0.0
+        while True:
+            try:
+                return await call.next(cap_s, allow_end)
+            except WorkerFailed as e:
+                if not e.timed_out or not self.loads.alive(call.worker_id):
+                    raise
+            waited += cap_s
+            self.stats["num_busy_waits"] += 1
+            if waited >= self.config.busy_wait_s:
+                raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"{call.worker_id} is alive but sent nothing for this request in {waited:.0f} s: "
+                                    "the cluster is overloaded; retry later", self.config.busy_wait_s / 10)
+            logger.warning("%s sent nothing for %.0f s but still heartbeats: busy, not dead; waiting on",
+                           call.worker_id, waited)
 
     @staticmethod
     async def _raise_if_dead(decode: WorkerCall) -> None:
@@ -179,7 +214,7 @@ class RequestFlow:
     async def _decode_tokens(self, progress: Progress, out: Responses, decode: WorkerCall,
                              booking: Booking) -> AsyncIterator[pb.GenerateResponse]:
         while True:
-            ev = await decode.next(self.config.decode_idle_timeout_s)
+            ev = await self._next(decode, self.config.decode_idle_timeout_s)
             if ev.WhichOneof("event") != "tokens":  # type: ignore[union-attr]
                 raise RequestFailed(grpc.StatusCode.INTERNAL, f"{decode.worker_id}: expected tokens")
             tokens = ev.tokens  # type: ignore[union-attr]

@@ -102,11 +102,11 @@ def _check_fields(request: pb.GenerateRequest, facts: ModelFacts) -> None:
                                   f"{facts.max_model_len} tokens")
 
 
-def admission_cost(prep: Prepared, max_model_len: int) -> int:
-    """Tokens a request can really hold: its prompt plus the output it can produce before
-    the context ends (a huge max_tokens costs no more than the context allows)."""
+def admission_cost(prep: Prepared, max_model_len: int, cached_tokens: int = 0) -> int:
+    """KV tokens a request can really add: its prompt's uncached tokens plus the output it can
+    produce before the context ends (a huge max_tokens costs no more than the context allows)."""
     n = len(prep.token_ids)
-    return n + max(min(prep.params.max_tokens, max_model_len - n), 0)
+    return n - min(cached_tokens, n) + max(min(prep.params.max_tokens, max_model_len - n), 0)
 
 
 class ItlWindow:

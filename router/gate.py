@@ -22,6 +22,8 @@ class AdmissionGate:
         self.config = config
         self.queue = AdmissionQueue(config, clock)
         self._waiters: dict[str, asyncio.Future[bool]] = {}
+        self.refusals: dict[str, int] = {}
+        """Requests refused, by reason (`Refused.kind`, and `timeout` for a wait that ran out)."""
 
     def waiting(self, request_id: str) -> bool:
         return request_id in self._waiters
@@ -30,10 +32,11 @@ class AdmissionGate:
         """Admits the request (`cost` tokens of the budget) or raises RequestFailed: refused at
         once with a retry hint, its own deadline passed while queued (DEADLINE_EXCEEDED), or the
         queue's wait limit passed (RESOURCE_EXHAUSTED with a hint from the measured drain rate)."""
-        verdict = self.queue.offer(prep.request_id, prep.priority, cost, deadline.at)
+        verdict = self.queue.offer(prep.request_id, prep.priority, cost, deadline.at, prep.tenant)
         if isinstance(verdict, Refused):
-            raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"{verdict.reason}; retry after {verdict.retry_after_s:.1f} s", verdict.retry_after_s)
+            self.refusals[verdict.kind] = self.refusals.get(verdict.kind, 0) + 1
+            hint = "" if verdict.retry_after_s is None else f"; retry after {verdict.retry_after_s:.1f} s"
+            raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, verdict.reason + hint, verdict.retry_after_s)
         if verdict:
             return
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
@@ -54,7 +57,8 @@ class AdmissionGate:
         if deadline.at is not None and deadline.clock() >= deadline.at - 0.01:
             raise RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 "the request's deadline passed while it waited for admission")
-        retry_s = self.queue.retry_after_s(cost, prep.priority)
+        self.refusals["timeout"] = self.refusals.get("timeout", 0) + 1
+        retry_s = self.queue.retry_after_s(cost, prep.priority, prep.tenant)
         raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"waited {self.config.max_queue_wait_s:g} s for admission (the router's queue limit) "
                             f"while the cluster stayed full; retry after {retry_s:.1f} s", retry_s)
@@ -70,6 +74,10 @@ class AdmissionGate:
                 fut.set_result(True)
             elif fut is None:  # left already: give its place back
                 self._wake(self.queue.release(rid))
+
+    def set_capacity(self, kv_tokens: int) -> None:
+        """The decode pool's KV capacity in tokens (0: unknown): the budget follows it."""
+        self._wake(self.queue.set_capacity(kv_tokens))
 
     def expire(self) -> None:
         """Called on a timer: queued requests past their max wait are refused."""

@@ -28,15 +28,28 @@ class LoadBook:
     heartbeats: dict[str, Heartbeat] = field(default_factory=dict)
     _own: dict[str, _Own] = field(default_factory=dict)
     _seen: set[str] = field(default_factory=set)
+    _present: set[str] = field(default_factory=set)
+    reachable: bool = False
+    """The last read of the registry succeeded (heartbeats are current)."""
 
     def set_heartbeats(self, heartbeats: dict[str, Heartbeat] | None) -> None:
-        """The registry's current heartbeats; None when the registry cannot be read (nothing is known)."""
+        """The registry's current heartbeats; None when the registry cannot be read: the workers'
+        load is unknown meanwhile, but who had gone stays gone (the view survives an outage)."""
+        self.reachable = heartbeats is not None
         self.heartbeats = heartbeats or {}
-        self._seen = self._seen | set(self.heartbeats) if heartbeats is not None else set()
+        if heartbeats is not None:
+            self._present = set(heartbeats)
+            self._seen |= self._present
+            if len(self._seen) > 2 * len(self._present) + 1024:  # long gone ones are no members either
+                self._seen = set(self._present)
 
     def gone(self, worker_id: str) -> bool:
         """Its heartbeat was seen and has expired since: the worker stopped (or hangs)."""
-        return worker_id in self._seen and worker_id not in self.heartbeats
+        return worker_id in self._seen and worker_id not in self._present
+
+    def alive(self, worker_id: str) -> bool:
+        """Its heartbeat is in the registry's current read: its engine thread answers (busy, not dead)."""
+        return worker_id in self.heartbeats
 
     def book(self, decode: str, prefill: str | None, prompt_tokens: int, blocks: int) -> Booking:
         """Counts a routed attempt: `prompt_tokens` queued on its prefiller (P, or D for a

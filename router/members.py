@@ -85,6 +85,11 @@ class Members:
     def num_blocks(self) -> dict[str, int]:
         return {w: m.facts.num_total_blocks for w, m in self._members.items()}
 
+    def decode_kv_tokens(self) -> int:
+        """KV capacity of the serving decode pool, in tokens (what admission budgets against)."""
+        return sum(self._members[w].facts.num_total_blocks * self._members[w].facts.block_size
+                   for w in self.serving("decode"))
+
     def max_decode_blocks(self) -> int:
         return max((self._members[w].facts.num_total_blocks for w in self.serving("decode")), default=0)
 

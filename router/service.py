@@ -99,7 +99,8 @@ class RouterService:
         return {"router_id": self.router_id, "address": self.address, **self.generation.stats, **self.flow.stats,
                 "num_admitted": q.num_admitted, "num_queued": q.num_queued,
                 "queued_by_priority": {str(k): v for k, v in q.queued_by_priority().items()},
-                "inflight_tokens": q.inflight_tokens, "redis_healthy": self.feed.healthy,
+                "inflight_tokens": q.inflight_tokens, "budget_tokens": q.budget_tokens,
+                "tenant_tokens": q.tenant_tokens(), "refusals": dict(self.gate.refusals), "redis_healthy": self.feed.healthy,
                 "members": self.members.ids(), "down_workers": self.flow.down_workers(),
                 "index_gaps": self.index.num_gaps, "index_events": self.feed.num_events,
                 "itl_p50_ms": self.generation.itl.p50_ms()}
@@ -108,6 +109,7 @@ class RouterService:
         n = 0
         while True:
             await asyncio.sleep(0.1)
+            self.gate.set_capacity(self.members.decode_kv_tokens())
             self.gate.expire()
             n += 1
             if n % 10 == 0:

@@ -42,7 +42,8 @@ class Generation(pb_grpc.GenerationServicer):
             remaining = context.time_remaining()
             deadline = Deadline(None if remaining is None else self.clock() + remaining, self.clock)
             facts = self.members.facts
-            await self.gate.admit(prep, deadline, admission_cost(prep, facts.max_model_len if facts else 1 << 30))
+            cost = admission_cost(prep, facts.max_model_len if facts else 1 << 30, self.flow.cached_tokens(prep))
+            await self.gate.admit(prep, deadline, cost)
         except RequestFailed as e:
             self.stats["num_refused"] += 1
             await _fail(context, e)

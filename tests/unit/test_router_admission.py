@@ -79,3 +79,99 @@ def test_expire_and_withdraw(clock) -> None:
 def test_config_validation() -> None:
     with pytest.raises(ValueError, match="max_inflight_tokens"):
         AdmissionConfig(max_inflight_tokens=0)
+
+
+def test_capacity_lowers_the_budget_and_a_larger_one_admits_the_queue(clock) -> None:
+    q = queue(clock, max_inflight_tokens=1000)
+    assert q.set_capacity(100) == [] and q.budget_tokens == 100  # the decode pool holds 100 tokens of KV
+    assert q.offer("a", 0, 60, None) is True
+    assert q.offer("b", 0, 60, None) is False  # 120 > the pool: it would wait on a decode worker
+    assert q.set_capacity(200) == ["b"]  # a decode worker joined
+    assert q.set_capacity(0) == [] and q.budget_tokens == 1000  # unknown: the configured budget
+
+
+def test_kv_overcommit_scales_the_capacity(clock) -> None:
+    q = queue(clock, max_inflight_tokens=1000, kv_overcommit=1.5)
+    q.set_capacity(100)
+    assert q.budget_tokens == 150
+
+
+def test_tenants_share_the_budget_fairly_within_a_class(clock) -> None:
+    q = queue(clock, max_inflight_tokens=50)
+    assert q.offer("a0", 0, 50, None, tenant="A") is True
+    for i in range(1, 6):  # A floods first
+        assert q.offer(f"a{i}", 0, 50, None, tenant="A") is False
+    assert q.offer("b0", 0, 50, None, tenant="B") is False
+    assert q.offer("b1", 0, 50, None, tenant="B") is False
+    order, last = [], "a0"
+    for _ in range(7):
+        (last,) = q.release(last)
+        order.append(last)
+    # A already holds the budget, so B goes first, then they alternate: B never waits behind the flood
+    assert order == ["b0", "a1", "b1", "a2", "a3", "a4", "a5"]
+
+
+def test_weights_set_the_shares(clock) -> None:
+    q = queue(clock, max_inflight_tokens=10, tenant_weights={"gold": 3.0})
+    assert q.offer("x", 0, 10, None) is True
+    for i in range(6):
+        assert q.offer(f"g{i}", 0, 10, None, tenant="gold") is False
+        assert q.offer(f"s{i}", 0, 10, None, tenant="silver") is False
+    served, last = [], "x"
+    for _ in range(8):
+        (last,) = q.release(last)
+        served.append(last[0])
+    assert served.count("g") == 6 and served.count("s") == 2  # 3:1 while both wait
+
+
+def test_a_flooding_tenant_is_refused_naming_its_share(clock) -> None:
+    q = queue(clock, max_inflight_tokens=10, max_queued_per_priority=8)
+    q.offer("x", 0, 10, None, tenant="A")
+    for i in range(8):  # alone, A may fill the queue
+        assert q.offer(f"a{i}", 0, 10, None, tenant="A") is False
+    for i in range(4, 8):
+        q.release(f"a{i}")  # four leave the queue
+    assert q.offer("b0", 0, 10, None, tenant="B") is False
+    r = q.offer("a9", 0, 10, None, tenant="A")
+    assert isinstance(r, Refused) and r.kind == "tenant_share"
+    assert ("tenant 'A' already has 4 requests waiting at priority 0, its fair share of that queue (4 of 8 at "
+            "weight 1 of 2)") in r.reason
+    assert q.offer("b1", 0, 10, None, tenant="B") is False  # B still has room in its share
+
+
+def test_a_tenant_quota_caps_its_admitted_tokens(clock) -> None:
+    q = queue(clock, max_inflight_tokens=100, tenant_quota_tokens={"A": 30})
+    assert q.offer("a0", 0, 20, None, tenant="A") is True
+    assert q.offer("a1", 0, 20, None, tenant="A") is False  # 40 > A's quota, though the budget has room
+    assert q.offer("b0", 0, 50, None, tenant="B") is True  # others pass it by
+    r = q.offer("a2", 0, 31, None, tenant="A")
+    assert isinstance(r, Refused) and r.kind == "quota" and r.retry_after_s is None
+    assert q.release("a0") == ["a1"]
+    assert q.tenant_tokens() == {"A": 20, "B": 50}
+
+
+def test_aging_lets_the_least_important_class_progress(clock) -> None:
+    q = queue(clock, max_inflight_tokens=10, aging_s=5.0, max_queue_wait_s=100.0)
+    q.offer("x", 0, 10, None)
+    q.offer("low", 8, 10, None)
+    clock.advance(20.0)  # low has waited 4 agings: it now counts as priority 4
+    q.offer("mid", 5, 10, None)
+    assert q.release("x") == ["low"]
+    q.offer("hi", 3, 10, None)
+    assert q.release("low") == ["hi"]  # aging does not pass a fresher more important class
+
+
+def test_the_wait_estimate_counts_only_what_is_served_first(clock) -> None:
+    q = queue(clock, max_inflight_tokens=100)
+    q.offer("a", 0, 100, None, tenant="A")
+    clock.advance(1.0)
+    q.offer("b", 0, 100, None, tenant="A")
+    q.release("a")
+    clock.advance(1.0)
+    q.offer("c", 0, 100, None, tenant="A")
+    q.release("b")  # 100 tokens/s measured; c runs
+    for i in range(5):  # A queues 500 tokens: ~5 s
+        assert q.offer(f"a{i}", 0, 100, None, tenant="A") is False
+    r = q.offer("late", 0, 100, deadline=clock() + 3.0, tenant="A")
+    assert isinstance(r, Refused) and r.kind == "wait" and "estimated queue wait 6.0 s" in r.reason
+    assert q.offer("b0", 0, 100, deadline=clock() + 3.0, tenant="B") is False  # B's turn comes after 1-2

@@ -30,7 +30,8 @@ from router.policy import RoutingConfig
 
 HANG = "hang"
 Script = list[object]
-"""Events to return in order; an AioRpcError is raised; HANG waits until cancelled; the end is EOF."""
+"""Events to return in order; an AioRpcError is raised; HANG waits until cancelled; a float
+is a pause of that many seconds before the next item; the end is EOF."""
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -49,6 +50,9 @@ class FakeStream:
         if not self.script:
             return grpc.aio.EOF
         item = self.script.pop(0)
+        while isinstance(item, float):
+            await asyncio.sleep(item)
+            item = self.script.pop(0)
         if item == HANG:
             await self._cancel.wait()
             raise rpc_error(grpc.StatusCode.CANCELLED, "cancelled")
@@ -134,15 +138,15 @@ def first_call_then(failing: Callable[[WorkerRequest], Script],
 
 
 def make_flow(scripts: dict[str, Callable[[WorkerRequest], Script]],
-              mode: str = "disaggregated") -> tuple[RequestFlow, FakeStreams]:
+              mode: str = "disaggregated", **config_kw: float) -> tuple[RequestFlow, FakeStreams]:
     members = Members()
     beats = {w: Heartbeat(w, "prefill" if w.startswith("p") else "decode", address=w, model_id="m", block_size=16,
                           vocab_size=1000, max_model_len=512, num_total_blocks=64) for w in scripts}
     members.update(beats)
     loads = LoadBook(members.num_blocks())
     streams = FakeStreams(scripts)
-    config = RouterConfig(routing=RoutingConfig(mode=mode), prefill_timeout_s=5.0, decode_idle_timeout_s=5.0,  # type: ignore[arg-type]
-                          no_worker_wait_s=0.3)
+    config = RouterConfig(**{"routing": RoutingConfig(mode=mode), "prefill_timeout_s": 5.0,  # type: ignore[arg-type]
+                             "decode_idle_timeout_s": 5.0, "no_worker_wait_s": 0.3, **config_kw})
     return RequestFlow(config, members, WorkerClients(streams, members.address), KVIndex(time.monotonic), loads,
                        seed=0), streams
 
@@ -171,7 +175,7 @@ def test_remote_prefill_streams_the_first_token_from_p_and_the_rest_from_d() -> 
     assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert [type(r).__name__ for _, r, _ in streams.calls] == ["DecodeRequest", "PrefillRequest"]
     assert streams.calls[1][1].ticket == b"ticket"  # D's reservation goes to P
-    assert flow.stats == {"num_local_prefill": 0, "num_remote_prefill": 1, "num_retries": 0}
+    assert flow.stats == {"num_local_prefill": 0, "num_remote_prefill": 1, "num_retries": 0, "num_busy_waits": 0}
     assert_settled(flow, streams)
 
 
@@ -313,3 +317,79 @@ def test_the_router_measures_inter_token_latency_for_the_autoscaler() -> None:
     asyncio.run(go())
     assert len(window.samples) == MAX_TOKENS - 1  # one interval per token after the first
     assert window.p50_ms() is not None and window.p50_ms() >= 0
+
+
+def slow_decode(pause_s: float) -> Callable[[WorkerRequest], Script]:
+    """A decode worker that holds the request `pause_s` before its second token (queued behind others)."""
+    def script(req: WorkerRequest) -> Script:
+        events = good_decode(req)
+        return [*events[:2], pause_s, *events[2:]]
+    return script
+
+
+def beating(flow: RequestFlow, *workers: str) -> None:
+    """The registry's current read: these workers heartbeat."""
+    flow.loads.set_heartbeats({w: Heartbeat(w, "decode" if w.startswith("d") else "prefill", num_total_blocks=64,
+                                            num_free_blocks=64) for w in workers})
+
+
+def test_a_busy_decode_worker_that_still_heartbeats_is_waited_on_not_retried() -> None:
+    flow, streams = make_flow({"p0": good_prefill, "d0": slow_decode(0.5), "d1": good_decode},
+                              decode_idle_timeout_s=0.15)
+    flow.members.drain("d1")  # d0 gets the request
+    beating(flow, "p0", "d0", "d1")
+    got, _ = asyncio.run(run(flow))
+    assert got == EXPECTED
+    assert streams.tried() == ["d0", "p0"]  # no retry: the worker was busy, not dead
+    assert flow.stats["num_retries"] == 0 and flow.stats["num_busy_waits"] >= 2
+    assert flow.down_workers() == []
+    assert_settled(flow, streams)
+
+
+def test_a_silent_decode_worker_whose_heartbeat_is_gone_is_dead_and_the_request_moves() -> None:
+    decode = first_call_then(slow_decode(30.0), good_decode)
+    flow, streams = make_flow({"p0": good_prefill, "d0": decode, "d1": decode}, decode_idle_timeout_s=0.15)
+    beating(flow, "p0", "d0", "d1")
+
+    async def go() -> list[int]:
+        async def expire_victim() -> None:
+            while not streams.calls:
+                await asyncio.sleep(0.01)
+            beating(flow, "p0", *({"d0", "d1"} - {streams.tried()[0]}))  # its heartbeat expired
+        expiring = asyncio.create_task(expire_victim())
+        got, _ = await run(flow)
+        await expiring
+        return got
+
+    assert asyncio.run(go()) == EXPECTED
+    victim = streams.tried()[0]
+    assert flow.stats["num_retries"] == 1 and flow.down_workers() == [victim]
+    assert_settled(flow, streams)
+
+
+def test_a_worker_busy_past_busy_wait_s_ends_the_request_resource_exhausted() -> None:
+    flow, streams = make_flow({"p0": good_prefill, "d0": slow_decode(30.0)}, decode_idle_timeout_s=0.1,
+                              busy_wait_s=0.35)
+    beating(flow, "p0", "d0")
+    with pytest.raises(RequestFailed) as e:
+        asyncio.run(run(flow))
+    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "d0 is alive but sent nothing for this request in 0 s" in e.value.message
+    assert flow.stats["num_retries"] == 0 and streams.tried() == ["d0", "p0"]
+    assert_settled(flow, streams)
+
+
+def test_a_down_mark_outlasts_its_time_while_the_registry_is_away(clock) -> None:  # type: ignore[no-untyped-def]
+    dead = lambda req: [rpc_error(grpc.StatusCode.UNAVAILABLE, "failed to connect")]  # noqa: E731
+    flow, streams = make_flow({"d0": dead, "d1": good_decode}, mode="colocated", no_worker_wait_s=0.0)
+    flow.clock = clock
+    beating(flow, "d0", "d1")
+    flow.loads.set_heartbeats(None)  # Redis goes away
+    flow.members.drain("d1")
+    with pytest.raises(RequestFailed):
+        asyncio.run(run(flow))  # d0 fails as unreachable: down
+    assert flow.down_workers() == ["d0"]
+    clock.advance(flow.config.worker_down_s + 60)
+    assert flow.down_workers() == ["d0"]  # no heartbeat could clear it meanwhile
+    beating(flow, "d0", "d1")  # the registry is back and d0 heartbeats: the mark expires as usual
+    assert flow.down_workers() == []

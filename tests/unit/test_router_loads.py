@@ -33,12 +33,15 @@ def test_gone_only_after_a_seen_heartbeat_expires() -> None:
     assert not book.gone("d0")
 
 
-def test_registry_away_forgets_everything() -> None:
-    book = LoadBook({"d0": 20})
-    book.set_heartbeats({"d0": beat("d0", free=2)})
+def test_registry_away_forgets_loads_but_not_who_has_gone() -> None:
+    book = LoadBook({"d0": 20, "d1": 20})
+    book.set_heartbeats({"d0": beat("d0", free=2), "d1": beat("d1")})
+    book.set_heartbeats({"d1": beat("d1")})
+    assert book.reachable and book.alive("d1") and book.gone("d0")
     book.set_heartbeats(None)
-    assert not book.gone("d0")
-    assert book.load("d0").num_free_blocks == 20
+    assert book.gone("d0") and not book.gone("d1")  # the view survives the outage
+    assert not book.reachable and not book.alive("d1")  # busy or dead cannot be told apart now
+    assert book.load("d1").num_free_blocks == 20  # load: the router's own view only
 
 
 def loads(book: LoadBook, worker_id: str) -> tuple[int, int, int]:
