@@ -204,6 +204,25 @@ class LocalCluster:
     def router_stats(self) -> list[dict[str, Any]]:
         return ray.get(self.controller.router_stats.remote(), timeout=60)
 
+    def holdings(self) -> list[str]:
+        """What the cluster still holds for requests, one line each; [] when idle: every live
+        worker has no request, reservation, hand-off or transfer and free + cached = total
+        blocks, and every router has nothing admitted, queued or counted in flight."""
+        held = []
+        for r in self.check_idle():
+            if r.get("dead"):
+                continue
+            u = r["usage"]
+            busy = {k: r.get(k) for k in ("num_unfinished", "num_handed_off", "held_blocks", "num_reservations",
+                                          "num_transfers", "num_streams", "num_waiters") if r.get(k)}
+            if u["num_in_use"] or busy or u["num_free"] + u["num_cached"] != u["num_total"]:
+                held.append(f"worker {r['worker_id']}: {u} {busy}")
+        for s in self.router_stats():
+            books = {k: s[k] for k in ("num_admitted", "num_queued", "inflight_tokens") if s[k]}
+            if books:
+                held.append(f"router {s['router_id']}: {books}")
+        return held
+
     def scale(self, role: str, n: int) -> None:
         """As `splitserve scale` does: the target goes through Redis; the controller takes it on its next tick."""
         client = redis.Redis.from_url(self.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)

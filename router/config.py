@@ -47,6 +47,10 @@ class RouterConfig:
     """With no decode worker to run a try on (all gone, or all failed this request), how long
     the request waits (within its deadline) for one to join, e.g. a replacement, before it
     ends UNAVAILABLE."""
+    max_request_bytes: int = 16 << 20
+    """Largest Generate request accepted (grpc answers a larger one RESOURCE_EXHAUSTED,
+    "received message larger than max"). A text prompt the size of a 128k-token context is
+    about 0.5 MB."""
     tokenizer_dir: str | None = None
     """Directory with the model's tokenizer.json (the model directory); None: prompts
     must come as token ids and stop strings are refused."""
@@ -54,6 +58,8 @@ class RouterConfig:
     """Key of the block hashes: the workers' `cluster_secret`, so the KV index matches them."""
 
     def __post_init__(self) -> None:
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if min(self.prefill_timeout_s, self.reserve_timeout_s, self.decode_idle_timeout_s, self.busy_wait_s) <= 0:

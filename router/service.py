@@ -59,8 +59,9 @@ class RouterService:
     async def start(self, port: int | None = None) -> str:
         """Serves on `port` (default: the configured one; 0 picks a free one) and returns host:port."""
         port = self.config.port if port is None else port
-        server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.config.share_port))])
-        pb_grpc.add_GenerationServicer_to_server(self.generation, server)
+        server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.config.share_port)),
+                                          ("grpc.max_receive_message_length", self.config.max_request_bytes)])
+        self.generation.add_to_server(server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
@@ -22,6 +23,9 @@ from router.gate import AdmissionGate
 from router.members import Members
 
 
+SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
 class Generation(pb_grpc.GenerationServicer):
     def __init__(self, frontend: Frontend, gate: AdmissionGate, flow: RequestFlow, members: Members,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -30,6 +34,26 @@ class Generation(pb_grpc.GenerationServicer):
         self.itl = ItlWindow()
         self.stats = {"num_requests": 0, "num_refused": 0, "num_invalid": 0, "num_prompt_tokens": 0,
                       "num_cached_tokens": 0}
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        """Registers `Generate` taking the request's raw bytes, so a request that is not a valid
+        `GenerateRequest` (bad wire bytes, invalid UTF-8 in a string) is the caller's fault,
+        INVALID_ARGUMENT, rather than grpc's deserialization failure (INTERNAL)."""
+        handlers = {"Generate": grpc.unary_stream_rpc_method_handler(
+            self.GenerateRaw, request_deserializer=None, response_serializer=pb.GenerateResponse.SerializeToString)}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        server.add_registered_method_handlers(SERVICE, handlers)
+
+    async def GenerateRaw(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            request = pb.GenerateRequest.FromString(raw)
+        except DecodeError as e:
+            self.stats["num_invalid"] += 1
+            await _fail(context, RequestFailed(grpc.StatusCode.INVALID_ARGUMENT,
+                                               f"the request is not a valid {SERVICE}.Generate request ({e}); "
+                                               "string fields must be UTF-8"))
+        async for response in self.Generate(request, context):
+            yield response
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         progress = Progress(time.perf_counter())

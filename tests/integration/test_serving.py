@@ -22,6 +22,7 @@ from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from router.admission import AdmissionConfig
 from router.policy import RoutingConfig
+from tests.integration.cluster_checks import assert_idle
 from tests.integration.reference import hf_greedy, make_engine
 
 pytestmark = pytest.mark.timeout(900)
@@ -49,20 +50,6 @@ def stub(cluster: LocalCluster):  # type: ignore[no-untyped-def]
     yield pb_grpc.GenerationStub(channel)
     channel.close()
     assert_idle(cluster)
-
-
-def assert_idle(cluster: LocalCluster, timeout_s: float = 15.0) -> None:
-    """Every worker: no request left, no block in use, held, handed off or under transfer."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        reports = cluster.check_idle()
-        busy = [r for r in reports if r["usage"]["num_in_use"] or r["num_unfinished"] or r["num_handed_off"]
-                or r.get("held_blocks") or r.get("num_transfers") or r.get("num_streams") or r.get("num_waiters")]
-        if not busy:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"workers not idle {timeout_s} s after the test: {busy}")
-        time.sleep(0.2)
 
 
 def generate(stub, prompt: list[int] | str, timeout: float = 60, **sampling) -> list[pb.GenerateResponse]:  # type: ignore[no-untyped-def]
