@@ -56,7 +56,7 @@ def _serve(args: argparse.Namespace) -> int:
                                 gpu_memory_utilization=utilization),
             num_prefill=args.num_prefill, num_decode=args.num_decode, num_routers=args.num_routers,
             gpus_per_worker=gpus, autoscale=_autoscale_config(args),
-            router=RouterConfig(host=args.host, port=args.port,
+            router=RouterConfig(host=args.host, port=args.port, admission=_admission_config(args),
                                 routing=RoutingConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens)),
             redis_url=args.redis_url or "", namespace=args.namespace)
         if secret := cluster_secret():
@@ -122,6 +122,28 @@ def _autoscale_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return AutoscaleConfig(prefill_min=args.min_prefill, prefill_max=max(args.max_prefill, args.num_prefill),
                            decode_min=args.min_decode, decode_max=max(args.max_decode, args.num_decode),
                            ttft_slo_ms=args.ttft_slo_ms, itl_slo_ms=args.itl_slo_ms)
+
+
+def _admission_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """serve's admission flags; raises ValueError with the flag at fault."""
+    from router.admission import AdmissionConfig
+
+    def pairs(values: list[str], flag: str, kind: type) -> dict[str, float]:
+        out = {}
+        for v in values:
+            name, sep, amount = v.rpartition("=")
+            try:
+                out[name] = kind(amount)
+            except ValueError:
+                sep = ""
+            if not sep:
+                raise ValueError(f"{flag} takes TENANT=NUMBER, got {v!r}")
+        return out
+
+    ttft_s = args.ttft_budget_ms / 1e3 if args.ttft_budget_ms is not None else None
+    return AdmissionConfig(max_queue_wait_s=args.max_queue_wait_s, kv_overcommit=args.kv_overcommit, ttft_budget_s=ttft_s,
+                           tenant_weights=pairs(args.tenant_weight, "--tenant-weight", float),
+                           tenant_quota_tokens=pairs(args.tenant_quota, "--tenant-quota", int))
 
 
 def _scale(args: argparse.Namespace) -> int:
@@ -288,6 +310,18 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     s.add_argument("--gpus-per-worker", type=float, default=None,
                    help="GPUs each worker asks Ray for (default 1; 1/N when N workers share a one-GPU machine)")
     s.add_argument("--block-size", type=int, default=16)
+    a = s.add_argument_group("admission (the router's token budget, shared fairly)")
+    a.add_argument("--max-queue-wait-s", type=float, default=30.0,
+                   help="longest a request waits for admission; a longer estimated wait is refused at once")
+    a.add_argument("--ttft-budget-ms", type=float, default=None,
+                   help="keep admitted requests' time to first token within this: the token budget follows "
+                        "measured TTFT and half of it bounds the admission wait (default: no TTFT budget)")
+    a.add_argument("--kv-overcommit", type=float, default=1.0,
+                   help="admitted tokens at most this times the decode pool's KV capacity")
+    a.add_argument("--tenant-weight", action="append", default=[], metavar="TENANT=W",
+                   help="weight of a tenant's fair share (default 1; repeatable)")
+    a.add_argument("--tenant-quota", action="append", default=[], metavar="TENANT=TOKENS",
+                   help="most tokens a tenant may have admitted at once (repeatable)")
     s.set_defaults(func=_serve)
 
 

@@ -316,6 +316,10 @@ class Controller:
                 "decision": self.decision.reason if self.decision else None,
                 "autoscale": self.config.autoscale is not None}
 
+    def worker_info(self) -> list[dict[str, Any]]:
+        """Each worker the controller runs: its info (address, pid, model facts) and state."""
+        return [{**w.info, "state": w.state} for w in self.workers.values()]
+
     def kill_worker(self, worker_id: str) -> None:
         """Ends the worker's process at once, as a crash would (no shutdown, no clean-up)."""
         w = self.workers.get(worker_id)

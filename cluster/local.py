@@ -234,6 +234,10 @@ class LocalCluster:
     def controller_status(self) -> dict[str, Any]:
         return ray.get(self.controller.status.remote(), timeout=60)
 
+    def workers(self) -> list[dict[str, Any]]:
+        """Each worker's info (worker_id, role, address, pid, ...) and state."""
+        return ray.get(self.controller.worker_info.remote(), timeout=60)
+
     def kill_worker(self, worker_id: str) -> None:
         ray.get(self.controller.kill_worker.remote(worker_id), timeout=60)
 

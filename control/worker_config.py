@@ -35,6 +35,9 @@ class WorkerConfig:
     """torch CPU threads per worker (workers share the machine's cores)."""
     host: str = "127.0.0.1"
     """Interface the worker's gRPC and kvfabric listeners bind to."""
+    kv_transport: str | None = None
+    """Force the KV transport of pushes (tcp, shm, cuda_ipc, nccl); None picks by host and
+    device. tcp between workers on one host exercises the cross-host path."""
     kv_lease_s: float = 10.0
     """A reservation not written and renewed within this long is revoked."""
     heartbeat_interval_s: float = 0.5
@@ -51,6 +54,8 @@ class WorkerConfig:
         if self.heartbeat_ttl_s <= self.heartbeat_interval_s:
             raise ValueError(f"heartbeat_ttl_s ({self.heartbeat_ttl_s}) must exceed heartbeat_interval_s "
                              f"({self.heartbeat_interval_s})")
+        if self.kv_transport not in (None, "tcp", "shm", "cuda_ipc", "nccl"):
+            raise ValueError(f"kv_transport must be tcp, shm, cuda_ipc, nccl or None, got {self.kv_transport!r}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
 

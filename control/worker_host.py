@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import time
 from collections.abc import Callable
@@ -111,7 +112,7 @@ class WorkerHost:
 
     def info(self) -> dict[str, object]:
         return {"worker_id": self.worker_id, "role": self.role, "address": self.address, "state": self.state,
-                "incarnation": self.incarnation, **asdict(self.facts)}
+                "incarnation": self.incarnation, "pid": os.getpid(), **asdict(self.facts)}
 
     def publish_events(self, events: list[KVEvent]) -> None:
         if self.publisher:

@@ -72,7 +72,7 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
         self.worker_id = worker_id
         self.config = config
         self.engine = LLMEngine(config.engine_config("prefill"))
-        self.pusher = KVPusher(self.engine, SenderConfig(renew_interval_s=config.kv_lease_s / 4), self._push_ended)
+        self.pusher = KVPusher(self.engine, SenderConfig(renew_interval_s=config.kv_lease_s / 4, transport=config.kv_transport), self._push_ended)
         self.engine.handoff = self.pusher
         self.loop = EngineLoop(self.engine, self._on_outputs, self._hook, name=f"engine-{worker_id}")
         e = self.engine

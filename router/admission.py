@@ -27,6 +27,8 @@ DRAIN_WINDOW = 64
 """Releases the drain rate is measured over."""
 DRAIN_WINDOW_S = 60.0
 """...and at most this far back."""
+TTFT_WINDOW = 16
+"""Admitted requests' times to first token the TTFT steering looks at, at a time."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,13 @@ class AdmissionConfig:
     aging_s: float = 10.0
     """A priority class whose oldest request has waited this long is served as one class
     more important (two after twice as long, and so on)."""
+    ttft_budget_s: float | None = None
+    """A time-to-first-token budget for admitted requests (None: none). Set, the router
+    measures each admitted request's time from admission to its first token and steers the
+    token budget by it: cut by a third when the recent p90 passes half the budget (the other
+    half is the admission wait, bounded to it too), grown back while it stays under a
+    quarter and the budget is what holds requests back. Under overload, what gets in then
+    meets the budget and the rest is refused at once."""
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
     """Tenant -> weight of its fair share within a priority class; tenants not named weigh 1."""
     tenant_quota_tokens: Mapping[str, int] = field(default_factory=dict)
@@ -57,6 +66,8 @@ class AdmissionConfig:
         for name in ("max_inflight_tokens", "max_inflight_requests", "max_queued_per_priority"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.ttft_budget_s is not None and not self.ttft_budget_s > 0:
+            raise ValueError(f"ttft_budget_s must be positive, got {self.ttft_budget_s}")
         if min(self.max_queue_wait_s, self.min_retry_after_s, self.kv_overcommit, self.aging_s) <= 0:
             raise ValueError("max_queue_wait_s, min_retry_after_s, kv_overcommit and aging_s must be positive")
         bad = {t: w for t, w in self.tenant_weights.items() if not w > 0} | \
@@ -143,6 +154,13 @@ class AdmissionQueue:
         self.config = config
         self.clock = clock
         self.budget_tokens = config.max_inflight_tokens
+        self.limit_tokens = config.max_inflight_tokens
+        """The TTFT steering's cap on the budget (`observe_ttft`)."""
+        self._capacity_tokens = config.max_inflight_tokens
+        self._ttfts: list[float] = []
+        self.max_wait_s = min(config.max_queue_wait_s, config.ttft_budget_s / 2) if config.ttft_budget_s \
+            else config.max_queue_wait_s
+        """Longest a request waits in the queue (half the TTFT budget when there is one)."""
         self._classes: dict[int, _Class] = {}
         self._admitted: dict[str, tuple[int, str]] = {}
         """Request id -> (cost, tenant)."""
@@ -193,14 +211,35 @@ class AdmissionQueue:
         budget = self.config.max_inflight_tokens
         if kv_tokens > 0:
             budget = min(budget, max(int(kv_tokens * self.config.kv_overcommit), 1))
-        self.budget_tokens = budget
+        self._capacity_tokens = budget
+        self.budget_tokens = min(budget, self.limit_tokens)
+        return self._dispatch()
+
+    def observe_ttft(self, seconds: float, cost_tokens: int) -> list[str]:
+        """An admitted request got its first token `seconds` after admission; with a TTFT
+        budget, every `TTFT_WINDOW` of them steer the token budget. Returns the requests a
+        larger budget admits now."""
+        budget_s = self.config.ttft_budget_s
+        if budget_s is None:
+            return []
+        self._ttfts.append(seconds)
+        if len(self._ttfts) < TTFT_WINDOW:
+            return []
+        p90 = sorted(self._ttfts)[int(0.9 * (len(self._ttfts) - 1))]
+        self._ttfts = []
+        floor = 4 * cost_tokens
+        if p90 > budget_s / 2:
+            self.limit_tokens = max(int(min(self.limit_tokens, self.inflight_tokens) * 2 / 3), floor)
+        elif p90 < budget_s / 4 and (self.num_queued or self.inflight_tokens >= 0.8 * self.budget_tokens):
+            self.limit_tokens = min(int(self.limit_tokens * 1.25) + cost_tokens, self.config.max_inflight_tokens)
+        self.budget_tokens = min(self._capacity_tokens, self.limit_tokens)
         return self._dispatch()
 
     def expire(self) -> list[str]:
         """Queued requests whose deadline or max wait passed (removed; the caller refuses them)."""
         now = self.clock()
         gone = [e for c in self._classes.values() for e in c.entries()
-                if (e.deadline is not None and e.deadline <= now) or now - e.queued_at >= self.config.max_queue_wait_s]
+                if (e.deadline is not None and e.deadline <= now) or now - e.queued_at >= self.max_wait_s]
         for e in gone:
             self._classes[e.priority].remove(e)
         return [e.request_id for e in gone]
@@ -253,8 +292,7 @@ class AdmissionQueue:
                                f"{weights[e.tenant]:g} of {sum(weights.values()):g})", self._retry_after(e),
                                "tenant_share")
         wait = self._estimated_wait_s(e)
-        can_wait = self.config.max_queue_wait_s if e.deadline is None else min(self.config.max_queue_wait_s,
-                                                                                 e.deadline - e.queued_at)
+        can_wait = self.max_wait_s if e.deadline is None else min(self.max_wait_s, e.deadline - e.queued_at)
         if wait is not None and wait > can_wait:
             return Refused(f"estimated queue wait {wait:.1f} s exceeds the {can_wait:.1f} s this request "
                            f"can wait{self._share_note(e.tenant)}", self._retry_after(e), "wait")
@@ -339,4 +377,4 @@ class AdmissionQueue:
 
     def _retry_after(self, e: _Entry) -> float:
         wait = self._estimated_wait_s(e)
-        return min(max(wait or 0.0, self.config.min_retry_after_s), self.config.max_queue_wait_s)
+        return min(max(wait or 0.0, self.config.min_retry_after_s), self.max_wait_s)

@@ -41,7 +41,7 @@ class AdmissionGate:
             return
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._waiters[prep.request_id] = fut
-        wait_s = deadline.remaining(self.config.max_queue_wait_s)
+        wait_s = deadline.remaining(self.queue.max_wait_s)
         try:
             admitted = await asyncio.wait_for(fut, wait_s + 0.5)  # the queue's own expiry answers first
         except TimeoutError:
@@ -60,7 +60,7 @@ class AdmissionGate:
         self.refusals["timeout"] = self.refusals.get("timeout", 0) + 1
         retry_s = self.queue.retry_after_s(cost, prep.priority, prep.tenant)
         raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"waited {self.config.max_queue_wait_s:g} s for admission (the router's queue limit) "
+                            f"waited {self.queue.max_wait_s:g} s for admission (the router's queue limit) "
                             f"while the cluster stayed full; retry after {retry_s:.1f} s", retry_s)
 
     def release(self, request_id: str) -> None:
@@ -74,6 +74,10 @@ class AdmissionGate:
                 fut.set_result(True)
             elif fut is None:  # left already: give its place back
                 self._wake(self.queue.release(rid))
+
+    def observe_ttft(self, seconds: float, cost_tokens: int) -> None:
+        """An admitted request's first token came `seconds` after its admission (TTFT steering)."""
+        self._wake(self.queue.observe_ttft(seconds, cost_tokens))
 
     def set_capacity(self, kv_tokens: int) -> None:
         """The decode pool's KV capacity in tokens (0: unknown): the budget follows it."""

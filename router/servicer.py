@@ -75,7 +75,11 @@ class Generation(pb_grpc.GenerationServicer):
         try:
             progress.admitted = time.perf_counter()
             out = Responses(prep, progress, self.frontend.detokenizer(prep), self.itl)
+            observed = False
             async for response in self.flow.run(prep, deadline, progress, out):
+                if not observed and progress.first_token:
+                    observed = True
+                    self.gate.observe_ttft(progress.first_token - progress.admitted, cost)
                 yield response
             self._count(prep, progress)
         except RequestFailed as e:

@@ -105,6 +105,10 @@ def test_serve_refuses_a_bad_model_or_a_taken_port_before_starting_anything(tmp_
     r = run(["serve", "--model", str(tmp_path / "nowhere")])
     assert r.returncode == 2 and "error: --model" in r.stderr and "config.json not found" in r.stderr
     assert "Traceback" not in r.stderr
+    r = run(["serve", "--tenant-weight", "gold"])
+    assert r.returncode == 2 and "error: --tenant-weight takes TENANT=NUMBER, got 'gold'" in r.stderr
+    r = run(["serve", "--kv-overcommit", "0"])
+    assert r.returncode == 2 and "kv_overcommit" in r.stderr and "Traceback" not in r.stderr
     import socket
 
     with socket.socket() as taken:

@@ -175,3 +175,33 @@ def test_the_wait_estimate_counts_only_what_is_served_first(clock) -> None:
     r = q.offer("late", 0, 100, deadline=clock() + 3.0, tenant="A")
     assert isinstance(r, Refused) and r.kind == "wait" and "estimated queue wait 6.0 s" in r.reason
     assert q.offer("b0", 0, 100, deadline=clock() + 3.0, tenant="B") is False  # B's turn comes after 1-2
+
+
+def test_ttft_steering_cuts_the_budget_when_admitted_requests_are_slow_and_grows_it_back(clock) -> None:
+    q = queue(clock, max_inflight_tokens=1000, ttft_budget_s=2.0, max_queue_wait_s=30.0)
+    assert q.max_wait_s == 1.0  # half the TTFT budget is for the queue
+    for i in range(10):
+        assert q.offer(f"r{i}", 0, 100, None) is True
+    for _ in range(15):
+        assert q.observe_ttft(1.5, 100) == []  # 1.5 s > half the budget, but the window is not full
+    q.observe_ttft(1.5, 100)
+    assert q.limit_tokens == q.budget_tokens == 666  # two thirds of the 1000 in flight
+    assert q.offer("x", 0, 100, None) is False  # 1000 + 100 > 666: waits
+    for i in range(5):
+        q.release(f"r{i}")  # 500 in flight: x still does not fit under 666? it does: 600
+    assert q.num_admitted == 6 and q.num_queued == 0
+    q.offer("y", 0, 100, None)
+    assert q.num_queued == 1
+    for _ in range(16):
+        woken = q.observe_ttft(0.2, 100)  # fast again while requests wait: the budget grows
+    assert q.limit_tokens == int(666 * 1.25) + 100 and woken == ["y"]
+    for _ in range(40):
+        q.observe_ttft(3.0, 100)
+    assert q.limit_tokens == 400  # never below four requests' worth
+
+
+def test_without_a_ttft_budget_nothing_is_steered(clock) -> None:
+    q = queue(clock, max_inflight_tokens=1000)
+    for _ in range(32):
+        q.observe_ttft(100.0, 100)
+    assert q.limit_tokens == q.budget_tokens == 1000 and q.max_wait_s == 30.0

@@ -1,0 +1,179 @@
+"""Overload: goodput and refusal timing against offered load, with and without a flooding tenant.
+
+On a local cluster (1 prefill + 2 decode workers, tiny model, CPU) whose router may queue a
+request for at most --ttft-budget-s (`max_queue_wait_s`):
+  1. calibrate: the sustainable rate, the completed requests per second of a closed loop;
+  2. Poisson arrivals at each multiple of it in --loads for --seconds each. Per level: offered
+     and completed rates, goodput (completed with TTFT within the budget), refusals and how
+     fast they came back (p50/p99 ms; a refusal is decided at arrival, before any prefill
+     work), TTFT p50/p99 of the admitted, the router's inflight/queued books;
+  3. tenants: B alone at --tenant-b-fraction of the sustainable rate, then A at 20x B's rate
+     alongside it: B's TTFT p99 both ways and their ratio, and how many of A's refusals name
+     its fair share.
+One JSON line per level and per tenant run, each with the config. Ratios, not absolute
+times, are what carry from machine to machine.
+
+    ./dev python benchmarks/overload.py
+    ./dev python benchmarks/overload.py --loads 1 2 5 10 --seconds 20
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from proto import generate_pb2 as pb
+from proto import generate_pb2_grpc as pb_grpc
+
+PROMPT_TOKENS = 1024
+OUTPUT_TOKENS = 8
+"""Prefill-heavy requests: the workers, not the client or the router's event loop, are what saturates."""
+
+
+@dataclass
+class Sent:
+    tenant: str
+    code: str = "OK"
+    ttft_s: float | None = None
+    end_s: float = 0.0
+    details: str = ""
+
+
+async def one(stub: pb_grpc.GenerationStub, rng: random.Random, tenant: str, out: list[Sent]) -> None:
+    prompt = [rng.randrange(3, 500) for _ in range(PROMPT_TOKENS)]  # random: no prefix-cache hits
+    sent = Sent(tenant)
+    out.append(sent)
+    started = time.perf_counter()
+    call = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), tenant=tenant,
+                                            sampling=pb.SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True)),
+                         timeout=120)
+    try:
+        async for response in call:
+            if sent.ttft_s is None and response.token_ids:
+                sent.ttft_s = time.perf_counter() - started
+    except grpc.aio.AioRpcError as e:
+        sent.code, sent.details = e.code().name, e.details() or ""
+    sent.end_s = time.perf_counter() - started
+
+
+async def poisson(target: str, rates: dict[str, float], seconds: float, seed: int) -> list[Sent]:
+    """Open-loop Poisson arrivals per tenant for `seconds`; waits for every request to end."""
+    rng = random.Random(seed)
+    out: list[Sent] = []
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        tasks: list[asyncio.Task[None]] = []
+
+        async def arrivals(tenant: str, rate: float) -> None:
+            end = time.perf_counter() + seconds
+            while (now := time.perf_counter()) < end:
+                tasks.append(asyncio.create_task(one(stub, rng, tenant, out)))
+                await asyncio.sleep(min(rng.expovariate(rate), max(end - now, 0)))
+
+        await asyncio.gather(*(arrivals(t, r) for t, r in rates.items() if r > 0))
+        await asyncio.gather(*tasks)
+    return out
+
+
+async def closed_loop(target: str, concurrency: int, seconds: float) -> float:
+    """Completed requests per second with `concurrency` clients always waiting on one."""
+    rng = random.Random(0)
+    out: list[Sent] = []
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        end = time.perf_counter() + seconds
+
+        async def client() -> None:
+            while time.perf_counter() < end:
+                await one(stub, rng, "", out)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        return sum(s.code == "OK" for s in out) / (time.perf_counter() - started)
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    return round(statistics.quantiles(values, n=100, method="inclusive")[q - 1] * 1e3, 1) if len(values) > 1 \
+        else round(values[0] * 1e3, 1)
+
+
+def summary(sent: list[Sent], seconds: float, budget_s: float) -> dict[str, object]:
+    ok = [s for s in sent if s.code == "OK"]
+    refused = [s for s in sent if s.code == "RESOURCE_EXHAUSTED"]
+    ttfts = [s.ttft_s for s in ok if s.ttft_s is not None]
+    codes: dict[str, int] = {}
+    for s in sent:
+        codes[s.code] = codes.get(s.code, 0) + 1
+    return {"offered_rps": round(len(sent) / seconds, 2), "completed_rps": round(len(ok) / seconds, 2),
+            "goodput_rps": round(sum(t <= budget_s for t in ttfts) / seconds, 2), "by_status": codes,
+            "refusal_ms_p50": pct([s.end_s for s in refused], 50), "refusal_ms_p99": pct([s.end_s for s in refused], 99),
+            "ttft_ms_p50": pct(ttfts, 50), "ttft_ms_p99": pct(ttfts, 99)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--loads", type=float, nargs="+", default=[0.5, 1, 2, 5, 10], help="multiples of the sustainable rate")
+    ap.add_argument("--seconds", type=float, default=15.0, help="per load level")
+    ap.add_argument("--ttft-budget-s", type=float, default=2.0, help="the router's TTFT budget (AdmissionConfig.ttft_budget_s)")
+    ap.add_argument("--tenant-b-fraction", type=float, default=0.2)
+    ap.add_argument("--model", help="model directory (default: a tiny random checkpoint made here)")
+    args = ap.parse_args()
+
+    from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
+    from cluster.local import LocalCluster
+    from engine.tiny_model import make_tiny_model
+    from router.admission import AdmissionConfig
+
+    model = args.model or str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny", arch="llama", seed=0))
+    admission = AdmissionConfig(ttft_budget_s=args.ttft_budget_s)
+    cluster = LocalCluster(ClusterConfig(
+        worker=WorkerConfig(model_dir=model, block_size=16, kv_cache_bytes=8 * 2**20),
+        num_prefill=1, num_decode=2, worker_num_cpus=0.5, router=RouterConfig(port=0, admission=admission)))
+    cluster.start()
+    config = {"cluster": "1 prefill + 2 decode, tiny llama, CPU", "prompt_tokens": PROMPT_TOKENS,
+              "output_tokens": OUTPUT_TOKENS, "ttft_budget_s": args.ttft_budget_s, "seconds": args.seconds,
+              "kv_overcommit": admission.kv_overcommit}
+    try:
+        sustainable = asyncio.run(closed_loop(cluster.address, 32, args.seconds))
+        print(json.dumps({"bench": "overload", "phase": "calibrate", "sustainable_rps": round(sustainable, 2),
+                          **config}), flush=True)
+        for i, load in enumerate(args.loads):
+            sent = asyncio.run(poisson(cluster.address, {"": load * sustainable}, args.seconds, seed=i))
+            s = summary(sent, args.seconds, args.ttft_budget_s)
+            books = cluster.router_stats()[0]
+            print(json.dumps({"bench": "overload", "phase": "load", "load_x": load, **s,
+                              "goodput_vs_sustainable": round(s["goodput_rps"] / sustainable, 2),  # type: ignore[operator]
+                              "router_refusals_so_far": books.get("refusals"),
+                              "router_budget_tokens": books.get("budget_tokens"), **config}), flush=True)
+        b_rate = args.tenant_b_fraction * sustainable
+        alone = asyncio.run(poisson(cluster.address, {"b": b_rate}, args.seconds, seed=100))
+        both = asyncio.run(poisson(cluster.address, {"a": 20 * b_rate, "b": b_rate}, args.seconds, seed=101))
+        b_alone = summary(alone, args.seconds, args.ttft_budget_s)
+        b_flooded = summary([s for s in both if s.tenant == "b"], args.seconds, args.ttft_budget_s)
+        a = [s for s in both if s.tenant == "a"]
+        a_refused = [s for s in a if s.code == "RESOURCE_EXHAUSTED"]
+        ratio = (b_flooded["ttft_ms_p99"] / b_alone["ttft_ms_p99"]  # type: ignore[operator]
+                 if b_flooded["ttft_ms_p99"] and b_alone["ttft_ms_p99"] else None)
+        print(json.dumps({"bench": "overload", "phase": "tenants", "b_rps": round(b_rate, 2),
+                          "a_rps": round(20 * b_rate, 2), "b_alone": b_alone, "b_with_a": b_flooded,
+                          "b_ttft_p99_ratio": round(ratio, 2) if ratio else None,
+                          "a": summary(a, args.seconds, args.ttft_budget_s),
+                          "a_refusals_naming_share": sum("share" in s.details for s in a_refused),
+                          "a_refusals": len(a_refused),
+                          "a_refusal_example": a_refused[0].details if a_refused else None, **config}), flush=True)
+    finally:
+        cluster.stop()
+
+
+if __name__ == "__main__":
+    main()
