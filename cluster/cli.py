@@ -232,7 +232,9 @@ def _status(args: argparse.Namespace) -> int:
     try:
         beats, routers, controller = asyncio.run(read())
     except Exception as e:  # noqa: BLE001 - any Redis failure is reported, not raised
-        print(f"error: cannot read {redis_url}: {e}", file=sys.stderr)
+        print(f"Redis at {redis_url} is away ({e}): the cluster's state cannot be read now. Routers keep "
+              "serving on the membership they last saw; an embedded Redis is started again by its cluster.",
+              file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps({"workers": {w: b.__dict__ for w, b in beats.items()}, "routers": routers,

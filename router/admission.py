@@ -260,6 +260,15 @@ class AdmissionQueue:
         """Admitted tokens per tenant."""
         return dict(self._tenant_tokens)
 
+    def over_share(self, tenant: str) -> bool:
+        """The tenant holds more than its weighted fair share of the admitted tokens (among the
+        tenants holding any): its requests rank one class lower on the workers, so the engines'
+        queues serve the others' admitted requests first."""
+        if len(self._tenant_tokens) < 2 or tenant not in self._tenant_tokens:
+            return False
+        weights = {t: self._weight(t) for t in self._tenant_tokens}
+        return self._tenant_tokens[tenant] / self.inflight_tokens > weights[tenant] / sum(weights.values())
+
     def drain_rate(self) -> float | None:
         """Tokens released per second over the recent releases (None before two of them)."""
         now = self.clock()
@@ -317,8 +326,20 @@ class AdmissionQueue:
             return False
         if not self._admitted:
             return True  # even a request over the whole budget runs, alone
-        return (len(self._admitted) < self.config.max_inflight_requests
-                and self.inflight_tokens + e.cost_tokens <= self.budget_tokens)
+        if len(self._admitted) >= self.config.max_inflight_requests:
+            return False
+        return self.inflight_tokens + e.cost_tokens <= self.budget_tokens or self._fits_by_share(e)
+
+    def _fits_by_share(self, e: _Entry) -> bool:
+        """A tenant under its weighted share of the budget gets in even while others overfill it
+        (up to the KV capacity, never past it): one tenant's flood cannot shut the others out."""
+        if len(self._tenant_tokens) < 1 or set(self._tenant_tokens) == {e.tenant}:
+            return False
+        if self.inflight_tokens + e.cost_tokens > self._capacity_tokens:
+            return False
+        weights = {t: self._weight(t) for t in {*self._tenant_tokens, e.tenant}}
+        share = self.budget_tokens * weights[e.tenant] / sum(weights.values())
+        return self._tenant_tokens.get(e.tenant, 0) + e.cost_tokens <= share
 
     def _admit(self, c: _Class, e: _Entry) -> None:
         c.charge(e, self._weight(e.tenant))
@@ -329,14 +350,16 @@ class AdmissionQueue:
 
     def _next_candidate(self) -> _Entry | None:
         """The queued request served next: the class first (aged priority, then priority), then
-        the smallest start tag among its tenants' heads, skipping tenants at their quota."""
+        the smallest start tag among its tenants' heads, skipping tenants at their quota and
+        preferring heads that fit by their tenant's share."""
         now = self.clock()
         order = sorted((p - int((now - c.oldest()) / self.config.aging_s), p)
                        for p, c in self._classes.items() if c.num_queued)
         for _, p in order:
             heads = [e for e in self._classes[p].heads() if self._within_quota(e)]
             if heads:
-                return min(heads, key=lambda e: (e.start_tag, e.queued_at))
+                owed = [e for e in heads if self._fits_by_share(e)]  # not held up by another tenant's request
+                return min(owed or heads, key=lambda e: (e.start_tag, e.queued_at))
         return None
 
     def _within_quota(self, e: _Entry) -> bool:
@@ -369,6 +392,8 @@ class AdmissionQueue:
         return ahead
 
     def _estimated_wait_s(self, e: _Entry) -> float | None:
+        if self._within_quota(e) and self._fits_by_share(e):
+            return 0.0
         rate = self.drain_rate()
         if not rate:
             return None

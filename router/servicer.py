@@ -8,6 +8,7 @@ client going away cancels the flow, which cancels its worker calls.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -63,11 +64,8 @@ class Generation(pb_grpc.GenerationServicer):
             self.stats["num_invalid" if e.code == grpc.StatusCode.INVALID_ARGUMENT else "num_refused"] += 1
             await _fail(context, e)
         try:
-            remaining = context.time_remaining()
-            deadline = Deadline(None if remaining is None else self.clock() + remaining, self.clock)
-            facts = self.members.facts
-            cost = admission_cost(prep, facts.max_model_len if facts else 1 << 30, self.flow.cached_tokens(prep))
-            await self.gate.admit(prep, deadline, cost)
+            deadline = Deadline(None if (left := context.time_remaining()) is None else self.clock() + left, self.clock)
+            prep, cost = await self._admit(prep, deadline)
         except RequestFailed as e:
             self.stats["num_refused"] += 1
             await _fail(context, e)
@@ -87,6 +85,16 @@ class Generation(pb_grpc.GenerationServicer):
         finally:
             self._active.discard(prep.request_id)
             self.gate.release(prep.request_id)
+
+    async def _admit(self, prep: Prepared, deadline: Deadline) -> tuple[Prepared, int]:
+        """Waits for admission (or raises RequestFailed); returns the request as the workers get
+        it (one class lower when its tenant holds more than its share) and its cost."""
+        facts = self.members.facts
+        cost = admission_cost(prep, facts.max_model_len if facts else 1 << 30, self.flow.cached_tokens(prep))
+        await self.gate.admit(prep, deadline, cost)
+        if self.gate.queue.over_share(prep.tenant):  # the engines' queues serve the other tenants first
+            prep = dataclasses.replace(prep, priority=prep.priority + 1)
+        return prep, cost
 
     def _prepare(self, request: pb.GenerateRequest) -> Prepared:
         rid = request.request_id

@@ -107,6 +107,8 @@ def test_serve_refuses_a_bad_model_or_a_taken_port_before_starting_anything(tmp_
     assert "Traceback" not in r.stderr
     r = run(["serve", "--tenant-weight", "gold"])
     assert r.returncode == 2 and "error: --tenant-weight takes TENANT=NUMBER, got 'gold'" in r.stderr
+    r = run(["status", "--redis-url", "redis://127.0.0.1:1/0"])
+    assert r.returncode == 1 and "Redis at redis://127.0.0.1:1/0 is away" in r.stderr and "Traceback" not in r.stderr
     r = run(["serve", "--kv-overcommit", "0"])
     assert r.returncode == 2 and "kv_overcommit" in r.stderr and "Traceback" not in r.stderr
     import socket

@@ -205,3 +205,31 @@ def test_without_a_ttft_budget_nothing_is_steered(clock) -> None:
     for _ in range(32):
         q.observe_ttft(100.0, 100)
     assert q.limit_tokens == q.budget_tokens == 1000 and q.max_wait_s == 30.0
+
+
+def test_a_tenant_over_its_share_of_the_admitted_tokens_is_marked(clock) -> None:
+    q = queue(clock, max_inflight_tokens=1000, tenant_weights={"gold": 3.0})
+    q.offer("a", 0, 300, None, tenant="A")
+    assert not q.over_share("A")  # alone: the whole budget is its share
+    q.offer("b", 0, 100, None, tenant="B")
+    assert q.over_share("A") and not q.over_share("B")  # 75% held, 50% its share
+    q.offer("g", 0, 600, None, tenant="gold")
+    assert not q.over_share("gold")  # 60% held, 60% its share (3 of 5)
+    assert q.over_share("A") and not q.over_share("B")
+
+
+def test_a_tenant_under_its_share_gets_in_while_another_overfills_the_budget(clock) -> None:
+    q = queue(clock, max_inflight_tokens=1500, ttft_budget_s=1.0)
+    for i in range(10):
+        q.offer(f"a{i}", 0, 100, None, tenant="A")
+    for _ in range(16):
+        q.observe_ttft(2.0, 100)  # A's flood is slow: the budget is cut below what is in flight
+    assert q.budget_tokens == 666 and q.inflight_tokens == 1000
+    assert q.offer("a10", 0, 100, None, tenant="A") is False
+    for i in range(3):  # B holds nothing of its half of the budget: in at once, up to 333 tokens
+        assert q.offer(f"b{i}", 0, 100, None, tenant="B") is True
+    assert q.offer("b3", 0, 100, None, tenant="B") is False
+    assert q.offer("c0", 0, 100, None, tenant="C") is True  # a third of the budget each now
+    assert q.offer("c1", 0, 100, None, tenant="C") is True
+    assert q.inflight_tokens == 1500  # the KV capacity (the configured budget here) is never passed
+    assert q.offer("d0", 0, 100, None, tenant="D") is False
