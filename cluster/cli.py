@@ -53,12 +53,15 @@ def _serve(args: argparse.Namespace) -> int:
         config = ClusterConfig(
             worker=WorkerConfig(model_dir=args.model or str(default_model_dir()), dtype=dtype, device=device,
                                 block_size=args.block_size, kv_cache_bytes=mib * 2**20 if mib else None,
-                                gpu_memory_utilization=utilization),
+                                gpu_memory_utilization=utilization, host=args.worker_host,
+                                advertise_host=args.advertise_host),
             num_prefill=args.num_prefill, num_decode=args.num_decode, num_routers=args.num_routers,
             gpus_per_worker=gpus, autoscale=_autoscale_config(args),
             router=RouterConfig(host=args.host, port=args.port, admission=_admission_config(args),
                                 routing=RoutingConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens)),
-            redis_url=args.redis_url or "", namespace=args.namespace)
+            redis_url=args.redis_url or "", namespace=args.namespace, ray_address=args.ray_address,
+            role_resources={role: {name: 1.0} for role, name in (("prefill", args.prefill_resource),
+                                                                  ("decode", args.decode_resource)) if name})
         if secret := cluster_secret():
             config = dataclasses.replace(config, worker=dataclasses.replace(config.worker, cluster_secret=secret))
         _preflight(config)
@@ -312,6 +315,16 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     s.add_argument("--gpus-per-worker", type=float, default=None,
                    help="GPUs each worker asks Ray for (default 1; 1/N when N workers share a one-GPU machine)")
     s.add_argument("--block-size", type=int, default=16)
+    r = s.add_argument_group("on a Ray cluster (see deploy/)")
+    r.add_argument("--ray-address", help="join this Ray cluster (auto, or the head's HOST:PORT) instead of "
+                                         "starting a local Ray node")
+    r.add_argument("--prefill-resource", metavar="NAME",
+                   help="custom Ray resource each prefill worker asks for (one unit): the node type it runs on")
+    r.add_argument("--decode-resource", metavar="NAME", help="likewise for decode workers")
+    r.add_argument("--worker-host", default="127.0.0.1",
+                   help="interface workers bind their gRPC and KV listeners to (0.0.0.0 for peers on other machines)")
+    r.add_argument("--advertise-host", help="address workers give peers (default: --worker-host, or for 0.0.0.0 "
+                                            "each machine's address on its route to the Redis host)")
     a = s.add_argument_group("admission (the router's token budget, shared fairly)")
     a.add_argument("--max-queue-wait-s", type=float, default=30.0,
                    help="longest a request waits for admission; a longer estimated wait is refused at once")

@@ -37,6 +37,9 @@ class ClusterConfig:
     role_resources: dict[str, dict[str, float]] = field(default_factory=dict)
     """Extra Ray resources per role's actors, e.g. {"prefill": {"prefill": 1}}, so that on a
     real cluster the Ray autoscaler provisions the right node type."""
+    ray_address: str | None = None
+    """Join this Ray cluster ("auto": the one this host belongs to, or head HOST:PORT) instead
+    of starting a private local Ray node."""
     autoscale: AutoscaleConfig | None = None
     """None: pools stay at their targets (`num_prefill`, `num_decode`, `splitserve scale`)."""
     num_routers: int = 1

@@ -25,6 +25,7 @@ first so no new work arrives, then the workers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -149,6 +150,8 @@ class Controller:
                       f"back to {self.targets[role]}")
             return
         w.state = "serving"
+        with contextlib.suppress(TimeoutError, ray.exceptions.RayError):
+            w.info["node_id"] = await await_ref(actor.__ray_call__.remote(_node_id))
         self._act(f"{worker_id} serving at {w.info.get('address')}")
 
     # -- supervision -------------------------------------------------------------------------
@@ -342,6 +345,11 @@ class Controller:
         for a in [*self.routers.values(), *(w.actor for w in self.workers.values())]:
             ray.kill(a)
         await self.reader.close()
+
+
+def _node_id(_actor: Any) -> str:
+    """Runs inside a worker actor: the Ray node it was placed on."""
+    return str(ray.get_runtime_context().get_node_id())
 
 
 async def _quietly(ref: Any) -> None:

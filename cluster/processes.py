@@ -73,7 +73,7 @@ def _worker(args: argparse.Namespace) -> int:
         config = WorkerConfig(model_dir=args.model or str(default_model_dir()), dtype=dtype, device=device,
                               block_size=args.block_size, kv_cache_bytes=mib * 2**20 if mib else None,
                               gpu_memory_utilization=utilization, host=args.host, num_threads=args.num_threads,
-                              model_id=args.model_id)
+                              model_id=args.model_id, advertise_host=args.advertise_host)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -127,6 +127,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     w.add_argument("--model", help="model directory (default: the embedded tiny model)")
     w.add_argument("--model-id", help="name the block hashes are keyed with (default: the directory's name)")
     w.add_argument("--host", default="127.0.0.1", help="interface for the worker's gRPC and kvfabric listeners")
+    w.add_argument("--advertise-host", help="address peers dial to reach this worker (default: --host, or for "
+                                            "0.0.0.0 this machine's address on its route to the Redis host)")
     add_device_flags(w)
     w.add_argument("--gpus-per-worker", type=float, default=1.0, help=argparse.SUPPRESS)
     w.add_argument("--block-size", type=int, default=16)

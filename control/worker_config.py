@@ -1,7 +1,9 @@
 """WorkerConfig: what a prefill or decode worker reads (every field documented, units in names)."""
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
+from urllib.parse import urlparse
 
 from engine.config import CacheConfig, DType, EngineConfig, Role, SchedulerConfig
 
@@ -34,7 +36,10 @@ class WorkerConfig:
     num_threads: int = 1
     """torch CPU threads per worker (workers share the machine's cores)."""
     host: str = "127.0.0.1"
-    """Interface the worker's gRPC and kvfabric listeners bind to."""
+    """Interface the worker's gRPC and kvfabric listeners bind to (0.0.0.0: every one)."""
+    advertise_host: str | None = None
+    """The address peers (routers, prefill workers) dial to reach this worker; None: `host`,
+    or for a wildcard `host` this machine's address on its route to the cluster's Redis."""
     kv_transport: str | None = None
     """Force the KV transport of pushes (tcp, shm, cuda_ipc, nccl); None picks by host and
     device. tcp between workers on one host exercises the cross-host path."""
@@ -45,6 +50,14 @@ class WorkerConfig:
     """A worker whose heartbeat is older than this counts as gone."""
     grace_s: float = 5.0
     """On shutdown, running calls get this long to finish."""
+
+    def advertised_host(self, redis_url: str | None) -> str:
+        """Where peers reach this worker (see `advertise_host`)."""
+        if self.advertise_host:
+            return self.advertise_host
+        if self.host not in ("0.0.0.0", "::", ""):
+            return self.host
+        return route_address(urlparse(redis_url).hostname or "127.0.0.1" if redis_url else "127.0.0.1")
 
     def __post_init__(self) -> None:
         if self.num_threads <= 0:
@@ -70,3 +83,13 @@ class WorkerConfig:
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs),
         )
+
+
+def route_address(toward: str) -> str:
+    """This machine's address on its route to `toward` (a connected UDP socket: no packet is sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((toward, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"

@@ -81,6 +81,7 @@ class WorkerHost:
                  redis_url: str | None, namespace: str) -> None:
         self.worker_id, self.role, self.config, self.facts = worker_id, role, config, facts
         self.read_load = read_load
+        self.redis_url = redis_url
         self.incarnation = secrets.token_hex(8)
         self.state: WorkerState = "starting"
         self.num_late_calls = 0
@@ -96,13 +97,13 @@ class WorkerHost:
         return "splitserve.v1.PrefillWorker" if self.role == "prefill" else "splitserve.v1.DecodeWorker"
 
     async def start(self, add_servicer: Callable[[grpc.aio.Server], None]) -> str:
-        """Serves on `config.host`, a free port; returns the address it advertises."""
+        """Serves on `config.host`, a free port; returns the address it advertises (`advertised_host`)."""
         self.server = grpc.aio.server()
         add_servicer(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
         port = self.server.add_insecure_port(f"{self.config.host}:0")
         await self.server.start()
-        self.address = f"{self.config.host}:{port}"
+        self.address = f"{self.config.advertised_host(self.redis_url)}:{port}"
         await self._health.set(self.service_name, health_pb2.HealthCheckResponse.SERVING)
         self.state = "serving"
         if self.publisher:

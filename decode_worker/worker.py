@@ -58,7 +58,8 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
         self.config = config
         self.allocator = kv_allocator(config.device)
         self.engine = LLMEngine(config.engine_config("decode"), allocator=self.allocator)
-        self.remote = RemoteKV(self.engine, self.allocator, ReceiverConfig(host=config.host, lease_s=config.kv_lease_s))
+        self.remote = RemoteKV(self.engine, self.allocator, ReceiverConfig(
+            host=config.host, advertise_host=config.advertised_host(redis_url), lease_s=config.kv_lease_s))
         self.loop = EngineLoop(self.engine, self._on_outputs, self._hook, name=f"engine-{worker_id}")
         e = self.engine
         facts = ModelFacts(e.model_id, config.block_size, e.model_config.vocab_size, e.max_model_len,

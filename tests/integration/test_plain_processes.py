@@ -3,14 +3,10 @@ processes around a real redis-server. The router finds the workers through their
 greedy output equals the monolithic engine; SIGTERM stops each process cleanly."""
 from __future__ import annotations
 
-import os
 import random
-import re
-import select
 import signal
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
@@ -19,6 +15,7 @@ from cluster.local import EmbeddedRedis
 from engine.request import SamplingParams
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
+from tests.integration.cluster_checks import start_serving
 from tests.integration.reference import make_engine
 
 CLI = [sys.executable, "-m", "cluster.cli"]
@@ -26,21 +23,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def start(args: list[str]) -> tuple[subprocess.Popen, str]:
-    """Starts a CLI process and waits for its 'serving on HOST:PORT' line."""
-    proc = subprocess.Popen(CLI + args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "SPLITSERVE_CLUSTER_SECRET": "plain-test-secret"})
-    deadline = time.monotonic() + 120
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        if select.select([proc.stdout], [], [], 1.0)[0]:
-            line = proc.stdout.readline()
-            found = re.search(r"serving on (\S+:\d+)", line)
-            if found:
-                return proc, found[1]
-            if not line and proc.poll() is not None:
-                break
-    proc.kill()
-    raise AssertionError(f"{args[:2]} did not start (exit code {proc.poll()})")
+    return start_serving(CLI + args, "plain-test-secret")
 
 
 def test_plain_process_workers_serve_through_a_plain_process_router(tiny_llama_dir: str) -> None:

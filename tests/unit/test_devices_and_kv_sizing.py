@@ -46,3 +46,13 @@ def test_no_room_left_says_what_took_it_and_what_to_change() -> None:
     with pytest.raises(ValueError, match=r"in \(0, 1\]"):
         kv_pool_bytes(80 * GIB, GIB, 1.5)
     assert num_blocks_for(10, 2 * 2**20) == 1
+
+
+def test_a_worker_advertises_what_peers_can_dial() -> None:
+    from control.worker_config import WorkerConfig, route_address
+
+    assert WorkerConfig(model_dir="m").advertised_host("redis://10.1.2.3:6379/0") == "127.0.0.1"  # bound to loopback
+    assert WorkerConfig(model_dir="m", host="0.0.0.0").advertised_host("redis://127.0.0.1:6379") == "127.0.0.1"
+    assert WorkerConfig(model_dir="m", host="0.0.0.0", advertise_host="node-7").advertised_host(None) == "node-7"
+    wildcard = WorkerConfig(model_dir="m", host="0.0.0.0").advertised_host("redis://192.0.2.77:6379/0")
+    assert wildcard == route_address("192.0.2.77") and wildcard != "0.0.0.0"  # never the wildcard itself

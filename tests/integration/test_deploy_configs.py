@@ -1,0 +1,56 @@
+"""deploy/*.yaml are valid for the installed Ray (Ray's own validation, not a hand-written
+schema), and the splitserve commands they run are ones our CLI takes, asking for the
+custom resources their node types offer."""
+from __future__ import annotations
+
+import copy
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.autoscaler._private.util import prepare_config, validate_config
+
+from cluster.cli import build_parser
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+def load(name: str) -> dict:
+    return yaml.safe_load((DEPLOY / name).read_text())
+
+
+def test_the_cloud_template_is_valid_for_ray() -> None:
+    validate_config(prepare_config(load("cluster.yaml")))  # the AWS provider's defaults filled in, as `ray up` does
+
+
+def test_the_local_template_is_valid_for_ray_and_a_broken_one_is_not() -> None:
+    config = load("local.yaml")  # complete as written (this Ray wheel ships no fake_multinode defaults)
+    validate_config(config)
+    broken = copy.deepcopy(config)
+    broken["available_node_types"]["decode"]["min_workers"] = "two"
+    with pytest.raises(Exception, match="is not of type 'integer'"):
+        validate_config(broken)
+
+
+def splitserve_commands(config: dict) -> list[list[str]]:
+    out = []
+    for line in config.get("head_start_ray_commands", []):
+        words = shlex.split(line)
+        for i, w in enumerate(words):
+            if w.endswith("/splitserve") or w == "splitserve":
+                out.append([a for a in words[i + 1:] if a not in (">", "2>&1", "&") and not a.startswith("~/")])
+    return out
+
+
+def test_the_head_starts_splitserve_with_flags_that_exist_and_resources_the_nodes_offer() -> None:
+    config = load("cluster.yaml")
+    [argv] = splitserve_commands(config)
+    args = build_parser().parse_args(argv)  # an unknown flag would exit here
+    assert args.ray_address == "auto" and args.host == "0.0.0.0"
+    types = config["available_node_types"]
+    assert args.prefill_resource in types["prefill"]["resources"]
+    assert args.decode_resource in types["decode"]["resources"]
+    assert args.prefill_resource not in types["head"]["resources"]
+    for role in ("prefill", "decode"):  # one worker per GPU
+        assert types[role]["resources"][role] == types[role]["resources"]["GPU"]
