@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from cluster.processes import add_device_flags, cluster_secret, placement
+from cluster.processes import add_device_flags, cluster_secret, placement, redacted
 from cluster.processes import add_parsers as add_process_parsers
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -75,13 +75,15 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         info = cluster.start()
         _state_file().parent.mkdir(parents=True, exist_ok=True)
+        _state_file().touch()
+        _state_file().chmod(0o600)  # it holds the Redis password
         _state_file().write_text(json.dumps({"address": info["address"], "redis_url": cluster.redis_url,
                                              "namespace": args.namespace}))
         print(f"splitserve: serving {config.worker.model_dir} on {info['address']} "
               f"({args.num_prefill} prefill, {args.num_decode} decode on {config.worker.device} "
               f"{config.worker.dtype}, mode {args.mode}"
               + (f", {args.num_routers} routers" if args.num_routers > 1 else "")
-              + f", Redis {cluster.redis_url}); "
+              + f", Redis {redacted(cluster.redis_url)}); "
               f"ready in {time.perf_counter() - started:.1f} s. Ctrl-C stops.", flush=True)
         if not args.model:
             print("splitserve: the embedded default model has random weights, so its text is noise by design; "

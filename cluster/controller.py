@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -72,6 +73,9 @@ class Worker:
 
 class Controller:
     def __init__(self, config: ClusterConfig, redis_url: str) -> None:
+        if not config.worker.cluster_secret:  # none configured: this cluster's own, handed to its workers and routers
+            config = dataclasses.replace(config, worker=dataclasses.replace(config.worker,
+                                                                            cluster_secret=secrets.token_bytes(32)))
         self.config = config
         self.redis_url = redis_url
         self.targets: dict[str, int] = {"prefill": config.num_prefill, "decode": config.num_decode}

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import socket
 import subprocess
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -44,7 +46,8 @@ class PortTaken(RuntimeError):
 
 
 class EmbeddedRedis:
-    """A real redis-server child process on loopback; `url` once started."""
+    """A real redis-server child process on loopback that requires a password (generated here,
+    handed to the server in a 0600 config file, never on a command line); `url` carries it."""
 
     def __init__(self, port: int | None = None) -> None:
         binary = shutil.which("redis-server")
@@ -54,9 +57,14 @@ class EmbeddedRedis:
         self._binary = binary
         self._dir = tempfile.mkdtemp(prefix="splitserve-redis-")
         self._log = os.path.join(self._dir, "redis.log")
+        self._password = secrets.token_urlsafe(24)
+        conf = Path(self._dir) / "redis.conf"
+        conf.touch(mode=0o600)
+        conf.write_text(f"requirepass {self._password}\n")
+        self._conf = str(conf)
         for attempt in (1, 2, 3):
             self.port = port or free_port()
-            self.url = f"redis://127.0.0.1:{self.port}/0"
+            self.url = f"redis://:{self._password}@127.0.0.1:{self.port}/0"
             try:
                 self._spawn()
                 return
@@ -68,7 +76,7 @@ class EmbeddedRedis:
 
     def _spawn(self) -> None:
         self._proc = subprocess.Popen(
-            [self._binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            [self._binary, self._conf, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", self._dir, "--loglevel", "warning", "--logfile", self._log],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # no pipe that nobody drains
         self._wait_ready(timeout_s=10.0)

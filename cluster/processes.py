@@ -7,6 +7,9 @@ import os
 import signal
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from control.worker_config import NO_SECRET
 
 
 def placement(args: argparse.Namespace, num_local_workers: int) -> tuple[str, str, int | None, float, float]:
@@ -32,6 +35,14 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
                    help="KV pool per worker (default: sized from GPU memory on cuda, 256 on cpu)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="share of its GPU a worker may use in all (default 0.9 x its GPU share)")
+
+
+def redacted(url: str) -> str:
+    """A Redis URL fit to print: its password replaced by ***."""
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.replace(parts.password, "***", 1)))
 
 
 def cluster_secret() -> bytes | None:
@@ -78,8 +89,10 @@ def _worker(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     secret = cluster_secret()
-    if secret:
-        config = dataclasses.replace(config, cluster_secret=secret)
+    if not secret:
+        print(f"error: {NO_SECRET}", file=sys.stderr)
+        return 2
+    config = dataclasses.replace(config, cluster_secret=secret)
     worker_id = args.worker_id or f"{args.role}-{secrets.token_hex(3)}"
     if args.role == "prefill":
         from prefill_worker.worker import PrefillWorker as Worker
@@ -89,7 +102,8 @@ def _worker(args: argparse.Namespace) -> int:
 
     async def start() -> str:
         info = await worker.start()
-        return f"splitserve: {args.role} worker {worker_id} serving on {info['address']} (Redis {args.redis_url})"
+        return (f"splitserve: {args.role} worker {worker_id} serving on {info['address']} "
+                f"(Redis {redacted(args.redis_url)})")
 
     return _run_until_signal(start, worker.shutdown)
 
@@ -108,12 +122,15 @@ def _router(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     secret = cluster_secret()
-    if secret:
-        config = dataclasses.replace(config, cluster_secret=secret)
+    if not secret:
+        print(f"error: {NO_SECRET}", file=sys.stderr)
+        return 2
+    config = dataclasses.replace(config, cluster_secret=secret)
     service = RouterService(args.router_id, config, args.redis_url, args.namespace)
 
     async def start() -> str:
-        return f"splitserve: router {args.router_id} serving on {await service.start()} (Redis {args.redis_url})"
+        return (f"splitserve: router {args.router_id} serving on {await service.start()} "
+                f"(Redis {redacted(args.redis_url)})")
 
     return _run_until_signal(start, service.shutdown)
 

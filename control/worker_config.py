@@ -31,8 +31,10 @@ class WorkerConfig:
     model_id: str | None = None
     """Name the block hashes are keyed with; None uses the model directory's name. Set it
     when hosts reach one checkpoint by different paths."""
-    cluster_secret: bytes = b"splitserve-default-secret"
-    """Key of the block hashes: the same on every worker, kept private."""
+    cluster_secret: bytes | None = None
+    """Key of the block hashes: the same on every worker and router of a cluster, known to
+    nobody else. There is no built-in one: a local cluster generates it (`Controller`), plain
+    processes read it from $SPLITSERVE_CLUSTER_SECRET_FILE or $SPLITSERVE_CLUSTER_SECRET."""
     num_threads: int = 1
     """torch CPU threads per worker (workers share the machine's cores)."""
     host: str = "127.0.0.1"
@@ -74,6 +76,8 @@ class WorkerConfig:
 
     def engine_config(self, role: Role) -> EngineConfig:
         """The engine of a worker that serves a router: the router detokenizes."""
+        if not self.cluster_secret:
+            raise ValueError(NO_SECRET)
         return EngineConfig(
             model_dir=self.model_dir, dtype=self.dtype, device=self.device, role=role,
             max_model_len=self.max_model_len, model_id=self.model_id, detokenize=False,
@@ -83,6 +87,10 @@ class WorkerConfig:
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs),
         )
+
+
+NO_SECRET = ("no cluster secret: set SPLITSERVE_CLUSTER_SECRET_FILE (a file only this user can read) or "
+             "SPLITSERVE_CLUSTER_SECRET; every worker and router of one cluster needs the same one")
 
 
 def route_address(toward: str) -> str:

@@ -1,6 +1,8 @@
 """Engine configuration: every field documented, units in names, validated on creation."""
 from __future__ import annotations
 
+import secrets
+
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -23,8 +25,9 @@ class CacheConfig:
     protected_fraction: float = 0.5
     """Share of the pool that cached blocks hit again after they were stored (shared
     prefixes) may keep out of reach of one-off blocks (segmented LRU); 0 is plain LRU."""
-    cluster_secret: bytes = b"splitserve-default-secret"
-    """Key of the block hashes; share it across one cluster, keep it private."""
+    cluster_secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))
+    """Key of the block hashes; one cluster's workers and routers share it, nobody else knows
+    it. By default a random one: a standalone engine's hashes never leave its process."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:

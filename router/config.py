@@ -54,8 +54,9 @@ class RouterConfig:
     tokenizer_dir: str | None = None
     """Directory with the model's tokenizer.json (the model directory); None: prompts
     must come as token ids and stop strings are refused."""
-    cluster_secret: bytes = b"splitserve-default-secret"
-    """Key of the block hashes: the workers' `cluster_secret`, so the KV index matches them."""
+    cluster_secret: bytes | None = None
+    """Key of the block hashes: the workers' `cluster_secret`, so the KV index matches them
+    (required to serve; there is no built-in one)."""
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1024:

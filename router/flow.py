@@ -267,6 +267,7 @@ class RequestFlow:
     def _hasher(self, model_id: str, block_size: int) -> BlockHasher:
         key = (model_id, block_size)
         if key not in self._hashers:
+            assert self.config.cluster_secret, "RouterService checks the secret"
             self._hashers[key] = BlockHasher(self.config.cluster_secret, model_id, block_size)
         return self._hashers[key]
 

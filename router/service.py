@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from control.reader import RegistryReader
+from control.worker_config import NO_SECRET
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from router.clients import GrpcStreams, WorkerClients
@@ -40,6 +41,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 class RouterService:
     def __init__(self, router_id: str, config: RouterConfig, redis_url: str, namespace: str) -> None:
         logging.basicConfig(level=logging.INFO)
+        if not config.cluster_secret:
+            raise ValueError(NO_SECRET)
         self.router_id, self.config = router_id, config
         self.reader = RegistryReader(redis_url, namespace)
         self.members = Members()

@@ -109,6 +109,11 @@ def test_serve_refuses_a_bad_model_or_a_taken_port_before_starting_anything(tmp_
     assert r.returncode == 2 and "error: --tenant-weight takes TENANT=NUMBER, got 'gold'" in r.stderr
     r = run(["status", "--redis-url", "redis://127.0.0.1:1/0"])
     assert r.returncode == 1 and "Redis at redis://127.0.0.1:1/0 is away" in r.stderr and "Traceback" not in r.stderr
+    for command in (["worker", "decode"], ["router"]):  # a plain process never falls back to a built-in secret
+        r = subprocess.run(CLI + [*command, "--redis-url", "redis://127.0.0.1:1/0"], capture_output=True, text=True,
+                           timeout=120, check=False, env={k: v for k, v in os.environ.items()
+                                                          if not k.startswith("SPLITSERVE_CLUSTER_SECRET")})
+        assert r.returncode == 2 and "no cluster secret: set SPLITSERVE_CLUSTER_SECRET_FILE" in r.stderr, r.stderr
     r = run(["serve", "--kv-overcommit", "0"])
     assert r.returncode == 2 and "kv_overcommit" in r.stderr and "Traceback" not in r.stderr
     import socket

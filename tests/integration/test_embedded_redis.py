@@ -46,3 +46,23 @@ def test_another_redis_on_the_port_is_not_mistaken_for_ours() -> None:
             EmbeddedRedis(port=first.port)
     finally:
         first.stop()
+
+
+def test_the_embedded_redis_refuses_a_client_without_its_password() -> None:
+    from pathlib import Path
+
+    from cluster.processes import redacted
+
+    server = EmbeddedRedis()
+    try:
+        assert redis.Redis.from_url(server.url, socket_timeout=2).ping()  # the url carries the password
+        anonymous = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=2)
+        with pytest.raises(redis.AuthenticationError):
+            anonymous.ping()
+        anonymous.close()
+        password = server.url.split(":")[2].split("@")[0]
+        cmdline = Path(f"/proc/{server.pid}/cmdline").read_bytes().decode()
+        assert password not in cmdline  # not on a command line (any local user could read it)
+        assert password not in redacted(server.url) and "***" in redacted(server.url)
+    finally:
+        server.stop()

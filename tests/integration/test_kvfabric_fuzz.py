@@ -94,7 +94,7 @@ def settle(receiver: FabricReceiver, request_id: str) -> None:
     raise AssertionError(f"a reservation was left behind: {len(receiver.table)}")
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
 @given(st.lists(messages(), min_size=1, max_size=6))
 def test_malformed_frames_end_only_their_connection(receiver: FabricReceiver, frames: list[bytes]) -> None:

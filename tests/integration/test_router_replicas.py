@@ -81,6 +81,6 @@ def test_a_lone_router_refuses_a_taken_port(tiny_llama_dir: str) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        service = RouterService("router-x", RouterConfig(port=port), "redis://127.0.0.1:1/0", "t")
+        service = RouterService("router-x", RouterConfig(port=port, cluster_secret=b"x"), "redis://127.0.0.1:1/0", "t")
         with pytest.raises(RuntimeError, match=f"127.0.0.1:{port}: the port is in use"):
             asyncio.run(service.start())

@@ -12,7 +12,7 @@ from control.kv_events import event_from_bytes, event_to_wire
 from engine.block_pool import KVEvent
 from engine.types import BlockHash
 
-FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
 MSGPACK_INTS = st.integers(min_value=-(2**63), max_value=2**64 - 1)
 leaves = st.none() | st.booleans() | MSGPACK_INTS | \

@@ -146,7 +146,8 @@ def make_flow(scripts: dict[str, Callable[[WorkerRequest], Script]],
     loads = LoadBook(members.num_blocks())
     streams = FakeStreams(scripts)
     config = RouterConfig(**{"routing": RoutingConfig(mode=mode), "prefill_timeout_s": 5.0,  # type: ignore[arg-type]
-                             "decode_idle_timeout_s": 5.0, "no_worker_wait_s": 0.3, **config_kw})
+                             "decode_idle_timeout_s": 5.0, "no_worker_wait_s": 0.3,
+                             "cluster_secret": b"flow-test-secret", **config_kw})
     return RequestFlow(config, members, WorkerClients(streams, members.address), KVIndex(time.monotonic), loads,
                        seed=0), streams
 
