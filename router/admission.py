@@ -8,7 +8,7 @@ can start on a decode worker instead of waiting there for room.
 Queued requests wait in priority classes (lower number first). A class ages: for each
 `aging_s` its oldest request waits, the class moves up one, so the least important
 class still progresses. Within a class each tenant has its own FIFO, and tenants are
-served in start-time fair order (`_Class`): a tenant's share of the budget follows its
+served in start-time fair order (`PriorityClass`): a tenant's share of the budget follows its
 weight (`tenant_weights`, default 1) however fast it sends. The request chosen next is
 never bypassed by a smaller one that would fit, so large prompts do not starve.
 
@@ -20,8 +20,10 @@ deadline or `max_queue_wait_s`. A refusal says which and carries a retry-after h
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+
+from router.fair_queue import Entry, PriorityClass
 
 DRAIN_WINDOW = 64
 """Releases the drain rate is measured over."""
@@ -85,70 +87,6 @@ class Refused:
     """queue_full | tenant_share | wait | quota (for the router's stats)."""
 
 
-@dataclass
-class _Entry:
-    request_id: str
-    priority: int
-    tenant: str
-    cost_tokens: int
-    deadline: float | None
-    queued_at: float
-    start_tag: float = 0.0
-    """Start-time fair queueing tag: the class's virtual time its tenant's turn begins."""
-
-
-class _Class:
-    """One priority class: a FIFO per tenant, served in start-time fair order. A tenant's
-    next request starts where its previous one finished in virtual time (cost over weight),
-    or at the class's virtual time if that is later; the smallest start goes first."""
-
-    def __init__(self) -> None:
-        self.fifos: dict[str, deque[_Entry]] = {}
-        self.vtime = 0.0
-        self._finish: dict[str, float] = {}
-        self.num_queued = 0
-
-    def start_tag(self, tenant: str, lead_cap: float) -> float:
-        """A new request's start tag: where the tenant's previous one finishes. A tenant that
-        starts waiting anew has its lead over the class capped (`lead_cap`), so what it ran
-        while the cluster had room is not held against it for long."""
-        finish = self._finish.get(tenant, 0.0)
-        if tenant in self.fifos:
-            return max(self.vtime, finish)
-        return max(self.vtime, min(finish, self.vtime + lead_cap))
-
-    def charge(self, e: _Entry, weight: float) -> None:
-        self._finish[e.tenant] = e.start_tag + e.cost_tokens / weight
-
-    def push(self, e: _Entry) -> None:
-        self.fifos.setdefault(e.tenant, deque()).append(e)
-        self.num_queued += 1
-
-    def remove(self, e: _Entry) -> None:
-        fifo = self.fifos[e.tenant]
-        fifo.remove(e)
-        self.num_queued -= 1
-        if not fifo:
-            del self.fifos[e.tenant]
-
-    def served(self, e: _Entry) -> None:
-        """`e` leaves the queue to run: virtual time moves to its start; stale tags go."""
-        self.vtime = max(self.vtime, e.start_tag)
-        if e in self.fifos.get(e.tenant, ()):
-            self.remove(e)
-        if len(self._finish) > 2 * len(self.fifos) + 64:
-            self._finish = {t: f for t, f in self._finish.items() if f > self.vtime or t in self.fifos}
-
-    def heads(self) -> Iterator[_Entry]:
-        return (fifo[0] for fifo in self.fifos.values())
-
-    def entries(self) -> Iterator[_Entry]:
-        return (e for fifo in self.fifos.values() for e in fifo)
-
-    def oldest(self) -> float:
-        return min(e.queued_at for e in self.heads())
-
-
 class AdmissionQueue:
     def __init__(self, config: AdmissionConfig, clock: Callable[[], float]) -> None:
         self.config = config
@@ -161,7 +99,7 @@ class AdmissionQueue:
         self.max_wait_s = min(config.max_queue_wait_s, config.ttft_budget_s / 2) if config.ttft_budget_s \
             else config.max_queue_wait_s
         """Longest a request waits in the queue (half the TTFT budget when there is one)."""
-        self._classes: dict[int, _Class] = {}
+        self._classes: dict[int, PriorityClass] = {}
         self._admitted: dict[str, tuple[int, str]] = {}
         """Request id -> (cost, tenant)."""
         self._tenant_tokens: dict[str, int] = {}
@@ -176,9 +114,9 @@ class AdmissionQueue:
         if quota is not None and cost_tokens > quota:
             return Refused(f"the request needs {cost_tokens} tokens of the budget, more than tenant {tenant!r}'s "
                            f"quota of {quota}: send a shorter prompt or a smaller max_tokens", None, "quota")
-        c = self._classes.setdefault(priority, _Class())
+        c = self._classes.setdefault(priority, PriorityClass())
         weight = self._weight(tenant)
-        e = _Entry(request_id, priority, tenant, cost_tokens, deadline, self.clock())
+        e = Entry(request_id, priority, tenant, cost_tokens, deadline, self.clock())
         e.start_tag = c.start_tag(tenant, self.budget_tokens / weight)
         refusal = self._refusal(c, e)
         c.push(e)
@@ -279,13 +217,13 @@ class AdmissionQueue:
 
     def retry_after_s(self, cost_tokens: int, priority: int, tenant: str = "") -> float:
         """When a request of this cost would likely get in: its estimated wait were it queued now."""
-        c = self._classes.get(priority) or _Class()
-        e = _Entry("", priority, tenant, cost_tokens, None, self.clock())
+        c = self._classes.get(priority) or PriorityClass()
+        e = Entry("", priority, tenant, cost_tokens, None, self.clock())
         e.start_tag = c.start_tag(tenant, self.budget_tokens / self._weight(tenant))
         return self._retry_after(e)
 
     # -- internals ---------------------------------------------------------------------------
-    def _refusal(self, c: _Class, e: _Entry) -> Refused | None:
+    def _refusal(self, c: PriorityClass, e: Entry) -> Refused | None:
         """Why `e` may not wait in the queue, or None."""
         limit = self.config.max_queued_per_priority
         if c.num_queued >= limit:
@@ -320,7 +258,7 @@ class AdmissionQueue:
     def _weight(self, tenant: str) -> float:
         return self.config.tenant_weights.get(tenant, 1.0)
 
-    def _fits(self, e: _Entry) -> bool:
+    def _fits(self, e: Entry) -> bool:
         quota = self.config.tenant_quota_tokens.get(e.tenant)
         if quota is not None and self._tenant_tokens.get(e.tenant, 0) + e.cost_tokens > quota:
             return False
@@ -330,7 +268,7 @@ class AdmissionQueue:
             return False
         return self.inflight_tokens + e.cost_tokens <= self.budget_tokens or self._fits_by_share(e)
 
-    def _fits_by_share(self, e: _Entry) -> bool:
+    def _fits_by_share(self, e: Entry) -> bool:
         """A tenant under its weighted share of the budget gets in even while others overfill it
         (up to the KV capacity, never past it): one tenant's flood cannot shut the others out."""
         if len(self._tenant_tokens) < 1 or set(self._tenant_tokens) == {e.tenant}:
@@ -341,14 +279,14 @@ class AdmissionQueue:
         share = self.budget_tokens * weights[e.tenant] / sum(weights.values())
         return self._tenant_tokens.get(e.tenant, 0) + e.cost_tokens <= share
 
-    def _admit(self, c: _Class, e: _Entry) -> None:
+    def _admit(self, c: PriorityClass, e: Entry) -> None:
         c.charge(e, self._weight(e.tenant))
         c.served(e)
         self._admitted[e.request_id] = (e.cost_tokens, e.tenant)
         self._tenant_tokens[e.tenant] = self._tenant_tokens.get(e.tenant, 0) + e.cost_tokens
         self.inflight_tokens += e.cost_tokens
 
-    def _next_candidate(self) -> _Entry | None:
+    def _next_candidate(self) -> Entry | None:
         """The queued request served next: the class first (aged priority, then priority), then
         the smallest start tag among its tenants' heads, skipping tenants at their quota and
         preferring heads that fit by their tenant's share."""
@@ -362,7 +300,7 @@ class AdmissionQueue:
                 return min(owed or heads, key=lambda e: (e.start_tag, e.queued_at))
         return None
 
-    def _within_quota(self, e: _Entry) -> bool:
+    def _within_quota(self, e: Entry) -> bool:
         quota = self.config.tenant_quota_tokens.get(e.tenant)
         return quota is None or self._tenant_tokens.get(e.tenant, 0) + e.cost_tokens <= quota
 
@@ -380,7 +318,7 @@ class AdmissionQueue:
                     c.remove(e)
                     return
 
-    def _tokens_before(self, e: _Entry) -> int:
+    def _tokens_before(self, e: Entry) -> int:
         """Queued tokens served before `e`: every more important class, and the requests of its
         own class whose turn starts no later than its."""
         ahead = 0
@@ -391,7 +329,7 @@ class AdmissionQueue:
                 ahead += sum(x.cost_tokens for x in c.entries() if x.start_tag <= e.start_tag and x is not e)
         return ahead
 
-    def _estimated_wait_s(self, e: _Entry) -> float | None:
+    def _estimated_wait_s(self, e: Entry) -> float | None:
         if self._within_quota(e) and self._fits_by_share(e):
             return 0.0
         rate = self.drain_rate()
@@ -400,6 +338,6 @@ class AdmissionQueue:
         short = self._tokens_before(e) + e.cost_tokens - (self.budget_tokens - self.inflight_tokens)
         return max(short, 0) / rate
 
-    def _retry_after(self, e: _Entry) -> float:
+    def _retry_after(self, e: Entry) -> float:
         wait = self._estimated_wait_s(e)
         return min(max(wait or 0.0, self.config.min_retry_after_s), self.max_wait_s)
