@@ -2,7 +2,7 @@
 moment: while queued for admission, while prefilling or its KV is moving, mid-decode, or
 never (it finishes). Afterwards nothing may be left: every pool is free + cached = total,
 no reservation, quarantine, hand-off or transfer remains, the routers' books are zero, and
-/dev/shm holds no more segments than before.
+the workers created no /dev/shm segment beyond their KV pools.
 
     ./dev python benchmarks/abort_storm.py --num-requests 10000      # the issue's storm
     ./dev python benchmarks/abort_storm.py --target HOST:PORT ...    # a cluster already running
@@ -103,8 +103,13 @@ def storm_cluster(model_dir: str):  # type: ignore[no-untyped-def]
         router=RouterConfig(port=0, admission=AdmissionConfig(max_inflight_tokens=2048, max_queued_per_priority=64)))
 
 
-def shm_segments() -> int:
-    return sum(1 for _ in Path("/dev/shm").iterdir())
+def shm_segments(pids: set[int]) -> set[str]:
+    """The kvfabric segments these processes created (their names carry the creator's pid)."""
+    return {p.name for p in Path("/dev/shm").glob("splitserve-kv-*-*") if p.name.split("-")[2] in map(str, pids)}
+
+
+def worker_pids(cluster) -> set[int]:  # type: ignore[no-untyped-def]
+    return {int(w["pid"]) for w in cluster.workers() if w.get("pid")}
 
 
 def main() -> None:
@@ -124,7 +129,8 @@ def main() -> None:
     cluster = LocalCluster(storm_cluster(model))
     cluster.start()
     try:
-        shm_before = shm_segments()
+        pids = worker_pids(cluster)
+        shm_before = shm_segments(pids)
         started = time.perf_counter()
         result = asyncio.run(storm(cluster.address, args.num_requests, args.concurrency, args.seed))
         seconds = time.perf_counter() - started
@@ -132,7 +138,7 @@ def main() -> None:
         deadline = time.monotonic() + 30
         while (held := cluster.holdings()) and time.monotonic() < deadline:
             time.sleep(0.5)
-        shm_grew = shm_segments() - shm_before
+        shm_grew = len(shm_segments(pids) - shm_before)
     finally:
         cluster.stop()
     print(json.dumps({"bench": "abort_storm", "num_requests": args.num_requests, "concurrency": args.concurrency,

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from control.auth import TokenCheck, cluster_token
 from control.heartbeat import Heartbeat, ModelFacts, Role, WorkerState
 from control.publisher import Publisher
 from control.worker_config import WorkerConfig
@@ -98,7 +99,8 @@ class WorkerHost:
 
     async def start(self, add_servicer: Callable[[grpc.aio.Server], None]) -> str:
         """Serves on `config.host`, a free port; returns the address it advertises (`advertised_host`)."""
-        self.server = grpc.aio.server()
+        self.server = grpc.aio.server(interceptors=[TokenCheck(cluster_token(self.config.cluster_secret))]
+                                      if self.config.cluster_secret else None)
         add_servicer(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
         port = self.server.add_insecure_port(f"{self.config.host}:0")

@@ -24,6 +24,7 @@ import grpc
 import msgpack
 import torch
 
+from control.auth import cluster_token
 from control.heartbeat import ModelFacts
 from control.worker_config import WorkerConfig
 from control.worker_host import HostedWorker, WorkerHost, engine_load_reader, next_event, status_for
@@ -59,7 +60,8 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
         self.allocator = kv_allocator(config.device)
         self.engine = LLMEngine(config.engine_config("decode"), allocator=self.allocator)
         self.remote = RemoteKV(self.engine, self.allocator, ReceiverConfig(
-            host=config.host, advertise_host=config.advertised_host(redis_url), lease_s=config.kv_lease_s))
+            host=config.host, advertise_host=config.advertised_host(redis_url), lease_s=config.kv_lease_s,
+            token=cluster_token(config.cluster_secret) if config.cluster_secret else None))
         self.loop = EngineLoop(self.engine, self._on_outputs, self._hook, name=f"engine-{worker_id}")
         e = self.engine
         facts = ModelFacts(e.model_id, config.block_size, e.model_config.vocab_size, e.max_model_len,

@@ -12,6 +12,7 @@ never held while bytes move.
 from __future__ import annotations
 
 import itertools
+import hmac
 import logging
 import secrets
 import socket
@@ -45,6 +46,9 @@ class ReceiverConfig:
     """Bound on any single send, and on a frame that has started arriving."""
     advertise_host: str | None = None
     """Host senders should dial (defaults to `host`)."""
+    token: str | None = None
+    """When set, a sender's hello must show it (the cluster's proof of its secret), else the
+    handshake is refused before any reservation can be opened or byte written."""
 
     def __post_init__(self) -> None:
         for f in ("lease_s", "io_timeout_s"):
@@ -205,6 +209,10 @@ class FabricReceiver:
         if msg["t"] != "hello":
             raise ProtocolError(f"expected hello, got {msg['t']!r:.40}")
         check_message(msg, HELLO)
+        if self.config.token is not None and not hmac.compare_digest(
+                str(msg.get("token", "")).encode(), self.config.token.encode()):
+            conn.send({"t": "hello_err", "field": "token", "error": "the sender did not prove the cluster secret"})
+            raise ProtocolError("handshake refused: the sender did not prove the cluster secret")
         theirs = FabricLayout.from_wire(msg["layout"])
         field = self.layout.first_mismatch(theirs)
         transport = msg["transport"]

@@ -45,6 +45,8 @@ class SenderConfig:
     """tcp: send a CRC32 per frame; the receiver fails the transfer on mismatch."""
     transport: str | None = None
     """Force "shm" or "tcp"; None picks the best one the pair supports."""
+    token: str | None = None
+    """Shown in the hello to receivers that require one (`ReceiverConfig.token`)."""
 
     def __post_init__(self) -> None:
         for f in ("io_timeout_s", "ack_timeout_s", "renew_interval_s"):
@@ -184,6 +186,8 @@ class _Peer:
     def _handshake(self) -> None:
         hello = {"t": "hello", "layout": self.sender.layout.to_wire(), "transport": self.transport,
                  "host_id": local_host_id()}
+        if self.config.token is not None:
+            hello["token"] = self.config.token
         if self.transport == "nccl":
             uid, uid_is_bytes = nccl_unique_id()
             hello["nccl_uid"], hello["nccl_uid_bytes"] = uid, uid_is_bytes

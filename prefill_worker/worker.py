@@ -22,6 +22,7 @@ import grpc
 import msgpack
 import torch
 
+from control.auth import cluster_token
 from control.heartbeat import ModelFacts
 from control.worker_config import WorkerConfig
 from control.worker_host import HostedWorker, WorkerHost, engine_load_reader, next_event, status_for
@@ -72,7 +73,9 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
         self.worker_id = worker_id
         self.config = config
         self.engine = LLMEngine(config.engine_config("prefill"))
-        self.pusher = KVPusher(self.engine, SenderConfig(renew_interval_s=config.kv_lease_s / 4, transport=config.kv_transport), self._push_ended)
+        self.pusher = KVPusher(self.engine, SenderConfig(
+            renew_interval_s=config.kv_lease_s / 4, transport=config.kv_transport,
+            token=cluster_token(config.cluster_secret) if config.cluster_secret else None), self._push_ended)
         self.engine.handoff = self.pusher
         self.loop = EngineLoop(self.engine, self._on_outputs, self._hook, name=f"engine-{worker_id}")
         e = self.engine

@@ -16,6 +16,7 @@ from typing import Protocol
 
 import grpc
 
+from control.auth import TOKEN_METADATA
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from router.attempt import Deadline, RequestFailed, WorkerFailed
@@ -126,16 +127,20 @@ class WorkerClients:
 class GrpcStreams:
     """gRPC channels to workers, one per address, opened on first use."""
 
-    def __init__(self) -> None:
+    def __init__(self, token: str | None = None) -> None:
+        """`token`: the cluster's proof of its secret, shown on every call (`control.auth`)."""
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._metadata = ((TOKEN_METADATA, token),) if token else None
 
     def open(self, address: str, request: WorkerRequest) -> RawStream:
         channel = self._channels.get(address)
         if channel is None:
             channel = self._channels[address] = grpc.aio.insecure_channel(address)
         if isinstance(request, pb.PrefillRequest):
-            return pb_grpc.PrefillWorkerStub(channel).Prefill(request)  # type: ignore[no-any-return]
-        return pb_grpc.DecodeWorkerStub(channel).Decode(request)  # type: ignore[no-any-return]
+            call = pb_grpc.PrefillWorkerStub(channel).Prefill(request, metadata=self._metadata)
+        else:
+            call = pb_grpc.DecodeWorkerStub(channel).Decode(request, metadata=self._metadata)
+        return call  # type: ignore[no-any-return]
 
     async def forget(self, address: str) -> None:
         """A worker left: its channel closes (its calls are cancelled; bounded wait)."""

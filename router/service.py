@@ -18,6 +18,7 @@ import redis
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from control.auth import cluster_token
 from control.reader import RegistryReader
 from control.worker_config import NO_SECRET
 from proto import generate_pb2 as pb
@@ -48,7 +49,7 @@ class RouterService:
         self.members = Members()
         self.index = KVIndex(time.monotonic)
         self.loads = LoadBook({})
-        self.streams = GrpcStreams()
+        self.streams = GrpcStreams(cluster_token(config.cluster_secret))
         self.flow = RequestFlow(config, self.members, WorkerClients(self.streams, self.members.address), self.index,
                                 self.loads)
         self.gate = AdmissionGate(config.admission, time.monotonic)

@@ -1,13 +1,14 @@
 """A short abort storm (benchmarks/abort_storm.py runs the long one): requests through a real
 cluster, each cancelled by its client at a random moment (queued, prefilling, at the first
-token, mid-decode, or never). Afterwards nothing is held anywhere and no shm segment was added."""
+token, mid-decode, or never). Afterwards nothing is held anywhere and the workers added no shm
+segment to their KV pools."""
 from __future__ import annotations
 
 import asyncio
 
 import pytest
 
-from benchmarks.abort_storm import EXPECTED_CODES, shm_segments, storm, storm_cluster
+from benchmarks.abort_storm import EXPECTED_CODES, shm_segments, storm, storm_cluster, worker_pids
 from cluster.local import LocalCluster
 from tests.integration.cluster_checks import assert_idle
 
@@ -18,13 +19,15 @@ def test_an_abort_storm_leaves_nothing_held(tiny_llama_dir: str) -> None:
     cluster = LocalCluster(storm_cluster(tiny_llama_dir))
     cluster.start()
     try:
-        shm_before = shm_segments()
+        pids = worker_pids(cluster)
+        shm_before = shm_segments(pids)
+        assert shm_before  # the decode workers' KV pools
         result = asyncio.run(storm(cluster.address, num_requests=400, concurrency=32, seed=1))
         assert sum(result.sent.values()) == sum(result.ended.values()) == 400
         assert set(result.ended) <= EXPECTED_CODES, result.ended
         assert result.ended["OK"] >= 40 and result.ended["CANCELLED"] >= 200, result.ended
         assert_idle(cluster, timeout_s=30)
-        assert shm_segments() <= shm_before
+        assert shm_segments(pids) == shm_before
         stats = cluster.router_stats()[0]
         assert stats["num_admitted"] == stats["num_queued"] == stats["inflight_tokens"] == 0
     finally:

@@ -145,3 +145,28 @@ def test_a_late_open_after_expiry_is_refused_before_any_byte_moves() -> None:
         sock.close()
     finally:
         receiver.close()
+
+
+def test_a_receiver_with_a_token_refuses_a_sender_that_does_not_show_it() -> None:
+    region = BlockRegion(np.zeros((4, BB), np.uint8))
+    receiver = FabricReceiver(LAYOUT, region, ReceiverConfig(lease_s=5, io_timeout_s=1, token="t0ken"))
+    try:
+        hello = {"t": "hello", "layout": LAYOUT.to_wire(), "transport": "tcp", "host_id": "x"}
+        for shown in ({}, {"token": "wrong"}):
+            sock = socket.create_connection((receiver.address.host, receiver.address.port), timeout=5)
+            sock.sendall(frame({**hello, **shown}))
+            reply = read(sock)
+            assert reply["t"] == "hello_err" and reply["field"] == "token"
+            assert reply["error"] == "the sender did not prove the cluster secret"
+            assert sock.recv(1) == b""  # closed: no reservation can be opened, no byte written
+            sock.close()
+        ticket = receiver.expect("ok", [1], 0)
+        sock = socket.create_connection((receiver.address.host, receiver.address.port), timeout=5)
+        sock.sendall(frame({**hello, "token": "t0ken"}))
+        assert read(sock)["t"] == "hello_ok"
+        sock.sendall(frame({"t": "open", "rid": ticket.reservation_id}))
+        assert read(sock) == {"t": "open_ok", "rid": ticket.reservation_id}
+        sock.close()
+        assert not region.array.any()
+    finally:
+        receiver.close()

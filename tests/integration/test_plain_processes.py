@@ -31,9 +31,11 @@ def test_plain_process_workers_serve_through_a_plain_process_router(tiny_llama_d
     procs: list[subprocess.Popen] = []
     try:
         common = ["--redis-url", redis.url, "--namespace", "plain", "--model", tiny_llama_dir, "--kv-cache-mib", "8"]
+        addresses = {}
         for role, wid in (("decode", "decode-a"), ("prefill", "prefill-a")):
-            proc, _ = start(["worker", role, "--worker-id", wid, *common])
+            proc, addresses[role] = start(["worker", role, "--worker-id", wid, *common])
             procs.append(proc)
+        decode_address = addresses["decode"]
         router, address = start(["router", "--redis-url", redis.url, "--namespace", "plain", "--port", "0",
                                  "--mode", "disaggregated", "--tokenizer", tiny_llama_dir])
         procs.append(router)
@@ -47,6 +49,16 @@ def test_plain_process_workers_serve_through_a_plain_process_router(tiny_llama_d
             got = list(stub.Generate(request, timeout=60))
         assert [t for r in got for t in r.token_ids] == want
         assert (got[-1].route.prefill_worker, got[-1].route.decode_worker) == ("prefill-a", "decode-a")
+        with grpc.insecure_channel(decode_address) as channel:  # straight to the worker, without the secret
+            for metadata in (None, (("x-splitserve-token", "guess"),)):
+                with pytest.raises(grpc.RpcError) as e:
+                    list(pb_grpc.DecodeWorkerStub(channel).Decode(pb.DecodeRequest(
+                        request_id="intruder", prompt_token_ids=prompt), metadata=metadata, timeout=10))
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "only its cluster's routers may call it" in e.value.details()
+            from grpc_health.v1 import health_pb2, health_pb2_grpc
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING  # health checks stay open
     finally:
         for proc in reversed(procs):
             proc.send_signal(signal.SIGTERM)
