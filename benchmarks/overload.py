@@ -6,7 +6,8 @@ request for at most --ttft-budget-s (`max_queue_wait_s`):
   2. Poisson arrivals at each multiple of it in --loads for --seconds each. Per level: offered
      and completed rates, goodput (completed with TTFT within the budget), refusals and how
      fast they came back (p50/p99 ms; a refusal is decided at arrival, before any prefill
-     work), TTFT p50/p99 of the admitted, the router's inflight/queued books;
+     work), TTFT p50/p99 of the admitted, the router's budget and resident memory (bounded:
+     it must not grow with the offered load);
   3. tenants: B alone at --tenant-b-fraction of the sustainable rate, then A at 20x B's rate
      alongside it: B's TTFT p99 both ways and their ratio, and how many of A's refusals name
      its fair share.
@@ -146,7 +147,7 @@ def main() -> None:
     try:
         sustainable = asyncio.run(closed_loop(cluster.address, 32, args.seconds))
         print(json.dumps({"bench": "overload", "phase": "calibrate", "sustainable_rps": round(sustainable, 2),
-                          **config}), flush=True)
+                          "router_rss_mib": cluster.router_stats()[0].get("rss_mib"), **config}), flush=True)
         for i, load in enumerate(args.loads):
             sent = asyncio.run(poisson(cluster.address, {"": load * sustainable}, args.seconds, seed=i))
             s = summary(sent, args.seconds, args.ttft_budget_s)
@@ -154,7 +155,8 @@ def main() -> None:
             print(json.dumps({"bench": "overload", "phase": "load", "load_x": load, **s,
                               "goodput_vs_sustainable": round(s["goodput_rps"] / sustainable, 2),  # type: ignore[operator]
                               "router_refusals_so_far": books.get("refusals"),
-                              "router_budget_tokens": books.get("budget_tokens"), **config}), flush=True)
+                              "router_budget_tokens": books.get("budget_tokens"),
+                              "router_rss_mib": books.get("rss_mib"), **config}), flush=True)
         b_rate = args.tenant_b_fraction * sustainable
         alone = asyncio.run(poisson(cluster.address, {"b": b_rate}, args.seconds, seed=100))
         both = asyncio.run(poisson(cluster.address, {"a": 20 * b_rate, "b": b_rate}, args.seconds, seed=101))

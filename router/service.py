@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
+from pathlib import Path
 
 import grpc
 import redis
@@ -108,7 +110,7 @@ class RouterService:
                 "tenant_tokens": q.tenant_tokens(), "refusals": dict(self.gate.refusals), "redis_healthy": self.feed.healthy,
                 "members": self.members.ids(), "down_workers": self.flow.down_workers(),
                 "index_gaps": self.index.num_gaps, "index_events": self.feed.num_events,
-                "itl_p50_ms": self.generation.itl.p50_ms()}
+                "itl_p50_ms": self.generation.itl.p50_ms(), "rss_mib": _rss_mib()}
 
     async def _tick(self) -> None:
         n = 0
@@ -129,3 +131,12 @@ class RouterService:
         await self.flow.clients.close()
         with contextlib.suppress(redis.RedisError, OSError):
             await self.reader.close()
+
+
+def _rss_mib() -> float:
+    """This process's resident memory (Linux /proc; 0 elsewhere)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return round(pages * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
