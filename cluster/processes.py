@@ -54,6 +54,14 @@ def cluster_secret() -> bytes | None:
     return value.encode() if value else None
 
 
+def required_secret() -> bytes:
+    """A plain process's cluster secret (raises ValueError when none is configured: no built-in one)."""
+    secret = cluster_secret()
+    if not secret:
+        raise ValueError(NO_SECRET)
+    return secret
+
+
 def _run_until_signal(start, stop) -> int:  # type: ignore[no-untyped-def]
     """Runs `await start()` (returns a line to print), then waits for SIGINT/SIGTERM, then `await stop()`."""
     import asyncio
@@ -73,7 +81,6 @@ def _run_until_signal(start, stop) -> int:  # type: ignore[no-untyped-def]
 
 
 def _worker(args: argparse.Namespace) -> int:
-    import dataclasses
     import secrets
 
     from cluster.default_model import default_model_dir
@@ -84,15 +91,11 @@ def _worker(args: argparse.Namespace) -> int:
         config = WorkerConfig(model_dir=args.model or str(default_model_dir()), dtype=dtype, device=device,
                               block_size=args.block_size, kv_cache_bytes=mib * 2**20 if mib else None,
                               gpu_memory_utilization=utilization, host=args.host, num_threads=args.num_threads,
-                              model_id=args.model_id, advertise_host=args.advertise_host)
+                              model_id=args.model_id, advertise_host=args.advertise_host,
+                              cluster_secret=required_secret())
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    secret = cluster_secret()
-    if not secret:
-        print(f"error: {NO_SECRET}", file=sys.stderr)
-        return 2
-    config = dataclasses.replace(config, cluster_secret=secret)
     worker_id = args.worker_id or f"{args.role}-{secrets.token_hex(3)}"
     if args.role == "prefill":
         from prefill_worker.worker import PrefillWorker as Worker
@@ -109,23 +112,17 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _router(args: argparse.Namespace) -> int:
-    import dataclasses
-
     from router.config import RouterConfig
     from router.policy import RoutingConfig
     from router.service import RouterService
 
     try:
         config = RouterConfig(host=args.host, port=args.port, tokenizer_dir=args.tokenizer,
-                              routing=RoutingConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens))
+                              routing=RoutingConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens),
+                              cluster_secret=required_secret())
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    secret = cluster_secret()
-    if not secret:
-        print(f"error: {NO_SECRET}", file=sys.stderr)
-        return 2
-    config = dataclasses.replace(config, cluster_secret=secret)
     service = RouterService(args.router_id, config, args.redis_url, args.namespace)
 
     async def start() -> str:
