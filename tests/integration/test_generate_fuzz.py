@@ -132,6 +132,8 @@ def test_any_generate_request_ends_ok_or_with_the_callers_status(channel: grpc.C
 
 
 def test_the_fuzz_ran_requests_for_real_and_refused_others() -> None:
+    if not OUTCOMES:
+        pytest.skip("counts what the fuzz test above saw: run the module")
     assert OUTCOMES.get("OK", 0) >= 20 and OUTCOMES.get("INVALID_ARGUMENT", 0) >= 20, OUTCOMES
     print(f"\nGenerate fuzz outcomes: {OUTCOMES}")
 

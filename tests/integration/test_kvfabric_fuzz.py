@@ -35,25 +35,41 @@ TYPES = ["open", "renew", "ready", "revoke_ack", "abort", "data", "nccl_data", "
 FIELDS = ["rid", "rids", "runs", "nbytes", "crc32", "first_token_id", "num_tokens", "reason", "t"]
 
 
+OURS = object()
+"""Stands for the example's reservation id, known only once the example runs."""
+
+
 @st.composite
-def messages(draw: st.DrawFn) -> bytes:
-    """One frame: a header map (near the format, or not a map at all), maybe a payload after it."""
-    kind = draw(st.sampled_from(["near", "raw", "garbage"]))
+def messages(draw: st.DrawFn) -> tuple[object, bytes]:
+    """One frame: a header (near the format, a data frame aimed at the example's reservation
+    with block runs in or out of its range, any msgpack value, or garbage bytes) and maybe a
+    payload after it. The header is encoded by `encode`, once the reservation id is known."""
+    kind = draw(st.sampled_from(["near", "ours", "ours", "ours", "raw", "garbage"]))
+    fill = bytes([draw(st.integers(0, 255))])  # payloads are one byte repeated: block-sized random ones overflow
+    payload = fill * draw(st.sampled_from([0, 0, 1, BB - 1, BB, 2 * BB]))  # hypothesis's data budget
     if kind == "garbage":
-        return draw(st.binary(max_size=64))
+        return draw(st.binary(max_size=64)), b""
     if kind == "raw":
-        body = msgpack.packb(draw(values))
-    else:
-        header = {"t": draw(st.sampled_from(TYPES))}
-        header.update(draw(st.dictionaries(st.sampled_from(FIELDS), values, max_size=5)))
-        if draw(st.booleans()):
-            header["rid"] = RID
-        body = msgpack.packb(header)
-    payload = draw(st.binary(max_size=2 * BB)) if draw(st.booleans()) else b""
+        return draw(values), payload
+    if kind == "ours":
+        first, n = draw(st.integers(-1, len(RESERVED))), draw(st.integers(0, len(RESERVED)))
+        payload = fill * (n * BB)
+        return {"t": "data", "rid": OURS, "runs": [[first, n]], "nbytes": n * BB}, payload
+    header = {"t": draw(st.sampled_from(TYPES))}
+    header.update(draw(st.dictionaries(st.sampled_from(FIELDS), values, max_size=5)))
+    if draw(st.booleans()):
+        header["rid"] = OURS
+    return header, payload
+
+
+def encode(message: tuple[object, bytes], rid: int) -> bytes:
+    header, payload = message
+    if isinstance(header, bytes):  # garbage: sent as it is
+        return header
+    if isinstance(header, dict):
+        header = {k: rid if v is OURS else v for k, v in header.items()}
+    body = msgpack.packb(header)
     return struct.pack(">I", len(body)) + body + payload
-
-
-RID = -1  # the example's reservation id, set per example
 
 
 CRASHES: list[str] = []
@@ -84,6 +100,18 @@ def connect(receiver: FabricReceiver) -> socket.socket:
     return sock
 
 
+def until_acked_or_closed(sock: socket.socket) -> None:
+    """Reads replies until the `ready_ack` or the receiver closing the connection (2 s at most)."""
+    sock.settimeout(2.0)
+    while True:
+        head = sock.recv(4, socket.MSG_WAITALL)
+        if len(head) < 4:
+            return
+        (n,) = struct.unpack(">I", head)
+        if msgpack.unpackb(sock.recv(n, socket.MSG_WAITALL)).get("t") == "ready_ack":
+            return
+
+
 def settle(receiver: FabricReceiver, request_id: str) -> None:
     """Ends the example's reservation (whatever state the fuzz left it in) and drains events."""
     receiver.cancel(request_id)
@@ -97,17 +125,18 @@ def settle(receiver: FabricReceiver, request_id: str) -> None:
 @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
 @given(st.lists(messages(), min_size=1, max_size=6))
-def test_malformed_frames_end_only_their_connection(receiver: FabricReceiver, frames: list[bytes]) -> None:
-    global RID
+def test_malformed_frames_end_only_their_connection(receiver: FabricReceiver,
+                                                    frames: list[tuple[object, bytes]]) -> None:
     region = receiver.region.array
     region[RESERVED] = SENTINEL
     sock = connect(receiver)
     ticket = receiver.expect("fuzz", RESERVED, 0)
-    RID = ticket.reservation_id
     try:
-        sock.sendall(frame({"t": "open", "rid": RID}))
+        sock.sendall(frame({"t": "open", "rid": ticket.reservation_id}))
         for f in frames:
-            sock.sendall(f)
+            sock.sendall(encode(f, ticket.reservation_id))
+        sock.sendall(frame({"t": "ready", "rid": ticket.reservation_id, "first_token_id": 1, "num_tokens": 4}))
+        until_acked_or_closed(sock)  # the receiver has handled every frame before the reservation ends
     except OSError:
         pass  # the receiver closed the connection: allowed
     finally:
