@@ -35,6 +35,9 @@ class WorkerFailed(RequestFailed):
         """It sent nothing in time; the call is still open (a busy worker may still answer)."""
 
 
+BlockHashMemo = dict[tuple[str, int], list[bytes]]
+
+
 @dataclass
 class Prepared:
     request_id: str
@@ -42,11 +45,14 @@ class Prepared:
     params: SamplingParams
     priority: int
     tenant: str
+    block_hashes: BlockHashMemo = dataclasses.field(default_factory=dict, compare=False)
+    """The prompt's block hashes per (model id, block size), computed once: at admission
+    (cached prefix) and reused by the first try's routing."""
 
     def attempt(self, n: int, sent: list[int]) -> Attempt:
         """Try `n` (0 first): a later one re-prefills the prompt plus the tokens `sent` and asks for the rest."""
         if n == 0:
-            return Attempt(self.request_id, self.token_ids, self.params, self.tenant, self.priority)
+            return Attempt(self.request_id, self.token_ids, self.params, self.tenant, self.priority, self.block_hashes)
         return Attempt(f"{self.request_id}~{n}", self.token_ids + sent,
                        dataclasses.replace(self.params, max_tokens=self.params.max_tokens - len(sent)),
                        self.tenant, self.priority)
@@ -61,6 +67,8 @@ class Attempt:
     params: SamplingParams
     tenant: str
     priority: int
+    block_hashes: BlockHashMemo = dataclasses.field(default_factory=dict, compare=False)
+    """Its prompt's block hashes per (model id, block size), once computed."""
 
 
 @dataclass

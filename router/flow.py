@@ -21,10 +21,11 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
+from control.heartbeat import ModelFacts
 from engine.hashing import BlockHasher
 from proto import generate_pb2 as pb
 from proto.convert import finish_name_from_pb, sampling_to_pb
-from router.attempt import Attempt, Deadline, Prepared, Progress, RequestFailed, WorkerFailed
+from router.attempt import Attempt, BlockHashMemo, Deadline, Prepared, Progress, RequestFailed, WorkerFailed
 from router.clients import WorkerCall, WorkerClients, WorkerEvent
 from router.config import RouterConfig
 from router.frontend import Responses, blocks_for
@@ -66,7 +67,7 @@ class RequestFlow:
         workers = [*self.members.serving("decode"), *self.members.serving("prefill")]
         if facts is None or not workers:
             return 0
-        hashes = self._hasher(facts.model_id, facts.block_size).hash_prompt(prep.token_ids, prep.tenant)
+        hashes = self._hashes(facts, prep.token_ids, prep.tenant, prep.block_hashes)
         best = max(self.index.overlap(hashes, workers).values())
         return min(best * facts.block_size, max(len(prep.token_ids) - 1, 0))
 
@@ -246,7 +247,7 @@ class RequestFlow:
         if facts is None or not decode_ids:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE,
                                 "every decode worker failed this request or is gone; retry later", 1.0)
-        hashes = self._hasher(facts.model_id, facts.block_size).hash_prompt(attempt.token_ids, attempt.tenant)
+        hashes = self._hashes(facts, attempt.token_ids, attempt.tenant, attempt.block_hashes)
         n, blocks = len(attempt.token_ids), blocks_for(len(attempt.token_ids), facts.block_size)
         down = set(self.down_workers())
         decode_ids = [w for w in decode_ids if w not in down] or decode_ids
@@ -263,6 +264,13 @@ class RequestFlow:
             raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 "no decode worker has free KV blocks for this prompt now; retry after 1.0 s", 1.0)
         return decision, hashes, facts.block_size
+
+    def _hashes(self, facts: ModelFacts, token_ids: list[int], tenant: str, memo: BlockHashMemo) -> list[bytes]:
+        """The prompt's block hashes under these model facts, computed once per prompt (`memo`)."""
+        key = (facts.model_id, facts.block_size)
+        if key not in memo:
+            memo[key] = self._hasher(*key).hash_prompt(token_ids, tenant)
+        return memo[key]
 
     def _hasher(self, model_id: str, block_size: int) -> BlockHasher:
         key = (model_id, block_size)

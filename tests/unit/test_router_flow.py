@@ -394,3 +394,23 @@ def test_a_down_mark_outlasts_its_time_while_the_registry_is_away(clock) -> None
     assert flow.down_workers() == ["d0"]  # no heartbeat could clear it meanwhile
     beating(flow, "d0", "d1")  # the registry is back and d0 heartbeats: the mark expires as usual
     assert flow.down_workers() == []
+
+
+def test_a_prompt_is_hashed_once_for_admission_and_routing(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.hashing import BlockHasher
+
+    calls: list[int] = []
+    real = BlockHasher.hash_prompt
+    monkeypatch.setattr(BlockHasher, "hash_prompt", lambda self, ids, tenant: calls.append(len(ids)) or real(
+        self, ids, tenant))
+    flow, _ = make_flow({"p0": good_prefill, "d0": good_decode})
+    prep = Prepared("r1", PROMPT, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), 0, "")
+    assert flow.cached_tokens(prep) == 0  # the admission's look at the KV index
+    progress = Progress(time.perf_counter())
+
+    async def go() -> None:
+        async for _ in flow.run(prep, Deadline(None), progress, Responses(prep, progress, None)):
+            pass
+
+    asyncio.run(go())
+    assert calls == [len(PROMPT)]  # the first try routed on the hashes admission computed
