@@ -20,7 +20,7 @@ deadline or `max_queue_wait_s`. A refusal says which and carries a retry-after h
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from router.fair_queue import Entry, PriorityClass
@@ -150,8 +150,7 @@ class AdmissionQueue:
         if kv_tokens > 0:
             budget = min(budget, max(int(kv_tokens * self.config.kv_overcommit), 1))
         self._capacity_tokens = budget
-        self.budget_tokens = min(budget, self.limit_tokens)
-        return self._dispatch()
+        return self._rebudget()
 
     def observe_ttft(self, seconds: float, cost_tokens: int) -> list[str]:
         """An admitted request got its first token `seconds` after admission; with a TTFT
@@ -170,6 +169,10 @@ class AdmissionQueue:
             self.limit_tokens = max(int(min(self.limit_tokens, self.inflight_tokens) * 2 / 3), floor)
         elif p90 < budget_s / 4 and (self.num_queued or self.inflight_tokens >= 0.8 * self.budget_tokens):
             self.limit_tokens = min(int(self.limit_tokens * 1.25) + cost_tokens, self.config.max_inflight_tokens)
+        return self._rebudget()
+
+    def _rebudget(self) -> list[str]:
+        """The budget is the KV capacity's, capped by the TTFT steering; returns what it admits now."""
         self.budget_tokens = min(self._capacity_tokens, self.limit_tokens)
         return self._dispatch()
 
@@ -204,8 +207,7 @@ class AdmissionQueue:
         queues serve the others' admitted requests first."""
         if len(self._tenant_tokens) < 2 or tenant not in self._tenant_tokens:
             return False
-        weights = {t: self._weight(t) for t in self._tenant_tokens}
-        return self._tenant_tokens[tenant] / self.inflight_tokens > weights[tenant] / sum(weights.values())
+        return self._tenant_tokens[tenant] / self.inflight_tokens > self._fair_share(tenant, self._tenant_tokens)[0]
 
     def drain_rate(self) -> float | None:
         """Tokens released per second over the recent releases (None before two of them)."""
@@ -231,13 +233,12 @@ class AdmissionQueue:
                            f"waiting)", self._retry_after(e), "queue_full")
         mine = len(c.fifos.get(e.tenant, ()))
         if mine and len(c.fifos) > 1:  # others wait too: each tenant gets its share of the queue
-            weights = {t: self._weight(t) for t in [*c.fifos, e.tenant]}
-            share = max(int(limit * weights[e.tenant] / sum(weights.values())), 1)
+            fraction, total = self._fair_share(e.tenant, c.fifos)
+            share = max(int(limit * fraction), 1)
             if mine >= share:
                 return Refused(f"tenant {e.tenant!r} already has {mine} requests waiting at priority {e.priority}, "
                                f"its fair share of that queue ({share} of {limit} at weight "
-                               f"{weights[e.tenant]:g} of {sum(weights.values()):g})", self._retry_after(e),
-                               "tenant_share")
+                               f"{self._weight(e.tenant):g} of {total:g})", self._retry_after(e), "tenant_share")
         wait = self._estimated_wait_s(e)
         can_wait = self.max_wait_s if e.deadline is None else min(self.max_wait_s, e.deadline - e.queued_at)
         if wait is not None and wait > can_wait:
@@ -250,17 +251,20 @@ class AdmissionQueue:
         other tenants are admitted too."""
         if len(self._tenant_tokens) < 2 or tenant not in self._tenant_tokens:
             return ""
-        weights = {t: self._weight(t) for t in self._tenant_tokens}
-        share = weights[tenant] / sum(weights.values())
+        share = self._fair_share(tenant, self._tenant_tokens)[0]
         held = self._tenant_tokens[tenant] / max(self.inflight_tokens, 1)
         return f"; tenant {tenant!r} holds {held:.0%} of the admitted tokens, its fair share is {share:.0%}"
 
     def _weight(self, tenant: str) -> float:
         return self.config.tenant_weights.get(tenant, 1.0)
 
+    def _fair_share(self, tenant: str, among: Iterable[str]) -> tuple[float, float]:
+        """The tenant's weighted fraction among these tenants and itself, and their total weight."""
+        total = sum(self._weight(t) for t in {*among, tenant})
+        return self._weight(tenant) / total, total
+
     def _fits(self, e: Entry) -> bool:
-        quota = self.config.tenant_quota_tokens.get(e.tenant)
-        if quota is not None and self._tenant_tokens.get(e.tenant, 0) + e.cost_tokens > quota:
+        if not self._within_quota(e):
             return False
         if not self._admitted:
             return True  # even a request over the whole budget runs, alone
@@ -275,8 +279,7 @@ class AdmissionQueue:
             return False
         if self.inflight_tokens + e.cost_tokens > self._capacity_tokens:
             return False
-        weights = {t: self._weight(t) for t in {*self._tenant_tokens, e.tenant}}
-        share = self.budget_tokens * weights[e.tenant] / sum(weights.values())
+        share = self.budget_tokens * self._fair_share(e.tenant, self._tenant_tokens)[0]
         return self._tenant_tokens.get(e.tenant, 0) + e.cost_tokens <= share
 
     def _admit(self, c: PriorityClass, e: Entry) -> None:

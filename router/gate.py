@@ -9,6 +9,7 @@ back exactly once.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Callable
 
 import grpc
@@ -22,7 +23,7 @@ class AdmissionGate:
         self.config = config
         self.queue = AdmissionQueue(config, clock)
         self._waiters: dict[str, asyncio.Future[bool]] = {}
-        self.refusals: dict[str, int] = {}
+        self.refusals: Counter[str] = Counter()
         """Requests refused, by reason (`Refused.kind`, and `timeout` for a wait that ran out)."""
 
     def waiting(self, request_id: str) -> bool:
@@ -34,7 +35,7 @@ class AdmissionGate:
         queue's wait limit passed (RESOURCE_EXHAUSTED with a hint from the measured drain rate)."""
         verdict = self.queue.offer(prep.request_id, prep.priority, cost, deadline.at, prep.tenant)
         if isinstance(verdict, Refused):
-            self.refusals[verdict.kind] = self.refusals.get(verdict.kind, 0) + 1
+            self.refusals[verdict.kind] += 1
             hint = "" if verdict.retry_after_s is None else f"; retry after {verdict.retry_after_s:.1f} s"
             raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, verdict.reason + hint, verdict.retry_after_s)
         if verdict:
@@ -57,7 +58,7 @@ class AdmissionGate:
         if deadline.at is not None and deadline.clock() >= deadline.at - 0.01:
             raise RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 "the request's deadline passed while it waited for admission")
-        self.refusals["timeout"] = self.refusals.get("timeout", 0) + 1
+        self.refusals["timeout"] += 1
         retry_s = self.queue.retry_after_s(cost, prep.priority, prep.tenant)
         raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"waited {self.queue.max_wait_s:g} s for admission (the router's queue limit) "
