@@ -42,8 +42,7 @@ class TokenCheck(grpc.aio.ServerInterceptor):
         return grpc.unary_stream_rpc_method_handler(_refuse)
 
 
-async def _refuse(request: bytes, context: grpc.aio.ServicerContext) -> Any:
+async def _refuse(request: bytes, context: grpc.aio.ServicerContext) -> None:
     await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                         "this is a splitserve worker: only its cluster's routers may call it (no or wrong "
                         f"{TOKEN_METADATA}: give the caller the cluster secret)")
-    yield  # an async generator, as the worker methods are (unreachable: abort raises)
