@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from urllib.parse import urlparse
 
 from engine.config import CacheConfig, DType, EngineConfig, Role, SchedulerConfig
+from kvfabric.config import TRANSPORTS
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,8 @@ class WorkerConfig:
         if self.heartbeat_ttl_s <= self.heartbeat_interval_s:
             raise ValueError(f"heartbeat_ttl_s ({self.heartbeat_ttl_s}) must exceed heartbeat_interval_s "
                              f"({self.heartbeat_interval_s})")
-        if self.kv_transport not in (None, "tcp", "shm", "cuda_ipc", "nccl"):
-            raise ValueError(f"kv_transport must be tcp, shm, cuda_ipc, nccl or None, got {self.kv_transport!r}")
+        if self.kv_transport not in (None, *TRANSPORTS):
+            raise ValueError(f"kv_transport must be one of {TRANSPORTS} or None, got {self.kv_transport!r}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
 

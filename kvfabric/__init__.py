@@ -4,12 +4,13 @@ Receiver (decode side) -> `Ticket` -> sender (prefill side) -> `Transfer.push` p
 chunk -> `Transfer.finish` -> receiver event `KVArrived`. See receiver.py / sender.py.
 """
 from kvfabric.address import FabricAddress, Ticket
+from kvfabric.config import ReceiverConfig, SenderConfig
 from kvfabric.errors import FabricError, HandshakeError, PeerUnavailable, ProtocolError, ReservationRevoked
 from kvfabric.layout import FabricLayout, Run, coalesce
-from kvfabric.receiver import FabricReceiver, ReceiverConfig
+from kvfabric.receiver import FabricReceiver
 from kvfabric.region import BlockRegion, ShmKVAllocator, ShmSegment
 from kvfabric.reservations import BlocksFenced, FabricEvent, KVArrived, TransferFailed
-from kvfabric.sender import FabricSender, SenderConfig, Transfer
+from kvfabric.sender import FabricSender, Transfer
 
 __all__ = [
     "BlockRegion", "BlocksFenced", "FabricAddress", "FabricError", "FabricEvent", "FabricLayout",

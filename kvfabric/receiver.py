@@ -11,8 +11,8 @@ never held while bytes move.
 """
 from __future__ import annotations
 
-import itertools
 import hmac
+import itertools
 import logging
 import secrets
 import socket
@@ -21,10 +21,10 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from kvfabric.address import ONE_SIDED, FabricAddress, Ticket, local_host_id
+from kvfabric.config import ReceiverConfig
 from kvfabric.cuda import DeviceRegion, NcclLink, nccl_payload
 from kvfabric.errors import FabricError, PeerUnavailable, ProtocolError, ReservationRevoked
 from kvfabric.layout import FabricLayout
@@ -33,28 +33,6 @@ from kvfabric.reservations import FabricEvent, ReservationTable
 from kvfabric.wire import HELLO, RECEIVER_MESSAGES, Conn, Idle, check_message
 
 logger = logging.getLogger(__name__)
-
-@dataclass(frozen=True)
-class ReceiverConfig:
-    host: str = "127.0.0.1"
-    """Interface to listen on; loopback unless configured otherwise."""
-    port: int = 0
-    """0 picks a free port."""
-    lease_s: float = 10.0
-    """A reservation not renewed, written or completed for this long is revoked."""
-    io_timeout_s: float = 10.0
-    """Bound on any single send, and on a frame that has started arriving."""
-    advertise_host: str | None = None
-    """Host senders should dial (defaults to `host`)."""
-    token: str | None = None
-    """When set, a sender's hello must show it (the cluster's proof of its secret), else the
-    handshake is refused before any reservation can be opened or byte written."""
-
-    def __post_init__(self) -> None:
-        for f in ("lease_s", "io_timeout_s"):
-            if getattr(self, f) <= 0:
-                raise ValueError(f"ReceiverConfig.{f} must be positive, got {getattr(self, f)}")
-
 
 class FabricReceiver:
     def __init__(

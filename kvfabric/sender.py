@@ -19,10 +19,10 @@ import logging
 import threading
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from kvfabric.address import ONE_SIDED, FabricAddress, Ticket, local_host_id
+from kvfabric.config import SenderConfig
 from kvfabric.cuda import CopyInFlight, DeviceRegion, IpcMapping, NcclLink, nccl_payload, nccl_unique_id, when_done
 from kvfabric.errors import FabricError, HandshakeError, PeerUnavailable, ReservationRevoked
 from kvfabric.layout import FabricLayout, Run, coalesce, merge_spans
@@ -31,29 +31,6 @@ from kvfabric.region import BlockRegion, CopyBytes, ShmSegment
 from kvfabric.wire import Conn, Idle, dial
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SenderConfig:
-    io_timeout_s: float = 10.0
-    """Bound on connecting and on any single send."""
-    ack_timeout_s: float = 5.0
-    """Bound on waiting for the receiver to answer open/ready."""
-    renew_interval_s: float = 2.0
-    """How often open transfers renew their lease (keep well under the lease)."""
-    checksum: bool = False
-    """tcp: send a CRC32 per frame; the receiver fails the transfer on mismatch."""
-    transport: str | None = None
-    """Force "shm" or "tcp"; None picks the best one the pair supports."""
-    token: str | None = None
-    """Shown in the hello to receivers that require one (`ReceiverConfig.token`)."""
-
-    def __post_init__(self) -> None:
-        for f in ("io_timeout_s", "ack_timeout_s", "renew_interval_s"):
-            if getattr(self, f) <= 0:
-                raise ValueError(f"SenderConfig.{f} must be positive, got {getattr(self, f)}")
-        if self.transport not in (None, "shm", "tcp", "cuda_ipc", "nccl"):
-            raise ValueError(f"SenderConfig.transport must be shm, tcp, cuda_ipc, nccl or None, got {self.transport!r}")
 
 
 _REPLY_TO = {"open_ok": "open", "open_err": "open", "ready_ack": "ready"}

@@ -1,0 +1,52 @@
+"""The settings of kvfabric's two ends (every field documented, units in names, validated)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TRANSPORTS = ("shm", "tcp", "cuda_ipc", "nccl")
+"""shm / cuda_ipc: one host (the sender writes into the receiver's pool); tcp / nccl: any two hosts."""
+
+
+@dataclass(frozen=True)
+class SenderConfig:
+    io_timeout_s: float = 10.0
+    """Bound on connecting and on any single send."""
+    ack_timeout_s: float = 5.0
+    """Bound on waiting for the receiver to answer open/ready."""
+    renew_interval_s: float = 2.0
+    """How often open transfers renew their lease (keep well under the lease)."""
+    checksum: bool = False
+    """tcp: send a CRC32 per frame; the receiver fails the transfer on mismatch."""
+    transport: str | None = None
+    """Force "shm" or "tcp"; None picks the best one the pair supports."""
+    token: str | None = None
+    """Shown in the hello to receivers that require one (`ReceiverConfig.token`)."""
+
+    def __post_init__(self) -> None:
+        for f in ("io_timeout_s", "ack_timeout_s", "renew_interval_s"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"SenderConfig.{f} must be positive, got {getattr(self, f)}")
+        if self.transport not in (None, *TRANSPORTS):
+            raise ValueError(f"SenderConfig.transport must be one of {TRANSPORTS} or None, got {self.transport!r}")
+
+
+@dataclass(frozen=True)
+class ReceiverConfig:
+    host: str = "127.0.0.1"
+    """Interface to listen on; loopback unless configured otherwise."""
+    port: int = 0
+    """0 picks a free port."""
+    lease_s: float = 10.0
+    """A reservation not renewed, written or completed for this long is revoked."""
+    io_timeout_s: float = 10.0
+    """Bound on any single send, and on a frame that has started arriving."""
+    advertise_host: str | None = None
+    """Host senders should dial (defaults to `host`)."""
+    token: str | None = None
+    """When set, a sender's hello must show it (the cluster's proof of its secret), else the
+    handshake is refused before any reservation can be opened or byte written."""
+
+    def __post_init__(self) -> None:
+        for f in ("lease_s", "io_timeout_s"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"ReceiverConfig.{f} must be positive, got {getattr(self, f)}")
