@@ -175,6 +175,13 @@ class LocalCluster:
             raise
         return self.info
 
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def _init_ray(self) -> None:
         """A local Ray node; one more try when its raylet never registers or its GCS never
         writes its port file (each seen about once in a hundred Ray starts on a loaded

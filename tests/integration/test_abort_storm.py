@@ -16,9 +16,7 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def test_an_abort_storm_leaves_nothing_held(tiny_llama_dir: str) -> None:
-    cluster = LocalCluster(storm_cluster(tiny_llama_dir))
-    cluster.start()
-    try:
+    with LocalCluster(storm_cluster(tiny_llama_dir)) as cluster:
         pids = worker_pids(cluster)
         shm_before = shm_segments(pids)
         assert shm_before  # the decode workers' KV pools
@@ -30,5 +28,3 @@ def test_an_abort_storm_leaves_nothing_held(tiny_llama_dir: str) -> None:
         assert shm_segments(pids) == shm_before
         stats = cluster.router_stats()[0]
         assert stats["num_admitted"] == stats["num_queued"] == stats["inflight_tokens"] == 0
-    finally:
-        cluster.stop()

@@ -9,14 +9,12 @@ import random
 import time
 from pathlib import Path
 
-import grpc
 import pytest
 
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster
 from engine.request import SamplingParams
 from proto import generate_pb2 as pb
-from proto import generate_pb2_grpc as pb_grpc
 from router.policy import RoutingConfig
 from tests.integration.reference import make_engine
 
@@ -33,17 +31,8 @@ def cluster(tiny_llama_dir: str):  # type: ignore[no-untyped-def]
         router=RouterConfig(port=0, routing=RoutingConfig(mode="auto", local_prefill_tokens=8)),
         worker_num_cpus=0.25, supervise_interval_s=0.5, drain_timeout_s=20.0, place_timeout_s=PLACE_TIMEOUT_S,
         role_resources={"prefill": {"prefill-slot": 1.0}})  # this node has room for exactly one prefill worker
-    c = LocalCluster(config)
-    c.start()
-    yield c
-    c.stop()
-
-
-@pytest.fixture(scope="module")
-def stub(cluster: LocalCluster):  # type: ignore[no-untyped-def]
-    channel = grpc.insecure_channel(cluster.address)
-    yield pb_grpc.GenerationStub(channel)
-    channel.close()
+    with LocalCluster(config) as c:
+        yield c
 
 
 def generate(stub, prompt: list[int], max_tokens: int) -> list[pb.GenerateResponse]:  # type: ignore[no-untyped-def]

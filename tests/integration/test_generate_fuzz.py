@@ -85,10 +85,8 @@ def cluster(tiny_llama_dir: str) -> Iterator[LocalCluster]:
         worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, kv_lease_s=5.0),
         num_prefill=1, num_decode=1, worker_num_cpus=0.5,
         router=RouterConfig(port=0, routing=RoutingConfig(mode="auto", local_prefill_tokens=8)))
-    c = LocalCluster(config)
-    c.start()
-    yield c
-    c.stop()
+    with LocalCluster(config) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

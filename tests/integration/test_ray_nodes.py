@@ -49,9 +49,7 @@ def test_workers_land_on_their_node_type_and_greedy_output_is_exact(nodes: dict[
         num_prefill=2, num_decode=2, worker_num_cpus=0.25, ray_address=nodes["address"],
         role_resources={"prefill": {"prefill": 1}, "decode": {"decode": 1}},
         router=RouterConfig(port=0, routing=RoutingConfig(mode="disaggregated")))
-    cluster = LocalCluster(config)
-    cluster.start()
-    try:
+    with LocalCluster(config) as cluster:
         placed = {w["worker_id"]: w["node_id"] for w in cluster.workers()}
         assert placed == {"prefill-0": nodes["prefill"], "prefill-1": nodes["prefill"],
                           "decode-0": nodes["decode"], "decode-1": nodes["decode"]}
@@ -65,5 +63,3 @@ def test_workers_land_on_their_node_type_and_greedy_output_is_exact(nodes: dict[
         assert [t for r in responses for t in r.token_ids] == want
         assert responses[-1].route.prefill_worker.startswith("prefill-")  # it crossed from P to D
         assert_idle(cluster)
-    finally:
-        cluster.stop()

@@ -33,10 +33,8 @@ def cluster(tiny_llama_dir: str):  # type: ignore[no-untyped-def]
         num_prefill=1, num_decode=2, num_routers=2,
         router=RouterConfig(port=0, routing=RoutingConfig(mode="auto", local_prefill_tokens=8)),
         worker_num_cpus=0.5)
-    c = LocalCluster(config)
-    c.start()
-    yield c
-    c.stop()
+    with LocalCluster(config) as c:
+        yield c
 
 
 def generate(address: str, prompt: list[int]) -> list[pb.GenerateResponse]:

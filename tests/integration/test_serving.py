@@ -38,10 +38,8 @@ def cluster(tiny_llama_dir: str):  # type: ignore[no-untyped-def]
         router=RouterConfig(port=0, routing=RoutingConfig(mode="auto", local_prefill_tokens=8),
                             admission=AdmissionConfig(max_inflight_tokens=MAX_TOKENS_BUDGET, max_queued_per_priority=3)),
         worker_num_cpus=0.5)
-    c = LocalCluster(config)
-    c.start()
-    yield c
-    c.stop()
+    with LocalCluster(config) as c:
+        yield c
 
 
 @pytest.fixture

@@ -18,7 +18,6 @@ from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster
 from engine.request import SamplingParams
 from proto import generate_pb2 as pb
-from proto import generate_pb2_grpc as pb_grpc
 from router.policy import RoutingConfig
 from tests.integration.reference import make_engine
 
@@ -35,17 +34,8 @@ def cluster(tiny_llama_dir: str):  # type: ignore[no-untyped-def]
         router=RouterConfig(port=0, routing=RoutingConfig(mode="auto", local_prefill_tokens=8),
                             worker_down_s=600.0),
         worker_num_cpus=0.5, replace_dead_workers=False)  # the routers' retries alone (replacement: test_elastic)
-    c = LocalCluster(config)
-    c.start()
-    yield c
-    c.stop()
-
-
-@pytest.fixture(scope="module")
-def stub(cluster: LocalCluster):  # type: ignore[no-untyped-def]
-    channel = grpc.insecure_channel(cluster.address)
-    yield pb_grpc.GenerationStub(channel)
-    channel.close()
+    with LocalCluster(config) as c:
+        yield c
 
 
 def live_idle(cluster: LocalCluster, timeout_s: float = 4 * LEASE_S + 5) -> list[str]:
