@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import signal
@@ -42,28 +41,11 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
-    from cluster.default_model import default_model_dir
     from cluster.local import LocalCluster
-    from router.policy import RoutingConfig
 
     started = time.perf_counter()
     try:
-        device, dtype, mib, utilization, gpus = placement(args, args.num_prefill + args.num_decode)
-        config = ClusterConfig(
-            worker=WorkerConfig(model_dir=args.model or str(default_model_dir()), dtype=dtype, device=device,
-                                block_size=args.block_size, kv_cache_bytes=mib * 2**20 if mib else None,
-                                gpu_memory_utilization=utilization, host=args.worker_host,
-                                advertise_host=args.advertise_host),
-            num_prefill=args.num_prefill, num_decode=args.num_decode, num_routers=args.num_routers,
-            gpus_per_worker=gpus, autoscale=_autoscale_config(args),
-            router=RouterConfig(host=args.host, port=args.port, admission=_admission_config(args),
-                                routing=RoutingConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens)),
-            redis_url=args.redis_url or "", namespace=args.namespace, ray_address=args.ray_address,
-            role_resources={role: {name: 1.0} for role, name in (("prefill", args.prefill_resource),
-                                                                  ("decode", args.decode_resource)) if name})
-        if secret := cluster_secret():
-            config = dataclasses.replace(config, worker=dataclasses.replace(config.worker, cluster_secret=secret))
+        config = _serve_config(args)
         _preflight(config)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -74,11 +56,7 @@ def _serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         info = cluster.start()
-        _state_file().parent.mkdir(parents=True, exist_ok=True)
-        _state_file().touch()
-        _state_file().chmod(0o600)  # it holds the Redis password
-        _state_file().write_text(json.dumps({"address": info["address"], "redis_url": cluster.redis_url,
-                                             "namespace": args.namespace}))
+        _write_state(info["address"], cluster.redis_url, args.namespace)
         print(f"splitserve: serving {config.worker.model_dir} on {info['address']} "
               f"({args.num_prefill} prefill, {args.num_decode} decode on {config.worker.device} "
               f"{config.worker.dtype}, mode {args.mode}"
@@ -95,6 +73,37 @@ def _serve(args: argparse.Namespace) -> int:
         print("splitserve: stopping", file=sys.stderr, flush=True)
         cluster.stop()
     return 0
+
+
+def _serve_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """serve's flags as a ClusterConfig (raises ValueError naming what is wrong). The cluster
+    secret comes from the environment, or the controller generates one."""
+    from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
+    from cluster.default_model import default_model_dir
+    from router.policy import RoutingConfig
+
+    device, dtype, mib, utilization, gpus = placement(args, args.num_prefill + args.num_decode)
+    return ClusterConfig(
+        worker=WorkerConfig(model_dir=args.model or str(default_model_dir()), dtype=dtype, device=device,
+                            block_size=args.block_size, kv_cache_bytes=mib * 2**20 if mib else None,
+                            gpu_memory_utilization=utilization, host=args.worker_host,
+                            advertise_host=args.advertise_host, cluster_secret=cluster_secret()),
+        num_prefill=args.num_prefill, num_decode=args.num_decode, num_routers=args.num_routers,
+        gpus_per_worker=gpus, autoscale=_autoscale_config(args),
+        router=RouterConfig(host=args.host, port=args.port, admission=_admission_config(args),
+                            routing=RoutingConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens)),
+        redis_url=args.redis_url or "", namespace=args.namespace, ray_address=args.ray_address,
+        role_resources={role: {name: 1.0} for role, name in (("prefill", args.prefill_resource),
+                                                              ("decode", args.decode_resource)) if name})
+
+
+def _write_state(address: str, redis_url: str, namespace: str) -> None:
+    """Where `generate`, `status` and `scale` find the running cluster (0600: the URL holds the Redis password)."""
+    path = _state_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch()
+    path.chmod(0o600)
+    path.write_text(json.dumps({"address": address, "redis_url": redis_url, "namespace": namespace}))
 
 
 def _preflight(config) -> None:  # type: ignore[no-untyped-def]
