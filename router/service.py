@@ -107,10 +107,11 @@ class RouterService:
                 "num_admitted": q.num_admitted, "num_queued": q.num_queued,
                 "queued_by_priority": {str(k): v for k, v in q.queued_by_priority().items()},
                 "inflight_tokens": q.inflight_tokens, "budget_tokens": q.budget_tokens,
-                "tenant_tokens": q.tenant_tokens(), "refusals": dict(self.gate.refusals), "redis_healthy": self.feed.healthy,
-                "members": self.members.ids(), "down_workers": self.flow.down_workers(),
-                "index_gaps": self.index.num_gaps, "index_events": self.feed.num_events,
-                "itl_p50_ms": self.generation.itl.p50_ms(), "rss_mib": _rss_mib()}
+                "tenant_tokens": q.tenant_tokens(), "refusals": dict(self.gate.refusals),
+                "redis_healthy": self.feed.healthy, "members": self.members.ids(),
+                "down_workers": self.flow.down_workers(), "index_gaps": self.index.num_gaps,
+                "index_blocks": {w: self.index.num_blocks(w) for w in self.members.ids()},
+                "index_events": self.feed.num_events, "itl_p50_ms": self.generation.itl.p50_ms(), "rss_mib": _rss_mib()}
 
     async def _tick(self) -> None:
         n = 0

@@ -75,7 +75,8 @@ def test_a_decode_worker_added_at_runtime_serves_and_gets_its_cached_prefix(clus
         if got[-1].route.decode_worker == new:
             break
     assert got[-1].route.decode_worker == new
-    time.sleep(1.0)  # its KV events reach both routers' index
+    wait_for("its KV events reach both routers' index",  # the 32-token prefix is two blocks
+             lambda: all(s["index_blocks"].get(new, 0) >= 2 for s in cluster.router_stats()), 10)
     for i in range(4):  # whichever router takes it, the cached prefix on `new` draws the request there
         sibling = prompt[:32] + [rng.randrange(3, 500) for _ in range(16)]
         got = generate(stub, sibling, 6)

@@ -126,11 +126,15 @@ def test_text_prompt_stop_string_and_first_token_finish(stub, tiny_llama_dir: st
     assert tokens_of(one) == want.token_ids[:1] and one[-1].finish_reason == pb.FINISH_REASON_LENGTH
 
 
-def test_repeated_prompt_is_cached_where_its_prefix_is(stub) -> None:  # type: ignore[no-untyped-def]
+def test_repeated_prompt_is_cached_where_its_prefix_is(stub, cluster: LocalCluster) -> None:  # type: ignore[no-untyped-def]
     prompt = prompts(3, 1, 100)[0]
     first = generate(stub, prompt)[-1]
     assert first.usage.cached_tokens == 0
-    time.sleep(1.0)  # the workers' KV events reach the router's index through Redis
+    deadline = time.monotonic() + 10  # the workers' KV events reach the router's index through Redis
+    while min(cluster.router_stats()[0]["index_blocks"].get(w, 0)
+              for w in (first.route.decode_worker, first.route.prefill_worker)) < 6:
+        assert time.monotonic() < deadline, cluster.router_stats()
+        time.sleep(0.1)
     assert not first.route.local_prefill
     again = generate(stub, prompt)[-1]
     assert again.usage.cached_tokens == 96  # 6 full blocks of 16 on the decode worker...
