@@ -46,6 +46,9 @@ class Sent:
     ttft_s: float | None = None
     end_s: float = 0.0
     details: str = ""
+    queue_ms: float = 0.0
+    """The router's own account (`Timing`): waiting for admission, then routing to first token."""
+    prefill_ms: float = 0.0
 
 
 async def one(stub: pb_grpc.GenerationStub, rng: random.Random, tenant: str, out: list[Sent]) -> None:
@@ -60,6 +63,8 @@ async def one(stub: pb_grpc.GenerationStub, rng: random.Random, tenant: str, out
         async for response in call:
             if sent.ttft_s is None and response.token_ids:
                 sent.ttft_s = time.perf_counter() - started
+            if response.HasField("timing"):
+                sent.queue_ms, sent.prefill_ms = response.timing.queue_ms, response.timing.prefill_ms
     except grpc.aio.AioRpcError as e:
         sent.code, sent.details = e.code().name, e.details() or ""
     sent.end_s = time.perf_counter() - started
@@ -118,7 +123,11 @@ def summary(sent: list[Sent], seconds: float, budget_s: float) -> dict[str, obje
     return {"offered_rps": round(len(sent) / seconds, 2), "completed_rps": round(len(ok) / seconds, 2),
             "goodput_rps": round(sum(t <= budget_s for t in ttfts) / seconds, 2), "by_status": codes,
             "refusal_ms_p50": pct([s.end_s for s in refused], 50), "refusal_ms_p99": pct([s.end_s for s in refused], 99),
-            "ttft_ms_p50": pct(ttfts, 50), "ttft_ms_p99": pct(ttfts, 99)}
+            "ttft_ms_p50": pct(ttfts, 50), "ttft_ms_p99": pct(ttfts, 99),
+            "router_queue_ms_p50": pct([s.queue_ms / 1e3 for s in ok], 50),
+            "router_queue_ms_p99": pct([s.queue_ms / 1e3 for s in ok], 99),
+            "router_prefill_ms_p50": pct([s.prefill_ms / 1e3 for s in ok], 50),
+            "router_prefill_ms_p99": pct([s.prefill_ms / 1e3 for s in ok], 99)}
 
 
 def main() -> None:
@@ -127,6 +136,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=15.0, help="per load level")
     ap.add_argument("--ttft-budget-s", type=float, default=2.0, help="the router's TTFT budget (AdmissionConfig.ttft_budget_s)")
     ap.add_argument("--tenant-b-fraction", type=float, default=0.2)
+    ap.add_argument("--chunk-tokens", type=int, default=2048,
+                    help="max_num_batched_tokens of every worker: the prefill step, and so how long a more "
+                         "important request can wait behind a less important one's chunk")
     ap.add_argument("--model", help="model directory (default: a tiny random checkpoint made here)")
     args = ap.parse_args()
 
@@ -138,11 +150,12 @@ def main() -> None:
     model = args.model or str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny", arch="llama", seed=0))
     admission = AdmissionConfig(ttft_budget_s=args.ttft_budget_s)
     cluster = LocalCluster(ClusterConfig(
-        worker=WorkerConfig(model_dir=model, block_size=16, kv_cache_bytes=8 * 2**20),
+        worker=WorkerConfig(model_dir=model, block_size=16, kv_cache_bytes=8 * 2**20,
+                            max_num_batched_tokens=args.chunk_tokens),
         num_prefill=1, num_decode=2, worker_num_cpus=0.5, router=RouterConfig(port=0, admission=admission)))
     cluster.start()
     config = {"cluster": "1 prefill + 2 decode, tiny llama, CPU", "prompt_tokens": PROMPT_TOKENS,
-              "output_tokens": OUTPUT_TOKENS, "ttft_budget_s": args.ttft_budget_s, "seconds": args.seconds,
+              "output_tokens": OUTPUT_TOKENS, "chunk_tokens": args.chunk_tokens, "ttft_budget_s": args.ttft_budget_s, "seconds": args.seconds,
               "kv_overcommit": admission.kv_overcommit}
     try:
         sustainable = asyncio.run(closed_loop(cluster.address, 32, args.seconds))

@@ -21,6 +21,9 @@ import time
 from pathlib import Path
 
 from cluster.processes import add_device_flags, cluster_secret, placement, redacted
+from cluster.metrics_targets import add_metrics_port_flag
+from cluster.metrics_targets import add_parser as add_metrics_targets_parser
+from cluster.metrics_targets import metrics_port as _metrics_port
 from cluster.processes import add_parsers as add_process_parsers
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -90,7 +93,8 @@ def _serve_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
                             advertise_host=args.advertise_host, cluster_secret=cluster_secret()),
         num_prefill=args.num_prefill, num_decode=args.num_decode, num_routers=args.num_routers,
         gpus_per_worker=gpus, autoscale=_autoscale_config(args),
-        router=RouterConfig(host=args.host, port=args.port, admission=_admission_config(args),
+        router=RouterConfig(host=args.host, port=args.port, metrics_port=_metrics_port(args),
+                            admission=_admission_config(args),
                             routing=RoutingConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens)),
         redis_url=args.redis_url or "", namespace=args.namespace, ray_address=args.ray_address,
         role_resources={role: {name: 1.0} for role, name in (("prefill", args.prefill_resource),
@@ -312,6 +316,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
                    help="auto mode: decode workers prefill prompts with fewer uncached tokens themselves")
     s.add_argument("--port", type=int, default=50051, help="router port (0: a free one, printed when ready)")
     s.add_argument("--host", default="127.0.0.1", help="interface to serve on (0.0.0.0 for other machines)")
+    add_metrics_port_flag(s)
     s.add_argument("--redis-url", help="use this Redis instead of starting one (redis://host:port/db)")
     s.add_argument("--namespace", default="splitserve", help="prefix of this cluster's Redis keys")
     s.add_argument("--autoscale", action="store_true",
@@ -380,6 +385,7 @@ def _add_client_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignor
     st.add_argument("--namespace", default="splitserve")
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=_status)
+    add_metrics_targets_parser(sub, _cluster_redis)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+from cluster.metrics_targets import add_metrics_port_flag
+from cluster.metrics_targets import metrics_port as _metrics_port
 from control.worker_config import NO_SECRET
 
 
@@ -117,7 +119,8 @@ def _router(args: argparse.Namespace) -> int:
     from router.service import RouterService
 
     try:
-        config = RouterConfig(host=args.host, port=args.port, tokenizer_dir=args.tokenizer,
+        config = RouterConfig(host=args.host, port=args.port, metrics_port=_metrics_port(args),
+                              tokenizer_dir=args.tokenizer,
                               routing=RoutingConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens),
                               cluster_secret=required_secret())
     except ValueError as e:
@@ -154,6 +157,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     r.add_argument("--namespace", default="splitserve", help="prefix of the cluster's Redis keys")
     r.add_argument("--router-id", default="router-0")
     r.add_argument("--port", type=int, default=50051, help="0: a free one, printed when ready")
+    add_metrics_port_flag(r)
     r.add_argument("--host", default="127.0.0.1", help="interface to serve on (0.0.0.0 for other machines)")
     r.add_argument("--tokenizer", help="directory with the model's tokenizer.json (default: token-id prompts only)")
     r.add_argument("--mode", choices=("disaggregated", "colocated", "auto"), default="auto")

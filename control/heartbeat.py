@@ -77,6 +77,9 @@ class Heartbeat:
     num_prompt_tokens: int = 0
     """Cumulative prompt tokens seen, and how many of them were prefix-cache hits."""
     num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    metrics_address: str = ""
+    """host:port of the worker's Prometheus `/metrics` (HTTP); empty when it serves none."""
     sent_at: float = 0.0
     """Wall-clock time of the report (s since the epoch)."""
 

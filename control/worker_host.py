@@ -1,8 +1,9 @@
 """WorkerHost: the process side of a worker, shared by both roles.
 
 A role (prefill or decode) builds its engine and servicer, then hands them here:
-`start()` serves the servicer and the standard health service on `host:0`, registers
-the worker (heartbeats with its address, state, incarnation, model facts and load,
+`start()` serves the servicer and the standard health service on `host:0`, and
+Prometheus `/metrics` on another free port of `host` (`WorkerMetrics`), registers
+the worker (heartbeats with its addresses, state, incarnation, model facts and load,
 through a `Publisher` thread) and marks it serving; `stop()` marks it draining, lets
 running calls finish within the grace period and removes its registry entry. The load
 is read through `read_load`, which the role runs on its engine thread with a bound.
@@ -25,8 +26,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from control.auth import TokenCheck, cluster_token
 from control.heartbeat import Heartbeat, ModelFacts, Role, WorkerState
+from control.metrics_http import MetricsServer
 from control.publisher import Publisher
 from control.worker_config import WorkerConfig
+from control.worker_metrics import WorkerMetrics
 from engine.block_pool import KVEvent
 from engine.types import EngineLoad, EngineStopped, InvalidRequestError
 from kvfabric.errors import FabricError
@@ -88,6 +91,9 @@ class WorkerHost:
         self.num_late_calls = 0
         """Calls that arrived after draining began (refused UNAVAILABLE; the router tries elsewhere)."""
         self.address = ""
+        self.metrics = WorkerMetrics(role, facts.model_id, read_load)
+        self._metrics_server = MetricsServer(self.metrics.registry, self.metrics.refresh)
+        self.metrics_address = ""
         self.server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self.publisher = Publisher(redis_url, namespace, worker_id, self.heartbeat, config.heartbeat_interval_s,
@@ -105,7 +111,9 @@ class WorkerHost:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
         port = self.server.add_insecure_port(f"{self.config.host}:0")
         await self.server.start()
-        self.address = f"{self.config.advertised_host(self.redis_url)}:{port}"
+        host = self.config.advertised_host(self.redis_url)
+        self.address = f"{host}:{port}"
+        self.metrics_address = f"{host}:{await self._metrics_server.start(self.config.host)}"
         await self._health.set(self.service_name, health_pb2.HealthCheckResponse.SERVING)
         self.state = "serving"
         if self.publisher:
@@ -114,8 +122,9 @@ class WorkerHost:
         return self.address
 
     def info(self) -> dict[str, object]:
-        return {"worker_id": self.worker_id, "role": self.role, "address": self.address, "state": self.state,
-                "incarnation": self.incarnation, "pid": os.getpid(), **asdict(self.facts)}
+        return {"worker_id": self.worker_id, "role": self.role, "address": self.address,
+                "metrics_address": self.metrics_address, "state": self.state, "incarnation": self.incarnation,
+                "pid": os.getpid(), **asdict(self.facts)}
 
     def publish_events(self, events: list[KVEvent]) -> None:
         if self.publisher:
@@ -126,7 +135,8 @@ class WorkerHost:
         if load is None:
             return None
         return Heartbeat(self.worker_id, self.role, self.address, self.state, self.incarnation,
-                         **asdict(self.facts) | asdict(load), sent_at=time.time())
+                         **asdict(self.facts) | asdict(load), metrics_address=self.metrics_address,
+                         sent_at=time.time())
 
     def refuse_if_not_serving(self) -> tuple[grpc.StatusCode, str] | None:
         """For a new call: None when this worker takes it, else the status to end it with."""
@@ -156,6 +166,7 @@ class WorkerHost:
             await self.server.stop(grace=self.config.grace_s)
         if self.publisher:
             self.publisher.stop()
+        await self._metrics_server.stop()
 
 
 class HostedWorker:

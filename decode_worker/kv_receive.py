@@ -54,10 +54,10 @@ class RemoteKV:
 
     def reserve(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None,
-        priority: int = 0, tenant: str = "",
+        priority: int = 0, tenant: str = "", tenant_weight: float = 1.0,
     ) -> Ticket | None:
         """Destination blocks under a lease, or None when the pool cannot hold the prompt now."""
-        res = self.engine.add_remote_request(prompt, params, request_id, priority, tenant)
+        res = self.engine.add_remote_request(prompt, params, request_id, priority, tenant, tenant_weight)
         if res is None:
             return None
         return self.receiver.expect(res.request_id, [int(b) for b in res.block_ids], res.num_cached_tokens // self.block_size)

@@ -127,12 +127,13 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
         try:
             params = sampling_from_pb(request.sampling, keep_stop_strings=False)
             prompt = list(request.prompt_token_ids)
+            weight = request.tenant_weight or 1.0
             if request.local_prefill:
                 await asyncio.wrap_future(self.loop.call(
-                    lambda e: e.add_request(prompt, params, rid, request.priority, request.tenant)))
+                    lambda e: e.add_request(prompt, params, rid, request.priority, request.tenant, weight)))
                 return None
             ticket = await asyncio.wrap_future(self.loop.call(
-                lambda e: self.remote.reserve(prompt, params, rid, request.priority, request.tenant)))
+                lambda e: self.remote.reserve(prompt, params, rid, request.priority, request.tenant, weight)))
         except Exception as e:  # noqa: BLE001 - every failure becomes the call's status
             await context.abort(*status_for(e))
         if ticket is None:

@@ -173,8 +173,9 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         tenant: str = "",
+        tenant_weight: float = 1.0,
     ) -> RequestId:
-        request = self._new_request(prompt, params, request_id, priority, tenant)
+        request = self._new_request(prompt, params, request_id, priority, tenant, tenant_weight)
         self.scheduler.add_request(request)
         return request.request_id
 
@@ -185,9 +186,10 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         tenant: str = "",
+        tenant_weight: float = 1.0,
     ) -> Reservation | None:
         """Decode role: reserve blocks for a prompt computed elsewhere; None if the pool is full."""
-        request = self._new_request(prompt, params, request_id, priority, tenant)
+        request = self._new_request(prompt, params, request_id, priority, tenant, tenant_weight)
         if not self.scheduler.add_remote_request(request):
             self._detok.pop(request.request_id, None)
             return None
@@ -229,7 +231,7 @@ class LLMEngine:
 
     def _new_request(
         self, prompt: str | Sequence[int], params: SamplingParams | None,
-        request_id: str | None, priority: int, tenant: str,
+        request_id: str | None, priority: int, tenant: str, tenant_weight: float = 1.0,
     ) -> Request:
         params = params or SamplingParams()
         token_ids = self._tokenize(prompt)
@@ -244,6 +246,7 @@ class LLMEngine:
             arrival_time=self.clock(),
             priority=priority,
             tenant=tenant,
+            tenant_weight=tenant_weight,
             eos_token_ids=frozenset(self.model_config.eos_token_ids),
         )
         if self.tokenizer is not None and self.config.detokenize:
@@ -348,7 +351,7 @@ class LLMEngine:
         s = self.scheduler
         queued = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in [*s.waiting, *s.running])
         return EngineLoad(u.num_total, u.num_free, u.num_cached, len(s.running), len(s.waiting), queued,
-                          self.num_prompt_tokens, self.num_cached_tokens)
+                          self.num_prompt_tokens, self.num_cached_tokens, s.num_preemptions)
 
     def take_kv_events(self) -> list[KVEvent]:
         return self.block_pool.take_events()

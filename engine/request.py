@@ -85,6 +85,8 @@ class Request:
     priority: int = 0
     """Lower is more important (as in vLLM)."""
     tenant: str = ""
+    tenant_weight: float = 1.0
+    """The tenant's weight in the engine's fair order (`engine.fair_order`)."""
     eos_token_ids: frozenset[int] = frozenset()
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -100,10 +102,14 @@ class Request:
     num_preemptions: int = 0
     arrival_seq: int = 0
     """Tie-break between equal arrival times (set by the scheduler)."""
+    fair_tag: float = 0.0
+    """Its start tag in the engine's fair order among tenants (set by the scheduler)."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise InvalidRequestError("prompt is empty: send at least one token")
+        if not (math.isfinite(self.tenant_weight) and self.tenant_weight > 0):
+            raise InvalidRequestError(f"tenant_weight must be a finite number > 0, got {self.tenant_weight}")
 
     @property
     def num_prompt_tokens(self) -> int:

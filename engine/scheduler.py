@@ -1,9 +1,12 @@
 """Iteration-level scheduler: one token budget per step, no prefill/decode split (torch-free).
 
-Each step: running requests first (most important first), each gets up to its
-missing tokens within the budget; when blocks run out the least important running
-request (lowest priority, then newest) is preempted by recompute. Then waiting
-requests in order of aged priority, with prefix-cache hits claimed at first schedule.
+Each step walks the requests by aged priority class; within a class, output tokens
+first (in arrival order), then prompt work, running or waiting, in fair order among
+tenants (`engine.fair_order`). Each gets up to its missing tokens within the budget, so
+neither a more important request nor a light tenant's is held behind the prefill chunks
+of a less important one or of a heavy tenant's backlog.
+When blocks run out the least important running request (lowest priority, then newest)
+is preempted by recompute. Prefix-cache hits are claimed at a request's first schedule.
 Requests in WAITING_FOR_REMOTE_KV hold reserved blocks and are skipped until their
 KV arrives; then they rejoin like any waiting request with computed tokens.
 """
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 
 from engine.block_pool import PoolUsage
 from engine.config import SchedulerConfig
+from engine.fair_order import FairOrder
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import FinishReason, Request, RequestStatus
 from engine.types import BlockId, InvalidRequestError, RequestId
@@ -62,6 +66,9 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._seq = 0
+        self.fair = FairOrder()
+        self.num_preemptions = 0
+        """Cumulative, for metrics."""
 
     # -- admission -----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -123,54 +130,67 @@ class Scheduler:
             )
         request.arrival_seq = self._seq
         self._seq += 1
+        output = min(request.params.max_tokens, max(self.max_model_len - request.num_prompt_tokens, 0))
+        self.fair.tag(request, request.num_prompt_tokens + output)
         self.requests[request.request_id] = request
 
     # -- the step ------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """One pass over running and waiting requests in `_step_order`.
+
+        A waiting request of a more important class takes the budget (and free blocks)
+        before less important running ones, so it is not held behind their prefill chunks;
+        within a class, output tokens come first, then prompt work in fair order among
+        tenants. After a preemption, or once a waiting request does not fit, no waiting
+        request starts this step.
+        """
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
-        if not out.preempted_ids:
-            self._schedule_waiting(out, budget)
+        admitting = True
+        for request in sorted([*self.running, *self.waiting], key=self._step_order):
+            if budget == 0:
+                break
+            if request.status is RequestStatus.RUNNING:
+                budget = self._schedule_running(out, request, budget)
+            elif admitting and request in self.waiting:
+                admitting = not out.preempted_ids and self._start_waiting(out, request, budget)
+                if admitting:
+                    budget -= out.scheduled[-1].num_new_tokens
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        for request in sorted(self.running, key=self._rank):
-            if request.status is not RequestStatus.RUNNING or budget == 0:
-                continue
-            num_new = self._num_new_tokens(request, budget)
-            if num_new == 0:
-                continue
-            while not self.kv.allocate_slots(request, num_new):
-                victim = max(self.running, key=self._rank)
-                self._preempt(victim)
-                out.preempted_ids.append(victim.request_id)
-                if victim is request:
-                    break
-            else:
-                out.scheduled.append(ScheduledRequest(request, num_new))
-                budget -= num_new
-        return budget
+    def _schedule_running(self, out: SchedulerOutput, request: Request, budget: int) -> int:
+        num_new = self._num_new_tokens(request, budget)
+        if num_new == 0:
+            return budget
+        while not self.kv.allocate_slots(request, num_new):
+            victim = max(self.running, key=self._rank)
+            self._preempt(victim)
+            out.preempted_ids.append(victim.request_id)
+            if victim is request:
+                return budget
+        out.scheduled.append(ScheduledRequest(request, num_new))
+        return budget - num_new
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        for request in sorted(self.waiting, key=self._rank):
-            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
-                break
-            cached: list[BlockId] = []
-            num_cached = 0
-            if not request.block_ids:
-                cached, num_cached = self.kv.find_cached_prefix(request)
-            num_new = self._num_new_tokens(request, budget, num_cached)
-            if num_new == 0 or not self.kv.allocate_slots(request, num_new, cached):
-                break
-            request.num_computed_tokens += num_cached
-            if request.num_preemptions == 0 and not request.output_token_ids:
-                request.num_cached_tokens = num_cached
-            self.waiting.remove(request)
-            self.running.append(request)
-            request.status = RequestStatus.RUNNING
-            out.scheduled.append(ScheduledRequest(request, num_new))
-            budget -= num_new
+    def _start_waiting(self, out: SchedulerOutput, request: Request, budget: int) -> bool:
+        """Move `request` to running with its first tokens this step; False if it does not fit."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        cached: list[BlockId] = []
+        num_cached = 0
+        if not request.block_ids:
+            cached, num_cached = self.kv.find_cached_prefix(request)
+        num_new = self._num_new_tokens(request, budget, num_cached)
+        if num_new == 0 or not self.kv.allocate_slots(request, num_new, cached):
+            return False
+        request.num_computed_tokens += num_cached
+        if request.num_preemptions == 0 and not request.output_token_ids:
+            request.num_cached_tokens = num_cached
+        self.waiting.remove(request)
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        self.fair.started(request)
+        out.scheduled.append(ScheduledRequest(request, num_new))
+        return True
 
     def _num_new_tokens(self, request: Request, budget: int, num_cached: int = 0) -> int:
         missing = request.num_tokens - request.num_computed_tokens - num_cached
@@ -180,9 +200,17 @@ class Scheduler:
 
     def _rank(self, request: Request) -> tuple[int, int]:
         """Smaller ranks first: aged priority, then arrival order."""
+        return self._aged_priority(request), request.arrival_seq
+
+    def _step_order(self, request: Request) -> tuple[int, bool, float, int]:
+        """Aged priority; then requests generating output, in arrival order, before prompt
+        work (prefill chunks, running or waiting) in fair order among tenants."""
+        decoding = request.status is RequestStatus.RUNNING and request.num_computed_tokens >= request.num_prompt_tokens
+        return self._aged_priority(request), not decoding, 0.0 if decoding else request.fair_tag, request.arrival_seq
+
+    def _aged_priority(self, request: Request) -> int:
         waited_s = max(0.0, self.clock() - request.arrival_time)
-        aged = request.priority - int(waited_s / self.config.aging_interval_s)
-        return aged, request.arrival_seq
+        return request.priority - int(waited_s / self.config.aging_interval_s)
 
     def _preempt(self, request: Request) -> None:
         logger.debug("request %s: preempted (recompute)", request.request_id)
@@ -190,6 +218,7 @@ class Scheduler:
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         self.waiting.append(request)
 

@@ -45,3 +45,5 @@ class EngineLoad:
     """Cumulative prompt tokens of requests that got their first token here, and how many
     of them were prefix-cache hits."""
     num_cached_tokens: int
+    num_preemptions: int = 0
+    """Cumulative preemptions (by recompute)."""

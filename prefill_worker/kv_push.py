@@ -53,6 +53,10 @@ class PushDone:
     """Engine-thread time this hand-off cost (queueing block ids): what the transfer added to steps."""
     tail_s: float = 0.0
     """Lane time of what was left at the first token: the last push and `ready` with its ack."""
+    num_blocks: int = 0
+    """Blocks pushed (the decode worker's cached prefix is not sent)."""
+    transport: str = ""
+    """The transport kvfabric chose for this pair (empty if it never opened)."""
 
 
 @dataclass
@@ -65,6 +69,7 @@ class Handoff:
     next_index: int
     transfer: Transfer | None = None
     num_pushes: int = 0
+    num_blocks: int = 0
     opened_at: float = 0.0
     fabric_s: float = 0.0
     engine_s: float = 0.0
@@ -135,6 +140,7 @@ class _Lane:
             assert h.transfer is not None
             h.transfer.push(block_ids, start, after)  # type: ignore[arg-type]
             h.num_pushes += 1
+            h.num_blocks += len(block_ids)  # type: ignore[arg-type]
         elif kind == "finish":
             first_token_id, num_tokens = args
             assert h.transfer is not None
@@ -218,8 +224,9 @@ class KVPusher:
         if error is not None and handoff.cancelled is None:
             logger.warning("request %s: KV hand-off failed: %s", handoff.request_id, error)
         push_s = time.perf_counter() - handoff.opened_at if handoff.opened_at else 0.0
+        transport = handoff.transfer.transport if handoff.transfer is not None else ""
         self.on_done(PushDone(handoff.request_id, error, handoff.num_pushes, push_s, handoff.fabric_s,
-                              handoff.engine_s, handoff.tail_s))
+                              handoff.engine_s, handoff.tail_s, handoff.num_blocks, transport))
 
     # -- engine thread -------------------------------------------------------------------
     def take_done(self) -> list[PushDone]:

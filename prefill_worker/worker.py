@@ -82,6 +82,7 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
         facts = ModelFacts(e.model_id, config.block_size, e.model_config.vocab_size, e.max_model_len,
                            e.kv_pool.num_blocks)
         self.host = WorkerHost(worker_id, "prefill", config, facts, engine_load_reader(self.loop), redis_url, namespace)
+        self.host.metrics.block_bytes = self.pusher.layout.block_bytes
         self._requests: dict[str, _Prefill] = {}
         """Asyncio side: the running calls."""
         self.totals = HandoffTotals()
@@ -154,7 +155,8 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
         params = sampling_from_pb(r.sampling, keep_stop_strings=False)
         self.pusher.attach(ticket)
         try:
-            engine.add_request(list(r.prompt_token_ids), params, r.request_id, r.priority, r.tenant)
+            engine.add_request(list(r.prompt_token_ids), params, r.request_id, r.priority, r.tenant,
+                               r.tenant_weight or 1.0)
         except BaseException:
             self.pusher.cancel(r.request_id, "refused")  # nothing was computed: no blocks to hold
             raise
@@ -178,6 +180,7 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
         rid = RequestId(done.request_id)
         self.pusher.forget(rid)
         self.totals.add(done)
+        self.host.metrics.transferred(done.transport, done.num_blocks, done.push_s, failed=done.error is not None)
         if done.error is None:
             engine.release_handoff(rid)
         else:

@@ -115,7 +115,7 @@ class AdmissionQueue:
             return Refused(f"the request needs {cost_tokens} tokens of the budget, more than tenant {tenant!r}'s "
                            f"quota of {quota}: send a shorter prompt or a smaller max_tokens", None, "quota")
         c = self._classes.setdefault(priority, PriorityClass())
-        weight = self._weight(tenant)
+        weight = self.weight(tenant)
         e = Entry(request_id, priority, tenant, cost_tokens, deadline, self.clock())
         e.start_tag = c.start_tag(tenant, self.budget_tokens / weight)
         refusal = self._refusal(c, e)
@@ -201,13 +201,9 @@ class AdmissionQueue:
         """Admitted tokens per tenant."""
         return dict(self._tenant_tokens)
 
-    def over_share(self, tenant: str) -> bool:
-        """The tenant holds more than its weighted fair share of the admitted tokens (among the
-        tenants holding any): its requests rank one class lower on the workers, so the engines'
-        queues serve the others' admitted requests first."""
-        if len(self._tenant_tokens) < 2 or tenant not in self._tenant_tokens:
-            return False
-        return self._tenant_tokens[tenant] / self.inflight_tokens > self._fair_share(tenant, self._tenant_tokens)[0]
+    def weight(self, tenant: str) -> float:
+        """The tenant's weight (`tenant_weights`, 1 when not named)."""
+        return self.config.tenant_weights.get(tenant, 1.0)
 
     def drain_rate(self) -> float | None:
         """Tokens released per second over the recent releases (None before two of them)."""
@@ -221,7 +217,7 @@ class AdmissionQueue:
         """When a request of this cost would likely get in: its estimated wait were it queued now."""
         c = self._classes.get(priority) or PriorityClass()
         e = Entry("", priority, tenant, cost_tokens, None, self.clock())
-        e.start_tag = c.start_tag(tenant, self.budget_tokens / self._weight(tenant))
+        e.start_tag = c.start_tag(tenant, self.budget_tokens / self.weight(tenant))
         return self._retry_after(e)
 
     # -- internals ---------------------------------------------------------------------------
@@ -238,7 +234,7 @@ class AdmissionQueue:
             if mine >= share:
                 return Refused(f"tenant {e.tenant!r} already has {mine} requests waiting at priority {e.priority}, "
                                f"its fair share of that queue ({share} of {limit} at weight "
-                               f"{self._weight(e.tenant):g} of {total:g})", self._retry_after(e), "tenant_share")
+                               f"{self.weight(e.tenant):g} of {total:g})", self._retry_after(e), "tenant_share")
         wait = self._estimated_wait_s(e)
         can_wait = self.max_wait_s if e.deadline is None else min(self.max_wait_s, e.deadline - e.queued_at)
         if wait is not None and wait > can_wait:
@@ -255,13 +251,10 @@ class AdmissionQueue:
         held = self._tenant_tokens[tenant] / max(self.inflight_tokens, 1)
         return f"; tenant {tenant!r} holds {held:.0%} of the admitted tokens, its fair share is {share:.0%}"
 
-    def _weight(self, tenant: str) -> float:
-        return self.config.tenant_weights.get(tenant, 1.0)
-
     def _fair_share(self, tenant: str, among: Iterable[str]) -> tuple[float, float]:
         """The tenant's weighted fraction among these tenants and itself, and their total weight."""
-        total = sum(self._weight(t) for t in {*among, tenant})
-        return self._weight(tenant) / total, total
+        total = sum(self.weight(t) for t in {*among, tenant})
+        return self.weight(tenant) / total, total
 
     def _fits(self, e: Entry) -> bool:
         if not self._within_quota(e):
@@ -283,7 +276,7 @@ class AdmissionQueue:
         return self._tenant_tokens.get(e.tenant, 0) + e.cost_tokens <= share
 
     def _admit(self, c: PriorityClass, e: Entry) -> None:
-        c.charge(e, self._weight(e.tenant))
+        c.charge(e, self.weight(e.tenant))
         c.served(e)
         self._admitted[e.request_id] = (e.cost_tokens, e.tenant)
         self._tenant_tokens[e.tenant] = self._tenant_tokens.get(e.tenant, 0) + e.cost_tokens

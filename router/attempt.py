@@ -45,6 +45,8 @@ class Prepared:
     params: SamplingParams
     priority: int
     tenant: str
+    tenant_weight: float = 1.0
+    """The tenant's weight (the router's config), for the workers' fair order."""
     block_hashes: BlockHashMemo = dataclasses.field(default_factory=dict, compare=False)
     """The prompt's block hashes per (model id, block size), computed once: at admission
     (cached prefix) and reused by the first try's routing."""
@@ -52,10 +54,11 @@ class Prepared:
     def attempt(self, n: int, sent: list[int]) -> Attempt:
         """Try `n` (0 first): a later one re-prefills the prompt plus the tokens `sent` and asks for the rest."""
         if n == 0:
-            return Attempt(self.request_id, self.token_ids, self.params, self.tenant, self.priority, self.block_hashes)
+            return Attempt(self.request_id, self.token_ids, self.params, self.tenant, self.priority,
+                           self.tenant_weight, self.block_hashes)
         return Attempt(f"{self.request_id}~{n}", self.token_ids + sent,
                        dataclasses.replace(self.params, max_tokens=self.params.max_tokens - len(sent)),
-                       self.tenant, self.priority)
+                       self.tenant, self.priority, self.tenant_weight)
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ class Attempt:
     params: SamplingParams
     tenant: str
     priority: int
+    tenant_weight: float = 1.0
     block_hashes: BlockHashMemo = dataclasses.field(default_factory=dict, compare=False)
     """Its prompt's block hashes per (model id, block size), once computed."""
 

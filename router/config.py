@@ -17,6 +17,10 @@ class RouterConfig:
     """Bind with SO_REUSEPORT so several router replicas on one host serve one port (the
     kernel spreads connections over them). Off for a single router, so a port already
     taken (by another splitserve too) is an error instead of a silent split."""
+    metrics_port: int | None = 0
+    """Port of the router's Prometheus `/metrics` (HTTP, on `host`); 0 picks a free one
+    (`splitserve metrics-targets` lists it), None serves none. Give several replicas on
+    one host 0: a fixed port can be bound once."""
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     prefill_timeout_s: float = 120.0
@@ -63,6 +67,8 @@ class RouterConfig:
             raise ValueError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in 0..65535 (or None for no /metrics), got {self.metrics_port}")
         if min(self.prefill_timeout_s, self.reserve_timeout_s, self.decode_idle_timeout_s, self.busy_wait_s) <= 0:
             raise ValueError("prefill_timeout_s, reserve_timeout_s, decode_idle_timeout_s and busy_wait_s must be positive")
         if self.no_worker_wait_s < 0:

@@ -105,7 +105,7 @@ class RequestFlow:
             decode = self.clients.call(d, pb.DecodeRequest(
                 request_id=attempt.worker_request_id, prompt_token_ids=attempt.token_ids,
                 sampling=sampling_to_pb(attempt.params, keep_stop_strings=False), priority=attempt.priority,
-                tenant=attempt.tenant, local_prefill=p is None), deadline)
+                tenant=attempt.tenant, tenant_weight=attempt.tenant_weight, local_prefill=p is None), deadline)
             calls.append(decode)
             if p is not None:
                 prefill = await self._remote_prefill(attempt, p, decode, deadline, calls)
@@ -138,7 +138,8 @@ class RequestFlow:
         prefill = self.clients.call(p, pb.PrefillRequest(
             request_id=attempt.worker_request_id, prompt_token_ids=attempt.token_ids,
             sampling=sampling_to_pb(attempt.params, keep_stop_strings=False), priority=attempt.priority,
-            tenant=attempt.tenant, ticket=ev.reserved.ticket), deadline)  # type: ignore[union-attr]
+            tenant=attempt.tenant, tenant_weight=attempt.tenant_weight,
+            ticket=ev.reserved.ticket), deadline)  # type: ignore[union-attr]
         calls.append(prefill)
         try:
             ev = await self._next(prefill, self.config.prefill_timeout_s)

@@ -11,6 +11,7 @@ import statistics
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -110,10 +111,18 @@ def admission_cost(prep: Prepared, max_model_len: int, cached_tokens: int = 0) -
 
 
 class ItlWindow:
-    """The router's recent inter-token latencies (what clients see between tokens), for the autoscaler."""
+    """The router's recent inter-token latencies (what clients see between tokens), for the
+    autoscaler; each gap also goes to `on_gap` (the metrics' histogram)."""
 
-    def __init__(self, size: int = 2048) -> None:
+    def __init__(self, size: int = 2048, on_gap: Callable[[float, int], None] | None = None) -> None:
         self.samples: deque[float] = deque(maxlen=size)
+        self.on_gap = on_gap
+
+    def observe(self, gap_s: float, num_tokens: int) -> None:
+        """A response carried `num_tokens` new tokens `gap_s` after the previous one."""
+        self.samples.append(gap_s / num_tokens)
+        if self.on_gap is not None:
+            self.on_gap(gap_s, num_tokens)
 
     def p50_ms(self) -> float | None:
         return statistics.median(self.samples) * 1e3 if self.samples else None
@@ -134,7 +143,7 @@ class Responses:
         if progress.num_sent == 0 and token_ids:
             progress.first_token = now
         elif token_ids and self.itl is not None and self._last_at:
-            self.itl.samples.append((now - self._last_at) / len(token_ids))
+            self.itl.observe(now - self._last_at, len(token_ids))
         if token_ids:
             self._last_at = now
         text, sent = "", []

@@ -78,6 +78,11 @@ class Members:
     def ids(self) -> list[str]:
         return sorted(self._members)
 
+    def roles_and_states(self) -> list[tuple[str, str]]:
+        """(role, state) of each member; told to drain counts as draining, a model mismatch as mismatched."""
+        return [(m.role, "mismatched" if w in self._mismatched else "draining" if w in self._draining else m.state)
+                for w, m in self._members.items()]
+
     def address(self, worker_id: str) -> str | None:
         m = self._members.get(worker_id)
         return m.address if m is not None else None

@@ -3,7 +3,7 @@
 Serves `Generation` (the `router.servicer.Generation` over a `RequestFlow`), standard
 health checking and server reflection on `RouterConfig.host:port`; runs the Redis feed
 (membership, KV index, heartbeats), the admission expiry timer and the router's stats
-report (`splitserve status` reads it). Workers are found in the registry, not given:
+report (`splitserve status` reads it); serves Prometheus `/metrics` on `metrics_port`. Workers are found in the registry, not given:
 a router needs a Redis URL. This module and everything it imports are torch-free.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from urllib.parse import urlparse
 
 import grpc
 import redis
@@ -21,8 +22,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from control.auth import cluster_token
+from control.metrics_http import MetricsServer
 from control.reader import RegistryReader
-from control.worker_config import NO_SECRET
+from control.worker_config import NO_SECRET, route_address
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from router.clients import GrpcStreams, WorkerClients
@@ -34,6 +36,7 @@ from router.gate import AdmissionGate
 from router.kv_index import KVIndex
 from router.loads import LoadBook
 from router.members import Members
+from router.metrics import RouterBooks, RouterMetrics
 from router.servicer import Generation
 
 logger = logging.getLogger(__name__)
@@ -48,6 +51,7 @@ class RouterService:
             raise ValueError(NO_SECRET)
         self.router_id, self.config = router_id, config
         self.reader = RegistryReader(redis_url, namespace)
+        self.redis_url = redis_url
         self.members = Members()
         self.index = KVIndex(time.monotonic)
         self.loads = LoadBook({})
@@ -55,7 +59,14 @@ class RouterService:
         self.flow = RequestFlow(config, self.members, WorkerClients(self.streams, self.members.address), self.index,
                                 self.loads)
         self.gate = AdmissionGate(config.admission, time.monotonic)
-        self.generation = Generation(Frontend(config.tokenizer_dir), self.gate, self.flow, self.members)
+        self.metrics = RouterMetrics(lambda: self.members.facts.model_id if self.members.facts else "")
+        self.generation = Generation(Frontend(config.tokenizer_dir), self.gate, self.flow, self.members,
+                                     metrics=self.metrics)
+        self.metrics.watch(RouterBooks(stats=lambda: {**self.generation.stats, **self.flow.stats},
+                                       refusals=lambda: dict(self.gate.refusals), admission=self._admission_books,
+                                       workers=self.members.roles_and_states))
+        self.metrics_server = MetricsServer(self.metrics.registry)
+        self.metrics_address = ""
         self.feed = RegistryFeed(self.reader, self.members, self.index, self.loads, config.load_refresh_s,
                                  config.index_poll_ms, self.streams.forget)
         self._server: grpc.aio.Server | None = None
@@ -85,6 +96,14 @@ class RouterService:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._server = server
         self.address = f"{self.config.host}:{bound}"
+        if self.config.metrics_port is not None:
+            metrics_port = await self.metrics_server.start(self.config.host, self.config.metrics_port)
+            host = self.config.host
+            if host in ("0.0.0.0", "::", ""):  # what a scraper on another host dials: the route to Redis
+                host = route_address(urlparse(self.redis_url).hostname or "127.0.0.1")
+            self.metrics_address = f"{host}:{metrics_port}"
+        with contextlib.suppress(redis.RedisError, OSError, TimeoutError):  # found by `status` at once
+            await self.reader.set_router_stats(self.router_id, await self.stats(), ttl_s=5.0)
         self._tasks += [asyncio.create_task(self.feed.run()), asyncio.create_task(self._tick())]
         logger.info("router %s serving on %s", self.router_id, self.address)
         return self.address
@@ -101,9 +120,15 @@ class RouterService:
         """The controller is about to drain this worker: route nothing new to it."""
         self.members.drain(worker_id)
 
+    def _admission_books(self) -> dict[str, int]:
+        q = self.gate.queue
+        return {"num_admitted": q.num_admitted, "num_queued": q.num_queued, "inflight_tokens": q.inflight_tokens,
+                "budget_tokens": q.budget_tokens}
+
     async def stats(self) -> dict[str, object]:
         q = self.gate.queue
-        return {"router_id": self.router_id, "address": self.address, **self.generation.stats, **self.flow.stats,
+        return {"router_id": self.router_id, "address": self.address, "metrics_address": self.metrics_address,
+                **self.generation.stats, **self.flow.stats,
                 "num_admitted": q.num_admitted, "num_queued": q.num_queued,
                 "queued_by_priority": {str(k): v for k, v in q.queued_by_priority().items()},
                 "inflight_tokens": q.inflight_tokens, "budget_tokens": q.budget_tokens,
@@ -127,6 +152,7 @@ class RouterService:
     async def shutdown(self) -> None:
         if self._server is not None:
             await self._server.stop(grace=self.config.grace_s)
+        await self.metrics_server.stop()
         for t in self._tasks:
             t.cancel()
         await self.flow.clients.close()

@@ -17,10 +17,12 @@ from google.protobuf.message import DecodeError
 
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
+from proto.convert import finish_name_from_pb
 from router.attempt import Deadline, Prepared, Progress, RequestFailed
 from router.flow import RequestFlow
 from router.frontend import Frontend, ItlWindow, Responses, admission_cost
 from router.gate import AdmissionGate
+from router.metrics import RouterMetrics
 from router.members import Members
 
 
@@ -29,10 +31,11 @@ SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
 class Generation(pb_grpc.GenerationServicer):
     def __init__(self, frontend: Frontend, gate: AdmissionGate, flow: RequestFlow, members: Members,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, metrics: RouterMetrics | None = None) -> None:
         self.frontend, self.gate, self.flow, self.members, self.clock = frontend, gate, flow, members, clock
+        self.metrics = metrics
         self._active: set[str] = set()
-        self.itl = ItlWindow()
+        self.itl = ItlWindow(on_gap=metrics.observe_itl if metrics else None)
         self.stats = {"num_requests": 0, "num_refused": 0, "num_invalid": 0, "num_prompt_tokens": 0,
                       "num_cached_tokens": 0}
 
@@ -73,13 +76,14 @@ class Generation(pb_grpc.GenerationServicer):
         try:
             progress.admitted = time.perf_counter()
             out = Responses(prep, progress, self.frontend.detokenizer(prep), self.itl)
-            observed = False
+            observed, reason = False, pb.FINISH_REASON_UNSPECIFIED
             async for response in self.flow.run(prep, deadline, progress, out):
                 if not observed and progress.first_token:
                     observed = True
                     self.gate.observe_ttft(progress.first_token - progress.admitted, cost)
+                reason = response.finish_reason or reason
                 yield response
-            self._count(prep, progress)
+            self._count(prep, progress, reason)
         except RequestFailed as e:
             await _fail(context, e)
         finally:
@@ -88,13 +92,11 @@ class Generation(pb_grpc.GenerationServicer):
 
     async def _admit(self, prep: Prepared, deadline: Deadline) -> tuple[Prepared, int]:
         """Waits for admission (or raises RequestFailed); returns the request as the workers get
-        it (one class lower when its tenant holds more than its share) and its cost."""
+        it (with its tenant's weight, for the engines' fair order) and its cost."""
         facts = self.members.facts
         cost = admission_cost(prep, facts.max_model_len if facts else 1 << 30, self.flow.cached_tokens(prep))
         await self.gate.admit(prep, deadline, cost)
-        if self.gate.queue.over_share(prep.tenant):  # the engines' queues serve the other tenants first
-            prep = dataclasses.replace(prep, priority=prep.priority + 1)
-        return prep, cost
+        return dataclasses.replace(prep, tenant_weight=self.gate.queue.weight(prep.tenant)), cost
 
     def _prepare(self, request: pb.GenerateRequest) -> Prepared:
         rid = request.request_id
@@ -102,10 +104,16 @@ class Generation(pb_grpc.GenerationServicer):
             raise RequestFailed(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already running; use a new id")
         return self.frontend.prepare(request, self.members.facts, self.members.max_decode_blocks())
 
-    def _count(self, prep: Prepared, progress: Progress) -> None:
+    def _count(self, prep: Prepared, progress: Progress, reason: int) -> None:
         self.stats["num_requests"] += 1
         self.stats["num_prompt_tokens"] += len(prep.token_ids)
         self.stats["num_cached_tokens"] += progress.num_cached_tokens
+        if self.metrics is not None:
+            self.metrics.finished(
+                queue_s=progress.admitted - progress.arrived, e2e_s=time.perf_counter() - progress.arrived,
+                ttft_s=progress.first_token - progress.arrived if progress.first_token else None,
+                num_prompt=len(prep.token_ids), num_output=progress.num_sent, num_cached=progress.num_cached_tokens,
+                reason=finish_name_from_pb(reason) or "unknown")
 
 
 async def _fail(context: grpc.aio.ServicerContext, e: RequestFailed) -> None:

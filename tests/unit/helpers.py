@@ -26,12 +26,12 @@ def make_scheduler(
 
 
 def make_request(rid: str, prompt: list[int] | int, clock, max_tokens: int = 8,
-                 priority: int = 0, tenant: str = "") -> Request:
+                 priority: int = 0, tenant: str = "", weight: float = 1.0) -> Request:
     """An int prompt is that many tokens, distinct per request id (no accidental prefix hits)."""
     base = 1000 * (zlib.crc32(rid.encode()) % 1000)
     tokens = list(range(base, base + prompt)) if isinstance(prompt, int) else prompt
     return Request(RequestId(rid), tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                   arrival_time=clock(), priority=priority, tenant=tenant)
+                   arrival_time=clock(), priority=priority, tenant=tenant, tenant_weight=weight)
 
 
 def fake_step(s: Scheduler, token: int = 7) -> SchedulerOutput:

@@ -69,6 +69,6 @@ def test_valid_events_round_trip(event_id: int, kind: str, hashes: list[bytes], 
 
 def test_a_heartbeat_round_trips_and_unknown_fields_are_ignored() -> None:
     hb = Heartbeat("d0", "decode", "10.0.0.2:5000", "serving", "abc", "m", 16, 1000, 512, 64, 60, 2, 1, 0, 0, 10, 5,
-                   1.5)
+                   num_preemptions=3, metrics_address="10.0.0.2:5001", sent_at=1.5)
     assert Heartbeat.from_wire(hb.to_wire()) == hb
     assert Heartbeat.from_wire(msgpack.packb({**msgpack.unpackb(hb.to_wire()), "new_field": [1]})) == hb

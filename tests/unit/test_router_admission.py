@@ -207,17 +207,6 @@ def test_without_a_ttft_budget_nothing_is_steered(clock) -> None:
     assert q.limit_tokens == q.budget_tokens == 1000 and q.max_wait_s == 30.0
 
 
-def test_a_tenant_over_its_share_of_the_admitted_tokens_is_marked(clock) -> None:
-    q = queue(clock, max_inflight_tokens=1000, tenant_weights={"gold": 3.0})
-    q.offer("a", 0, 300, None, tenant="A")
-    assert not q.over_share("A")  # alone: the whole budget is its share
-    q.offer("b", 0, 100, None, tenant="B")
-    assert q.over_share("A") and not q.over_share("B")  # 75% held, 50% its share
-    q.offer("g", 0, 600, None, tenant="gold")
-    assert not q.over_share("gold")  # 60% held, 60% its share (3 of 5)
-    assert q.over_share("A") and not q.over_share("B")
-
-
 def test_a_tenant_under_its_share_gets_in_while_another_overfills_the_budget(clock) -> None:
     q = queue(clock, max_inflight_tokens=1500, ttft_budget_s=1.0)
     for i in range(10):

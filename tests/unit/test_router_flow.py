@@ -193,6 +193,20 @@ def test_a_prefill_failure_is_retried_on_the_other_prefill_worker() -> None:
     assert_settled(flow, streams)
 
 
+def test_every_call_of_every_try_carries_the_tenant_and_its_weight() -> None:
+    prefill = first_call_then(lambda req: [rpc_error(grpc.StatusCode.INTERNAL, "InvariantError: boom")], good_prefill)
+    flow, streams = make_flow({"p0": prefill, "p1": prefill, "d0": good_decode, "d1": good_decode})
+    prep = Prepared("r1", PROMPT, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), 2, "gold", tenant_weight=3.0)
+    progress = Progress(time.perf_counter())
+
+    async def go() -> list[pb.GenerateResponse]:
+        return [r async for r in flow.run(prep, Deadline(None), progress, Responses(prep, progress, None))]
+    asyncio.run(go())
+    assert len(streams.calls) == 4  # a retry after the prefill failure
+    assert [(r.tenant, r.tenant_weight, r.priority) for _, r, _ in streams.calls] == [("gold", 3.0, 2)] * 4
+    assert_settled(flow, streams)
+
+
 def test_invalid_argument_from_a_worker_ends_the_request_without_a_retry() -> None:
     invalid = lambda req: [rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "token ids [9999] are outside")]  # noqa: E731
     flow, streams = make_flow({"p0": invalid, "p1": invalid, "d0": good_decode, "d1": good_decode})

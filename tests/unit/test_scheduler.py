@@ -92,6 +92,39 @@ def test_priority_orders_waiting_and_aging_prevents_starvation(clock) -> None:
     assert plan(fake_step(s2)) == [("old-low", 4)]
 
 
+def test_a_more_important_waiting_request_goes_before_less_important_prefill_chunks(clock) -> None:
+    s = make_scheduler(clock, budget=8)
+    s.add_request(make_request("bulk", 20, clock, priority=1))
+    assert plan(fake_step(s)) == [("bulk", 8)]
+    s.add_request(make_request("peer", 20, clock, priority=1))
+    s.add_request(make_request("urgent", 6, clock, priority=0))
+    assert plan(fake_step(s)) == [("urgent", 6), ("bulk", 2)]  # bulk keeps what urgent leaves
+    assert plan(fake_step(s)) == [("urgent", 1), ("bulk", 7)]  # peer (same class) waits for bulk
+
+
+def test_a_light_tenant_goes_before_a_heavy_tenants_backlog_which_keeps_its_order(clock) -> None:
+    s = make_scheduler(clock, budget=8)
+    for i in range(3):
+        s.add_request(make_request(f"heavy{i}", 8, clock, max_tokens=1, tenant="heavy"))
+    assert plan(fake_step(s)) == [("heavy0", 8)]
+    s.add_request(make_request("light", 8, clock, max_tokens=1, tenant="light"))
+    assert plan(fake_step(s)) == [("light", 8)]  # heavy1 and heavy2 arrived first, but after heavy0 in fair time
+    assert plan(fake_step(s)) == [("heavy1", 8)]
+    assert plan(fake_step(s)) == [("heavy2", 8)]
+
+
+def test_fair_order_follows_tenant_weights_and_outputs_go_before_prompt_work(clock) -> None:
+    s = make_scheduler(clock, budget=4)
+    for i in range(4):
+        s.add_request(make_request(f"gold{i}", 4, clock, max_tokens=1, tenant="gold", weight=2.0))
+        s.add_request(make_request(f"tin{i}", 4, clock, max_tokens=1, tenant="tin"))
+    order = [plan(fake_step(s))[0][0] for _ in range(6)]
+    assert order == ["gold0", "tin0", "gold1", "tin1", "gold2", "gold3"]  # twice the weight, twice the turns
+    s.add_request(make_request("chat", 2, clock, max_tokens=3, tenant="chat"))
+    assert plan(fake_step(s)) == [("chat", 2), ("tin2", 2)]
+    assert plan(fake_step(s)) == [("chat", 1), ("tin2", 2), ("tin3", 1)]  # chat's output token first, then prompt work
+
+
 def test_preemption_victim_is_lowest_priority_before_newest(clock) -> None:
     s = make_scheduler(clock, num_blocks=4, block_size=4)
     low = make_request("low", 7, clock, priority=5)

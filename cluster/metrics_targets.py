@@ -1,0 +1,81 @@
+"""`splitserve metrics-targets`: the running cluster's `/metrics` endpoints as Prometheus
+`file_sd` JSON (torch-free).
+
+Every router and worker registers where its `/metrics` listens (a worker in its heartbeat,
+a router in its stats report), so the list is read from the registry, never configured.
+Point a `file_sd_configs` entry at the file this writes (deploy/prometheus.yml does) and
+rewrite it when pools change (the command is cheap: one Redis read); Prometheus re-reads
+the file on change. Each target carries `role` and `instance_id` labels, so a dashboard
+can split prefill from decode workers and routers.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from control.heartbeat import Heartbeat
+
+
+def file_sd(beats: dict[str, Heartbeat], routers: dict[str, dict[str, Any]], namespace: str) -> list[dict[str, Any]]:
+    """One target group per process that serves `/metrics`, sorted by role then id."""
+    groups = [(b.role, w, b.metrics_address) for w, b in beats.items()] + \
+             [("router", r, str(s.get("metrics_address", ""))) for r, s in routers.items()]
+    return [{"targets": [address], "labels": {"role": role, "instance_id": name, "splitserve_namespace": namespace}}
+            for role, name, address in sorted(groups) if address]
+
+
+def run(args: argparse.Namespace, redis_url: str) -> int:
+    from control.reader import RegistryReader
+
+    async def read() -> tuple[dict[str, Heartbeat], dict[str, dict[str, Any]]]:
+        reader = RegistryReader(redis_url, args.namespace)
+        try:
+            return await reader.heartbeats(), await reader.router_stats()
+        finally:
+            await reader.close()
+
+    try:
+        beats, routers = asyncio.run(read())
+    except Exception as e:  # noqa: BLE001 - any Redis failure is reported, not raised
+        print(f"Redis at {redis_url} is away ({e}): no targets can be read now", file=sys.stderr)
+        return 1
+    text = json.dumps(file_sd(beats, routers, args.namespace), indent=2) + "\n"
+    if args.output is None:
+        sys.stdout.write(text)
+    else:  # written whole, then renamed: Prometheus never reads half a file
+        out = Path(args.output)
+        with tempfile.NamedTemporaryFile("w", dir=out.parent, delete=False, suffix=".tmp") as f:
+            f.write(text)
+        os.replace(f.name, out)
+    if not beats and not routers:
+        print("no workers or routers are reporting (is the cluster running?)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_metrics_port_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="the router's Prometheus /metrics port on --host (0: a free one, listed by "
+                        "`splitserve metrics-targets`; -1: none)")
+
+
+def metrics_port(args: argparse.Namespace) -> int | None:
+    return None if args.metrics_port == -1 else args.metrics_port
+
+
+def add_parser(sub: Any, cluster_redis: Any) -> None:
+    p = sub.add_parser("metrics-targets", help="print the cluster's /metrics endpoints as Prometheus file_sd JSON")
+    p.add_argument("--redis-url", help="default: the cluster last started by `splitserve serve`")
+    p.add_argument("--namespace", default="splitserve")
+    p.add_argument("--output", "-o", help="write the JSON to this file (atomically) instead of stdout")
+
+    def func(args: argparse.Namespace) -> int:
+        redis_url, args.namespace = cluster_redis(args)
+        return 2 if redis_url is None else run(args, redis_url)
+    p.set_defaults(func=func)

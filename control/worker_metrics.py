@@ -1,0 +1,81 @@
+"""A worker's Prometheus metrics (torch-free): its engine's state, named as vLLM names it.
+
+Engine-level numbers, read from the engine at scrape time (`refresh` reads
+`LLMEngine.load()` through the engine thread, on a helper thread so the event loop never
+waits): requests running and waiting, KV cache usage, prefix-cache queries and hits (in
+tokens, as vLLM counts them), preemptions. Names are vLLM's with `splitserve:` in place of
+`vllm:`; labels `model_name` and `role`. Request-level latencies are the router's
+(`router.metrics`): counted here too, a request would be counted twice by a dashboard
+that sums every target.
+
+Ours only: KV transfers a prefill worker pushed, by the transport kvfabric chose for the
+pair (bytes, blocks, seconds from open to the decode worker's `ready` ack, failures),
+observed as each hand-off ends (on a push-lane thread; prometheus_client locks).
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from engine.types import EngineLoad
+
+PREFIX = "splitserve:"
+TRANSFER_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class WorkerMetrics(Collector):
+    def __init__(self, role: str, model_name: str, read_load: Callable[[], EngineLoad | None],
+                 block_bytes: int = 0) -> None:
+        self.role, self.model_name, self.read_load, self.block_bytes = role, model_name, read_load, block_bytes
+        self.registry = CollectorRegistry()
+        self._load: EngineLoad | None = None
+        labels = ["model_name", "role", "transport"]
+        r, p = self.registry, PREFIX
+        self.transfer_bytes = Counter(p + "kv_transfer_bytes", "KV bytes pushed to decode workers.", labels, registry=r)
+        self.transfer_blocks = Counter(p + "kv_transfer_blocks", "KV blocks pushed to decode workers.", labels,
+                                       registry=r)
+        self.transfer_failures = Counter(p + "kv_transfer_failures", "KV hand-offs that failed.", labels, registry=r)
+        self.transfer_seconds = Histogram(p + "kv_transfer_seconds", "A hand-off from open to the decode worker's "
+                                          "ready ack.", labels, registry=r, buckets=TRANSFER_BUCKETS_S)
+        self.registry.register(self)
+
+    async def refresh(self) -> None:
+        """Reads the engine's state for the next scrape (the engine thread answers between steps)."""
+        self._load = await asyncio.to_thread(self.read_load)
+
+    def transferred(self, transport: str, num_blocks: int, seconds: float, failed: bool) -> None:
+        """One hand-off ended (any thread)."""
+        labels = (self.model_name, self.role, transport or "none")
+        if failed:
+            self.transfer_failures.labels(*labels).inc()
+            return
+        self.transfer_blocks.labels(*labels).inc(num_blocks)
+        self.transfer_bytes.labels(*labels).inc(num_blocks * self.block_bytes)
+        self.transfer_seconds.labels(*labels).observe(seconds)
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        load = self._load
+        if load is None:
+            return
+        values = [self.model_name, self.role]
+        p, labels = PREFIX, ["model_name", "role"]
+        in_use = load.num_total_blocks - load.num_free_blocks - load.num_cached_blocks
+        for name, doc, value in (
+                ("num_requests_running", "Requests in the engine's batches.", load.num_running),
+                ("num_requests_waiting", "Requests waiting in the engine's queue.", load.num_waiting),
+                ("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1); evictable cached blocks are free.",
+                 in_use / max(load.num_total_blocks, 1))):
+            gauge = GaugeMetricFamily(p + name, doc, labels=labels)
+            gauge.add_metric(values, value)
+            yield gauge
+        for name, doc, value in (
+                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", load.num_prompt_tokens),
+                ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", load.num_cached_tokens),
+                ("num_preemptions", "Requests preempted (by recompute).", load.num_preemptions)):
+            counter = CounterMetricFamily(p + name, doc, labels=labels)
+            counter.add_metric(values, value)
+            yield counter

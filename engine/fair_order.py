@@ -1,0 +1,34 @@
+"""Start-time fair order among tenants inside one engine's queue (torch-free, pure).
+
+The router admits fairly, but once admitted, requests queue again on the workers: a tenant
+that flooded the router with its share still has many requests ahead of a light tenant's
+newcomer there. Each request gets a start tag when it arrives: where its tenant's previous
+request finishes in virtual time (its cost over the tenant's weight), or the engine's
+virtual time if that is later. Within a priority class the scheduler serves waiting work by
+tag, so a light tenant's request goes before a heavy tenant's backlog, while one tenant's
+requests keep their arrival order.
+"""
+from __future__ import annotations
+
+from engine.request import Request
+
+STALE_TENANTS = 64
+"""Finish tags kept for tenants with nothing in the engine, at most (then the stale go)."""
+
+
+class FairOrder:
+    def __init__(self) -> None:
+        self.vtime = 0.0
+        self._finish: dict[str, float] = {}
+
+    def tag(self, request: Request, cost_tokens: int) -> None:
+        """Sets `request.fair_tag` and moves its tenant's finish on by the request's cost."""
+        start = max(self.vtime, self._finish.get(request.tenant, 0.0))
+        self._finish[request.tenant] = start + cost_tokens / request.tenant_weight
+        request.fair_tag = start
+
+    def started(self, request: Request) -> None:
+        """`request` gets its first tokens: virtual time moves up to its tag."""
+        self.vtime = max(self.vtime, request.fair_tag)
+        if len(self._finish) > STALE_TENANTS:
+            self._finish = {t: f for t, f in self._finish.items() if f > self.vtime}
