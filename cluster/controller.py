@@ -41,8 +41,11 @@ import redis.asyncio
 
 from cluster.autoscaler import AutoscaleState, Decision, PoolMetrics, Snapshot, decide
 from cluster.config import ClusterConfig, RouterConfig
+from cluster.controller_metrics import ControllerMetrics
 from control.heartbeat import Heartbeat, Role, controller_key, hb_key, kv_key, target_key
+from control.metrics_http import MetricsServer
 from control.reader import RegistryReader
+from control.worker_config import dialable_host
 from decode_worker.worker import DecodeWorker
 from prefill_worker.worker import PrefillWorker
 from router.service import RouterService
@@ -96,6 +99,9 @@ class Controller:
         self._supervisor: asyncio.Task[None] | None = None
         self.reader = RegistryReader(redis_url, config.namespace)
         self._beats: dict[str, Heartbeat] = {}
+        self.num_dead = 0
+        self.metrics = MetricsServer(ControllerMetrics(self._metrics_books).registry)
+        self.metrics_address = ""
 
     # -- start -------------------------------------------------------------------------------
     async def start(self) -> dict[str, Any]:
@@ -117,6 +123,10 @@ class Controller:
         self.info = {"address": addresses[0], "routers": dict(zip(self.routers, addresses, strict=True)),
                      "prefill": [w.info for w in self._live("prefill")], "decode": [w.info for w in self._live("decode")],
                      "mode": c.router.routing.mode, "redis_url": self.redis_url}
+        host = c.router.host if c.router.metrics_port is not None else None
+        if host is not None:  # on the routers' interface, a free port (`splitserve metrics-targets` lists it)
+            self.metrics_address = f"{dialable_host(host, self.redis_url)}:{await self.metrics.start(host)}"
+        await self._publish()  # `status` and `metrics-targets` find it at once
         self._supervisor = asyncio.create_task(self._supervise())
         logger.info("cluster up: %s", self.info)
         return self.info
@@ -207,6 +217,7 @@ class Controller:
     async def _forget_dead(self, w: Worker) -> None:
         self.workers.pop(w.worker_id, None)
         self.dead.append(w.worker_id)
+        self.num_dead += 1
         if not self.config.replace_dead_workers:
             self.targets[w.role] = max(self.targets[w.role] - 1, 0)
         self._act(f"{w.worker_id} died" + ("; replacing it" if self.config.replace_dead_workers else ""))
@@ -321,7 +332,11 @@ class Controller:
                 "dead": list(self.dead), "drains": list(self.drains), "num_drains": self.num_drains,
                 "actions": list(self.actions),
                 "decision": self.decision.reason if self.decision else None,
-                "autoscale": self.config.autoscale is not None}
+                "autoscale": self.config.autoscale is not None, "metrics_address": self.metrics_address}
+
+    def _metrics_books(self) -> dict[str, Any]:
+        return {"targets": dict(self.targets), "workers": [(w.role, w.state) for w in self.workers.values()],
+                "num_dead": self.num_dead, "num_drains": self.num_drains}
 
     def worker_info(self) -> list[dict[str, Any]]:
         """Each worker the controller runs: its info (address, pid, model facts) and state."""
@@ -348,6 +363,7 @@ class Controller:
             await _quietly(w.actor.shutdown.remote())
         for a in [*self.routers.values(), *(w.actor for w in self.workers.values())]:
             ray.kill(a)
+        await self.metrics.stop()
         await self.reader.close()
 
 

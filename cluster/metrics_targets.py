@@ -2,7 +2,8 @@
 `file_sd` JSON (torch-free).
 
 Every router and worker registers where its `/metrics` listens (a worker in its heartbeat,
-a router in its stats report), so the list is read from the registry, never configured.
+a router in its stats report, the controller in its status), so the list is read from the
+registry, never configured.
 Point a `file_sd_configs` entry at the file this writes (deploy/prometheus.yml does) and
 rewrite it when pools change (the command is cheap: one Redis read); Prometheus re-reads
 the file on change. Each target carries `role` and `instance_id` labels, so a dashboard
@@ -22,30 +23,36 @@ from typing import Any
 from control.heartbeat import Heartbeat
 
 
-def file_sd(beats: dict[str, Heartbeat], routers: dict[str, dict[str, Any]], namespace: str) -> list[dict[str, Any]]:
+def file_sd(beats: dict[str, Heartbeat], routers: dict[str, dict[str, Any]], namespace: str,
+            controller: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """One target group per process that serves `/metrics`, sorted by role then id."""
     groups = [(b.role, w, b.metrics_address) for w, b in beats.items()] + \
-             [("router", r, str(s.get("metrics_address", ""))) for r, s in routers.items()]
+             [("router", r, str(s.get("metrics_address", ""))) for r, s in routers.items()] + \
+             [("controller", "controller", str((controller or {}).get("metrics_address", "")))]
     return [{"targets": [address], "labels": {"role": role, "instance_id": name, "splitserve_namespace": namespace}}
             for role, name, address in sorted(groups) if address]
 
 
 def run(args: argparse.Namespace, redis_url: str) -> int:
+    import msgpack
+
+    from control.heartbeat import controller_key
     from control.reader import RegistryReader
 
-    async def read() -> tuple[dict[str, Heartbeat], dict[str, dict[str, Any]]]:
+    async def read() -> tuple[dict[str, Heartbeat], dict[str, dict[str, Any]], dict[str, Any] | None]:
         reader = RegistryReader(redis_url, args.namespace)
         try:
-            return await reader.heartbeats(), await reader.router_stats()
+            raw = await reader.client.get(controller_key(args.namespace))
+            return await reader.heartbeats(), await reader.router_stats(), msgpack.unpackb(raw) if raw else None
         finally:
             await reader.close()
 
     try:
-        beats, routers = asyncio.run(read())
+        beats, routers, controller = asyncio.run(read())
     except Exception as e:  # noqa: BLE001 - any Redis failure is reported, not raised
         print(f"Redis at {redis_url} is away ({e}): no targets can be read now", file=sys.stderr)
         return 1
-    text = json.dumps(file_sd(beats, routers, args.namespace), indent=2) + "\n"
+    text = json.dumps(file_sd(beats, routers, args.namespace, controller), indent=2) + "\n"
     if args.output is None:
         sys.stdout.write(text)
     else:  # written whole, then renamed: Prometheus never reads half a file

@@ -56,11 +56,7 @@ class WorkerConfig:
 
     def advertised_host(self, redis_url: str | None) -> str:
         """Where peers reach this worker (see `advertise_host`)."""
-        if self.advertise_host:
-            return self.advertise_host
-        if self.host not in ("0.0.0.0", "::", ""):
-            return self.host
-        return route_address(urlparse(redis_url).hostname or "127.0.0.1" if redis_url else "127.0.0.1")
+        return self.advertise_host or dialable_host(self.host, redis_url)
 
     def __post_init__(self) -> None:
         if self.num_threads <= 0:
@@ -92,6 +88,14 @@ class WorkerConfig:
 
 NO_SECRET = ("no cluster secret: set SPLITSERVE_CLUSTER_SECRET_FILE (a file only this user can read) or "
              "SPLITSERVE_CLUSTER_SECRET; every worker and router of one cluster needs the same one")
+
+
+def dialable_host(host: str, redis_url: str | None) -> str:
+    """`host`, or for a wildcard bind (0.0.0.0) this machine's address on its route to Redis:
+    what a peer (or a Prometheus scraper) on the cluster's network dials."""
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    return route_address(urlparse(redis_url).hostname or "127.0.0.1" if redis_url else "127.0.0.1")
 
 
 def route_address(toward: str) -> str:

@@ -14,7 +14,6 @@ import logging
 import os
 import time
 from pathlib import Path
-from urllib.parse import urlparse
 
 import grpc
 import redis
@@ -24,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from control.auth import cluster_token
 from control.metrics_http import MetricsServer
 from control.reader import RegistryReader
-from control.worker_config import NO_SECRET, route_address
+from control.worker_config import NO_SECRET, dialable_host
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from router.clients import GrpcStreams, WorkerClients
@@ -98,10 +97,7 @@ class RouterService:
         self.address = f"{self.config.host}:{bound}"
         if self.config.metrics_port is not None:
             metrics_port = await self.metrics_server.start(self.config.host, self.config.metrics_port)
-            host = self.config.host
-            if host in ("0.0.0.0", "::", ""):  # what a scraper on another host dials: the route to Redis
-                host = route_address(urlparse(self.redis_url).hostname or "127.0.0.1")
-            self.metrics_address = f"{host}:{metrics_port}"
+            self.metrics_address = f"{dialable_host(self.config.host, self.redis_url)}:{metrics_port}"
         with contextlib.suppress(redis.RedisError, OSError, TimeoutError):  # found by `status` at once
             await self.reader.set_router_stats(self.router_id, await self.stats(), ttl_s=5.0)
         self._tasks += [asyncio.create_task(self.feed.run()), asyncio.create_task(self._tick())]

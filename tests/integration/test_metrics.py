@@ -50,10 +50,19 @@ def targets(cluster: LocalCluster) -> list[dict[str, object]]:
 def test_every_process_is_a_target(cluster: LocalCluster) -> None:
     groups = targets(cluster)
     assert sorted((g["labels"]["role"], g["labels"]["instance_id"]) for g in groups) == [  # type: ignore[index]
-        ("decode", "decode-0"), ("prefill", "prefill-0"), ("router", "router-0")]
+        ("controller", "controller"), ("decode", "decode-0"), ("prefill", "prefill-0"), ("router", "router-0")]
     workers = {w["worker_id"]: w["metrics_address"] for w in cluster.workers()}
-    assert {g["labels"]["instance_id"]: g["targets"] for g in groups if g["labels"]["role"] != "router"} == {  # type: ignore[index]
-        w: [a] for w, a in workers.items()}
+    assert {g["labels"]["instance_id"]: g["targets"] for g in groups  # type: ignore[index]
+            if g["labels"]["role"] in ("prefill", "decode")} == {w: [a] for w, a in workers.items()}  # type: ignore[index]
+
+
+def test_the_controller_reports_its_pools_targets(cluster: LocalCluster) -> None:
+    address = next(g["targets"][0] for g in targets(cluster) if g["labels"]["role"] == "controller")  # type: ignore[index]
+    samples = scrape(address)
+    assert total(samples, "splitserve:pool_target_workers", role="prefill") == 1
+    assert total(samples, "splitserve:pool_target_workers", role="decode") == 1
+    assert total(samples, "splitserve:controller_workers", role="decode", state="serving") == 1
+    assert total(samples, "splitserve:workers_dead_total") == 0
 
 
 def scrape(address: str) -> Samples:

@@ -13,6 +13,7 @@ from pathlib import Path
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from cluster.controller_metrics import ControllerMetrics
 from control.worker_metrics import WorkerMetrics
 from engine.types import EngineLoad
 from router.metrics import RouterBooks, RouterMetrics
@@ -36,8 +37,10 @@ def exported() -> dict[str, set[str]]:
     asyncio.run(worker.refresh())
     worker.transferred("shm", 4, 0.01, failed=False)
     worker.transferred("tcp", 0, 0.0, failed=True)
+    controller = ControllerMetrics(lambda: {"targets": {"prefill": 1, "decode": 2}, "num_dead": 1, "num_drains": 0,
+                                            "workers": [("decode", "serving"), ("decode", "starting")]})
     out: dict[str, set[str]] = {}
-    for registry in (router.registry, worker.registry):
+    for registry in (router.registry, worker.registry, controller.registry):
         for family in text_string_to_metric_families(generate_latest(registry).decode()):
             out[family.name] = {s.name for s in family.samples}
     return out
