@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from cluster.processes import add_device_flags, cluster_secret, placement, redacted
+from bench.cli import add_parser as add_bench_parser
 from cluster.metrics_targets import add_metrics_port_flag
 from cluster.metrics_targets import add_parser as add_metrics_targets_parser
 from cluster.metrics_targets import metrics_port as _metrics_port
@@ -386,6 +387,7 @@ def _add_client_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignor
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=_status)
     add_metrics_targets_parser(sub, _cluster_redis)
+    add_bench_parser(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

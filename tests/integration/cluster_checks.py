@@ -1,4 +1,4 @@
-"""Checks on a running LocalCluster that several test modules share."""
+"""Checks on a running LocalCluster, and cluster configs, that several test modules share."""
 from __future__ import annotations
 
 import os
@@ -8,7 +8,9 @@ import subprocess
 import time
 from pathlib import Path
 
+from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster
+from router.policy import RoutingConfig
 
 
 def assert_idle(cluster: LocalCluster, timeout_s: float = 15.0) -> None:
@@ -37,3 +39,12 @@ def start_serving(cmd: list[str], secret: str, log: Path | None = None) -> tuple
     proc.kill()
     detail = log.read_text()[-2000:] if log is not None else ""
     raise AssertionError(f"{cmd[:8]} did not start (exit code {proc.poll()}) {detail}")
+
+
+def one_and_one(model_dir: str) -> ClusterConfig:
+    """1 prefill + 1 decode worker on the tiny model, mode auto (prompts with fewer than 8
+    uncached tokens are prefilled on the decode worker), a router on a free port."""
+    return ClusterConfig(
+        worker=WorkerConfig(model_dir=model_dir, block_size=16, kv_cache_bytes=8 * 2**20),
+        num_prefill=1, num_decode=1, worker_num_cpus=0.5,
+        router=RouterConfig(port=0, routing=RoutingConfig(mode="auto", local_prefill_tokens=8)))

@@ -19,12 +19,10 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
-from router.policy import RoutingConfig
-from tests.integration.cluster_checks import assert_idle
+from tests.integration.cluster_checks import assert_idle, one_and_one
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -33,11 +31,7 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir: str) -> Iterator[LocalCluster]:
-    config = ClusterConfig(
-        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20),
-        num_prefill=1, num_decode=1, worker_num_cpus=0.5,
-        router=RouterConfig(port=0, routing=RoutingConfig(mode="auto", local_prefill_tokens=8)))
-    with LocalCluster(config) as c:
+    with LocalCluster(one_and_one(tiny_llama_dir)) as c:
         yield c
 
 

@@ -1,0 +1,95 @@
+"""A run's summary: latency percentiles, throughput, prefix hit rate, goodput and SLO attainment.
+
+Goodput is DistServe's: requests per second that met both SLOs, TTFT within `ttft_slo` and
+TPOT (the request's mean time per output token after the first) within `itl_slo`. Failed
+requests meet neither; attainment is the share of all sent requests that met both. The table
+prints exactly the summary's numbers (the JSON line's), rounded the same way.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from bench.runner import Outcome, Run
+
+QUANTILES = (50, 90, 99)
+
+
+def pct(values: list[float], q: int) -> float | None:
+    """Nearest-rank percentile (None for no values)."""
+    if not values:
+        return None
+    v = sorted(values)
+    return v[max(0, math.ceil(q / 100 * len(v)) - 1)]
+
+
+def _ms(values: list[float]) -> dict[str, float | None]:
+    return {f"p{q}": None if (x := pct(values, q)) is None else round(x * 1e3, 1) for q in QUANTILES}
+
+
+def met_slos(o: Outcome, ttft_slo_s: float, itl_slo_s: float) -> bool:
+    tpot = o.tpot_s
+    return o.ok and o.ttft_s is not None and o.ttft_s <= ttft_slo_s and (tpot is None or tpot <= itl_slo_s)
+
+
+def summarize(run: Run, ttft_slo_s: float, itl_slo_s: float) -> dict[str, Any]:
+    ok = [o for o in run.outcomes if o.ok]
+    elapsed = max(run.elapsed_s, 1e-9)
+    errors: dict[str, int] = {}
+    for o in run.outcomes:
+        if not o.ok:
+            errors[o.code] = errors.get(o.code, 0) + 1
+    good = sum(met_slos(o, ttft_slo_s, itl_slo_s) for o in run.outcomes)
+    prompt = sum(o.num_prompt for o in ok)
+    return {
+        "num_requests": len(run.outcomes), "num_ok": len(ok), "num_failed": len(run.outcomes) - len(ok),
+        "errors": errors, "elapsed_s": round(run.elapsed_s, 3),
+        "ttft_ms": _ms([o.ttft_s for o in ok if o.ttft_s is not None]),
+        "itl_ms": _ms([x for o in ok for x in o.itls_s]),
+        "e2e_ms": _ms([o.e2e_s for o in ok]),
+        "requests_per_s": round(len(ok) / elapsed, 3),
+        "output_tokens_per_s": round(sum(o.num_out for o in ok) / elapsed, 1),
+        "prompt_tokens_per_s": round(prompt / elapsed, 1),
+        "prefix_hit_rate": round(sum(o.num_cached for o in ok) / prompt, 4) if prompt else 0.0,
+        "goodput_rps": round(good / elapsed, 3),
+        "slo_attainment": round(good / len(run.outcomes), 4) if run.outcomes else 0.0,
+        "ttft_slo_ms": round(ttft_slo_s * 1e3, 1), "itl_slo_ms": round(itl_slo_s * 1e3, 1),
+    }
+
+
+def _cell(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def table(summary: dict[str, Any], title: str = "splitserve bench") -> Table:
+    t = Table(title=title)
+    t.add_column("latency (ms)")
+    for q in QUANTILES:
+        t.add_column(f"p{q}", justify="right")
+    for name, key in (("TTFT", "ttft_ms"), ("ITL", "itl_ms"), ("end to end", "e2e_ms")):
+        t.add_row(name, *(_cell(summary[key][f"p{q}"]) for q in QUANTILES))
+    return t
+
+
+def totals(summary: dict[str, Any]) -> Table:
+    t = Table(show_header=False)
+    t.add_column("what")
+    t.add_column("value", justify="right")
+    s = summary
+    rows = [("requests", f"{s['num_ok']} ok / {s['num_requests']} sent"),
+            ("throughput", f"{s['requests_per_s']} req/s, {s['output_tokens_per_s']} output tok/s"),
+            ("prefix hit rate", f"{s['prefix_hit_rate']:.1%}"),
+            ("goodput", f"{s['goodput_rps']} req/s (TTFT <= {s['ttft_slo_ms']} ms, TPOT <= {s['itl_slo_ms']} ms)"),
+            ("SLO attainment", f"{s['slo_attainment']:.1%}")]
+    rows += [(f"failed: {code}", str(n)) for code, n in sorted(s["errors"].items())]
+    for r in rows:
+        t.add_row(*r)
+    return t
+
+
+def show(summary: dict[str, Any], console: Console) -> None:
+    console.print(table(summary))
+    console.print(totals(summary))

@@ -1,0 +1,120 @@
+"""Sends a workload over gRPC and records what each request saw, from the client's side.
+
+Arrivals: Poisson at a rate, a closed loop of N clients, or the items' own times (trace
+replay). Each request becomes one `Outcome` (status, TTFT, every inter-token gap, end to
+end, tokens, route); `on_change` is called after each send and each end, for the progress
+display. Every call has a timeout.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from bench.workload import Item
+from proto import generate_pb2 as pb
+from proto import generate_pb2_grpc as pb_grpc
+
+
+@dataclass
+class Outcome:
+    code: str = "OK"
+    sent_s: float = 0.0
+    """When it was sent, from the start of the run."""
+    end_s: float = 0.0
+    """When it ended (last token or error), from the start of the run."""
+    ttft_s: float | None = None
+    itls_s: list[float] = field(default_factory=list)
+    num_prompt: int = 0
+    num_cached: int = 0
+    num_out: int = 0
+    route: str = ""
+    """decode worker, then `<-prefill worker` or ` local`."""
+    transfer_s: float = 0.0
+    """The router's `Timing.transfer_ms`: the part of the KV transfer not hidden under the prefill."""
+    details: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.code == "OK"
+
+    @property
+    def e2e_s(self) -> float:
+        return self.end_s - self.sent_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first (DistServe's TPOT); None for one token."""
+        return sum(self.itls_s) / len(self.itls_s) if self.itls_s else None
+
+
+@dataclass
+class Run:
+    outcomes: list[Outcome] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+
+async def _one(stub: pb_grpc.GenerationStub, item: Item, timeout_s: float, start: float, out: Outcome) -> None:
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=item.prompt),
+                             sampling=pb.SamplingParams(max_tokens=item.max_tokens, ignore_eos=True))
+    last = final = None
+    try:
+        async for r in stub.Generate(req, timeout=timeout_s):
+            now = time.perf_counter() - start
+            if r.token_ids:
+                if out.ttft_s is None:
+                    out.ttft_s = now - out.sent_s
+                elif last is not None:
+                    out.itls_s += [(now - last) / len(r.token_ids)] * len(r.token_ids)
+                last = now
+            final = r
+    except grpc.aio.AioRpcError as e:
+        out.code, out.details = e.code().name, e.details() or ""
+    out.end_s = time.perf_counter() - start
+    if out.ok and (final is None or out.ttft_s is None):
+        out.code, out.details = "EMPTY", "the stream ended without a token"
+    elif out.ok and final is not None:
+        out.num_prompt, out.num_cached = final.usage.prompt_tokens, final.usage.cached_tokens
+        out.num_out, out.transfer_s = final.usage.completion_tokens, final.timing.transfer_ms / 1e3
+        out.route = final.route.decode_worker + (f"<-{final.route.prefill_worker}" if final.route.prefill_worker
+                                                 else " local")
+
+
+async def run(target: str, items: list[Item], rate: float | None = None, concurrency: int | None = None,
+              seed: int = 0, timeout_s: float = 300.0, on_change: Callable[[Run], None] | None = None) -> Run:
+    """Runs the workload; with neither `rate` nor `concurrency`, items need their own times."""
+    result = Run()
+    notify = (lambda: on_change(result)) if on_change else (lambda: None)
+    rng = random.Random(seed)
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        start = time.perf_counter()
+
+        async def send(item: Item) -> None:
+            out = Outcome(sent_s=time.perf_counter() - start)
+            result.outcomes.append(out)
+            notify()
+            await _one(stub, item, timeout_s, start, out)
+            notify()
+
+        if concurrency:
+            queue = list(reversed(items))
+
+            async def client() -> None:
+                while queue:
+                    await send(queue.pop())
+            await asyncio.gather(*(client() for _ in range(concurrency)))
+        else:
+            tasks, t = [], 0.0
+            for item in items:
+                t = item.at_s if item.at_s is not None else t + (rng.expovariate(rate) if rate else 0.0)
+                if (delay := start + t - time.perf_counter()) > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(send(item)))
+            await asyncio.gather(*tasks)
+        result.elapsed_s = time.perf_counter() - start
+    return result

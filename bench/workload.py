@@ -1,0 +1,53 @@
+"""What a bench run sends: token-id prompts (any model works) and when.
+
+  synthetic: prompt and output lengths uniform within +-50% of their means; a fraction of
+             requests start with one of a few shared prefixes (prefix-cache workloads)
+  trace:     Mooncake-format JSONL (`hash_ids`, lengths, timestamps): each 512-token hash
+             block becomes `block_tokens` tokens (the same hash id gives the same tokens, so
+             shared prefixes stay shared); lengths scale by the same factor (at least 1) and
+             arrival times by `time_scale`
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+TRACE_BLOCK_TOKENS_ORIG = 512
+
+
+@dataclass(frozen=True)
+class Item:
+    prompt: list[int]
+    max_tokens: int
+    at_s: float | None = None
+    """Arrival offset (trace replay); None: from the rate or the concurrency."""
+
+
+def synthetic(n: int, prompt_len: int, output_len: int, shared_fraction: float, num_prefixes: int,
+              prefix_len: int, vocab: int, seed: int) -> list[Item]:
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, vocab) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    items = []
+    for _ in range(n):
+        plen = max(1, int(prompt_len * rng.uniform(0.5, 1.5)))
+        head = rng.choice(prefixes) if prefixes and rng.random() < shared_fraction else []
+        tail = [rng.randrange(3, vocab) for _ in range(max(plen - len(head), 1))]
+        items.append(Item(head + tail, max(1, int(output_len * rng.uniform(0.5, 1.5)))))
+    return items
+
+
+def from_trace(path: Path, limit: int, block_tokens: int, max_prompt_tokens: int, vocab: int,
+               time_scale: float) -> list[Item]:
+    scale = block_tokens / TRACE_BLOCK_TOKENS_ORIG
+    items = []
+    for line in path.read_text().splitlines()[:limit]:
+        rec = json.loads(line)
+        prompt: list[int] = []
+        for h in rec["hash_ids"]:
+            r = random.Random(h)
+            prompt += [r.randrange(3, vocab) for _ in range(block_tokens)]
+        prompt = prompt[:max(1, min(int(rec["input_length"] * scale), max_prompt_tokens))]
+        items.append(Item(prompt, max(1, int(rec["output_length"] * scale)), rec["timestamp"] / 1000 * time_scale))
+    return items

@@ -1,0 +1,28 @@
+"""`bench.report`: nearest-rank percentiles and DistServe goodput on hand-made outcomes."""
+from __future__ import annotations
+
+from bench.report import pct, summarize
+from bench.runner import Outcome, Run
+
+
+def test_nearest_rank_percentiles() -> None:
+    values = [float(x) for x in range(1, 11)]
+    assert (pct(values, 50), pct(values, 90), pct(values, 99)) == (5.0, 9.0, 10.0)
+    assert pct([], 50) is None and pct([3.0], 99) == 3.0
+
+
+def test_goodput_counts_requests_that_met_both_slos_and_failures_meet_none() -> None:
+    run = Run([
+        Outcome(sent_s=0.0, end_s=1.0, ttft_s=0.5, itls_s=[0.05, 0.05], num_prompt=10, num_cached=5, num_out=3),
+        Outcome(sent_s=0.0, end_s=2.0, ttft_s=1.5, itls_s=[0.05], num_prompt=10, num_out=2),  # TTFT over
+        Outcome(sent_s=0.0, end_s=1.0, ttft_s=0.2, itls_s=[0.3, 0.01], num_prompt=10, num_out=3),  # TPOT 155 ms
+        Outcome(sent_s=0.0, end_s=0.3, ttft_s=0.3, num_prompt=10, num_out=1),  # one token: no TPOT to miss
+        Outcome(code="RESOURCE_EXHAUSTED", sent_s=0.0, end_s=0.01),
+    ], elapsed_s=2.0)
+    s = summarize(run, ttft_slo_s=1.0, itl_slo_s=0.1)
+    assert (s["num_requests"], s["num_ok"], s["num_failed"], s["errors"]) == (5, 4, 1, {"RESOURCE_EXHAUSTED": 1})
+    assert s["goodput_rps"] == 1.0 and s["slo_attainment"] == 0.4  # 2 of 5 in 2 s
+    assert s["requests_per_s"] == 2.0 and s["output_tokens_per_s"] == 4.5
+    assert s["prefix_hit_rate"] == 0.125
+    assert s["ttft_ms"] == {"p50": 300.0, "p90": 1500.0, "p99": 1500.0}
+    assert s["itl_ms"]["p50"] == 50.0
