@@ -22,7 +22,7 @@ from pathlib import Path
 
 from cluster.processes import add_device_flags, cluster_secret, placement, redacted
 from bench.cli import add_parser as add_bench_parser
-from cluster.metrics_targets import add_metrics_port_flag
+from cluster.metrics_targets import add_observe_flags
 from cluster.metrics_targets import add_parser as add_metrics_targets_parser
 from cluster.metrics_targets import metrics_port as _metrics_port
 from cluster.processes import add_parsers as add_process_parsers
@@ -91,10 +91,12 @@ def _serve_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         worker=WorkerConfig(model_dir=args.model or str(default_model_dir()), dtype=dtype, device=device,
                             block_size=args.block_size, kv_cache_bytes=mib * 2**20 if mib else None,
                             gpu_memory_utilization=utilization, host=args.worker_host,
-                            advertise_host=args.advertise_host, cluster_secret=cluster_secret()),
+                            advertise_host=args.advertise_host, cluster_secret=cluster_secret(),
+                            otlp_endpoint=args.otlp_endpoint),
         num_prefill=args.num_prefill, num_decode=args.num_decode, num_routers=args.num_routers,
         gpus_per_worker=gpus, autoscale=_autoscale_config(args),
         router=RouterConfig(host=args.host, port=args.port, metrics_port=_metrics_port(args),
+                            otlp_endpoint=args.otlp_endpoint,
                             admission=_admission_config(args),
                             routing=RoutingConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens)),
         redis_url=args.redis_url or "", namespace=args.namespace, ray_address=args.ray_address,
@@ -317,7 +319,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
                    help="auto mode: decode workers prefill prompts with fewer uncached tokens themselves")
     s.add_argument("--port", type=int, default=50051, help="router port (0: a free one, printed when ready)")
     s.add_argument("--host", default="127.0.0.1", help="interface to serve on (0.0.0.0 for other machines)")
-    add_metrics_port_flag(s)
+    add_observe_flags(s)
     s.add_argument("--redis-url", help="use this Redis instead of starting one (redis://host:port/db)")
     s.add_argument("--namespace", default="splitserve", help="prefix of this cluster's Redis keys")
     s.add_argument("--autoscale", action="store_true",

@@ -66,10 +66,15 @@ def run(args: argparse.Namespace, redis_url: str) -> int:
     return 0
 
 
-def add_metrics_port_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--metrics-port", type=int, default=0,
-                   help="the router's Prometheus /metrics port on --host (0: a free one, listed by "
-                        "`splitserve metrics-targets`; -1: none)")
+def add_observe_flags(p: argparse.ArgumentParser, metrics_port: bool = True) -> None:
+    """--otlp-endpoint, and for a router --metrics-port."""
+    p.add_argument("--otlp-endpoint", default=None,
+                   help="export traces over OTLP/gRPC to this collector (default: $OTEL_EXPORTER_OTLP_ENDPOINT; "
+                        "neither: tracing off)")
+    if metrics_port:
+        p.add_argument("--metrics-port", type=int, default=0,
+                       help="the router's Prometheus /metrics port on --host (0: a free one, listed by "
+                            "`splitserve metrics-targets`; -1: none)")
 
 
 def metrics_port(args: argparse.Namespace) -> int | None:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from cluster.metrics_targets import add_metrics_port_flag
+from cluster.metrics_targets import add_observe_flags
 from cluster.metrics_targets import metrics_port as _metrics_port
 from control.worker_config import NO_SECRET
 
@@ -94,7 +94,7 @@ def _worker(args: argparse.Namespace) -> int:
                               block_size=args.block_size, kv_cache_bytes=mib * 2**20 if mib else None,
                               gpu_memory_utilization=utilization, host=args.host, num_threads=args.num_threads,
                               model_id=args.model_id, advertise_host=args.advertise_host,
-                              cluster_secret=required_secret())
+                              cluster_secret=required_secret(), otlp_endpoint=args.otlp_endpoint)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -120,6 +120,7 @@ def _router(args: argparse.Namespace) -> int:
 
     try:
         config = RouterConfig(host=args.host, port=args.port, metrics_port=_metrics_port(args),
+                              otlp_endpoint=args.otlp_endpoint,
                               tokenizer_dir=args.tokenizer,
                               routing=RoutingConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens),
                               cluster_secret=required_secret())
@@ -146,6 +147,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     w.add_argument("--host", default="127.0.0.1", help="interface for the worker's gRPC and kvfabric listeners")
     w.add_argument("--advertise-host", help="address peers dial to reach this worker (default: --host, or for "
                                             "0.0.0.0 this machine's address on its route to the Redis host)")
+    add_observe_flags(w, metrics_port=False)
     add_device_flags(w)
     w.add_argument("--gpus-per-worker", type=float, default=1.0, help=argparse.SUPPRESS)
     w.add_argument("--block-size", type=int, default=16)
@@ -157,7 +159,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     r.add_argument("--namespace", default="splitserve", help="prefix of the cluster's Redis keys")
     r.add_argument("--router-id", default="router-0")
     r.add_argument("--port", type=int, default=50051, help="0: a free one, printed when ready")
-    add_metrics_port_flag(r)
+    add_observe_flags(r)
     r.add_argument("--host", default="127.0.0.1", help="interface to serve on (0.0.0.0 for other machines)")
     r.add_argument("--tokenizer", help="directory with the model's tokenizer.json (default: token-id prompts only)")
     r.add_argument("--mode", choices=("disaggregated", "colocated", "auto"), default="auto")

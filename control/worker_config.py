@@ -53,6 +53,11 @@ class WorkerConfig:
     """A worker whose heartbeat is older than this counts as gone."""
     grace_s: float = 5.0
     """On shutdown, running calls get this long to finish."""
+    serve_metrics: bool = True
+    """Serve Prometheus `/metrics` on a free port of `host` (`control.worker_metrics`)."""
+    otlp_endpoint: str | None = None
+    """OTLP/gRPC collector for this worker's trace spans (`control.tracing`); None:
+    `$OTEL_EXPORTER_OTLP_ENDPOINT`, or no tracing."""
 
     def advertised_host(self, redis_url: str | None) -> str:
         """Where peers reach this worker (see `advertise_host`)."""

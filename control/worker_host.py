@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from control import tracing
 from control.auth import TokenCheck, cluster_token
 from control.heartbeat import Heartbeat, ModelFacts, Role, WorkerState
 from control.metrics_http import MetricsServer
@@ -84,6 +85,7 @@ class WorkerHost:
     def __init__(self, worker_id: str, role: Role, config: WorkerConfig, facts: ModelFacts, read_load: LoadReader,
                  redis_url: str | None, namespace: str) -> None:
         self.worker_id, self.role, self.config, self.facts = worker_id, role, config, facts
+        tracing.setup(f"splitserve-{role}", worker_id, config.otlp_endpoint)
         self.read_load = read_load
         self.redis_url = redis_url
         self.incarnation = secrets.token_hex(8)
@@ -91,8 +93,8 @@ class WorkerHost:
         self.num_late_calls = 0
         """Calls that arrived after draining began (refused UNAVAILABLE; the router tries elsewhere)."""
         self.address = ""
-        self.metrics = WorkerMetrics(role, facts.model_id, read_load)
-        self._metrics_server = MetricsServer(self.metrics.registry, self.metrics.refresh)
+        self.metrics = WorkerMetrics(role, facts.model_id, read_load) if config.serve_metrics else None
+        self._metrics_server = MetricsServer(self.metrics.registry, self.metrics.refresh) if self.metrics else None
         self.metrics_address = ""
         self.server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
@@ -113,7 +115,8 @@ class WorkerHost:
         await self.server.start()
         host = self.config.advertised_host(self.redis_url)
         self.address = f"{host}:{port}"
-        self.metrics_address = f"{host}:{await self._metrics_server.start(self.config.host)}"
+        if self._metrics_server is not None:
+            self.metrics_address = f"{host}:{await self._metrics_server.start(self.config.host)}"
         await self._health.set(self.service_name, health_pb2.HealthCheckResponse.SERVING)
         self.state = "serving"
         if self.publisher:
@@ -166,7 +169,9 @@ class WorkerHost:
             await self.server.stop(grace=self.config.grace_s)
         if self.publisher:
             self.publisher.stop()
-        await self._metrics_server.stop()
+        if self._metrics_server is not None:
+            await self._metrics_server.stop()
+        tracing.shutdown()
 
 
 class HostedWorker:

@@ -24,6 +24,7 @@ import grpc
 import msgpack
 import torch
 
+from control import tracing
 from control.auth import cluster_token
 from control.heartbeat import ModelFacts
 from control.worker_config import WorkerConfig
@@ -90,15 +91,29 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
         if (refusal := self.host.refuse_if_not_serving()) is not None:
             await context.abort(*refusal)
         state = self._requests[rid] = _Decode(rid)
+        parent = tracing.extract(context.invocation_metadata())
+        span = tracing.child("decode.stream", parent, tracing.SpanKind.SERVER, splitserve__request_id=rid) \
+            if request.local_prefill else tracing.NO_SPAN  # remote: it starts when the KV and first token land
+        out: RequestOutput | None = None
+        num_out = 0
         try:
             reserved = await self._admit(request, context)
             if reserved is not None:
                 yield pb.DecodeEvent(reserved=reserved)
             while not state.finished:
-                for event in self._events(rid, await self._next(state, context)):
+                item = await self._next(state, context)
+                if isinstance(item, Landed):
+                    span = tracing.child("decode.stream", parent, tracing.SpanKind.SERVER, splitserve__request_id=rid,
+                                         splitserve__transfer_window_ms=item.transfer_window_s * 1e3)
+                out = item.output if isinstance(item, Landed) else item
+                num_out += len(out.new_token_ids)
+                for event in self._events(rid, item):
                     yield event
         finally:
             self._requests.pop(rid, None)
+            tracing.end(span, gen_ai__usage__output_tokens=num_out,
+                        splitserve__preemptions=out.num_preemptions if out else None,
+                        gen_ai__response__finish_reasons=[out.finish_reason.value] if out and out.finish_reason else None)
             if not state.finished:
                 self.loop.call(lambda e: self._abort(rid))
 

@@ -52,6 +52,8 @@ class RequestOutput:
     new_logprobs: list[float] = field(default_factory=list)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    """Times the request was preempted so far (recomputed)."""
 
 
 @dataclass
@@ -301,6 +303,7 @@ class LLMEngine:
             new_logprobs=request.output_logprobs[-1:] if request.params.logprobs else [],
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            num_preemptions=request.num_preemptions,
         )
         if request.is_finished:
             self._forget(rid)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 
@@ -22,6 +23,7 @@ import grpc
 import msgpack
 import torch
 
+from control import tracing
 from control.auth import cluster_token
 from control.heartbeat import ModelFacts
 from control.worker_config import WorkerConfig
@@ -82,7 +84,8 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
         facts = ModelFacts(e.model_id, config.block_size, e.model_config.vocab_size, e.max_model_len,
                            e.kv_pool.num_blocks)
         self.host = WorkerHost(worker_id, "prefill", config, facts, engine_load_reader(self.loop), redis_url, namespace)
-        self.host.metrics.block_bytes = self.pusher.layout.block_bytes
+        if self.host.metrics is not None:
+            self.host.metrics.block_bytes = self.pusher.layout.block_bytes
         self._requests: dict[str, _Prefill] = {}
         """Asyncio side: the running calls."""
         self.totals = HandoffTotals()
@@ -106,6 +109,8 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
         if (refusal := self.host.refuse_if_not_serving()) is not None:
             await context.abort(*refusal)
         state = self._requests[rid] = _Prefill(rid)
+        span = tracing.child("prefill.forward", tracing.extract(context.invocation_metadata()), tracing.SpanKind.SERVER,
+                             splitserve__request_id=rid, gen_ai__usage__input_tokens=len(request.prompt_token_ids))
         ended = False
         try:
             try:
@@ -118,6 +123,7 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
                 if isinstance(item, RequestOutput):
                     ended = item.finished and item.finish_reason is not FinishReason.PREFILL_DONE
                     reason = item.finish_reason if ended else None
+                    tracing.end(span, splitserve__cached_tokens=item.num_cached_tokens)
                     yield pb.PrefillEvent(first=pb.FirstToken(
                         token_id=item.new_token_ids[0], logprobs=item.new_logprobs,
                         finish_reason=finish_to_pb(reason), num_cached_tokens=item.num_cached_tokens))
@@ -125,6 +131,7 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
                         return
                 else:
                     ended = True
+                    self._trace_transfer(span, item)
                     if item.error is not None:
                         await context.abort(grpc.StatusCode.ABORTED, f"request {rid}: KV transfer failed: {item.error}")
                     yield pb.PrefillEvent(pushed=pb.KVPushed(push_ms=item.push_s * 1e3, kvfabric_ms=item.fabric_s * 1e3,
@@ -132,8 +139,22 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
                     return
         finally:
             self._requests.pop(rid, None)
+            if span.is_recording():  # ended before its first token
+                tracing.end(span, splitserve__error="ended before the first token")
             if not ended:
                 self.loop.call(lambda e: self._abort(e, RequestId(rid)))
+
+    def _trace_transfer(self, parent: tracing.Span, done: PushDone) -> None:
+        """kvfabric.transfer under prefill.forward, at the push's own times (open to `ready` ack)."""
+        if not parent.get_span_context().is_valid:
+            return
+        now = time.time_ns()
+        span = tracing.child("kvfabric.transfer", parent, start_ns=now - int(done.push_s * 1e9),
+                             splitserve__transport=done.transport, splitserve__blocks=done.num_blocks,
+                             splitserve__bytes=done.num_blocks * self.pusher.layout.block_bytes,
+                             splitserve__seconds=done.push_s, splitserve__pushes=done.num_pushes,
+                             splitserve__error=done.error)
+        tracing.end(span, end_ns=now)
 
     def _deliver(self, request_id: str, item: RequestOutput | PushDone) -> None:
         state = self._requests.get(request_id)
@@ -180,7 +201,8 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
         rid = RequestId(done.request_id)
         self.pusher.forget(rid)
         self.totals.add(done)
-        self.host.metrics.transferred(done.transport, done.num_blocks, done.push_s, failed=done.error is not None)
+        if self.host.metrics is not None:
+            self.host.metrics.transferred(done.transport, done.num_blocks, done.push_s, failed=done.error is not None)
         if done.error is None:
             engine.release_handoff(rid)
         else:

@@ -7,9 +7,11 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
+from control import tracing
 from engine.request import SamplingParams
 from proto import generate_pb2 as pb
 
@@ -91,6 +93,13 @@ class Progress:
     """Where the current try runs."""
     token_ids: list[int] = dataclasses.field(default_factory=list)
     """Sent to the client so far."""
+    finish_reason: int = 0
+    """The last response's (pb.FinishReason; 0 while unfinished)."""
+    status: int = 0
+    """The gRPC status code the request ended with (0: OK)."""
+    span: Any = tracing.NO_SPAN
+    """Its `router.generate` span (`control.tracing`; non-recording when tracing is off)."""
+    prep: Prepared | None = None
 
     @property
     def num_sent(self) -> int:

@@ -36,8 +36,12 @@ class RawStream(Protocol):
         ...
 
 
+Metadata = tuple[tuple[str, str], ...]
+
+
 class Streams(Protocol):
-    def open(self, address: str, request: WorkerRequest) -> RawStream:
+    def open(self, address: str, request: WorkerRequest, metadata: Metadata = ()) -> RawStream:
+        """`metadata`: more call metadata (the trace context)."""
         ...
 
     async def close(self) -> None:
@@ -114,11 +118,11 @@ class WorkerClients:
     def __init__(self, streams: Streams, address_of: Callable[[str], str | None]) -> None:
         self.streams, self.address_of = streams, address_of
 
-    def call(self, worker_id: str, request: WorkerRequest, deadline: Deadline) -> WorkerCall:
+    def call(self, worker_id: str, request: WorkerRequest, deadline: Deadline, metadata: Metadata = ()) -> WorkerCall:
         address = self.address_of(worker_id)
         if address is None:
             raise WorkerFailed(worker_id, grpc.StatusCode.UNAVAILABLE, f"{worker_id} is no longer a member", down=True)
-        return WorkerCall(self.streams.open(address, request), worker_id, deadline)
+        return WorkerCall(self.streams.open(address, request, metadata), worker_id, deadline)
 
     async def close(self) -> None:
         await self.streams.close()
@@ -130,16 +134,17 @@ class GrpcStreams:
     def __init__(self, token: str | None = None) -> None:
         """`token`: the cluster's proof of its secret, shown on every call (`control.auth`)."""
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._metadata = ((TOKEN_METADATA, token),) if token else None
+        self._metadata: Metadata = ((TOKEN_METADATA, token),) if token else ()
 
-    def open(self, address: str, request: WorkerRequest) -> RawStream:
+    def open(self, address: str, request: WorkerRequest, metadata: Metadata = ()) -> RawStream:
         channel = self._channels.get(address)
         if channel is None:
             channel = self._channels[address] = grpc.aio.insecure_channel(address)
+        metadata = self._metadata + metadata
         if isinstance(request, pb.PrefillRequest):
-            call = pb_grpc.PrefillWorkerStub(channel).Prefill(request, metadata=self._metadata)
+            call = pb_grpc.PrefillWorkerStub(channel).Prefill(request, metadata=metadata or None)
         else:
-            call = pb_grpc.DecodeWorkerStub(channel).Decode(request, metadata=self._metadata)
+            call = pb_grpc.DecodeWorkerStub(channel).Decode(request, metadata=metadata or None)
         return call  # type: ignore[no-any-return]
 
     async def forget(self, address: str) -> None:

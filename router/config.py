@@ -58,6 +58,9 @@ class RouterConfig:
     tokenizer_dir: str | None = None
     """Directory with the model's tokenizer.json (the model directory); None: prompts
     must come as token ids and stop strings are refused."""
+    otlp_endpoint: str | None = None
+    """OTLP/gRPC collector for the router's trace spans (`control.tracing`); None:
+    `$OTEL_EXPORTER_OTLP_ENDPOINT`, or no tracing."""
     cluster_secret: bytes | None = None
     """Key of the block hashes: the workers' `cluster_secret`, so the KV index matches them
     (required to serve; there is no built-in one)."""

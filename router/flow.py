@@ -25,6 +25,7 @@ from control.heartbeat import ModelFacts
 from engine.hashing import BlockHasher
 from proto import generate_pb2 as pb
 from proto.convert import finish_name_from_pb, sampling_to_pb
+from control import tracing
 from router.attempt import Attempt, BlockHashMemo, Deadline, Prepared, Progress, RequestFailed, WorkerFailed
 from router.clients import WorkerCall, WorkerClients, WorkerEvent
 from router.config import RouterConfig
@@ -87,6 +88,8 @@ class RequestFlow:
                 if n + 1 == self.config.max_attempts:
                     raise
                 self.stats["num_retries"] += 1
+                progress.span.add_event("retry", {"splitserve.attempt": n + 1, "splitserve.worker": e.worker_id,
+                                                  "splitserve.reason": e.message, "splitserve.tokens_sent": progress.num_sent})
                 logger.warning("request %s: %s; trying again (%d tokens sent so far)",
                                prep.request_id, e.message, progress.num_sent)
 
@@ -94,7 +97,12 @@ class RequestFlow:
     async def _run(self, attempt: Attempt, deadline: Deadline, progress: Progress, out: Responses,
                    avoid: set[str]) -> AsyncIterator[pb.GenerateResponse]:
         await self._await_decode_worker(avoid, deadline)
+        route = tracing.child("router.route", progress.span)
         decision, hashes, block_size = self._route(attempt, avoid)
+        tracing.end(route, splitserve__decode_worker=decision.decode_worker,
+                    splitserve__prefill_worker=decision.prefill_worker or "local",
+                    splitserve__decode_cached_blocks=decision.num_decode_cached_blocks,
+                    splitserve__prefill_cached_blocks=decision.num_prefill_cached_blocks)
         progress.routed = progress.routed or time.perf_counter()
         progress.route = pb.Route(decode_worker=decision.decode_worker, prefill_worker=decision.prefill_worker or "",
                                   local_prefill=decision.local_prefill)
@@ -105,10 +113,11 @@ class RequestFlow:
             decode = self.clients.call(d, pb.DecodeRequest(
                 request_id=attempt.worker_request_id, prompt_token_ids=attempt.token_ids,
                 sampling=sampling_to_pb(attempt.params, keep_stop_strings=False), priority=attempt.priority,
-                tenant=attempt.tenant, tenant_weight=attempt.tenant_weight, local_prefill=p is None), deadline)
+                tenant=attempt.tenant, tenant_weight=attempt.tenant_weight, local_prefill=p is None), deadline,
+                tracing.headers(progress.span))
             calls.append(decode)
             if p is not None:
-                prefill = await self._remote_prefill(attempt, p, decode, deadline, calls)
+                prefill = await self._remote_prefill(attempt, p, decode, deadline, calls, tracing.headers(progress.span))
                 booking.prefilled()
                 first_at = time.perf_counter()
                 self._first_prefilled(progress, prefill.num_cached_tokens)
@@ -131,7 +140,7 @@ class RequestFlow:
             booking.end()
 
     async def _remote_prefill(self, attempt: Attempt, p: str, decode: WorkerCall, deadline: Deadline,
-                              calls: list[WorkerCall]) -> pb.FirstToken:
+                              calls: list[WorkerCall], trace: tuple[tuple[str, str], ...]) -> pb.FirstToken:
         ev = await self._next(decode, self.config.reserve_timeout_s)
         if ev.WhichOneof("event") != "reserved":  # type: ignore[union-attr]
             raise RequestFailed(grpc.StatusCode.INTERNAL, f"{decode.worker_id}: expected a reservation first")
@@ -139,7 +148,7 @@ class RequestFlow:
             request_id=attempt.worker_request_id, prompt_token_ids=attempt.token_ids,
             sampling=sampling_to_pb(attempt.params, keep_stop_strings=False), priority=attempt.priority,
             tenant=attempt.tenant, tenant_weight=attempt.tenant_weight,
-            ticket=ev.reserved.ticket), deadline)  # type: ignore[union-attr]
+            ticket=ev.reserved.ticket), deadline, trace)  # type: ignore[union-attr]
         calls.append(prefill)
         try:
             ev = await self._next(prefill, self.config.prefill_timeout_s)

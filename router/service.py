@@ -20,6 +20,7 @@ import redis
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from control import tracing
 from control.auth import cluster_token
 from control.metrics_http import MetricsServer
 from control.reader import RegistryReader
@@ -49,6 +50,7 @@ class RouterService:
         if not config.cluster_secret:
             raise ValueError(NO_SECRET)
         self.router_id, self.config = router_id, config
+        tracing.setup("splitserve-router", router_id, config.otlp_endpoint)
         self.reader = RegistryReader(redis_url, namespace)
         self.redis_url = redis_url
         self.members = Members()
@@ -58,13 +60,16 @@ class RouterService:
         self.flow = RequestFlow(config, self.members, WorkerClients(self.streams, self.members.address), self.index,
                                 self.loads)
         self.gate = AdmissionGate(config.admission, time.monotonic)
-        self.metrics = RouterMetrics(lambda: self.members.facts.model_id if self.members.facts else "")
+        self.metrics = RouterMetrics(lambda: self.members.facts.model_id if self.members.facts else "") \
+            if config.metrics_port is not None else None
         self.generation = Generation(Frontend(config.tokenizer_dir), self.gate, self.flow, self.members,
                                      metrics=self.metrics)
-        self.metrics.watch(RouterBooks(stats=lambda: {**self.generation.stats, **self.flow.stats},
-                                       refusals=lambda: dict(self.gate.refusals), admission=self._admission_books,
-                                       workers=self.members.roles_and_states))
-        self.metrics_server = MetricsServer(self.metrics.registry)
+        self.metrics_server: MetricsServer | None = None
+        if self.metrics is not None:
+            self.metrics.watch(RouterBooks(stats=lambda: {**self.generation.stats, **self.flow.stats},
+                                           refusals=lambda: dict(self.gate.refusals), admission=self._admission_books,
+                                           workers=self.members.roles_and_states))
+            self.metrics_server = MetricsServer(self.metrics.registry)
         self.metrics_address = ""
         self.feed = RegistryFeed(self.reader, self.members, self.index, self.loads, config.load_refresh_s,
                                  config.index_poll_ms, self.streams.forget)
@@ -95,7 +100,7 @@ class RouterService:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._server = server
         self.address = f"{self.config.host}:{bound}"
-        if self.config.metrics_port is not None:
+        if self.metrics_server is not None and self.config.metrics_port is not None:
             metrics_port = await self.metrics_server.start(self.config.host, self.config.metrics_port)
             self.metrics_address = f"{dialable_host(self.config.host, self.redis_url)}:{metrics_port}"
         with contextlib.suppress(redis.RedisError, OSError, TimeoutError):  # found by `status` at once
@@ -148,7 +153,9 @@ class RouterService:
     async def shutdown(self) -> None:
         if self._server is not None:
             await self._server.stop(grace=self.config.grace_s)
-        await self.metrics_server.stop()
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
+        tracing.shutdown()
         for t in self._tasks:
             t.cancel()
         await self.flow.clients.close()

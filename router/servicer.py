@@ -18,6 +18,7 @@ from google.protobuf.message import DecodeError
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from proto.convert import finish_name_from_pb
+from control import tracing
 from router.attempt import Deadline, Prepared, Progress, RequestFailed
 from router.flow import RequestFlow
 from router.frontend import Frontend, ItlWindow, Responses, admission_cost
@@ -60,35 +61,60 @@ class Generation(pb_grpc.GenerationServicer):
             yield response
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
-        progress = Progress(time.perf_counter())
+        progress = Progress(time.perf_counter(), span=tracing.child(
+            "router.generate", tracing.extract(context.invocation_metadata()), tracing.SpanKind.SERVER))
         try:
-            prep = self._prepare(request)
+            async for response in self._generate(request, context, progress):
+                yield response
+        finally:
+            self._end_trace(progress)
+
+    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                        progress: Progress) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            prep = progress.prep = self._prepare(request)
         except RequestFailed as e:
             self.stats["num_invalid" if e.code == grpc.StatusCode.INVALID_ARGUMENT else "num_refused"] += 1
-            await _fail(context, e)
+            await _fail(context, e, progress)
         try:
             deadline = Deadline(None if (left := context.time_remaining()) is None else self.clock() + left, self.clock)
+            admit = tracing.child("router.admit", progress.span)
             prep, cost = await self._admit(prep, deadline)
+            tracing.end(admit, splitserve__cost_tokens=cost)
         except RequestFailed as e:
+            tracing.end(admit, splitserve__refused=e.message)
             self.stats["num_refused"] += 1
-            await _fail(context, e)
+            await _fail(context, e, progress)
         self._active.add(prep.request_id)
         try:
             progress.admitted = time.perf_counter()
             out = Responses(prep, progress, self.frontend.detokenizer(prep), self.itl)
-            observed, reason = False, pb.FINISH_REASON_UNSPECIFIED
+            observed = False
             async for response in self.flow.run(prep, deadline, progress, out):
                 if not observed and progress.first_token:
                     observed = True
                     self.gate.observe_ttft(progress.first_token - progress.admitted, cost)
-                reason = response.finish_reason or reason
+                progress.finish_reason = response.finish_reason or progress.finish_reason
                 yield response
-            self._count(prep, progress, reason)
+            self._count(prep, progress)
         except RequestFailed as e:
-            await _fail(context, e)
+            await _fail(context, e, progress)
         finally:
             self._active.discard(prep.request_id)
             self.gate.release(prep.request_id)
+
+    @staticmethod
+    def _end_trace(progress: Progress) -> None:
+        """router.generate's attributes (OpenTelemetry GenAI names where one fits) and its end."""
+        prep, route = progress.prep, progress.route
+        tracing.end(progress.span, splitserve__request_id=prep.request_id if prep else None,
+                    splitserve__tenant=prep.tenant if prep else None, splitserve__priority=prep.priority if prep else None,
+                    gen_ai__usage__input_tokens=len(prep.token_ids) if prep else None,
+                    gen_ai__usage__output_tokens=progress.num_sent, splitserve__cached_tokens=progress.num_cached_tokens,
+                    splitserve__decode_worker=route.decode_worker if route else None,
+                    splitserve__prefill_worker=(route.prefill_worker or "local") if route else None,
+                    gen_ai__response__finish_reasons=[finish_name_from_pb(progress.finish_reason) or "none"],
+                    rpc__grpc__status_code=progress.status)
 
     async def _admit(self, prep: Prepared, deadline: Deadline) -> tuple[Prepared, int]:
         """Waits for admission (or raises RequestFailed); returns the request as the workers get
@@ -104,7 +130,7 @@ class Generation(pb_grpc.GenerationServicer):
             raise RequestFailed(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already running; use a new id")
         return self.frontend.prepare(request, self.members.facts, self.members.max_decode_blocks())
 
-    def _count(self, prep: Prepared, progress: Progress, reason: int) -> None:
+    def _count(self, prep: Prepared, progress: Progress) -> None:
         self.stats["num_requests"] += 1
         self.stats["num_prompt_tokens"] += len(prep.token_ids)
         self.stats["num_cached_tokens"] += progress.num_cached_tokens
@@ -113,10 +139,12 @@ class Generation(pb_grpc.GenerationServicer):
                 queue_s=progress.admitted - progress.arrived, e2e_s=time.perf_counter() - progress.arrived,
                 ttft_s=progress.first_token - progress.arrived if progress.first_token else None,
                 num_prompt=len(prep.token_ids), num_output=progress.num_sent, num_cached=progress.num_cached_tokens,
-                reason=finish_name_from_pb(reason) or "unknown")
+                reason=finish_name_from_pb(progress.finish_reason) or "unknown")
 
 
-async def _fail(context: grpc.aio.ServicerContext, e: RequestFailed) -> None:
+async def _fail(context: grpc.aio.ServicerContext, e: RequestFailed, progress: Progress | None = None) -> None:
+    if progress is not None:
+        progress.status = e.code.value[0]
     if e.retry_after_s is not None:
         context.set_trailing_metadata((("retry-after-ms", str(int(e.retry_after_s * 1000))),))
     await context.abort(e.code, e.message)

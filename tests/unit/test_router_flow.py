@@ -73,7 +73,7 @@ class FakeStreams:
         self.scripts = scripts
         self.calls: list[tuple[str, WorkerRequest, FakeStream]] = []
 
-    def open(self, address: str, request: WorkerRequest) -> FakeStream:
+    def open(self, address: str, request: WorkerRequest, metadata: tuple[tuple[str, str], ...] = ()) -> FakeStream:
         stream = FakeStream(self.scripts[address](request))
         self.calls.append((address, request, stream))
         return stream

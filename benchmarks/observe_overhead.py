@@ -1,0 +1,107 @@
+"""Observability overhead: one workload with metrics and tracing off, with metrics on (the
+default), and with metrics on and every span exported to a local OTLP receiver.
+
+Each arm starts its own local cluster (1 prefill + 1 decode, tiny llama, CPU), warms it up,
+then runs the same closed-loop workload (`bench.runner`); the arms alternate for
+--rounds rounds and each arm's rounds are pooled. Printed: one JSON line per arm and round,
+then the ratios against "off" (throughput and TTFT p50; targets: metrics <= 1 % cost,
+tracing <= 3 %), with the spans the receiver got.
+
+    ./dev python benchmarks/observe_overhead.py [--num-requests 96] [--rounds 2]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import json
+import statistics
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from bench import report
+from bench.runner import Run, run
+from bench.workload import synthetic
+from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
+from cluster.local import LocalCluster
+from engine.tiny_model import make_tiny_model
+from router.policy import RoutingConfig
+
+ARMS = ("off", "metrics", "traced")
+
+
+class SpanCounter(trace_service_pb2_grpc.TraceServiceServicer):
+    """A local OTLP receiver that counts what it gets (the export cost is the sender's)."""
+
+    def __init__(self) -> None:
+        self.num_spans = 0
+        self._lock = threading.Lock()
+
+    def Export(self, request: Any, context: Any) -> Any:
+        n = sum(len(s.spans) for rs in request.resource_spans for s in rs.scope_spans)
+        with self._lock:
+            self.num_spans += n
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+def config(model: str, arm: str, endpoint: str) -> ClusterConfig:
+    on = arm != "off"
+    return ClusterConfig(
+        worker=WorkerConfig(model_dir=model, block_size=16, kv_cache_bytes=16 * 2**20, serve_metrics=on,
+                            otlp_endpoint=endpoint if arm == "traced" else None),
+        num_prefill=1, num_decode=1, worker_num_cpus=0.5,
+        router=RouterConfig(port=0, metrics_port=0 if on else None, otlp_endpoint=endpoint if arm == "traced" else None,
+                            routing=RoutingConfig(mode="disaggregated")))
+
+
+def one_arm(model: str, arm: str, endpoint: str, args: argparse.Namespace) -> dict[str, Any]:
+    items = synthetic(args.num_requests, args.prompt_len, args.output_len, 0.0, 0, 0, 512, args.seed)
+    with LocalCluster(config(model, arm, endpoint)) as cluster:
+        asyncio.run(run(cluster.address, items[:8], concurrency=4))  # warm-up
+        result: Run = asyncio.run(run(cluster.address, items, concurrency=args.concurrency))
+    return report.summarize(result, 2.0, 0.1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-requests", type=int, default=96)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    model = str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny", arch="llama", seed=0))
+    receiver = SpanCounter()
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=4))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
+    endpoint = f"http://127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    conf = {k: v for k, v in vars(args).items()} | {"cluster": "1 prefill + 1 decode, tiny llama, CPU"}
+    pooled: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
+    try:
+        for r in range(args.rounds):
+            for arm in ARMS:
+                s = one_arm(model, arm, endpoint, args)
+                pooled[arm].append(s)
+                print(json.dumps({"bench": "observe_overhead", "arm": arm, "round": r, "requests_per_s":
+                                  s["requests_per_s"], "ttft_p50_ms": s["ttft_ms"]["p50"], "num_ok": s["num_ok"],
+                                  **conf}), flush=True)
+    finally:
+        server.stop(grace=None)
+    mean = {arm: {"requests_per_s": statistics.mean(s["requests_per_s"] for s in runs),
+                  "ttft_p50_ms": statistics.mean(s["ttft_ms"]["p50"] for s in runs)} for arm, runs in pooled.items()}
+    ratios = {f"{arm}_over_off": {k: round(v / mean["off"][k], 4) for k, v in mean[arm].items()}
+              for arm in ARMS[1:]}
+    print(json.dumps({"bench": "observe_overhead", "summary": {a: {k: round(v, 2) for k, v in m.items()}
+                                                              for a, m in mean.items()},
+                      "ratios": ratios, "spans_received": receiver.num_spans, **conf}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
