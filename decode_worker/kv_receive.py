@@ -40,6 +40,8 @@ class Landed:
     """The engine's output for the first token (the prefill worker's)."""
     transfer_window_s: float
     """The transfer's open to its `ready`, on this worker's clock."""
+    trace: str = ""
+    """The sender's W3C traceparent from the kvfabric `open` (empty: none)."""
 
 
 class RemoteKV:
@@ -69,7 +71,7 @@ class RemoteKV:
             rid = RequestId(ev.request_id)
             if isinstance(ev, KVArrived):
                 for out in self.engine.remote_kv_ready(rid, ev.first_token_id):
-                    results.append(Landed(rid, out, ev.arrived_at - ev.opened_at))
+                    results.append(Landed(rid, out, ev.arrived_at - ev.opened_at, ev.trace))
             elif isinstance(ev, TransferFailed):
                 self.engine.abort(rid, hold_blocks=ev.blocks_held)
                 results.append(RemoteFailure(rid, ev.reason))

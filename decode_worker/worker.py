@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 
@@ -103,6 +104,7 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
             while not state.finished:
                 item = await self._next(state, context)
                 if isinstance(item, Landed):
+                    self._trace_arrival(rid, item)
                     span = tracing.child("decode.stream", parent, tracing.SpanKind.SERVER, splitserve__request_id=rid,
                                          splitserve__transfer_window_ms=item.transfer_window_s * 1e3)
                 out = item.output if isinstance(item, Landed) else item
@@ -116,6 +118,18 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
                         gen_ai__response__finish_reasons=[out.finish_reason.value] if out and out.finish_reason else None)
             if not state.finished:
                 self.loop.call(lambda e: self._abort(rid))
+
+    @staticmethod
+    def _trace_arrival(rid: str, landed: Landed) -> None:
+        """kvfabric.receive: the transfer window on this side, under the sender's span (the
+        trace context came in the kvfabric `open`, not in this call's metadata)."""
+        if not landed.trace:
+            return
+        now = time.time_ns()
+        span = tracing.child("kvfabric.receive", tracing.extract([("traceparent", landed.trace)]),
+                             tracing.SpanKind.CONSUMER, start_ns=now - int(landed.transfer_window_s * 1e9),
+                             splitserve__request_id=rid, splitserve__seconds=landed.transfer_window_s)
+        tracing.end(span, end_ns=now)
 
     async def _next(self, state: _Decode, context: grpc.aio.ServicerContext) -> Item:
         item = await next_event(state.events, context, f"request {state.request_id} on {self.worker_id}")

@@ -54,6 +54,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     """Times the request was preempted so far (recomputed)."""
+    num_prefill_chunks: int = 0
+    """Steps that computed part of its prompt so far."""
 
 
 @dataclass
@@ -304,6 +306,7 @@ class LLMEngine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             num_preemptions=request.num_preemptions,
+            num_prefill_chunks=request.num_prefill_chunks,
         )
         if request.is_finished:
             self._forget(rid)

@@ -100,6 +100,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    num_prefill_chunks: int = 0
+    """Steps that computed part of its prompt (chunked prefill; a preemption's recompute counts too)."""
     arrival_seq: int = 0
     """Tie-break between equal arrival times (set by the scheduler)."""
     fair_tag: float = 0.0

@@ -168,6 +168,7 @@ class Scheduler:
             out.preempted_ids.append(victim.request_id)
             if victim is request:
                 return budget
+        request.num_prefill_chunks += request.num_computed_tokens < request.num_prompt_tokens
         out.scheduled.append(ScheduledRequest(request, num_new))
         return budget - num_new
 
@@ -189,6 +190,7 @@ class Scheduler:
         self.running.append(request)
         request.status = RequestStatus.RUNNING
         self.fair.started(request)
+        request.num_prefill_chunks += request.num_computed_tokens < request.num_prompt_tokens
         out.scheduled.append(ScheduledRequest(request, num_new))
         return True
 

@@ -215,7 +215,7 @@ class FabricReceiver:
         with self._cond:
             if t == "open":
                 try:
-                    self.table.bind(rid, writer, one_sided)
+                    self.table.bind(rid, writer, one_sided, msg.get("trace", ""))
                     reply: dict[str, Any] = {"t": "open_ok", "rid": rid}
                 except ReservationRevoked as e:
                     reply = {"t": "open_err", "rid": rid, "error": str(e)}

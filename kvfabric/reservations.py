@@ -31,6 +31,9 @@ class State(Enum):
     REVOKED = "revoked"  # quarantined until the writer is fenced
 
 
+TRACE_MAX_CHARS = 512
+"""A W3C traceparent is 55 characters; anything longer is cut, never stored whole."""
+
 @dataclass
 class Reservation:
     reservation_id: int
@@ -46,6 +49,8 @@ class Reservation:
     """One byte per block position: 1 once its data is in place."""
     inflight_frames: int = 0
     opened_at: float | None = None
+    trace: str = ""
+    """The sender's W3C `traceparent` for this transfer (empty: none), handed on with `KVArrived`."""
 
     def __post_init__(self) -> None:
         self.written = bytearray(len(self.block_ids))
@@ -69,6 +74,8 @@ class KVArrived:
     """Receiver clock when the sender bound the reservation."""
     arrived_at: float
     """Receiver clock when the last byte and `ready` were in: the transfer window ends here."""
+    trace: str = ""
+    """The sender's W3C `traceparent` from its `open` (empty: none)."""
 
 
 @dataclass(frozen=True)
@@ -145,7 +152,7 @@ class ReservationTable:
         return revs
 
     # -- writer side ---------------------------------------------------------------------
-    def bind(self, reservation_id: int, writer: int, one_sided: bool) -> Reservation:
+    def bind(self, reservation_id: int, writer: int, one_sided: bool, trace: str = "") -> Reservation:
         res = self._by_id.get(reservation_id)
         if res is None or res.state is State.REVOKED:
             raise ReservationRevoked(f"reservation {reservation_id} is unknown, expired or revoked")
@@ -154,6 +161,7 @@ class ReservationTable:
         if res.state is State.RESERVED:
             res.opened_at = self.clock()
         res.state, res.writer, res.one_sided = State.OPEN, writer, one_sided
+        res.trace = trace[:TRACE_MAX_CHARS]
         res.expires_at = self.clock() + self.lease_s
         return res
 
@@ -219,7 +227,8 @@ class ReservationTable:
         self._close(res)
         assert res.opened_at is not None  # set by bind, the only way to OPEN
         self._events.append(
-            KVArrived(res.request_id, reservation_id, first_token_id, num_tokens, res.opened_at, self.clock()))
+            KVArrived(res.request_id, reservation_id, first_token_id, num_tokens, res.opened_at, self.clock(),
+                      res.trace))
         return None
 
     def fail(self, reservation_id: int, writer: int, reason: str) -> None:

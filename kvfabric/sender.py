@@ -185,12 +185,12 @@ class _Peer:
             self.link = NcclLink(uid, uid_is_bytes, 2, 0, src.device, self.config.io_timeout_s)
 
     # -- transfers -----------------------------------------------------------------------
-    def open(self, ticket: Ticket) -> Transfer:
+    def open(self, ticket: Ticket, trace: str = "") -> Transfer:
         transfer = Transfer(self, ticket)
         with self._lock:
             self.transfers[ticket.reservation_id] = transfer
         try:
-            reply = self.request({"t": "open", "rid": ticket.reservation_id})
+            reply = self.request({"t": "open", "rid": ticket.reservation_id, **({"trace": trace} if trace else {})})
         except BaseException:
             self.forget(transfer)
             raise
@@ -362,9 +362,10 @@ class FabricSender:
         self._renewer = threading.Thread(target=self._renew_loop, name="kvfabric-renew", daemon=True)
         self._renewer.start()
 
-    def open(self, ticket: Ticket) -> Transfer:
-        """Bind a reservation (connecting to its receiver first if needed)."""
-        return self._peer(ticket.address).open(ticket)
+    def open(self, ticket: Ticket, trace: str = "") -> Transfer:
+        """Bind a reservation (connecting to its receiver first if needed); `trace`: a W3C
+        traceparent the receiver hands on with the arrival (`KVArrived.trace`)."""
+        return self._peer(ticket.address).open(ticket, trace)
 
     def _peer(self, address: FabricAddress) -> _Peer:
         with self._lock:

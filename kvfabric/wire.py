@@ -65,7 +65,7 @@ _FIELD_CHECKS: dict[str, Callable[[object], bool]] = {
     "ints": lambda v: isinstance(v, list) and len(v) <= MAX_RUNS and all(_is_int(x) for x in v)}
 RECEIVER_MESSAGES: dict[str, dict[str, str]] = {
     # type -> field -> kind; a trailing "?" marks an optional field
-    "open": {"rid": "int"},
+    "open": {"rid": "int", "trace?": "str"},
     "renew": {"rids": "ints"},
     "ready": {"rid": "int", "first_token_id": "int", "num_tokens": "int", "runs?": "runs"},
     "revoke_ack": {"rid": "int"},

@@ -67,6 +67,8 @@ class Handoff:
 
     ticket: Ticket
     next_index: int
+    trace: str = ""
+    """W3C traceparent sent with `open` (the request's prefill.forward span; empty: none)."""
     transfer: Transfer | None = None
     num_pushes: int = 0
     num_blocks: int = 0
@@ -134,7 +136,7 @@ class _Lane:
             return False
         if kind == "open":
             h.opened_at = time.perf_counter()
-            h.transfer = self.pusher.sender.open(h.ticket)
+            h.transfer = self.pusher.sender.open(h.ticket, h.trace)
         elif kind in ("push", "push_last"):
             block_ids, start, after = args
             assert h.transfer is not None
@@ -170,12 +172,13 @@ class KVPusher:
         self._done: list[PushDone] = []
 
     # -- engine thread -------------------------------------------------------------------
-    def attach(self, ticket: Ticket) -> Handoff:
-        """Queues the transfer's opening for a request about to be added to the engine."""
+    def attach(self, ticket: Ticket, trace: str = "") -> Handoff:
+        """Queues the transfer's opening for a request about to be added to the engine
+        (`trace`: a W3C traceparent for the receiver)."""
         if ticket.request_id in self._handoffs:
             raise ValueError(f"request {ticket.request_id} already has a transfer on this worker")
         started = time.perf_counter()
-        handoff = Handoff(ticket, ticket.num_skip_blocks)
+        handoff = Handoff(ticket, ticket.num_skip_blocks, trace)
         self._handoffs[ticket.request_id] = handoff
         self._queue(handoff, ("open", ()))
         handoff.engine_s += time.perf_counter() - started

@@ -114,7 +114,8 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
         ended = False
         try:
             try:
-                await asyncio.wrap_future(self.loop.call(lambda e: self._start(e, request)))
+                trace = dict(tracing.headers(span)).get("traceparent", "")
+                await asyncio.wrap_future(self.loop.call(lambda e: self._start(e, request, trace)))
             except Exception as e:  # noqa: BLE001 - every failure becomes the call's status
                 ended = True  # _start cleaned up
                 await context.abort(*status_for(e))
@@ -123,7 +124,8 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
                 if isinstance(item, RequestOutput):
                     ended = item.finished and item.finish_reason is not FinishReason.PREFILL_DONE
                     reason = item.finish_reason if ended else None
-                    tracing.end(span, splitserve__cached_tokens=item.num_cached_tokens)
+                    tracing.end(span, splitserve__cached_tokens=item.num_cached_tokens,
+                                splitserve__prefill_chunks=item.num_prefill_chunks)
                     yield pb.PrefillEvent(first=pb.FirstToken(
                         token_id=item.new_token_ids[0], logprobs=item.new_logprobs,
                         finish_reason=finish_to_pb(reason), num_cached_tokens=item.num_cached_tokens))
@@ -166,7 +168,7 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
         self._aio.call_soon_threadsafe(self._deliver, request_id, item)
 
     # -- on the engine thread --------------------------------------------------------------
-    def _start(self, engine: LLMEngine, r: pb.PrefillRequest) -> None:
+    def _start(self, engine: LLMEngine, r: pb.PrefillRequest, trace: str = "") -> None:
         try:
             ticket = Ticket.from_wire(msgpack.unpackb(r.ticket))
         except (KeyError, TypeError, ValueError, msgpack.UnpackException) as e:
@@ -174,7 +176,7 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
         if ticket.request_id != r.request_id:
             raise InvalidRequestError(f"the KV ticket is for request {ticket.request_id}, not {r.request_id}")
         params = sampling_from_pb(r.sampling, keep_stop_strings=False)
-        self.pusher.attach(ticket)
+        self.pusher.attach(ticket, trace)
         try:
             engine.add_request(list(r.prompt_token_ids), params, r.request_id, r.priority, r.tenant,
                                r.tenant_weight or 1.0)

@@ -3,7 +3,8 @@
 A real OTLP receiver (a gRPC server in this test implementing the collector's TraceService
 from opentelemetry-proto) gets the spans the router, the prefill worker and the decode
 worker (Ray actors) export. One request is one trace: the client's `traceparent` is its
-parent, and every span links to the right one with its attributes set.
+parent, and every span links to the right one with its attributes set; the context reaches
+the decode worker's `kvfabric.receive` through the kvfabric `open` message.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from tests.integration.cluster_checks import one_and_one
 
 pytestmark = pytest.mark.timeout(600)
 
-HOPS = ("router.generate", "router.admit", "router.route", "prefill.forward", "kvfabric.transfer", "decode.stream")
+HOPS = ("router.generate", "router.admit", "router.route", "prefill.forward", "kvfabric.transfer", "kvfabric.receive",
+        "decode.stream")
 
 
 @dataclasses.dataclass
@@ -108,17 +110,19 @@ def test_one_request_is_one_trace_across_three_processes(cluster: LocalCluster, 
     assert gen.parent_id == client_span  # the client's traceparent is honoured
     assert {n: spans[n].parent_id for n in HOPS[1:]} == {
         "router.admit": gen.span_id, "router.route": gen.span_id, "prefill.forward": gen.span_id,
-        "kvfabric.transfer": spans["prefill.forward"].span_id, "decode.stream": gen.span_id}
+        "kvfabric.transfer": spans["prefill.forward"].span_id, "kvfabric.receive": spans["prefill.forward"].span_id,
+        "decode.stream": gen.span_id}  # kvfabric.receive: its context came in the kvfabric open, not over gRPC
     assert {n: spans[n].service for n in HOPS} == {
         "router.generate": "splitserve-router", "router.admit": "splitserve-router", "router.route": "splitserve-router",
         "prefill.forward": "splitserve-prefill", "kvfabric.transfer": "splitserve-prefill",
-        "decode.stream": "splitserve-decode"}
+        "kvfabric.receive": "splitserve-decode", "decode.stream": "splitserve-decode"}
     a = gen.attributes
     assert (a["splitserve.request_id"], a["gen_ai.usage.input_tokens"], a["gen_ai.usage.output_tokens"]) == (
         final.request_id, 40, 5)
     assert (a["gen_ai.response.finish_reasons"], a["rpc.grpc.status_code"]) == (["length"], 0)
     assert (a["splitserve.prefill_worker"], a["splitserve.decode_worker"]) == ("prefill-0", "decode-0")
     assert spans["router.route"].attributes["splitserve.prefill_worker"] == "prefill-0"
+    assert spans["prefill.forward"].attributes["splitserve.prefill_chunks"] == 1  # 40 tokens: one step
     t = spans["kvfabric.transfer"].attributes
     assert t["splitserve.transport"] == "shm" and t["splitserve.blocks"] == 40 // 16 + 1
     assert t["splitserve.bytes"] % t["splitserve.blocks"] == 0 and t["splitserve.seconds"] > 0

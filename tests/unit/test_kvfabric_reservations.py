@@ -28,6 +28,17 @@ def test_complete_transfer_emits_arrived_and_forgets_the_reservation(table: Rese
     assert len(table) == 0 and table.held_block_ids() == []
 
 
+def test_the_senders_trace_context_comes_back_with_the_arrival_and_is_bounded(table: ReservationTable) -> None:
+    traceparent = "00-" + "a" * 32 + "-" + "b" * 16 + "-01"
+    for trace, kept in ((traceparent, traceparent), ("x" * 10_000, "x" * 512)):
+        res = table.add("t", [1, 2], num_skip_blocks=0)
+        table.bind(res.reservation_id, SHM, one_sided=True, trace=trace)
+        table.record_written(res.reservation_id, SHM, [(0, 2)])
+        assert table.ready(res.reservation_id, SHM, first_token_id=3, num_tokens=20) is None
+        (arrived,) = table.take_events()
+        assert isinstance(arrived, KVArrived) and arrived.trace == kept
+
+
 def test_ready_with_a_missing_block_fails_the_transfer(table: ReservationTable) -> None:
     res = table.add("a", [4, 5, 6], num_skip_blocks=0)
     table.bind(res.reservation_id, TCP, one_sided=False)

@@ -15,6 +15,7 @@ def test_token_budget_is_shared_and_prefill_is_chunked(clock) -> None:
     assert plan(fake_step(s)) == [("r1", 8)]  # first chunk fills the budget
     assert r1.block_ids == [0, 1] and r1.output_token_ids == []
     assert plan(fake_step(s)) == [("r1", 2), ("r2", 3)]  # last chunk + the short prompt
+    assert (r1.num_prefill_chunks, r2.num_prefill_chunks) == (2, 1)
     assert r1.block_ids == [0, 1, 2] and r2.block_ids == [3]
     assert r1.output_token_ids == [7] and r2.output_token_ids == [7]
     assert plan(fake_step(s)) == [("r1", 1), ("r2", 1)]  # decode tokens share the budget
