@@ -5,7 +5,11 @@ Each arm starts its own local cluster (1 prefill + 1 decode, tiny llama, CPU), w
 then runs the same closed-loop workload (`bench.runner`); the arms alternate for
 --rounds rounds and each arm's rounds are pooled. Printed: one JSON line per arm and round,
 then the ratios against "off" (throughput and TTFT p50; targets: metrics <= 1 % cost,
-tracing <= 3 %), with the spans the receiver got.
+tracing <= 3 %), with the spans the receiver got. Beside them, the machine's busy CPU time
+per request (all processes, /proc/stat) over the measured run, and the CPU time the
+instrumentation itself adds per request, timed in this process (its share of that per-request
+CPU is the overhead bound): on a small shared machine throughput moves by more than the
+targets from round to round.
 
     ./dev python benchmarks/observe_overhead.py [--num-requests 96] [--rounds 2]
 """
@@ -15,9 +19,11 @@ import argparse
 import asyncio
 import concurrent.futures
 import json
+import os
 import statistics
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -59,12 +65,66 @@ def config(model: str, arm: str, endpoint: str) -> ClusterConfig:
                             routing=RoutingConfig(mode="disaggregated")))
 
 
+def busy_cpu_s() -> float:
+    """CPU seconds this machine has spent busy (all processes), from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def one_arm(model: str, arm: str, endpoint: str, args: argparse.Namespace) -> dict[str, Any]:
     items = synthetic(args.num_requests, args.prompt_len, args.output_len, 0.0, 0, 0, 512, args.seed)
     with LocalCluster(config(model, arm, endpoint)) as cluster:
         asyncio.run(run(cluster.address, items[:8], concurrency=4))  # warm-up
+        cpu = busy_cpu_s()
         result: Run = asyncio.run(run(cluster.address, items, concurrency=args.concurrency))
-    return report.summarize(result, 2.0, 0.1)
+        cpu = busy_cpu_s() - cpu
+    summary = report.summarize(result, 2.0, 0.1)
+    summary["cpu_ms_per_request"] = round(cpu * 1e3 / max(summary["num_ok"], 1), 2)
+    return summary
+
+
+def instrumentation_us(endpoint: str, output_len: int, n: int = 2000, n_traced: int = 250) -> dict[str, float]:
+    """CPU microseconds the instrumentation itself adds per request, timed in this process: the
+    router's metric observations (one request's histograms and counters, an ITL per token) and
+    one request's seven spans with their attributes, exported to the receiver in batches (few
+    enough that the exporter's queue never drops one; the final flush is timed too)."""
+    from control import tracing
+    from router.metrics import RouterMetrics
+
+    metrics = RouterMetrics(lambda: "tiny")
+    started = time.process_time()
+    for _ in range(n):
+        for _ in range(output_len - 1):
+            metrics.observe_itl(0.02, 1)
+        metrics.finished(queue_s=0.001, ttft_s=0.05, e2e_s=0.7, num_prompt=128, num_output=output_len, num_cached=0,
+                         reason="length")
+    metrics_us = (time.process_time() - started) / n * 1e6
+    traced_off_us = _one_trace_per_request(output_len, n) / n * 1e6  # tracing off: spans are no-ops
+    tracing.setup("observe-overhead", "bench", endpoint)
+    started = time.process_time()
+    _one_trace_per_request(output_len, n_traced)
+    tracing.shutdown()
+    tracing_us = (time.process_time() - started) / n_traced * 1e6
+    return {"metrics_us_per_request": round(metrics_us, 1), "tracing_us_per_request": round(tracing_us, 1),
+            "tracing_off_us_per_request": round(traced_off_us, 2)}
+
+
+def _one_trace_per_request(output_len: int, n: int) -> float:
+    """n requests' worth of the spans a request makes (all three processes'); CPU seconds."""
+    from control import tracing
+
+    started = time.process_time()
+    for i in range(n):
+        root = tracing.child("router.generate", None, tracing.SpanKind.SERVER, splitserve__request_id=str(i))
+        for name in ("router.admit", "router.route", "decode.stream", "kvfabric.receive"):
+            tracing.end(tracing.child(name, root, splitserve__request_id=str(i)), splitserve__cached_tokens=0)
+        fwd = tracing.child("prefill.forward", root)
+        tracing.end(tracing.child("kvfabric.transfer", fwd, splitserve__transport="shm", splitserve__blocks=8))
+        tracing.end(fwd, splitserve__cached_tokens=0)
+        tracing.headers(root)
+        tracing.end(root, gen_ai__usage__input_tokens=128, gen_ai__usage__output_tokens=output_len)
+    return time.process_time() - started
 
 
 def main() -> None:
@@ -91,16 +151,23 @@ def main() -> None:
                 pooled[arm].append(s)
                 print(json.dumps({"bench": "observe_overhead", "arm": arm, "round": r, "requests_per_s":
                                   s["requests_per_s"], "ttft_p50_ms": s["ttft_ms"]["p50"], "num_ok": s["num_ok"],
+                                  "cpu_ms_per_request": s["cpu_ms_per_request"],
                                   **conf}), flush=True)
+        micro = instrumentation_us(endpoint, args.output_len)
     finally:
         server.stop(grace=None)
     mean = {arm: {"requests_per_s": statistics.mean(s["requests_per_s"] for s in runs),
-                  "ttft_p50_ms": statistics.mean(s["ttft_ms"]["p50"] for s in runs)} for arm, runs in pooled.items()}
+                  "ttft_p50_ms": statistics.mean(s["ttft_ms"]["p50"] for s in runs),
+                  "cpu_ms_per_request": statistics.mean(s["cpu_ms_per_request"] for s in runs)}
+            for arm, runs in pooled.items()}
     ratios = {f"{arm}_over_off": {k: round(v / mean["off"][k], 4) for k, v in mean[arm].items()}
               for arm in ARMS[1:]}
     print(json.dumps({"bench": "observe_overhead", "summary": {a: {k: round(v, 2) for k, v in m.items()}
                                                               for a, m in mean.items()},
-                      "ratios": ratios, "spans_received": receiver.num_spans, **conf}), flush=True)
+                      "ratios": ratios, "spans_received": receiver.num_spans, **micro,
+                      "instrumentation_share_of_cpu_per_request": {
+                          k.removesuffix("_us_per_request"): round(v / 1e3 / mean["off"]["cpu_ms_per_request"], 4)
+                          for k, v in micro.items() if k != "tracing_off_us_per_request"}, **conf}), flush=True)
 
 
 if __name__ == "__main__":
