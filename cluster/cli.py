@@ -99,7 +99,8 @@ def _serve_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
                             otlp_endpoint=args.otlp_endpoint,
                             admission=_admission_config(args),
                             routing=RoutingConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens)),
-        redis_url=args.redis_url or "", namespace=args.namespace, ray_address=args.ray_address,
+        redis_url=args.redis_url or "", redis_host=args.redis_host, namespace=args.namespace,
+        ray_address=args.ray_address,
         role_resources={role: {name: 1.0} for role, name in (("prefill", args.prefill_resource),
                                                               ("decode", args.decode_resource)) if name})
 
@@ -321,6 +322,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     s.add_argument("--host", default="127.0.0.1", help="interface to serve on (0.0.0.0 for other machines)")
     add_observe_flags(s)
     s.add_argument("--redis-url", help="use this Redis instead of starting one (redis://host:port/db)")
+    s.add_argument("--redis-host", default="127.0.0.1", help="interface the embedded Redis binds: on a Ray "
+                   "cluster's head its private address (or 0.0.0.0), so workers on other nodes reach it")
     s.add_argument("--namespace", default="splitserve", help="prefix of this cluster's Redis keys")
     s.add_argument("--autoscale", action="store_true",
                    help="scale prefill on queue time and decode on KV pressure, within the --min/--max bounds")

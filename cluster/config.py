@@ -17,6 +17,9 @@ class ClusterConfig:
     num_decode: int = 1
     router: RouterConfig = field(default_factory=RouterConfig)
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_host: str = "127.0.0.1"
+    """Interface the embedded Redis binds (`LocalCluster`): on a Ray cluster's head, its private
+    address or 0.0.0.0, so that workers on other nodes reach it (it always requires a password)."""
     namespace: str = "splitserve"
     """Prefix of every Redis key of this cluster."""
     worker_num_cpus: float = 1.0

@@ -25,10 +25,13 @@ import redis
 from cluster.config import ClusterConfig
 from cluster.controller import START_TIMEOUT_S, Controller
 from control.heartbeat import target_key
+from control.worker_config import route_address
 from kvfabric.region import sweep_dead_segments
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_ROUTE_PROBE = "192.0.2.1"
+"""An address (TEST-NET-1, never dialled) whose route names the interface of the default route."""
 REDIS_WATCH_INTERVAL_S = 0.5
 """How often the local cluster checks its embedded redis-server is alive."""
 LOCAL_HEADROOM_WORKERS = 4
@@ -46,10 +49,13 @@ class PortTaken(RuntimeError):
 
 
 class EmbeddedRedis:
-    """A real redis-server child process on loopback that requires a password (generated here,
-    handed to the server in a 0600 config file, never on a command line); `url` carries it."""
+    """A real redis-server child process that requires a password (generated here, handed to
+    the server in a 0600 config file, never on a command line); `url` carries it. It binds
+    `host`: loopback by default; on a Ray cluster's head, the head's private address (or
+    0.0.0.0, and then `url` names this machine's address on its default route), so workers
+    on other nodes reach it."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1") -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server not found: install it (Debian: apt-get install redis-server; "
@@ -62,9 +68,11 @@ class EmbeddedRedis:
         conf.touch(mode=0o600)
         conf.write_text(f"requirepass {self._password}\n")
         self._conf = str(conf)
+        self.host = host
+        dial = route_address(DEFAULT_ROUTE_PROBE) if host in ("0.0.0.0", "::", "") else host
         for attempt in (1, 2, 3):
-            self.port = port or free_port()
-            self.url = f"redis://:{self._password}@127.0.0.1:{self.port}/0"
+            self.port = port or free_port(host)
+            self.url = f"redis://:{self._password}@{dial}:{self.port}/0"
             try:
                 self._spawn()
                 return
@@ -76,7 +84,7 @@ class EmbeddedRedis:
 
     def _spawn(self) -> None:
         self._proc = subprocess.Popen(
-            [self._binary, self._conf, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            [self._binary, self._conf, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
              "--dir", self._dir, "--loglevel", "warning", "--logfile", self._log],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # no pipe that nobody drains
         self._wait_ready(timeout_s=10.0)
@@ -162,7 +170,7 @@ class LocalCluster:
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> dict[str, Any]:
         if self.embedded_redis:
-            self.redis = EmbeddedRedis()
+            self.redis = EmbeddedRedis(host=self.config.redis_host)
             self._watcher = threading.Thread(target=self._watch_redis, name="redis-watch", daemon=True)
             self._watcher.start()
         try:

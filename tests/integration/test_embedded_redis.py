@@ -28,7 +28,7 @@ def test_a_chosen_port_taken_before_redis_binds_it_is_chosen_again(held_port: in
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     real = local.free_port
     picks = iter([held_port])
-    monkeypatch.setattr(local, "free_port", lambda: next(picks, None) or real())
+    monkeypatch.setattr(local, "free_port", lambda host="127.0.0.1": next(picks, None) or real(host))
     server = EmbeddedRedis()
     try:
         assert server.port != held_port
@@ -64,5 +64,21 @@ def test_the_embedded_redis_refuses_a_client_without_its_password() -> None:
         cmdline = Path(f"/proc/{server.pid}/cmdline").read_bytes().decode()
         assert password not in cmdline  # not on a command line (any local user could read it)
         assert password not in redacted(server.url) and "***" in redacted(server.url)
+    finally:
+        server.stop()
+
+
+def test_bound_to_every_interface_its_url_names_the_machines_address_and_still_needs_the_password() -> None:
+    address = local.route_address(local.DEFAULT_ROUTE_PROBE)
+    if address.startswith("127."):
+        pytest.skip("this machine has no default route: no address other hosts could dial")
+    server = EmbeddedRedis(host="0.0.0.0")
+    try:
+        assert f"@{address}:{server.port}/" in server.url  # what workers on other nodes dial
+        assert redis.Redis.from_url(server.url, socket_timeout=2).ping()
+        anonymous = redis.Redis(host=address, port=server.port, socket_timeout=2)
+        with pytest.raises(redis.AuthenticationError):
+            anonymous.ping()
+        anonymous.close()
     finally:
         server.stop()
