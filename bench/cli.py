@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from bench import plots, report
 from bench.runner import Run, run
 from bench.workload import Item, from_trace, synthetic
+
+PROGRESS_EVERY_S = 0.2
+"""How often the progress bar is redrawn (each redraw reads every outcome so far)."""
 
 
 def add_parser(sub: Any) -> None:
@@ -72,14 +76,23 @@ def _bench(args: argparse.Namespace) -> int:
                   TimeElapsedColumn(), console=Console(stderr=True), disable=args.no_progress) as bar:
         task = bar.add_task("starting", total=len(items))
 
-        def on_change(r: Run) -> None:
+        shown = [0.0]
+
+        def show(r: Run, force: bool = False) -> None:
+            """At most every PROGRESS_EVERY_S: the counts and the TTFT p50 walk every outcome so far."""
+            if not force and time.monotonic() - shown[0] < PROGRESS_EVERY_S:
+                return
+            shown[0] = time.monotonic()
             ended = [o for o in r.outcomes if o.end_s]
             failed = sum(not o.ok for o in ended)
             ttft = report.pct([o.ttft_s for o in ended if o.ok and o.ttft_s is not None], 50)
             live = "-" if ttft is None else f"{ttft * 1e3:.0f} ms"
             bar.update(task, completed=len(ended), description=f"sent {len(r.outcomes)}  done {len(ended) - failed}  "
                                                                f"failed {failed}  TTFT p50 {live}")
-        result = asyncio.run(run(args.target, items, args.rate, args.concurrency, args.seed, args.timeout_s, on_change))
+        result = asyncio.run(run(args.target, items, args.rate, args.concurrency, args.seed, args.timeout_s,
+                                 None if args.no_progress else show))
+        if not args.no_progress:
+            show(result, force=True)
     summary = report.summarize(result, args.ttft_slo_ms / 1e3, args.itl_slo_ms / 1e3)
     report.show(summary, Console())
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "func"}

@@ -234,25 +234,13 @@ def _generate(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     import asyncio
 
-    import msgpack
-
-    from control.heartbeat import controller_key
-    from control.reader import RegistryReader
+    from control.reader import read_cluster
 
     redis_url, namespace = _cluster_redis(args)
     if redis_url is None:
         return 2
-
-    async def read() -> tuple[dict, dict, dict | None]:  # type: ignore[type-arg]
-        reader = RegistryReader(redis_url, namespace)
-        try:
-            raw = await reader.client.get(controller_key(namespace))
-            return await reader.heartbeats(), await reader.router_stats(), msgpack.unpackb(raw) if raw else None
-        finally:
-            await reader.close()
-
     try:
-        beats, routers, controller = asyncio.run(read())
+        beats, routers, controller = asyncio.run(read_cluster(redis_url, namespace))
     except Exception as e:  # noqa: BLE001 - any Redis failure is reported, not raised
         print(f"Redis at {redis_url} is away ({e}): the cluster's state cannot be read now. Routers keep "
               "serving on the membership they last saw; an embedded Redis is started again by its cluster.",

@@ -34,21 +34,10 @@ def file_sd(beats: dict[str, Heartbeat], routers: dict[str, dict[str, Any]], nam
 
 
 def run(args: argparse.Namespace, redis_url: str) -> int:
-    import msgpack
-
-    from control.heartbeat import controller_key
-    from control.reader import RegistryReader
-
-    async def read() -> tuple[dict[str, Heartbeat], dict[str, dict[str, Any]], dict[str, Any] | None]:
-        reader = RegistryReader(redis_url, args.namespace)
-        try:
-            raw = await reader.client.get(controller_key(args.namespace))
-            return await reader.heartbeats(), await reader.router_stats(), msgpack.unpackb(raw) if raw else None
-        finally:
-            await reader.close()
+    from control.reader import read_cluster
 
     try:
-        beats, routers, controller = asyncio.run(read())
+        beats, routers, controller = asyncio.run(read_cluster(redis_url, args.namespace))
     except Exception as e:  # noqa: BLE001 - any Redis failure is reported, not raised
         print(f"Redis at {redis_url} is away ({e}): no targets can be read now", file=sys.stderr)
         return 1

@@ -10,12 +10,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgpack
 import redis.asyncio
 
-from control.heartbeat import BadEntry, Heartbeat, hb_key, kv_key, router_key
+from control.heartbeat import BadEntry, Heartbeat, controller_key, hb_key, kv_key, router_key
 from control.kv_events import event_from_bytes
 from engine.block_pool import KVEvent
 
@@ -84,3 +84,17 @@ class RegistryReader:
 
     async def close(self) -> None:
         await self.client.aclose()
+
+
+ClusterState = tuple[dict[str, Heartbeat], dict[str, dict[str, Any]], dict[str, Any] | None]
+"""Heartbeats by worker, router stats by router, and the controller's status (None: none)."""
+
+
+async def read_cluster(redis_url: str, namespace: str) -> ClusterState:
+    """One read of a cluster's registry for the CLI (`status`, `metrics-targets`); raises on a Redis failure."""
+    reader = RegistryReader(redis_url, namespace)
+    try:
+        raw = await reader.client.get(controller_key(namespace))
+        return await reader.heartbeats(), await reader.router_stats(), msgpack.unpackb(raw) if raw else None
+    finally:
+        await reader.close()

@@ -152,7 +152,7 @@ class Scheduler:
                 break
             if request.status is RequestStatus.RUNNING:
                 budget = self._schedule_running(out, request, budget)
-            elif admitting and request in self.waiting:
+            elif admitting:  # waiting (one preempted this step ends `admitting` first)
                 admitting = not out.preempted_ids and self._start_waiting(out, request, budget)
                 if admitting:
                     budget -= out.scheduled[-1].num_new_tokens

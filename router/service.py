@@ -129,10 +129,8 @@ class RouterService:
     async def stats(self) -> dict[str, object]:
         q = self.gate.queue
         return {"router_id": self.router_id, "address": self.address, "metrics_address": self.metrics_address,
-                **self.generation.stats, **self.flow.stats,
-                "num_admitted": q.num_admitted, "num_queued": q.num_queued,
+                **self.generation.stats, **self.flow.stats, **self._admission_books(),
                 "queued_by_priority": {str(k): v for k, v in q.queued_by_priority().items()},
-                "inflight_tokens": q.inflight_tokens, "budget_tokens": q.budget_tokens,
                 "tenant_tokens": q.tenant_tokens(), "refusals": dict(self.gate.refusals),
                 "redis_healthy": self.feed.healthy, "members": self.members.ids(),
                 "down_workers": self.flow.down_workers(), "index_gaps": self.index.num_gaps,

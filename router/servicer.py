@@ -106,6 +106,8 @@ class Generation(pb_grpc.GenerationServicer):
     @staticmethod
     def _end_trace(progress: Progress) -> None:
         """router.generate's attributes (OpenTelemetry GenAI names where one fits) and its end."""
+        if not progress.span.is_recording():  # tracing off: nothing to build
+            return
         prep, route = progress.prep, progress.route
         tracing.end(progress.span, splitserve__request_id=prep.request_id if prep else None,
                     splitserve__tenant=prep.tenant if prep else None, splitserve__priority=prep.priority if prep else None,

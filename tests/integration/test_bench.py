@@ -74,7 +74,7 @@ def test_a_run_whose_requests_all_fail_says_so_and_exits_non_zero(tmp_path: Path
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = bench("--target", f"127.0.0.1:{port}", "--num-requests", "3", "--concurrency", "1", "--no-progress",
+    out = bench("--target", f"127.0.0.1:{port}", "--num-requests", "3", "--concurrency", "1",  # with the progress bar
                 "--timeout-s", "5")
     assert out.returncode == 1
     assert json.loads(out.stdout.strip().splitlines()[-1])["results"]["errors"] == {"UNAVAILABLE": 3}
