@@ -340,7 +340,7 @@ class Controller:
 
     def worker_info(self) -> list[dict[str, Any]]:
         """Each worker the controller runs: its info (address, pid, model facts) and state."""
-        return [{**w.info, "state": w.state} for w in self.workers.values()]
+        return [{"worker_id": w.worker_id, "role": w.role, **w.info, "state": w.state} for w in self.workers.values()]
 
     def kill_worker(self, worker_id: str) -> None:
         """Ends the worker's process at once, as a crash would (no shutdown, no clean-up)."""

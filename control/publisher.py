@@ -52,7 +52,8 @@ class Publisher:
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():  # a worker stopped while it was still starting never started it
+            self._thread.join(timeout=5)
         try:  # gone: its heartbeat and its KV event stream (nobody replays a gone worker's cache)
             self.client.delete(hb_key(self.ns, self.worker_id), kv_key(self.ns, self.worker_id))
         except redis.RedisError:
