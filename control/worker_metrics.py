@@ -33,6 +33,9 @@ class WorkerMetrics(Collector):
         self.role, self.model_name, self.read_load, self.block_bytes = role, model_name, read_load, block_bytes
         self.registry = CollectorRegistry()
         self._load: EngineLoad | None = None
+        self.read_reservations: Callable[[], int] | None = None
+        """A decode worker's open kvfabric reservations (set by the decode worker)."""
+        self._reservations: int | None = None
         labels = ["model_name", "role", "transport"]
         r, p = self.registry, PREFIX
         self.transfer_bytes = Counter(p + "kv_transfer_bytes", "KV bytes pushed to decode workers.", labels, registry=r)
@@ -46,6 +49,8 @@ class WorkerMetrics(Collector):
     async def refresh(self) -> None:
         """Reads the engine's state for the next scrape (the engine thread answers between steps)."""
         self._load = await asyncio.to_thread(self.read_load)
+        if self.read_reservations is not None:
+            self._reservations = await asyncio.to_thread(self.read_reservations)
 
     def transferred(self, transport: str, num_blocks: int, seconds: float, failed: bool) -> None:
         """One hand-off ended (any thread)."""
@@ -64,11 +69,14 @@ class WorkerMetrics(Collector):
         values = [self.model_name, self.role]
         p, labels = PREFIX, ["model_name", "role"]
         in_use = load.num_total_blocks - load.num_free_blocks - load.num_cached_blocks
-        for name, doc, value in (
-                ("num_requests_running", "Requests in the engine's batches.", load.num_running),
-                ("num_requests_waiting", "Requests waiting in the engine's queue.", load.num_waiting),
-                ("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1); evictable cached blocks are free.",
-                 in_use / max(load.num_total_blocks, 1))):
+        gauges = [("num_requests_running", "Requests in the engine's batches.", load.num_running),
+                  ("num_requests_waiting", "Requests waiting in the engine's queue.", load.num_waiting),
+                  ("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1); evictable cached blocks are free.",
+                   in_use / max(load.num_total_blocks, 1))]
+        if self._reservations is not None:
+            gauges.append(("kv_reservations", "Open kvfabric reservations (KV blocks held for transfers that have "
+                           "not landed).", self._reservations))
+        for name, doc, value in gauges:
             gauge = GaugeMetricFamily(p + name, doc, labels=labels)
             gauge.add_metric(values, value)
             yield gauge

@@ -69,6 +69,8 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
         facts = ModelFacts(e.model_id, config.block_size, e.model_config.vocab_size, e.max_model_len,
                            e.kv_pool.num_blocks)
         self.host = WorkerHost(worker_id, "decode", config, facts, engine_load_reader(self.loop), redis_url, namespace)
+        if self.host.metrics is not None:
+            self.host.metrics.read_reservations = self.remote.receiver.num_reservations
         self._requests: dict[str, _Decode] = {}
         """Asyncio side: the running calls."""
         self._aio: asyncio.AbstractEventLoop | None = None

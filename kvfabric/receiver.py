@@ -118,6 +118,10 @@ class FabricReceiver:
         self._send_revocations()
         return events
 
+    def num_reservations(self) -> int:
+        with self._cond:
+            return len(self.table)
+
     def held_block_ids(self) -> list[int]:
         with self._cond:
             return self.table.held_block_ids()

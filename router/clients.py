@@ -81,6 +81,10 @@ class WorkerCall:
                                f"{self.worker_id} sent nothing for {cap_s:.0f} s", down=True, timed_out=True)
         if self._read is read:  # (a concurrent `failure_within` may have taken it already)
             self._read = None
+        if read.cancelled():  # not this task's cancellation (that raises from the wait): the call was
+            # cancelled under it, as when the worker left the membership and its channel was closed
+            raise WorkerFailed(self.worker_id, grpc.StatusCode.UNAVAILABLE,
+                               f"{self.worker_id}: the call was cancelled (the worker left the cluster)", down=True)
         try:
             ev = read.result()
         except grpc.aio.AioRpcError as e:

@@ -8,7 +8,9 @@ client going away cancels the flow, which cancels its worker calls.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -28,6 +30,8 @@ from router.members import Members
 
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+
+logger = logging.getLogger(__name__)
 
 
 class Generation(pb_grpc.GenerationServicer):
@@ -99,6 +103,13 @@ class Generation(pb_grpc.GenerationServicer):
             self._count(prep, progress)
         except RequestFailed as e:
             await _fail(context, e, progress)
+        except asyncio.CancelledError:
+            if (task := asyncio.current_task()) is None or task.cancelling():
+                raise  # the client went away, or the server is stopping
+            # a cancellation from below (a bug): the client gets a status now, not silence until its deadline
+            logger.exception("request %s: cancelled inside the router", prep.request_id)
+            await _fail(context, RequestFailed(grpc.StatusCode.UNAVAILABLE, "the request was cut off inside the "
+                                               "router; retry", 1.0), progress)
         finally:
             self._active.discard(prep.request_id)
             self.gate.release(prep.request_id)

@@ -55,6 +55,7 @@ def test_vllm_names_are_kept_with_our_prefix() -> None:
 def test_worker_gauges_read_the_engine() -> None:
     loads = [EngineLoad(10, 4, 2, 3, 1, 5, 100, 40, 7)]
     worker = WorkerMetrics("decode", "m", loads.pop)
+    worker.read_reservations = lambda: 2
     assert generate_latest(worker.registry).decode().count("splitserve:num_requests_running") == 0  # nothing read yet
     asyncio.run(worker.refresh())
     samples = {s.name: s.value for f in text_string_to_metric_families(generate_latest(worker.registry).decode())
@@ -63,6 +64,7 @@ def test_worker_gauges_read_the_engine() -> None:
     assert samples["splitserve:num_requests_running"] == 3
     assert (samples["splitserve:prefix_cache_queries_total"], samples["splitserve:prefix_cache_hits_total"]) == (100, 40)
     assert samples["splitserve:num_preemptions_total"] == 7
+    assert samples["splitserve:kv_reservations"] == 2  # a decode worker's open kvfabric reservations
 
 
 def test_every_series_the_dashboard_charts_is_exported() -> None:

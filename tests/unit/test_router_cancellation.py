@@ -1,0 +1,123 @@
+"""Cancellations inside the router. `WorkerCall` tells a call cancelled under it (grpc.aio
+raises `CancelledError` from a read when the call's channel is closed, as the router does
+when a worker leaves the membership) from the caller's own cancellation: the first is that
+worker's failure, so the request is retried elsewhere; the second still cancels. And a
+cancellation that escapes the flow anyway ends the client's call with a status at once,
+not silence until its deadline."""
+from __future__ import annotations
+
+import asyncio
+
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from control.heartbeat import Heartbeat
+from proto import generate_pb2 as pb
+from router.admission import AdmissionConfig
+from router.attempt import Deadline, Prepared, WorkerFailed
+from router.clients import WorkerCall
+from router.frontend import Frontend
+from router.gate import AdmissionGate
+from router.members import Members
+from router.servicer import Generation
+
+
+class ClosableStream:
+    """A read that waits until the stream is closed under it, then raises as grpc.aio does."""
+
+    def __init__(self) -> None:
+        self.closed = asyncio.Event()
+
+    async def read(self) -> object:
+        await self.closed.wait()
+        raise asyncio.CancelledError
+
+    def cancel(self) -> bool:
+        return True
+
+
+def test_a_read_cancelled_under_the_call_is_the_workers_failure() -> None:
+    async def scenario() -> WorkerFailed:
+        stream = ClosableStream()
+        call = WorkerCall(stream, "decode-far", Deadline(None))
+        asyncio.get_running_loop().call_later(0.05, stream.closed.set)  # the channel closes mid-wait
+        with pytest.raises(WorkerFailed) as failed:
+            await call.next(5.0)
+        return failed.value
+
+    failure = asyncio.run(scenario())
+    assert (failure.worker_id, failure.code, failure.down, failure.timed_out) == (
+        "decode-far", grpc.StatusCode.UNAVAILABLE, True, False)
+    assert "left the cluster" in failure.message
+
+
+def test_the_callers_own_cancellation_still_cancels() -> None:
+    async def scenario() -> None:
+        call = WorkerCall(ClosableStream(), "decode-far", Deadline(None))
+        task = asyncio.ensure_future(call.next(5.0))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        call.cancel()
+
+    asyncio.run(scenario())
+
+
+class Aborted(Exception):
+    pass
+
+
+class Context:
+    """The parts of grpc.aio's ServicerContext the Generate handler uses."""
+
+    def __init__(self) -> None:
+        self.status: tuple[grpc.StatusCode, str] | None = None
+        self.trailers: tuple[tuple[str, str], ...] = ()
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    def invocation_metadata(self) -> tuple[()]:
+        return ()
+
+    def set_trailing_metadata(self, trailers: tuple[tuple[str, str], ...]) -> None:
+        self.trailers = trailers
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.status = (code, details)
+        raise Aborted
+
+
+class CancelledFlow:
+    """A flow with a bug: its run is cancelled from below."""
+
+    def cached_tokens(self, prep: Prepared) -> int:
+        return 0
+
+    async def run(self, *args: object) -> AsyncIterator[pb.GenerateResponse]:
+        raise asyncio.CancelledError
+        yield  # an async generator, as the real flow is
+
+
+def test_a_cancellation_from_below_ends_the_call_with_a_status() -> None:
+    members = Members()
+    members.update({"d0": Heartbeat("d0", "decode", address="d0", model_id="m", block_size=16, vocab_size=1000,
+                                    max_model_len=512, num_total_blocks=64)})
+    gate = AdmissionGate(AdmissionConfig(), time.monotonic)
+    service = Generation(Frontend(None), gate, CancelledFlow(), members)  # type: ignore[arg-type]
+    context = Context()
+
+    async def call() -> None:
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7]), sampling=pb.SamplingParams(max_tokens=2))
+        with pytest.raises(Aborted):
+            async for _ in service.Generate(request, context):  # type: ignore[arg-type]
+                pass
+
+    asyncio.run(call())
+    assert context.status == (grpc.StatusCode.UNAVAILABLE, "the request was cut off inside the router; retry")
+    assert context.trailers == (("retry-after-ms", "1000"),)
+    assert gate.queue.num_admitted == 0 and not service._active  # released
