@@ -14,6 +14,9 @@ measured in the same run on the same bytes:
   (`memcpy_private_gb_per_s`), which is faster when numpy gets transparent huge pages
   and when source and destination fit in the last-level cache together;
 - tcp: a raw long-lived loopback socket to another process (`recv_into` a buffer).
+  With `--cross-host` (root; iproute2) the receiver and the raw socket's far end run in a
+  network namespace of their own behind a veth pair, so both cross a host boundary as KV
+  between two machines would (the namespace is removed at the end).
 Transfers and limit measurements alternate, best of --reps for each, and each starts with
 cold caches (a scratch buffer twice the last-level cache is written first): otherwise the
 limit's destination, rewritten every rep, stays cached while the decode pool's blocks do
@@ -27,14 +30,17 @@ One JSON line per case. Not part of the test suite.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import multiprocessing as mp
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -60,13 +66,50 @@ SHAPES = {
 }
 
 
-def receiver_child(pipe: Connection, layout_wire: dict, num_blocks: int) -> None:
+CLONE_NEWNET = 0x40000000
+
+
+def enter_netns(name: str | None) -> None:
+    """Moves this (still single-threaded) process into network namespace `name`."""
+    if name is None:
+        return
+    with open(f"/run/netns/{name}") as f:
+        if ctypes.CDLL(None, use_errno=True).setns(f.fileno(), CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {name} failed")
+
+
+@contextlib.contextmanager
+def cross_host() -> Iterator[tuple[str, str, str]]:
+    """A network namespace behind a veth pair: (its name, this side's address, its address)."""
+    ns, outside = f"kvbw{os.getpid() % 100000}", f"kvbw{os.getpid() % 100000}o"
+
+    def sh(*cmd: str) -> None:
+        subprocess.run(cmd, check=True, capture_output=True)
+    try:
+        sh("ip", "netns", "add", ns)
+        sh("ip", "link", "add", outside, "type", "veth", "peer", "name", f"{outside[:-1]}i")
+        sh("ip", "link", "set", f"{outside[:-1]}i", "netns", ns)
+        sh("ip", "addr", "add", "10.79.0.1/24", "dev", outside)
+        sh("ip", "link", "set", outside, "up")
+        for cmd in (("ip", "addr", "add", "10.79.0.2/24", "dev", f"{outside[:-1]}i"),
+                    ("ip", "link", "set", f"{outside[:-1]}i", "up"), ("ip", "link", "set", "lo", "up")):
+            sh("ip", "netns", "exec", ns, *cmd)
+        yield ns, "10.79.0.1", "10.79.0.2"
+    finally:
+        subprocess.run(["ip", "link", "del", outside], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def receiver_child(pipe: Connection, layout_wire: dict, num_blocks: int, netns: str | None = None,
+                   host: str = "127.0.0.1") -> None:
+    enter_netns(netns)
     layout = FabricLayout.from_wire(layout_wire)
     seg = ShmSegment.create(num_blocks * layout.block_bytes)
     region = BlockRegion(seg.data.reshape(num_blocks, layout.block_bytes))
     region.array[:] = 0  # fault the pages in, as a long-running decode pool would have
     # perf_counter is CLOCK_MONOTONIC: comparable with the sender's on the same host
-    receiver = FabricReceiver(layout, region, ReceiverConfig(lease_s=30), clock=time.perf_counter, shm=seg)
+    receiver = FabricReceiver(layout, region, ReceiverConfig(host=host, lease_s=30), clock=time.perf_counter,
+                              shm=seg)
     pipe.send(receiver.address.to_wire())
     arrived: dict[str, float] = {}
     while True:
@@ -84,9 +127,10 @@ def receiver_child(pipe: Connection, layout_wire: dict, num_blocks: int) -> None
         pipe.send(arrived.pop(cmd[1]))
 
 
-def raw_socket_child(port: int, max_bytes: int) -> None:
+def raw_socket_child(port: int, max_bytes: int, netns: str | None = None, server: str = "127.0.0.1") -> None:
     """The tcp limit's far end: receive [u64 length][payload] with recv_into, answer one byte."""
-    sock = socket.create_connection(("127.0.0.1", port))
+    enter_netns(netns)
+    sock = socket.create_connection((server, port))
     tune(sock, 60)
     buf = memoryview(bytearray(max_bytes))
     head = bytearray(8)
@@ -98,12 +142,12 @@ def raw_socket_child(port: int, max_bytes: int) -> None:
 
 
 class RawSocket:
-    """A long-lived loopback connection to a child process: the tcp copy limit."""
+    """A long-lived connection to a child process (loopback, or across the veth): the tcp copy limit."""
 
-    def __init__(self, max_bytes: int) -> None:
-        server = socket.create_server(("127.0.0.1", 0))
+    def __init__(self, max_bytes: int, netns: str | None = None, host: str = "127.0.0.1") -> None:
+        server = socket.create_server((host, 0))
         self.child = mp.get_context("spawn").Process(
-            target=raw_socket_child, args=(server.getsockname()[1], max_bytes), daemon=True)
+            target=raw_socket_child, args=(server.getsockname()[1], max_bytes, netns, host), daemon=True)
         self.child.start()
         self.conn, _ = server.accept()
         server.close()
@@ -135,11 +179,15 @@ def memcpy_s(src: np.ndarray, dst: np.ndarray) -> float:
 
 
 class Bench:
-    def __init__(self, layout: FabricLayout, num_blocks: int, copy: CopyBytes) -> None:
+    def __init__(self, layout: FabricLayout, num_blocks: int, copy: CopyBytes,
+                 hosts: tuple[str, str, str] | None = None) -> None:
+        """`hosts`: (namespace, this side's address, its address) to put the far ends across a veth."""
         self.layout, self.num_blocks = layout, num_blocks
+        netns, near, far = hosts if hosts is not None else (None, "127.0.0.1", "127.0.0.1")
         ctx = mp.get_context("spawn")
         self.pipe, child = ctx.Pipe()
-        self.child = ctx.Process(target=receiver_child, args=(child, layout.to_wire(), num_blocks), daemon=True)
+        self.child = ctx.Process(target=receiver_child, args=(child, layout.to_wire(), num_blocks, netns, far),
+                                 daemon=True)
         self.child.start()
         self.address = FabricAddress.from_wire(self.pipe.recv())
         rng = np.random.default_rng(0)
@@ -151,7 +199,7 @@ class Bench:
         self.shm_scratch = ShmSegment.create(self.src.nbytes)  # the medium itself: tmpfs pages, as the pool
         self.shm_dst = self.shm_scratch.data.reshape(self.src.shape)
         self.shm_dst[:] = 1
-        self.raw = RawSocket(self.src.nbytes)
+        self.raw = RawSocket(self.src.nbytes, netns, near)
         self.scratch = np.zeros(2 * last_level_cache_bytes(), dtype=np.uint8)
         for _ in range(3):  # let the connection's window open, as the fabric's long-lived one has
             self.raw.send_s(self.src)
@@ -207,6 +255,8 @@ def main() -> None:
     ap.add_argument("--transports", default="shm,tcp")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--latency-iters", type=int, default=300)
+    ap.add_argument("--cross-host", action="store_true",
+                    help="receiver and raw socket in a network namespace behind a veth (root; use with --transports tcp)")
     ap.add_argument("--copy", choices=("stream", "memmove"), default="stream",
                     help="how shm pushes copy: the engine's copy_stream (as the prefill worker) or memmove")
     args = ap.parse_args()
@@ -215,16 +265,21 @@ def main() -> None:
         sys.exit("--copy stream needs the engine's native kernels (a C compiler); use --copy memmove")
     copy = kernels.copy_stream if kernels is not None else ctypes.memmove
     counts = [int(x) for x in args.blocks.split(",")]
-    for shape in args.shapes.split(","):
-        layout = SHAPES[shape]
-        bench = Bench(layout, max(counts), copy)
-        try:
-            for transport in args.transports.split(","):
-                for n in counts:
-                    for contiguous in (True, False) if n > 1 else (True,):
-                        run_case(bench, transport, shape, n, contiguous, args)
-        finally:
-            bench.close()
+    with cross_host() if args.cross_host else contextlib.nullcontext() as hosts:
+        for shape in args.shapes.split(","):
+            run_shape(SHAPES[shape], shape, counts, copy, hosts, args)
+
+
+def run_shape(layout: FabricLayout, shape: str, counts: list[int], copy: CopyBytes, hosts: tuple[str, str, str] | None,
+              args: argparse.Namespace) -> None:
+    bench = Bench(layout, max(counts), copy, hosts)
+    try:
+        for transport in args.transports.split(","):
+            for n in counts:
+                for contiguous in (True, False) if n > 1 else (True,):
+                    run_case(bench, transport, shape, n, contiguous, args)
+    finally:
+        bench.close()
 
 
 def run_case(bench: Bench, transport: str, shape: str, n: int, contiguous: bool, args: argparse.Namespace) -> None:
@@ -251,7 +306,7 @@ def run_case(bench: Bench, transport: str, shape: str, n: int, contiguous: bool,
         latency_cold = statistics.median(
             bench.cold().transfer_s(transport, [0], [0]) for _ in range(args.latency_iters)) * 1e6
     print(json.dumps({
-        "bench": "kvfabric_bandwidth", "transport": transport, "copy": args.copy if transport == "shm" else None,
+        "bench": "kvfabric_bandwidth", "transport": transport, "cross_host": args.cross_host, "copy": args.copy if transport == "shm" else None,
         "shape": shape, "block_bytes": layout.block_bytes,
         "blocks": n, "contiguous": contiguous, "reps": args.reps, "gb_per_s": round(gb_per_s, 3),
         "limit_gb_per_s": round(limit, 3), "fraction_of_limit": round(gb_per_s / limit, 3),
