@@ -1,12 +1,7 @@
 """Checks on a running LocalCluster, and cluster configs, that several test modules share."""
 from __future__ import annotations
 
-import os
-import re
-import select
-import subprocess
 import time
-from pathlib import Path
 
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster
@@ -20,25 +15,6 @@ def assert_idle(cluster: LocalCluster, timeout_s: float = 15.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"not idle {timeout_s} s after the test: {held}")
         time.sleep(0.2)
-
-
-def start_serving(cmd: list[str], secret: str, log: Path | None = None) -> tuple[subprocess.Popen, str]:
-    """Starts a process (stderr to `log`) and waits up to 120 s for its 'serving on HOST:PORT' line."""
-    err = log.open("w") if log is not None else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
-                            env={**os.environ, "SPLITSERVE_CLUSTER_SECRET": secret})
-    deadline = time.monotonic() + 120
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        if select.select([proc.stdout], [], [], 1.0)[0]:
-            line = proc.stdout.readline()
-            if found := re.search(r"serving on (\S+:\d+)", line):
-                return proc, found[1]
-            if not line and proc.poll() is not None:
-                break
-    proc.kill()
-    detail = log.read_text()[-2000:] if log is not None else ""
-    raise AssertionError(f"{cmd[:8]} did not start (exit code {proc.poll()}) {detail}")
 
 
 def one_and_one(model_dir: str) -> ClusterConfig:

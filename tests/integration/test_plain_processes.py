@@ -11,11 +11,11 @@ import sys
 import grpc
 import pytest
 
+from benchmarks.separate_hosts import start_serving
 from cluster.local import EmbeddedRedis
 from engine.request import SamplingParams
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
-from tests.integration.cluster_checks import start_serving
 from tests.integration.reference import make_engine
 
 CLI = [sys.executable, "-m", "cluster.cli"]

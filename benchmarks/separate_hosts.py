@@ -1,0 +1,148 @@
+"""Separate hosts on one machine, for tests and benchmarks: network namespaces of their own
+(a veth pair each to this machine, which routes between them), each process with its own
+hostname and a private /dev/shm, so nothing can pass between them but the network. Needs
+root, iproute2 and unshare; everything made is removed on the way out."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import re
+import select
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster.local import free_port
+from control.reader import RegistryReader
+
+SUBNET = "10.77"
+TAGS = itertools.count()
+
+
+def sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True)
+
+
+def unavailable() -> str | None:
+    """Why separate hosts cannot be made here, or None."""
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("unshare"):
+        return "separate test hosts need root, iproute2 and unshare"
+    return None
+
+
+@contextlib.contextmanager
+def namespaces() -> Iterator[dict[str, str]]:
+    """Two namespaces, `p` at 10.77.1.2 and `d` at 10.77.2.2; this machine is .1 on each link
+    and routes between them. Yields their names and this side's veth of each link."""
+    tag = f"ss{os.getpid() % 100000}{next(TAGS)}"
+    made: list[str] = []
+    forward = Path("/proc/sys/net/ipv4/ip_forward")
+    old_forward = forward.read_text()
+    try:
+        for i, name in enumerate(("p", "d"), start=1):
+            ns, outside, inside = f"{tag}{name}", f"{tag}{name}o", f"{tag}{name}i"
+            sh("ip", "netns", "add", ns)
+            made.append(ns)
+            sh("ip", "link", "add", outside, "type", "veth", "peer", "name", inside)
+            sh("ip", "link", "set", inside, "netns", ns)
+            sh("ip", "addr", "add", f"{SUBNET}.{i}.1/24", "dev", outside)
+            sh("ip", "link", "set", outside, "up")
+            for cmd in (["ip", "addr", "add", f"{SUBNET}.{i}.2/24", "dev", inside], ["ip", "link", "set", inside, "up"],
+                        ["ip", "link", "set", "lo", "up"], ["ip", "route", "add", "default", "via", f"{SUBNET}.{i}.1"]):
+                sh("ip", "netns", "exec", ns, *cmd)
+        forward.write_text("1\n")  # this machine routes between the two links
+        yield {"p": made[0], "d": made[1], "p_link": f"{tag}po", "d_link": f"{tag}do"}
+    finally:
+        forward.write_text(old_forward)
+        for ns in made:  # the veth first: a namespace something still references would keep it, and its address
+            subprocess.run(["ip", "link", "del", f"{ns}o"], check=False, capture_output=True)
+            subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
+
+
+def on_host(ns: str, argv: list[str]) -> list[str]:
+    """`argv` run as a separate host: network namespace `ns`, hostname `ns`, a private /dev/shm."""
+    inner = " ".join(["exec", sys.executable, "-m", "cluster.cli", *argv])
+    return ["ip", "netns", "exec", ns, "unshare", "--mount", "--uts", "sh", "-c",
+            f"hostname {ns} && mount -t tmpfs -o size=512m tmpfs /dev/shm && {inner}"]
+
+
+def start_serving(cmd: list[str], secret: str, log: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """Starts a process (stderr to `log`) and waits up to 120 s for its 'serving on HOST:PORT' line."""
+    err = log.open("w") if log is not None else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
+                            env={**os.environ, "SPLITSERVE_CLUSTER_SECRET": secret})
+    deadline = time.monotonic() + 120
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        if select.select([proc.stdout], [], [], 1.0)[0]:
+            line = proc.stdout.readline()
+            if found := re.search(r"serving on (\S+:\d+)", line):
+                return proc, found[1]
+            if not line and proc.poll() is not None:
+                break
+    proc.kill()
+    detail = log.read_text()[-2000:] if log is not None else ""
+    raise AssertionError(f"{cmd[:8]} did not start (exit code {proc.poll()}) {detail}")
+
+
+class Hosts:
+    """A Redis on this machine that both hosts reach, and the splitserve processes started
+    on them or here (stopped at the end, Redis last)."""
+
+    def __init__(self, hosts: dict[str, str], model_dir: str, tmp_path: Path, kv_cache_mib: int = 8) -> None:
+        self.hosts, self.tmp_path, self.port = hosts, tmp_path, free_port()
+        self.common = ["--namespace", "hosts", "--model", model_dir, "--kv-cache-mib", str(kv_cache_mib)]
+        self.procs: list[subprocess.Popen] = [subprocess.Popen(
+            [shutil.which("redis-server") or "redis-server", "--port", str(self.port), "--bind",
+             f"127.0.0.1 {SUBNET}.1.1 {SUBNET}.2.1", "--protected-mode", "no", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+
+    def redis_url(self, via: str) -> str:
+        return f"redis://{via}:{self.port}/0"
+
+    def start(self, name: str, argv: list[str]) -> str:
+        """Starts `cluster.cli argv` (on a test host when `name` is one) and returns its address."""
+        cmd = on_host(self.hosts[name], argv) if name in self.hosts else [sys.executable, "-m", "cluster.cli", *argv]
+        proc, address = start_serving(cmd, "hosts-test-secret", self.tmp_path / f"{argv[0]}-{len(self.procs)}.log")
+        self.procs.append(proc)
+        return address
+
+    def worker(self, name: str, role: str, worker_id: str, redis_via: str) -> str:
+        """A worker binding 0.0.0.0 and advertising its address on the route to `redis_via`."""
+        return self.start(name, ["worker", role, "--worker-id", worker_id, "--redis-url", self.redis_url(redis_via),
+                                 "--host", "0.0.0.0", *self.common])
+
+    def metrics_address(self, worker_id: str) -> str:
+        async def read() -> str:
+            reader = RegistryReader(self.redis_url("127.0.0.1"), "hosts")
+            try:
+                return (await reader.heartbeats())[worker_id].metrics_address
+            finally:
+                await reader.close()
+        return asyncio.run(read())
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            proc.terminate()
+        for proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def scrape(address: str, ns: str | None = None) -> dict[str, float]:
+    """`address`'s /metrics (from inside namespace `ns` when given): sample name with its
+    labels -> value."""
+    code = f"import urllib.request; print(urllib.request.urlopen('http://{address}/metrics', timeout=3).read().decode())"
+    cmd = ["ip", "netns", "exec", ns, sys.executable, "-c", code] if ns else [sys.executable, "-c", code]
+    text = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=15).stdout
+    return {s.name + "".join(f",{k}={v}" for k, v in sorted(s.labels.items()) if k in ("role", "state")): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
