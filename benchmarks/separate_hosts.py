@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import os
 import re
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -61,6 +63,11 @@ def namespaces() -> Iterator[dict[str, str]]:
         yield {"p": made[0], "d": made[1], "p_link": f"{tag}po", "d_link": f"{tag}do"}
     finally:
         forward.write_text(old_forward)
+        for ns in made:  # whatever still runs there was started there by us (a Ray node's processes)
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
         for ns in made:  # the veth first: a namespace something still references would keep it, and its address
             subprocess.run(["ip", "link", "del", f"{ns}o"], check=False, capture_output=True)
             subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
@@ -144,5 +151,16 @@ def scrape(address: str, ns: str | None = None) -> dict[str, float]:
     code = f"import urllib.request; print(urllib.request.urlopen('http://{address}/metrics', timeout=3).read().decode())"
     cmd = ["ip", "netns", "exec", ns, sys.executable, "-c", code] if ns else [sys.executable, "-c", code]
     text = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=15).stdout
-    return {s.name + "".join(f",{k}={v}" for k, v in sorted(s.labels.items()) if k in ("role", "state")): s.value
+    return {s.name + "".join(f",{k}={v}" for k, v in sorted(s.labels.items()) if k in ("role", "state", "transport")): s.value
             for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def ray_node(ns: str, gcs_address: str, node_ip: str, resources: dict[str, float], log: Path) -> subprocess.Popen:
+    """A Ray worker node on host `ns` joined to the head at `gcs_address` (its processes stay
+    in the namespace: `namespaces()` kills them on the way out)."""
+    ray = Path(sys.executable).with_name("ray")
+    inner = " ".join(["exec", str(ray), "start", "--block", f"--address={gcs_address}", f"--node-ip-address={node_ip}",
+                      "--num-cpus=1", "--object-store-memory=100000000", "--resources", f"'{json.dumps(resources)}'"])
+    return subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--mount", "--uts", "sh", "-c",
+                             f"hostname {ns} && mount -t tmpfs -o size=512m tmpfs /dev/shm && {inner}"],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)

@@ -209,9 +209,9 @@ def run_cross_host_arm(name: str, args: argparse.Namespace, model_dir: str, item
             result = asyncio.run(run_load(address, items, None, 1))
             if first == "prefill":
                 m = scrape(h.metrics_address("prefill-p"))
-                count = m.get("splitserve:kv_transfer_seconds_count,role=prefill", 0.0)
-                result["handoff_ms"] = round(m["splitserve:kv_transfer_seconds_sum,role=prefill"] / count * 1e3, 3) \
-                    if count else None
+                count, total = (sum(v for k, v in m.items() if k.startswith(f"splitserve:kv_transfer_seconds_{part},"))
+                                for part in ("count", "sum"))
+                result["handoff_ms"] = round(total / count * 1e3, 3) if count else None
                 result["handoffs"] = count
         finally:
             h.stop()

@@ -38,6 +38,7 @@ import msgpack
 import ray
 import redis
 import redis.asyncio
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.autoscaler import AutoscaleState, Decision, PoolMetrics, Snapshot, decide
 from cluster.config import ClusterConfig, RouterConfig
@@ -111,9 +112,10 @@ class Controller:
         if short:
             raise RuntimeError(f"workers did not start: {short} short; last actions: {list(self.actions)}")
         R = ray.remote(RouterService)
-        self.routers = {f"router-{i}": R.options(num_cpus=0).remote(f"router-{i}", self._router_config(),
-                                                                   self.redis_url, c.namespace)
-                        for i in range(c.num_routers)}
+        # on the controller's node (the head, where `serve` runs): the public endpoint is served there
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.routers = {f"router-{i}": R.options(num_cpus=0, scheduling_strategy=here).remote(
+            f"router-{i}", self._router_config(), self.redis_url, c.namespace) for i in range(c.num_routers)}
         replicas = list(self.routers.values())
         first = await await_ref(replicas[0].start.remote(), START_TIMEOUT_S)
         port = int(first.rsplit(":", 1)[1])  # what port 0 resolved to; the other replicas join it

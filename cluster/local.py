@@ -21,6 +21,7 @@ from typing import Any
 
 import ray
 import redis
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.config import ClusterConfig
 from cluster.controller import START_TIMEOUT_S, Controller
@@ -176,7 +177,10 @@ class LocalCluster:
         try:
             if not ray.is_initialized():
                 self._init_ray()
-            self.controller = ray.remote(Controller).options(num_cpus=0).remote(self.config, self.redis_url)
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+            # on this (the head) node, as its routers: `address` is served where `serve` runs
+            self.controller = ray.remote(Controller).options(num_cpus=0, scheduling_strategy=here).remote(
+                self.config, self.redis_url)
             self.info = ray.get(self.controller.start.remote(), timeout=timeout_s)
         except BaseException:
             self.stop()

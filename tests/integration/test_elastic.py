@@ -78,6 +78,8 @@ def test_a_decode_worker_added_at_runtime_serves_and_gets_its_cached_prefix(clus
     wait_for("its KV events reach both routers' index",  # the 32-token prefix is two blocks
              lambda: all(s["index_blocks"].get(new, 0) >= 2 for s in cluster.router_stats()), 10)
     for i in range(4):  # whichever router takes it, the cached prefix on `new` draws the request there
+        wait_for("the routers see no request running (a heartbeat may lag a finished one)",
+                 lambda: not any(n for s in cluster.router_stats() for n in s["active"].values()), 10)
         sibling = prompt[:32] + [rng.randrange(3, 500) for _ in range(16)]
         got = generate(stub, sibling, 6)
         assert got[-1].route.decode_worker == new and got[-1].usage.cached_tokens >= 32, i

@@ -16,15 +16,20 @@ from pathlib import Path
 
 import grpc
 import pytest
+import ray
+from ray.cluster_utils import Cluster
 
-from benchmarks.separate_hosts import SUBNET, Hosts, namespaces, scrape, sh, unavailable
-from cluster.local import free_port
+from benchmarks.separate_hosts import SUBNET, Hosts, namespaces, ray_node, scrape, sh, unavailable
+from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
+from cluster.local import LocalCluster, free_port
 from engine.request import SamplingParams
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
+from router.policy import RoutingConfig
+from tests.integration.cluster_checks import assert_idle
 from tests.integration.reference import make_engine
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(400)
 
 
 @pytest.fixture
@@ -128,3 +133,44 @@ def test_a_link_cut_mid_transfer_frees_the_reservation_and_the_router_retries(
     sh("ip", "link", "set", hosts["d_link"], "up")
     wait_for("decode-far idle again", lambda: all(scrape(far).get(f"splitserve:{k},role=decode") == 0 for k in (
         "kv_reservations", "kv_cache_usage_perc", "num_requests_running", "num_requests_waiting")), 30)
+
+
+def test_ray_worker_nodes_on_separate_hosts_serve_with_kv_over_tcp(hosts: dict[str, str], tiny_llama_dir: str,
+                                                                   tmp_path: Path) -> None:
+    """A Ray head here and a Ray worker node on each test host (`ray start` inside the
+    namespace), each offering its role's resource: splitserve joins the cluster, its workers
+    land on those nodes and bind 0.0.0.0, the routers stay on the head, and the KV crosses
+    between the hosts over tcp with exact greedy tokens."""
+    if ray.is_initialized():
+        ray.shutdown()
+    head = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        for i, (name, role) in enumerate((("p", "prefill"), ("d", "decode")), start=1):
+            ray_node(hosts[name], head.address, f"{SUBNET}.{i}.2", {role: 2}, tmp_path / f"ray-{name}.log")
+        ray.init(address=head.address)
+        wait_for("both worker nodes joined", lambda: sum(n["Alive"] for n in ray.nodes()) == 3, 90)
+        config = ClusterConfig(
+            worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, host="0.0.0.0"),
+            num_prefill=1, num_decode=1, worker_num_cpus=0.25, ray_address=head.address, redis_host="0.0.0.0",
+            role_resources={"prefill": {"prefill": 1}, "decode": {"decode": 1}},
+            router=RouterConfig(port=0, routing=RoutingConfig(mode="disaggregated")))
+        with LocalCluster(config) as cluster:
+            placed = {w["worker_id"]: w["address"] for w in cluster.workers()}
+            assert placed["prefill-0"].startswith(f"{SUBNET}.1.2:") and placed["decode-0"].startswith(f"{SUBNET}.2.2:")
+            rng = random.Random(11)
+            prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (50, 170)]
+            want = make_engine(tiny_llama_dir, block_size=16).generate(
+                prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+            with grpc.insecure_channel(cluster.address) as channel:  # the router is on the head: reachable here
+                stub = pb_grpc.GenerationStub(channel)
+                for prompt, expected in zip(prompts, want, strict=True):
+                    got = generate(stub, prompt, 8)
+                    assert [t for r in got for t in r.token_ids] == expected.token_ids
+                    assert (got[-1].route.prefill_worker, got[-1].route.decode_worker) == ("prefill-0", "decode-0")
+            beats = {w["worker_id"]: w for w in cluster.workers()}
+            pushed = scrape(beats["prefill-0"]["metrics_address"])
+            assert pushed["splitserve:kv_transfer_blocks_total,role=prefill,transport=tcp"] == 4 + 11
+            assert_idle(cluster)
+    finally:
+        ray.shutdown()
+        head.shutdown()  # the worker nodes' processes go with their namespaces
