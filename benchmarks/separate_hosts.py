@@ -63,14 +63,19 @@ def namespaces() -> Iterator[dict[str, str]]:
         yield {"p": made[0], "d": made[1], "p_link": f"{tag}po", "d_link": f"{tag}do"}
     finally:
         forward.write_text(old_forward)
-        for ns in made:  # whatever still runs there was started there by us (a Ray node's processes)
-            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError, ValueError):
-                    os.kill(int(pid), signal.SIGKILL)
+        for ns in made:
+            kill_all_in(ns)
         for ns in made:  # the veth first: a namespace something still references would keep it, and its address
             subprocess.run(["ip", "link", "del", f"{ns}o"], check=False, capture_output=True)
             subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
+
+
+def kill_all_in(ns: str) -> None:
+    """Kills whatever runs in namespace `ns`: started there by us (a Ray node's processes)."""
+    pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
 
 
 def on_host(ns: str, argv: list[str]) -> list[str]:
@@ -146,12 +151,13 @@ class Hosts:
 
 
 def scrape(address: str, ns: str | None = None) -> dict[str, float]:
-    """`address`'s /metrics (from inside namespace `ns` when given): sample name with its
-    labels -> value."""
+    """`address`'s /metrics (from inside namespace `ns` when given): sample name with its role,
+    state and transport labels ("splitserve:x,role=decode") -> value."""
     code = f"import urllib.request; print(urllib.request.urlopen('http://{address}/metrics', timeout=3).read().decode())"
     cmd = ["ip", "netns", "exec", ns, sys.executable, "-c", code] if ns else [sys.executable, "-c", code]
     text = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=15).stdout
-    return {s.name + "".join(f",{k}={v}" for k, v in sorted(s.labels.items()) if k in ("role", "state", "transport")): s.value
+    kept = ("role", "state", "transport")
+    return {s.name + "".join(f",{k}={v}" for k, v in sorted(s.labels.items()) if k in kept): s.value
             for f in text_string_to_metric_families(text) for s in f.samples}
 
 
@@ -163,4 +169,4 @@ def ray_node(ns: str, gcs_address: str, node_ip: str, resources: dict[str, float
                       "--num-cpus=1", "--object-store-memory=100000000", "--resources", f"'{json.dumps(resources)}'"])
     return subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--mount", "--uts", "sh", "-c",
                              f"hostname {ns} && mount -t tmpfs -o size=512m tmpfs /dev/shm && {inner}"],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+                            stdout=log.open("a"), stderr=subprocess.STDOUT)

@@ -242,7 +242,7 @@ def _status(args: argparse.Namespace) -> int:
     try:
         beats, routers, controller = asyncio.run(read_cluster(redis_url, namespace))
     except Exception as e:  # noqa: BLE001 - any Redis failure is reported, not raised
-        print(f"Redis at {redis_url} is away ({e}): the cluster's state cannot be read now. Routers keep "
+        print(f"Redis at {redacted(redis_url)} is away ({e}): the cluster's state cannot be read now. Routers keep "
               "serving on the membership they last saw; an embedded Redis is started again by its cluster.",
               file=sys.stderr)
         return 1

@@ -19,7 +19,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from benchmarks.separate_hosts import SUBNET, Hosts, namespaces, ray_node, scrape, sh, unavailable
+from benchmarks.separate_hosts import SUBNET, Hosts, kill_all_in, namespaces, ray_node, scrape, sh, unavailable
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster, free_port
 from engine.request import SamplingParams
@@ -135,6 +135,21 @@ def test_a_link_cut_mid_transfer_frees_the_reservation_and_the_router_retries(
         "kv_reservations", "kv_cache_usage_perc", "num_requests_running", "num_requests_waiting")), 30)
 
 
+def join(ns: str, gcs_address: str, node_ip: str, role: str, log: Path, num_nodes: int) -> None:
+    """Starts a Ray worker node on host `ns` offering `role`, one at a time; a start that
+    fails (a raylet must register within Ray's fixed 30 s, which a loaded CI machine can
+    miss) is tried again, three times in all."""
+    for _ in range(3):
+        node = ray_node(ns, gcs_address, node_ip, {role: 2}, log)
+        deadline = time.monotonic() + 90
+        while node.poll() is None and time.monotonic() < deadline:
+            if sum(n["Alive"] for n in ray.nodes()) == num_nodes:
+                return
+            time.sleep(0.5)
+        kill_all_in(ns)
+    raise AssertionError(f"the Ray node on {ns} did not join: {log.read_text()[-2000:]}")
+
+
 def test_ray_worker_nodes_on_separate_hosts_serve_with_kv_over_tcp(hosts: dict[str, str], tiny_llama_dir: str,
                                                                    tmp_path: Path) -> None:
     """A Ray head here and a Ray worker node on each test host (`ray start` inside the
@@ -145,10 +160,9 @@ def test_ray_worker_nodes_on_separate_hosts_serve_with_kv_over_tcp(hosts: dict[s
         ray.shutdown()
     head = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:
-        for i, (name, role) in enumerate((("p", "prefill"), ("d", "decode")), start=1):
-            ray_node(hosts[name], head.address, f"{SUBNET}.{i}.2", {role: 2}, tmp_path / f"ray-{name}.log")
         ray.init(address=head.address)
-        wait_for("both worker nodes joined", lambda: sum(n["Alive"] for n in ray.nodes()) == 3, 90)
+        for i, (name, role) in enumerate((("p", "prefill"), ("d", "decode")), start=1):
+            join(hosts[name], head.address, f"{SUBNET}.{i}.2", role, tmp_path / f"ray-{name}.log", 1 + i)
         config = ClusterConfig(
             worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, host="0.0.0.0"),
             num_prefill=1, num_decode=1, worker_num_cpus=0.25, ray_address=head.address, redis_host="0.0.0.0",
