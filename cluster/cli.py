@@ -90,7 +90,7 @@ def _serve_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return ClusterConfig(
         worker=WorkerConfig(model_dir=args.model or str(default_model_dir()), dtype=dtype, device=device,
                             block_size=args.block_size, kv_cache_bytes=mib * 2**20 if mib else None,
-                            gpu_memory_utilization=utilization, host=args.worker_host,
+                            gpu_memory_utilization=utilization, host=_worker_host(args),
                             advertise_host=args.advertise_host, cluster_secret=cluster_secret(),
                             otlp_endpoint=args.otlp_endpoint),
         num_prefill=args.num_prefill, num_decode=args.num_decode, num_routers=args.num_routers,
@@ -188,6 +188,14 @@ def _scale(args: argparse.Namespace) -> int:
     print(f"{args.role} target set to {args.n}; the controller acts on it within a second "
           "(`splitserve status` shows the pools)")
     return 0
+
+
+def _worker_host(args: argparse.Namespace) -> str:
+    from control.worker_config import NODE_IP
+
+    if args.worker_host is not None:
+        return str(args.worker_host)
+    return NODE_IP if args.ray_address else "127.0.0.1"  # on a Ray cluster: peers are on other nodes
 
 
 def _cluster_redis(args: argparse.Namespace) -> tuple[str | None, str]:
@@ -331,8 +339,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     r.add_argument("--prefill-resource", metavar="NAME",
                    help="custom Ray resource each prefill worker asks for (one unit): the node type it runs on")
     r.add_argument("--decode-resource", metavar="NAME", help="likewise for decode workers")
-    r.add_argument("--worker-host", default="127.0.0.1",
-                   help="interface workers bind their gRPC and KV listeners to (0.0.0.0 for peers on other machines)")
+    r.add_argument("--worker-host", default=None,
+                   help="interface workers bind their gRPC and KV listeners to (0.0.0.0: every one; default "
+                        "127.0.0.1, or with --ray-address the IP of the Ray node each worker runs on)")
     r.add_argument("--advertise-host", help="address workers give peers (default: --worker-host, or for 0.0.0.0 "
                                             "each machine's address on its route to the Redis host)")
     a = s.add_argument_group("admission (the router's token budget, shared fairly)")

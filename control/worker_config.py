@@ -1,6 +1,7 @@
 """WorkerConfig: what a prefill or decode worker reads (every field documented, units in names)."""
 from __future__ import annotations
 
+import dataclasses
 import socket
 from dataclasses import dataclass
 from urllib.parse import urlparse
@@ -39,7 +40,9 @@ class WorkerConfig:
     num_threads: int = 1
     """torch CPU threads per worker (workers share the machine's cores)."""
     host: str = "127.0.0.1"
-    """Interface the worker's gRPC and kvfabric listeners bind to (0.0.0.0: every one)."""
+    """Interface the worker's gRPC and kvfabric listeners bind to (0.0.0.0: every one;
+    `NODE_IP`: the IP of the Ray node the worker is placed on, which `serve --ray-address`
+    uses unless `--worker-host` says otherwise)."""
     advertise_host: str | None = None
     """The address peers (routers, prefill workers) dial to reach this worker; None: `host`,
     or for a wildcard `host` this machine's address on its route to the cluster's Redis."""
@@ -93,6 +96,19 @@ class WorkerConfig:
 
 NO_SECRET = ("no cluster secret: set SPLITSERVE_CLUSTER_SECRET_FILE (a file only this user can read) or "
              "SPLITSERVE_CLUSTER_SECRET; every worker and router of one cluster needs the same one")
+
+
+NODE_IP = "ray-node-ip"
+"""`WorkerConfig.host` for "the IP Ray gives the node this worker runs on"."""
+
+
+def on_this_node(config: WorkerConfig) -> WorkerConfig:
+    """`config` with a `NODE_IP` host resolved where the worker runs (inside its Ray actor)."""
+    if config.host != NODE_IP:
+        return config
+    import ray  # only a Ray actor gets NODE_IP
+
+    return dataclasses.replace(config, host=ray.util.get_node_ip_address())
 
 
 def dialable_host(host: str, redis_url: str | None) -> str:

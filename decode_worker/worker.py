@@ -28,7 +28,7 @@ import torch
 from control import tracing
 from control.auth import cluster_token
 from control.heartbeat import ModelFacts
-from control.worker_config import WorkerConfig
+from control.worker_config import WorkerConfig, on_this_node
 from control.worker_host import HostedWorker, WorkerHost, engine_load_reader, next_event, status_for
 from decode_worker.kv_receive import Landed, RemoteFailure, RemoteKV
 from engine.engine_loop import EngineLoop, freeze_startup_heap
@@ -58,7 +58,7 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
     def __init__(self, worker_id: str, config: WorkerConfig, redis_url: str | None, namespace: str) -> None:
         torch.set_num_threads(config.num_threads)
         self.worker_id = worker_id
-        self.config = config
+        self.config = config = on_this_node(config)
         self.allocator = kv_allocator(config.device)
         self.engine = LLMEngine(config.engine_config("decode"), allocator=self.allocator)
         self.remote = RemoteKV(self.engine, self.allocator, ReceiverConfig(

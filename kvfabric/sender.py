@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import socket
 import threading
 import zlib
 from collections.abc import Callable
@@ -375,7 +376,8 @@ class FabricSender:
         try:
             peer = _Peer(self, address)
         except OSError as e:
-            raise PeerUnavailable(f"cannot reach receiver at {address.host}:{address.port}: {e}") from e
+            raise PeerUnavailable(f"cannot reach receiver {address.receiver_id} at {address.host}:{address.port} "
+                                  f"from {_source_address(address.host)} ({socket.gethostname()}): {e}") from e
         with self._lock:
             self._peers[address.receiver_id] = peer
         return peer
@@ -394,3 +396,13 @@ class FabricSender:
             peers, self._peers = list(self._peers.values()), {}
         for p in peers:
             p.close()
+
+
+def _source_address(toward: str) -> str:
+    """This machine's address on its route to `toward` (a connected UDP socket sends nothing)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((toward, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return "no route"

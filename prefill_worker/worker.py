@@ -26,7 +26,7 @@ import torch
 from control import tracing
 from control.auth import cluster_token
 from control.heartbeat import ModelFacts
-from control.worker_config import WorkerConfig
+from control.worker_config import WorkerConfig, on_this_node
 from control.worker_host import HostedWorker, WorkerHost, engine_load_reader, next_event, status_for
 from engine.engine_loop import EngineLoop, freeze_startup_heap
 from engine.llm_engine import LLMEngine, RequestOutput
@@ -73,7 +73,7 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
     def __init__(self, worker_id: str, config: WorkerConfig, redis_url: str | None, namespace: str) -> None:
         torch.set_num_threads(config.num_threads)
         self.worker_id = worker_id
-        self.config = config
+        self.config = config = on_this_node(config)
         self.engine = LLMEngine(config.engine_config("prefill"))
         self.pusher = KVPusher(self.engine, SenderConfig(
             renew_interval_s=config.kv_lease_s / 4, transport=config.kv_transport,

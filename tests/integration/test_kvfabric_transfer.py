@@ -258,8 +258,11 @@ def test_a_killed_receiver_gives_the_sender_peer_unavailable_quickly(transport: 
                 transfer.push([5], 1)
                 time.sleep(0.01)
         assert time.monotonic() - t0 < 2.0
-        with pytest.raises(PeerUnavailable):
+        with pytest.raises(PeerUnavailable) as refused:
             sender.open(ticket)
+        if transport == "tcp":  # the handshake's failure names both ends
+            a = ticket.address
+            assert f"at {a.host}:{a.port} from 127.0.0.1 ({socket.gethostname()})" in str(refused.value)
         # the dead receiver could not unlink its pool; the next segment created sweeps it
         assert ticket.address.shm_name in sweep_dead_segments()
     finally:

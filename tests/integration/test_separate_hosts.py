@@ -22,6 +22,7 @@ from ray.cluster_utils import Cluster
 from benchmarks.separate_hosts import SUBNET, Hosts, kill_all_in, namespaces, ray_node, scrape, sh, unavailable
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster, free_port
+from control.worker_config import NODE_IP
 from engine.request import SamplingParams
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
@@ -154,7 +155,8 @@ def test_ray_worker_nodes_on_separate_hosts_serve_with_kv_over_tcp(hosts: dict[s
                                                                    tmp_path: Path) -> None:
     """A Ray head here and a Ray worker node on each test host (`ray start` inside the
     namespace), each offering its role's resource: splitserve joins the cluster, its workers
-    land on those nodes and bind 0.0.0.0, the routers stay on the head, and the KV crosses
+    land on those nodes and bind their node's IP (serve's default with --ray-address), the
+    routers stay on the head, and the KV crosses
     between the hosts over tcp with exact greedy tokens."""
     if ray.is_initialized():
         ray.shutdown()
@@ -164,7 +166,7 @@ def test_ray_worker_nodes_on_separate_hosts_serve_with_kv_over_tcp(hosts: dict[s
         for i, (name, role) in enumerate((("p", "prefill"), ("d", "decode")), start=1):
             join(hosts[name], head.address, f"{SUBNET}.{i}.2", role, tmp_path / f"ray-{name}.log", 1 + i)
         config = ClusterConfig(
-            worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, host="0.0.0.0"),
+            worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, host=NODE_IP),
             num_prefill=1, num_decode=1, worker_num_cpus=0.25, ray_address=head.address, redis_host="0.0.0.0",
             role_resources={"prefill": {"prefill": 1}, "decode": {"decode": 1}},
             router=RouterConfig(port=0, routing=RoutingConfig(mode="disaggregated")))
