@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
-import socket
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
 from engine.config import CacheConfig, DType, EngineConfig, Role, SchedulerConfig
+from kvfabric.address import route_address
 from kvfabric.config import TRANSPORTS
 
 
@@ -117,13 +117,3 @@ def dialable_host(host: str, redis_url: str | None) -> str:
     if host not in ("0.0.0.0", "::", ""):
         return host
     return route_address(urlparse(redis_url).hostname or "127.0.0.1" if redis_url else "127.0.0.1")
-
-
-def route_address(toward: str) -> str:
-    """This machine's address on its route to `toward` (a connected UDP socket: no packet is sent)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((toward, 9))
-            return str(s.getsockname()[0])
-    except OSError:
-        return "127.0.0.1"

@@ -78,3 +78,14 @@ class Ticket:
         d["address"] = FabricAddress.from_wire(d["address"])  # type: ignore[arg-type]
         d["block_ids"] = tuple(d["block_ids"])  # type: ignore[arg-type]
         return cls(**d)  # type: ignore[arg-type]
+
+
+def route_address(toward: str, unreachable: str = "127.0.0.1") -> str:
+    """This machine's address on its route to `toward` (a connected UDP socket: no packet is
+    sent); `unreachable` when there is no route."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((toward, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return unreachable

@@ -22,7 +22,7 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
-from kvfabric.address import ONE_SIDED, FabricAddress, Ticket, local_host_id
+from kvfabric.address import ONE_SIDED, FabricAddress, Ticket, local_host_id, route_address
 from kvfabric.config import SenderConfig
 from kvfabric.cuda import CopyInFlight, DeviceRegion, IpcMapping, NcclLink, nccl_payload, nccl_unique_id, when_done
 from kvfabric.errors import FabricError, HandshakeError, PeerUnavailable, ReservationRevoked
@@ -377,7 +377,7 @@ class FabricSender:
             peer = _Peer(self, address)
         except OSError as e:
             raise PeerUnavailable(f"cannot reach receiver {address.receiver_id} at {address.host}:{address.port} "
-                                  f"from {_source_address(address.host)} ({socket.gethostname()}): {e}") from e
+                                  f"from {route_address(address.host, 'no route')} ({socket.gethostname()}): {e}") from e
         with self._lock:
             self._peers[address.receiver_id] = peer
         return peer
@@ -396,13 +396,3 @@ class FabricSender:
             peers, self._peers = list(self._peers.values()), {}
         for p in peers:
             p.close()
-
-
-def _source_address(toward: str) -> str:
-    """This machine's address on its route to `toward` (a connected UDP socket sends nothing)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((toward, 9))
-            return str(s.getsockname()[0])
-    except OSError:
-        return "no route"
