@@ -107,27 +107,7 @@ def test_a_link_cut_mid_transfer_frees_the_reservation_and_the_router_retries(
         router = f"127.0.0.1:{metrics_port}"
         wait_for("the router sees both decode workers",
                  lambda: scrape(router).get("splitserve:pool_workers,role=decode,state=serving") == 2, 30)
-        # the decode host's link slowed to 400 kbit/s, so the transfer lasts ~10 s
-        sh("tc", "qdisc", "add", "dev", hosts["d_link"], "root", "tbf", "rate", "400kbit", "burst", "16kbit",
-           "latency", "500ms")
-        result: dict[str, object] = {}
-
-        def call() -> None:
-            try:
-                result["out"] = generate(stub, prompt, 6)
-            except grpc.RpcError as e:
-                result["error"] = f"{e.code()}: {e.details()}"
-        client = threading.Thread(target=call, daemon=True)
-        client.start()
-        wait_for("a reservation on decode-far",
-                 lambda: scrape(far).get("splitserve:kv_reservations,role=decode") == 1, 30)
-        sh("ip", "link", "set", hosts["d_link"], "down")  # mid-transfer: no FIN, no RST, just silence
-        freed_s = wait_for("decode-far freeing the reservation", lambda: scrape(far, hosts["d"]).get(
-            "splitserve:kv_reservations,role=decode") == 0, LEASE_S + 10)
-        assert freed_s <= LEASE_S + 3  # the lease, plus a scrape's latency
-        client.join(timeout=120)
-        assert "out" in result, result
-        got = result["out"]
+        got = cut_mid_transfer(stub, hosts, far, prompt)
     assert [t for r in got for t in r.token_ids] == want[0].token_ids  # type: ignore[attr-defined]
     assert got[-1].route.decode_worker == "decode-near"  # type: ignore[index]
     assert scrape(router)["splitserve:retries_total"] >= 1
@@ -136,12 +116,40 @@ def test_a_link_cut_mid_transfer_frees_the_reservation_and_the_router_retries(
         "kv_reservations", "kv_cache_usage_perc", "num_requests_running", "num_requests_waiting")), 30)
 
 
-def join(ns: str, gcs_address: str, node_ip: str, role: str, log: Path, num_nodes: int) -> None:
-    """Starts a Ray worker node on host `ns` offering `role`, one at a time; a start that
+def cut_mid_transfer(stub: pb_grpc.GenerationStub, hosts: dict[str, str], far: str,
+                     prompt: list[int]) -> list[pb.GenerateResponse]:
+    """Sends `prompt` (routed to the decode worker on host `d`, whose /metrics is at `far`)
+    over a link slowed to 400 kbit/s, cuts that link once the worker holds the transfer's
+    reservation, and checks the reservation is gone within the lease (read from inside the
+    host); returns the request's responses."""
+    sh("tc", "qdisc", "add", "dev", hosts["d_link"], "root", "tbf", "rate", "400kbit", "burst", "16kbit",
+       "latency", "500ms")
+    result: dict[str, object] = {}
+
+    def call() -> None:
+        try:
+            result["out"] = generate(stub, prompt, 6)
+        except grpc.RpcError as e:
+            result["error"] = f"{e.code()}: {e.details()}"
+    client = threading.Thread(target=call, daemon=True)
+    client.start()
+    wait_for("a reservation on the far decode worker",
+             lambda: scrape(far).get("splitserve:kv_reservations,role=decode") == 1, 30)
+    sh("ip", "link", "set", hosts["d_link"], "down")  # mid-transfer: no FIN, no RST, just silence
+    freed_s = wait_for("the far decode worker freeing the reservation", lambda: scrape(far, hosts["d"]).get(
+        "splitserve:kv_reservations,role=decode") == 0, LEASE_S + 10)
+    assert freed_s <= LEASE_S + 3  # the lease, plus a scrape's latency
+    client.join(timeout=120)
+    assert "out" in result, result
+    return result["out"]  # type: ignore[return-value]
+
+
+def join(ns: str, gcs_address: str, node_ip: str, resources: dict[str, float], log: Path, num_nodes: int) -> None:
+    """Starts a Ray worker node on host `ns` offering `resources`, one at a time; a start that
     fails (a raylet must register within Ray's fixed 30 s, which a loaded CI machine can
     miss) is tried again, three times in all."""
     for _ in range(3):
-        node = ray_node(ns, gcs_address, node_ip, {role: 2}, log)
+        node = ray_node(ns, gcs_address, node_ip, resources, log)
         deadline = time.monotonic() + 90
         while node.poll() is None and time.monotonic() < deadline:
             if sum(n["Alive"] for n in ray.nodes()) == num_nodes:
@@ -164,7 +172,7 @@ def test_ray_worker_nodes_on_separate_hosts_serve_with_kv_over_tcp(hosts: dict[s
     try:
         ray.init(address=head.address)
         for i, (name, role) in enumerate((("p", "prefill"), ("d", "decode")), start=1):
-            join(hosts[name], head.address, f"{SUBNET}.{i}.2", role, tmp_path / f"ray-{name}.log", 1 + i)
+            join(hosts[name], head.address, f"{SUBNET}.{i}.2", {role: 2}, tmp_path / f"ray-{name}.log", 1 + i)
         config = ClusterConfig(
             worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, host=NODE_IP),
             num_prefill=1, num_decode=1, worker_num_cpus=0.25, ray_address=head.address, redis_host="0.0.0.0",
@@ -190,3 +198,44 @@ def test_ray_worker_nodes_on_separate_hosts_serve_with_kv_over_tcp(hosts: dict[s
     finally:
         ray.shutdown()
         head.shutdown()  # the worker nodes' processes go with their namespaces
+
+
+def test_on_ray_nodes_a_link_cut_mid_transfer_frees_the_reservation_and_the_router_retries(
+        hosts: dict[str, str], tiny_llama_dir: str, tmp_path: Path) -> None:
+    """The link cut again, with the workers in Ray worker nodes on the test hosts: decode-0 on
+    host `d` holds the prompt's cached prefix, decode-1 runs on a node of this machine; the
+    `d` link goes down mid-transfer, decode-0's reservation goes within its lease, and the
+    router retries on decode-1 with exact tokens."""
+    if ray.is_initialized():
+        ray.shutdown()
+    head = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        ray.init(address=head.address)
+        join(hosts["p"], head.address, f"{SUBNET}.1.2", {"prefill": 1}, tmp_path / "ray-p.log", 2)
+        join(hosts["d"], head.address, f"{SUBNET}.2.2", {"decode": 1}, tmp_path / "ray-d.log", 3)
+        config = ClusterConfig(
+            worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, host=NODE_IP),
+            num_prefill=1, num_decode=1, worker_num_cpus=0.25, ray_address=head.address, redis_host="0.0.0.0",
+            role_resources={"prefill": {"prefill": 1}, "decode": {"decode": 1}}, supervise_interval_s=0.5,
+            router=RouterConfig(port=0, routing=RoutingConfig(mode="disaggregated")))
+        rng = random.Random(5)
+        prefix = [rng.randrange(3, 500) for _ in range(256)]
+        prompt = prefix + [rng.randrange(3, 500) for _ in range(1200)]
+        want = make_engine(tiny_llama_dir, block_size=16).generate([prompt], SamplingParams(
+            max_tokens=6, ignore_eos=True))[0].token_ids
+        with LocalCluster(config) as cluster, grpc.insecure_channel(cluster.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            assert generate(stub, prefix, 2)[-1].route.decode_worker == "decode-0"  # it caches the prefix
+            head.add_node(num_cpus=1, resources={"decode": 1})  # a decode node on this machine
+            cluster.scale("decode", 2)
+            wait_for("decode-1 serving and seen by the router", lambda: all(
+                "decode-1" in s["members"] for s in cluster.router_stats()), 90)
+            workers = {w["worker_id"]: w for w in cluster.workers()}
+            assert workers["decode-0"]["address"].startswith(f"{SUBNET}.2.2:")
+            got = cut_mid_transfer(stub, hosts, workers["decode-0"]["metrics_address"], prompt)
+            assert [t for r in got for t in r.token_ids] == want
+            assert got[-1].route.decode_worker == "decode-1"
+            assert cluster.router_stats()[0]["num_retries"] >= 1
+    finally:
+        ray.shutdown()
+        head.shutdown()  # the test hosts' Ray processes go with their namespaces
