@@ -202,7 +202,10 @@ def run_cross_host_arm(name: str, args: argparse.Namespace, model_dir: str, item
             router = f"127.0.0.1:{free_port()}"
             address = h.start("router", ["router", "--redis-url", h.redis_url("127.0.0.1"), "--namespace", "hosts",
                                          "--port", "0", "--mode", mode, "--metrics-port", router.rsplit(":", 1)[1]])
+            deadline = time.monotonic() + 60
             while sum(v for k, v in scrape(router).items() if k.startswith("splitserve:pool_workers")) < 2:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the router did not see both workers within 60 s")
                 time.sleep(0.2)
             startup_s = time.perf_counter() - started
             asyncio.run(run_load(address, warm, None, 1))

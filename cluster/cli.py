@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from cluster.processes import add_device_flags, cluster_secret, placement, redacted
+from cluster.processes import add_device_flags, cluster_secret, placement, redacted, worker_host
 from bench.cli import add_parser as add_bench_parser
 from cluster.metrics_targets import add_observe_flags
 from cluster.metrics_targets import add_parser as add_metrics_targets_parser
@@ -90,7 +90,7 @@ def _serve_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return ClusterConfig(
         worker=WorkerConfig(model_dir=args.model or str(default_model_dir()), dtype=dtype, device=device,
                             block_size=args.block_size, kv_cache_bytes=mib * 2**20 if mib else None,
-                            gpu_memory_utilization=utilization, host=_worker_host(args),
+                            gpu_memory_utilization=utilization, host=worker_host(args),
                             advertise_host=args.advertise_host, cluster_secret=cluster_secret(),
                             otlp_endpoint=args.otlp_endpoint),
         num_prefill=args.num_prefill, num_decode=args.num_decode, num_routers=args.num_routers,
@@ -188,14 +188,6 @@ def _scale(args: argparse.Namespace) -> int:
     print(f"{args.role} target set to {args.n}; the controller acts on it within a second "
           "(`splitserve status` shows the pools)")
     return 0
-
-
-def _worker_host(args: argparse.Namespace) -> str:
-    from control.worker_config import NODE_IP
-
-    if args.worker_host is not None:
-        return str(args.worker_host)
-    return NODE_IP if args.ray_address else "127.0.0.1"  # on a Ray cluster: peers are on other nodes
 
 
 def _cluster_redis(args: argparse.Namespace) -> tuple[str | None, str]:

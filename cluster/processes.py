@@ -39,6 +39,16 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
                    help="share of its GPU a worker may use in all (default 0.9 x its GPU share)")
 
 
+def worker_host(args: argparse.Namespace) -> str:
+    """`serve`'s worker bind address: --worker-host, else on a Ray cluster (--ray-address)
+    the IP of each worker's node (peers are on other nodes), else loopback."""
+    from control.worker_config import NODE_IP
+
+    if args.worker_host is not None:
+        return str(args.worker_host)
+    return NODE_IP if args.ray_address else "127.0.0.1"
+
+
 def redacted(url: str) -> str:
     """A Redis URL fit to print: its password replaced by ***."""
     parts = urlsplit(url)

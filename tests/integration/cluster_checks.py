@@ -2,10 +2,42 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster
+from engine.request import SamplingParams
+from proto import generate_pb2 as pb
+from proto import generate_pb2_grpc as pb_grpc
 from router.policy import RoutingConfig
+from tests.integration.reference import make_engine
+
+
+def wait_for(what: str, predicate: Callable[[], Any], timeout_s: float = 120.0) -> Any:
+    """`predicate()`'s first truthy value, polled; fails after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(0.25)
+    return value
+
+
+def generate(stub: pb_grpc.GenerationStub, prompt: list[int], max_tokens: int) -> list[pb.GenerateResponse]:
+    """One greedy request (ignore_eos) through the public Generate stream."""
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
+                                 sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return list(stub.Generate(request, timeout=120))
+
+
+def tokens(responses: list[pb.GenerateResponse]) -> list[int]:
+    return [t for r in responses for t in r.token_ids]
+
+
+def greedy(model_dir: str, prompt: list[int], max_tokens: int) -> list[int]:
+    """The monolithic engine's greedy tokens (the reference a cluster must equal)."""
+    engine = make_engine(model_dir, block_size=16)
+    return engine.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0].token_ids
 
 
 def assert_idle(cluster: LocalCluster, timeout_s: float = 15.0) -> None:

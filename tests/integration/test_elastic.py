@@ -13,10 +13,8 @@ import pytest
 
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster
-from engine.request import SamplingParams
-from proto import generate_pb2 as pb
 from router.policy import RoutingConfig
-from tests.integration.reference import make_engine
+from tests.integration.cluster_checks import generate, greedy, tokens, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -35,31 +33,8 @@ def cluster(tiny_llama_dir: str):  # type: ignore[no-untyped-def]
         yield c
 
 
-def generate(stub, prompt: list[int], max_tokens: int) -> list[pb.GenerateResponse]:  # type: ignore[no-untyped-def]
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
-                                 sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    return list(stub.Generate(request, timeout=120))
-
-
-def greedy(model_dir: str, prompt: list[int], max_tokens: int) -> list[int]:
-    engine = make_engine(model_dir, block_size=16)
-    return engine.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0].token_ids
-
-
-def wait_for(what: str, predicate, timeout_s: float = 120.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
-        time.sleep(0.25)
-    return value
-
-
 def serving(cluster: LocalCluster, role: str) -> list[str]:
     return sorted(w for w, s in cluster.controller_status()["workers"].items() if w.startswith(role) and s == "serving")
-
-
-def tokens(responses: list[pb.GenerateResponse]) -> list[int]:
-    return [t for r in responses for t in r.token_ids]
 
 
 def test_a_decode_worker_added_at_runtime_serves_and_gets_its_cached_prefix(cluster: LocalCluster, stub,  # type: ignore[no-untyped-def]

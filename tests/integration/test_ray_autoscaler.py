@@ -9,10 +9,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -23,12 +21,9 @@ from ray.cluster_utils import Cluster
 
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster, free_port
-from engine.request import SamplingParams
-from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from router.policy import RoutingConfig
-from tests.integration.cluster_checks import assert_idle
-from tests.integration.reference import make_engine
+from tests.integration.cluster_checks import assert_idle, generate, greedy, tokens, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -97,13 +92,12 @@ def decode_workers_placed(cluster: LocalCluster, n: int) -> dict[str, str] | Non
     return placed if len(placed) == n and all(placed.values()) else None  # type: ignore[return-value]
 
 
-def wait_for(what: str, check: Callable[[], Any], timeout_s: float) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (value := check()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not within {timeout_s} s")
-        time.sleep(0.5)
-    return value
+def generate_exact(stub: pb_grpc.GenerationStub, model_dir: str, prompt: list[int]) -> str:
+    """One request through router -> P -> kvfabric -> D with the monolithic engine's tokens;
+    returns the decode worker that served it."""
+    got = generate(stub, prompt, 6)
+    assert tokens(got) == greedy(model_dir, prompt, 6)
+    return got[-1].route.decode_worker
 
 
 def test_ray_adds_a_decode_node_for_a_scale_up_and_removes_it_after(autoscaling_ray: Cluster,
@@ -114,7 +108,6 @@ def test_ray_adds_a_decode_node_for_a_scale_up_and_removes_it_after(autoscaling_
         role_resources={"prefill": {"prefill": 1}, "decode": {"decode": 1}}, supervise_interval_s=0.5,
         drain_timeout_s=10.0, place_timeout_s=120.0,
         router=RouterConfig(port=0, routing=RoutingConfig(mode="disaggregated")))
-    reference = make_engine(tiny_llama_dir, block_size=16)
     with LocalCluster(config) as cluster:  # its workers wait for the nodes the autoscaler starts
         first = decode_nodes()
         assert len(first) == 1
@@ -126,7 +119,7 @@ def test_ray_adds_a_decode_node_for_a_scale_up_and_removes_it_after(autoscaling_
             stub = pb_grpc.GenerationStub(channel)
             served = set()
             for i in range(12):  # until the new worker has served one (the router prefers an empty pool)
-                served.add(generate_exact(stub, reference, list(range(5 + i, 60 + i))))
+                served.add(generate_exact(stub, tiny_llama_dir, list(range(5 + i, 60 + i))))
                 if "decode-2" in served:
                     break
             assert "decode-2" in served
@@ -134,15 +127,5 @@ def test_ray_adds_a_decode_node_for_a_scale_up_and_removes_it_after(autoscaling_
             wait_for("the emptied decode node removed", lambda: len(decode_nodes()) == 1, 120)
             survivor = [w for w in cluster.workers() if w["role"] == "decode"]
             assert len(survivor) == 1 and decode_nodes() == {survivor[0]["node_id"]}
-            assert generate_exact(stub, reference, list(range(100, 140))) == survivor[0]["worker_id"]
+            assert generate_exact(stub, tiny_llama_dir, list(range(100, 140))) == survivor[0]["worker_id"]
         assert_idle(cluster)
-
-
-def generate_exact(stub: pb_grpc.GenerationStub, reference: Any, prompt: list[int]) -> str:
-    """One request through router -> P -> kvfabric -> D; its tokens equal the monolithic
-    engine's. Returns the decode worker that served it."""
-    responses = list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
-        max_tokens=6, ignore_eos=True)), timeout=60))
-    want = reference.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
-    assert [t for r in responses for t in r.token_ids] == want
-    return responses[-1].route.decode_worker

@@ -17,10 +17,8 @@ import redis
 
 from benchmarks.separate_hosts import start_serving
 from cluster.local import free_port
-from engine.request import SamplingParams
-from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
-from tests.integration.reference import make_engine
+from tests.integration.cluster_checks import generate, greedy, tokens
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -91,12 +89,8 @@ def test_a_cluster_runs_on_a_tls_redis_with_a_password(tls_redis: tuple[int, Pat
         procs.append(router)
         prompt = list(range(7, 60))
         with grpc.insecure_channel(address) as channel:
-            got = list(pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(
-                token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(max_tokens=6, ignore_eos=True)),
-                timeout=60))
-        want = make_engine(tiny_llama_dir, block_size=16).generate([prompt], SamplingParams(
-            max_tokens=6, ignore_eos=True))[0].token_ids
-        assert [t for r in got for t in r.token_ids] == want
+            got = generate(pb_grpc.GenerationStub(channel), prompt, 6)
+        assert tokens(got) == greedy(tiny_llama_dir, prompt, 6)
         assert (got[-1].route.prefill_worker, got[-1].route.decode_worker) == ("prefill-tls", "decode-tls")
         status = subprocess.run([*CLI, "status", *common], capture_output=True, text=True, timeout=60)
         assert status.returncode == 0 and "prefill-tls" in status.stdout and "decode-tls" in status.stdout
