@@ -138,6 +138,24 @@ def decode_step_ms(engine: LLMEngine, batch: int, steps: int = 8, context: int =
     return ms
 
 
+def prefill_tokens_per_s(engine: LLMEngine, hf, num_tokens: int, repeats: int = 3) -> tuple[float, float]:
+    """One `num_tokens` prompt prefilled (max_tokens=1, so the time is the prompt's), best of
+    `repeats`, by our engine (in chunks of its max_num_batched_tokens: the first chunk is
+    causal self-attention, the others attend to the chunks before them) and by one
+    transformers forward over the whole prompt."""
+    prompt = [3 + (j * 13) % 8000 for j in range(num_tokens)]
+    ours, theirs = float("inf"), float("inf")
+    for r in range(repeats):
+        t = time.perf_counter()
+        engine.generate([[prompt[0] + r, *prompt[1:]]], [SamplingParams(max_tokens=1, ignore_eos=True)])
+        ours = min(ours, time.perf_counter() - t)
+        t = time.perf_counter()
+        with torch.no_grad():
+            hf(torch.tensor([prompt]))
+        theirs = min(theirs, time.perf_counter() - t)
+    return num_tokens / ours, num_tokens / theirs
+
+
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="model dir (default: the embedded small llama)")
@@ -152,6 +170,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--floor-rounds", type=int, default=5, help="alternating memcpy / batch-32 rounds")
     ap.add_argument("--long-context", type=int, default=512, help="context of the long-context decode step")
+    ap.add_argument("--prefill-tokens", type=int, default=2048, help="prompt of the prefill measurement")
     ap.add_argument("--no-native-kernels", action="store_true",
                     help="the engine's torch paths only (EngineConfig.native_kernels=False), for comparison")
     return ap.parse_args()
@@ -195,6 +214,7 @@ def main() -> None:
     hf_single = run_hf_single(hf, work[: args.hf_single_requests])
     hf_batched = {bs: run_hf_batched(hf, work, bs) for bs in args.hf_batch_sizes}
     hf_best = max([hf_single, *hf_batched.values()])
+    prefill, hf_prefill = prefill_tokens_per_s(engine, hf, args.prefill_tokens)
     print(json.dumps({
         "benchmark": "engine_throughput",
         "config": {"model": model_dir, "dtype": args.dtype, "num_requests": len(work),
@@ -203,12 +223,16 @@ def main() -> None:
                    "mean_output_tokens": sum(o for _, o in work) / len(work),
                    "threads": args.threads, "block_size": 16, "max_num_batched_tokens": 1024,
                    "floor_rounds": args.floor_rounds, "long_context": args.long_context,
+                   "prefill_tokens": args.prefill_tokens,
                    "native_kernels": engine.model.kernels is not None},
         "engine_tokens_per_s": round(engine_tps, 1),
         "transformers_tokens_per_s": round(hf_best, 1),
         "transformers_single_tokens_per_s": round(hf_single, 1),
         "transformers_batched_tokens_per_s": {str(k): round(v, 1) for k, v in hf_batched.items()},
         "speedup": round(engine_tps / hf_best, 2),
+        "prefill_tokens_per_s": round(prefill, 1),
+        "transformers_prefill_tokens_per_s": round(hf_prefill, 1),
+        "prefill_speedup": round(prefill / hf_prefill, 2),
         "decode_step_ms": {str(k): round(v, 2) for k, v in steps.items()},
         "decode_step_ms_bs32_long_context": round(long_ms, 2),
         **floor,

@@ -13,16 +13,15 @@ no gather, splits long contexts across threads and accumulates in float32. The t
 forms below are its fallback (no C compiler) and the path of longer queries.
 
 Over gathered K and V, the form is chosen by dtype and query length (`_paged_form`),
-as measured on CPU. float32: SDPA's CPU kernel, which reads K and V through their
-strides, for every group (up to 5x faster than the alternatives, most for MHA; about
-even for GQA decodes at long contexts). 16-bit dtypes, where that kernel is slow:
-grouped KV heads leave K and V in [ctx, kv_heads, head_dim] order, which no batched
-matmul takes without a strided copy of the whole context.
-Short queries (decodes) skip that copy: every query head is scored against every KV
-head (`_all_pairs_attention`), kv_heads times the flops of a product that is
-memory-bound anyway, and the matching heads are kept. Long queries (prefill chunks)
-would pay kv_heads times a compute-bound product, so they take the copy
-(`_masked_attention`).
+as measured on CPU. Long queries (prefill chunks), in every dtype, and every group in
+float32: SDPA's CPU flash kernel, which reads K and V through their strides (against
+two batched matmuls with a materialised float32 score matrix it was 3-4x faster in
+bfloat16 and 10-25x in float16 for 512-1024-token chunks, and more accurate). Short
+queries (decodes) in 16-bit dtypes, where that kernel is slow: grouped KV heads leave K
+and V in [ctx, kv_heads, head_dim] order, which no batched matmul takes without a
+strided copy of the whole context, so every query head is scored against every KV head
+(`_all_pairs_attention`), kv_heads times the flops of a product that is memory-bound
+anyway, and the matching heads are kept.
 """
 from __future__ import annotations
 
@@ -132,43 +131,30 @@ def paged_attention(
 
 
 def _paged_form(dtype: torch.dtype, max_query_len: int) -> Callable[..., torch.Tensor]:
-    if dtype == torch.float32:
+    if dtype == torch.float32 or max_query_len > SHORT_QUERY_MAX_LEN:
         return _sdpa_attention
-    return _all_pairs_attention if max_query_len <= SHORT_QUERY_MAX_LEN else _masked_attention
+    return _all_pairs_attention
 
 
 def _causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [n, num_heads, head_dim]; k, v: [n, num_kv_heads, head_dim] -> [n, num_heads, head_dim]."""
+    """q: [n, num_heads, head_dim]; k, v: [n, num_kv_heads, head_dim] -> [n, num_heads, head_dim].
+
+    The inputs get a batch dimension of 1: given 3-D tensors, torch's CPU SDPA takes its
+    math path, not the flash kernel (8x slower for a 2048-token prompt, 2x at 512;
+    `benchmarks/engine_throughput.py` has the prefill numbers)."""
     o = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True,
-    )  # [num_heads, n, head_dim]
-    return o.transpose(0, 1)
-
-
-def _masked_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Two batched matmuls with a float32 softmax; query heads stay grouped by KV head.
-
-    q: [batch, q_len, heads, head_dim]; k, v: [batch, ctx, kv_heads, head_dim];
-    mask: [batch, 1, q_len, ctx], True = attend. Returns [batch, q_len, heads, head_dim].
-    (The CPU flash kernel is slow for one-token queries; this is not.)
-    """
-    b, n, h, d = q.shape
-    kvh = k.shape[2]
-    grp = h // kvh
-    qg = q.view(b, n, kvh, grp, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, grp * n, d)
-    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale  # [batch, kv_heads, grp * q_len, ctx]
-    scores = torch.where(mask[:, :, None], scores.view(b, kvh, grp, n, -1), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(b, kvh, grp * n, -1)
-    o = torch.matmul(probs, v.transpose(1, 2))  # [batch, kv_heads, grp * q_len, head_dim]
-    return o.view(b, kvh, grp, n, d).permute(0, 3, 1, 2, 4).reshape(b, n, h, d)
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True, scale=scale,
+        enable_gqa=True,
+    )  # [1, num_heads, n, head_dim]
+    return o[0].transpose(0, 1)
 
 
 def _sdpa_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Same contract as `_masked_attention`; the mask never hides a whole row (see the runner)."""
+    """q: [batch, q_len, heads, head_dim]; k, v: [batch, ctx, kv_heads, head_dim]; mask:
+    [batch, 1, q_len, ctx], True = attend, never hiding a whole row (see the runner).
+    Returns [batch, q_len, heads, head_dim]."""
     o = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True,
     )  # [batch, heads, q_len, head_dim]
@@ -178,7 +164,7 @@ def _sdpa_attention(
 def _all_pairs_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Same contract as `_masked_attention`; k and v must be contiguous.
+    """Same contract as `_sdpa_attention`; k and v must be contiguous.
 
     K viewed as [batch, ctx * kv_heads, head_dim] and V as [batch, ctx, kv_heads * head_dim]
     are plain matrices, so both products run on the gathered memory as it lies; the

@@ -127,7 +127,7 @@ def test_seeded_sampling_is_reproducible_across_batches(tiny_llama_dir: str) -> 
 
 def test_bfloat16_tracks_the_float32_reference_as_closely_as_transformers_does(tiny_model_dir: str) -> None:
     """First chunks (causal SDPA), chunks over earlier context and prefix-cache tails
-    (two-matmul form), and batched decodes (all-pairs form), all in bfloat16."""
+    (SDPA with a mask), and batched decodes (all-pairs form), all in bfloat16."""
     prompts = _prompts(tiny_model_dir, [6, 19, 37], seed=5)
     engine = make_engine(tiny_model_dir, dtype="bfloat16", budget=16)
     seen = capture_logits(engine)

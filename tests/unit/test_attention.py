@@ -1,11 +1,11 @@
-"""Paged attention's three forms, the KV gather and prepacked linears against slow references."""
+"""Paged attention's forms, the KV gather and prepacked linears against slow references."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import _all_pairs_attention, _masked_attention, _sdpa_attention
+from engine.attention import _all_pairs_attention, _causal_self_attention, _paged_form, _sdpa_attention
 from engine.kv_pool import KVLayout, KVPool
 from engine.linear import Linear
 
@@ -38,19 +38,29 @@ def test_both_forms_match_the_per_head_reference(heads, kv_heads, q_len):
     query_pos = torch.tensor([[s + t for t in range(q_len)] for s in starts])
     mask = (torch.arange(ctx)[None, None, :] <= query_pos[:, :, None])[:, None]  # [b, 1, n, ctx]
     want = reference_attention(q, k, v, ctx_lens, starts, 0.3)
-    for form in (_all_pairs_attention, _masked_attention, _sdpa_attention):
+    for form in (_all_pairs_attention, _sdpa_attention):
         got = form(q, k, v, mask, 0.3)
         assert got.shape == (b, q_len, heads, d)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=form.__name__)
 
 
-def test_the_two_forms_are_bit_identical_in_bfloat16():
-    g = torch.Generator().manual_seed(7)
-    q = torch.randn(5, 1, 12, 64, generator=g).bfloat16()
-    k = torch.randn(5, 48, 4, 64, generator=g).bfloat16()
-    v = torch.randn(5, 48, 4, 64, generator=g).bfloat16()
-    mask = (torch.arange(48)[None, :] < torch.tensor([48, 1, 16, 17, 33])[:, None])[:, None, None]
-    assert torch.equal(_all_pairs_attention(q, k, v, mask, 0.125), _masked_attention(q, k, v, mask, 0.125))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_prefill_chunk_takes_sdpa_within_half_precision_of_the_reference(dtype):
+    """A 40-token chunk after 24 cached tokens, as the runner's mask shapes it."""
+    assert _paged_form(dtype, 40) is _sdpa_attention and _paged_form(dtype, 1) is _all_pairs_attention
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, n, h, 16, generator=g) for n, h in ((40, 6), (64, 2), (64, 2)))
+    mask = (torch.arange(64)[None, :] <= torch.arange(24, 64)[:, None])[None, None]
+    want = reference_attention(q, k, v, [64], [24], 0.25)
+    got = _sdpa_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask, 0.25)
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=0)  # a 16-bit output's rounding
+
+
+def test_causal_self_attention_matches_the_reference():
+    g = torch.Generator().manual_seed(9)
+    q, k, v = torch.randn(33, 6, 8, generator=g), torch.randn(33, 2, 8, generator=g), torch.randn(33, 2, 8, generator=g)
+    want = reference_attention(q[None], k[None], v[None], [33], [0], 0.3)[0]
+    torch.testing.assert_close(_causal_self_attention(q, k, v, 0.3), want, atol=1e-5, rtol=1e-5)
 
 
 def test_gather_returns_each_blocks_layer_in_table_order():
