@@ -29,6 +29,8 @@ class WorkerConfig:
     """Pool share kept for cached blocks that were hit again (see `CacheConfig`); 0 is plain LRU."""
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
+    fair_burst_tokens: int = 8192
+    """How far a light tenant's burst may run ahead of a heavy tenant's backlog (`SchedulerConfig`)."""
     max_model_len: int | None = None
     model_id: str | None = None
     """Name the block hashes are keyed with; None uses the model directory's name. Set it
@@ -90,7 +92,7 @@ class WorkerConfig:
                               gpu_memory_utilization=self.gpu_memory_utilization,
                               protected_fraction=self.protected_fraction, cluster_secret=self.cluster_secret),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
-                                      max_num_seqs=self.max_num_seqs),
+                                      max_num_seqs=self.max_num_seqs, fair_burst_tokens=self.fair_burst_tokens),
         )
 
 

@@ -52,12 +52,19 @@ class SchedulerConfig:
     """Off: a prompt is computed in one step or waits."""
     aging_interval_s: float = 10.0
     """Every this many seconds of waiting raises a request's priority by one class."""
+    fair_burst_tokens: int = 8192
+    """Within a class, a tenant with nothing queued may start this many tokens of work (times
+    its weight) ahead of a backlogged tenant's queue, so a light tenant's short burst is not
+    interleaved with a heavy tenant's backlog (`engine.fair_order`); 0: strict start-time
+    fair queuing."""
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.fair_burst_tokens < 0:
+            raise ValueError(f"fair_burst_tokens must be at least 0, got {self.fair_burst_tokens}")
         if self.aging_interval_s <= 0:
             raise ValueError(f"aging_interval_s must be positive, got {self.aging_interval_s}")
 

@@ -7,6 +7,16 @@ request finishes in virtual time (its cost over the tenant's weight), or the eng
 virtual time if that is later. Within a priority class the scheduler serves waiting work by
 tag, so a light tenant's request goes before a heavy tenant's backlog, while one tenant's
 requests keep their arrival order.
+
+Strict start-time fair queuing would still interleave a light tenant's short burst (two
+requests close together) one for one with the heavy tenant's backlog: its second request
+waits behind one of the heavy tenant's. So a tenant that has fallen behind the engine's
+virtual time starts up to `burst_tokens` (times its weight) before it, as CFS credits a
+waking task: a burst of the light tenant runs back to back, and the heavy tenant loses at
+most that much service to it, however long the light one was idle. The credit is earned
+while others are served: a tenant the engine does not know yet (or has forgotten) starts
+at the virtual time, so a flood that begins does not jump ahead of the tenants already
+being served.
 """
 from __future__ import annotations
 
@@ -17,13 +27,15 @@ STALE_TENANTS = 64
 
 
 class FairOrder:
-    def __init__(self) -> None:
+    def __init__(self, burst_tokens: int = 0) -> None:
         self.vtime = 0.0
+        self.burst_tokens = burst_tokens
         self._finish: dict[str, float] = {}
 
     def tag(self, request: Request, cost_tokens: int) -> None:
         """Sets `request.fair_tag` and moves its tenant's finish on by the request's cost."""
-        start = max(self.vtime, self._finish.get(request.tenant, 0.0))
+        finish = self._finish.get(request.tenant)
+        start = self.vtime if finish is None else max(self.vtime - self.burst_tokens, finish)
         self._finish[request.tenant] = start + cost_tokens / request.tenant_weight
         request.fair_tag = start
 
@@ -31,4 +43,4 @@ class FairOrder:
         """`request` gets its first tokens: virtual time moves up to its tag."""
         self.vtime = max(self.vtime, request.fair_tag)
         if len(self._finish) > STALE_TENANTS:
-            self._finish = {t: f for t, f in self._finish.items() if f > self.vtime}
+            self._finish = {t: f for t, f in self._finish.items() if f > self.vtime - self.burst_tokens}

@@ -66,7 +66,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._seq = 0
-        self.fair = FairOrder()
+        self.fair = FairOrder(config.fair_burst_tokens)
         self.num_preemptions = 0
         """Cumulative, for metrics."""
 

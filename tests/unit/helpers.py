@@ -17,11 +17,12 @@ SECRET = b"test-secret"
 def make_scheduler(
     clock, num_blocks: int = 16, block_size: int = 4, budget: int = 64, max_seqs: int = 8,
     chunked: bool = True, caching: bool = True, max_model_len: int = 1024, aging_s: float = 10.0,
+    burst: int = 8192,
 ) -> Scheduler:
     pool = BlockPool(num_blocks, enable_caching=caching)
     kv = KVCacheManager(pool, BlockHasher(SECRET, "m", block_size))
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                          enable_chunked_prefill=chunked, aging_interval_s=aging_s)
+                          enable_chunked_prefill=chunked, aging_interval_s=aging_s, fair_burst_tokens=burst)
     return Scheduler(cfg, kv, max_model_len, clock)
 
 

@@ -114,6 +114,25 @@ def test_a_light_tenant_goes_before_a_heavy_tenants_backlog_which_keeps_its_orde
     assert plan(fake_step(s)) == [("heavy2", 8)]
 
 
+@pytest.mark.parametrize("burst", [0, 9, 18])
+def test_a_light_tenants_burst_runs_ahead_of_a_backlog_within_its_credit(clock, burst) -> None:
+    """Requests cost 9 tokens (8 + 1 output). Strict fair queuing (burst 0) interleaves the
+    light tenant's three with the heavy backlog one for one; each 9 tokens of credit lets
+    one more of them go before the heavy tenant's next."""
+    s = make_scheduler(clock, budget=8, burst=burst)
+    s.add_request(make_request("light-early", 8, clock, max_tokens=1, tenant="light"))  # known, so it earns credit
+    for i in range(6):
+        s.add_request(make_request(f"heavy{i}", 8, clock, max_tokens=1, tenant="heavy"))
+    for _ in range(5):  # light-early, then heavy0-3: the engine's virtual time moves on to heavy3's start
+        fake_step(s)
+    for i in range(3):
+        s.add_request(make_request(f"light{i}", 8, clock, max_tokens=1, tenant="light"))
+    order = [plan(fake_step(s))[0][0] for _ in range(5)]
+    assert order == {0: ["light0", "heavy4", "light1", "heavy5", "light2"],
+                     9: ["light0", "light1", "heavy4", "light2", "heavy5"],
+                     18: ["light0", "light1", "light2", "heavy4", "heavy5"]}[burst]
+
+
 def test_fair_order_follows_tenant_weights_and_outputs_go_before_prompt_work(clock) -> None:
     s = make_scheduler(clock, budget=4)
     for i in range(4):
@@ -249,3 +268,24 @@ def test_a_sequence_that_outgrows_its_share_preempts_others_then_fills_the_pool(
             break
     assert new.finish_reason is FinishReason.LENGTH and new.num_tokens == 17
     assert s.check_invariants().num_in_use == 0
+
+
+def test_fair_order_forgets_only_tenants_past_their_credit_and_newcomers_get_none(clock) -> None:
+    from engine.fair_order import STALE_TENANTS, FairOrder
+
+    fair = FairOrder(burst_tokens=100)
+    used = make_request("used", 4, clock, tenant="used")
+    fair.tag(used, 250)  # new: starts at the virtual time, 0, and finishes at 250
+    fair.started(used)
+    for i in range(STALE_TENANTS):  # each 0 to 1
+        fair.tag(make_request(f"t{i}", 4, clock, tenant=f"t{i}"), 1)
+    fair.tag(make_request("big0", 4, clock, tenant="big"), 300)  # 0 to 300
+    big1 = make_request("big1", 4, clock, tenant="big")
+    fair.tag(big1, 1)
+    fair.started(big1)  # virtual time 300, 66 tenants known: those finished by 200 go
+    again = make_request("used-again", 4, clock, tenant="used")
+    fair.tag(again, 1)
+    assert again.fair_tag == 250  # kept: it finished within the credit of virtual time 300
+    t0 = make_request("t0-again", 4, clock, tenant="t0")
+    fair.tag(t0, 1)
+    assert t0.fair_tag == 300  # forgotten: a newcomer again, which starts at the virtual time
