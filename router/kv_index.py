@@ -13,6 +13,7 @@ worker's entries rather than guessing.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from engine.block_pool import KVEvent
 from engine.types import BlockHash
@@ -31,6 +32,8 @@ class KVIndex:
         self._holders: dict[BlockHash, set[WorkerId]] = {}
         self._blocks: dict[WorkerId, set[BlockHash]] = {}
         self._predicted: dict[BlockHash, dict[WorkerId, float]] = {}
+        self._expiries: deque[tuple[float, WorkerId, Sequence[BlockHash]]] = deque()
+        """Each `predict` call in order (the TTL is fixed, so by expiry), for `expire_predictions`."""
         self._last_event_id: dict[WorkerId, int] = {}
         self.num_gaps = 0
         """Times a worker's events skipped ids and its entries were dropped."""
@@ -74,6 +77,7 @@ class KVIndex:
         expiry = self.clock() + self.predicted_ttl_s
         for h in block_hashes:
             self._predicted.setdefault(h, {})[worker_id] = expiry
+        self._expiries.append((expiry, worker_id, block_hashes))
 
     def retract(self, worker_id: WorkerId, block_hashes: Sequence[BlockHash]) -> None:
         """The request predicted there failed before its blocks were stored: drop those predictions
@@ -102,13 +106,17 @@ class KVIndex:
         return result
 
     def expire_predictions(self) -> None:
+        """Drops the predictions whose time is up: work in proportion to those, not to all
+        (the feed calls this after every batch of events)."""
         now = self.clock()
-        for h in list(self._predicted):
-            by_worker = {w: t for w, t in self._predicted[h].items() if t > now}
-            if by_worker:
-                self._predicted[h] = by_worker
-            else:
-                del self._predicted[h]
+        while self._expiries and self._expiries[0][0] <= now:
+            expiry, worker_id, block_hashes = self._expiries.popleft()
+            for h in block_hashes:
+                by_worker = self._predicted.get(h)
+                if by_worker is not None and by_worker.get(worker_id) == expiry:  # not predicted again since
+                    del by_worker[worker_id]
+                    if not by_worker:
+                        del self._predicted[h]
 
     def num_blocks(self, worker_id: WorkerId) -> int:
         return len(self._blocks.get(worker_id, ()))

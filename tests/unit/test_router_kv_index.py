@@ -52,6 +52,22 @@ def test_predicted_entries_expire(clock) -> None:
     assert idx._predicted == {}
 
 
+def test_expiry_keeps_a_prediction_renewed_since_and_drops_each_entry_once(clock) -> None:
+    idx = KVIndex(clock, predicted_ttl_s=2.0)
+    renewed_until = clock() + 3.0
+    idx.predict("d0", [h(1), h(2)])
+    clock.advance(1.0)
+    idx.predict("d0", [h(2), h(3)])  # h(2) renewed
+    idx.predict("d1", [h(1)])
+    idx.retract("d1", [h(1)])
+    clock.advance(1.0)
+    idx.expire_predictions()
+    assert idx._predicted == {h(2): {"d0": renewed_until}, h(3): {"d0": renewed_until}}
+    clock.advance(1.0)
+    idx.expire_predictions()
+    assert idx._predicted == {} and not idx._expiries
+
+
 def test_retract_drops_only_that_workers_predictions(clock) -> None:
     idx = KVIndex(clock, predicted_ttl_s=2.0)
     idx.apply("d0", stored(0, 1))
