@@ -29,7 +29,7 @@ class WorkerConfig:
     """Pool share kept for cached blocks that were hit again (see `CacheConfig`); 0 is plain LRU."""
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
-    fair_burst_tokens: int = 8192
+    fair_burst_tokens: int = 32768
     """How far a light tenant's burst may run ahead of a heavy tenant's backlog (`SchedulerConfig`)."""
     max_model_len: int | None = None
     model_id: str | None = None

@@ -52,7 +52,7 @@ class SchedulerConfig:
     """Off: a prompt is computed in one step or waits."""
     aging_interval_s: float = 10.0
     """Every this many seconds of waiting raises a request's priority by one class."""
-    fair_burst_tokens: int = 8192
+    fair_burst_tokens: int = 32768
     """Within a class, a tenant with nothing queued may start this many tokens of work (times
     its weight) ahead of a backlogged tenant's queue, so a light tenant's short burst is not
     interleaved with a heavy tenant's backlog (`engine.fair_order`); 0: strict start-time

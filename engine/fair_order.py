@@ -14,9 +14,11 @@ waits behind one of the heavy tenant's. So a tenant that has fallen behind the e
 virtual time starts up to `burst_tokens` (times its weight) before it, as CFS credits a
 waking task: a burst of the light tenant runs back to back, and the heavy tenant loses at
 most that much service to it, however long the light one was idle. The credit is earned
-while others are served: a tenant the engine does not know yet (or has forgotten) starts
-at the virtual time, so a flood that begins does not jump ahead of the tenants already
-being served.
+while others are served, and refilled for every known tenant whenever the engine holds no
+request (`idle`): a tenant that had the engine to itself but left it idle most of the time
+is light, not a heavy tenant's equal. A tenant the engine does not know yet (or has
+forgotten) starts at the virtual time without credit, so a flood that begins does not jump
+ahead of the tenants already being served.
 """
 from __future__ import annotations
 
@@ -38,6 +40,11 @@ class FairOrder:
         start = self.vtime if finish is None else max(self.vtime - self.burst_tokens, finish)
         self._finish[request.tenant] = start + cost_tokens / request.tenant_weight
         request.fair_tag = start
+
+    def idle(self) -> None:
+        """The engine holds no request: every known tenant's credit is full again."""
+        if self._finish:
+            self.vtime = max(self.vtime, max(self._finish.values()) + self.burst_tokens)
 
     def started(self, request: Request) -> None:
         """`request` gets its first tokens: virtual time moves up to its tag."""

@@ -131,6 +131,8 @@ class Scheduler:
         request.arrival_seq = self._seq
         self._seq += 1
         output = min(request.params.max_tokens, max(self.max_model_len - request.num_prompt_tokens, 0))
+        if not self.requests:
+            self.fair.idle()
         self.fair.tag(request, request.num_prompt_tokens + output)
         self.requests[request.request_id] = request
 

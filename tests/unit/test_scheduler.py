@@ -133,6 +133,21 @@ def test_a_light_tenants_burst_runs_ahead_of_a_backlog_within_its_credit(clock, 
                      18: ["light0", "light1", "light2", "heavy4", "heavy5"]}[burst]
 
 
+def test_an_idle_engine_refills_known_tenants_credit_but_a_newcomer_starts_without(clock) -> None:
+    """The light tenant had the engine to itself, then it idled: when a heavy newcomer's
+    flood and the light tenant's burst meet, the burst (18 tokens of credit: two requests)
+    goes first."""
+    s = make_scheduler(clock, budget=8, burst=18)
+    s.add_request(make_request("light0", 8, clock, max_tokens=1, tenant="light"))
+    fake_step(s)
+    assert not s.requests  # idle
+    for i in range(3):
+        s.add_request(make_request(f"heavy{i}", 8, clock, max_tokens=1, tenant="heavy"))
+    for i in (1, 2):
+        s.add_request(make_request(f"light{i}", 8, clock, max_tokens=1, tenant="light"))
+    assert [plan(fake_step(s))[0][0] for _ in range(5)] == ["light1", "light2", "heavy0", "heavy1", "heavy2"]
+
+
 def test_fair_order_follows_tenant_weights_and_outputs_go_before_prompt_work(clock) -> None:
     s = make_scheduler(clock, budget=4)
     for i in range(4):
