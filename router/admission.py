@@ -110,14 +110,9 @@ class AdmissionQueue:
     def offer(self, request_id: str, priority: int, cost_tokens: int, deadline: float | None,
               tenant: str = "") -> bool | Refused:
         """True: admitted now; False: queued (wait for `release` to return it); or Refused."""
-        quota = self.config.tenant_quota_tokens.get(tenant)
-        if quota is not None and cost_tokens > quota:
-            return Refused(f"the request needs {cost_tokens} tokens of the budget, more than tenant {tenant!r}'s "
-                           f"quota of {quota}: send a shorter prompt or a smaller max_tokens", None, "quota")
-        c = self._classes.setdefault(priority, PriorityClass())
-        weight = self.weight(tenant)
-        e = Entry(request_id, priority, tenant, cost_tokens, deadline, self.clock())
-        e.start_tag = c.start_tag(tenant, self.budget_tokens / weight)
+        if (over := self._over_quota(tenant, cost_tokens)) is not None:
+            return over
+        c, e = self._entry(request_id, priority, cost_tokens, deadline, tenant)
         refusal = self._refusal(c, e)
         c.push(e)
         if self._next_candidate() is e and self._fits(e):
@@ -126,8 +121,34 @@ class AdmissionQueue:
         if refusal is not None:
             c.remove(e)
             return refusal
-        c.charge(e, weight)
+        c.charge(e, self.weight(tenant))
         return False
+
+    def refusal_at(self, priority: int, floor_tokens: int, ceiling_tokens: int, deadline: float | None,
+                   tenant: str = "") -> Refused | None:
+        """The refusal `offer` would give a request whose cost lies between `floor_tokens` and
+        `ceiling_tokens`, decided now without queuing it; None when it might be admitted or
+        queued, or when only its exact cost can say (over its tenant's quota or not). Every
+        test grows with the cost, so a refusal at the floor is the request's own: the router
+        asks this before it hashes the prompt for the exact cost, and a flood's refusals skip
+        the hashing."""
+        if (over := self._over_quota(tenant, floor_tokens)) is not None:
+            return over
+        if self._over_quota(tenant, ceiling_tokens) is not None:
+            return None
+        new_class = priority not in self._classes
+        c, e = self._entry("", priority, floor_tokens, deadline, tenant)
+        try:
+            refusal = self._refusal(c, e)
+            if refusal is None:
+                return None
+            c.push(e)
+            admitted_now = self._next_candidate() is e and self._fits(e)
+            c.remove(e)
+            return None if admitted_now else refusal
+        finally:
+            if new_class:
+                del self._classes[priority]
 
     def release(self, request_id: str) -> list[str]:
         """An admitted request ended (or a queued one left); returns the requests admitted now."""
@@ -221,6 +242,20 @@ class AdmissionQueue:
         return self._retry_after(e)
 
     # -- internals ---------------------------------------------------------------------------
+    def _over_quota(self, tenant: str, cost_tokens: int) -> Refused | None:
+        quota = self.config.tenant_quota_tokens.get(tenant)
+        if quota is None or cost_tokens <= quota:
+            return None
+        return Refused(f"the request needs {cost_tokens} tokens of the budget, more than tenant {tenant!r}'s "
+                       f"quota of {quota}: send a shorter prompt or a smaller max_tokens", None, "quota")
+
+    def _entry(self, request_id: str, priority: int, cost_tokens: int, deadline: float | None,
+               tenant: str) -> tuple[PriorityClass, Entry]:
+        c = self._classes.setdefault(priority, PriorityClass())
+        e = Entry(request_id, priority, tenant, cost_tokens, deadline, self.clock())
+        e.start_tag = c.start_tag(tenant, self.budget_tokens / self.weight(tenant))
+        return c, e
+
     def _refusal(self, c: PriorityClass, e: Entry) -> Refused | None:
         """Why `e` may not wait in the queue, or None."""
         limit = self.config.max_queued_per_priority

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Callable
+from typing import NoReturn
 
 import grpc
 
@@ -35,9 +36,7 @@ class AdmissionGate:
         queue's wait limit passed (RESOURCE_EXHAUSTED with a hint from the measured drain rate)."""
         verdict = self.queue.offer(prep.request_id, prep.priority, cost, deadline.at, prep.tenant)
         if isinstance(verdict, Refused):
-            self.refusals[verdict.kind] += 1
-            hint = "" if verdict.retry_after_s is None else f"; retry after {verdict.retry_after_s:.1f} s"
-            raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, verdict.reason + hint, verdict.retry_after_s)
+            self._refuse(verdict)
         if verdict:
             return
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
@@ -63,6 +62,18 @@ class AdmissionGate:
         raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"waited {self.queue.max_wait_s:g} s for admission (the router's queue limit) "
                             f"while the cluster stayed full; retry after {retry_s:.1f} s", retry_s)
+
+    def refuse_early(self, prep: Prepared, deadline: Deadline, floor_cost: int, ceiling_cost: int) -> None:
+        """Raises the refusal `admit` would give the request, whose cost lies between the two,
+        when its bounds already decide it (`AdmissionQueue.refusal_at`); else returns."""
+        verdict = self.queue.refusal_at(prep.priority, floor_cost, ceiling_cost, deadline.at, prep.tenant)
+        if verdict is not None:
+            self._refuse(verdict)
+
+    def _refuse(self, verdict: Refused) -> NoReturn:
+        self.refusals[verdict.kind] += 1
+        hint = "" if verdict.retry_after_s is None else f"; retry after {verdict.retry_after_s:.1f} s"
+        raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, verdict.reason + hint, verdict.retry_after_s)
 
     def release(self, request_id: str) -> None:
         """The request left: its budget goes to the queued requests it admits."""

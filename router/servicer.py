@@ -132,8 +132,11 @@ class Generation(pb_grpc.GenerationServicer):
     async def _admit(self, prep: Prepared, deadline: Deadline) -> tuple[Prepared, int]:
         """Waits for admission (or raises RequestFailed); returns the request as the workers get
         it (with its tenant's weight, for the engines' fair order) and its cost."""
-        facts = self.members.facts
-        cost = admission_cost(prep, facts.max_model_len if facts else 1 << 30, self.flow.cached_tokens(prep))
+        max_model_len = self.members.facts.max_model_len if self.members.facts else 1 << 30
+        # refused whatever part of the prompt is cached? then without hashing it
+        self.gate.refuse_early(prep, deadline, admission_cost(prep, max_model_len, len(prep.token_ids) - 1),
+                               admission_cost(prep, max_model_len))
+        cost = admission_cost(prep, max_model_len, self.flow.cached_tokens(prep))
         await self.gate.admit(prep, deadline, cost)
         return dataclasses.replace(prep, tenant_weight=self.gate.queue.weight(prep.tenant)), cost
 

@@ -222,3 +222,54 @@ def test_a_tenant_under_its_share_gets_in_while_another_overfills_the_budget(clo
     assert q.offer("c1", 0, 100, None, tenant="C") is True
     assert q.inflight_tokens == 1500  # the KV capacity (the configured budget here) is never passed
     assert q.offer("d0", 0, 100, None, tenant="D") is False
+
+
+def snapshot(q: AdmissionQueue) -> tuple:  # type: ignore[type-arg]
+    """Everything the queue decides by, in plain values."""
+    classes = {p: ({t: [(e.request_id, e.cost_tokens, e.start_tag) for e in fifo] for t, fifo in c.fifos.items()},
+                   c.vtime, dict(c._finish), c.num_queued) for p, c in q._classes.items()}
+    return (classes, dict(q._admitted), q.tenant_tokens(), q.inflight_tokens, q.budget_tokens, list(q._releases))
+
+
+def test_a_refusal_at_a_lower_bound_of_the_cost_is_the_requests_own_and_changes_nothing(clock) -> None:
+    """Random traffic (tenants, priorities, deadlines, a quota, releases, time); at each step a
+    request is checked between a floor and a ceiling of its cost, then offered to a copy of the
+    queue at its real cost: a refusal from the bounds is the same refusal at the cost, and the
+    check moves nothing."""
+    import copy
+    import random
+
+    rng = random.Random(7)
+    q = queue(clock, max_inflight_tokens=400, max_queued_per_priority=6, max_queue_wait_s=5.0,
+              tenant_weights={"A": 2.0}, tenant_quota_tokens={"C": 250})
+    live: list[str] = []
+    refused_early = 0
+    for i in range(400):
+        clock.advance(rng.random() * 0.3)
+        if live and rng.random() < 0.4:
+            live.remove(rid := rng.choice(live))
+            q.release(rid)
+        tenant, priority = rng.choice("ABC"), rng.choice((0, 0, 1))
+        cost = rng.randrange(20, 300)
+        floor = rng.randrange(1, cost + 1)
+        deadline = clock() + rng.choice((0.5, 2.0, 10.0)) if rng.random() < 0.5 else None
+        before = snapshot(q)
+        early = q.refusal_at(priority, floor, cost + rng.randrange(0, 50), deadline, tenant)
+        assert snapshot(q) == before
+        if early is not None:
+            refused_early += 1
+            real = copy.deepcopy(q).offer(f"r{i}", priority, cost, deadline, tenant)
+            assert isinstance(real, Refused) and real.kind == early.kind, (early, real)
+        if (verdict := q.offer(f"r{i}", priority, cost, deadline, tenant)) is not False and verdict is not True:
+            continue
+        live.append(f"r{i}")
+    assert refused_early > 20
+
+
+def test_the_check_by_bounds_admits_what_offer_would_admit_past_a_full_queue(clock) -> None:
+    q = queue(clock, max_inflight_tokens=100, max_queued_per_priority=2)
+    assert [q.offer(f"a{i}", 0, 60, None, tenant="A") for i in range(3)] == [True, False, False]  # A's queue is full
+    assert q.refusal_at(0, 30, 40, None, tenant="B") is None  # B, under its share, would go first and fit
+    assert q.offer("b0", 0, 30, None, tenant="B") is True
+    r = q.refusal_at(0, 30, 40, None, tenant="A")
+    assert isinstance(r, Refused) and r.kind == "queue_full"
