@@ -51,6 +51,11 @@ class RouterConfig:
     """With no decode worker to run a try on (all gone, or all failed this request), how long
     the request waits (within its deadline) for one to join, e.g. a replacement, before it
     ends UNAVAILABLE."""
+    kv_wait_s: float = 1.0
+    """How long an admitted request no decode worker has KV room for right now waits (within
+    its deadline) for room, re-routing as bookings end and heartbeats come, before it ends
+    RESOURCE_EXHAUSTED. Admission counts the decode pool as a whole; one worker can be short
+    while the pool is not (blocks round up, the load splits unevenly, heartbeats lag)."""
     max_request_bytes: int = 16 << 20
     """Largest Generate request accepted (grpc answers a larger one RESOURCE_EXHAUSTED,
     "received message larger than max"). A text prompt the size of a 128k-token context is
@@ -72,6 +77,8 @@ class RouterConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in 0..65535 (or None for no /metrics), got {self.metrics_port}")
+        if self.kv_wait_s < 0:
+            raise ValueError(f"kv_wait_s must be at least 0, got {self.kv_wait_s}")
         if min(self.prefill_timeout_s, self.reserve_timeout_s, self.decode_idle_timeout_s, self.busy_wait_s) <= 0:
             raise ValueError("prefill_timeout_s, reserve_timeout_s, decode_idle_timeout_s and busy_wait_s must be positive")
         if self.no_worker_wait_s < 0:

@@ -14,6 +14,7 @@ prompt plus those tokens is prefilled again), so the client sees one stream.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -38,6 +39,8 @@ from router.policy import RouteDecision, choose_round_robin, choose_route
 logger = logging.getLogger(__name__)
 
 PEEK_AFTER_TRANSFER_ERROR_S = 1.0
+KV_RECHECK_S = 0.1
+"""A request waiting for KV room routes again at least this often (heartbeats move too)."""
 """After a failed KV transfer, how long to watch the decode call for the decode worker's death."""
 
 
@@ -51,7 +54,10 @@ class RequestFlow:
         self._down: dict[str, float] = {}
         """Worker id -> until when (router clock) it gets no new requests."""
         self._turn = 0
-        self.stats = {"num_local_prefill": 0, "num_remote_prefill": 0, "num_retries": 0, "num_busy_waits": 0}
+        self._room = asyncio.Event()
+        """Set (and replaced) whenever a booking ends: KV may be free for a request waiting for it."""
+        self.stats = {"num_local_prefill": 0, "num_remote_prefill": 0, "num_retries": 0, "num_busy_waits": 0,
+                      "num_kv_waits": 0}
 
     def down_workers(self) -> list[str]:
         """Workers that failed as dead or unreachable lately, or whose heartbeat expired. A down
@@ -98,7 +104,7 @@ class RequestFlow:
                    avoid: set[str]) -> AsyncIterator[pb.GenerateResponse]:
         await self._await_decode_worker(avoid, deadline)
         route = tracing.child("router.route", progress.span)
-        decision, hashes, block_size = self._route(attempt, avoid)
+        decision, hashes, block_size = await self._route_with_room(attempt, avoid, deadline)
         tracing.end(route, splitserve__decode_worker=decision.decode_worker,
                     splitserve__prefill_worker=decision.prefill_worker or "local",
                     splitserve__decode_cached_blocks=decision.num_decode_cached_blocks,
@@ -138,6 +144,8 @@ class RequestFlow:
             for call in calls:
                 call.cancel()
             booking.end()
+            self._room.set()
+            self._room = asyncio.Event()
 
     async def _remote_prefill(self, attempt: Attempt, p: str, decode: WorkerCall, deadline: Deadline,
                               calls: list[WorkerCall], trace: tuple[tuple[str, str], ...]) -> pb.FirstToken:
@@ -249,6 +257,23 @@ class RequestFlow:
             await asyncio.sleep(0.1)
 
     # -- routing -----------------------------------------------------------------------------
+    async def _route_with_room(self, attempt: Attempt, avoid: set[str],
+                               deadline: Deadline) -> tuple[RouteDecision, list[bytes], int]:
+        """`_route`; when no decode worker has KV room for the request now, routes again as
+        bookings end (or every `KV_RECHECK_S`, for fresher heartbeats), for up to `kv_wait_s`."""
+        until = self.clock() + deadline.remaining(self.config.kv_wait_s)
+        waited = False
+        while True:
+            try:
+                return self._route(attempt, avoid)
+            except RequestFailed as e:
+                if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED or (left := until - self.clock()) <= 0:
+                    raise
+            self.stats["num_kv_waits"] += not waited
+            waited = True
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._room.wait(), min(left, KV_RECHECK_S))
+
     def _route(self, attempt: Attempt, avoid: set[str]) -> tuple[RouteDecision, list[bytes], int]:
         """Workers that failed this request are avoided; ones that are down too, unless no decode
         worker is left otherwise (down is a guess; a prefill worker is never needed)."""

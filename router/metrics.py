@@ -118,6 +118,7 @@ class _BooksCollector(Collector):
         yield refused
         for name, key, doc in (("retries", "num_retries", "Tries after a worker failed a request."),
                                ("busy_waits", "num_busy_waits", "Waits on a busy (heartbeating) worker past a timeout."),
+                               ("kv_waits", "num_kv_waits", "Admitted requests that waited for a decode worker's KV room."),
                                ("requests_invalid", "num_invalid", "Requests refused as invalid (INVALID_ARGUMENT).")):
             yield _counter(p + name, doc, m, stats.get(key, 0))
         for name, key, doc in (("router_requests_admitted", "num_admitted", "Requests admitted and not ended."),
