@@ -49,6 +49,11 @@ class AdmissionConfig:
     """The budget is at most this many times the decode pool's KV capacity in tokens. At
     1.0 every admitted request can hold its whole KV at once: none waits on a decode
     worker for room. Above 1.0 bets that requests stop before `max_tokens`."""
+    share_headroom: float = 0.1
+    """Part of the KV capacity the budget leaves free for tenants under their fair share (they
+    are admitted into it past the budget): without it, a flood that fills the budget holds
+    every decode block, and a light tenant's request, though admitted first, waits for the
+    flood's requests to end before it gets room on a decode worker."""
     aging_s: float = 10.0
     """A priority class whose oldest request has waited this long is served as one class
     more important (two after twice as long, and so on)."""
@@ -70,6 +75,8 @@ class AdmissionConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.ttft_budget_s is not None and not self.ttft_budget_s > 0:
             raise ValueError(f"ttft_budget_s must be positive, got {self.ttft_budget_s}")
+        if not 0 <= self.share_headroom < 1:
+            raise ValueError(f"share_headroom must be in [0, 1), got {self.share_headroom}")
         if min(self.max_queue_wait_s, self.min_retry_after_s, self.kv_overcommit, self.aging_s) <= 0:
             raise ValueError("max_queue_wait_s, min_retry_after_s, kv_overcommit and aging_s must be positive")
         bad = {t: w for t, w in self.tenant_weights.items() if not w > 0} | \
@@ -95,6 +102,7 @@ class AdmissionQueue:
         self.limit_tokens = config.max_inflight_tokens
         """The TTFT steering's cap on the budget (`observe_ttft`)."""
         self._capacity_tokens = config.max_inflight_tokens
+        self._capacity_known = False
         self._ttfts: list[float] = []
         self.max_wait_s = min(config.max_queue_wait_s, config.ttft_budget_s / 2) if config.ttft_budget_s \
             else config.max_queue_wait_s
@@ -171,6 +179,7 @@ class AdmissionQueue:
         if kv_tokens > 0:
             budget = min(budget, max(int(kv_tokens * self.config.kv_overcommit), 1))
         self._capacity_tokens = budget
+        self._capacity_known = kv_tokens > 0
         return self._rebudget()
 
     def observe_ttft(self, seconds: float, cost_tokens: int) -> list[str]:
@@ -193,8 +202,10 @@ class AdmissionQueue:
         return self._rebudget()
 
     def _rebudget(self) -> list[str]:
-        """The budget is the KV capacity's, capped by the TTFT steering; returns what it admits now."""
-        self.budget_tokens = min(self._capacity_tokens, self.limit_tokens)
+        """The budget is the KV capacity's less the share headroom, capped by the TTFT steering;
+        returns what it admits now."""
+        headroom = self.config.share_headroom if self._capacity_known else 0.0
+        self.budget_tokens = min(max(int(self._capacity_tokens * (1 - headroom)), 1), self.limit_tokens)
         return self._dispatch()
 
     def expire(self) -> list[str]:

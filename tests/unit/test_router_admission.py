@@ -83,9 +83,9 @@ def test_config_validation() -> None:
 
 def test_capacity_lowers_the_budget_and_a_larger_one_admits_the_queue(clock) -> None:
     q = queue(clock, max_inflight_tokens=1000)
-    assert q.set_capacity(100) == [] and q.budget_tokens == 100  # the decode pool holds 100 tokens of KV
+    assert q.set_capacity(100) == [] and q.budget_tokens == 90  # the pool holds 100 tokens of KV; 10 % headroom
     assert q.offer("a", 0, 60, None) is True
-    assert q.offer("b", 0, 60, None) is False  # 120 > the pool: it would wait on a decode worker
+    assert q.offer("b", 0, 60, None) is False  # 120 > the budget: it would wait on a decode worker
     assert q.set_capacity(200) == ["b"]  # a decode worker joined
     assert q.set_capacity(0) == [] and q.budget_tokens == 1000  # unknown: the configured budget
 
@@ -93,7 +93,16 @@ def test_capacity_lowers_the_budget_and_a_larger_one_admits_the_queue(clock) -> 
 def test_kv_overcommit_scales_the_capacity(clock) -> None:
     q = queue(clock, max_inflight_tokens=1000, kv_overcommit=1.5)
     q.set_capacity(100)
-    assert q.budget_tokens == 150
+    assert q.budget_tokens == 135  # 150 less the share headroom
+
+
+@pytest.mark.parametrize("headroom", [0.0, 0.1])
+def test_the_share_headroom_lets_a_light_tenant_in_beside_a_flood_that_fills_the_budget(clock, headroom) -> None:
+    q = queue(clock, max_inflight_tokens=1000, share_headroom=headroom)
+    q.set_capacity(100)
+    floods = [q.offer(f"a{i}", 0, 25, None, tenant="A") for i in range(5)]
+    assert floods == ([True] * 4 + [False] if headroom == 0 else [True] * 3 + [False] * 2)
+    assert q.offer("b0", 0, 10, None, tenant="B") is (headroom > 0)  # without headroom: no room left for B's share
 
 
 def test_tenants_share_the_budget_fairly_within_a_class(clock) -> None:
