@@ -133,6 +133,7 @@ class RouterService:
                 "queued_by_priority": {str(k): v for k, v in q.queued_by_priority().items()},
                 "tenant_tokens": q.tenant_tokens(), "refusals": dict(self.gate.refusals),
                 "redis_healthy": self.feed.healthy, "members": self.members.ids(),
+                "serving": {role: self.members.serving(role) for role in ("prefill", "decode")},
                 "down_workers": self.flow.down_workers(), "index_gaps": self.index.num_gaps,
                 "index_blocks": {w: self.index.num_blocks(w) for w in self.members.ids()},
                 "active": {w: self.flow.loads.load(w).num_active for w in self.members.ids()},

@@ -115,6 +115,8 @@ def test_ray_adds_a_decode_node_for_a_scale_up_and_removes_it_after(autoscaling_
         placed = wait_for("3 decode workers placed", lambda: decode_workers_placed(cluster, 3), 120)
         added = decode_nodes() - first
         assert len(added) == 1 and placed["decode-2"] in added  # Ray added a decode node for decode-2
+        wait_for("the router routes to decode-2",
+                 lambda: "decode-2" in cluster.router_stats()[0]["serving"]["decode"], 30)
         with grpc.insecure_channel(cluster.address) as channel:
             stub = pb_grpc.GenerationStub(channel)
             served = set()
