@@ -154,6 +154,8 @@ class LocalCluster:
         self.config = config
         self.embedded_redis = embedded_redis
         self.redis: EmbeddedRedis | None = None
+        self.supervise_redis = True
+        """False: a dead embedded redis-server stays dead (to keep Redis away on purpose)."""
         self.controller: Any = None
         self.info: dict[str, Any] = {}
         self._owns_ray = False
@@ -278,7 +280,7 @@ class LocalCluster:
         """Supervises the embedded redis-server: one that dies is started again on its port."""
         while not self._stopping.wait(REDIS_WATCH_INTERVAL_S):
             server = self.redis
-            if server is None or server.alive():
+            if server is None or not self.supervise_redis or server.alive():
                 continue
             logger.warning("the embedded redis-server (pid %d) died; starting it again on port %d",
                            server.pid, server.port)

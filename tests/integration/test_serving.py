@@ -242,8 +242,9 @@ def test_health_service_reports_serving(cluster: LocalCluster) -> None:
 
 
 def test_redis_away_means_load_only_routing(stub, cluster: LocalCluster) -> None:  # type: ignore[no-untyped-def]
-    """Last in the module: stops the cluster's Redis server."""
+    """Last in the module: stops the cluster's Redis server, and keeps it away."""
     assert cluster.redis is not None
+    cluster.supervise_redis = False
     cluster.redis.stop()
     time.sleep(1.5)
     for p in prompts(6, 2, 40) + [[7, 8]]:
