@@ -102,7 +102,9 @@ class AdmissionQueue:
         self.limit_tokens = config.max_inflight_tokens
         """The TTFT steering's cap on the budget (`observe_ttft`)."""
         self._capacity_tokens = config.max_inflight_tokens
-        self._capacity_known = False
+        """The most tokens admitted at once, tenants under their share included."""
+        self._budget_cap = config.max_inflight_tokens
+        """The budget before TTFT steering: the capacity less the share headroom, once known."""
         self._ttfts: list[float] = []
         self.max_wait_s = min(config.max_queue_wait_s, config.ttft_budget_s / 2) if config.ttft_budget_s \
             else config.max_queue_wait_s
@@ -120,7 +122,8 @@ class AdmissionQueue:
         """True: admitted now; False: queued (wait for `release` to return it); or Refused."""
         if (over := self._over_quota(tenant, cost_tokens)) is not None:
             return over
-        c, e = self._entry(request_id, priority, cost_tokens, deadline, tenant)
+        c = self._classes.setdefault(priority, PriorityClass())
+        e = self._entry(c, request_id, priority, cost_tokens, deadline, tenant)
         refusal = self._refusal(c, e)
         c.push(e)
         if self._next_candidate() is e and self._fits(e):
@@ -145,7 +148,8 @@ class AdmissionQueue:
         if self._over_quota(tenant, ceiling_tokens) is not None:
             return None
         new_class = priority not in self._classes
-        c, e = self._entry("", priority, floor_tokens, deadline, tenant)
+        c = self._classes.setdefault(priority, PriorityClass())  # there for `_next_candidate` to see
+        e = self._entry(c, "", priority, floor_tokens, deadline, tenant)
         try:
             refusal = self._refusal(c, e)
             if refusal is None:
@@ -179,7 +183,7 @@ class AdmissionQueue:
         if kv_tokens > 0:
             budget = min(budget, max(int(kv_tokens * self.config.kv_overcommit), 1))
         self._capacity_tokens = budget
-        self._capacity_known = kv_tokens > 0
+        self._budget_cap = max(int(budget * (1 - self.config.share_headroom)), 1) if kv_tokens > 0 else budget
         return self._rebudget()
 
     def observe_ttft(self, seconds: float, cost_tokens: int) -> list[str]:
@@ -204,8 +208,7 @@ class AdmissionQueue:
     def _rebudget(self) -> list[str]:
         """The budget is the KV capacity's less the share headroom, capped by the TTFT steering;
         returns what it admits now."""
-        headroom = self.config.share_headroom if self._capacity_known else 0.0
-        self.budget_tokens = min(max(int(self._capacity_tokens * (1 - headroom)), 1), self.limit_tokens)
+        self.budget_tokens = min(self._budget_cap, self.limit_tokens)
         return self._dispatch()
 
     def expire(self) -> list[str]:
@@ -247,9 +250,7 @@ class AdmissionQueue:
 
     def retry_after_s(self, cost_tokens: int, priority: int, tenant: str = "") -> float:
         """When a request of this cost would likely get in: its estimated wait were it queued now."""
-        c = self._classes.get(priority) or PriorityClass()
-        e = Entry("", priority, tenant, cost_tokens, None, self.clock())
-        e.start_tag = c.start_tag(tenant, self.budget_tokens / self.weight(tenant))
+        e = self._entry(self._classes.get(priority) or PriorityClass(), "", priority, cost_tokens, None, tenant)
         return self._retry_after(e)
 
     # -- internals ---------------------------------------------------------------------------
@@ -260,12 +261,12 @@ class AdmissionQueue:
         return Refused(f"the request needs {cost_tokens} tokens of the budget, more than tenant {tenant!r}'s "
                        f"quota of {quota}: send a shorter prompt or a smaller max_tokens", None, "quota")
 
-    def _entry(self, request_id: str, priority: int, cost_tokens: int, deadline: float | None,
-               tenant: str) -> tuple[PriorityClass, Entry]:
-        c = self._classes.setdefault(priority, PriorityClass())
+    def _entry(self, c: PriorityClass, request_id: str, priority: int, cost_tokens: int, deadline: float | None,
+               tenant: str) -> Entry:
+        """A request's entry, its start tag in class `c` set (not queued)."""
         e = Entry(request_id, priority, tenant, cost_tokens, deadline, self.clock())
         e.start_tag = c.start_tag(tenant, self.budget_tokens / self.weight(tenant))
-        return c, e
+        return e
 
     def _refusal(self, c: PriorityClass, e: Entry) -> Refused | None:
         """Why `e` may not wait in the queue, or None."""

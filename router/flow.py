@@ -39,9 +39,9 @@ from router.policy import RouteDecision, choose_round_robin, choose_route
 logger = logging.getLogger(__name__)
 
 PEEK_AFTER_TRANSFER_ERROR_S = 1.0
+"""After a failed KV transfer, how long to watch the decode call for the decode worker's death."""
 KV_RECHECK_S = 0.1
 """A request waiting for KV room routes again at least this often (heartbeats move too)."""
-"""After a failed KV transfer, how long to watch the decode call for the decode worker's death."""
 
 
 class RequestFlow:
