@@ -29,8 +29,10 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -149,7 +151,7 @@ def summary(sent: list[Sent], seconds: float, budget_s: float) -> dict[str, obje
             "router_prefill_ms_p99": pct([s.prefill_ms / 1e3 for s in ok], 99)}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--loads", type=float, nargs="*", default=[1, 2, 5, 10], help="multiples of the sustainable rate")
     ap.add_argument("--seconds", type=float, default=15.0, help="per load level")
@@ -160,8 +162,48 @@ def main() -> None:
                     help="max_num_batched_tokens of every worker: the prefill step, and so how long a more "
                          "important request can wait behind a less important one's chunk")
     ap.add_argument("--model", help="model directory (default: a tiny random checkpoint made here)")
-    args = ap.parse_args()
+    return ap.parse_args()
 
+
+def load_levels(target: str, args: argparse.Namespace, sustainable: float, books: Callable[[], dict[str, Any]],
+                config: dict[str, Any]) -> None:
+    """Poisson arrivals at each multiple of the sustainable rate: one JSON line per level."""
+    for i, load in enumerate(args.loads):
+        sent = asyncio.run(poisson(target, {"": load * sustainable}, args.seconds, seed=i, prompt_tokens=args.prompt_tokens))
+        s, router = summary(sent, args.seconds, args.ttft_budget_s), books()
+        print(json.dumps({"bench": "overload", "phase": "load", "load_x": load, **s,
+                          "goodput_vs_sustainable": round(s["goodput_rps"] / sustainable, 2),  # type: ignore[operator]
+                          "router_refusals_so_far": router.get("refusals"),
+                          "router_budget_tokens": router.get("budget_tokens"),
+                          "router_rss_mib": router.get("rss_mib"), **config}), flush=True)
+
+
+def tenants(target: str, args: argparse.Namespace, sustainable: float, config: dict[str, Any]) -> None:
+    """B alone, then B with A flooding at 20x its rate from a process of its own: one JSON line."""
+    b_rate = args.tenant_b_fraction * sustainable
+    alone = asyncio.run(poisson(target, {"b": b_rate}, args.seconds, seed=100, prompt_tokens=args.prompt_tokens))
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        start_at = time.time() + FLOOD_START_S
+        flood = pool.submit(flood_elsewhere, target, {"a": 20 * b_rate}, args.seconds, 101, args.prompt_tokens, start_at)
+        b = asyncio.run(poisson(target, {"b": b_rate}, args.seconds, seed=102, prompt_tokens=args.prompt_tokens,
+                                start_at=start_at))
+        a = flood.result(timeout=args.seconds + 300)
+    b_alone, b_flooded = (summary(x, args.seconds, args.ttft_budget_s) for x in (alone, b))
+    a_refused = [s for s in a if s.code == "RESOURCE_EXHAUSTED"]
+    ratio = (b_flooded["ttft_ms_p99"] / b_alone["ttft_ms_p99"]  # type: ignore[operator]
+             if b_flooded["ttft_ms_p99"] and b_alone["ttft_ms_p99"] else None)
+    print(json.dumps({"bench": "overload", "phase": "tenants", "b_rps": round(b_rate, 2),
+                      "a_rps": round(20 * b_rate, 2), "b_alone": b_alone, "b_with_a": b_flooded,
+                      "b_ttft_p99_ratio": round(ratio, 2) if ratio else None,
+                      "a": summary(a, args.seconds, args.ttft_budget_s),
+                      "a_refusals_naming_share": sum("share" in s.details for s in a_refused),
+                      "a_refusals": len(a_refused),
+                      "a_refusal_example": a_refused[0].details if a_refused else None,
+                      "b_failures": sorted({s.details for s in b if s.code != "OK"})[:5], **config}), flush=True)
+
+
+def main() -> None:
+    args = parse_args()
     from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
     from cluster.local import LocalCluster
     from engine.tiny_model import make_tiny_model
@@ -175,45 +217,14 @@ def main() -> None:
         num_prefill=1, num_decode=2, worker_num_cpus=0.5, router=RouterConfig(port=0, admission=admission)))
     cluster.start()
     config = {"cluster": "1 prefill + 2 decode, tiny llama, CPU", "prompt_tokens": args.prompt_tokens,
-              "output_tokens": OUTPUT_TOKENS, "chunk_tokens": args.chunk_tokens, "ttft_budget_s": args.ttft_budget_s, "seconds": args.seconds,
-              "kv_overcommit": admission.kv_overcommit}
+              "output_tokens": OUTPUT_TOKENS, "chunk_tokens": args.chunk_tokens, "ttft_budget_s": args.ttft_budget_s,
+              "seconds": args.seconds, "kv_overcommit": admission.kv_overcommit}
     try:
         sustainable = asyncio.run(closed_loop(cluster.address, 32, args.seconds, args.prompt_tokens))
         print(json.dumps({"bench": "overload", "phase": "calibrate", "sustainable_rps": round(sustainable, 2),
                           "router_rss_mib": cluster.router_stats()[0].get("rss_mib"), **config}), flush=True)
-        for i, load in enumerate(args.loads):
-            sent = asyncio.run(poisson(cluster.address, {"": load * sustainable}, args.seconds, seed=i, prompt_tokens=args.prompt_tokens))
-            s = summary(sent, args.seconds, args.ttft_budget_s)
-            books = cluster.router_stats()[0]
-            print(json.dumps({"bench": "overload", "phase": "load", "load_x": load, **s,
-                              "goodput_vs_sustainable": round(s["goodput_rps"] / sustainable, 2),  # type: ignore[operator]
-                              "router_refusals_so_far": books.get("refusals"),
-                              "router_budget_tokens": books.get("budget_tokens"),
-                              "router_rss_mib": books.get("rss_mib"), **config}), flush=True)
-        b_rate = args.tenant_b_fraction * sustainable
-        alone = asyncio.run(poisson(cluster.address, {"b": b_rate}, args.seconds, seed=100, prompt_tokens=args.prompt_tokens))
-        with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            start_at = time.time() + FLOOD_START_S
-            flood = pool.submit(flood_elsewhere, cluster.address, {"a": 20 * b_rate}, args.seconds, 101,
-                                args.prompt_tokens, start_at)
-            both = asyncio.run(poisson(cluster.address, {"b": b_rate}, args.seconds, seed=102,
-                                       prompt_tokens=args.prompt_tokens, start_at=start_at))
-            both += flood.result(timeout=args.seconds + 300)
-        b_alone = summary(alone, args.seconds, args.ttft_budget_s)
-        b_flooded = summary([s for s in both if s.tenant == "b"], args.seconds, args.ttft_budget_s)
-        a = [s for s in both if s.tenant == "a"]
-        a_refused = [s for s in a if s.code == "RESOURCE_EXHAUSTED"]
-        b_refused = sorted({s.details for s in both if s.tenant == "b" and s.code != "OK"})
-        ratio = (b_flooded["ttft_ms_p99"] / b_alone["ttft_ms_p99"]  # type: ignore[operator]
-                 if b_flooded["ttft_ms_p99"] and b_alone["ttft_ms_p99"] else None)
-        print(json.dumps({"bench": "overload", "phase": "tenants", "b_rps": round(b_rate, 2),
-                          "a_rps": round(20 * b_rate, 2), "b_alone": b_alone, "b_with_a": b_flooded,
-                          "b_ttft_p99_ratio": round(ratio, 2) if ratio else None,
-                          "a": summary(a, args.seconds, args.ttft_budget_s),
-                          "a_refusals_naming_share": sum("share" in s.details for s in a_refused),
-                          "a_refusals": len(a_refused),
-                          "a_refusal_example": a_refused[0].details if a_refused else None,
-                          "b_failures": b_refused[:5], **config}), flush=True)
+        load_levels(cluster.address, args, sustainable, lambda: cluster.router_stats()[0], config)
+        tenants(cluster.address, args, sustainable, config)
     finally:
         cluster.stop()
 
