@@ -1,5 +1,5 @@
 """An admitted request that no decode worker has KV room for right now waits for room
-(`RouterConfig.kv_wait_s`) instead of being refused; with fake workers, as in test_router_flow."""
+(`RouterConfig.kv_wait_s`) instead of being refused; with the fake workers of `tests.unit.router_fakes`."""
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +12,7 @@ from control.heartbeat import Heartbeat
 from engine.request import SamplingParams
 from router.attempt import Deadline, Prepared, Progress, RequestFailed
 from router.frontend import Responses
-from tests.unit.test_router_flow import EXPECTED, MAX_TOKENS, PROMPT, assert_settled, good_decode, make_flow
+from tests.unit.router_fakes import EXPECTED, MAX_TOKENS, PROMPT, assert_settled, good_decode, make_flow
 
 
 def one_request_of_room(kv_wait_s: float):  # type: ignore[no-untyped-def]
