@@ -20,7 +20,8 @@ import threading
 import time
 from pathlib import Path
 
-from cluster.processes import add_device_flags, cluster_secret, placement, redacted, worker_host
+from cluster.default_model import TINY
+from cluster.processes import add_device_flags, add_http_flags, cluster_secret, placement, redacted, worker_host
 from bench.cli import add_parser as add_bench_parser
 from cluster.metrics_targets import add_observe_flags
 from cluster.metrics_targets import add_parser as add_metrics_targets_parser
@@ -61,16 +62,16 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         info = cluster.start()
         _write_state(info["address"], cluster.redis_url, args.namespace)
-        print(f"splitserve: serving {config.worker.model_dir} on {info['address']} "
+        http = f", OpenAI API on http://{info['http_address']}/v1" if info.get("http_address") else ""
+        print(f"splitserve: serving {_model_name(config)} on {info['address']}{http} "
               f"({args.num_prefill} prefill, {args.num_decode} decode on {config.worker.device} "
               f"{config.worker.dtype}, mode {args.mode}"
               + (f", {args.num_routers} routers" if args.num_routers > 1 else "")
               + f", Redis {redacted(cluster.redis_url)}); "
               f"ready in {time.perf_counter() - started:.1f} s. Ctrl-C stops.", flush=True)
-        if not args.model:
-            print("splitserve: the embedded default model has random weights, so its text is noise by design; "
-                  "serve a real checkpoint with --model DIR (a local Hugging Face Llama, Mistral or Qwen2 "
-                  "directory with safetensors and tokenizer.json)", flush=True)
+        if args.model == TINY:
+            print("splitserve: --model tiny has random weights, so its text is noise by design (it is for tests)",
+                  flush=True)
         while not stop.wait(1.0):
             pass
     finally:
@@ -83,12 +84,13 @@ def _serve_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """serve's flags as a ClusterConfig (raises ValueError naming what is wrong). The cluster
     secret comes from the environment, or the controller generates one."""
     from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
-    from cluster.default_model import default_model_dir
+    from cluster.default_model import model_path
     from router.policy import RoutingConfig
 
     device, dtype, mib, utilization, gpus = placement(args, args.num_prefill + args.num_decode)
+    model = model_path(args.model)
     return ClusterConfig(
-        worker=WorkerConfig(model_dir=args.model or str(default_model_dir()), dtype=dtype, device=device,
+        worker=WorkerConfig(model_dir=model, dtype=dtype, device=device,
                             block_size=args.block_size, kv_cache_bytes=mib * 2**20 if mib else None,
                             gpu_memory_utilization=utilization, host=worker_host(args),
                             advertise_host=args.advertise_host, cluster_secret=cluster_secret(),
@@ -96,13 +98,31 @@ def _serve_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         num_prefill=args.num_prefill, num_decode=args.num_decode, num_routers=args.num_routers,
         gpus_per_worker=gpus, autoscale=_autoscale_config(args),
         router=RouterConfig(host=args.host, port=args.port, metrics_port=_metrics_port(args),
-                            otlp_endpoint=args.otlp_endpoint,
+                            otlp_endpoint=args.otlp_endpoint, tokenizer_dir=_model_dir(model),
+                            http_port=None if args.http_port < 0 else args.http_port,
+                            served_model_name=args.served_model_name, chat_template=args.chat_template,
                             admission=_admission_config(args),
                             routing=RoutingConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens)),
         redis_url=args.redis_url or "", redis_host=args.redis_host, namespace=args.namespace,
         ray_address=args.ray_address,
         role_resources={role: {name: 1.0} for role, name in (("prefill", args.prefill_resource),
                                                               ("decode", args.decode_resource)) if name})
+
+
+def _model_dir(model: str) -> str:
+    """The directory the router reads the tokenizer and chat template from: `model`, or for a
+    GGUF file its converted directory (converted here, once, before any worker starts)."""
+    from engine.gguf_checkpoint import resolve_model_dir
+    from engine.types import EngineError
+
+    try:
+        return str(resolve_model_dir(model))
+    except EngineError as e:
+        raise ValueError(f"--model {model}: {e}") from None
+
+
+def _model_name(config) -> str:  # type: ignore[no-untyped-def]
+    return config.router.served_model_name or Path(config.router.tokenizer_dir).name
 
 
 def _write_state(address: str, redis_url: str, namespace: str) -> None:
@@ -120,19 +140,24 @@ def _preflight(config) -> None:  # type: ignore[no-untyped-def]
 
     from engine.model_config import ModelConfig
     from engine.types import EngineError
+    from router.chat_template import ChatTemplate, ChatTemplateError
 
     try:
-        ModelConfig.from_dir(config.worker.model_dir)
+        ModelConfig.from_dir(config.router.tokenizer_dir)  # the model's directory (a GGUF file's converted one)
+        ChatTemplate.load(config.router.tokenizer_dir, config.router.chat_template)
+    except ChatTemplateError as e:
+        raise ValueError(f"--chat-template: {e}") from None
     except (EngineError, OSError, ValueError) as e:
         raise ValueError(f"--model {config.worker.model_dir}: {e}") from None
-    port = config.router.port
-    if port:
+    for port, flag in ((config.router.port, "--port"), (config.router.http_port, "--http-port")):
+        if not port:
+            continue
         with socket.socket() as probe:
             try:
                 probe.bind((config.router.host, port))
             except OSError as e:
                 raise ValueError(f"cannot listen on {config.router.host}:{port} ({e.strerror}): another splitserve? "
-                                 "pick another with --port") from None
+                                 f"pick another with {flag}") from None
 
 
 def _autoscale_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -298,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     s = sub.add_parser("serve", help="start a local cluster: Ray, Redis, prefill + decode pools, router")
-    s.add_argument("--model", help="model directory (default: the embedded tiny model)")
+    s.add_argument("--model", help="a Hugging Face model directory, a .gguf file (or a directory holding one), or "
+                                   "`tiny` (random weights, for tests); default: the embedded SmolLM2-135M-Instruct")
     s.add_argument("--num-prefill", type=int, default=1)
     s.add_argument("--num-decode", type=int, default=1)
     s.add_argument("--num-routers", type=int, default=1,
@@ -308,6 +334,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
                    help="auto mode: decode workers prefill prompts with fewer uncached tokens themselves")
     s.add_argument("--port", type=int, default=50051, help="router port (0: a free one, printed when ready)")
     s.add_argument("--host", default="127.0.0.1", help="interface to serve on (0.0.0.0 for other machines)")
+    add_http_flags(s)
     add_observe_flags(s)
     s.add_argument("--redis-url", help="use this Redis instead of starting one (redis://host:port/db)")
     s.add_argument("--redis-host", default="127.0.0.1", help="interface the embedded Redis binds: on a Ray "

@@ -48,6 +48,7 @@ from control.metrics_http import MetricsServer
 from control.reader import RegistryReader
 from control.worker_config import dialable_host
 from decode_worker.worker import DecodeWorker
+from engine.gguf_checkpoint import resolve_model_dir
 from prefill_worker.worker import PrefillWorker
 from router.service import RouterService
 
@@ -118,11 +119,14 @@ class Controller:
             f"router-{i}", self._router_config(), self.redis_url, c.namespace) for i in range(c.num_routers)}
         replicas = list(self.routers.values())
         first = await await_ref(replicas[0].start.remote(), START_TIMEOUT_S)
+        http = (await await_ref(replicas[0].endpoints.remote(), START_TIMEOUT_S))["http"]
         port = int(first.rsplit(":", 1)[1])  # what port 0 resolved to; the other replicas join it
-        addresses = [first, *await asyncio.gather(*(await_ref(r.start.remote(port), START_TIMEOUT_S)
+        http_port = int(http.rsplit(":", 1)[1]) if http else None
+        addresses = [first, *await asyncio.gather(*(await_ref(r.start.remote(port, http_port), START_TIMEOUT_S)
                                                     for r in replicas[1:]))]
         await asyncio.gather(*(await_ref(r.await_workers.remote(list(self.workers), 30.0), 40.0) for r in replicas))
-        self.info = {"address": addresses[0], "routers": dict(zip(self.routers, addresses, strict=True)),
+        self.info = {"address": addresses[0], "http_address": http,
+                     "routers": dict(zip(self.routers, addresses, strict=True)),
                      "prefill": [w.info for w in self._live("prefill")], "decode": [w.info for w in self._live("decode")],
                      "mode": c.router.routing.mode, "redis_url": self.redis_url}
         host = c.router.host if c.router.metrics_port is not None else None
@@ -136,7 +140,7 @@ class Controller:
     def _router_config(self) -> RouterConfig:
         c = self.config
         return dataclasses.replace(c.router, share_port=c.num_routers > 1,
-                                   tokenizer_dir=c.router.tokenizer_dir or c.worker.model_dir,
+                                   tokenizer_dir=c.router.tokenizer_dir or str(resolve_model_dir(c.worker.model_dir)),
                                    cluster_secret=c.worker.cluster_secret)
 
     def _worker_options(self, role: Role) -> dict[str, Any]:

@@ -39,6 +39,14 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
                    help="share of its GPU a worker may use in all (default 0.9 x its GPU share)")
 
 
+def add_http_flags(p: argparse.ArgumentParser, default_port: int = 8000) -> None:
+    """The OpenAI HTTP API's flags (serve and router)."""
+    p.add_argument("--http-port", type=int, default=default_port,
+                   help=f"OpenAI-compatible HTTP API port on --host (default {default_port}; 0: a free one; -1: none)")
+    p.add_argument("--served-model-name", help="model name the HTTP API answers to (default: the model's name)")
+    p.add_argument("--chat-template", metavar="FILE", help="Jinja chat template replacing the model's own")
+
+
 def worker_host(args: argparse.Namespace) -> str:
     """`serve`'s worker bind address: --worker-host, else on a Ray cluster (--ray-address)
     the IP of each worker's node (peers are on other nodes), else loopback."""
@@ -95,12 +103,12 @@ def _run_until_signal(start, stop) -> int:  # type: ignore[no-untyped-def]
 def _worker(args: argparse.Namespace) -> int:
     import secrets
 
-    from cluster.default_model import default_model_dir
+    from cluster.default_model import model_path
     from control.worker_config import WorkerConfig
 
     try:
         device, dtype, mib, utilization, _ = placement(args, 1)
-        config = WorkerConfig(model_dir=args.model or str(default_model_dir()), dtype=dtype, device=device,
+        config = WorkerConfig(model_dir=model_path(args.model), dtype=dtype, device=device,
                               block_size=args.block_size, kv_cache_bytes=mib * 2**20 if mib else None,
                               gpu_memory_utilization=utilization, host=args.host, num_threads=args.num_threads,
                               model_id=args.model_id, advertise_host=args.advertise_host,
@@ -129,8 +137,12 @@ def _router(args: argparse.Namespace) -> int:
     from router.service import RouterService
 
     try:
+        if args.tokenizer and Path(args.tokenizer).suffix == ".gguf":
+            raise ValueError("--tokenizer takes a directory; for a GGUF model, the converted directory a worker "
+                             "of that model logs at start (the router loads no model code)")
         config = RouterConfig(host=args.host, port=args.port, metrics_port=_metrics_port(args),
-                              otlp_endpoint=args.otlp_endpoint,
+                              otlp_endpoint=args.otlp_endpoint, http_port=None if args.http_port < 0 else args.http_port,
+                              served_model_name=args.served_model_name, chat_template=args.chat_template,
                               tokenizer_dir=args.tokenizer,
                               routing=RoutingConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens),
                               cluster_secret=required_secret())
@@ -140,8 +152,9 @@ def _router(args: argparse.Namespace) -> int:
     service = RouterService(args.router_id, config, args.redis_url, args.namespace)
 
     async def start() -> str:
-        return (f"splitserve: router {args.router_id} serving on {await service.start()} "
-                f"(Redis {redacted(args.redis_url)})")
+        address = await service.start()
+        http = f", OpenAI API on http://{service.http_address}/v1" if service.http_address else ""
+        return f"splitserve: router {args.router_id} serving on {address}{http} (Redis {redacted(args.redis_url)})"
 
     return _run_until_signal(start, service.shutdown)
 
@@ -152,7 +165,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     w.add_argument("--redis-url", required=True, help="the cluster's Redis (redis://host:port/db)")
     w.add_argument("--namespace", default="splitserve", help="prefix of the cluster's Redis keys")
     w.add_argument("--worker-id", help="unique in the cluster (default: ROLE-<random>)")
-    w.add_argument("--model", help="model directory (default: the embedded tiny model)")
+    w.add_argument("--model", help="model directory, .gguf file, or `tiny` (default: the embedded SmolLM2-135M-Instruct)")
     w.add_argument("--model-id", help="name the block hashes are keyed with (default: the directory's name)")
     w.add_argument("--host", default="127.0.0.1", help="interface for the worker's gRPC and kvfabric listeners")
     w.add_argument("--advertise-host", help="address peers dial to reach this worker (default: --host, or for "
@@ -171,6 +184,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     r.add_argument("--port", type=int, default=50051, help="0: a free one, printed when ready")
     add_observe_flags(r)
     r.add_argument("--host", default="127.0.0.1", help="interface to serve on (0.0.0.0 for other machines)")
+    add_http_flags(r)
     r.add_argument("--tokenizer", help="directory with the model's tokenizer.json (default: token-id prompts only)")
     r.add_argument("--mode", choices=("disaggregated", "colocated", "auto"), default="auto")
     r.add_argument("--local-prefill-tokens", type=int, default=256)

@@ -15,7 +15,8 @@ class WorkerConfig:
     """One prefill or decode worker (a Ray actor, or a plain process)."""
 
     model_dir: str
-    """Local checkpoint directory, readable on every node."""
+    """Local checkpoint directory or GGUF file, readable at this path on every node (each
+    node converts a GGUF file into its own cache once)."""
     dtype: DType = "float32"
     device: str = "cpu"
     block_size: int = 16

@@ -72,7 +72,8 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model_dir: str
-    """Local Hugging Face-format checkpoint directory."""
+    """Local Hugging Face-format checkpoint directory, or a GGUF file (or a directory holding
+    one), converted once into the cache (`engine.gguf_checkpoint`)."""
     dtype: DType = "float32"
     device: str = "cpu"
     role: Role = "both"

@@ -24,6 +24,7 @@ from engine.block_pool import BlockPool, KVEvent, PoolUsage
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.hashing import BlockHasher
+from engine.gguf_checkpoint import resolve_model_dir
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_pool import KVAllocator, KVLayout, KVPool
 from engine.kv_sizing import DEFAULT_CPU_KV_BYTES, kv_pool_bytes, num_blocks_for
@@ -101,17 +102,18 @@ class LLMEngine:
         self.config = config
         self.clock = clock
         self.handoff = handoff
-        self.model_config = ModelConfig.from_dir(config.model_dir)
+        model_dir = resolve_model_dir(config.model_dir)  # a GGUF file: its converted directory
+        self.model_config = ModelConfig.from_dir(model_dir)
         mc = self.model_config
         dtype = _DTYPES[config.dtype]
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         kernels = native.load() if config.native_kernels and config.device == "cpu" else None
-        self.model = LlamaForCausalLM.load(config.model_dir, mc, dtype, config.device, config.prepack_weights, kernels)
-        self.model_id = config.model_id or Path(config.model_dir).resolve().name
+        self.model = LlamaForCausalLM.load(model_dir, mc, dtype, config.device, config.prepack_weights, kernels)
+        self.model_id = config.model_id or model_dir.resolve().name
         self.hasher = BlockHasher(config.cache.cluster_secret, self.model_id, config.cache.block_size)
         self.layout = KVLayout(mc.num_layers, config.cache.block_size, mc.num_kv_heads, mc.head_dim, dtype)
         self.sampler = Sampler(config.seed, config.device)
-        tok_path = Path(config.model_dir) / "tokenizer.json"
+        tok_path = model_dir / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.is_file() else None
         self._reset_state()
         self._attach_pool(self._pool_blocks(), allocator)

@@ -21,6 +21,13 @@ class RouterConfig:
     """Port of the router's Prometheus `/metrics` (HTTP, on `host`); 0 picks a free one
     (`splitserve metrics-targets` lists it), None serves none. Give several replicas on
     one host 0: a fixed port can be bound once."""
+    http_port: int | None = None
+    """Port of the OpenAI-compatible HTTP API (`router/http_api.py`, on `host`); 0 picks a free
+    one (replicas join the first one's, as for `port`), None serves none."""
+    served_model_name: str | None = None
+    """The model name the HTTP API answers to and reports; None: the model id the workers report."""
+    chat_template: str | None = None
+    """A Jinja chat template file that replaces the model's own (None: the model's)."""
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     prefill_timeout_s: float = 120.0
@@ -75,6 +82,8 @@ class RouterConfig:
             raise ValueError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ValueError(f"http_port must be in 0..65535 (or None for no HTTP API), got {self.http_port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in 0..65535 (or None for no /metrics), got {self.metrics_port}")
         if self.kv_wait_s < 0:

@@ -13,6 +13,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 from tokenizers import Tokenizer
@@ -23,6 +24,7 @@ from engine.types import InvalidRequestError
 from proto import generate_pb2 as pb
 from proto.convert import finish_to_pb, sampling_from_pb
 from router.attempt import Prepared, Progress, RequestFailed
+from router.chat_template import ChatTemplate, ChatTemplateError
 
 
 MAX_ID_CHARS = 128
@@ -40,9 +42,37 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 class Frontend:
-    def __init__(self, tokenizer_dir: str | None) -> None:
+    def __init__(self, tokenizer_dir: str | None, chat_template_file: str | None = None) -> None:
         tok = Path(tokenizer_dir) / "tokenizer.json" if tokenizer_dir else None
         self.tokenizer = Tokenizer.from_file(str(tok)) if tok is not None and tok.is_file() else None
+        self.chat_template = ChatTemplate.load(tokenizer_dir, chat_template_file)
+
+    def chat_token_ids(self, messages: list[dict[str, Any]], max_model_len: int, add_generation_prompt: bool = True,
+                       template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """A conversation's prompt tokens: the model's chat template rendered, then tokenized
+        without adding special tokens (the template holds them). Raises InvalidRequestError."""
+        if self.chat_template is None or self.tokenizer is None:
+            raise InvalidRequestError("this model has no chat template: use the completions endpoint, or start the "
+                                      "router with --chat-template FILE")
+        num_chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+        if num_chars > MAX_TEXT_CHARS_PER_TOKEN * max_model_len:
+            raise InvalidRequestError(f"messages hold {num_chars} characters; the model's context is {max_model_len} "
+                                      "tokens")
+        try:
+            text = self.chat_template.render(messages, add_generation_prompt, **(template_kwargs or {}))
+        except ChatTemplateError as e:
+            raise InvalidRequestError(str(e)) from None
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer")
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def prepare(self, request: pb.GenerateRequest, facts: ModelFacts | None, max_decode_blocks: int) -> Prepared:
         """Validates and tokenizes; raises RequestFailed with the status the client gets."""

@@ -1,7 +1,8 @@
 """RouterService: one router replica — its gRPC server and background tasks (a Ray actor body).
 
 Serves `Generation` (the `router.servicer.Generation` over a `RequestFlow`), standard
-health checking and server reflection on `RouterConfig.host:port`; runs the Redis feed
+health checking and server reflection on `RouterConfig.host:port`, and the OpenAI HTTP API
+(`router.http_api`, the same `Generation` underneath) on `host:http_port`, on one event loop; runs the Redis feed
 (membership, KV index, heartbeats), the admission expiry timer and the router's stats
 report (`splitserve status` reads it); serves Prometheus `/metrics` on `metrics_port`. Workers are found in the registry, not given:
 a router needs a Redis URL. This module and everything it imports are torch-free.
@@ -33,6 +34,7 @@ from router.feed import RegistryFeed
 from router.flow import RequestFlow
 from router.frontend import Frontend
 from router.gate import AdmissionGate
+from router.http_api import OpenAIServer
 from router.kv_index import KVIndex
 from router.loads import LoadBook
 from router.members import Members
@@ -62,8 +64,11 @@ class RouterService:
         self.gate = AdmissionGate(config.admission, time.monotonic)
         self.metrics = RouterMetrics(lambda: self.members.facts.model_id if self.members.facts else "") \
             if config.metrics_port is not None else None
-        self.generation = Generation(Frontend(config.tokenizer_dir), self.gate, self.flow, self.members,
-                                     metrics=self.metrics)
+        frontend = Frontend(config.tokenizer_dir, config.chat_template)
+        self.generation = Generation(frontend, self.gate, self.flow, self.members, metrics=self.metrics)
+        self.http = OpenAIServer(self.generation, frontend, self.members, config.served_model_name,
+                                 config.max_request_bytes) if config.http_port is not None else None
+        self.http_address = ""
         self.metrics_server: MetricsServer | None = None
         if self.metrics is not None:
             self.metrics.watch(RouterBooks(stats=lambda: {**self.generation.stats, **self.flow.stats},
@@ -77,8 +82,9 @@ class RouterService:
         self._tasks: list[asyncio.Task[None]] = []
         self.address = ""
 
-    async def start(self, port: int | None = None) -> str:
-        """Serves on `port` (default: the configured one; 0 picks a free one) and returns host:port."""
+    async def start(self, port: int | None = None, http_port: int | None = None) -> str:
+        """Serves gRPC on `port` and the HTTP API on `http_port` (default: the configured ones; 0
+        picks a free one) and returns gRPC's host:port (`http_address` has the other)."""
         port = self.config.port if port is None else port
         server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.config.share_port)),
                                           ("grpc.max_receive_message_length", self.config.max_request_bytes)])
@@ -96,6 +102,11 @@ class RouterService:
         with contextlib.suppress(redis.RedisError, OSError, TimeoutError):
             await self.feed.refresh()  # the workers already serving, before the first request
         await server.start()
+        self._server = server
+        if self.http is not None:
+            bound_http = await self.http.start(self.config.host, self.config.http_port if http_port is None
+                                               else http_port, self.config.share_port)
+            self.http_address = f"{self.config.host}:{bound_http}"
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._server = server
@@ -106,7 +117,8 @@ class RouterService:
         with contextlib.suppress(redis.RedisError, OSError, TimeoutError):  # found by `status` at once
             await self.reader.set_router_stats(self.router_id, await self.stats(), ttl_s=5.0)
         self._tasks += [asyncio.create_task(self.feed.run()), asyncio.create_task(self._tick())]
-        logger.info("router %s serving on %s", self.router_id, self.address)
+        logger.info("router %s serving on %s%s", self.router_id, self.address,
+                    f", HTTP on {self.http_address}" if self.http_address else "")
         return self.address
 
     async def await_workers(self, worker_ids: list[str], timeout_s: float) -> None:
@@ -128,7 +140,8 @@ class RouterService:
 
     async def stats(self) -> dict[str, object]:
         q = self.gate.queue
-        return {"router_id": self.router_id, "address": self.address, "metrics_address": self.metrics_address,
+        return {"router_id": self.router_id, "address": self.address, "http_address": self.http_address,
+                "metrics_address": self.metrics_address,
                 **self.generation.stats, **self.flow.stats, **self._admission_books(),
                 "queued_by_priority": {str(k): v for k, v in q.queued_by_priority().items()},
                 "tenant_tokens": q.tenant_tokens(), "refusals": dict(self.gate.refusals),
@@ -151,7 +164,13 @@ class RouterService:
                 with contextlib.suppress(redis.RedisError, OSError, TimeoutError):
                     await self.reader.set_router_stats(self.router_id, await self.stats(), ttl_s=5.0)
 
+    async def endpoints(self) -> dict[str, str]:
+        """Where this replica serves: gRPC and (when on) HTTP host:port."""
+        return {"grpc": self.address, "http": self.http_address}
+
     async def shutdown(self) -> None:
+        if self.http is not None:
+            await self.http.stop()
         if self._server is not None:
             await self._server.stop(grace=self.config.grace_s)
         if self.metrics_server is not None:

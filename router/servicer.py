@@ -12,7 +12,8 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -65,30 +66,44 @@ class Generation(pb_grpc.GenerationServicer):
             yield response
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
-        progress = Progress(time.perf_counter(), span=tracing.child(
-            "router.generate", tracing.extract(context.invocation_metadata()), tracing.SpanKind.SERVER))
         try:
-            async for response in self._generate(request, context, progress):
+            async for response in self.stream(request, context.invocation_metadata(), context.time_remaining()):
                 yield response
+        except RequestFailed as e:
+            await _fail(context, e)
+
+    async def stream(self, request: pb.GenerateRequest, trace_metadata: Iterable[tuple[str, Any]] | None,
+                     timeout_s: float | None) -> AsyncIterator[pb.GenerateResponse]:
+        """One request, whatever protocol it came in by (gRPC here, OpenAI HTTP in router/http_api.py):
+        its responses, or RequestFailed with the status it ends with. `trace_metadata` carries the
+        caller's `traceparent`; `timeout_s` is its deadline from now (None: none)."""
+        progress = Progress(time.perf_counter(), span=tracing.child(
+            "router.generate", tracing.extract(trace_metadata), tracing.SpanKind.SERVER))
+        try:
+            async for response in self._generate(request, progress, timeout_s):
+                yield response
+        except RequestFailed as e:
+            progress.status = e.code.value[0]
+            raise
         finally:
             self._end_trace(progress)
 
-    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
-                        progress: Progress) -> AsyncIterator[pb.GenerateResponse]:
+    async def _generate(self, request: pb.GenerateRequest, progress: Progress,
+                        timeout_s: float | None) -> AsyncIterator[pb.GenerateResponse]:
         try:
             prep = progress.prep = self._prepare(request)
         except RequestFailed as e:
             self.stats["num_invalid" if e.code == grpc.StatusCode.INVALID_ARGUMENT else "num_refused"] += 1
-            await _fail(context, e, progress)
+            raise
         try:
-            deadline = Deadline(None if (left := context.time_remaining()) is None else self.clock() + left, self.clock)
+            deadline = Deadline(None if timeout_s is None else self.clock() + timeout_s, self.clock)
             admit = tracing.child("router.admit", progress.span)
             prep, cost = await self._admit(prep, deadline)
             tracing.end(admit, splitserve__cost_tokens=cost)
         except RequestFailed as e:
             tracing.end(admit, splitserve__refused=e.message)
             self.stats["num_refused"] += 1
-            await _fail(context, e, progress)
+            raise
         self._active.add(prep.request_id)
         try:
             progress.admitted = time.perf_counter()
@@ -101,15 +116,13 @@ class Generation(pb_grpc.GenerationServicer):
                 progress.finish_reason = response.finish_reason or progress.finish_reason
                 yield response
             self._count(prep, progress)
-        except RequestFailed as e:
-            await _fail(context, e, progress)
         except asyncio.CancelledError:
             if (task := asyncio.current_task()) is None or task.cancelling():
                 raise  # the client went away, or the server is stopping
             # a cancellation from below (a bug): the client gets a status now, not silence until its deadline
             logger.exception("request %s: cancelled inside the router", prep.request_id)
-            await _fail(context, RequestFailed(grpc.StatusCode.UNAVAILABLE, "the request was cut off inside the "
-                                               "router; retry", 1.0), progress)
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "the request was cut off inside the router; retry",
+                                1.0) from None
         finally:
             self._active.discard(prep.request_id)
             self.gate.release(prep.request_id)
@@ -158,9 +171,7 @@ class Generation(pb_grpc.GenerationServicer):
                 reason=finish_name_from_pb(progress.finish_reason) or "unknown")
 
 
-async def _fail(context: grpc.aio.ServicerContext, e: RequestFailed, progress: Progress | None = None) -> None:
-    if progress is not None:
-        progress.status = e.code.value[0]
+async def _fail(context: grpc.aio.ServicerContext, e: RequestFailed) -> None:
     if e.retry_after_s is not None:
         context.set_trailing_metadata((("retry-after-ms", str(int(e.retry_after_s * 1000))),))
     await context.abort(e.code, e.message)

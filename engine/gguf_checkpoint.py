@@ -1,0 +1,131 @@
+"""GGUF checkpoints: a `.gguf` file becomes a Hugging Face-format directory the engine and the
+router already read, once, in a cache.
+
+    model.gguf --(gguf reader: architecture, tensor types checked)--> refused with a clear error,
+               --(transformers' GGUF loading: dequantize, un-permute, rename)--> config.json,
+                 generation_config.json, model.safetensors (float32), tokenizer.json,
+                 tokenizer_config.json, chat_template.jinja (from the GGUF's metadata)
+               under <cache>/gguf/<sha of file + converter>/<file stem>/
+
+The directory's name is the file's stem, so the model id (block-hash key, served model name)
+is the same on every machine. A conversion is written aside and renamed into place, so a
+concurrent first use never sees half of one. The engine then casts the float32 weights to
+the serving dtype as it loads them. Only `resolve_model_dir` converts; it imports torch and
+transformers, so the router (torch-free) never calls it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from engine.types import UnsupportedModelError
+
+logger = logging.getLogger(__name__)
+
+CONVERTER_VERSION = "1"
+"""Part of the cache key: a change to what a conversion writes bumps it."""
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+"""GGUF `general.architecture` -> the Hugging Face architecture the engine runs."""
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+"""Tensor types dequantized (by the gguf package, through transformers)."""
+
+
+def cache_root() -> Path:
+    """`$SPLITSERVE_CACHE`, else `$XDG_CACHE_HOME/splitserve`, else `~/.cache/splitserve`."""
+    root = os.environ.get("SPLITSERVE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "splitserve")
+    return Path(root)
+
+
+def gguf_file(path: str | Path) -> Path | None:
+    """The GGUF file `path` names: itself, or the only `.gguf` in a directory without config.json."""
+    p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        return p
+    if p.is_dir() and not (p / "config.json").is_file():
+        found = sorted(p.glob("*.gguf"))
+        if len(found) > 1:
+            raise UnsupportedModelError(f"{p} holds {len(found)} .gguf files ({', '.join(f.name for f in found)}); "
+                                        "pass the one to serve")
+        return found[0] if found else None
+    return None
+
+
+def resolve_model_dir(path: str | Path) -> Path:
+    """A model directory the engine reads: `path` itself, or for a GGUF file its converted
+    directory in the cache (converting it first, which takes seconds to a minute)."""
+    file = gguf_file(path)
+    if file is None:
+        return Path(path)
+    out = cache_root() / "gguf" / _cache_key(file) / file.stem
+    if (out / "model.safetensors").is_file():
+        return out
+    check_supported(file)
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    logger.warning("converting %s (dequantizing to float32) into %s; later starts reuse it", file, out)
+    try:
+        _convert(file, tmp)
+        if out.exists():  # another process finished first
+            shutil.rmtree(tmp)
+        else:
+            tmp.replace(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def check_supported(file: Path) -> None:
+    """Raises UnsupportedModelError naming the architecture or tensor types the engine cannot serve."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(file)
+    except (ValueError, OSError) as e:
+        raise UnsupportedModelError(f"{file} is not a readable GGUF file: {e}") from None
+    field = reader.fields.get("general.architecture")
+    arch = field.contents() if field is not None else None
+    if arch not in ARCHITECTURES:
+        raise UnsupportedModelError(f"{file.name}: GGUF architecture {arch!r} is not supported; "
+                                    f"supported: {', '.join(ARCHITECTURES)}")
+    unsupported = sorted({t.tensor_type.name for t in reader.tensors} - set(TENSOR_TYPES))
+    if unsupported:
+        raise UnsupportedModelError(f"{file.name}: GGUF tensor types {', '.join(unsupported)} are not supported; "
+                                    f"supported: {', '.join(TENSOR_TYPES)}")
+
+
+def _cache_key(file: Path) -> str:
+    digest = hashlib.sha256(CONVERTER_VERSION.encode())
+    with file.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
+def _convert(file: Path, out: Path) -> None:
+    """Writes the Hugging Face-format directory of `file` into `out`."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    transformers.utils.logging.disable_progress_bar()
+    directory, name = str(file.parent), file.name
+    config = transformers.AutoConfig.from_pretrained(directory, gguf_file=name)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()
+             if not (config.tie_word_embeddings and k == "lm_head.weight")}  # tied: one tensor, not two
+    out.mkdir(parents=True)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    raw = config.to_dict()
+    raw["architectures"] = [ARCHITECTURES[raw["model_type"]]]
+    raw["torch_dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(raw, indent=2, default=str))
+    generation = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if raw.get(k) is not None}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    tokenizer.save_pretrained(str(out))  # tokenizer.json, tokenizer_config.json, chat_template.jinja
+    (out / "source.json").write_text(json.dumps({"gguf": str(file.resolve()), "converter": CONVERTER_VERSION}))

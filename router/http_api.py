@@ -1,0 +1,284 @@
+"""The OpenAI-compatible HTTP API of a router replica, on the router's own event loop.
+
+    HTTP request --(aiohttp, same loop as grpc.aio)--> body (size-capped) --(openai_protocol)-->
+    pb.GenerateRequest --(Generation.stream: frontend -> gate -> flow, as gRPC)-->
+    responses --> one JSON body, or server-sent events ending with `data: [DONE]`
+
+aiohttp (not uvicorn): its `AppRunner` serves on the running loop with no signal handlers of
+its own and no second loop, so grpc.aio's channels and this server share one loop and one
+thread; `handler_cancellation` cancels a request's handler when its client disconnects,
+which cancels the request's worker calls exactly as a gRPC cancel does. Errors use OpenAI's
+shape, `{"error": {"message", "type", "param", "code"}}`, with the status the gRPC code
+maps to (`HTTP_STATUS`) and a `Retry-After` header when the router has a retry hint. This
+module imports no torch.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+from importlib import metadata
+from typing import Any
+
+import grpc
+import orjson
+from aiohttp import web
+
+from engine.types import InvalidRequestError
+from router.attempt import RequestFailed
+from router.frontend import Frontend
+from router.members import Members
+from router.openai_protocol import (BadRequest, ChatRequest, CompletionRequest, DetokenizeRequest, Output,
+                                    TokenizeRequest, messages_as_dicts, new_id, parse, to_generate)
+from router.servicer import Generation
+
+logger = logging.getLogger(__name__)
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+"""gRPC status -> HTTP status; anything else is 500 (never a caller's mistake)."""
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
+               413: "invalid_request_error", 429: "rate_limit_error", 499: "cancelled",
+               503: "service_unavailable_error", 504: "timeout_error"}
+SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no"}
+DONE = b"data: [DONE]\n\n"
+
+
+def error(status: int, message: str, param: str | None = None, code: str | int | None = None,
+          retry_after_s: float | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "internal_error"), "param": param,
+                      "code": code if code is not None else status}}
+    headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))} if retry_after_s is not None else None
+    return web.json_response(body, status=status, headers=headers, dumps=_dumps)
+
+
+def failed(e: RequestFailed) -> web.Response:
+    return error(HTTP_STATUS.get(e.code, 500), e.message, code=e.code.name.lower(), retry_after_s=e.retry_after_s)
+
+
+def _dumps(value: Any) -> str:
+    return orjson.dumps(value).decode()
+
+
+def _sse(value: Any) -> bytes:
+    return b"data: " + orjson.dumps(value) + b"\n\n"
+
+
+class ModelNotFound(Exception):
+    """A request names a model this server does not serve (404)."""
+
+
+class OpenAIServer:
+    """The HTTP routes of one router replica; `start` serves them on the running loop."""
+
+    def __init__(self, generation: Generation, frontend: Frontend, members: Members,
+                 served_model_name: str | None, max_request_bytes: int) -> None:
+        self.generation, self.frontend, self.members = generation, frontend, members
+        self.served_model_name = served_model_name
+        self.max_request_bytes = max_request_bytes
+        self.created = int(time.time())
+        self._runner: web.AppRunner | None = None
+        app = web.Application(client_max_size=max_request_bytes, middlewares=[self._errors])
+        app.add_routes([web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
+                        web.get("/v1/models", self.models), web.get("/health", self.health),
+                        web.get("/version", self.version), web.post("/tokenize", self.tokenize),
+                        web.post("/detokenize", self.detokenize)])
+        self.app = app
+
+    async def start(self, host: str, port: int, reuse_port: bool) -> int:
+        """Serves on host:port (0: a free port) and returns the port."""
+        runner = web.AppRunner(self.app, handle_signals=False, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None, backlog=1024)
+        try:
+            await site.start()
+        except OSError as e:
+            await runner.cleanup()
+            raise RuntimeError(f"cannot serve HTTP on {host}:{port} ({e.strerror}): another server? pick another "
+                               "with --http-port") from None
+        self._runner = runner
+        return int(runner.addresses[0][1])
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    @property
+    def model_name(self) -> str | None:
+        facts = self.members.facts
+        return self.served_model_name or (facts.model_id if facts else None)
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Every error in OpenAI's shape: aiohttp's own (404 path, 405, 413) too; 500 only for our bugs."""
+        try:
+            return await handler(request)
+        except BadRequest as e:
+            return error(400, e.message, e.param)
+        except RequestFailed as e:
+            return failed(e)
+        except ModelNotFound as e:
+            return error(404, str(e), "model", "model_not_found")
+        except web.HTTPRequestEntityTooLarge:
+            return error(413, f"the request body is larger than {self.max_request_bytes} bytes", code="request_too_large")
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            return error(e.status, f"{request.method} {request.path}: {e.reason}")
+
+    # -- generation ------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = parse(CompletionRequest, await self._body(request))
+        model = self._check_model(req.model)
+        rid = new_id("completion")
+        generate = to_generate(req, req.request_id or rid, None, None)
+        return await self._run(request, req.stream, req.stream_options, generate,
+                               Output("completion", rid, model, req.logprobs is not None, self._token_text))
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        req = parse(ChatRequest, await self._body(request))
+        model = self._check_model(req.model)
+        facts = self.members.facts
+        if facts is None:
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "no decode worker is serving yet; retry", 1.0)
+        try:
+            prompt_ids = self.frontend.chat_token_ids(messages_as_dicts(req.messages), facts.max_model_len,
+                                                      req.add_generation_prompt, req.chat_template_kwargs)
+        except InvalidRequestError as e:
+            raise BadRequest(str(e), "messages") from None
+        # no max_tokens: as long as the context and the largest decode worker allow (vLLM's default)
+        room = min(facts.max_model_len, self.members.max_decode_blocks() * facts.block_size) - len(prompt_ids) - 1
+        rid = new_id("chat")
+        generate = to_generate(req, req.request_id or rid, prompt_ids, max(room, 1))
+        return await self._run(request, req.stream, req.stream_options, generate,
+                               Output("chat", rid, model, req.logprobs, self._token_text))
+
+    async def _run(self, request: web.Request, stream: bool, options: Any, generate: Any,
+                   out: Output) -> web.StreamResponse:
+        responses = self.generation.stream(generate, [(k.lower(), v) for k, v in request.headers.items()], None)
+        try:
+            try:
+                first = await anext(responses)  # a refusal before the first token is an HTTP error
+            except RequestFailed as e:
+                return failed(e)
+            if not stream:
+                return await self._whole(responses, first, out)
+            return await self._stream(request, responses, first, out, bool(options and options.include_usage))
+        finally:
+            await responses.aclose()
+
+    async def _whole(self, responses: AsyncIterator[Any], first: Any, out: Output) -> web.Response:
+        out.add(first)
+        try:
+            async for r in responses:
+                out.add(r)
+        except RequestFailed as e:
+            return failed(e)
+        return web.json_response(out.whole(), dumps=_dumps)
+
+    async def _stream(self, request: web.Request, responses: AsyncIterator[Any], first: Any, out: Output,
+                      include_usage: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        await resp.prepare(request)
+        r, is_first = first, True
+        try:
+            while True:
+                out.add(r)
+                if (chunk := out.chunk(r, is_first)) is not None:
+                    await resp.write(_sse(chunk))
+                    is_first = False
+                try:
+                    r = await anext(responses)
+                except StopAsyncIteration:
+                    break
+            if include_usage:
+                await resp.write(_sse(out.chunk(None)))
+        except RequestFailed as e:  # mid-stream: an error event, then [DONE]
+            status = HTTP_STATUS.get(e.code, 500)
+            await resp.write(_sse({"error": {"message": e.message, "type": ERROR_TYPES.get(status, "internal_error"),
+                                             "param": None, "code": status}}))
+        except ConnectionResetError:  # the client went away: closing `responses` cancels the request
+            return resp
+        with contextlib.suppress(ConnectionResetError):
+            await resp.write(DONE)
+            await resp.write_eof()
+        return resp
+
+    # -- the rest ----------------------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        name, facts = self.model_name, self.members.facts
+        data = [] if name is None else [{
+            "id": name, "object": "model", "created": self.created, "owned_by": "splitserve",
+            "root": facts.model_id if facts else name, "parent": None,
+            "max_model_len": facts.max_model_len if facts else None}]
+        return web.json_response({"object": "list", "data": data}, dumps=_dumps)
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.members.facts is None or not self.members.serving("decode"):
+            return error(503, "no decode worker is serving", code="unavailable")
+        return web.Response(status=200)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": _version()}, dumps=_dumps)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        req = parse(TokenizeRequest, await self._body(request))
+        self._check_model(req.model)
+        facts = self.members.facts
+        max_model_len = facts.max_model_len if facts else 1 << 30
+        try:
+            if req.messages is not None:
+                ids = self.frontend.chat_token_ids(messages_as_dicts(req.messages), max_model_len,
+                                                   req.add_generation_prompt)
+                if req.add_special_tokens:
+                    raise BadRequest("add_special_tokens with messages: the chat template adds them", "add_special_tokens")
+            elif req.prompt is not None:
+                ids = self.frontend.encode(req.prompt, req.add_special_tokens is not False)
+            else:
+                raise BadRequest("send 'prompt' or 'messages'", "prompt")
+        except InvalidRequestError as e:
+            raise BadRequest(str(e)) from None
+        return web.json_response({"count": len(ids), "max_model_len": facts.max_model_len if facts else None,
+                                  "tokens": ids}, dumps=_dumps)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        req = parse(DetokenizeRequest, await self._body(request))
+        self._check_model(req.model)
+        vocab = self.members.facts.vocab_size if self.members.facts else 1 << 32
+        if bad := [t for t in req.tokens if not 0 <= t < vocab]:
+            raise BadRequest(f"token ids {bad[:5]} are outside the model's vocabulary [0, {vocab})", "tokens")
+        try:
+            return web.json_response({"prompt": self.frontend.decode(req.tokens)}, dumps=_dumps)
+        except InvalidRequestError as e:
+            raise BadRequest(str(e)) from None
+
+    async def _body(self, request: web.Request) -> bytes:
+        if request.content_length is not None and request.content_length > self.max_request_bytes:
+            raise web.HTTPRequestEntityTooLarge(max_size=self.max_request_bytes, actual_size=request.content_length)
+        return await request.read()
+
+    def _check_model(self, model: str | None) -> str:
+        name = self.model_name
+        if name is None:
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "no decode worker is serving yet; retry", 1.0)
+        if model is not None and model != name:
+            raise ModelNotFound(f"the model '{model}' does not exist; this server serves '{name}'")
+        return name
+
+    def _token_text(self, token_id: int) -> str:
+        return self.frontend.decode([token_id])
+
+
+def _version() -> str:
+    try:
+        return metadata.version("splitserve")
+    except metadata.PackageNotFoundError:
+        return "unknown"

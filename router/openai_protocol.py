@@ -1,0 +1,328 @@
+"""The OpenAI API's request and response shapes, and their mapping onto `GenerateRequest`.
+
+    JSON body --(pydantic, strict types, unknown fields ignored)--> CompletionRequest | ChatRequest
+              --(to_generate)--> pb.GenerateRequest (the gRPC path's message: the same
+                 checks and messages follow in `Frontend.prepare`)
+    pb.GenerateResponse stream --(Output)--> OpenAI JSON: whole, or as chunks
+
+Only what this module can know without the model is checked here: types, fields the
+engine does not implement (`n` > 1, top logprobs, penalties, tools...), and integer
+ranges the proto cannot hold. Value ranges the engine owns (temperature, top_p, top_k,
+max_tokens, stop strings) are checked once, by the engine's `SamplingParams`.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from proto import generate_pb2 as pb
+
+INT32_MAX, UINT32_MAX, UINT64_MAX = 2**31 - 1, 2**32 - 1, 2**64 - 1
+FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    model: str | None = None
+    """The served model's name (None: it)."""
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    priority: int = 0
+    request_id: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Body):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+class BadRequest(Exception):
+    """A 400 before any work: `param` names the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+def parse(kind: type[_Body], body: bytes) -> Any:
+    """The body as `kind` (raises BadRequest naming the first field at fault)."""
+    try:
+        return kind.model_validate_json(body)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+    err = errors[0]
+    if err["type"] == "json_invalid":
+        raise BadRequest(f"the body is not valid JSON in UTF-8: {err['msg']}")
+    if err["type"] in ("json_type", "model_type"):
+        raise BadRequest(f"the body must be a JSON object: {err['msg']}")
+    name = str(err["loc"][0]) if err["loc"] else None
+    if err["type"] == "missing":
+        raise BadRequest(f"'{name}' is required", name)
+    field = kind.model_fields.get(name or "")
+    if field is not None and len([x for x in errors if x["loc"][:1] == err["loc"][:1]]) > 1:  # a union's branches
+        raise BadRequest(f"'{name}' must be {_type_name(field.annotation)} (got {_short(err.get('input'))})", name)
+    where = ".".join(str(p) for p in err["loc"])
+    raise BadRequest(f"'{where}': {err['msg']} (got {_short(err.get('input'))})", name)
+
+
+def _type_name(annotation: Any) -> str:
+    return " or ".join(getattr(a, "__name__", str(a)) if not getattr(a, "__args__", None) else str(a)
+                       for a in getattr(annotation, "__args__", (annotation,)) if a is not type(None))
+
+
+def messages_as_dicts(messages: list[Message]) -> list[dict[str, Any]]:
+    """Messages as chat templates read them: text parts joined into one string per message."""
+    out = []
+    for m in messages:
+        content = m.content if not isinstance(m.content, list) else "\n".join(p.text for p in m.content)
+        d: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+def to_generate(req: CompletionRequest | ChatRequest, request_id: str, prompt_ids: list[int] | None,
+                max_tokens_default: int | None) -> pb.GenerateRequest:
+    """The gRPC message for this request: `prompt_ids` (a chat's rendered prompt) or the
+    completion's own prompt; max_tokens from the request, else `max_tokens_default`."""
+    _refuse_unsupported(req)
+    max_tokens = req.max_tokens
+    if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
+        max_tokens = req.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = max_tokens_default
+    sampling = pb.SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
+                                 ignore_eos=req.ignore_eos)
+    if max_tokens is not None:
+        sampling.max_tokens = _within(max_tokens, "max_completion_tokens" if isinstance(req, ChatRequest)
+                                      and req.max_completion_tokens is not None else "max_tokens", -INT32_MAX, INT32_MAX)
+    if req.top_p is not None:
+        sampling.top_p = req.top_p
+    if req.top_k is not None:
+        sampling.top_k = 0 if req.top_k == -1 else _within(req.top_k, "top_k", -INT32_MAX, INT32_MAX)  # -1: off (vLLM)
+    if req.seed is not None:
+        sampling.seed = _within(req.seed, "seed", 0, UINT64_MAX)
+    sampling.stop.extend([req.stop] if isinstance(req.stop, str) else req.stop or [])
+    sampling.stop_token_ids.extend(_token_ids(req.stop_token_ids or [], "stop_token_ids"))
+    sampling.logprobs = req.logprobs if isinstance(req, ChatRequest) else req.logprobs is not None  # 0: chosen only
+    out = pb.GenerateRequest(request_id=request_id, sampling=sampling, tenant=req.user or "",
+                             priority=_within(req.priority, "priority", -INT32_MAX, INT32_MAX))
+    if prompt_ids is not None:
+        out.token_ids.ids.extend(prompt_ids)
+    else:
+        prompt = _single_prompt(req.prompt) if isinstance(req, CompletionRequest) else ""
+        if isinstance(prompt, str):
+            out.text = prompt
+        else:
+            out.token_ids.ids.extend(_token_ids(prompt, "prompt"))
+    return out
+
+
+def _refuse_unsupported(req: CompletionRequest | ChatRequest) -> None:
+    if req.n != 1:
+        raise BadRequest(f"n={req.n}: only one choice per request is supported; send n=1 (several requests for "
+                         "several choices)", "n")
+    if req.stream_options is not None and not req.stream:
+        raise BadRequest("stream_options is only allowed with stream=true", "stream_options")
+    if req.min_p:
+        raise BadRequest("min_p is not supported; leave it unset or 0", "min_p")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise BadRequest(f"{name} is not supported; leave it unset or 0", name)
+    if req.repetition_penalty not in (None, 1.0):
+        raise BadRequest("repetition_penalty is not supported; leave it unset or 1", "repetition_penalty")
+    if req.logit_bias:
+        raise BadRequest("logit_bias is not supported", "logit_bias")
+    if isinstance(req, CompletionRequest):
+        if req.logprobs:
+            raise BadRequest(f"logprobs={req.logprobs}: top alternatives are not returned; logprobs=0 returns each "
+                             "chosen token's log-probability", "logprobs")
+        if req.echo:
+            raise BadRequest("echo is not supported", "echo")
+        if req.best_of not in (None, 1):
+            raise BadRequest("best_of must be 1", "best_of")
+        if req.suffix:
+            raise BadRequest("suffix is not supported", "suffix")
+        return
+    if req.top_logprobs:
+        raise BadRequest(f"top_logprobs={req.top_logprobs}: top alternatives are not returned; logprobs=true returns "
+                         "each chosen token's log-probability", "top_logprobs")
+    if req.response_format is not None and req.response_format.get("type") != "text":
+        raise BadRequest(f"response_format {req.response_format.get('type')!r} is not supported yet; only 'text'",
+                         "response_format")
+    if req.tools and req.tool_choice != "none":
+        raise BadRequest("tools are not supported yet", "tools")
+
+
+def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return prompt  # type: ignore[return-value]
+    if len(prompt) != 1:
+        raise BadRequest(f"prompt holds {len(prompt)} prompts; send one prompt per request", "prompt")
+    return prompt[0]  # type: ignore[return-value]
+
+
+def _token_ids(ids: list[int], param: str) -> list[int]:
+    bad = [t for t in ids if not 0 <= t <= UINT32_MAX]
+    if bad:
+        raise BadRequest(f"'{param}' holds token ids {bad[:5]} that are not token ids (0 or more)", param)
+    return ids
+
+
+def _within(value: int, param: str, low: int, high: int) -> int:
+    if not low <= value <= high:
+        raise BadRequest(f"'{param}' is {value}, outside [{low}, {high}]", param)
+    return value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+@dataclass
+class Output:
+    """One request's answer as OpenAI writes it, built from the router's responses."""
+
+    kind: Literal["completion", "chat"]
+    request_id: str
+    model: str
+    include_logprobs: bool
+    token_text: Any = None
+    """Token id -> its text (for logprobs)."""
+    created: int = field(default_factory=lambda: int(time.time()))
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+
+    @property
+    def object(self) -> str:
+        return "text_completion" if self.kind == "completion" else "chat.completion"
+
+    def add(self, r: pb.GenerateResponse) -> None:
+        self.text.append(r.text)
+        self.token_ids += r.token_ids
+        self.logprobs += r.logprobs
+        if r.HasField("usage"):  # the last response: finish reason and usage
+            self.finish_reason = FINISH_REASONS.get(r.finish_reason)
+            u = r.usage
+            self.usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+                          "total_tokens": u.prompt_tokens + u.completion_tokens,
+                          "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+    def whole(self) -> dict[str, Any]:
+        text = "".join(self.text)
+        choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(self.token_ids, self.logprobs),
+                                  "finish_reason": self.finish_reason}
+        if self.kind == "completion":
+            choice["text"] = text
+        else:
+            choice["message"] = {"role": "assistant", "content": text}
+        return {"id": self.request_id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": [choice], "usage": self.usage}
+
+    def chunk(self, r: pb.GenerateResponse | None, first: bool = False) -> dict[str, Any] | None:
+        """The stream chunk for `r` after `add(r)`: its text, or at the last response the finish
+        reason alone; None when it carries nothing to send. `r` None: the usage chunk."""
+        out = {"id": self.request_id, "object": self.object + ("" if self.kind == "completion" else ".chunk"),
+               "created": self.created, "model": self.model, "choices": []}
+        if r is None:
+            out["usage"] = self.usage
+            return out
+        last = r.HasField("usage")
+        if not (r.text or last or first or (self.include_logprobs and r.token_ids)):
+            return None
+        choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(list(r.token_ids), list(r.logprobs)),
+                                  "finish_reason": self.finish_reason if last else None}
+        if self.kind == "completion":
+            choice["text"] = r.text
+        elif first:
+            choice["delta"] = {"role": "assistant", "content": r.text}
+        else:
+            choice["delta"] = {"content": r.text} if r.text else {}
+        out["choices"].append(choice)
+        return out
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[float]) -> dict[str, Any] | None:
+        if not self.include_logprobs:
+            return None
+        texts = [self.token_text(t) for t in token_ids]
+        if self.kind == "completion":
+            return {"tokens": texts, "token_logprobs": logprobs[:len(texts)], "top_logprobs": None,
+                    "text_offset": None}
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                            for t, lp in zip(texts, logprobs, strict=False)]}
+
+
+def new_id(kind: Literal["completion", "chat"]) -> str:
+    return ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
+
