@@ -68,6 +68,29 @@ def _weights(cfg: dict, arch: str, seed: int) -> dict[str, torch.Tensor]:
     return {k: t.contiguous() for k, t in w.items()}
 
 
+CHAT_TEMPLATES = {
+    # Llama 3's shape: BOS, a header per message, content trimmed, an end-of-turn marker; the
+    # markers are plain text to this tokenizer (its only special tokens are <s> </s> <pad>)
+    "llama": (
+        "{{- bos_token }}"
+        "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] | trim %}"
+        "{%- set messages = messages[1:] %}{%- else %}{%- set system = 'You are a tiny test model.' %}{%- endif %}"
+        "{{- '<|start_header_id|>system<|end_header_id|>\n\n' + system + '<|eot_id|>' }}"
+        "{%- for message in messages %}"
+        "{%- if message['role'] not in ['user', 'assistant'] %}"
+        "{{- raise_exception('roles must be user or assistant after the system message') }}{%- endif %}"
+        "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim"
+        " + '<|eot_id|>' }}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"),
+    # ChatML, as Qwen2 writes it
+    "qwen2": (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>'"
+        " + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"),
+}
+"""Chat templates the test checkpoints carry (in tokenizer_config.json, as Hugging Face writes them)."""
+
+
 def make_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny", seed: int = 0) -> Path:
     """Write config, weights, tokenizer and generation config; returns the directory."""
     cfg = model_config(arch, size)
@@ -80,7 +103,8 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny"
         "config.json": cfg,
         "generation_config.json": dict(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID),
         "tokenizer_config.json": dict(tokenizer_class="PreTrainedTokenizerFast", bos_token=bos,
-                                      eos_token=eos, pad_token=pad, model_max_length=cfg["max_position_embeddings"]),
+                                      eos_token=eos, pad_token=pad, model_max_length=cfg["max_position_embeddings"],
+                                      chat_template=CHAT_TEMPLATES[arch]),
     }
     for name, content in files.items():
         (out / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")

@@ -141,7 +141,8 @@ class OpenAIServer:
         rid = new_id("completion")
         generate = to_generate(req, req.request_id or rid, None, None)
         return await self._run(request, req.stream, req.stream_options, generate,
-                               Output("completion", rid, model, req.logprobs is not None, self._token_text))
+                               Output("completion", rid, model, req.logprobs is not None, self._token_text,
+                                      return_token_ids=req.return_token_ids))
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req = parse(ChatRequest, await self._body(request))
@@ -159,7 +160,8 @@ class OpenAIServer:
         rid = new_id("chat")
         generate = to_generate(req, req.request_id or rid, prompt_ids, max(room, 1))
         return await self._run(request, req.stream, req.stream_options, generate,
-                               Output("chat", rid, model, req.logprobs, self._token_text))
+                               Output("chat", rid, model, req.logprobs, self._token_text,
+                                      return_token_ids=req.return_token_ids))
 
     async def _run(self, request: web.Request, stream: bool, options: Any, generate: Any,
                    out: Output) -> web.StreamResponse:

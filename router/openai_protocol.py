@@ -50,6 +50,8 @@ class _Sampling(_Body):
     user: str | None = None
     priority: int = 0
     request_id: str | None = None
+    return_token_ids: bool = False
+    """vLLM's extension: each choice (and stream chunk) also carries the generated token ids."""
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None
@@ -257,6 +259,7 @@ class Output:
     include_logprobs: bool
     token_text: Any = None
     """Token id -> its text (for logprobs)."""
+    return_token_ids: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -287,6 +290,8 @@ class Output:
             choice["text"] = text
         else:
             choice["message"] = {"role": "assistant", "content": text}
+        if self.return_token_ids:
+            choice["token_ids"] = self.token_ids
         return {"id": self.request_id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": [choice], "usage": self.usage}
 
@@ -299,7 +304,7 @@ class Output:
             out["usage"] = self.usage
             return out
         last = r.HasField("usage")
-        if not (r.text or last or first or (self.include_logprobs and r.token_ids)):
+        if not (r.text or last or first or ((self.include_logprobs or self.return_token_ids) and r.token_ids)):
             return None
         choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(list(r.token_ids), list(r.logprobs)),
                                   "finish_reason": self.finish_reason if last else None}
@@ -309,6 +314,8 @@ class Output:
             choice["delta"] = {"role": "assistant", "content": r.text}
         else:
             choice["delta"] = {"content": r.text} if r.text else {}
+        if self.return_token_ids:
+            choice["token_ids"] = list(r.token_ids)
         out["choices"].append(choice)
         return out
 

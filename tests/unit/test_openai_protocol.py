@@ -1,0 +1,113 @@
+"""The OpenAI request shapes: types checked strictly, unsupported fields refused by name, the
+mapping onto GenerateRequest, and the response and chunk shapes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from proto import generate_pb2 as pb
+from router.openai_protocol import (BadRequest, ChatRequest, CompletionRequest, Output, messages_as_dicts, parse,
+                                    to_generate)
+
+
+def bad(kind, body: dict | bytes) -> BadRequest:  # type: ignore[no-untyped-def]
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    with pytest.raises(BadRequest) as e:
+        req = parse(kind, raw)
+        to_generate(req, "r", [1] if kind is ChatRequest else None, None)
+    return e.value
+
+
+@pytest.mark.parametrize(("kind", "body", "param", "message"), [
+    (CompletionRequest, {}, "prompt", "'prompt' is required"),
+    (ChatRequest, {"model": "m"}, "messages", "'messages' is required"),
+    (ChatRequest, {"messages": []}, "messages", "'messages': List should have at least 1 item"),
+    (CompletionRequest, {"prompt": 5}, "prompt", "'prompt' must be str or list[int] or list[str] or list[list[int]]"),
+    (CompletionRequest, {"prompt": "x", "max_tokens": "5"}, "max_tokens", "'max_tokens': Input should be a valid integer"),
+    (CompletionRequest, {"prompt": "x", "temperature": "hot"}, "temperature", "'temperature': Input should be a valid number"),
+    (CompletionRequest, {"prompt": "x", "stream": "yes"}, "stream", "'stream': Input should be a valid boolean"),
+    (ChatRequest, {"messages": [{"role": "tool", "content": "x"}]}, "messages", "'messages.0.role': Input should be"),
+    (ChatRequest, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages", "messages"),
+    (CompletionRequest, {"prompt": "x", "n": 5}, "n", "n=5: only one choice per request is supported"),
+    (CompletionRequest, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options",
+     "stream_options is only allowed with stream=true"),
+    (CompletionRequest, {"prompt": "x", "logprobs": 3}, "logprobs", "logprobs=3: top alternatives are not returned"),
+    (ChatRequest, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "top_logprobs=2"),
+    (CompletionRequest, {"prompt": "x", "seed": -1}, "seed", "'seed' is -1, outside [0, 18446744073709551615]"),
+    (CompletionRequest, {"prompt": [1, -2]}, "prompt", "'prompt' holds token ids [-2]"),
+    (CompletionRequest, {"prompt": ["a", "b"]}, "prompt", "prompt holds 2 prompts; send one prompt per request"),
+    (CompletionRequest, {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "presence_penalty is not supported"),
+    (CompletionRequest, {"prompt": "x", "min_p": 0.1}, "min_p", "min_p is not supported"),
+    (ChatRequest, {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+     "response_format", "response_format 'json_object' is not supported yet"),
+    (CompletionRequest, b"{bad", None, "the body is not valid JSON in UTF-8"),
+    (CompletionRequest, b'{"prompt": "\xff"}', None, "the body is not valid JSON in UTF-8"),
+    (CompletionRequest, b"[1, 2]", None, "the body must be a JSON object"),
+])
+def test_bad_requests_name_the_field(kind, body, param, message) -> None:  # type: ignore[no-untyped-def]
+    e = bad(kind, body)
+    assert e.param == param and message in e.message, (e.param, e.message)
+
+
+def test_a_completion_maps_onto_generate_request_and_ignores_unknown_fields() -> None:
+    req = parse(CompletionRequest, json.dumps({
+        "model": "m", "prompt": "Hello", "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": -1, "seed": 3,
+        "stop": "\n", "stop_token_ids": [2], "ignore_eos": True, "user": "acme", "priority": -2, "logprobs": 0,
+        "some_future_field": {"x": 1}, "frequency_penalty": 0}).encode())
+    g = to_generate(req, "cmpl-1", None, None)
+    assert g.text == "Hello" and g.request_id == "cmpl-1" and g.tenant == "acme" and g.priority == -2
+    s = g.sampling
+    assert (s.max_tokens, round(s.temperature, 3), round(s.top_p, 3), s.top_k, s.seed) == (7, 0.5, 0.9, 0, 3)
+    assert list(s.stop) == ["\n"] and list(s.stop_token_ids) == [2] and s.ignore_eos and s.logprobs
+    ids = to_generate(parse(CompletionRequest, b'{"prompt": [[5, 6, 7]]}'), "r", None, None)
+    assert list(ids.token_ids.ids) == [5, 6, 7] and ids.sampling.max_tokens == 16 and ids.sampling.temperature == 1.0
+
+
+def test_a_chat_request_takes_the_rendered_prompt_and_max_completion_tokens() -> None:
+    req = parse(ChatRequest, json.dumps({"messages": [
+        {"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                          {"type": "text", "text": "b"}]}],
+        "max_tokens": 5, "max_completion_tokens": 9}).encode())
+    assert messages_as_dicts(req.messages) == [{"role": "system", "content": "s"}, {"role": "user", "content": "a\nb"}]
+    g = to_generate(req, "chatcmpl-1", [1, 2, 3], 100)
+    assert list(g.token_ids.ids) == [1, 2, 3] and g.sampling.max_tokens == 9
+    assert to_generate(parse(ChatRequest, b'{"messages": [{"role": "user"}]}'), "r", [1], 100).sampling.max_tokens == 100
+
+
+def _responses() -> list[pb.GenerateResponse]:
+    return [pb.GenerateResponse(token_ids=[10], text="Hi", logprobs=[-0.5]),
+            pb.GenerateResponse(token_ids=[11], text="", logprobs=[-1.0]),  # half a character: no chunk
+            pb.GenerateResponse(token_ids=[12], text=" there", logprobs=[-0.25], finish_reason=pb.FINISH_REASON_STOP),
+            pb.GenerateResponse(finish_reason=pb.FINISH_REASON_STOP,
+                                usage=pb.Usage(prompt_tokens=4, cached_tokens=2, completion_tokens=3))]
+
+
+def test_chat_output_whole_and_as_chunks() -> None:
+    out = Output("chat", "chatcmpl-1", "m", include_logprobs=False)
+    chunks = []
+    for i, r in enumerate(_responses()):
+        out.add(r)
+        chunks.append(out.chunk(r, first=i == 0))
+    assert [c and c["choices"][0]["delta"] for c in chunks] == [
+        {"role": "assistant", "content": "Hi"}, None, {"content": " there"}, {}]
+    assert [c and c["choices"][0]["finish_reason"] for c in chunks] == [None, None, None, "stop"]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks if c)
+    usage = {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7, "prompt_tokens_details": {"cached_tokens": 2}}
+    assert out.chunk(None) == {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": out.created,
+                               "model": "m", "choices": [], "usage": usage}
+    whole = out.whole()
+    assert whole["choices"] == [{"index": 0, "logprobs": None, "finish_reason": "stop",
+                                 "message": {"role": "assistant", "content": "Hi there"}}]
+    assert whole["usage"] == usage and whole["object"] == "chat.completion"
+
+
+def test_completion_output_with_logprobs_and_token_ids() -> None:
+    out = Output("completion", "cmpl-1", "m", include_logprobs=True, token_text=lambda t: f"<{t}>",
+                 return_token_ids=True)
+    for r in _responses():
+        out.add(r)
+    choice = out.whole()["choices"][0]
+    assert choice["text"] == "Hi there" and choice["token_ids"] == [10, 11, 12] and choice["finish_reason"] == "stop"
+    assert choice["logprobs"] == {"tokens": ["<10>", "<11>", "<12>"], "token_logprobs": [-0.5, -1.0, -0.25],
+                                  "top_logprobs": None, "text_offset": None}
