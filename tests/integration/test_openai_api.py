@@ -1,0 +1,289 @@
+"""The OpenAI HTTP API end to end, with the official `openai` client, on the embedded default
+model (SmolLM2-135M-Instruct from its GGUF file): a real cluster (Ray actors, redis-server),
+1 prefill + 1 decode worker in mode disaggregated, so every request goes router -> prefill
+-> kvfabric -> decode. After every test nothing is held on any worker or router."""
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+import torch
+
+from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
+from cluster.local import LocalCluster
+from proto import generate_pb2 as pb
+from proto import generate_pb2_grpc as pb_grpc
+from router.admission import AdmissionConfig
+from router.policy import RoutingConfig
+from tests.integration.cluster_checks import assert_idle
+from tests.integration.test_metrics import scrape, total
+
+pytestmark = pytest.mark.timeout(900)
+
+MODEL = "smollm2"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm2_gguf: str, smollm2_dir: str):  # type: ignore[no-untyped-def]
+    config = ClusterConfig(
+        worker=WorkerConfig(model_dir=smollm2_gguf, block_size=16, kv_cache_bytes=64 * 2**20),
+        num_prefill=1, num_decode=1, worker_num_cpus=0.5,
+        router=RouterConfig(port=0, http_port=0, served_model_name=MODEL, tokenizer_dir=smollm2_dir,
+                            routing=RoutingConfig(mode="disaggregated"),
+                            admission=AdmissionConfig(max_queued_per_priority=1, max_queue_wait_s=20.0)))
+    with LocalCluster(config) as c:
+        yield c
+
+
+@pytest.fixture
+def base(cluster: LocalCluster) -> str:  # type: ignore[misc]
+    yield f"http://{cluster.info['http_address']}"
+    assert_idle(cluster)
+
+
+@pytest.fixture
+def client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def stub(cluster: LocalCluster):  # type: ignore[no-untyped-def]
+    with grpc.insecure_channel(cluster.address) as channel:
+        yield pb_grpc.GenerationStub(channel)
+
+
+@pytest.fixture(scope="module")
+def hf_gguf(smollm2_gguf: str):  # type: ignore[no-untyped-def]
+    """transformers loading the same GGUF file (dequantized to float32): the reference."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(smollm2_gguf)
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def post(base: str, path: str, body: bytes | dict, headers: dict | None = None) -> tuple[int, dict, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json",
+                                                                      **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as r:
+            return r.status, dict(r.headers), json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+def grpc_generate(stub, prompt: str | list[int], **sampling) -> tuple[str, list[int], pb.GenerateResponse]:  # type: ignore[no-untyped-def]
+    request = pb.GenerateRequest(sampling=pb.SamplingParams(**sampling))
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(prompt)
+    responses = list(stub.Generate(request, timeout=120))
+    return "".join(r.text for r in responses), [t for r in responses for t in r.token_ids], responses[-1]
+
+
+def test_chat_answers_and_greedy_tokens_equal_transformers_on_the_gguf(client: openai.OpenAI, base: str,
+                                                                       hf_gguf) -> None:  # type: ignore[no-untyped-def]
+    r = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=20,
+                                       extra_body={"return_token_ids": True})
+    assert r.choices[0].message.content == "The capital of France is Paris."
+    assert r.choices[0].finish_reason == "stop" and r.id.startswith("chatcmpl-") and r.object == "chat.completion"
+    assert abs(r.created - time.time()) < 120 and r.model == MODEL
+    status, _, tok = post(base, "/tokenize", {"messages": QUESTION})
+    assert status == 200 and r.usage.prompt_tokens == tok["count"] == len(tok["tokens"])
+    with torch.inference_mode():
+        out = hf_gguf.generate(torch.tensor([tok["tokens"]]), do_sample=False, max_new_tokens=20)
+    want = out[0, len(tok["tokens"]):].tolist()
+    got = r.choices[0].model_extra["token_ids"]
+    assert got == want  # the same tokens, EOS included
+    assert r.usage.completion_tokens == len(want)
+    # a longer greedy run with EOS ignored, over the completions endpoint with token ids
+    prompt = tok["tokens"]
+    c = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=32,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    with torch.inference_mode():
+        out = hf_gguf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=32, eos_token_id=None)
+    assert c.choices[0].model_extra["token_ids"] == out[0, len(prompt):].tolist()
+    assert c.choices[0].finish_reason == "length" and c.usage.completion_tokens == 32
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_equal_the_grpc_path(client: openai.OpenAI, stub, stream: bool) -> None:  # type: ignore[no-untyped-def]
+    prompt = "Once upon a time, in a small village,"
+    want_text, want_ids, last = grpc_generate(stub, prompt, max_tokens=24, ignore_eos=True)
+    kwargs = dict(model=MODEL, prompt=prompt, temperature=0, max_tokens=24, extra_body={"ignore_eos": True})
+    if stream:
+        chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        usage = [c.usage for c in chunks if c.usage is not None]
+        assert len(usage) == 1 and chunks[-1].usage is not None and chunks[-1].choices == []  # exactly one, last
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert finish == ["length"]
+        usage = usage[0]
+    else:
+        r = client.completions.create(**kwargs)
+        text, usage = r.choices[0].text, r.usage
+        assert r.choices[0].finish_reason == "length" and r.id.startswith("cmpl-") and r.object == "text_completion"
+    assert text == want_text
+    assert usage.completion_tokens == len(want_ids) == 24
+    assert usage.prompt_tokens == last.usage.prompt_tokens
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_seeded_sampling_equals_the_grpc_path_and_repeats(client: openai.OpenAI, stub) -> None:  # type: ignore[no-untyped-def]
+    prompt = "The three best things about autumn are"
+    want_text, _, _ = grpc_generate(stub, prompt, max_tokens=20, temperature=0.9, top_p=0.95, seed=1234)
+    texts = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0.9, top_p=0.95,
+                                       seed=1234).choices[0].text for _ in range(2)]
+    assert texts == [want_text, want_text]
+    other = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0.9, top_p=0.95, seed=99)
+    assert other.choices[0].text != want_text
+
+
+def test_streamed_chat_and_cached_tokens(client: openai.OpenAI) -> None:
+    messages = [{"role": "system", "content": "You are a helpful assistant who answers in one sentence. " * 3},
+                {"role": "user", "content": "Why is the sky blue?"}]
+    usages = []
+    for _ in range(2):
+        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=16,
+                                                     stream=True, stream_options={"include_usage": True}))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert all(c.object == "chat.completion.chunk" for c in chunks)
+        assert [c for c in chunks if c.usage is not None] == [chunks[-1]]
+        usages.append(chunks[-1].usage)
+    prompt_tokens = usages[0].prompt_tokens
+    assert usages[0].prompt_tokens_details.cached_tokens == 0
+    # the repeat hits the prefix cache: every full block of the prompt but the last token's
+    assert usages[1].prompt_tokens_details.cached_tokens == (prompt_tokens - 1) // 16 * 16 > 0
+
+
+def test_models_health_version_tokenize_detokenize(base: str, cluster: LocalCluster) -> None:
+    with urllib.request.urlopen(base + "/v1/models", timeout=10) as r:
+        models = json.loads(r.read())
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["max_model_len"] == 8192 and models["data"][0]["owned_by"] == "splitserve"
+    with urllib.request.urlopen(base + "/health", timeout=10) as r:
+        assert r.status == 200
+    with urllib.request.urlopen(base + "/version", timeout=10) as r:
+        assert json.loads(r.read())["version"] == "0.1.0"
+    status, _, tok = post(base, "/tokenize", {"model": MODEL, "prompt": "Hello world"})
+    assert status == 200 and tok["count"] == 2 and tok["max_model_len"] == 8192
+    status, _, text = post(base, "/detokenize", {"model": MODEL, "tokens": tok["tokens"]})
+    assert status == 200 and text == {"prompt": "Hello world"}
+    status, _, err = post(base, "/detokenize", {"tokens": [10**6]})
+    assert status == 400 and "outside the model's vocabulary" in err["error"]["message"]
+
+
+def _error(status: int, body: dict, expected_status: int, message: str) -> None:
+    assert status == expected_status, body
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert message in body["error"]["message"], body
+
+
+def test_bad_requests_get_4xx_in_openai_shape_and_leave_nothing_held(base: str, cluster: LocalCluster) -> None:
+    chat, comp = "/v1/chat/completions", "/v1/completions"
+    cases = [
+        (comp, {"model": MODEL}, 400, "'prompt' is required"),
+        (chat, {"model": MODEL}, 400, "'messages' is required"),
+        (comp, {"prompt": "x", "max_tokens": "ten"}, 400, "'max_tokens': Input should be a valid integer"),
+        (chat, {"messages": "hi"}, 400, "'messages': Input should be a valid array"),
+        (comp, {"prompt": "x", "temperature": -1}, 400, "temperature must be a finite number >= 0"),
+        (comp, {"prompt": "x", "top_p": 0}, 400, "top_p must be in (0, 1]"),
+        (comp, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens must be at least 1"),
+        (comp, {"prompt": "x", "model": "gpt-4"}, 404, "the model 'gpt-4' does not exist; this server serves 'smollm2'"),
+        (comp, {"prompt": [5] * 8192}, 400, "prompt has 8192 tokens; the model's context is 8192 tokens"),
+        (comp, b'{"prompt": "x",', 400, "the body is not valid JSON in UTF-8"),
+        (comp, b'{"prompt": "\xff\xfe"}', 400, "the body is not valid JSON in UTF-8"),
+        (comp, {"prompt": "x", "n": 5}, 400, "n=5: only one choice per request is supported"),
+        (chat, {"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n=2"),
+        (comp, {"prompt": "x", "user": "bad\ntenant"}, 400, "tenant must be at most 128 printable characters"),
+        (comp, {"prompt": "x", "priority": 99}, 400, "priority must be in [-8, 8]"),
+        (comp, b'{"prompt": "' + b"a" * (20 << 20) + b'"}', 413, "the request body is larger than 16777216 bytes"),
+    ]
+    for path, body, want, message in cases:
+        status, _, answer = post(base, path, body)
+        _error(status, answer, want, message)
+    status, _, answer = post(base, "/v1/nothing", {})
+    _error(status, answer, 404, "POST /v1/nothing: Not Found")
+    with urllib.request.urlopen(base + "/health", timeout=10) as r:  # still healthy
+        assert r.status == 200
+    assert cluster.holdings() == []
+
+
+def test_the_openai_client_raises_its_own_error_types(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="n=3"):
+        client.completions.create(model=MODEL, prompt="x", n=3)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="other", messages=QUESTION)
+
+
+def test_overload_is_429_with_retry_after(base: str, cluster: LocalCluster) -> None:
+    """A long request holds most of the decode pool's KV budget; of the requests that cannot
+    be admitted beside it, one may queue (max_queued_per_priority 1), the rest are refused at once."""
+    hold = http.client.HTTPConnection(*cluster.info["http_address"].split(":"), timeout=60)
+    hold.request("POST", "/v1/completions", json.dumps({"prompt": "Tell me a long story.", "max_tokens": 1200,
+                                                        "temperature": 0, "ignore_eos": True, "stream": True}),
+                 {"Content-Type": "application/json"})
+    assert hold.getresponse().status == 200  # admitted and streaming
+    body = {"prompt": "Count to one hundred.", "max_tokens": 300, "ignore_eos": True}
+
+    def one(_: int) -> tuple[int, dict, dict]:
+        try:
+            return post(base, "/v1/completions", body)
+        except (TimeoutError, OSError) as e:
+            return 0, {}, {"error": repr(e)}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(one, i) for i in range(4)]
+        refused = []
+        for f in futures:
+            try:
+                refused.append(f.result(timeout=10))
+            except concurrent.futures.TimeoutError:
+                pass  # the queued one: it waits for the long request
+        hold.close()  # the long request's client goes away: the queued one is admitted and runs
+        queued = [f.result(timeout=120) for f in futures if f.done() and f.result() not in refused]
+    refused = [r for r in refused if r[0] != 200]
+    assert len(refused) >= 2, refused
+    for status, headers, answer in refused:
+        _error(status, answer, 429, "")
+        assert int(headers["Retry-After"]) >= 1 and answer["error"]["type"] == "rate_limit_error"
+    assert all(status == 200 for status, _, _ in queued)
+
+
+def test_a_client_disconnecting_mid_stream_frees_every_block(base: str, cluster: LocalCluster) -> None:
+    for path, body in (("/v1/completions", {"prompt": "Write a poem about rivers.", "max_tokens": 1000}),
+                       ("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 1000})):
+        conn = http.client.HTTPConnection(*cluster.info["http_address"].split(":"), timeout=60)
+        conn.request("POST", path, json.dumps({**body, "stream": True, "ignore_eos": True, "temperature": 0}),
+                     {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200 and response.headers["Content-Type"].startswith("text/event-stream")
+        seen = b""
+        while seen.count(b"data: ") < 3:
+            seen += response.read1(4096)
+        conn.sock.close()  # gone mid-stream, with hundreds of tokens to go
+        conn.close()
+        assert_idle(cluster, timeout_s=20)  # every block on P and D freed, nothing admitted at the router
+    stats = cluster.router_stats()[0]
+    assert stats["num_admitted"] == 0
+
+
+def test_http_and_grpc_requests_count_in_the_same_prometheus_series(client: openai.OpenAI, stub,
+                                                                    cluster: LocalCluster) -> None:  # type: ignore[no-untyped-def]
+    address = cluster.router_stats()[0]["metrics_address"]
+    before = scrape(address)
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    grpc_generate(stub, "Hello", max_tokens=3, ignore_eos=True)
+    after = scrape(address)
+    name = "splitserve:request_success_total"
+    assert total(after, name, finished_reason="length") - total(before, name, finished_reason="length") == 2
+    assert total(after, "splitserve:generation_tokens_total") - total(before, "splitserve:generation_tokens_total") == 6
