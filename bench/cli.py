@@ -31,7 +31,8 @@ PROGRESS_EVERY_S = 0.2
 
 def add_parser(sub: Any) -> None:
     b = sub.add_parser("bench", help="load a running cluster: progress, latency table, goodput, JSON, plots")
-    b.add_argument("--target", default="127.0.0.1:50051", help="the router's HOST:PORT")
+    b.add_argument("--target", default="127.0.0.1:50051",
+                   help="the router's gRPC HOST:PORT, or http://HOST:PORT for its OpenAI HTTP API")
     b.add_argument("--num-requests", type=int, default=64)
     b.add_argument("--rate", type=float, help="Poisson arrivals, requests/s")
     b.add_argument("--concurrency", type=int, help="closed loop with this many clients (default 8 without --rate)")

@@ -1,4 +1,5 @@
-"""Sends a workload over gRPC and records what each request saw, from the client's side.
+"""Sends a workload over gRPC, or over the OpenAI HTTP API (a target `http://HOST:PORT`), and
+records what each request saw, from the client's side.
 
 Arrivals: Poisson at a rate, a closed loop of N clients, or the items' own times (trace
 replay). Each request becomes one `Outcome` (status, TTFT, every inter-token gap, end to
@@ -8,11 +9,14 @@ display. Every call has a timeout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import aiohttp
 import grpc
 
 from bench.workload import Item
@@ -84,21 +88,67 @@ async def _one(stub: pb_grpc.GenerationStub, item: Item, timeout_s: float, start
                                                  else " local")
 
 
+async def _one_http(session: aiohttp.ClientSession, url: str, item: Item, timeout_s: float, start: float,
+                    out: Outcome) -> None:
+    """The same request as `_one`, as a streamed OpenAI completion (token ids in, token ids per chunk out)."""
+    body = {"prompt": item.prompt, "max_tokens": item.max_tokens, "ignore_eos": True, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    last, usage = None, None
+    try:
+        async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+            if response.status != 200:
+                error = (await response.json()).get("error", {})
+                out.code, out.details = f"HTTP_{response.status}", str(error.get("message", ""))
+            else:
+                async for line in response.content:
+                    if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    now = time.perf_counter() - start
+                    if chunk.get("error"):
+                        out.code, out.details = "STREAM_ERROR", str(chunk["error"].get("message"))
+                    n = sum(len(c.get("token_ids") or ()) for c in chunk.get("choices", ()))
+                    if n:
+                        if out.ttft_s is None:
+                            out.ttft_s = now - out.sent_s
+                        elif last is not None:
+                            out.itls_s += [(now - last) / n] * n
+                        last = now
+                    usage = chunk.get("usage") or usage
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        out.code, out.details = type(e).__name__, str(e)
+    out.end_s = time.perf_counter() - start
+    if out.ok and (usage is None or out.ttft_s is None):
+        out.code, out.details = "EMPTY", "the stream ended without a token"
+    elif out.ok and usage is not None:
+        out.num_prompt, out.num_out = usage["prompt_tokens"], usage["completion_tokens"]
+        out.num_cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+
 async def run(target: str, items: list[Item], rate: float | None = None, concurrency: int | None = None,
               seed: int = 0, timeout_s: float = 300.0, on_change: Callable[[Run], None] | None = None) -> Run:
     """Runs the workload; with neither `rate` nor `concurrency`, items need their own times."""
     result = Run()
     notify = (lambda: on_change(result)) if on_change else (lambda: None)
     rng = random.Random(seed)
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = pb_grpc.GenerationStub(channel)
+    http = target.startswith("http://")
+    async with contextlib.AsyncExitStack() as stack:
+        if http:
+            session = await stack.enter_async_context(aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0)))
+            url = target.rstrip("/") + "/v1/completions"
+        else:
+            stub = pb_grpc.GenerationStub(await stack.enter_async_context(grpc.aio.insecure_channel(target)))
         start = time.perf_counter()
 
         async def send(item: Item) -> None:
             out = Outcome(sent_s=time.perf_counter() - start)
             result.outcomes.append(out)
             notify()
-            await _one(stub, item, timeout_s, start, out)
+            if http:
+                await _one_http(session, url, item, timeout_s, start, out)
+            else:
+                await _one(stub, item, timeout_s, start, out)
             notify()
 
         if concurrency:

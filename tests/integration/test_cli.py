@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import select
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 CLI = [sys.executable, "-m", "cluster.cli"]
@@ -38,17 +40,23 @@ STARTUP_BUDGET_S = 90
 
 
 def test_readme_serve_then_generate_and_status(tmp_path: Path) -> None:
-    """As a new user: `serve` (creating the default model on first use), `generate`, `status`, Ctrl-C."""
+    """As a new user: `serve` (converting the default model's GGUF on first use), a chat request
+    over HTTP, `generate`, `status`, Ctrl-C."""
     env = {**os.environ, "SPLITSERVE_CACHE": str(tmp_path / "cache")}
-    serve = subprocess.Popen(CLI + ["serve", "--port", "0"], env=env, text=True,  # 0: a free port, no race
+    serve = subprocess.Popen(CLI + ["serve", "--port", "0", "--http-port", "0"], env=env, text=True,  # 0: free ports
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         ready = _wait_for_line(serve, "ready in", STARTUP_BUDGET_S)
-        found = re.search(r" on 127\.0\.0\.1:(\d+) ", ready)
+        found = re.search(r"serving SmolLM2-135M-Instruct\.Q4_1 on 127\.0\.0\.1:(\d+), OpenAI API on "
+                          r"http://127\.0\.0\.1:(\d+)/v1 ", ready)
         assert found and int(found[1]) > 0 and "1 prefill, 1 decode on cpu float32, mode auto" in ready, ready
         port = int(found[1])
-        assert "--model DIR" in _wait_for_line(serve, "random weights", 5)  # says its text is noise, and the way out
-        assert (tmp_path / "cache/models/llama-tiny-seed0/config.json").is_file()
+        assert list((tmp_path / "cache/gguf").glob("*/SmolLM2-135M-Instruct.Q4_1/model.safetensors"))  # converted once
+        chat = urllib.request.Request(f"http://127.0.0.1:{found[2]}/v1/chat/completions", headers={
+            "Content-Type": "application/json"}, data=json.dumps({"model": "SmolLM2-135M-Instruct.Q4_1", "messages": [
+                {"role": "user", "content": "What is the capital of France?"}], "temperature": 0}).encode())
+        with urllib.request.urlopen(chat, timeout=120) as answer:
+            assert json.loads(answer.read())["choices"][0]["message"]["content"] == "The capital of France is Paris."
         target = ["--target", f"127.0.0.1:{port}"]
         r = run(["generate", "Once upon a time", "--max-tokens", "8", *target], env)
         assert r.returncode == 0, r.stderr
@@ -73,7 +81,7 @@ def test_readme_serve_then_generate_and_status(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, st.stdout
             time.sleep(0.5)
         assert "decode target 1 -> 2 (splitserve scale)" in st.stdout
-        assert "2 done, 0 refused, 1 invalid" in st.stdout and "Redis feed up" in st.stdout
+        assert "3 done, 0 refused, 1 invalid" in st.stdout and "Redis feed up" in st.stdout
     finally:
         serve.send_signal(signal.SIGINT)
         try:
@@ -105,6 +113,12 @@ def test_serve_refuses_a_bad_model_or_a_taken_port_before_starting_anything(tmp_
     r = run(["serve", "--model", str(tmp_path / "nowhere")])
     assert r.returncode == 2 and "error: --model" in r.stderr and "config.json not found" in r.stderr
     assert "Traceback" not in r.stderr
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF not really")
+    r = run(["serve", "--model", str(tmp_path / "broken.gguf")], {"SPLITSERVE_CACHE": str(tmp_path / "cache")})
+    assert r.returncode == 2 and "broken.gguf is not a readable GGUF file" in r.stderr and "Traceback" not in r.stderr
+    r = run(["serve", "--model", "tiny", "--chat-template", str(tmp_path / "none.jinja")],
+            {"SPLITSERVE_CACHE": str(tmp_path / "cache")})
+    assert r.returncode == 2 and "error: --chat-template: cannot read the chat template" in r.stderr
     r = run(["serve", "--tenant-weight", "gold"])
     assert r.returncode == 2 and "error: --tenant-weight takes TENANT=NUMBER, got 'gold'" in r.stderr
     r = run(["status", "--redis-url", "redis://127.0.0.1:1/0"])

@@ -166,6 +166,19 @@ def test_streamed_chat_and_cached_tokens(client: openai.OpenAI) -> None:
     assert usages[1].prompt_tokens_details.cached_tokens == (prompt_tokens - 1) // 16 * 16 > 0
 
 
+def test_stop_strings_logprobs_and_the_default_length(client: openai.OpenAI) -> None:
+    full = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, logprobs=True)
+    assert full.choices[0].message.content == "The capital of France is Paris."  # no max_tokens: ends at EOS
+    content = full.choices[0].logprobs.content
+    assert len(content) == full.usage.completion_tokens and content[0].token == "The"
+    assert all(c.logprob <= 0 and c.top_logprobs == [] for c in content)
+    cut = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, stop=[" Paris", "xyz"])
+    assert cut.choices[0].message.content == "The capital of France is" and cut.choices[0].finish_reason == "stop"
+    short = client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert short.usage.completion_tokens == 16 and short.choices[0].finish_reason == "length"  # OpenAI's default 16
+
+
 def test_models_health_version_tokenize_detokenize(base: str, cluster: LocalCluster) -> None:
     with urllib.request.urlopen(base + "/v1/models", timeout=10) as r:
         models = json.loads(r.read())

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 import secrets
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -87,7 +89,7 @@ def receiver() -> Iterator[tuple[Receiver, str]]:
 def cluster(tiny_llama_dir: str, receiver: tuple[Receiver, str]) -> Iterator[LocalCluster]:
     config = one_and_one(tiny_llama_dir)
     config = dataclasses.replace(config, worker=dataclasses.replace(config.worker, otlp_endpoint=receiver[1]),
-                                 router=dataclasses.replace(config.router, otlp_endpoint=receiver[1]))
+                                 router=dataclasses.replace(config.router, otlp_endpoint=receiver[1], http_port=0))
     with LocalCluster(config) as c:
         yield c
 
@@ -141,3 +143,17 @@ def test_a_request_without_a_traceparent_starts_its_own_trace(cluster: LocalClus
         time.sleep(0.2)
     assert roots[0].parent_id == ""
     assert set(HOPS) <= set(r.trace(roots[0].trace_id))
+
+
+def test_an_http_request_honours_its_traceparent_header(cluster: LocalCluster, receiver: tuple[Receiver, str]) -> None:
+    trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
+    request = urllib.request.Request(
+        f"http://{cluster.info['http_address']}/v1/completions", method="POST",
+        data=json.dumps({"prompt": list(range(110, 150)), "max_tokens": 5, "ignore_eos": True}).encode(),
+        headers={"Content-Type": "application/json", "Traceparent": f"00-{trace_id}-{client_span}-01"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        assert json.loads(r.read())["usage"]["completion_tokens"] == 5
+    spans = receiver[0].trace(trace_id)  # every hop, in the client's trace
+    gen = spans["router.generate"]
+    assert gen.parent_id == client_span and gen.attributes["gen_ai.usage.output_tokens"] == 5
+    assert spans["decode.stream"].parent_id == gen.span_id

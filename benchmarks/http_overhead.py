@@ -1,0 +1,98 @@
+"""What the OpenAI HTTP front costs against gRPC, on one cluster in one run.
+
+One local cluster as `serve` starts it (1 prefill + 1 decode, the default model,
+SmolLM2-135M-Instruct from its GGUF file, CPU). The same workload (`bench.workload`,
+token-id prompts, ignore_eos) goes to the router's gRPC `Generate` and to its
+`/v1/completions` (streamed, `return_token_ids` so the client counts tokens per chunk) in
+alternating rounds, each round with fresh prompts (no arm hits the other's prefix cache).
+Two phases: latency (one client at a time: TTFT p50 is the protocol's added latency) and
+throughput (a closed loop of --concurrency clients). The router's own CPU time per request
+(/proc/PID/stat) is measured over each round. Prints one JSON line per round and arm, then
+the pooled means and the ratios HTTP / gRPC. Targets: TTFT p50 within +2 ms, throughput
+>= 0.95x, router CPU per request <= 1.3x.
+
+    ./dev python benchmarks/http_overhead.py [--rounds 3] [--num-requests 48] [--concurrency 8]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+from bench import report
+from bench.runner import run
+from bench.workload import synthetic
+from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
+from cluster.default_model import model_path
+from cluster.local import LocalCluster
+from engine.gguf_checkpoint import resolve_model_dir
+from router.policy import RoutingConfig
+
+ARMS = ("grpc", "http")
+
+
+def process_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def one(cluster: LocalCluster, arm: str, phase: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    n = args.num_requests if phase == "throughput" else args.num_requests // 2
+    items = synthetic(n, args.prompt_len, args.output_len, 0.0, 0, 0, 49152, seed)
+    target = cluster.address if arm == "grpc" else f"http://{cluster.info['http_address']}"
+    router_pid = int(cluster.router_stats()[0]["pid"])
+    cpu = process_cpu_s(router_pid)
+    result = asyncio.run(run(target, items, concurrency=1 if phase == "latency" else args.concurrency))
+    cpu = process_cpu_s(router_pid) - cpu
+    s = report.summarize(result, 2.0, 0.1)
+    return {"requests_per_s": s["requests_per_s"], "output_tokens_per_s": s["output_tokens_per_s"],
+            "ttft_p50_ms": s["ttft_ms"]["p50"], "ttft_p90_ms": s["ttft_ms"]["p90"], "itl_p50_ms": s["itl_ms"]["p50"],
+            "router_cpu_ms_per_request": round(cpu * 1e3 / max(s["num_ok"], 1), 3), "num_ok": s["num_ok"],
+            "num_failed": s["num_failed"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-requests", type=int, default=48)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    model = model_path(None)
+    config = ClusterConfig(worker=WorkerConfig(model_dir=model, block_size=16, kv_cache_bytes=256 * 2**20),
+                           num_prefill=1, num_decode=1,
+                           router=RouterConfig(port=0, http_port=0, tokenizer_dir=str(resolve_model_dir(model)),
+                                               routing=RoutingConfig(mode="auto")))
+    conf = vars(args) | {"cluster": "1 prefill + 1 decode, SmolLM2-135M-Instruct Q4_1 GGUF as float32, CPU",
+                         "cpus": os.cpu_count()}
+    pooled: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    with LocalCluster(config) as cluster:
+        asyncio.run(run(cluster.address, synthetic(8, args.prompt_len, 8, 0.0, 0, 0, 49152, 99), concurrency=4))
+        asyncio.run(run(f"http://{cluster.info['http_address']}", synthetic(8, args.prompt_len, 8, 0.0, 0, 0, 49152, 98),
+                        concurrency=4))  # warm-up, both doors
+        for r in range(args.rounds):
+            for phase in ("latency", "throughput"):
+                arms = ARMS if r % 2 == 0 else ARMS[::-1]
+                for i, arm in enumerate(arms):
+                    s = one(cluster, arm, phase, 1000 * r + 10 * i + (phase == "throughput"), args)
+                    pooled.setdefault((phase, arm), []).append(s)
+                    print(json.dumps({"bench": "http_overhead", "round": r, "phase": phase, "arm": arm, **s, **conf}),
+                          flush=True)
+    mean = {f"{phase}_{arm}": {k: round(statistics.mean(s[k] for s in runs), 3) for k in
+                               ("requests_per_s", "ttft_p50_ms", "itl_p50_ms", "router_cpu_ms_per_request")}
+            for (phase, arm), runs in pooled.items()}
+    ratios = {phase: {"ttft_p50_delta_ms": round(mean[f"{phase}_http"]["ttft_p50_ms"] - mean[f"{phase}_grpc"]["ttft_p50_ms"], 2),
+                      "throughput_ratio": round(mean[f"{phase}_http"]["requests_per_s"] / mean[f"{phase}_grpc"]["requests_per_s"], 4),
+                      "router_cpu_ratio": round(mean[f"{phase}_http"]["router_cpu_ms_per_request"]
+                                                / mean[f"{phase}_grpc"]["router_cpu_ms_per_request"], 4)}
+              for phase in ("latency", "throughput")}
+    print(json.dumps({"bench": "http_overhead", "summary": mean, "http_vs_grpc": ratios, **conf}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
