@@ -371,7 +371,8 @@ class FabricSender:
     def _peer(self, address: FabricAddress) -> _Peer:
         with self._lock:
             peer = self._peers.get(address.receiver_id)
-            if peer is not None and peer.dead is None:
+            # a connection whose send failed is closed before the reader thread marks the peer dead
+            if peer is not None and peer.dead is None and not (peer.conn is not None and peer.conn.closed):
                 return peer
         try:
             peer = _Peer(self, address)
