@@ -6,8 +6,10 @@ token-id prompts, ignore_eos) goes to the router's gRPC `Generate` and to its
 `/v1/completions` (streamed, `return_token_ids` so the client counts tokens per chunk) in
 alternating rounds, each round with fresh prompts (no arm hits the other's prefix cache).
 Two phases: latency (one client at a time: TTFT p50 is the protocol's added latency) and
-throughput (a closed loop of --concurrency clients). The router's own CPU time per request
-(/proc/PID/stat) is measured over each round. Prints one JSON line per round and arm, then
+throughput (a closed loop of --concurrency clients). Every prompt has exactly --prompt-len tokens
+and every answer --output-len, so the arms differ only in the protocol. The router's own CPU
+time per request (/proc/PID/stat) is measured over each round, less what it spends idle
+(heartbeat reads, stats, timers: measured for 5 s before the rounds). Prints one JSON line per round and arm, then
 the pooled means and the ratios HTTP / gRPC. Targets: TTFT p50 within +2 ms, throughput
 >= 0.95x, router CPU per request <= 1.3x.
 
@@ -19,13 +21,15 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
 from bench import report
 from bench.runner import run
-from bench.workload import synthetic
+from bench.workload import Item, synthetic
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.default_model import model_path
 from cluster.local import LocalCluster
@@ -40,14 +44,26 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def one(cluster: LocalCluster, arm: str, phase: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+def items_of(n: int, args: argparse.Namespace, seed: int) -> list[Item]:
+    """n prompts of exactly --prompt-len random tokens, each asking for exactly --output-len."""
+    rng = random.Random(seed)
+    return [Item([rng.randrange(3, 49152) for _ in range(args.prompt_len)], args.output_len) for _ in range(n)]
+
+
+def idle_cpu_per_s(pid: int, seconds: float = 5.0) -> float:
+    """The router's CPU per second with no request (its heartbeat reads, stats, timers)."""
+    cpu = process_cpu_s(pid)
+    time.sleep(seconds)
+    return (process_cpu_s(pid) - cpu) / seconds
+
+
+def one(cluster: LocalCluster, arm: str, phase: str, seed: int, idle: float, args: argparse.Namespace) -> dict[str, Any]:
     n = args.num_requests if phase == "throughput" else args.num_requests // 2
-    items = synthetic(n, args.prompt_len, args.output_len, 0.0, 0, 0, 49152, seed)
     target = cluster.address if arm == "grpc" else f"http://{cluster.info['http_address']}"
     router_pid = int(cluster.router_stats()[0]["pid"])
     cpu = process_cpu_s(router_pid)
-    result = asyncio.run(run(target, items, concurrency=1 if phase == "latency" else args.concurrency))
-    cpu = process_cpu_s(router_pid) - cpu
+    result = asyncio.run(run(target, items_of(n, args, seed), concurrency=1 if phase == "latency" else args.concurrency))
+    cpu = process_cpu_s(router_pid) - cpu - idle * result.elapsed_s  # what the requests cost, less the idle loops
     s = report.summarize(result, 2.0, 0.1)
     return {"requests_per_s": s["requests_per_s"], "output_tokens_per_s": s["output_tokens_per_s"],
             "ttft_p50_ms": s["ttft_ms"]["p50"], "ttft_p90_ms": s["ttft_ms"]["p90"], "itl_p50_ms": s["itl_ms"]["p50"],
@@ -75,11 +91,12 @@ def main() -> None:
         asyncio.run(run(cluster.address, synthetic(8, args.prompt_len, 8, 0.0, 0, 0, 49152, 99), concurrency=4))
         asyncio.run(run(f"http://{cluster.info['http_address']}", synthetic(8, args.prompt_len, 8, 0.0, 0, 0, 49152, 98),
                         concurrency=4))  # warm-up, both doors
+        idle = idle_cpu_per_s(int(cluster.router_stats()[0]["pid"]))
         for r in range(args.rounds):
             for phase in ("latency", "throughput"):
                 arms = ARMS if r % 2 == 0 else ARMS[::-1]
                 for i, arm in enumerate(arms):
-                    s = one(cluster, arm, phase, 1000 * r + 10 * i + (phase == "throughput"), args)
+                    s = one(cluster, arm, phase, 1000 * r + 10 * i + (phase == "throughput"), idle, args)
                     pooled.setdefault((phase, arm), []).append(s)
                     print(json.dumps({"bench": "http_overhead", "round": r, "phase": phase, "arm": arm, **s, **conf}),
                           flush=True)
@@ -91,7 +108,8 @@ def main() -> None:
                       "router_cpu_ratio": round(mean[f"{phase}_http"]["router_cpu_ms_per_request"]
                                                 / mean[f"{phase}_grpc"]["router_cpu_ms_per_request"], 4)}
               for phase in ("latency", "throughput")}
-    print(json.dumps({"bench": "http_overhead", "summary": mean, "http_vs_grpc": ratios, **conf}), flush=True)
+    print(json.dumps({"bench": "http_overhead", "summary": mean, "http_vs_grpc": ratios,
+                      "router_idle_cpu_ms_per_s": round(idle * 1e3, 2), **conf}), flush=True)
 
 
 if __name__ == "__main__":
