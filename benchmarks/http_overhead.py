@@ -5,8 +5,9 @@ SmolLM2-135M-Instruct from its GGUF file, CPU). The same workload (`bench.worklo
 token-id prompts, ignore_eos) goes to the router's gRPC `Generate` and to its
 `/v1/completions` (streamed, `return_token_ids` so the client counts tokens per chunk) in
 alternating rounds, each round with fresh prompts (no arm hits the other's prefix cache).
-Two phases: latency (one client at a time: TTFT p50 is the protocol's added latency) and
-throughput (a closed loop of --concurrency clients). Every prompt has exactly --prompt-len tokens
+Two phases: latency (one request at a time, the doors alternating request by request: the
+median of the paired TTFT differences is the protocol's added latency) and throughput (a
+closed loop of --concurrency clients per door, the doors alternating by round). Every prompt has exactly --prompt-len tokens
 and every answer --output-len, so the arms differ only in the protocol. The router's own CPU
 time per request (/proc/PID/stat) is measured over each round, less what it spends idle
 (heartbeat reads, stats, timers: measured for 5 s before the rounds). Prints one JSON line per round and arm, then
@@ -27,13 +28,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import report
-from bench.runner import run
+import aiohttp
+import grpc
+
+from bench import report, runner
+from bench.runner import Outcome, run
 from bench.workload import Item, synthetic
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.default_model import model_path
 from cluster.local import LocalCluster
 from engine.gguf_checkpoint import resolve_model_dir
+from proto import generate_pb2_grpc as pb_grpc
 from router.policy import RoutingConfig
 
 ARMS = ("grpc", "http")
@@ -57,12 +62,12 @@ def idle_cpu_per_s(pid: int, seconds: float = 5.0) -> float:
     return (process_cpu_s(pid) - cpu) / seconds
 
 
-def one(cluster: LocalCluster, arm: str, phase: str, seed: int, idle: float, args: argparse.Namespace) -> dict[str, Any]:
-    n = args.num_requests if phase == "throughput" else args.num_requests // 2
+def throughput(cluster: LocalCluster, arm: str, seed: int, idle: float, args: argparse.Namespace) -> dict[str, Any]:
+    """A closed loop of --concurrency clients over one door."""
     target = cluster.address if arm == "grpc" else f"http://{cluster.info['http_address']}"
     router_pid = int(cluster.router_stats()[0]["pid"])
     cpu = process_cpu_s(router_pid)
-    result = asyncio.run(run(target, items_of(n, args, seed), concurrency=1 if phase == "latency" else args.concurrency))
+    result = asyncio.run(run(target, items_of(args.num_requests, args, seed), concurrency=args.concurrency))
     cpu = process_cpu_s(router_pid) - cpu - idle * result.elapsed_s  # what the requests cost, less the idle loops
     s = report.summarize(result, 2.0, 0.1)
     return {"requests_per_s": s["requests_per_s"], "output_tokens_per_s": s["output_tokens_per_s"],
@@ -71,9 +76,42 @@ def one(cluster: LocalCluster, arm: str, phase: str, seed: int, idle: float, arg
             "num_failed": s["num_failed"]}
 
 
+def latency(cluster: LocalCluster, seed: int, idle: float, args: argparse.Namespace) -> dict[str, Any]:
+    """One request at a time over a connection kept open per door, the doors alternating
+    request by request (which goes first alternates too), so slow drift of the machine falls
+    on both alike: per-door TTFT p50, the median of the paired TTFT differences, and the
+    router's CPU per request."""
+    router_pid = int(cluster.router_stats()[0]["pid"])
+    items = items_of(2 * args.num_requests, args, seed)
+    ttft: dict[str, list[float]] = {"grpc": [], "http": []}
+    cpu = {"grpc": 0.0, "http": 0.0}
+
+    async def go() -> None:
+        url = f"http://{cluster.info['http_address']}/v1/completions"
+        async with grpc.aio.insecure_channel(cluster.address) as channel, aiohttp.ClientSession() as session:
+            stub = pb_grpc.GenerationStub(channel)
+            for i in range(args.num_requests):
+                for j, arm in enumerate(ARMS if i % 2 == 0 else ARMS[::-1]):
+                    before, start = process_cpu_s(router_pid), time.perf_counter()
+                    out = Outcome()
+                    if arm == "grpc":
+                        await runner._one(stub, items[2 * i + j], 120.0, start, out)
+                    else:
+                        await runner._one_http(session, url, items[2 * i + j], 120.0, start, out)
+                    cpu[arm] += process_cpu_s(router_pid) - before - idle * (time.perf_counter() - start)
+                    if not out.ok or out.ttft_s is None:
+                        raise RuntimeError(f"{arm}: {out.code} {out.details}")
+                    ttft[arm].append(out.ttft_s * 1e3)
+    asyncio.run(go())
+    deltas = [h - g for h, g in zip(ttft["http"], ttft["grpc"], strict=True)]
+    return {**{f"ttft_p50_ms_{arm}": round(statistics.median(v), 2) for arm, v in ttft.items()},
+            "ttft_paired_delta_p50_ms": round(statistics.median(deltas), 2),
+            **{f"router_cpu_ms_per_request_{arm}": round(c * 1e3 / args.num_requests, 3) for arm, c in cpu.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--num-requests", type=int, default=48)
+    ap.add_argument("--num-requests", type=int, default=48, help="per door and phase in each round")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=32)
@@ -86,30 +124,34 @@ def main() -> None:
                                                routing=RoutingConfig(mode="auto")))
     conf = vars(args) | {"cluster": "1 prefill + 1 decode, SmolLM2-135M-Instruct Q4_1 GGUF as float32, CPU",
                          "cpus": os.cpu_count()}
-    pooled: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    pooled: dict[str, list[dict[str, Any]]] = {}
+    lats: list[dict[str, Any]] = []
     with LocalCluster(config) as cluster:
         asyncio.run(run(cluster.address, synthetic(8, args.prompt_len, 8, 0.0, 0, 0, 49152, 99), concurrency=4))
         asyncio.run(run(f"http://{cluster.info['http_address']}", synthetic(8, args.prompt_len, 8, 0.0, 0, 0, 49152, 98),
                         concurrency=4))  # warm-up, both doors
         idle = idle_cpu_per_s(int(cluster.router_stats()[0]["pid"]))
         for r in range(args.rounds):
-            for phase in ("latency", "throughput"):
-                arms = ARMS if r % 2 == 0 else ARMS[::-1]
-                for i, arm in enumerate(arms):
-                    s = one(cluster, arm, phase, 1000 * r + 10 * i + (phase == "throughput"), idle, args)
-                    pooled.setdefault((phase, arm), []).append(s)
-                    print(json.dumps({"bench": "http_overhead", "round": r, "phase": phase, "arm": arm, **s, **conf}),
-                          flush=True)
-    mean = {f"{phase}_{arm}": {k: round(statistics.mean(s[k] for s in runs), 3) for k in
-                               ("requests_per_s", "ttft_p50_ms", "itl_p50_ms", "router_cpu_ms_per_request")}
-            for (phase, arm), runs in pooled.items()}
-    ratios = {phase: {"ttft_p50_delta_ms": round(mean[f"{phase}_http"]["ttft_p50_ms"] - mean[f"{phase}_grpc"]["ttft_p50_ms"], 2),
-                      "throughput_ratio": round(mean[f"{phase}_http"]["requests_per_s"] / mean[f"{phase}_grpc"]["requests_per_s"], 4),
-                      "router_cpu_ratio": round(mean[f"{phase}_http"]["router_cpu_ms_per_request"]
-                                                / mean[f"{phase}_grpc"]["router_cpu_ms_per_request"], 4)}
-              for phase in ("latency", "throughput")}
-    print(json.dumps({"bench": "http_overhead", "summary": mean, "http_vs_grpc": ratios,
-                      "router_idle_cpu_ms_per_s": round(idle * 1e3, 2), **conf}), flush=True)
+            lat = latency(cluster, 1000 * r, idle, args)
+            lats.append(lat)
+            print(json.dumps({"bench": "http_overhead", "round": r, "phase": "latency", **lat, **conf}), flush=True)
+            for i, arm in enumerate(ARMS if r % 2 == 0 else ARMS[::-1]):
+                s = throughput(cluster, arm, 1000 * r + 500 + i, idle, args)
+                pooled.setdefault(arm, []).append(s)
+                print(json.dumps({"bench": "http_overhead", "round": r, "phase": "throughput", "arm": arm, **s, **conf}),
+                      flush=True)
+    mean = {arm: {k: round(statistics.mean(s[k] for s in runs), 3) for k in
+                  ("requests_per_s", "output_tokens_per_s", "ttft_p50_ms", "router_cpu_ms_per_request")}
+            for arm, runs in pooled.items()}
+    lat_mean = {k: round(statistics.mean(x[k] for x in lats), 3) for k in lats[0]}
+    print(json.dumps({"bench": "http_overhead", "latency": lat_mean, "throughput": mean, "http_vs_grpc": {
+        "ttft_p50_delta_ms": lat_mean["ttft_paired_delta_p50_ms"],
+        "throughput_ratio": round(mean["http"]["requests_per_s"] / mean["grpc"]["requests_per_s"], 4),
+        "router_cpu_ratio_throughput": round(mean["http"]["router_cpu_ms_per_request"]
+                                             / mean["grpc"]["router_cpu_ms_per_request"], 4),
+        "router_cpu_ratio_latency": round(lat_mean["router_cpu_ms_per_request_http"]
+                                          / lat_mean["router_cpu_ms_per_request_grpc"], 4)},
+        "router_idle_cpu_ms_per_s": round(idle * 1e3, 2), **conf}), flush=True)
 
 
 if __name__ == "__main__":

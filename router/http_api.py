@@ -133,6 +133,9 @@ class OpenAIServer:
             if e.status < 400:
                 raise
             return error(e.status, f"{request.method} {request.path}: {e.reason}")
+        except Exception:  # a bug of ours: logged, and still an answer in OpenAI's shape
+            logger.exception("%s %s failed", request.method, request.path)
+            return error(500, "internal error in the router (logged); retry", code="internal")
 
     # -- generation ------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -171,6 +174,8 @@ class OpenAIServer:
                 first = await anext(responses)  # a refusal before the first token is an HTTP error
             except RequestFailed as e:
                 return failed(e)
+            except StopAsyncIteration:
+                return failed(RequestFailed(grpc.StatusCode.INTERNAL, "the request ended without a response"))
             if not stream:
                 return await self._whole(responses, first, out)
             return await self._stream(request, responses, first, out, bool(options and options.include_usage))
