@@ -4,9 +4,11 @@ Real Ray, a real redis-server, gRPC on loopback."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import socket
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -31,7 +33,7 @@ def cluster(tiny_llama_dir: str):  # type: ignore[no-untyped-def]
     config = ClusterConfig(
         worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20),
         num_prefill=1, num_decode=2, num_routers=2,
-        router=RouterConfig(port=0, routing=RoutingConfig(mode="auto", local_prefill_tokens=8)),
+        router=RouterConfig(port=0, http_port=0, routing=RoutingConfig(mode="auto", local_prefill_tokens=8)),
         worker_num_cpus=0.5)
     with LocalCluster(config) as c:
         yield c
@@ -55,6 +57,21 @@ def test_replicas_share_the_port_and_each_serves(cluster: LocalCluster, tiny_lla
     served = {s["router_id"]: s["num_requests"] for s in cluster.router_stats()}
     assert sum(served.values()) == NUM_CHANNELS and min(served.values()) > 0, served
     assert all(r["usage"]["num_in_use"] == 0 for r in cluster.check_idle())
+
+
+def test_replicas_share_the_http_port_and_each_serves_it(cluster: LocalCluster) -> None:
+    http = cluster.info["http_address"]
+    assert int(http.rsplit(":", 1)[1]) > 0
+    before = {s["router_id"]: s["num_requests"] for s in cluster.router_stats()}
+    for i in range(NUM_CHANNELS):  # a new connection each: the kernel spreads them over the replicas
+        request = urllib.request.Request(f"http://{http}/v1/completions", data=json.dumps(
+            {"prompt": [5 + i] * 12, "max_tokens": 3, "ignore_eos": True}).encode(),
+            headers={"Content-Type": "application/json", "Connection": "close"})
+        with urllib.request.urlopen(request, timeout=60) as r:
+            assert json.loads(r.read())["usage"]["completion_tokens"] == 3
+    served = {s["router_id"]: s["num_requests"] - before[s["router_id"]] for s in cluster.router_stats()}
+    assert sum(served.values()) == NUM_CHANNELS and min(served.values()) > 0, served
+    assert {s["http_address"] for s in cluster.router_stats()} == {http}
 
 
 def test_a_prefix_cached_through_one_replica_is_found_through_the_other(cluster: LocalCluster) -> None:
