@@ -89,7 +89,7 @@ def splitserve_bench(target: str, load: dict[str, Any], args: argparse.Namespace
             # aiperf's ITL is each request's mean gap ((e2e - TTFT) / (tokens - 1)), then its percentiles:
             # the same here, beside the percentiles of every single gap (prefill steps of other
             # requests that a decode step waits behind weigh in a mean, hardly in a median)
-            "itl_p50_ms": round(statistics.median(tpots), 2), "itl_p90_ms": report.pct(tpots, 90),
+            "itl_p50_ms": round(statistics.median(tpots), 2), "itl_p90_ms": round(report.pct(tpots, 90) or 0.0, 2),
             "token_gap_p50_ms": s["itl_ms"]["p50"], "requests_per_s": s["requests_per_s"],
             "output_tokens_per_s": s["output_tokens_per_s"], "num_ok": s["num_ok"], "tool_cpu_s": round(cpu, 1)}
 

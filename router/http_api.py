@@ -14,7 +14,9 @@ module imports no torch.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -50,6 +52,9 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 DONE = b"data: [DONE]\n\n"
+OFF_LOOP_CHARS = 16384
+"""A chat whose messages hold more characters than this is rendered and tokenized in a thread
+(milliseconds of work that would otherwise stall every other stream on the loop)."""
 
 
 def error(status: int, message: str, param: str | None = None, code: str | int | None = None,
@@ -153,9 +158,12 @@ class OpenAIServer:
         facts = self.members.facts
         if facts is None:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "no decode worker is serving yet; retry", 1.0)
-        try:
-            prompt_ids = self.frontend.chat_token_ids(messages_as_dicts(req.messages), facts.max_model_len,
-                                                      req.add_generation_prompt, req.chat_template_kwargs)
+        messages = messages_as_dicts(req.messages)
+        render = functools.partial(self.frontend.chat_token_ids, messages, facts.max_model_len,
+                                   req.add_generation_prompt, req.chat_template_kwargs)
+        try:  # a long conversation renders and tokenizes off the event loop
+            long = sum(len(m["content"]) for m in messages) > OFF_LOOP_CHARS
+            prompt_ids = await asyncio.to_thread(render) if long else render()
         except InvalidRequestError as e:
             raise BadRequest(str(e), "messages") from None
         # no max_tokens: as long as the context and the largest decode worker allow (vLLM's default)

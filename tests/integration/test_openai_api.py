@@ -214,6 +214,8 @@ def test_bad_requests_get_4xx_in_openai_shape_and_leave_nothing_held(base: str, 
         (comp, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens must be at least 1"),
         (comp, {"prompt": "x", "model": "gpt-4"}, 404, "the model 'gpt-4' does not exist; this server serves 'smollm2'"),
         (comp, {"prompt": [5] * 8192}, 400, "prompt has 8192 tokens; the model's context is 8192 tokens"),
+        (chat, {"messages": [{"role": "user", "content": "word " * 4000}]}, 400,  # rendered off the loop
+         "KV blocks; the largest decode worker holds 91"),
         (comp, b'{"prompt": "x",', 400, "the body is not valid JSON in UTF-8"),
         (comp, b'{"prompt": "\xff\xfe"}', 400, "the body is not valid JSON in UTF-8"),
         (comp, {"prompt": "x", "n": 5}, 400, "n=5: only one choice per request is supported"),
