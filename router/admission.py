@@ -16,14 +16,23 @@ never bypassed by a smaller one that would fit, so large prompts do not starve.
 is full, when its tenant already has its share of that queue waiting, or when the
 estimated wait (the tokens served before it over the measured drain rate) exceeds its
 deadline or `max_queue_wait_s`. A refusal says which and carries a retry-after hint.
+A queued request's estimate is revised as the drain rate and the queue ahead of it change
+(`revise`, on the router's timer): it is refused as soon as the time it waited plus its
+revised estimate passes what it can wait, not when that time has run out. Each queued
+request admitted reports actual over estimated wait (`on_wait_estimate`).
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
+from router.admission_config import AdmissionConfig
 from router.fair_queue import Entry, PriorityClass
+
+__all__ = ["AdmissionConfig", "AdmissionQueue", "Refused"]
 
 DRAIN_WINDOW = 64
 """Releases the drain rate is measured over."""
@@ -31,58 +40,6 @@ DRAIN_WINDOW_S = 60.0
 """...and at most this far back."""
 TTFT_WINDOW = 16
 """Admitted requests' times to first token the TTFT steering looks at, at a time."""
-
-
-@dataclass(frozen=True)
-class AdmissionConfig:
-    max_inflight_tokens: int = 262_144
-    """Token budget: the sum of the admitted requests' costs (prompt + the output each can produce)."""
-    max_inflight_requests: int = 512
-    """Most requests admitted at once."""
-    max_queued_per_priority: int = 256
-    """Most requests waiting per priority class; one more is refused."""
-    max_queue_wait_s: float = 30.0
-    """Longest a request may wait for admission; a longer estimated wait is refused up front."""
-    min_retry_after_s: float = 0.2
-    """Smallest retry-after hint given with a refusal."""
-    kv_overcommit: float = 1.0
-    """The budget is at most this many times the decode pool's KV capacity in tokens. At
-    1.0 every admitted request can hold its whole KV at once: none waits on a decode
-    worker for room. Above 1.0 bets that requests stop before `max_tokens`."""
-    share_headroom: float = 0.1
-    """Part of the KV capacity the budget leaves free for tenants under their fair share (they
-    are admitted into it past the budget): without it, a flood that fills the budget holds
-    every decode block, and a light tenant's request, though admitted first, waits for the
-    flood's requests to end before it gets room on a decode worker."""
-    aging_s: float = 10.0
-    """A priority class whose oldest request has waited this long is served as one class
-    more important (two after twice as long, and so on)."""
-    ttft_budget_s: float | None = None
-    """A time-to-first-token budget for admitted requests (None: none). Set, the router
-    measures each admitted request's time from admission to its first token and steers the
-    token budget by it: cut by a third when the recent p90 passes half the budget (the other
-    half is the admission wait, bounded to it too), grown back while it stays under a
-    quarter and the budget is what holds requests back. Under overload, what gets in then
-    meets the budget and the rest is refused at once."""
-    tenant_weights: Mapping[str, float] = field(default_factory=dict)
-    """Tenant -> weight of its fair share within a priority class; tenants not named weigh 1."""
-    tenant_quota_tokens: Mapping[str, int] = field(default_factory=dict)
-    """Tenant -> most tokens it may have admitted at once (no cap for tenants not named)."""
-
-    def __post_init__(self) -> None:
-        for name in ("max_inflight_tokens", "max_inflight_requests", "max_queued_per_priority"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.ttft_budget_s is not None and not self.ttft_budget_s > 0:
-            raise ValueError(f"ttft_budget_s must be positive, got {self.ttft_budget_s}")
-        if not 0 <= self.share_headroom < 1:
-            raise ValueError(f"share_headroom must be in [0, 1), got {self.share_headroom}")
-        if min(self.max_queue_wait_s, self.min_retry_after_s, self.kv_overcommit, self.aging_s) <= 0:
-            raise ValueError("max_queue_wait_s, min_retry_after_s, kv_overcommit and aging_s must be positive")
-        bad = {t: w for t, w in self.tenant_weights.items() if not w > 0} | \
-              {t: q for t, q in self.tenant_quota_tokens.items() if q <= 0}
-        if bad:
-            raise ValueError(f"tenant weights and quotas must be positive, got {bad}")
 
 
 @dataclass(frozen=True)
@@ -115,6 +72,8 @@ class AdmissionQueue:
         self._tenant_tokens: dict[str, int] = {}
         self.inflight_tokens = 0
         self._releases: deque[tuple[float, int]] = deque(maxlen=DRAIN_WINDOW)
+        self.on_wait_estimate: Callable[[float], None] | None = None
+        """Called with actual / estimated wait of each queued request admitted (the estimate's error)."""
 
     # -- the moves ---------------------------------------------------------------------------
     def offer(self, request_id: str, priority: int, cost_tokens: int, deadline: float | None,
@@ -133,6 +92,7 @@ class AdmissionQueue:
             c.remove(e)
             return refusal
         c.charge(e, self.weight(tenant))
+        e.estimate_s = self._estimated_wait_s(e)
         return False
 
     def refusal_at(self, priority: int, floor_tokens: int, ceiling_tokens: int, deadline: float | None,
@@ -220,6 +180,28 @@ class AdmissionQueue:
             self._classes[e.priority].remove(e)
         return [e.request_id for e in gone]
 
+    def revise(self) -> list[tuple[str, Refused]]:
+        """Queued requests whose wait so far plus their estimate revised now (the drain rate
+        and the tokens ahead of them as they are now) passes what they can wait: removed,
+        each with its refusal."""
+        rate = self.drain_rate()
+        if not rate:
+            return []
+        now, free = self.clock(), self.budget_tokens - self.inflight_tokens
+        refused = []
+        for e, ahead in self._tokens_ahead_of_each():
+            if self._within_quota(e) and self._fits_by_share(e):
+                continue
+            left = max(ahead + e.cost_tokens - free, 0) / rate
+            waited, can_wait = now - e.queued_at, self._can_wait(e)
+            if waited + left > can_wait:
+                self._classes[e.priority].remove(e)
+                refused.append((e.request_id, Refused(
+                    f"estimated queue wait grew to {waited + left:.1f} s ({waited:.1f} s waited, {left:.1f} s to go "
+                    f"at the measured drain rate), more than the {can_wait:.1f} s this request can wait",
+                    self._retry_after(e), "wait_revised")))
+        return refused
+
     # -- views -------------------------------------------------------------------------------
     @property
     def num_queued(self) -> int:
@@ -283,11 +265,14 @@ class AdmissionQueue:
                                f"its fair share of that queue ({share} of {limit} at weight "
                                f"{self.weight(e.tenant):g} of {total:g})", self._retry_after(e), "tenant_share")
         wait = self._estimated_wait_s(e)
-        can_wait = self.max_wait_s if e.deadline is None else min(self.max_wait_s, e.deadline - e.queued_at)
+        can_wait = self._can_wait(e)
         if wait is not None and wait > can_wait:
             return Refused(f"estimated queue wait {wait:.1f} s exceeds the {can_wait:.1f} s this request "
                            f"can wait{self._share_note(e.tenant)}", self._retry_after(e), "wait")
         return None
+
+    def _can_wait(self, e: Entry) -> float:
+        return self.max_wait_s if e.deadline is None else min(self.max_wait_s, e.deadline - e.queued_at)
 
     def _share_note(self, tenant: str) -> str:
         """For a refusal: the tenant's part of the admitted tokens against its fair share, when
@@ -323,6 +308,8 @@ class AdmissionQueue:
         return self._tenant_tokens.get(e.tenant, 0) + e.cost_tokens <= share
 
     def _admit(self, c: PriorityClass, e: Entry) -> None:
+        if e.estimate_s and self.on_wait_estimate is not None:  # a queued request: how good was its estimate?
+            self.on_wait_estimate((self.clock() - e.queued_at) / e.estimate_s)
         c.charge(e, self.weight(e.tenant))
         c.served(e)
         self._admitted[e.request_id] = (e.cost_tokens, e.tenant)
@@ -371,6 +358,20 @@ class AdmissionQueue:
             elif p == e.priority:
                 ahead += sum(x.cost_tokens for x in c.entries() if x.start_tag <= e.start_tag and x is not e)
         return ahead
+
+    def _tokens_ahead_of_each(self) -> list[tuple[Entry, int]]:
+        """Every queued request with `_tokens_before` it, for all of them in one sort."""
+        out: list[tuple[Entry, int]] = []
+        more_important = 0
+        for _, c in sorted(self._classes.items()):
+            entries = sorted(c.entries(), key=lambda x: x.start_tag)
+            tags = [x.start_tag for x in entries]
+            running = list(itertools.accumulate(x.cost_tokens for x in entries))
+            for e in entries:
+                upto = running[bisect.bisect_right(tags, e.start_tag) - 1]  # tags <= its own, itself included
+                out.append((e, more_important + upto - e.cost_tokens))
+            more_important += running[-1] if running else 0
+        return out
 
     def _estimated_wait_s(self, e: Entry) -> float | None:
         if self._within_quota(e) and self._fits_by_share(e):

@@ -17,6 +17,8 @@ class Entry:
     queued_at: float
     start_tag: float = 0.0
     """Start-time fair queueing tag: the class's virtual time its tenant's turn begins."""
+    estimate_s: float | None = None
+    """Its estimated wait when it was queued (None: no drain rate measured yet)."""
 
 
 class PriorityClass:

@@ -29,6 +29,7 @@ LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
 """vLLM's TTFT buckets (seconds), so its dashboards' bucket queries carry over."""
 ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                  40.0, 80.0)
+RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.3, 1.5, 2.0, 3.0, 5.0, 10.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
@@ -73,6 +74,11 @@ class RouterMetrics:
         self.cached_tokens = count("prompt_tokens_cached", "Prompt tokens served from a prefix cache, as "
                                                            "reported to clients (usage.cached_tokens).")
         self.success = count("request_success", "Finished requests by finish reason.", ("finished_reason",))
+        self.wait_estimate = hist("admission_wait_estimate_ratio", "Queued requests admitted: actual wait for "
+                                  "admission over the wait estimated when they were queued.", RATIO_BUCKETS)
+
+    def observe_wait_estimate(self, ratio: float) -> None:
+        self.wait_estimate.labels(self.model_name()).observe(ratio)
 
     def watch(self, books: RouterBooks) -> None:
         self.registry.register(_BooksCollector(books, self.model_name))

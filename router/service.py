@@ -75,6 +75,7 @@ class RouterService:
                                            refusals=lambda: dict(self.gate.refusals), admission=self._admission_books,
                                            workers=self.members.roles_and_states))
             self.metrics_server = MetricsServer(self.metrics.registry)
+            self.gate.queue.on_wait_estimate = self.metrics.observe_wait_estimate
         self.metrics_address = ""
         self.feed = RegistryFeed(self.reader, self.members, self.index, self.loads, config.load_refresh_s,
                                  config.index_poll_ms, self.streams.forget)
