@@ -16,15 +16,11 @@ never bypassed by a smaller one that would fit, so large prompts do not starve.
 is full, when its tenant already has its share of that queue waiting, or when the
 estimated wait (the tokens served before it over the measured drain rate) exceeds its
 deadline or `max_queue_wait_s`. A refusal says which and carries a retry-after hint.
-A queued request's estimate is revised as the drain rate and the queue ahead of it change
-(`revise`, on the router's timer): it is refused as soon as the time it waited plus its
-revised estimate passes what it can wait, not when that time has run out. Each queued
-request admitted reports actual over estimated wait (`on_wait_estimate`).
+Each queued request admitted reports actual over estimated wait (`on_wait_estimate`): the
+estimate's error, exported as a histogram.
 """
 from __future__ import annotations
 
-import bisect
-import itertools
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -179,28 +175,6 @@ class AdmissionQueue:
         for e in gone:
             self._classes[e.priority].remove(e)
         return [e.request_id for e in gone]
-
-    def revise(self) -> list[tuple[str, Refused]]:
-        """Queued requests whose wait so far plus their estimate revised now (the drain rate
-        and the tokens ahead of them as they are now) passes what they can wait: removed,
-        each with its refusal."""
-        rate = self.drain_rate()
-        if not rate:
-            return []
-        now, free = self.clock(), self.budget_tokens - self.inflight_tokens
-        refused = []
-        for e, ahead in self._tokens_ahead_of_each():
-            if self._within_quota(e) and self._fits_by_share(e):
-                continue
-            left = max(ahead + e.cost_tokens - free, 0) / rate
-            waited, can_wait = now - e.queued_at, self._can_wait(e)
-            if waited + left > can_wait:
-                self._classes[e.priority].remove(e)
-                refused.append((e.request_id, Refused(
-                    f"estimated queue wait grew to {waited + left:.1f} s ({waited:.1f} s waited, {left:.1f} s to go "
-                    f"at the measured drain rate), more than the {can_wait:.1f} s this request can wait",
-                    self._retry_after(e), "wait_revised")))
-        return refused
 
     # -- views -------------------------------------------------------------------------------
     @property
@@ -358,20 +332,6 @@ class AdmissionQueue:
             elif p == e.priority:
                 ahead += sum(x.cost_tokens for x in c.entries() if x.start_tag <= e.start_tag and x is not e)
         return ahead
-
-    def _tokens_ahead_of_each(self) -> list[tuple[Entry, int]]:
-        """Every queued request with `_tokens_before` it, for all of them in one sort."""
-        out: list[tuple[Entry, int]] = []
-        more_important = 0
-        for _, c in sorted(self._classes.items()):
-            entries = sorted(c.entries(), key=lambda x: x.start_tag)
-            tags = [x.start_tag for x in entries]
-            running = list(itertools.accumulate(x.cost_tokens for x in entries))
-            for e in entries:
-                upto = running[bisect.bisect_right(tags, e.start_tag) - 1]  # tags <= its own, itself included
-                out.append((e, more_important + upto - e.cost_tokens))
-            more_important += running[-1] if running else 0
-        return out
 
     def _estimated_wait_s(self, e: Entry) -> float | None:
         if self._within_quota(e) and self._fits_by_share(e):

@@ -2,7 +2,7 @@
 
 `admit()` offers the request: admitted at once, refused early (RESOURCE_EXHAUSTED with
 a retry-after hint), or queued on a future that `release()` (a request left) or
-`expire()` (a timer: waited too long, or its revised estimate no longer fits) resolves. The wait is bounded by the request's
+`expire()` (a timer: waited too long) resolves. The wait is bounded by the request's
 deadline and `max_queue_wait_s`; however the wait ends, the request's place is given
 back exactly once.
 """
@@ -23,7 +23,7 @@ class AdmissionGate:
     def __init__(self, config: AdmissionConfig, clock: Callable[[], float]) -> None:
         self.config = config
         self.queue = AdmissionQueue(config, clock)
-        self._waiters: dict[str, asyncio.Future[bool | Refused]] = {}
+        self._waiters: dict[str, asyncio.Future[bool]] = {}
         self.refusals: Counter[str] = Counter()
         """Requests refused, by reason (`Refused.kind`, and `timeout` for a wait that ran out)."""
 
@@ -39,7 +39,7 @@ class AdmissionGate:
             self._refuse(verdict)
         if verdict:
             return
-        fut: asyncio.Future[bool | Refused] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._waiters[prep.request_id] = fut
         wait_s = deadline.remaining(self.queue.max_wait_s)
         try:
@@ -52,8 +52,6 @@ class AdmissionGate:
             raise
         finally:
             self._waiters.pop(prep.request_id, None)
-        if isinstance(admitted, Refused):  # its revised estimate passed its limit
-            self._refuse(admitted)
         if admitted:
             return
         if deadline.at is not None and deadline.clock() >= deadline.at - 0.01:
@@ -98,13 +96,9 @@ class AdmissionGate:
         self._wake(self.queue.set_capacity(kv_tokens))
 
     def expire(self) -> None:
-        """Called on a timer: queued requests past their max wait are refused, and so are those
-        whose revised estimate no longer fits their wait."""
+        """Called on a timer: queued requests past their max wait are refused."""
         for rid in self.queue.expire():
             fut = self._waiters.get(rid)
             if fut is not None and not fut.done():
                 fut.set_result(False)
-        for rid, refusal in self.queue.revise():
-            fut = self._waiters.get(rid)
-            if fut is not None and not fut.done():
-                fut.set_result(refusal)
+

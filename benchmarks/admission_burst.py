@@ -1,0 +1,109 @@
+"""A burst of long requests with no deadline over the router's token budget: when does each
+refusal come, and how good are the admission wait estimates?
+
+One local cluster (1 prefill + 1 decode, tiny llama by default, CPU; the router's queue
+limit --max-queue-wait-s). --num-requests requests (random --prompt-tokens prompts,
+--max-tokens answers, ignore_eos) are sent at once over gRPC. Per request: OK, or refused
+and how long after its arrival, and why: at arrival (the estimate, or a full queue) or at
+the limit (it waited the whole limit out, on an estimate that said it would get in). From the router's /metrics: the histogram of actual over
+estimated wait for the queued requests that were admitted (p50/p90/p99 from its buckets).
+One JSON line.
+
+    ./dev python benchmarks/admission_burst.py [--num-requests 200] [--max-tokens 256]
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import random
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
+from cluster.local import LocalCluster
+from engine.tiny_model import make_tiny_model
+from proto import generate_pb2 as pb
+from proto import generate_pb2_grpc as pb_grpc
+from router.admission import AdmissionConfig
+from router.policy import RoutingConfig
+
+
+def one(address: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    sent = time.perf_counter()
+    with grpc.insecure_channel(address) as channel:
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
+                                     sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        try:
+            for _ in pb_grpc.GenerationStub(channel).Generate(request, timeout=600):
+                pass
+            return {"code": "OK", "after_s": time.perf_counter() - sent}
+        except grpc.RpcError as e:
+            details = e.details() or ""
+            kind = ("at_limit" if "waited" in details
+                    else "at_arrival" if "estimated queue wait" in details or "full" in details else "other")
+            return {"code": e.code().name, "after_s": time.perf_counter() - sent, "kind": kind, "details": details}
+
+
+def ratio_quantiles(address: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    buckets, count = [], 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "splitserve:admission_wait_estimate_ratio_bucket":
+                buckets.append((float(s.labels["le"]), s.value))
+            elif s.name == "splitserve:admission_wait_estimate_ratio_count":
+                count = s.value
+    buckets.sort()
+
+    def q(p: float) -> float | None:
+        return next((le for le, n in buckets if n >= p * count), None) if count else None
+    return {"num_estimated": int(count), "ratio_p50_le": q(0.5), "ratio_p90_le": q(0.9), "ratio_p99_le": q(0.99),
+            "ratio_buckets": {str(le): int(n) for le, n in buckets}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-requests", type=int, default=200)
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--max-queue-wait-s", type=float, default=30.0)
+    ap.add_argument("--kv-cache-mib", type=int, default=16)
+    args = ap.parse_args()
+    model = str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny", arch="llama", seed=0))
+    config = ClusterConfig(
+        worker=WorkerConfig(model_dir=model, block_size=16, kv_cache_bytes=args.kv_cache_mib * 2**20),
+        num_prefill=1, num_decode=1, worker_num_cpus=0.5,
+        router=RouterConfig(port=0, routing=RoutingConfig(mode="disaggregated"),
+                            admission=AdmissionConfig(max_queue_wait_s=args.max_queue_wait_s)))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 500) for _ in range(args.prompt_tokens)] for _ in range(args.num_requests)]
+    with LocalCluster(config) as cluster:
+        for p in prompts[:4]:  # warm-up: a drain rate to estimate with, as a serving cluster has
+            one(cluster.address, [t + 1 for t in p], 32)
+        started = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(args.num_requests) as pool:
+            results = list(pool.map(lambda p: one(cluster.address, p, args.max_tokens), prompts))
+        elapsed = time.perf_counter() - started
+        metrics = ratio_quantiles(cluster.router_stats()[0]["metrics_address"])
+    refused = [r for r in results if r["code"] != "OK"]
+    by_kind: dict[str, list[float]] = {}
+    for r in refused:
+        by_kind.setdefault(r["kind"], []).append(r["after_s"])
+    print(json.dumps({
+        "bench": "admission_burst", "num_ok": len(results) - len(refused), "num_refused": len(refused),
+        "refused": {k: {"n": len(v), "max_after_s": round(max(v), 2), "p50_after_s": round(sorted(v)[len(v) // 2], 2)}
+                    for k, v in sorted(by_kind.items())},
+        "other": sorted({r["details"] for r in refused if r["kind"] == "other"})[:3],
+        "elapsed_s": round(elapsed, 1), **metrics, **vars(args)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
