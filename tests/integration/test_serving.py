@@ -130,9 +130,12 @@ def test_repeated_prompt_is_cached_where_its_prefix_is(stub, cluster: LocalClust
     prompt = prompts(3, 1, 100)[0]
     first = generate(stub, prompt)[-1]
     assert first.usage.cached_tokens == 0
-    deadline = time.monotonic() + 10  # the workers' KV events reach the router's index through Redis
-    while min(cluster.router_stats()[0]["index_blocks"].get(w, 0)
-              for w in (first.route.decode_worker, first.route.prefill_worker)) < 6:
+    # the workers' KV events reach the router's index through Redis, and the decode worker's
+    # heartbeat says the first request is gone (a stale active count outweighs 96 cached tokens)
+    deadline = time.monotonic() + 10
+    while (min((stats := cluster.router_stats()[0])["index_blocks"].get(w, 0)
+               for w in (first.route.decode_worker, first.route.prefill_worker)) < 6
+           or stats["active"].get(first.route.decode_worker, 0)):
         assert time.monotonic() < deadline, cluster.router_stats()
         time.sleep(0.1)
     assert not first.route.local_prefill
