@@ -9,6 +9,7 @@ router has seen every worker's heartbeat (routers find workers in Redis, not fro
 Then it supervises, once per `supervise_interval_s` (`tick`):
 - targets: `splitserve scale ROLE N` writes `{ns}:target:{role}` in Redis; with
   `autoscale` the policy in cluster/autoscaler.py sets them from heartbeats and router stats;
+- routers: a replica whose actor died is replaced on the same ports (`_check_routers`);
 - liveness: a worker whose actor is dead is forgotten (its Redis keys deleted) and, with
   `replace_dead_workers`, replaced by a new one (a new id, a fresh KV pool);
 - reconcile: a pool under its target launches workers (one that cannot be placed within
@@ -91,6 +92,9 @@ class Controller:
         self.num_drains = 0
         self.actions: deque[str] = deque(maxlen=20)
         self.routers: dict[str, Any] = {}
+        self._router_ids: list[str] = []
+        """Every replica the cluster has (`num_routers`); one missing from `routers` is being replaced."""
+        self._relaunching: set[str] = set()
         self.info: dict[str, Any] = {}
         self.decision: Decision | None = None
         self._autoscale_state = AutoscaleState()
@@ -112,11 +116,8 @@ class Controller:
         short = {r: self.targets[r] - len(self._live(r)) for r in ROLES if len(self._live(r)) < self.targets[r]}
         if short:
             raise RuntimeError(f"workers did not start: {short} short; last actions: {list(self.actions)}")
-        R = ray.remote(RouterService)
-        # on the controller's node (the head, where `serve` runs): the public endpoint is served there
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self.routers = {f"router-{i}": R.options(num_cpus=0, scheduling_strategy=here).remote(
-            f"router-{i}", self._router_config(), self.redis_url, c.namespace) for i in range(c.num_routers)}
+        self.routers = {f"router-{i}": self._router_actor(f"router-{i}") for i in range(c.num_routers)}
+        self._router_ids = list(self.routers)
         replicas = list(self.routers.values())
         first = await await_ref(replicas[0].start.remote(), START_TIMEOUT_S)
         http = (await await_ref(replicas[0].endpoints.remote(), START_TIMEOUT_S))["http"]
@@ -190,6 +191,7 @@ class Controller:
         except (redis.RedisError, OSError, TimeoutError) as e:
             logger.warning("controller: Redis unavailable (%s); supervising from the last view", e)
         await self._check_liveness()
+        await self._check_routers()
         if self.config.autoscale is not None:
             await self._autoscale()
         self._reconcile()
@@ -209,6 +211,45 @@ class Controller:
         for w, ok in zip(serving, alive, strict=True):
             if not ok:
                 await self._forget_dead(w)
+
+    async def _check_routers(self) -> None:
+        """A router replica whose actor died is replaced on the same ports (the survivors keep
+        serving meanwhile); the new one rebuilds its KV index before it takes traffic."""
+        for router_id, actor in list(self.routers.items()):
+            try:
+                await await_ref(actor.endpoints.remote(), 10.0)
+            except ray.exceptions.RayActorError:
+                del self.routers[router_id]
+                self.num_dead += 1
+                self._act(f"{router_id} died; replacing it")
+            except (TimeoutError, ray.exceptions.RayError):
+                pass  # busy or slow, not known dead
+        for router_id in self._router_ids:
+            if router_id not in self.routers and router_id not in self._relaunching:
+                self._relaunching.add(router_id)
+                self._spawn(self._relaunch_router(router_id))
+
+    async def _relaunch_router(self, router_id: str) -> None:
+        actor = self._router_actor(router_id)
+        port = int(self.info["address"].rsplit(":", 1)[1])
+        http = self.info.get("http_address")
+        try:
+            address = await await_ref(actor.start.remote(port, int(http.rsplit(":", 1)[1]) if http else None),
+                                      START_TIMEOUT_S)
+        except (TimeoutError, ray.exceptions.RayError) as e:
+            ray.kill(actor)
+            self._act(f"{router_id} did not start again ({type(e).__name__}); trying again on the next tick")
+            return
+        finally:
+            self._relaunching.discard(router_id)
+        self.routers[router_id] = actor
+        self._act(f"{router_id} serving again on {address}")
+
+    def _router_actor(self, router_id: str) -> Any:
+        """A router replica on this (the head) node, where the public endpoint is served."""
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        return ray.remote(RouterService).options(num_cpus=0, scheduling_strategy=here).remote(
+            router_id, self._router_config(), self.redis_url, self.config.namespace)
 
     @staticmethod
     async def _alive(w: Worker) -> bool:
@@ -356,7 +397,13 @@ class Controller:
         ray.kill(w.actor, no_restart=True)
 
     async def router_stats(self) -> list[dict[str, Any]]:
-        return list(await asyncio.gather(*(await_ref(r.stats.remote()) for r in self.routers.values())))
+        """Each live replica's stats (one that just died, not yet replaced, is left out)."""
+        results = await asyncio.gather(*(await_ref(r.stats.remote()) for r in self.routers.values()),
+                                       return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, (TimeoutError, ray.exceptions.RayError)):
+                raise r
+        return [r for r in results if not isinstance(r, BaseException)]
 
     async def shutdown(self) -> None:
         if self._supervisor is not None:

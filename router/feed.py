@@ -54,6 +54,22 @@ class RegistryFeed:
         self.loads.set_heartbeats({w: b for w, b in beats.items() if w in self.members})
         self.num_refreshes += 1
 
+    async def catch_up(self, timeout_s: float) -> int:
+        """Membership, then the members' KV event streams replayed into the index until a read
+        finds nothing new (or `timeout_s` passes): what a router does before it takes traffic.
+        Returns the events applied."""
+        await self.refresh()
+        deadline, applied = time.monotonic() + timeout_s, 0
+        while self.members.ids() and time.monotonic() < deadline:
+            events = await self.reader.read_events(self.cursor, self.members.ids(), self.index_poll_ms)
+            if not events:
+                break
+            for worker_id, ev in events:
+                self.index.apply(worker_id, ev)
+            applied += len(events)
+        self.num_events += applied
+        return applied
+
     async def run(self) -> None:
         next_refresh = 0.0
         while True:

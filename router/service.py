@@ -44,6 +44,8 @@ from router.servicer import Generation
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+CATCH_UP_TIMEOUT_S = 30.0
+"""Longest a starting router replays the workers' KV event streams before it reports SERVING."""
 
 
 class RouterService:
@@ -100,10 +102,13 @@ class RouterService:
         if bound == 0:
             raise RuntimeError(f"cannot listen on {self.config.host}:{port}: the port is in use "
                                "(another splitserve? pick another with --port)")
+        # before any traffic: the workers serving and what they cache (a replacement router
+        # rebuilds its KV index here from the workers' event streams)
         with contextlib.suppress(redis.RedisError, OSError, TimeoutError):
-            await self.feed.refresh()  # the workers already serving, before the first request
+            replayed = await self.feed.catch_up(CATCH_UP_TIMEOUT_S)
+            logger.info("router %s: %d KV events replayed from %d workers", self.router_id, replayed,
+                        len(self.members.ids()))
         await server.start()
-        self._server = server
         if self.http is not None:
             bound_http = await self.http.start(self.config.host, self.config.http_port if http_port is None
                                                else http_port, self.config.share_port)

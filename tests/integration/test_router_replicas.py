@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import signal
 import socket
 import time
 import urllib.request
@@ -99,3 +101,37 @@ def test_a_lone_router_refuses_a_taken_port(tiny_llama_dir: str) -> None:
         service = RouterService("router-x", RouterConfig(port=port, cluster_secret=b"x"), "redis://127.0.0.1:1/0", "t")
         with pytest.raises(RuntimeError, match=f"127.0.0.1:{port}: the port is in use"):
             asyncio.run(service.start())
+
+
+def test_a_killed_replica_is_replaced_the_other_serves_throughout_and_the_new_one_knows_the_cache(
+        cluster: LocalCluster) -> None:
+    rng = random.Random(9)
+    stem = [rng.randrange(3, 500) for _ in range(64)]
+    first = generate(cluster.address, stem + [7])[-1]
+    deadline = time.monotonic() + 10
+    while any(s["index_blocks"].get(first.route.decode_worker, 0) < 4 for s in cluster.router_stats()):
+        assert time.monotonic() < deadline, "the replicas did not learn the prefix"
+        time.sleep(0.1)
+    victim = next(s["pid"] for s in cluster.router_stats() if s["router_id"] == "router-1")
+    os.kill(victim, signal.SIGKILL)
+    time.sleep(0.5)  # its listening sockets are gone with it: new connections reach the survivor
+    deadline = time.monotonic() + 90
+    while True:
+        assert len(generate(cluster.address, [11, 12, 13] * 7)) > 0  # served throughout
+        stats = {s["router_id"]: s for s in cluster.router_stats()}
+        if "router-1" in stats and stats["router-1"]["pid"] != victim:
+            break
+        assert time.monotonic() < deadline, cluster.controller_status()["actions"]
+        time.sleep(0.25)
+    actions = cluster.controller_status()["actions"]
+    assert any("router-1 died; replacing it" in a for a in actions)
+    assert any("router-1 serving again on 127.0.0.1:" in a for a in actions), actions
+    # the replacement replayed the workers' KV events before it took traffic
+    assert stats["router-1"]["index_blocks"].get(first.route.decode_worker, 0) >= 4, stats["router-1"]
+    assert stats["router-1"]["address"] == cluster.address
+    before = {rid: s["num_requests"] for rid, s in stats.items()}
+    for i in range(NUM_CHANNELS):
+        final = generate(cluster.address, stem + [20 + i, 9])[-1]
+        assert final.usage.cached_tokens == 64 and final.route.decode_worker == first.route.decode_worker
+    served = {s["router_id"]: s["num_requests"] - before[s["router_id"]] for s in cluster.router_stats()}
+    assert min(served.values()) > 0 and sum(served.values()) == NUM_CHANNELS, served
