@@ -9,7 +9,7 @@ router has seen every worker's heartbeat (routers find workers in Redis, not fro
 Then it supervises, once per `supervise_interval_s` (`tick`):
 - targets: `splitserve scale ROLE N` writes `{ns}:target:{role}` in Redis; with
   `autoscale` the policy in cluster/autoscaler.py sets them from heartbeats and router stats;
-- routers: a replica whose actor died is replaced on the same ports (`_check_routers`);
+- routers: a replica whose actor died is replaced on the same ports (`RouterPool.check`);
 - liveness: a worker whose actor is dead is forgotten (its Redis keys deleted) and, with
   `replace_dead_workers`, replaced by a new one (a new id, a fresh KV pool);
 - reconcile: a pool under its target launches workers (one that cannot be placed within
@@ -39,11 +39,12 @@ import msgpack
 import ray
 import redis
 import redis.asyncio
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.autoscaler import AutoscaleState, Decision, PoolMetrics, Snapshot, decide
 from cluster.config import ClusterConfig, RouterConfig
 from cluster.controller_metrics import ControllerMetrics
+from cluster.ray_calls import CALL_TIMEOUT_S, await_ref
+from cluster.router_pool import RouterPool
 from control.heartbeat import Heartbeat, Role, controller_key, hb_key, kv_key, target_key
 from control.metrics_http import MetricsServer
 from control.reader import RegistryReader
@@ -51,18 +52,12 @@ from control.worker_config import dialable_host
 from decode_worker.worker import DecodeWorker
 from engine.gguf_checkpoint import resolve_model_dir
 from prefill_worker.worker import PrefillWorker
-from router.service import RouterService
 
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 300.0
-CALL_TIMEOUT_S = 30.0
 ROLES: tuple[Role, Role] = ("prefill", "decode")
-
-
-async def await_ref(ref: Any, timeout_s: float = CALL_TIMEOUT_S) -> Any:
-    """Await a Ray ObjectRef with a timeout (Ray's own await has none)."""
-    return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout_s)
+__all__ = ["CALL_TIMEOUT_S", "START_TIMEOUT_S", "Controller", "await_ref"]
 
 
 @dataclass
@@ -91,10 +86,7 @@ class Controller:
         """The last finished drains: the worker, requests left to continue elsewhere, late calls."""
         self.num_drains = 0
         self.actions: deque[str] = deque(maxlen=20)
-        self.routers: dict[str, Any] = {}
-        self._router_ids: list[str] = []
-        """Every replica the cluster has (`num_routers`); one missing from `routers` is being replaced."""
-        self._relaunching: set[str] = set()
+        self.routers = RouterPool(self._router_config(), self.redis_url, config.namespace, self._act, START_TIMEOUT_S)
         self.info: dict[str, Any] = {}
         self.decision: Decision | None = None
         self._autoscale_state = AutoscaleState()
@@ -116,18 +108,8 @@ class Controller:
         short = {r: self.targets[r] - len(self._live(r)) for r in ROLES if len(self._live(r)) < self.targets[r]}
         if short:
             raise RuntimeError(f"workers did not start: {short} short; last actions: {list(self.actions)}")
-        self.routers = {f"router-{i}": self._router_actor(f"router-{i}") for i in range(c.num_routers)}
-        self._router_ids = list(self.routers)
-        replicas = list(self.routers.values())
-        first = await await_ref(replicas[0].start.remote(), START_TIMEOUT_S)
-        http = (await await_ref(replicas[0].endpoints.remote(), START_TIMEOUT_S))["http"]
-        port = int(first.rsplit(":", 1)[1])  # what port 0 resolved to; the other replicas join it
-        http_port = int(http.rsplit(":", 1)[1]) if http else None
-        addresses = [first, *await asyncio.gather(*(await_ref(r.start.remote(port, http_port), START_TIMEOUT_S)
-                                                    for r in replicas[1:]))]
-        await asyncio.gather(*(await_ref(r.await_workers.remote(list(self.workers), 30.0), 40.0) for r in replicas))
-        self.info = {"address": addresses[0], "http_address": http,
-                     "routers": dict(zip(self.routers, addresses, strict=True)),
+        routers = await self.routers.start(c.num_routers, list(self.workers))
+        self.info = {"address": self.routers.address, "http_address": self.routers.http_address, "routers": routers,
                      "prefill": [w.info for w in self._live("prefill")], "decode": [w.info for w in self._live("decode")],
                      "mode": c.router.routing.mode, "redis_url": self.redis_url}
         host = c.router.host if c.router.metrics_port is not None else None
@@ -191,7 +173,7 @@ class Controller:
         except (redis.RedisError, OSError, TimeoutError) as e:
             logger.warning("controller: Redis unavailable (%s); supervising from the last view", e)
         await self._check_liveness()
-        await self._check_routers()
+        await self.routers.check()
         if self.config.autoscale is not None:
             await self._autoscale()
         self._reconcile()
@@ -211,45 +193,6 @@ class Controller:
         for w, ok in zip(serving, alive, strict=True):
             if not ok:
                 await self._forget_dead(w)
-
-    async def _check_routers(self) -> None:
-        """A router replica whose actor died is replaced on the same ports (the survivors keep
-        serving meanwhile); the new one rebuilds its KV index before it takes traffic."""
-        for router_id, actor in list(self.routers.items()):
-            try:
-                await await_ref(actor.endpoints.remote(), 10.0)
-            except ray.exceptions.RayActorError:
-                del self.routers[router_id]
-                self.num_dead += 1
-                self._act(f"{router_id} died; replacing it")
-            except (TimeoutError, ray.exceptions.RayError):
-                pass  # busy or slow, not known dead
-        for router_id in self._router_ids:
-            if router_id not in self.routers and router_id not in self._relaunching:
-                self._relaunching.add(router_id)
-                self._spawn(self._relaunch_router(router_id))
-
-    async def _relaunch_router(self, router_id: str) -> None:
-        actor = self._router_actor(router_id)
-        port = int(self.info["address"].rsplit(":", 1)[1])
-        http = self.info.get("http_address")
-        try:
-            address = await await_ref(actor.start.remote(port, int(http.rsplit(":", 1)[1]) if http else None),
-                                      START_TIMEOUT_S)
-        except (TimeoutError, ray.exceptions.RayError) as e:
-            ray.kill(actor)
-            self._act(f"{router_id} did not start again ({type(e).__name__}); trying again on the next tick")
-            return
-        finally:
-            self._relaunching.discard(router_id)
-        self.routers[router_id] = actor
-        self._act(f"{router_id} serving again on {address}")
-
-    def _router_actor(self, router_id: str) -> Any:
-        """A router replica on this (the head) node, where the public endpoint is served."""
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        return ray.remote(RouterService).options(num_cpus=0, scheduling_strategy=here).remote(
-            router_id, self._router_config(), self.redis_url, self.config.namespace)
 
     @staticmethod
     async def _alive(w: Worker) -> bool:
@@ -296,7 +239,7 @@ class Controller:
         ones), then the actor and its KV pool."""
         w.state = "draining"
         self._act(f"draining {w.worker_id}")
-        await asyncio.gather(*(_quietly(r.drain_worker.remote(w.worker_id)) for r in self.routers.values()))
+        await asyncio.gather(*(_quietly(r.drain_worker.remote(w.worker_id)) for r in self.routers.actors.values()))
         timeout_s = self.config.drain_timeout_s
         try:
             report = dict(await await_ref(w.actor.drain.remote(timeout_s), timeout_s + 10.0))
@@ -327,7 +270,7 @@ class Controller:
     async def _autoscale(self) -> None:
         config = self.config.autoscale
         assert config is not None
-        routers = await self.reader.router_stats() if self.routers else {}
+        routers = await self.reader.router_stats() if self.routers.actors else {}
         itls = [float(s["itl_p50_ms"]) for s in routers.values() if s.get("itl_p50_ms") is not None]
         snapshot = Snapshot(self._pool_metrics("prefill"),
                             dataclasses.replace(self._pool_metrics("decode"), itl_ms=max(itls) if itls else None),
@@ -397,24 +340,19 @@ class Controller:
         ray.kill(w.actor, no_restart=True)
 
     async def router_stats(self) -> list[dict[str, Any]]:
-        """Each live replica's stats (one that just died, not yet replaced, is left out)."""
-        results = await asyncio.gather(*(await_ref(r.stats.remote()) for r in self.routers.values()),
-                                       return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException) and not isinstance(r, (TimeoutError, ray.exceptions.RayError)):
-                raise r
-        return [r for r in results if not isinstance(r, BaseException)]
+        return await self.routers.stats()
 
     async def shutdown(self) -> None:
         if self._supervisor is not None:
             self._supervisor.cancel()
         for task in list(self._tasks):
             task.cancel()
-        for r in self.routers.values():
+        self.routers.stop_tasks()
+        for r in self.routers.actors.values():
             await _quietly(r.shutdown.remote())
         for w in list(self.workers.values()):
             await _quietly(w.actor.shutdown.remote())
-        for a in [*self.routers.values(), *(w.actor for w in self.workers.values())]:
+        for a in [*self.routers.actors.values(), *(w.actor for w in self.workers.values())]:
             ray.kill(a)
         await self.metrics.stop()
         await self.reader.close()
