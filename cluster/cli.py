@@ -27,8 +27,11 @@ from cluster.metrics_targets import add_observe_flags
 from cluster.metrics_targets import add_parser as add_metrics_targets_parser
 from cluster.metrics_targets import metrics_port as _metrics_port
 from cluster.processes import add_parsers as add_process_parsers
+from cluster.status import show_status
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+WATCH_INTERVAL_S = 3.0
+"""How often `serve` checks that its cluster can still serve."""
 
 
 def _state_file() -> Path:
@@ -72,12 +75,23 @@ def _serve(args: argparse.Namespace) -> int:
         if args.model == TINY:
             print("splitserve: --model tiny has random weights, so its text is noise by design (it is for tests)",
                   flush=True)
-        while not stop.wait(1.0):
-            pass
+        _watch(cluster, stop)
     finally:
         print("splitserve: stopping", file=sys.stderr, flush=True)
         cluster.stop()
     return 0
+
+
+def _watch(cluster, stop: threading.Event) -> None:  # type: ignore[no-untyped-def]
+    """Until Ctrl-C: every few seconds, whether the cluster can still serve; says so once when
+    it cannot (and once when it can again), instead of running on silently."""
+    said = None
+    while not stop.wait(WATCH_INTERVAL_S):
+        problem = cluster.problem()
+        if problem != said:
+            print(f"splitserve: the cluster cannot serve: {problem}; Ctrl-C stops this and `serve` starts it again"
+                  if problem else "splitserve: the cluster serves again", file=sys.stderr, flush=True)
+            said = problem
 
 
 def _serve_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -256,56 +270,6 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _status(args: argparse.Namespace) -> int:
-    import asyncio
-
-    from control.reader import read_cluster
-
-    redis_url, namespace = _cluster_redis(args)
-    if redis_url is None:
-        return 2
-    try:
-        beats, routers, controller = asyncio.run(read_cluster(redis_url, namespace))
-    except Exception as e:  # noqa: BLE001 - any Redis failure is reported, not raised
-        print(f"Redis at {redacted(redis_url)} is away ({e}): the cluster's state cannot be read now. Routers keep "
-              "serving on the membership they last saw; an embedded Redis is started again by its cluster.",
-              file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps({"workers": {w: b.__dict__ for w, b in beats.items()}, "routers": routers,
-                          "controller": controller}, default=str))
-        return 0
-    if controller is not None:
-        live = controller["workers"]
-        for role in ("prefill", "decode"):
-            states = sorted(f"{w} {s}" for w, s in live.items() if w.startswith(role))
-            print(f"{role} pool: target {controller['targets'][role]}, {sum(1 for s in states if s.endswith(' serving'))}"
-                  f" serving" + (f" ({', '.join(states)})" if states else ""))
-        if controller.get("decision"):
-            print(f"autoscaler: {controller['decision']}")
-        for action in controller.get("actions", [])[-3:]:
-            print(f"  {action}")
-    print(f"{'worker':<12}{'role':<9}{'state':<10}{'address':<22}{'running':>8}{'waiting':>8}{'queued tok':>11}"
-          f"{'KV used':>16}{'prefix hit':>11}")
-    for w, b in sorted(beats.items()):
-        used = b.num_total_blocks - b.num_free_blocks - b.num_cached_blocks
-        hit = b.num_cached_tokens / b.num_prompt_tokens if b.num_prompt_tokens else 0.0
-        kv = f"{used}/{b.num_total_blocks} ({used / max(b.num_total_blocks, 1):.0%})"
-        print(f"{w:<12}{b.role:<9}{b.state:<10}{b.address:<22}{b.num_running:>8}{b.num_waiting:>8}"
-              f"{b.queued_prefill_tokens:>11}{kv:>16}{hit:>11.0%}")
-    for rid, s in sorted(routers.items()):
-        hit = s["num_cached_tokens"] / s["num_prompt_tokens"] if s["num_prompt_tokens"] else 0.0
-        print(f"{rid} on {s['address']}: {s['num_admitted']} running, {s['num_queued']} queued "
-              f"{s['queued_by_priority']}, {s['num_requests']} done, {s['num_refused']} refused, "
-              f"{s.get('num_invalid', 0)} invalid, "
-              f"{s.get('num_retries', 0)} retried, prefix hit rate {hit:.0%}, "
-              f"Redis feed {'up' if s['redis_healthy'] else 'DOWN'}"
-              + (f", workers down: {', '.join(s['down_workers'])}" if s.get("down_workers") else ""))
-    if not beats and not routers:
-        print("no workers or routers are reporting (is the cluster running?)")
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description="Disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -406,7 +370,7 @@ def _add_client_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignor
     st.add_argument("--redis-url", help="default: the cluster last started by `splitserve serve`")
     st.add_argument("--namespace", default="splitserve")
     st.add_argument("--json", action="store_true")
-    st.set_defaults(func=_status)
+    st.set_defaults(func=lambda a: show_status(a, _cluster_redis))
     add_metrics_targets_parser(sub, _cluster_redis)
     add_bench_parser(sub)
 

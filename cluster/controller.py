@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import secrets
 import time
 from collections import deque
@@ -322,7 +323,8 @@ class Controller:
                 "dead": list(self.dead), "drains": list(self.drains), "num_drains": self.num_drains,
                 "actions": list(self.actions),
                 "decision": self.decision.reason if self.decision else None,
-                "autoscale": self.config.autoscale is not None, "metrics_address": self.metrics_address}
+                "autoscale": self.config.autoscale is not None, "metrics_address": self.metrics_address,
+                "pid": os.getpid()}
 
     def _metrics_books(self) -> dict[str, Any]:
         return {"targets": dict(self.targets), "workers": [(w.role, w.state) for w in self.workers.values()],

@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_ROUTE_PROBE = "192.0.2.1"
 """An address (TEST-NET-1, never dialled) whose route names the interface of the default route."""
 REDIS_WATCH_INTERVAL_S = 0.5
+PROBE_TIMEOUT_S = 5.0
+"""How long `problem()` waits for the controller's answer (no answer is busy, not dead)."""
 """How often the local cluster checks its embedded redis-server is alive."""
 LOCAL_HEADROOM_WORKERS = 4
 """Workers a local cluster can add beyond its initial pools (splitserve scale)."""
@@ -159,6 +161,8 @@ class LocalCluster:
         self.controller: Any = None
         self.info: dict[str, Any] = {}
         self._owns_ray = False
+        self.redis_error: str | None = None
+        """The last failure to restart the embedded redis-server (None: it runs)."""
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
         self.num_redis_restarts = 0
@@ -273,6 +277,20 @@ class LocalCluster:
         """Each worker's info (worker_id, role, address, pid, ...) and state."""
         return ray.get(self.controller.worker_info.remote(), timeout=60)
 
+    def problem(self) -> str | None:
+        """Why the cluster cannot serve any more (None while it can): its controller actor is
+        gone (its workers and routers went with it), or the embedded Redis cannot be restarted."""
+        if self.controller is not None:
+            try:
+                ray.get(self.controller.status.remote(), timeout=PROBE_TIMEOUT_S)
+            except ray.exceptions.RayActorError as e:
+                return f"the controller died ({type(e).__name__}), and its workers and routers with it"
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError):
+                pass  # busy, not known dead
+        if self.redis_error is not None:
+            return f"the embedded redis-server died and cannot be started again ({self.redis_error})"
+        return None
+
     def kill_worker(self, worker_id: str) -> None:
         ray.get(self.controller.kill_worker.remote(worker_id), timeout=60)
 
@@ -287,7 +305,9 @@ class LocalCluster:
             try:
                 server.restart()
                 self.num_redis_restarts += 1
+                self.redis_error = None
             except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+                self.redis_error = str(e)
                 logger.error("could not restart redis-server: %s; retrying", e)
 
     def stop(self) -> None:

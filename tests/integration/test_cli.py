@@ -139,3 +139,32 @@ def test_serve_refuses_a_bad_model_or_a_taken_port_before_starting_anything(tmp_
         r = run(["serve", "--port", str(port)], {"SPLITSERVE_CACHE": str(tmp_path / "cache")})
     assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr
     assert time.monotonic() - started < 60  # no Ray, no workers were started
+
+
+def test_serve_says_when_its_cluster_can_no_longer_serve(tmp_path: Path) -> None:
+    """kill -9 of the controller (its workers and routers go with it, for now): `serve` says so on
+    its console within seconds, `status` says the controller is not reporting, Ctrl-C still stops."""
+    env = {**os.environ, "SPLITSERVE_CACHE": str(tmp_path / "cache")}
+    serve = subprocess.Popen(CLI + ["serve", "--model", "tiny", "--port", "0", "--http-port", "0"], env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        _wait_for_line(serve, "ready in", STARTUP_BUDGET_S)
+        deadline = time.monotonic() + 15
+        while "controller" not in (st := json.loads(run(["status", "--json"], env).stdout)) or not st["controller"]:
+            assert time.monotonic() < deadline, st
+            time.sleep(0.5)
+        os.kill(int(st["controller"]["pid"]), signal.SIGKILL)
+        line = _wait_for_line(serve, "the cluster cannot serve", 30)
+        assert "the controller died" in line and "`serve` starts it again" in line
+        deadline = time.monotonic() + 30  # its state in Redis expires (10 s)
+        while "controller: not reporting" not in (text := run(["status"], env).stdout):
+            assert time.monotonic() < deadline, text
+            time.sleep(1.0)
+    finally:
+        serve.send_signal(signal.SIGINT)
+        try:
+            serve.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+            raise
+    assert serve.returncode == 0

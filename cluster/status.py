@@ -1,0 +1,63 @@
+"""`splitserve status`: a running cluster's state, read from its Redis."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+from cluster.processes import redacted
+
+
+def show_status(args: argparse.Namespace, cluster_redis: Callable[[argparse.Namespace], tuple[str | None, str]]) -> int:
+    """`splitserve status`: pools, the controller's last actions, workers, routers."""
+    import asyncio
+
+    from control.reader import read_cluster
+
+    redis_url, namespace = cluster_redis(args)
+    if redis_url is None:
+        return 2
+    try:
+        beats, routers, controller = asyncio.run(read_cluster(redis_url, namespace))
+    except Exception as e:  # noqa: BLE001 - any Redis failure is reported, not raised
+        print(f"Redis at {redacted(redis_url)} is away ({e}): the cluster's state cannot be read now. Routers keep "
+              "serving on the membership they last saw; an embedded Redis is started again by its cluster.",
+              file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"workers": {w: b.__dict__ for w, b in beats.items()}, "routers": routers,
+                          "controller": controller}, default=str))
+        return 0
+    if controller is not None:
+        live = controller["workers"]
+        for role in ("prefill", "decode"):
+            states = sorted(f"{w} {s}" for w, s in live.items() if w.startswith(role))
+            print(f"{role} pool: target {controller['targets'][role]}, {sum(1 for s in states if s.endswith(' serving'))}"
+                  f" serving" + (f" ({', '.join(states)})" if states else ""))
+        if controller.get("decision"):
+            print(f"autoscaler: {controller['decision']}")
+        for action in controller.get("actions", [])[-3:]:
+            print(f"  {action}")
+    print(f"{'worker':<12}{'role':<9}{'state':<10}{'address':<22}{'running':>8}{'waiting':>8}{'queued tok':>11}"
+          f"{'KV used':>16}{'prefix hit':>11}")
+    for w, b in sorted(beats.items()):
+        used = b.num_total_blocks - b.num_free_blocks - b.num_cached_blocks
+        hit = b.num_cached_tokens / b.num_prompt_tokens if b.num_prompt_tokens else 0.0
+        kv = f"{used}/{b.num_total_blocks} ({used / max(b.num_total_blocks, 1):.0%})"
+        print(f"{w:<12}{b.role:<9}{b.state:<10}{b.address:<22}{b.num_running:>8}{b.num_waiting:>8}"
+              f"{b.queued_prefill_tokens:>11}{kv:>16}{hit:>11.0%}")
+    for rid, s in sorted(routers.items()):
+        hit = s["num_cached_tokens"] / s["num_prompt_tokens"] if s["num_prompt_tokens"] else 0.0
+        print(f"{rid} on {s['address']}: {s['num_admitted']} running, {s['num_queued']} queued "
+              f"{s['queued_by_priority']}, {s['num_requests']} done, {s['num_refused']} refused, "
+              f"{s.get('num_invalid', 0)} invalid, "
+              f"{s.get('num_retries', 0)} retried, prefix hit rate {hit:.0%}, "
+              f"Redis feed {'up' if s['redis_healthy'] else 'DOWN'}"
+              + (f", workers down: {', '.join(s['down_workers'])}" if s.get("down_workers") else ""))
+    if controller is None:
+        print("controller: not reporting (its state expired): the cluster is down or starting; `serve`'s console "
+              "says which")
+    if not beats and not routers:
+        print("no workers or routers are reporting (is the cluster running?)")
+    return 0
