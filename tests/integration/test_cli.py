@@ -83,13 +83,18 @@ def test_readme_serve_then_generate_and_status(tmp_path: Path) -> None:
         assert "decode target 1 -> 2 (splitserve scale)" in st.stdout
         assert "3 done, 0 refused, 1 invalid" in st.stdout and "Redis feed up" in st.stdout
     finally:
-        serve.send_signal(signal.SIGINT)
-        try:
-            serve.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            serve.kill()
-            raise
+        _ctrl_c(serve)
     assert serve.returncode == 0
+
+
+def _ctrl_c(serve: subprocess.Popen) -> None:
+    """Stops `serve` as a user does (killed if it does not stop within a minute)."""
+    serve.send_signal(signal.SIGINT)
+    try:
+        serve.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        serve.kill()
+        raise
 
 
 def _wait_for_line(proc: subprocess.Popen, needle: str, timeout_s: float) -> str:
@@ -161,10 +166,5 @@ def test_serve_says_when_its_cluster_can_no_longer_serve(tmp_path: Path) -> None
             assert time.monotonic() < deadline, text
             time.sleep(1.0)
     finally:
-        serve.send_signal(signal.SIGINT)
-        try:
-            serve.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            serve.kill()
-            raise
+        _ctrl_c(serve)
     assert serve.returncode == 0
