@@ -62,7 +62,7 @@ class Run:
     elapsed_s: float = 0.0
 
 
-async def _one(stub: pb_grpc.GenerationStub, item: Item, timeout_s: float, start: float, out: Outcome) -> None:
+async def one_grpc(stub: pb_grpc.GenerationStub, item: Item, timeout_s: float, start: float, out: Outcome) -> None:
     req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=item.prompt),
                              sampling=pb.SamplingParams(max_tokens=item.max_tokens, ignore_eos=True))
     last = final = None
@@ -88,9 +88,9 @@ async def _one(stub: pb_grpc.GenerationStub, item: Item, timeout_s: float, start
                                                  else " local")
 
 
-async def _one_http(session: aiohttp.ClientSession, url: str, item: Item, timeout_s: float, start: float,
+async def one_http(session: aiohttp.ClientSession, url: str, item: Item, timeout_s: float, start: float,
                     out: Outcome) -> None:
-    """The same request as `_one`, as a streamed OpenAI completion (token ids in, token ids per chunk out)."""
+    """The same request as `one_grpc`, as a streamed OpenAI completion (token ids in, token ids per chunk out)."""
     body = {"prompt": item.prompt, "max_tokens": item.max_tokens, "ignore_eos": True, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
     last, usage = None, None
@@ -146,9 +146,9 @@ async def run(target: str, items: list[Item], rate: float | None = None, concurr
             result.outcomes.append(out)
             notify()
             if http:
-                await _one_http(session, url, item, timeout_s, start, out)
+                await one_http(session, url, item, timeout_s, start, out)
             else:
-                await _one(stub, item, timeout_s, start, out)
+                await one_grpc(stub, item, timeout_s, start, out)
             notify()
 
         if concurrency:

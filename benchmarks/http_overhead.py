@@ -95,9 +95,9 @@ def latency(cluster: LocalCluster, seed: int, idle: float, args: argparse.Namesp
                     before, start = process_cpu_s(router_pid), time.perf_counter()
                     out = Outcome()
                     if arm == "grpc":
-                        await runner._one(stub, items[2 * i + j], 120.0, start, out)
+                        await runner.one_grpc(stub, items[2 * i + j], 120.0, start, out)
                     else:
-                        await runner._one_http(session, url, items[2 * i + j], 120.0, start, out)
+                        await runner.one_http(session, url, items[2 * i + j], 120.0, start, out)
                     cpu[arm] += process_cpu_s(router_pid) - before - idle * (time.perf_counter() - start)
                     if not out.ok or out.ttft_s is None:
                         raise RuntimeError(f"{arm}: {out.code} {out.details}")

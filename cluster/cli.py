@@ -35,9 +35,9 @@ WATCH_INTERVAL_S = 3.0
 
 
 def _state_file() -> Path:
-    from cluster.default_model import cache_dir
+    from engine.gguf_checkpoint import cache_root
 
-    return cache_dir() / "serve.json"
+    return cache_root() / "serve.json"
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:

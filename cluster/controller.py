@@ -44,7 +44,7 @@ import redis.asyncio
 from cluster.autoscaler import AutoscaleState, Decision, PoolMetrics, Snapshot, decide
 from cluster.config import ClusterConfig, RouterConfig
 from cluster.controller_metrics import ControllerMetrics
-from cluster.ray_calls import CALL_TIMEOUT_S, await_ref
+from cluster.ray_calls import await_ref
 from cluster.router_pool import RouterPool
 from control.heartbeat import Heartbeat, Role, controller_key, hb_key, kv_key, target_key
 from control.metrics_http import MetricsServer
@@ -58,7 +58,6 @@ logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 300.0
 ROLES: tuple[Role, Role] = ("prefill", "decode")
-__all__ = ["CALL_TIMEOUT_S", "START_TIMEOUT_S", "Controller", "await_ref"]
 
 
 @dataclass

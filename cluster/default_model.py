@@ -24,10 +24,6 @@ DEFAULT_ARCH = "llama"
 DEFAULT_SIZE = "tiny"
 
 
-def cache_dir() -> Path:
-    return cache_root()
-
-
 def model_path(name: str | None) -> str:
     """What `--model` names, as a path: None is the embedded default (raises ValueError with
     the install command when its package is missing), `tiny` the random test model."""
@@ -47,7 +43,7 @@ def default_model_dir(arch: str = DEFAULT_ARCH, size: str = DEFAULT_SIZE, seed: 
     """Path of the random tiny model, writing it first if it is not there yet."""
     from engine.tiny_model import make_tiny_model
 
-    path = cache_dir() / "models" / f"{arch}-{size}-seed{seed}"
+    path = cache_root() / "models" / f"{arch}-{size}-seed{seed}"
     if not (path / "config.json").is_file():
         # Write aside and rename, so a concurrent first use never sees half a checkpoint.
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")

@@ -36,7 +36,6 @@ class RouterPool:
         self.ids: list[str] = []
         self.address = ""
         self.http_address = ""
-        self.num_dead = 0
         self._relaunching: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -60,7 +59,6 @@ class RouterPool:
                 await await_ref(actor.endpoints.remote(), 10.0)
             except ray.exceptions.RayActorError:
                 del self.actors[router_id]
-                self.num_dead += 1
                 self.act(f"{router_id} died; replacing it")
             except (TimeoutError, ray.exceptions.RayError):
                 pass  # busy or slow, not known dead

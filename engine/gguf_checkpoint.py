@@ -5,7 +5,7 @@ router already read, once, in a cache.
                --(transformers' GGUF loading: dequantize, un-permute, rename)--> config.json,
                  generation_config.json, model.safetensors (float32), tokenizer.json,
                  tokenizer_config.json, chat_template.jinja (from the GGUF's metadata)
-               under <cache>/gguf/<sha of file + converter>/<file stem>/
+               under <cache>/gguf/<key of path, size, mtime + converter>/<file stem>/
 
 The directory's name is the file's stem, so the model id (block-hash key, served model name)
 is the same on every machine. A conversion is written aside and renamed into place, so a
@@ -99,11 +99,12 @@ def check_supported(file: Path) -> None:
 
 
 def _cache_key(file: Path) -> str:
-    digest = hashlib.sha256(CONVERTER_VERSION.encode())
-    with file.open("rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()[:16]
+    """The file's identity (path, size, modification time) and the converter's version: every
+    process that resolves the model (the driver, each worker) gets it without reading the file,
+    and a file replaced in place gets a new conversion."""
+    st = file.stat()
+    ident = f"{file.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{CONVERTER_VERSION}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
 def _convert(file: Path, out: Path) -> None:

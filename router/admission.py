@@ -82,13 +82,13 @@ class AdmissionQueue:
         refusal = self._refusal(c, e)
         c.push(e)
         if self._next_candidate() is e and self._fits(e):
+            e.estimate_s = None  # never queued: no estimate to judge
             self._admit(c, e)
             return True
         if refusal is not None:
             c.remove(e)
             return refusal
         c.charge(e, self.weight(tenant))
-        e.estimate_s = self._estimated_wait_s(e)
         return False
 
     def refusal_at(self, priority: int, floor_tokens: int, ceiling_tokens: int, deadline: float | None,
@@ -238,7 +238,7 @@ class AdmissionQueue:
                 return Refused(f"tenant {e.tenant!r} already has {mine} requests waiting at priority {e.priority}, "
                                f"its fair share of that queue ({share} of {limit} at weight "
                                f"{self.weight(e.tenant):g} of {total:g})", self._retry_after(e), "tenant_share")
-        wait = self._estimated_wait_s(e)
+        wait = e.estimate_s = self._estimated_wait_s(e)  # kept: its error is measured if it is admitted
         can_wait = self._can_wait(e)
         if wait is not None and wait > can_wait:
             return Refused(f"estimated queue wait {wait:.1f} s exceeds the {can_wait:.1f} s this request "

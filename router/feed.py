@@ -61,14 +61,18 @@ class RegistryFeed:
         await self.refresh()
         deadline, applied = time.monotonic() + timeout_s, 0
         while self.members.ids() and time.monotonic() < deadline:
-            events = await self.reader.read_events(self.cursor, self.members.ids(), self.index_poll_ms)
-            if not events:
+            if not (n := await self._read_events()):
                 break
-            for worker_id, ev in events:
-                self.index.apply(worker_id, ev)
-            applied += len(events)
-        self.num_events += applied
+            applied += n
         return applied
+
+    async def _read_events(self) -> int:
+        """One read of the members' KV event streams (blocks up to `index_poll_ms`), applied to the index."""
+        events = await self.reader.read_events(self.cursor, self.members.ids(), self.index_poll_ms)
+        for worker_id, ev in events:
+            self.index.apply(worker_id, ev)
+        self.num_events += len(events)
+        return len(events)
 
     async def run(self) -> None:
         next_refresh = 0.0
@@ -80,10 +84,7 @@ class RegistryFeed:
                 if not self.members.ids():  # nobody to read from yet: wait for the next refresh
                     await asyncio.sleep(max(next_refresh - time.monotonic(), 0.0))
                     continue
-                events = await self.reader.read_events(self.cursor, self.members.ids(), self.index_poll_ms)
-                for worker_id, ev in events:
-                    self.index.apply(worker_id, ev)
-                self.num_events += len(events)
+                await self._read_events()
                 self.index.expire_predictions()
                 if not self.healthy:
                     logger.info("router: Redis feed is up (%d workers)", len(self.members.ids()))

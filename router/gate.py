@@ -101,4 +101,3 @@ class AdmissionGate:
             fut = self._waiters.get(rid)
             if fut is not None and not fut.done():
                 fut.set_result(False)
-
