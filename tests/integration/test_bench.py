@@ -6,6 +6,7 @@ and exits non-zero.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import socket
@@ -25,13 +26,24 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir: str) -> Iterator[LocalCluster]:
-    with LocalCluster(one_and_one(tiny_llama_dir)) as c:
+    config = one_and_one(tiny_llama_dir)
+    with LocalCluster(dataclasses.replace(config, router=dataclasses.replace(config.router, http_port=0))) as c:
         yield c
 
 
 def bench(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "cluster.cli", "bench", *args], capture_output=True, text=True,
                           timeout=300)
+
+
+def test_the_same_run_over_the_openai_http_api(cluster: LocalCluster) -> None:
+    out = bench("--target", f"http://{cluster.info['http_address']}", "--num-requests", "8", "--concurrency", "4",
+                "--prompt-len", "40", "--output-len", "6", "--no-progress")
+    assert out.returncode == 0, out.stderr
+    s = json.loads(out.stdout.strip().splitlines()[-1])["results"]
+    assert (s["num_requests"], s["num_ok"], s["errors"]) == (8, 8, {})
+    assert s["ttft_ms"]["p50"] > 0 and s["itl_ms"]["p50"] > 0  # tokens counted per streamed chunk
+    assert sum(r["num_requests"] for r in cluster.router_stats()) >= 8  # through the router's request path
 
 
 def table_row(stdout: str, name: str) -> list[str]:
