@@ -83,14 +83,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _watch(cluster, stop: threading.Event) -> None:  # type: ignore[no-untyped-def]
-    """Until Ctrl-C: every few seconds, whether the cluster can still serve; says so once when
-    it cannot (and once when it can again), instead of running on silently."""
+    """Until Ctrl-C: every few seconds, whether the cluster can still serve and be supervised;
+    says so once when it cannot (and once when it can again), instead of running on silently."""
     said = None
     while not stop.wait(WATCH_INTERVAL_S):
         problem = cluster.problem()
         if problem != said:
-            print(f"splitserve: the cluster cannot serve: {problem}; Ctrl-C stops this and `serve` starts it again"
-                  if problem else "splitserve: the cluster serves again", file=sys.stderr, flush=True)
+            print(f"splitserve: {problem}; Ctrl-C stops this and `serve` starts it again"
+                  if problem else "splitserve: the cluster is whole again", file=sys.stderr, flush=True)
             said = problem
 
 
@@ -110,7 +110,7 @@ def _serve_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
                             advertise_host=args.advertise_host, cluster_secret=cluster_secret(),
                             otlp_endpoint=args.otlp_endpoint),
         num_prefill=args.num_prefill, num_decode=args.num_decode, num_routers=args.num_routers,
-        gpus_per_worker=gpus, autoscale=_autoscale_config(args),
+        controller_max_restarts=args.controller_max_restarts, gpus_per_worker=gpus, autoscale=_autoscale_config(args),
         router=RouterConfig(host=args.host, port=args.port, metrics_port=_metrics_port(args),
                             otlp_endpoint=args.otlp_endpoint, tokenizer_dir=_model_dir(model),
                             http_port=None if args.http_port < 0 else args.http_port,
@@ -303,7 +303,10 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     s.add_argument("--redis-url", help="use this Redis instead of starting one (redis://host:port/db)")
     s.add_argument("--redis-host", default="127.0.0.1", help="interface the embedded Redis binds: on a Ray "
                    "cluster's head its private address (or 0.0.0.0), so workers on other nodes reach it")
-    s.add_argument("--namespace", default="splitserve", help="prefix of this cluster's Redis keys")
+    s.add_argument("--namespace", default="splitserve", help="prefix of this cluster's Redis keys (and its Ray "
+                   "namespace: one cluster per namespace on a Ray cluster)")
+    s.add_argument("--controller-max-restarts", type=int, default=10,
+                   help="times Ray restarts a controller that died (workers and routers serve on meanwhile)")
     s.add_argument("--autoscale", action="store_true",
                    help="scale prefill on queue time and decode on KV pressure, within the --min/--max bounds")
     s.add_argument("--min-prefill", type=int, default=0, help="--autoscale: (0 lets mode auto drop the prefill pool)")

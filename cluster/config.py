@@ -45,6 +45,10 @@ class ClusterConfig:
     of starting a private local Ray node."""
     autoscale: AutoscaleConfig | None = None
     """None: pools stay at their targets (`num_prefill`, `num_decode`, `splitserve scale`)."""
+    controller_max_restarts: int = 10
+    """Times Ray restarts a controller that died (its workers and routers serve on meanwhile;
+    the new one adopts them, cluster/controller_state.py); past them `serve` says the cluster
+    can no longer be supervised."""
     num_routers: int = 1
     """Router replicas; more than one share one port (see `RouterConfig.share_port`),
     each with its own admission budget and its own KV index replayed from Redis."""
@@ -52,6 +56,8 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.num_decode <= 0:
             raise ValueError(f"num_decode must be at least 1, got {self.num_decode}")
+        if self.controller_max_restarts < 0:
+            raise ValueError(f"controller_max_restarts must be >= 0, got {self.controller_max_restarts}")
         if self.num_routers < 1:
             raise ValueError(f"num_routers must be at least 1, got {self.num_routers}")
         if min(self.supervise_interval_s, self.drain_timeout_s, self.place_timeout_s) <= 0:

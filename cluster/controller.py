@@ -30,8 +30,8 @@ import contextlib
 import dataclasses
 import logging
 import os
-import secrets
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,9 +41,12 @@ import ray
 import redis
 import redis.asyncio
 
-from cluster.autoscaler import AutoscaleState, Decision, PoolMetrics, Snapshot, decide
+from cluster import controller_state, named_actors
+from cluster.autoscaler import AutoscaleState, Decision, decide
 from cluster.config import ClusterConfig, RouterConfig
 from cluster.controller_metrics import ControllerMetrics
+from cluster.controller_state import Saved
+from cluster.pool_gauge import PoolGauge
 from cluster.ray_calls import await_ref
 from cluster.router_pool import RouterPool
 from control.heartbeat import Heartbeat, Role, controller_key, hb_key, kv_key, target_key
@@ -67,6 +70,7 @@ class Worker:
     worker_id: str
     role: Role
     actor: Any
+    """Its detached actor, named `worker_id` (None for the moment between saving a launch and creating it)."""
     state: str = "starting"
     """starting -> serving -> draining (then gone)."""
     info: dict[str, Any] = field(default_factory=dict)
@@ -74,9 +78,8 @@ class Worker:
 
 class Controller:
     def __init__(self, config: ClusterConfig, redis_url: str) -> None:
-        if not config.worker.cluster_secret:  # none configured: this cluster's own, handed to its workers and routers
-            config = dataclasses.replace(config, worker=dataclasses.replace(config.worker,
-                                                                            cluster_secret=secrets.token_bytes(32)))
+        if not config.worker.cluster_secret:  # a restart must hand its workers and routers the same one
+            raise ValueError("the controller needs the cluster secret in its config (LocalCluster makes one)")
         self.config = config
         self.redis_url = redis_url
         self.targets: dict[str, int] = {"prefill": config.num_prefill, "decode": config.num_decode}
@@ -90,8 +93,7 @@ class Controller:
         self.info: dict[str, Any] = {}
         self.decision: Decision | None = None
         self._autoscale_state = AutoscaleState()
-        self._rate: dict[str, tuple[float, int, float]] = {}
-        """Prefill rate window: (time, cumulative uncached prompt tokens, last measured tokens/s)."""
+        self.gauge = PoolGauge()
         self._next = {"prefill": 0, "decode": 0}
         self._tasks: set[asyncio.Task[None]] = set()
         self._supervisor: asyncio.Task[None] | None = None
@@ -100,10 +102,18 @@ class Controller:
         self.num_dead = 0
         self.metrics = MetricsServer(ControllerMetrics(self._metrics_books).registry)
         self.metrics_address = ""
+        with warnings.catch_warnings():  # Ray warns about its own use of a deprecated call here
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        if self.restarted:  # Ray started this one after the last died: nobody calls start()
+            self._spawn(self._recover())
 
     # -- start -------------------------------------------------------------------------------
     async def start(self) -> dict[str, Any]:
         c = self.config
+        left = named_actors.stop_all(c.namespace, keep=(named_actors.CONTROLLER,))
+        if left:  # its controller is gone (ours has the name now): a serve that was killed
+            self._act(f"stopped {len(left)} actor(s) an earlier cluster of namespace {c.namespace!r} left: {left}")
         await asyncio.gather(*(self._launch(role, START_TIMEOUT_S) for role in ROLES for _ in range(self.targets[role])))
         short = {r: self.targets[r] - len(self._live(r)) for r in ROLES if len(self._live(r)) < self.targets[r]}
         if short:
@@ -112,13 +122,65 @@ class Controller:
         self.info = {"address": self.routers.address, "http_address": self.routers.http_address, "routers": routers,
                      "prefill": [w.info for w in self._live("prefill")], "decode": [w.info for w in self._live("decode")],
                      "mode": c.router.routing.mode, "redis_url": self.redis_url}
+        await self._supervise_from_now()
+        logger.info("cluster up: %s", self.info)
+        return self.info
+
+    async def _supervise_from_now(self) -> None:
+        c = self.config
         host = c.router.host if c.router.metrics_port is not None else None
         if host is not None:  # on the routers' interface, a free port (`splitserve metrics-targets` lists it)
             self.metrics_address = f"{dialable_host(host, self.redis_url)}:{await self.metrics.start(host)}"
         await self._publish()  # `status` and `metrics-targets` find it at once
         self._supervisor = asyncio.create_task(self._supervise())
-        logger.info("cluster up: %s", self.info)
-        return self.info
+
+    async def _recover(self) -> None:
+        """After a restart: the saved record and Ray's names tell which workers and routers
+        run; each is adopted (a launch or drain the last controller began is finished), one
+        that is gone is accounted dead and the pools are brought back to target by supervision."""
+        c = self.config
+        saved = await self._load_saved() or Saved(dict(self.targets), {}, {}, {}, history={})
+        names = [n for n in named_actors.list_names(c.namespace) if named_actors.role_of(n) in ROLES]
+        self.targets.update(saved.targets)
+        self._next = controller_state.next_ids(self._next | saved.next_ids, names, named_actors.role_of,
+                                               named_actors.index_of)
+        self._autoscale_state = controller_state.autoscale_in(saved.autoscale)
+        h = saved.history
+        for book, key in ((self.dead, "dead"), (self.drains, "drains"), (self.actions, "actions")):
+            book.extend(h.get(key, []))
+        self.num_dead, self.num_drains = h.get("num_dead", 0), h.get("num_drains", 0)
+        for step in controller_state.plan(saved.members, set(names), named_actors.role_of):
+            w = Worker(step.worker_id, step.role, named_actors.find(step.worker_id, c.namespace), step.state,
+                       step.info)
+            if step.action in ("keep", "finish_drain", "finish_launch"):
+                self.workers[w.worker_id] = w
+            if step.action == "finish_drain":
+                self._spawn(self._drain(w))
+            elif step.action == "finish_launch":
+                w.state = "starting"
+                self._spawn(self._await_serving(w, c.place_timeout_s))
+            elif step.action == "dead":
+                await self._forget_dead(w)
+            elif step.action == "drained":
+                self.drains.append({"worker_id": w.worker_id, "error": "ended while the controller was down"})
+                self.num_drains += 1
+            elif step.action == "launch_lost":
+                self._act(f"{w.worker_id}: its launch did not survive the controller; launching another")
+        self.routers.adopt(saved.routers or None)
+        self._act(f"controller restarted (pid {os.getpid()}): adopted {sorted(self.workers)}, routers "
+                  f"{sorted(self.routers.actors)}")
+        await self._supervise_from_now()
+
+    async def _load_saved(self) -> Saved | None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                return await controller_state.load(self.reader.client, self.config.namespace)
+            except (redis.RedisError, OSError, TimeoutError) as e:
+                if time.monotonic() > deadline:
+                    logger.error("controller: Redis unreachable (%s); recovering from Ray's names alone", e)
+                    return None
+                await asyncio.sleep(1.0)
 
     def _router_config(self) -> RouterConfig:
         c = self.config
@@ -138,10 +200,16 @@ class Controller:
         """Starts one worker; one that is not serving within `timeout_s` (not placed, or failed) is cancelled."""
         worker_id = f"{role}-{self._next[role]}"
         self._next[role] += 1
+        w = self.workers[worker_id] = Worker(worker_id, role, None)
+        await self._save()  # before the actor exists: a restarted controller looks for it by name
         cls = PrefillWorker if role == "prefill" else DecodeWorker
-        actor = ray.remote(cls).options(**self._worker_options(role)).remote(
-            worker_id, self.config.worker, self.redis_url, self.config.namespace)
-        w = self.workers[worker_id] = Worker(worker_id, role, actor)
+        w.actor = named_actors.create(cls, worker_id, self.config.namespace, self._worker_options(role),
+                                      worker_id, self.config.worker, self.redis_url, self.config.namespace)
+        await self._await_serving(w, timeout_s)
+
+    async def _await_serving(self, w: Worker, timeout_s: float) -> None:
+        """Its `start()` (idempotent: a restarted controller calls it again on a worker it finds starting)."""
+        worker_id, role, actor = w.worker_id, w.role, w.actor
         try:
             w.info = await await_ref(actor.start.remote(), timeout_s)
         except (TimeoutError, ray.exceptions.RayError) as e:
@@ -151,6 +219,9 @@ class Controller:
             why = f"not serving within {timeout_s:.0f} s" if isinstance(e, TimeoutError) else type(e).__name__
             self._act(f"cancelled {worker_id}: {why} (it may need resources no node has); {role} target "
                       f"back to {self.targets[role]}")
+            return
+        if w.info.get("state") == "draining":  # a drain the last controller began
+            self._spawn(self._drain(w))
             return
         w.state = "serving"
         with contextlib.suppress(TimeoutError, ray.exceptions.RayError):
@@ -239,6 +310,7 @@ class Controller:
         ones), then the actor and its KV pool."""
         w.state = "draining"
         self._act(f"draining {w.worker_id}")
+        await self._save()  # a restarted controller finishes this drain
         await asyncio.gather(*(_quietly(r.drain_worker.remote(w.worker_id)) for r in self.routers.actors.values()))
         timeout_s = self.config.drain_timeout_s
         try:
@@ -252,6 +324,7 @@ class Controller:
         self.num_drains += 1
         left = report.get("left")
         self._act(f"{w.worker_id} drained and stopped" + (f"; {left} request(s) continued elsewhere" if left else ""))
+        await self._save()
 
     def _live(self, role: str) -> list[Worker]:
         """Workers that count toward the pool's target (starting or serving)."""
@@ -271,32 +344,14 @@ class Controller:
         config = self.config.autoscale
         assert config is not None
         routers = await self.reader.router_stats() if self.routers.actors else {}
-        itls = [float(s["itl_p50_ms"]) for s in routers.values() if s.get("itl_p50_ms") is not None]
-        snapshot = Snapshot(self._pool_metrics("prefill"),
-                            dataclasses.replace(self._pool_metrics("decode"), itl_ms=max(itls) if itls else None),
-                            sum(int(s.get("num_queued", 0)) for s in routers.values()))
-        self.decision = decide(snapshot, self._autoscale_state, time.monotonic(), config)
+        members = [(w.worker_id, w.role, w.state) for w in self.workers.values()]
+        self.decision = decide(self.gauge.snapshot(members, self._beats, routers), self._autoscale_state,
+                               time.monotonic(), config)
         self._autoscale_state = self.decision.state
         for role in ROLES:
             if self.decision.target(role) != self.targets[role]:  # type: ignore[arg-type]
                 self._act(f"autoscaler: {self.decision.reason}")
                 self.targets[role] = self.decision.target(role)  # type: ignore[arg-type]
-
-    def _pool_metrics(self, role: Role) -> PoolMetrics:
-        mine = {w.worker_id: w for w in self.workers.values() if w.role == role}
-        beats = [b for w, b in self._beats.items() if w in mine]
-        queued_from = beats if mine or role == "decode" else [b for b in self._beats.values() if b.role == "decode"]
-        prompt = sum(b.num_prompt_tokens - b.num_cached_tokens for b in beats)
-        now = time.monotonic()
-        then, before, rate = self._rate.get(role, (now, prompt, 0.0))
-        if now > then and prompt > before:  # measured while it had work
-            rate = (prompt - before) / (now - then)
-        self._rate[role] = (now, prompt, rate)
-        states = [w.state for w in mine.values()]
-        used = sum(b.num_total_blocks - b.num_free_blocks - b.num_cached_blocks for b in beats)
-        return PoolMetrics(states.count("serving"), states.count("starting"), states.count("draining"),
-                           sum(b.queued_prefill_tokens for b in queued_from), rate, used,
-                           sum(b.num_total_blocks for b in beats), None)
 
     async def _publish(self) -> None:
         try:
@@ -304,6 +359,18 @@ class Controller:
                                          px=10_000)
         except (redis.RedisError, OSError, TimeoutError):
             pass
+        await self._save()  # (again each tick: an embedded Redis that restarted empty has it back)
+
+    async def _save(self) -> None:
+        saved = Saved(dict(self.targets), dict(self._next),
+                      {w.worker_id: {"role": w.role, "state": w.state, "info": w.info} for w in self.workers.values()},
+                      self.routers.saved(), controller_state.autoscale_out(self._autoscale_state),
+                      {"dead": list(self.dead), "drains": list(self.drains), "actions": list(self.actions),
+                       "num_dead": self.num_dead, "num_drains": self.num_drains})
+        try:
+            await controller_state.save(self.reader.client, self.config.namespace, saved)
+        except (redis.RedisError, OSError, TimeoutError) as e:
+            logger.warning("controller: could not save its state (%s); recovery falls back to Ray's names", e)
 
     # -- for `status`, tests and the local cluster ----------------------------------------------------
     async def check_idle(self) -> list[dict[str, Any]]:
@@ -352,9 +419,13 @@ class Controller:
         for r in self.routers.actors.values():
             await _quietly(r.shutdown.remote())
         for w in list(self.workers.values()):
-            await _quietly(w.actor.shutdown.remote())
-        for a in [*self.routers.actors.values(), *(w.actor for w in self.workers.values())]:
+            if w.actor is not None:
+                await _quietly(w.actor.shutdown.remote())
+        for a in [*self.routers.actors.values(), *(w.actor for w in self.workers.values() if w.actor is not None)]:
             ray.kill(a)
+        named_actors.stop_all(self.config.namespace, keep=(named_actors.CONTROLLER,))
+        with contextlib.suppress(redis.RedisError, OSError, TimeoutError):
+            await self.reader.client.delete(controller_state.state_key(self.config.namespace))
         await self.metrics.stop()
         await self.reader.close()
 

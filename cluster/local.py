@@ -7,6 +7,7 @@ with the cluster.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
@@ -23,6 +24,7 @@ import ray
 import redis
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from cluster import named_actors
 from cluster.config import ClusterConfig
 from cluster.controller import START_TIMEOUT_S, Controller
 from control.heartbeat import target_key
@@ -183,15 +185,28 @@ class LocalCluster:
         try:
             if not ray.is_initialized():
                 self._init_ray()
-            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-            # on this (the head) node, as its routers: `address` is served where `serve` runs
-            self.controller = ray.remote(Controller).options(num_cpus=0, scheduling_strategy=here).remote(
-                self.config, self.redis_url)
+            self.controller = self._create_controller()
             self.info = ray.get(self.controller.start.remote(), timeout=timeout_s)
         except BaseException:
             self.stop()
             raise
         return self.info
+
+    def _create_controller(self) -> Any:
+        """On this (the head) node, as its routers (`address` is served where `serve` runs);
+        named, owned by this process, restarted by Ray up to `controller_max_restarts` times
+        with the same config (so the cluster secret is made here, once)."""
+        c = self.config
+        if not c.worker.cluster_secret:
+            c = self.config = dataclasses.replace(c, worker=dataclasses.replace(
+                c.worker, cluster_secret=secrets.token_bytes(32)))
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        if named_actors.find(named_actors.CONTROLLER, c.namespace) is not None:
+            raise RuntimeError(f"a splitserve cluster of namespace {c.namespace!r} already runs on this Ray "
+                               "cluster: give this one another --namespace")
+        return ray.remote(Controller).options(
+            name=named_actors.CONTROLLER, namespace=named_actors.ray_namespace(c.namespace),
+            max_restarts=c.controller_max_restarts, num_cpus=0, scheduling_strategy=here).remote(c, self.redis_url)
 
     def __enter__(self) -> LocalCluster:
         self.start()
@@ -278,21 +293,30 @@ class LocalCluster:
         return ray.get(self.controller.worker_info.remote(), timeout=60)
 
     def problem(self) -> str | None:
-        """Why the cluster cannot serve any more (None while it can): its controller actor is
-        gone (its workers and routers went with it), or the embedded Redis cannot be restarted."""
+        """Why the cluster cannot be kept serving any more (None while it can): its controller
+        died past its restarts (its workers and routers serve on, but nothing replaces or
+        scales them), or the embedded Redis cannot be restarted."""
         if self.controller is not None:
             try:
                 ray.get(self.controller.status.remote(), timeout=PROBE_TIMEOUT_S)
+            except ray.exceptions.ActorUnavailableError:
+                pass  # restarting
             except ray.exceptions.RayActorError as e:
-                return f"the controller died ({type(e).__name__}), and its workers and routers with it"
+                return (f"the cluster is unsupervised: the controller died past its {self.config.controller_max_restarts}"
+                        f" restart(s) ({type(e).__name__}); workers and routers serve on, but none is replaced or "
+                        "scaled")
             except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError):
                 pass  # busy, not known dead
         if self.redis_error is not None:
-            return f"the embedded redis-server died and cannot be started again ({self.redis_error})"
+            return f"the cluster cannot serve: the embedded redis-server died and cannot be started again " \
+                   f"({self.redis_error})"
         return None
 
     def kill_worker(self, worker_id: str) -> None:
         ray.get(self.controller.kill_worker.remote(worker_id), timeout=60)
+
+    def controller_pid(self) -> int:
+        return int(self.controller_status()["pid"])
 
     def _watch_redis(self) -> None:
         """Supervises the embedded redis-server: one that dies is started again on its port."""
@@ -319,6 +343,10 @@ class LocalCluster:
                 logger.warning("controller shutdown failed: %s", e)
             ray.kill(self.controller)
             self.controller = None
+        if ray.is_initialized():  # what a dead controller could not stop (its actors are detached)
+            left = named_actors.stop_all(self.config.namespace)
+            if left:
+                logger.warning("stopped actors the controller left: %s", left)
         if self._owns_ray:
             ray.shutdown()
             self._owns_ray = False

@@ -7,6 +7,8 @@ shared port pair and kept at `num_routers`.
     check(): on every controller tick, a replica whose actor died is dropped and relaunched
              with the same id on the same ports (the survivors serve meanwhile); one whose
              relaunch fails is tried again on the next tick
+    saved() / adopt(): what a restarted controller needs to find the replicas again (they
+             are detached actors named by their ids, cluster/named_actors.py) and their ports
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from cluster import named_actors
 from cluster.ray_calls import await_ref
 from router.config import RouterConfig
 from router.service import RouterService
@@ -53,6 +56,18 @@ class RouterPool:
         await asyncio.gather(*(await_ref(r.await_workers.remote(worker_ids, 30.0), 40.0) for r in replicas))
         return dict(zip(self.ids, addresses, strict=True))
 
+    def saved(self) -> dict[str, Any]:
+        return {"ids": list(self.ids), "address": self.address, "http_address": self.http_address}
+
+    def adopt(self, saved: dict[str, Any] | None) -> None:
+        """After a controller restart: the replicas still running, found by name; `check()`
+        relaunches the others on the saved ports (with no record: those of a replica found)."""
+        if saved is not None:
+            self.ids, self.address, self.http_address = list(saved["ids"]), saved["address"], saved["http_address"]
+        else:
+            self.ids = [n for n in named_actors.list_names(self.namespace) if named_actors.role_of(n) == "router"]
+        self.actors = {i: a for i in self.ids if (a := named_actors.find(i, self.namespace)) is not None}
+
     async def check(self) -> None:
         for router_id, actor in list(self.actors.items()):
             try:
@@ -70,12 +85,19 @@ class RouterPool:
                 task.add_done_callback(self._tasks.discard)
 
     async def _relaunch(self, router_id: str) -> None:
-        actor = self._actor(router_id)
         try:
-            address = await await_ref(actor.start.remote(*self._ports()), self.start_timeout_s)
-        except (TimeoutError, ray.exceptions.RayError) as e:
-            ray.kill(actor)
-            self.act(f"{router_id} did not start again ({type(e).__name__}); trying again on the next tick")
+            if not self.address:  # adopted with no record: the ports come from a live replica
+                ends = await await_ref(next(iter(self.actors.values())).endpoints.remote(), 10.0)
+                self.address, self.http_address = ends["grpc"], ends["http"]
+            actor = self._actor(router_id)
+            try:
+                address = await await_ref(actor.start.remote(*self._ports()), self.start_timeout_s)
+            except (TimeoutError, ray.exceptions.RayError) as e:
+                ray.kill(actor)
+                self.act(f"{router_id} did not start again ({type(e).__name__}); trying again on the next tick")
+                return
+        except (StopIteration, TimeoutError, ray.exceptions.RayError):
+            self.act(f"{router_id} cannot be relaunched yet: no saved ports and no replica to ask")
             return
         finally:
             self._relaunching.discard(router_id)
@@ -102,5 +124,6 @@ class RouterPool:
     def _actor(self, router_id: str) -> Any:
         """A replica on this (the head) node, where the public endpoint is served."""
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        return ray.remote(RouterService).options(num_cpus=0, scheduling_strategy=here).remote(
-            router_id, self.config, self.redis_url, self.namespace)
+        return named_actors.create(RouterService, router_id, self.namespace,
+                                   {"num_cpus": 0, "scheduling_strategy": here},
+                                   router_id, self.config, self.redis_url, self.namespace)

@@ -182,6 +182,7 @@ class HostedWorker:
     host: WorkerHost
     _requests: dict[str, Any]
     _aio: asyncio.AbstractEventLoop | None
+    _starting: asyncio.Future[None] | None = None
 
     def _add_servicer(self, server: grpc.aio.Server) -> None:
         raise NotImplementedError
@@ -190,11 +191,17 @@ class HostedWorker:
         raise NotImplementedError
 
     async def start(self) -> dict[str, object]:
-        """Starts the engine thread and the gRPC server; returns this worker's info."""
+        """Starts the engine thread and the gRPC server; returns this worker's info. Idempotent:
+        a controller restarted during a launch calls it again (and gets the same worker)."""
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(self._start_once())
+        await asyncio.shield(self._starting)
+        return self.info()
+
+    async def _start_once(self) -> None:
         self._aio = asyncio.get_running_loop()
         self.loop.start()
         await self.host.start(self._add_servicer)
-        return self.info()
 
     def info(self) -> dict[str, object]:
         return self.host.info()

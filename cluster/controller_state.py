@@ -1,0 +1,115 @@
+"""The controller's memory in Redis, so that a controller Ray restarts picks up where the dead one stopped.
+
+    Controller --(end of every tick; before every launch and drain)--> save() --msgpack-->
+        {ns}:controller:state (no expiry; deleted by shutdown)
+    restarted Controller --> load() --> Saved --> Controller._recover (with the actors Ray
+        still has by name, cluster/named_actors.py)
+
+What is saved is what Ray cannot tell a new controller: the pool targets, the next worker
+ids, each member's role, state and info (a member recorded `starting` or `draining` was
+being launched or drained when the controller died), the router replicas' ports, the
+autoscaler's memory and the history `status` shows. Which actors are alive is never taken
+from here: Ray's names say that. Launches and drains are saved before they begin (write
+ahead), so no actor exists that a restarted controller cannot account for; if Redis lost
+the record too (an embedded Redis restarts empty), every named worker found is adopted.
+
+The autoscaler's times are `time.monotonic()` in the controller; they are saved as wall
+times and turned back on load, so a restart on another host reads them right.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgpack
+import redis.asyncio
+
+from cluster.autoscaler import AutoscaleState
+
+
+def state_key(ns: str) -> str:
+    return f"{ns}:controller:state"
+
+
+@dataclass
+class Saved:
+    targets: dict[str, int]
+    next_ids: dict[str, int]
+    members: dict[str, dict[str, Any]]
+    """worker id -> {"role", "state": starting | serving | draining, "info"}."""
+    routers: dict[str, Any]
+    """{"ids": [...], "address": gRPC host:port, "http_address": HTTP host:port or ""}."""
+    autoscale: dict[str, dict[str, float]] = field(default_factory=dict)
+    """AutoscaleState's fields, each pool's time as a wall time."""
+    history: dict[str, Any] = field(default_factory=dict)
+    """What `status` shows: dead, drains, actions, num_dead, num_drains."""
+
+
+Action = Literal["keep", "finish_drain", "finish_launch", "dead", "drained", "launch_lost"]
+
+
+@dataclass(frozen=True)
+class Step:
+    """What a restarted controller does about one worker."""
+
+    worker_id: str
+    role: str
+    state: str
+    """As saved; "unknown" for a worker found by name alone (its record lost)."""
+    info: dict[str, Any]
+    action: Action
+    """keep: serving, adopted as is; finish_drain: drain it again (idempotent) and stop it;
+    finish_launch: call its start() again (idempotent) and serve, or drain it if it says it
+    was draining; dead: its actor is gone, account it and replace it; drained: a drain that
+    ended while the controller was down; launch_lost: saved, never created, launched anew."""
+
+
+def plan(members: dict[str, dict[str, Any]], live: set[str], role_of: Any) -> list[Step]:
+    """One step per worker in the saved `members` or among the `live` actor names (`role_of`
+    names a role from a name), in id order."""
+    steps = []
+    for worker_id in sorted({*members, *live}):
+        record = members.get(worker_id, {"role": role_of(worker_id), "state": "unknown", "info": {}})
+        state = record["state"]
+        if worker_id not in live:
+            action: Action = {"draining": "drained", "starting": "launch_lost"}.get(state, "dead")  # type: ignore[assignment]
+        else:
+            action = {"serving": "keep", "draining": "finish_drain"}.get(state, "finish_launch")  # type: ignore[assignment]
+        steps.append(Step(worker_id, record["role"], state, record["info"], action))
+    return steps
+
+
+def next_ids(saved: dict[str, int], names: list[str], role_of: Any, index_of: Any) -> dict[str, int]:
+    """Per role, past every id saved or seen: a new worker never takes a live one's name."""
+    out = dict(saved)
+    for name in names:
+        out[role_of(name)] = max(out.get(role_of(name), 0), index_of(name) + 1)
+    return out
+
+
+def autoscale_out(state: AutoscaleState) -> dict[str, dict[str, float]]:
+    shift = time.time() - time.monotonic()
+    return {name: {pool: t + shift for pool, t in getattr(state, name).items()}
+            for name in ("up_since", "down_since", "last_action_at")}
+
+
+def autoscale_in(saved: dict[str, dict[str, float]]) -> AutoscaleState:
+    shift = time.monotonic() - time.time()
+    return AutoscaleState(**{name: {pool: t + shift for pool, t in saved.get(name, {}).items()}
+                             for name in ("up_since", "down_since", "last_action_at")})
+
+
+async def save(client: redis.asyncio.Redis, ns: str, saved: Saved) -> None:
+    await client.set(state_key(ns), msgpack.packb({
+        "targets": saved.targets, "next_ids": saved.next_ids, "members": saved.members, "routers": saved.routers,
+        "autoscale": saved.autoscale, "history": saved.history}))
+
+
+async def load(client: redis.asyncio.Redis, ns: str) -> Saved | None:
+    raw = await client.get(state_key(ns))
+    if raw is None:
+        return None
+    d = msgpack.unpackb(raw)
+    return Saved(d["targets"], d["next_ids"], d["members"], d["routers"], d.get("autoscale", {}),
+                 d.get("history", {}))
