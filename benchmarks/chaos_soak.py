@@ -3,12 +3,20 @@
   sigstop    a worker is stopped (SIGSTOP) past its KV lease and heartbeat TTL, then continued
   redis      the embedded redis-server is killed -9 (the cluster starts it again)
   tcp_reset  a prefill worker's TCP connections (KV pushes forced to tcp, gRPC) are reset (ss -K)
+  kill9_controller  the controller's process is killed -9 (Ray restarts it; it adopts the pools)
+  kill9_router      one of the two router replicas is killed -9 (the controller replaces it)
 
 Every request is greedy over a fixed set of prompts whose tokens the monolithic engine
 computed first. A request must end with exactly those tokens, or with a status that says
 why; none may hang past its deadline; afterwards nothing is held and the pools are back
-at their size. One JSON line: sent, identical, failed by status, corrupted (OK but other
-tokens: must be 0), hung (must be 0), leaked (must be []), retries, chaos events, pools.
+at their size. Requests in flight on a killed router end UNAVAILABLE: they are counted apart
+(cut_by_router_kill, with the slowest end after the kill), not as failures; the load's
+clients spread over both replicas (several connections to the shared port) and wait for a
+connection (gRPC wait_for_ready) as a client of a replicated service does. After each event
+the time until the cluster is at full strength again is measured (2 + 2 workers serving, 2
+routers, the controller answering). One JSON line: sent, identical, failed by status,
+corrupted (OK but other tokens: must be 0), hung (must be 0), leaked (must be []),
+retries, chaos events with their recovery times, pools.
 
     ./dev python benchmarks/chaos_soak.py                      # 10 minutes at 3 requests/s
     ./dev python benchmarks/chaos_soak.py --minutes 3 --rate 2
@@ -38,7 +46,10 @@ from proto import generate_pb2_grpc as pb_grpc
 MAX_TOKENS = 16
 DEADLINE_S = 60.0
 LEASE_S = 2.0
-EVENTS = ("kill9_prefill", "kill9_decode", "sigstop", "redis", "tcp_reset")
+EVENTS = ("kill9_prefill", "kill9_controller", "kill9_decode", "sigstop", "kill9_router", "redis", "tcp_reset")
+CHANNELS = 4
+"""Client connections to the routers' shared port (the kernel spreads them over the replicas)."""
+CUT_WITHIN_S = 1.0
 
 
 def references(model_dir: str, n: int, seed: int) -> list[tuple[list[int], list[int]]]:
@@ -57,11 +68,15 @@ def references(model_dir: str, n: int, seed: int) -> list[tuple[list[int], list[
 class Tally:
     def __init__(self) -> None:
         self.c: Counter = Counter()
+        self.router_kills: list[float] = []
+        """When each kill9_router happened (monotonic)."""
+        self.slowest_cut_s = 0.0
 
     async def one(self, stub: pb_grpc.GenerationStub, prompt: list[int], want: list[int]) -> None:
         self.c["sent"] += 1
+        started = time.monotonic()
         call = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
-            max_tokens=MAX_TOKENS, ignore_eos=True)), timeout=DEADLINE_S)
+            max_tokens=MAX_TOKENS, ignore_eos=True)), timeout=DEADLINE_S, wait_for_ready=True)
 
         async def read() -> list[int]:
             return [t async for r in call for t in r.token_ids]
@@ -72,7 +87,13 @@ class Tally:
             call.cancel()
             return
         except grpc.aio.AioRpcError as e:
-            self.c[f"failed_{e.code().name}"] += 1
+            now = time.monotonic()
+            cut = [now - k for k in self.router_kills if started < k <= now]
+            if e.code() == grpc.StatusCode.UNAVAILABLE and cut and min(cut) <= CUT_WITHIN_S:
+                self.c["cut_by_router_kill"] += 1
+                self.slowest_cut_s = max(self.slowest_cut_s, min(cut))
+            else:
+                self.c[f"failed_{e.code().name}"] += 1
             return
         self.c["identical" if got == want else "corrupted"] += 1
 
@@ -80,31 +101,79 @@ class Tally:
 async def load(target: str, refs: list[tuple[list[int], list[int]]], rate: float, seconds: float,
                tally: Tally) -> None:
     rng = random.Random(1)
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = pb_grpc.GenerationStub(channel)
+    # distinct channel args: separate connections, which the kernel spreads over the replicas
+    channels = [grpc.aio.insecure_channel(target, options=[("splitserve.soak_channel", i)]) for i in range(CHANNELS)]
+    try:
+        stubs = [pb_grpc.GenerationStub(c) for c in channels]
         tasks = []
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             prompt, want = rng.choice(refs)
-            tasks.append(asyncio.create_task(tally.one(stub, prompt, want)))
+            tasks.append(asyncio.create_task(tally.one(rng.choice(stubs), prompt, want)))
             await asyncio.sleep(rng.expovariate(rate))
         await asyncio.gather(*tasks)
+    finally:
+        for c in channels:
+            await c.close()
 
 
-def chaos(cluster, every_s: float, stop: threading.Event, log: list[str]) -> None:  # type: ignore[no-untyped-def]
+def chaos(cluster, every_s: float, stop: threading.Event, log: list[dict], tally: Tally) -> None:  # type: ignore[no-untyped-def]
     rng = random.Random(2)
     n = 0
     while not stop.wait(every_s):
         event = EVENTS[n % len(EVENTS)]
         n += 1
+        if not full_strength(cluster):
+            log.append({"at": time.strftime("%H:%M:%S"), "event": event, "skipped": "not at full strength"})
+            continue
         serving = [w for w in cluster.workers() if w["state"] == "serving" and w.get("pid")]
+        at = time.monotonic()
         try:
-            log.append(f"{time.strftime('%H:%M:%S')} {event}: {apply(event, cluster, serving, rng)}")
+            what = apply(event, cluster, serving, rng, tally)
         except (OSError, subprocess.SubprocessError, IndexError) as e:
-            log.append(f"{time.strftime('%H:%M:%S')} {event}: failed to apply: {e}")
+            log.append({"at": time.strftime("%H:%M:%S"), "event": event, "failed_to_apply": str(e)})
+            continue
+        deadline = at + 120.0
+        while not stop.is_set() and not full_strength(cluster) and time.monotonic() < deadline:
+            time.sleep(0.25)
+        back = full_strength(cluster)
+        log.append({"at": time.strftime("%H:%M:%S"), "event": event, "what": what,
+                    "full_strength_after_s": round(time.monotonic() - at, 2) if back else None})
 
 
-def apply(event: str, cluster, serving: list[dict], rng: random.Random) -> str:  # type: ignore[no-untyped-def]
+def full_strength(cluster) -> bool:  # type: ignore[no-untyped-def]
+    """2 prefill + 2 decode workers serving and 2 routers, each process alive (a killed one is
+    not counted until the controller replaced it), the controller answering, Redis up."""
+    import ray
+
+    try:
+        workers = [w for w in cluster.workers() if w["state"] == "serving" and alive(w["pid"])]
+        routers = [r for r in cluster.router_stats() if alive(int(r["pid"]))]
+    except (ray.exceptions.RayError, TimeoutError):
+        return False
+    roles = Counter(w["role"] for w in workers)
+    return roles["prefill"] == 2 and roles["decode"] == 2 and len(routers) == 2 and cluster.redis.alive()
+
+
+def alive(pid: int) -> bool:
+    """Running or stopped; not gone, not a zombie (a killed process its parent has not reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def apply(event: str, cluster, serving: list[dict], rng: random.Random, tally: Tally) -> str:  # type: ignore[no-untyped-def]
+    if event == "kill9_controller":
+        pid = cluster.controller_pid()
+        os.kill(pid, signal.SIGKILL)
+        return f"controller {pid}"
+    if event == "kill9_router":
+        router = rng.choice(cluster.router_stats())
+        os.kill(int(router["pid"]), signal.SIGKILL)
+        tally.router_kills.append(time.monotonic())
+        return f"{router['router_id']} {router['pid']}"
     if event.startswith("kill9"):
         w = rng.choice([w for w in serving if w["role"] == event.split("_")[1]])
         os.kill(w["pid"], signal.SIGKILL)
@@ -147,11 +216,12 @@ def main() -> None:
     cluster = LocalCluster(ClusterConfig(
         worker=WorkerConfig(model_dir=model, block_size=16, kv_cache_bytes=8 * 2**20, kv_lease_s=LEASE_S,
                             kv_transport="tcp"),
-        num_prefill=2, num_decode=2, worker_num_cpus=0.25, replace_dead_workers=True,
+        num_prefill=2, num_decode=2, num_routers=2, worker_num_cpus=0.25, replace_dead_workers=True,
+        controller_max_restarts=1000,
         router=RouterConfig(port=0, worker_down_s=5.0, decode_idle_timeout_s=10.0, prefill_timeout_s=20.0)))
     cluster.start()
     tally, log, stop = Tally(), [], threading.Event()
-    chaos_thread = threading.Thread(target=chaos, args=(cluster, args.chaos_every_s, stop, log), daemon=True)
+    chaos_thread = threading.Thread(target=chaos, args=(cluster, args.chaos_every_s, stop, log, tally), daemon=True)
     started = time.monotonic()
     try:
         chaos_thread.start()
@@ -160,8 +230,7 @@ def main() -> None:
         chaos_thread.join(timeout=30)
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:  # the pools come back to size, then nothing is held
-            roles = Counter(w["role"] for w in cluster.workers() if w["state"] == "serving")
-            if roles["prefill"] == 2 and roles["decode"] == 2 and not cluster.holdings():
+            if full_strength(cluster) and not cluster.holdings():
                 break
             time.sleep(1.0)
         held = cluster.holdings()
@@ -174,13 +243,17 @@ def main() -> None:
     c = tally.c
     failed = {k[len("failed_"):]: v for k, v in c.items() if k.startswith("failed_")}
     print(json.dumps({"bench": "chaos_soak", "minutes": args.minutes, "rate_rps": args.rate,
-                      "chaos_every_s": args.chaos_every_s, "cluster": "2 prefill + 2 decode, kv over tcp, tiny llama, CPU",
+                      "chaos_every_s": args.chaos_every_s, "cluster": "2 prefill + 2 decode + 2 routers, kv over tcp, tiny llama, CPU",
                       "seconds": round(time.monotonic() - started), "sent": c["sent"], "identical": c["identical"],
-                      "failed_by_status": failed, "corrupted": c["corrupted"], "hung": c["hung"], "leaked": held,
+                      "failed_by_status": failed, "cut_by_router_kill": c["cut_by_router_kill"],
+                      "slowest_cut_s": round(tally.slowest_cut_s, 3), "corrupted": c["corrupted"], "hung": c["hung"], "leaked": held,
                       "retries": sum(int(s["num_retries"]) for s in stats), "pools_after": pools,
                       "replaced": len(status.get("dead", [])), "redis_restarts": cluster.num_redis_restarts,
+                      "worst_full_strength_after_s": max((e.get("full_strength_after_s") or 0 for e in log),
+                                                         default=0),
+                      "never_back": [e for e in log if "what" in e and e["full_strength_after_s"] is None],
                       "chaos": log}))
-    ok = not c["corrupted"] and not c["hung"] and not held
+    ok = not c["corrupted"] and not c["hung"] and not held and not failed
     sys.exit(0 if ok else 1)
 
 
