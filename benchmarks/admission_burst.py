@@ -4,9 +4,11 @@ refusal come, and how good are the admission wait estimates?
 One local cluster (1 prefill + 1 decode, tiny llama by default, CPU; the router's queue
 limit --max-queue-wait-s). --num-requests requests (random --prompt-tokens prompts,
 --max-tokens answers, ignore_eos) are sent at once over gRPC. Per request: OK, or refused
-and how long after its arrival, and why: at arrival (the estimate, or a full queue) or at
-the limit (it waited the whole limit out, on an estimate that said it would get in). From the router's /metrics: the histogram of actual over
-estimated wait for the queued requests that were admitted (p50/p90/p99 from its buckets).
+and how long after its arrival, and why: at arrival (the estimate, or a full queue), revised (queued, then refused at the
+router tick where its revised forecast passed its limit), or at the limit (it waited the
+whole limit out, on an estimate that said it would get in: should be none). From the
+router's /metrics: the histogram of actual over estimated wait for the queued requests that
+were admitted (p50/p90/p99 from its buckets, and the fractions at or below 0.7 and above 1.3).
 One JSON line.
 
     ./dev python benchmarks/admission_burst.py [--num-requests 200] [--max-tokens 256]
@@ -46,7 +48,7 @@ def one(address: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
             return {"code": "OK", "after_s": time.perf_counter() - sent}
         except grpc.RpcError as e:
             details = e.details() or ""
-            kind = ("at_limit" if "waited" in details
+            kind = ("revised" if "revised queue wait" in details else "at_limit" if "for admission" in details
                     else "at_arrival" if "estimated queue wait" in details or "full" in details else "other")
             return {"code": e.code().name, "after_s": time.perf_counter() - sent, "kind": kind, "details": details}
 
@@ -65,7 +67,10 @@ def ratio_quantiles(address: str) -> dict[str, Any]:
 
     def q(p: float) -> float | None:
         return next((le for le, n in buckets if n >= p * count), None) if count else None
+    at = dict(buckets)
     return {"num_estimated": int(count), "ratio_p50_le": q(0.5), "ratio_p90_le": q(0.9), "ratio_p99_le": q(0.99),
+            "frac_le_0_7": round(at[0.7] / count, 3) if count else None,
+            "frac_over_1_3": round(1 - at[1.3] / count, 3) if count else None,
             "ratio_buckets": {str(le): int(n) for le, n in buckets}}
 
 
@@ -76,6 +81,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--max-queue-wait-s", type=float, default=30.0)
     ap.add_argument("--kv-cache-mib", type=int, default=16)
+    ap.add_argument("--warm-up-wave", type=int, default=16, help="requests sent at once before the burst (0: none)")
     args = ap.parse_args()
     model = str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny", arch="llama", seed=0))
     config = ClusterConfig(
@@ -86,8 +92,12 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(args.prompt_tokens)] for _ in range(args.num_requests)]
     with LocalCluster(config) as cluster:
-        for p in prompts[:4]:  # warm-up: a drain rate to estimate with, as a serving cluster has
+        # warm-up: a history to estimate with, as a serving cluster has: a few requests alone,
+        # then --warm-up-wave at once (other prompts, shorter answers than the burst's)
+        for p in prompts[:4]:
             one(cluster.address, [t + 1 for t in p], 32)
+        with concurrent.futures.ThreadPoolExecutor(max(args.warm_up_wave, 1)) as pool:
+            list(pool.map(lambda p: one(cluster.address, [t + 2 for t in p], 32), prompts[:args.warm_up_wave]))
         started = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(args.num_requests) as pool:
             results = list(pool.map(lambda p: one(cluster.address, p, args.max_tokens), prompts))

@@ -14,10 +14,15 @@ never bypassed by a smaller one that would fit, so large prompts do not starve.
 
 `offer()` admits at once, queues, or refuses *early*, at arrival: when its class's queue
 is full, when its tenant already has its share of that queue waiting, or when the
-estimated wait (the tokens served before it over the measured drain rate) exceeds its
-deadline or `max_queue_wait_s`. A refusal says which and carries a retry-after hint.
-Each queued request admitted reports actual over estimated wait (`on_wait_estimate`): the
-estimate's error, exported as a histogram.
+estimated wait exceeds its deadline or `max_queue_wait_s`. A refusal says which and
+carries a retry-after hint. The wait is estimated by `WaitForecast` (router/wait_forecast.py:
+a replay of when the admitted requests finish and the queue ahead is admitted, from the
+measured time to first token and per token); until it has measured a request, by the tokens
+served before it over the drain rate of recent releases. `revise()` (on the router's timer)
+replays the queue again as requests progress and finish: a queued request whose admission
+now falls past its limit is refused then, not when the limit runs out. Each queued request
+admitted reports actual over estimated wait (`on_wait_estimate`): the estimate's error,
+exported as a histogram.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 
 from router.admission_config import AdmissionConfig
 from router.fair_queue import Entry, PriorityClass
+from router.wait_forecast import Queued, WaitForecast
 
 __all__ = ["AdmissionConfig", "AdmissionQueue", "Refused"]
 
@@ -44,7 +50,7 @@ class Refused:
     retry_after_s: float | None
     """None: retrying the same request cannot help."""
     kind: str
-    """queue_full | tenant_share | wait | quota (for the router's stats)."""
+    """queue_full | tenant_share | wait | revised | quota (for the router's stats)."""
 
 
 class AdmissionQueue:
@@ -68,17 +74,20 @@ class AdmissionQueue:
         self._tenant_tokens: dict[str, int] = {}
         self.inflight_tokens = 0
         self._releases: deque[tuple[float, int]] = deque(maxlen=DRAIN_WINDOW)
+        self.forecast = WaitForecast(clock)
         self.on_wait_estimate: Callable[[float], None] | None = None
         """Called with actual / estimated wait of each queued request admitted (the estimate's error)."""
 
     # -- the moves ---------------------------------------------------------------------------
     def offer(self, request_id: str, priority: int, cost_tokens: int, deadline: float | None,
-              tenant: str = "") -> bool | Refused:
-        """True: admitted now; False: queued (wait for `release` to return it); or Refused."""
+              tenant: str = "", new_tokens: int = 0) -> bool | Refused:
+        """True: admitted now; False: queued (wait for `release` to return it); or Refused.
+        `new_tokens`: of the cost, the output it may generate (0: all of it)."""
         if (over := self._over_quota(tenant, cost_tokens)) is not None:
             return over
         c = self._classes.setdefault(priority, PriorityClass())
         e = self._entry(c, request_id, priority, cost_tokens, deadline, tenant)
+        e.new_tokens = new_tokens
         refusal = self._refusal(c, e)
         c.push(e)
         if self._next_candidate() is e and self._fits(e):
@@ -125,6 +134,7 @@ class AdmissionQueue:
             self._withdraw_queued(request_id)
             return []
         cost, tenant = admitted
+        self.forecast.finished(request_id)
         self.inflight_tokens -= cost
         self._tenant_tokens[tenant] -= cost
         if not self._tenant_tokens[tenant]:
@@ -176,6 +186,23 @@ class AdmissionQueue:
             self._classes[e.priority].remove(e)
         return [e.request_id for e in gone]
 
+    def revise(self) -> list[tuple[str, Refused]]:
+        """Replays the queue with what is measured now; the queued requests whose admission
+        falls past their limit are removed and returned with their refusal."""
+        if not self.num_queued or (times := self._replay()) is None:
+            return []
+        now, out = self.clock(), []
+        for e in self._service_order():
+            limit = e.queued_at + self._can_wait(e)
+            if times[e.request_id] > limit:
+                self._classes[e.priority].remove(e)
+                more = times[e.request_id] - now
+                said = "" if e.estimate_s is None else f" (estimated {e.estimate_s:.1f} s at arrival)"
+                out.append((e.request_id, Refused(
+                    f"revised queue wait: {now - e.queued_at:.1f} s waited and {more:.1f} s more{said} exceed the "
+                    f"{self._can_wait(e):.1f} s this request can wait", self._retry_after(e), "revised")))
+        return out
+
     # -- views -------------------------------------------------------------------------------
     @property
     def num_queued(self) -> int:
@@ -191,6 +218,10 @@ class AdmissionQueue:
     def tenant_tokens(self) -> dict[str, int]:
         """Admitted tokens per tenant."""
         return dict(self._tenant_tokens)
+
+    def queued_admission_times(self) -> dict[str, float]:
+        """Each queued request's forecast admission time ({} before the forecast is calibrated)."""
+        return self._replay() or {}
 
     def weight(self, tenant: str) -> float:
         """The tenant's weight (`tenant_weights`, 1 when not named)."""
@@ -284,6 +315,7 @@ class AdmissionQueue:
     def _admit(self, c: PriorityClass, e: Entry) -> None:
         if e.estimate_s and self.on_wait_estimate is not None:  # a queued request: how good was its estimate?
             self.on_wait_estimate((self.clock() - e.queued_at) / e.estimate_s)
+        self.forecast.admitted(e.request_id, e.cost_tokens, e.new_tokens or e.cost_tokens)
         c.charge(e, self.weight(e.tenant))
         c.served(e)
         self._admitted[e.request_id] = (e.cost_tokens, e.tenant)
@@ -333,9 +365,25 @@ class AdmissionQueue:
                 ahead += sum(x.cost_tokens for x in c.entries() if x.start_tag <= e.start_tag and x is not e)
         return ahead
 
+    def _service_order(self, extra: Entry | None = None) -> list[Entry]:
+        """The queued requests (and `extra`) in the order they are served, aging aside."""
+        queued = [x for c in self._classes.values() for x in c.entries()]
+        if extra is not None and all(x is not extra for x in queued):
+            queued.append(extra)
+        return sorted(queued, key=lambda x: (x.priority, x.start_tag, x.queued_at))
+
+    def _replay(self, extra: Entry | None = None) -> dict[str, float] | None:
+        """`WaitForecast.admission_times` over the queue (with `extra`), None before calibration."""
+        queue = [Queued(x.request_id, x.cost_tokens, x.new_tokens or x.cost_tokens, x.queued_at + self._can_wait(x))
+                 for x in self._service_order(extra)]
+        return self.forecast.admission_times(queue, self.budget_tokens - self.inflight_tokens, self.budget_tokens,
+                                             self.config.max_inflight_requests - len(self._admitted))
+
     def _estimated_wait_s(self, e: Entry) -> float | None:
         if self._within_quota(e) and self._fits_by_share(e):
             return 0.0
+        if (times := self._replay(e)) is not None:
+            return max(times[e.request_id] - self.clock(), 0.0)
         rate = self.drain_rate()
         if not rate:
             return None

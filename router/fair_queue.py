@@ -18,7 +18,9 @@ class Entry:
     start_tag: float = 0.0
     """Start-time fair queueing tag: the class's virtual time its tenant's turn begins."""
     estimate_s: float | None = None
-    """Its estimated wait when it was queued (None: no drain rate measured yet)."""
+    """Its estimated wait when it was queued (None: nothing measured to estimate with yet)."""
+    new_tokens: int = 0
+    """Of `cost_tokens`, the output it may generate (0: all of it), for the wait forecast."""
 
 
 class PriorityClass:

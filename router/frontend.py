@@ -137,7 +137,12 @@ def admission_cost(prep: Prepared, max_model_len: int, cached_tokens: int = 0) -
     """KV tokens a request can really add: its prompt's uncached tokens plus the output it can
     produce before the context ends (a huge max_tokens costs no more than the context allows)."""
     n = len(prep.token_ids)
-    return n - min(cached_tokens, n) + max(min(prep.params.max_tokens, max_model_len - n), 0)
+    return n - min(cached_tokens, n) + output_tokens(prep, max_model_len)
+
+
+def output_tokens(prep: Prepared, max_model_len: int) -> int:
+    """The most tokens a request can generate: its max_tokens, within the context."""
+    return max(min(prep.params.max_tokens, max_model_len - len(prep.token_ids)), 0)
 
 
 class ItlWindow:

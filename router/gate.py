@@ -2,7 +2,7 @@
 
 `admit()` offers the request: admitted at once, refused early (RESOURCE_EXHAUSTED with
 a retry-after hint), or queued on a future that `release()` (a request left) or
-`expire()` (a timer: waited too long) resolves. The wait is bounded by the request's
+`expire()` (a timer: waited too long, or its revised wait passes its limit) resolves. The wait is bounded by the request's
 deadline and `max_queue_wait_s`; however the wait ends, the request's place is given
 back exactly once.
 """
@@ -23,23 +23,24 @@ class AdmissionGate:
     def __init__(self, config: AdmissionConfig, clock: Callable[[], float]) -> None:
         self.config = config
         self.queue = AdmissionQueue(config, clock)
-        self._waiters: dict[str, asyncio.Future[bool]] = {}
+        self._waiters: dict[str, asyncio.Future[bool | Refused]] = {}
         self.refusals: Counter[str] = Counter()
         """Requests refused, by reason (`Refused.kind`, and `timeout` for a wait that ran out)."""
 
     def waiting(self, request_id: str) -> bool:
         return request_id in self._waiters
 
-    async def admit(self, prep: Prepared, deadline: Deadline, cost: int) -> None:
-        """Admits the request (`cost` tokens of the budget) or raises RequestFailed: refused at
-        once with a retry hint, its own deadline passed while queued (DEADLINE_EXCEEDED), or the
-        queue's wait limit passed (RESOURCE_EXHAUSTED with a hint from the measured drain rate)."""
-        verdict = self.queue.offer(prep.request_id, prep.priority, cost, deadline.at, prep.tenant)
+    async def admit(self, prep: Prepared, deadline: Deadline, cost: int, new_tokens: int = 0) -> None:
+        """Admits the request (`cost` tokens of the budget, `new_tokens` of them output) or
+        raises RequestFailed: refused at once with a retry hint, refused while queued once its
+        revised wait passes its limit, its own deadline passed while queued (DEADLINE_EXCEEDED),
+        or the queue's wait limit passed (RESOURCE_EXHAUSTED with a retry hint)."""
+        verdict = self.queue.offer(prep.request_id, prep.priority, cost, deadline.at, prep.tenant, new_tokens)
         if isinstance(verdict, Refused):
             self._refuse(verdict)
         if verdict:
             return
-        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[bool | Refused] = asyncio.get_running_loop().create_future()
         self._waiters[prep.request_id] = fut
         wait_s = deadline.remaining(self.queue.max_wait_s)
         try:
@@ -52,6 +53,8 @@ class AdmissionGate:
             raise
         finally:
             self._waiters.pop(prep.request_id, None)
+        if isinstance(admitted, Refused):
+            self._refuse(admitted)
         if admitted:
             return
         if deadline.at is not None and deadline.clock() >= deadline.at - 0.01:
@@ -87,6 +90,10 @@ class AdmissionGate:
             elif fut is None:  # left already: give its place back
                 self._wake(self.queue.release(rid))
 
+    def progress(self, request_id: str, num_generated: int) -> None:
+        """An admitted request has sent `num_generated` tokens (the wait forecast times them)."""
+        self.queue.forecast.progress(request_id, num_generated)
+
     def observe_ttft(self, seconds: float, cost_tokens: int) -> None:
         """An admitted request's first token came `seconds` after its admission (TTFT steering)."""
         self._wake(self.queue.observe_ttft(seconds, cost_tokens))
@@ -96,8 +103,10 @@ class AdmissionGate:
         self._wake(self.queue.set_capacity(kv_tokens))
 
     def expire(self) -> None:
-        """Called on a timer: queued requests past their max wait are refused."""
-        for rid in self.queue.expire():
+        """Called on a timer: queued requests past their max wait, or whose revised wait now
+        passes it, are refused."""
+        ended: list[tuple[str, bool | Refused]] = [(rid, False) for rid in self.queue.expire()]
+        for rid, verdict in ended + list(self.queue.revise()):
             fut = self._waiters.get(rid)
             if fut is not None and not fut.done():
-                fut.set_result(False)
+                fut.set_result(verdict)

@@ -24,7 +24,7 @@ from proto.convert import finish_name_from_pb
 from control import tracing
 from router.attempt import Deadline, Prepared, Progress, RequestFailed
 from router.flow import RequestFlow
-from router.frontend import Frontend, ItlWindow, Responses, admission_cost
+from router.frontend import Frontend, ItlWindow, Responses, admission_cost, output_tokens
 from router.gate import AdmissionGate
 from router.metrics import RouterMetrics
 from router.members import Members
@@ -110,6 +110,7 @@ class Generation(pb_grpc.GenerationServicer):
             out = Responses(prep, progress, self.frontend.detokenizer(prep), self.itl)
             observed = False
             async for response in self.flow.run(prep, deadline, progress, out):
+                self.gate.progress(prep.request_id, progress.num_sent)
                 if not observed and progress.first_token:
                     observed = True
                     self.gate.observe_ttft(progress.first_token - progress.admitted, cost)
@@ -150,7 +151,7 @@ class Generation(pb_grpc.GenerationServicer):
         self.gate.refuse_early(prep, deadline, admission_cost(prep, max_model_len, len(prep.token_ids) - 1),
                                admission_cost(prep, max_model_len))
         cost = admission_cost(prep, max_model_len, self.flow.cached_tokens(prep))
-        await self.gate.admit(prep, deadline, cost)
+        await self.gate.admit(prep, deadline, cost, output_tokens(prep, max_model_len))
         return dataclasses.replace(prep, tenant_weight=self.gate.queue.weight(prep.tenant)), cost
 
     def _prepare(self, request: pb.GenerateRequest) -> Prepared:

@@ -1,0 +1,156 @@
+"""WaitForecast (pure, injected clock): when the admitted requests give their tokens back,
+and so when each queued request will be admitted.
+
+    AdmissionQueue._admit --admitted(id, cost, new_tokens)--> Running (one per admitted request)
+    servicer, per response --progress(id, num_generated)--> Running.first_at / last_at / num_generated
+    AdmissionQueue.release --finished(id)--> calibration: the time from admission to the first
+        token, the time per output token, the part of max_tokens really generated (EMAs)
+    AdmissionQueue --admission_times(queue in service order, free tokens, ...)--> per queued
+        request, the time the replay below admits it
+
+A token budget frees in clumps: requests admitted together finish together, so a drain rate
+measured from past releases swings between bursts and silence, and a queued request's wait
+depends on *which* admitted requests finish before its turn, not on an average. So the
+forecast replays the future instead: each running request finishes after its remaining
+expected tokens; in order of finish time their tokens come back; the queue, in its service
+order (head of line: a later small request never overtakes), is admitted as the tokens and
+request slots allow, and each request admitted in the replay finishes in turn.
+
+How long tokens take depends on the load, and a burst is exactly when the load is unlike
+the recent past. So both times are fitted against load (`LinearFit`, recent samples weigh
+most): the time per output token against the number of requests admitted (the decode batch
+they form), from every response's gap; the time from admission to the first token against
+the number of admitted requests still waiting for theirs (the prefill queue ahead), from
+every first token. The replay evaluates them at the load it has at each step. Until a
+request has streamed two tokens nothing is calibrated and the forecast says None.
+"""
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from router.linear_fit import LinearFit
+
+EMA_WEIGHT = 0.2
+"""Weight of the newest finished request in the output-fraction average."""
+TOKEN_DECAY = 0.995
+"""Per-token time samples (one per response): about the last 200 count."""
+FIRST_TOKEN_DECAY = 0.97
+"""First-token samples (one per request): about the last 30 count."""
+
+
+@dataclass
+class Running:
+    """One admitted request, as far as the forecast knows it."""
+
+    cost_tokens: int
+    new_tokens: int
+    """The most output tokens it may produce (its max_tokens within the context)."""
+    admitted_at: float
+    ahead: int = 0
+    """Admitted requests still waiting for their first token when it was admitted."""
+    num_generated: int = 0
+    first_at: float | None = None
+    last_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Queued:
+    request_id: str
+    cost_tokens: int
+    new_tokens: int
+    admit_by: float = float("inf")
+    """Admitted later than this it is refused instead (its deadline or the queue's wait limit):
+    the replay gives it no tokens, so the requests behind it move up."""
+
+
+class WaitForecast:
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.running: dict[str, Running] = {}
+        self.first_token_s = LinearFit(FIRST_TOKEN_DECAY)
+        """Admission to first token, against the requests ahead still waiting for theirs."""
+        self.token_s = LinearFit(TOKEN_DECAY, floor=1e-4)
+        """Time per output token after the first, against the number of requests admitted."""
+        self.output_fraction = 1.0
+        """Output tokens generated over `new_tokens` (EMA): below 1 when requests stop early."""
+
+    @property
+    def calibrated(self) -> bool:
+        return self.first_token_s.ready and self.token_s.ready
+
+    def admitted(self, request_id: str, cost_tokens: int, new_tokens: int) -> None:
+        ahead = sum(1 for r in self.running.values() if r.first_at is None)
+        self.running[request_id] = Running(cost_tokens, max(new_tokens, 1), self.clock(), ahead)
+
+    def progress(self, request_id: str, num_generated: int) -> None:
+        """The request has sent `num_generated` output tokens so far."""
+        r = self.running.get(request_id)
+        if r is None or num_generated <= r.num_generated:
+            return
+        now = self.clock()
+        if r.first_at is None:
+            r.first_at = now
+            self.first_token_s.add(r.ahead, now - r.admitted_at)
+        else:
+            assert r.last_at is not None
+            self.token_s.add(len(self.running), (now - r.last_at) / (num_generated - r.num_generated))
+        r.last_at, r.num_generated = now, num_generated
+
+    def finished(self, request_id: str) -> None:
+        """It left (however it ended): one that streamed learns how much of max_tokens is used."""
+        r = self.running.pop(request_id, None)
+        if r is not None and r.num_generated >= 1:
+            self.output_fraction += EMA_WEIGHT * (min(r.num_generated / r.new_tokens, 1.0) - self.output_fraction)
+
+    def _expected(self, new_tokens: int) -> int:
+        return max(round(self.output_fraction * new_tokens), 1)
+
+    def finish_at(self, r: Running, now: float) -> float:
+        """When this running request is expected to end, at today's load."""
+        per_token = self.token_s(len(self.running))
+        if r.first_at is None:
+            first = max(r.admitted_at + self.first_token_s(r.ahead), now)
+            return first + (self._expected(r.new_tokens) - 1) * per_token
+        return now + max(self._expected(r.new_tokens) - r.num_generated, 0) * per_token
+
+    def admission_times(self, queue: list[Queued], free_tokens: int, budget_tokens: int,
+                        free_slots: int) -> dict[str, float] | None:
+        """When each queued request (in service order) is admitted in the replay; None before
+        calibration. `free_tokens` may be negative (the budget shrank under what is admitted);
+        `free_slots` is how many more requests may be admitted at once. A request the replay
+        admits after its `admit_by` (or never: infinity) keeps that time but takes no tokens."""
+        if not self.calibrated:
+            return None
+        now = self.clock()
+        ends = [(self.finish_at(r, now), r.cost_tokens) for r in self.running.values()]
+        heapq.heapify(ends)
+        firsts = [max(r.admitted_at + self.first_token_s(r.ahead), now)
+                  for r in self.running.values() if r.first_at is None]
+        heapq.heapify(firsts)  # first tokens still to come: the prefill queue a new request joins
+        times: dict[str, float] = {}
+        t = now
+        for q in queue:
+            # a request over the whole budget is admitted alone, as AdmissionQueue._fits does
+            need = min(q.cost_tokens, budget_tokens)
+            while (free_tokens < need or free_slots < 1) and ends and ends[0][0] <= q.admit_by:
+                t_end, tokens = heapq.heappop(ends)
+                t = max(t, t_end)
+                free_tokens += tokens
+                free_slots += 1
+            if free_tokens < need or free_slots < 1:  # not by its admit_by: refused, takes nothing
+                times[q.request_id] = max(t, ends[0][0]) if ends else float("inf")
+                continue
+            times[q.request_id] = t
+            if t > q.admit_by:
+                continue
+            free_tokens -= q.cost_tokens
+            free_slots -= 1
+            while firsts and firsts[0] <= t:
+                heapq.heappop(firsts)
+            first = t + self.first_token_s(len(firsts))
+            heapq.heappush(firsts, first)
+            end = first + (self._expected(q.new_tokens) - 1) * self.token_s(len(ends) + 1)
+            heapq.heappush(ends, (end, q.cost_tokens))
+        return times

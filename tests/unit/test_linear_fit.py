@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+import pytest
+
+from router.linear_fit import LinearFit
+
+
+def test_a_line_is_recovered_and_extrapolated() -> None:
+    f = LinearFit(decay=1.0)
+    for x in (1, 2, 4, 8):
+        f.add(x, 0.002 + 0.001 * x)
+    assert f.slope() == pytest.approx(0.001)
+    assert f(57) == pytest.approx(0.002 + 0.057)
+
+
+def test_one_x_value_gives_the_mean_and_no_slope() -> None:
+    f = LinearFit(decay=1.0)
+    assert not f.ready
+    for y in (1.0, 2.0, 3.0):
+        f.add(5, y)
+    assert f.ready and f.slope() == 0.0 and f(100) == pytest.approx(2.0)
+
+
+def test_recent_samples_weigh_more_and_the_slope_is_never_negative() -> None:
+    f = LinearFit(decay=0.5, floor=0.1)
+    f.add(1, 10.0)
+    for _ in range(20):
+        f.add(1, 2.0)
+    assert f(1) == pytest.approx(2.0, abs=1e-4)
+    g = LinearFit(decay=1.0, floor=0.1)
+    g.add(1, 5.0)
+    g.add(9, 1.0)
+    assert g.slope() == 0.0 and g(9) == pytest.approx(3.0)
+    h = LinearFit(decay=1.0, floor=0.5)
+    h.add(3, 0.0)
+    assert h(3) == 0.5
