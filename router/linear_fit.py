@@ -25,11 +25,15 @@ class LinearFit:
         self._xx, self._xy = self._xx * d + x * x, self._xy * d + x * y
 
     def slope(self) -> float:
+        if not self.ready:
+            return 0.0
         mx, my = self._x / self._w, self._y / self._w
         var = self._xx / self._w - mx * mx
         return max((self._xy / self._w - mx * my) / var, 0.0) if var >= MIN_X_VARIANCE else 0.0
 
     def __call__(self, x: float) -> float:
-        """The fitted y at x (the samples' mean before x spreads)."""
+        """The fitted y at x (the samples' mean before x spreads; `floor` before any sample)."""
+        if not self.ready:
+            return self.floor
         mx, my = self._x / self._w, self._y / self._w
         return max(my + self.slope() * (x - mx), self.floor)

@@ -18,11 +18,12 @@ request slots allow, and each request admitted in the replay finishes in turn.
 
 How long tokens take depends on the load, and a burst is exactly when the load is unlike
 the recent past. So both times are fitted against load (`LinearFit`, recent samples weigh
-most): the time per output token against the number of requests admitted (the decode batch
-they form), from every response's gap; the time from admission to the first token against
+most): the time per output token against the number of admitted requests streaming (the
+decode batch), one sample per finished request (its mean over its life: a single response's
+gap says more about the router's own loop than about the workers); the time from admission to the first token against
 the number of admitted requests still waiting for theirs (the prefill queue ahead), from
 every first token. The replay evaluates them at the load it has at each step. Until a
-request has streamed two tokens nothing is calibrated and the forecast says None.
+request that streamed two tokens finished nothing is calibrated and the forecast says None.
 """
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ from router.linear_fit import LinearFit
 
 EMA_WEIGHT = 0.2
 """Weight of the newest finished request in the output-fraction average."""
-TOKEN_DECAY = 0.995
-"""Per-token time samples (one per response): about the last 200 count."""
+TOKEN_DECAY = 0.97
+"""Per-token time samples (one per finished request): about the last 30 count."""
 FIRST_TOKEN_DECAY = 0.97
 """First-token samples (one per request): about the last 30 count."""
 
@@ -53,6 +54,9 @@ class Running:
     num_generated: int = 0
     first_at: float | None = None
     last_at: float | None = None
+    streaming_sum: int = 0
+    """The requests streaming at each of its responses after the first, summed (its batch)."""
+    num_responses: int = 0
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,9 @@ class WaitForecast:
         self.first_token_s = LinearFit(FIRST_TOKEN_DECAY)
         """Admission to first token, against the requests ahead still waiting for theirs."""
         self.token_s = LinearFit(TOKEN_DECAY, floor=1e-4)
-        """Time per output token after the first, against the number of requests admitted."""
+        """Time per output token after the first, against the number of requests streaming."""
+        self.num_awaiting = 0
+        """Admitted requests whose first token has not come yet."""
         self.output_fraction = 1.0
         """Output tokens generated over `new_tokens` (EMA): below 1 when requests stop early."""
 
@@ -81,8 +87,8 @@ class WaitForecast:
         return self.first_token_s.ready and self.token_s.ready
 
     def admitted(self, request_id: str, cost_tokens: int, new_tokens: int) -> None:
-        ahead = sum(1 for r in self.running.values() if r.first_at is None)
-        self.running[request_id] = Running(cost_tokens, max(new_tokens, 1), self.clock(), ahead)
+        self.running[request_id] = Running(cost_tokens, max(new_tokens, 1), self.clock(), self.num_awaiting)
+        self.num_awaiting += 1
 
     def progress(self, request_id: str, num_generated: int) -> None:
         """The request has sent `num_generated` output tokens so far."""
@@ -92,15 +98,21 @@ class WaitForecast:
         now = self.clock()
         if r.first_at is None:
             r.first_at = now
+            self.num_awaiting -= 1
             self.first_token_s.add(r.ahead, now - r.admitted_at)
         else:
-            assert r.last_at is not None
-            self.token_s.add(len(self.running), (now - r.last_at) / (num_generated - r.num_generated))
+            r.streaming_sum += len(self.running) - self.num_awaiting
+            r.num_responses += 1
         r.last_at, r.num_generated = now, num_generated
 
     def finished(self, request_id: str) -> None:
-        """It left (however it ended): one that streamed learns how much of max_tokens is used."""
+        """It left (however it ended): one that streamed two tokens or more is a sample of the
+        time per token at its mean batch; how much of max_tokens it used is learnt too."""
         r = self.running.pop(request_id, None)
+        if r is not None and r.first_at is None:
+            self.num_awaiting -= 1
+        if r is not None and r.num_responses and r.first_at is not None and r.last_at is not None:
+            self.token_s.add(r.streaming_sum / r.num_responses, (r.last_at - r.first_at) / (r.num_generated - 1))
         if r is not None and r.num_generated >= 1:
             self.output_fraction += EMA_WEIGHT * (min(r.num_generated / r.new_tokens, 1.0) - self.output_fraction)
 
@@ -108,7 +120,8 @@ class WaitForecast:
         return max(round(self.output_fraction * new_tokens), 1)
 
     def finish_at(self, r: Running, now: float) -> float:
-        """When this running request is expected to end, at today's load."""
+        """When this running request is expected to end, at today's load (every admitted
+        request streaming, as they soon will)."""
         per_token = self.token_s(len(self.running))
         if r.first_at is None:
             first = max(r.admitted_at + self.first_token_s(r.ahead), now)
