@@ -194,3 +194,27 @@ def test_when_the_cluster_slows_queued_requests_are_refused_as_their_forecast_pa
     assert kinds and set(kinds.values()) == {"revised"}  # none waited its limit out
     assert all(after < 10.0 for _, after in b.refused.values())
     assert len(b.admitted) + len(b.refused) == 17
+
+
+def test_the_estimate_error_of_each_queued_request_admitted_is_exported(clock: FakeClock) -> None:
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from router.metrics import RouterMetrics
+
+    metrics = RouterMetrics(lambda: "m")
+    b = Burst(clock)
+    b.q.on_wait_estimate = metrics.observe_wait_estimate
+    b.offer("warm")
+    while b.live:
+        b.tick()
+    for i in range(10):
+        b.offer(f"r{i}")
+    while b.live or b.q.num_queued:
+        b.tick()
+    text = generate_latest(metrics.registry).decode()
+    [family] = [f for f in text_string_to_metric_families(text) if f.name == "splitserve:admission_wait_estimate_ratio"]
+    buckets = {s.labels["le"]: s.value for s in family.samples if s.name.endswith("_bucket")}
+    count = next(s.value for s in family.samples if s.name.endswith("_count"))
+    assert count == 8  # two admitted at once, eight queued then admitted
+    assert buckets["0.9"] == 0 and buckets["1.1"] == 8  # each within 10 % of its estimate
