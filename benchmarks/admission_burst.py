@@ -11,7 +11,12 @@ router's /metrics: the histogram of actual over estimated wait for the queued re
 were admitted (p50/p90/p99 from its buckets, and the fractions at or below 0.7 and above 1.3).
 One JSON line.
 
+Before the burst, a history to estimate from, as a serving cluster has one: 4 requests
+alone, then --warm-up-wave (16) at once. The burst's concurrency (about 57 here) is then
+past what was measured and the forecast extrapolates; --warm-up-wave 64 measures it first.
+
     ./dev python benchmarks/admission_burst.py [--num-requests 200] [--max-tokens 256]
+    ./dev python benchmarks/admission_burst.py --max-queue-wait-s 5     # some must be refused
 """
 from __future__ import annotations
 
