@@ -7,7 +7,7 @@ fields are ignored, so a newer worker can talk to an older router.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Literal
 
 import msgpack
@@ -82,6 +82,9 @@ class Heartbeat:
     """host:port of the worker's Prometheus `/metrics` (HTTP); empty when it serves none."""
     sent_at: float = 0.0
     """Wall-clock time of the report (s since the epoch)."""
+    step_model: list[float] = field(default_factory=list)
+    """A decode worker's decode step time, [a, b, c]: a + b·requests + c·KV tokens seconds
+    (engine/step_model.py); routers forecast admission waits with it. Empty until measured."""
 
     @property
     def facts(self) -> ModelFacts:
@@ -103,6 +106,9 @@ class Heartbeat:
         for name, v in values.items():
             if not isinstance(v, _FIELD_TYPES[name]) or isinstance(v, bool):
                 raise BadEntry(f"heartbeat field {name} has a {type(v).__name__}")
+        model = values.get("step_model", [])
+        if len(model) not in (0, 3) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in model):
+            raise BadEntry("heartbeat field step_model is not [a, b, c] seconds")
         if "worker_id" not in values or values.get("role") not in ("prefill", "decode") or \
                 values.get("state", "serving") not in ("starting", "serving", "draining"):
             raise BadEntry(f"heartbeat of {values.get('worker_id')!r:.40} lacks a worker id, a role or a known state")
@@ -114,4 +120,4 @@ class BadEntry(ValueError):
 
 
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
-    f.name: {"int": int, "float": (int, float)}.get(str(f.type), str) for f in fields(Heartbeat)}
+    f.name: {"int": int, "float": (int, float), "list[float]": list}.get(str(f.type), str) for f in fields(Heartbeat)}

@@ -96,6 +96,8 @@ class WorkerHost:
         self.metrics = WorkerMetrics(role, facts.model_id, read_load) if config.serve_metrics else None
         self._metrics_server = MetricsServer(self.metrics.registry, self.metrics.refresh) if self.metrics else None
         self.metrics_address = ""
+        self.read_step_model: Callable[[], tuple[float, float, float] | None] = lambda: None
+        """Decode workers: the engine's step model (engine/step_model.py), for the heartbeat."""
         self.server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self.publisher = Publisher(redis_url, namespace, worker_id, self.heartbeat, config.heartbeat_interval_s,
@@ -139,7 +141,7 @@ class WorkerHost:
             return None
         return Heartbeat(self.worker_id, self.role, self.address, self.state, self.incarnation,
                          **asdict(self.facts) | asdict(load), metrics_address=self.metrics_address,
-                         sent_at=time.time())
+                         sent_at=time.time(), step_model=list(self.read_step_model() or ()))
 
     def refuse_if_not_serving(self) -> tuple[grpc.StatusCode, str] | None:
         """For a new call: None when this worker takes it, else the status to end it with."""

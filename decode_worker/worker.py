@@ -69,6 +69,7 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
         facts = ModelFacts(e.model_id, config.block_size, e.model_config.vocab_size, e.max_model_len,
                            e.kv_pool.num_blocks)
         self.host = WorkerHost(worker_id, "decode", config, facts, engine_load_reader(self.loop), redis_url, namespace)
+        self.host.read_step_model = lambda: self.engine.step_model.latest  # a tuple swapped whole: read from here
         if self.host.metrics is not None:
             self.host.metrics.read_reservations = self.remote.receiver.num_reservations
         self._requests: dict[str, _Decode] = {}

@@ -34,6 +34,7 @@ from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Request, SamplingParams
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
+from engine.step_model import StepModel
 from engine.types import BlockId, EngineLoad, InvalidRequestError, RequestId
 
 logger = logging.getLogger(__name__)
@@ -164,6 +165,8 @@ class LLMEngine:
         return pool_bytes
 
     def _reset_state(self) -> None:
+        self.step_model = StepModel()
+        """Decode step time against batch and KV read (heartbeats carry it to routers)."""
         self._detok: dict[RequestId, IncrementalDetokenizer] = {}
         self._handed_off: dict[RequestId, list[BlockId]] = {}
         self.num_prompt_tokens = 0
@@ -274,8 +277,12 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
+        started = time.perf_counter()
         requests, logits = self.runner.execute(out)
         sampled = dict(zip((r.request_id for r in requests), self.sampler.sample(logits, requests), strict=True))
+        if all(s.num_new_tokens == 1 for s in out.scheduled):  # a pure decode step: the step model's sample
+            self.step_model.observe(len(out.scheduled), sum(s.request.num_computed_tokens + 1 for s in out.scheduled),
+                                    time.perf_counter() - started)
         updated = self.scheduler.update_after_step(out, sampled)
         if self.config.role == "prefill" and self.handoff is not None:
             for s in out.scheduled:

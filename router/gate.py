@@ -94,6 +94,10 @@ class AdmissionGate:
         """An admitted request has sent `num_generated` tokens (the wait forecast times them)."""
         self.queue.forecast.progress(request_id, num_generated)
 
+    def set_step_model(self, model: tuple[float, float, float] | None, num_decode_workers: int) -> None:
+        """The decode workers' step time model (the wait forecast's per-token time)."""
+        self.queue.forecast.set_step_model(model, num_decode_workers)
+
     def observe_ttft(self, seconds: float, cost_tokens: int) -> None:
         """An admitted request's first token came `seconds` after its admission (TTFT steering)."""
         self._wake(self.queue.observe_ttft(seconds, cost_tokens))

@@ -28,6 +28,8 @@ class Member:
     state: str
     incarnation: str
     facts: ModelFacts
+    step_model: tuple[float, ...] = ()
+    """A decode worker's step time (a, b, c): a + b·requests + c·KV tokens seconds."""
 
 
 class Members:
@@ -44,7 +46,8 @@ class Members:
         as a new incarnation: the old one's cache and connections are gone with it)."""
         left = [m for w, m in self._members.items()
                 if w not in heartbeats or heartbeats[w].incarnation != m.incarnation]
-        self._members = {w: Member(w, hb.role, hb.address, hb.state, hb.incarnation, hb.facts)
+        self._members = {w: Member(w, hb.role, hb.address, hb.state, hb.incarnation, hb.facts,
+                                   tuple(float(x) for x in hb.step_model))
                          for w, hb in heartbeats.items() if hb.address}
         self._draining &= set(self._members)
         self._check_facts()
@@ -94,6 +97,16 @@ class Members:
         """KV capacity of the serving decode pool, in tokens (what admission budgets against)."""
         return sum(self._members[w].facts.num_total_blocks * self._members[w].facts.block_size
                    for w in self.serving("decode"))
+
+    def decode_step_model(self) -> tuple[tuple[float, float, float] | None, int]:
+        """The serving decode workers' step model (the mean of those that measured one) and how
+        many serve."""
+        serving = self.serving("decode")
+        models = [self._members[w].step_model for w in serving if len(self._members[w].step_model) == 3]
+        if not models:
+            return None, len(serving)
+        a, b, c = (sum(m[i] for m in models) / len(models) for i in range(3))
+        return (a, b, c), len(serving)
 
     def max_decode_blocks(self) -> int:
         return max((self._members[w].facts.num_total_blocks for w in self.serving("decode")), default=0)

@@ -164,6 +164,7 @@ class RouterService:
         while True:
             await asyncio.sleep(0.1)
             self.gate.set_capacity(self.members.decode_kv_tokens())
+            self.gate.set_step_model(*self.members.decode_step_model())
             self.gate.expire()
             n += 1
             if n % 10 == 0:

@@ -24,6 +24,12 @@ gap says more about the router's own loop than about the workers); the time from
 the number of admitted requests still waiting for theirs (the prefill queue ahead), from
 every first token. The replay evaluates them at the load it has at each step. Until a
 request that streamed two tokens finished nothing is calibrated and the forecast says None.
+
+A line fitted on the small batches seen so far is a poor guide to a burst several times
+larger. Where the decode workers report their step model (`set_step_model`: a + b·requests
++ c·KV tokens, fitted on every decode step they ran, engine/step_model.py), it gives the
+time per token at each worker's share of the replay's requests and of their KV, and the
+router's own samples give only its scale (what the router sees beyond the workers' steps).
 """
 from __future__ import annotations
 
@@ -56,7 +62,13 @@ class Running:
     last_at: float | None = None
     streaming_sum: int = 0
     """The requests streaming at each of its responses after the first, summed (its batch)."""
+    kv_sum: int = 0
+    """The admitted requests' KV tokens at each of those responses, summed."""
     num_responses: int = 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return max(self.cost_tokens - self.new_tokens, 0)
 
 
 @dataclass(frozen=True)
@@ -81,14 +93,37 @@ class WaitForecast:
         """Admitted requests whose first token has not come yet."""
         self.output_fraction = 1.0
         """Output tokens generated over `new_tokens` (EMA): below 1 when requests stop early."""
+        self.kv_tokens = 0
+        """The admitted requests' prompts and tokens generated so far."""
+        self.step_model: tuple[float, float, float] | None = None
+        self.num_decode_workers = 1
+        self._model_scale = LinearFit(TOKEN_DECAY)
+        """Measured time per token over the step model's time at the same load (its mean)."""
+
+    def set_step_model(self, model: tuple[float, float, float] | None, num_decode_workers: int) -> None:
+        self.step_model, self.num_decode_workers = model, max(num_decode_workers, 1)
+
+    def _model_s(self, num_streaming: float, kv_tokens: float) -> float:
+        assert self.step_model is not None
+        a, b, c = self.step_model
+        w = self.num_decode_workers
+        return max(a + b * num_streaming / w + c * kv_tokens / w, 1e-6)
+
+    def per_token_s(self, num_streaming: float, kv_tokens: float) -> float:
+        """The forecast time per output token with these requests streaming and KV tokens held."""
+        if self.step_model is not None and self._model_scale.ready:
+            return self._model_scale(0) * self._model_s(num_streaming, kv_tokens)
+        return self.token_s(num_streaming)
 
     @property
     def calibrated(self) -> bool:
         return self.first_token_s.ready and self.token_s.ready
 
     def admitted(self, request_id: str, cost_tokens: int, new_tokens: int) -> None:
-        self.running[request_id] = Running(cost_tokens, max(new_tokens, 1), self.clock(), self.num_awaiting)
+        r = self.running[request_id] = Running(cost_tokens, max(new_tokens, 1), self.clock(),
+                                               self.num_awaiting)
         self.num_awaiting += 1
+        self.kv_tokens += r.prompt_tokens
 
     def progress(self, request_id: str, num_generated: int) -> None:
         """The request has sent `num_generated` output tokens so far."""
@@ -102,27 +137,42 @@ class WaitForecast:
             self.first_token_s.add(r.ahead, now - r.admitted_at)
         else:
             r.streaming_sum += len(self.running) - self.num_awaiting
+            r.kv_sum += self.kv_tokens
             r.num_responses += 1
+        self.kv_tokens += num_generated - r.num_generated
         r.last_at, r.num_generated = now, num_generated
 
     def finished(self, request_id: str) -> None:
         """It left (however it ended): one that streamed two tokens or more is a sample of the
         time per token at its mean batch; how much of max_tokens it used is learnt too."""
         r = self.running.pop(request_id, None)
+        if r is not None:
+            self.kv_tokens -= r.prompt_tokens + r.num_generated
         if r is not None and r.first_at is None:
             self.num_awaiting -= 1
         if r is not None and r.num_responses and r.first_at is not None and r.last_at is not None:
-            self.token_s.add(r.streaming_sum / r.num_responses, (r.last_at - r.first_at) / (r.num_generated - 1))
+            streaming, kv = r.streaming_sum / r.num_responses, r.kv_sum / r.num_responses
+            per_token = (r.last_at - r.first_at) / (r.num_generated - 1)
+            self.token_s.add(streaming, per_token)
+            if self.step_model is not None:
+                self._model_scale.add(0, per_token / self._model_s(streaming, kv))
         if r is not None and r.num_generated >= 1:
             self.output_fraction += EMA_WEIGHT * (min(r.num_generated / r.new_tokens, 1.0) - self.output_fraction)
 
     def _expected(self, new_tokens: int) -> int:
         return max(round(self.output_fraction * new_tokens), 1)
 
-    def finish_at(self, r: Running, now: float) -> float:
+    def _mean_context(self, queue: list[Queued]) -> float:
+        """A request's mean KV over its life, averaged over the admitted and queued ones."""
+        ctx = [r.prompt_tokens + self._expected(r.new_tokens) / 2 for r in self.running.values()]
+        ctx += [max(q.cost_tokens - q.new_tokens, 0) + self._expected(q.new_tokens) / 2 for q in queue]
+        return sum(ctx) / len(ctx) if ctx else 0.0
+
+    def finish_at(self, r: Running, now: float, context: float = 0.0) -> float:
         """When this running request is expected to end, at today's load (every admitted
-        request streaming, as they soon will)."""
-        per_token = self.token_s(len(self.running))
+        request streaming, as they soon will, each holding `context` KV tokens on average)."""
+        n = len(self.running)
+        per_token = self.per_token_s(n, n * context)
         if r.first_at is None:
             first = max(r.admitted_at + self.first_token_s(r.ahead), now)
             return first + (self._expected(r.new_tokens) - 1) * per_token
@@ -137,7 +187,8 @@ class WaitForecast:
         if not self.calibrated:
             return None
         now = self.clock()
-        ends = [(self.finish_at(r, now), r.cost_tokens) for r in self.running.values()]
+        context = self._mean_context(queue)
+        ends = [(self.finish_at(r, now, context), r.cost_tokens) for r in self.running.values()]
         heapq.heapify(ends)
         firsts = [max(r.admitted_at + self.first_token_s(r.ahead), now)
                   for r in self.running.values() if r.first_at is None]
@@ -164,6 +215,7 @@ class WaitForecast:
                 heapq.heappop(firsts)
             first = t + self.first_token_s(len(firsts))
             heapq.heappush(firsts, first)
-            end = first + (self._expected(q.new_tokens) - 1) * self.token_s(len(ends) + 1)
+            n = len(ends) + 1
+            end = first + (self._expected(q.new_tokens) - 1) * self.per_token_s(n, n * context)
             heapq.heappush(ends, (end, q.cost_tokens))
         return times

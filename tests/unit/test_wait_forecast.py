@@ -218,3 +218,15 @@ def test_the_estimate_error_of_each_queued_request_admitted_is_exported(clock: F
     count = next(s.value for s in family.samples if s.name.endswith("_count"))
     assert count == 8  # two admitted at once, eight queued then admitted
     assert buckets["0.9"] == 0 and buckets["1.1"] == 8  # each within 10 % of its estimate
+
+
+def test_with_the_workers_step_model_a_burst_is_forecast_at_its_own_load(clock: FakeClock) -> None:
+    f = WaitForecast(clock)
+    f.set_step_model((0.0, 0.01, 0.0), 1)  # a step takes 10 ms per request streaming
+    calibrate(f, clock, first_s=0.5, token_s=0.02)  # alone, the router sees 20 ms a token: twice the model
+    assert f.per_token_s(1, 0) == pytest.approx(0.02)
+    assert f.per_token_s(57, 0) == pytest.approx(2 * 0.57)  # the model's shape, the router's scale
+    f.set_step_model((0.0, 0.01, 0.0), 3)  # three decode workers share the requests
+    assert f.per_token_s(57, 0) == pytest.approx(2 * 0.19)
+    f.set_step_model(None, 3)  # no model reported: the router's own fit
+    assert f.per_token_s(57, 0) == pytest.approx(0.02)

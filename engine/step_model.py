@@ -1,0 +1,69 @@
+"""StepModel: how long a decode step takes, fitted on the steps an engine runs (pure).
+
+A decode step computes one token for each of `num_seqs` requests and reads the KV of all
+their tokens (`kv_tokens`): on any device its time is close to a + b·num_seqs + c·kv_tokens
+(per-step overhead, per-request work, KV reads). The engine feeds every pure-decode step
+(`observe`); the fit is exponentially weighted least squares (recent steps weigh most, a
+little ridge keeps it solvable while the samples do not yet vary); `latest` is the current
+(a, b, c), one tuple swapped whole, so another thread (the heartbeat) reads it safely.
+Routers forecast admission waits with it (router/wait_forecast.py): unlike the times they
+see, it is measured where the work is, and it extrapolates along the two things a burst
+changes: how many requests, and how much KV.
+"""
+from __future__ import annotations
+
+DECAY = 0.999
+"""Per step: about the last thousand count."""
+RIDGE = 1e-9
+
+
+class StepModel:
+    def __init__(self) -> None:
+        self._m = [[0.0] * 3 for _ in range(3)]
+        """Weighted sums of x·xᵀ, x = (1, num_seqs, kv_tokens)."""
+        self._v = [0.0] * 3
+        """Weighted sums of x·seconds."""
+        self.num_steps = 0
+        self.latest: tuple[float, float, float] | None = None
+
+    def observe(self, num_seqs: int, kv_tokens: int, seconds: float) -> None:
+        x = (1.0, float(num_seqs), float(kv_tokens))
+        for i in range(3):
+            self._v[i] = self._v[i] * DECAY + x[i] * seconds
+            for j in range(3):
+                self._m[i][j] = self._m[i][j] * DECAY + x[i] * x[j]
+        self.num_steps += 1
+        self.latest = self._solve()
+
+    def _solve(self) -> tuple[float, float, float]:
+        """Least squares with the slopes kept at or above zero (a slope the samples cannot
+        show yet is zero, and the others are refitted without it)."""
+        free = [0, 1, 2]
+        while True:
+            coef = _solve_subset(self._m, self._v, free)
+            negative = [i for i in free[1:] if coef[i] < 0]
+            if not negative:
+                return coef[0], coef[1], coef[2]
+            free.remove(negative[0])
+
+
+def _solve_subset(m: list[list[float]], v: list[float], free: list[int]) -> list[float]:
+    """Gaussian elimination on the normal equations of the `free` coefficients (the others 0)."""
+    k = len(free)
+    scale = [max(m[i][i], 1e-30) for i in free]
+    a = [[m[free[r]][free[c]] / (scale[r] * scale[c]) ** 0.5 + (RIDGE if r == c else 0.0) for c in range(k)]
+         + [v[free[r]] / scale[r] ** 0.5] for r in range(k)]
+    for col in range(k):
+        pivot = max(range(col, k), key=lambda r: abs(a[r][col]))
+        a[col], a[pivot] = a[pivot], a[col]
+        if abs(a[col][col]) < 1e-12:
+            continue
+        for r in range(k):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [x - f * y for x, y in zip(a[r], a[col], strict=True)]
+    out = [0.0, 0.0, 0.0]
+    for r in range(k):
+        if abs(a[r][r]) >= 1e-12:
+            out[free[r]] = a[r][k] / a[r][r] / scale[r] ** 0.5
+    return out
