@@ -18,7 +18,10 @@ Then it supervises, once per `supervise_interval_s` (`tick`):
   ones finish within `drain_timeout_s` or continue elsewhere through the routers' retry,
   and only then is the actor stopped and its KV pool released;
 - status: targets, every worker's state, the last actions and the autoscaler's last
-  decision go to `{ns}:controller` for `splitserve status`.
+  decision go to `{ns}:controller` for `splitserve status`; its own state goes to
+  `{ns}:controller:state` (cluster/controller_state.py), also before each launch and drain.
+Killed, it is restarted by Ray and `_recover()` takes the running workers and routers back
+(detached named actors, cluster/named_actors.py) as `controller_state.plan` says.
 `check_idle()` gathers every live worker's pool accounting (and lists the dead);
 `kill_worker()` ends one abruptly (what a crash looks like); `shutdown()` stops the routers
 first so no new work arrives, then the workers.
@@ -32,7 +35,6 @@ import logging
 import os
 import time
 import warnings
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +47,7 @@ from cluster import controller_state, named_actors
 from cluster.autoscaler import AutoscaleState, Decision, decide
 from cluster.config import ClusterConfig, RouterConfig
 from cluster.controller_metrics import ControllerMetrics
-from cluster.controller_state import Saved
+from cluster.controller_state import History, Saved
 from cluster.pool_gauge import PoolGauge
 from cluster.ray_calls import await_ref
 from cluster.router_pool import RouterPool
@@ -84,11 +86,7 @@ class Controller:
         self.redis_url = redis_url
         self.targets: dict[str, int] = {"prefill": config.num_prefill, "decode": config.num_decode}
         self.workers: dict[str, Worker] = {}
-        self.dead: deque[str] = deque(maxlen=100)
-        self.drains: deque[dict[str, Any]] = deque(maxlen=20)
-        """The last finished drains: the worker, requests left to continue elsewhere, late calls."""
-        self.num_drains = 0
-        self.actions: deque[str] = deque(maxlen=20)
+        self.history = History()
         self.routers = RouterPool(self._router_config(), self.redis_url, config.namespace, self._act, START_TIMEOUT_S)
         self.info: dict[str, Any] = {}
         self.decision: Decision | None = None
@@ -99,13 +97,12 @@ class Controller:
         self._supervisor: asyncio.Task[None] | None = None
         self.reader = RegistryReader(redis_url, config.namespace)
         self._beats: dict[str, Heartbeat] = {}
-        self.num_dead = 0
         self.metrics = MetricsServer(ControllerMetrics(self._metrics_books).registry)
         self.metrics_address = ""
         with warnings.catch_warnings():  # Ray warns about its own use of a deprecated call here
             warnings.simplefilter("ignore", DeprecationWarning)
-            self.restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
-        if self.restarted:  # Ray started this one after the last died: nobody calls start()
+            restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        if restarted:  # Ray started this one after the last died: nobody calls start()
             self._spawn(self._recover())
 
     # -- start -------------------------------------------------------------------------------
@@ -117,7 +114,7 @@ class Controller:
         await asyncio.gather(*(self._launch(role, START_TIMEOUT_S) for role in ROLES for _ in range(self.targets[role])))
         short = {r: self.targets[r] - len(self._live(r)) for r in ROLES if len(self._live(r)) < self.targets[r]}
         if short:
-            raise RuntimeError(f"workers did not start: {short} short; last actions: {list(self.actions)}")
+            raise RuntimeError(f"workers did not start: {short} short; last actions: {list(self.history.actions)}")
         routers = await self.routers.start(c.num_routers, list(self.workers))
         self.info = {"address": self.routers.address, "http_address": self.routers.http_address, "routers": routers,
                      "prefill": [w.info for w in self._live("prefill")], "decode": [w.info for w in self._live("decode")],
@@ -142,14 +139,10 @@ class Controller:
         saved = await self._load_saved() or Saved(dict(self.targets), {}, {}, {}, history={})
         names = [n for n in named_actors.list_names(c.namespace) if named_actors.role_of(n) in ROLES]
         self.targets.update(saved.targets)
-        self._next = controller_state.next_ids(self._next | saved.next_ids, names, named_actors.role_of,
-                                               named_actors.index_of)
+        self._next = controller_state.next_ids(self._next | saved.next_ids, names)
         self._autoscale_state = controller_state.autoscale_in(saved.autoscale)
-        h = saved.history
-        for book, key in ((self.dead, "dead"), (self.drains, "drains"), (self.actions, "actions")):
-            book.extend(h.get(key, []))
-        self.num_dead, self.num_drains = h.get("num_dead", 0), h.get("num_drains", 0)
-        for step in controller_state.plan(saved.members, set(names), named_actors.role_of):
+        self.history = History.from_wire(saved.history)
+        for step in controller_state.plan(saved.members, set(names)):
             w = Worker(step.worker_id, step.role, named_actors.find(step.worker_id, c.namespace), step.state,
                        step.info)
             if step.action in ("keep", "finish_drain", "finish_launch"):
@@ -162,8 +155,7 @@ class Controller:
             elif step.action == "dead":
                 await self._forget_dead(w)
             elif step.action == "drained":
-                self.drains.append({"worker_id": w.worker_id, "error": "ended while the controller was down"})
-                self.num_drains += 1
+                self.history.drained({"worker_id": w.worker_id, "error": "ended while the controller was down"})
             elif step.action == "launch_lost":
                 self._act(f"{w.worker_id}: its launch did not survive the controller; launching another")
         self.routers.adopt(saved.routers or None)
@@ -277,8 +269,7 @@ class Controller:
 
     async def _forget_dead(self, w: Worker) -> None:
         self.workers.pop(w.worker_id, None)
-        self.dead.append(w.worker_id)
-        self.num_dead += 1
+        self.history.died(w.worker_id)
         if not self.config.replace_dead_workers:
             self.targets[w.role] = max(self.targets[w.role] - 1, 0)
         self._act(f"{w.worker_id} died" + ("; replacing it" if self.config.replace_dead_workers else ""))
@@ -320,8 +311,7 @@ class Controller:
         await _quietly(w.actor.shutdown.remote())
         ray.kill(w.actor)
         self.workers.pop(w.worker_id, None)
-        self.drains.append({"worker_id": w.worker_id, **report})
-        self.num_drains += 1
+        self.history.drained({"worker_id": w.worker_id, **report})
         left = report.get("left")
         self._act(f"{w.worker_id} drained and stopped" + (f"; {left} request(s) continued elsewhere" if left else ""))
         await self._save()
@@ -337,7 +327,7 @@ class Controller:
 
     def _act(self, what: str) -> None:
         logger.info("controller: %s", what)
-        self.actions.append(f"{time.strftime('%H:%M:%S')} {what}")
+        self.history.act(what)
 
     # -- autoscaling -----------------------------------------------------------------------------
     async def _autoscale(self) -> None:
@@ -365,8 +355,7 @@ class Controller:
         saved = Saved(dict(self.targets), dict(self._next),
                       {w.worker_id: {"role": w.role, "state": w.state, "info": w.info} for w in self.workers.values()},
                       self.routers.saved(), controller_state.autoscale_out(self._autoscale_state),
-                      {"dead": list(self.dead), "drains": list(self.drains), "actions": list(self.actions),
-                       "num_dead": self.num_dead, "num_drains": self.num_drains})
+                      self.history.to_wire())
         try:
             await controller_state.save(self.reader.client, self.config.namespace, saved)
         except (redis.RedisError, OSError, TimeoutError) as e:
@@ -381,20 +370,20 @@ class Controller:
                 return {"worker_id": w.worker_id, "dead": True}
 
         live = [w for w in self.workers.values() if w.state == "serving"]
-        return [*await asyncio.gather(*(one(w) for w in live)), *({"worker_id": w, "dead": True} for w in self.dead)]
+        return [*await asyncio.gather(*(one(w) for w in live)), *({"worker_id": w, "dead": True} for w in self.history.dead)]
 
     async def status(self) -> dict[str, Any]:
         """What `splitserve status` shows (published to Redis every tick)."""
+        h = self.history.to_wire()
         return {"targets": dict(self.targets), "workers": {w.worker_id: w.state for w in self.workers.values()},
-                "dead": list(self.dead), "drains": list(self.drains), "num_drains": self.num_drains,
-                "actions": list(self.actions),
+                "dead": h["dead"], "drains": h["drains"], "num_drains": h["num_drains"], "actions": h["actions"],
                 "decision": self.decision.reason if self.decision else None,
                 "autoscale": self.config.autoscale is not None, "metrics_address": self.metrics_address,
                 "pid": os.getpid()}
 
     def _metrics_books(self) -> dict[str, Any]:
         return {"targets": dict(self.targets), "workers": [(w.role, w.state) for w in self.workers.values()],
-                "num_dead": self.num_dead, "num_drains": self.num_drains}
+                "num_dead": self.history.num_dead, "num_drains": self.history.num_drains}
 
     def worker_info(self) -> list[dict[str, Any]]:
         """Each worker the controller runs: its info (address, pid, model facts) and state."""

@@ -19,6 +19,7 @@ times and turned back on load, so a restart on another host reads them right.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -26,6 +27,7 @@ import msgpack
 import redis.asyncio
 
 from cluster.autoscaler import AutoscaleState
+from cluster.named_actors import index_of, role_of
 
 
 def state_key(ns: str) -> str:
@@ -43,7 +45,41 @@ class Saved:
     autoscale: dict[str, dict[str, float]] = field(default_factory=dict)
     """AutoscaleState's fields, each pool's time as a wall time."""
     history: dict[str, Any] = field(default_factory=dict)
-    """What `status` shows: dead, drains, actions, num_dead, num_drains."""
+    """`History.to_wire()`."""
+
+
+@dataclass
+class History:
+    """What `status` shows of the controller's past, carried over its restarts."""
+
+    dead: deque[str] = field(default_factory=lambda: deque(maxlen=100))
+    drains: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=20))
+    """The last finished drains: the worker, requests left to continue elsewhere, late calls."""
+    actions: deque[str] = field(default_factory=lambda: deque(maxlen=20))
+    num_dead: int = 0
+    num_drains: int = 0
+
+    def act(self, what: str) -> None:
+        self.actions.append(f"{time.strftime('%H:%M:%S')} {what}")
+
+    def died(self, worker_id: str) -> None:
+        self.dead.append(worker_id)
+        self.num_dead += 1
+
+    def drained(self, report: dict[str, Any]) -> None:
+        self.drains.append(report)
+        self.num_drains += 1
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"dead": list(self.dead), "drains": list(self.drains), "actions": list(self.actions),
+                "num_dead": self.num_dead, "num_drains": self.num_drains}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> History:
+        h = cls(num_dead=d.get("num_dead", 0), num_drains=d.get("num_drains", 0))
+        for book in ("dead", "drains", "actions"):
+            getattr(h, book).extend(d.get(book, []))
+        return h
 
 
 Action = Literal["keep", "finish_drain", "finish_launch", "dead", "drained", "launch_lost"]
@@ -65,9 +101,8 @@ class Step:
     ended while the controller was down; launch_lost: saved, never created, launched anew."""
 
 
-def plan(members: dict[str, dict[str, Any]], live: set[str], role_of: Any) -> list[Step]:
-    """One step per worker in the saved `members` or among the `live` actor names (`role_of`
-    names a role from a name), in id order."""
+def plan(members: dict[str, dict[str, Any]], live: set[str]) -> list[Step]:
+    """One step per worker in the saved `members` or among the `live` actor names, in id order."""
     steps = []
     for worker_id in sorted({*members, *live}):
         record = members.get(worker_id, {"role": role_of(worker_id), "state": "unknown", "info": {}})
@@ -80,11 +115,12 @@ def plan(members: dict[str, dict[str, Any]], live: set[str], role_of: Any) -> li
     return steps
 
 
-def next_ids(saved: dict[str, int], names: list[str], role_of: Any, index_of: Any) -> dict[str, int]:
+def next_ids(saved: dict[str, int], names: list[str]) -> dict[str, int]:
     """Per role, past every id saved or seen: a new worker never takes a live one's name."""
     out = dict(saved)
     for name in names:
-        out[role_of(name)] = max(out.get(role_of(name), 0), index_of(name) + 1)
+        if (index := index_of(name)) is not None:
+            out[role_of(name)] = max(out.get(role_of(name), 0), index + 1)
     return out
 
 

@@ -33,9 +33,10 @@ def role_of(name: str) -> str:
     return name.rsplit("-", 1)[0]
 
 
-def index_of(name: str) -> int:
+def index_of(name: str) -> int | None:
+    """`prefill-3` -> 3; None for a name without a number."""
     tail = name.rsplit("-", 1)[-1]
-    return int(tail) if tail.isdigit() else -1
+    return int(tail) if tail.isdigit() else None
 
 
 def create(cls: type, name: str, namespace: str, options: dict[str, Any], *args: Any) -> Any:

@@ -193,14 +193,14 @@ class AdmissionQueue:
             return []
         now, out = self.clock(), []
         for e in self._service_order():
-            limit = e.queued_at + self._can_wait(e)
-            if times[e.request_id] > limit:
+            can_wait = self._can_wait(e)
+            if times[e.request_id] > e.queued_at + can_wait:
                 self._classes[e.priority].remove(e)
                 more = times[e.request_id] - now
                 said = "" if e.estimate_s is None else f" (estimated {e.estimate_s:.1f} s at arrival)"
                 out.append((e.request_id, Refused(
                     f"revised queue wait: {now - e.queued_at:.1f} s waited and {more:.1f} s more{said} exceed the "
-                    f"{self._can_wait(e):.1f} s this request can wait", self._retry_after(e), "revised")))
+                    f"{can_wait:.1f} s this request can wait", self._retry_hint(more), "revised")))
         return out
 
     # -- views -------------------------------------------------------------------------------
@@ -273,7 +273,7 @@ class AdmissionQueue:
         can_wait = self._can_wait(e)
         if wait is not None and wait > can_wait:
             return Refused(f"estimated queue wait {wait:.1f} s exceeds the {can_wait:.1f} s this request "
-                           f"can wait{self._share_note(e.tenant)}", self._retry_after(e), "wait")
+                           f"can wait{self._share_note(e.tenant)}", self._retry_hint(wait), "wait")
         return None
 
     def _can_wait(self, e: Entry) -> float:
@@ -391,5 +391,8 @@ class AdmissionQueue:
         return max(short, 0) / rate
 
     def _retry_after(self, e: Entry) -> float:
-        wait = self._estimated_wait_s(e)
-        return min(max(wait or 0.0, self.config.min_retry_after_s), self.max_wait_s)
+        return self._retry_hint(self._estimated_wait_s(e))
+
+    def _retry_hint(self, wait_s: float | None) -> float:
+        """A retry-after hint from an estimated wait (already replayed: not again)."""
+        return min(max(wait_s or 0.0, self.config.min_retry_after_s), self.max_wait_s)

@@ -80,6 +80,10 @@ class Queued:
     """Admitted later than this it is refused instead (its deadline or the queue's wait limit):
     the replay gives it no tokens, so the requests behind it move up."""
 
+    @property
+    def prompt_tokens(self) -> int:
+        return max(self.cost_tokens - self.new_tokens, 0)
+
 
 class WaitForecast:
     def __init__(self, clock: Callable[[], float]) -> None:
@@ -165,14 +169,14 @@ class WaitForecast:
     def _mean_context(self, queue: list[Queued]) -> float:
         """A request's mean KV over its life, averaged over the admitted and queued ones."""
         ctx = [r.prompt_tokens + self._expected(r.new_tokens) / 2 for r in self.running.values()]
-        ctx += [max(q.cost_tokens - q.new_tokens, 0) + self._expected(q.new_tokens) / 2 for q in queue]
+        ctx += [q.prompt_tokens + self._expected(q.new_tokens) / 2 for q in queue]
         return sum(ctx) / len(ctx) if ctx else 0.0
 
-    def finish_at(self, r: Running, now: float, context: float = 0.0) -> float:
-        """When this running request is expected to end, at today's load (every admitted
-        request streaming, as they soon will, each holding `context` KV tokens on average)."""
-        n = len(self.running)
-        per_token = self.per_token_s(n, n * context)
+    def finish_at(self, r: Running, now: float, per_token: float | None = None) -> float:
+        """When this running request is expected to end, `per_token` seconds a token (default:
+        at today's load, every admitted request streaming, as they soon will)."""
+        if per_token is None:
+            per_token = self.per_token_s(len(self.running), 0)
         if r.first_at is None:
             first = max(r.admitted_at + self.first_token_s(r.ahead), now)
             return first + (self._expected(r.new_tokens) - 1) * per_token
@@ -188,7 +192,9 @@ class WaitForecast:
             return None
         now = self.clock()
         context = self._mean_context(queue)
-        ends = [(self.finish_at(r, now, context), r.cost_tokens) for r in self.running.values()]
+        n = len(self.running)
+        per_token = self.per_token_s(n, n * context)
+        ends = [(self.finish_at(r, now, per_token), r.cost_tokens) for r in self.running.values()]
         heapq.heapify(ends)
         firsts = [max(r.admitted_at + self.first_token_s(r.ahead), now)
                   for r in self.running.values() if r.first_at is None]

@@ -6,7 +6,6 @@ import time
 
 from cluster.autoscaler import AutoscaleState
 from cluster.controller_state import autoscale_in, autoscale_out, next_ids, plan
-from cluster.named_actors import index_of, role_of
 from cluster.pool_gauge import PoolGauge
 from control.heartbeat import Heartbeat
 
@@ -21,7 +20,7 @@ def test_each_saved_or_named_worker_gets_one_step() -> None:
                "decode-3": record("decode", "serving"), "decode-4": record("decode", "draining"),
                "prefill-1": record("prefill", "starting")}
     live = {"prefill-0", "decode-0", "decode-1", "decode-2", "decode-5"}
-    steps = {s.worker_id: s.action for s in plan(members, live, role_of)}
+    steps = {s.worker_id: s.action for s in plan(members, live)}
     assert steps == {
         "prefill-0": "keep", "decode-0": "keep",
         "decode-1": "finish_drain",   # the drain the dead controller began
@@ -31,21 +30,21 @@ def test_each_saved_or_named_worker_gets_one_step() -> None:
         "prefill-1": "launch_lost",   # saved before its actor was created
         "decode-5": "finish_launch",  # live, its record lost: start() says how it is
     }
-    assert [s.worker_id for s in plan(members, live, role_of)] == sorted(steps)
-    [found] = [s for s in plan(members, live, role_of) if s.worker_id == "decode-5"]
+    assert [s.worker_id for s in plan(members, live)] == sorted(steps)
+    [found] = [s for s in plan(members, live) if s.worker_id == "decode-5"]
     assert (found.role, found.state, found.info) == ("decode", "unknown", {})
 
 
 def test_with_no_record_every_named_worker_is_adopted_and_none_is_dead() -> None:
-    steps = plan({}, {"prefill-0", "decode-3"}, role_of)
+    steps = plan({}, {"prefill-0", "decode-3"})
     assert [(s.worker_id, s.role, s.action) for s in steps] == [("decode-3", "decode", "finish_launch"),
                                                                 ("prefill-0", "prefill", "finish_launch")]
 
 
 def test_new_ids_never_take_a_saved_or_live_name() -> None:
-    assert next_ids({"prefill": 2, "decode": 3}, ["decode-7", "prefill-0", "router-1"], role_of, index_of) == \
+    assert next_ids({"prefill": 2, "decode": 3}, ["decode-7", "prefill-0", "router-1"]) == \
         {"prefill": 2, "decode": 8, "router": 2}
-    assert next_ids({}, [], role_of, index_of) == {}
+    assert next_ids({}, []) == {}
 
 
 def test_autoscaler_times_survive_the_trip_through_wall_time() -> None:
