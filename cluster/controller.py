@@ -35,7 +35,6 @@ import logging
 import os
 import time
 import warnings
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -47,7 +46,8 @@ from cluster import controller_state, named_actors
 from cluster.autoscaler import AutoscaleState, Decision, decide
 from cluster.config import ClusterConfig, RouterConfig
 from cluster.controller_metrics import ControllerMetrics
-from cluster.controller_state import History, Saved
+from cluster.controller_recovery import Recovery
+from cluster.controller_state import ROLES, History, Worker
 from cluster.pool_gauge import PoolGauge
 from cluster.ray_calls import await_ref
 from cluster.router_pool import RouterPool
@@ -62,23 +62,7 @@ from prefill_worker.worker import PrefillWorker
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 300.0
-ROLES: tuple[Role, Role] = ("prefill", "decode")
-
-
-@dataclass
-class Worker:
-    """The controller's view of one worker actor."""
-
-    worker_id: str
-    role: Role
-    actor: Any
-    """Its detached actor, named `worker_id` (None for the moment between saving a launch and creating it)."""
-    state: str = "starting"
-    """starting -> serving -> draining (then gone)."""
-    info: dict[str, Any] = field(default_factory=dict)
-
-
-class Controller:
+class Controller(Recovery):
     def __init__(self, config: ClusterConfig, redis_url: str) -> None:
         if not config.worker.cluster_secret:  # a restart must hand its workers and routers the same one
             raise ValueError("the controller needs the cluster secret in its config (LocalCluster makes one)")
@@ -130,49 +114,6 @@ class Controller:
             self.metrics_address = f"{dialable_host(host, self.redis_url)}:{await self.metrics.start(host)}"
         await self._publish()  # `status` and `metrics-targets` find it at once
         self._supervisor = asyncio.create_task(self._supervise())
-
-    async def _recover(self) -> None:
-        """After a restart: the saved record and Ray's names tell which workers and routers
-        run; each is adopted (a launch or drain the last controller began is finished), one
-        that is gone is accounted dead and the pools are brought back to target by supervision."""
-        c = self.config
-        saved = await self._load_saved() or Saved(dict(self.targets), {}, {}, {}, history={})
-        names = [n for n in named_actors.list_names(c.namespace) if named_actors.role_of(n) in ROLES]
-        self.targets.update(saved.targets)
-        self._next = controller_state.next_ids(self._next | saved.next_ids, names)
-        self._autoscale_state = controller_state.autoscale_in(saved.autoscale)
-        self.history = History.from_wire(saved.history)
-        for step in controller_state.plan(saved.members, set(names)):
-            w = Worker(step.worker_id, step.role, named_actors.find(step.worker_id, c.namespace), step.state,
-                       step.info)
-            if step.action in ("keep", "finish_drain", "finish_launch"):
-                self.workers[w.worker_id] = w
-            if step.action == "finish_drain":
-                self._spawn(self._drain(w))
-            elif step.action == "finish_launch":
-                w.state = "starting"
-                self._spawn(self._await_serving(w, c.place_timeout_s))
-            elif step.action == "dead":
-                await self._forget_dead(w)
-            elif step.action == "drained":
-                self.history.drained({"worker_id": w.worker_id, "error": "ended while the controller was down"})
-            elif step.action == "launch_lost":
-                self._act(f"{w.worker_id}: its launch did not survive the controller; launching another")
-        self.routers.adopt(saved.routers or None)
-        self._act(f"controller restarted (pid {os.getpid()}): adopted {sorted(self.workers)}, routers "
-                  f"{sorted(self.routers.actors)}")
-        await self._supervise_from_now()
-
-    async def _load_saved(self) -> Saved | None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            try:
-                return await controller_state.load(self.reader.client, self.config.namespace)
-            except (redis.RedisError, OSError, TimeoutError) as e:
-                if time.monotonic() > deadline:
-                    logger.error("controller: Redis unreachable (%s); recovering from Ray's names alone", e)
-                    return None
-                await asyncio.sleep(1.0)
 
     def _router_config(self) -> RouterConfig:
         c = self.config
@@ -350,16 +291,6 @@ class Controller:
         except (redis.RedisError, OSError, TimeoutError):
             pass
         await self._save()  # (again each tick: an embedded Redis that restarted empty has it back)
-
-    async def _save(self) -> None:
-        saved = Saved(dict(self.targets), dict(self._next),
-                      {w.worker_id: {"role": w.role, "state": w.state, "info": w.info} for w in self.workers.values()},
-                      self.routers.saved(), controller_state.autoscale_out(self._autoscale_state),
-                      self.history.to_wire())
-        try:
-            await controller_state.save(self.reader.client, self.config.namespace, saved)
-        except (redis.RedisError, OSError, TimeoutError) as e:
-            logger.warning("controller: could not save its state (%s); recovery falls back to Ray's names", e)
 
     # -- for `status`, tests and the local cluster ----------------------------------------------------
     async def check_idle(self) -> list[dict[str, Any]]:

@@ -28,6 +28,23 @@ import redis.asyncio
 
 from cluster.autoscaler import AutoscaleState
 from cluster.named_actors import index_of, role_of
+from control.heartbeat import Role
+
+
+ROLES: tuple[Role, Role] = ("prefill", "decode")
+
+
+@dataclass
+class Worker:
+    """The controller's view of one worker actor."""
+
+    worker_id: str
+    role: Role
+    actor: Any
+    """Its detached actor, named `worker_id` (None for the moment between saving a launch and creating it)."""
+    state: str = "starting"
+    """starting -> serving -> draining (then gone)."""
+    info: dict[str, Any] = field(default_factory=dict)
 
 
 def state_key(ns: str) -> str:
