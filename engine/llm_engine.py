@@ -167,6 +167,8 @@ class LLMEngine:
     def _reset_state(self) -> None:
         self.step_model = StepModel()
         """Decode step time against batch and KV read (heartbeats carry it to routers)."""
+        self._decode_step: tuple[int, int, float] | None = None
+        """The last step, when it was pure decode: (requests, KV tokens, its start)."""
         self._detok: dict[RequestId, IncrementalDetokenizer] = {}
         self._handed_off: dict[RequestId, list[BlockId]] = {}
         self.num_prompt_tokens = 0
@@ -274,16 +276,20 @@ class LLMEngine:
 
     # -- the step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        if self._decode_step is not None:  # the last step decoded and left requests running: its period ends
+            num_seqs, kv_tokens, began = self._decode_step
+            self.step_model.observe(num_seqs, kv_tokens, started - began)
+            self._decode_step = None
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        started = time.perf_counter()
         requests, logits = self.runner.execute(out)
         sampled = dict(zip((r.request_id for r in requests), self.sampler.sample(logits, requests), strict=True))
-        if all(s.num_new_tokens == 1 for s in out.scheduled):  # a pure decode step: the step model's sample
-            self.step_model.observe(len(out.scheduled), sum(s.request.num_computed_tokens + 1 for s in out.scheduled),
-                                    time.perf_counter() - started)
+        kv_tokens = sum(s.request.num_computed_tokens + 1 for s in out.scheduled)
         updated = self.scheduler.update_after_step(out, sampled)
+        if all(s.num_new_tokens == 1 for s in out.scheduled) and any(not r.is_finished for r in updated):
+            self._decode_step = (len(out.scheduled), kv_tokens, started)  # the step model's sample, next step
         if self.config.role == "prefill" and self.handoff is not None:
             for s in out.scheduled:
                 self.handoff.on_blocks_computed(s.request)

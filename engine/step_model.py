@@ -3,8 +3,13 @@
 A decode step computes one token for each of `num_seqs` requests and reads the KV of all
 their tokens (`kv_tokens`): on any device its time is close to a + b·num_seqs + c·kv_tokens
 (per-step overhead, per-request work, KV reads). The engine feeds every pure-decode step
-(`observe`); the fit is exponentially weighted least squares (recent steps weigh most, a
-little ridge keeps it solvable while the samples do not yet vary); `latest` is the current
+(`observe`) with its whole period, from its start to the next step's (the forward, sampling,
+and sending each request its token: what a streaming client waits between tokens). The fit
+is exponentially weighted least squares (recent steps weigh most, a little ridge keeps it
+solvable). A slope whose load has not varied (every step had the same batch) cannot be told
+from the fixed cost: the KV slope is zero until KV varies, and until the batch size has
+varied there is no model at all (`latest` None), since it would be asked about batches
+larger than any seen and could only say they cost the same. `latest` is the current
 (a, b, c), one tuple swapped whole, so another thread (the heartbeat) reads it safely.
 Routers forecast admission waits with it (router/wait_forecast.py): unlike the times they
 see, it is measured where the work is, and it extrapolates along the two things a burst
@@ -15,6 +20,8 @@ from __future__ import annotations
 DECAY = 0.999
 """Per step: about the last thousand count."""
 RIDGE = 1e-9
+MIN_VARIANCE = (0.0, 0.25, 256.0)
+"""A slope is fitted once its load's weighted variance reaches this (requests², KV tokens²)."""
 
 
 class StepModel:
@@ -35,10 +42,14 @@ class StepModel:
         self.num_steps += 1
         self.latest = self._solve()
 
-    def _solve(self) -> tuple[float, float, float]:
+    def _solve(self) -> tuple[float, float, float] | None:
         """Least squares with the slopes kept at or above zero (a slope the samples cannot
-        show yet is zero, and the others are refitted without it)."""
-        free = [0, 1, 2]
+        show yet is zero, and the others are refitted without it); None before the batch
+        size has varied."""
+        w = max(self._m[0][0], 1e-30)
+        free = [0] + [i for i in (1, 2) if self._m[i][i] / w - (self._m[0][i] / w) ** 2 >= MIN_VARIANCE[i]]
+        if 1 not in free:
+            return None
         while True:
             coef = _solve_subset(self._m, self._v, free)
             negative = [i for i in free[1:] if coef[i] < 0]

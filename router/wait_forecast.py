@@ -29,11 +29,16 @@ A line fitted on the small batches seen so far is a poor guide to a burst severa
 larger. Where the decode workers report their step model (`set_step_model`: a + b·requests
 + c·KV tokens, fitted on every decode step they ran, engine/step_model.py), it gives the
 time per token at each worker's share of the replay's requests and of their KV, and the
-router's own samples give only its scale (what the router sees beyond the workers' steps).
+router's own samples give only its scale (what the router sees beyond the workers' steps):
+the median, over the last `SCALE_SAMPLES` finished requests, of what each measured over
+what the current model says at its load. Recomputed whenever the model changes, the scale
+is there from the first model a worker reports, and one slow request does not move it.
 """
 from __future__ import annotations
 
 import heapq
+import statistics
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,6 +50,8 @@ TOKEN_DECAY = 0.97
 """Per-token time samples (one per finished request): about the last 30 count."""
 FIRST_TOKEN_DECAY = 0.97
 """First-token samples (one per request): about the last 30 count."""
+SCALE_SAMPLES = 32
+"""Finished requests the step model's scale is taken from."""
 
 
 @dataclass
@@ -101,22 +108,30 @@ class WaitForecast:
         """The admitted requests' prompts and tokens generated so far."""
         self.step_model: tuple[float, float, float] | None = None
         self.num_decode_workers = 1
-        self._model_scale = LinearFit(TOKEN_DECAY)
-        """Measured time per token over the step model's time at the same load (its mean)."""
+        self._samples: deque[tuple[float, float, float]] = deque(maxlen=SCALE_SAMPLES)
+        """The last finished requests' (requests streaming, KV tokens, seconds per token), means
+        over their lives, the loads per decode worker."""
+        self._model_scale: float | None = None
+        """Measured time per token over the step model's at the same load (the samples' median)."""
 
     def set_step_model(self, model: tuple[float, float, float] | None, num_decode_workers: int) -> None:
-        self.step_model, self.num_decode_workers = model, max(num_decode_workers, 1)
+        if (model, max(num_decode_workers, 1)) != (self.step_model, self.num_decode_workers):
+            self.step_model, self.num_decode_workers = model, max(num_decode_workers, 1)
+            self._rescale()
 
-    def _model_s(self, num_streaming: float, kv_tokens: float) -> float:
+    def _rescale(self) -> None:
+        self._model_scale = (statistics.median(t / self._model_s(n, kv, 1) for n, kv, t in self._samples)
+                             if self.step_model is not None and self._samples else None)
+
+    def _model_s(self, num_streaming: float, kv_tokens: float, num_workers: int) -> float:
         assert self.step_model is not None
         a, b, c = self.step_model
-        w = self.num_decode_workers
-        return max(a + b * num_streaming / w + c * kv_tokens / w, 1e-6)
+        return max(a + b * num_streaming / num_workers + c * kv_tokens / num_workers, 1e-6)
 
     def per_token_s(self, num_streaming: float, kv_tokens: float) -> float:
         """The forecast time per output token with these requests streaming and KV tokens held."""
-        if self.step_model is not None and self._model_scale.ready:
-            return self._model_scale(0) * self._model_s(num_streaming, kv_tokens)
+        if self._model_scale is not None:
+            return self._model_scale * self._model_s(num_streaming, kv_tokens, self.num_decode_workers)
         return self.token_s(num_streaming)
 
     @property
@@ -158,8 +173,9 @@ class WaitForecast:
             streaming, kv = r.streaming_sum / r.num_responses, r.kv_sum / r.num_responses
             per_token = (r.last_at - r.first_at) / (r.num_generated - 1)
             self.token_s.add(streaming, per_token)
-            if self.step_model is not None:
-                self._model_scale.add(0, per_token / self._model_s(streaming, kv))
+            w = self.num_decode_workers
+            self._samples.append((streaming / w, kv / w, per_token))
+            self._rescale()
         if r is not None and r.num_generated >= 1:
             self.output_fraction += EMA_WEIGHT * (min(r.num_generated / r.new_tokens, 1.0) - self.output_fraction)
 

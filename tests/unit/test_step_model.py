@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -31,8 +32,8 @@ def test_slopes_are_never_negative_and_one_load_is_predicted_where_it_was_seen()
             m.observe(n, 100 * n, t)
     assert all(x >= 0 for x in m.latest)  # type: ignore[union-attr]
     same = StepModel()
-    for _ in range(100):
-        same.observe(4, 1000, 0.01)
+    for i in range(100):
+        same.observe(4 + 2 * (i % 2), 1000, 0.01)
     a, b, c = same.latest  # type: ignore[misc]
     assert a + 4 * b + 1000 * c == pytest.approx(0.01)
 
@@ -41,8 +42,12 @@ def test_an_engine_feeds_its_pure_decode_steps(tmp_path) -> None:  # type: ignor
     engine = LLMEngine(EngineConfig(model_dir=str(make_tiny_model(tmp_path / "m")),
                                     cache=CacheConfig(block_size=16, num_blocks=64)))
     assert engine.step_model.latest is None
-    engine.generate([[5, 6, 7, 8]] * 3, SamplingParams(max_tokens=6, ignore_eos=True))
-    assert engine.step_model.num_steps == 5  # the first step prefills; the five after decode
+    for max_tokens in (8, 8, 3, 3):
+        engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    # a prefill, then seven decode steps (4, 4, 2, ... requests); the last ends them all: no period
+    assert engine.step_model.num_steps == 6
     assert all(x >= 0 for x in engine.step_model.latest)  # type: ignore[union-attr]
 
 
@@ -62,3 +67,29 @@ def test_heartbeats_carry_it_and_routers_average_the_serving_decode_workers() ->
     model, n = members.decode_step_model()
     assert n == 3 and model == (pytest.approx(0.002), pytest.approx(0.0003), pytest.approx(2e-6))
     assert Members().decode_step_model() == (None, 0)
+
+
+def test_no_model_until_the_batch_size_varied_and_no_kv_slope_until_kv_did() -> None:
+    m = StepModel()
+    for i in range(500):  # one request at a time: its own cost cannot be told from the step's
+        m.observe(1, 300 + i % 200, 0.001 + 1e-6 * (300 + i % 200))
+    assert m.latest is None  # asked about 50 requests, it could only make a slope up
+    same_kv = StepModel()
+    for i in range(500):
+        n = 1 + i % 8
+        same_kv.observe(n, 1000, 0.001 + 0.0002 * n)
+    a, b, c = same_kv.latest  # type: ignore[misc]
+    assert (a, b, c) == (pytest.approx(0.001, rel=1e-3), pytest.approx(0.0002, rel=1e-3), 0.0)
+
+
+def test_an_engines_sample_is_the_whole_period_between_decode_steps(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    engine = LLMEngine(EngineConfig(model_dir=str(make_tiny_model(tmp_path / "m")),
+                                    cache=CacheConfig(block_size=16, num_blocks=64)))
+    engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=40, ignore_eos=True))
+    for _ in range(2):
+        engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=20, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+        time.sleep(0.01)  # sending the tokens out, between steps, is part of what a client waits
+    a, b, c = engine.step_model.latest  # type: ignore[misc]
+    assert a + b + c * 30 >= 0.01 and a + 3 * b + c * 60 >= 0.01
