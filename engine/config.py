@@ -69,6 +69,52 @@ class SchedulerConfig:
             raise ValueError(f"aging_interval_s must be positive, got {self.aging_interval_s}")
 
 
+SpecMethod = Literal["off", "ngram", "draft"]
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding on a decode-capable engine (engine/spec_decode.py)."""
+
+    method: SpecMethod = "off"
+    """ngram: prompt lookup (no model); draft: a smaller checkpoint (`draft_model_dir`) with
+    the same tokenizer; off: one token per request per step."""
+    num_speculative_tokens: int = 4
+    """The most tokens proposed for one request in one step."""
+    draft_model_dir: str | None = None
+    """The draft checkpoint, for method draft."""
+    ngram_max: int = 4
+    ngram_min: int = 1
+    """Prompt lookup matches the last n tokens, longest n first, down to `ngram_min`."""
+    max_batched_tokens: int = 32
+    """Load-aware: a step's decode tokens plus its proposals stay within this many tokens;
+    as the batch grows each request gets fewer (at this many requests decoding, none)."""
+    min_acceptance: float = 0.3
+    """A request whose recent proposals are accepted less than this often stops proposing
+    for a while (`backoff_steps`, doubling each time it fails again)."""
+    backoff_steps: int = 16
+
+    def __post_init__(self) -> None:
+        if self.method not in ("off", "ngram", "draft"):
+            raise ValueError(f"speculative method must be off, ngram or draft, got {self.method!r}")
+        if self.method == "draft" and not self.draft_model_dir:
+            raise ValueError("speculative method draft needs draft_model_dir (draft:DIR)")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
+        if self.max_batched_tokens < 2:
+            raise ValueError(f"speculative max_batched_tokens must be at least 2, got {self.max_batched_tokens}")
+        if not 0.0 <= self.min_acceptance <= 1.0:
+            raise ValueError(f"min_acceptance must be in [0, 1], got {self.min_acceptance}")
+        if self.backoff_steps < 1:
+            raise ValueError(f"backoff_steps must be at least 1, got {self.backoff_steps}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_dir: str
@@ -97,6 +143,7 @@ class EngineConfig:
     turn it off: the router detokenizes once, for every worker a request ran on."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -1,7 +1,8 @@
 """Per-request block tables over the block pool, with prefix-cache lookups (torch-free).
 
-Request.block_ids is append-only while the request holds its blocks; the pool alone
-touches reference counts. A request's blocks go back to the pool tail first.
+Request.block_ids is append-only while the request holds its blocks, but for one cut: a
+speculative step's blocks past the tokens it accepted (`roll_back`), never cached, go back.
+The pool alone touches reference counts. A request's blocks go back to the pool tail first.
 """
 from __future__ import annotations
 
@@ -84,6 +85,16 @@ class KVCacheManager:
             request.block_ids[start:num_full], request.block_hashes[start:num_full], parent
         )
         request.num_cached_blocks = num_full
+
+    def roll_back(self, request: Request) -> None:
+        """Give back the blocks past the request's computed tokens (a speculative step's
+        rejected slots); they hold no cached block, which needs computed tokens."""
+        keep = self.blocks_needed(request.num_computed_tokens)
+        if len(request.block_ids) > keep:
+            assert request.num_cached_blocks <= keep
+            tail = request.block_ids[keep:]
+            del request.block_ids[keep:]
+            self.pool.free(reversed(tail))
 
     def free(self, request: Request) -> None:
         """Give all of the request's blocks back, tail first."""

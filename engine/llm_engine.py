@@ -1,6 +1,7 @@
 """LLMEngine: add_request / abort / step, and the hooks for the prefill and decode roles.
 
-One step reads top-down: schedule -> run the model -> sample -> update requests -> outputs.
+One step reads top-down: propose (speculative decoding, engine/speculator.py) -> schedule
+-> run the model -> sample (and verify proposals) -> update requests -> outputs.
 Role `prefill` finishes a request at its first token and hands its blocks to the
 caller's `KVHandoff` (they stay in use until `release_handoff`); role `decode`
 reserves blocks for prompts whose KV arrives from elsewhere (`add_remote_request`,
@@ -34,6 +35,7 @@ from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Request, SamplingParams
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
+from engine.speculator import Speculator
 from engine.step_model import StepModel
 from engine.types import BlockId, EngineLoad, InvalidRequestError, RequestId
 
@@ -119,6 +121,10 @@ class LLMEngine:
         self._reset_state()
         self._attach_pool(self._pool_blocks(), allocator)
         self._reset_state()  # a profiled forward's requests and counts are not the worker's
+        spec = config.speculative
+        self.speculator = (Speculator(spec, self.scheduler.context_limit)
+                           if spec.enabled and config.role != "prefill" else None)
+        """Proposes and verifies tokens ahead (None: off, or a prefill worker, which stops at the first)."""
 
     # -- the KV pool -----------------------------------------------------------------
     def _attach_pool(self, num_blocks: int, allocator: KVAllocator | None) -> None:
@@ -281,43 +287,61 @@ class LLMEngine:
             num_seqs, kv_tokens, began = self._decode_step
             self.step_model.observe(num_seqs, kv_tokens, started - began)
             self._decode_step = None
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler)
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
         requests, logits = self.runner.execute(out)
-        sampled = dict(zip((r.request_id for r in requests), self.sampler.sample(logits, requests), strict=True))
+        if self.speculator is not None:
+            sampled, verified = self.speculator.sample(self.sampler, out, requests, logits)
+        else:
+            sampled, verified = dict(zip((r.request_id for r in requests), self.sampler.sample(logits, requests),
+                                         strict=True)), {}
         kv_tokens = sum(s.request.num_computed_tokens + 1 for s in out.scheduled)
-        updated = self.scheduler.update_after_step(out, sampled)
+        num_outputs = {s.request.request_id: len(s.request.output_token_ids) for s in out.scheduled}
+        updated = self.scheduler.update_after_step(out, sampled, verified)
         if all(s.num_new_tokens == 1 for s in out.scheduled) and any(not r.is_finished for r in updated):
             self._decode_step = (len(out.scheduled), kv_tokens, started)  # the step model's sample, next step
         if self.config.role == "prefill" and self.handoff is not None:
             for s in out.scheduled:
                 self.handoff.on_blocks_computed(s.request)
-        return [self._output_for(r) for r in updated]
+        return [self._output_for(r, len(r.output_token_ids) - num_outputs[r.request_id]) for r in updated]
 
-    def _output_for(self, request: Request) -> RequestOutput:
+    def _output_for(self, request: Request, num_new: int = 1) -> RequestOutput:
+        """The request's `num_new` last tokens (more than one: accepted proposals), detokenized;
+        a stop string among them ends it there, the tokens after it dropped."""
         rid = request.request_id
-        token = request.output_token_ids[-1]
-        if len(request.output_token_ids) == 1:
+        tokens = request.output_token_ids[-num_new:]
+        if len(request.output_token_ids) == num_new:
             self.num_prompt_tokens += request.num_prompt_tokens
             self.num_cached_tokens += request.num_cached_tokens
         text, stopped = "", False
         detok = self._detok.get(rid)
         if detok is not None:
-            text, stopped = detok.append(token)
+            for i, token in enumerate(tokens):
+                piece, stopped = detok.append(token)
+                text += piece
+                if stopped and i + 1 < len(tokens):
+                    drop = len(tokens) - i - 1
+                    del request.output_token_ids[-drop:]
+                    del request.output_logprobs[len(request.output_logprobs) - drop:]
+                    tokens = tokens[: i + 1]
+                if stopped:
+                    break
         if stopped:
             self.scheduler.finish(request, FinishReason.STOP)
         elif not request.is_finished and self.config.role == "prefill":
-            self._hand_off(request, token)
+            self._hand_off(request, tokens[-1])
         if request.is_finished and detok is not None and not stopped:
             text += detok.flush()
         out = RequestOutput(
             request_id=rid,
-            new_token_ids=[token],
+            new_token_ids=tokens,
             new_text=text,
             finished=request.is_finished,
             finish_reason=request.finish_reason,
-            new_logprobs=request.output_logprobs[-1:] if request.params.logprobs else [],
+            new_logprobs=request.output_logprobs[-len(tokens):] if request.params.logprobs else [],
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             num_preemptions=request.num_preemptions,

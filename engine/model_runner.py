@@ -1,7 +1,9 @@
 """Turns a SchedulerOutput into tensors, runs the model, returns logits to sample.
 
-SchedulerOutput (CPU, Python) -> ForwardBatch (device tensors) -> logits [num_sampled, vocab].
-A request is sampled when this step computes its last known token.
+SchedulerOutput (CPU, Python) -> ForwardBatch (device tensors) -> logits [num_rows, vocab].
+A request is sampled when this step computes its last known token: one row, or, when it
+verifies k proposed tokens (computed after it in the same chunk), 1 + k rows in a row.
+Decodes form one attention group, speculating requests another, each prefill chunk its own.
 """
 from __future__ import annotations
 
@@ -34,6 +36,12 @@ def _token_slice(request: Request, start: int, end: int) -> list[int]:
     return (request.prompt_token_ids + request.output_token_ids[: max(0, end - p)])[start:end]
 
 
+def _input_tokens(s: ScheduledRequest) -> list[int]:
+    r, start = s.request, s.request.num_computed_tokens
+    known = _token_slice(r, start, start + s.num_new_tokens - s.num_spec_tokens)
+    return known + r.spec_token_ids[: s.num_spec_tokens]
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, pool: KVPool, device: str) -> None:
         self.model = model
@@ -56,19 +64,20 @@ class ModelRunner:
         logits_index: list[int] = []
         sampled: list[Request] = []
         decode: list[tuple[ScheduledRequest, int]] = []
+        spec: list[tuple[ScheduledRequest, int]] = []
         prefill: list[tuple[ScheduledRequest, int]] = []
         bs = self.block_size
         for s in out.scheduled:
             r, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
-            (decode if n == 1 else prefill).append((s, len(input_ids)))
-            input_ids += _token_slice(r, start, start + n)
+            (spec if s.num_spec_tokens else decode if n == 1 else prefill).append((s, len(input_ids)))
+            input_ids += _input_tokens(s)
             positions += range(start, start + n)
             slot_blocks += (r.block_ids[p // bs] for p in range(start, start + n))
             slot_offsets += (p % bs for p in range(start, start + n))
-            if start + n == r.num_tokens:
-                logits_index.append(len(input_ids) - 1)
+            if start + n - s.num_spec_tokens == r.num_tokens:
+                logits_index += range(len(input_ids) - 1 - s.num_spec_tokens, len(input_ids))
                 sampled.append(r)
-        groups = [self._group(g, len(input_ids)) for g in [decode, *([m] for m in prefill)] if g]
+        groups = [self._group(g, len(input_ids)) for g in [decode, spec, *([m] for m in prefill)] if g]
         # every index list goes to the device as one tensor (one copy), then is split into views
         lists = [input_ids, positions, slot_blocks, slot_offsets, logits_index, *(x for g in groups for x in g[0])]
         flat = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.long, device=self.device)

@@ -106,6 +106,14 @@ class Request:
     """Tie-break between equal arrival times (set by the scheduler)."""
     fair_tag: float = 0.0
     """Its start tag in the engine's fair order among tenants (set by the scheduler)."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Tokens proposed to follow its tokens, verified in the next step (engine/spec_decode.py);
+    never part of `num_tokens`, their KV rolled back unless accepted."""
+    spec_acceptance: float = 1.0
+    """Its proposals' recent acceptance (exponential average) and the speculative policy's
+    back-off: failures in a row, and the step it may propose again."""
+    spec_failures: int = 0
+    spec_paused_until: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

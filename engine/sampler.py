@@ -37,21 +37,26 @@ class Sampler:
         return list(zip(tokens.tolist(), logprobs, strict=True))
 
     def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        temps = torch.tensor([r.params.temperature for r in requests], device=logits.device)
-        logits = logits / temps[:, None]
-        logits = _apply_top_k_top_p(
-            logits, [r.params.top_k for r in requests], [r.params.top_p for r in requests]
-        )
-        probs = torch.softmax(logits, dim=-1)
+        probs = self.probs(logits, requests)
         noise = torch.empty_like(probs)
         for i, r in enumerate(requests):
-            noise[i].exponential_(generator=self._generator_for(r))
+            noise[i].exponential_(generator=self.generator_for(r, r.num_tokens))
         return (probs / noise).argmax(dim=-1)
 
-    def _generator_for(self, request: Request) -> torch.Generator:
+    @staticmethod
+    def probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Each row's sampling distribution: tempered, then cut to its top-k and top-p."""
+        temps = torch.tensor([r.params.temperature for r in requests], device=logits.device)
+        logits = apply_top_k_top_p(
+            logits / temps[:, None], [r.params.top_k for r in requests], [r.params.top_p for r in requests]
+        )
+        return torch.softmax(logits, dim=-1)
+
+    def generator_for(self, request: Request, position: int) -> torch.Generator:
+        """The random stream of the token at `position`: the engine's, or from the request's seed."""
         if request.params.seed is None:
             return self._generator
-        return self._seeded.manual_seed(position_seed(request.params.seed, request.num_tokens))
+        return self._seeded.manual_seed(position_seed(request.params.seed, position))
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -59,7 +64,7 @@ def position_seed(seed: int, position: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) % (1 << 63)
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Mask (to -inf) everything outside each row's top-k and top-p nucleus."""
     if all(k == 0 for k in top_k) and all(p == 1.0 for p in top_p):
         return logits

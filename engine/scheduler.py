@@ -13,8 +13,9 @@ KV arrives; then they rejoin like any waiting request with computed tokens.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.block_pool import PoolUsage
 from engine.config import SchedulerConfig
@@ -22,6 +23,9 @@ from engine.fair_order import FairOrder
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import FinishReason, Request, RequestStatus
 from engine.types import BlockId, InvalidRequestError, RequestId
+
+if TYPE_CHECKING:
+    from engine.spec_verify import Verified
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +35,8 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     """Tokens computed this step, starting at request.num_computed_tokens."""
+    num_spec_tokens: int = 0
+    """Of those, the request's proposed tokens (its `spec_token_ids`) after its last token."""
 
 
 @dataclass
@@ -164,6 +170,11 @@ class Scheduler:
         num_new = self._num_new_tokens(request, budget)
         if num_new == 0:
             return budget
+        num_spec = min(len(request.spec_token_ids), budget - 1) if num_new == 1 else 0
+        if num_spec and self.kv.allocate_slots(request, 1 + num_spec):  # proposals never preempt anyone
+            out.scheduled.append(ScheduledRequest(request, 1 + num_spec, num_spec))
+            return budget - 1 - num_spec
+        request.spec_token_ids = []
         while not self.kv.allocate_slots(request, num_new):
             victim = max(self.running, key=self._rank)
             self._preempt(victim)
@@ -228,23 +239,40 @@ class Scheduler:
 
     # -- after the model ran ---------------------------------------------------------
     def update_after_step(
-        self, out: SchedulerOutput, sampled: dict[RequestId, tuple[int, float | None]]
+        self, out: SchedulerOutput, sampled: Mapping[RequestId, tuple[int, float | None]],
+        verified: Mapping[RequestId, Verified] | None = None,
     ) -> list[Request]:
         """Advance counters, append sampled tokens, finish on token-level stops.
 
-        Returns the requests that got a new token this step.
+        A request that verified proposals (`verified`) keeps the KV of its last token and
+        of the proposals accepted; the blocks past them go back (`KVCacheManager.roll_back`)
+        and its tokens are appended one by one, up to a stop. Returns the requests that got
+        new tokens this step.
         """
         updated = []
         for s in out.scheduled:
             request = s.request
-            request.num_computed_tokens += s.num_new_tokens
+            if s.num_spec_tokens:
+                assert verified is not None
+                v = verified[request.request_id]
+                request.spec_token_ids = []
+                tokens, num_computed = v.tokens, 1 + v.num_accepted
+            else:
+                token = sampled.get(request.request_id)
+                tokens, num_computed = [] if token is None else [token], s.num_new_tokens
+            reason = None
+            for token in tokens:
+                request.append_output(*token)
+                reason = request.stop_reason_for_last_token(self.context_limit)
+                if reason is not None:
+                    break
+            # a stop among accepted proposals: the KV after it is not kept
+            request.num_computed_tokens = min(request.num_computed_tokens + num_computed, request.num_tokens)
+            if s.num_spec_tokens:
+                self.kv.roll_back(request)
             self.kv.cache_computed_blocks(request)
-            token = sampled.get(request.request_id)
-            if token is None:
-                continue
-            request.append_output(*token)
-            updated.append(request)
-            reason = request.stop_reason_for_last_token(self.context_limit)
+            if tokens:
+                updated.append(request)
             if reason is not None:
                 self.finish(request, reason)
         return updated

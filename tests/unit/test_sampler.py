@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine.request import Request, SamplingParams
-from engine.sampler import Sampler, _apply_top_k_top_p
+from engine.sampler import Sampler, apply_top_k_top_p
 from engine.types import InvalidRequestError, RequestId
 
 
@@ -22,7 +22,7 @@ def test_greedy_is_argmax_and_logprobs_are_raw() -> None:
 
 def test_top_k_and_top_p_masks() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 3))
-    masked = _apply_top_k_top_p(logits, [2, 0, 0], [1.0, 0.7, 0.85])
+    masked = apply_top_k_top_p(logits, [2, 0, 0], [1.0, 0.7, 0.85])
     keep = torch.isfinite(masked).tolist()
     assert keep[0] == [True, True, False, False]  # top-2
     assert keep[1] == [True, True, False, False]  # 0.5 + 0.3 reaches 0.7

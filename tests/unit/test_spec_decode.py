@@ -1,0 +1,140 @@
+"""Speculative decoding in one engine (engine/spec_decode.py, spec_verify.py, speculator.py):
+the n-gram proposer, the load-aware policy, exact greedy output and exact blocks."""
+from __future__ import annotations
+
+import pytest
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from engine.llm_engine import LLMEngine
+from engine.request import Request, SamplingParams
+from engine.spec_decode import NgramProposer, SpecPolicy
+from engine.types import RequestId
+
+
+def test_ngram_proposes_what_followed_the_most_recent_match_of_the_longest_suffix() -> None:
+    p = NgramProposer(1, 3)
+    assert p.lookup([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2) == [7, 8]  # the later "1 2 3"
+    assert p.lookup([5, 6, 1, 2, 4, 2], 3) == [4, 2]  # "4 2" and "2" alone: "2" matched, then 4 2
+    assert p.lookup([1, 2, 3, 4], 3) == []  # nothing repeats
+    assert p.lookup([7], 3) == []
+    assert NgramProposer(2, 3).lookup([5, 6, 1, 2, 4, 2], 3) == []  # "4 2" never came before
+
+
+def req(rid: str, prompt: int = 8, max_tokens: int = 100, outputs: int = 1) -> Request:
+    r = Request(RequestId(rid), list(range(prompt)), SamplingParams(max_tokens=max_tokens), arrival_time=0.0)
+    r.output_token_ids = [1] * outputs
+    return r
+
+
+def test_the_policy_gives_fewer_tokens_as_the_batch_grows_and_none_at_its_limit() -> None:
+    policy = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4, max_batched_tokens=32), 1024)
+    for n, k in ((1, 4), (4, 4), (8, 3), (12, 1), (16, 1), (17, 0), (32, 0), (40, 0)):
+        batch = [req(f"r{i}") for i in range(n)]
+        assert [kk for _, kk in policy.plan(batch)] == ([k] * n if k else []), n
+    near_end = req("end", max_tokens=10, outputs=8)  # two tokens left: one proposal and the target's own
+    at_context = req("ctx", prompt=1020, outputs=2)  # 1022 of 1024 tokens
+    assert [(r.request_id, k) for r, k in policy.plan([near_end, at_context])] == [("end", 1), ("ctx", 1)]
+
+
+def test_a_request_whose_proposals_keep_failing_backs_off_twice_as_long_each_time() -> None:
+    policy = SpecPolicy(SpeculativeConfig(method="ngram", min_acceptance=0.3, backoff_steps=4), 1024)
+    r = req("r")
+    paused_steps = []
+    for _ in range(3):
+        while policy.plan([r]):
+            policy.verified(r, 4, 0)  # every proposal rejected
+        start = policy.step
+        while not policy.plan([r]):
+            pass
+        paused_steps.append(policy.step - start)
+    assert paused_steps == [4, 8, 16]
+    policy.verified(r, 4, 3)  # it proposes well again: the next failure starts over
+    assert r.spec_failures == 0
+
+
+@pytest.fixture
+def engines(tiny_llama_dir: str) -> tuple[LLMEngine, LLMEngine]:
+    def make(spec: SpeculativeConfig) -> LLMEngine:
+        return LLMEngine(EngineConfig(model_dir=tiny_llama_dir, detokenize=False, speculative=spec,
+                                      cache=CacheConfig(block_size=4, num_blocks=256),
+                                      scheduler=SchedulerConfig(max_num_batched_tokens=64)))
+    return make(SpeculativeConfig()), make(SpeculativeConfig(method="ngram", num_speculative_tokens=5))
+
+
+def repetitive_prompts() -> list[list[int]]:
+    """Prompts that repeat themselves (copying is what prompt lookup is for), of mixed lengths:
+    one is long enough to be prefilled in chunks beside the others' decodes."""
+    base = [11, 12, 13, 14, 15, 16, 17, 18]
+    return [base * 3, [40, 41, 42, 40, 41, 42, 40], list(range(100, 190)) + base * 2, [7] * 5, base + [3, 4] * 6]
+
+
+def test_greedy_tokens_are_identical_with_ngram_speculation_and_blocks_come_back(
+        engines: tuple[LLMEngine, LLMEngine]) -> None:
+    plain, spec = engines
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (40, 25, 60, 33, 47)]
+    want = [c.token_ids for c in plain.generate(repetitive_prompts(), params)]
+    got = [c.token_ids for c in spec.generate(repetitive_prompts(), params)]
+    assert got == want
+    c = spec.speculator.counters  # type: ignore[union-attr]
+    assert c.num_draft_tokens > 0 and c.num_accepted_tokens > 0  # it did speculate, and was right sometimes
+    assert sum(c.accepted_per_pos) == c.num_accepted_tokens
+    usage = spec.check_invariants()
+    assert usage.num_in_use == 0  # every block back
+    assert usage == plain.check_invariants()  # and the same ones cached: no rejected token's block
+
+
+def test_proposals_are_cut_at_a_stop_token_and_at_max_tokens(engines: tuple[LLMEngine, LLMEngine]) -> None:
+    plain, spec = engines
+    prompt = [21, 22, 23, 24] * 4
+    free_run = plain.generate([prompt], SamplingParams(max_tokens=30, ignore_eos=True))[0].token_ids
+    stop = free_run[9]
+    for params in (SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=(stop,)),
+                   SamplingParams(max_tokens=7, ignore_eos=True)):
+        want = plain.generate([prompt], params)[0]
+        got = spec.generate([prompt], params)[0]
+        assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason)
+    assert spec.check_invariants().num_in_use == 0
+
+
+CHI2_DF5_P001 = 20.515
+"""Chi-square critical value, 5 degrees of freedom, significance 0.001 (the test's alpha)."""
+
+
+def chi2(counts: list[int], probs: list[float]) -> float:
+    n = sum(counts)
+    return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs, strict=True))
+
+
+@pytest.mark.parametrize("proposer", ["wrong", "right", "draft distribution"])
+def test_rejection_sampling_keeps_the_target_distribution(proposer: str) -> None:
+    import torch
+
+    from engine.sampler import Sampler
+    from engine.spec_verify import verify
+
+    vocab, trials = 6, 8000
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3],
+                           [0.0, 1.5, 0.2, 1.0, -0.5, 0.1],
+                           [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]])  # p_0, p_1 (after d_0), p_2 (after d_0 d_1)
+    p = torch.softmax(logits, dim=-1)
+    q = torch.softmax(torch.tensor([[0.0, 0.0, 2.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0, 2.0]]), dim=-1)
+    sampler, drafts = Sampler(1234, "cpu"), torch.Generator().manual_seed(99)
+    r = Request(RequestId("r"), [1, 2, 3], SamplingParams(max_tokens=10, temperature=1.0), arrival_time=0.0)
+    first, second = [0] * vocab, [0] * vocab
+    fixed = {"wrong": [4, 0], "right": [0, 1]}
+    for _ in range(trials):
+        if proposer == "draft distribution":
+            proposals = [int(torch.multinomial(q[j], 1, generator=drafts)) for j in range(2)]
+            v = verify(sampler, logits, r, proposals, q)
+        else:
+            proposals = fixed[proposer]
+            v = verify(sampler, logits, r, proposals)
+        tokens = [t for t, _ in v.tokens]
+        assert tokens[: v.num_accepted] == proposals[: v.num_accepted] and len(tokens) == v.num_accepted + 1
+        first[tokens[0]] += 1
+        if tokens[0] == proposals[0]:  # the second token was drawn after d_0: it must follow p_1
+            second[tokens[1]] += 1
+    assert chi2(first, p[0].tolist()) < CHI2_DF5_P001
+    assert chi2(second, p[1].tolist()) < CHI2_DF5_P001
+    if proposer == "right":
+        assert first[0] / trials == pytest.approx(float(p[0, 0]), abs=0.02)  # accepted as often as it is likely
