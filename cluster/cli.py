@@ -7,7 +7,7 @@
   splitserve scale prefill|decode N                   resize a running cluster's pool
   splitserve worker prefill|decode --redis-url URL [--model DIR] ...   one worker as a plain process (no Ray)
   splitserve router --redis-url URL [--port P] ...    one router replica as a plain process (no Ray)
-  splitserve make-tiny-model DIR [--arch llama|qwen2] [--size tiny|small] [--seed N]
+  splitserve make-tiny-model DIR [--arch llama|qwen2] [--size tiny|small] [--seed N] [--draft-of MODEL]
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 from cluster.default_model import TINY
-from cluster.processes import add_device_flags, add_http_flags, cluster_secret, placement, redacted, worker_host
+from cluster.processes import (add_device_flags, add_http_flags, add_speculative_flags, cluster_secret, placement,
+                               redacted, speculative_config, worker_host)
 from bench.cli import add_parser as add_bench_parser
 from cluster.metrics_targets import add_observe_flags
 from cluster.metrics_targets import add_parser as add_metrics_targets_parser
@@ -41,8 +42,20 @@ def _state_file() -> Path:
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
-    from engine.tiny_model import make_tiny_model
+    from engine.tiny_model import make_draft_model, make_tiny_model
 
+    if args.draft_of:
+        from cluster.default_model import model_path
+
+        try:
+            target = model_path(None if args.draft_of == "default" else args.draft_of)
+            out = make_draft_model(target, args.dir, args.draft_layers)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote a {args.draft_layers}-layer draft of {args.draft_of} to {out} "
+              f"(serve it with --speculative draft:{out})")
+        return 0
     out = make_tiny_model(args.dir, arch=args.arch, size=args.size, seed=args.seed)
     print(f"wrote {args.arch}/{args.size} checkpoint (seed {args.seed}) to {out}")
     return 0
@@ -108,7 +121,7 @@ def _serve_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
                             block_size=args.block_size, kv_cache_bytes=mib * 2**20 if mib else None,
                             gpu_memory_utilization=utilization, host=worker_host(args),
                             advertise_host=args.advertise_host, cluster_secret=cluster_secret(),
-                            otlp_endpoint=args.otlp_endpoint),
+                            otlp_endpoint=args.otlp_endpoint, speculative=speculative_config(args)),
         num_prefill=args.num_prefill, num_decode=args.num_decode, num_routers=args.num_routers,
         controller_max_restarts=args.controller_max_restarts, gpus_per_worker=gpus, autoscale=_autoscale_config(args),
         router=RouterConfig(host=args.host, port=args.port, metrics_port=_metrics_port(args),
@@ -281,6 +294,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", choices=("llama", "qwen2"), default="llama")
     p.add_argument("--size", choices=("tiny", "small"), default="tiny")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--draft-of", metavar="MODEL",
+                   help="instead, write a speculative-decoding draft of MODEL (a directory, a .gguf file, or "
+                        "`default`: the embedded model): its first --draft-layers layers")
+    p.add_argument("--draft-layers", type=int, default=1)
     p.set_defaults(func=_make_tiny_model)
     return parser
 
@@ -319,6 +336,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     s.add_argument("--gpus-per-worker", type=float, default=None,
                    help="GPUs each worker asks Ray for (default 1; 1/N when N workers share a one-GPU machine)")
     s.add_argument("--block-size", type=int, default=16)
+    add_speculative_flags(s)
     r = s.add_argument_group("on a Ray cluster (see deploy/)")
     r.add_argument("--ray-address", help="join this Ray cluster (auto, or the head's HOST:PORT) instead of "
                                          "starting a local Ray node")

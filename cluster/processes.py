@@ -39,6 +39,39 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
                    help="share of its GPU a worker may use in all (default 0.9 x its GPU share)")
 
 
+def add_speculative_flags(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding on the decode workers (engine/spec_decode.py)."""
+    g = p.add_argument_group("speculative decoding (decode workers)")
+    g.add_argument("--speculative", default="off", metavar="ngram|draft:DIR|off",
+                   help="propose tokens ahead and verify them in one forward: ngram (prompt lookup), or a "
+                        "draft model with the same tokenizer (draft:DIR); default off")
+    g.add_argument("--num-speculative-tokens", type=int, default=4, help="most tokens proposed per request per step")
+    g.add_argument("--spec-max-batched-tokens", type=int, default=32,
+                   help="a step's decode tokens plus proposals stay within this: fewer proposals as the batch "
+                        "grows, none at this many requests decoding")
+    g.add_argument("--spec-min-acceptance", type=float, default=0.3,
+                   help="a request whose proposals are accepted less often stops proposing for a while")
+    g.add_argument("--spec-backoff-steps", type=int, default=16, help="that while, doubling each time")
+    g.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest suffix matched")
+    g.add_argument("--prompt-lookup-min", type=int, default=1, help="ngram: shortest suffix matched")
+
+
+def speculative_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """--speculative and its knobs as a SpeculativeConfig (ValueError naming what is wrong)."""
+    from engine.config import SpeculativeConfig
+
+    method, _, draft = str(args.speculative).partition(":")
+    if method not in ("off", "ngram", "draft") or (method == "draft") != bool(draft):
+        raise ValueError(f"--speculative must be ngram, draft:DIR or off, got {args.speculative!r}")
+    if draft and not Path(draft).exists():
+        raise ValueError(f"--speculative draft:{draft}: no such checkpoint")
+    return SpeculativeConfig(method=method, draft_model_dir=draft or None,  # type: ignore[arg-type]
+                             num_speculative_tokens=args.num_speculative_tokens,
+                             max_batched_tokens=args.spec_max_batched_tokens,
+                             min_acceptance=args.spec_min_acceptance, backoff_steps=args.spec_backoff_steps,
+                             ngram_min=args.prompt_lookup_min, ngram_max=args.prompt_lookup_max)
+
+
 def add_http_flags(p: argparse.ArgumentParser, default_port: int = 8000) -> None:
     """The OpenAI HTTP API's flags (serve and router)."""
     p.add_argument("--http-port", type=int, default=default_port,
@@ -112,7 +145,8 @@ def _worker(args: argparse.Namespace) -> int:
                               block_size=args.block_size, kv_cache_bytes=mib * 2**20 if mib else None,
                               gpu_memory_utilization=utilization, host=args.host, num_threads=args.num_threads,
                               model_id=args.model_id, advertise_host=args.advertise_host,
-                              cluster_secret=required_secret(), otlp_endpoint=args.otlp_endpoint)
+                              cluster_secret=required_secret(), otlp_endpoint=args.otlp_endpoint,
+                              speculative=speculative_config(args))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -175,6 +209,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     w.add_argument("--gpus-per-worker", type=float, default=1.0, help=argparse.SUPPRESS)
     w.add_argument("--block-size", type=int, default=16)
     w.add_argument("--num-threads", type=int, default=1, help="torch CPU threads")
+    add_speculative_flags(w)
     w.set_defaults(func=_worker)
 
     r = sub.add_parser("router", help="run one router replica as a plain process (no Ray)")

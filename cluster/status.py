@@ -40,13 +40,15 @@ def show_status(args: argparse.Namespace, cluster_redis: Callable[[argparse.Name
         for action in controller.get("actions", [])[-3:]:
             print(f"  {action}")
     print(f"{'worker':<12}{'role':<9}{'state':<10}{'address':<22}{'running':>8}{'waiting':>8}{'queued tok':>11}"
-          f"{'KV used':>16}{'prefix hit':>11}")
+          f"{'KV used':>16}{'prefix hit':>11}{'spec accepted':>22}")
     for w, b in sorted(beats.items()):
         used = b.num_total_blocks - b.num_free_blocks - b.num_cached_blocks
         hit = b.num_cached_tokens / b.num_prompt_tokens if b.num_prompt_tokens else 0.0
         kv = f"{used}/{b.num_total_blocks} ({used / max(b.num_total_blocks, 1):.0%})"
+        spec = (f"{b.spec_num_accepted_tokens}/{b.spec_num_draft_tokens} "
+                f"({b.spec_num_accepted_tokens / b.spec_num_draft_tokens:.0%})" if b.spec_num_draft_tokens else "-")
         print(f"{w:<12}{b.role:<9}{b.state:<10}{b.address:<22}{b.num_running:>8}{b.num_waiting:>8}"
-              f"{b.queued_prefill_tokens:>11}{kv:>16}{hit:>11.0%}")
+              f"{b.queued_prefill_tokens:>11}{kv:>16}{hit:>11.0%}{spec:>22}")
     for rid, s in sorted(routers.items()):
         hit = s["num_cached_tokens"] / s["num_prompt_tokens"] if s["num_prompt_tokens"] else 0.0
         print(f"{rid} on {s['address']}: {s['num_admitted']} running, {s['num_queued']} queued "

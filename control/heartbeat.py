@@ -78,6 +78,12 @@ class Heartbeat:
     """Cumulative prompt tokens seen, and how many of them were prefix-cache hits."""
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    spec_num_drafts: int = 0
+    """Speculative decoding, cumulative (`EngineLoad`): verifications, proposed and accepted
+    tokens, accepted per proposal position."""
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
     metrics_address: str = ""
     """host:port of the worker's Prometheus `/metrics` (HTTP); empty when it serves none."""
     sent_at: float = 0.0
@@ -106,6 +112,8 @@ class Heartbeat:
         for name, v in values.items():
             if not isinstance(v, _FIELD_TYPES[name]) or isinstance(v, bool):
                 raise BadEntry(f"heartbeat field {name} has a {type(v).__name__}")
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in values.get("spec_accepted_per_pos", [])):
+            raise BadEntry("heartbeat field spec_accepted_per_pos is not a list of counts")
         model = values.get("step_model", [])
         if len(model) not in (0, 3) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in model):
             raise BadEntry("heartbeat field step_model is not [a, b, c] seconds")
@@ -120,4 +128,4 @@ class BadEntry(ValueError):
 
 
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
-    f.name: {"int": int, "float": (int, float), "list[float]": list}.get(str(f.type), str) for f in fields(Heartbeat)}
+    f.name: {"int": int, "float": (int, float), "list[float]": list, "list[int]": list}.get(str(f.type), str) for f in fields(Heartbeat)}

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
-from engine.config import CacheConfig, DType, EngineConfig, Role, SchedulerConfig
+from engine.config import CacheConfig, DType, EngineConfig, Role, SchedulerConfig, SpeculativeConfig
 from kvfabric.address import route_address
 from kvfabric.config import TRANSPORTS
 
@@ -64,6 +64,9 @@ class WorkerConfig:
     otlp_endpoint: str | None = None
     """OTLP/gRPC collector for this worker's trace spans (`control.tracing`); None:
     `$OTEL_EXPORTER_OTLP_ENDPOINT`, or no tracing."""
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    """Speculative decoding; decode workers (and colocated ones) use it, prefill workers stop
+    at the first token."""
 
     def advertised_host(self, redis_url: str | None) -> str:
         """Where peers reach this worker (see `advertise_host`)."""
@@ -94,6 +97,7 @@ class WorkerConfig:
                               protected_fraction=self.protected_fraction, cluster_secret=self.cluster_secret),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs, fair_burst_tokens=self.fair_burst_tokens),
+            speculative=self.speculative,
         )
 
 

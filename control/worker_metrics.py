@@ -3,7 +3,8 @@
 Engine-level numbers, read from the engine at scrape time (`refresh` reads
 `LLMEngine.load()` through the engine thread, on a helper thread so the event loop never
 waits): requests running and waiting, KV cache usage, prefix-cache queries and hits (in
-tokens, as vLLM counts them), preemptions. Names are vLLM's with `splitserve:` in place of
+tokens, as vLLM counts them), preemptions, speculative decoding's proposals and acceptances
+(overall and per position). Names are vLLM's with `splitserve:` in place of
 `vllm:`; labels `model_name` and `role`. Request-level latencies are the router's
 (`router.metrics`): counted here too, a request would be counted twice by a dashboard
 that sums every target.
@@ -83,7 +84,19 @@ class WorkerMetrics(Collector):
         for name, doc, value in (
                 ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", load.num_prompt_tokens),
                 ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", load.num_cached_tokens),
-                ("num_preemptions", "Requests preempted (by recompute).", load.num_preemptions)):
+                ("num_preemptions", "Requests preempted (by recompute).", load.num_preemptions),
+                ("spec_decode_num_drafts", "Speculative verifications (one request's proposals in one step).",
+                 load.spec_num_drafts),
+                ("spec_decode_num_draft_tokens", "Tokens proposed by speculative decoding.",
+                 load.spec_num_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Proposed tokens the target model accepted.",
+                 load.spec_num_accepted_tokens)):
             counter = CounterMetricFamily(p + name, doc, labels=labels)
             counter.add_metric(values, value)
             yield counter
+        per_pos = CounterMetricFamily(p + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Proposed tokens accepted, by position in the proposal (0: the first).",
+                                      labels=[*labels, "position"])
+        for position, value in enumerate(load.spec_accepted_per_pos):
+            per_pos.add_metric([*values, str(position)], value)
+        yield per_pos

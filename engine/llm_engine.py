@@ -24,6 +24,7 @@ from engine import native
 from engine.block_pool import BlockPool, KVEvent, PoolUsage
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.draft_proposer import DraftProposer
 from engine.hashing import BlockHasher
 from engine.gguf_checkpoint import resolve_model_dir
 from engine.kv_cache_manager import KVCacheManager
@@ -35,7 +36,7 @@ from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Request, SamplingParams
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
-from engine.speculator import Speculator
+from engine.speculator import SpecCounters, Speculator
 from engine.step_model import StepModel
 from engine.types import BlockId, EngineLoad, InvalidRequestError, RequestId
 
@@ -121,10 +122,19 @@ class LLMEngine:
         self._reset_state()
         self._attach_pool(self._pool_blocks(), allocator)
         self._reset_state()  # a profiled forward's requests and counts are not the worker's
-        spec = config.speculative
-        self.speculator = (Speculator(spec, self.scheduler.context_limit)
-                           if spec.enabled and config.role != "prefill" else None)
+        self.speculator = self._speculator(dtype, kernels)
         """Proposes and verifies tokens ahead (None: off, or a prefill worker, which stops at the first)."""
+
+    def _speculator(self, dtype: torch.dtype, kernels: native.NativeKernels | None) -> Speculator | None:
+        spec = self.config.speculative
+        if not spec.enabled or self.config.role == "prefill":
+            return None
+        proposer = None
+        if spec.method == "draft":
+            assert spec.draft_model_dir is not None  # SpeculativeConfig checks it
+            proposer = DraftProposer(spec.draft_model_dir, self.model_config, dtype, self.config.device,
+                                     self.layout.block_size, self.kv_pool.num_blocks, kernels)
+        return Speculator(spec, self.scheduler.context_limit, proposer)
 
     # -- the KV pool -----------------------------------------------------------------
     def _attach_pool(self, num_blocks: int, allocator: KVAllocator | None) -> None:
@@ -395,8 +405,10 @@ class LLMEngine:
         u = self.block_pool.usage()
         s = self.scheduler
         queued = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in [*s.waiting, *s.running])
+        c = self.speculator.counters if self.speculator is not None else SpecCounters()
         return EngineLoad(u.num_total, u.num_free, u.num_cached, len(s.running), len(s.waiting), queued,
-                          self.num_prompt_tokens, self.num_cached_tokens, s.num_preemptions)
+                          self.num_prompt_tokens, self.num_cached_tokens, s.num_preemptions, c.num_drafts,
+                          c.num_draft_tokens, c.num_accepted_tokens, tuple(c.accepted_per_pos))
 
     def take_kv_events(self) -> list[KVEvent]:
         return self.block_pool.take_events()

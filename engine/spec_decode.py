@@ -44,6 +44,10 @@ class Proposer(Protocol):
         """For each (request, k): at most k tokens to follow its tokens so far (none: no guess)."""
         ...
 
+    def forget(self, live: set[RequestId]) -> None:
+        """Drop what is kept for requests not in `live` (they finished or left)."""
+        ...
+
 
 class NgramProposer:
     def __init__(self, ngram_min: int, ngram_max: int) -> None:
@@ -56,6 +60,9 @@ class NgramProposer:
             if tokens:
                 out[request.request_id] = tokens
         return out
+
+    def forget(self, live: set[RequestId]) -> None:
+        """Nothing is kept between steps."""
 
     def lookup(self, token_ids: Sequence[int], k: int) -> list[int]:
         """Up to k tokens that followed the most recent earlier match of the longest suffix."""

@@ -51,6 +51,7 @@ class Speculator:
             r.spec_token_ids = []
             if r.num_computed_tokens == r.num_tokens - 1 and r.output_token_ids:
                 decoding.append(r)
+        self.proposer.forget(set(scheduler.requests))
         wanted = self.policy.plan(decoding)
         if wanted:
             for rid, tokens in self.proposer.propose(wanted).items():

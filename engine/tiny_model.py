@@ -3,10 +3,15 @@
 `tiny` (a few MB) is for tests; `small` (~100M parameters) for benchmarks. The llama
 arch uses Llama-3 rope scaling and untied embeddings; qwen2 has q/k/v biases and
 tied embeddings, so between them the tests cover every model variant we load.
+
+`make_draft_model` writes a draft for speculative decoding from any checkpoint we load:
+its first N layers, with its embeddings, final norm, head and tokenizer (a layer-skip
+draft: the target's own early layers guess its next tokens, no training needed).
 """
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -108,4 +113,34 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny"
     }
     for name, content in files.items():
         (out / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
+
+
+def make_draft_model(target_dir: str | Path, out_dir: str | Path, num_layers: int) -> Path:
+    """Write a draft of the checkpoint at `target_dir` (a directory, or a GGUF file, converted
+    first): its first `num_layers` layers; returns the directory."""
+    from engine.gguf_checkpoint import resolve_model_dir
+    from engine.weights import CheckpointReader
+
+    src = resolve_model_dir(target_dir)
+    cfg = json.loads((src / "config.json").read_text())
+    if not 1 <= num_layers <= cfg["num_hidden_layers"]:
+        raise ValueError(f"a draft of {target_dir} keeps 1 to {cfg['num_hidden_layers']} layers, not {num_layers}")
+    cfg["num_hidden_layers"] = num_layers
+    if "max_window_layers" in cfg:
+        cfg["max_window_layers"] = min(cfg["max_window_layers"], num_layers)
+    ckpt = CheckpointReader(src)
+    keep = [n for n in sorted(ckpt.names())
+            if not n.startswith("model.layers.") or int(n.split(".")[2]) < num_layers]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {n: ckpt.get(n, torch.float32, "cpu").contiguous() for n in keep}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy(src / name, out / name)
     return out

@@ -47,3 +47,9 @@ class EngineLoad:
     num_cached_tokens: int
     num_preemptions: int = 0
     """Cumulative preemptions (by recompute)."""
+    spec_num_drafts: int = 0
+    """Speculative decoding, cumulative: verifications, tokens proposed, tokens accepted, and
+    per proposal position (0-based) the verifications that accepted it."""
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()

@@ -23,7 +23,8 @@ VLLM_NAMES = {  # vLLM's metrics (docs/design/metrics.md, v1) that have a meanin
     "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
     "request_queue_time_seconds", "request_prompt_tokens", "request_generation_tokens", "prompt_tokens",
     "generation_tokens", "request_success", "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-    "prefix_cache_queries", "prefix_cache_hits", "num_preemptions"}
+    "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos"}
 
 
 def exported() -> dict[str, set[str]]:
@@ -33,7 +34,8 @@ def exported() -> dict[str, set[str]]:
                              admission=lambda: {"num_admitted": 1}, workers=lambda: [("decode", "serving")]))
     router.finished(queue_s=0.1, ttft_s=0.2, e2e_s=0.5, num_prompt=10, num_output=3, num_cached=4, reason="length")
     router.observe_itl(0.02, 2)
-    worker = WorkerMetrics("prefill", "m", lambda: EngineLoad(10, 4, 2, 1, 1, 5, 100, 40, 3), block_bytes=1024)
+    worker = WorkerMetrics("prefill", "m", lambda: EngineLoad(10, 4, 2, 1, 1, 5, 100, 40, 3, 6, 24, 10, (5, 3, 2, 0)),
+                           block_bytes=1024)
     asyncio.run(worker.refresh())
     worker.transferred("shm", 4, 0.01, failed=False)
     worker.transferred("tcp", 0, 0.0, failed=True)
@@ -53,7 +55,7 @@ def test_vllm_names_are_kept_with_our_prefix() -> None:
 
 
 def test_worker_gauges_read_the_engine() -> None:
-    loads = [EngineLoad(10, 4, 2, 3, 1, 5, 100, 40, 7)]
+    loads = [EngineLoad(10, 4, 2, 3, 1, 5, 100, 40, 7, 6, 24, 10, (5, 3, 2, 0))]
     worker = WorkerMetrics("decode", "m", loads.pop)
     worker.read_reservations = lambda: 2
     assert generate_latest(worker.registry).decode().count("splitserve:num_requests_running") == 0  # nothing read yet
@@ -65,6 +67,11 @@ def test_worker_gauges_read_the_engine() -> None:
     assert (samples["splitserve:prefix_cache_queries_total"], samples["splitserve:prefix_cache_hits_total"]) == (100, 40)
     assert samples["splitserve:num_preemptions_total"] == 7
     assert samples["splitserve:kv_reservations"] == 2  # a decode worker's open kvfabric reservations
+    assert (samples["splitserve:spec_decode_num_drafts_total"], samples["splitserve:spec_decode_num_draft_tokens_total"],
+            samples["splitserve:spec_decode_num_accepted_tokens_total"]) == (6, 24, 10)
+    per_pos = {s.labels["position"]: s.value for f in text_string_to_metric_families(generate_latest(worker.registry)
+               .decode()) for s in f.samples if s.name == "splitserve:spec_decode_num_accepted_tokens_per_pos_total"}
+    assert per_pos == {"0": 5, "1": 3, "2": 2, "3": 0}
 
 
 def test_every_series_the_dashboard_charts_is_exported() -> None:

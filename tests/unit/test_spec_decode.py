@@ -138,3 +138,27 @@ def test_rejection_sampling_keeps_the_target_distribution(proposer: str) -> None
     assert chi2(second, p[1].tolist()) < CHI2_DF5_P001
     if proposer == "right":
         assert first[0] / trials == pytest.approx(float(p[0, 0]), abs=0.02)  # accepted as often as it is likely
+
+
+@pytest.mark.parametrize("draft", ["the target itself", "its first layer"])
+def test_greedy_tokens_are_identical_with_a_draft_model(tiny_llama_dir: str, tmp_path, draft: str) -> None:  # type: ignore[no-untyped-def]
+    from engine.tiny_model import make_draft_model
+
+    draft_dir = tiny_llama_dir if draft == "the target itself" else str(make_draft_model(tiny_llama_dir, tmp_path, 1))
+
+    def make(spec: SpeculativeConfig) -> LLMEngine:
+        return LLMEngine(EngineConfig(model_dir=tiny_llama_dir, detokenize=False, speculative=spec,
+                                      cache=CacheConfig(block_size=4, num_blocks=256),
+                                      scheduler=SchedulerConfig(max_num_batched_tokens=64)))
+    plain = make(SpeculativeConfig())
+    spec = make(SpeculativeConfig(method="draft", draft_model_dir=draft_dir, num_speculative_tokens=3))
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (40, 25, 60, 33, 47)]
+    want = [c.token_ids for c in plain.generate(repetitive_prompts(), params)]
+    assert [c.token_ids for c in spec.generate(repetitive_prompts(), params)] == want
+    c = spec.speculator.counters  # type: ignore[union-attr]
+    if draft == "the target itself":  # a perfect guess is always accepted: the draft's own KV is exact too
+        assert c.num_draft_tokens > 50 and c.num_accepted_tokens == c.num_draft_tokens
+    assert spec.check_invariants().num_in_use == 0
+    proposer = spec.speculator.proposer  # type: ignore[union-attr]
+    spec.speculator.propose(spec.scheduler)  # type: ignore[union-attr]  # a step with nobody left frees them
+    assert proposer.shadows == {} and proposer.kv.pool.num_free_blocks == proposer.kv.pool.num_blocks
