@@ -84,7 +84,7 @@ class SpeculativeConfig:
     draft_model_dir: str | None = None
     """The draft checkpoint, for method draft."""
     ngram_max: int = 4
-    ngram_min: int = 1
+    ngram_min: int = 2
     """Prompt lookup matches the last n tokens, longest n first, down to `ngram_min`."""
     max_batched_tokens: int = 32
     """Load-aware: a step's decode tokens plus its proposals stay within this many tokens;

@@ -13,9 +13,6 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Protocol
 
 import torch
 from tokenizers import Tokenizer
@@ -38,61 +35,12 @@ from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.speculator import SpecCounters, Speculator
 from engine.step_model import StepModel
+from engine.outputs import Completion, KVHandoff, Reservation, RequestOutput
 from engine.types import BlockId, EngineLoad, InvalidRequestError, RequestId
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request (only what changed)."""
-
-    request_id: RequestId
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool = False
-    finish_reason: FinishReason | None = None
-    new_logprobs: list[float] = field(default_factory=list)
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_preemptions: int = 0
-    """Times the request was preempted so far (recomputed)."""
-    num_prefill_chunks: int = 0
-    """Steps that computed part of its prompt so far."""
-
-
-@dataclass
-class Completion:
-    request_id: RequestId
-    token_ids: list[int]
-    text: str
-    finish_reason: FinishReason | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    logprobs: list[float]
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """Decode role: where a prompt's KV must be written."""
-
-    request_id: RequestId
-    block_ids: list[BlockId]
-    num_cached_tokens: int
-    """Leading prompt tokens already cached here: their blocks need not be sent."""
-
-
-class KVHandoff(Protocol):
-    """Prefill role: receives computed blocks; blocks stay in use until released."""
-
-    def on_blocks_computed(self, request: Request) -> None:
-        """After each step that advanced the request (chunk boundary)."""
-        ...
-
-    def on_prefill_finished(self, request: Request, block_ids: list[BlockId], first_token_id: int) -> None:
-        ...
 
 
 class LLMEngine:

@@ -19,12 +19,14 @@ The policy is load-aware. Verification costs one token of compute per proposal, 
 nearly free while a step is memory-bound (few requests) and steals from the batch once it
 is not, so a step's decode tokens plus proposals stay within `max_batched_tokens`: alone, a
 request gets `num_speculative_tokens`; as the batch grows each gets fewer, and at that many
-requests none. A request whose proposals keep failing (acceptance under `min_acceptance`,
-an exponential average over its verifications) stops proposing for `backoff_steps` steps,
-twice as long each time it fails again.
+requests none. Each request proposes as many tokens as its acceptance (an exponential average over its
+verifications, of the part of its proposals accepted) says are likely to be kept, at least
+one; one whose acceptance falls under `min_acceptance` stops proposing for `backoff_steps`
+steps, twice as long each time it fails again.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -93,7 +95,7 @@ class SpecPolicy:
         wanted = []
         for r in decoding:
             room = min(r.params.max_tokens - len(r.output_token_ids), self.context_limit - r.num_tokens) - 1
-            k = min(share, room)
+            k = min(share, room, math.ceil(r.spec_acceptance * c.num_speculative_tokens))
             if k > 0 and self.step >= r.spec_paused_until:
                 wanted.append((r, k))
         return wanted

@@ -34,6 +34,9 @@ def test_the_policy_gives_fewer_tokens_as_the_batch_grows_and_none_at_its_limit(
     near_end = req("end", max_tokens=10, outputs=8)  # two tokens left: one proposal and the target's own
     at_context = req("ctx", prompt=1020, outputs=2)  # 1022 of 1024 tokens
     assert [(r.request_id, k) for r, k in policy.plan([near_end, at_context])] == [("end", 1), ("ctx", 1)]
+    doubtful, sure = req("doubtful"), req("sure")
+    doubtful.spec_acceptance = 0.4  # about 40 % of its proposals kept lately: two of four are worth verifying
+    assert [(r.request_id, k) for r, k in policy.plan([doubtful, sure])] == [("doubtful", 2), ("sure", 4)]
 
 
 def test_a_request_whose_proposals_keep_failing_backs_off_twice_as_long_each_time() -> None:
