@@ -7,15 +7,20 @@
 Row j is the target's distribution p_j for the token after the first j proposals. Greedy:
 proposal j is kept while it equals argmax p_j, and the target's argmax at the first
 mismatch (or after the last proposal) follows, so the output is token for token what
-decoding one token a step gives. Sampling (rejection sampling, exact): proposal d_j drawn
-from q_j is kept with probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection a
-token is drawn from the residual max(p_j - q_j, 0), renormalised; if all are kept, one is
-drawn from p_k. Every token then follows p exactly, whatever the proposer. A proposer that
-is a lookup (n-gram) gives q_j all on d_j; a draft model may give its distributions.
+decoding one token a step gives.
 
-The random numbers of the token at position t come from the request's stream for t
-(`Sampler.generator_for`): a seeded request gets the same tokens from the same proposals
-on whichever worker it runs.
+Sampling, proposals that are single tokens (n-gram lookup, a greedy draft: q_j all on d_j):
+the token at each position is drawn exactly as without speculation (the sampler's
+exponential race on the request's random stream for that position), and proposal d_j is
+kept when the draw is d_j. That is rejection sampling with q a point mass (d_j is kept with
+probability p_j(d_j), and otherwise the draw follows p_j without d_j, renormalised), and
+since it is the very draw a plain step makes, a seeded request gets the same tokens with
+speculation or without, however many tokens are proposed and on whichever worker it runs.
+
+Sampling, proposals with distributions q_j (a draft model that samples): d_j is kept with
+probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection a token is drawn from the
+residual max(p_j - q_j, 0), renormalised; if all are kept, one is drawn from p_k. Every
+token follows p exactly either way.
 """
 from __future__ import annotations
 
@@ -61,19 +66,21 @@ def _rejection_sample(sampler: Sampler, logits: torch.Tensor, request: Request, 
     p = sampler.probs(logits, [request] * logits.shape[0])  # [1 + k, vocab]
     start = request.num_tokens  # the position of the first token this step adds
     out: list[int] = []
+    if proposal_probs is None:  # the plain draw at each position; kept while it is the proposal
+        for j in range(len(proposals) + 1):
+            out.append(_draw(p[j], sampler.generator_for(request, start + j)))
+            if j == len(proposals) or out[-1] != proposals[j]:
+                return out
+    assert proposal_probs is not None
     for j, d in enumerate(proposals):
         gen = sampler.generator_for(request, start + j)
         u = torch.rand((), generator=gen, device=logits.device).item()
-        q = None if proposal_probs is None else proposal_probs[j]
-        q_d = 1.0 if q is None else float(q[d])
+        q = proposal_probs[j]
+        q_d = float(q[d])
         if q_d > 0 and u * q_d < float(p[j, d]):
             out.append(d)
             continue
-        residual = p[j].clone()
-        if q is None:
-            residual[d] = 0.0
-        else:
-            residual = (residual - q).clamp_min_(0.0)
+        residual = (p[j] - q).clamp_min_(0.0)
         out.append(_draw(residual if float(residual.sum()) > 0 else p[j], gen))
         return out
     out.append(_draw(p[len(proposals)], sampler.generator_for(request, start + len(proposals))))

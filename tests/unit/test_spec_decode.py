@@ -61,7 +61,7 @@ def engines(tiny_llama_dir: str) -> tuple[LLMEngine, LLMEngine]:
         return LLMEngine(EngineConfig(model_dir=tiny_llama_dir, detokenize=False, speculative=spec,
                                       cache=CacheConfig(block_size=4, num_blocks=256),
                                       scheduler=SchedulerConfig(max_num_batched_tokens=64)))
-    return make(SpeculativeConfig()), make(SpeculativeConfig(method="ngram", num_speculative_tokens=5))
+    return make(SpeculativeConfig()), make(SpeculativeConfig(method="ngram", num_speculative_tokens=5, ngram_min=1))
 
 
 def repetitive_prompts() -> list[list[int]]:
@@ -164,4 +164,46 @@ def test_greedy_tokens_are_identical_with_a_draft_model(tiny_llama_dir: str, tmp
     assert spec.check_invariants().num_in_use == 0
     proposer = spec.speculator.proposer  # type: ignore[union-attr]
     spec.speculator.propose(spec.scheduler)  # type: ignore[union-attr]  # a step with nobody left frees them
+    assert proposer.shadows == {} and proposer.kv.pool.num_free_blocks == proposer.kv.pool.num_blocks
+
+
+def test_a_seeded_sampled_request_gets_the_same_tokens_with_speculation_or_without(
+        engines: tuple[LLMEngine, LLMEngine]) -> None:
+    plain, spec = engines
+    params = [SamplingParams(max_tokens=40, temperature=0.15, seed=s, ignore_eos=True) for s in range(5)]
+    want = [c.token_ids for c in plain.generate(repetitive_prompts(), params)]
+    got = [c.token_ids for c in spec.generate(repetitive_prompts(), params)]
+    assert got == want  # each position's draw is the plain step's draw: proposals only decide how many at once
+    assert spec.speculator.counters.num_accepted_tokens > 0  # type: ignore[union-attr]
+
+
+def test_speculation_under_preemption_keeps_tokens_and_blocks_exact(tiny_llama_dir: str) -> None:
+    def make(spec: SpeculativeConfig) -> LLMEngine:  # 24 blocks of 4 tokens: five requests cannot all fit
+        return LLMEngine(EngineConfig(model_dir=tiny_llama_dir, detokenize=False, speculative=spec,
+                                      cache=CacheConfig(block_size=4, num_blocks=24),
+                                      scheduler=SchedulerConfig(max_num_batched_tokens=64)))
+    plain, spec = make(SpeculativeConfig()), make(SpeculativeConfig(method="ngram", num_speculative_tokens=5))
+    prompts = [[11, 12, 13, 14] * 2, [40, 41, 42] * 3, [7, 8] * 4, [20, 21, 22, 23, 24] * 2, [5] * 6]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = [c.token_ids for c in plain.generate(prompts, params)]
+    assert [c.token_ids for c in spec.generate(prompts, params)] == want
+    assert spec.scheduler.num_preemptions > 0  # preempted while speculating, recomputed from accepted tokens only
+    assert spec.check_invariants().num_in_use == 0
+
+
+def test_an_abort_between_speculative_steps_frees_every_block_and_the_drafts_kv(tiny_llama_dir: str) -> None:
+    spec = LLMEngine(EngineConfig(model_dir=tiny_llama_dir, detokenize=False,
+                                  speculative=SpeculativeConfig(method="draft", draft_model_dir=tiny_llama_dir),
+                                  cache=CacheConfig(block_size=4, num_blocks=128)))
+    keep = spec.add_request([11, 12, 13, 14] * 3, SamplingParams(max_tokens=30, ignore_eos=True))
+    gone = spec.add_request([40, 41, 42] * 4, SamplingParams(max_tokens=30, ignore_eos=True))
+    for _ in range(4):
+        spec.step()
+    proposer = spec.speculator.proposer  # type: ignore[union-attr]
+    assert {keep, gone} <= set(proposer.shadows)  # both speculated: each has KV in the draft's pool too
+    assert spec.abort(gone)
+    while spec.has_unfinished():
+        spec.step()
+    assert spec.check_invariants().num_in_use == 0
+    spec.speculator.propose(spec.scheduler)  # type: ignore[union-attr]
     assert proposer.shadows == {} and proposer.kv.pool.num_free_blocks == proposer.kv.pool.num_blocks
