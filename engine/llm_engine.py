@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 from engine import native
 from engine.block_pool import BlockPool, KVEvent, PoolUsage
 from engine.config import EngineConfig
+from engine.constrainer import Constrainer
 from engine.detokenizer import IncrementalDetokenizer
 from engine.draft_proposer import DraftProposer
 from engine.hashing import BlockHasher
@@ -35,6 +36,7 @@ from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.speculator import SpecCounters, Speculator
 from engine.step_model import StepModel
+from engine.structured import Grammars
 from engine.outputs import Completion, KVHandoff, Reservation, RequestOutput
 from engine.types import BlockId, EngineLoad, InvalidRequestError, RequestId
 
@@ -72,6 +74,16 @@ class LLMEngine:
         self._reset_state()  # a profiled forward's requests and counts are not the worker's
         self.speculator = self._speculator(dtype, kernels)
         """Proposes and verifies tokens ahead (None: off, or a prefill worker, which stops at the first)."""
+        self._model_dir = model_dir
+        self._constrainer: Constrainer | None = None
+
+    @property
+    def constrainer(self) -> Constrainer:
+        """Structured output (engine/constrainer.py), built at the first constrained request."""
+        if self._constrainer is None:
+            mc = self.model_config
+            self._constrainer = Constrainer(Grammars.for_model(self._model_dir, mc.vocab_size, mc.eos_token_ids))
+        return self._constrainer
 
     def _speculator(self, dtype: torch.dtype, kernels: native.NativeKernels | None) -> Speculator | None:
         spec = self.config.speculative
@@ -176,6 +188,7 @@ class LLMEngine:
         if request is None:
             raise InvalidRequestError(f"unknown request {request_id}")
         self.scheduler.remote_kv_ready(request_id, first_token_id)
+        self._stop_if_complete(request, 1)  # a constrained request's matcher takes the first token
         return [self._output_for(request)]
 
     def abort(self, request_id: str, hold_blocks: bool = False) -> bool:
@@ -224,6 +237,8 @@ class LLMEngine:
             tenant_weight=tenant_weight,
             eos_token_ids=frozenset(self.model_config.eos_token_ids),
         )
+        if params.constraint is not None:
+            self.constrainer.start(request)
         if self.tokenizer is not None and self.config.detokenize:
             self._detok[request.request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
         elif params.stop:
@@ -251,6 +266,9 @@ class LLMEngine:
         if not out.scheduled:
             return []
         requests, logits = self.runner.execute(out)
+        if any(r.matcher is not None for r in requests):
+            num_spec = {s.request.request_id: s.num_spec_tokens for s in out.scheduled if s.num_spec_tokens}
+            self.constrainer.mask(logits, requests, num_spec)
         if self.speculator is not None:
             sampled, verified = self.speculator.sample(self.sampler, out, requests, logits)
         else:
@@ -259,12 +277,20 @@ class LLMEngine:
         kv_tokens = sum(s.request.num_computed_tokens + 1 for s in out.scheduled)
         num_outputs = {s.request.request_id: len(s.request.output_token_ids) for s in out.scheduled}
         updated = self.scheduler.update_after_step(out, sampled, verified)
+        for r in updated:
+            self._stop_if_complete(r, len(r.output_token_ids) - num_outputs[r.request_id])
         if all(s.num_new_tokens == 1 for s in out.scheduled) and any(not r.is_finished for r in updated):
             self._decode_step = (len(out.scheduled), kv_tokens, started)  # the step model's sample, next step
         if self.config.role == "prefill" and self.handoff is not None:
             for s in out.scheduled:
                 self.handoff.on_blocks_computed(s.request)
         return [self._output_for(r, len(r.output_token_ids) - num_outputs[r.request_id]) for r in updated]
+
+    def _stop_if_complete(self, request: Request, num_new: int) -> None:
+        """A constrained request's matcher takes its new tokens; complete, the request stops."""
+        if request.matcher is not None and not request.is_finished and \
+                Constrainer.advance(request, request.output_token_ids[-num_new:]):
+            self.scheduler.finish(request, FinishReason.STOP)
 
     def _output_for(self, request: Request, num_new: int = 1) -> RequestOutput:
         """The request's `num_new` last tokens (more than one: accepted proposals), detokenized;

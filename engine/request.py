@@ -37,6 +37,30 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 
 
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_CONSTRAINT_CHARS = 65536
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match (engine/structured.py compiles it): a JSON schema (its JSON
+    text), any JSON object (`value` empty), a regex, a choice among strings (a JSON list of
+    them), or a grammar (Lark, or GBNF when it has `::=`)."""
+
+    kind: str
+    value: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise InvalidRequestError(f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}, "
+                                      f"got {self.kind!r}")
+        if len(self.value) > MAX_CONSTRAINT_CHARS:
+            raise InvalidRequestError(f"the {self.kind} constraint has {len(self.value)} characters; at most "
+                                      f"{MAX_CONSTRAINT_CHARS} are accepted")
+        if self.kind not in ("json_object",) and not self.value:
+            raise InvalidRequestError(f"the {self.kind} constraint is empty")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -53,6 +77,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     """Return the log-probability of each chosen token (from the raw logits)."""
+    constraint: Constraint | None = None
+    """Structured output: every token must keep the output within it, and the request ends
+    (stop) once it is complete."""
+    constraint_prefix: int = 0
+    """The last this many prompt tokens were already generated under `constraint` (a retry
+    that re-prefills the tokens sent so far continues the constraint from there)."""
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -68,6 +98,9 @@ class SamplingParams:
         if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
             raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_STRING_CHARS} "
                                       f"characters each, got {len(self.stop)} (longest {max(map(len, self.stop))})")
+        if self.constraint_prefix < 0 or (self.constraint_prefix and self.constraint is None):
+            raise InvalidRequestError(f"constraint_prefix must be >= 0 and needs a constraint, got "
+                                      f"{self.constraint_prefix}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequestError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
 
@@ -114,6 +147,9 @@ class Request:
     back-off: failures in a row, and the step it may propose again."""
     spec_failures: int = 0
     spec_paused_until: int = 0
+    matcher: object | None = None
+    """Its constraint's state (an llguidance matcher, engine/structured.py), built from the
+    constraint and its tokens wherever it runs, never carried across processes."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

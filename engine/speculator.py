@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import SpeculativeConfig
+from engine.constrainer import Constrainer
 from engine.request import Request
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -55,7 +56,8 @@ class Speculator:
         wanted = self.policy.plan(decoding)
         if wanted:
             for rid, tokens in self.proposer.propose(wanted).items():
-                scheduler.requests[rid].spec_token_ids = tokens
+                r = scheduler.requests[rid]
+                r.spec_token_ids = Constrainer.valid_proposals(r, tokens)  # what a constraint forbids is cut
 
     def sample(self, sampler: Sampler, out: SchedulerOutput, requests: list[Request], logits: torch.Tensor) -> tuple[
             dict[RequestId, tuple[int, float | None]], dict[RequestId, Verified]]:

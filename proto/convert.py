@@ -1,7 +1,7 @@
 """Hand-written: conversions between the proto messages and the engine's dataclasses (one place)."""
 from __future__ import annotations
 
-from engine.request import FinishReason, SamplingParams
+from engine.request import Constraint, FinishReason, SamplingParams
 from proto import generate_pb2 as pb
 
 _FINISH_TO_PB = {
@@ -26,6 +26,8 @@ def sampling_from_pb(s: pb.SamplingParams, keep_stop_strings: bool = True) -> Sa
         stop=tuple(s.stop) if keep_stop_strings else (),
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs,
+        constraint=Constraint(s.constraint.kind, s.constraint.value) if s.HasField("constraint") else None,
+        constraint_prefix=s.constraint_prefix,
     )
 
 
@@ -34,6 +36,9 @@ def sampling_to_pb(p: SamplingParams, keep_stop_strings: bool = True) -> pb.Samp
                             stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos, logprobs=p.logprobs)
     if p.seed is not None:
         msg.seed = p.seed
+    if p.constraint is not None:
+        msg.constraint.kind, msg.constraint.value = p.constraint.kind, p.constraint.value
+        msg.constraint_prefix = p.constraint_prefix
     if keep_stop_strings:
         msg.stop.extend(p.stop)
     return msg

@@ -59,7 +59,9 @@ class Prepared:
             return Attempt(self.request_id, self.token_ids, self.params, self.tenant, self.priority,
                            self.tenant_weight, self.block_hashes)
         return Attempt(f"{self.request_id}~{n}", self.token_ids + sent,
-                       dataclasses.replace(self.params, max_tokens=self.params.max_tokens - len(sent)),
+                       dataclasses.replace(self.params, max_tokens=self.params.max_tokens - len(sent),
+                                           constraint_prefix=self.params.constraint_prefix + len(sent)
+                                           if self.params.constraint is not None else 0),
                        self.tenant, self.priority, self.tenant_weight)
 
 

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 
 from control.heartbeat import ModelFacts
 from engine.detokenizer import IncrementalDetokenizer
+from engine.structured import Grammars
 from engine.types import InvalidRequestError
 from proto import generate_pb2 as pb
 from proto.convert import finish_to_pb, sampling_from_pb
@@ -46,6 +47,9 @@ class Frontend:
         tok = Path(tokenizer_dir) / "tokenizer.json" if tokenizer_dir else None
         self.tokenizer = Tokenizer.from_file(str(tok)) if tok is not None and tok.is_file() else None
         self.chat_template = ChatTemplate.load(tokenizer_dir, chat_template_file)
+        self.grammars = Grammars(None, 0, [])
+        """Constraints are compiled here first (syntax, schema, limits; no masks), so a bad one
+        is refused before any work; the workers compile them again against the tokenizer."""
 
     def chat_token_ids(self, messages: list[dict[str, Any]], max_model_len: int, add_generation_prompt: bool = True,
                        template_kwargs: dict[str, Any] | None = None) -> list[int]:
@@ -81,6 +85,8 @@ class Frontend:
         try:
             _check_fields(request, facts)
             params = sampling_from_pb(request.sampling)
+            if params.constraint is not None:
+                self.grammars.check(params.constraint)
             token_ids = self._tokenize(request)
         except InvalidRequestError as e:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None

@@ -30,6 +30,7 @@ from aiohttp import web
 
 from engine.types import InvalidRequestError
 from router.attempt import RequestFailed
+from router.constraints import ToolCallOutput, constraint_of, tool_constraint
 from router.frontend import Frontend
 from router.members import Members
 from router.openai_protocol import (BadRequest, ChatRequest, CompletionRequest, DetokenizeRequest, Output,
@@ -147,7 +148,7 @@ class OpenAIServer:
         req = parse(CompletionRequest, await self._body(request))
         model = self._check_model(req.model)
         rid = new_id("completion")
-        generate = to_generate(req, req.request_id or rid, None, None)
+        generate = to_generate(req, req.request_id or rid, None, None, constraint_of(req))
         return await self._run(request, req.stream, req.stream_options, generate,
                                Output("completion", rid, model, req.logprobs is not None, self._token_text,
                                       return_token_ids=req.return_token_ids))
@@ -159,8 +160,13 @@ class OpenAIServer:
         if facts is None:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "no decode worker is serving yet; retry", 1.0)
         messages = messages_as_dicts(req.messages)
+        constraint, tool = constraint_of(req), tool_constraint(req)
+        if constraint is not None and tool is not None:
+            raise BadRequest("a tool call and a response_format or structured_outputs both constrain the output; "
+                             "send one", "tool_choice")
+        kwargs = {"tools": req.tools, **(req.chat_template_kwargs or {})} if tool else req.chat_template_kwargs
         render = functools.partial(self.frontend.chat_token_ids, messages, facts.max_model_len,
-                                   req.add_generation_prompt, req.chat_template_kwargs)
+                                   req.add_generation_prompt, kwargs)
         try:  # a long conversation renders and tokenizes off the event loop
             long = sum(len(m["content"]) for m in messages) > OFF_LOOP_CHARS
             prompt_ids = await asyncio.to_thread(render) if long else render()
@@ -169,10 +175,11 @@ class OpenAIServer:
         # no max_tokens: as long as the context and the largest decode worker allow (vLLM's default)
         room = min(facts.max_model_len, self.members.max_decode_blocks() * facts.block_size) - len(prompt_ids) - 1
         rid = new_id("chat")
-        generate = to_generate(req, req.request_id or rid, prompt_ids, max(room, 1))
-        return await self._run(request, req.stream, req.stream_options, generate,
-                               Output("chat", rid, model, req.logprobs, self._token_text,
-                                      return_token_ids=req.return_token_ids))
+        generate = to_generate(req, req.request_id or rid, prompt_ids, max(room, 1), tool[0] if tool else constraint)
+        out = (ToolCallOutput("chat", rid, model, req.logprobs, self._token_text, return_token_ids=req.return_token_ids,
+                              tool=tool[1]) if tool else
+               Output("chat", rid, model, req.logprobs, self._token_text, return_token_ids=req.return_token_ids))
+        return await self._run(request, req.stream, req.stream_options, generate, out)
 
     async def _run(self, request: web.Request, stream: bool, options: Any, generate: Any,
                    out: Output) -> web.StreamResponse:

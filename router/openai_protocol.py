@@ -56,6 +56,15 @@ class _Sampling(_Body):
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    """OpenAI's: {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}."""
+    structured_outputs: dict[str, Any] | None = None
+    """vLLM's: one of "json" (a schema), "json_object", "regex", "choice", "grammar"."""
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    """vLLM's older names for the same."""
 
 
 class CompletionRequest(_Sampling):
@@ -84,7 +93,6 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True
@@ -151,9 +159,10 @@ def messages_as_dicts(messages: list[Message]) -> list[dict[str, Any]]:
 
 
 def to_generate(req: CompletionRequest | ChatRequest, request_id: str, prompt_ids: list[int] | None,
-                max_tokens_default: int | None) -> pb.GenerateRequest:
+                max_tokens_default: int | None, constraint: tuple[str, str] | None = None) -> pb.GenerateRequest:
     """The gRPC message for this request: `prompt_ids` (a chat's rendered prompt) or the
-    completion's own prompt; max_tokens from the request, else `max_tokens_default`."""
+    completion's own prompt; max_tokens from the request, else `max_tokens_default`;
+    `constraint` (kind, value) its structured output (router/constraints.py)."""
     _refuse_unsupported(req)
     max_tokens = req.max_tokens
     if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
@@ -174,6 +183,8 @@ def to_generate(req: CompletionRequest | ChatRequest, request_id: str, prompt_id
     sampling.stop.extend([req.stop] if isinstance(req.stop, str) else req.stop or [])
     sampling.stop_token_ids.extend(_token_ids(req.stop_token_ids or [], "stop_token_ids"))
     sampling.logprobs = req.logprobs if isinstance(req, ChatRequest) else req.logprobs is not None  # 0: chosen only
+    if constraint is not None:
+        sampling.constraint.kind, sampling.constraint.value = constraint
     out = pb.GenerateRequest(request_id=request_id, sampling=sampling, tenant=req.user or "",
                              priority=_within(req.priority, "priority", -INT32_MAX, INT32_MAX))
     if prompt_ids is not None:
@@ -216,11 +227,6 @@ def _refuse_unsupported(req: CompletionRequest | ChatRequest) -> None:
     if req.top_logprobs:
         raise BadRequest(f"top_logprobs={req.top_logprobs}: top alternatives are not returned; logprobs=true returns "
                          "each chosen token's log-probability", "top_logprobs")
-    if req.response_format is not None and req.response_format.get("type") != "text":
-        raise BadRequest(f"response_format {req.response_format.get('type')!r} is not supported yet; only 'text'",
-                         "response_format")
-    if req.tools and req.tool_choice != "none":
-        raise BadRequest("tools are not supported yet", "tools")
 
 
 def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:

@@ -302,3 +302,51 @@ def test_http_and_grpc_requests_count_in_the_same_prometheus_series(client: open
     name = "splitserve:request_success_total"
     assert total(after, name, finished_reason="length") - total(before, name, finished_reason="length") == 2
     assert total(after, "splitserve:generation_tokens_total") - total(before, "splitserve:generation_tokens_total") == 6
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
+          "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0},
+                         "city": {"type": "string", "maxLength": 40}}}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.5])
+def test_structured_chat_output_parses_and_follows_its_schema(client: openai.OpenAI, temperature: float) -> None:
+    import jsonschema
+
+    ask = [{"role": "user", "content": "Invent a person: their name, age and city, as JSON."}]
+    for response_format in ({"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
+                            {"type": "json_object"}):
+        for seed in (1, 2):
+            r = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=200, temperature=temperature,
+                                               seed=seed, response_format=response_format)  # type: ignore[arg-type]
+            choice = r.choices[0]
+            assert choice.finish_reason == "stop", choice.message.content
+            value = json.loads(choice.message.content or "")
+            assert isinstance(value, dict)
+            if response_format["type"] == "json_schema":
+                jsonschema.validate(value, PERSON)
+
+
+def test_structured_completions_choice_regex_and_grammar_over_http_and_grpc(client: openai.OpenAI, stub) -> None:  # type: ignore[no-untyped-def]
+    import re
+
+    prompt = "Q: Is the sky blue? Answer yes or no.\nA:"
+    for extra, check in (({"structured_outputs": {"choice": ["yes", "no"]}}, lambda t: t in ("yes", "no")),
+                         ({"guided_regex": r" [0-9]{3}-[0-9]{4}"}, lambda t: re.fullmatch(r" [0-9]{3}-[0-9]{4}", t)),
+                         ({"guided_grammar": 'root ::= " " ("yes" | "no") "."'}, lambda t: t in (" yes.", " no."))):
+        for temperature in (0.0, 1.0):
+            r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=temperature,
+                                          seed=3, extra_body=extra)
+            assert r.choices[0].finish_reason == "stop" and check(r.choices[0].text), (extra, r.choices[0].text)
+    sampling = pb.SamplingParams(max_tokens=30, temperature=1.0, seed=4,
+                                 constraint=pb.Constraint(kind="regex", value=r"[A-Z][a-z]+ [0-9]{2}"))
+    text = "".join(x.text for x in stub.Generate(pb.GenerateRequest(text=prompt, sampling=sampling), timeout=60))
+    assert re.fullmatch(r"[A-Z][a-z]+ [0-9]{2}", text), text
+
+
+def test_a_bad_schema_is_a_400_naming_it(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+                "a": {"type": "strang"}}}}})  # type: ignore[arg-type]
+    assert e.value.status_code == 400 and "Invalid type: strang" in str(e.value)

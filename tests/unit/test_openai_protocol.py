@@ -7,6 +7,7 @@ import json
 import pytest
 
 from proto import generate_pb2 as pb
+from router.constraints import ToolCallOutput, ToolChoice, constraint_of, tool_constraint
 from router.openai_protocol import (BadRequest, ChatRequest, CompletionRequest, Output, messages_as_dicts, parse,
                                     to_generate)
 
@@ -15,7 +16,9 @@ def bad(kind, body: dict | bytes) -> BadRequest:  # type: ignore[no-untyped-def]
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     with pytest.raises(BadRequest) as e:
         req = parse(kind, raw)
-        to_generate(req, "r", [1] if kind is ChatRequest else None, None)
+        to_generate(req, "r", [1] if kind is ChatRequest else None, None, constraint_of(req))
+        if kind is ChatRequest:
+            tool_constraint(req)
     return e.value
 
 
@@ -39,8 +42,22 @@ def bad(kind, body: dict | bytes) -> BadRequest:  # type: ignore[no-untyped-def]
     (CompletionRequest, {"prompt": ["a", "b"]}, "prompt", "prompt holds 2 prompts; send one prompt per request"),
     (CompletionRequest, {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "presence_penalty is not supported"),
     (CompletionRequest, {"prompt": "x", "min_p": 0.1}, "min_p", "min_p is not supported"),
-    (ChatRequest, {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
-     "response_format", "response_format 'json_object' is not supported yet"),
+    (ChatRequest, {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+     "response_format", "response_format type must be text, json_object or json_schema, got 'xml'"),
+    (ChatRequest, {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
+     "response_format", "response_format json_schema needs json_schema.schema"),
+    (CompletionRequest, {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
+     "structured_outputs must set exactly one of json, json_object, regex, choice, grammar"),
+    (CompletionRequest, {"prompt": "x", "guided_choice": []}, "guided_choice", "choice is a non-empty list"),
+    (CompletionRequest, {"prompt": "x", "response_format": {"type": "json_object"}, "guided_regex": "a+"},
+     "guided_regex", "response_format and guided_regex both constrain the output"),
+    (ChatRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
+        "name": "f"}}]}, "tool_choice", "tool_choice 'auto' is not supported: name a function"),
+    (ChatRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
+        "name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice",
+     "tool_choice names 'g', which is not among the tools (f)"),
+    (ChatRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "retrieval"}],
+      "tool_choice": "required"}, "tools", "tools[0] must be"),
     (CompletionRequest, b"{bad", None, "the body is not valid JSON in UTF-8"),
     (CompletionRequest, b'{"prompt": "\xff"}', None, "the body is not valid JSON in UTF-8"),
     (CompletionRequest, b"[1, 2]", None, "the body must be a JSON object"),
@@ -111,3 +128,62 @@ def test_completion_output_with_logprobs_and_token_ids() -> None:
     assert choice["text"] == "Hi there" and choice["token_ids"] == [10, 11, 12] and choice["finish_reason"] == "stop"
     assert choice["logprobs"] == {"tokens": ["<10>", "<11>", "<12>"], "token_logprobs": [-0.5, -1.0, -0.25],
                                   "top_logprobs": None, "text_offset": None}
+
+
+@pytest.mark.parametrize(("fields", "kind", "value"), [
+    ({"response_format": {"type": "json_object"}}, "json_object", ""),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "strict": True,
+                                                                 "schema": {"type": "object"}}}},
+     "json_schema", '{"type": "object"}'),
+    ({"structured_outputs": {"json": {"type": "integer"}}}, "json_schema", '{"type": "integer"}'),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, "choice", '["yes", "no"]'),
+    ({"guided_regex": "[a-z]+"}, "regex", "[a-z]+"),
+    ({"guided_grammar": 'root ::= "a"'}, "grammar", 'root ::= "a"'),
+    ({"response_format": {"type": "text"}}, "", ""),
+])
+def test_each_way_of_asking_for_structured_output_maps_onto_one_constraint(fields, kind, value) -> None:  # type: ignore[no-untyped-def]
+    req = parse(ChatRequest, json.dumps({"messages": [{"role": "user", "content": "x"}], **fields}).encode())
+    c = to_generate(req, "chat-1", [1, 2], 16, constraint_of(req)).sampling.constraint
+    assert (c.kind, c.value) == (kind, value)
+
+
+def tool_output(tool: ToolChoice, texts: list[str]) -> tuple[dict, list[dict]]:
+    """The whole answer and the stream chunks of a tool call whose constrained text came as `texts`."""
+    whole, streamed = (ToolCallOutput("chat", "chatcmpl-1", "m", False, tool=tool) for _ in range(2))
+    chunks = []
+    for i, t in enumerate(texts):
+        last = i == len(texts) - 1
+        r = pb.GenerateResponse(text=t, token_ids=[i], finish_reason=pb.FINISH_REASON_STOP if last else 0)
+        if last:
+            r.usage.completion_tokens = len(texts)
+        whole.add(r)
+        streamed.add(r)
+        if (c := streamed.chunk(r, i == 0)) is not None:
+            chunks.append(c)
+    return whole.whole(), chunks
+
+
+def test_a_named_tool_call_is_openais_tool_calls_shape_whole_and_streamed() -> None:
+    whole, chunks = tool_output(ToolChoice("get_weather"), ['{"city": ', '"Paris"', "}"])
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    [call] = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0]["role"] == "assistant" and deltas[0]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas) == '{"city": "Paris"}'
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_required_tool_call_names_the_tool_the_model_chose() -> None:
+    req = parse(ChatRequest, json.dumps({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
+                                         "tools": [{"type": "function", "function": {"name": n, "parameters": {
+                                             "type": "object", "properties": {"q": {"type": "string"}}}}}
+                                                   for n in ("search", "lookup")]}).encode())
+    (kind, value), choice = tool_constraint(req)  # type: ignore[misc]
+    assert kind == "json_schema" and [a["properties"]["name"] for a in json.loads(value)["anyOf"]] == [
+        {"const": "search"}, {"const": "lookup"}]
+    whole, chunks = tool_output(choice, ['{"name": "lookup", ', '"arguments": {"q": "x"}}'])
+    assert whole["choices"][0]["message"]["tool_calls"][0]["function"] == {"name": "lookup", "arguments": '{"q": "x"}'}
+    assert chunks[-1]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "lookup"
