@@ -3,10 +3,13 @@ process: output tokens/s and ITL p50 with and without a JSON-schema constraint, 
 alternating, at --concurrency (1 and 16), and what compiling a constraint costs.
 
 Workload: chat prompts asking for a record as JSON; the constrained arm sends the schema as
-`SamplingParams.constraint`, the free arm nothing (greedy, --max-tokens). Per arm one JSON line:
+`SamplingParams.constraint`, the free arm nothing (greedy, --max-tokens), closed loop:
+--requests-per-slot requests pass through each of the --concurrency slots, so the batch stays
+full while requests of different lengths come and go. Per arm one JSON line:
 constrained, concurrency, output_tokens_per_s, itl_p50_ms, valid (the fraction of outputs
 that parse and follow the schema: constrained outputs must all), ratio (tokens/s over the
-free arm of the same round). Then one line of compile times: a small and a large schema (the
+free arm). The free arm generates exactly as many tokens per request as the constrained arm
+of the same round did (ignore_eos), so the two differ only by the constraint's work. Then one line of compile times: a small and a large schema (the
 large: 200 properties with enums), first compile and cached (a second request with the same
 schema: the cache's copy of the compiled matcher), in ms.
 
@@ -46,13 +49,17 @@ ASKS = ["Invent a person and describe them as JSON with name, age, city and hobb
         "Create a JSON profile of an imaginary pilot with name, age, city and hobbies."]
 
 
-def run_arm(engine: LLMEngine, texts: list[str], concurrency: int, max_tokens: int,
-            constraint: Constraint | None) -> dict:
-    params = SamplingParams(max_tokens=max_tokens, constraint=constraint)
-    todo = [texts[i % len(texts)] for i in range(max(concurrency, len(texts)))]
+def run_arm(engine: LLMEngine, texts: list[str], concurrency: int, per_slot: int, max_tokens: int,
+            constraint: Constraint | None, lengths: list[int] | None = None) -> dict:
+    """Closed loop: `concurrency` requests in flight (a finished one's slot takes the next) until
+    concurrency * per_slot have run, so the batch stays full whatever each request's length.
+    `lengths`: request i generates exactly lengths[i] tokens (ignore_eos)."""
+    todo = [texts[i % len(texts)] for i in range(concurrency * per_slot)]
     started, outputs, last, gaps, nxt, n_tokens = time.perf_counter(), {}, {}, [], 0, 0
     while nxt < len(todo) or engine.has_unfinished():
         while nxt < len(todo) and engine.scheduler.num_unfinished < concurrency:
+            params = (SamplingParams(max_tokens=lengths[nxt], ignore_eos=True) if lengths else
+                      SamplingParams(max_tokens=max_tokens, constraint=constraint))
             rid = engine.add_request(todo[nxt], params)
             outputs[rid], last[rid] = [], time.perf_counter()
             nxt += 1
@@ -67,7 +74,8 @@ def run_arm(engine: LLMEngine, texts: list[str], concurrency: int, max_tokens: i
     assert engine.tokenizer is not None
     texts_out = [engine.tokenizer.decode(t) for t in outputs.values()]
     return {"output_tokens_per_s": n_tokens / elapsed, "itl_p50_ms": 1000 * statistics.median(gaps),
-            "valid": sum(_valid(t) for t in texts_out) / len(texts_out)}
+            "valid": sum(_valid(t) for t in texts_out) / len(texts_out),
+            "lengths": [len(t) for t in outputs.values()]}
 
 
 def _valid(text: str) -> bool:
@@ -100,6 +108,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--requests-per-slot", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -110,15 +119,18 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(model_dir=model, detokenize=False, cache=CacheConfig(kv_cache_bytes=512 * 2**20),
                                     scheduler=SchedulerConfig(max_num_batched_tokens=2048)))
     constraint = Constraint("json_schema", json.dumps(SCHEMA))
-    config = {"max_tokens": args.max_tokens, "rounds": args.rounds, "threads": args.threads}
+    config = {"max_tokens": args.max_tokens, "rounds": args.rounds, "threads": args.threads,
+              "requests_per_slot": args.requests_per_slot}
     for concurrency in args.concurrency:
         runs: dict[bool, list[dict]] = {False: [], True: []}
         for _ in range(args.rounds):
-            for constrained in (False, True):  # alternating
-                runs[constrained].append(run_arm(engine, texts, concurrency, args.max_tokens,
-                                                 constraint if constrained else None))
+            # the constrained arm, then the free one generating the same number of tokens per request
+            # (ignore_eos): the two differ only by the constraint's work, not by how long answers are
+            runs[True].append(run_arm(engine, texts, concurrency, args.requests_per_slot, args.max_tokens, constraint))
+            runs[False].append(run_arm(engine, texts, concurrency, args.requests_per_slot, args.max_tokens, None,
+                                       runs[True][-1]["lengths"]))
         base = statistics.median(r["output_tokens_per_s"] for r in runs[False])
-        for constrained, rs in runs.items():
+        for constrained, rs in sorted(runs.items()):
             tps = statistics.median(r["output_tokens_per_s"] for r in rs)
             print(json.dumps({"bench": "structured", "constrained": constrained, "concurrency": concurrency,
                               "output_tokens_per_s": round(tps, 2),

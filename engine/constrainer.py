@@ -45,18 +45,26 @@ class Constrainer:
 
     @torch.inference_mode()
     def mask(self, logits: torch.Tensor, requests: list[Request], num_spec: dict[RequestId, int]) -> None:
+        plain: list[tuple[object, int]] = []  # (matcher, its row): one parallel mask computation
         row = 0
         for r in requests:
             k = num_spec.get(r.request_id, 0)
-            if r.matcher is not None:
+            if r.matcher is not None and not k:
+                plain.append((r.matcher, row))
+            elif r.matcher is not None:
                 m = r.matcher
                 for j in range(k + 1):
                     if j:
                         m.consume_token(r.spec_token_ids[j - 1])  # type: ignore[attr-defined]
                     self._forbid(logits[row + j], m)
-                if k:
-                    m.rollback(k)  # type: ignore[attr-defined]
+                m.rollback(k)  # type: ignore[attr-defined]
             row += 1 + k
+        if plain:
+            allowed = torch.from_numpy(self.grammars.allowed_rows([m for m, _ in plain]))  # [n, vocab] bool
+            rows = torch.tensor([i for _, i in plain], device=logits.device)
+            v = allowed.shape[1]
+            logits[rows, :v] = logits[rows, :v].masked_fill(~allowed.to(logits.device), float("-inf"))
+            logits[rows, v:] = float("-inf")
 
     def _forbid(self, row: torch.Tensor, matcher: object) -> None:
         allowed = torch.from_numpy(self.grammars.allowed(matcher))  # type: ignore[arg-type]

@@ -84,6 +84,7 @@ class Grammars:
                           if tokenizer_json is not None else None)
         self.limits = llguidance.LLParserLimits(**LIMITS)
         self.max_entries = max_entries
+        self._pool: llguidance.LLExecutor | None = None
         self._compiled: OrderedDict[str, llguidance.LLMatcher | str] = OrderedDict()
         """Content hash -> a matcher in its start state (or, without a tokenizer, the grammar)."""
 
@@ -125,6 +126,19 @@ class Grammars:
 
     def __len__(self) -> int:
         return len(self._compiled)
+
+    def allowed_rows(self, matchers: Sequence[llguidance.LLMatcher]) -> np.ndarray:
+        """[len(matchers), vocab_size] bool: each matcher's allowed tokens, computed in parallel
+        (llguidance's threads, without the GIL)."""
+        words = np.empty((len(matchers), (self.vocab_size + 31) // 32), dtype=np.int32)
+        self._executor().unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], words.ctypes.data,
+                                                 words.shape[1] * 4, len(matchers))
+        return np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, : self.vocab_size].astype(bool)
+
+    def _executor(self) -> llguidance.LLExecutor:
+        if self._pool is None:
+            self._pool = llguidance.LLExecutor()
+        return self._pool
 
     def allowed(self, matcher: llguidance.LLMatcher) -> np.ndarray:
         """[vocab_size] bool: the tokens the matcher allows next."""

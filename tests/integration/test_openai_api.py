@@ -350,3 +350,44 @@ def test_a_bad_schema_is_a_400_naming_it(client: openai.OpenAI) -> None:
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
                 "a": {"type": "strang"}}}}})  # type: ignore[arg-type]
     assert e.value.status_code == 400 and "Invalid type: strang" in str(e.value)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                            "parameters": {"type": "object", "additionalProperties": False,
+                                                           "required": ["city"],
+                                                           "properties": {"city": {"type": "string", "maxLength": 30}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["zone"],
+    "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}}}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_calls_named_and_required_come_back_as_tool_calls(client: openai.OpenAI, stream: bool) -> None:
+    import jsonschema
+
+    ask = [{"role": "user", "content": "What is the weather like in Paris?"}]
+    for tool_choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        kw = dict(model=MODEL, messages=ask, max_tokens=80, temperature=0.0, tools=[WEATHER, TIME],
+                  tool_choice=tool_choice)
+        if stream:
+            calls: dict[int, dict] = {}
+            finish = None
+            for chunk in client.chat.completions.create(stream=True, **kw):  # type: ignore[call-overload]
+                choice = chunk.choices[0]
+                finish = choice.finish_reason or finish
+                for c in choice.delta.tool_calls or []:
+                    call = calls.setdefault(c.index, {"name": "", "arguments": ""})
+                    call["name"] += c.function.name or "" if c.function else ""
+                    call["arguments"] += c.function.arguments or "" if c.function else ""
+            [call] = calls.values()
+        else:
+            r = client.chat.completions.create(**kw)  # type: ignore[call-overload]
+            finish = r.choices[0].finish_reason
+            assert r.choices[0].message.content is None
+            [tc] = r.choices[0].message.tool_calls
+            call = {"name": tc.function.name, "arguments": tc.function.arguments}
+        assert finish == "tool_calls"
+        tool = {"get_weather": WEATHER, "get_time": TIME}[call["name"]]
+        if isinstance(tool_choice, dict):
+            assert call["name"] == "get_weather"
+        jsonschema.validate(json.loads(call["arguments"]), tool["function"]["parameters"])
