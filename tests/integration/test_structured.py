@@ -12,6 +12,7 @@ import re
 
 import grpc
 import jsonschema
+import openai
 import pytest
 
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
@@ -55,7 +56,7 @@ def cluster(tiny_llama_dir: str):  # type: ignore[no-untyped-def]
     config = ClusterConfig(
         worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, kv_lease_s=3.0),
         num_prefill=1, num_decode=2,
-        router=RouterConfig(port=0, tokenizer_dir=tiny_llama_dir,
+        router=RouterConfig(port=0, http_port=0, tokenizer_dir=tiny_llama_dir,
                             routing=RoutingConfig(mode="auto", local_prefill_tokens=LOCAL_PREFILL_TOKENS)),
         worker_num_cpus=0.25, replace_dead_workers=False)
     with LocalCluster(config) as c:
@@ -126,3 +127,24 @@ def test_a_bad_constraint_is_invalid_argument_before_any_work(cluster: LocalClus
         list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7]), sampling=sampling), timeout=30))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in e.value.details(), e.value.details()
     assert cluster.router_stats()[0]["num_admitted"] == 0
+
+
+def test_over_http_each_kind_follows_its_constraint_on_both_paths(cluster: LocalCluster) -> None:
+    client = openai.OpenAI(base_url=f"http://{cluster.info['http_address']}/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    model = client.models.list().data[0].id
+    asks = {"json_schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}},
+            "regex": {"structured_outputs": {"regex": REGEX}}, "choice": {"guided_choice": CHOICES},
+            "grammar": {"structured_outputs": {"grammar": GRAMMAR}}}
+    rng = random.Random(9)
+    for kind, extra in asks.items():
+        for length in (6, 40):  # colocated, disaggregated
+            for temperature in (0.0, 1.0):
+                prompt = [rng.randrange(3, 500) for _ in range(length)]
+                r = client.completions.create(model=model, prompt=prompt, max_tokens=120, temperature=temperature,
+                                              seed=11, extra_body=extra)
+                assert r.choices[0].finish_reason == "stop" and valid(kind, r.choices[0].text), (kind, r)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt=[5, 6, 7], max_tokens=4,
+                                  extra_body={"guided_regex": "a" * 70000})
+    assert "at most 65536" in str(e.value)
