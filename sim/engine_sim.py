@@ -1,0 +1,85 @@
+"""SimEngine: one worker's engine with the model replaced by a cost model, on a virtual clock.
+
+    add(request) -> the real Scheduler (engine/scheduler.py) over the real KVCacheManager and
+        BlockPool (prefix cache with the real chained block hashes, segmented LRU,
+        preemption by recompute, chunked prefill, fair order, priorities with aging)
+    step(now) -> SchedulerOutput -> the cost model prices it (chunks of new tokens and the
+        context before them) -> the step ends `duration` later -> each sampled request gets
+        its next token (a deterministic id per request and position: the prefix cache sees
+        outputs as it would real ones) -> update_after_step -> what got a token and what ended
+
+Nothing here decides anything: scheduling, admission to the batch, block accounting and
+eviction are the engine's own code; only the forward pass is a number.
+"""
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from engine.block_pool import BlockPool
+from engine.config import SchedulerConfig
+from engine.hashing import BlockHasher
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, SamplingParams
+from engine.scheduler import Scheduler
+from engine.types import RequestId
+
+StepCost = Callable[[Sequence[tuple[int, int]], int], float]
+"""(chunks of (new tokens, tokens computed before), requests sampled) -> seconds."""
+
+
+@dataclass
+class StepResult:
+    duration_s: float
+    tokens: dict[RequestId, int] = field(default_factory=dict)
+    """Requests that got a token this step, and how many they have now."""
+    finished: list[RequestId] = field(default_factory=list)
+    num_preempted: int = 0
+
+
+class SimEngine:
+    def __init__(self, cost: StepCost, num_blocks: int, block_size: int, vocab_size: int,
+                 scheduler: SchedulerConfig | None = None, secret: bytes = b"sim", model_id: str = "sim",
+                 max_model_len: int = 1 << 20, protected_fraction: float = 0.5) -> None:
+        self.cost, self.vocab_size = cost, vocab_size
+        self.now = 0.0
+        self.pool = BlockPool(num_blocks, True, protected_fraction)
+        self.kv = KVCacheManager(self.pool, BlockHasher(secret, model_id, block_size))
+        self.scheduler = Scheduler(scheduler or SchedulerConfig(), self.kv, max_model_len, lambda: self.now)
+        self.busy_s = 0.0
+        """Virtual seconds spent in steps (the worker's busy time)."""
+
+    def add(self, request_id: str, prompt: list[int], max_tokens: int, priority: int = 0, tenant: str = "") -> Request:
+        r = Request(RequestId(request_id), prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                    arrival_time=self.now, priority=priority, tenant=tenant)
+        self.scheduler.add_request(r)
+        return r
+
+    def abort(self, request_id: str) -> bool:
+        return self.scheduler.abort(RequestId(request_id))
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def step(self, now: float) -> StepResult:
+        """Runs one step starting at `now` (virtual seconds); it ends `duration_s` later."""
+        self.now = now
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return StepResult(0.0, num_preempted=len(out.preempted_ids))
+        chunks = [(s.num_new_tokens, s.request.num_computed_tokens) for s in out.scheduled]
+        sampled = {s.request.request_id: (self.token_for(s.request), None) for s in out.scheduled
+                   if s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens}
+        duration = self.cost(chunks, len(sampled))
+        self.busy_s += duration
+        self.now = now + duration
+        updated = self.scheduler.update_after_step(out, sampled)
+        return StepResult(duration, {r.request_id: len(r.output_token_ids) for r in updated},
+                          [r.request_id for r in updated if r.is_finished], len(out.preempted_ids))
+
+    def token_for(self, request: Request) -> int:
+        """The token a request gets at its next position: fixed by its id and the position."""
+        key = f"{request.request_id}:{request.num_tokens}".encode()
+        return zlib.crc32(key) % self.vocab_size

@@ -1,0 +1,78 @@
+"""The simulator's pieces (sim/): the roofline by hand, and the real scheduler and block pool
+driven on a virtual clock."""
+from __future__ import annotations
+
+import pytest
+
+from engine.config import SchedulerConfig
+from sim.cost_model import H100_SXM, LLAMA3_8B, LLAMA3_70B, Roofline
+from sim.engine_sim import SimEngine
+
+
+def test_llama3_8b_shapes_by_hand() -> None:
+    m = LLAMA3_8B
+    per_layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336  # q/o, k/v (8 heads of 128), gated MLP
+    assert m.layer_params == per_layer == 218_103_808
+    assert m.matmul_params == 32 * per_layer + 128256 * 4096
+    assert m.weight_bytes == 2 * (m.matmul_params + 128256 * 4096)  # about 16 GB in bf16
+    assert m.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2 == 131072
+
+
+def test_a_decode_step_is_on_the_memory_roof_and_a_prefill_on_the_compute_roof() -> None:
+    r = Roofline(LLAMA3_8B, H100_SXM)
+    m = LLAMA3_8B
+    memory_s = (m.weight_bytes + 1024 * m.kv_bytes_per_token) / (3.35e12 * 0.8)  # weights + 1024 tokens of KV
+    assert r.step_s([(1, 1023)]) == pytest.approx(0.0015 + memory_s)
+    assert 7.4e-3 < r.step_s([(1, 1023)]) < 7.7e-3
+    flops = 2 * 32 * m.layer_params * 2048 + 2 * 128256 * 4096 + 4 * 32 * 32 * 128 * 2048 * (0 + 2049 / 2)
+    assert r.step_s([(2048, 0)]) == pytest.approx(0.0015 + flops / (989e12 * 0.6))
+    assert 0.049 < r.step_s([(2048, 0)]) < 0.053
+    batch = [(1, 1023)] * 64  # 64 decodes: still one weight read, 64x the KV
+    assert r.step_s(batch) < 2 * r.step_s([(1, 1023)])
+
+
+def test_tensor_parallel_divides_the_roofs_and_adds_all_reduces() -> None:
+    one, four = Roofline(LLAMA3_70B, H100_SXM), Roofline(LLAMA3_70B, H100_SXM, tp=4)
+    assert four.allreduce_s(1) == pytest.approx(2 * 80 * (2 * 3 / 4 * 8192 * 2 / 450e9 + 20e-6))
+    assert four.step_s([(1, 1023)]) < one.step_s([(1, 1023)]) / 3
+    with pytest.raises(ValueError, match="does not fit"):
+        one.kv_capacity_tokens()  # 140 GB of weights on one 80 GB GPU
+    assert four.kv_capacity_tokens() == int((4 * 80e9 * 0.9 - LLAMA3_70B.weight_bytes) // LLAMA3_70B.kv_bytes_per_token)
+    assert Roofline(LLAMA3_8B, H100_SXM).transfer_s(1000, same_node=False) == pytest.approx(20e-6 + 1000 * 131072 / 50e9)
+
+
+def test_the_real_scheduler_on_a_virtual_clock_gives_exact_step_times() -> None:
+    steps: list[list[tuple[int, int]]] = []
+
+    def cost(chunks, num_sampled):  # type: ignore[no-untyped-def]
+        steps.append(list(chunks))
+        return 0.001 * sum(n for n, _ in chunks) + 0.01  # 10 ms a step, 1 ms a token
+    e = SimEngine(cost, num_blocks=64, block_size=4, vocab_size=1000,
+                  scheduler=SchedulerConfig(max_num_batched_tokens=16))
+    e.add("a", list(range(20)), max_tokens=3)  # 20 prompt tokens: chunks of 16 then 4 (chunked prefill)
+    now, first_token_at = 0.0, None
+    while e.has_work:
+        result = e.step(now)
+        now += result.duration_s
+        if first_token_at is None and result.tokens:
+            first_token_at = now
+    assert steps == [[(16, 0)], [(4, 16)], [(1, 20)], [(1, 21)]]
+    assert first_token_at == pytest.approx(0.026 + 0.014)  # TTFT: the two prefill chunks
+    assert now == pytest.approx(0.026 + 0.014 + 2 * 0.011)
+    assert e.pool.usage().num_in_use == 0
+
+
+def test_a_shared_prefix_hits_the_real_prefix_cache_and_runs_are_deterministic() -> None:
+    def run() -> tuple[list[list[tuple[int, int]]], int]:
+        seen: list[list[tuple[int, int]]] = []
+        e = SimEngine(lambda chunks, k: seen.append(list(chunks)) or 0.01, num_blocks=64, block_size=4, vocab_size=1000)
+        shared = list(range(100, 116))
+        for i, tail in enumerate(([1, 2, 3], [4, 5, 6])):
+            e.add(f"r{i}", shared + tail, max_tokens=2)
+            now = 0.0
+            while e.has_work:
+                now += e.step(now).duration_s
+        return seen, e.scheduler.requests.__len__()
+    seen, left = run()
+    assert seen[2] == [(3, 16)]  # the second request computes only its 3 uncached tokens
+    assert left == 0 and run() == (seen, left)
