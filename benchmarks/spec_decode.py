@@ -7,7 +7,7 @@ Workloads (chat prompts, greedy, max --max-tokens tokens each):
   lookup is for;
 - free: open questions and stories, nothing to copy.
 Each at --concurrency (1, 4, 32 by default): that many requests in flight, `--requests-per-slot`
-each (closed loop: a finished request's slot takes the next). Per arm one JSON line: proposer,
+each (closed loop: a finished request's slot takes the next; benchmarks/closed_loop.py). Per arm one JSON line: proposer,
 concurrency, workload, output_tokens_per_s, itl_p50_ms (the time between a request's outputs
 over the tokens they carried: an output of 3 accepted tokens is 3 inter-token gaps, not one
 fast one), acceptance_rate (accepted / proposed), mean_accepted_tokens (per verification),
@@ -27,7 +27,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -35,6 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.closed_loop import closed_loop  # noqa: E402
 from cluster.default_model import model_path  # noqa: E402
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig  # noqa: E402
 from engine.gguf_checkpoint import resolve_model_dir  # noqa: E402
@@ -68,39 +68,16 @@ def prompts(workload: str, template: ChatTemplate) -> list[str]:
 
 
 def run_arm(engine: LLMEngine, texts: list[str], concurrency: int, per_slot: int, max_tokens: int) -> dict:
-    """Closed loop: `concurrency` requests in flight until concurrency * per_slot have run."""
+    """`concurrency` requests in flight until concurrency * per_slot have run (benchmarks/closed_loop.py)."""
     params = SamplingParams(max_tokens=max_tokens)
-    todo = [texts[i % len(texts)] for i in range(concurrency * per_slot)]
-    order: dict[str, int] = {}
-    last_at: dict[str, float] = {}
-    outputs: dict[int, list[int]] = {}
-    gaps: list[float] = []
     spec = engine.speculator.counters if engine.speculator is not None else None
     before = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens) if spec else (0, 0, 0)
-    started = time.perf_counter()
-    num_tokens = 0
-    nxt = 0
-    while nxt < len(todo) or engine.has_unfinished():
-        while nxt < len(todo) and engine.scheduler.num_unfinished < concurrency:
-            rid = engine.add_request(todo[nxt], params)
-            order[rid], last_at[rid] = nxt, time.perf_counter()
-            outputs[nxt] = []
-            nxt += 1
-        for out in engine.step():
-            now = time.perf_counter()
-            n = len(out.new_token_ids)
-            if outputs[order[out.request_id]]:  # after the first token: n gaps of dt / n
-                gaps += [(now - last_at[out.request_id]) / n] * n
-            last_at[out.request_id] = now
-            outputs[order[out.request_id]] += out.new_token_ids
-            num_tokens += n
-    elapsed = time.perf_counter() - started
+    loop = closed_loop(engine, [(texts[i % len(texts)], params) for i in range(concurrency * per_slot)], concurrency)
     after = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens) if spec else (0, 0, 0)
     drafts, proposed, accepted = (a - b for a, b in zip(after, before, strict=True))
-    return {"output_tokens_per_s": num_tokens / elapsed, "itl_p50_ms": 1000 * statistics.median(gaps),
+    return {"output_tokens_per_s": loop.output_tokens_per_s, "itl_p50_ms": loop.itl_p50_ms,
             "proposed_tokens": proposed, "acceptance_rate": accepted / proposed if proposed else 0.0,
-            "mean_accepted_tokens": accepted / drafts if drafts else 0.0,
-            "tokens": [outputs[i] for i in range(len(todo))]}
+            "mean_accepted_tokens": accepted / drafts if drafts else 0.0, "tokens": loop.tokens}
 
 
 def main() -> None:

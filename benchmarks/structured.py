@@ -30,6 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.closed_loop import closed_loop  # noqa: E402
 from cluster.default_model import model_path  # noqa: E402
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from engine.gguf_checkpoint import resolve_model_dir  # noqa: E402
@@ -51,31 +52,16 @@ ASKS = ["Invent a person and describe them as JSON with name, age, city and hobb
 
 def run_arm(engine: LLMEngine, texts: list[str], concurrency: int, per_slot: int, max_tokens: int,
             constraint: Constraint | None, lengths: list[int] | None = None) -> dict:
-    """Closed loop: `concurrency` requests in flight (a finished one's slot takes the next) until
-    concurrency * per_slot have run, so the batch stays full whatever each request's length.
+    """`concurrency` requests in flight until concurrency * per_slot have run (benchmarks/closed_loop.py).
     `lengths`: request i generates exactly lengths[i] tokens (ignore_eos)."""
-    todo = [texts[i % len(texts)] for i in range(concurrency * per_slot)]
-    started, outputs, last, gaps, nxt, n_tokens = time.perf_counter(), {}, {}, [], 0, 0
-    while nxt < len(todo) or engine.has_unfinished():
-        while nxt < len(todo) and engine.scheduler.num_unfinished < concurrency:
-            params = (SamplingParams(max_tokens=lengths[nxt], ignore_eos=True) if lengths else
-                      SamplingParams(max_tokens=max_tokens, constraint=constraint))
-            rid = engine.add_request(todo[nxt], params)
-            outputs[rid], last[rid] = [], time.perf_counter()
-            nxt += 1
-        for out in engine.step():
-            now, n = time.perf_counter(), len(out.new_token_ids)
-            if outputs[out.request_id]:
-                gaps += [(now - last[out.request_id]) / n] * n
-            last[out.request_id] = now
-            outputs[out.request_id] += out.new_token_ids
-            n_tokens += n
-    elapsed = time.perf_counter() - started
+    n = concurrency * per_slot
+    params = ([SamplingParams(max_tokens=k, ignore_eos=True) for k in lengths] if lengths else
+              [SamplingParams(max_tokens=max_tokens, constraint=constraint)] * n)
+    loop = closed_loop(engine, [(texts[i % len(texts)], params[i]) for i in range(n)], concurrency)
     assert engine.tokenizer is not None
-    texts_out = [engine.tokenizer.decode(t) for t in outputs.values()]
-    return {"output_tokens_per_s": n_tokens / elapsed, "itl_p50_ms": 1000 * statistics.median(gaps),
-            "valid": sum(_valid(t) for t in texts_out) / len(texts_out),
-            "lengths": [len(t) for t in outputs.values()]}
+    texts_out = [engine.tokenizer.decode(t) for t in loop.tokens]
+    return {"output_tokens_per_s": loop.output_tokens_per_s, "itl_p50_ms": loop.itl_p50_ms,
+            "valid": sum(_valid(t) for t in texts_out) / len(texts_out), "lengths": [len(t) for t in loop.tokens]}
 
 
 def _valid(text: str) -> bool:

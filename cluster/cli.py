@@ -27,6 +27,7 @@ from bench.cli import add_parser as add_bench_parser
 from cluster.metrics_targets import add_observe_flags
 from cluster.metrics_targets import add_parser as add_metrics_targets_parser
 from cluster.metrics_targets import metrics_port as _metrics_port
+from cluster.make_model import add_parser as add_make_model_parser
 from cluster.processes import add_parsers as add_process_parsers
 from cluster.status import show_status
 
@@ -39,26 +40,6 @@ def _state_file() -> Path:
     from engine.gguf_checkpoint import cache_root
 
     return cache_root() / "serve.json"
-
-
-def _make_tiny_model(args: argparse.Namespace) -> int:
-    from engine.tiny_model import make_draft_model, make_tiny_model
-
-    if args.draft_of:
-        from cluster.default_model import model_path
-
-        try:
-            target = model_path(None if args.draft_of == "default" else args.draft_of)
-            out = make_draft_model(target, args.dir, args.draft_layers)
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        print(f"wrote a {args.draft_layers}-layer draft of {args.draft_of} to {out} "
-              f"(serve it with --speculative draft:{out})")
-        return 0
-    out = make_tiny_model(args.dir, arch=args.arch, size=args.size, seed=args.seed)
-    print(f"wrote {args.arch}/{args.size} checkpoint (seed {args.seed}) to {out}")
-    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -289,16 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parser(sub)
     _add_client_parsers(sub)
     add_process_parsers(sub)
-    p = sub.add_parser("make-tiny-model", help="write a deterministic HF-format test checkpoint")
-    p.add_argument("dir")
-    p.add_argument("--arch", choices=("llama", "qwen2"), default="llama")
-    p.add_argument("--size", choices=("tiny", "small"), default="tiny")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--draft-of", metavar="MODEL",
-                   help="instead, write a speculative-decoding draft of MODEL (a directory, a .gguf file, or "
-                        "`default`: the embedded model): its first --draft-layers layers")
-    p.add_argument("--draft-layers", type=int, default=1)
-    p.set_defaults(func=_make_tiny_model)
+    add_make_model_parser(sub)
     return parser
 
 

@@ -67,7 +67,7 @@ class Constrainer:
             logits[rows, v:] = float("-inf")
 
     def _forbid(self, row: torch.Tensor, matcher: object) -> None:
-        allowed = torch.from_numpy(self.grammars.allowed(matcher))  # type: ignore[arg-type]
+        allowed = torch.from_numpy(self.grammars.allowed_rows([matcher])[0])  # type: ignore[list-item]
         row[: allowed.shape[0]].masked_fill_(~allowed.to(row.device), float("-inf"))
         row[allowed.shape[0]:] = float("-inf")
 

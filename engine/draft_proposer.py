@@ -54,6 +54,7 @@ class DraftProposer:
         batch = [(self._sync(r), k) for r, k in wanted]
         batch = [(s, k) for s, k in batch if s is not None]
         out: dict[RequestId, list[int]] = {s.request_id: [] for s, _ in batch}
+        want = {s.request_id: k for s, k in batch}
         step = [ScheduledRequest(s, s.num_tokens - s.num_computed_tokens) for s, _ in batch]
         while step:
             tokens = self._forward(step)
@@ -61,7 +62,6 @@ class DraftProposer:
                 s.request.num_computed_tokens += s.num_new_tokens
                 s.request.output_token_ids.append(token)
                 out[s.request.request_id].append(token)
-            want = dict((s.request_id, k) for s, k in batch)
             step = [ScheduledRequest(s.request, 1) for s in step
                     if len(out[s.request.request_id]) < want[s.request.request_id]
                     and self.kv.allocate_slots(s.request, 1)]

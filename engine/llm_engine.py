@@ -269,11 +269,8 @@ class LLMEngine:
         if any(r.matcher is not None for r in requests):
             num_spec = {s.request.request_id: s.num_spec_tokens for s in out.scheduled if s.num_spec_tokens}
             self.constrainer.mask(logits, requests, num_spec)
-        if self.speculator is not None:
-            sampled, verified = self.speculator.sample(self.sampler, out, requests, logits)
-        else:
-            sampled, verified = dict(zip((r.request_id for r in requests), self.sampler.sample(logits, requests),
-                                         strict=True)), {}
+        sampled, verified = (self.speculator.sample(self.sampler, out, requests, logits) if self.speculator is not None
+                             else (self.sampler.sample_by_id(logits, requests), {}))
         kv_tokens = sum(s.request.num_computed_tokens + 1 for s in out.scheduled)
         num_outputs = {s.request.request_id: len(s.request.output_token_ids) for s in out.scheduled}
         updated = self.scheduler.update_after_step(out, sampled, verified)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from engine.request import Request
+from engine.types import RequestId
 
 
 class Sampler:
@@ -35,6 +36,10 @@ class Sampler:
             for i, v in zip(want, lp.tolist(), strict=True):
                 logprobs[i] = v
         return list(zip(tokens.tolist(), logprobs, strict=True))
+
+    def sample_by_id(self, logits: torch.Tensor, requests: list[Request]) -> dict[RequestId, tuple[int, float | None]]:
+        """`sample`, keyed by request id."""
+        return dict(zip((r.request_id for r in requests), self.sample(logits, requests), strict=True))
 
     def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         probs = self.probs(logits, requests)

@@ -64,7 +64,7 @@ class Speculator:
         """The sampled token of each plain request, the verification of each speculating one."""
         num_spec = {s.request.request_id: s.num_spec_tokens for s in out.scheduled if s.num_spec_tokens}
         if not num_spec:
-            return dict(zip((r.request_id for r in requests), sampler.sample(logits, requests), strict=True)), {}
+            return sampler.sample_by_id(logits, requests), {}
         plain_rows, plain, spans, row = [], [], [], 0
         for r in requests:
             k = num_spec.get(r.request_id, 0)
@@ -74,8 +74,7 @@ class Speculator:
                 plain_rows.append(row)
                 plain.append(r)
             row += 1 + k
-        sampled = dict(zip((r.request_id for r in plain), sampler.sample(logits[plain_rows], plain),
-                           strict=True)) if plain else {}
+        sampled = sampler.sample_by_id(logits[plain_rows], plain) if plain else {}
         verified = {}
         for r, row, k in spans:
             v = verified[r.request_id] = verify(sampler, logits[row: row + 1 + k], r, r.spec_token_ids[:k])

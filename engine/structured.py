@@ -8,7 +8,7 @@ tokenizer, and the per-step mask of the tokens it allows (torch-free: routers va
         deep-copied per request), within llguidance's parser limits
     engine: the matcher consumes the tokens already generated under the constraint (the
         request's `constraint_prefix` prompt tokens, a decode worker's first token), then
-        each step: `allowed(matcher)` -> a boolean mask over the vocabulary, applied to the
+        each step: `allowed_rows(matchers)` -> a boolean mask over the vocabulary, applied to the
         logits before sampling; the sampled tokens are consumed; EOS is allowed exactly when
         the constraint is complete, and a request whose constraint is complete and allows
         nothing more stops
@@ -140,10 +140,6 @@ class Grammars:
             self._pool = llguidance.LLExecutor()
         return self._pool
 
-    def allowed(self, matcher: llguidance.LLMatcher) -> np.ndarray:
-        """[vocab_size] bool: the tokens the matcher allows next."""
-        bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
-        return np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
 
 
 def consume(matcher: llguidance.LLMatcher, tokens: Sequence[int], what: str) -> None:

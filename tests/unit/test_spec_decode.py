@@ -2,6 +2,8 @@
 the n-gram proposer, the load-aware policy, exact greedy output and exact blocks."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
@@ -207,3 +209,15 @@ def test_an_abort_between_speculative_steps_frees_every_block_and_the_drafts_kv(
     assert spec.check_invariants().num_in_use == 0
     spec.speculator.propose(spec.scheduler)  # type: ignore[union-attr]
     assert proposer.shadows == {} and proposer.kv.pool.num_free_blocks == proposer.kv.pool.num_blocks
+
+
+def test_make_tiny_model_writes_a_draft_of_a_checkpoint(tiny_llama_dir: str, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import json as _json
+
+    from cluster.cli import main
+
+    assert main(["make-tiny-model", str(tmp_path / "d"), "--draft-of", tiny_llama_dir, "--draft-layers", "1"]) == 0
+    assert _json.loads((tmp_path / "d" / "config.json").read_text())["num_hidden_layers"] == 1
+    assert (tmp_path / "d" / "tokenizer.json").read_bytes() == (Path(tiny_llama_dir) / "tokenizer.json").read_bytes()
+    assert main(["make-tiny-model", str(tmp_path / "e"), "--draft-of", tiny_llama_dir, "--draft-layers", "9"]) == 2
+    assert "keeps 1 to 2 layers, not 9" in capsys.readouterr().err
