@@ -21,6 +21,7 @@ past what was measured and the forecast extrapolates; --warm-up-wave 64 measures
 from __future__ import annotations
 
 import argparse
+import asyncio
 import concurrent.futures
 import json
 import random
@@ -35,6 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster
+from control.reader import RegistryReader
 from engine.tiny_model import make_tiny_model
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
@@ -79,6 +81,19 @@ def ratio_quantiles(address: str) -> dict[str, Any]:
             "ratio_buckets": {str(le): int(n) for le, n in buckets}}
 
 
+def step_profile(redis_url: str, namespace: str) -> dict[str, float]:
+    """The decode worker's start-up profile, "requests x mean context": milliseconds."""
+    async def read() -> dict[str, float]:
+        reader = RegistryReader(redis_url, namespace)
+        try:
+            beats = await reader.heartbeats()
+        finally:
+            await reader.close()
+        flat = next((hb.step_profile for hb in beats.values() if hb.role == "decode"), [])
+        return {f"{n:.0f}x{kv / n:.0f}": round(s * 1e3, 3) for n, kv, s in zip(*[iter(flat)] * 3)}
+    return asyncio.run(read())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-requests", type=int, default=200)
@@ -108,6 +123,7 @@ def main() -> None:
             results = list(pool.map(lambda p: one(cluster.address, p, args.max_tokens), prompts))
         elapsed = time.perf_counter() - started
         metrics = ratio_quantiles(cluster.router_stats()[0]["metrics_address"])
+        profile = step_profile(cluster.redis_url, config.namespace)
     refused = [r for r in results if r["code"] != "OK"]
     by_kind: dict[str, list[float]] = {}
     for r in refused:
@@ -117,7 +133,7 @@ def main() -> None:
         "refused": {k: {"n": len(v), "max_after_s": round(max(v), 2), "p50_after_s": round(sorted(v)[len(v) // 2], 2)}
                     for k, v in sorted(by_kind.items())},
         "other": sorted({r["details"] for r in refused if r["kind"] == "other"})[:3],
-        "elapsed_s": round(elapsed, 1), **metrics, **vars(args)}), flush=True)
+        "elapsed_s": round(elapsed, 1), **metrics, "decode_step_profile_ms": profile, **vars(args)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -91,6 +91,9 @@ class Heartbeat:
     step_model: list[float] = field(default_factory=list)
     """A decode worker's decode step time, [a, b, c]: a + b·requests + c·KV tokens seconds
     (engine/step_model.py); routers forecast admission waits with it. Empty until measured."""
+    step_profile: list[float] = field(default_factory=list)
+    """A decode worker's start-up profile of its decode steps (engine/step_profile.py), flat
+    (requests, KV tokens, seconds) triples; routers prefer it to `step_model`. Empty: none run."""
 
     @property
     def facts(self) -> ModelFacts:
@@ -117,6 +120,10 @@ class Heartbeat:
         model = values.get("step_model", [])
         if len(model) not in (0, 3) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in model):
             raise BadEntry("heartbeat field step_model is not [a, b, c] seconds")
+        profile = values.get("step_profile", [])
+        if len(profile) % 3 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0
+                                       for x in profile) or any(profile[i] < 1 for i in range(0, len(profile), 3)):
+            raise BadEntry("heartbeat field step_profile is not (requests >= 1, KV tokens, seconds) triples")
         if "worker_id" not in values or values.get("role") not in ("prefill", "decode") or \
                 values.get("state", "serving") not in ("starting", "serving", "draining"):
             raise BadEntry(f"heartbeat of {values.get('worker_id')!r:.40} lacks a worker id, a role or a known state")

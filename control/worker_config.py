@@ -64,6 +64,9 @@ class WorkerConfig:
     otlp_endpoint: str | None = None
     """OTLP/gRPC collector for this worker's trace spans (`control.tracing`); None:
     `$OTEL_EXPORTER_OTLP_ENDPOINT`, or no tracing."""
+    step_profile_s: float = 2.0
+    """Decode workers: at most this long, before serving, timing decode steps at batch sizes up
+    to `max_num_seqs` (engine/step_profile.py), for the routers' admission wait forecast; 0: none."""
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     """Speculative decoding; decode workers (and colocated ones) use it, prefill workers stop
     at the first token."""
@@ -82,6 +85,8 @@ class WorkerConfig:
                              f"({self.heartbeat_interval_s})")
         if self.kv_transport not in (None, *TRANSPORTS):
             raise ValueError(f"kv_transport must be one of {TRANSPORTS} or None, got {self.kv_transport!r}")
+        if self.step_profile_s < 0:
+            raise ValueError(f"step_profile_s must be >= 0, got {self.step_profile_s}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
 

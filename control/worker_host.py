@@ -98,6 +98,8 @@ class WorkerHost:
         self.metrics_address = ""
         self.read_step_model: Callable[[], tuple[float, float, float] | None] = lambda: None
         """Decode workers: the engine's step model (engine/step_model.py), for the heartbeat."""
+        self.step_profile: tuple[tuple[float, float, float], ...] = ()
+        """Decode workers: their start-up profile of decode steps (engine/step_profile.py)."""
         self.server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self.publisher = Publisher(redis_url, namespace, worker_id, self.heartbeat, config.heartbeat_interval_s,
@@ -141,7 +143,8 @@ class WorkerHost:
             return None
         return Heartbeat(self.worker_id, self.role, self.address, self.state, self.incarnation,
                          **asdict(self.facts) | asdict(load), metrics_address=self.metrics_address,
-                         sent_at=time.time(), step_model=list(self.read_step_model() or ()))
+                         sent_at=time.time(), step_model=list(self.read_step_model() or ()),
+                         step_profile=[x for row in self.step_profile for x in row])
 
     def refuse_if_not_serving(self) -> tuple[grpc.StatusCode, str] | None:
         """For a new call: None when this worker takes it, else the status to end it with."""

@@ -33,6 +33,7 @@ from control.worker_host import HostedWorker, WorkerHost, engine_load_reader, ne
 from decode_worker.kv_receive import Landed, RemoteFailure, RemoteKV
 from engine.engine_loop import EngineLoop, freeze_startup_heap
 from engine.llm_engine import LLMEngine, RequestOutput
+from engine.step_profile import profile_decode
 from engine.types import RequestId
 from kvfabric import ReceiverConfig
 from kvfabric.pools import kv_allocator
@@ -61,6 +62,7 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
         self.config = config = on_this_node(config)
         self.allocator = kv_allocator(config.device)
         self.engine = LLMEngine(config.engine_config("decode"), allocator=self.allocator)
+        profile = profile_decode(self.engine, config.step_profile_s) if config.step_profile_s > 0 else ()
         self.remote = RemoteKV(self.engine, self.allocator, ReceiverConfig(
             host=config.host, advertise_host=config.advertised_host(redis_url), lease_s=config.kv_lease_s,
             token=cluster_token(config.cluster_secret) if config.cluster_secret else None))
@@ -70,6 +72,7 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
                            e.kv_pool.num_blocks)
         self.host = WorkerHost(worker_id, "decode", config, facts, engine_load_reader(self.loop), redis_url, namespace)
         self.host.read_step_model = lambda: self.engine.step_model.latest  # a tuple swapped whole: read from here
+        self.host.step_profile = profile
         if self.host.metrics is not None:
             self.host.metrics.read_reservations = self.remote.receiver.num_reservations
         self._requests: dict[str, _Decode] = {}

@@ -17,6 +17,8 @@ changes: how many requests, and how much KV.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 DECAY = 0.999
 """Per step: about the last thousand count."""
 RIDGE = 1e-9
@@ -78,3 +80,56 @@ def _solve_subset(m: list[list[float]], v: list[float], free: list[int]) -> list
         if abs(a[r][r]) >= 1e-12:
             out[free[r]] = a[r][k] / a[r][r] / scale[r] ** 0.5
     return out
+
+
+Row = tuple[float, float, float]
+"""A profiled decode step: (requests, KV tokens, seconds)."""
+
+
+def profile_seconds(rows: tuple[Row, ...], num_seqs: float, kv_tokens: float) -> float:
+    """A decode step's time read off a start-up profile (engine/step_profile.py): per profiled
+    batch size, a line in the mean context per request (the two contexts it was run at);
+    between batch sizes, linear; past the largest, the last segment's slope continued. CPU
+    and GPU steps are concave in the batch (weights are read once for all requests), so a
+    line through small batches overstates a burst: the profile spans the batches served."""
+    per_n: dict[float, list[tuple[float, float]]] = {}
+    for n, kv, s in rows:
+        per_n.setdefault(n, []).append((kv / n, s))
+    ctx = kv_tokens / num_seqs if num_seqs > 0 else 0.0
+    points = [(n, _line_at(pts, ctx)) for n, pts in sorted(per_n.items())]
+    if num_seqs <= points[0][0] or len(points) == 1:
+        return points[0][1] if num_seqs <= points[0][0] else points[-1][1]
+    for (n0, v0), (n1, v1) in zip(points, points[1:]):
+        if num_seqs <= n1:
+            return v0 + (v1 - v0) * (num_seqs - n0) / (n1 - n0)
+    (n0, v0), (n1, v1) = points[-2], points[-1]
+    return v1 + max(v1 - v0, 0.0) / (n1 - n0) * (num_seqs - n1)
+
+
+def _line_at(points: list[tuple[float, float]], ctx: float) -> float:
+    """Least squares of seconds on context over one batch size's runs, the slope kept >= 0."""
+    mc = sum(c for c, _ in points) / len(points)
+    ms = sum(s for _, s in points) / len(points)
+    var = sum((c - mc) ** 2 for c, _ in points)
+    slope = max(sum((c - mc) * (s - ms) for c, s in points) / var, 0.0) if var > 0 else 0.0
+    return max(ms + slope * (ctx - mc), 0.0)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What routers know of a decode worker's step time: its start-up profile where it ran
+    one, else the online fit (a, b, c). Equal shapes compare equal (the forecast rescales
+    only on a change)."""
+
+    linear: tuple[float, float, float] | None = None
+    profile: tuple[Row, ...] = ()
+
+    def __bool__(self) -> bool:
+        return self.linear is not None or bool(self.profile)
+
+    def seconds(self, num_seqs: float, kv_tokens: float) -> float:
+        if self.profile:
+            return profile_seconds(self.profile, num_seqs, kv_tokens)
+        assert self.linear is not None
+        a, b, c = self.linear
+        return a + b * num_seqs + c * kv_tokens

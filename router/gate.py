@@ -15,6 +15,7 @@ from typing import NoReturn
 
 import grpc
 
+from engine.step_model import StepShape
 from router.admission import AdmissionConfig, AdmissionQueue, Refused
 from router.attempt import Deadline, Prepared, RequestFailed
 
@@ -94,7 +95,7 @@ class AdmissionGate:
         """An admitted request has sent `num_generated` tokens (the wait forecast times them)."""
         self.queue.forecast.progress(request_id, num_generated)
 
-    def set_step_model(self, model: tuple[float, float, float] | None, num_decode_workers: int) -> None:
+    def set_step_model(self, model: StepShape | None, num_decode_workers: int) -> None:
         """The decode workers' step time model (the wait forecast's per-token time)."""
         self.queue.forecast.set_step_model(model, num_decode_workers)
 

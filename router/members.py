@@ -16,6 +16,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from control.heartbeat import Heartbeat, ModelFacts, Role
+from engine.step_model import Row, StepShape
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,8 @@ class Member:
     facts: ModelFacts
     step_model: tuple[float, ...] = ()
     """A decode worker's step time (a, b, c): a + b·requests + c·KV tokens seconds."""
+    step_profile: tuple[Row, ...] = ()
+    """Its start-up profile: (requests, KV tokens, seconds) per point."""
 
 
 class Members:
@@ -47,7 +50,8 @@ class Members:
         left = [m for w, m in self._members.items()
                 if w not in heartbeats or heartbeats[w].incarnation != m.incarnation]
         self._members = {w: Member(w, hb.role, hb.address, hb.state, hb.incarnation, hb.facts,
-                                   tuple(float(x) for x in hb.step_model))
+                                   tuple(float(x) for x in hb.step_model),
+                                   tuple(zip(*[iter(map(float, hb.step_profile))] * 3)))
                          for w, hb in heartbeats.items() if hb.address}
         self._draining &= set(self._members)
         self._check_facts()
@@ -98,15 +102,22 @@ class Members:
         return sum(self._members[w].facts.num_total_blocks * self._members[w].facts.block_size
                    for w in self.serving("decode"))
 
-    def decode_step_model(self) -> tuple[tuple[float, float, float] | None, int]:
-        """The serving decode workers' step model (the mean of those that measured one) and how
-        many serve."""
-        serving = self.serving("decode")
+    def decode_step_model(self) -> tuple[StepShape | None, int]:
+        """The serving decode workers' step time and how many serve: the mean of their
+        start-up profiles where they ran the same points (else the first worker's, by id), and
+        the mean of the online models of those that measured one."""
+        serving = sorted(self.serving("decode"))
         models = [self._members[w].step_model for w in serving if len(self._members[w].step_model) == 3]
-        if not models:
-            return None, len(serving)
-        a, b, c = (sum(m[i] for m in models) / len(models) for i in range(3))
-        return (a, b, c), len(serving)
+        linear = tuple(sum(m[i] for m in models) / len(models) for i in range(3)) if models else None
+        profiles = [p for w in serving if (p := self._members[w].step_profile)]
+        profile: tuple[Row, ...] = ()
+        if profiles and all([r[:2] for r in p] == [r[:2] for r in profiles[0]] for p in profiles):
+            profile = tuple((n, kv, sum(p[i][2] for p in profiles) / len(profiles))
+                            for i, (n, kv, _) in enumerate(profiles[0]))
+        elif profiles:
+            profile = profiles[0]
+        shape = StepShape(linear, profile)  # type: ignore[arg-type]
+        return (shape if shape else None), len(serving)
 
     def max_decode_blocks(self) -> int:
         return max((self._members[w].facts.num_total_blocks for w in self.serving("decode")), default=0)

@@ -26,8 +26,9 @@ every first token. The replay evaluates them at the load it has at each step. Un
 request that streamed two tokens finished nothing is calibrated and the forecast says None.
 
 A line fitted on the small batches seen so far is a poor guide to a burst several times
-larger. Where the decode workers report their step model (`set_step_model`: a + b·requests
-+ c·KV tokens, fitted on every decode step they ran, engine/step_model.py), it gives the
+larger. Where the decode workers report their step time (`set_step_model`: their start-up
+profile over every batch size they may run, engine/step_profile.py, or else a + b·requests
++ c·KV tokens fitted on the decode steps they ran, engine/step_model.py), it gives the
 time per token at each worker's share of the replay's requests and of their KV, and the
 router's own samples give only its scale (what the router sees beyond the workers' steps):
 the median, over the last `SCALE_SAMPLES` finished requests, of what each measured over
@@ -42,6 +43,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.step_model import StepShape
 from router.linear_fit import LinearFit
 
 EMA_WEIGHT = 0.2
@@ -106,7 +108,7 @@ class WaitForecast:
         """Output tokens generated over `new_tokens` (EMA): below 1 when requests stop early."""
         self.kv_tokens = 0
         """The admitted requests' prompts and tokens generated so far."""
-        self.step_model: tuple[float, float, float] | None = None
+        self.step_model: StepShape | None = None
         self.num_decode_workers = 1
         self._samples: deque[tuple[float, float, float]] = deque(maxlen=SCALE_SAMPLES)
         """The last finished requests' (requests streaming, KV tokens, seconds per token), means
@@ -114,7 +116,7 @@ class WaitForecast:
         self._model_scale: float | None = None
         """Measured time per token over the step model's at the same load (the samples' median)."""
 
-    def set_step_model(self, model: tuple[float, float, float] | None, num_decode_workers: int) -> None:
+    def set_step_model(self, model: StepShape | None, num_decode_workers: int) -> None:
         if (model, max(num_decode_workers, 1)) != (self.step_model, self.num_decode_workers):
             self.step_model, self.num_decode_workers = model, max(num_decode_workers, 1)
             self._rescale()
@@ -125,8 +127,7 @@ class WaitForecast:
 
     def _model_s(self, num_streaming: float, kv_tokens: float, num_workers: int) -> float:
         assert self.step_model is not None
-        a, b, c = self.step_model
-        return max(a + b * num_streaming / num_workers + c * kv_tokens / num_workers, 1e-6)
+        return max(self.step_model.seconds(num_streaming / num_workers, kv_tokens / num_workers), 1e-6)
 
     def per_token_s(self, num_streaming: float, kv_tokens: float) -> float:
         """The forecast time per output token with these requests streaming and KV tokens held."""

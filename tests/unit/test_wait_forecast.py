@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from engine.step_model import StepShape
 from router.admission import AdmissionConfig, AdmissionQueue, Refused
 from router.wait_forecast import Queued, WaitForecast
 from tests.conftest import FakeClock
@@ -222,11 +223,11 @@ def test_the_estimate_error_of_each_queued_request_admitted_is_exported(clock: F
 
 def test_with_the_workers_step_model_a_burst_is_forecast_at_its_own_load(clock: FakeClock) -> None:
     f = WaitForecast(clock)
-    f.set_step_model((0.0, 0.01, 0.0), 1)  # a step takes 10 ms per request streaming
+    f.set_step_model(StepShape((0.0, 0.01, 0.0)), 1)  # a step takes 10 ms per request streaming
     calibrate(f, clock, first_s=0.5, token_s=0.02)  # alone, the router sees 20 ms a token: twice the model
     assert f.per_token_s(1, 0) == pytest.approx(0.02)
     assert f.per_token_s(57, 0) == pytest.approx(2 * 0.57)  # the model's shape, the router's scale
-    f.set_step_model((0.0, 0.01, 0.0), 3)  # three decode workers share the requests
+    f.set_step_model(StepShape((0.0, 0.01, 0.0)), 3)  # three decode workers share the requests
     assert f.per_token_s(57, 0) == pytest.approx(2 * 0.19)
     f.set_step_model(None, 3)  # no model reported: the router's own fit
     assert f.per_token_s(57, 0) == pytest.approx(0.02)
@@ -238,8 +239,8 @@ def test_the_scale_comes_from_requests_that_finished_before_the_model_and_ignore
     for token_s in (0.02, 0.02, 0.02, 0.02, 0.5):  # alone; the last one was held up by something else
         calibrate(f, clock, first_s=0.1, token_s=token_s)
     assert f.per_token_s(1, 0) > 0.1  # no model yet: the router's own (mean) fit, pulled up by the slow one
-    f.set_step_model((0.0, 0.01, 0.0), 1)  # the first model arrives after every request finished
+    f.set_step_model(StepShape((0.0, 0.01, 0.0)), 1)  # the first model arrives after every request finished
     assert f.per_token_s(1, 0) == pytest.approx(0.02)  # scale 2, the median: the slow one does not count
     assert f.per_token_s(57, 0) == pytest.approx(2 * 0.57)
-    f.set_step_model((0.0, 0.005, 0.0), 1)  # a faster model: the same samples, measured against it
+    f.set_step_model(StepShape((0.0, 0.005, 0.0)), 1)  # a faster model: the same samples, measured against it
     assert f.per_token_s(57, 0) == pytest.approx(4 * 0.285)
