@@ -42,12 +42,15 @@ def from_trace(path: Path, limit: int, block_tokens: int, max_prompt_tokens: int
                time_scale: float) -> list[Item]:
     scale = block_tokens / TRACE_BLOCK_TOKENS_ORIG
     items = []
+    blocks: dict[int, list[int]] = {}
     for line in path.read_text().splitlines()[:limit]:
         rec = json.loads(line)
         prompt: list[int] = []
         for h in rec["hash_ids"]:
-            r = random.Random(h)
-            prompt += [r.randrange(3, vocab) for _ in range(block_tokens)]
+            if h not in blocks:
+                r = random.Random(h)
+                blocks[h] = [r.randrange(3, vocab) for _ in range(block_tokens)]
+            prompt += blocks[h]
         prompt = prompt[:max(1, min(int(rec["input_length"] * scale), max_prompt_tokens))]
         items.append(Item(prompt, max(1, int(rec["output_length"] * scale)), rec["timestamp"] / 1000 * time_scale))
     return items

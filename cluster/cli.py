@@ -30,6 +30,7 @@ from cluster.metrics_targets import metrics_port as _metrics_port
 from cluster.make_model import add_parser as add_make_model_parser
 from cluster.processes import add_parsers as add_process_parsers
 from cluster.status import show_status
+from sim.cli import add_parser as add_simulate_parser
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 WATCH_INTERVAL_S = 3.0
@@ -366,6 +367,7 @@ def _add_client_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignor
     st.set_defaults(func=lambda a: show_status(a, _cluster_redis))
     add_metrics_targets_parser(sub, _cluster_redis)
     add_bench_parser(sub)
+    add_simulate_parser(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,7 +48,7 @@ from cluster.config import ClusterConfig, RouterConfig
 from cluster.controller_metrics import ControllerMetrics
 from cluster.controller_recovery import Recovery
 from cluster.controller_state import ROLES, History, Worker
-from cluster.pool_gauge import PoolGauge
+from cluster.pool_gauge import PoolGauge, removal_cost
 from cluster.ray_calls import await_ref
 from cluster.router_pool import RouterPool
 from control.heartbeat import Heartbeat, Role, controller_key, hb_key, kv_key, target_key
@@ -231,11 +231,7 @@ class Controller(Recovery):
                 self._spawn(self._drain(min(serving, key=self._cost)))
 
     def _cost(self, w: Worker) -> tuple[int, int, str]:
-        """What removing this worker costs: its running requests, then its cached KV."""
-        hb = self._beats.get(w.worker_id)
-        if hb is None:
-            return (0, 0, w.worker_id)
-        return (hb.num_running + hb.num_waiting, hb.num_cached_blocks, w.worker_id)
+        return removal_cost(w.worker_id, self._beats.get(w.worker_id))
 
     async def _drain(self, w: Worker) -> None:
         """Routers first (no new requests), then the worker (finish or hand back the running

@@ -47,3 +47,11 @@ class PoolGauge:
         return PoolMetrics(states.count("serving"), states.count("starting"), states.count("draining"),
                            sum(b.queued_prefill_tokens for b in queued_from), rate, used,
                            sum(b.num_total_blocks for b in own), None)
+
+
+def removal_cost(worker_id: str, hb: Heartbeat | None) -> tuple[int, int, str]:
+    """What removing this worker costs, the controller's order for a drain: its running
+    requests, then its cached KV (then its id, for a stable choice)."""
+    if hb is None:
+        return (0, 0, worker_id)
+    return (hb.num_running + hb.num_waiting, hb.num_cached_blocks, worker_id)

@@ -80,6 +80,7 @@ class GPU:
 
 
 H100_SXM = GPU("h100-sxm", peak_flops=989e12, hbm_bytes_per_s=3.35e12, memory_bytes=80e9, nvlink_bytes_per_s=450e9)
+GPUS = {g.name: g for g in (H100_SXM,)}
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,10 @@
         context before them) -> the step ends `duration` later -> each sampled request gets
         its next token (a deterministic id per request and position: the prefix cache sees
         outputs as it would real ones) -> update_after_step -> what got a token and what ended
+    role prefill: a request ends at its first token and its blocks are held for the transfer
+        (`release_handoff` frees them), as LLMEngine's hand-off does
+    role decode: `add_remote` reserves blocks for a prompt computed elsewhere (the scheduler's
+        remote-KV admission, cached prefix reused), `remote_ready` joins it to the batch
 
 Nothing here decides anything: scheduling, admission to the batch, block accounting and
 eviction are the engine's own code; only the forward pass is a number.
@@ -21,9 +25,9 @@ from engine.block_pool import BlockPool
 from engine.config import SchedulerConfig
 from engine.hashing import BlockHasher
 from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, SamplingParams
+from engine.request import FinishReason, Request, SamplingParams
 from engine.scheduler import Scheduler
-from engine.types import RequestId
+from engine.types import BlockId, EngineLoad, RequestId
 
 StepCost = Callable[[Sequence[tuple[int, int]], int], float]
 """(chunks of (new tokens, tokens computed before), requests sampled) -> seconds."""
@@ -36,13 +40,20 @@ class StepResult:
     """Requests that got a token this step, and how many they have now."""
     finished: list[RequestId] = field(default_factory=list)
     num_preempted: int = 0
+    first: dict[RequestId, tuple[int, int]] = field(default_factory=dict)
+    """Requests that got their first token this step: (the token, prompt tokens that were cached)."""
 
 
 class SimEngine:
     def __init__(self, cost: StepCost, num_blocks: int, block_size: int, vocab_size: int,
                  scheduler: SchedulerConfig | None = None, secret: bytes = b"sim", model_id: str = "sim",
-                 max_model_len: int = 1 << 20, protected_fraction: float = 0.5) -> None:
-        self.cost, self.vocab_size = cost, vocab_size
+                 max_model_len: int = 1 << 20, protected_fraction: float = 0.5, role: str = "both") -> None:
+        self.cost, self.vocab_size, self.role = cost, vocab_size, role
+        self.block_size = block_size
+        self.handed_off: dict[RequestId, list[BlockId]] = {}
+        """Prefill role: blocks held for the transfer of a finished prompt."""
+        self.num_prompt_tokens = 0
+        self.num_cached_tokens = 0
         self.now = 0.0
         self.pool = BlockPool(num_blocks, True, protected_fraction)
         self.kv = KVCacheManager(self.pool, BlockHasher(secret, model_id, block_size))
@@ -56,8 +67,36 @@ class SimEngine:
         self.scheduler.add_request(r)
         return r
 
+    def add_remote(self, request_id: str, prompt: list[int], max_tokens: int) -> Request | None:
+        """Decode role: blocks reserved for a prompt whose KV comes from a prefill worker (its
+        cached prefix reused: `num_cached_tokens`); None when the pool cannot hold it."""
+        r = Request(RequestId(request_id), prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                    arrival_time=self.now)
+        return r if self.scheduler.add_remote_request(r) else None
+
+    def remote_ready(self, request_id: str, first_token: int) -> bool:
+        """The KV landed with the first token; True when that token already ends the request
+        (its context is full)."""
+        r = self.scheduler.requests[RequestId(request_id)]
+        self.num_prompt_tokens += r.num_prompt_tokens
+        self.num_cached_tokens += r.num_cached_tokens
+        self.scheduler.remote_kv_ready(RequestId(request_id), first_token)
+        return r.is_finished
+
+    def release_handoff(self, request_id: str) -> None:
+        blocks = self.handed_off.pop(RequestId(request_id), None)
+        if blocks is not None:
+            self.pool.free(reversed(blocks))
+
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort(RequestId(request_id))
+
+    def load(self) -> EngineLoad:
+        """As LLMEngine.load, for heartbeats."""
+        u, s = self.pool.usage(), self.scheduler
+        queued = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in [*s.waiting, *s.running])
+        return EngineLoad(u.num_total, u.num_free, u.num_cached, len(s.running), len(s.waiting), queued,
+                          self.num_prompt_tokens, self.num_cached_tokens, s.num_preemptions)
 
     @property
     def has_work(self) -> bool:
@@ -76,8 +115,17 @@ class SimEngine:
         self.busy_s += duration
         self.now = now + duration
         updated = self.scheduler.update_after_step(out, sampled)
+        first = {}
+        for r in updated:
+            if len(r.output_token_ids) == 1:  # its first token: counted as LLMEngine counts it
+                self.num_prompt_tokens += r.num_prompt_tokens
+                self.num_cached_tokens += r.num_cached_tokens
+                first[r.request_id] = (r.output_token_ids[0], r.num_cached_tokens)
+            if self.role == "prefill" and not r.is_finished:
+                self.handed_off[r.request_id] = self.kv.take_blocks(r)
+                self.scheduler.finish(r, FinishReason.PREFILL_DONE, keep_blocks=True)
         return StepResult(duration, {r.request_id: len(r.output_token_ids) for r in updated},
-                          [r.request_id for r in updated if r.is_finished], len(out.preempted_ids))
+                          [r.request_id for r in updated if r.is_finished], len(out.preempted_ids), first)
 
     def token_for(self, request: Request) -> int:
         """The token a request gets at its next position: fixed by its id and the position."""

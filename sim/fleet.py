@@ -1,0 +1,502 @@
+"""Fleet: a splitserve cluster on a virtual clock, run by its own decision code.
+
+    arrivals --> router: AdmissionQueue (admission, its wait forecast, revision), KVIndex +
+                 LoadBook + choose_route / choose_round_robin (router/) --> a worker:
+    SimEngine (the real Scheduler, KVCacheManager, BlockPool; sim/engine_sim.py) per worker
+    P/D: the decode worker reserves blocks (remote-KV admission) under a kvfabric lease
+         (kvfabric/reservations.py ReservationTable: bind, renew, ready, expire); the prefill
+         worker's first token ends its part; the KV lands a transfer time later
+    autoscaler: PoolGauge (cluster/pool_gauge.py) -> decide (cluster/autoscaler.py) -> the
+         controller's launch (a worker serves `startup_s` later) or drain (the cheapest one
+         by `removal_cost`, stopped once its requests are done)
+
+What is not splitserve's code is the world around it: time (an event heap), the forward pass
+(a cost model prices each step's real composition), the wire (a transfer time), and the
+client (an `Outcome` per request, bench's own, so a run is summarised as `splitserve bench`
+summarises one). The sim's simplifications, each stated where it is made: one router; KV
+events reach the index when the step that made them ends (a real router sees them a few
+ms later); heartbeats every `heartbeat_s`, as configured for real workers; the KV push
+overlaps the prefill's chunks, so at the first token only the last chunk's blocks are left
+to move; no worker fails.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from bench.runner import Outcome, Run
+from bench.workload import Item
+from cluster.autoscaler import AutoscaleConfig, AutoscaleState, decide
+from cluster.pool_gauge import PoolGauge, removal_cost
+from control.heartbeat import Heartbeat
+from engine.config import SchedulerConfig
+from engine.hashing import BlockHasher
+from kvfabric.reservations import KVArrived, ReservationTable
+from router.admission import AdmissionConfig, AdmissionQueue, Refused
+from router.frontend import ItlWindow, blocks_for
+from router.kv_index import KVIndex
+from router.loads import Booking, LoadBook
+from router.policy import RouteDecision, RoutingConfig, choose_round_robin, choose_route
+from sim.engine_sim import SimEngine, StepResult
+
+Role = Literal["prefill", "decode"]
+TICK_S = 0.1
+"""The router's timer (admission revision and expiry, lease renewal), as the real one."""
+AUTOSCALE_TICK_S = 1.0
+VOCAB = 128256
+
+
+class Hardware(Protocol):
+    """What a worker's forward pass and the wire cost (sim/cost_model.py Roofline, or the CPU fit)."""
+
+    def step_s(self, chunks: list[tuple[int, int]], num_sampled: int | None = None) -> float: ...
+
+    def transfer_s(self, num_tokens: int, same_node: bool) -> float: ...
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    num_prefill: int = 4
+    num_decode: int = 4
+    """Prefill workers 0 (mode colocated): the decode workers prefill everything themselves."""
+    num_blocks: int = 27000
+    """KV blocks per worker (Roofline.kv_capacity_tokens // block_size for a GPU model)."""
+    block_size: int = 16
+    max_model_len: int = 131072
+    gpus_per_worker: int = 1
+    gpus_per_node: int = 8
+    """Workers fill nodes in order; P and D on one node move KV over NVLink, else the NIC."""
+    routing: RoutingConfig = field(default_factory=lambda: RoutingConfig(mode="disaggregated"))
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    autoscale: AutoscaleConfig | None = None
+    """None: fixed pools."""
+    startup_s: float = 30.0
+    """A scaled-up worker serves this long after the decision (placement, weights, warm-up)."""
+    heartbeat_s: float = 0.5
+    kv_lease_s: float = 10.0
+    kv_wait_s: float = 1.0
+    """How long a request waits for a decode worker with room (RouterConfig.kv_wait_s)."""
+    seed: int = 0
+
+    @property
+    def num_gpus(self) -> int:
+        return (self.num_prefill + self.num_decode) * self.gpus_per_worker
+
+
+@dataclass
+class Worker:
+    worker_id: str
+    role: Role
+    engine: SimEngine
+    node: int
+    created_at: float
+    state: str = "starting"
+    busy: bool = False
+    stopped_at: float | None = None
+    table: ReservationTable | None = None
+    """Decode workers: the KV reservations prefill workers write into."""
+
+
+@dataclass
+class Flight:
+    """One request in the fleet, as the router follows it."""
+
+    rid: str
+    item: Item
+    outcome: Outcome
+    hashes: list[bytes]
+    cost_tokens: int
+    admitted_at: float | None = None
+    decision: RouteDecision | None = None
+    booking: Booking | None = None
+    reservation_id: int | None = None
+    last_token_at: float | None = None
+    room_until: float = 0.0
+    done: bool = False
+
+
+@dataclass
+class FleetResult:
+    run: Run
+    gpu_seconds: float
+    actions: list[tuple[float, str]]
+    """Each scale action: (virtual time, the autoscaler's reason)."""
+    pool_sizes: list[tuple[float, int, int]]
+    """(time, prefill workers, decode workers) after each change."""
+    config: FleetConfig
+    stats: dict[str, Any]
+
+
+class Fleet:
+    def __init__(self, config: FleetConfig, hardware: Hardware, items: list[Item]) -> None:
+        self.config, self.hw = config, hardware
+        self.now = 0.0
+        self._events: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
+        self._seq = itertools.count()
+        clock = self._clock
+        self.queue = AdmissionQueue(config.admission, clock)
+        self.index = KVIndex(clock)
+        self.loads = LoadBook({})
+        self.rng = random.Random(config.seed)
+        self.hasher = BlockHasher(b"sim", "sim", config.block_size)
+        self.itl = ItlWindow()
+        self.gauge = PoolGauge(clock)
+        self.scale_state = AutoscaleState()
+        self.targets = {"prefill": config.num_prefill, "decode": config.num_decode}
+        self.workers: dict[str, Worker] = {}
+        self._ids = {"prefill": itertools.count(), "decode": itertools.count()}
+        self._gpus = itertools.count()
+        self.flights: dict[str, Flight] = {}
+        self.pushing: dict[str, Flight] = {}
+        """Remote prefills whose KV has not landed: their prefill worker renews the lease."""
+        self.waiting_room: list[Flight] = []
+        """Routed requests no decode worker had KV room for (retried as bookings end)."""
+        self.actions: list[tuple[float, str]] = []
+        self.pool_sizes: list[tuple[float, int, int]] = []
+        self.stats = {"num_local_prefill": 0, "num_remote_prefill": 0, "num_kv_waits": 0, "num_steps": 0}
+        self._turn = 0
+        self._timers = {self._tick, self._heartbeats, self._autoscale}
+        self._num_work = 0
+        """Events other than timers in the heap: none left, and no request can move."""
+        self._items = items
+        self._left = len(items)
+        for role, n in _interleaved(config.num_prefill, config.num_decode):
+            self._launch(role, ready_at=0.0)
+        self._record_sizes()
+
+    def _clock(self) -> float:
+        return self.now
+
+    # -- the loop ------------------------------------------------------------------------
+    def at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), fn, args))
+        self._num_work += fn not in self._timers
+
+    def run(self) -> FleetResult:
+        for i, item in enumerate(self._items):
+            self.at(item.at_s or 0.0, self._arrive, i, item)
+        self.at(TICK_S, self._tick)
+        self.at(0.0, self._heartbeats)
+        if self.config.autoscale is not None:
+            self.at(AUTOSCALE_TICK_S, self._autoscale)
+        while self._events and self._left:
+            self.now, _, fn, args = heapq.heappop(self._events)
+            self._num_work -= fn not in self._timers
+            fn(*args)
+            if self._left and not self._num_work and not self.queue.num_queued and not self.waiting_room:
+                stuck = [f.rid for f in self.flights.values() if not f.done]
+                raise RuntimeError(f"simulation stuck at {self.now:.1f} s: nothing can move {stuck[:5]}")
+        end = self.now
+        gpu_s = sum(((w.stopped_at if w.stopped_at is not None else end) - w.created_at)
+                    for w in self.workers.values()) * self.config.gpus_per_worker
+        outcomes = [f.outcome for f in self.flights.values()]
+        return FleetResult(Run(outcomes, end - min((o.sent_s for o in outcomes), default=0.0)), gpu_s,
+                           self.actions, self.pool_sizes, self.config, dict(self.stats))
+
+    # -- workers -------------------------------------------------------------------------
+    def _launch(self, role: Role, ready_at: float) -> Worker:
+        c = self.config
+        wid = f"{role}-{next(self._ids[role])}"
+        node = next(self._gpus) * c.gpus_per_worker // c.gpus_per_node
+        engine = SimEngine(self.hw.step_s, c.num_blocks, c.block_size, VOCAB, c.scheduler, model_id="sim",
+                           max_model_len=c.max_model_len, role=role)
+        w = self.workers[wid] = Worker(wid, role, engine, node, self.now)
+        if role == "decode":
+            w.table = ReservationTable(self._clock, c.kv_lease_s)
+        self.loads.num_blocks[wid] = c.num_blocks
+        self.at(ready_at, self._ready, w)
+        return w
+
+    def _ready(self, w: Worker) -> None:
+        if w.state == "starting":
+            w.state = "serving"
+            self._record_sizes()
+            self._retry_room()
+
+    def serving(self, role: Role) -> list[str]:
+        return [w.worker_id for w in self.workers.values() if w.role == role and w.state == "serving"]
+
+    def _wake(self, w: Worker) -> None:
+        if w.busy or w.stopped_at is not None or not w.engine.has_work:
+            return
+        result = w.engine.step(self.now)
+        self.stats["num_steps"] += 1
+        if result.duration_s > 0:
+            w.busy = True
+            self.at(self.now + result.duration_s, self._step_done, w, result)
+
+    def _step_done(self, w: Worker, result: StepResult) -> None:
+        w.busy = False
+        for e in w.engine.pool.take_events():
+            self.index.apply(w.worker_id, e)
+        for rid, num_tokens in result.tokens.items():
+            f = self.flights.get(rid)
+            if f is not None and not f.done:
+                self._token(f, w, num_tokens, result.first.get(rid))
+        if w.role == "decode":
+            for rid in result.finished:
+                f = self.flights.get(rid)
+                if f is not None and not f.done:
+                    self._finish(f, "OK")
+        self._wake(w)
+        self._stop_if_drained(w)
+
+    # -- requests ------------------------------------------------------------------------
+    def _arrive(self, i: int, item: Item) -> None:
+        c = self.config
+        rid = f"r{i}"
+        outcome = Outcome(sent_s=self.now, num_prompt=len(item.prompt))
+        n = len(item.prompt)
+        f = self.flights[rid] = Flight(rid, item, outcome, [], 0)
+        if n + 1 > c.max_model_len:
+            self._fail(f, "INVALID_ARGUMENT")
+            return
+        f.hashes = self.hasher.hash_prompt(item.prompt, "")
+        workers = [*self.serving("decode"), *self.serving("prefill")]
+        best = max(self.index.overlap(f.hashes, workers).values(), default=0) if workers else 0
+        new_tokens = min(item.max_tokens, c.max_model_len - n)
+        f.cost_tokens = n - min(best * c.block_size, n - 1) + new_tokens
+        offered = self.queue.offer(rid, 0, f.cost_tokens, None, "", new_tokens)
+        if isinstance(offered, Refused):
+            self._fail(f, "RESOURCE_EXHAUSTED")
+        elif offered:
+            self._admitted(f)
+
+    def _admitted(self, f: Flight) -> None:
+        f.admitted_at = self.now
+        f.room_until = self.now + self.config.kv_wait_s
+        self._dispatch(f)
+
+    def _dispatch(self, f: Flight) -> bool:
+        """Routes and starts the request; False (it waits for room) when no decode worker has any."""
+        c = self.config
+        decision = self._route(f)
+        if decision is None:
+            if f not in self.waiting_room:
+                self.stats["num_kv_waits"] += 1
+                self.waiting_room.append(f)
+            return False
+        d, p = self.workers[decision.decode_worker], decision.prefill_worker
+        n = len(f.item.prompt)
+        cached = decision.num_decode_cached_blocks if p is None else decision.num_prefill_cached_blocks
+        f.booking = self.loads.book(d.worker_id, p, n - cached * c.block_size, blocks_for(n, c.block_size))
+        self.index.predict(d.worker_id, f.hashes)
+        f.decision = decision
+        if p is None:
+            self.stats["num_local_prefill"] += 1
+            d.engine.add(f.rid, f.item.prompt, f.item.max_tokens)
+            self._wake(d)
+            return True
+        request = d.engine.add_remote(f.rid, f.item.prompt, f.item.max_tokens)
+        if request is None:  # the load book's view was stale: wait for room as the router does
+            f.booking.end()
+            f.booking = None
+            self.waiting_room.append(f)
+            return False
+        self.stats["num_remote_prefill"] += 1
+        self.index.predict(p, f.hashes)
+        assert d.table is not None
+        res = d.table.add(f.rid, list(request.block_ids), request.num_cached_tokens // c.block_size)
+        d.table.bind(res.reservation_id, writer=_writer(p), one_sided=True)
+        f.reservation_id = res.reservation_id
+        self.pushing[f.rid] = f
+        pw = self.workers[p]
+        pw.engine.add(f.rid, f.item.prompt, 1)
+        self._wake(pw)
+        return True
+
+    def _route(self, f: Flight) -> RouteDecision | None:
+        c = self.config
+        decodes = [self.loads.load(w) for w in self.serving("decode")]
+        prefills = [self.loads.load(w) for w in self.serving("prefill")]
+        n = len(f.item.prompt)
+        blocks = blocks_for(n, c.block_size)
+        if c.routing.policy == "round_robin":
+            self._turn += 1
+            return choose_round_robin(self._turn, n, blocks, decodes, prefills, c.routing)
+        overlap = self.index.overlap(f.hashes, [w.worker_id for w in (*decodes, *prefills)])
+        return choose_route(n, blocks, overlap, decodes, prefills, c.routing, c.block_size, self.rng)
+
+    def _token(self, f: Flight, w: Worker, num_tokens: int, first: tuple[int, int] | None) -> None:
+        o = f.outcome
+        if o.ttft_s is None and first is not None:  # from P (then the KV moves to D) or from D itself
+            o.ttft_s = self.now - o.sent_s
+            o.num_cached = first[1]
+            assert f.booking is not None and f.admitted_at is not None
+            f.booking.prefilled()
+            for rid in self.queue.observe_ttft(self.now - f.admitted_at, f.cost_tokens):
+                self._admitted(self.flights[rid])
+            if w.role == "prefill":
+                self._push(f, w, first[0])
+        elif o.ttft_s is not None:
+            assert f.last_token_at is not None
+            gap = self.now - f.last_token_at
+            o.itls_s.append(gap)
+            self.itl.observe(gap, 1)
+        o.num_out = num_tokens
+        f.last_token_at = self.now
+        self.queue.forecast.progress(f.rid, num_tokens)
+
+    def _push(self, f: Flight, p: Worker, first_token: int) -> None:
+        """The first token is out; the blocks of the last chunk still go to D (the earlier ones
+        went while later chunks computed)."""
+        assert f.decision is not None
+        d = self.workers[f.decision.decode_worker]
+        if f.item.max_tokens <= 1:
+            p.engine.release_handoff(f.rid)
+            self._finish(f, "OK")
+            return
+        n = len(f.item.prompt)
+        last_chunk = min(n - f.outcome.num_cached, self.config.scheduler.max_num_batched_tokens)
+        t = self.hw.transfer_s(max(last_chunk, 1), same_node=d.node == p.node)
+        self.at(self.now + t, self._landed, f, p, d, first_token)
+
+    def _landed(self, f: Flight, p: Worker, d: Worker, first_token: int) -> None:
+        p.engine.release_handoff(f.rid)
+        self.pushing.pop(f.rid, None)
+        self._stop_if_drained(p)
+        if f.done or d.table is None or f.reservation_id is None:
+            return
+        res = d.table.get(f.reservation_id)
+        if res is not None:
+            d.table.record_written(res.reservation_id, _writer(p.worker_id),
+                                   [(res.num_skip_blocks, len(res.block_ids) - res.num_skip_blocks)])
+            d.table.ready(res.reservation_id, _writer(p.worker_id), first_token, len(f.item.prompt))
+        for event in d.table.take_events():
+            if isinstance(event, KVArrived) and event.request_id == f.rid:
+                if d.engine.remote_ready(f.rid, first_token):
+                    self._finish(f, "OK")
+                self._wake(d)
+            elif event.request_id == f.rid:
+                self._fail(f, "UNAVAILABLE")
+
+    def _finish(self, f: Flight, code: str) -> None:
+        f.done = True
+        f.outcome.code = code
+        f.outcome.end_s = self.now
+        self._left -= 1
+        if f.booking is not None:
+            f.booking.end()
+        admitted = self.queue.release(f.rid)
+        self.pushing.pop(f.rid, None)
+        if f.decision is not None:
+            d = self.workers[f.decision.decode_worker]
+            if d.table is not None:
+                d.table.cancel(f.rid)
+            d.engine.abort(f.rid)
+            self._stop_if_drained(d)
+            if f.decision.prefill_worker is not None:
+                self.workers[f.decision.prefill_worker].engine.abort(f.rid)
+        for rid in admitted:
+            self._admitted(self.flights[rid])
+        self._retry_room()
+
+    def _fail(self, f: Flight, code: str) -> None:
+        f.outcome.details = code
+        self._finish(f, code)
+
+    def _retry_room(self) -> None:
+        room, self.waiting_room = self.waiting_room, []
+        for i, f in enumerate(room):
+            if not f.done and not self._dispatch(f):
+                self.waiting_room += [g for g in room[i + 1:] if g not in self.waiting_room]
+                return
+
+    # -- timers --------------------------------------------------------------------------
+    def _tick(self) -> None:
+        for rid, refusal in self.queue.revise():
+            self._fail(self.flights[rid], "RESOURCE_EXHAUSTED")
+        for rid in self.queue.expire():
+            self._fail(self.flights[rid], "RESOURCE_EXHAUSTED")
+        for f in [f for f in self.waiting_room if f.room_until <= self.now]:
+            self.waiting_room.remove(f)
+            self._fail(f, "RESOURCE_EXHAUSTED")
+        for f in list(self.pushing.values()):  # the push lanes renew their leases
+            assert f.decision is not None and f.decision.prefill_worker is not None and f.reservation_id is not None
+            table = self.workers[f.decision.decode_worker].table
+            assert table is not None
+            table.renew(f.reservation_id, _writer(f.decision.prefill_worker))
+        for w in self.workers.values():
+            if w.table is not None and len(w.table):
+                w.table.expire()
+                for event in w.table.take_events():  # a lease ran out: the router sees the stream fail
+                    if (f := self.flights.get(event.request_id)) is not None and not f.done:
+                        self._fail(f, "UNAVAILABLE")
+        if self._left:
+            self.at(self.now + TICK_S, self._tick)
+
+    def _heartbeats(self) -> None:
+        beats = {w.worker_id: self._beat(w) for w in self.workers.values() if w.stopped_at is None}
+        self.loads.set_heartbeats(beats)
+        if self._left:
+            self.at(self.now + self.config.heartbeat_s, self._heartbeats)
+
+    def _beat(self, w: Worker) -> Heartbeat:
+        load = w.engine.load()
+        return Heartbeat(w.worker_id, w.role, state=w.state, model_id="sim",  # type: ignore[arg-type]
+                         block_size=self.config.block_size, vocab_size=VOCAB, max_model_len=self.config.max_model_len,
+                         num_total_blocks=load.num_total_blocks, num_free_blocks=load.num_free_blocks,
+                         num_cached_blocks=load.num_cached_blocks, num_running=load.num_running,
+                         num_waiting=load.num_waiting, queued_prefill_tokens=load.queued_prefill_tokens,
+                         num_prompt_tokens=load.num_prompt_tokens, num_cached_tokens=load.num_cached_tokens)
+
+    def _autoscale(self) -> None:
+        c = self.config
+        assert c.autoscale is not None
+        members = [(w.worker_id, w.role, w.state) for w in self.workers.values() if w.stopped_at is None]
+        beats = {w: self.loads.heartbeats[w] for w, _, _ in members if w in self.loads.heartbeats}
+        snapshot = self.gauge.snapshot(members, beats, {"sim": {"itl_p50_ms": self.itl.p50_ms(),
+                                                                "num_queued": self.queue.num_queued}})
+        decision = decide(snapshot, self.scale_state, self.now, c.autoscale)
+        self.scale_state = decision.state
+        if "->" in decision.reason:
+            self.actions.append((self.now, decision.reason))
+        for role in ("prefill", "decode"):
+            self._reconcile(role, decision.target(role))  # type: ignore[arg-type]
+        self.itl.samples.clear()  # the next tick measures its own window
+        if self._left:
+            self.at(self.now + AUTOSCALE_TICK_S, self._autoscale)
+
+    def _reconcile(self, role: Role, target: int) -> None:
+        """As the controller: launch up to the target; over it, drain the cheapest serving worker."""
+        live = [w for w in self.workers.values() if w.role == role and w.state in ("starting", "serving")]
+        for _ in range(target - len(live)):
+            self._launch(role, ready_at=self.now + self.config.startup_s)
+        draining = any(w.role == role and w.state == "draining" for w in self.workers.values())
+        serving = [w for w in live if w.state == "serving"]
+        if len(live) > target and not draining and serving:
+            w = min(serving, key=lambda w: removal_cost(w.worker_id, self.loads.heartbeats.get(w.worker_id)))
+            w.state = "draining"
+            self._stop_if_drained(w)
+        self._record_sizes()
+
+    def _stop_if_drained(self, w: Worker) -> None:
+        if w.state == "draining" and not w.busy and not w.engine.has_work and not w.engine.handed_off \
+                and not w.engine.scheduler.requests:
+            w.state, w.stopped_at = "stopped", self.now
+            self.loads.num_blocks.pop(w.worker_id, None)
+            self.index.forget_worker(w.worker_id)
+            self._record_sizes()
+
+    def _record_sizes(self) -> None:
+        sizes = tuple(sum(w.role == r and w.state in ("serving", "draining") for w in self.workers.values())
+                      for r in ("prefill", "decode"))
+        if not self.pool_sizes or self.pool_sizes[-1][1:] != sizes:
+            self.pool_sizes.append((self.now, *sizes))
+
+
+def _writer(worker_id: str) -> int:
+    """A prefill worker's writer id in reservation tables (any stable int per worker)."""
+    return hash(worker_id) & 0x7FFFFFFF
+
+
+def _interleaved(num_prefill: int, num_decode: int) -> list[tuple[Role, int]]:
+    """Launch order spreading each role evenly over the nodes (so most P/D pairs share one)."""
+    order = sorted([((i + 0.5) / num_prefill, "prefill") for i in range(num_prefill)]
+                   + [((i + 0.5) / num_decode, "decode") for i in range(num_decode)])
+    return [(role, 1) for _, role in order]  # type: ignore[misc]
