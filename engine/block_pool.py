@@ -68,6 +68,8 @@ class BlockPool:
         )
         self._protected: OrderedDict[BlockId, None] = OrderedDict()
         self._cached: dict[BlockHash, BlockId] = {}
+        self._num_hashed_in_use = 0
+        """Blocks with a hash and a holder: the cached ones not evictable (`usage` in O(1))."""
         self._events: list[KVEvent] = []
         self._next_event_id = 0
 
@@ -116,6 +118,7 @@ class BlockPool:
         for block_id in block_ids:
             if self._ref_cnt[block_id] == 0:
                 (self._protected if block_id in self._protected else self._free).pop(block_id)
+                self._num_hashed_in_use += self._hash[block_id] is not None
             self._ref_cnt[block_id] += 1
             self._reused[block_id] = self._hash[block_id] is not None
 
@@ -129,6 +132,7 @@ class BlockPool:
             self._ref_cnt[block_id] -= 1
             if self._ref_cnt[block_id] > 0:
                 continue
+            self._num_hashed_in_use -= self._hash[block_id] is not None
             if self._hash[block_id] is None:
                 self._free[block_id] = None
                 self._free.move_to_end(block_id, last=False)
@@ -161,6 +165,7 @@ class BlockPool:
                 continue
             self._hash[block_id] = block_hash
             self._cached[block_hash] = block_id
+            self._num_hashed_in_use += self._ref_cnt[block_id] > 0
             stored.append(block_hash)
         if stored:
             self._emit("stored", stored, parent_block_hash)
@@ -183,13 +188,18 @@ class BlockPool:
         return events
 
     def usage(self) -> PoolUsage:
-        in_use = sum(1 for c in self._ref_cnt if c > 0)
-        cached = sum(1 for b in self._free if self._hash[b] is not None) + len(self._protected)
-        return PoolUsage(self.num_blocks, len(self._free) + len(self._protected) - cached, cached, in_use)
+        """O(1): heartbeats read it every half second, on pools of tens of thousands of blocks."""
+        unheld = len(self._free) + len(self._protected)
+        cached = len(self._cached) - self._num_hashed_in_use
+        return PoolUsage(self.num_blocks, unheld - cached, cached, self.num_blocks - unheld)
 
     def check_invariants(self) -> PoolUsage:
         """free + cached + in_use == total, and every index agrees with ref counts."""
         u = self.usage()
+        in_use = sum(1 for c in self._ref_cnt if c > 0)
+        cached = sum(1 for b in self._free if self._hash[b] is not None) + len(self._protected)
+        if (u.num_in_use, u.num_cached) != (in_use, cached):
+            raise InvariantError(f"block counts {u} disagree with the blocks: {in_use} in use, {cached} cached")
         if u.num_free + u.num_cached + u.num_in_use != u.num_total:
             raise InvariantError(f"block accounting broken: {u}")
         for b, c in enumerate(self._ref_cnt):

@@ -27,7 +27,7 @@ from engine.hashing import BlockHasher
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import FinishReason, Request, SamplingParams
 from engine.scheduler import Scheduler
-from engine.types import BlockId, EngineLoad, RequestId
+from engine.types import BlockHash, BlockId, EngineLoad, RequestId
 
 StepCost = Callable[[Sequence[tuple[int, int]], int], float]
 """(chunks of (new tokens, tokens computed before), requests sampled) -> seconds."""
@@ -61,17 +61,21 @@ class SimEngine:
         self.busy_s = 0.0
         """Virtual seconds spent in steps (the worker's busy time)."""
 
-    def add(self, request_id: str, prompt: list[int], max_tokens: int, priority: int = 0, tenant: str = "") -> Request:
+    def add(self, request_id: str, prompt: list[int], max_tokens: int, priority: int = 0, tenant: str = "",
+            block_hashes: list[BlockHash] | None = None) -> Request:
+        """`block_hashes`: the prompt's, when the router hashed it already under the same key
+        (the engine's own hashing gives the same list; this only saves computing it twice)."""
         r = Request(RequestId(request_id), prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                    arrival_time=self.now, priority=priority, tenant=tenant)
+                    arrival_time=self.now, priority=priority, tenant=tenant, block_hashes=list(block_hashes or ()))
         self.scheduler.add_request(r)
         return r
 
-    def add_remote(self, request_id: str, prompt: list[int], max_tokens: int) -> Request | None:
+    def add_remote(self, request_id: str, prompt: list[int], max_tokens: int,
+                   block_hashes: list[BlockHash] | None = None) -> Request | None:
         """Decode role: blocks reserved for a prompt whose KV comes from a prefill worker (its
         cached prefix reused: `num_cached_tokens`); None when the pool cannot hold it."""
         r = Request(RequestId(request_id), prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                    arrival_time=self.now)
+                    arrival_time=self.now, block_hashes=list(block_hashes or ()))
         return r if self.scheduler.add_remote_request(r) else None
 
     def remote_ready(self, request_id: str, first_token: int) -> bool:

@@ -144,6 +144,7 @@ class Fleet:
         self.loads = LoadBook({})
         self.rng = random.Random(config.seed)
         self.hasher = BlockHasher(b"sim", "sim", config.block_size)
+        """The workers' key too (SimEngine's defaults), so a prompt's hashes are the same list everywhere."""
         self.itl = ItlWindow()
         self.gauge = PoolGauge(clock)
         self.scale_state = AutoscaleState()
@@ -289,10 +290,10 @@ class Fleet:
         f.decision = decision
         if p is None:
             self.stats["num_local_prefill"] += 1
-            d.engine.add(f.rid, f.item.prompt, f.item.max_tokens)
+            d.engine.add(f.rid, f.item.prompt, f.item.max_tokens, block_hashes=f.hashes)
             self._wake(d)
             return True
-        request = d.engine.add_remote(f.rid, f.item.prompt, f.item.max_tokens)
+        request = d.engine.add_remote(f.rid, f.item.prompt, f.item.max_tokens, f.hashes)
         if request is None:  # the load book's view was stale: wait for room as the router does
             f.booking.end()
             f.booking = None
@@ -306,7 +307,7 @@ class Fleet:
         f.reservation_id = res.reservation_id
         self.pushing[f.rid] = f
         pw = self.workers[p]
-        pw.engine.add(f.rid, f.item.prompt, 1)
+        pw.engine.add(f.rid, f.item.prompt, 1, block_hashes=f.hashes)
         self._wake(pw)
         return True
 
@@ -413,9 +414,11 @@ class Fleet:
             self._fail(self.flights[rid], "RESOURCE_EXHAUSTED")
         for rid in self.queue.expire():
             self._fail(self.flights[rid], "RESOURCE_EXHAUSTED")
-        for f in [f for f in self.waiting_room if f.room_until <= self.now]:
-            self.waiting_room.remove(f)
-            self._fail(f, "RESOURCE_EXHAUSTED")
+        expired = [f for f in self.waiting_room if f.room_until <= self.now]
+        self.waiting_room = [f for f in self.waiting_room if f.room_until > self.now]
+        for f in expired:  # no decode worker had room within kv_wait_s
+            if not f.done:
+                self._fail(f, "RESOURCE_EXHAUSTED")
         for f in list(self.pushing.values()):  # the push lanes renew their leases
             assert f.decision is not None and f.decision.prefill_worker is not None and f.reservation_id is not None
             table = self.workers[f.decision.decode_worker].table

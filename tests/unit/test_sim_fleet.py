@@ -1,0 +1,142 @@
+"""The fleet simulator (sim/fleet.py): the router's, engines' and autoscaler's own code on a
+virtual clock, with the forward pass and the wire priced by a cost model."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import pytest
+
+from bench import report
+from bench.workload import Item, synthetic
+from cluster.autoscaler import AutoscaleConfig
+from engine.config import SchedulerConfig
+from router.admission import AdmissionConfig
+from router.policy import RoutingConfig
+from sim.arrivals import Shape, arrival_times, timed, trace_items
+from sim.fleet import Fleet, FleetConfig
+
+
+class Linear:
+    """1 ms a step and 0.1 ms a token; 2 ms to move any KV."""
+
+    def step_s(self, chunks: list[tuple[int, int]], num_sampled: int | None = None) -> float:
+        return 0.001 + 0.0001 * sum(n for n, _ in chunks)
+
+    def transfer_s(self, num_tokens: int, same_node: bool) -> float:
+        return 0.002
+
+
+def one_each(**kw: object) -> FleetConfig:
+    return FleetConfig(num_prefill=1, num_decode=1, num_blocks=1000, max_model_len=4096, **kw)  # type: ignore[arg-type]
+
+
+def test_a_scripted_pair_through_prefill_transfer_and_decode_has_exact_times() -> None:
+    prompt = list(range(3, 103))  # 100 tokens: six full blocks of 16 and four more
+    items = [Item(prompt, 4, 0.0), Item(prompt, 3, 0.005)]
+    result = Fleet(one_each(), Linear(), items).run()
+    a, b = result.run.outcomes
+    # a: prefill of 100 tokens 0 -> 11 ms (first token); its last chunk moves 11 -> 13 ms; on D
+    # decode steps of 1.1 ms: 14.1, 15.2, then one shared with b (below), 1.2 ms: 16.4 ms
+    assert a.code == "OK" and a.ttft_s == pytest.approx(0.011)
+    assert a.itls_s == pytest.approx([0.0031, 0.0011, 0.0012]) and a.end_s == pytest.approx(0.0164)
+    # b arrives at 5 ms while P computes a; P's next step (11 ms) finds a's six blocks cached and
+    # computes 4 tokens (1.4 ms): first token at 12.4 ms; the KV lands at 14.4 ms, while D runs a's
+    # step 14.1 -> 15.2; it joins the next, a batch of two (1.2 ms): 16.4 ms, then alone: 17.5 ms
+    assert b.ttft_s == pytest.approx(0.0074) and b.num_cached == 96
+    assert b.itls_s == pytest.approx([0.004, 0.0011]) and b.end_s == pytest.approx(0.0175)
+    assert result.stats["num_remote_prefill"] == 2
+    assert result.gpu_seconds == pytest.approx(2 * 0.0175)  # two GPUs, from 0 to the last token
+
+
+def test_colocated_prefills_on_the_decode_worker_and_interleaves_its_decodes() -> None:
+    prompt = list(range(3, 103))
+    cfg = FleetConfig(num_prefill=0, num_decode=1, num_blocks=1000, max_model_len=4096,
+                      routing=RoutingConfig(mode="colocated"))
+    a, b = Fleet(cfg, Linear(), [Item(prompt, 3, 0.0), Item(list(range(200, 300)), 2, 0.0105)]).run().run.outcomes
+    # a: prefill 0 -> 11 ms; b (arrived meanwhile) prefills in a's first decode step (101 tokens,
+    # 11.1 ms): a's second token waits for b's whole prompt, the interference P/D removes
+    assert a.ttft_s == pytest.approx(0.011) and a.itls_s == pytest.approx([0.0111, 0.0012])
+    assert b.ttft_s == pytest.approx(0.0221 - 0.0105)
+
+
+def test_same_seed_same_run_and_every_block_comes_back() -> None:
+    items = timed(synthetic(120, 300, 20, 0.5, 3, 128, 32000, seed=1), arrival_times(120, Shape(rate=200.0), seed=1))
+    cfg = FleetConfig(num_prefill=2, num_decode=2, num_blocks=400, max_model_len=4096)
+
+    def run() -> tuple[list[tuple[object, ...]], Fleet]:
+        fleet = Fleet(cfg, Linear(), items)
+        r = fleet.run()
+        return [(o.code, o.ttft_s, tuple(o.itls_s), o.end_s, o.num_cached) for o in r.run.outcomes], fleet
+
+    first, fleet = run()
+    again, _ = run()
+    assert first == again
+    assert all(code == "OK" for code, *_ in first)
+    for w in fleet.workers.values():  # nothing held once every request ended
+        u = w.engine.pool.check_invariants()
+        assert u.num_in_use == 0 and not w.engine.handed_off and len(w.table or ()) == 0
+
+
+def test_cache_aware_routing_finds_shared_prefixes_round_robin_spreads_them() -> None:
+    items = timed(synthetic(200, 400, 8, 1.0, 4, 320, 32000, seed=2), arrival_times(200, Shape(rate=50.0), seed=2))
+    base = FleetConfig(num_prefill=4, num_decode=4, num_blocks=2000, max_model_len=4096)
+    aware = report.summarize(Fleet(base, Linear(), items).run().run, 1.0, 0.1)
+    rr = report.summarize(Fleet(dataclasses.replace(base, routing=RoutingConfig(
+        mode="disaggregated", policy="round_robin")), Linear(), items).run().run, 1.0, 0.1)
+    # four prefixes of 320 tokens (20 blocks) over 4 prefill workers: cache-aware keeps each on one
+    assert aware["prefix_hit_rate"] > 0.7 > rr["prefix_hit_rate"]
+    assert aware["ttft_ms"]["p50"] < rr["ttft_ms"]["p50"]
+
+
+def test_an_overload_is_refused_at_arrival_by_the_routers_own_admission() -> None:
+    items = [Item(list(range(3 + i, 1003 + i)), 200, 0.0) for i in range(40)]
+    cfg = dataclasses.replace(one_each(), admission=AdmissionConfig(max_inflight_tokens=6000, max_queue_wait_s=0.5))
+    outcomes = Fleet(cfg, Linear(), items).run().run.outcomes
+    refused = [o for o in outcomes if o.code == "RESOURCE_EXHAUSTED"]
+    assert refused and all(o.end_s <= 0.5 for o in refused)  # at arrival or on revision, never at the limit
+    assert sum(o.ok for o in outcomes) >= 5
+
+
+def test_the_autoscaler_grows_a_pool_under_load_and_shrinks_it_after() -> None:
+    rng = random.Random(3)
+    busy = [Item([rng.randrange(3, 32000) for _ in range(2000)], 4, 0.05 * i)
+            for i in range(600)]  # 20 distinct prefill-heavy requests/s for 30 s
+    quiet = [Item([rng.randrange(3, 32000) for _ in range(100)], 4, 30 + 2.0 * i) for i in range(60)]  # then one every 2 s
+    cfg = dataclasses.replace(one_each(startup_s=5.0), scheduler=SchedulerConfig(max_num_batched_tokens=512),
+                              autoscale=AutoscaleConfig(prefill_max=4, decode_max=2, up_delay_s=2.0,
+                                                        down_delay_s=10.0, cooldown_s=5.0))
+    result = Fleet(cfg, Linear(), busy + quiet).run()
+    prefill_sizes = [p for _, p, _ in result.pool_sizes]
+    assert max(prefill_sizes) > 1 and prefill_sizes[-1] < max(prefill_sizes)
+    assert any("prefill 1 -> 2" in reason for _, reason in result.actions)
+    assert len(result.actions) <= 10  # bounded steps with cooldowns: no oscillation
+    assert all(o.ok for o in result.run.outcomes[600:])  # the quiet part; the busy one overran admission
+
+
+def test_arrival_shapes() -> None:
+    poisson = arrival_times(4000, Shape(rate=10.0), seed=0)
+    assert poisson == sorted(poisson) and 4000 / poisson[-1] == pytest.approx(10.0, rel=0.05)
+    ramp = arrival_times(4000, Shape("ramp", rate=5.0, rate_to=15.0), seed=0)
+    first, last = sum(t < ramp[-1] / 4 for t in ramp), sum(t > 3 * ramp[-1] / 4 for t in ramp)
+    assert last > 1.8 * first
+    wave = arrival_times(6000, Shape("sinusoid", rate=10.0, amplitude=0.8, period_s=100.0), seed=0)
+    peaks = sum(10 < t % 100 < 40 for t in wave)  # around the crest (25 s) vs the trough (75 s)
+    troughs = sum(60 < t % 100 < 90 for t in wave)
+    assert peaks > 3 * troughs
+    burst = arrival_times(500, Shape("burst", rate=1.0, amplitude=1.0, period_s=10.0), seed=0)
+    assert burst.count(10.0) == 10 and burst.count(20.0) == 10 and burst == sorted(burst)
+    with pytest.raises(ValueError, match="shape"):
+        Shape("square")
+
+
+def test_trace_replay_keeps_sharing_exact_and_repeats_the_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "t.jsonl"
+    recs = [{"timestamp": 0, "input_length": 1024, "output_length": 8, "hash_ids": [7, 8]},
+            {"timestamp": 500, "input_length": 600, "output_length": 4, "hash_ids": [7, 9]}]
+    path.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    items = trace_items(path, 5, 512, 100000, 32000, 1.0)
+    assert [i.at_s for i in items] == pytest.approx([0.0, 0.5, 0.75, 1.25, 1.5])
+    assert items[0].prompt[:512] == items[1].prompt[:512] and items[0].prompt[512:] != items[1].prompt[512:1024]
+    assert len(items[1].prompt) == 600 and items[2].prompt == items[0].prompt
