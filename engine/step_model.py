@@ -18,6 +18,7 @@ changes: how many requests, and how much KV.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 DECAY = 0.999
 """Per step: about the last thousand count."""
@@ -87,16 +88,25 @@ Row = tuple[float, float, float]
 
 
 def profile_seconds(rows: tuple[Row, ...], num_seqs: float, kv_tokens: float) -> float:
+    return _read(_lines(rows), num_seqs, kv_tokens)
+
+
+def _lines(rows: tuple[Row, ...]) -> list[tuple[float, float, float]]:
+    """Per profiled batch size (ascending): the line's (requests, intercept, slope in context)."""
+    per_n: dict[float, list[tuple[float, float]]] = {}
+    for n, kv, s in rows:
+        per_n.setdefault(n, []).append((kv / n, s))
+    return [(n, *_line(pts)) for n, pts in sorted(per_n.items())]
+
+
+def _read(lines: list[tuple[float, float, float]], num_seqs: float, kv_tokens: float) -> float:
     """A decode step's time read off a start-up profile (engine/step_profile.py): per profiled
     batch size, a line in the mean context per request (the two contexts it was run at);
     between batch sizes, linear; past the largest, the last segment's slope continued. CPU
     and GPU steps are concave in the batch (weights are read once for all requests), so a
     line through small batches overstates a burst: the profile spans the batches served."""
-    per_n: dict[float, list[tuple[float, float]]] = {}
-    for n, kv, s in rows:
-        per_n.setdefault(n, []).append((kv / n, s))
     ctx = kv_tokens / num_seqs if num_seqs > 0 else 0.0
-    points = [(n, _line_at(pts, ctx)) for n, pts in sorted(per_n.items())]
+    points = [(n, max(a + b * ctx, 0.0)) for n, a, b in lines]
     if num_seqs <= points[0][0] or len(points) == 1:
         return points[0][1] if num_seqs <= points[0][0] else points[-1][1]
     for (n0, v0), (n1, v1) in zip(points, points[1:]):
@@ -106,13 +116,14 @@ def profile_seconds(rows: tuple[Row, ...], num_seqs: float, kv_tokens: float) ->
     return v1 + max(v1 - v0, 0.0) / (n1 - n0) * (num_seqs - n1)
 
 
-def _line_at(points: list[tuple[float, float]], ctx: float) -> float:
-    """Least squares of seconds on context over one batch size's runs, the slope kept >= 0."""
+def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares of seconds on context over one batch size's runs, the slope kept >= 0:
+    (intercept, slope)."""
     mc = sum(c for c, _ in points) / len(points)
     ms = sum(s for _, s in points) / len(points)
     var = sum((c - mc) ** 2 for c, _ in points)
     slope = max(sum((c - mc) * (s - ms) for c, s in points) / var, 0.0) if var > 0 else 0.0
-    return max(ms + slope * (ctx - mc), 0.0)
+    return ms - slope * mc, slope
 
 
 @dataclass(frozen=True)
@@ -127,9 +138,13 @@ class StepShape:
     def __bool__(self) -> bool:
         return self.linear is not None or bool(self.profile)
 
+    @cached_property
+    def _lines(self) -> list[tuple[float, float, float]]:
+        return _lines(self.profile)
+
     def seconds(self, num_seqs: float, kv_tokens: float) -> float:
         if self.profile:
-            return profile_seconds(self.profile, num_seqs, kv_tokens)
+            return _read(self._lines, num_seqs, kv_tokens)
         assert self.linear is not None
         a, b, c = self.linear
         return a + b * num_seqs + c * kv_tokens

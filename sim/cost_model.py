@@ -89,6 +89,10 @@ class Roofline:
     gpu: GPU
     tp: int = 1
     """Tensor-parallel degree: one worker spans this many GPUs."""
+    rpc_s: float = 0.0005
+    """From a request's arrival to its first step's start: the router's hops to the workers."""
+    jitter_s: tuple[float, ...] = ()
+    """Delivery delays past a step's end, sampled per token (none stated for the GPU model)."""
 
     def step_s(self, chunks: Sequence[tuple[int, int]], num_sampled: int | None = None) -> float:
         """One step: `chunks` holds (new tokens, tokens already computed) per scheduled request;

@@ -24,7 +24,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -35,6 +35,8 @@ from cluster.pool_gauge import PoolGauge, removal_cost
 from control.heartbeat import Heartbeat
 from engine.config import SchedulerConfig
 from engine.hashing import BlockHasher
+from engine.step_model import StepShape
+from engine.step_profile import LONG_CONTEXT, batch_sizes
 from kvfabric.reservations import KVArrived, ReservationTable
 from router.admission import AdmissionConfig, AdmissionQueue, Refused
 from router.frontend import ItlWindow, blocks_for
@@ -47,6 +49,8 @@ Role = Literal["prefill", "decode"]
 TICK_S = 0.1
 """The router's timer (admission revision and expiry, lease renewal), as the real one."""
 AUTOSCALE_TICK_S = 1.0
+PROGRESS_EVERY = 20000
+"""Events between two calls of `Fleet.on_progress`."""
 VOCAB = 128256
 
 
@@ -56,6 +60,14 @@ class Hardware(Protocol):
     def step_s(self, chunks: list[tuple[int, int]], num_sampled: int | None = None) -> float: ...
 
     def transfer_s(self, num_tokens: int, same_node: bool) -> float: ...
+
+    @property
+    def rpc_s(self) -> float:
+        """From a request's arrival to its work starting on a worker (the router's hops)."""
+
+    @property
+    def jitter_s(self) -> Sequence[float]:
+        """Samples of how late a token reaches the client past its step's end (empty: never)."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +128,8 @@ class Flight:
     booking: Booking | None = None
     reservation_id: int | None = None
     last_token_at: float | None = None
+    last_seen: float = 0.0
+    """When the client got its last token (`last_token_at` plus the delivery jitter)."""
     room_until: float = 0.0
     done: bool = False
 
@@ -143,6 +157,7 @@ class Fleet:
         self.index = KVIndex(clock)
         self.loads = LoadBook({})
         self.rng = random.Random(config.seed)
+        self.jitter = random.Random(config.seed + 1)
         self.hasher = BlockHasher(b"sim", "sim", config.block_size)
         """The workers' key too (SimEngine's defaults), so a prompt's hashes are the same list everywhere."""
         self.itl = ItlWindow()
@@ -161,10 +176,16 @@ class Fleet:
         self.pool_sizes: list[tuple[float, int, int]] = []
         self.stats = {"num_local_prefill": 0, "num_remote_prefill": 0, "num_kv_waits": 0, "num_steps": 0}
         self._turn = 0
+        long = min(LONG_CONTEXT, config.max_model_len // 2)
+        self.step_shape = StepShape(profile=tuple(
+            (float(n), float(n * (ctx + 1)), hardware.step_s([(1, ctx)] * n, n))
+            for n in batch_sizes(config.scheduler.max_num_seqs) for ctx in (8, long)))
+        """What each decode worker's start-up profile (engine/step_profile.py) reports, priced."""
         self._timers = {self._tick, self._heartbeats, self._autoscale}
         self._num_work = 0
         """Events other than timers in the heap: none left, and no request can move."""
         self._items = items
+        self.on_progress: Callable[[Fleet], None] | None = None
         self._left = len(items)
         for role, n in _interleaved(config.num_prefill, config.num_decode):
             self._launch(role, ready_at=0.0)
@@ -180,12 +201,16 @@ class Fleet:
 
     def run(self) -> FleetResult:
         for i, item in enumerate(self._items):
-            self.at(item.at_s or 0.0, self._arrive, i, item)
+            self.at((item.at_s or 0.0) + self.hw.rpc_s, self._arrive, i, item)
         self.at(TICK_S, self._tick)
         self.at(0.0, self._heartbeats)
         if self.config.autoscale is not None:
             self.at(AUTOSCALE_TICK_S, self._autoscale)
-        while self._events and self._left:
+        for n in itertools.count():
+            if not (self._events and self._left):
+                break
+            if self.on_progress is not None and not n % PROGRESS_EVERY:
+                self.on_progress(self)
             self.now, _, fn, args = heapq.heappop(self._events)
             self._num_work -= fn not in self._timers
             fn(*args)
@@ -251,7 +276,7 @@ class Fleet:
     def _arrive(self, i: int, item: Item) -> None:
         c = self.config
         rid = f"r{i}"
-        outcome = Outcome(sent_s=self.now, num_prompt=len(item.prompt))
+        outcome = Outcome(sent_s=item.at_s or 0.0, num_prompt=len(item.prompt))
         n = len(item.prompt)
         f = self.flights[rid] = Flight(rid, item, outcome, [], 0)
         if n + 1 > c.max_model_len:
@@ -325,8 +350,10 @@ class Fleet:
 
     def _token(self, f: Flight, w: Worker, num_tokens: int, first: tuple[int, int] | None) -> None:
         o = f.outcome
+        seen = self.now + (self.jitter.choice(self.hw.jitter_s) if self.hw.jitter_s else 0.0)
+        seen = max(seen, f.last_seen)  # a stream delivers in order
         if o.ttft_s is None and first is not None:  # from P (then the KV moves to D) or from D itself
-            o.ttft_s = self.now - o.sent_s
+            o.ttft_s = seen - o.sent_s
             o.num_cached = first[1]
             assert f.booking is not None and f.admitted_at is not None
             f.booking.prefilled()
@@ -335,12 +362,11 @@ class Fleet:
             if w.role == "prefill":
                 self._push(f, w, first[0])
         elif o.ttft_s is not None:
-            assert f.last_token_at is not None
-            gap = self.now - f.last_token_at
+            gap = seen - f.last_seen
             o.itls_s.append(gap)
             self.itl.observe(gap, 1)
         o.num_out = num_tokens
-        f.last_token_at = self.now
+        f.last_token_at, f.last_seen = self.now, seen
         self.queue.forecast.progress(f.rid, num_tokens)
 
     def _push(self, f: Flight, p: Worker, first_token: int) -> None:
@@ -379,7 +405,7 @@ class Fleet:
     def _finish(self, f: Flight, code: str) -> None:
         f.done = True
         f.outcome.code = code
-        f.outcome.end_s = self.now
+        f.outcome.end_s = max(self.now, f.last_seen)
         self._left -= 1
         if f.booking is not None:
             f.booking.end()
@@ -410,6 +436,10 @@ class Fleet:
 
     # -- timers --------------------------------------------------------------------------
     def _tick(self) -> None:
+        decodes = self.serving("decode")  # as the router's timer: the budget follows the decode pool
+        for rid in self.queue.set_capacity(len(decodes) * self.config.num_blocks * self.config.block_size):
+            self._admitted(self.flights[rid])
+        self.queue.forecast.set_step_model(self.step_shape, len(decodes))
         for rid, refusal in self.queue.revise():
             self._fail(self.flights[rid], "RESOURCE_EXHAUSTED")
         for rid in self.queue.expire():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +27,9 @@ class Linear:
 
     def transfer_s(self, num_tokens: int, same_node: bool) -> float:
         return 0.002
+
+    rpc_s = 0.0
+    jitter_s = ()
 
 
 def one_each(**kw: object) -> FleetConfig:
@@ -140,3 +144,51 @@ def test_trace_replay_keeps_sharing_exact_and_repeats_the_file(tmp_path) -> None
     assert [i.at_s for i in items] == pytest.approx([0.0, 0.5, 0.75, 1.25, 1.5])
     assert items[0].prompt[:512] == items[1].prompt[:512] and items[0].prompt[512:] != items[1].prompt[512:1024]
     assert len(items[1].prompt) == 600 and items[2].prompt == items[0].prompt
+
+
+def test_delivery_jitter_moves_what_the_client_sees_not_the_engines() -> None:
+    class Jittery(Linear):
+        jitter_s = (0.0, 0.0, 0.005)
+
+    items = [Item(list(range(3 + 200 * i, 103 + 200 * i)), 20, 0.01 * i) for i in range(6)]
+    plain = Fleet(one_each(), Linear(), items).run()
+    jittered = Fleet(one_each(), Jittery(), items).run()
+    assert plain.stats["num_steps"] == jittered.stats["num_steps"]  # the same steps at the same times
+    for a, b in zip(plain.run.outcomes, jittered.run.outcomes, strict=True):
+        assert all(x >= 0 for x in b.itls_s) and len(a.itls_s) == len(b.itls_s)
+        assert b.ttft_s >= a.ttft_s - 1e-12 and b.end_s >= a.end_s - 1e-12  # type: ignore[operator]
+    assert max(x for o in jittered.run.outcomes for x in o.itls_s) > max(x for o in plain.run.outcomes for x in o.itls_s)
+
+
+def test_the_cpu_fit_recovers_known_costs_and_round_trips(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from sim.cpu_fit import CpuCost, features, fit
+
+    truth = (0.0004, 1e-5, 0.0, 8e-8, 2e-5)
+    rng = random.Random(0)
+    samples = []
+    for _ in range(300):
+        chunks = [(rng.choice((1, 1, 64, 512)), rng.randrange(0, 1024)) for _ in range(rng.randrange(1, 9))]
+        sampled = sum(n == 1 for n, _ in chunks) or 1
+        samples.append((chunks, sampled, sum(c * x for c, x in zip(truth, features(chunks, sampled), strict=True))))
+    got = fit(samples)
+    assert got == pytest.approx(truth, rel=1e-6, abs=1e-12)
+    cost = CpuCost(got, step_overhead_s=0.001, seq_overhead_s=0.0001, rpc_s=0.003, jitter_s=(0.0, 0.002))
+    assert cost.step_s([(1, 100)] * 4) == pytest.approx(cost.engine_s([(1, 100)] * 4) + 0.001 + 4 * 0.0001)
+    cost.save(tmp_path / "c.json")
+    assert CpuCost.load(tmp_path / "c.json") == cost
+
+
+def test_splitserve_simulate_on_a_trace_alone_runs_both_modes_on_8_gpus(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from cluster.cli import main
+
+    trace = Path(__file__).resolve().parents[2] / "benchmarks" / "traces" / "mooncake_synthetic_trace.jsonl"
+    assert main(["simulate", "--trace", str(trace), "--num-requests", "40", "--plots", str(tmp_path)]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [line["label"].split()[0] for line in lines] == ["disaggregated", "colocated"]
+    for line in lines:
+        r = line["results"]
+        assert r["num_requests"] == 40 and r["num_ok"] + r["num_failed"] == 40
+        assert {"ttft_ms", "itl_ms", "e2e_ms", "goodput_rps", "slo_attainment", "prefix_hit_rate", "gpu_seconds"} <= set(r)
+        assert line["config"]["fleet"]["num_prefill"] + line["config"]["fleet"]["num_decode"] == 8
+    assert lines[1]["config"]["fleet"]["num_prefill"] == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["itl_cdf.png", "timeline.png", "ttft_cdf.png"]
