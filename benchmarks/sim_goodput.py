@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--itl-slo-ms", type=float, default=50.0)
     ap.add_argument("--attainment", type=float, default=0.9)
     ap.add_argument("--seconds", type=float, default=60.0, help="of arrivals per trial")
-    ap.add_argument("--steps", type=int, default=5, help="bisection steps on the rate")
+    ap.add_argument("--steps", type=int, default=8, help="bisection steps on the rate (each halves the log range)")
     args = ap.parse_args()
     hw = Roofline(LLAMA3_8B, H100_SXM)
     slo = (args.ttft_slo_ms / 1e3, args.itl_slo_ms / 1e3)
@@ -62,7 +62,7 @@ def main() -> None:
         best: dict[str, float] = {}
         for name, cfg in arms.items():
             began = time.perf_counter()
-            rate = max_rate(hw, cfg, args.attainment, args.seconds, slo, 0.05 * g, 2.0 * g, args.steps)
+            rate = max_rate(hw, cfg, args.attainment, args.seconds, slo, 0.1 * g, 1.5 * g, args.steps)
             best[name] = rate
             print(json.dumps({"bench": "sim_goodput", "gpus": g, "config": name, "max_rate_rps": round(rate, 3),
                               "per_gpu": round(rate / g, 4), "wall_s": round(time.perf_counter() - began, 1),
