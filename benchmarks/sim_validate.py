@@ -75,7 +75,7 @@ def main() -> None:
     costs = calibrate(model, engine, calibration, PD, COLOCATED)
     costs[AWARE.name] = costs[ROUND_ROBIN.name] = costs[PD.name]
     print(json.dumps({"bench": "sim_validate_fit", "engine_coef": engine.coef,
-                      **{name: {**{k: round(v, 6) for k, v in vars(c).items() if k not in ("coef", "jitter_s")},
+                      **{name: {**{k: round(v, 8) for k, v in vars(c).items() if k not in ("coef", "jitter_s")},
                                 "jitter_ms_p50_p90_p99": [round(report.pct(list(c.jitter_s), q) or 0.0, 6) * 1e3
                                                           for q in report.QUANTILES]}
                          for name, c in costs.items()},

@@ -93,6 +93,9 @@ class Roofline:
     """From a request's arrival to its first step's start: the router's hops to the workers."""
     jitter_s: tuple[float, ...] = ()
     """Delivery delays past a step's end, sampled per token (none stated for the GPU model)."""
+    push_token_s: float = 0.0
+    """Prefill worker time per pushed KV token: none on GPUs, where the copy engines or
+    NCCL move it beside the compute (stated, not measured)."""
 
     def step_s(self, chunks: Sequence[tuple[int, int]], num_sampled: int | None = None) -> float:
         """One step: `chunks` holds (new tokens, tokens already computed) per scheduled request;

@@ -54,6 +54,8 @@ class SimEngine:
         """Prefill role: blocks held for the transfer of a finished prompt."""
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
+        self.extra_s: dict[str, float] = {}
+        """Seconds a request adds to the first step it is scheduled in (the caller prices them)."""
         self.now = 0.0
         self.pool = BlockPool(num_blocks, True, protected_fraction)
         self.kv = KVCacheManager(self.pool, BlockHasher(secret, model_id, block_size))
@@ -116,6 +118,8 @@ class SimEngine:
         sampled = {s.request.request_id: (self.token_for(s.request), None) for s in out.scheduled
                    if s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens}
         duration = self.cost(chunks, len(sampled))
+        if self.extra_s:  # work a request brings to its first step (a prefill worker's KV push)
+            duration += sum(self.extra_s.pop(s.request.request_id, 0.0) for s in out.scheduled)
         self.busy_s += duration
         self.now = now + duration
         updated = self.scheduler.update_after_step(out, sampled)

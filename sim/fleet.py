@@ -66,6 +66,10 @@ class Hardware(Protocol):
         """From a request's arrival to its work starting on a worker (the router's hops)."""
 
     @property
+    def push_token_s(self) -> float:
+        """A prefill worker's own time to push one token of KV (0: the push uses no compute)."""
+
+    @property
     def jitter_s(self) -> Sequence[float]:
         """Samples of how late a token reaches the client past its step's end (empty: never)."""
 
@@ -333,6 +337,8 @@ class Fleet:
         self.pushing[f.rid] = f
         pw = self.workers[p]
         pw.engine.add(f.rid, f.item.prompt, 1, block_hashes=f.hashes)
+        if self.hw.push_token_s:  # the push of every block D lacks shares P's cores with its prefill
+            pw.engine.extra_s[f.rid] = self.hw.push_token_s * (n - request.num_cached_tokens)
         self._wake(pw)
         return True
 

@@ -4,7 +4,9 @@ a small case runs in the suite).
     1. fit the CPU engine's step cost (sim/cpu_fit.py profile_engine + fit)
     2. calibrate what serving adds around the engine, on the real cluster, with requests of
        their own: per step and per streamed request (from ITL at concurrency 1 and 8), the KV
-       hand-off (the first gap after a remote prefill less a decode step), and, from an open
+       hand-off (the first gap after a remote prefill less a decode step), the prefill
+       worker's push per token (how much more TTFT grows with 4x the prompt than the fitted
+       prefill does), and, from an open
        loop at a low rate (processes idle between requests), the router's hops before the
        first step (TTFT less the fitted prefill) and the jitter of delivery (each ITL's
        excess over the median: the OS scheduling five processes on two cores, the streams'
@@ -106,6 +108,12 @@ def calibrate(model_dir: str, engine: CpuCost, items: list[Item], pd: Arm, coloc
     served = dataclasses.replace(engine, step_overhead_s=step, seq_overhead_s=seq)
     prefill = sum(served.step_s([chunk], 1) for chunk in _chunks(prompt))
     handoff = _median([o.itls_s[0] for o in one.outcomes if o.itls_s]) - itl1
+    long_prompt = 4 * prompt  # the same at concurrency 1 with longer prompts: what grows beyond the prefill is the push
+    longer = [dataclasses.replace(i, prompt=(i.prompt * 4)[:long_prompt], max_tokens=4) for i in items[:8]]
+    grown = _median([o.ttft_s for o in real_run(model_dir, pd, longer, concurrency=1).outcomes if o.ttft_s]) \
+        - _median([o.ttft_s for o in one.outcomes if o.ttft_s])
+    computed = sum(served.step_s([c], 1) for c in _chunks(long_prompt)) - sum(served.step_s([c], 1) for c in _chunks(prompt))
+    push = max(grown - computed, 0.0) / (long_prompt - prompt)
     times = arrival_times(len(items), Shape(rate=rate), seed=len(items))
     out = {}
     for arm in (pd, colocated):
@@ -114,9 +122,10 @@ def calibrate(model_dir: str, engine: CpuCost, items: list[Item], pd: Arm, coloc
         middle = _median(itls)
         jitter = tuple(sorted(round(max(x - middle, 0.0), 6) for x in itls))
         ttft = _median([o.ttft_s for o in idle.outcomes if o.ttft_s is not None])
-        out[arm.name] = dataclasses.replace(served, rpc_s=max(ttft - prefill - _median(list(jitter)), 0.0),
+        pushed = push * prompt if arm.num_prefill else 0.0
+        out[arm.name] = dataclasses.replace(served, rpc_s=max(ttft - prefill - pushed - _median(list(jitter)), 0.0),
                                             transfer_base_s=max(handoff, 0.0) if arm.num_prefill else 0.0,
-                                            jitter_s=jitter)
+                                            jitter_s=jitter, push_token_s=push if arm.num_prefill else 0.0)
     return out
 
 

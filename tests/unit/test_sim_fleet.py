@@ -30,6 +30,7 @@ class Linear:
 
     rpc_s = 0.0
     jitter_s = ()
+    push_token_s = 0.0
 
 
 def one_each(**kw: object) -> FleetConfig:
@@ -192,3 +193,11 @@ def test_splitserve_simulate_on_a_trace_alone_runs_both_modes_on_8_gpus(capsys, 
         assert line["config"]["fleet"]["num_prefill"] + line["config"]["fleet"]["num_decode"] == 8
     assert lines[1]["config"]["fleet"]["num_prefill"] == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["itl_cdf.png", "timeline.png", "ttft_cdf.png"]
+
+
+def test_a_prefill_workers_push_costs_its_first_step_for_every_token_the_decode_worker_lacks() -> None:
+    class Pushing(Linear):
+        push_token_s = 1e-5
+
+    [a] = Fleet(one_each(), Pushing(), [Item(list(range(3, 103)), 2, 0.0)]).run().run.outcomes
+    assert a.ttft_s == pytest.approx(0.011 + 100 * 1e-5)  # the prefill, and 100 tokens pushed beside it
