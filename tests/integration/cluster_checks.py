@@ -1,6 +1,7 @@
 """Checks on a running LocalCluster, and cluster configs, that several test modules share."""
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -56,3 +57,27 @@ def one_and_one(model_dir: str) -> ClusterConfig:
         worker=WorkerConfig(model_dir=model_dir, block_size=16, kv_cache_bytes=8 * 2**20),
         num_prefill=1, num_decode=1, worker_num_cpus=0.5,
         router=RouterConfig(port=0, routing=RoutingConfig(mode="auto", local_prefill_tokens=8)))
+
+
+def ray_head(**head_node_args: Any) -> Any:
+    """A `ray.cluster_utils.Cluster` with its head node. Ray gives a raylet a fixed 30 s to
+    register with its GCS, which a loaded CI machine can miss (seen twice in one day, each
+    time as "The current node timed out during startup"); such a start is tried again, three
+    times in all, after killing what the failed one left (this process's new Ray children)."""
+    import psutil
+    from ray.cluster_utils import Cluster
+
+    me = psutil.Process()
+    for attempt in range(3):
+        before = {p.pid for p in me.children(recursive=True)}
+        try:
+            return Cluster(initialize_head=True, head_node_args={"include_dashboard": False, **head_node_args})
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this
+            if "timed out during startup" not in str(e) or attempt == 2:
+                raise
+            for p in me.children(recursive=True):
+                if p.pid not in before:
+                    with contextlib.suppress(psutil.Error):
+                        p.kill()
+            time.sleep(2.0)
+    raise AssertionError("unreachable")

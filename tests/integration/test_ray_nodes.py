@@ -11,7 +11,6 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster
@@ -19,7 +18,7 @@ from engine.request import SamplingParams
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from router.policy import RoutingConfig
-from tests.integration.cluster_checks import assert_idle
+from tests.integration.cluster_checks import assert_idle, ray_head
 from tests.integration.reference import make_engine
 
 pytestmark = pytest.mark.timeout(600)
@@ -30,7 +29,7 @@ def nodes() -> Iterator[dict[str, str]]:
     """The test's Ray cluster; yields its address and each role's node id."""
     if ray.is_initialized():
         ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    cluster = ray_head(num_cpus=2)
     try:
         prefill = cluster.add_node(num_cpus=1, resources={"prefill": 2})
         decode = cluster.add_node(num_cpus=1, resources={"decode": 2})

@@ -17,7 +17,6 @@ from pathlib import Path
 import grpc
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
 from benchmarks.separate_hosts import SUBNET, Hosts, kill_all_in, namespaces, ray_node, scrape, sh, unavailable
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
@@ -26,7 +25,7 @@ from control.worker_config import NODE_IP
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from router.policy import RoutingConfig
-from tests.integration.cluster_checks import assert_idle, generate, greedy, tokens, wait_for
+from tests.integration.cluster_checks import assert_idle, generate, greedy, ray_head, tokens, wait_for
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -150,7 +149,7 @@ def test_ray_worker_nodes_on_separate_hosts_serve_with_kv_over_tcp(hosts: dict[s
     between the hosts over tcp with exact greedy tokens."""
     if ray.is_initialized():
         ray.shutdown()
-    head = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    head = ray_head(num_cpus=1)
     try:
         ray.init(address=head.address)
         for i, (name, role) in enumerate((("p", "prefill"), ("d", "decode")), start=1):
@@ -188,7 +187,7 @@ def test_on_ray_nodes_a_link_cut_mid_transfer_frees_the_reservation_and_the_rout
     router retries on decode-1 with exact tokens."""
     if ray.is_initialized():
         ray.shutdown()
-    head = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    head = ray_head(num_cpus=1)
     try:
         ray.init(address=head.address)
         join(hosts["p"], head.address, f"{SUBNET}.1.2", {"prefill": 1}, tmp_path / "ray-p.log", 2)
