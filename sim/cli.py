@@ -22,10 +22,11 @@ from typing import Any
 from bench import plots, report
 from bench.workload import Item, synthetic
 from cluster.autoscaler import AutoscaleConfig
+from engine.config import SchedulerConfig
 from router.policy import RoutingConfig
 from sim.arrivals import SHAPES, Shape, arrival_times, timed, trace_items
 from sim.cost_model import GPUS, MODELS, Roofline
-from sim.fleet import Fleet, FleetConfig, FleetResult, Hardware
+from sim.fleet import Fleet, FleetConfig, FleetResult
 
 DECODE_BATCH = 32
 """The decode batch the default split assumes (a decode worker's GPU time per token is its step over this)."""
@@ -99,7 +100,6 @@ def configs(args: argparse.Namespace, hw: Roofline, items: list[Item]) -> list[t
     workers = args.num_gpus // args.tp
     if workers < 1 or (args.mode != "colocated" and workers < 2):
         raise SystemExit(f"--num-gpus {args.num_gpus} at --tp {args.tp} is too few workers for --mode {args.mode}")
-    from engine.config import SchedulerConfig
     base = FleetConfig(num_blocks=hw.kv_capacity_tokens() // 16, max_model_len=args.max_model_len,
                        gpus_per_worker=args.tp, startup_s=args.startup_s, seed=args.seed,
                        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
@@ -137,10 +137,6 @@ def config_dict(cfg: FleetConfig) -> dict[str, Any]:
     return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
 
 
-def simulate(hw: Hardware, items: list[Item], cfg: FleetConfig) -> FleetResult:
-    return Fleet(cfg, hw, items).run()
-
-
 def _simulate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -149,7 +145,7 @@ def _simulate(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     runs = {}
     for label, cfg in configs(args, hw, items):
-        result = simulate(hw, items, cfg)
+        result = Fleet(cfg, hw, items).run()
         s = summary(result, args.ttft_slo_ms / 1e3, args.itl_slo_ms / 1e3)
         console.print(report.table(s, title=f"splitserve simulate: {label}"))
         console.print(report.totals(s))

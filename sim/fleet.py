@@ -24,130 +24,33 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from collections.abc import Callable
+from typing import Any
 
 from bench.runner import Outcome, Run
 from bench.workload import Item
-from cluster.autoscaler import AutoscaleConfig, AutoscaleState, decide
+from cluster.autoscaler import AutoscaleState, decide
 from cluster.pool_gauge import PoolGauge, removal_cost
 from control.heartbeat import Heartbeat
-from engine.config import SchedulerConfig
 from engine.hashing import BlockHasher
 from engine.step_model import StepShape
 from engine.step_profile import LONG_CONTEXT, batch_sizes
 from kvfabric.reservations import KVArrived, ReservationTable
-from router.admission import AdmissionConfig, AdmissionQueue, Refused
+from router.admission import AdmissionQueue, Refused
 from router.frontend import ItlWindow, blocks_for
 from router.kv_index import KVIndex
-from router.loads import Booking, LoadBook
-from router.policy import RouteDecision, RoutingConfig, choose_round_robin, choose_route
+from router.loads import LoadBook
+from router.policy import RouteDecision, choose_round_robin, choose_route
 from sim.engine_sim import SimEngine, StepResult
+from sim.fleet_types import Flight, FleetConfig, FleetResult, Hardware, Role, Worker
 
-Role = Literal["prefill", "decode"]
+__all__ = ["Fleet", "FleetConfig", "FleetResult", "Hardware"]
 TICK_S = 0.1
 """The router's timer (admission revision and expiry, lease renewal), as the real one."""
 AUTOSCALE_TICK_S = 1.0
 PROGRESS_EVERY = 20000
 """Events between two calls of `Fleet.on_progress`."""
 VOCAB = 128256
-
-
-class Hardware(Protocol):
-    """What a worker's forward pass and the wire cost (sim/cost_model.py Roofline, or the CPU fit)."""
-
-    def step_s(self, chunks: list[tuple[int, int]], num_sampled: int | None = None) -> float: ...
-
-    def transfer_s(self, num_tokens: int, same_node: bool) -> float: ...
-
-    @property
-    def rpc_s(self) -> float:
-        """From a request's arrival to its work starting on a worker (the router's hops)."""
-
-    @property
-    def push_token_s(self) -> float:
-        """A prefill worker's own time to push one token of KV (0: the push uses no compute)."""
-
-    @property
-    def jitter_s(self) -> Sequence[float]:
-        """Samples of how late a token reaches the client past its step's end (empty: never)."""
-
-
-@dataclass(frozen=True)
-class FleetConfig:
-    num_prefill: int = 4
-    num_decode: int = 4
-    """Prefill workers 0 (mode colocated): the decode workers prefill everything themselves."""
-    num_blocks: int = 27000
-    """KV blocks per worker (Roofline.kv_capacity_tokens // block_size for a GPU model)."""
-    block_size: int = 16
-    max_model_len: int = 131072
-    gpus_per_worker: int = 1
-    gpus_per_node: int = 8
-    """Workers fill nodes in order; P and D on one node move KV over NVLink, else the NIC."""
-    routing: RoutingConfig = field(default_factory=lambda: RoutingConfig(mode="disaggregated"))
-    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    autoscale: AutoscaleConfig | None = None
-    """None: fixed pools."""
-    startup_s: float = 30.0
-    """A scaled-up worker serves this long after the decision (placement, weights, warm-up)."""
-    heartbeat_s: float = 0.5
-    kv_lease_s: float = 10.0
-    kv_wait_s: float = 1.0
-    """How long a request waits for a decode worker with room (RouterConfig.kv_wait_s)."""
-    seed: int = 0
-
-    @property
-    def num_gpus(self) -> int:
-        return (self.num_prefill + self.num_decode) * self.gpus_per_worker
-
-
-@dataclass
-class Worker:
-    worker_id: str
-    role: Role
-    engine: SimEngine
-    node: int
-    created_at: float
-    state: str = "starting"
-    busy: bool = False
-    stopped_at: float | None = None
-    table: ReservationTable | None = None
-    """Decode workers: the KV reservations prefill workers write into."""
-
-
-@dataclass
-class Flight:
-    """One request in the fleet, as the router follows it."""
-
-    rid: str
-    item: Item
-    outcome: Outcome
-    hashes: list[bytes]
-    cost_tokens: int
-    admitted_at: float | None = None
-    decision: RouteDecision | None = None
-    booking: Booking | None = None
-    reservation_id: int | None = None
-    last_token_at: float | None = None
-    last_seen: float = 0.0
-    """When the client got its last token (`last_token_at` plus the delivery jitter)."""
-    room_until: float = 0.0
-    done: bool = False
-
-
-@dataclass
-class FleetResult:
-    run: Run
-    gpu_seconds: float
-    actions: list[tuple[float, str]]
-    """Each scale action: (virtual time, the autoscaler's reason)."""
-    pool_sizes: list[tuple[float, int, int]]
-    """(time, prefill workers, decode workers) after each change."""
-    config: FleetConfig
-    stats: dict[str, Any]
 
 
 class Fleet:
@@ -191,7 +94,7 @@ class Fleet:
         self._items = items
         self.on_progress: Callable[[Fleet], None] | None = None
         self._left = len(items)
-        for role, n in _interleaved(config.num_prefill, config.num_decode):
+        for role in _interleaved(config.num_prefill, config.num_decode):
             self._launch(role, ready_at=0.0)
         self._record_sizes()
 
@@ -372,7 +275,7 @@ class Fleet:
             o.itls_s.append(gap)
             self.itl.observe(gap, 1)
         o.num_out = num_tokens
-        f.last_token_at, f.last_seen = self.now, seen
+        f.last_seen = seen
         self.queue.forecast.progress(f.rid, num_tokens)
 
     def _push(self, f: Flight, p: Worker, first_token: int) -> None:
@@ -534,8 +437,8 @@ def _writer(worker_id: str) -> int:
     return hash(worker_id) & 0x7FFFFFFF
 
 
-def _interleaved(num_prefill: int, num_decode: int) -> list[tuple[Role, int]]:
+def _interleaved(num_prefill: int, num_decode: int) -> list[Role]:
     """Launch order spreading each role evenly over the nodes (so most P/D pairs share one)."""
     order = sorted([((i + 0.5) / num_prefill, "prefill") for i in range(num_prefill)]
                    + [((i + 0.5) / num_decode, "decode") for i in range(num_decode)])
-    return [(role, 1) for _, role in order]  # type: ignore[misc]
+    return [role for _, role in order]  # type: ignore[misc]

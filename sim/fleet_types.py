@@ -1,0 +1,115 @@
+"""The simulator's configuration and records (sim/fleet.py runs them): what a fleet is made
+of (`FleetConfig`), what prices its work (`Hardware`), one worker and one request as the fleet
+follows them, and what a run returns."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from bench.runner import Outcome, Run
+from bench.workload import Item
+from cluster.autoscaler import AutoscaleConfig
+from engine.config import SchedulerConfig
+from kvfabric.reservations import ReservationTable
+from router.admission import AdmissionConfig
+from router.loads import Booking
+from router.policy import RouteDecision, RoutingConfig
+from sim.engine_sim import SimEngine
+
+Role = Literal["prefill", "decode"]
+
+
+class Hardware(Protocol):
+    """What a worker's forward pass and the wire cost (sim/cost_model.py Roofline, or the CPU fit)."""
+
+    def step_s(self, chunks: list[tuple[int, int]], num_sampled: int | None = None) -> float: ...
+
+    def transfer_s(self, num_tokens: int, same_node: bool) -> float: ...
+
+    @property
+    def rpc_s(self) -> float:
+        """From a request's arrival to its work starting on a worker (the router's hops)."""
+
+    @property
+    def push_token_s(self) -> float:
+        """A prefill worker's own time to push one token of KV (0: the push uses no compute)."""
+
+    @property
+    def jitter_s(self) -> Sequence[float]:
+        """Samples of how late a token reaches the client past its step's end (empty: never)."""
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    num_prefill: int = 4
+    num_decode: int = 4
+    """Prefill workers 0 (mode colocated): the decode workers prefill everything themselves."""
+    num_blocks: int = 27000
+    """KV blocks per worker (Roofline.kv_capacity_tokens // block_size for a GPU model)."""
+    block_size: int = 16
+    max_model_len: int = 131072
+    gpus_per_worker: int = 1
+    gpus_per_node: int = 8
+    """Workers fill nodes in order; P and D on one node move KV over NVLink, else the NIC."""
+    routing: RoutingConfig = field(default_factory=lambda: RoutingConfig(mode="disaggregated"))
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    autoscale: AutoscaleConfig | None = None
+    """None: fixed pools."""
+    startup_s: float = 30.0
+    """A scaled-up worker serves this long after the decision (placement, weights, warm-up)."""
+    heartbeat_s: float = 0.5
+    kv_lease_s: float = 10.0
+    kv_wait_s: float = 1.0
+    """How long a request waits for a decode worker with room (RouterConfig.kv_wait_s)."""
+    seed: int = 0
+
+    @property
+    def num_gpus(self) -> int:
+        return (self.num_prefill + self.num_decode) * self.gpus_per_worker
+
+
+@dataclass
+class Worker:
+    worker_id: str
+    role: Role
+    engine: SimEngine
+    node: int
+    created_at: float
+    state: str = "starting"
+    busy: bool = False
+    stopped_at: float | None = None
+    table: ReservationTable | None = None
+    """Decode workers: the KV reservations prefill workers write into."""
+
+
+@dataclass
+class Flight:
+    """One request in the fleet, as the router follows it."""
+
+    rid: str
+    item: Item
+    outcome: Outcome
+    hashes: list[bytes]
+    cost_tokens: int
+    admitted_at: float | None = None
+    decision: RouteDecision | None = None
+    booking: Booking | None = None
+    reservation_id: int | None = None
+    last_seen: float = 0.0
+    """When the client got its last token (its step's end plus the delivery jitter)."""
+    room_until: float = 0.0
+    done: bool = False
+
+
+@dataclass
+class FleetResult:
+    run: Run
+    gpu_seconds: float
+    actions: list[tuple[float, str]]
+    """Each scale action: (virtual time, the autoscaler's reason)."""
+    pool_sizes: list[tuple[float, int, int]]
+    """(time, prefill workers, decode workers) after each change."""
+    config: FleetConfig
+    stats: dict[str, Any]
