@@ -2,7 +2,8 @@
 tokenizer, and the per-step mask of the tokens it allows (torch-free: routers validate here too).
 
     Constraint (kind, value) --`grammar_text`--> llguidance grammar (JSON schema, regex,
-        choice, Lark; GBNF converted to Lark)
+        choice, Lark; GBNF converted to Lark), refused when it has no finite output
+        (engine/grammar_finite.py: llguidance compiles those without a word)
     --Grammars.matcher(constraint)--> a fresh matcher: compiled once per distinct constraint
         (an LRU of `max_entries` by content, each entry a matcher in its start state that is
         deep-copied per request), within llguidance's parser limits
@@ -31,6 +32,7 @@ import llguidance
 import numpy as np
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
+from engine.grammar_finite import lark_unending, schema_unending
 from engine.request import Constraint
 from engine.types import InvalidRequestError
 
@@ -53,8 +55,15 @@ def grammar_text(c: Constraint) -> str:
             schema = json.loads(c.value)
         except ValueError as e:
             raise InvalidRequestError(f"the JSON schema is not JSON: {e}") from None
+        except RecursionError:
+            raise InvalidRequestError("the JSON schema is nested too deeply") from None
         if not isinstance(schema, dict):
             raise InvalidRequestError("the JSON schema must be a JSON object")
+        unending = schema_unending(schema)
+        if unending:
+            raise InvalidRequestError(
+                f"the JSON schema has no finite instance: {', '.join(unending)} requires itself without end "
+                "(make the recursive property optional, or give it an alternative that ends)")
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
         except ValueError as e:
@@ -71,6 +80,11 @@ def grammar_text(c: Constraint) -> str:
         return llguidance.LLMatcher.grammar_from_lark(
             "start: " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options))
     lark = gbnf_to_lark(c.value) if "::=" in c.value else c.value
+    unending = lark_unending(lark)
+    if unending:
+        raise InvalidRequestError(
+            f"the grammar has no finite output: rule {', '.join(unending)} cannot end (each alternative needs "
+            "a rule that cannot end; give one an alternative that ends)")
     return llguidance.LLMatcher.grammar_from_lark(lark)
 
 

@@ -124,6 +124,9 @@ def test_a_decode_worker_killed_mid_stream_leaves_the_constrained_output_identic
     ("json_schema", "{not json", "the JSON schema is not JSON"),
     ("regex", "a(b", "unclosed group"),
     ("grammar", "start: nothing_defined", "unknown name"),
+    ("grammar", 'root ::= "a" root', "no finite output: rule start cannot end"),
+    ("json_schema", '{"type": "object", "properties": {"n": {"$ref": "#"}}, "required": ["n"]}',
+     "no finite instance: # requires itself"),
     ("choice", "[]", "a choice is a non-empty list"),
     ("xml", "<a/>", "constraint kind must be one of"),
 ])
@@ -155,3 +158,7 @@ def test_over_http_each_kind_follows_its_constraint_on_both_paths(cluster: Local
         client.completions.create(model=model, prompt=[5, 6, 7], max_tokens=4,
                                   extra_body={"guided_regex": "a" * 70000})
     assert "at most 65536" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:  # a grammar that never terminates
+        client.completions.create(model=model, prompt=[5, 6, 7], max_tokens=4,
+                                  extra_body={"structured_outputs": {"grammar": 'start: "(" start ")"'}})
+    assert e.value.status_code == 400 and "no finite output: rule start cannot end" in str(e.value)

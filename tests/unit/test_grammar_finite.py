@@ -1,0 +1,109 @@
+"""Constraints with no finite output (engine/grammar_finite.py): llguidance compiles them
+without a word; splitserve refuses them by name, and never refuses one that can end."""
+from __future__ import annotations
+
+import json
+
+import llguidance
+import pytest
+from llguidance.gbnf_to_lark import gbnf_to_lark
+
+from engine.grammar_finite import lark_unending, schema_unending
+from engine.request import Constraint
+from engine.structured import Grammars
+from engine.types import InvalidRequestError
+
+ENDLESS_LARK = [
+    ('start: "a" start', ["start"]),
+    ('start: x\nx: "a" x | "b" x', ["start", "x"]),
+    ('start: a b\na: "x"\n?b: "y" b\n', ["start", "b"]),
+    ('start: "a"~3 start', ["start"]),
+    ('start: item+\nitem: "x" item\nITEM: "q"', ["start", "item"]),
+    ('start: %json {"type": "object", "properties": {"n": {"$ref": "#"}}, "required": ["n"]}', ["start"]),
+    ('start: ("(" start ")")', ["start"]),
+]
+FINITE_LARK = [
+    'start: x\nx: "a" x | "b"',
+    'start: a b\na: "x"\n?b: "y" b | c\nc: "z"',
+    'start: item*\nitem: "x" item',
+    'start: [item]\nitem: "x" item',
+    'start: ("a" start)~0..2',
+    'start: "a" -> alias\n | start "b"',
+    'start: expr\nexpr: term ("+" term)*\nterm: NUMBER | "(" expr ")"\nNUMBER: /[0-9]+/\n%ignore /\\s+/',
+    'start: %json {"type": "object", "properties": {"n": {"$ref": "#"}}}',
+    '%llguidance {}\nstart: "a"{0,3} start | "b"',
+    'start: x{2}\nx: "a" | "b" x',
+]
+
+
+@pytest.mark.parametrize("text, endless", ENDLESS_LARK)
+def test_a_grammar_whose_start_cannot_end_names_its_rules(text: str, endless: list[str]) -> None:
+    assert not llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(text))  # llguidance: fine
+    assert lark_unending(text) == endless
+
+
+@pytest.mark.parametrize("text", FINITE_LARK)
+def test_grammars_that_can_end_pass(text: str) -> None:
+    assert lark_unending(text) == []
+
+
+def test_gbnf_is_read_after_its_conversion_to_lark() -> None:
+    assert lark_unending(gbnf_to_lark('root ::= "a" root')) == ["start"]
+    assert lark_unending(gbnf_to_lark('root ::= item+\nitem ::= "x" item')) == ["start", "item"]
+    assert lark_unending(gbnf_to_lark('root ::= ("ab" | "cd" | "ef")+ "."')) == []
+    assert lark_unending(gbnf_to_lark('root ::= "<" [a-c]+ ">"')) == []
+
+
+def test_text_beyond_the_reader_gets_no_verdict() -> None:
+    assert lark_unending('start: _sep{x, ","}\n_sep{a, b}: a (b a)*') == []  # templates: not read
+    assert lark_unending("no rules at all") == []
+    assert lark_unending("start: " + "(" * 3000 + '"a"' + ")" * 3000) == []
+
+
+SELF = {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}
+
+
+def test_a_schema_that_requires_itself_names_where() -> None:
+    assert schema_unending(SELF) == ["#"]
+    node = {"type": "object", "required": ["c"],
+            "properties": {"c": {"type": "array", "items": {"$ref": "#/$defs/n"}, "minItems": 1}}}
+    assert schema_unending({"$defs": {"n": node}, "$ref": "#/$defs/n"}) == ["#/$defs/n"]
+    assert schema_unending(False) == ["#"]
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"next": {"$ref": "#"}}},  # optional: a leaf ends it
+    {"properties": {"next": {"$ref": "#"}}, "required": ["next"]},  # no type: a number is an instance
+    {"type": ["object", "null"], "properties": {"n": {"$ref": "#"}}, "required": ["n"]},
+    {"anyOf": [{"$ref": "#"}, {"type": "string"}]},
+    {"$defs": {"n": {"type": "object", "required": ["c"],
+                     "properties": {"c": {"type": "array", "items": {"$ref": "#/$defs/n"}}}}}, "$ref": "#/$defs/n"},
+    {"type": "object", "required": ["x"], "properties": {"x": {"$ref": "#", "enum": [1]}}} | {"enum": [{"x": 1}]},
+    {"$ref": "#/nowhere"}, {"type": "strang"},  # llguidance's errors to report
+    {"type": "object"}, True,
+])
+def test_schemas_with_a_finite_instance_pass(schema: object) -> None:
+    assert schema_unending(schema) == []
+
+
+def test_a_long_chain_of_references_is_decided_in_linear_time() -> None:
+    n = 1500  # deeper than Python's stack: the reading is iterative
+    defs = {f"d{i}": {"type": "object", "required": ["x"], "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}}
+            for i in range(n)}
+    defs[f"d{n}"] = {"type": "string"}
+    assert schema_unending({"$defs": defs, "$ref": "#/$defs/d0"}) == []
+    defs[f"d{n}"] = {"$ref": "#/$defs/d0"}
+    assert len(schema_unending({"$defs": defs, "$ref": "#/$defs/d0"})) == n + 1
+
+
+def test_grammars_refuse_them_with_a_message_a_person_can_act_on() -> None:
+    g = Grammars(None, 512, [2])
+    with pytest.raises(InvalidRequestError, match=r"grammar has no finite output: rule start, x cannot end"):
+        g.check(Constraint("grammar", 'root ::= x\nx ::= "a" x | "b" x'))
+    with pytest.raises(InvalidRequestError, match=r"JSON schema has no finite instance: # requires itself"):
+        g.check(Constraint("json_schema", json.dumps(SELF)))
+    with pytest.raises(InvalidRequestError, match="nested too deeply"):
+        g.check(Constraint("json_schema", '{"items":' * 3000 + "{}" + "}" * 3000))
+    assert len(g) == 0  # nothing compiled, nothing kept
+    g.check(Constraint("grammar", 'root ::= x\nx ::= "a" x | "b"'))
+    assert len(g) == 1
