@@ -34,6 +34,15 @@ router's own samples give only its scale (what the router sees beyond the worker
 the median, over the last `SCALE_SAMPLES` finished requests, of what each measured over
 what the current model says at its load. Recomputed whenever the model changes, the scale
 is there from the first model a worker reports, and one slow request does not move it.
+
+A second term was tried and measured worse: t ≈ α·model + β·requests streaming (each token
+is a response the worker sends, the router relays and the client reads, a cost per request
+no step profile holds), fitted in relative least squares on the same samples. Here (1 P +
+1 D on 2 cores with the router and 200 client threads) that overhead grew from 1 to 16
+requests faster than from 16 to 57 in some runs and slower in others; fitted between the
+warm-up's 1 and 16, the slope overestimated each burst of 57 by 20-30 % (ratio <= 0.7 in 3
+of 6 runs of benchmarks/admission_burst.py), where the single scale erred low by 15-50 % in
+1 or 2 runs of 6.
 """
 from __future__ import annotations
 
