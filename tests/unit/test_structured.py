@@ -97,3 +97,35 @@ def test_compiled_constraints_are_cached_and_bounded(tiny_llama_dir: str) -> Non
     assert len(small) == 8
     with pytest.raises(InvalidRequestError, match="at most 65536"):
         Constraint("regex", "a" * 70000)
+
+
+def test_on_the_real_model_every_kind_parses_where_one_engine_prefills_and_decodes(
+        smollm2_gguf: str, smollm2_dir: str) -> None:
+    """The colocated path on the embedded SmolLM2 (the cluster tests run it disaggregated)."""
+    import jsonschema
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(f"{smollm2_dir}/tokenizer.json")
+    person = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+              "properties": {"name": {"type": "string", "maxLength": 30}, "age": {"type": "integer", "minimum": 0}}}
+    cases = [("Invent a person as JSON:", Constraint("json_schema", json.dumps(person)),
+              lambda t: jsonschema.validate(json.loads(t), person) is None),
+             ("Here is a JSON object describing the city of Paris, with its name and country:\n",
+              Constraint("json_object", ""),
+              lambda t: isinstance(json.loads(t), dict)),
+             ("Call 555-", Constraint("regex", r"[0-9]{3}-[0-9]{4}"), lambda t: re.fullmatch(r"[0-9]{3}-[0-9]{4}", t)),
+             ("Is the sky blue? Answer:", Constraint("choice", '[" yes", " no"]'), lambda t: t in (" yes", " no")),
+             ("Count to three:", Constraint("grammar", 'root ::= (" " [0-9]{1,2} ","){2} " " [0-9]{1,2} "."'),
+              lambda t: re.fullmatch(r"( [0-9]{1,2},){2} [0-9]{1,2}\.", t))]
+    e = LLMEngine(EngineConfig(model_dir=smollm2_gguf, cache=CacheConfig(block_size=16, num_blocks=256)))
+    prompts, params = [], []
+    for text, c, _ in cases:
+        for p in (SamplingParams(max_tokens=120, constraint=c),
+                  SamplingParams(max_tokens=120, temperature=0.7, seed=3, constraint=c)):
+            prompts.append(tok.encode(text).ids)
+            params.append(p)
+    outs = e.generate(prompts, params)
+    for i, out in enumerate(outs):
+        _, c, check = cases[i // 2]
+        assert out.finish_reason.value == "stop" and check(out.text), (c.kind, out.text)
+    assert e.check_invariants().num_in_use == 0
