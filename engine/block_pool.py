@@ -99,15 +99,16 @@ class BlockPool:
             return None
         block_ids = []
         evicted: list[BlockHash] = []
-        for _ in range(num_blocks):
-            block_id, _ = (self._free or self._protected).popitem(last=False)
-            old = self._hash[block_id]
+        free, hashes, reused, ref_cnt = self._free, self._hash, self._reused, self._ref_cnt
+        for _ in range(num_blocks):  # a hot loop (a long prompt takes thousands): locals only
+            block_id, _ = (free or self._protected).popitem(last=False)
+            old = hashes[block_id]
             if old is not None:
                 del self._cached[old]
-                self._hash[block_id] = None
+                hashes[block_id] = None
                 evicted.append(old)
-            self._reused[block_id] = False
-            self._ref_cnt[block_id] = 1
+            reused[block_id] = False
+            ref_cnt[block_id] = 1
             block_ids.append(block_id)
         if evicted:
             self._emit("removed", evicted)
@@ -126,17 +127,20 @@ class BlockPool:
         """Drop one holder from each block; blocks reaching 0 join a free queue: a reused
         cached block protected's tail, another cached block probation's tail, a block
         with no hash probation's front."""
-        for block_id in block_ids:
-            if self._ref_cnt[block_id] <= 0:
+        free, hashes, ref_cnt = self._free, self._hash, self._ref_cnt
+        for block_id in block_ids:  # a hot loop, as in allocate
+            count = ref_cnt[block_id]
+            if count <= 0:
                 raise InvariantError(f"block {block_id} freed while not in use")
-            self._ref_cnt[block_id] -= 1
-            if self._ref_cnt[block_id] > 0:
+            ref_cnt[block_id] = count - 1
+            if count > 1:
                 continue
-            self._num_hashed_in_use -= self._hash[block_id] is not None
-            if self._hash[block_id] is None:
-                self._free[block_id] = None
-                self._free.move_to_end(block_id, last=False)
-            elif self._reused[block_id] and self.max_protected:
+            if hashes[block_id] is None:
+                free[block_id] = None
+                free.move_to_end(block_id, last=False)
+                continue
+            self._num_hashed_in_use -= 1
+            if self._reused[block_id] and self.max_protected:
                 self._protected[block_id] = None
                 if len(self._protected) > self.max_protected:
                     oldest, _ = self._protected.popitem(last=False)
@@ -160,12 +164,13 @@ class BlockPool:
         if not self.enable_caching:
             return
         stored: list[BlockHash] = []
-        for block_id, block_hash in zip(block_ids, block_hashes, strict=True):
-            if self._hash[block_id] is not None or block_hash in self._cached:
+        hashes, cached, ref_cnt = self._hash, self._cached, self._ref_cnt
+        for block_id, block_hash in zip(block_ids, block_hashes, strict=True):  # hot, as in allocate
+            if hashes[block_id] is not None or block_hash in cached:
                 continue
-            self._hash[block_id] = block_hash
-            self._cached[block_hash] = block_id
-            self._num_hashed_in_use += self._ref_cnt[block_id] > 0
+            hashes[block_id] = block_hash
+            cached[block_hash] = block_id
+            self._num_hashed_in_use += ref_cnt[block_id] > 0
             stored.append(block_hash)
         if stored:
             self._emit("stored", stored, parent_block_hash)

@@ -56,10 +56,15 @@ class BlockHasher:
         self, hashes: list[BlockHash], token_ids: Sequence[int], tenant: str
     ) -> list[BlockHash]:
         """Append the hashes of every newly full block of `token_ids` to `hashes`."""
+        return self.extend_tail(hashes, token_ids[len(hashes) * self.block_size:], tenant)
+
+    def extend_tail(self, hashes: list[BlockHash], tail: Sequence[int], tenant: str) -> list[BlockHash]:
+        """As `extend`, given only the tokens after the last hashed block (a long request's
+        whole token list is not copied for each block its output fills)."""
         parent = hashes[-1] if hashes else self.root(tenant)
         bs = self.block_size
-        for start in range(len(hashes) * bs, len(token_ids) - bs + 1, bs):
-            parent = self.chain(parent, token_ids[start : start + bs])
+        for start in range(0, len(tail) - bs + 1, bs):
+            parent = self.chain(parent, tail[start : start + bs])
             hashes.append(parent)
         return hashes
 

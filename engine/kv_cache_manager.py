@@ -110,4 +110,7 @@ class KVCacheManager:
 
     def _update_hashes(self, request: Request) -> None:
         if len(request.block_hashes) < request.num_tokens // self.block_size:
-            self.hasher.extend(request.block_hashes, request.all_token_ids, request.tenant)
+            start, prompt = len(request.block_hashes) * self.block_size, request.prompt_token_ids
+            tail = (prompt[start:] + request.output_token_ids if start < len(prompt)
+                    else request.output_token_ids[start - len(prompt):])
+            self.hasher.extend_tail(request.block_hashes, tail, request.tenant)

@@ -47,9 +47,14 @@ class KVIndex:
             self.clear_worker(worker_id)
         self._last_event_id[worker_id] = event.event_id
         if event.kind == "stored":
-            for h in event.block_hashes:
-                self._holders.setdefault(h, set()).add(worker_id)
-                self._blocks.setdefault(worker_id, set()).add(h)
+            holders, mine = self._holders, self._blocks.setdefault(worker_id, set())
+            for h in event.block_hashes:  # a hot loop (a long prompt stores thousands): locals only
+                held = holders.get(h)
+                if held is None:
+                    holders[h] = {worker_id}
+                else:
+                    held.add(worker_id)
+            mine.update(event.block_hashes)
             self.retract(worker_id, event.block_hashes)
         elif event.kind == "removed":
             self._remove(worker_id, event.block_hashes)
@@ -75,19 +80,27 @@ class KVIndex:
     def predict(self, worker_id: WorkerId, block_hashes: Sequence[BlockHash]) -> None:
         """The router just sent these blocks' prompt to `worker_id`: count them as cached there for a while."""
         expiry = self.clock() + self.predicted_ttl_s
+        predicted = self._predicted
         for h in block_hashes:
-            self._predicted.setdefault(h, {})[worker_id] = expiry
+            by_worker = predicted.get(h)
+            if by_worker is None:
+                predicted[h] = {worker_id: expiry}
+            else:
+                by_worker[worker_id] = expiry
         self._expiries.append((expiry, worker_id, block_hashes))
 
     def retract(self, worker_id: WorkerId, block_hashes: Sequence[BlockHash]) -> None:
         """The request predicted there failed before its blocks were stored: drop those predictions
         (confirmed entries stay; they come and go with the worker's own events)."""
+        predicted = self._predicted
+        if not predicted:
+            return
         for h in block_hashes:
-            by_worker = self._predicted.get(h)
+            by_worker = predicted.get(h)
             if by_worker is not None:
                 by_worker.pop(worker_id, None)
                 if not by_worker:
-                    del self._predicted[h]
+                    del predicted[h]
 
     # -- lookup --------------------------------------------------------------------------
     def overlap(self, block_hashes: Sequence[BlockHash], workers: Iterable[WorkerId]) -> dict[WorkerId, int]:
@@ -121,13 +134,13 @@ class KVIndex:
     def num_blocks(self, worker_id: WorkerId) -> int:
         return len(self._blocks.get(worker_id, ()))
 
-    def _remove(self, worker_id: WorkerId, block_hashes: Iterable[BlockHash]) -> None:
-        mine = self._blocks.get(worker_id)
+    def _remove(self, worker_id: WorkerId, block_hashes: Sequence[BlockHash]) -> None:
+        mine, all_holders = self._blocks.get(worker_id), self._holders
         for h in block_hashes:
-            holders = self._holders.get(h)
+            holders = all_holders.get(h)
             if holders is not None:
                 holders.discard(worker_id)
                 if not holders:
-                    del self._holders[h]
-            if mine is not None:
-                mine.discard(h)
+                    del all_holders[h]
+        if mine is not None:
+            mine.difference_update(block_hashes)

@@ -33,6 +33,7 @@ from cluster.autoscaler import AutoscaleState, decide
 from cluster.pool_gauge import PoolGauge, removal_cost
 from control.heartbeat import Heartbeat
 from engine.hashing import BlockHasher
+from engine.types import BlockHash
 from engine.step_model import StepShape
 from engine.step_profile import LONG_CONTEXT, batch_sizes
 from kvfabric.reservations import KVArrived, ReservationTable
@@ -49,6 +50,8 @@ TICK_S = 0.1
 """The router's timer (admission revision and expiry, lease renewal), as the real one."""
 AUTOSCALE_TICK_S = 1.0
 PROGRESS_EVERY = 20000
+PROMPT_MEMO = 8192
+"""Prompts whose hashes the fleet keeps (a replayed trace's distinct prompts: 3,993 in the synthetic one)."""
 """Events between two calls of `Fleet.on_progress`."""
 VOCAB = 128256
 
@@ -66,6 +69,7 @@ class Fleet:
         self.rng = random.Random(config.seed)
         self.jitter = random.Random(config.seed + 1)
         self.hasher = BlockHasher(b"sim", "sim", config.block_size)
+        self._prompt_hashes: dict[int, tuple[list[int], list[BlockHash]]] = {}
         """The workers' key too (SimEngine's defaults), so a prompt's hashes are the same list everywhere."""
         self.itl = ItlWindow()
         self.gauge = PoolGauge(clock)
@@ -189,7 +193,7 @@ class Fleet:
         if n + 1 > c.max_model_len:
             self._fail(f, "INVALID_ARGUMENT")
             return
-        f.hashes = self.hasher.hash_prompt(item.prompt, "")
+        f.hashes = self._hash_prompt(item.prompt)
         workers = [*self.serving("decode"), *self.serving("prefill")]
         best = max(self.index.overlap(f.hashes, workers).values(), default=0) if workers else 0
         new_tokens = min(item.max_tokens, c.max_model_len - n)
@@ -199,6 +203,18 @@ class Fleet:
             self._fail(f, "RESOURCE_EXHAUSTED")
         elif offered:
             self._admitted(f)
+
+    def _hash_prompt(self, prompt: list[int]) -> list[BlockHash]:
+        """The router's hashes of a prompt; a trace replayed end to end sends the same prompt
+        objects again, and their hashes are the same (the last `PROMPT_MEMO` kept)."""
+        memo = self._prompt_hashes.get(id(prompt))
+        if memo is not None and memo[0] is prompt:
+            return memo[1]
+        hashes = self.hasher.hash_prompt(prompt, "")
+        self._prompt_hashes[id(prompt)] = (prompt, hashes)
+        if len(self._prompt_hashes) > PROMPT_MEMO:
+            del self._prompt_hashes[next(iter(self._prompt_hashes))]
+        return hashes
 
     def _admitted(self, f: Flight) -> None:
         f.admitted_at = self.now
