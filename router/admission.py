@@ -1,9 +1,10 @@
 """Admission control (torch-free, pure, injected clock): a token budget shared fairly.
 
 A request costs the tokens it can really hold (`frontend.admission_cost`) while it is
-admitted. The budget is `max_inflight_tokens`, lowered to `kv_overcommit` times the
-decode pool's KV capacity once the router knows it (`set_capacity`), so what is admitted
-can start on a decode worker instead of waiting there for room.
+admitted. The budget is `kv_overcommit` times the decode pool's KV capacity once the
+router knows it (`set_capacity`), so what is admitted can start on a decode worker instead
+of waiting there for room; `max_inflight_tokens` caps it where set (until the pool is
+known, the cap or `UNKNOWN_POOL_TOKENS`).
 
 Queued requests wait in priority classes (lower number first). A class ages: for each
 `aging_s` its oldest request waits, the class moves up one, so the least important
@@ -26,11 +27,12 @@ exported as a histogram.
 """
 from __future__ import annotations
 
+import sys
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from router.admission_config import AdmissionConfig
+from router.admission_config import UNKNOWN_POOL_TOKENS, AdmissionConfig
 from router.fair_queue import Entry, PriorityClass
 from router.wait_forecast import Queued, WaitForecast
 
@@ -57,12 +59,13 @@ class AdmissionQueue:
     def __init__(self, config: AdmissionConfig, clock: Callable[[], float]) -> None:
         self.config = config
         self.clock = clock
-        self.budget_tokens = config.max_inflight_tokens
-        self.limit_tokens = config.max_inflight_tokens
-        """The TTFT steering's cap on the budget (`observe_ttft`)."""
-        self._capacity_tokens = config.max_inflight_tokens
+        cap = config.max_inflight_tokens or UNKNOWN_POOL_TOKENS
+        self.budget_tokens = cap
+        self.limit_tokens = config.max_inflight_tokens or sys.maxsize
+        """The TTFT steering's cap on the budget (`observe_ttft`): none until it steers."""
+        self._capacity_tokens = cap
         """The most tokens admitted at once, tenants under their share included."""
-        self._budget_cap = config.max_inflight_tokens
+        self._budget_cap = cap
         """The budget before TTFT steering: the capacity less the share headroom, once known."""
         self._ttfts: list[float] = []
         self.max_wait_s = min(config.max_queue_wait_s, config.ttft_budget_s / 2) if config.ttft_budget_s \
@@ -145,9 +148,10 @@ class AdmissionQueue:
     def set_capacity(self, kv_tokens: int) -> list[str]:
         """The decode pool holds `kv_tokens` of KV (0: unknown): the budget follows it; returns
         the requests a larger budget admits now."""
-        budget = self.config.max_inflight_tokens
+        cap = self.config.max_inflight_tokens
+        budget = cap or UNKNOWN_POOL_TOKENS
         if kv_tokens > 0:
-            budget = min(budget, max(int(kv_tokens * self.config.kv_overcommit), 1))
+            budget = min(cap or sys.maxsize, max(int(kv_tokens * self.config.kv_overcommit), 1))
         self._capacity_tokens = budget
         self._budget_cap = max(int(budget * (1 - self.config.share_headroom)), 1) if kv_tokens > 0 else budget
         return self._rebudget()
@@ -168,7 +172,7 @@ class AdmissionQueue:
         if p90 > budget_s / 2:
             self.limit_tokens = max(int(min(self.limit_tokens, self.inflight_tokens) * 2 / 3), floor)
         elif p90 < budget_s / 4 and (self.num_queued or self.inflight_tokens >= 0.8 * self.budget_tokens):
-            self.limit_tokens = min(int(self.limit_tokens * 1.25) + cost_tokens, self.config.max_inflight_tokens)
+            self.limit_tokens = min(int(self.limit_tokens * 1.25) + cost_tokens, self._capacity_tokens)
         return self._rebudget()
 
     def _rebudget(self) -> list[str]:

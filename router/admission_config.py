@@ -5,10 +5,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
+UNKNOWN_POOL_TOKENS = 262_144
+"""The token budget while the decode pool's KV is unknown and no cap is set."""
+
+
 @dataclass(frozen=True)
 class AdmissionConfig:
-    max_inflight_tokens: int = 262_144
-    """Token budget: the sum of the admitted requests' costs (prompt + the output each can produce)."""
+    max_inflight_tokens: int | None = None
+    """A cap on the token budget: the sum of the admitted requests' costs (prompt + the output
+    each can produce). None: no cap of its own; the decode pool's KV sets the budget, and
+    `UNKNOWN_POOL_TOKENS` until the router knows the pool. A fixed default would cap a fleet:
+    262,144 tokens (the default until 2026-11) held 17 of a long-context trace's requests in
+    flight, so 32 H100s served no more than 16 (sim/, `splitserve simulate`)."""
     max_inflight_requests: int = 512
     """Most requests admitted at once."""
     max_queued_per_priority: int = 256
@@ -43,7 +51,7 @@ class AdmissionConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_inflight_tokens", "max_inflight_requests", "max_queued_per_priority"):
-            if getattr(self, name) <= 0:
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.ttft_budget_s is not None and not self.ttft_budget_s > 0:
             raise ValueError(f"ttft_budget_s must be positive, got {self.ttft_budget_s}")

@@ -302,3 +302,17 @@ def test_each_queued_request_admitted_reports_actual_over_estimated_wait(clock) 
     clock.advance(1.0)
     assert q.release("b") == ["c"]
     assert ratios[1] == pytest.approx(4.0 / 2.0)
+
+
+def test_by_default_the_decode_pool_alone_sets_the_budget_however_large(clock) -> None:  # type: ignore[no-untyped-def]
+    q = queue(clock)  # no max_inflight_tokens: a fleet's KV, not a fixed number, bounds what is admitted
+    assert q.budget_tokens == 262_144  # the pool not known yet
+    assert q.set_capacity(16 * 3_000_000) == [] and q.budget_tokens == int(48_000_000 * 0.9)
+    for i in range(100):  # a hundred 15k-token requests in flight (a fixed 262,144 held 17)
+        assert q.offer(f"r{i}", 0, 15_000, None) is True
+    assert q.set_capacity(0) == [] and q.budget_tokens == 262_144  # unknown again
+    capped = queue(clock, max_inflight_tokens=500_000)
+    capped.set_capacity(48_000_000)
+    assert capped.budget_tokens == int(500_000 * 0.9)  # a configured cap still holds
+    with pytest.raises(ValueError, match="max_inflight_tokens must be positive"):
+        AdmissionConfig(max_inflight_tokens=0)
