@@ -40,15 +40,16 @@ def unavailable() -> str | None:
 
 
 @contextlib.contextmanager
-def namespaces() -> Iterator[dict[str, str]]:
-    """Two namespaces, `p` at 10.77.1.2 and `d` at 10.77.2.2; this machine is .1 on each link
-    and routes between them. Yields their names and this side's veth of each link."""
+def namespaces(names: tuple[str, ...] = ("p", "d")) -> Iterator[dict[str, str]]:
+    """One namespace per name, the i-th (from 1) at 10.77.i.2: by default `p` at 10.77.1.2 and
+    `d` at 10.77.2.2; this machine is .1 on each link and routes between them. Yields each
+    name's namespace, and under "NAME_link" this side's veth of its link."""
     tag = f"ss{os.getpid() % 100000}{next(TAGS)}"
     made: list[str] = []
     forward = Path("/proc/sys/net/ipv4/ip_forward")
     old_forward = forward.read_text()
     try:
-        for i, name in enumerate(("p", "d"), start=1):
+        for i, name in enumerate(names, start=1):
             ns, outside, inside = f"{tag}{name}", f"{tag}{name}o", f"{tag}{name}i"
             sh("ip", "netns", "add", ns)
             made.append(ns)
@@ -60,7 +61,7 @@ def namespaces() -> Iterator[dict[str, str]]:
                         ["ip", "link", "set", "lo", "up"], ["ip", "route", "add", "default", "via", f"{SUBNET}.{i}.1"]):
                 sh("ip", "netns", "exec", ns, *cmd)
         forward.write_text("1\n")  # this machine routes between the two links
-        yield {"p": made[0], "d": made[1], "p_link": f"{tag}po", "d_link": f"{tag}do"}
+        yield {**dict(zip(names, made)), **{f"{name}_link": f"{tag}{name}o" for name in names}}
     finally:
         forward.write_text(old_forward)
         for ns in made:

@@ -5,6 +5,7 @@
   splitserve generate PROMPT [--target HOST:PORT] ... stream a completion from a running cluster
   splitserve status [--redis-url URL]                 pools, queues, KV usage, prefix hit rate
   splitserve scale prefill|decode N                   resize a running cluster's pool
+  splitserve serve --detach ... / splitserve stop     serve in the background (under `ray up`) / stop it
   splitserve worker prefill|decode --redis-url URL [--model DIR] ...   one worker as a plain process (no Ray)
   splitserve router --redis-url URL [--port P] ...    one router replica as a plain process (no Ray)
   splitserve make-tiny-model DIR [--arch llama|qwen2] [--size tiny|small] [--seed N] [--draft-of MODEL]
@@ -20,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+from cluster import daemon
 from cluster.default_model import TINY
 from cluster.processes import (add_device_flags, add_http_flags, add_speculative_flags, cluster_secret, placement,
                                redacted, speculative_config, worker_host)
@@ -46,6 +48,10 @@ def _state_file() -> Path:
 def _serve(args: argparse.Namespace) -> int:
     from cluster.local import LocalCluster
 
+    if args.detach:
+        argv = list(args.argv)
+        argv.remove("serve")
+        return daemon.detach(args, argv)
     started = time.perf_counter()
     try:
         config = _serve_config(args)
@@ -57,11 +63,12 @@ def _serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    daemon.record()
     try:
         info = cluster.start()
         _write_state(info["address"], cluster.redis_url, args.namespace)
         http = f", OpenAI API on http://{info['http_address']}/v1" if info.get("http_address") else ""
-        print(f"splitserve: serving {_model_name(config)} on {info['address']}{http} "
+        print(f"{daemon.READY_MARK}{_model_name(config)} on {info['address']}{http} "
               f"({args.num_prefill} prefill, {args.num_decode} decode on {config.worker.device} "
               f"{config.worker.dtype}, mode {args.mode}"
               + (f", {args.num_routers} routers" if args.num_routers > 1 else "")
@@ -74,6 +81,8 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         print("splitserve: stopping", file=sys.stderr, flush=True)
         cluster.stop()
+        daemon.forget()
+        print(daemon.STOPPED_MARK, file=sys.stderr, flush=True)
     return 0
 
 
@@ -310,6 +319,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
                    help="GPUs each worker asks Ray for (default 1; 1/N when N workers share a one-GPU machine)")
     s.add_argument("--block-size", type=int, default=16)
     add_speculative_flags(s)
+    daemon.add_flags(s)
     r = s.add_argument_group("on a Ray cluster (see deploy/)")
     r.add_argument("--ray-address", help="join this Ray cluster (auto, or the head's HOST:PORT) instead of "
                                          "starting a local Ray node")
@@ -365,6 +375,7 @@ def _add_client_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignor
     st.add_argument("--namespace", default="splitserve")
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=lambda a: show_status(a, _cluster_redis))
+    daemon.add_stop_parser(sub)
     add_metrics_targets_parser(sub, _cluster_redis)
     add_bench_parser(sub)
     add_simulate_parser(sub)
@@ -373,6 +384,7 @@ def _add_client_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignor
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
     return args.func(args)
 
 

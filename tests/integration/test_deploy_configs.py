@@ -54,3 +54,18 @@ def test_the_head_starts_splitserve_with_flags_that_exist_and_resources_the_node
     assert args.prefill_resource not in types["head"]["resources"]
     for role in ("prefill", "decode"):  # one worker per GPU
         assert types[role]["resources"][role] == types[role]["resources"]["GPU"]
+
+
+def test_the_onprem_file_is_valid_for_ray_and_its_hosts_offer_what_serve_asks_for() -> None:
+    config = load("onprem.yaml")
+    prepared = prepare_config(config)  # the local provider's single node type filled in, as `ray up` does
+    validate_config(prepared)
+    assert prepared["available_node_types"]["local.cluster.node"]["min_workers"] == len(config["provider"]["worker_ips"])
+    [argv] = splitserve_commands(config)
+    args = build_parser().parse_args(argv)
+    assert args.detach and args.ray_address == "auto" and args.host == "0.0.0.0" and args.redis_host == "0.0.0.0"
+    roles = config["worker_start_ray_commands"][1]
+    for ip, role in zip(config["provider"]["worker_ips"], (args.prefill_resource, args.decode_resource)):
+        assert f'*" {ip} "*) ROLE=\'{{"{role}": ' in roles  # each worker host offers one role's resource
+    assert config["provider"]["head_ip"] not in roles  # the head offers neither
+    assert (DEPLOY / "onprem-profile.sh").is_file() and "onprem-profile.sh" in " ".join(config["setup_commands"])

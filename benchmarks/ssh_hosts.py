@@ -1,0 +1,189 @@
+"""Test hosts that Ray's cluster launcher reaches over SSH, as it reaches on-premises machines.
+
+Each host is a network namespace of `separate_hosts.namespaces` (its own address, routed by
+this machine) whose processes also get their own hostname, process IDs (`ray stop` on one
+host sees only that host's processes), /dev/shm, /tmp and root's home. Its init (a
+process-reaping PID 1) runs an sshd that admits a throw-away key. What the hosts share with
+this machine is the rest of the file system: the Python the venvs are made from (kept
+visible under the private home and /tmp) and the system's packages (ssh, rsync, redis).
+Killing the namespace's processes ends the host and everything it started."""
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from benchmarks.separate_hosts import SUBNET, kill_all_in, namespaces
+
+REAPER = """
+import os, signal, subprocess, sys
+child = subprocess.Popen(sys.argv[1:])
+signal.signal(signal.SIGTERM, lambda *_: child.terminate())
+while True:
+    pid, status = os.wait()
+    if pid == child.pid:
+        sys.exit(os.waitstatus_to_exitcode(status))
+"""
+"""PID 1 of a host: runs sshd and reaps the orphans (daemons started by `nohup ... &`)."""
+
+SSHD_CONFIG = """\
+ListenAddress {address}
+HostKey /etc/ssh/ssh_host_ed25519_key
+PermitRootLogin prohibit-password
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+PubkeyAuthentication yes
+AuthorizedKeysFile /root/.ssh/authorized_keys
+UsePAM no
+StrictModes no
+PidFile none
+MaxStartups 100
+MaxSessions 100
+Subsystem sftp internal-sftp
+"""
+
+
+def unavailable() -> str | None:
+    """Why SSH test hosts cannot be made here, or None."""
+    from benchmarks.separate_hosts import unavailable as no_namespaces
+
+    if (why := no_namespaces()) is not None:
+        return why
+    for tool in ("/usr/sbin/sshd", "ssh", "ssh-keygen", "rsync"):
+        if not (os.path.exists(tool) if tool.startswith("/") else shutil_which(tool)):
+            return f"SSH test hosts need openssh-server, openssh-client and rsync ({tool} is missing)"
+    if not Path("/etc/ssh/ssh_host_ed25519_key").exists():
+        return "SSH test hosts need sshd's host key (/etc/ssh/ssh_host_ed25519_key)"
+    return None
+
+
+def shutil_which(tool: str) -> str | None:
+    import shutil
+
+    return shutil.which(tool)
+
+
+def kept_paths() -> list[str]:
+    """What every host must still see under its private home and /tmp: the Python
+    installation and this environment (the hosts' venvs point at them)."""
+    return sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)})
+
+
+class SshHosts:
+    """`names` as SSH hosts (the i-th at 10.77.i.2), their files under `root/NAME`:
+    `home` (root's home there), `tmp`, `shm`. `key` is the private key they admit."""
+
+    def __init__(self, netns: dict[str, str], names: tuple[str, ...], root: Path) -> None:
+        self.netns, self.names, self.root = netns, names, root
+        self.key = root / "id_ed25519"
+        root.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "splitserve-test", "-f", str(self.key)],
+                       check=True, capture_output=True)
+        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation directory
+        for name in names:
+            self._start(name)
+        for name in names:
+            self._wait_ssh(name)
+
+    def address(self, name: str) -> str:
+        return f"{SUBNET}.{self.names.index(name) + 1}.2"
+
+    def dir(self, name: str, part: str) -> Path:
+        """`home`, `tmp` or `shm` of host `name`, as this machine sees it."""
+        return self.root / name / part
+
+    def _start(self, name: str) -> None:
+        for part in ("home", "tmp", "shm"):
+            self.dir(name, part).mkdir(parents=True, exist_ok=True)
+        self.dir(name, "tmp").chmod(0o1777)
+        ssh_dir = self.dir(name, "home") / ".ssh"
+        ssh_dir.mkdir(mode=0o700, exist_ok=True)
+        (ssh_dir / "authorized_keys").write_text(self.key.with_suffix(".pub").read_text())
+        config = self.dir(name, "home") / ".sshd_config"
+        config.write_text(SSHD_CONFIG.format(address=self.address(name)))
+        lines = ["set -e", f"hostname {name}", f"mount --bind {self.dir(name, 'shm')} /dev/shm"]
+        for private, over in (("home", "/root"), ("tmp", "/tmp")):
+            for path in kept_paths():
+                if path == over or path.startswith(over + "/"):
+                    inside = self.dir(name, private) / os.path.relpath(path, over)
+                    lines += [f"mkdir -p {shlex.quote(str(inside))}",
+                              f"mount --rbind {shlex.quote(path)} {shlex.quote(str(inside))}"]
+            lines.append(f"mount --rbind {self.dir(name, private)} {over}")
+        lines.append(f"exec {shlex.quote(sys.executable)} -c {shlex.quote(REAPER)} /usr/sbin/sshd -D -e "
+                     f"-f /root/.sshd_config")
+        log = (self.root / f"{name}-sshd.log").open("a")
+        subprocess.Popen(["ip", "netns", "exec", self.netns[name], "unshare", "--mount", "--uts", "--pid", "--fork",
+                          "--mount-proc", "sh", "-c", "\n".join(lines)], stdout=log, stderr=subprocess.STDOUT,
+                         start_new_session=True)
+
+    def ssh(self, name: str, command: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
+        """Runs `command` on host `name` through its sshd, as root."""
+        return subprocess.run(["ssh", "-i", str(self.key), "-o", "StrictHostKeyChecking=no", "-o",
+                               "UserKnownHostsFile=/dev/null", "-o", "BatchMode=yes", "-o", "LogLevel=ERROR",
+                               "-o", "ConnectTimeout=5", f"root@{self.address(name)}", command],
+                              capture_output=True, text=True, timeout=timeout_s)
+
+    def _wait_ssh(self, name: str, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            done = self.ssh(name, "hostname")
+            if done.returncode == 0 and done.stdout.strip() == name:
+                return
+            if time.monotonic() > deadline:
+                log = (self.root / f"{name}-sshd.log").read_text()[-2000:]
+                raise AssertionError(f"host {name}: sshd did not answer ({done.stderr.strip()}) {log}")
+            time.sleep(0.3)
+
+    def processes(self, name: str) -> list[str]:
+        """The command lines of what runs on host `name`, but its init and sshd."""
+        out = []
+        pids = subprocess.run(["ip", "netns", "pids", self.netns[name]], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                line = " ".join(a.decode(errors="replace") for a in argv if a)
+                if line and "sshd" not in line and "REAPER" not in line and "os.wait()" not in line:
+                    out.append(line)
+        return out
+
+    def preinstall(self, name: str, env: str = "splitserve-env") -> None:
+        """Gives host `name` what a package index would: a venv at ~/`env` whose site-packages
+        see this environment's packages (the test hosts reach no index, and installing torch and
+        Ray from one takes minutes), that environment's `ray` command, and a pip told that there
+        is no index and no build isolation. A cluster file's pip commands then find every
+        dependency installed and build and install splitserve itself from what they are given."""
+        import sysconfig
+
+        home = self.dir(name, "home")
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(home / env)], check=True)
+        site = home / env / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+        (site / "_preinstalled.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+        ray = home / env / "bin" / "ray"
+        ray.write_text(f"#!/root/{env}/bin/python\nimport sys\nfrom ray.scripts.scripts import main\n"
+                       "sys.exit(main())\n")
+        ray.chmod(0o755)
+        pip = home / ".config" / "pip"
+        pip.mkdir(parents=True, exist_ok=True)
+        # (pip reads a `no-` option's value inverted: false here means --no-build-isolation)
+        (pip / "pip.conf").write_text("[global]\nno-index = true\ndisable-pip-version-check = true\n"
+                                      "[install]\nno-build-isolation = false\n")
+
+    def stop(self) -> None:
+        for name in self.names:
+            kill_all_in(self.netns[name])
+
+
+@contextlib.contextmanager
+def ssh_hosts(names: tuple[str, ...], root: Path) -> Iterator[SshHosts]:
+    """Hosts `names` (the first at 10.77.1.2), removed with everything they ran on the way out."""
+    with namespaces(names) as netns:
+        hosts = SshHosts(netns, names, root)
+        try:
+            yield hosts
+        finally:
+            hosts.stop()

@@ -1,0 +1,142 @@
+"""`ray up deploy/onprem.yaml` for real: Ray's own cluster launcher, over SSH, onto three test
+hosts (network namespaces with their own addresses, hostnames, process IDs, /tmp, /dev/shm
+and home, each running an sshd; benchmarks/ssh_hosts.py). The hosts reach no package index,
+so they come with splitserve's dependencies preinstalled (`SshHosts.preinstall`); the file's
+own setup commands install splitserve from the checkout it mounts. The copy of the file the
+test writes differs from deploy/onprem.yaml only in the hosts' addresses, the SSH user and
+key, and CPU for GPU (`edited`). Needs root, iproute2, openssh-server and rsync (skipped
+otherwise); removes what it made."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from benchmarks.separate_hosts import scrape
+from benchmarks.ssh_hosts import SshHosts, ssh_hosts, unavailable
+from control.reader import RegistryReader
+from proto import generate_pb2_grpc as pb_grpc
+from tests.integration.cluster_checks import generate, greedy, tokens, wait_for
+
+pytestmark = pytest.mark.timeout(900)
+
+REPO = Path(__file__).resolve().parents[2]
+NAMES = ("h", "p", "d")
+"""The head, the prefill host and the decode host (10.77.1.2, .2.2, .3.2)."""
+LEFT_BEHIND = ("ray", "raylet", "gcs_server", "splitserve", "cluster.cli", "redis-server")
+
+
+def edited(text: str, hosts: SshHosts, cluster_name: str) -> str:
+    """deploy/onprem.yaml for the test hosts: their addresses, root with the throw-away key,
+    the CPU in place of the GPU."""
+    swaps = {"10.0.0.10": hosts.address("h"), "10.0.0.11": hosts.address("p"), "10.0.0.12": hosts.address("d"),
+             "ssh_user: ubuntu": "ssh_user: root", "~/.ssh/id_ed25519": str(hosts.key),
+             "cluster_name: splitserve-onprem": f"cluster_name: {cluster_name}",
+             "[gpu]": "", "--device cuda --dtype bfloat16": "--device cpu"}
+    for old, new in swaps.items():
+        assert old in text, f"deploy/onprem.yaml no longer has {old!r}: update this test"
+        text = text.replace(old, new)
+    return text
+
+
+def ray_cli(*args: str, timeout_s: float) -> tuple[float, str]:
+    """`ray ARGS` from the repository root (the file mounts `.`); its seconds and output."""
+    started = time.monotonic()
+    done = subprocess.run([str(Path(sys.executable).with_name("ray")), *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout_s)
+    took = time.monotonic() - started
+    assert done.returncode == 0, f"ray {args[0]} failed ({done.returncode}):\n{done.stdout[-6000:]}\n{done.stderr[-3000:]}"
+    return took, done.stdout + done.stderr
+
+
+@pytest.fixture
+def launched(tmp_path: Path) -> Iterator[tuple[SshHosts, Path]]:
+    if (why := unavailable()) is not None:
+        pytest.skip(why)
+    name = f"splitserve-test-{os.getpid()}"
+    config = tmp_path / "onprem.yaml"
+    with ssh_hosts(NAMES, tmp_path / "hosts") as hosts:
+        for host in NAMES:
+            hosts.preinstall(host)
+        config.write_text(edited((REPO / "deploy" / "onprem.yaml").read_text(), hosts, name))
+        try:
+            yield hosts, config
+        finally:
+            subprocess.run([str(Path(sys.executable).with_name("ray")), "down", "-y", str(config)], cwd=REPO,
+                           capture_output=True, timeout=300)
+            for leftover in Path("/tmp/ray").glob(f"cluster-{name}.*"):  # the launcher's own record of it
+                leftover.unlink()
+
+
+def leftovers(hosts: SshHosts) -> dict[str, list[str]]:
+    """What of splitserve, Ray or Redis still runs, by host."""
+    found = {h: [p[:160] for p in hosts.processes(h) if any(word in p for word in LEFT_BEHIND)] for h in NAMES}
+    return {h: ps for h, ps in found.items() if ps}
+
+
+def serve_state(hosts: SshHosts) -> dict[str, str]:
+    """The head's `splitserve serve` state (its Redis URL and namespace), from its home."""
+    return json.loads((hosts.dir("h", "home") / ".cache" / "splitserve" / "serve.json").read_text())
+
+
+def heartbeats(hosts: SshHosts) -> dict:
+    state = serve_state(hosts)
+
+    async def read() -> dict:
+        reader = RegistryReader(state["redis_url"], state["namespace"])
+        try:
+            return await reader.heartbeats()
+        finally:
+            await reader.close()
+    return asyncio.run(read())
+
+
+def test_ray_up_serves_across_hosts_and_ray_down_leaves_nothing(launched: tuple[SshHosts, Path],
+                                                               smollm2_dir: str) -> None:
+    hosts, config = launched
+    started = time.monotonic()
+    up_s, out = ray_cli("up", "-y", str(config), timeout_s=900)
+    assert "splitserve: serving" in out, out[-3000:]
+    target = f"{hosts.address('h')}:50051"
+    rng = random.Random(7)
+    prompt = [rng.randrange(100, 40000) for _ in range(300)]  # past auto mode's 256 local-prefill tokens
+    with grpc.insecure_channel(target) as channel:
+        got = generate(pb_grpc.GenerationStub(channel), prompt, 8)
+    first_token_s = time.monotonic() - started  # `ray up` returns once serving; then one request
+    assert tokens(got) == greedy(smollm2_dir, prompt, 8)
+    assert (got[-1].route.prefill_worker, got[-1].route.decode_worker) == ("prefill-0", "decode-0")
+
+    beats = heartbeats(hosts)  # where each worker says it serves, and what each host runs
+    assert beats["prefill-0"].address.startswith(hosts.address("p") + ":")
+    assert beats["decode-0"].address.startswith(hosts.address("d") + ":")
+    assert any("PrefillWorker" in p for p in hosts.processes("p"))
+    assert not any("DecodeWorker" in p for p in hosts.processes("p"))
+    assert any("DecodeWorker" in p for p in hosts.processes("d"))
+    pushed = scrape(beats["prefill-0"].metrics_address)
+    assert pushed.get("splitserve:kv_transfer_blocks_total,role=prefill,transport=tcp", 0) >= 300 // 16
+
+    ray_cli("exec", str(config), "splitserve scale decode 2", timeout_s=120)
+    wait_for("decode-1 serving on the decode host", lambda: (
+        b := heartbeats(hosts).get("decode-1")) is not None and b.state == "serving", 180)
+    assert heartbeats(hosts)["decode-1"].address.startswith(hosts.address("d") + ":")
+
+    down_s, out = ray_cli("down", "-y", str(config), timeout_s=300)
+    assert "splitserve: stopped" in out, out[-3000:]
+    started = time.monotonic()
+    while left := leftovers(hosts):
+        assert time.monotonic() - started < 120, f"left running 120 s after `ray down`: {left}; it said:\n{out[-4000:]}"
+        time.sleep(0.5)
+    gone_s = down_s + time.monotonic() - started
+    for h in NAMES:
+        assert list(hosts.dir(h, "shm").iterdir()) == [], f"shared memory left on host {h}"
+    print(json.dumps({"ray_up_to_first_token_s": round(first_token_s, 1), "ray_down_s": round(down_s, 1),
+                      "ray_down_to_nothing_left_s": round(gone_s, 1)}))
