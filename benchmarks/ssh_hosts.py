@@ -178,6 +178,46 @@ class SshHosts:
             kill_all_in(self.netns[name])
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def onprem_file(hosts: SshHosts, cluster_name: str, swaps: dict[str, str] | None = None) -> str:
+    """deploy/onprem.yaml for hosts `h` (head), `p` (prefill) and `d` (decode): `swaps`
+    first (on the file as written), then their addresses, root with the throw-away key, and
+    the CPU in place of the GPU (each must match, so a change to the file fails loudly)."""
+    text = (REPO / "deploy" / "onprem.yaml").read_text()
+    every = [*(swaps or {}).items(), ("10.0.0.10", hosts.address("h")), ("10.0.0.11", hosts.address("p")),
+             ("10.0.0.12", hosts.address("d")), ("ssh_user: ubuntu", "ssh_user: root"),
+             ("~/.ssh/id_ed25519", str(hosts.key)), ("cluster_name: splitserve-onprem", f"cluster_name: {cluster_name}"),
+             ("[gpu]", ""), ("--device cuda --dtype bfloat16", "--device cpu")]
+    for old, new in every:
+        if old not in text:
+            raise AssertionError(f"deploy/onprem.yaml no longer has {old!r}: update benchmarks/ssh_hosts.py")
+        text = text.replace(old, new)
+    return text
+
+
+def ray_cli(*args: str, timeout_s: float) -> tuple[float, str]:
+    """`ray ARGS` from the repository root (the file mounts `.`): its seconds and output;
+    AssertionError with the output's end when it fails."""
+    started = time.monotonic()
+    done = subprocess.run([str(Path(sys.executable).with_name("ray")), *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout_s)
+    took = time.monotonic() - started
+    if done.returncode != 0:
+        raise AssertionError(f"ray {args[0]} failed ({done.returncode}):\n{done.stdout[-6000:]}\n{done.stderr[-3000:]}")
+    return took, done.stdout + done.stderr
+
+
+def ray_down_quietly(config: Path, cluster_name: str) -> None:
+    """`ray down` whatever state the cluster is in, and the launcher's own record of it."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        subprocess.run([str(Path(sys.executable).with_name("ray")), "down", "-y", str(config)], cwd=REPO,
+                       capture_output=True, timeout=300)
+    for leftover in Path("/tmp/ray").glob(f"cluster-{cluster_name}.*"):
+        leftover.unlink()
+
+
 @contextlib.contextmanager
 def ssh_hosts(names: tuple[str, ...], root: Path) -> Iterator[SshHosts]:
     """Hosts `names` (the first at 10.77.1.2), removed with everything they ran on the way out."""

@@ -1,4 +1,5 @@
-# Sourced from ~/.bashrc on every host of deploy/onprem.yaml (its setup commands add the line).
+# Sourced from ~/.bashrc on every host of deploy/onprem.yaml and deploy/cluster.yaml (their
+# setup commands add the line).
 # Ray's launcher runs every command, `ray down`'s included, in a login shell that reads
 # ~/.bashrc, so this is where the hosts learn two things:
 

@@ -183,3 +183,31 @@ def test_serve_says_when_its_cluster_can_no_longer_be_supervised(tmp_path: Path)
     finally:
         _ctrl_c(serve)
     assert serve.returncode == 0
+
+
+def test_serve_detached_returns_once_serving_and_stop_stops_it(tmp_path: Path) -> None:
+    """`serve --detach` (what `ray up`'s start commands run) returns once serving, with its
+    output in the cache directory's log; a second one is refused; `stop` stops it the way
+    Ctrl-C does and waits; one that cannot start says why and returns 1."""
+    from cluster.daemon import _alive
+
+    env = {"SPLITSERVE_CACHE": str(tmp_path / "cache")}
+    nothing = run(["stop"], env)
+    assert nothing.returncode == 0 and "no serve runs here" in nothing.stdout
+    r = run(["serve", "--detach", "--model", "tiny", "--port", "0", "--http-port", "-1"], env)
+    assert r.returncode == 0, r.stderr
+    found = re.search(r"on 127\.0\.0\.1:(\d+).*\nsplitserve: running detached \(pid (\d+)\); log (\S+);", r.stdout)
+    assert found and found[3] == str(tmp_path / "cache" / "serve.log"), r.stdout
+    pid = int(found[2])
+    assert (tmp_path / "cache" / "serve.pid").read_text().strip() == str(pid)
+    g = run(["generate", "hi", "--max-tokens", "4", "--ignore-eos", "--target", f"127.0.0.1:{found[1]}"], env)
+    assert g.returncode == 0 and "4 tokens" in g.stderr, g.stderr
+    twice = run(["serve", "--detach", "--model", "tiny", "--port", "0", "--http-port", "-1"], env)
+    assert twice.returncode == 1 and f"already runs here (pid {pid})" in twice.stderr
+    stopped = run(["stop"], env)
+    assert stopped.returncode == 0 and "splitserve: stopped in" in stopped.stdout, stopped.stderr
+    assert not _alive(pid) and not (tmp_path / "cache" / "serve.pid").exists()
+    assert "splitserve: stopped" in (tmp_path / "cache" / "serve.log").read_text()
+    (tmp_path / "broken.gguf").write_bytes(b"not a gguf file")
+    bad = run(["serve", "--detach", "--model", str(tmp_path / "broken.gguf")], env)
+    assert bad.returncode == 1 and "exited (2) before serving" in bad.stderr and "--model" in bad.stderr, bad.stderr

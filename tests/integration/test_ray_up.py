@@ -4,7 +4,7 @@ and home, each running an sshd; benchmarks/ssh_hosts.py). The hosts reach no pac
 so they come with splitserve's dependencies preinstalled (`SshHosts.preinstall`); the file's
 own setup commands install splitserve from the checkout it mounts. The copy of the file the
 test writes differs from deploy/onprem.yaml only in the hosts' addresses, the SSH user and
-key, and CPU for GPU (`edited`). Needs root, iproute2, openssh-server and rsync (skipped
+key, and CPU for GPU (`onprem_file`). Needs root, iproute2, openssh-server and rsync (skipped
 otherwise); removes what it made."""
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ import asyncio
 import json
 import os
 import random
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,40 +20,16 @@ import grpc
 import pytest
 
 from benchmarks.separate_hosts import scrape
-from benchmarks.ssh_hosts import SshHosts, ssh_hosts, unavailable
+from benchmarks.ssh_hosts import SshHosts, onprem_file, ray_cli, ray_down_quietly, ssh_hosts, unavailable
 from control.reader import RegistryReader
 from proto import generate_pb2_grpc as pb_grpc
 from tests.integration.cluster_checks import generate, greedy, tokens, wait_for
 
 pytestmark = pytest.mark.timeout(900)
 
-REPO = Path(__file__).resolve().parents[2]
 NAMES = ("h", "p", "d")
 """The head, the prefill host and the decode host (10.77.1.2, .2.2, .3.2)."""
 LEFT_BEHIND = ("ray", "raylet", "gcs_server", "splitserve", "cluster.cli", "redis-server")
-
-
-def edited(text: str, hosts: SshHosts, cluster_name: str) -> str:
-    """deploy/onprem.yaml for the test hosts: their addresses, root with the throw-away key,
-    the CPU in place of the GPU."""
-    swaps = {"10.0.0.10": hosts.address("h"), "10.0.0.11": hosts.address("p"), "10.0.0.12": hosts.address("d"),
-             "ssh_user: ubuntu": "ssh_user: root", "~/.ssh/id_ed25519": str(hosts.key),
-             "cluster_name: splitserve-onprem": f"cluster_name: {cluster_name}",
-             "[gpu]": "", "--device cuda --dtype bfloat16": "--device cpu"}
-    for old, new in swaps.items():
-        assert old in text, f"deploy/onprem.yaml no longer has {old!r}: update this test"
-        text = text.replace(old, new)
-    return text
-
-
-def ray_cli(*args: str, timeout_s: float) -> tuple[float, str]:
-    """`ray ARGS` from the repository root (the file mounts `.`); its seconds and output."""
-    started = time.monotonic()
-    done = subprocess.run([str(Path(sys.executable).with_name("ray")), *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout_s)
-    took = time.monotonic() - started
-    assert done.returncode == 0, f"ray {args[0]} failed ({done.returncode}):\n{done.stdout[-6000:]}\n{done.stderr[-3000:]}"
-    return took, done.stdout + done.stderr
 
 
 @pytest.fixture
@@ -67,14 +41,11 @@ def launched(tmp_path: Path) -> Iterator[tuple[SshHosts, Path]]:
     with ssh_hosts(NAMES, tmp_path / "hosts") as hosts:
         for host in NAMES:
             hosts.preinstall(host)
-        config.write_text(edited((REPO / "deploy" / "onprem.yaml").read_text(), hosts, name))
+        config.write_text(onprem_file(hosts, name))
         try:
             yield hosts, config
         finally:
-            subprocess.run([str(Path(sys.executable).with_name("ray")), "down", "-y", str(config)], cwd=REPO,
-                           capture_output=True, timeout=300)
-            for leftover in Path("/tmp/ray").glob(f"cluster-{name}.*"):  # the launcher's own record of it
-                leftover.unlink()
+            ray_down_quietly(config, name)
 
 
 def leftovers(hosts: SshHosts) -> dict[str, list[str]]:
