@@ -13,6 +13,7 @@ import json
 import os
 import random
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -84,6 +85,8 @@ def test_ray_up_serves_across_hosts_and_ray_down_leaves_nothing(launched: tuple[
         got = generate(pb_grpc.GenerationStub(channel), prompt, 8)
     first_token_s = time.monotonic() - started  # `ray up` returns once serving; then one request
     assert tokens(got) == greedy(smollm2_dir, prompt, 8)
+    with urllib.request.urlopen(f"http://{hosts.address('h')}:8000/v1/models", timeout=30) as models:
+        assert [m["id"] for m in json.loads(models.read())["data"]] == ["SmolLM2-135M-Instruct.Q4_1"]
     assert (got[-1].route.prefill_worker, got[-1].route.decode_worker) == ("prefill-0", "decode-0")
 
     beats = heartbeats(hosts)  # where each worker says it serves, and what each host runs
