@@ -8,11 +8,13 @@ its reservation within the lease and the router retries the request on another d
 worker. Needs root and iproute2 (skipped otherwise); removes what it made."""
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -125,6 +127,27 @@ def cut_mid_transfer(stub: pb_grpc.GenerationStub, hosts: dict[str, str], far: s
     return result["out"]  # type: ignore[return-value]
 
 
+RAYLET_DEATH = ("died", "crash", "Check failed", "marked dead", "xiting", "Broken pipe", "SIGTERM", "OOM", "killed")
+
+
+@contextlib.contextmanager
+def ray_logs_on_failure(head: Any) -> Iterator[None]:
+    """A failure inside gets, appended, the lines of the cluster's Ray logs (every node's
+    raylet and the GCS, which share the head's session directory) that tell why a raylet
+    went away: once, in CI, one of a test host's raylets died ("Broken pipe ... the Raylet
+    has most likely crashed") and nothing said why."""
+    try:
+        yield
+    except AssertionError as e:
+        logs = Path(head.head_node.get_logs_dir_path())
+        told = []
+        for log in sorted([*logs.glob("raylet*"), *logs.glob("gcs_server*")]):
+            lines = [ln for ln in log.read_text(errors="replace").splitlines() if any(w in ln for w in RAYLET_DEATH)]
+            if lines:
+                told.append(f"--- {log.name}:\n" + "\n".join(lines[-15:]))
+        raise AssertionError(f"{e}\nRay's logs ({logs}):\n" + ("\n".join(told) or "nothing about a death")) from e
+
+
 def join(ns: str, gcs_address: str, node_ip: str, resources: dict[str, float], log: Path, num_nodes: int) -> None:
     """Starts a Ray worker node on host `ns` offering `resources`, one at a time; a start that
     fails (a raylet must register within Ray's fixed 30 s, which a loaded CI machine can
@@ -151,32 +174,37 @@ def test_ray_worker_nodes_on_separate_hosts_serve_with_kv_over_tcp(hosts: dict[s
         ray.shutdown()
     head = ray_head(num_cpus=1)
     try:
-        ray.init(address=head.address)
-        for i, (name, role) in enumerate((("p", "prefill"), ("d", "decode")), start=1):
-            join(hosts[name], head.address, f"{SUBNET}.{i}.2", {role: 2}, tmp_path / f"ray-{name}.log", 1 + i)
-        config = ClusterConfig(
-            worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, host=NODE_IP),
-            num_prefill=1, num_decode=1, worker_num_cpus=0.25, ray_address=head.address, redis_host="0.0.0.0",
-            role_resources={"prefill": {"prefill": 1}, "decode": {"decode": 1}},
-            router=RouterConfig(port=0, routing=RoutingConfig(mode="disaggregated")))
-        with LocalCluster(config) as cluster:
-            placed = {w["worker_id"]: w["address"] for w in cluster.workers()}
-            assert placed["prefill-0"].startswith(f"{SUBNET}.1.2:") and placed["decode-0"].startswith(f"{SUBNET}.2.2:")
-            rng = random.Random(11)
-            prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (50, 170)]
-            with grpc.insecure_channel(cluster.address) as channel:  # the router is on the head: reachable here
-                stub = pb_grpc.GenerationStub(channel)
-                for prompt in prompts:
-                    got = generate(stub, prompt, 8)
-                    assert tokens(got) == greedy(tiny_llama_dir, prompt, 8)
-                    assert (got[-1].route.prefill_worker, got[-1].route.decode_worker) == ("prefill-0", "decode-0")
-            beats = {w["worker_id"]: w for w in cluster.workers()}
-            pushed = scrape(beats["prefill-0"]["metrics_address"])
-            assert pushed["splitserve:kv_transfer_blocks_total,role=prefill,transport=tcp"] == 4 + 11
-            assert_idle(cluster)
+        with ray_logs_on_failure(head):
+            _serve_on_two_ray_hosts(hosts, head, tiny_llama_dir, tmp_path)
     finally:
         ray.shutdown()
         head.shutdown()  # the worker nodes' processes go with their namespaces
+
+
+def _serve_on_two_ray_hosts(hosts: dict[str, str], head: Any, tiny_llama_dir: str, tmp_path: Path) -> None:
+    ray.init(address=head.address)
+    for i, (name, role) in enumerate((("p", "prefill"), ("d", "decode")), start=1):
+        join(hosts[name], head.address, f"{SUBNET}.{i}.2", {role: 2}, tmp_path / f"ray-{name}.log", 1 + i)
+    config = ClusterConfig(
+        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, host=NODE_IP),
+        num_prefill=1, num_decode=1, worker_num_cpus=0.25, ray_address=head.address, redis_host="0.0.0.0",
+        role_resources={"prefill": {"prefill": 1}, "decode": {"decode": 1}},
+        router=RouterConfig(port=0, routing=RoutingConfig(mode="disaggregated")))
+    with LocalCluster(config) as cluster:
+        placed = {w["worker_id"]: w["address"] for w in cluster.workers()}
+        assert placed["prefill-0"].startswith(f"{SUBNET}.1.2:") and placed["decode-0"].startswith(f"{SUBNET}.2.2:")
+        rng = random.Random(11)
+        prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (50, 170)]
+        with grpc.insecure_channel(cluster.address) as channel:  # the router is on the head: reachable here
+            stub = pb_grpc.GenerationStub(channel)
+            for prompt in prompts:
+                got = generate(stub, prompt, 8)
+                assert tokens(got) == greedy(tiny_llama_dir, prompt, 8)
+                assert (got[-1].route.prefill_worker, got[-1].route.decode_worker) == ("prefill-0", "decode-0")
+        beats = {w["worker_id"]: w for w in cluster.workers()}
+        pushed = scrape(beats["prefill-0"]["metrics_address"])
+        assert pushed["splitserve:kv_transfer_blocks_total,role=prefill,transport=tcp"] == 4 + 11
+        assert_idle(cluster)
 
 
 def test_on_ray_nodes_a_link_cut_mid_transfer_frees_the_reservation_and_the_router_retries(
@@ -189,30 +217,35 @@ def test_on_ray_nodes_a_link_cut_mid_transfer_frees_the_reservation_and_the_rout
         ray.shutdown()
     head = ray_head(num_cpus=1)
     try:
-        ray.init(address=head.address)
-        join(hosts["p"], head.address, f"{SUBNET}.1.2", {"prefill": 1}, tmp_path / "ray-p.log", 2)
-        join(hosts["d"], head.address, f"{SUBNET}.2.2", {"decode": 1}, tmp_path / "ray-d.log", 3)
-        config = ClusterConfig(
-            worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, host=NODE_IP),
-            num_prefill=1, num_decode=1, worker_num_cpus=0.25, ray_address=head.address, redis_host="0.0.0.0",
-            role_resources={"prefill": {"prefill": 1}, "decode": {"decode": 1}}, supervise_interval_s=0.5,
-            router=RouterConfig(port=0, routing=RoutingConfig(mode="disaggregated")))
-        rng = random.Random(5)
-        prefix = [rng.randrange(3, 500) for _ in range(256)]
-        prompt = prefix + [rng.randrange(3, 500) for _ in range(1200)]
-        with LocalCluster(config) as cluster, grpc.insecure_channel(cluster.address) as channel:
-            stub = pb_grpc.GenerationStub(channel)
-            assert generate(stub, prefix, 2)[-1].route.decode_worker == "decode-0"  # it caches the prefix
-            head.add_node(num_cpus=1, resources={"decode": 1})  # a decode node on this machine
-            cluster.scale("decode", 2)
-            wait_for("decode-1 serving and seen by the router", lambda: all(
-                "decode-1" in s["members"] for s in cluster.router_stats()), 90)
-            workers = {w["worker_id"]: w for w in cluster.workers()}
-            assert workers["decode-0"]["address"].startswith(f"{SUBNET}.2.2:")
-            got = cut_mid_transfer(stub, hosts, workers["decode-0"]["metrics_address"], prompt)
-            assert tokens(got) == greedy(tiny_llama_dir, prompt, 6)
-            assert got[-1].route.decode_worker == "decode-1"
-            assert cluster.router_stats()[0]["num_retries"] >= 1
+        with ray_logs_on_failure(head):
+            _retry_after_a_cut_on_ray_hosts(hosts, head, tiny_llama_dir, tmp_path)
     finally:
         ray.shutdown()
         head.shutdown()  # the test hosts' Ray processes go with their namespaces
+
+
+def _retry_after_a_cut_on_ray_hosts(hosts: dict[str, str], head: Any, tiny_llama_dir: str, tmp_path: Path) -> None:
+    ray.init(address=head.address)
+    join(hosts["p"], head.address, f"{SUBNET}.1.2", {"prefill": 1}, tmp_path / "ray-p.log", 2)
+    join(hosts["d"], head.address, f"{SUBNET}.2.2", {"decode": 1}, tmp_path / "ray-d.log", 3)
+    config = ClusterConfig(
+        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, host=NODE_IP),
+        num_prefill=1, num_decode=1, worker_num_cpus=0.25, ray_address=head.address, redis_host="0.0.0.0",
+        role_resources={"prefill": {"prefill": 1}, "decode": {"decode": 1}}, supervise_interval_s=0.5,
+        router=RouterConfig(port=0, routing=RoutingConfig(mode="disaggregated")))
+    rng = random.Random(5)
+    prefix = [rng.randrange(3, 500) for _ in range(256)]
+    prompt = prefix + [rng.randrange(3, 500) for _ in range(1200)]
+    with LocalCluster(config) as cluster, grpc.insecure_channel(cluster.address) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        assert generate(stub, prefix, 2)[-1].route.decode_worker == "decode-0"  # it caches the prefix
+        head.add_node(num_cpus=1, resources={"decode": 1})  # a decode node on this machine
+        cluster.scale("decode", 2)
+        wait_for("decode-1 serving and seen by the router", lambda: all(
+            "decode-1" in s["members"] for s in cluster.router_stats()), 90)
+        workers = {w["worker_id"]: w for w in cluster.workers()}
+        assert workers["decode-0"]["address"].startswith(f"{SUBNET}.2.2:")
+        got = cut_mid_transfer(stub, hosts, workers["decode-0"]["metrics_address"], prompt)
+        assert tokens(got) == greedy(tiny_llama_dir, prompt, 6)
+        assert got[-1].route.decode_worker == "decode-1"
+        assert cluster.router_stats()[0]["num_retries"] >= 1
