@@ -227,14 +227,17 @@ class LocalCluster:
             return
         # Ray's CPUs are bookkeeping here (a worker runs one torch thread): room for the pools
         # to grow by LOCAL_HEADROOM_WORKERS (or to the autoscaler's maxima) on any machine.
+        # address="local": a node of our own, even where `ray start` ran on this machine (a bare
+        # ray.init() would join that cluster, or fail on the record a killed one left in /tmp/ray).
         most = c.num_prefill + c.num_decode + LOCAL_HEADROOM_WORKERS
         if c.autoscale is not None:
             most = max(most, c.autoscale.prefill_max + c.autoscale.decode_max)
         num_cpus = max(os.cpu_count() or 1, int(most * c.worker_num_cpus + 0.999))
         for attempt in (1, 2):
             try:
-                ray.init(num_cpus=num_cpus, resources=self._role_resources(), include_dashboard=False,
-                         logging_level=logging.WARNING, configure_logging=False, log_to_driver=True)
+                ray.init(address="local", num_cpus=num_cpus, resources=self._role_resources(),
+                         include_dashboard=False, logging_level=logging.WARNING, configure_logging=False,
+                         log_to_driver=True)
                 self._owns_ray = True
                 return
             except Exception as e:  # Ray raises a bare Exception for this
