@@ -7,8 +7,8 @@ inside the decision). Signals:
 - prefill: estimated queue time = queued uncached prefill tokens / the pool's measured
   prefill tokens per second, against the TTFT budget (`ttft_slo_ms`), and requests
   waiting in the routers' admission queues;
-- decode: KV pressure = (used + reserved blocks) / total blocks, and measured ITL against
-  the ITL budget (`itl_slo_ms`).
+- decode: KV pressure = (used + reserved blocks) / total blocks, measured ITL against
+  the ITL budget (`itl_slo_ms`), and requests waiting in its engines for a batch slot.
 No thrash: a signal must hold past its band for `up_delay_s` (or `down_delay_s`) before it
 acts (hysteresis: scale-up and scale-down bands do not touch); one step of at most
 `max_step` workers per pool per action; `cooldown_s` between actions on a pool; nothing
@@ -41,7 +41,10 @@ class AutoscaleConfig:
     kv_up: float = 0.85
     """Decode grows when KV pressure passes this..."""
     kv_down: float = 0.4
-    """...and shrinks when it stays under this (with ITL well under budget)."""
+    """...and shrinks when it stays under this (with ITL well under budget and nothing waiting)."""
+    waiting_up_per_worker: float = 1.0
+    """Decode also grows when its engines hold this many requests per serving worker without a
+    batch slot (held past `up_delay_s`: a request between two steps is not a shortage)."""
     up_delay_s: float = 5.0
     """How long a scale-up signal must hold before acting (a spike shorter than this is ridden out)."""
     down_delay_s: float = 30.0
@@ -63,6 +66,8 @@ class AutoscaleConfig:
             raise ValueError("need 0 <= kv_down < kv_up <= 1 (a hysteresis band)")
         if min(self.ttft_slo_ms, self.itl_slo_ms) <= 0 or self.max_step < 1:
             raise ValueError("ttft_slo_ms and itl_slo_ms must be positive and max_step >= 1")
+        if self.waiting_up_per_worker <= 0:
+            raise ValueError("waiting_up_per_worker must be positive")
         if min(self.up_delay_s, self.down_delay_s, self.cooldown_s) < 0:
             raise ValueError("up_delay_s, down_delay_s and cooldown_s must be >= 0")
 
@@ -84,6 +89,8 @@ class PoolMetrics:
     num_total_blocks: int = 0
     itl_ms: float | None = None
     """Measured inter-token latency (p50 over the window); None without decode traffic."""
+    num_waiting: int = 0
+    """Requests the pool's engines hold that have no batch slot yet (summed over the workers)."""
 
 
 @dataclass(frozen=True)
@@ -134,13 +141,20 @@ def prefill_signal(m: PoolMetrics, num_admission_queued: int, c: AutoscaleConfig
 
 
 def decode_signal(m: PoolMetrics, c: AutoscaleConfig) -> tuple[int, str]:
+    """KV pressure and ITL, and requests waiting for a batch slot: a pool whose batches are
+    full (`max_num_seqs`) before its KV is keeps ITL low and KV under `kv_up` while requests
+    queue in its engines (seen in the simulator: 16 H100s, 2,304-token requests, 128 slots
+    fill 69 % of a worker's KV, and decode never grew)."""
     pressure = m.num_used_blocks / m.num_total_blocks if m.num_total_blocks else 0.0
     figures = f"KV pressure {pressure:.2f}" + (f", ITL {m.itl_ms:.0f} ms of {c.itl_slo_ms:.0f}" if m.itl_ms else "")
     itl_over = m.itl_ms is not None and m.itl_ms > c.itl_slo_ms
-    if pressure > c.kv_up or itl_over:
+    slots_short = m.num_serving > 0 and m.num_waiting >= c.waiting_up_per_worker * m.num_serving
+    if slots_short:
+        figures += f", {m.num_waiting} requests waiting for a batch slot"
+    if pressure > c.kv_up or itl_over or slots_short:
         return 1, figures
     itl_low = m.itl_ms is None or m.itl_ms < 0.5 * c.itl_slo_ms
-    if pressure < c.kv_down and itl_low:
+    if pressure < c.kv_down and itl_low and m.num_waiting == 0:
         return -1, figures
     return 0, figures
 

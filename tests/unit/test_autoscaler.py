@@ -12,9 +12,10 @@ RATE = 1000.0
 
 
 def snap(prefill: int = 1, queued: int = 0, decode: int = 1, used: int = 10, total: int = 100,
-         itl: float | None = 20.0, starting_p: int = 0, draining_d: int = 0, admission: int = 0) -> Snapshot:
+         itl: float | None = 20.0, starting_p: int = 0, draining_d: int = 0, admission: int = 0,
+         waiting: int = 0) -> Snapshot:
     return Snapshot(PoolMetrics(prefill, starting_p, 0, queued, RATE if prefill else 0.0),
-                    PoolMetrics(decode, 0, draining_d, 0, 0.0, used, total, itl), admission)
+                    PoolMetrics(decode, 0, draining_d, 0, 0.0, used, total, itl, waiting), admission)
 
 
 def run(script: list[tuple[float, Snapshot]], config: AutoscaleConfig = CONFIG) -> list[Decision]:
@@ -98,3 +99,22 @@ def test_bad_bands_are_refused() -> None:
         AutoscaleConfig(kv_down=0.9, kv_up=0.8)
     with pytest.raises(ValueError, match="decode workers serve every request"):
         AutoscaleConfig(decode_min=0)
+
+
+def test_decode_grows_when_requests_wait_for_a_batch_slot_with_kv_and_itl_in_band() -> None:
+    """Full batches before full KV: 2 workers, KV at 60 %, ITL 20 ms; 2 requests waiting (one
+    per worker) held past the delay grow the pool; 1 waiting is not a shortage and does not;
+    nothing shrinks while anything waits."""
+    script = [(0.0, snap(decode=2, used=60, waiting=2)), (5.0, snap(decode=2, used=60, waiting=3)),
+              (20.0, snap(decode=3, used=60, waiting=1)), (40.0, snap(decode=3, used=20, itl=10.0, waiting=1)),
+              (70.0, snap(decode=3, used=20, itl=10.0, waiting=1))]
+    got = run(script)
+    assert [d.decode_target for d in got] == [2, 3, 3, 3, 3]
+    assert got[1].reason == "decode 2 -> 3: KV pressure 0.60, ITL 20 ms of 100, 3 requests waiting for a batch slot"
+    assert "decode holds at 3: within its band" in got[2].reason
+    assert "decode holds at 3: within its band" in got[4].reason  # low KV and ITL, but a request waits
+
+
+def test_waiting_up_per_worker_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="waiting_up_per_worker must be positive"):
+        AutoscaleConfig(waiting_up_per_worker=0)
