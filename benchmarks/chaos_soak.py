@@ -40,6 +40,7 @@ from pathlib import Path
 
 import grpc
 
+from cluster.daemon import alive
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 
@@ -153,15 +154,6 @@ def full_strength(cluster) -> bool:  # type: ignore[no-untyped-def]
         return False
     roles = Counter(w["role"] for w in workers)
     return roles["prefill"] == 2 and roles["decode"] == 2 and len(routers) == 2 and cluster.redis.alive()
-
-
-def alive(pid: int) -> bool:
-    """Running or stopped; not gone, not a zombie (a killed process its parent has not reaped)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def apply(event: str, cluster, serving: list[dict], rng: random.Random, tally: Tally) -> str:  # type: ignore[no-untyped-def]

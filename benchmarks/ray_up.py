@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.load_gen import run_load, synthetic  # noqa: E402
-from benchmarks.ssh_hosts import SshHosts, onprem_file, ray_cli, ray_down_quietly, ssh_hosts, unavailable  # noqa: E402
+from benchmarks.ssh_hosts import onprem_file, ray_cli, ray_down_quietly, ssh_hosts, unavailable  # noqa: E402
 
 SMOLLM2_VOCAB = 49152
 COLOCATED = {
@@ -51,9 +51,9 @@ def run_arm(name: str, args: argparse.Namespace, items: list, warm: list, root: 
             result = asyncio.run(run_load(target, items, None, 1))
             down_started = time.monotonic()
             ray_cli("down", "-y", str(config), timeout_s=300)
-            while _left(hosts):
+            while hosts.left_running():
                 if time.monotonic() - down_started > 300:
-                    raise RuntimeError(f"left 300 s after ray down: {_left(hosts)}")
+                    raise RuntimeError(f"left 300 s after ray down: {hosts.left_running()}")
                 time.sleep(0.5)
             gone_s = time.monotonic() - down_started
         finally:
@@ -63,11 +63,6 @@ def run_arm(name: str, args: argparse.Namespace, items: list, warm: list, root: 
             "results": result}
     print(json.dumps(line), flush=True)
     return line
-
-
-def _left(hosts: SshHosts) -> list[str]:
-    words = ("ray", "raylet", "gcs_server", "splitserve", "cluster.cli", "redis-server")
-    return [p for h in ("h", "p", "d") for p in hosts.processes(h) if any(w in p for w in words)]
 
 
 def main() -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -30,6 +31,9 @@ while True:
         sys.exit(os.waitstatus_to_exitcode(status))
 """
 """PID 1 of a host: runs sshd and reaps the orphans (daemons started by `nohup ... &`)."""
+
+LEFT_BEHIND = ("ray", "raylet", "gcs_server", "splitserve", "cluster.cli", "redis-server")
+"""Words of the command lines `ray down` must leave no process of."""
 
 SSHD_CONFIG = """\
 ListenAddress {address}
@@ -55,17 +59,11 @@ def unavailable() -> str | None:
     if (why := no_namespaces()) is not None:
         return why
     for tool in ("/usr/sbin/sshd", "ssh", "ssh-keygen", "rsync"):
-        if not (os.path.exists(tool) if tool.startswith("/") else shutil_which(tool)):
+        if not (os.path.exists(tool) if tool.startswith("/") else shutil.which(tool)):
             return f"SSH test hosts need openssh-server, openssh-client and rsync ({tool} is missing)"
     if not Path("/etc/ssh/ssh_host_ed25519_key").exists():
         return "SSH test hosts need sshd's host key (/etc/ssh/ssh_host_ed25519_key)"
     return None
-
-
-def shutil_which(tool: str) -> str | None:
-    import shutil
-
-    return shutil.which(tool)
 
 
 def kept_paths() -> list[str]:
@@ -147,9 +145,14 @@ class SshHosts:
             with contextlib.suppress(OSError):
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
                 line = " ".join(a.decode(errors="replace") for a in argv if a)
-                if line and "sshd" not in line and "REAPER" not in line and "os.wait()" not in line:
+                if line and "sshd" not in line:  # (the init's command line runs sshd too)
                     out.append(line)
         return out
+
+    def left_running(self) -> dict[str, list[str]]:
+        """What of splitserve, Ray or Redis still runs, by host (hosts running none left out)."""
+        found = {h: [p[:160] for p in self.processes(h) if any(w in p for w in LEFT_BEHIND)] for h in self.names}
+        return {h: ps for h, ps in found.items() if ps}
 
     def preinstall(self, name: str, env: str = "splitserve-env") -> None:
         """Gives host `name` what a package index would: a venv at ~/`env` whose site-packages
@@ -179,6 +182,7 @@ class SshHosts:
 
 
 REPO = Path(__file__).resolve().parents[1]
+RAY = Path(sys.executable).with_name("ray")
 
 
 def onprem_file(hosts: SshHosts, cluster_name: str, swaps: dict[str, str] | None = None) -> str:
@@ -201,7 +205,7 @@ def ray_cli(*args: str, timeout_s: float) -> tuple[float, str]:
     """`ray ARGS` from the repository root (the file mounts `.`): its seconds and output;
     AssertionError with the output's end when it fails."""
     started = time.monotonic()
-    done = subprocess.run([str(Path(sys.executable).with_name("ray")), *args], cwd=REPO, capture_output=True,
+    done = subprocess.run([str(RAY), *args], cwd=REPO, capture_output=True,
                           text=True, timeout=timeout_s)
     took = time.monotonic() - started
     if done.returncode != 0:
@@ -212,7 +216,7 @@ def ray_cli(*args: str, timeout_s: float) -> tuple[float, str]:
 def ray_down_quietly(config: Path, cluster_name: str) -> None:
     """`ray down` whatever state the cluster is in, and the launcher's own record of it."""
     with contextlib.suppress(subprocess.TimeoutExpired):
-        subprocess.run([str(Path(sys.executable).with_name("ray")), "down", "-y", str(config)], cwd=REPO,
+        subprocess.run([str(RAY), "down", "-y", str(config)], cwd=REPO,
                        capture_output=True, timeout=300)
     for leftover in Path("/tmp/ray").glob(f"cluster-{cluster_name}.*"):
         leftover.unlink()

@@ -150,7 +150,7 @@ def stop_serve(timeout_s: float) -> int:
     started = time.monotonic()
     os.kill(pid, signal.SIGTERM)
     while time.monotonic() - started < timeout_s:
-        if not _alive(pid):
+        if not alive(pid):
             print(f"splitserve: stopped in {time.monotonic() - started:.1f} s", flush=True)
             return 0
         time.sleep(0.2)
@@ -202,7 +202,8 @@ def stop_ray_worker_hosts(config_path: Path) -> int:
     return 0
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Running or stopped; not gone, not a zombie (a killed process its parent has not reaped)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):

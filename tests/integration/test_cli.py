@@ -189,7 +189,7 @@ def test_serve_detached_returns_once_serving_and_stop_stops_it(tmp_path: Path) -
     """`serve --detach` (what `ray up`'s start commands run) returns once serving, with its
     output in the cache directory's log; a second one is refused; `stop` stops it the way
     Ctrl-C does and waits; one that cannot start says why and returns 1."""
-    from cluster.daemon import _alive
+    from cluster.daemon import alive
 
     env = {"SPLITSERVE_CACHE": str(tmp_path / "cache")}
     nothing = run(["stop"], env)
@@ -206,7 +206,7 @@ def test_serve_detached_returns_once_serving_and_stop_stops_it(tmp_path: Path) -
     assert twice.returncode == 1 and f"already runs here (pid {pid})" in twice.stderr
     stopped = run(["stop"], env)
     assert stopped.returncode == 0 and "splitserve: stopped in" in stopped.stdout, stopped.stderr
-    assert not _alive(pid) and not (tmp_path / "cache" / "serve.pid").exists()
+    assert not alive(pid) and not (tmp_path / "cache" / "serve.pid").exists()
     assert "splitserve: stopped" in (tmp_path / "cache" / "serve.log").read_text()
     (tmp_path / "broken.gguf").write_bytes(b"not a gguf file")
     bad = run(["serve", "--detach", "--model", str(tmp_path / "broken.gguf")], env)

@@ -30,7 +30,6 @@ pytestmark = pytest.mark.timeout(900)
 
 NAMES = ("h", "p", "d")
 """The head, the prefill host and the decode host (10.77.1.2, .2.2, .3.2)."""
-LEFT_BEHIND = ("ray", "raylet", "gcs_server", "splitserve", "cluster.cli", "redis-server")
 
 
 @pytest.fixture
@@ -47,12 +46,6 @@ def launched(tmp_path: Path) -> Iterator[tuple[SshHosts, Path]]:
             yield hosts, config
         finally:
             ray_down_quietly(config, name)
-
-
-def leftovers(hosts: SshHosts) -> dict[str, list[str]]:
-    """What of splitserve, Ray or Redis still runs, by host."""
-    found = {h: [p[:160] for p in hosts.processes(h) if any(word in p for word in LEFT_BEHIND)] for h in NAMES}
-    return {h: ps for h, ps in found.items() if ps}
 
 
 def serve_state(hosts: SshHosts) -> dict[str, str]:
@@ -106,7 +99,7 @@ def test_ray_up_serves_across_hosts_and_ray_down_leaves_nothing(launched: tuple[
     down_s, out = ray_cli("down", "-y", str(config), timeout_s=300)
     assert "splitserve: stopped" in out, out[-3000:]
     started = time.monotonic()
-    while left := leftovers(hosts):
+    while left := hosts.left_running():
         assert time.monotonic() - started < 120, f"left running 120 s after `ray down`: {left}; it said:\n{out[-4000:]}"
         time.sleep(0.5)
     gone_s = down_s + time.monotonic() - started

@@ -32,7 +32,7 @@ def test_a_record_of_a_process_that_is_not_a_serve_is_not_trusted(cache: Path) -
     finally:
         sleeper.kill()
         sleeper.wait()
-    assert daemon.running_pid() is None and not daemon._alive(sleeper.pid)
+    assert daemon.running_pid() is None and not daemon.alive(sleeper.pid)
     daemon.pid_file().write_text("garbage\n")
     assert daemon.running_pid() is None
 
