@@ -3,7 +3,7 @@ refusal come, and how good are the admission wait estimates?
 
 One local cluster (1 prefill + 1 decode, tiny llama by default, CPU; the router's queue
 limit --max-queue-wait-s). --num-requests requests (random --prompt-tokens prompts,
---max-tokens answers, ignore_eos) are sent at once over gRPC. Per request: OK, or refused
+--max-tokens answers, ignore_eos) are sent at once over gRPC (one asyncio client). Per request: OK, or refused
 and how long after its arrival, and why: at arrival (the estimate, or a full queue), revised (queued, then refused at the
 router tick where its revised forecast passed its limit), or at the limit (it waited the
 whole limit out, on an estimate that said it would get in: should be none). From the
@@ -12,8 +12,10 @@ were admitted (p50/p90/p99 from its buckets, and the fractions at or below 0.7 a
 One JSON line.
 
 Before the burst, a history to estimate from, as a serving cluster has one: 4 requests
-alone, then --warm-up-wave (16) at once. The burst's concurrency (about 57 here) is then
-past what was measured and the forecast extrapolates; --warm-up-wave 64 measures it first.
+alone, then --warm-up-wave (16) at once, then a pause for the workers' heartbeats. The
+burst's concurrency (about 57 here) is then past what was measured and the forecast
+extrapolates; --warm-up-wave 64 measures it first. Also printed: the decode worker's
+profile and online step model, and the router's scale on the profile before and after.
 
     ./dev python benchmarks/admission_burst.py [--num-requests 200] [--max-tokens 256]
     ./dev python benchmarks/admission_burst.py --max-queue-wait-s 5     # some must be refused
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import json
 import random
 import tempfile
@@ -43,21 +44,34 @@ from proto import generate_pb2_grpc as pb_grpc
 from router.admission import AdmissionConfig
 from router.policy import RoutingConfig
 
+HISTORY_S = 1.5
+"""After the warm-up, before the burst: what the workers measured reaches the router (their
+heartbeats come every 0.5 s), as it has in a cluster that has served a while."""
 
-def one(address: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+
+async def one(channel: grpc.aio.Channel, prompt: list[int], max_tokens: int) -> dict[str, Any]:
     sent = time.perf_counter()
-    with grpc.insecure_channel(address) as channel:
-        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
-                                     sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-        try:
-            for _ in pb_grpc.GenerationStub(channel).Generate(request, timeout=600):
-                pass
-            return {"code": "OK", "after_s": time.perf_counter() - sent}
-        except grpc.RpcError as e:
-            details = e.details() or ""
-            kind = ("revised" if "revised queue wait" in details else "at_limit" if "for admission" in details
-                    else "at_arrival" if "estimated queue wait" in details or "full" in details else "other")
-            return {"code": e.code().name, "after_s": time.perf_counter() - sent, "kind": kind, "details": details}
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
+                                 sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    try:
+        async for _ in pb_grpc.GenerationStub(channel).Generate(request, timeout=600):
+            pass
+        return {"code": "OK", "after_s": time.perf_counter() - sent}
+    except grpc.RpcError as e:
+        details = e.details() or ""
+        kind = ("revised" if "revised queue wait" in details else "at_limit" if "for admission" in details
+                else "at_arrival" if "estimated queue wait" in details or "full" in details else "other")
+        return {"code": e.code().name, "after_s": time.perf_counter() - sent, "kind": kind, "details": details}
+
+
+def at_once(address: str, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
+    """Sends every prompt at once and waits for all: one asyncio loop over one channel (200
+    client threads, as this script had, took about a core of the two the cluster runs on, at
+    a cost per streamed token that a burst grows and the warm-up did not show)."""
+    async def run() -> list[dict[str, Any]]:
+        async with grpc.aio.insecure_channel(address) as channel:
+            return list(await asyncio.gather(*(one(channel, p, max_tokens) for p in prompts)))
+    return asyncio.run(run())
 
 
 def ratio_quantiles(address: str) -> dict[str, Any]:
@@ -81,16 +95,19 @@ def ratio_quantiles(address: str) -> dict[str, Any]:
             "ratio_buckets": {str(le): int(n) for le, n in buckets}}
 
 
-def step_profile(redis_url: str, namespace: str) -> dict[str, float]:
-    """The decode worker's start-up profile, "requests x mean context": milliseconds."""
-    async def read() -> dict[str, float]:
+def step_times(redis_url: str, namespace: str) -> dict[str, Any]:
+    """The decode worker's start-up profile ("requests x mean context": milliseconds) and the
+    step model it fitted online on the steps it served (a, b per request, c per KV token)."""
+    async def read() -> dict[str, Any]:
         reader = RegistryReader(redis_url, namespace)
         try:
             beats = await reader.heartbeats()
         finally:
             await reader.close()
-        flat = next((hb.step_profile for hb in beats.values() if hb.role == "decode"), [])
-        return {f"{n:.0f}x{kv / n:.0f}": round(s * 1e3, 3) for n, kv, s in zip(*[iter(flat)] * 3)}
+        hb = next(hb for hb in beats.values() if hb.role == "decode")
+        return {"decode_step_profile_ms": {f"{n:.0f}x{kv / n:.0f}": round(s * 1e3, 3)
+                                           for n, kv, s in zip(*[iter(hb.step_profile)] * 3)},
+                "decode_step_online": [float(f"{x:.4g}") for x in hb.step_model]}
     return asyncio.run(read())
 
 
@@ -115,15 +132,17 @@ def main() -> None:
         # warm-up: a history to estimate with, as a serving cluster has: a few requests alone,
         # then --warm-up-wave at once (other prompts, shorter answers than the burst's)
         for p in prompts[:4]:
-            one(cluster.address, [t + 1 for t in p], 32)
-        with concurrent.futures.ThreadPoolExecutor(max(args.warm_up_wave, 1)) as pool:
-            list(pool.map(lambda p: one(cluster.address, [t + 2 for t in p], 32), prompts[:args.warm_up_wave]))
+            at_once(cluster.address, [[t + 1 for t in p]], 32)
+        at_once(cluster.address, [[t + 2 for t in p] for p in prompts[:args.warm_up_wave]], 32)
+        time.sleep(HISTORY_S)
+        scale_before = cluster.router_stats()[0]["forecast_scale"]
+        online_before = step_times(cluster.redis_url, config.namespace)["decode_step_online"]
         started = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(args.num_requests) as pool:
-            results = list(pool.map(lambda p: one(cluster.address, p, args.max_tokens), prompts))
+        results = at_once(cluster.address, prompts, args.max_tokens)
         elapsed = time.perf_counter() - started
+        scales = {"decode_step_online_before": online_before, "forecast_scale_before": scale_before, "forecast_scale_after": cluster.router_stats()[0]["forecast_scale"]}
         metrics = ratio_quantiles(cluster.router_stats()[0]["metrics_address"])
-        profile = step_profile(cluster.redis_url, config.namespace)
+        steps = step_times(cluster.redis_url, config.namespace)
     refused = [r for r in results if r["code"] != "OK"]
     by_kind: dict[str, list[float]] = {}
     for r in refused:
@@ -133,7 +152,7 @@ def main() -> None:
         "refused": {k: {"n": len(v), "max_after_s": round(max(v), 2), "p50_after_s": round(sorted(v)[len(v) // 2], 2)}
                     for k, v in sorted(by_kind.items())},
         "other": sorted({r["details"] for r in refused if r["kind"] == "other"})[:3],
-        "elapsed_s": round(elapsed, 1), **metrics, "decode_step_profile_ms": profile, **vars(args)}), flush=True)
+        "elapsed_s": round(elapsed, 1), **metrics, **scales, **steps, **vars(args)}), flush=True)
 
 
 if __name__ == "__main__":

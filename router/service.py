@@ -27,7 +27,6 @@ from control.metrics_http import MetricsServer
 from control.reader import RegistryReader
 from control.worker_config import NO_SECRET, dialable_host
 from proto import generate_pb2 as pb
-from proto import generate_pb2_grpc as pb_grpc
 from router.clients import GrpcStreams, WorkerClients
 from router.config import RouterConfig
 from router.feed import RegistryFeed
@@ -151,6 +150,7 @@ class RouterService:
                 **self.generation.stats, **self.flow.stats, **self._admission_books(),
                 "queued_by_priority": {str(k): v for k, v in q.queued_by_priority().items()},
                 "tenant_tokens": q.tenant_tokens(), "refusals": dict(self.gate.refusals),
+                "forecast_scale": q.forecast.model_scale,
                 "redis_healthy": self.feed.healthy, "members": self.members.ids(),
                 "serving": {role: self.members.serving(role) for role in ("prefill", "decode")},
                 "down_workers": self.flow.down_workers(), "index_gaps": self.index.num_gaps,

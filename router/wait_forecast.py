@@ -43,6 +43,12 @@ requests faster than from 16 to 57 in some runs and slower in others; fitted bet
 warm-up's 1 and 16, the slope overestimated each burst of 57 by 20-30 % (ratio <= 0.7 in 3
 of 6 runs of benchmarks/admission_burst.py), where the single scale erred low by 15-50 % in
 1 or 2 runs of 6.
+
+So was the worker fitting the rest of its period over the profile (period = profile step +
+a + b·requests, the step's own loop and sends): timed per step in that benchmark, the rest
+is 0.16 ms a request at 16 and 0.08 at 56 (sends overlap the next forward), while the
+forward itself ran 1.8x its profile in the burst (the prefill worker busy on the same
+cores); the line from the warm-up overstated the burst by 30-45 % in 3 of 4 runs.
 """
 from __future__ import annotations
 
@@ -133,6 +139,11 @@ class WaitForecast:
     def _rescale(self) -> None:
         self._model_scale = (statistics.median(t / self._model_s(n, kv, 1) for n, kv, t in self._samples)
                              if self.step_model is not None and self._samples else None)
+
+    @property
+    def model_scale(self) -> float | None:
+        """What the router measures per token over what the decode workers' model says."""
+        return self._model_scale
 
     def _model_s(self, num_streaming: float, kv_tokens: float, num_workers: int) -> float:
         assert self.step_model is not None
