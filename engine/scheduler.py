@@ -151,7 +151,20 @@ class Scheduler:
         within a class, output tokens come first, then prompt work in fair order among
         tenants. After a preemption, or once a waiting request does not fit, no waiting
         request starts this step.
+
+        Nothing running and nothing started is a stall when waiting requests hold the
+        blocks: prompts whose remote KV landed, each needing a block more for its first
+        step, can fill a decode worker's pool, and nothing would ever free one (seen in the
+        simulator: 34 requests on one decode worker, forever). Then the least important of
+        those holders gives its blocks back as a preempted request would (it recomputes
+        later), one at a time, until a request starts.
         """
+        out = self._pass()
+        while not out.scheduled and not self.running and self._evict_a_waiting_holder():
+            out = self._pass()
+        return out
+
+    def _pass(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         admitting = True
@@ -227,9 +240,21 @@ class Scheduler:
         waited_s = max(0.0, self.clock() - request.arrival_time)
         return request.priority - int(waited_s / self.config.aging_interval_s)
 
+    def _evict_a_waiting_holder(self) -> bool:
+        """Frees the blocks of the least important waiting request that holds any, other
+        than the first in step order (the one that must start); False when none does."""
+        if not self.waiting:
+            return False
+        first = min(self.waiting, key=self._step_order)
+        holders = [r for r in self.waiting if r.block_ids and r is not first]
+        if not holders:
+            return False
+        self._preempt(max(holders, key=self._rank))
+        return True
+
     def _preempt(self, request: Request) -> None:
         logger.debug("request %s: preempted (recompute)", request.request_id)
-        self.running.remove(request)
+        (self.running if request in self.running else self.waiting).remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1

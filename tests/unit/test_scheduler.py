@@ -304,3 +304,24 @@ def test_fair_order_forgets_only_tenants_past_their_credit_and_newcomers_get_non
     t0 = make_request("t0-again", 4, clock, tenant="t0")
     fair.tag(t0, 1)
     assert t0.fair_tag == 300  # forgotten: a newcomer again, which starts at the virtual time
+
+
+def test_waiting_requests_whose_landed_kv_fills_the_pool_do_not_stall_it(clock) -> None:
+    """Three remote prompts of exactly two blocks fill a 6-block pool; once their KV lands,
+    each needs a seventh block for its first step and nothing runs to free one. The newest
+    holder gives its blocks back (preempted, to recompute), and the other two start in them."""
+    s = make_scheduler(clock, num_blocks=6, block_size=4)
+    reqs = [make_request(rid, 8, clock) for rid in ("a", "b", "c")]
+    for r in reqs:
+        assert s.add_remote_request(r)
+    for r in reqs:
+        s.remote_kv_ready(r.request_id, 5)
+    held = list(reqs[2].block_ids)
+    out = fake_step(s)
+    assert plan(out) == [("a", 1), ("b", 1)] and out.preempted_ids == []
+    assert reqs[2].status is RequestStatus.PREEMPTED and reqs[2].block_ids == [] and s.num_preemptions == 1
+    assert sorted([reqs[0].block_ids[2], reqs[1].block_ids[2]]) == sorted(held)
+    while s.requests:  # every request ends, "c" recomputing its prompt and first token
+        fake_step(s)
+    assert [len(r.output_token_ids) for r in reqs] == [8, 8, 8] and reqs[2].num_preemptions == 1
+    _all_free(s)
