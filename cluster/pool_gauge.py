@@ -46,7 +46,8 @@ class PoolGauge:
         used = sum(b.num_total_blocks - b.num_free_blocks - b.num_cached_blocks for b in own)
         return PoolMetrics(states.count("serving"), states.count("starting"), states.count("draining"),
                            sum(b.queued_prefill_tokens for b in queued_from), rate, used,
-                           sum(b.num_total_blocks for b in own), None, sum(b.num_waiting for b in own))
+                           sum(b.num_total_blocks for b in own), None,
+                           sum(b.num_waiting for b in own), sum(b.num_running for b in own))
 
 
 def removal_cost(worker_id: str, hb: Heartbeat | None) -> tuple[int, int, str]:

@@ -13,9 +13,9 @@ RATE = 1000.0
 
 def snap(prefill: int = 1, queued: int = 0, decode: int = 1, used: int = 10, total: int = 100,
          itl: float | None = 20.0, starting_p: int = 0, draining_d: int = 0, admission: int = 0,
-         waiting: int = 0) -> Snapshot:
+         waiting: int = 0, running: int = 0) -> Snapshot:
     return Snapshot(PoolMetrics(prefill, starting_p, 0, queued, RATE if prefill else 0.0),
-                    PoolMetrics(decode, 0, draining_d, 0, 0.0, used, total, itl, waiting), admission)
+                    PoolMetrics(decode, 0, draining_d, 0, 0.0, used, total, itl, waiting, running), admission)
 
 
 def run(script: list[tuple[float, Snapshot]], config: AutoscaleConfig = CONFIG) -> list[Decision]:
@@ -27,16 +27,36 @@ def run(script: list[tuple[float, Snapshot]], config: AutoscaleConfig = CONFIG) 
     return out
 
 
-def test_a_ramp_grows_prefill_one_step_per_cooldown_once_the_signal_held() -> None:
+def test_a_ramp_grows_prefill_by_its_deficit_once_the_signal_held() -> None:
+    """800 ms of queue on 1 worker against a 500 ms threshold wants ceil(1.6) = 2 workers;
+    1,300 ms on 2 wants ceil(2 x 2.6) = 6, which the pool's max holds to 4."""
     script = [(0.0, snap(queued=600)), (4.0, snap(queued=700)), (5.0, snap(queued=800)),
               (6.0, snap(prefill=2, queued=900)), (10.0, snap(prefill=2, queued=1200)),
               (15.0, snap(prefill=2, queued=1300))]
     got = run(script)
-    assert [d.prefill_target for d in got] == [1, 1, 2, 2, 2, 3]
+    assert [d.prefill_target for d in got] == [1, 1, 2, 2, 2, 4]
     assert got[0].reason.startswith("hold: prefill holds at 1: signal held 0 of 5 s; prefill queue 600 ms")
     assert got[2].reason == "prefill 1 -> 2: prefill queue 800 ms of a 1000 ms TTFT budget"
     assert "prefill holds at 2: signal held 4 of 5 s" in got[4].reason  # the clock restarted after the action
-    assert got[5].reason == "prefill 2 -> 3: prefill queue 1300 ms of a 1000 ms TTFT budget"
+    assert got[5].reason == "prefill 2 -> 4: prefill queue 1300 ms of a 1000 ms TTFT budget"
+
+
+def test_a_scale_up_is_sized_by_the_worst_decode_signal_within_max_step_and_a_scale_down_is_one() -> None:
+    config = AutoscaleConfig(decode_min=1, decode_max=32, itl_slo_ms=100, up_delay_s=5, down_delay_s=20,
+                             cooldown_s=10, max_step=5)
+    # 4 workers: 64 running and 48 waiting want ceil(4 x 112 / 64) = 7; KV 0.9 of 0.85 and ITL 50 want less
+    got = run([(0.0, snap(decode=4, used=90, itl=50.0, waiting=48, running=64)),
+               (5.0, snap(decode=4, used=90, itl=50.0, waiting=48, running=64))], config)
+    assert [d.decode_target for d in got] == [4, 7]
+    # ITL 300 ms of 100 on 4 wants 12: held to max_step 5 more
+    got = run([(0.0, snap(decode=4, itl=300.0)), (5.0, snap(decode=4, itl=300.0))], config)
+    assert [d.decode_target for d in got] == [4, 9]
+    assert got[1].reason == "decode 4 -> 9: KV pressure 0.10, ITL 300 ms of 100"
+    # just past a threshold: one more; idle long enough: one fewer, never sized
+    got = run([(0.0, snap(decode=8, used=86)), (5.0, snap(decode=8, used=86))], config)
+    assert [d.decode_target for d in got] == [8, 9]
+    got = run([(0.0, snap(decode=8, used=5, itl=10.0)), (20.0, snap(decode=8, used=5, itl=10.0))], config)
+    assert [d.decode_target for d in got] == [8, 7]
 
 
 def test_a_spike_shorter_than_the_up_delay_is_ridden_out() -> None:
