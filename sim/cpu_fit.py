@@ -44,9 +44,9 @@ class CpuCost:
     rpc_s: float = 0.0
     transfer_base_s: float = 0.0
     jitter_s: tuple[float, ...] = ()
+    """Measured delays of a token's delivery past its step's end (sorted samples; empty: none)."""
     push_token_s: float = 0.0
     """A prefill worker's time per KV token it pushes (on CPU the copies share its cores)."""
-    """Measured delays of a token's delivery past its step's end (sorted samples; empty: none)."""
 
     def engine_s(self, chunks: Chunks, num_sampled: int | None = None) -> float:
         sampled = len(chunks) if num_sampled is None else num_sampled
