@@ -105,6 +105,10 @@ class Snapshot:
     decode: PoolMetrics
     num_admission_queued: int = 0
     """Requests waiting in the routers' admission queues."""
+    admission_pressure: float = 0.0
+    """The tokens a router has admitted over its budget (the highest router's): the decode
+    pool's KV as admission counts it, where requests still queued for prefill hold their
+    share before any of it is a decode block."""
 
 
 @dataclass(frozen=True)
@@ -146,13 +150,19 @@ def prefill_signal(m: PoolMetrics, num_admission_queued: int, c: AutoscaleConfig
     return 0, figures
 
 
-def decode_signal(m: PoolMetrics, c: AutoscaleConfig) -> tuple[int, str]:
+def decode_signal(m: PoolMetrics, c: AutoscaleConfig, admission_pressure: float = 0.0) -> tuple[int, str]:
     """KV pressure and ITL, and requests waiting for a batch slot: a pool whose batches are
     full (`max_num_seqs`) before its KV is keeps ITL low and KV under `kv_up` while requests
     queue in its engines (seen in the simulator: 16 H100s, 2,304-token requests, 128 slots
-    fill 69 % of a worker's KV, and decode never grew)."""
-    pressure = m.num_used_blocks / m.num_total_blocks if m.num_total_blocks else 0.0
-    figures = f"KV pressure {pressure:.2f}" + (f", ITL {m.itl_ms:.0f} ms of {c.itl_slo_ms:.0f}" if m.itl_ms else "")
+    fill 69 % of a worker's KV, and decode never grew). KV pressure is the higher of the
+    blocks used and the routers' admitted share of their budget (the decode pool's KV):
+    with prefill behind, admission refused on a full budget while decode's blocks read 0.3
+    (the same sinusoid: refusals 1,084 -> 135 one worker at a time, 396 -> 136 sized)."""
+    kv = m.num_used_blocks / m.num_total_blocks if m.num_total_blocks else 0.0
+    pressure = max(kv, admission_pressure)
+    figures = f"KV pressure {kv:.2f}" + (f" (admitted {admission_pressure:.2f} of the budget)"
+                                          if admission_pressure > kv else "")
+    figures += f", ITL {m.itl_ms:.0f} ms of {c.itl_slo_ms:.0f}" if m.itl_ms else ""
     itl_over = m.itl_ms is not None and m.itl_ms > c.itl_slo_ms
     slots_short = m.num_serving > 0 and m.num_waiting >= c.waiting_up_per_worker * m.num_serving
     if slots_short:
@@ -165,17 +175,18 @@ def decode_signal(m: PoolMetrics, c: AutoscaleConfig) -> tuple[int, str]:
     return 0, figures
 
 
-def wanted(pool: str, m: PoolMetrics, c: AutoscaleConfig) -> int:
+def wanted(pool: str, m: PoolMetrics, c: AutoscaleConfig, admission_pressure: float = 0.0) -> int:
     """The pool size its figures call for, read when its scale-up signal has held: the serving
     workers times how far the worst signal is past its threshold (the prefill queue time over
     its share of the TTFT budget; KV pressure over `kv_up`; ITL over its budget; requests
     with and without a batch slot over those with one), at least one more. One action then
     covers a measured deficit, where one worker per cooldown behind a 30 s start-up left
     pools short for minutes. In the simulator (16 H100s, a 20 rps +-80 % sinusoid of
-    2,048+256-token requests) SLO attainment went 0.60 -> 0.76 and refusals 1,084 -> 396, at
-    8,495 GPU-s against 3,704 (fixed 6P:10D: 1.0, 14,433). The backlog overshoots (prefill
-    reached 15 workers at the peak: it holds what piled up during the start-up); sizing on
-    the queue's growth with the backlog capped at double measured as one at a time."""
+    2,048+256-token requests; benchmarks/sim_autoscale.py) SLO attainment went 0.71 -> 0.78
+    at 8,024 GPU-s against 4,045 (fixed 6P:10D: 1.0, 14,433). The backlog overshoots
+    (prefill reached 15 workers at the peak: it holds what piled up during the start-up);
+    sizing on the queue's growth with the backlog capped at double measured as one at a
+    time."""
     n = m.num_serving
     if n == 0:
         return 1
@@ -183,7 +194,8 @@ def wanted(pool: str, m: PoolMetrics, c: AutoscaleConfig) -> int:
         queue_ms = m.queued_prefill_tokens / m.prefill_tokens_per_s * 1e3 if m.prefill_tokens_per_s > 0 else 0.0
         ratios = [queue_ms / (c.queue_up_fraction * c.ttft_slo_ms)]
     else:
-        ratios = [m.num_used_blocks / m.num_total_blocks / c.kv_up if m.num_total_blocks else 0.0,
+        kv = m.num_used_blocks / m.num_total_blocks if m.num_total_blocks else 0.0
+        ratios = [max(kv, admission_pressure) / c.kv_up,
                   (m.itl_ms or 0.0) / c.itl_slo_ms,
                   (m.num_running + m.num_waiting) / m.num_running if m.num_running else 0.0]
     return max(n + 1, math.ceil(n * max(ratios) - 1e-9))
@@ -196,7 +208,7 @@ def decide(snapshot: Snapshot, state: AutoscaleState, now: float, config: Autosc
     reasons: list[str] = []
     for pool, m, (signal, figures) in (
         ("prefill", snapshot.prefill, prefill_signal(snapshot.prefill, snapshot.num_admission_queued, config)),
-        ("decode", snapshot.decode, decode_signal(snapshot.decode, config)),
+        ("decode", snapshot.decode, decode_signal(snapshot.decode, config, snapshot.admission_pressure)),
     ):
         lo, hi = getattr(config, f"{pool}_min"), getattr(config, f"{pool}_max")
         current = m.num_serving + m.num_starting
@@ -214,7 +226,7 @@ def decide(snapshot: Snapshot, state: AutoscaleState, now: float, config: Autosc
         else:
             up.pop(pool, None)
             down.pop(pool, None)
-        need = wanted(pool, m, config) - current if signal > 0 else 1
+        need = wanted(pool, m, config, snapshot.admission_pressure) - current if signal > 0 else 1
         step = _step(pool, signal, m, up, down, last, now, config, current, lo, hi, need)
         if isinstance(step, str):
             reasons.append(f"{pool} holds at {current}: {step}; {figures}")

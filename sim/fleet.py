@@ -408,8 +408,9 @@ class Fleet:
         assert c.autoscale is not None
         members = [(w.worker_id, w.role, w.state) for w in self.workers.values() if w.stopped_at is None]
         beats = {w: self.loads.heartbeats[w] for w, _, _ in members if w in self.loads.heartbeats}
-        snapshot = self.gauge.snapshot(members, beats, {"sim": {"itl_p50_ms": self.itl.p50_ms(),
-                                                                "num_queued": self.queue.num_queued}})
+        snapshot = self.gauge.snapshot(members, beats, {"sim": {
+            "itl_p50_ms": self.itl.p50_ms(), "num_queued": self.queue.num_queued,
+            "inflight_tokens": self.queue.inflight_tokens, "budget_tokens": self.queue.budget_tokens}})
         decision = decide(snapshot, self.scale_state, self.now, c.autoscale)
         self.scale_state = decision.state
         if "->" in decision.reason:

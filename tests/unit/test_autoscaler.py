@@ -13,9 +13,9 @@ RATE = 1000.0
 
 def snap(prefill: int = 1, queued: int = 0, decode: int = 1, used: int = 10, total: int = 100,
          itl: float | None = 20.0, starting_p: int = 0, draining_d: int = 0, admission: int = 0,
-         waiting: int = 0, running: int = 0) -> Snapshot:
+         waiting: int = 0, running: int = 0, admitted: float = 0.0) -> Snapshot:
     return Snapshot(PoolMetrics(prefill, starting_p, 0, queued, RATE if prefill else 0.0),
-                    PoolMetrics(decode, 0, draining_d, 0, 0.0, used, total, itl, waiting, running), admission)
+                    PoolMetrics(decode, 0, draining_d, 0, 0.0, used, total, itl, waiting, running), admission, admitted)
 
 
 def run(script: list[tuple[float, Snapshot]], config: AutoscaleConfig = CONFIG) -> list[Decision]:
@@ -138,3 +138,15 @@ def test_decode_grows_when_requests_wait_for_a_batch_slot_with_kv_and_itl_in_ban
 def test_waiting_up_per_worker_must_be_positive() -> None:
     with pytest.raises(ValueError, match="waiting_up_per_worker must be positive"):
         AutoscaleConfig(waiting_up_per_worker=0)
+
+
+def test_decode_grows_when_admission_has_its_budget_out_while_decode_kv_reads_low() -> None:
+    """The budget is decode KV as admission counts it: requests still queued for prefill hold
+    it before any decode block. 2 workers at KV 0.30 with 0.95 of the budget admitted want
+    ceil(2 x 0.95 / 0.85) = 3; 0.6 of the budget admitted, inside the band, keeps it from shrinking."""
+    got = run([(0.0, snap(decode=2, used=30, admitted=0.95)), (5.0, snap(decode=2, used=30, admitted=0.95))])
+    assert [d.decode_target for d in got] == [2, 3]
+    assert got[1].reason.startswith("decode 2 -> 3: KV pressure 0.30 (admitted 0.95 of the budget), ITL 20 ms")
+    got = run([(0.0, snap(decode=3, used=10, itl=10.0, admitted=0.6)), (20.0, snap(decode=3, used=10, itl=10.0,
+                                                                                   admitted=0.6))])
+    assert [d.decode_target for d in got] == [3, 3]  # 0.6 admitted is inside the band: no shrink

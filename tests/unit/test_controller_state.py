@@ -69,12 +69,14 @@ def test_the_gauge_counts_states_measures_the_prefill_rate_and_keeps_it_while_id
     beats = {"prefill-0": beat("prefill-0", "prefill", 1000, queued_prefill_tokens=300),
              "decode-0": beat("decode-0", "decode", 0, num_total_blocks=100, num_free_blocks=60,
                               num_cached_blocks=10)}
-    routers = {"router-0": {"itl_p50_ms": 20.0, "num_queued": 2}, "router-1": {"itl_p50_ms": 35.0, "num_queued": 1}}
+    routers = {"router-0": {"itl_p50_ms": 20.0, "num_queued": 2, "inflight_tokens": 450, "budget_tokens": 1000},
+               "router-1": {"itl_p50_ms": 35.0, "num_queued": 1, "inflight_tokens": 900, "budget_tokens": 1000}}
     first = gauge.snapshot(members, beats, routers)
     assert (first.prefill.num_serving, first.prefill.num_starting, first.prefill.queued_prefill_tokens) == (1, 1, 300)
     assert (first.decode.num_serving, first.decode.num_draining, first.decode.num_used_blocks,
             first.decode.num_total_blocks, first.decode.itl_ms) == (1, 1, 30, 100, 35.0)
     assert first.num_admission_queued == 3 and first.prefill.prefill_tokens_per_s == 0.0
+    assert first.admission_pressure == 0.9  # the fuller router's
     t[0] = 102.0
     beats["prefill-0"] = beat("prefill-0", "prefill", 1800, cached=200)  # 600 uncached tokens in 2 s
     assert gauge.snapshot(members, beats, {}).prefill.prefill_tokens_per_s == 300.0

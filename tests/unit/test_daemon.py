@@ -6,6 +6,7 @@ import argparse
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,10 @@ def test_a_record_of_a_process_that_is_not_a_serve_is_not_trusted(cache: Path) -
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "cluster.cli", "serve"])
     try:
         daemon.pid_file().write_text(f"{sleeper.pid}\n")
+        cmdline = Path(f"/proc/{sleeper.pid}/cmdline")
+        deadline = time.monotonic() + 10
+        while not cmdline.read_bytes() and time.monotonic() < deadline:  # empty until its exec is through
+            time.sleep(0.01)
         assert daemon.running_pid() == sleeper.pid  # looks like `python -m cluster.cli serve`
     finally:
         sleeper.kill()
