@@ -97,6 +97,24 @@ class PoolMetrics:
     """Requests the pool's engines hold that have no batch slot yet (summed over the workers)."""
     num_running: int = 0
     """Requests the pool's engines hold with a batch slot (summed over the workers)."""
+    admitted_fraction: float = 0.0
+    """Decode: the tokens a router has admitted over its budget (the highest router's). The
+    budget is the decode pool's KV as admission counts it: requests still queued for prefill
+    hold their share before any of it is a decode block."""
+
+    @property
+    def block_pressure(self) -> float:
+        return self.num_used_blocks / self.num_total_blocks if self.num_total_blocks else 0.0
+
+    @property
+    def kv_pressure(self) -> float:
+        """The higher of the blocks in use and the admitted share of the budget."""
+        return max(self.block_pressure, self.admitted_fraction)
+
+    @property
+    def queue_ms(self) -> float:
+        """Prefill: the queued tokens at the measured rate (0 with no rate or no queue)."""
+        return self.queued_prefill_tokens / self.prefill_tokens_per_s * 1e3 if self.prefill_tokens_per_s > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -105,10 +123,6 @@ class Snapshot:
     decode: PoolMetrics
     num_admission_queued: int = 0
     """Requests waiting in the routers' admission queues."""
-    admission_pressure: float = 0.0
-    """The tokens a router has admitted over its budget (the highest router's): the decode
-    pool's KV as admission counts it, where requests still queued for prefill hold their
-    share before any of it is a decode block."""
 
 
 @dataclass(frozen=True)
@@ -141,7 +155,7 @@ def prefill_signal(m: PoolMetrics, num_admission_queued: int, c: AutoscaleConfig
         return 0, "no prefill work"
     if m.queued_prefill_tokens and m.prefill_tokens_per_s <= 0:
         return 0, "prefill rate not measured yet"
-    queue_ms = m.queued_prefill_tokens / m.prefill_tokens_per_s * 1e3 if m.queued_prefill_tokens else 0.0
+    queue_ms = m.queue_ms
     figures = f"prefill queue {queue_ms:.0f} ms of a {c.ttft_slo_ms:.0f} ms TTFT budget"
     if queue_ms > c.queue_up_fraction * c.ttft_slo_ms or (num_admission_queued > 0 and queue_ms > 0):
         return 1, figures + (f", {num_admission_queued} waiting for admission" if num_admission_queued else "")
@@ -150,7 +164,7 @@ def prefill_signal(m: PoolMetrics, num_admission_queued: int, c: AutoscaleConfig
     return 0, figures
 
 
-def decode_signal(m: PoolMetrics, c: AutoscaleConfig, admission_pressure: float = 0.0) -> tuple[int, str]:
+def decode_signal(m: PoolMetrics, c: AutoscaleConfig) -> tuple[int, str]:
     """KV pressure and ITL, and requests waiting for a batch slot: a pool whose batches are
     full (`max_num_seqs`) before its KV is keeps ITL low and KV under `kv_up` while requests
     queue in its engines (seen in the simulator: 16 H100s, 2,304-token requests, 128 slots
@@ -158,10 +172,9 @@ def decode_signal(m: PoolMetrics, c: AutoscaleConfig, admission_pressure: float 
     blocks used and the routers' admitted share of their budget (the decode pool's KV):
     with prefill behind, admission refused on a full budget while decode's blocks read 0.3
     (the same sinusoid: refusals 1,084 -> 135 one worker at a time, 396 -> 136 sized)."""
-    kv = m.num_used_blocks / m.num_total_blocks if m.num_total_blocks else 0.0
-    pressure = max(kv, admission_pressure)
-    figures = f"KV pressure {kv:.2f}" + (f" (admitted {admission_pressure:.2f} of the budget)"
-                                          if admission_pressure > kv else "")
+    pressure = m.kv_pressure
+    figures = f"KV pressure {m.block_pressure:.2f}" + (f" (admitted {m.admitted_fraction:.2f} of the budget)"
+                                                        if m.admitted_fraction > m.block_pressure else "")
     figures += f", ITL {m.itl_ms:.0f} ms of {c.itl_slo_ms:.0f}" if m.itl_ms else ""
     itl_over = m.itl_ms is not None and m.itl_ms > c.itl_slo_ms
     slots_short = m.num_serving > 0 and m.num_waiting >= c.waiting_up_per_worker * m.num_serving
@@ -175,7 +188,7 @@ def decode_signal(m: PoolMetrics, c: AutoscaleConfig, admission_pressure: float 
     return 0, figures
 
 
-def wanted(pool: str, m: PoolMetrics, c: AutoscaleConfig, admission_pressure: float = 0.0) -> int:
+def wanted(pool: str, m: PoolMetrics, c: AutoscaleConfig) -> int:
     """The pool size its figures call for, read when its scale-up signal has held: the serving
     workers times how far the worst signal is past its threshold (the prefill queue time over
     its share of the TTFT budget; KV pressure over `kv_up`; ITL over its budget; requests
@@ -191,11 +204,9 @@ def wanted(pool: str, m: PoolMetrics, c: AutoscaleConfig, admission_pressure: fl
     if n == 0:
         return 1
     if pool == "prefill":
-        queue_ms = m.queued_prefill_tokens / m.prefill_tokens_per_s * 1e3 if m.prefill_tokens_per_s > 0 else 0.0
-        ratios = [queue_ms / (c.queue_up_fraction * c.ttft_slo_ms)]
+        ratios = [m.queue_ms / (c.queue_up_fraction * c.ttft_slo_ms)]
     else:
-        kv = m.num_used_blocks / m.num_total_blocks if m.num_total_blocks else 0.0
-        ratios = [max(kv, admission_pressure) / c.kv_up,
+        ratios = [m.kv_pressure / c.kv_up,
                   (m.itl_ms or 0.0) / c.itl_slo_ms,
                   (m.num_running + m.num_waiting) / m.num_running if m.num_running else 0.0]
     return max(n + 1, math.ceil(n * max(ratios) - 1e-9))
@@ -208,7 +219,7 @@ def decide(snapshot: Snapshot, state: AutoscaleState, now: float, config: Autosc
     reasons: list[str] = []
     for pool, m, (signal, figures) in (
         ("prefill", snapshot.prefill, prefill_signal(snapshot.prefill, snapshot.num_admission_queued, config)),
-        ("decode", snapshot.decode, decode_signal(snapshot.decode, config, snapshot.admission_pressure)),
+        ("decode", snapshot.decode, decode_signal(snapshot.decode, config)),
     ):
         lo, hi = getattr(config, f"{pool}_min"), getattr(config, f"{pool}_max")
         current = m.num_serving + m.num_starting
@@ -226,7 +237,7 @@ def decide(snapshot: Snapshot, state: AutoscaleState, now: float, config: Autosc
         else:
             up.pop(pool, None)
             down.pop(pool, None)
-        need = wanted(pool, m, config, snapshot.admission_pressure) - current if signal > 0 else 1
+        need = wanted(pool, m, config) - current if signal > 0 else 1
         step = _step(pool, signal, m, up, down, last, now, config, current, lo, hi, need)
         if isinstance(step, str):
             reasons.append(f"{pool} holds at {current}: {step}; {figures}")

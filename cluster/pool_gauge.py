@@ -27,11 +27,12 @@ class PoolGauge:
                  routers: dict[str, dict[str, Any]]) -> Snapshot:
         """`members`: (worker id, role, state) of each worker the controller runs."""
         itls = [float(s["itl_p50_ms"]) for s in routers.values() if s.get("itl_p50_ms") is not None]
-        decode = dataclasses.replace(self._pool("decode", members, beats), itl_ms=max(itls) if itls else None)
         admitted = [float(s["inflight_tokens"]) / float(s["budget_tokens"]) for s in routers.values()
                     if float(s.get("budget_tokens") or 0) > 0 and s.get("inflight_tokens") is not None]
+        decode = dataclasses.replace(self._pool("decode", members, beats), itl_ms=max(itls) if itls else None,
+                                     admitted_fraction=max(admitted, default=0.0))
         return Snapshot(self._pool("prefill", members, beats), decode,
-                        sum(int(s.get("num_queued", 0)) for s in routers.values()), max(admitted, default=0.0))
+                        sum(int(s.get("num_queued", 0)) for s in routers.values()))
 
     def _pool(self, role: str, members: list[tuple[str, str, str]], beats: dict[str, Heartbeat]) -> PoolMetrics:
         mine = {worker_id: state for worker_id, r, state in members if r == role}

@@ -15,7 +15,7 @@ def snap(prefill: int = 1, queued: int = 0, decode: int = 1, used: int = 10, tot
          itl: float | None = 20.0, starting_p: int = 0, draining_d: int = 0, admission: int = 0,
          waiting: int = 0, running: int = 0, admitted: float = 0.0) -> Snapshot:
     return Snapshot(PoolMetrics(prefill, starting_p, 0, queued, RATE if prefill else 0.0),
-                    PoolMetrics(decode, 0, draining_d, 0, 0.0, used, total, itl, waiting, running), admission, admitted)
+                    PoolMetrics(decode, 0, draining_d, 0, 0.0, used, total, itl, waiting, running, admitted), admission)
 
 
 def run(script: list[tuple[float, Snapshot]], config: AutoscaleConfig = CONFIG) -> list[Decision]:

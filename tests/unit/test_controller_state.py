@@ -76,7 +76,7 @@ def test_the_gauge_counts_states_measures_the_prefill_rate_and_keeps_it_while_id
     assert (first.decode.num_serving, first.decode.num_draining, first.decode.num_used_blocks,
             first.decode.num_total_blocks, first.decode.itl_ms) == (1, 1, 30, 100, 35.0)
     assert first.num_admission_queued == 3 and first.prefill.prefill_tokens_per_s == 0.0
-    assert first.admission_pressure == 0.9  # the fuller router's
+    assert first.decode.admitted_fraction == 0.9  # the fuller router's
     t[0] = 102.0
     beats["prefill-0"] = beat("prefill-0", "prefill", 1800, cached=200)  # 600 uncached tokens in 2 s
     assert gauge.snapshot(members, beats, {}).prefill.prefill_tokens_per_s == 300.0
