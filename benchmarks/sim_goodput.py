@@ -16,9 +16,11 @@ import argparse
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from bench import report
+from bench.runner import Run
 from router.policy import RoutingConfig
 from sim.arrivals import trace_items
 from sim.cost_model import H100_SXM, LLAMA3_8B, Roofline
@@ -28,43 +30,46 @@ TRACE = Path(__file__).resolve().parent / "traces" / "mooncake_synthetic_trace.j
 TRACE_RATE = 3993 / 1022.025
 
 
-def attainment(hw: Roofline, cfg: FleetConfig, rate: float, n: int, slo: tuple[float, float]) -> float:
+def served(hw: Roofline, cfg: FleetConfig, rate: float, n: int) -> Run:
     """The first `n` requests of the trace, its times scaled to `rate`: every fleet size and
     rate sees the same requests, so the same prefix sharing (a slice that grew with the rate
     gave larger fleets more of the trace's repeats, and more cache hits per GPU)."""
-    items = trace_items(TRACE, n, 512, 131071, 128256, TRACE_RATE / rate)
-    return report.summarize(Fleet(cfg, hw, items).run().run, *slo)["slo_attainment"]
+    return Fleet(cfg, hw, trace_items(TRACE, n, 512, 131071, 128256, TRACE_RATE / rate)).run().run
+
+
+def bisect(lo: float, hi: float, steps: int, below: Callable[[float], bool]) -> tuple[float, float]:
+    """Halves [lo, hi] in log space `steps` times around where `below(x)` turns false."""
+    for _ in range(steps):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if below(mid) else (lo, mid)
+    return lo, hi
 
 
 def max_rate(hw: Roofline, cfg: FleetConfig, target: float, n: int, slo: tuple[float, float],
              lo: float, hi: float, steps: int) -> float:
     """The highest rate (requests/s) in [lo, hi] whose attainment is >= target, to hi/lo / 2**steps
     (hi itself when it holds there: widen the range)."""
-    if attainment(hw, cfg, lo, n, slo) < target:
+    def holds(rate: float) -> bool:
+        return report.summarize(served(hw, cfg, rate, n), *slo)["slo_attainment"] >= target
+    if not holds(lo):
         return 0.0
-    if attainment(hw, cfg, hi, n, slo) >= target:
+    if holds(hi):
         return hi
-    for _ in range(steps):
-        mid = (lo * hi) ** 0.5
-        lo, hi = (mid, hi) if attainment(hw, cfg, mid, n, slo) >= target else (lo, mid)
-    return lo
+    return bisect(lo, hi, steps, holds)[0]
 
 
 def tightest_scale(hw: Roofline, cfg: FleetConfig, target: float, n: int, rate: float,
                    slo: tuple[float, float], steps: int = 20) -> float:
     """DistServe's "SLO scale": the smallest factor s for which `target` of the requests meet
     both s x TTFT and s x TPOT, at a fixed `rate` (one run; each s is a summary of it)."""
-    run = Fleet(cfg, hw, trace_items(TRACE, n, 512, 131071, 128256, TRACE_RATE / rate)).run().run
+    run = served(hw, cfg, rate, n)
 
     def holds(scale: float) -> bool:
         return report.summarize(run, slo[0] * scale, slo[1] * scale)["slo_attainment"] >= target
     lo, hi = 1 / 64, 64.0
     if not holds(hi):
         return float("inf")
-    for _ in range(steps):
-        mid = (lo * hi) ** 0.5
-        lo, hi = (lo, mid) if holds(mid) else (mid, hi)
-    return hi
+    return bisect(lo, hi, steps, lambda scale: not holds(scale))[1]
 
 
 def arms(base: FleetConfig, g: int) -> dict[str, FleetConfig]:
