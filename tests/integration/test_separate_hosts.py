@@ -32,20 +32,21 @@ from tests.integration.cluster_checks import assert_idle, generate, greedy, ray_
 pytestmark = pytest.mark.timeout(400)
 
 
-@pytest.fixture
-def hosts() -> Iterator[dict[str, str]]:
+def _test_hosts(names: tuple[str, ...]) -> Iterator[dict[str, str]]:
     if (why := unavailable()) is not None:
         pytest.skip(why)
-    with namespaces() as made:
+    with namespaces(names) as made:
         yield made
+
+
+@pytest.fixture
+def hosts() -> Iterator[dict[str, str]]:
+    yield from _test_hosts(("p", "d"))
 
 
 @pytest.fixture
 def three_hosts() -> Iterator[dict[str, str]]:
-    if (why := unavailable()) is not None:
-        pytest.skip(why)
-    with namespaces(("p", "d", "e")) as made:
-        yield made
+    yield from _test_hosts(("p", "d", "e"))
 
 
 @pytest.fixture
