@@ -169,6 +169,7 @@ class Fleet(PoolControl):
         w.busy = False
         for e in w.engine.pool.take_events():
             self.index.apply(w.worker_id, e)
+        self.index.expire_predictions()  # as the router's feed, after each batch of events
         for rid, num_tokens in result.tokens.items():
             f = self.flights.get(rid)
             if f is not None and not f.done:

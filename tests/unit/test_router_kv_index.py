@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import random
+
 from control.kv_events import event_from_wire, event_to_wire
 from engine.block_pool import KVEvent
 from router.kv_index import KVIndex
@@ -49,7 +51,7 @@ def test_predicted_entries_expire(clock) -> None:
     clock.advance(2.0)
     assert idx.overlap([h(1), h(2)], ["d0", "d1"]) == {"d0": 1, "d1": 0}
     idx.expire_predictions()
-    assert idx._predicted == {}
+    assert idx.predicted("d1") == {}
 
 
 def test_expiry_keeps_a_prediction_renewed_since_and_drops_each_entry_once(clock) -> None:
@@ -62,10 +64,11 @@ def test_expiry_keeps_a_prediction_renewed_since_and_drops_each_entry_once(clock
     idx.retract("d1", [h(1)])
     clock.advance(1.0)
     idx.expire_predictions()
-    assert idx._predicted == {h(2): {"d0": renewed_until}, h(3): {"d0": renewed_until}}
+    assert idx.predicted("d0") == {h(2): renewed_until, h(3): renewed_until}
+    assert idx.predicted("d1") == {}
     clock.advance(1.0)
     idx.expire_predictions()
-    assert idx._predicted == {} and not idx._expiries
+    assert idx.predicted("d0") == {} and not idx._expiries and not idx._predicted
 
 
 def test_retract_drops_only_that_workers_predictions(clock) -> None:
@@ -76,7 +79,7 @@ def test_retract_drops_only_that_workers_predictions(clock) -> None:
     idx.retract("d0", [h(1), h(2)])
     assert idx.overlap([h(1), h(2)], ["d0", "d1"]) == {"d0": 1, "d1": 2}
     idx.retract("d1", [h(1), h(2)])
-    assert idx._predicted == {}
+    assert idx.predicted("d0") == idx.predicted("d1") == {} and not idx._predicted
     assert idx.overlap([h(1), h(2)], ["d0", "d1"]) == {"d0": 1, "d1": 0}
 
 
@@ -84,7 +87,7 @@ def test_the_workers_own_events_replace_its_predictions(clock) -> None:
     idx = KVIndex(clock, predicted_ttl_s=60.0)
     idx.predict("d0", [h(1), h(2), h(3)])
     idx.apply("d0", stored(0, 1, 2))
-    assert idx._predicted == {h(3): {"d0": clock() + 60.0}}
+    assert idx.predicted("d0") == {h(3): clock() + 60.0}
     idx.apply("d0", KVEvent(1, "removed", [h(2)]))
     assert idx.overlap([h(1), h(2), h(3)], ["d0"]) == {"d0": 1}  # evicted: no longer counted for 60 s
     idx.predict("d0", [h(4)])
@@ -105,3 +108,38 @@ def test_forget_worker_and_wire_round_trip(clock) -> None:
     assert idx.last_event_id("d0") is None
     idx.apply("d0", stored(0, 4))  # a restarted worker starts again at 0 without a gap
     assert idx.num_gaps == 0
+
+
+def test_overlap_equals_a_walk_of_each_prompt_block_by_block(clock) -> None:
+    """The per-worker sets and prediction maps against the definition: a worker's overlap is
+    the run of leading blocks it holds or has predicted and unexpired, whatever the events
+    (400 random events and lookups; about half the lookups find a run of 1-7 blocks)."""
+    rng = random.Random(7)
+    idx = KVIndex(clock, predicted_ttl_s=1.0)
+    workers = ["d0", "d1", "d2"]
+    held: dict[str, set[bytes]] = {w: set() for w in workers}
+    until: dict[str, dict[bytes, float]] = {w: {} for w in workers}
+    eids = dict.fromkeys(workers, 0)
+    for _ in range(400):
+        w, blocks = rng.choice(workers), [h(rng.randrange(12)) for _ in range(rng.randrange(1, 6))]
+        kind = rng.choice(["stored", "removed", "predict", "advance"])
+        if kind == "predict":
+            idx.predict(w, blocks)
+            until[w].update(dict.fromkeys(blocks, clock() + 1.0))
+        elif kind == "advance":
+            clock.advance(0.3)
+            idx.expire_predictions()
+        else:
+            idx.apply(w, KVEvent(eids[w], kind, blocks))  # type: ignore[arg-type]
+            eids[w] += 1
+            (held[w].update if kind == "stored" else held[w].difference_update)(blocks)
+            for b in blocks:
+                until[w].pop(b, None)
+        prompt = [h(rng.randrange(12)) for _ in range(rng.randrange(1, 8))]
+        expected = {}
+        for v in workers:
+            n = 0
+            while n < len(prompt) and (prompt[n] in held[v] or until[v].get(prompt[n], 0.0) > clock()):
+                n += 1
+            expected[v] = n
+        assert idx.overlap(prompt, workers) == expected
