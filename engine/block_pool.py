@@ -22,9 +22,15 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
+from itertools import takewhile
+from operator import is_not
 from typing import Literal
 
 from engine.types import BlockHash, BlockId, InvariantError
+
+_is_block = partial(is_not, None)
+"""A lookup's result is a block id (0 is one, so not `bool`)."""
 
 KVEventKind = Literal["stored", "removed", "cleared"]
 
@@ -87,6 +93,10 @@ class BlockPool:
 
     def lookup(self, block_hash: BlockHash) -> BlockId | None:
         return self._cached.get(block_hash)
+
+    def lookup_run(self, block_hashes: Iterable[BlockHash]) -> list[BlockId]:
+        """The cached blocks of the leading run of `block_hashes` (up to the first miss)."""
+        return list(takewhile(_is_block, map(self._cached.get, block_hashes)))
 
     def free_queue(self) -> list[BlockId]:
         """Free blocks in eviction order (first is evicted first)."""

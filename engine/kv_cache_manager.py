@@ -36,12 +36,7 @@ class KVCacheManager:
             return [], 0
         self._update_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[BlockId] = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block_id = self.pool.lookup(block_hash)
-            if block_id is None:
-                break
-            hits.append(block_id)
+        hits = self.pool.lookup_run(request.block_hashes[:max_blocks])
         return hits, len(hits) * self.block_size
 
     def allocate_slots(
@@ -58,7 +53,7 @@ class KVCacheManager:
         num_cached = len(cached_block_ids) * self.block_size
         total = request.num_computed_tokens + num_cached + num_new_tokens
         num_new_blocks = self.blocks_needed(total) - len(request.block_ids) - len(cached_block_ids)
-        num_revived = sum(1 for b in cached_block_ids if self.pool.ref_cnt(b) == 0)
+        num_revived = sum(1 for b in cached_block_ids if self.pool.ref_cnt(b) == 0) if cached_block_ids else 0
         if num_new_blocks > self.pool.num_free_blocks - num_revived:
             return False
         if cached_block_ids:

@@ -104,11 +104,12 @@ class KVIndex:
         """Per worker, how many leading blocks of the prompt it holds (confirmed or predicted)."""
         now = self.clock()
         result = {}
+        first = block_hashes[0] if block_hashes else None
         for w in workers:
             mine = self._blocks.get(w, _NONE)
             predicted = self._predicted.get(w)
-            if predicted is None:  # the common case, at C speed: the run of held leading blocks
-                result[w] = len(list(takewhile(mine.__contains__, block_hashes)))
+            if predicted is None:  # the common cases: none held, or a run of held blocks at C speed
+                result[w] = len(list(takewhile(mine.__contains__, block_hashes))) if first in mine else 0
                 continue
             n = 0
             for h in block_hashes:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,19 @@ H100_SXM = GPU("h100-sxm", peak_flops=989e12, hbm_bytes_per_s=3.35e12, memory_by
 GPUS = {g.name: g for g in (H100_SXM,)}
 
 
+class _StepConstants(NamedTuple):
+    """What `Roofline.step_s` multiplies by, computed once per Roofline."""
+    linear_flops_per_token: int
+    head_flops_per_sample: int
+    attention_flops: int
+    """Per new token and token of context it attends to (QK^T and PV, all layers)."""
+    kv_bytes_per_token: int
+    weight_bytes: int
+    flops_per_s: float
+    bytes_per_s: float
+    overhead_s: float
+
+
 @dataclass(frozen=True)
 class Roofline:
     model: ModelShape
@@ -102,15 +117,26 @@ class Roofline:
         `num_sampled` requests get logits (default: every chunk)."""
         if not chunks:
             return 0.0
-        m, g = self.model, self.gpu
-        tokens = sum(n for n, _ in chunks)
+        k = self._constants
+        tokens = kv_tokens = 0
+        attention = 0.0
+        for n, ctx in chunks:  # the simulator's hottest loop: one pass, constants hoisted
+            tokens += n
+            kv_tokens += ctx + n
+            attention += k.attention_flops * n * (ctx + (n + 1) / 2)
         sampled = len(chunks) if num_sampled is None else num_sampled
-        linear = 2 * m.num_layers * m.layer_params * tokens + 2 * m.vocab * m.hidden * sampled
-        attention = sum(4 * m.num_layers * m.num_heads * m.head_dim * n * (ctx + (n + 1) / 2) for n, ctx in chunks)
-        kv_bytes = sum(ctx + n for n, ctx in chunks) * m.kv_bytes_per_token
-        compute_s = (linear + attention) / (self.tp * g.peak_flops * g.compute_efficiency)
-        memory_s = (m.weight_bytes + kv_bytes) / (self.tp * g.hbm_bytes_per_s * g.bandwidth_efficiency)
-        return g.step_overhead_s + max(compute_s, memory_s) + self.allreduce_s(tokens)
+        linear = k.linear_flops_per_token * tokens + k.head_flops_per_sample * sampled
+        compute_s = (linear + attention) / k.flops_per_s
+        memory_s = (k.weight_bytes + kv_tokens * k.kv_bytes_per_token) / k.bytes_per_s
+        return k.overhead_s + max(compute_s, memory_s) + self.allreduce_s(tokens)
+
+    @cached_property
+    def _constants(self) -> _StepConstants:
+        m, g = self.model, self.gpu
+        return _StepConstants(2 * m.num_layers * m.layer_params, 2 * m.vocab * m.hidden,
+                              4 * m.num_layers * m.num_heads * m.head_dim, m.kv_bytes_per_token, m.weight_bytes,
+                              self.tp * g.peak_flops * g.compute_efficiency,
+                              self.tp * g.hbm_bytes_per_s * g.bandwidth_efficiency, g.step_overhead_s)
 
     def allreduce_s(self, tokens: int) -> float:
         """Two ring all-reduces of the step's activations per layer (attention and MLP outputs)."""

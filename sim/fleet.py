@@ -167,9 +167,11 @@ class Fleet(PoolControl):
 
     def _step_done(self, w: Worker, result: StepResult) -> None:
         w.busy = False
-        for e in w.engine.pool.take_events():
-            self.index.apply(w.worker_id, e)
-        self.index.expire_predictions()  # as the router's feed, after each batch of events
+        events = w.engine.pool.take_events()
+        if events:
+            for e in events:
+                self.index.apply(w.worker_id, e)
+            self.index.expire_predictions()  # as the router's feed, after each batch of events
         for rid, num_tokens in result.tokens.items():
             f = self.flights.get(rid)
             if f is not None and not f.done:

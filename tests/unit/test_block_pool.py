@@ -148,3 +148,13 @@ def test_holder_check_catches_a_block_nobody_holds() -> None:
     pool.touch(b)
     with pytest.raises(InvariantError, match="ref_cnt 2 but 1 holders"):
         pool.check_holders([a, b])
+
+
+def test_lookup_run_stops_at_the_first_miss_and_counts_block_zero() -> None:
+    pool = BlockPool(4)
+    blocks = pool.allocate(3)
+    assert blocks == [0, 1, 2]
+    pool.cache_blocks(blocks, [h(1), h(2), h(3)], None)
+    assert pool.lookup_run([h(1), h(2), h(3)]) == [0, 1, 2]
+    assert pool.lookup_run([h(1), h(9), h(3)]) == [0]  # block 3 is cached too, but after a miss
+    assert pool.lookup_run([h(9), h(1)]) == [] and pool.lookup_run([]) == []
