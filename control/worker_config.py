@@ -5,7 +5,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
-from engine.config import CacheConfig, DType, EngineConfig, Role, SchedulerConfig, SpeculativeConfig
+from engine.config import CacheConfig, DType, EngineConfig, Role, SchedulerConfig, SpeculativeConfig, StepFloor
 from kvfabric.address import route_address
 from kvfabric.config import TRANSPORTS
 
@@ -70,6 +70,9 @@ class WorkerConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     """Speculative decoding; decode workers (and colocated ones) use it, prefill workers stop
     at the first token."""
+    step_floor: StepFloor | None = None
+    """Hold each engine step to at least this long (an emulated accelerator, `StepFloor`):
+    for measuring the control plane on a few cores, never for serving."""
 
     def advertised_host(self, redis_url: str | None) -> str:
         """Where peers reach this worker (see `advertise_host`)."""
@@ -102,7 +105,7 @@ class WorkerConfig:
                               protected_fraction=self.protected_fraction, cluster_secret=self.cluster_secret),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs, fair_burst_tokens=self.fair_burst_tokens),
-            speculative=self.speculative,
+            speculative=self.speculative, step_floor=self.step_floor,
         )
 
 

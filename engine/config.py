@@ -116,6 +116,26 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class StepFloor:
+    """The least time one engine step takes: `base_s + token_s`·(tokens computed) `+ seq_s`·
+    (requests scheduled); a step done sooner sleeps the rest. It makes a CPU worker stand for
+    an accelerator of that speed whose compute is its own: on a machine of two cores, more
+    such workers are more capacity, as more GPUs are. For measuring the control plane
+    (autoscaling, the simulator's validation: benchmarks/sim_validate.py), never for serving."""
+
+    base_s: float = 0.0
+    token_s: float = 0.0
+    seq_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not all(0.0 <= x < 60.0 for x in (self.base_s, self.token_s, self.seq_s)):
+            raise ValueError(f"step floor terms must be seconds in [0, 60), got {self}")
+
+    def seconds(self, num_tokens: int, num_seqs: int) -> float:
+        return self.base_s + self.token_s * num_tokens + self.seq_s * num_seqs
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_dir: str
     """Local Hugging Face-format checkpoint directory, or a GGUF file (or a directory holding
@@ -144,6 +164,8 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    step_floor: StepFloor | None = None
+    """Hold every step to at least this long (`StepFloor`); None: steps take what they take."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):

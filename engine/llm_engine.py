@@ -281,6 +281,9 @@ class LLMEngine:
         if self.config.role == "prefill" and self.handoff is not None:
             for s in out.scheduled:
                 self.handoff.on_blocks_computed(s.request)
+        if self.config.step_floor is not None:  # an emulated accelerator: the step lasts its stated time
+            floor = self.config.step_floor.seconds(sum(s.num_new_tokens for s in out.scheduled), len(out.scheduled))
+            time.sleep(max(started + floor - time.perf_counter(), 0.0))
         return [self._output_for(r, len(r.output_token_ids) - num_outputs[r.request_id]) for r in updated]
 
     def _stop_if_complete(self, request: Request, num_new: int) -> None:

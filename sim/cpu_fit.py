@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from engine.config import StepFloor
+
 FEATURES = ("step", "tokens", "attention_pairs", "kv_read", "sampled")
 Chunks = Sequence[tuple[int, int]]
 
@@ -47,10 +49,16 @@ class CpuCost:
     """Measured delays of a token's delivery past its step's end (sorted samples; empty: none)."""
     push_token_s: float = 0.0
     """A prefill worker's time per KV token it pushes (on CPU the copies share its cores)."""
+    floor: StepFloor | None = None
+    """The workers' engines hold each step to this (`EngineConfig.step_floor`): an engine step
+    takes the longer of the fit and the floor."""
 
     def engine_s(self, chunks: Chunks, num_sampled: int | None = None) -> float:
         sampled = len(chunks) if num_sampled is None else num_sampled
-        return sum(c * x for c, x in zip(self.coef, features(chunks, sampled), strict=True))
+        fitted = sum(c * x for c, x in zip(self.coef, features(chunks, sampled), strict=True))
+        if self.floor is None:
+            return fitted
+        return max(fitted, self.floor.seconds(sum(n for n, _ in chunks), len(chunks)))
 
     def step_s(self, chunks: Chunks, num_sampled: int | None = None) -> float:
         if not chunks:
@@ -67,7 +75,8 @@ class CpuCost:
     @classmethod
     def load(cls, path: Path) -> CpuCost:
         d = json.loads(path.read_text())
-        return cls(**{**d, "coef": tuple(d["coef"]), "jitter_s": tuple(d.get("jitter_s", ()))})
+        floor = StepFloor(**d["floor"]) if d.get("floor") else None
+        return cls(**{**d, "coef": tuple(d["coef"]), "jitter_s": tuple(d.get("jitter_s", ())), "floor": floor})
 
 
 def profile_engine(model_dir: str, num_requests: int = 96, chunk_tokens: int = 512, max_prompt: int = 1024,

@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
+import json
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -27,9 +30,10 @@ from typing import Any
 from bench import report
 from bench.runner import Run, run
 from bench.workload import Item
+from cluster.autoscaler import AutoscaleConfig
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster
-from engine.config import SchedulerConfig
+from engine.config import SchedulerConfig, StepFloor
 from engine.model_config import ModelConfig
 from router.policy import RoutingConfig
 from sim.arrivals import Shape, arrival_times, timed
@@ -50,23 +54,30 @@ class Arm:
     routing: RoutingConfig
     kv_cache_bytes: int = KV_CACHE_BYTES
     """Per worker."""
+    step_floor: StepFloor | None = None
+    """Each worker's engine steps held to this: an emulated accelerator, so that here, on two
+    cores, another worker is more capacity (as another GPU is), and autoscaling can win."""
+    autoscale: AutoscaleConfig | None = None
+    """The autoscaler sizes the pools within these bounds (the counts above are the start)."""
 
 
 def cluster_config(model_dir: str, arm: Arm) -> ClusterConfig:
     return ClusterConfig(
         worker=WorkerConfig(model_dir=model_dir, block_size=BLOCK_SIZE, kv_cache_bytes=arm.kv_cache_bytes,
-                            max_num_batched_tokens=CHUNK_TOKENS),
+                            max_num_batched_tokens=CHUNK_TOKENS, step_floor=arm.step_floor),
         num_prefill=arm.num_prefill, num_decode=arm.num_decode, worker_num_cpus=0.5,
-        router=RouterConfig(port=0, routing=arm.routing))
+        router=RouterConfig(port=0, routing=arm.routing), autoscale=arm.autoscale)
 
 
-def fleet_config(model_dir: str, arm: Arm) -> FleetConfig:
+def fleet_config(model_dir: str, arm: Arm, startup_s: float = 0.0) -> FleetConfig:
+    """`startup_s`: a launched worker's time to serving, measured here (`measure_startup`)."""
     mc = ModelConfig.from_dir(model_dir)
     block_bytes = 2 * mc.num_layers * BLOCK_SIZE * mc.num_kv_heads * mc.head_dim * 4  # float32
     return FleetConfig(num_prefill=arm.num_prefill, num_decode=arm.num_decode, routing=arm.routing,
                        num_blocks=arm.kv_cache_bytes // block_bytes, block_size=BLOCK_SIZE,
                        max_model_len=mc.max_position_embeddings, gpus_per_node=64,
-                       scheduler=SchedulerConfig(max_num_batched_tokens=CHUNK_TOKENS))
+                       scheduler=SchedulerConfig(max_num_batched_tokens=CHUNK_TOKENS),
+                       autoscale=arm.autoscale, startup_s=startup_s)
 
 
 SETTLE_S = 5.0
@@ -74,17 +85,77 @@ SETTLE_S = 5.0
 on the same two cores (runs right after one another measured TTFT 17.7 and 12.5 ms alike)."""
 
 
+@dataclass(frozen=True)
+class Pools:
+    """What the pools cost over a run: worker-seconds (every worker from its launch to its
+    stop), the autoscaler's actions (times a target changed), the largest pools (P, D)."""
+
+    worker_s: float
+    num_actions: int
+    largest: tuple[int, int]
+
+
 def real_run(model_dir: str, arm: Arm, items: list[Item], concurrency: int | None = None) -> Run:
+    return real_pooled_run(model_dir, arm, items, concurrency)[0]
+
+
+def real_pooled_run(model_dir: str, arm: Arm, items: list[Item], concurrency: int | None = None,
+                    poll_s: float = 0.25) -> tuple[Run, Pools]:
+    """A run on a fresh cluster, its pools read from the controller every `poll_s` meanwhile."""
     time.sleep(SETTLE_S)
     with LocalCluster(cluster_config(model_dir, arm)) as cluster:
         warm = [Item([7 + i] * 24, 4) for i in range(4)]  # first-use costs (kernels, channels) out of the run
         asyncio.run(run(cluster.address, warm, concurrency=1))
-        return asyncio.run(run(cluster.address, items, concurrency=concurrency, timeout_s=600))
+        samples: list[tuple[float, int, tuple[int, int], str]] = []
+        """(when, workers launched and not stopped, (P, D) serving or draining, the targets)"""
+        done = threading.Event()
+
+        def poll() -> None:
+            while not done.wait(poll_s):
+                status = cluster.controller_status()
+                up = [w for w, state in status["workers"].items() if state in ("serving", "draining")]
+                samples.append((time.monotonic(), len(status["workers"]),
+                                (sum(w.startswith("prefill") for w in up), sum(w.startswith("decode") for w in up)),
+                                json.dumps(status["targets"], sort_keys=True)))
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        try:
+            result = asyncio.run(run(cluster.address, items, concurrency=concurrency, timeout_s=600))
+        finally:
+            done.set()
+            poller.join(10.0)
+    worker_s = sum((b[0] - a[0]) * a[1] for a, b in itertools.pairwise(samples))
+    actions = sum(a[3] != b[3] for a, b in itertools.pairwise(samples))
+    largest = max((pd for _, _, pd, _ in samples), key=sum, default=(arm.num_prefill, arm.num_decode))
+    return result, Pools(worker_s, actions, largest)
+
+
+def measure_startup(model_dir: str, arm: Arm, timeout_s: float = 120.0) -> float:
+    """Seconds from a decode target raised by one to the new worker serving, on `arm`'s cluster
+    (the controller launches it as it does for the autoscaler)."""
+    time.sleep(SETTLE_S)
+    with LocalCluster(cluster_config(model_dir, dataclasses.replace(arm, autoscale=None))) as cluster:
+        def serving() -> int:
+            return sum(w.startswith("decode") and s == "serving" for w, s in cluster.controller_status()["workers"].items())
+        began = time.monotonic()
+        cluster.scale("decode", arm.num_decode + 1)
+        while serving() <= arm.num_decode:
+            if time.monotonic() - began > timeout_s:
+                raise TimeoutError(f"no new decode worker serving within {timeout_s:.0f} s")
+            time.sleep(0.05)
+        return time.monotonic() - began
 
 
 def sim_run(model_dir: str, arm: Arm, items: list[Item], cost: CpuCost) -> Run:
+    return sim_pooled_run(model_dir, arm, items, cost)[0]
+
+
+def sim_pooled_run(model_dir: str, arm: Arm, items: list[Item], cost: CpuCost,
+                   startup_s: float = 0.0) -> tuple[Run, Pools]:
     timed = items if items[0].at_s is not None else [dataclasses.replace(i, at_s=0.0) for i in items]
-    return Fleet(fleet_config(model_dir, arm), cost, timed).run().run
+    result = Fleet(fleet_config(model_dir, arm, startup_s), cost, timed).run()
+    largest = max(((p, d) for _, p, d in result.pool_sizes), key=sum, default=(arm.num_prefill, arm.num_decode))
+    return result.run, Pools(result.gpu_seconds, len(result.actions), largest)
 
 
 def fit_engine(model_dir: str) -> CpuCost:

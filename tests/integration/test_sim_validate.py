@@ -4,16 +4,18 @@ The full comparison, with the serving overheads calibrated, is benchmarks/sim_va
 here the bounds are generous (the uncalibrated model leaves out the processes' own costs)."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from bench import report
 from bench.workload import synthetic
+from engine.config import StepFloor
 from engine.tiny_model import make_tiny_model
 from router.policy import RoutingConfig
 from sim.arrivals import Shape, arrival_times, timed
-from sim.validate import Arm, compare, fit_engine, real_run, sim_run
+from sim.validate import Arm, compare, fit_engine, real_pooled_run, real_run, sim_pooled_run, sim_run
 
 
 @pytest.mark.timeout(300)
@@ -33,3 +35,23 @@ def test_the_fleet_and_the_real_cluster_agree_roughly_on_a_small_workload(tmp_pa
     assert 0.05 < ratios["ttft_ms_p50"] < 5 and 0.2 < ratios["itl_ms_p50"] < 5, line
     assert 0.8 < ratios["output_tokens_per_s"] < 1.25, line  # an open loop: both keep up with the arrivals
     assert report.summarize(simulated, 1.0, 0.05)["num_ok"] == 24
+
+
+@pytest.mark.timeout(300)
+def test_held_engines_step_at_their_floor_and_the_pools_are_read_alike(tmp_path: Path) -> None:
+    """Engines held to a StepFloor (an emulated accelerator), real and simulated: decode tokens
+    come no faster than the floor in both, and the pools' worker-seconds (read from the
+    controller while the real run goes) agree with the Fleet's."""
+    model = str(make_tiny_model(tmp_path / "tiny", arch="llama", seed=0))
+    floor = StepFloor(base_s=0.02, token_s=0.0, seq_s=0.005)
+    arm = Arm("held 1P:1D", 1, 1, RoutingConfig(mode="disaggregated"), step_floor=floor)
+    cost = dataclasses.replace(fit_engine(model), floor=floor)
+    items = timed(synthetic(24, 64, 16, 0.0, 0, 0, 500, seed=6), arrival_times(24, Shape(rate=3.0), seed=6))
+    (real, real_pools), (simulated, sim_pools) = real_pooled_run(model, arm, items), sim_pooled_run(model, arm, items, cost)
+    assert [o.code for o in real.outcomes] == ["OK"] * 24 == [o.code for o in simulated.outcomes]
+    for run in (real, simulated):
+        assert min(x for o in run.outcomes for x in o.itls_s[1:]) >= 0.025 * 0.9  # a step of one: 20 + 5 ms
+    assert real_pools.num_actions == sim_pools.num_actions == 0
+    assert real_pools.largest == sim_pools.largest == (1, 1)
+    assert sim_pools.worker_s == pytest.approx(2 * max(o.end_s for o in simulated.outcomes), rel=0.01)  # from t = 0
+    assert real_pools.worker_s == pytest.approx(2 * real.elapsed_s, rel=0.25)  # polled every 0.25 s

@@ -177,6 +177,13 @@ def test_the_cpu_fit_recovers_known_costs_and_round_trips(tmp_path) -> None:  # 
     assert cost.step_s([(1, 100)] * 4) == pytest.approx(cost.engine_s([(1, 100)] * 4) + 0.001 + 4 * 0.0001)
     cost.save(tmp_path / "c.json")
     assert CpuCost.load(tmp_path / "c.json") == cost
+    from engine.config import StepFloor
+    held = dataclasses.replace(cost, floor=StepFloor(base_s=0.004, token_s=1e-6, seq_s=0.001))
+    assert held.engine_s([(1, 100)] * 4) == pytest.approx(0.004 + 4e-6 + 0.004)  # the floor, over the fit (0.55 ms)
+    assert held.engine_s([(512, 0)]) == pytest.approx(cost.engine_s([(512, 0)]))  # the fit (5.58 ms), over the floor
+    assert held.engine_s([(512, 0)]) > 0.004 + 512e-6 + 0.001
+    held.save(tmp_path / "h.json")
+    assert CpuCost.load(tmp_path / "h.json") == held
 
 
 def test_splitserve_simulate_on_a_trace_alone_runs_both_modes_on_8_gpus(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -94,3 +94,30 @@ def test_an_engines_sample_is_the_whole_period_between_decode_steps(tmp_path) ->
         time.sleep(0.01)  # sending the tokens out, between steps, is part of what a client waits
     a, b, c = engine.step_model.latest  # type: ignore[misc]
     assert a + b + c * 30 >= 0.01 and a + 3 * b + c * 60 >= 0.01
+
+
+def test_a_step_floor_holds_each_step_to_its_stated_time_and_changes_no_token(tiny_llama_dir: str) -> None:
+    """StepFloor: 40 ms + 1 ms per token computed + 5 ms per request scheduled, at least;
+    the engine's own steps on the tiny model take a few ms, so each lasts its floor."""
+    from engine.config import StepFloor
+
+    def run(floor: StepFloor | None) -> tuple[list[list[int]], list[float]]:
+        engine = LLMEngine(EngineConfig(model_dir=tiny_llama_dir, cache=CacheConfig(kv_cache_bytes=8 * 2**20),
+                                        step_floor=floor))
+        prompts = [[5 + i] * (10 + 7 * i) for i in range(3)]
+        ids = [engine.add_request(p, SamplingParams(max_tokens=4, ignore_eos=True)) for p in prompts]
+        times, out = [], {}
+        while engine.has_unfinished():
+            began = time.perf_counter()
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            times.append(time.perf_counter() - began)
+        return [out[k] for k in ids], times
+
+    plain, _ = run(None)
+    held, times = run(StepFloor(base_s=0.04, token_s=0.001, seq_s=0.005))
+    assert held == plain
+    assert times[0] >= 0.04 + 0.001 * (10 + 17 + 24) + 0.005 * 3  # the three prompts in one step
+    assert all(t >= 0.04 + 0.001 * 3 + 0.005 * 3 for t in times[1:])  # three decodes a step after
+    with pytest.raises(ValueError):
+        StepFloor(base_s=-0.01)
