@@ -181,6 +181,9 @@ class Fleet(PoolControl):
                 f = self.flights.get(rid)
                 if f is not None and not f.done:
                     self._finish(f, "OK")
+        calls, w.calls = w.calls, []
+        for fn, *args in calls:
+            fn(*args)
         self._wake(w)
         self._stop_if_drained(w)
 
@@ -242,6 +245,18 @@ class Fleet(PoolControl):
             d.engine.add(f.rid, f.item.prompt, f.item.max_tokens, block_hashes=f.hashes)
             self._wake(d)
             return True
+        if d.busy:  # the reservation is a call into D's engine loop, which runs calls between steps
+            d.calls.append((self._reserve, f, d, p))
+            return True
+        return self._reserve(f, d, p)
+
+    def _reserve(self, f: Flight, d: Worker, p: str) -> bool:
+        """D reserves the prompt's blocks under a lease, then P computes it."""
+        if f.done:
+            return True
+        c = self.config
+        n = len(f.item.prompt)
+        assert f.booking is not None
         request = d.engine.add_remote(f.rid, f.item.prompt, f.item.max_tokens, f.hashes)
         if request is None:  # the load book's view was stale: wait for room as the router does
             f.booking.end()

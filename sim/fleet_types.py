@@ -82,6 +82,8 @@ class Worker:
     stopped_at: float | None = None
     table: ReservationTable | None = None
     """Decode workers: the KV reservations prefill workers write into."""
+    calls: list[tuple[Any, ...]] = field(default_factory=list)
+    """Calls into its engine loop made while a step ran: (function, *args), run when it ends."""
 
 
 @dataclass
