@@ -3,7 +3,8 @@
     arrivals --> router: AdmissionQueue (admission, its wait forecast, revision), KVIndex +
                  LoadBook + choose_route / choose_round_robin (router/) --> a worker:
     SimEngine (the real Scheduler, KVCacheManager, BlockPool; sim/engine_sim.py) per worker
-    P/D: the decode worker reserves blocks (remote-KV admission) under a kvfabric lease
+    P/D (sim/fleet_kv.py): the decode worker reserves blocks (remote-KV admission, a call
+         into its engine loop, run between two of its steps) under a kvfabric lease
          (kvfabric/reservations.py ReservationTable: bind, renew, ready, expire); the prefill
          worker's first token ends its part; the KV lands a transfer time later
     autoscaler (sim/fleet_pools.py): PoolGauge (cluster/pool_gauge.py) -> decide
@@ -35,13 +36,14 @@ from engine.hashing import BlockHasher
 from engine.types import BlockHash
 from engine.step_model import StepShape
 from engine.step_profile import LONG_CONTEXT, batch_sizes
-from kvfabric.reservations import KVArrived, ReservationTable
+from kvfabric.reservations import ReservationTable
 from router.admission import AdmissionQueue, Refused
 from router.frontend import ItlWindow, blocks_for
 from router.kv_index import KVIndex
 from router.loads import LoadBook
 from router.policy import RouteDecision, choose_round_robin, choose_route
 from sim.engine_sim import SimEngine, StepResult
+from sim.fleet_kv import KVHandoff
 from sim.fleet_pools import AUTOSCALE_TICK_S, VOCAB, PoolControl
 from sim.fleet_types import Flight, FleetConfig, FleetResult, Hardware, Role, Worker
 
@@ -54,7 +56,7 @@ PROMPT_MEMO = 8192
 """Prompts whose hashes the fleet keeps (a replayed trace's distinct prompts: 3,993 in the synthetic one)."""
 
 
-class Fleet(PoolControl):
+class Fleet(PoolControl, KVHandoff):
     def __init__(self, config: FleetConfig, hardware: Hardware, items: list[Item]) -> None:
         self.config, self.hw = config, hardware
         self.now = 0.0
@@ -250,33 +252,6 @@ class Fleet(PoolControl):
             return True
         return self._reserve(f, d, p)
 
-    def _reserve(self, f: Flight, d: Worker, p: str) -> bool:
-        """D reserves the prompt's blocks under a lease, then P computes it."""
-        if f.done:
-            return True
-        c = self.config
-        n = len(f.item.prompt)
-        assert f.booking is not None
-        request = d.engine.add_remote(f.rid, f.item.prompt, f.item.max_tokens, f.hashes)
-        if request is None:  # the load book's view was stale: wait for room as the router does
-            f.booking.end()
-            f.booking = None
-            self.waiting_room.append(f)
-            return False
-        self.stats["num_remote_prefill"] += 1
-        self.index.predict(p, f.hashes)
-        assert d.table is not None
-        res = d.table.add(f.rid, list(request.block_ids), request.num_cached_tokens // c.block_size)
-        d.table.bind(res.reservation_id, writer=_writer(p), one_sided=True)
-        f.reservation_id = res.reservation_id
-        self.pushing[f.rid] = f
-        pw = self.workers[p]
-        pw.engine.add(f.rid, f.item.prompt, 1, block_hashes=f.hashes)
-        if self.hw.push_token_s:  # the push of every block D lacks shares P's cores with its prefill
-            pw.engine.extra_s[f.rid] = self.hw.push_token_s * (n - request.num_cached_tokens)
-        self._wake(pw)
-        return True
-
     def _route(self, f: Flight) -> RouteDecision | None:
         c = self.config
         decodes = [self.loads.load(w) for w in self.serving("decode")]
@@ -309,39 +284,6 @@ class Fleet(PoolControl):
         o.num_out = num_tokens
         f.last_seen = seen
         self.queue.forecast.progress(f.rid, num_tokens)
-
-    def _push(self, f: Flight, p: Worker, first_token: int) -> None:
-        """The first token is out; the blocks of the last chunk still go to D (the earlier ones
-        went while later chunks computed)."""
-        assert f.decision is not None
-        d = self.workers[f.decision.decode_worker]
-        if f.item.max_tokens <= 1:
-            p.engine.release_handoff(f.rid)
-            self._finish(f, "OK")
-            return
-        n = len(f.item.prompt)
-        last_chunk = min(n - f.outcome.num_cached, self.config.scheduler.max_num_batched_tokens)
-        t = self.hw.transfer_s(max(last_chunk, 1), same_node=d.node == p.node)
-        self.at(self.now + t, self._landed, f, p, d, first_token)
-
-    def _landed(self, f: Flight, p: Worker, d: Worker, first_token: int) -> None:
-        p.engine.release_handoff(f.rid)
-        self.pushing.pop(f.rid, None)
-        self._stop_if_drained(p)
-        if f.done or d.table is None or f.reservation_id is None:
-            return
-        res = d.table.get(f.reservation_id)
-        if res is not None:
-            d.table.record_written(res.reservation_id, _writer(p.worker_id),
-                                   [(res.num_skip_blocks, len(res.block_ids) - res.num_skip_blocks)])
-            d.table.ready(res.reservation_id, _writer(p.worker_id), first_token, len(f.item.prompt))
-        for event in d.table.take_events():
-            if isinstance(event, KVArrived) and event.request_id == f.rid:
-                if d.engine.remote_ready(f.rid, first_token):
-                    self._finish(f, "OK")
-                self._wake(d)
-            elif event.request_id == f.rid:
-                self._fail(f, "UNAVAILABLE")
 
     def _finish(self, f: Flight, code: str) -> None:
         f.done = True
@@ -390,24 +332,9 @@ class Fleet(PoolControl):
         for f in expired:  # no decode worker had room within kv_wait_s
             if not f.done:
                 self._fail(f, "RESOURCE_EXHAUSTED")
-        for f in list(self.pushing.values()):  # the push lanes renew their leases
-            assert f.decision is not None and f.decision.prefill_worker is not None and f.reservation_id is not None
-            table = self.workers[f.decision.decode_worker].table
-            assert table is not None
-            table.renew(f.reservation_id, _writer(f.decision.prefill_worker))
-        for w in self.workers.values():
-            if w.table is not None and len(w.table):
-                w.table.expire()
-                for event in w.table.take_events():  # a lease ran out: the router sees the stream fail
-                    if (f := self.flights.get(event.request_id)) is not None and not f.done:
-                        self._fail(f, "UNAVAILABLE")
+        self._leases()
         if self._left:
             self.at(self.now + TICK_S, self._tick)
-
-
-def _writer(worker_id: str) -> int:
-    """A prefill worker's writer id in reservation tables (any stable int per worker)."""
-    return hash(worker_id) & 0x7FFFFFFF
 
 
 def _interleaved(num_prefill: int, num_decode: int) -> list[Role]:
