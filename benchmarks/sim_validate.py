@@ -130,7 +130,8 @@ def main() -> None:
             a, b = (summaries[arm.name] for arm in arms)
             keys = ("ttft_p50", "itl_p99", "goodput_rps", *(("worker_s",) if "pools" in a["real"] else ()))
             rankings.append({"workload": name, "a": arms[0].name, "b": arms[1].name, **{
-                key: {"real": better(a["real"], b["real"], key), "sim": better(a["sim"], b["sim"], key)}
+                key: {"real": better(a["real"], b["real"], key), "sim": better(a["sim"], b["sim"], key),
+                      "a_ahead_real": gap(a["real"], b["real"], key), "a_ahead_sim": gap(a["sim"], b["sim"], key)}
                 for key in keys}})
     for r in rankings:
         r["agree"] = all(v["real"] == v["sim"] for k, v in r.items() if isinstance(v, dict))
@@ -141,16 +142,29 @@ def main() -> None:
 def better(a: dict, b: dict, key: str) -> str:  # type: ignore[type-arg]
     """Which arm wins on `key` ("a", "b", or "tie" within 10 %: the real cluster's own run-to-run spread
     here, the same workload twice, reached 30 % on TTFT p50)."""
-    if key == "goodput_rps":
-        x, y, lower = a["goodput_rps"], b["goodput_rps"], False
-    elif key == "worker_s":
-        x, y, lower = a["pools"]["worker_s"], b["pools"]["worker_s"], True
-    else:
-        k, q = key.rsplit("_", 1)
-        x, y, lower = a[f"{k}_ms"][q], b[f"{k}_ms"][q], True
+    x, y, lower = _figures(a, b, key)
     if x is None or y is None or abs(x - y) <= 0.10 * max(abs(x), abs(y), 1e-9):
         return "tie"
     return "a" if (x < y) == lower else "b"
+
+
+def gap(a: dict, b: dict, key: str) -> float | None:  # type: ignore[type-arg]
+    """How much better a is than b on `key`, as a fraction of the larger (negative: worse): a
+    ranking that agrees in direction but falls either side of the tie band shows here."""
+    x, y, lower = _figures(a, b, key)
+    if x is None or y is None:
+        return None
+    return round((y - x if lower else x - y) / max(abs(x), abs(y), 1e-9), 3)
+
+
+def _figures(a: dict, b: dict, key: str) -> tuple[float | None, float | None, bool]:  # type: ignore[type-arg]
+    """a's and b's figure for `key`, and whether lower is better."""
+    if key == "goodput_rps":
+        return a["goodput_rps"], b["goodput_rps"], False
+    if key == "worker_s":
+        return a["pools"]["worker_s"], b["pools"]["worker_s"], True
+    k, q = key.rsplit("_", 1)
+    return a[f"{k}_ms"][q], b[f"{k}_ms"][q], True
 
 
 if __name__ == "__main__":
