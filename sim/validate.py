@@ -14,6 +14,10 @@ a small case runs in the suite).
     3. each workload's items, at the same arrival times, through a fresh real LocalCluster
        (bench's client) and through the Fleet with the same configuration: bench summaries
        side by side, and the ratios sim / real
+    Pools that change (autoscaled arms): their engines held to a `StepFloor`, so that a
+    worker more is capacity more on two cores; the real pools read from the controller while
+    the run goes (`real_pooled_run`), a launched worker's time to serving measured first
+    (`measure_startup`) and given to the Fleet.
 """
 from __future__ import annotations
 
