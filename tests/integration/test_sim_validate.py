@@ -5,6 +5,7 @@ here the bounds are generous (the uncalibrated model leaves out the processes' o
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from pathlib import Path
 
 import pytest
@@ -40,8 +41,8 @@ def test_the_fleet_and_the_real_cluster_agree_roughly_on_a_small_workload(tmp_pa
 @pytest.mark.timeout(300)
 def test_held_engines_step_at_their_floor_and_the_pools_are_read_alike(tmp_path: Path) -> None:
     """Engines held to a StepFloor (an emulated accelerator), real and simulated: decode tokens
-    come no faster than the floor in both, and the pools' worker-seconds (read from the
-    controller while the real run goes) agree with the Fleet's."""
+    come at the floor's pace in both (the median gap), and the pools' worker-seconds (read
+    from the controller while the real run goes) agree with the Fleet's."""
     model = str(make_tiny_model(tmp_path / "tiny", arch="llama", seed=0))
     floor = StepFloor(base_s=0.02, token_s=0.0, seq_s=0.005)
     arm = Arm("held 1P:1D", 1, 1, RoutingConfig(mode="disaggregated"), step_floor=floor)
@@ -49,8 +50,8 @@ def test_held_engines_step_at_their_floor_and_the_pools_are_read_alike(tmp_path:
     items = timed(synthetic(24, 64, 16, 0.0, 0, 0, 500, seed=6), arrival_times(24, Shape(rate=3.0), seed=6))
     (real, real_pools), (simulated, sim_pools) = real_pooled_run(model, arm, items), sim_pooled_run(model, arm, items, cost)
     assert [o.code for o in real.outcomes] == ["OK"] * 24 == [o.code for o in simulated.outcomes]
-    for run in (real, simulated):
-        assert min(x for o in run.outcomes for x in o.itls_s[1:]) >= 0.025 * 0.9  # a step of one: 20 + 5 ms
+    for run in (real, simulated):  # a step of one request: 20 + 5 ms (a late token's successor can come sooner)
+        assert statistics.median(x for o in run.outcomes for x in o.itls_s[1:]) >= 0.025 * 0.95
     assert real_pools.num_actions == sim_pools.num_actions == 0
     assert real_pools.largest == sim_pools.largest == (1, 1)
     assert sim_pools.worker_s == pytest.approx(2 * max(o.end_s for o in simulated.outcomes), rel=0.01)  # from t = 0
