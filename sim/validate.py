@@ -22,12 +22,14 @@ a small case runs in the suite).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import json
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,17 +101,25 @@ class Pools:
     largest: tuple[int, int]
 
 
+@contextlib.contextmanager
+def fresh_cluster(model_dir: str, arm: Arm) -> Iterator[LocalCluster]:
+    """`arm`'s cluster, started after the last one had time to go, its first-use costs
+    (kernels, channels) spent on a few requests of its own."""
+    time.sleep(SETTLE_S)
+    with LocalCluster(cluster_config(model_dir, arm)) as cluster:
+        asyncio.run(run(cluster.address, [Item([7 + i] * 24, 4) for i in range(4)], concurrency=1))
+        yield cluster
+
+
 def real_run(model_dir: str, arm: Arm, items: list[Item], concurrency: int | None = None) -> Run:
-    return real_pooled_run(model_dir, arm, items, concurrency)[0]
+    with fresh_cluster(model_dir, arm) as cluster:
+        return asyncio.run(run(cluster.address, items, concurrency=concurrency, timeout_s=600))
 
 
 def real_pooled_run(model_dir: str, arm: Arm, items: list[Item], concurrency: int | None = None,
                     poll_s: float = 0.25) -> tuple[Run, Pools]:
-    """A run on a fresh cluster, its pools read from the controller every `poll_s` meanwhile."""
-    time.sleep(SETTLE_S)
-    with LocalCluster(cluster_config(model_dir, arm)) as cluster:
-        warm = [Item([7 + i] * 24, 4) for i in range(4)]  # first-use costs (kernels, channels) out of the run
-        asyncio.run(run(cluster.address, warm, concurrency=1))
+    """As `real_run`, the pools read from the controller every `poll_s` meanwhile."""
+    with fresh_cluster(model_dir, arm) as cluster:
         samples: list[tuple[float, int, tuple[int, int], str]] = []
         """(when, workers launched and not stopped, (P, D) serving or draining, the targets)"""
         done = threading.Event()
