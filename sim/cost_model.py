@@ -19,7 +19,7 @@ sizes, not the datasheet.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
@@ -145,6 +145,10 @@ class Roofline:
         m = self.model
         bytes_per = 2 * (self.tp - 1) / self.tp * tokens * m.hidden * m.dtype_bytes
         return 2 * m.num_layers * (bytes_per / self.gpu.nvlink_bytes_per_s + self.gpu.link_latency_s)
+
+    def for_worker(self) -> Callable[[Sequence[tuple[int, int]], int | None], float]:
+        """A worker's step costs the same whatever it ran before."""
+        return self.step_s
 
     def transfer_s(self, num_tokens: int, same_node: bool) -> float:
         """Moving `num_tokens` tokens of KV from a prefill worker to a decode worker."""

@@ -1,12 +1,13 @@
 """A cost model fitted to this machine's CPU engine, for validating the simulator against the
 real cluster where both can run (benchmarks/sim_validate.py).
 
-    profile_engine: the real LLMEngine (the model, one torch thread, as a worker runs it)
-        steps a staggered mix of requests (prompts and chunks of many sizes, decodes
-        beside them); each step's composition (what the scheduler gave it) and time
-    fit: step time ~ c · (1, new tokens, attention pairs, KV read, sampled rows), least
-        squares of the relative error (a decode step counts as much as a long prefill chunk)
-        with every coefficient kept >= 0 (a term the data cannot show is dropped)
+    profile_engine: the real LLMEngine (the model, one torch thread, as a worker runs it, in a
+        process of its own) steps a staggered mix of requests (prompts and chunks of many
+        sizes, some over a long cached prefix, decodes beside them); each step's composition
+        (what the scheduler gave it), whether its token count was new to the process, and its time
+    fit: step time ~ c · FEATURES, least squares of the relative error, prompt-computing steps
+        and decode steps weighing the same in all, every coefficient kept >= 0 (a term the
+        data cannot show is dropped)
     CpuCost: that fit, plus what serving adds around the engine, measured on the running
         cluster by the caller: per step and per streamed request (`step_overhead_s`,
         `seq_overhead_s`: the worker's output path between steps), the router's hops before
@@ -14,27 +15,54 @@ real cluster where both can run (benchmarks/sim_validate.py).
         reaches the client past its step (`jitter_s`, samples drawn per token: the client's
         view only, the engines' timing is not moved by it)
 
-Attention pairs are a chunk's new tokens times the context each attends to, Σ n·(ctx + (n+1)/2);
-KV read is Σ (ctx + n): the two ways context costs, for prefill and for decode.
+The features follow the engine's code paths (engine/attention.py):
+    step, tokens         per step, and per token through every linear layer
+    causal_pairs         a first chunk's causal attention over itself, Σ n(n+1)/2 (SDPA's flash kernel)
+    paged_pairs          a later chunk's masked attention over its gathered context, Σ n·(ctx+n)
+    paged_kv             that gather, Σ (ctx+n)
+    decode_kv            short queries' context read in place (the native kernel), Σ (ctx+n)
+    sampled              rows through the LM head and the sampler
+    new_shape            the step's token count is one this process's oneDNN has no
+                         primitives for: every prepacked linear builds one (about 0.33 ms
+                         each here, whatever the size), so a worker's first step of each
+                         size costs 1-2 ms more on the tiny llama, twice the step itself
+Without the split of attention, a step over a cached 1,000-token prefix ran 1.4-1.5x the fit
+and a cold chunk 0.6x; without new_shape, the first-use cost was spread over every step.
 """
 from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 import time
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine.config import StepFloor
 
-FEATURES = ("step", "tokens", "attention_pairs", "kv_read", "sampled")
+FEATURES = ("step", "tokens", "causal_pairs", "paged_pairs", "paged_kv", "decode_kv", "sampled", "new_shape")
+SHORT_QUERY_MAX_LEN = 8
+"""engine.attention's: chunks of at most this many tokens attend in place (a unit test holds the two equal)."""
 Chunks = Sequence[tuple[int, int]]
+Sample = tuple[list[tuple[int, int]], int, bool, float]
+"""(chunks, sampled rows, new shape, seconds) of one profiled step."""
 
 
-def features(chunks: Chunks, num_sampled: int) -> list[float]:
-    return [1.0, float(sum(n for n, _ in chunks)), sum(n * (ctx + (n + 1) / 2) for n, ctx in chunks),
-            float(sum(ctx + n for n, ctx in chunks)), float(num_sampled)]
+def features(chunks: Chunks, num_sampled: int, new_shape: bool = False) -> list[float]:
+    tokens = causal = paged = paged_kv = decode_kv = 0.0
+    for n, ctx in chunks:
+        tokens += n
+        if n <= SHORT_QUERY_MAX_LEN:
+            decode_kv += ctx + n
+        elif ctx == 0:
+            causal += n * (n + 1) / 2
+        else:
+            paged += n * (ctx + n)
+            paged_kv += ctx + n
+    return [1.0, tokens, causal, paged, paged_kv, decode_kv, float(num_sampled), float(new_shape)]
 
 
 @dataclass(frozen=True)
@@ -52,19 +80,40 @@ class CpuCost:
     floor: StepFloor | None = None
     """The workers' engines hold each step to this (`EngineConfig.step_floor`): an engine step
     takes the longer of the fit and the floor."""
+    shape_cache: int = 256
+    """Token counts a worker keeps primitives for: oneDNN's cache holds 1,024 primitives by
+    default, least recently used out, and the tiny llama's layers have four linear shapes."""
 
-    def engine_s(self, chunks: Chunks, num_sampled: int | None = None) -> float:
+    def engine_s(self, chunks: Chunks, num_sampled: int | None = None, new_shape: bool = False) -> float:
         sampled = len(chunks) if num_sampled is None else num_sampled
-        fitted = sum(c * x for c, x in zip(self.coef, features(chunks, sampled), strict=True))
+        fitted = sum(c * x for c, x in zip(self.coef, features(chunks, sampled, new_shape), strict=True))
         if self.floor is None:
             return fitted
         return max(fitted, self.floor.seconds(sum(n for n, _ in chunks), len(chunks)))
 
-    def step_s(self, chunks: Chunks, num_sampled: int | None = None) -> float:
+    def step_s(self, chunks: Chunks, num_sampled: int | None = None, new_shape: bool = False) -> float:
         if not chunks:
             return 0.0
         sampled = len(chunks) if num_sampled is None else num_sampled
-        return self.engine_s(chunks, sampled) + self.step_overhead_s + self.seq_overhead_s * sampled
+        return self.engine_s(chunks, sampled, new_shape) + self.step_overhead_s + self.seq_overhead_s * sampled
+
+    def for_worker(self) -> Callable[[Chunks, int | None], float]:
+        """One worker's `step_s`: it remembers the token counts its steps ran (the last
+        `shape_cache` of them), and a step of any other count pays `new_shape`."""
+        seen: OrderedDict[int, None] = OrderedDict()
+
+        def step_s(chunks: Chunks, num_sampled: int | None = None) -> float:
+            if not chunks:
+                return 0.0
+            m = sum(n for n, _ in chunks)
+            new = m not in seen
+            seen[m] = None
+            seen.move_to_end(m)
+            if len(seen) > self.shape_cache:
+                seen.popitem(last=False)
+            return self.step_s(chunks, num_sampled, new)
+
+        return step_s
 
     def transfer_s(self, num_tokens: int, same_node: bool) -> float:
         return self.transfer_base_s
@@ -79,9 +128,24 @@ class CpuCost:
         return cls(**{**d, "coef": tuple(d["coef"]), "jitter_s": tuple(d.get("jitter_s", ())), "floor": floor})
 
 
-def profile_engine(model_dir: str, num_requests: int = 96, chunk_tokens: int = 512, max_prompt: int = 1024,
-                   seed: int = 0) -> list[tuple[list[tuple[int, int]], int, float]]:
-    """(chunks, sampled rows, seconds) for every step of a staggered mix on the real engine."""
+def profile_engine(model_dir: str, num_requests: int = 256, chunk_tokens: int = 512, max_prompt: int = 1024,
+                   seed: int = 0, shared_fraction: float = 0.3, timeout_s: float = 600.0) -> list[Sample]:
+    """Every step of a staggered mix on the real engine, in a new Python process (oneDNN's
+    primitives are per process, and this one's may hold any token count already).
+    `shared_fraction` of the prompts continue an earlier one's blocks with a quarter as many
+    new tokens: steps of few tokens over a long cached context, without which the fit cannot
+    tell attention over context from the cost per token (the two grow together in a cold
+    prompt's chunks)."""
+    args = [model_dir, num_requests, chunk_tokens, max_prompt, seed, shared_fraction]
+    done = subprocess.run([sys.executable, "-m", "sim.cpu_fit", json.dumps(args)], capture_output=True, text=True,
+                          timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"profiling the engine failed (exit {done.returncode}): {done.stderr[-2000:]}")
+    return [(list(map(tuple, c)), s, new, t) for c, s, new, t in json.loads(done.stdout.splitlines()[-1])]
+
+
+def _profile_here(model_dir: str, num_requests: int, chunk_tokens: int, max_prompt: int, seed: int,
+                  shared_fraction: float) -> list[Sample]:
     import torch
 
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -105,33 +169,48 @@ def profile_engine(model_dir: str, num_requests: int = 96, chunk_tokens: int = 5
 
     engine.scheduler.schedule = recorded  # type: ignore[method-assign]
     engine.generate([[5] * 64], SamplingParams(max_tokens=4, ignore_eos=True))  # warm: first-use costs out
+    shapes = {sum(n for n, _ in chunks) for chunks, _ in seen}
     seen.clear()
-    samples = []
+    samples: list[Sample] = []
     arrivals = sorted(rng.randrange(0, 6 * num_requests) for _ in range(num_requests))
+    earlier: list[list[int]] = []
     step = 0
     while arrivals or engine.has_unfinished():
         while arrivals and arrivals[0] <= step:
             arrivals.pop(0)
             n = int(2 ** rng.uniform(4, max_prompt.bit_length() - 1))
-            engine.add_request([rng.randrange(3, vocab) for _ in range(n)],
-                               SamplingParams(max_tokens=rng.randrange(1, 96), ignore_eos=True))
+            prompt = [rng.randrange(3, vocab) for _ in range(n)]
+            long = [p for p in earlier if len(p) >= chunk_tokens]
+            if long and rng.random() < shared_fraction:  # a few new tokens over a long cached prefix
+                before = rng.choice(long)
+                prompt = before[:len(before) // 16 * 16] + prompt[:max(n // 4, 1)]
+            earlier.append(prompt)
+            engine.add_request(prompt, SamplingParams(max_tokens=rng.randrange(1, 96), ignore_eos=True))
         began = time.perf_counter()
         engine.step()
         took = time.perf_counter() - began
         if seen and seen[-1][0]:
-            samples.append((seen[-1][0], seen[-1][1], took))
+            chunks, sampled = seen[-1]
+            m = sum(n for n, _ in chunks)
+            samples.append((chunks, sampled, m not in shapes, took))
+            shapes.add(m)
         seen.clear()
         step += 1
     return samples
 
 
-def fit(samples: Sequence[tuple[Chunks, int, float]]) -> tuple[float, ...]:
-    """Least squares over FEATURES, coefficients >= 0 (the most negative dropped and refitted)."""
+def fit(samples: Sequence[Sample]) -> tuple[float, ...]:
+    """Least squares over FEATURES, coefficients >= 0 (the most negative dropped and refitted).
+    Steps that compute prompt tokens and pure decode steps weigh the same in all, however many
+    of each the profile ran (decode steps outnumber them five to one, and a fit that follows
+    them misses prefill)."""
     import numpy as np
 
-    y = np.array([t for _, _, t in samples])
-    x = np.array([features(c, s) for c, s, _ in samples]) / y[:, None]  # relative error: small steps count
-    y = np.ones_like(y)
+    y = np.array([t for *_, t in samples])
+    x = np.array([features(c, s, new) for c, s, new, _ in samples]) / y[:, None]  # relative error: small steps count
+    prefill = np.array([any(n > 1 for n, _ in c) for c, *_ in samples])
+    weight = np.sqrt(np.where(prefill, 1 / max(prefill.sum(), 1), 1 / max((~prefill).sum(), 1)))
+    x, y = x * weight[:, None], weight
     scale = np.maximum(x.max(axis=0), 1e-12)
     free = list(range(len(FEATURES)))
     while True:
@@ -142,3 +221,7 @@ def fit(samples: Sequence[tuple[Chunks, int, float]]) -> tuple[float, ...]:
                 out[i] = max(float(c / scale[i]), 0.0)
             return tuple(out)
         free.pop(int(np.argmin(coef)))
+
+
+if __name__ == "__main__":  # profile_engine's child: arguments as one JSON list, samples as one JSON line
+    print(json.dumps(_profile_here(*json.loads(sys.argv[1]))))

@@ -140,7 +140,7 @@ class Fleet(PoolControl, KVHandoff):
         c = self.config
         wid = f"{role}-{next(self._ids[role])}"
         node = next(self._gpus) * c.gpus_per_worker // c.gpus_per_node
-        engine = SimEngine(self.hw.step_s, c.num_blocks, c.block_size, VOCAB, c.scheduler, model_id="sim",
+        engine = SimEngine(self.hw.for_worker(), c.num_blocks, c.block_size, VOCAB, c.scheduler, model_id="sim",
                            max_model_len=c.max_model_len, role=role)
         w = self.workers[wid] = Worker(wid, role, engine, node, self.now)
         if role == "decode":

@@ -3,7 +3,7 @@ of (`FleetConfig`), what prices its work (`Hardware`), one worker and one reques
 follows them, and what a run returns."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -24,6 +24,9 @@ class Hardware(Protocol):
     """What a worker's forward pass and the wire cost (sim/cost_model.py Roofline, or the CPU fit)."""
 
     def step_s(self, chunks: list[tuple[int, int]], num_sampled: int | None = None) -> float: ...
+
+    def for_worker(self) -> Callable[[list[tuple[int, int]], int | None], float]:
+        """`step_s` for one worker's engine (the CPU fit's remembers the sizes that worker ran)."""
 
     def transfer_s(self, num_tokens: int, same_node: bool) -> float: ...
 

@@ -25,6 +25,9 @@ class Linear:
     def step_s(self, chunks: list[tuple[int, int]], num_sampled: int | None = None) -> float:
         return 0.001 + 0.0001 * sum(n for n, _ in chunks)
 
+    def for_worker(self):  # type: ignore[no-untyped-def]
+        return self.step_s
+
     def transfer_s(self, num_tokens: int, same_node: bool) -> float:
         return 0.002
 
@@ -164,13 +167,13 @@ def test_delivery_jitter_moves_what_the_client_sees_not_the_engines() -> None:
 def test_the_cpu_fit_recovers_known_costs_and_round_trips(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from sim.cpu_fit import CpuCost, features, fit
 
-    truth = (0.0004, 1e-5, 0.0, 8e-8, 2e-5)
+    truth = (0.0004, 1e-5, 0.0, 1.2e-8, 3e-7, 4e-8, 2e-5, 0.0013)
     rng = random.Random(0)
     samples = []
     for _ in range(300):
-        chunks = [(rng.choice((1, 1, 64, 512)), rng.randrange(0, 1024)) for _ in range(rng.randrange(1, 9))]
-        sampled = sum(n == 1 for n, _ in chunks) or 1
-        samples.append((chunks, sampled, sum(c * x for c, x in zip(truth, features(chunks, sampled), strict=True))))
+        chunks = [(rng.choice((1, 1, 64, 512)), rng.choice((0, rng.randrange(0, 1024)))) for _ in range(rng.randrange(1, 9))]
+        sampled, new = sum(n == 1 for n, _ in chunks) or 1, rng.random() < 0.2
+        samples.append((chunks, sampled, new, sum(c * x for c, x in zip(truth, features(chunks, sampled, new), strict=True))))
     got = fit(samples)
     assert got == pytest.approx(truth, rel=1e-6, abs=1e-12)
     cost = CpuCost(got, step_overhead_s=0.001, seq_overhead_s=0.0001, rpc_s=0.003, jitter_s=(0.0, 0.002))
@@ -180,10 +183,27 @@ def test_the_cpu_fit_recovers_known_costs_and_round_trips(tmp_path) -> None:  # 
     from engine.config import StepFloor
     held = dataclasses.replace(cost, floor=StepFloor(base_s=0.004, token_s=1e-6, seq_s=0.001))
     assert held.engine_s([(1, 100)] * 4) == pytest.approx(0.004 + 4e-6 + 0.004)  # the floor, over the fit (0.55 ms)
-    assert held.engine_s([(512, 0)]) == pytest.approx(cost.engine_s([(512, 0)]))  # the fit (5.58 ms), over the floor
+    assert held.engine_s([(512, 0)]) == pytest.approx(cost.engine_s([(512, 0)]))  # the fit (5.54 ms), over the floor
     assert held.engine_s([(512, 0)]) > 0.004 + 512e-6 + 0.001
     held.save(tmp_path / "h.json")
     assert CpuCost.load(tmp_path / "h.json") == held
+
+
+def test_the_cpu_fit_prices_each_attention_path_and_a_workers_new_step_sizes() -> None:
+    from engine.attention import SHORT_QUERY_MAX_LEN
+    from sim.cpu_fit import FEATURES, SHORT_QUERY_MAX_LEN as FIT_SHORT, CpuCost, features
+
+    assert FIT_SHORT == SHORT_QUERY_MAX_LEN
+    # a decode over 99, a cold 64-token chunk, a 100-token chunk over 412 cached, a 5-token tail over 40
+    got = dict(zip(FEATURES, features([(1, 99), (64, 0), (100, 412), (5, 40)], 2, True), strict=True))
+    assert got == {"step": 1.0, "tokens": 170.0, "causal_pairs": 64 * 65 / 2, "paged_pairs": 100.0 * 512,
+                   "paged_kv": 512.0, "decode_kv": 100.0 + 45.0, "sampled": 2.0, "new_shape": 1.0}
+    cost = CpuCost((0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.002), step_overhead_s=0.001, shape_cache=2)
+    step = cost.for_worker()
+    assert [step([(n, 0)]) for n in (64, 64, 32, 64, 16, 32, 32)] == pytest.approx(
+        [0.003, 0.001, 0.003, 0.001, 0.003, 0.003, 0.001])  # 16 pushed out 32, the least recently run
+    assert cost.for_worker()([(64, 0)]) == pytest.approx(0.003)  # another worker has its own
+    assert step([]) == 0.0
 
 
 def test_splitserve_simulate_on_a_trace_alone_runs_both_modes_on_8_gpus(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
