@@ -108,6 +108,8 @@ class Roofline:
     """From a request's arrival to its first step's start: the router's hops to the workers."""
     jitter_s: tuple[float, ...] = ()
     """Delivery delays past a step's end, sampled per token (none stated for the GPU model)."""
+    hops_s: tuple[float, ...] = ()
+    """Router hops sampled per request in place of `rpc_s` (none stated for the GPU model)."""
     push_token_s: float = 0.0
     """Prefill worker time per pushed KV token: none on GPUs, where the copy engines or
     NCCL move it beside the compute (stated, not measured)."""

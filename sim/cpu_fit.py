@@ -75,6 +75,9 @@ class CpuCost:
     transfer_base_s: float = 0.0
     jitter_s: tuple[float, ...] = ()
     """Measured delays of a token's delivery past its step's end (sorted samples; empty: none)."""
+    hops_s: tuple[float, ...] = ()
+    """Measured router hops, each request's TTFT at an idle rate less its fitted prefill
+    (sorted samples; empty: `rpc_s` for every request)."""
     push_token_s: float = 0.0
     """A prefill worker's time per KV token it pushes (on CPU the copies share its cores)."""
     floor: StepFloor | None = None
@@ -125,7 +128,8 @@ class CpuCost:
     def load(cls, path: Path) -> CpuCost:
         d = json.loads(path.read_text())
         floor = StepFloor(**d["floor"]) if d.get("floor") else None
-        return cls(**{**d, "coef": tuple(d["coef"]), "jitter_s": tuple(d.get("jitter_s", ())), "floor": floor})
+        return cls(**{**d, "coef": tuple(d["coef"]), "jitter_s": tuple(d.get("jitter_s", ())),
+                      "hops_s": tuple(d.get("hops_s", ())), "floor": floor})
 
 
 def profile_engine(model_dir: str, num_requests: int = 256, chunk_tokens: int = 512, max_prompt: int = 1024,

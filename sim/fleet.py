@@ -68,6 +68,7 @@ class Fleet(PoolControl, KVHandoff):
         self.loads = LoadBook({})
         self.rng = random.Random(config.seed)
         self.jitter = random.Random(config.seed + 1)
+        self.hops = random.Random(config.seed + 2)
         self.hasher = BlockHasher(b"sim", "sim", config.block_size)
         self._prompt_hashes: dict[int, tuple[list[int], list[BlockHash]]] = {}
         """The workers' key too (SimEngine's defaults), so a prompt's hashes are the same list everywhere."""
@@ -111,8 +112,9 @@ class Fleet(PoolControl, KVHandoff):
         self._num_work += fn not in self._timers
 
     def run(self) -> FleetResult:
+        hops = self.hw.hops_s
         for i, item in enumerate(self._items):
-            self.at((item.at_s or 0.0) + self.hw.rpc_s, self._arrive, i, item)
+            self.at((item.at_s or 0.0) + (self.hops.choice(hops) if hops else self.hw.rpc_s), self._arrive, i, item)
         self.at(TICK_S, self._tick)
         self.at(0.0, self._heartbeats)
         if self.config.autoscale is not None:
@@ -266,7 +268,8 @@ class Fleet(PoolControl, KVHandoff):
 
     def _token(self, f: Flight, w: Worker, num_tokens: int, first: tuple[int, int] | None) -> None:
         o = f.outcome
-        seen = self.now + (self.jitter.choice(self.hw.jitter_s) if self.hw.jitter_s else 0.0)
+        drawn = self.hw.jitter_s and not (o.ttft_s is None and self.hw.hops_s)  # the hop samples end at the client
+        seen = self.now + (self.jitter.choice(self.hw.jitter_s) if drawn else 0.0)
         seen = max(seen, f.last_seen)  # a stream delivers in order
         if o.ttft_s is None and first is not None:  # from P (then the KV moves to D) or from D itself
             o.ttft_s = seen - o.sent_s

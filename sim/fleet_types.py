@@ -35,6 +35,12 @@ class Hardware(Protocol):
         """From a request's arrival to its work starting on a worker (the router's hops)."""
 
     @property
+    def hops_s(self) -> Sequence[float]:
+        """Samples of the router's hops through the first token's delivery, one drawn per
+        request in place of `rpc_s` (empty: `rpc_s` for all, and the first token's delivery
+        draws from `jitter_s` like the others)."""
+
+    @property
     def push_token_s(self) -> float:
         """A prefill worker's own time to push one token of KV (0: the push uses no compute)."""
 

@@ -7,8 +7,9 @@ a small case runs in the suite).
        hand-off (the first gap after a remote prefill less a decode step), the prefill
        worker's push per token (how much more TTFT grows with 4x the prompt than the fitted
        prefill does), and, from an open
-       loop at a low rate (processes idle between requests), the router's hops before the
-       first step (TTFT less the fitted prefill) and the jitter of delivery (each ITL's
+       loop at a low rate (processes idle between requests), the router's hops (each
+       request's TTFT less the fitted prefill: samples, one drawn per simulated request, so
+       their spread is the real one) and the jitter of delivery (each ITL's
        excess over the median: the OS scheduling five processes on two cores, the streams'
        own buffering), per arm
     3. each workload's items, at the same arrival times, through a fresh real LocalCluster
@@ -206,9 +207,9 @@ def calibrate(model_dir: str, engine: CpuCost, items: list[Item], pd: Arm, coloc
         itls = [x for o in idle.outcomes for x in o.itls_s[1:]]
         middle = _median(itls)
         jitter = tuple(sorted(round(max(x - middle, 0.0), 6) for x in itls))
-        ttft = _median([o.ttft_s for o in idle.outcomes if o.ttft_s is not None])
         pushed = push * prompt if arm.num_prefill else 0.0
-        out[arm.name] = dataclasses.replace(served, rpc_s=max(ttft - prefill - pushed - _median(list(jitter)), 0.0),
+        hops = tuple(sorted(round(max(o.ttft_s - prefill - pushed, 0.0), 6) for o in idle.outcomes if o.ttft_s is not None))
+        out[arm.name] = dataclasses.replace(served, rpc_s=_median(list(hops)), hops_s=hops,
                                             transfer_base_s=max(handoff, 0.0) if arm.num_prefill else 0.0,
                                             jitter_s=jitter, push_token_s=push if arm.num_prefill else 0.0)
     return out

@@ -33,6 +33,7 @@ class Linear:
 
     rpc_s = 0.0
     jitter_s = ()
+    hops_s = ()
     push_token_s = 0.0
 
 
@@ -164,6 +165,21 @@ def test_delivery_jitter_moves_what_the_client_sees_not_the_engines() -> None:
     assert max(x for o in jittered.run.outcomes for x in o.itls_s) > max(x for o in plain.run.outcomes for x in o.itls_s)
 
 
+def test_hop_samples_are_drawn_per_request_and_end_at_the_client() -> None:
+    class Hops(Linear):
+        hops_s = (0.001, 0.004)
+        jitter_s = (0.010,)  # every later token seen 10 ms past its step; the first is in the hops
+
+    items = [Item(list(range(3, 19)), 2, i * 1.0) for i in range(40)]  # one block, far apart: no queueing
+    plain = Fleet(one_each(), Linear(), items).run()
+    hopped = Fleet(one_each(), Hops(), items).run()
+    extra = sorted({round(b.ttft_s - a.ttft_s, 9) for a, b in zip(plain.run.outcomes, hopped.run.outcomes, strict=True)})
+    assert extra == [0.001, 0.004]  # each request drew one of the two, nothing more
+    assert Fleet(one_each(), Hops(), items).run().run.outcomes == hopped.run.outcomes  # the same seed, the same draws
+    assert all(b.itls_s == pytest.approx([x + 0.010 for x in a.itls_s])  # later tokens: the hop, and the jitter
+               for a, b in zip(plain.run.outcomes, hopped.run.outcomes, strict=True))
+
+
 def test_the_cpu_fit_recovers_known_costs_and_round_trips(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from sim.cpu_fit import CpuCost, features, fit
 
@@ -176,7 +192,8 @@ def test_the_cpu_fit_recovers_known_costs_and_round_trips(tmp_path) -> None:  # 
         samples.append((chunks, sampled, new, sum(c * x for c, x in zip(truth, features(chunks, sampled, new), strict=True))))
     got = fit(samples)
     assert got == pytest.approx(truth, rel=1e-6, abs=1e-12)
-    cost = CpuCost(got, step_overhead_s=0.001, seq_overhead_s=0.0001, rpc_s=0.003, jitter_s=(0.0, 0.002))
+    cost = CpuCost(got, step_overhead_s=0.001, seq_overhead_s=0.0001, rpc_s=0.003, jitter_s=(0.0, 0.002),
+                   hops_s=(0.002, 0.003))
     assert cost.step_s([(1, 100)] * 4) == pytest.approx(cost.engine_s([(1, 100)] * 4) + 0.001 + 4 * 0.0001)
     cost.save(tmp_path / "c.json")
     assert CpuCost.load(tmp_path / "c.json") == cost
