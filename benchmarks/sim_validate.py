@@ -102,10 +102,10 @@ def main() -> None:
         costs[FIXED.name] = costs[SCALED.name] = dataclasses.replace(costs[PD.name], floor=FLOOR)
         startup_s = measure_startup(model, FLOORED)
     print(json.dumps({"bench": "sim_validate_fit", "engine_coef": engine.coef,
-                      **{name: {**{k: round(v, 8) for k, v in vars(c).items() if k not in ("coef", "jitter_s", "floor")},
+                      **{name: {**{k: round(v, 8) for k, v in vars(c).items() if k not in ("coef", "jitter_s", "hops_s", "floor")},
                                 "floor": dataclasses.asdict(c.floor) if c.floor else None,
-                                "jitter_ms_p50_p90_p99": [round(report.pct(list(c.jitter_s), q) or 0.0, 6) * 1e3
-                                                          for q in report.QUANTILES]}
+                                **{f"{k}_ms_p50_p90_p99": [round((report.pct(list(getattr(c, f"{k}_s")), q) or 0.0) * 1e3, 3)
+                                                           for q in report.QUANTILES] for k in ("jitter", "hops")}}
                          for name, c in costs.items()},
                       "startup_s": round(startup_s, 2), "fit_and_calibration_s": round(time.perf_counter() - began, 1)}),
           flush=True)

@@ -203,14 +203,15 @@ class Fleet(PoolControl, KVHandoff):
             return
         f.hashes = self._hash_prompt(item.prompt)
         workers = [*self.serving("decode"), *self.serving("prefill")]
-        best = max(self.index.overlap(f.hashes, workers).values(), default=0) if workers else 0
+        overlap = self.index.overlap(f.hashes, workers) if workers else {}
+        best = max(overlap.values(), default=0)
         new_tokens = min(item.max_tokens, c.max_model_len - n)
         f.cost_tokens = n - min(best * c.block_size, n - 1) + new_tokens
         offered = self.queue.offer(rid, 0, f.cost_tokens, None, "", new_tokens)
         if isinstance(offered, Refused):
             self._fail(f, "RESOURCE_EXHAUSTED")
-        elif offered:
-            self._admitted(f)
+        elif offered:  # routed now, over the index as it is: the same overlap
+            self._admitted(f, overlap)
 
     def _hash_prompt(self, prompt: list[int]) -> list[BlockHash]:
         """The router's hashes of a prompt; a trace replayed end to end sends the same prompt
@@ -224,15 +225,16 @@ class Fleet(PoolControl, KVHandoff):
             del self._prompt_hashes[next(iter(self._prompt_hashes))]
         return hashes
 
-    def _admitted(self, f: Flight) -> None:
+    def _admitted(self, f: Flight, overlap: dict[str, int] | None = None) -> None:
         f.admitted_at = self.now
         f.room_until = self.now + self.config.kv_wait_s
-        self._dispatch(f)
+        self._dispatch(f, overlap)
 
-    def _dispatch(self, f: Flight) -> bool:
-        """Routes and starts the request; False (it waits for room) when no decode worker has any."""
+    def _dispatch(self, f: Flight, overlap: dict[str, int] | None = None) -> bool:
+        """Routes and starts the request; False (it waits for room) when no decode worker has any.
+        `overlap`: the KV index's for the serving workers, when it was read in this same event."""
         c = self.config
-        decision = self._route(f)
+        decision = self._route(f, overlap)
         if decision is None:
             if f not in self.waiting_room:
                 self.stats["num_kv_waits"] += 1
@@ -254,7 +256,7 @@ class Fleet(PoolControl, KVHandoff):
             return True
         return self._reserve(f, d, p)
 
-    def _route(self, f: Flight) -> RouteDecision | None:
+    def _route(self, f: Flight, overlap: dict[str, int] | None = None) -> RouteDecision | None:
         c = self.config
         decodes = [self.loads.load(w) for w in self.serving("decode")]
         prefills = [self.loads.load(w) for w in self.serving("prefill")]
@@ -263,7 +265,8 @@ class Fleet(PoolControl, KVHandoff):
         if c.routing.policy == "round_robin":
             self._turn += 1
             return choose_round_robin(self._turn, n, blocks, decodes, prefills, c.routing)
-        overlap = self.index.overlap(f.hashes, [w.worker_id for w in (*decodes, *prefills)])
+        if overlap is None:
+            overlap = self.index.overlap(f.hashes, [w.worker_id for w in (*decodes, *prefills)])
         return choose_route(n, blocks, overlap, decodes, prefills, c.routing, c.block_size, self.rng)
 
     def _token(self, f: Flight, w: Worker, num_tokens: int, first: tuple[int, int] | None) -> None:

@@ -90,6 +90,10 @@ def fleet_config(model_dir: str, arm: Arm, startup_s: float = 0.0) -> FleetConfi
 SETTLE_S = 5.0
 """Before each real run: the last cluster's processes are still going away for a few seconds,
 on the same two cores (runs right after one another measured TTFT 17.7 and 12.5 ms alike)."""
+IDLE_ROUNDS = 4
+"""The open loop sends each calibration prompt this many times, rotated by a token each time
+(no prefix in common): the hops' spread needs about a hundred samples, and a fresh cluster's
+median TTFT moves by 1-2 ms between runs of two dozen."""
 
 
 @dataclass(frozen=True)
@@ -200,10 +204,11 @@ def calibrate(model_dir: str, engine: CpuCost, items: list[Item], pd: Arm, coloc
         - _median([o.ttft_s for o in one.outcomes if o.ttft_s])
     computed = sum(served.step_s([c], 1) for c in _chunks(long_prompt)) - sum(served.step_s([c], 1) for c in _chunks(prompt))
     push = max(grown - computed, 0.0) / (long_prompt - prompt)
-    times = arrival_times(len(items), Shape(rate=rate), seed=len(items))
+    spread = [dataclasses.replace(i, prompt=i.prompt[k:] + i.prompt[:k]) for k in range(IDLE_ROUNDS) for i in items]
+    times = arrival_times(len(spread), Shape(rate=rate), seed=len(items))
     out = {}
     for arm in (pd, colocated):
-        idle = real_run(model_dir, arm, timed(items, times))
+        idle = real_run(model_dir, arm, timed(spread, times))
         itls = [x for o in idle.outcomes for x in o.itls_s[1:]]
         middle = _median(itls)
         jitter = tuple(sorted(round(max(x - middle, 0.0), 6) for x in itls))
