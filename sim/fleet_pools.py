@@ -46,12 +46,16 @@ class PoolControl:
 
     def _beat(self, w: Worker) -> Heartbeat:
         load = w.engine.load()
-        return Heartbeat(w.worker_id, w.role, state=w.state, model_id="sim",  # type: ignore[arg-type]
+        if w.beat is not None and w.beat[0] == (load, w.state):
+            return w.beat[1]  # type: ignore[no-any-return]
+        beat = Heartbeat(w.worker_id, w.role, state=w.state, model_id="sim",  # type: ignore[arg-type]
                          block_size=self.config.block_size, vocab_size=VOCAB, max_model_len=self.config.max_model_len,
                          num_total_blocks=load.num_total_blocks, num_free_blocks=load.num_free_blocks,
                          num_cached_blocks=load.num_cached_blocks, num_running=load.num_running,
                          num_waiting=load.num_waiting, queued_prefill_tokens=load.queued_prefill_tokens,
                          num_prompt_tokens=load.num_prompt_tokens, num_cached_tokens=load.num_cached_tokens)
+        w.beat = ((load, w.state), beat)
+        return beat
 
     def _autoscale(self) -> None:
         c = self.config

@@ -93,6 +93,9 @@ class Worker:
     """Decode workers: the KV reservations prefill workers write into."""
     calls: list[tuple[Any, ...]] = field(default_factory=list)
     """Calls into its engine loop made while a step ran: (function, *args), run when it ends."""
+    beat: tuple[Any, Any] | None = None
+    """Its last heartbeat and what it was built from (a heartbeat of the same load and state
+    is the same heartbeat: most beats of a large fleet are)."""
 
 
 @dataclass
