@@ -110,6 +110,8 @@ class Roofline:
     """Delivery delays past a step's end, sampled per token (none stated for the GPU model)."""
     hops_s: tuple[float, ...] = ()
     """Router hops sampled per request in place of `rpc_s` (none stated for the GPU model)."""
+    hop_token_s: float = 0.0
+    """What the hops add per prompt token (none stated for the GPU model)."""
     push_token_s: float = 0.0
     """Prefill worker time per pushed KV token: none on GPUs, where the copy engines or
     NCCL move it beside the compute (stated, not measured)."""

@@ -76,10 +76,14 @@ class CpuCost:
     jitter_s: tuple[float, ...] = ()
     """Measured delays of a token's delivery past its step's end (sorted samples; empty: none)."""
     hops_s: tuple[float, ...] = ()
-    """Measured router hops, each request's TTFT at an idle rate less its fitted prefill
-    (sorted samples; empty: `rpc_s` for every request)."""
+    """Measured router hops, each request's TTFT at an idle rate less its fitted prefill and
+    `hop_token_s` for its prompt (sorted samples; empty: `rpc_s` for every request)."""
+    hop_token_s: float = 0.0
+    """The hops' time per prompt token (the tokens through the router and the workers'
+    request paths, and on P/D the push of a long prompt's chunks while later ones compute)."""
     push_token_s: float = 0.0
-    """A prefill worker's time per KV token it pushes (on CPU the copies share its cores)."""
+    """A prefill worker's time per KV token it pushes (the calibration leaves it 0: what a
+    prompt's push costs here is in `hop_token_s`, and no run tells the two apart)."""
     floor: StepFloor | None = None
     """The workers' engines hold each step to this (`EngineConfig.step_floor`): an engine step
     takes the longer of the fit and the floor."""

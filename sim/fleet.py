@@ -112,9 +112,10 @@ class Fleet(PoolControl, KVHandoff):
         self._num_work += fn not in self._timers
 
     def run(self) -> FleetResult:
-        hops = self.hw.hops_s
+        hops, per_token = self.hw.hops_s, self.hw.hop_token_s
         for i, item in enumerate(self._items):
-            self.at((item.at_s or 0.0) + (self.hops.choice(hops) if hops else self.hw.rpc_s), self._arrive, i, item)
+            hop = (self.hops.choice(hops) if hops else self.hw.rpc_s) + per_token * len(item.prompt)
+            self.at((item.at_s or 0.0) + hop, self._arrive, i, item)
         self.at(TICK_S, self._tick)
         self.at(0.0, self._heartbeats)
         if self.config.autoscale is not None:

@@ -41,6 +41,10 @@ class Hardware(Protocol):
         draws from `jitter_s` like the others)."""
 
     @property
+    def hop_token_s(self) -> float:
+        """What the hops add per prompt token."""
+
+    @property
     def push_token_s(self) -> float:
         """A prefill worker's own time to push one token of KV (0: the push uses no compute)."""
 

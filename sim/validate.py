@@ -90,6 +90,10 @@ def fleet_config(model_dir: str, arm: Arm, startup_s: float = 0.0) -> FleetConfi
 SETTLE_S = 5.0
 """Before each real run: the last cluster's processes are still going away for a few seconds,
 on the same two cores (runs right after one another measured TTFT 17.7 and 12.5 ms alike)."""
+LONG_PROMPT = 3 * CHUNK_TOKENS
+"""The calibration's long prompts: three chunks, so that whatever grows with a prompt (its
+tokens through the router and the workers' request paths, the push of chunks while later
+ones compute) shows beside the fitted prefill."""
 IDLE_ROUNDS = 4
 """The open loop sends each calibration prompt this many times, rotated by a token each time
 (no prefix in common): the hops' spread needs about a hundred samples, and a fresh cluster's
@@ -186,7 +190,9 @@ def calibrate(model_dir: str, engine: CpuCost, items: list[Item], pd: Arm, coloc
     """The serving terms of `engine` for each arm, from short real runs of `items` (prompts
     alike, outputs of several tokens): closed loops at 1 and 8 for the per-step and
     per-request terms and the hand-off; an open loop at `rate` (idle between requests, as a
-    served cluster mostly is) for the hops before the first step and the jitter of delivery."""
+    served cluster mostly is) for the hops before the first step and the jitter of delivery;
+    each arm's TTFT at concurrency 1 with those prompts and with LONG_PROMPT ones for the hops'
+    cost per prompt token."""
     prompt = round(statistics.median(len(i.prompt) for i in items))
     ctx = prompt + round(statistics.median(i.max_tokens for i in items)) // 2
     one, eight = real_run(model_dir, pd, items, concurrency=1), real_run(model_dir, pd, items, concurrency=8)
@@ -198,26 +204,36 @@ def calibrate(model_dir: str, engine: CpuCost, items: list[Item], pd: Arm, coloc
     served = dataclasses.replace(engine, step_overhead_s=step, seq_overhead_s=seq)
     prefill = sum(served.step_s([chunk], 1) for chunk in _chunks(prompt))
     handoff = _median([o.itls_s[0] for o in one.outcomes if o.itls_s]) - itl1
-    long_prompt = 4 * prompt  # the same at concurrency 1 with longer prompts: what grows beyond the prefill is the push
-    longer = [dataclasses.replace(i, prompt=(i.prompt * 4)[:long_prompt], max_tokens=4) for i in items[:8]]
-    grown = _median([o.ttft_s for o in real_run(model_dir, pd, longer, concurrency=1).outcomes if o.ttft_s]) \
-        - _median([o.ttft_s for o in one.outcomes if o.ttft_s])
-    computed = sum(served.step_s([c], 1) for c in _chunks(long_prompt)) - sum(served.step_s([c], 1) for c in _chunks(prompt))
-    push = max(grown - computed, 0.0) / (long_prompt - prompt)
-    spread = [dataclasses.replace(i, prompt=i.prompt[k:] + i.prompt[:k]) for k in range(IDLE_ROUNDS) for i in items]
+    # the same prompts at concurrency 1, and made LONG_PROMPT long: what TTFT gains beyond the
+    # fitted prefill is per prompt token outside the engine's steps
+    short = [dataclasses.replace(i, prompt=_rotated(i.prompt, IDLE_ROUNDS), max_tokens=4) for i in items[:8]]
+    longer = [dataclasses.replace(i, prompt=(_rotated(i.prompt, IDLE_ROUNDS + 1) * -(-LONG_PROMPT // len(i.prompt)))[:LONG_PROMPT])
+              for i in short]
+    computed = sum(served.step_s([c], 1) for c in _chunks(LONG_PROMPT)) - sum(served.step_s([c], 1) for c in _chunks(prompt))
+    spread = [dataclasses.replace(i, prompt=_rotated(i.prompt, k)) for k in range(IDLE_ROUNDS) for i in items]
     times = arrival_times(len(spread), Shape(rate=rate), seed=len(items))
     out = {}
     for arm in (pd, colocated):
-        idle = real_run(model_dir, arm, timed(spread, times))
+        with fresh_cluster(model_dir, arm) as cluster:
+            idle, at_short, at_long = (asyncio.run(run(cluster.address, load, concurrency=c, timeout_s=600))
+                                       for load, c in ((timed(spread, times), None), (short, 1), (longer, 1)))
+        grown = _median([o.ttft_s for o in at_long.outcomes if o.ttft_s]) - _median([o.ttft_s for o in at_short.outcomes if o.ttft_s])
+        per_token = max(grown - computed, 0.0) / (LONG_PROMPT - prompt)
         itls = [x for o in idle.outcomes for x in o.itls_s[1:]]
         middle = _median(itls)
         jitter = tuple(sorted(round(max(x - middle, 0.0), 6) for x in itls))
-        pushed = push * prompt if arm.num_prefill else 0.0
-        hops = tuple(sorted(round(max(o.ttft_s - prefill - pushed, 0.0), 6) for o in idle.outcomes if o.ttft_s is not None))
-        out[arm.name] = dataclasses.replace(served, rpc_s=_median(list(hops)), hops_s=hops,
+        hops = tuple(sorted(round(max(o.ttft_s - prefill - per_token * prompt, 0.0), 6)
+                            for o in idle.outcomes if o.ttft_s is not None))
+        out[arm.name] = dataclasses.replace(served, rpc_s=_median(list(hops)), hops_s=hops, hop_token_s=per_token,
                                             transfer_base_s=max(handoff, 0.0) if arm.num_prefill else 0.0,
-                                            jitter_s=jitter, push_token_s=push if arm.num_prefill else 0.0)
+                                            jitter_s=jitter)
     return out
+
+
+def _rotated(prompt: list[int], k: int) -> list[int]:
+    """The prompt rotated by k tokens: no prefix in common with another rotation (one run's
+    prompts must not find another's in the prefix cache)."""
+    return prompt[k:] + prompt[:k]
 
 
 def _chunks(prompt: int) -> list[tuple[int, int]]:

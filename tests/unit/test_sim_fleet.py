@@ -34,6 +34,7 @@ class Linear:
     rpc_s = 0.0
     jitter_s = ()
     hops_s = ()
+    hop_token_s = 0.0
     push_token_s = 0.0
 
 
@@ -165,16 +166,17 @@ def test_delivery_jitter_moves_what_the_client_sees_not_the_engines() -> None:
     assert max(x for o in jittered.run.outcomes for x in o.itls_s) > max(x for o in plain.run.outcomes for x in o.itls_s)
 
 
-def test_hop_samples_are_drawn_per_request_and_end_at_the_client() -> None:
+def test_hop_samples_are_drawn_per_request_grow_with_the_prompt_and_end_at_the_client() -> None:
     class Hops(Linear):
         hops_s = (0.001, 0.004)
+        hop_token_s = 0.0001  # 1.6 ms more for each 16-token prompt
         jitter_s = (0.010,)  # every later token seen 10 ms past its step; the first is in the hops
 
     items = [Item(list(range(3, 19)), 2, i * 1.0) for i in range(40)]  # one block, far apart: no queueing
     plain = Fleet(one_each(), Linear(), items).run()
     hopped = Fleet(one_each(), Hops(), items).run()
     extra = sorted({round(b.ttft_s - a.ttft_s, 9) for a, b in zip(plain.run.outcomes, hopped.run.outcomes, strict=True)})
-    assert extra == [0.001, 0.004]  # each request drew one of the two, nothing more
+    assert extra == [0.0026, 0.0056]  # each request drew one of the two, plus its prompt's part
     assert Fleet(one_each(), Hops(), items).run().run.outcomes == hopped.run.outcomes  # the same seed, the same draws
     assert all(b.itls_s == pytest.approx([x + 0.010 for x in a.itls_s])  # later tokens: the hop, and the jitter
                for a, b in zip(plain.run.outcomes, hopped.run.outcomes, strict=True))
