@@ -79,8 +79,10 @@ class CpuCost:
     """Measured router hops, each request's TTFT at an idle rate less its fitted prefill and
     `hop_token_s` for its prompt (sorted samples; empty: `rpc_s` for every request)."""
     hop_token_s: float = 0.0
-    """The hops' time per prompt token (the tokens through the router and the workers'
-    request paths, and on P/D the push of a long prompt's chunks while later ones compute)."""
+    """The hops' time per prompt token: whatever grows with a prompt beyond its fitted prefill
+    (a profile of the running cluster found no per-token work in the router; the prefill
+    worker's busy time was its engine steps, so part of it is likely the fit's error on long
+    chunks over long contexts)."""
     push_token_s: float = 0.0
     """A prefill worker's time per KV token it pushes (the calibration leaves it 0: what a
     prompt's push costs here is in `hop_token_s`, and no run tells the two apart)."""

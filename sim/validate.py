@@ -91,9 +91,8 @@ SETTLE_S = 5.0
 """Before each real run: the last cluster's processes are still going away for a few seconds,
 on the same two cores (runs right after one another measured TTFT 17.7 and 12.5 ms alike)."""
 LONG_PROMPT = 3 * CHUNK_TOKENS
-"""The calibration's long prompts: three chunks, so that whatever grows with a prompt (its
-tokens through the router and the workers' request paths, the push of chunks while later
-ones compute) shows beside the fitted prefill."""
+"""The calibration's long prompts: three chunks, so that whatever grows with a prompt beyond
+its fitted prefill shows."""
 IDLE_ROUNDS = 4
 """The open loop sends each calibration prompt this many times, rotated by a token each time
 (no prefix in common): the hops' spread needs about a hundred samples, and a fresh cluster's
@@ -205,7 +204,7 @@ def calibrate(model_dir: str, engine: CpuCost, items: list[Item], pd: Arm, coloc
     prefill = sum(served.step_s([chunk], 1) for chunk in _chunks(prompt))
     handoff = _median([o.itls_s[0] for o in one.outcomes if o.itls_s]) - itl1
     # the same prompts at concurrency 1, and made LONG_PROMPT long: what TTFT gains beyond the
-    # fitted prefill is per prompt token outside the engine's steps
+    # fitted prefill is priced per prompt token
     short = [dataclasses.replace(i, prompt=_rotated(i.prompt, IDLE_ROUNDS), max_tokens=4) for i in items[:8]]
     longer = [dataclasses.replace(i, prompt=(_rotated(i.prompt, IDLE_ROUNDS + 1) * -(-LONG_PROMPT // len(i.prompt)))[:LONG_PROMPT])
               for i in short]
