@@ -33,12 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.kv_pool import KVPool
+from engine.config import SHORT_QUERY_MAX_LEN
 from engine.native import NativeKernels
-
-SHORT_QUERY_MAX_LEN = 8
-"""Paged groups whose longest query is at most this many tokens (decodes, and speculative
-verification: a request's last token and its proposals) take the native kernel when there
-is one, else `_all_pairs_attention` in 16-bit dtypes."""
 
 
 @dataclass

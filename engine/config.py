@@ -9,6 +9,12 @@ from typing import Literal
 Role = Literal["both", "prefill", "decode"]
 DType = Literal["float32", "bfloat16", "float16"]
 
+SHORT_QUERY_MAX_LEN = 8
+"""Paged attention groups whose longest query is at most this many tokens (decodes, and
+speculative verification: a request's last token and its proposals) take the native kernel
+when there is one, else `_all_pairs_attention` in 16-bit dtypes (engine/attention.py). Here,
+torch-free, so the simulator's CPU fit prices the same split."""
+
 
 @dataclass(frozen=True)
 class CacheConfig:

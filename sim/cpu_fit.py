@@ -41,11 +41,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engine.config import StepFloor
+from engine.config import SHORT_QUERY_MAX_LEN, StepFloor
 
 FEATURES = ("step", "tokens", "causal_pairs", "paged_pairs", "paged_kv", "decode_kv", "sampled", "new_shape")
-SHORT_QUERY_MAX_LEN = 8
-"""engine.attention's: chunks of at most this many tokens attend in place (a unit test holds the two equal)."""
 Chunks = Sequence[tuple[int, int]]
 Sample = tuple[list[tuple[int, int]], int, bool, float]
 """(chunks, sampled rows, new shape, seconds) of one profiled step."""

@@ -209,10 +209,8 @@ def test_the_cpu_fit_recovers_known_costs_and_round_trips(tmp_path) -> None:  # 
 
 
 def test_the_cpu_fit_prices_each_attention_path_and_a_workers_new_step_sizes() -> None:
-    from engine.attention import SHORT_QUERY_MAX_LEN
-    from sim.cpu_fit import FEATURES, SHORT_QUERY_MAX_LEN as FIT_SHORT, CpuCost, features
+    from sim.cpu_fit import FEATURES, CpuCost, features
 
-    assert FIT_SHORT == SHORT_QUERY_MAX_LEN
     # a decode over 99, a cold 64-token chunk, a 100-token chunk over 412 cached, a 5-token tail over 40
     got = dict(zip(FEATURES, features([(1, 99), (64, 0), (100, 412), (5, 40)], 2, True), strict=True))
     assert got == {"step": 1.0, "tokens": 170.0, "causal_pairs": 64 * 65 / 2, "paged_pairs": 100.0 * 512,
