@@ -126,38 +126,49 @@ class BlockPool:
 
     def touch(self, block_ids: Iterable[BlockId]) -> None:
         """Add a holder to blocks found in the prefix cache."""
-        for block_id in block_ids:
-            if self._ref_cnt[block_id] == 0:
-                (self._protected if block_id in self._protected else self._free).pop(block_id)
-                self._num_hashed_in_use += self._hash[block_id] is not None
-            self._ref_cnt[block_id] += 1
-            self._reused[block_id] = self._hash[block_id] is not None
+        ref_cnt, hashes, reused, free, protected = self._ref_cnt, self._hash, self._reused, self._free, self._protected
+        held = 0
+        for block_id in block_ids:  # hot, as in allocate
+            count = ref_cnt[block_id]
+            hashed = hashes[block_id] is not None
+            if count == 0:
+                del (protected if block_id in protected else free)[block_id]
+                held += hashed
+            ref_cnt[block_id] = count + 1
+            reused[block_id] = hashed
+        self._num_hashed_in_use += held
 
     def free(self, block_ids: Iterable[BlockId]) -> None:
         """Drop one holder from each block; blocks reaching 0 join a free queue: a reused
         cached block protected's tail, another cached block probation's tail, a block
         with no hash probation's front."""
-        free, hashes, ref_cnt = self._free, self._hash, self._ref_cnt
-        for block_id in block_ids:  # a hot loop, as in allocate
-            count = ref_cnt[block_id]
-            if count <= 0:
-                raise InvariantError(f"block {block_id} freed while not in use")
-            ref_cnt[block_id] = count - 1
-            if count > 1:
-                continue
-            if hashes[block_id] is None:
-                free[block_id] = None
-                free.move_to_end(block_id, last=False)
-                continue
-            self._num_hashed_in_use -= 1
-            if self._reused[block_id] and self.max_protected:
-                self._protected[block_id] = None
-                if len(self._protected) > self.max_protected:
-                    oldest, _ = self._protected.popitem(last=False)
-                    self._reused[oldest] = False  # must prove itself again
-                    self._free[oldest] = None
-            else:
-                self._free[block_id] = None
+        free, protected, hashes, ref_cnt, reused = self._free, self._protected, self._hash, self._ref_cnt, self._reused
+        max_protected = self.max_protected
+        released = 0
+        try:
+            for block_id in block_ids:  # a hot loop, as in allocate
+                count = ref_cnt[block_id]
+                if count > 1:
+                    ref_cnt[block_id] = count - 1
+                    continue
+                if count <= 0:
+                    raise InvariantError(f"block {block_id} freed while not in use")
+                ref_cnt[block_id] = 0
+                if hashes[block_id] is None:
+                    free[block_id] = None
+                    free.move_to_end(block_id, last=False)
+                    continue
+                released += 1
+                if max_protected and reused[block_id]:
+                    protected[block_id] = None
+                    if len(protected) > max_protected:
+                        oldest, _ = protected.popitem(last=False)
+                        reused[oldest] = False  # must prove itself again
+                        free[oldest] = None
+                else:
+                    free[block_id] = None
+        finally:
+            self._num_hashed_in_use -= released
 
     # -- prefix cache --------------------------------------------------------------
     def cache_blocks(
@@ -175,13 +186,17 @@ class BlockPool:
             return
         stored: list[BlockHash] = []
         hashes, cached, ref_cnt = self._hash, self._cached, self._ref_cnt
-        for block_id, block_hash in zip(block_ids, block_hashes, strict=True):  # hot, as in allocate
-            if hashes[block_id] is not None or block_hash in cached:
-                continue
-            hashes[block_id] = block_hash
-            cached[block_hash] = block_id
-            self._num_hashed_in_use += ref_cnt[block_id] > 0
-            stored.append(block_hash)
+        held = 0
+        try:
+            for block_id, block_hash in zip(block_ids, block_hashes, strict=True):  # hot, as in allocate
+                if hashes[block_id] is not None or block_hash in cached:
+                    continue
+                hashes[block_id] = block_hash
+                cached[block_hash] = block_id
+                held += ref_cnt[block_id] > 0
+                stored.append(block_hash)
+        finally:
+            self._num_hashed_in_use += held
         if stored:
             self._emit("stored", stored, parent_block_hash)
 
