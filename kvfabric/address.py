@@ -41,6 +41,8 @@ class FabricAddress:
     shm_bytes: int = 0
     cuda_ipc_handle: bytes | None = None
     """The decode pool's CUDA IPC handle (device pools on this host)."""
+    gpu: str | None = None
+    """A device pool's GPU (`gpu_identity`: its PCI address), so a sender on the same GPU never picks nccl."""
     pool_blocks: int = 0
     local_name: str | None = None
     """Abstract Unix socket name for same-host senders of one-sided transports."""

@@ -7,13 +7,19 @@
 - `nccl` (any host): a two-rank communicator per sender/receiver pair (sender rank 0),
   created lazily at the handshake from a unique id the sender sends in `hello`. Each
   frame's header travels on the control connection; the payload follows as grouped
-  NCCL send/recv, one per run of adjacent blocks.
+  NCCL send/recv, one per run of adjacent blocks. Never between two processes on one
+  GPU (NCCL refuses a communicator whose ranks share a GPU): `gpu_identity` tells them.
+  A process issues one NCCL operation at a time (`_NCCL_ORDER`): kernels of two
+  communicators are not guaranteed to run side by side, so two threads posting to two
+  peers in orders the peers do not share could wait on each other for good.
 Every wait on a stream is bounded: past the timeout the communicator is aborted and the
-peer reported unavailable; so is a communicator's setup. CUDA and NCCL errors from CuPy
+peer reported unavailable; so are a communicator's setup and the posting of a group
+(`ncclGroupEnd` may wait for a peer that has not joined). CUDA and NCCL errors from CuPy
 become `FabricError`s (`_fabric_errors`): the transfer fails, the worker lives.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import threading
 import time
@@ -64,6 +70,33 @@ def cupy() -> Any:
     except ImportError as e:
         raise FabricError("GPU transports need CuPy: pip install 'splitserve[gpu]'") from e
     return cp
+
+
+def nccl() -> Any:
+    """CuPy's NCCL bindings. `import cupy` does not load them (`cupy.cuda.nccl` is then a
+    missing attribute): they are imported here, once, with one clear error if absent."""
+    cupy()
+    try:
+        import cupy.cuda.nccl as module
+    except Exception as e:  # ImportError, or the library failing to load
+        raise FabricError(f"the nccl transport needs CuPy's NCCL bindings (cupy.cuda.nccl): {e}") from e
+    if not getattr(module, "available", True):
+        raise FabricError("the nccl transport needs NCCL, which this CuPy cannot load (cupy.cuda.nccl.available "
+                          "is False): install the nvidia-nccl wheel for its CUDA version")
+    return module
+
+
+_NCCL_ORDER = threading.Lock()
+"""One NCCL operation (a group posted and waited for) at a time in this process."""
+
+
+def gpu_identity(device: int) -> str:
+    """The GPU's PCI address ("0000:3b:00.0"): two processes on one host see the same one
+    for the same GPU whatever their CUDA_VISIBLE_DEVICES numbering."""
+    cp = cupy()
+    with _fabric_errors("reading the GPU's PCI address"):
+        p = cp.cuda.runtime.getDeviceProperties(device)
+    return f"{p['pciDomainID']:04x}:{p['pciBusID']:02x}:{p['pciDeviceID']:02x}.0"
 
 
 class DeviceRegion:
@@ -187,7 +220,8 @@ class IpcMapping:
 def nccl_unique_id() -> tuple[list[int], bool]:
     """A new NCCL unique id as msgpack-able ints, and whether this CuPy gives it as bytes
     (newer) or a tuple of ints (older): the receiver rebuilds it in the same form."""
-    uid = cupy().cuda.nccl.get_unique_id()
+    with _fabric_errors("creating an NCCL unique id"):
+        uid = nccl().get_unique_id()
     return list(uid), isinstance(uid, bytes)
 
 
@@ -202,18 +236,21 @@ class NcclLink:
 
     def __init__(self, uid: list[int], uid_is_bytes: bool, nranks: int, rank: int, device: int,
                  timeout_s: float) -> None:
-        cp = cupy()
+        cp, module = cupy(), nccl()
         self.device, self.rank = device, rank
         uid_arg: Any = bytes(b & 0xFF for b in uid) if uid_is_bytes else tuple(uid)
 
         def setup() -> Any:
             with cp.cuda.Device(device):
-                return cp.cuda.nccl.NcclCommunicator(nranks, uid_arg, rank)
+                return module.NcclCommunicator(nranks, uid_arg, rank)
 
         with _fabric_errors("NCCL communicator setup"):
             self.comm = bounded(setup, timeout_s, "NCCL communicator setup")
             with cp.cuda.Device(device):
                 self.stream = cp.cuda.Stream(non_blocking=True)
+        self._poster = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvfabric-nccl")
+        """Posts each group (groupStart to groupEnd on one thread, as NCCL's groups are per
+        thread), so a groupEnd that waits for the peer is bounded by the caller."""
 
     def scratch(self, nbytes: int) -> tuple[int, Any]:
         """Device memory to receive a dropped frame into: (pointer, the owner to keep alive)."""
@@ -225,20 +262,33 @@ class NcclLink:
     def exchange(self, peer: int, sends: list[tuple[int, int]], recvs: list[tuple[int, int]], timeout_s: float,
                  after: Any = None) -> None:
         """Grouped point-to-point: (pointer, bytes) sends to and recvs from `peer`, once `after`
-        (the step's event, for sends) has happened."""
-        cp = cupy()
-        nccl = cp.cuda.nccl
-        with _fabric_errors("an NCCL transfer"), cp.cuda.Device(self.device):
-            if after is not None:
-                self.stream.wait_event(after)
-            nccl.groupStart()
-            for ptr, n in sends:
-                self.comm.send(ptr, n, nccl.NCCL_UINT8, peer, self.stream.ptr)
-            for ptr, n in recvs:
-                self.comm.recv(ptr, n, nccl.NCCL_UINT8, peer, self.stream.ptr)
-            nccl.groupEnd()
-            wait_stream(self.stream, timeout_s, on_timeout=self.comm.abort)
+        (the step's event, for sends) has happened. Posting and completion are each bounded
+        by `timeout_s`; past it the communicator is aborted and the peer is unavailable."""
+        cp, module = cupy(), nccl()
+
+        def post() -> None:
+            with cp.cuda.Device(self.device):
+                if after is not None:
+                    self.stream.wait_event(after)
+                module.groupStart()
+                try:
+                    for ptr, n in sends:
+                        self.comm.send(ptr, n, module.NCCL_UINT8, peer, self.stream.ptr)
+                    for ptr, n in recvs:
+                        self.comm.recv(ptr, n, module.NCCL_UINT8, peer, self.stream.ptr)
+                finally:
+                    module.groupEnd()
+
+        with _NCCL_ORDER, _fabric_errors("an NCCL transfer"):
+            try:
+                self._poster.submit(post).result(timeout_s)
+            except concurrent.futures.TimeoutError:
+                self.comm.abort()
+                raise PeerUnavailable(f"posting an NCCL group did not complete within {timeout_s:g} s") from None
+            with cp.cuda.Device(self.device):
+                wait_stream(self.stream, timeout_s, on_timeout=self.comm.abort)
 
     def close(self) -> None:
+        self._poster.shutdown(wait=False)
         with _fabric_errors("closing an NCCL communicator"):
             self.comm.destroy()

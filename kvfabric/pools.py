@@ -5,7 +5,7 @@ memory on CPU (same-host senders copy straight into it), a dedicated cudaMalloc 
 (exported as a CUDA IPC handle). `pool_region(tensor)` sees a pool as blocks of bytes
 for kvfabric, `exports(allocator)` is what a receiver offers senders. `pick_transport`
 is the rule: same host -> `shm` (CPU) or `cuda_ipc` (GPU, also across two GPUs of one
-host); other hosts -> `tcp` (CPU) or `nccl` (GPU). `require_cupy` gives one clear error
+host); other hosts -> `tcp` (CPU) or `nccl` (GPU), never nccl within one GPU. `require_cupy` gives one clear error
 at start-up when a GPU pool cannot use the GPU transports.
 """
 from __future__ import annotations
@@ -51,8 +51,9 @@ def exports(allocator: KVAllocator | None) -> dict[str, Any]:
 
 
 def pick_transport(src_device: str, dst_device: str, same_host: bool, offered: tuple[str, ...],
-                   forced: str | None = None) -> str:
-    """The transport from a pool on `src_device` to a receiver on `dst_device` offering `offered`."""
+                   forced: str | None = None, same_gpu: bool = False) -> str:
+    """The transport from a pool on `src_device` to a receiver on `dst_device` offering `offered`
+    (`same_gpu`: both pools on one GPU, where NCCL cannot join the two processes)."""
     src, dst = device_kind(src_device), device_kind(dst_device)
     if src != dst:
         raise HandshakeError(f"a {src} KV pool cannot push to a receiver whose pool is on {dst}: run both "
@@ -67,6 +68,9 @@ def pick_transport(src_device: str, dst_device: str, same_host: bool, offered: t
         return local
     if remote not in offered:
         raise HandshakeError(f"the receiver offers {list(offered)}, none of which reaches it from here", "transport")
+    if remote == "nccl" and same_gpu:
+        raise HandshakeError("nccl cannot join two processes on one GPU (NCCL refuses a communicator whose ranks "
+                             "share a GPU): use cuda_ipc, with the receiver's pool exported for it", "transport")
     return remote
 
 

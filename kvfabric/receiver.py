@@ -25,7 +25,7 @@ from typing import Any
 
 from kvfabric.address import ONE_SIDED, FabricAddress, Ticket, local_host_id
 from kvfabric.config import ReceiverConfig
-from kvfabric.cuda import DeviceRegion, NcclLink, nccl_payload
+from kvfabric.cuda import DeviceRegion, NcclLink, gpu_identity, nccl_payload
 from kvfabric.errors import FabricError, PeerUnavailable, ProtocolError, ReservationRevoked
 from kvfabric.layout import FabricLayout
 from kvfabric.region import BlockRegion, ShmSegment
@@ -78,6 +78,7 @@ class FabricReceiver:
             shm_nonce=shm.nonce if shm else None,
             shm_bytes=shm.nbytes if shm else 0,
             cuda_ipc_handle=cuda_ipc_handle if on_device else None,
+            gpu=_gpu_of(region),
             pool_blocks=region.num_blocks,
             local_name=local_name,
         )
@@ -204,6 +205,10 @@ class FabricReceiver:
             raise ProtocolError(f"handshake refused: {text}")
         if transport not in self.address.transports:
             text = f"transport {transport!r} not offered (receiver offers {list(self.address.transports)})"
+            conn.send({"t": "hello_err", "field": "transport", "error": text})
+            raise ProtocolError(f"handshake refused: {text}")
+        if transport == "nccl" and msg.get("host_id") == self.address.host_id and msg.get("gpu") == self.address.gpu:
+            text = "nccl cannot join two processes on one GPU (NCCL refuses it): use cuda_ipc"
             conn.send({"t": "hello_err", "field": "transport", "error": text})
             raise ProtocolError(f"handshake refused: {text}")
         conn.send({"t": "hello_ok", "receiver_id": self.address.receiver_id})
@@ -348,3 +353,14 @@ def _local_listener(receiver_id: str) -> tuple[socket.socket | None, str | None]
         logger.info("kvfabric: no local socket (%s); same-host senders use tcp", e)
         return None, None
     return sock, name
+
+
+def _gpu_of(region: BlockRegion | DeviceRegion) -> str | None:
+    """A device pool's GPU; None on CPU, or where CuPy is missing (then this process can use
+    no nccl either, and only a stand-in region, in tests, gets here)."""
+    if not isinstance(region, DeviceRegion):
+        return None
+    try:
+        return gpu_identity(region.device)
+    except FabricError:
+        return None

@@ -24,7 +24,8 @@ from typing import Any
 
 from kvfabric.address import ONE_SIDED, FabricAddress, Ticket, local_host_id, route_address
 from kvfabric.config import SenderConfig
-from kvfabric.cuda import CopyInFlight, DeviceRegion, IpcMapping, NcclLink, nccl_payload, nccl_unique_id, when_done
+from kvfabric.cuda import (CopyInFlight, DeviceRegion, IpcMapping, NcclLink, gpu_identity, nccl_payload, nccl_unique_id,
+                           when_done)
 from kvfabric.errors import FabricError, HandshakeError, PeerUnavailable, ReservationRevoked
 from kvfabric.layout import FabricLayout, Run, coalesce, merge_spans
 from kvfabric.pools import pick_transport
@@ -146,8 +147,10 @@ class _Peer:
         a, forced, src = self.address, self.config.transport, self.sender.region
         same_host = a.host_id == local_host_id()
         offered = a.transports if a.shm_name and a.shm_nonce else tuple(t for t in a.transports if t != "shm")
+        self.gpu = gpu_identity(src.device) if isinstance(src, DeviceRegion) else None
+        same_gpu = same_host and self.gpu is not None and self.gpu == a.gpu
         transport = pick_transport("cuda" if isinstance(src, DeviceRegion) else "cpu", a.device, same_host, offered,
-                                   forced)
+                                   forced, same_gpu)
         if transport == "cuda_ipc":
             assert isinstance(src, DeviceRegion) and a.cuda_ipc_handle is not None
             self.ipc = IpcMapping(a.cuda_ipc_handle, a.pool_blocks, self.sender.layout.block_bytes, src.device)
@@ -166,6 +169,8 @@ class _Peer:
                  "host_id": local_host_id()}
         if self.config.token is not None:
             hello["token"] = self.config.token
+        if self.gpu is not None:
+            hello["gpu"] = self.gpu
         if self.transport == "nccl":
             uid, uid_is_bytes = nccl_unique_id()
             hello["nccl_uid"], hello["nccl_uid_bytes"] = uid, uid_is_bytes

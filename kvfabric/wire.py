@@ -74,7 +74,7 @@ RECEIVER_MESSAGES: dict[str, dict[str, str]] = {
     "nccl_data": {"rid": "int", "runs": "runs"},
 }
 """What a sender may send a receiver after the handshake."""
-HELLO = {"hello": {"layout": "map", "transport": "str", "token?": "str"}}
+HELLO = {"hello": {"layout": "map", "transport": "str", "token?": "str", "gpu?": "str"}}
 
 
 def check_message(msg: dict[str, Any], schema: dict[str, dict[str, str]]) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from kvfabric import (
     FabricError, FabricLayout, FabricReceiver, FabricSender, KVArrived, ReceiverConfig, SenderConfig, Ticket,
 )
 from kvfabric.address import FabricAddress
-from kvfabric.cuda import CudaIpcKVAllocator, DeviceRegion, NcclLink, nccl_unique_id
+from kvfabric.cuda import CudaIpcKVAllocator, DeviceRegion, NcclLink, nccl_unique_id, record_event
 
 LAYOUT = FabricLayout("gpu-test", "bfloat16", num_layers=4, block_size=16, num_kv_heads=2, head_dim=64, dtype_bytes=2)
 NUM_BLOCKS = 32
@@ -49,7 +49,10 @@ def receiver_child(pipe: Connection, device: int, use_ipc: bool, lease_s: float 
             return
 
 
-def run_pair(transport: str, sender_device: int, receiver_device: int) -> None:
+def run_pair(transport: str, sender_device: int, receiver_device: int, written_late: bool = False) -> None:
+    """Five blocks pushed in two pieces land byte for byte. `written_late`: the source blocks
+    are written on torch's stream behind half a second of GPU sleep, and the pushes wait for
+    that stream's event, not for the host (a copy that ignored it would read zeros)."""
     ctx = mp.get_context("spawn")
     pipe, child = ctx.Pipe()
     proc = ctx.Process(target=receiver_child, args=(child, receiver_device, transport == "cuda_ipc"), daemon=True)
@@ -58,20 +61,27 @@ def run_pair(transport: str, sender_device: int, receiver_device: int) -> None:
         assert pipe.poll(120)
         FabricAddress.from_wire(pipe.recv())
         g = torch.Generator(device=f"cuda:{sender_device}").manual_seed(0)
-        src = torch.randint(0, 256, (NUM_BLOCKS, LAYOUT.block_bytes), dtype=torch.uint8,
-                            device=f"cuda:{sender_device}", generator=g)
+        payload = torch.randint(0, 256, (NUM_BLOCKS, LAYOUT.block_bytes), dtype=torch.uint8,
+                                device=f"cuda:{sender_device}", generator=g)
+        src = torch.zeros_like(payload) if written_late else payload
         sender = FabricSender(LAYOUT, DeviceRegion.from_tensor(src), SenderConfig(transport=transport))
         dst_ids, src_ids = [3, 4, 5, 9, 20], [7, 8, 9, 1, 30]
         pipe.send(("expect", "g", dst_ids))
         transfer = sender.open(Ticket.from_wire(pipe.recv()))
         assert transfer.transport == transport
-        transfer.push(src_ids[:3], 0)
-        transfer.push(src_ids[3:], 3)
+        after = None
+        if written_late:
+            torch.cuda.synchronize(sender_device)
+            torch.cuda._sleep(1_000_000_000)  # about half a second of GPU time on torch's stream
+            src.copy_(payload)
+            after = record_event(torch.cuda.current_stream(sender_device).cuda_stream, sender_device)
+        transfer.push(src_ids[:3], 0, after)
+        transfer.push(src_ids[3:], 3, after)
         transfer.finish(5, len(dst_ids) * LAYOUT.block_size)
         pipe.send(("poll",))
         assert pipe.recv() == [("g", KVArrived.__name__)]
         pipe.send(("bytes", dst_ids))
-        assert pipe.recv() == src[src_ids].cpu().numpy().tobytes()
+        assert pipe.recv() == payload[src_ids].cpu().numpy().tobytes()
         sender.close()
     finally:
         pipe.send(("exit",))
@@ -83,6 +93,10 @@ def test_cuda_ipc_between_two_processes_on_one_gpu() -> None:
     run_pair("cuda_ipc", 0, 0)
 
 
+def test_a_cuda_ipc_push_waits_for_the_event_of_the_stream_that_wrote_its_blocks() -> None:
+    run_pair("cuda_ipc", 0, 0, written_late=True)
+
+
 def test_nccl_send_to_self() -> None:
     uid, uid_is_bytes = nccl_unique_id()
     link = NcclLink(uid, uid_is_bytes, 1, 0, 0, 30.0)
@@ -91,6 +105,26 @@ def test_nccl_send_to_self() -> None:
     link.exchange(0, [(src[1].data_ptr(), 8192)], [(dst[2].data_ptr(), 8192)], timeout_s=30)
     assert torch.equal(dst[2:4], src[1:3]) and not dst[:2].any()
     link.close()
+
+
+def test_nccl_between_two_pools_on_one_gpu_is_refused_at_the_handshake() -> None:
+    """Both sides know their GPU's PCI address: a sender forcing nccl to a receiver on its own
+    GPU is refused before NCCL is asked (it would refuse the duplicate GPU itself, less clearly)."""
+    from kvfabric.cuda import gpu_identity
+    from kvfabric.errors import HandshakeError
+
+    dst = torch.zeros((8, LAYOUT.block_bytes), dtype=torch.uint8, device="cuda:0")
+    src = torch.zeros_like(dst)
+    receiver = FabricReceiver(LAYOUT, DeviceRegion.from_tensor(dst), ReceiverConfig())
+    sender = FabricSender(LAYOUT, DeviceRegion.from_tensor(src), SenderConfig(transport="nccl"))
+    try:
+        assert receiver.address.gpu == gpu_identity(0) and receiver.address.transports == ("nccl",)
+        with pytest.raises(HandshakeError, match="nccl cannot join two processes on one GPU"):
+            sender.open(receiver.expect("r", [0, 1], 0))
+        assert sorted(receiver.held_block_ids()) == [0, 1]  # nothing was sent; the lease frees them
+    finally:
+        sender.close()
+        receiver.close()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nccl between processes needs two GPUs")

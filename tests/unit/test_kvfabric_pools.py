@@ -42,7 +42,17 @@ def test_impossible_pairs_are_refused_with_a_reason(src: str, dst: str, same_hos
 
 def test_forcing_the_remote_transport_on_one_host_is_allowed() -> None:
     assert pick_transport("cpu", "cpu", True, CPU_OFFER, forced="tcp") == "tcp"
-    assert pick_transport("cuda", "cuda", True, GPU_OFFER, forced="nccl") == "nccl"
+    assert pick_transport("cuda", "cuda", True, GPU_OFFER, forced="nccl") == "nccl"  # two GPUs of one host
+
+
+def test_nccl_is_never_chosen_between_two_processes_on_one_gpu() -> None:
+    """NCCL refuses a communicator whose two ranks share a GPU: cuda_ipc is taken where
+    offered, and where it is not (or nccl is forced) the pair is refused with the reason."""
+    assert pick_transport("cuda:0", "cuda:0", True, GPU_OFFER, same_gpu=True) == "cuda_ipc"
+    for offered, forced in ((("nccl",), None), (GPU_OFFER, "nccl")):
+        with pytest.raises(HandshakeError, match="nccl cannot join two processes on one GPU") as e:
+            pick_transport("cuda", "cuda", True, offered, forced, same_gpu=True)
+        assert e.value.field == "transport"
 
 
 def test_cpu_pools_come_from_shared_memory_and_other_devices_are_refused() -> None:
