@@ -8,7 +8,7 @@
   splitserve serve --detach ... / splitserve stop     serve in the background (under `ray up`) / stop it
   splitserve worker prefill|decode --redis-url URL [--model DIR] ...   one worker as a plain process (no Ray)
   splitserve router --redis-url URL [--port P] ...    one router replica as a plain process (no Ray)
-  splitserve make-tiny-model DIR [--arch llama|qwen2] [--size tiny|small] [--seed N] [--draft-of MODEL]
+  splitserve make-tiny-model DIR [--arch llama|qwen2] [--size tiny|small|llama3-8b] [--seed N] [--draft-of MODEL]
 """
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """Writes deterministic Hugging Face-format checkpoints for tests and benchmarks.
 
-`tiny` (a few MB) is for tests; `small` (~100M parameters) for benchmarks. The llama
+`tiny` (a few MB) is for tests; `small` (~100M parameters) for benchmarks; `llama3-8b`
+(Llama-3.1-8B's shapes, random bfloat16 weights, 16 GB in 5 GB shards, written one layer
+at a time) for measuring the GPU path at a real model size without a download. The llama
 arch uses Llama-3 rope scaling and untied embeddings; qwen2 has q/k/v biases and
 tied embeddings, so between them the tests cover every model variant we load.
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -24,7 +27,13 @@ SIZES = {
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048),
     "small": dict(vocab_size=8192, hidden_size=768, intermediate_size=2560, num_hidden_layers=12,
                   num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=8192),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072),
 }
+WEIGHT_DTYPES = {"llama3-8b": torch.bfloat16}
+"""Sizes written in a 16-bit dtype (the others in float32)."""
+SHARD_BYTES = 5 * 2**30
+"""A checkpoint bigger than this is written in shards with an index, as Hugging Face does."""
 ARCHS = ("llama", "qwen2")
 
 
@@ -33,13 +42,15 @@ def model_config(arch: str, size: str) -> dict:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     if size not in SIZES:
         raise ValueError(f"size must be one of {tuple(SIZES)}, got {size!r}")
+    dtype = str(WEIGHT_DTYPES.get(size, torch.float32)).removeprefix("torch.")
     cfg = dict(SIZES[size], hidden_act="silu", rms_norm_eps=1e-5, bos_token_id=BOS_ID,
-               eos_token_id=EOS_ID, pad_token_id=PAD_ID, torch_dtype="float32", use_cache=True)
+               eos_token_id=EOS_ID, pad_token_id=PAD_ID, torch_dtype=dtype, use_cache=True)
     if arch == "llama":
         cfg.update(architectures=["LlamaForCausalLM"], model_type="llama", tie_word_embeddings=False,
                    rope_theta=500000.0, attention_bias=False, mlp_bias=False,
                    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                                     high_freq_factor=4.0, original_max_position_embeddings=256))
+                                     high_freq_factor=4.0,
+                                     original_max_position_embeddings=8192 if size == "llama3-8b" else 256))
     else:
         cfg.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", tie_word_embeddings=True,
                    rope_theta=1000000.0, use_sliding_window=False, sliding_window=None,
@@ -47,22 +58,25 @@ def model_config(arch: str, size: str) -> dict:
     return cfg
 
 
-def _weights(cfg: dict, arch: str, seed: int) -> dict[str, torch.Tensor]:
+def _weights(cfg: dict, arch: str, seed: int) -> Iterator[dict[str, torch.Tensor]]:
+    """The checkpoint's tensors in groups (the embeddings and head, then one layer at a time),
+    drawn from one generator in a fixed order, in the config's dtype."""
     g = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, cfg["torch_dtype"])
     h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     d = h // cfg["num_attention_heads"]
     kv = cfg["num_key_value_heads"] * d
-    randn = lambda *shape, std=0.02: torch.randn(*shape, generator=g) * std  # noqa: E731
+    randn = lambda *shape, std=0.02: (torch.randn(*shape, generator=g) * std).to(dtype)  # noqa: E731
     norm = lambda: 1.0 + randn(h, std=0.1)  # noqa: E731
     # Tied embeddings stay small so the output is not just the input token echoed back.
     embed_std = 0.05 if cfg["tie_word_embeddings"] else 0.5
     w = {"model.embed_tokens.weight": randn(v, h, std=embed_std), "model.norm.weight": norm()}
     if not cfg["tie_word_embeddings"]:
         w["lm_head.weight"] = randn(v, h, std=0.05)
+    yield w
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = norm()
-        w[p + "post_attention_layernorm.weight"] = norm()
+        w = {p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm()}
         for name, rows in (("q", h), ("k", kv), ("v", kv), ("o", h)):
             w[p + f"self_attn.{name}_proj.weight"] = randn(rows, h, std=h**-0.5)
             if arch == "qwen2" and name != "o":
@@ -70,7 +84,33 @@ def _weights(cfg: dict, arch: str, seed: int) -> dict[str, torch.Tensor]:
         w[p + "mlp.gate_proj.weight"] = randn(inter, h, std=h**-0.5)
         w[p + "mlp.up_proj.weight"] = randn(inter, h, std=h**-0.5)
         w[p + "mlp.down_proj.weight"] = randn(h, inter, std=inter**-0.5)
-    return {k: t.contiguous() for k, t in w.items()}
+        yield w
+
+
+def _save_weights(groups: Iterable[dict[str, torch.Tensor]], out: Path) -> None:
+    """One model.safetensors, or shards of up to SHARD_BYTES with model.safetensors.index.json
+    (a shard is written as soon as it is full: memory holds one shard, not the model)."""
+    pending: dict[str, torch.Tensor] = {}
+    pending_bytes = total = 0
+    weight_map: dict[str, str] = {}
+    for group in groups:
+        nbytes = sum(t.numel() * t.element_size() for t in group.values())
+        if pending and pending_bytes + nbytes > SHARD_BYTES:
+            name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+            save_file(pending, str(out / name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(pending, name))
+            pending, pending_bytes = {}, 0
+        pending.update(group)
+        pending_bytes += nbytes
+        total += nbytes
+    if not weight_map:  # it all fits one file
+        save_file(pending, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+    save_file(pending, str(out / name), metadata={"format": "pt"})
+    weight_map.update(dict.fromkeys(pending, name))
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 CHAT_TEMPLATES = {
@@ -101,7 +141,9 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny"
     cfg = model_config(arch, size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(_weights(cfg, arch, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    for stale in (*out.glob("model*.safetensors"), out / "model.safetensors.index.json"):
+        stale.unlink(missing_ok=True)
+    _save_weights(_weights(cfg, arch, seed), out)
     build_tokenizer(cfg["vocab_size"], seed).save(str(out / "tokenizer.json"))
     bos, eos, pad = SPECIAL_TOKENS
     files = {
