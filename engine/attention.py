@@ -22,6 +22,14 @@ and V in [ctx, kv_heads, head_dim] order, which no batched matmul takes without 
 strided copy of the whole context, so every query head is scored against every KV head
 (`_all_pairs_attention`), kv_heads times the flops of a product that is memory-bound
 anyway, and the matching heads are kept.
+
+The torch forms materialise per group the gathered K and V (padded to the group's longest
+context) and float32 scores: a decode batch of 128 with one 128k-token context, or a
+second chunk of 2,048 queries over 16k keys, would need GiBs per layer. Given
+`workspace_bytes` (the model passes `ATTENTION_WORKSPACE_BYTES` on GPUs, which KV sizing
+keeps free), a group whose estimate is over it attends in pieces: runs of requests, or a
+single request's queries in runs, each under the bound. Rows attend independently, so the
+pieces give what the whole group would.
 """
 from __future__ import annotations
 
@@ -35,6 +43,10 @@ import torch.nn.functional as F
 from engine.kv_pool import KVPool
 from engine.config import SHORT_QUERY_MAX_LEN
 from engine.native import NativeKernels
+
+
+ATTENTION_WORKSPACE_BYTES = 1 << 30
+"""What the torch attention forms may materialise for one group on a GPU (see above)."""
 
 
 @dataclass
@@ -93,13 +105,14 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     kernels: NativeKernels | None = None,
+    workspace_bytes: int | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
 
     Attends over each request's whole context; the caller has written k, v into the pool
     (`KVPool.write`, or the native `rotary_store`). Returns [num_tokens, num_heads,
     head_dim]. With `kernels`, short-query groups run the native kernel straight over
-    the pool (no gather).
+    the pool (no gather). With `workspace_bytes`, the torch forms attend in pieces under it.
     """
     out = torch.empty_like(q)
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -117,14 +130,44 @@ def paged_attention(
         else:
             qp = q.new_zeros(g.batch * g.max_query_len, num_heads, head_dim)
             qp[g.padded_index] = q[g.token_index]
-        kc, vc = pool.gather(layer, g.block_table)  # [batch, ctx, kv_heads, head_dim]
         attend = _paged_form(q.dtype, g.max_query_len)
-        o = attend(qp.view(g.batch, g.max_query_len, num_heads, head_dim), kc, vc, g.mask, scale)
+        qv = qp.view(g.batch, g.max_query_len, num_heads, head_dim)
+        pieces = _pieces(g, num_heads, pool, q.element_size(), workspace_bytes)
+        if len(pieces) == 1:
+            kc, vc = pool.gather(layer, g.block_table)  # [batch, ctx, kv_heads, head_dim]
+            o = attend(qv, kc, vc, g.mask, scale)
+        else:
+            o = qv.new_empty(qv.shape)
+            gathered = pool.gather(layer, g.block_table) if g.batch == 1 else None  # query runs share it
+            for rows, queries in pieces:
+                kc, vc = gathered or pool.gather(layer, g.block_table[rows])
+                o[rows, queries] = attend(qv[rows, queries], kc, vc, g.mask[rows, :, queries], scale)
         o = o.reshape(g.batch * g.max_query_len, num_heads, head_dim)
         if g.in_order:  # the only group: its output is the whole output
             return o
         out[g.token_index] = o if g.max_query_len == 1 else o[g.padded_index]
     return out
+
+
+def _pieces(g: PagedGroup, num_heads: int, pool: KVPool, elem: int, workspace_bytes: int | None
+            ) -> list[tuple[slice, slice]]:
+    """(requests, queries) runs of a group whose torch form stays under `workspace_bytes`:
+    per key, a request's gathered K and V, and per key and query float32 scores and
+    probabilities plus the all-pairs form's products in the input dtype."""
+    whole = [(slice(None), slice(None))]
+    if workspace_bytes is None:
+        return whole
+    lay = pool.layout
+    per_key_query = num_heads * (8 + lay.num_kv_heads * elem)
+    gathered = g.num_keys * 2 * lay.num_kv_heads * lay.head_dim * elem
+    per_request = gathered + g.num_keys * g.max_query_len * per_key_query
+    if per_request * g.batch <= workspace_bytes:
+        return whole
+    if g.batch > 1 or g.max_query_len == 1:
+        n = max(1, workspace_bytes // per_request)
+        return [(slice(i, i + n), slice(None)) for i in range(0, g.batch, n)]
+    n = max(1, (workspace_bytes - gathered) // (g.num_keys * per_key_query))  # one request: runs of its queries
+    return [(slice(None), slice(i, i + n)) for i in range(0, g.max_query_len, n)]
 
 
 def _paged_form(dtype: torch.dtype, max_query_len: int) -> Callable[..., torch.Tensor]:

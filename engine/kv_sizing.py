@@ -1,30 +1,46 @@
 """How big a worker's KV pool is (torch-free, pure): a share of the device's memory, as vLLM sizes it.
 
-On a GPU the engine loads the weights, runs one forward at the largest step the scheduler
-can form (`max_num_batched_tokens` tokens) on a provisional pool, and measures the peak
-memory that took (`used_bytes`: weights + activations + workspace, without the
-provisional pool). The KV pool gets what is left of this worker's share:
-`utilization * total_bytes - used_bytes`. An explicit `kv_cache_bytes` overrides it; on
-CPU that is the only way (`DEFAULT_CPU_KV_BYTES` when unset).
+On a GPU the engine reads the device's free memory before it loads anything, loads the
+weights, runs one forward at the largest step the scheduler can form
+(`max_num_batched_tokens` tokens) on a provisional pool, and releases that pool. What
+this worker uses (`used_bytes`) is what left the free memory since it started (weights,
+and the CUDA, NCCL and CuPy buffers torch does not count) plus the forward's transient
+peak above what torch holds now, with the attention workspace (engine/attention.py) on
+top (`transient_bytes`, which must stay free while serving).
+The KV pool gets what is left of this worker's share, `utilization * total_bytes -
+used_bytes`, and never more than is free now less the transient: a second worker on a GPU
+another one already fills gets what is actually there, or a clear error, not a crash at its
+first allocation. An explicit `kv_cache_bytes` overrides it; on CPU that is the only way
+(`DEFAULT_CPU_KV_BYTES` when unset).
 """
 from __future__ import annotations
 
 DEFAULT_CPU_KV_BYTES = 256 * 2**20
 
 
-def kv_pool_bytes(total_bytes: int, used_bytes: int, utilization: float) -> int:
-    """Bytes the KV pool may take; raises ValueError (with the figures) when nothing is left."""
+def kv_pool_bytes(total_bytes: int, used_bytes: int, utilization: float, free_bytes: int | None = None,
+                  transient_bytes: int = 0) -> int:
+    """Bytes the KV pool may take; raises ValueError (with the figures) when nothing is left.
+    `free_bytes`: the device's free memory now (None: not known, the share alone decides)."""
     if not 0.0 < utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
-    budget = int(total_bytes * utilization) - used_bytes
-    if budget <= 0:
-        gib = 2**30
+    gib = 2**30
+    share = int(total_bytes * utilization) - used_bytes
+    if share <= 0:
         raise ValueError(
             f"no GPU memory left for the KV cache: this worker may use {utilization:.2f} of "
             f"{total_bytes / gib:.1f} GiB = {total_bytes * utilization / gib:.2f} GiB, and the weights and the "
             f"profiled forward already take {used_bytes / gib:.2f} GiB; raise --gpu-memory-utilization, lower "
             "max_num_batched_tokens, or use a smaller model or dtype")
-    return budget
+    if free_bytes is None or free_bytes - transient_bytes >= share:
+        return share
+    room = free_bytes - transient_bytes
+    if room <= 0:
+        raise ValueError(
+            f"no GPU memory left for the KV cache: {free_bytes / gib:.2f} GiB of {total_bytes / gib:.1f} GiB is free "
+            f"and a step needs {transient_bytes / gib:.2f} GiB of it; other processes hold the rest. Give each "
+            "worker sharing this GPU its part with --gpu-memory-utilization (two workers: 0.45 each)")
+    return room
 
 
 def num_blocks_for(pool_bytes: int, block_bytes: int) -> int:

@@ -18,6 +18,7 @@ import torch
 from tokenizers import Tokenizer
 
 from engine import native
+from engine.attention import ATTENTION_WORKSPACE_BYTES
 from engine.block_pool import BlockPool, KVEvent, PoolUsage
 from engine.config import EngineConfig
 from engine.constrainer import Constrainer
@@ -61,6 +62,11 @@ class LLMEngine:
         mc = self.model_config
         dtype = _DTYPES[config.dtype]
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        cuda = config.device.startswith("cuda")
+        self._memory_at_start = (torch.cuda.mem_get_info(config.device)[0], torch.cuda.memory_reserved(config.device)) \
+            if cuda else (0, 0)
+        """The device's free memory and torch's reserved memory before this engine took any
+        (KV sizing counts what it took since)."""
         kernels = native.load() if config.native_kernels and config.device == "cpu" else None
         self.model = LlamaForCausalLM.load(model_dir, mc, dtype, config.device, config.prepack_weights, kernels)
         self.model_id = config.model_id or model_dir.resolve().name
@@ -121,7 +127,7 @@ class LLMEngine:
 
     def _profile_kv_bytes(self) -> int:
         """GPU: one forward at the largest step on a provisional pool, then what memory is left
-        of this engine's share (engine/kv_sizing.py)."""
+        of this engine's share and free on the device (engine/kv_sizing.py)."""
         device = torch.device(self.config.device)
         num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len - 1)
         profile_blocks = -(-(num_tokens + 1) // self.layout.block_size) + 1
@@ -130,14 +136,20 @@ class LLMEngine:
         self._attach_pool(profile_blocks, None)
         self.generate([[0] * num_tokens], SamplingParams(max_tokens=1, ignore_eos=True))
         torch.cuda.synchronize(device)
-        used = torch.cuda.max_memory_reserved(device) - profile_blocks * self.layout.block_bytes
+        peak = torch.cuda.max_memory_reserved(device) - profile_blocks * self.layout.block_bytes
         del self.kv_pool, self.runner, self.scheduler, self.kv, self.block_pool
         torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(device).total_memory
-        pool_bytes = kv_pool_bytes(total, used, self.config.cache.gpu_memory_utilization)
-        logger.info("KV pool sized from memory: %.2f GiB (%.2f of %.1f GiB, %.2f GiB used by weights and a "
-                    "%d-token forward)", pool_bytes / 2**30, self.config.cache.gpu_memory_utilization,
-                    total / 2**30, used / 2**30, num_tokens)
+        free, total = torch.cuda.mem_get_info(device)
+        free_at_start, reserved_at_start = self._memory_at_start
+        held = max(free_at_start - free, torch.cuda.memory_reserved(device) - reserved_at_start)
+        # the profiled step's activations, and what a decode batch's or a later chunk's
+        # attention may materialise on top (engine/attention.py bounds it)
+        transient = max(peak - torch.cuda.memory_reserved(device), 0) + ATTENTION_WORKSPACE_BYTES
+        utilization = self.config.cache.gpu_memory_utilization
+        pool_bytes = kv_pool_bytes(total, held + transient, utilization, free, transient)
+        logger.info("KV pool sized from memory: %.2f GiB (%.2f of %.1f GiB less %.2f GiB held by this worker and "
+                    "%.2f GiB of a %d-token forward's transient; %.2f GiB was free)", pool_bytes / 2**30, utilization,
+                    total / 2**30, held / 2**30, transient / 2**30, num_tokens, free / 2**30)
         return pool_bytes
 
     def _reset_state(self) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata, PagedGroup, paged_attention
+from engine.attention import ATTENTION_WORKSPACE_BYTES, AttentionMetadata, PagedGroup, paged_attention
 from engine.kv_pool import KVPool
 from engine.linear import Linear
 from engine.model_config import ModelConfig
@@ -176,7 +176,8 @@ class LlamaForCausalLM:
             qk = apply_rotary(qk, cos, sin)  # q and k in one pass
             pool.write(i, meta.slot_blocks, meta.slot_offsets, qk[:, h:], v)
         q, k = qk[:, :h], qk[:, h:]  # [num_tokens, heads | kv_heads, head_dim]
-        o = paged_attention(q, k, v, i, pool, meta, self.scale, self.kernels)  # [num_tokens, heads, head_dim]
+        workspace = ATTENTION_WORKSPACE_BYTES if q.is_cuda else None
+        o = paged_attention(q, k, v, i, pool, meta, self.scale, self.kernels, workspace)  # [num_tokens, heads, head_dim]
         return layer.o(o.reshape(n, h * d))
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:

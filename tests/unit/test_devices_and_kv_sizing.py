@@ -39,6 +39,18 @@ def test_the_kv_pool_gets_this_workers_share_less_what_the_profile_used() -> Non
     assert num_blocks_for(kv_pool_bytes(80 * GIB, 18 * GIB, 0.45), 2 * 2**20) == 9216
 
 
+def test_the_pool_never_takes_more_than_is_free_less_a_steps_transient() -> None:
+    """A second worker started at the default 0.9 on a GPU another worker fills: its share
+    would be 72 - 18 GiB, but 20 GiB is free and a step needs 2 of it, so it gets 18."""
+    assert kv_pool_bytes(80 * GIB, 18 * GIB, 0.9, free_bytes=20 * GIB, transient_bytes=2 * GIB) == 18 * GIB
+    # plenty free: the share decides, as without a reading
+    assert kv_pool_bytes(80 * GIB, 18 * GIB, 0.45, free_bytes=60 * GIB, transient_bytes=2 * GIB) == \
+        int(36 * GIB) - 18 * GIB
+    with pytest.raises(ValueError, match=r"1\.50 GiB of 80\.0 GiB is free and a step needs 2\.00 GiB of it; other "
+                                         r"processes hold the rest.*--gpu-memory-utilization \(two workers: 0\.45"):
+        kv_pool_bytes(80 * GIB, 18 * GIB, 0.9, free_bytes=int(1.5 * GIB), transient_bytes=2 * GIB)
+
+
 def test_no_room_left_says_what_took_it_and_what_to_change() -> None:
     with pytest.raises(ValueError, match=r"may use 0\.20 of 80\.0 GiB = 16\.00 GiB.*already take 18\.00 GiB.*"
                                          r"raise --gpu-memory-utilization"):

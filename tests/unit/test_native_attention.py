@@ -173,3 +173,34 @@ def test_add_rms_norm_refuses_mismatched_tensors(kernels):
         kernels.add_rms_norm(h, None, torch.ones(16, dtype=torch.bfloat16), 1e-5)
     with pytest.raises(ValueError, match="h must be contiguous"):
         kernels.add_rms_norm(h.t(), None, torch.ones(4), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_group_over_the_workspace_attends_in_pieces_and_gives_the_same(dtype):
+    """A decode batch split into runs of requests, and one request's long chunk split into
+    runs of its queries, against the whole group at once (the torch forms, no kernel)."""
+    from engine import attention
+
+    pool = make_pool(2, 16, dtype)
+    decode = PagedGroup(token_index=torch.arange(3), padded_index=torch.arange(3), batch=3, max_query_len=1,
+                        block_table=torch.tensor([[3, 9, 1], [20, 21, 0], [5, 0, 0]]), num_keys=12,
+                        rows=torch.arange(3), ctx_lens=torch.tensor([11, 6, 2]))
+    chunk = PagedGroup(token_index=torch.arange(3, 9), padded_index=torch.arange(6), batch=1, max_query_len=6,
+                       block_table=torch.tensor([[7, 8, 10]]), num_keys=12, rows=torch.zeros(6, dtype=torch.long),
+                       ctx_lens=torch.arange(7, 13))
+    meta = AttentionMetadata(slot_blocks=torch.tensor([1, 21, 5, 8, 8, 10, 10, 10, 10]),
+                             slot_offsets=torch.tensor([2, 1, 1, 2, 3, 0, 1, 2, 3]), groups=[decode, chunk])
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(9, h, 16, generator=g).to(dtype) for h in (4, 2, 2))
+    pool.write(1, meta.slot_blocks, meta.slot_offsets, k, v)
+    whole = paged_attention(q, k, v, 1, pool, meta, 0.25)
+    one_request = attention._pieces(decode, 4, pool, q.element_size(), 1)
+    assert one_request == [(slice(0, 1), slice(None)), (slice(1, 2), slice(None)), (slice(2, 3), slice(None))]
+    per_query = 12 * 4 * (8 + 2 * q.element_size())
+    gathered = 12 * 2 * 2 * 16 * q.element_size()
+    assert attention._pieces(chunk, 4, pool, q.element_size(), gathered + 2 * per_query) == \
+        [(slice(None), slice(0, 2)), (slice(None), slice(2, 4)), (slice(None), slice(4, 6))]
+    pieces = paged_attention(q, k, v, 1, pool, meta, 0.25, workspace_bytes=gathered + 2 * per_query)
+    assert attention._pieces(decode, 4, pool, q.element_size(), 10**9) == [(slice(None), slice(None))]
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2  # SDPA's own blocking differs with the shapes
+    torch.testing.assert_close(pieces, whole, atol=tolerance, rtol=tolerance)
