@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# On the GPU machine, from the repository root: the carried wheels installed beside the
+# image's packages, then the one-shot check into $OUT (or the directory given).
+#   bash benchmarks/gpu_run.sh [OUT] [gpu_check.py flags...]
+set -uo pipefail
+out=${1:-${OUT:-/tmp/gpu-check}}
+shift || true
+pip install -q --no-deps --no-index --target /tmp/gw .gpuwheels/*.whl
+export PYTHONPATH=$PWD:/tmp/gw
+nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv > "$out.nvidia-smi.txt" 2>&1 || true
+mkdir -p "$out" && mv "$out.nvidia-smi.txt" "$out/" 2>/dev/null || true
+timeout 560 python benchmarks/gpu_check.py --out "$out" "$@"

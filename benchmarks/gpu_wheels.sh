@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The wheels a GPU machine lacks (its image has torch, CuPy, Triton, grpcio, msgpack and
+# transformers, and no package registry), for Python 3.12, into .gpuwheels/ (ignored by
+# git; the device tool carries it: carry=[".gpuwheels"]). Run here, where PyPI answers.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+mkdir -p .gpuwheels
+"$PY" -m pip download -q --only-binary=:all: --python-version 3.12 --no-deps -d .gpuwheels \
+  --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+  llguidance prometheus_client redis gguf opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions \
+  orjson "protobuf>=6"
+ls .gpuwheels
