@@ -98,14 +98,14 @@ def main() -> None:
     startup_s = 0.0
     if "autoscale" in args.workloads.split(","):
         # the floor holds the engine's step; what serving adds around it is 1P:1D's (calibrating
-        # on held engines would count their batches' longer steps as jitter of delivery)
+        # on held engines would count their batches' longer steps as delivery delays)
         costs[FIXED.name] = costs[SCALED.name] = dataclasses.replace(costs[PD.name], floor=FLOOR)
         startup_s = measure_startup(model, FLOORED)
     print(json.dumps({"bench": "sim_validate_fit", "engine_coef": engine.coef,
-                      **{name: {**{k: round(v, 8) for k, v in vars(c).items() if k not in ("coef", "jitter_s", "hops_s", "floor")},
+                      **{name: {**{k: round(v, 8) for k, v in vars(c).items() if k not in ("coef", "delivery_s", "hops_s", "floor")},
                                 "floor": dataclasses.asdict(c.floor) if c.floor else None,
-                                **{f"{k}_ms_p50_p90_p99": [round((report.pct(list(getattr(c, f"{k}_s")), q) or 0.0) * 1e3, 3)
-                                                           for q in report.QUANTILES] for k in ("jitter", "hops")}}
+                                **{f"{k}_ms_p50_p90_p99": [round((report.pct(xs, q) or 0.0) * 1e3, 3) for q in report.QUANTILES]
+                                   for k, xs in (("hops", list(c.hops_s)), ("delivery", [x for d in c.delivery_s for x in d]))}}
                          for name, c in costs.items()},
                       "startup_s": round(startup_s, 2), "fit_and_calibration_s": round(time.perf_counter() - began, 1)}),
           flush=True)

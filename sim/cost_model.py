@@ -106,8 +106,8 @@ class Roofline:
     """Tensor-parallel degree: one worker spans this many GPUs."""
     rpc_s: float = 0.0005
     """From a request's arrival to its first step's start: the router's hops to the workers."""
-    jitter_s: tuple[float, ...] = ()
-    """Delivery delays past a step's end, sampled per token (none stated for the GPU model)."""
+    delivery_s: tuple[tuple[float, ...], ...] = ()
+    """Streams' delivery patterns, one replayed per stream (none stated for the GPU model)."""
     hops_s: tuple[float, ...] = ()
     """Router hops sampled per request in place of `rpc_s` (none stated for the GPU model)."""
     hop_token_s: float = 0.0

@@ -11,9 +11,10 @@ real cluster where both can run (benchmarks/sim_validate.py).
     CpuCost: that fit, plus what serving adds around the engine, measured on the running
         cluster by the caller: per step and per streamed request (`step_overhead_s`,
         `seq_overhead_s`: the worker's output path between steps), the router's hops before
-        the first step (`rpc_s`), a KV hand-off (`transfer_base_s`), and how late a token
-        reaches the client past its step (`jitter_s`, samples drawn per token: the client's
-        view only, the engines' timing is not moved by it)
+        the first step (`rpc_s`), a KV hand-off (`transfer_base_s`), and when a stream's later
+        tokens reach the client against a steady pace (`delivery_s`, the measured streams'
+        patterns, one replayed per simulated stream: the client's view only, the engines'
+        timing is not moved by it)
 
 The features follow the engine's code paths (engine/attention.py):
     step, tokens         per step, and per token through every linear layer
@@ -31,6 +32,7 @@ and a cold chunk 0.6x; without new_shape, the first-use cost was spread over eve
 """
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import subprocess
@@ -71,8 +73,8 @@ class CpuCost:
     seq_overhead_s: float = 0.0
     rpc_s: float = 0.0
     transfer_base_s: float = 0.0
-    jitter_s: tuple[float, ...] = ()
-    """Measured delays of a token's delivery past its step's end (sorted samples; empty: none)."""
+    delivery_s: tuple[tuple[float, ...], ...] = ()
+    """Measured streams' delivery patterns (`delivery_cycle`; empty: every token seen as its step ends)."""
     hops_s: tuple[float, ...] = ()
     """Measured router hops, each request's TTFT at an idle rate less its fitted prefill and
     `hop_token_s` for its prompt (sorted samples; empty: `rpc_s` for every request)."""
@@ -132,8 +134,20 @@ class CpuCost:
     def load(cls, path: Path) -> CpuCost:
         d = json.loads(path.read_text())
         floor = StepFloor(**d["floor"]) if d.get("floor") else None
-        return cls(**{**d, "coef": tuple(d["coef"]), "jitter_s": tuple(d.get("jitter_s", ())),
+        return cls(**{**d, "coef": tuple(d["coef"]), "delivery_s": tuple(map(tuple, d.get("delivery_s", ()))),
                       "hops_s": tuple(d.get("hops_s", ())), "floor": floor})
+
+
+def delivery_cycle(itls_s: list[float]) -> tuple[float, ...]:
+    """How one measured stream's tokens after its first decode token reached the client
+    against a steady pace: token k's offset from where a pace of the stream's mean gap puts
+    it (the first is 0, the next one's offset ends the cycle at 0 again). Read on two cores,
+    half the gaps are shorter than a step: the client read two tokens at once, late for one
+    and on time for the next. Replayed whole, a pattern keeps that pairing, which delays
+    drawn one per token cannot produce."""
+    gaps = itls_s[1:]  # the first gap is the hand-off's
+    pace = sum(gaps) / len(gaps)
+    return tuple(round(x, 6) for x in itertools.accumulate((g - pace for g in gaps[:-1]), initial=0.0))
 
 
 def profile_engine(model_dir: str, num_requests: int = 256, chunk_tokens: int = 512, max_prompt: int = 1024,

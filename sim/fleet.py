@@ -272,9 +272,12 @@ class Fleet(PoolControl, KVHandoff):
 
     def _token(self, f: Flight, w: Worker, num_tokens: int, first: tuple[int, int] | None) -> None:
         o = f.outcome
-        drawn = self.hw.jitter_s and not (o.ttft_s is None and self.hw.hops_s)  # the hop samples end at the client
-        seen = self.now + (self.jitter.choice(self.hw.jitter_s) if drawn else 0.0)
-        seen = max(seen, f.last_seen)  # a stream delivers in order
+        seen = self.now  # the first token's delivery is in the hops
+        if o.ttft_s is not None and self.hw.delivery_s:
+            if not f.delivery:
+                f.delivery = self.jitter.choice(self.hw.delivery_s)
+            seen += f.delivery[len(o.itls_s) % len(f.delivery)]
+        seen = max(seen, f.last_seen)  # a stream delivers in order: a token early on the pattern comes with the last
         if o.ttft_s is None and first is not None:  # from P (then the KV moves to D) or from D itself
             o.ttft_s = seen - o.sent_s
             o.num_cached = first[1]

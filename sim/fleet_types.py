@@ -37,8 +37,7 @@ class Hardware(Protocol):
     @property
     def hops_s(self) -> Sequence[float]:
         """Samples of the router's hops through the first token's delivery, one drawn per
-        request in place of `rpc_s` (empty: `rpc_s` for all, and the first token's delivery
-        draws from `jitter_s` like the others)."""
+        request in place of `rpc_s` (empty: `rpc_s` for all)."""
 
     @property
     def hop_token_s(self) -> float:
@@ -49,8 +48,10 @@ class Hardware(Protocol):
         """A prefill worker's own time to push one token of KV (0: the push uses no compute)."""
 
     @property
-    def jitter_s(self) -> Sequence[float]:
-        """Samples of how late a token reaches the client past its step's end (empty: never)."""
+    def delivery_s(self) -> Sequence[Sequence[float]]:
+        """Measured streams' delivery patterns, one replayed per simulated stream: its later
+        tokens' offsets from their steps' ends, cyclic, the first decode token's 0 (empty:
+        every token seen as its step ends)."""
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,9 @@ class Flight:
     booking: Booking | None = None
     reservation_id: int | None = None
     last_seen: float = 0.0
-    """When the client got its last token (its step's end plus the delivery jitter)."""
+    """When the client got its last token (its step's end, moved by its delivery pattern)."""
+    delivery: Sequence[float] = ()
+    """The delivery pattern its stream replays (drawn at its first decode token)."""
     room_until: float = 0.0
     done: bool = False
 

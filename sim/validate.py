@@ -9,9 +9,9 @@ a small case runs in the suite).
        prefill does), and, from an open
        loop at a low rate (processes idle between requests), the router's hops (each
        request's TTFT less the fitted prefill: samples, one drawn per simulated request, so
-       their spread is the real one) and the jitter of delivery (each ITL's
-       excess over the median: the OS scheduling five processes on two cores, the streams'
-       own buffering), per arm
+       their spread is the real one) and the streams' delivery patterns (each stream's
+       tokens against its own steady pace, `delivery_cycle`: the OS scheduling five
+       processes on two cores, the client reading two tokens at once), per arm
     3. each workload's items, at the same arrival times, through a fresh real LocalCluster
        (bench's client) and through the Fleet with the same configuration: bench summaries
        side by side, and the ratios sim / real
@@ -44,7 +44,7 @@ from engine.config import SchedulerConfig, StepFloor
 from engine.model_config import ModelConfig
 from router.policy import RoutingConfig
 from sim.arrivals import Shape, arrival_times, timed
-from sim.cpu_fit import CpuCost, fit, profile_engine
+from sim.cpu_fit import CpuCost, delivery_cycle, fit, profile_engine
 from sim.fleet import Fleet, FleetConfig
 
 KV_CACHE_BYTES = 64 * 2**20
@@ -189,7 +189,7 @@ def calibrate(model_dir: str, engine: CpuCost, items: list[Item], pd: Arm, coloc
     """The serving terms of `engine` for each arm, from short real runs of `items` (prompts
     alike, outputs of several tokens): closed loops at 1 and 8 for the per-step and
     per-request terms and the hand-off; an open loop at `rate` (idle between requests, as a
-    served cluster mostly is) for the hops before the first step and the jitter of delivery;
+    served cluster mostly is) for the hops before the first step and the delivery patterns;
     each arm's TTFT at concurrency 1 with those prompts and with LONG_PROMPT ones for the hops'
     cost per prompt token."""
     prompt = round(statistics.median(len(i.prompt) for i in items))
@@ -218,14 +218,12 @@ def calibrate(model_dir: str, engine: CpuCost, items: list[Item], pd: Arm, coloc
                                        for load, c in ((timed(spread, times), None), (short, 1), (longer, 1)))
         grown = _median([o.ttft_s for o in at_long.outcomes if o.ttft_s]) - _median([o.ttft_s for o in at_short.outcomes if o.ttft_s])
         per_token = max(grown - computed, 0.0) / (LONG_PROMPT - prompt)
-        itls = [x for o in idle.outcomes for x in o.itls_s[1:]]
-        middle = _median(itls)
-        jitter = tuple(sorted(round(max(x - middle, 0.0), 6) for x in itls))
+        delivery = tuple(delivery_cycle(o.itls_s) for o in idle.outcomes if len(o.itls_s) >= 3)
         hops = tuple(sorted(round(max(o.ttft_s - prefill - per_token * prompt, 0.0), 6)
                             for o in idle.outcomes if o.ttft_s is not None))
         out[arm.name] = dataclasses.replace(served, rpc_s=_median(list(hops)), hops_s=hops, hop_token_s=per_token,
                                             transfer_base_s=max(handoff, 0.0) if arm.num_prefill else 0.0,
-                                            jitter_s=jitter)
+                                            delivery_s=delivery)
     return out
 
 

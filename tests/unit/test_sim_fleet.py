@@ -32,7 +32,7 @@ class Linear:
         return 0.002
 
     rpc_s = 0.0
-    jitter_s = ()
+    delivery_s = ()
     hops_s = ()
     hop_token_s = 0.0
     push_token_s = 0.0
@@ -152,9 +152,9 @@ def test_trace_replay_keeps_sharing_exact_and_repeats_the_file(tmp_path) -> None
     assert len(items[1].prompt) == 600 and items[2].prompt == items[0].prompt
 
 
-def test_delivery_jitter_moves_what_the_client_sees_not_the_engines() -> None:
+def test_delivery_patterns_move_what_the_client_sees_not_the_engines() -> None:
     class Jittery(Linear):
-        jitter_s = (0.0, 0.0, 0.005)
+        delivery_s = ((0.0, 0.005, -0.001), (0.0, 0.0))
 
     items = [Item(list(range(3 + 200 * i, 103 + 200 * i)), 20, 0.01 * i) for i in range(6)]
     plain = Fleet(one_each(), Linear(), items).run()
@@ -164,13 +164,34 @@ def test_delivery_jitter_moves_what_the_client_sees_not_the_engines() -> None:
         assert all(x >= 0 for x in b.itls_s) and len(a.itls_s) == len(b.itls_s)
         assert b.ttft_s >= a.ttft_s - 1e-12 and b.end_s >= a.end_s - 1e-12  # type: ignore[operator]
     assert max(x for o in jittered.run.outcomes for x in o.itls_s) > max(x for o in plain.run.outcomes for x in o.itls_s)
+    assert min(x for o in jittered.run.outcomes for x in o.itls_s) == 0.0  # a token early on its pattern came with the last
+
+
+def test_a_stream_replays_its_pattern_cyclically_from_its_first_decode_token() -> None:
+    """Steps of 1.1 ms; the pattern (0, +2 ms, -0.5 ms): token k after the first decode token
+    is seen at its step's end plus the pattern's (k mod 3)-th offset, never before the last."""
+    from sim.cpu_fit import delivery_cycle
+
+    assert delivery_cycle([0.009, 0.001, 0.003, 0.0005]) == (0.0, -0.0005, 0.001)  # pace 1.5 ms: -0.5, then +1.5
+
+    class Patterned(Linear):
+        delivery_s = ((0.0, 0.002, -0.0005),)
+
+    items = [Item(list(range(3, 19)), 8, 0.0)]
+    [a] = Fleet(one_each(), Linear(), items).run().run.outcomes
+    [b] = Fleet(one_each(), Patterned(), items).run().run.outcomes
+    assert b.ttft_s == a.ttft_s and a.itls_s[1:] == pytest.approx([0.0011] * 6)
+    assert b.itls_s[0] == pytest.approx(a.itls_s[0])  # the first decode token: offset 0
+    # seen at +0, 1.1+2 = 3.1, 2.2-0.5 (with the last: 3.1), 3.3, 4.4+2 = 6.4, 5.5-0.5 (6.4), 6.6 ms
+    assert b.itls_s[1:] == pytest.approx([0.0031, 0.0, 0.0002, 0.0031, 0.0, 0.0002], abs=1e-12)
+    assert b.end_s == pytest.approx(a.end_s)  # the last token is on the pace
 
 
 def test_hop_samples_are_drawn_per_request_grow_with_the_prompt_and_end_at_the_client() -> None:
     class Hops(Linear):
         hops_s = (0.001, 0.004)
         hop_token_s = 0.0001  # 1.6 ms more for each 16-token prompt
-        jitter_s = (0.010,)  # every later token seen 10 ms past its step; the first is in the hops
+        delivery_s = ((0.0, 0.010),)  # every other later token seen 10 ms past its step; the first is in the hops
 
     items = [Item(list(range(3, 19)), 2, i * 1.0) for i in range(40)]  # one block, far apart: no queueing
     plain = Fleet(one_each(), Linear(), items).run()
@@ -178,8 +199,8 @@ def test_hop_samples_are_drawn_per_request_grow_with_the_prompt_and_end_at_the_c
     extra = sorted({round(b.ttft_s - a.ttft_s, 9) for a, b in zip(plain.run.outcomes, hopped.run.outcomes, strict=True)})
     assert extra == [0.0026, 0.0056]  # each request drew one of the two, plus its prompt's part
     assert Fleet(one_each(), Hops(), items).run().run.outcomes == hopped.run.outcomes  # the same seed, the same draws
-    assert all(b.itls_s == pytest.approx([x + 0.010 for x in a.itls_s])  # later tokens: the hop, and the jitter
-               for a, b in zip(plain.run.outcomes, hopped.run.outcomes, strict=True))
+    assert all(b.itls_s == pytest.approx(a.itls_s) for a, b in zip(plain.run.outcomes, hopped.run.outcomes,
+                                                                    strict=True))  # two tokens: no later offset
 
 
 def test_the_cpu_fit_recovers_known_costs_and_round_trips(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -194,7 +215,7 @@ def test_the_cpu_fit_recovers_known_costs_and_round_trips(tmp_path) -> None:  # 
         samples.append((chunks, sampled, new, sum(c * x for c, x in zip(truth, features(chunks, sampled, new), strict=True))))
     got = fit(samples)
     assert got == pytest.approx(truth, rel=1e-6, abs=1e-12)
-    cost = CpuCost(got, step_overhead_s=0.001, seq_overhead_s=0.0001, rpc_s=0.003, jitter_s=(0.0, 0.002),
+    cost = CpuCost(got, step_overhead_s=0.001, seq_overhead_s=0.0001, rpc_s=0.003, delivery_s=((0.0, 0.002), (0.0,)),
                    hops_s=(0.002, 0.003))
     assert cost.step_s([(1, 100)] * 4) == pytest.approx(cost.engine_s([(1, 100)] * 4) + 0.001 + 4 * 0.0001)
     cost.save(tmp_path / "c.json")
