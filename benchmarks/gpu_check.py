@@ -12,7 +12,8 @@ One JSON line per figure in DIR/gpu_check.jsonl (also printed), each naming the 
   against `torch.cuda.mem_get_info` before and after;
 - decode: the engine's step at batch 1, 8, 32, 128 and contexts 512 and 4,096 (the contexts
   share one cached prefix, so building them costs one prefill), timed with CUDA events,
-  against (weights read + KV read) / copy bandwidth;
+  against (weights read + KV read) / copy bandwidth, with the torch attention forms (the
+  baseline) and then the Triton kernel on the same requests;
 - prefill: tokens/s for one 2,048- and one 8,192-token prompt against 2 x parameters x
   tokens (+ causal attention) / GEMM FLOP/s;
 - worst_step: under that pool, the largest decode batch at the context the pool allows and
@@ -204,6 +205,8 @@ def decoding(engine: LLMEngine, batch: int, context: int, seed: int) -> list[str
 def decode_steps(c: Check, engine: LLMEngine, fl: dict[str, float], batches: list[int], contexts: list[int],
                  steps: int) -> None:
     m = engine.model
+    kernels = m.attention_kernels
+    backends = ["torch", "triton"] if kernels is not None else ["torch" if c.device == "cuda" else "native"]
     weight_read = m.weight_bytes - (0 if m.tied else m.embed.numel() * m.embed.element_size())
     per_token = kv_bytes_per_token(engine)
     for ctx in contexts:
@@ -212,21 +215,26 @@ def decode_steps(c: Check, engine: LLMEngine, fl: dict[str, float], batches: lis
                 c.emit("decode", batch=b, context=ctx, skipped="budget")
                 continue
             ids = decoding(engine, b, ctx, seed=b + ctx)
-            for _ in range(2):
-                engine.step()  # warm
-            box: dict[str, float] = {}
-            wall = time.perf_counter()
-            with timed(c.device, box):
-                for _ in range(steps):
-                    assert len(engine.step()) == b
-            wall = (time.perf_counter() - wall) / steps
-            step_s = box["s"] / steps
-            kv_read = b * (ctx + 1 + 2 + steps // 2) * per_token
-            floor_s = (weight_read + kv_read) / (fl["copy_gb_per_s"] * 1e9)
-            c.emit("decode", batch=b, context=ctx, step_ms=round(step_s * 1e3, 3), wall_ms=round(wall * 1e3, 3),
-                   floor_ms=round(floor_s * 1e3, 3), over_floor=round(step_s / floor_s, 2),
-                   tokens_per_s=round(b / step_s), weight_read_gib=round(weight_read / 2**30, 3),
-                   kv_read_gib=round(kv_read / 2**30, 3))
+            done = 0
+            for attention in backends:  # the same requests, each attention backend in turn
+                m.attention_kernels = kernels if attention == "triton" else None
+                for _ in range(2):
+                    engine.step()  # warm
+                box: dict[str, float] = {}
+                wall = time.perf_counter()
+                with timed(c.device, box):
+                    for _ in range(steps):
+                        assert len(engine.step()) == b
+                wall = (time.perf_counter() - wall) / steps
+                done += 2 + steps
+                step_s = box["s"] / steps
+                kv_read = b * (ctx + 1 + done - steps // 2) * per_token
+                floor_s = (weight_read + kv_read) / (fl["copy_gb_per_s"] * 1e9)
+                c.emit("decode", attention=attention, batch=b, context=ctx, step_ms=round(step_s * 1e3, 3),
+                       wall_ms=round(wall * 1e3, 3), floor_ms=round(floor_s * 1e3, 3),
+                       over_floor=round(step_s / floor_s, 2), tokens_per_s=round(b / step_s),
+                       weight_read_gib=round(weight_read / 2**30, 3), kv_read_gib=round(kv_read / 2**30, 3))
+            m.attention_kernels = kernels
             for rid in ids:
                 engine.abort(rid)
 

@@ -163,7 +163,9 @@ class EngineConfig:
     """On CPU, C kernels (engine/native.py, compiled at first use with the C compiler on
     PATH) run decode attention over the paged pool, add + RMSNorm, SwiGLU, rotary + KV
     store, and bfloat16 matmuls where the CPU has AVX-512 BF16; False, or no compiler,
-    keeps the torch forms (engine/attention.py, oneDNN linears)."""
+    keeps the torch forms (engine/attention.py, oneDNN linears). On GPUs, decode attention
+    runs the Triton kernel (engine/triton_attention.py) where Triton imports; False keeps
+    the torch forms there too."""
     detokenize: bool = True
     """Turn output tokens into text (and honour stop strings). Workers serving a router
     turn it off: the router detokenizes once, for every worker a request ran on."""

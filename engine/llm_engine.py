@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 from tokenizers import Tokenizer
 
-from engine import native
+from engine import native, triton_attention
 from engine.attention import ATTENTION_WORKSPACE_BYTES
 from engine.block_pool import BlockPool, KVEvent, PoolUsage
 from engine.config import EngineConfig
@@ -69,6 +69,8 @@ class LLMEngine:
         (KV sizing counts what it took since)."""
         kernels = native.load() if config.native_kernels and config.device == "cpu" else None
         self.model = LlamaForCausalLM.load(model_dir, mc, dtype, config.device, config.prepack_weights, kernels)
+        if config.native_kernels and config.device.startswith("cuda"):
+            self.model.attention_kernels = triton_attention.load()
         self.model_id = config.model_id or model_dir.resolve().name
         self.hasher = BlockHasher(config.cache.cluster_secret, self.model_id, config.cache.block_size)
         self.layout = KVLayout(mc.num_layers, config.cache.block_size, mc.num_kv_heads, mc.head_dim, dtype)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -55,6 +56,8 @@ class LlamaForCausalLM:
         self.rotary = RotaryTable(config.rope, config.head_dim, config.max_position_embeddings, device)
         self.layers: list[LayerWeights] = []
         self.kernels: NativeKernels | None = None
+        self.attention_kernels: Any = None
+        """On GPUs, the Triton paged attention for short queries (engine/triton_attention.py), where it loads."""
         self.native_layers: ctypes.Array | None = None
         """The layers' weight pointers for `NativeKernels.decode_layers`, where it can run them."""
 
@@ -177,7 +180,8 @@ class LlamaForCausalLM:
             pool.write(i, meta.slot_blocks, meta.slot_offsets, qk[:, h:], v)
         q, k = qk[:, :h], qk[:, h:]  # [num_tokens, heads | kv_heads, head_dim]
         workspace = ATTENTION_WORKSPACE_BYTES if q.is_cuda else None
-        o = paged_attention(q, k, v, i, pool, meta, self.scale, self.kernels, workspace)  # [num_tokens, heads, head_dim]
+        o = paged_attention(q, k, v, i, pool, meta, self.scale, self.kernels or self.attention_kernels,  # type: ignore[arg-type]
+                            workspace)  # [num_tokens, heads, head_dim]
         return layer.o(o.reshape(n, h * d))
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:

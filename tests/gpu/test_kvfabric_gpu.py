@@ -1,4 +1,5 @@
-"""kvfabric's GPU transports: cuda_ipc between two processes on one GPU, nccl to itself,
+"""kvfabric's GPU transports: cuda_ipc between two processes on one GPU (and two senders into one
+pool at once, and a push that must wait for the stream that wrote its blocks), nccl to itself,
 and nccl between two processes on two GPUs. Need CUDA and CuPy (the `gpu` extra)."""
 from __future__ import annotations
 
@@ -105,6 +106,72 @@ def test_nccl_send_to_self() -> None:
     link.exchange(0, [(src[1].data_ptr(), 8192)], [(dst[2].data_ptr(), 8192)], timeout_s=30)
     assert torch.equal(dst[2:4], src[1:3]) and not dst[:2].any()
     link.close()
+
+
+def sender_child(pipe: Connection, ticket_wire: dict, seed: int) -> None:
+    """A second prefill process: pushes its own blocks 0..n-1 into the ticket's, in two pieces."""
+    g = torch.Generator(device="cuda:0").manual_seed(seed)
+    src = torch.randint(0, 256, (NUM_BLOCKS, LAYOUT.block_bytes), dtype=torch.uint8, device="cuda:0", generator=g)
+    sender = FabricSender(LAYOUT, DeviceRegion.from_tensor(src), SenderConfig(transport="cuda_ipc"))
+    ticket = Ticket.from_wire(ticket_wire)
+    n = len(ticket.block_ids)
+    pipe.send("ready")
+    pipe.recv()  # go
+    transfer = sender.open(ticket)
+    transfer.push(list(range(n // 2)), 0)
+    transfer.push(list(range(n // 2, n)), n // 2)
+    transfer.finish(5, n * LAYOUT.block_size)
+    pipe.send(src[:n].cpu().numpy().tobytes())
+    sender.close()
+
+
+def test_two_senders_push_into_one_pool_at_once() -> None:
+    """Two prefill processes' pushes into disjoint blocks of one decode pool, at the same time:
+    both arrive, each block holds its sender's bytes."""
+    ctx = mp.get_context("spawn")
+    pipe, child = ctx.Pipe()
+    receiver = ctx.Process(target=receiver_child, args=(child, 0, True), daemon=True)
+    receiver.start()
+    other = None
+    try:
+        assert pipe.poll(120)
+        pipe.recv()
+        pipe.send(("expect", "a", list(range(0, 12))))
+        ticket_a = Ticket.from_wire(pipe.recv())
+        pipe.send(("expect", "b", list(range(12, 24))))
+        ticket_b = pipe.recv()
+        to_other, theirs = ctx.Pipe()
+        other = ctx.Process(target=sender_child, args=(theirs, ticket_b, 9), daemon=True)
+        other.start()
+        assert to_other.poll(120) and to_other.recv() == "ready"
+        src = torch.randint(0, 256, (NUM_BLOCKS, LAYOUT.block_bytes), dtype=torch.uint8, device="cuda:0")
+        sender = FabricSender(LAYOUT, DeviceRegion.from_tensor(src), SenderConfig(transport="cuda_ipc"))
+        transfer = sender.open(ticket_a)
+        to_other.send("go")
+        for k in range(12):  # one block a push, interleaving with the other process's pushes
+            transfer.push([20 - k], k)
+        transfer.finish(5, 12 * LAYOUT.block_size)
+        assert to_other.poll(60)
+        their_bytes = to_other.recv()
+        arrived: set[str] = set()
+        for _ in range(3):
+            pipe.send(("poll",))
+            arrived |= {rid for rid, kind in pipe.recv() if kind == KVArrived.__name__}
+            if arrived == {"a", "b"}:
+                break
+        assert arrived == {"a", "b"}
+        pipe.send(("bytes", list(range(12))))
+        assert pipe.recv() == src[[20 - k for k in range(12)]].cpu().numpy().tobytes()
+        pipe.send(("bytes", list(range(12, 24))))
+        assert pipe.recv() == their_bytes
+        sender.close()
+    finally:
+        pipe.send(("exit",))
+        receiver.join(10)
+        receiver.kill()
+        if other is not None:
+            other.join(10)
+            other.kill()
 
 
 def test_nccl_between_two_pools_on_one_gpu_is_refused_at_the_handshake() -> None:

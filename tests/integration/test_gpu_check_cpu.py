@@ -25,6 +25,7 @@ def test_the_gpu_check_runs_every_engine_phase_on_the_cpu(tmp_path: Path) -> Non
     for check in ("preflight", "floors", "kv_sizing", "decode", "prefill", "worst_step", "engine_vs_transformers", "end"):
         assert check in checks, check
     decode = [x for x in lines if x["check"] == "decode"]
-    assert [(x["batch"], x["context"]) for x in decode] == [(1, 64), (8, 64), (1, 256), (8, 256)]
+    assert [(x["attention"], x["batch"], x["context"]) for x in decode] == \
+        [("native", 1, 64), ("native", 8, 64), ("native", 1, 256), ("native", 8, 256)]
     assert all(x["step_ms"] > 0 and x["over_floor"] > 0 for x in decode)
     assert {x["outcome"] for x in lines if x["check"] == "worst_step"} == {"ran"}
