@@ -143,8 +143,9 @@ def delivery_cycle(itls_s: list[float]) -> tuple[float, ...]:
     against a steady pace: token k's offset from where a pace of the stream's mean gap puts
     it (the first is 0, the next one's offset ends the cycle at 0 again). Read on two cores,
     half the gaps are shorter than a step: the client read two tokens at once, late for one
-    and on time for the next. Replayed whole, a pattern keeps that pairing, which delays
-    drawn one per token cannot produce."""
+    and on time for the next. Replayed whole (from any phase: the cycle's offsets sum its
+    gaps, the last one's included, to 0), a pattern keeps that pairing, which delays drawn
+    one per token cannot produce."""
     gaps = itls_s[1:]  # the first gap is the hand-off's
     pace = sum(gaps) / len(gaps)
     return tuple(round(x, 6) for x in itertools.accumulate((g - pace for g in gaps[:-1]), initial=0.0))

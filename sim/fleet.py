@@ -274,8 +274,10 @@ class Fleet(PoolControl, KVHandoff):
         o = f.outcome
         seen = self.now  # the first token's delivery is in the hops
         if o.ttft_s is not None and self.hw.delivery_s:
-            if not f.delivery:
-                f.delivery = self.jitter.choice(self.hw.delivery_s)
+            if not f.delivery:  # a pattern, from a phase of its own: a short stream's gaps are any of its gaps
+                cycle = self.jitter.choice(self.hw.delivery_s)
+                phase = self.jitter.randrange(len(cycle))
+                f.delivery = [x - cycle[phase] for x in (*cycle[phase:], *cycle[:phase])]
             seen += f.delivery[len(o.itls_s) % len(f.delivery)]
         seen = max(seen, f.last_seen)  # a stream delivers in order: a token early on the pattern comes with the last
         if o.ttft_s is None and first is not None:  # from P (then the KV moves to D) or from D itself

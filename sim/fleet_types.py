@@ -119,7 +119,8 @@ class Flight:
     last_seen: float = 0.0
     """When the client got its last token (its step's end, moved by its delivery pattern)."""
     delivery: Sequence[float] = ()
-    """The delivery pattern its stream replays (drawn at its first decode token)."""
+    """The delivery pattern its stream replays (drawn at its first decode token, from a phase
+    of the measured cycle drawn with it, the first decode token's offset 0)."""
     room_until: float = 0.0
     done: bool = False
 

@@ -167,9 +167,10 @@ def test_delivery_patterns_move_what_the_client_sees_not_the_engines() -> None:
     assert min(x for o in jittered.run.outcomes for x in o.itls_s) == 0.0  # a token early on its pattern came with the last
 
 
-def test_a_stream_replays_its_pattern_cyclically_from_its_first_decode_token() -> None:
-    """Steps of 1.1 ms; the pattern (0, +2 ms, -0.5 ms): token k after the first decode token
-    is seen at its step's end plus the pattern's (k mod 3)-th offset, never before the last."""
+def test_a_stream_replays_its_pattern_cyclically_from_a_phase_of_its_own() -> None:
+    """Steps of 1.1 ms; the pattern (0, +2 ms, -0.5 ms), entered at a phase drawn per stream
+    and shifted so the first decode token's offset is 0: token k after it is seen at its
+    step's end plus the k-th offset from there, never before the token before it."""
     from sim.cpu_fit import delivery_cycle
 
     assert delivery_cycle([0.009, 0.001, 0.003, 0.0005]) == (0.0, -0.0005, 0.001)  # pace 1.5 ms: -0.5, then +1.5
@@ -177,14 +178,19 @@ def test_a_stream_replays_its_pattern_cyclically_from_its_first_decode_token() -
     class Patterned(Linear):
         delivery_s = ((0.0, 0.002, -0.0005),)
 
-    items = [Item(list(range(3, 19)), 8, 0.0)]
-    [a] = Fleet(one_each(), Linear(), items).run().run.outcomes
-    [b] = Fleet(one_each(), Patterned(), items).run().run.outcomes
-    assert b.ttft_s == a.ttft_s and a.itls_s[1:] == pytest.approx([0.0011] * 6)
-    assert b.itls_s[0] == pytest.approx(a.itls_s[0])  # the first decode token: offset 0
-    # seen at +0, 1.1+2 = 3.1, 2.2-0.5 (with the last: 3.1), 3.3, 4.4+2 = 6.4, 5.5-0.5 (6.4), 6.6 ms
-    assert b.itls_s[1:] == pytest.approx([0.0031, 0.0, 0.0002, 0.0031, 0.0, 0.0002], abs=1e-12)
-    assert b.end_s == pytest.approx(a.end_s)  # the last token is on the pace
+    items = [Item(list(range(3, 19)), 8, 1.0 * i) for i in range(12)]  # far apart: each stream alone
+    plain = Fleet(one_each(), Linear(), items).run().run.outcomes
+    patterned = Fleet(one_each(), Patterned(), items).run().run.outcomes
+    # by phase: offsets (0, 2, -0.5), (0, -2.5, -2), (0, 0.5, 2.5) ms, seen against steps at 0, 1.1, 2.2 ... ms
+    by_phase = {(3.1, 0.0, 0.2, 3.1, 0.0, 0.2), (0.0, 0.2, 3.1, 0.0, 0.2, 3.1), (1.6, 3.1, 0.0, 0.2, 3.1, 0.0)}
+    phases = set()
+    for a, b in zip(plain, patterned, strict=True):
+        assert b.ttft_s == a.ttft_s and a.itls_s[1:] == pytest.approx([0.0011] * 6)
+        assert b.itls_s[0] == pytest.approx(a.itls_s[0])  # the first decode token: offset 0
+        got = tuple(round(x * 1e3, 6) for x in b.itls_s[1:])
+        assert got in by_phase
+        phases.add(got)
+    assert phases == by_phase  # twelve streams drew every phase
 
 
 def test_hop_samples_are_drawn_per_request_grow_with_the_prompt_and_end_at_the_client() -> None:
