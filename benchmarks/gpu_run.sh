@@ -7,6 +7,6 @@ out=${1:-${OUT:-/tmp/gpu-check}}
 shift || true
 pip install -q --no-deps --no-index --target /tmp/gw .gpuwheels/*.whl
 export PYTHONPATH=$PWD:/tmp/gw
-nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv > "$out.nvidia-smi.txt" 2>&1 || true
-mkdir -p "$out" && mv "$out.nvidia-smi.txt" "$out/" 2>/dev/null || true
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv > "$out/nvidia-smi.txt" 2>&1 || true
 timeout 560 python benchmarks/gpu_check.py --out "$out" "$@"
