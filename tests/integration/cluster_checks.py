@@ -59,11 +59,17 @@ def one_and_one(model_dir: str) -> ClusterConfig:
         router=RouterConfig(port=0, routing=RoutingConfig(mode="auto", local_prefill_tokens=8)))
 
 
+STARTUP_TIMEOUTS = ("timed out during startup", "Timed out waiting for file")
+"""What Ray says when a node's start outran one of its fixed waits."""
+
+
 def ray_head(**head_node_args: Any) -> Any:
     """A `ray.cluster_utils.Cluster` with its head node. Ray gives a raylet a fixed 30 s to
     register with its GCS, which a loaded CI machine can miss (seen twice in one day, each
-    time as "The current node timed out during startup"); such a start is tried again, three
-    times in all, after killing what the failed one left (this process's new Ray children)."""
+    time as "The current node timed out during startup"), and its GCS a fixed wait to write
+    its port (missed once: "Timed out waiting for file .../gcs_server_port_..."); such a start
+    is tried again, three times in all, after killing what the failed one left (this
+    process's new Ray children)."""
     import psutil
     from ray.cluster_utils import Cluster
 
@@ -73,7 +79,7 @@ def ray_head(**head_node_args: Any) -> Any:
         try:
             return Cluster(initialize_head=True, head_node_args={"include_dashboard": False, **head_node_args})
         except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this
-            if "timed out during startup" not in str(e) or attempt == 2:
+            if not any(m in str(e) for m in STARTUP_TIMEOUTS) or attempt == 2:
                 raise
             for p in me.children(recursive=True):
                 if p.pid not in before:
