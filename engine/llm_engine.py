@@ -69,7 +69,7 @@ class LLMEngine:
         (KV sizing counts what it took since)."""
         kernels = native.load() if config.native_kernels and config.device == "cpu" else None
         self.model = LlamaForCausalLM.load(model_dir, mc, dtype, config.device, config.prepack_weights, kernels)
-        if config.native_kernels and config.device.startswith("cuda"):
+        if config.native_kernels and cuda:
             self.model.attention_kernels = triton_attention.load()
         self.model_id = config.model_id or model_dir.resolve().name
         self.hasher = BlockHasher(config.cache.cluster_secret, self.model_id, config.cache.block_size)
