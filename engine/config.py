@@ -166,6 +166,11 @@ class EngineConfig:
     keeps the torch forms (engine/attention.py, oneDNN linears). On GPUs, decode attention
     runs the Triton kernel (engine/triton_attention.py) where Triton imports; False keeps
     the torch forms there too."""
+    decode_graphs: bool = True
+    """Steps of decodes alone run through persistent buffers (engine/decode_graphs.py): on
+    GPUs with the Triton kernels, one CUDA graph per batch-size bucket (1, 2, 4, ... up to
+    `max_num_seqs`), captured at start; on CPU the same buffers, eagerly. False: every step
+    builds its tensors and runs eagerly (vLLM's `enforce_eager`)."""
     detokenize: bool = True
     """Turn output tokens into text (and honour stop strings). Workers serving a router
     turn it off: the router detokenizes once, for every worker a request ran on."""

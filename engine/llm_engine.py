@@ -17,12 +17,14 @@ from collections.abc import Callable, Sequence
 import torch
 from tokenizers import Tokenizer
 
-from engine import native, triton_attention
+from engine.decode_graphs import CudaGraph, DecodeGraphs, Graph
+from engine.gpu_kernels import GpuKernels, Kernels, select_kernels
 from engine.attention import ATTENTION_WORKSPACE_BYTES
 from engine.block_pool import BlockPool, KVEvent, PoolUsage
 from engine.config import EngineConfig
 from engine.constrainer import Constrainer
 from engine.detokenizer import IncrementalDetokenizer
+from engine.device_memory import CudaMemory, DeviceMemory
 from engine.draft_proposer import DraftProposer
 from engine.hashing import BlockHasher
 from engine.gguf_checkpoint import resolve_model_dir
@@ -53,7 +55,14 @@ class LLMEngine:
         clock: Callable[[], float] = time.monotonic,
         handoff: KVHandoff | None = None,
         allocator: KVAllocator | None = None,
+        memory: DeviceMemory | None = None,
+        graphs: Callable[[], Graph] | None = None,
     ) -> None:
+        """`memory`: how the device answers for its memory (engine/device_memory.py): on a GPU
+        `CudaMemory` unless given; given on CPU (a test's `StatedMemory`), the pool is sized by
+        the same profile as on a GPU. `graphs`: what each decode bucket is captured into
+        (engine/decode_graphs.py); None: CUDA graphs on GPUs with the Triton kernels, none on CPU
+        (a test's `EagerGraph` runs the bucketed path there)."""
         self.config = config
         self.clock = clock
         self.handoff = handoff
@@ -63,27 +72,28 @@ class LLMEngine:
         dtype = _DTYPES[config.dtype]
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         cuda = config.device.startswith("cuda")
-        self._memory_at_start = (torch.cuda.mem_get_info(config.device)[0], torch.cuda.memory_reserved(config.device)) \
-            if cuda else (0, 0)
+        self.memory = memory if memory is not None else CudaMemory(config.device) if cuda else None
+        self._memory_at_start = (self.memory.free_and_total()[0], self.memory.reserved()) if self.memory else (0, 0)
         """The device's free memory and torch's reserved memory before this engine took any
         (KV sizing counts what it took since)."""
-        kernels = native.load() if config.native_kernels and config.device == "cpu" else None
+        kernels = select_kernels(config.device, config.native_kernels)
         self.model = LlamaForCausalLM.load(model_dir, mc, dtype, config.device, config.prepack_weights, kernels)
-        if config.native_kernels and cuda:
-            self.model.attention_kernels = triton_attention.load()
         self.model_id = config.model_id or model_dir.resolve().name
         self.hasher = BlockHasher(config.cache.cluster_secret, self.model_id, config.cache.block_size)
         self.layout = KVLayout(mc.num_layers, config.cache.block_size, mc.num_kv_heads, mc.head_dim, dtype)
         self.sampler = Sampler(config.seed, config.device)
         tok_path = model_dir / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.is_file() else None
+        self._model_dir = model_dir
+        self._constrainer: Constrainer | None = None
+        self.speculator: Speculator | None = None
+        """Proposes and verifies tokens ahead (None: off, or a prefill worker, which stops at the
+        first). Set before any step runs: sizing the pool on a GPU runs one (`_profile_kv_bytes`)."""
         self._reset_state()
         self._attach_pool(self._pool_blocks(), allocator)
         self._reset_state()  # a profiled forward's requests and counts are not the worker's
         self.speculator = self._speculator(dtype, kernels)
-        """Proposes and verifies tokens ahead (None: off, or a prefill worker, which stops at the first)."""
-        self._model_dir = model_dir
-        self._constrainer: Constrainer | None = None
+        self._capture_graphs(graphs if graphs is not None else self._cuda_graphs(kernels))
 
     @property
     def constrainer(self) -> Constrainer:
@@ -93,7 +103,7 @@ class LLMEngine:
             self._constrainer = Constrainer(Grammars.for_model(self._model_dir, mc.vocab_size, mc.eos_token_ids))
         return self._constrainer
 
-    def _speculator(self, dtype: torch.dtype, kernels: native.NativeKernels | None) -> Speculator | None:
+    def _speculator(self, dtype: torch.dtype, kernels: Kernels | None) -> Speculator | None:
         spec = self.config.speculative
         if not spec.enabled or self.config.role == "prefill":
             return None
@@ -104,49 +114,73 @@ class LLMEngine:
                                      self.layout.block_size, self.kv_pool.num_blocks, kernels)
         return Speculator(spec, self.scheduler.context_limit, proposer)
 
+    def _cuda_graphs(self, kernels: Kernels | None) -> Callable[[], Graph] | None:
+        if not (self.config.decode_graphs and isinstance(kernels, GpuKernels) and kernels.device_type == "cuda"):
+            return None
+        pool = torch.cuda.graph_pool_handle()
+        return lambda: CudaGraph(pool)
+
+    def _capture_graphs(self, graphs: Callable[[], Graph] | None) -> None:
+        decode = self.runner.decode
+        if graphs is None or decode is None:
+            return
+        decode.capture(graphs)
+
     # -- the KV pool -----------------------------------------------------------------
-    def _attach_pool(self, num_blocks: int, allocator: KVAllocator | None) -> None:
-        """The pool and everything that counts its blocks: block pool, cache manager, scheduler, runner."""
+    def _attach_pool(self, num_blocks: int, allocator: KVAllocator | None, provisional: bool = False) -> None:
+        """The pool and everything that counts its blocks: block pool, cache manager, scheduler, runner.
+        `provisional`: the profile's own small pool, of which no operator need hear."""
         config = self.config
         self.kv_pool = KVPool(self.layout, num_blocks, config.device, allocator)
         self.block_pool = BlockPool(num_blocks, config.cache.enable_prefix_caching, config.cache.protected_fraction)
         self.kv = KVCacheManager(self.block_pool, self.hasher)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.clock)
-        self.runner = ModelRunner(self.model, self.kv_pool, config.device)
-        if self.scheduler.context_limit < self.max_model_len:
+        self.runner = ModelRunner(self.model, self.kv_pool, config.device, None if provisional else self._decode_graphs())
+        if self.scheduler.context_limit < self.max_model_len and not provisional:
             logger.warning(
                 "the KV pool (%d blocks of %d tokens) is smaller than the model's context (%d tokens): "
                 "a sequence stops with finish reason length at %d tokens; raise kv_cache_bytes for more",
                 num_blocks, config.cache.block_size, self.max_model_len, self.scheduler.context_limit)
 
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """Persistent decode buffers: on CPU, and on GPUs whose kernels let a graph read the
+        block table in place (the Triton attention; the torch forms gather by it)."""
+        kernels = self.model.kernels
+        if not self.config.decode_graphs or (self.config.device != "cpu" and not isinstance(kernels, GpuKernels)):
+            return None
+        return DecodeGraphs(self.model, self.kv_pool, self.config.device, self.config.scheduler.max_num_seqs,
+                            self.max_model_len)
+
     def _pool_blocks(self) -> int:
         cache = self.config.cache
         if cache.num_blocks:
             return cache.num_blocks
-        if cache.kv_cache_bytes is not None or not self.config.device.startswith("cuda"):
+        if cache.kv_cache_bytes is not None or self.memory is None:
             return num_blocks_for(cache.kv_cache_bytes or DEFAULT_CPU_KV_BYTES, self.layout.block_bytes)
         return num_blocks_for(self._profile_kv_bytes(), self.layout.block_bytes)
 
     def _profile_kv_bytes(self) -> int:
         """GPU: one forward at the largest step on a provisional pool, then what memory is left
         of this engine's share and free on the device (engine/kv_sizing.py)."""
-        device = torch.device(self.config.device)
+        memory = self.memory
+        assert memory is not None  # _pool_blocks profiles only with one
         num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len - 1)
         profile_blocks = -(-(num_tokens + 1) // self.layout.block_size) + 1
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        self._attach_pool(profile_blocks, None)
+        memory.synchronize()
+        memory.reset_peak()
+        self._attach_pool(profile_blocks, None, provisional=True)
         self.generate([[0] * num_tokens], SamplingParams(max_tokens=1, ignore_eos=True))
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_reserved(device) - profile_blocks * self.layout.block_bytes
+        memory.synchronize()
+        peak = memory.peak_reserved() - profile_blocks * self.layout.block_bytes
         del self.kv_pool, self.runner, self.scheduler, self.kv, self.block_pool
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(device)
+        memory.release_cached()
+        free, total = memory.free_and_total()
         free_at_start, reserved_at_start = self._memory_at_start
-        held = max(free_at_start - free, torch.cuda.memory_reserved(device) - reserved_at_start)
+        reserved = memory.reserved()
+        held = max(free_at_start - free, reserved - reserved_at_start)
         # the profiled step's activations, and what a decode batch's or a later chunk's
         # attention may materialise on top (engine/attention.py bounds it)
-        transient = max(peak - torch.cuda.memory_reserved(device), 0) + ATTENTION_WORKSPACE_BYTES
+        transient = max(peak - reserved, 0) + ATTENTION_WORKSPACE_BYTES
         utilization = self.config.cache.gpu_memory_utilization
         pool_bytes = kv_pool_bytes(total, held + transient, utilization, free, transient)
         logger.info("KV pool sized from memory: %.2f GiB (%.2f of %.1f GiB less %.2f GiB held by this worker and "

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +25,9 @@ from engine.linear import Linear
 from engine.model_config import ModelConfig
 from engine.native import LayerWeights as NativeLayer
 from engine.native import NativeKernels
+
+if TYPE_CHECKING:
+    from engine.gpu_kernels import Kernels
 from engine.rope import RotaryTable, apply_rotary
 from engine.weights import CheckpointReader
 
@@ -55,16 +58,15 @@ class LlamaForCausalLM:
         self.scale = config.head_dim**-0.5
         self.rotary = RotaryTable(config.rope, config.head_dim, config.max_position_embeddings, device)
         self.layers: list[LayerWeights] = []
-        self.kernels: NativeKernels | None = None
-        self.attention_kernels: Any = None
-        """On GPUs, the Triton paged attention for short queries (engine/triton_attention.py), where it loads."""
+        self.kernels: Kernels | None = None
+        """Native C kernels on CPU, Triton ones on GPUs (engine/gpu_kernels.py); None: the torch forms."""
         self.native_layers: ctypes.Array | None = None
         """The layers' weight pointers for `NativeKernels.decode_layers`, where it can run them."""
 
     @classmethod
     def load(
         cls, model_dir: str, config: ModelConfig, dtype: torch.dtype, device: str, prepack: bool = True,
-        kernels: NativeKernels | None = None,
+        kernels: Kernels | None = None,
     ) -> LlamaForCausalLM:
         model = cls(config, dtype, device)
         model.kernels = kernels if kernels is not None and kernels.supports(dtype, device) else None
@@ -97,6 +99,15 @@ class LlamaForCausalLM:
             first.runs_before(then)
         model.native_layers = model._native_layers()
         return model
+
+    def use_kernels(self, kernels: Kernels | None) -> None:
+        """Run with `kernels` (None: the torch forms) from now on; GPU kernels only (the native
+        ones lay weights out at load). For comparing the two on the same weights."""
+        if isinstance(self.kernels, NativeKernels) or isinstance(kernels, NativeKernels):
+            raise ValueError("the native CPU kernels are chosen at load time")
+        self.kernels = kernels
+        for x in self.linears():
+            x.kernels = kernels
 
     def linears(self) -> list[Linear]:
         """Every projection, in the order forward() calls them (the lm_head last)."""
@@ -180,8 +191,7 @@ class LlamaForCausalLM:
             pool.write(i, meta.slot_blocks, meta.slot_offsets, qk[:, h:], v)
         q, k = qk[:, :h], qk[:, h:]  # [num_tokens, heads | kv_heads, head_dim]
         workspace = ATTENTION_WORKSPACE_BYTES if q.is_cuda else None
-        o = paged_attention(q, k, v, i, pool, meta, self.scale, self.kernels or self.attention_kernels,  # type: ignore[arg-type]
-                            workspace)  # [num_tokens, heads, head_dim]
+        o = paged_attention(q, k, v, i, pool, meta, self.scale, self.kernels, workspace)  # [num_tokens, heads, head_dim]
         return layer.o(o.reshape(n, h * d))
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Turns a SchedulerOutput into tensors, runs the model, returns logits to sample.
 
-SchedulerOutput (CPU, Python) -> ForwardBatch (device tensors) -> logits [num_rows, vocab].
+SchedulerOutput (CPU, Python) -> ForwardBatch (device tensors) -> logits [num_rows, vocab];
+a step of decodes alone goes through `DecodeGraphs` instead (persistent buffers, CUDA graphs).
 A request is sampled when this step computes its last known token: one row, or, when it
 verifies k proposed tokens (computed after it in the same chunk), 1 + k rows in a row.
 Decodes form one attention group, speculating requests another, each prefill chunk its own.
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata, CausalGroup, PagedGroup
+from engine.decode_graphs import DecodeGraphs
 from engine.kv_pool import KVPool
 from engine.model import LlamaForCausalLM
 from engine.request import Request
@@ -43,13 +45,17 @@ def _input_tokens(s: ScheduledRequest) -> list[int]:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, pool: KVPool, device: str) -> None:
+    def __init__(self, model: LlamaForCausalLM, pool: KVPool, device: str, decode: DecodeGraphs | None = None) -> None:
         self.model = model
         self.pool = pool
         self.device = device
         self.block_size = pool.layout.block_size
+        self.decode = decode
+        """Pure decode steps through persistent buffers and, on GPUs, CUDA graphs (engine/decode_graphs.py)."""
 
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
+        if self.decode is not None and self.decode.takes(out.scheduled):
+            return self.decode.run(out.scheduled)
         batch = self.prepare(out)
         logits = self.model.forward(
             batch.input_ids, batch.positions, self.pool, batch.meta, batch.logits_index

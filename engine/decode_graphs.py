@@ -1,0 +1,196 @@
+"""Decode steps through persistent buffers: one CUDA graph per batch-size bucket on GPUs, the
+same buffers run eagerly on CPU.
+
+A step whose every request decodes one token (no proposals to verify, each sampled) does not
+build index lists and tensors per step (engine/model_runner.py `prepare`): its inputs go
+into buffers made once, sized for the largest bucket (`max_num_seqs` requests):
+
+    host (pinned on GPUs)            device (fixed addresses, captured by the graphs)
+    small [5, max_seqs] int64  --->  token ids, positions, slot blocks, slot offsets, ctx lens
+    table [max_seqs, width] int64 -> block table, `width` = blocks of the longest context
+
+one non-blocking copy each (the table's used columns only; what lies past a row's context is
+never read). On GPUs a batch of n runs the graph of the smallest bucket >= n, captured at
+start (largest first, sharing one memory pool); rows n.. of the bucket are padding: slot
+block -1 (the rotary kernel stores nothing), context 0 (attention writes zeros), and their
+logits are dropped. A batch over the largest bucket, a step with prefill chunks or
+proposals, or a GPU without the Triton kernels runs eagerly (`ModelRunner.prepare`). The
+graphs read the block table at its full width, so the Triton attention's splits are fixed
+per bucket (engine/gpu_kernels.py) and the longest context fits any replay.
+
+On CPU the same buffers are filled the same way and the model runs on their first n rows
+(no graph to replay, so nothing is padded), with the table cut to the columns in use: the
+path every CPU test takes, so the GPU's differs only by the padding and the replay.
+`Graph` is what a bucket is captured into: `CudaGraph` on GPUs; the tests capture into
+`EagerGraph` (replay calls the function) to run the padded buckets on CPU as well.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from engine.attention import AttentionMetadata, PagedGroup
+from engine.kv_pool import KVPool
+from engine.model import LlamaForCausalLM
+from engine.request import Request
+from engine.scheduler import ScheduledRequest
+
+logger = logging.getLogger(__name__)
+
+_IDS, _POSITIONS, _BLOCKS, _OFFSETS, _CTX = range(5)
+
+
+class Graph(Protocol):
+    def capture(self, fn: Callable[[], None]) -> None: ...
+
+    def replay(self) -> None: ...
+
+
+class CudaGraph:
+    """torch.cuda.CUDAGraph, its memory from a pool every bucket shares."""
+
+    def __init__(self, pool: object) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.pool = pool
+
+    def capture(self, fn: Callable[[], None]) -> None:
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            fn()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class EagerGraph:
+    """Replays by calling the captured function: the bucketed path, run on CPU."""
+
+    def __init__(self) -> None:
+        self.fn: Callable[[], None] | None = None
+
+    def capture(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+
+    def replay(self) -> None:
+        assert self.fn is not None
+        self.fn()
+
+
+def buckets_for(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, ... below `max_num_seqs`, then `max_num_seqs` itself."""
+    out, b = [], 1
+    while b < max_num_seqs:
+        out.append(b)
+        b *= 2
+    return [*out, max_num_seqs]
+
+
+class DecodeGraphs:
+    def __init__(self, model: LlamaForCausalLM, pool: KVPool, device: str, max_num_seqs: int,
+                 max_model_len: int) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = device
+        self.block_size = pool.layout.block_size
+        self.max_seqs = max_num_seqs
+        self.width = -(-max_model_len // self.block_size)
+        self.buckets = buckets_for(max_num_seqs)
+        pinned = torch.device(device).type == "cuda"
+        self.host_small = torch.zeros(5, max_num_seqs, dtype=torch.long, pin_memory=pinned)
+        self.host_table = torch.zeros(max_num_seqs, self.width, dtype=torch.long, pin_memory=pinned)
+        self.small = self.host_small.to(device) if pinned else self.host_small
+        self.table = self.host_table.to(device) if pinned else self.host_table
+        self.index = torch.arange(max_num_seqs, device=device)
+        self._np_small = self.host_small.numpy()
+        self._np_table = self.host_table.numpy()
+        self.graphs: dict[int, Graph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.capture_s = 0.0
+
+    # -- start -----------------------------------------------------------------------
+    def capture(self, make_graph: Callable[[], Graph]) -> None:
+        """Captures every bucket, largest first, each warmed by one eager run (Triton compiles
+        there, never inside a capture)."""
+        began = time.perf_counter()
+        self._pad(0, self.max_seqs)
+        for b in reversed(self.buckets):
+            self._forward(b, self.width)  # warm
+            graph = make_graph()
+            graph.capture(lambda b=b: self._capture(b))
+            self.graphs[b] = graph
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.capture_s = time.perf_counter() - began
+        logger.info("captured decode graphs for %d batch sizes (%s) in %.1f s", len(self.buckets),
+                    ",".join(map(str, self.buckets)), self.capture_s)
+
+    # -- a step ----------------------------------------------------------------------
+    def takes(self, scheduled: list[ScheduledRequest]) -> bool:
+        """Every request decodes one known token, sampled, and the batch fits the buffers."""
+        if not 0 < len(scheduled) <= self.max_seqs:
+            return False
+        return all(s.num_new_tokens == 1 and not s.num_spec_tokens
+                   and s.request.num_computed_tokens + 1 == s.request.num_tokens for s in scheduled)
+
+    def run(self, scheduled: list[ScheduledRequest]) -> tuple[list[Request], torch.Tensor]:
+        """The step's float32 logits [n, vocab], a row per scheduled request in order."""
+        n = len(scheduled)
+        cols = self._fill(scheduled)
+        bucket = next((b for b in self.buckets if b >= n), None) if self.graphs else None
+        if bucket is None:  # eager: the model on the first n rows
+            self._upload(n, cols)
+            return [s.request for s in scheduled], self._forward(n, cols)
+        self._pad(n, bucket)
+        self._upload(bucket, cols)
+        self.graphs[bucket].replay()
+        return [s.request for s in scheduled], self.logits[bucket][:n]
+
+    def _fill(self, scheduled: list[ScheduledRequest]) -> int:
+        """The step's inputs into the host buffers; returns the table columns in use."""
+        small, table, bs = self._np_small, self._np_table, self.block_size
+        cols = 1
+        for i, s in enumerate(scheduled):
+            r = s.request
+            p = r.num_computed_tokens
+            small[_IDS, i] = r.prompt_token_ids[p] if p < r.num_prompt_tokens else \
+                r.output_token_ids[p - r.num_prompt_tokens]
+            small[_POSITIONS, i] = p
+            small[_BLOCKS, i] = r.block_ids[p // bs]
+            small[_OFFSETS, i] = p % bs
+            small[_CTX, i] = p + 1
+            used = p // bs + 1
+            table[i, :used] = r.block_ids[:used]
+            cols = max(cols, used)
+        return cols
+
+    def _pad(self, start: int, end: int) -> None:
+        """Rows start..end of a bucket: no slot to store into, no keys to attend."""
+        small = self._np_small
+        small[_IDS, start:end] = 0
+        small[_POSITIONS, start:end] = 0
+        small[_BLOCKS, start:end] = -1
+        small[_OFFSETS, start:end] = 0
+        small[_CTX, start:end] = 0
+
+    def _upload(self, rows: int, cols: int) -> None:
+        if self.small is self.host_small:
+            return
+        self.small[:, :rows].copy_(self.host_small[:, :rows], non_blocking=True)
+        self.table[:rows, :cols].copy_(self.host_table[:rows, :cols], non_blocking=True)
+
+    def _capture(self, bucket: int) -> None:
+        """A bucket's step at the table's full width; its logits, at a fixed address, are the graph's output."""
+        self.logits[bucket] = self._forward(bucket, self.width)
+
+    def _forward(self, rows: int, cols: int) -> torch.Tensor:
+        """float32 logits of the model over the buffers' first `rows` rows and `cols` table columns."""
+        small, index = self.small[:, :rows], self.index[:rows]
+        table = self.table[:rows, :cols]
+        group = PagedGroup(token_index=index, padded_index=index, batch=rows, max_query_len=1,
+                           block_table=table if table.is_contiguous() else table.contiguous(),
+                           num_keys=cols * self.block_size, rows=index, ctx_lens=small[_CTX], in_order=True)
+        meta = AttentionMetadata(slot_blocks=small[_BLOCKS], slot_offsets=small[_OFFSETS], groups=[group])
+        return self.model.forward(small[_IDS], small[_POSITIONS], self.pool, meta, index)

@@ -1,0 +1,52 @@
+"""The path a GPU worker takes at start, run on CPU: the KV pool sized by the profiled
+forward (device memory stated by `StatedMemory` where only CUDA could answer), with the
+speculator and the constrainer, and the choice of kernels. The first GPU run died on this
+path (`'LLMEngine' object has no attribute 'speculator'`) because no CPU test took it."""
+from __future__ import annotations
+
+import logging
+
+from engine.attention import ATTENTION_WORKSPACE_BYTES
+from engine.config import CacheConfig, EngineConfig, SpeculativeConfig
+from engine.device_memory import StatedMemory
+from engine.gpu_kernels import GpuKernels, select_kernels
+from engine.llm_engine import LLMEngine
+from engine.request import SamplingParams
+
+MIB = 2**20
+
+
+def test_a_pool_sized_by_the_profile_serves_with_speculation(tiny_llama_dir: str, caplog) -> None:
+    # share = 0.5 x (1 GiB workspace + 64 MiB) - (nothing held + the 1 GiB workspace) = 32 MiB... of the 1088
+    total = ATTENTION_WORKSPACE_BYTES * 2 + 64 * MIB
+    memory = StatedMemory(total_bytes=total, free_bytes=total)
+    config = EngineConfig(model_dir=tiny_llama_dir, cache=CacheConfig(block_size=4, gpu_memory_utilization=0.5),
+                          speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=2), role="decode")
+    with caplog.at_level(logging.WARNING, logger="engine.llm_engine"):
+        engine = LLMEngine(config, memory=memory)
+    assert engine.kv_pool.num_blocks == 32 * MIB // engine.layout.block_bytes
+    assert memory.calls[:3] == ["free_and_total", "synchronize", "reset_peak"]
+    assert "release_cached" in memory.calls
+    assert not [r for r in caplog.records if "smaller than the model's context" in r.message]  # the profile's own pool
+    assert engine.speculator is not None and engine.scheduler.num_unfinished == 0
+    assert engine.check_invariants().num_free == engine.kv_pool.num_blocks  # the profile left nothing behind
+
+    plain = LLMEngine(EngineConfig(model_dir=tiny_llama_dir, cache=CacheConfig(block_size=4, num_blocks=256)))
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    assert engine.generate([prompt], params)[0].token_ids == plain.generate([prompt], params)[0].token_ids
+
+
+def test_a_profile_that_leaves_no_room_says_so(tiny_llama_dir: str) -> None:
+    import pytest
+
+    memory = StatedMemory(total_bytes=ATTENTION_WORKSPACE_BYTES, free_bytes=ATTENTION_WORKSPACE_BYTES)
+    with pytest.raises(ValueError, match="no GPU memory left for the KV cache"):
+        LLMEngine(EngineConfig(model_dir=tiny_llama_dir), memory=memory)
+
+
+def test_a_cuda_worker_picks_the_triton_kernels_without_asking_cuda() -> None:
+    kernels = select_kernels("cuda", True, triton_version="3.6.0", sms=132)
+    assert isinstance(kernels, GpuKernels) and kernels.num_sms == 132 and kernels.device_type == "cuda"
+    assert select_kernels("cuda", False, triton_version="3.6.0", sms=132) is None
+    assert kernels.pack_linear(None) is None  # type: ignore[arg-type]  # matmuls stay cuBLAS
