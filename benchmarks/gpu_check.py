@@ -10,10 +10,14 @@ One JSON line per figure in DIR/gpu_check.jsonl (also printed), each naming the 
   GEMM's FLOP/s, timed with CUDA events;
 - kv_sizing: the engine built with its defaults (gpu_memory_utilization 0.9): its pool
   against `torch.cuda.mem_get_info` before and after;
+- kv_sizing: also the time to ready (load, profile, graph capture) and the capture alone;
 - decode: the engine's step at batch 1, 8, 32, 128 and contexts 512 and 4,096 (the contexts
   share one cached prefix, so building them costs one prefill), timed with CUDA events,
-  against (weights read + KV read) / copy bandwidth, with the torch attention forms (the
-  baseline) and then the Triton kernel on the same requests;
+  against (weights read + KV read) / copy bandwidth, on the same requests in three arms: the
+  torch forms (the baseline), the Triton kernels eagerly, the kernels through the CUDA
+  graphs; each arm warmed at each shape before it is timed;
+- launches: per decode step (batch 32, context 512) under the torch profiler, the host calls
+  that launch GPU work and the GPU's busy time against the host's time, per arm;
 - prefill: tokens/s for one 2,048- and one 8,192-token prompt against 2 x parameters x
   tokens (+ causal attention) / GEMM FLOP/s;
 - worst_step: under that pool, the largest decode batch at the context the pool allows and
@@ -169,7 +173,11 @@ def build_engine(c: Check, model_dir: str, dtype: str) -> LLMEngine:
     engine = LLMEngine(EngineConfig(model_dir=model_dir, device=c.device, dtype=dtype, cache=cache,  # type: ignore[arg-type]
                                     scheduler=SchedulerConfig(), detokenize=False))
     pool = engine.kv_pool.num_blocks * engine.layout.block_bytes
-    fields: dict[str, Any] = {"load_s": round(time.monotonic() - began, 1), "pool_gib": round(pool / 2**30, 3),
+    decode = engine.runner.decode
+    fields: dict[str, Any] = {"ready_s": round(time.monotonic() - began, 1), "pool_gib": round(pool / 2**30, 3),
+                              "graph_capture_s": round(decode.capture_s, 2) if decode is not None else None,
+                              "graph_buckets": sorted(decode.graphs) if decode is not None else [],
+                              "kernels": type(engine.model.kernels).__name__,
                               "pool_blocks": engine.kv_pool.num_blocks, "weight_gib": round(engine.model.weight_bytes / 2**30, 3),
                               "gpu_memory_utilization": engine.config.cache.gpu_memory_utilization}
     if c.device == "cuda":
@@ -202,11 +210,32 @@ def decoding(engine: LLMEngine, batch: int, context: int, seed: int) -> list[str
     return ids
 
 
+def decode_arms(engine: LLMEngine, cuda: bool) -> dict[str, Callable[[], None]]:
+    """The ways to run a decode step on the same weights and pool: the torch forms (the
+    baseline), the Triton kernels eagerly, and the kernels through the CUDA graphs."""
+    m, runner = engine.model, engine.runner
+    kernels, graphs = m.kernels, runner.decode
+
+    def arm(k: Any, g: Any) -> Callable[[], None]:
+        def use() -> None:
+            m.use_kernels(k) if cuda else None
+            runner.decode = g
+        return use
+
+    if not cuda:
+        return {"native": arm(kernels, graphs)}
+    arms = {"torch": arm(None, None)}
+    if kernels is not None:
+        arms["triton"] = arm(kernels, None)
+    if graphs is not None and graphs.graphs:
+        arms["graphs"] = arm(kernels, graphs)
+    return arms
+
+
 def decode_steps(c: Check, engine: LLMEngine, fl: dict[str, float], batches: list[int], contexts: list[int],
                  steps: int) -> None:
     m = engine.model
-    kernels = m.attention_kernels
-    backends = ["torch", "triton"] if kernels is not None else ["torch" if c.device == "cuda" else "native"]
+    arms = decode_arms(engine, c.device == "cuda")
     weight_read = m.weight_bytes - (0 if m.tied else m.embed.numel() * m.embed.element_size())
     per_token = kv_bytes_per_token(engine)
     for ctx in contexts:
@@ -216,27 +245,66 @@ def decode_steps(c: Check, engine: LLMEngine, fl: dict[str, float], batches: lis
                 continue
             ids = decoding(engine, b, ctx, seed=b + ctx)
             done = 0
-            for attention in backends:  # the same requests, each attention backend in turn
-                m.attention_kernels = kernels if attention == "triton" else None
-                for _ in range(2):
-                    engine.step()  # warm
+            for name, use in arms.items():  # the same requests, each arm in turn, each warmed first
+                use()
+                for _ in range(3):
+                    engine.step()  # warm: Triton compiles a new shape here, never in the timed steps
                 box: dict[str, float] = {}
                 wall = time.perf_counter()
                 with timed(c.device, box):
                     for _ in range(steps):
                         assert len(engine.step()) == b
                 wall = (time.perf_counter() - wall) / steps
-                done += 2 + steps
+                done += 3 + steps
                 step_s = box["s"] / steps
                 kv_read = b * (ctx + 1 + done - steps // 2) * per_token
                 floor_s = (weight_read + kv_read) / (fl["copy_gb_per_s"] * 1e9)
-                c.emit("decode", attention=attention, batch=b, context=ctx, step_ms=round(step_s * 1e3, 3),
+                c.emit("decode", attention=name, batch=b, context=ctx, step_ms=round(step_s * 1e3, 3),
                        wall_ms=round(wall * 1e3, 3), floor_ms=round(floor_s * 1e3, 3),
                        over_floor=round(step_s / floor_s, 2), tokens_per_s=round(b / step_s),
                        weight_read_gib=round(weight_read / 2**30, 3), kv_read_gib=round(kv_read / 2**30, 3))
-            m.attention_kernels = kernels
+            list(arms.values())[-1]()  # the engine as built
             for rid in ids:
                 engine.abort(rid)
+
+
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch",
+            "cudaMemcpyAsync", "cudaMemsetAsync")
+
+
+def launches(c: Check, engine: LLMEngine, batch: int, context: int, steps: int = 5) -> None:
+    """Per decode step, under the torch profiler: host calls that launch GPU work, by name,
+    and the GPU's busy time (its kernels' durations) against the step's host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = decoding(engine, batch, context, seed=5)
+    for name, use in decode_arms(engine, True).items():
+        use()
+        for _ in range(3):
+            engine.step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            began = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            host_s = (time.perf_counter() - began) / steps
+            torch.cuda.synchronize()
+        counts: dict[str, int] = {}
+        gpu_us = 0.0
+        for e in prof.key_averages():
+            if e.key in LAUNCHES:
+                counts[e.key] = counts.get(e.key, 0) + e.count
+            device_us = getattr(e, "self_device_time_total", None)
+            if device_us is None:
+                device_us = getattr(e, "self_cuda_time_total", 0.0)
+            if str(getattr(e, "device_type", "")).endswith("CUDA"):
+                gpu_us += device_us
+        c.emit("launches", arm=name, batch=batch, context=context,
+               per_step={k: round(v / steps, 1) for k, v in sorted(counts.items())},
+               launches_per_step=round(sum(v for k, v in counts.items() if "Memcpy" not in k and "Memset" not in k) / steps, 1),
+               host_ms_per_step=round(host_s * 1e3, 3), gpu_busy_ms_per_step=round(gpu_us / steps / 1e3, 3))
+    for rid in ids:
+        engine.abort(rid)
 
 
 def prefill(c: Check, engine: LLMEngine, fl: dict[str, float], lengths: list[int]) -> None:
@@ -296,7 +364,9 @@ def engine_vs_transformers(c: Check, engine: LLMEngine | None, model_dir: str, v
     """Tokens/s of `batch` prompts of `prompt` tokens, `new` generated each, through the engine
     (when given) or through transformers generate (same dtype, device, greedy)."""
     prompts = [[3 + (i * 101 + j * 7) % (vocab - 3) for j in range(prompt)] for i in range(batch)]
-    if engine is not None:
+    if engine is not None:  # warmed on other prompts of the same shape (no prefix hit), then timed
+        warm = [[3 + (i * 37 + j * 11 + 5) % (vocab - 3) for j in range(prompt)] for i in range(batch)]
+        engine.generate(warm, SamplingParams(max_tokens=new, ignore_eos=True))
         began = time.perf_counter()
         engine.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True))
         return batch * new / (time.perf_counter() - began)
@@ -355,6 +425,8 @@ def main() -> None:
         batches, contexts, steps = ([1, 8, 32, 128], [512, 4096], 10) if cuda else ([1, 8], [64, 256], 3)
         if "decode" not in args.skip:
             c.phase("decode", 60, lambda: decode_steps(c, engine, fl, batches, contexts, steps))
+        if cuda and "launches" not in args.skip:
+            c.phase("launches", 20, lambda: launches(c, engine, 32, 512))
         if "prefill" not in args.skip:
             c.phase("prefill", 30, lambda: prefill(c, engine, fl, [2048, 8192] if cuda else [256, 512]))
         shape = (32, 512, 64) if cuda else (4, 64, 8)

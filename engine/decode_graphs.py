@@ -106,6 +106,9 @@ class DecodeGraphs:
         self.index = torch.arange(max_num_seqs, device=device)
         self._np_small = self.host_small.numpy()
         self._np_table = self.host_table.numpy()
+        self._row_owner: list[tuple[str, int, int]] = [("", -1, 0)] * max_num_seqs
+        """Per host table row: (request id, its preemptions, columns written): a request that
+        keeps its row from step to step gets only its new blocks written."""
         self.graphs: dict[int, Graph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.capture_s = 0.0
@@ -162,7 +165,12 @@ class DecodeGraphs:
             small[_OFFSETS, i] = p % bs
             small[_CTX, i] = p + 1
             used = p // bs + 1
-            table[i, :used] = r.block_ids[:used]
+            rid, preempted, written = self._row_owner[i]
+            if rid != r.request_id or preempted != r.num_preemptions or written > used:
+                written = 0
+            if written < used:
+                table[i, written:used] = r.block_ids[written:used]
+                self._row_owner[i] = (r.request_id, r.num_preemptions, used)
             cols = max(cols, used)
         return cols
 
@@ -176,9 +184,11 @@ class DecodeGraphs:
         small[_CTX, start:end] = 0
 
     def _upload(self, rows: int, cols: int) -> None:
+        """The small buffer whole (5 x max_num_seqs values: one contiguous copy); the table's
+        rows and columns in use (a strided copy, which torch stages through a contiguous one)."""
         if self.small is self.host_small:
             return
-        self.small[:, :rows].copy_(self.host_small[:, :rows], non_blocking=True)
+        self.small.copy_(self.host_small, non_blocking=True)
         self.table[:rows, :cols].copy_(self.host_table[:rows, :cols], non_blocking=True)
 
     def _capture(self, bucket: int) -> None:

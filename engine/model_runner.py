@@ -103,7 +103,8 @@ class ModelRunner:
         bs = self.block_size
         max_q = max(s.num_new_tokens for s, _ in members)
         ctx_lens = [s.request.num_computed_tokens + s.num_new_tokens for s, _ in members]
-        max_blocks = -(-max(ctx_lens) // bs)
+        longest = max(ctx_lens)
+        max_blocks = -(-longest // bs)
         token_index: list[int] = []
         padded_index: list[int] = []
         rows: list[int] = []
@@ -124,6 +125,7 @@ class ModelRunner:
                  ctx_lens: torch.Tensor) -> PagedGroup:
             return PagedGroup(token_index=token_index, padded_index=padded_index, batch=len(members),
                               max_query_len=max_q, block_table=table.view(len(members), max_blocks),
-                              num_keys=max_blocks * bs, rows=rows, ctx_lens=ctx_lens, in_order=in_order)
+                              num_keys=max_blocks * bs, rows=rows, ctx_lens=ctx_lens, in_order=in_order,
+                              max_context_len=longest)
 
         return [token_index, padded_index, table, rows, key_counts], make

@@ -100,7 +100,7 @@ class _Kernels:
                                 HALF_P2: tl.constexpr):
             t = tl.program_id(0)
             j = tl.program_id(1)  # q heads first, then kv heads
-            half: tl.constexpr = HEAD_DIM // 2
+            half = HEAD_DIM // 2
             c = tl.arange(0, HALF_P2)
             ok = c < half
             head = qkv_ptr + t * qkv_st + j * HEAD_DIM

@@ -1,5 +1,5 @@
-"""Decode on a GPU: the Triton paged attention kernel against the reference, batched bfloat16
-decode with the kernel against the torch forms, and seeded sampling on cuda."""
+"""Decode on a GPU: the Triton kernels against their references, batched bfloat16 decode
+through the CUDA graphs against the torch forms, and seeded sampling on cuda."""
 from __future__ import annotations
 
 import pytest
@@ -23,9 +23,9 @@ def engine(model_dir: str, dtype: str, native_kernels: bool = True) -> LLMEngine
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(32, 8, 128, 16), (4, 2, 64, 16), (12, 4, 64, 32)])
 def test_the_triton_kernel_matches_the_reference(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
                                                   block_size: int) -> None:
-    from engine import triton_attention
+    from engine.gpu_kernels import select_kernels
 
-    kernels = triton_attention.load()
+    kernels = select_kernels("cuda", True)
     if kernels is None:
         pytest.skip("Triton does not import here")
     pool = KVPool(KVLayout(3, block_size, kv_heads, head_dim, dtype), 64, "cuda")
@@ -35,11 +35,50 @@ def test_the_triton_kernel_matches_the_reference(dtype: torch.dtype, heads: int,
     rows = torch.tensor([0, 1, 2, 2, 3]).cuda()
     ctx_lens = torch.tensor([1, 17, 200, 201, 15 * block_size]).cuda()
     q = torch.randn(5, heads, head_dim, generator=g).to(dtype).cuda()
-    out = torch.full_like(q, float("nan"))
-    kernels.paged_attention(q, pool.tensor, 1, table, torch.arange(5).cuda(), rows, ctx_lens, head_dim**-0.5, out)
     want = reference(q.cpu(), _cpu(pool), 1, table.cpu(), rows.cpu(), ctx_lens.cpu(), head_dim**-0.5)
     tol = 1e-4 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(out.float().cpu(), want, atol=tol, rtol=tol)
+    from engine import triton_attention
+
+    for splits in (None, 1, 7):  # as chosen for the SMs; one program per (token, KV head); uneven splits
+        out = torch.full_like(q, float("nan"))
+        if splits is None:
+            kernels.paged_attention(q, pool.tensor, 1, table, torch.arange(5).cuda(), rows, ctx_lens, head_dim**-0.5, out)
+        else:
+            triton_attention.paged_decode(q, pool.tensor, 1, table, torch.arange(5).cuda(), rows, ctx_lens,
+                                          head_dim**-0.5, out, splits)
+        torch.testing.assert_close(out.float().cpu(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_pointwise_kernels_match_their_torch_forms(dtype: torch.dtype) -> None:
+    import torch.nn.functional as F
+
+    from engine import triton_pointwise
+    from engine.model import rms_norm
+    from engine.model_config import RopeConfig
+    from engine.rope import RotaryTable, apply_rotary
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(7, 4096, generator=g).to(dtype).cuda()
+    delta = torch.randn(7, 4096, generator=g).to(dtype).cuda()
+    w = torch.randn(4096, generator=g).to(dtype).cuda()
+    h_ref = h + delta
+    got = triton_pointwise.add_rms_norm(h, delta, w, 1e-5)
+    assert torch.equal(h, h_ref)
+    torch.testing.assert_close(got, rms_norm(h_ref, w, 1e-5), atol=2e-2, rtol=1e-2)
+    gu = torch.randn(7, 2 * 14336, generator=g).to(dtype).cuda()
+    gate, up = gu.chunk(2, dim=-1)
+    torch.testing.assert_close(triton_pointwise.silu_mul(gu), F.silu(gate) * up, atol=1e-2, rtol=1e-2)
+    rope = RotaryTable(RopeConfig(theta=500000.0), 128, 8192, "cuda")
+    cos, sin = rope.lookup(torch.tensor([0, 1, 100, 4000, 8191, 3, 9]).cuda(), dtype)
+    pool = KVPool(KVLayout(2, 16, 8, 128, dtype), 8, "cuda")
+    qkv = torch.randn(7, 48 * 128, generator=g).to(dtype).cuda()
+    want = apply_rotary(qkv[:, : 40 * 128].view(7, 40, 128), cos, sin)
+    blocks = torch.tensor([0, 1, 2, 3, 4, 5, -1]).cuda()
+    triton_pointwise.rotary_store(qkv, 32, 8, cos, sin, pool.tensor, 1, blocks, torch.arange(7).cuda())
+    torch.testing.assert_close(qkv[:, : 40 * 128].view(7, 40, 128), want, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(pool.tensor[blocks[:6], 1, 0, torch.arange(6).cuda()], want[:6, 32:])
+    assert pool.tensor[6:].abs().sum() == 0 and pool.tensor[:, 0].abs().sum() == 0
 
 
 def _cpu(pool: KVPool) -> KVPool:
@@ -54,13 +93,21 @@ def test_batched_bfloat16_decode_with_the_kernel_tracks_the_torch_forms(tiny_lla
     prompts = random_prompts([5 + 9 * i for i in range(32)], 512, seed=7)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     fast, plain = engine(tiny_llama_dir, "bfloat16"), engine(tiny_llama_dir, "bfloat16", native_kernels=False)
-    assert fast.model.attention_kernels is not None and plain.model.attention_kernels is None
+    from engine.gpu_kernels import GpuKernels
+
+    assert isinstance(fast.model.kernels, GpuKernels) and plain.model.kernels is None
+    assert sorted(fast.runner.decode.graphs) == [1, 2, 4, 8, 16, 32, 64, 128]  # captured at start
+    assert plain.runner.decode is None  # the torch forms gather by the table: no graphs
     a, b = fast.generate(prompts, params), plain.generate(prompts, params)
     agree = sum(x.token_ids[:4] == y.token_ids[:4] for x, y in zip(a, b, strict=True))
     assert agree >= 30, f"{agree} of 32 agree on the first 4 tokens"
     f32 = engine(tiny_llama_dir, "float32").generate(prompts, params)
     ref = engine(tiny_llama_dir, "float32", native_kernels=False).generate(prompts, params)
     assert [x.token_ids for x in f32] == [x.token_ids for x in ref]  # float32: the same tokens
+    eager = LLMEngine(EngineConfig(model_dir=tiny_llama_dir, device="cuda", dtype="float32", decode_graphs=False,
+                                   cache=CacheConfig(block_size=16, num_blocks=512)))
+    assert eager.runner.decode is None
+    assert [x.token_ids for x in eager.generate(prompts, params)] == [x.token_ids for x in ref]
 
 
 def test_seeded_sampling_on_cuda_repeats_and_depends_on_the_seed(tiny_llama_dir: str) -> None:
@@ -74,3 +121,28 @@ def test_seeded_sampling_on_cuda_repeats_and_depends_on_the_seed(tiny_llama_dir:
                                                                            ignore_eos=True))]
     assert alone == [first[1]]  # whatever else is in the batch
     assert run(100) != first
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_later_chunk_over_its_context_matches_the_masked_form(dtype: torch.dtype) -> None:
+    """A 2,048-token chunk after 3,000 tokens of context: FlashAttention (lower-right causal,
+    grouped KV heads read as they are) where it runs, against the masked torch form."""
+    from engine.attention import AttentionMetadata, PagedGroup, _chunk_over_context, _flash_takes, paged_attention
+
+    pool = KVPool(KVLayout(2, 16, 8, 128, dtype), 400, "cuda")
+    pool.tensor.copy_(torch.randn(pool.tensor.shape, generator=torch.Generator().manual_seed(2)).to("cuda") * 0.5)
+    start, n = 3000, 2048
+    width = -(-(start + n) // 16)
+    table = torch.randperm(400, generator=torch.Generator().manual_seed(3))[:width][None].cuda()
+    q = torch.randn(n, 32, 128, generator=torch.Generator().manual_seed(4)).to(dtype).cuda()
+    g = PagedGroup(token_index=torch.arange(n).cuda(), padded_index=torch.arange(n).cuda(), batch=1,
+                   max_query_len=n, block_table=table, num_keys=width * 16, rows=torch.zeros(n, dtype=torch.long).cuda(),
+                   ctx_lens=torch.arange(start + 1, start + n + 1).cuda(), max_context_len=start + n)
+    got = _chunk_over_context(q, pool, 1, g, 128**-0.5)
+    g.max_context_len = 0  # the masked form
+    want = paged_attention(q, q, q, 1, pool, AttentionMetadata(None, None, [g]), 128**-0.5)  # type: ignore[arg-type]
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    if dtype == torch.bfloat16:
+        kc, vc = pool.gather(1, table)
+        assert _flash_takes(q.transpose(0, 1)[None], kc.transpose(1, 2), vc.transpose(1, 2))

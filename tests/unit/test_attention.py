@@ -91,3 +91,24 @@ def test_linear_matches_f_linear_prepacked_or_not(dtype, bias):
         assert torch.equal(plain(x), want)
         tol = {torch.float32: 1e-5, torch.bfloat16: 0.0, torch.float16: 1e-3}[dtype]
         torch.testing.assert_close(packed(x), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (8, 1)])
+@pytest.mark.parametrize("start,n", [(13, 9), (4, 16), (1, 30)])
+def test_a_later_chunk_over_its_context_matches_the_reference(heads, kv_heads, start, n):
+    """The GPU's form for one request's later prefill chunk (the lower-right causal mask over
+    the context cut to its length; on CPU with the KV heads expanded) against the per-head one."""
+    from engine.attention import PagedGroup, _chunk_over_context
+
+    pool = KVPool(KVLayout(2, 4, kv_heads, 16, torch.float32), 20, "cpu")
+    pool.tensor.copy_(torch.randn(pool.tensor.shape, generator=torch.Generator().manual_seed(start)))
+    ctx = start + n
+    width = -(-ctx // 4) + 1  # a padded table, as the runner builds for a group
+    table = torch.randperm(20, generator=torch.Generator().manual_seed(n))[:width][None]
+    q = torch.randn(n, heads, 16, generator=torch.Generator().manual_seed(heads))
+    g = PagedGroup(token_index=torch.arange(n), padded_index=torch.arange(n), batch=1, max_query_len=n,
+                   block_table=table, num_keys=width * 4, rows=torch.zeros(n, dtype=torch.long),
+                   ctx_lens=torch.arange(start + 1, ctx + 1), max_context_len=ctx)
+    k, v = pool.gather(1, table)
+    want = reference_attention(q[None], k, v, [ctx], [start], 0.25)[0]
+    torch.testing.assert_close(_chunk_over_context(q, pool, 1, g, 0.25), want, atol=1e-5, rtol=1e-5)
