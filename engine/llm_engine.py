@@ -146,7 +146,9 @@ class LLMEngine:
         """Persistent decode buffers: on CPU, and on GPUs whose kernels let a graph read the
         block table in place (the Triton attention; the torch forms gather by it)."""
         kernels = self.model.kernels
-        if not self.config.decode_graphs or (self.config.device != "cpu" and not isinstance(kernels, GpuKernels)):
+        if not self.config.decode_graphs or self.config.role == "prefill":  # a prefill worker never decodes
+            return None
+        if self.config.device != "cpu" and not isinstance(kernels, GpuKernels):
             return None
         return DecodeGraphs(self.model, self.kv_pool, self.config.device, self.config.scheduler.max_num_seqs,
                             self.max_model_len)
