@@ -9,12 +9,12 @@ Triton's interpreter only: the tests check it there against the torch forms.
 """
 from __future__ import annotations
 
-import os
 from typing import Union
 
 import torch
 
 from engine import native, triton_attention, triton_pointwise
+from engine.triton_compat import interpreting
 
 Kernels = Union["native.NativeKernels", "GpuKernels"]
 
@@ -75,6 +75,3 @@ def select_kernels(device: str, enabled: bool, triton_version: str | None = None
     return GpuKernels(kind, sms if sms is not None else num_sms(device) if kind == "cuda" else 1, version)
 
 
-def interpreting() -> bool:
-    """Triton's interpreter is on (TRITON_INTERPRET=1): its kernels run on CPU tensors."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from engine import triton_compat
+
 TILE = 64
 """Keys per iteration of a split (a power of two, at least 16 for `tl.dot`)."""
 MAX_SPLITS = 64
@@ -81,6 +83,7 @@ def paged_decode(q: torch.Tensor, pool: torch.Tensor, layer: int, block_table: t
 
 class _Kernels:
     def __init__(self) -> None:
+        triton_compat.patch_interpreter()
         import triton
         import triton.language as tl
 

@@ -17,6 +17,8 @@ import functools
 
 import torch
 
+from engine import triton_compat
+
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """h, delta: [rows, dim] contiguous; weight [dim]. h += delta, returns RMSNorm(h) * weight."""
@@ -73,6 +75,7 @@ def _warps(block: int) -> int:
 
 class _Kernels:
     def __init__(self) -> None:
+        triton_compat.patch_interpreter()
         import triton
         import triton.language as tl
 

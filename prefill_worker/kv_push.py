@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.llm_engine import LLMEngine
+from engine.native import NativeKernels
 from engine.request import Request
 from engine.types import BlockId
 from kvfabric import FabricError, FabricLayout, FabricSender, SenderConfig, Ticket, Transfer
@@ -156,8 +157,8 @@ class KVPusher:
         """`on_done` is called on a lane thread when a hand-off ends (default: kept for `take_done`)."""
         self.layout = FabricLayout.of_pool(engine.model_id, engine.kv_pool.layout)
         self.block_size = engine.kv_pool.layout.block_size
-        kernels = engine.model.kernels
-        copy = kernels.copy_stream if kernels is not None else ctypes.memmove
+        kernels = engine.model.kernels  # the native CPU kernels' streaming copy moves shm pushes; else memmove
+        copy = kernels.copy_stream if isinstance(kernels, NativeKernels) else ctypes.memmove
         region = pool_region(engine.kv_pool.tensor)
         if isinstance(region, DeviceRegion):
             require_cupy()  # one clear error at start-up, naming the extra to install

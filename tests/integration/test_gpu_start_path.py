@@ -50,3 +50,26 @@ def test_a_cuda_worker_picks_the_triton_kernels_without_asking_cuda() -> None:
     assert isinstance(kernels, GpuKernels) and kernels.num_sms == 132 and kernels.device_type == "cuda"
     assert select_kernels("cuda", False, triton_version="3.6.0", sms=132) is None
     assert kernels.pack_linear(None) is None  # type: ignore[arg-type]  # matmuls stay cuBLAS
+
+
+def test_the_workers_start_and_hand_off_with_the_gpu_kernels() -> None:
+    """The disaggregated path with the kernels a GPU worker runs: the prefill worker (a child
+    process with its pusher) and the decode worker (its receiver, its decode buffers) built
+    around engines whose kernels are the Triton ones, run on CPU by Triton's interpreter.
+    The first GPU run with them died here ('GpuKernels' object has no attribute
+    'copy_stream': the pusher took any kernels for the native ones)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)}
+    test = "tests/integration/test_disaggregated_kv.py::test_disaggregated_greedy_equals_transformers_with_chunked_pushes"
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{test}[shm]"], cwd=root,
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "1 passed" in r.stdout, (r.stdout + r.stderr)[-4000:]

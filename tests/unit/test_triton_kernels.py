@@ -15,17 +15,6 @@ pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[2]
 
-PRELUDE = r"""
-# Triton 3.6's interpreter turns a loop bound into an int with int(ndarray), which NumPy 2.4
-# refuses for its one-element arrays ("only 0-dimensional arrays can be converted"); compiled
-# kernels never take this path. The bound is read as the element it is.
-import triton.runtime.interpreter as _interp
-_patch = _interp._patch_lang_tensor
-def _patch_index(tensor, scope):
-    _patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-_interp._patch_lang_tensor = _patch_index
-"""
 
 ATTENTION = r"""
 import torch
@@ -118,7 +107,7 @@ print("ok")
 def _interpret(code: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    r = subprocess.run([sys.executable, "-c", PRELUDE + code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-4000:]
 
 
