@@ -12,7 +12,8 @@ One JSON line per figure in DIR/gpu_check.jsonl (also printed), each naming the 
   against `torch.cuda.mem_get_info` before and after;
 - kv_sizing: also the time to ready (load, profile, graph capture) and the capture alone;
 - decode: the engine's step at batch 1, 8, 32, 128 and contexts 512 and 4,096 (the contexts
-  share one cached prefix, so building them costs one prefill), timed with CUDA events,
+  are each request's own where the pool holds them all, else one cached prefix they share,
+  and the floor counts each KV byte once), timed with CUDA events,
   against (weights read + KV read) / copy bandwidth, on the same requests in three arms: the
   torch forms (the baseline), the Triton kernels eagerly, the kernels through the CUDA
   graphs; each arm warmed at each shape before it is timed;
@@ -199,15 +200,24 @@ def kv_bytes_per_token(engine: LLMEngine) -> int:
     return engine.layout.block_bytes // engine.layout.block_size
 
 
-def decoding(engine: LLMEngine, batch: int, context: int, seed: int) -> list[str]:
-    """`batch` requests decoding over a shared cached prefix of `context` tokens (one prefill),
-    each with one token of its own; returns their ids once every one is past its prompt."""
-    prefix = token_ids(engine, context, seed)
-    engine.generate([prefix], SamplingParams(max_tokens=1, ignore_eos=True))  # the shared prefix, cached
-    ids = [engine.add_request([*prefix, 3 + i % 200], SamplingParams(max_tokens=100_000, ignore_eos=True)) for i in range(batch)]
+def decoding(engine: LLMEngine, batch: int, context: int, seed: int) -> tuple[list[str], bool]:
+    """`batch` requests decoding over `context` tokens each; returns their ids once every one
+    is past its prompt, and whether they share one prefix. Each has a context of its own
+    where the pool holds them all (nine tenths of it), so every KV byte a step reads comes
+    from memory; else they share a cached prefix of `context` tokens (one prefill), whose
+    blocks the L2 cache serves to all but the first reader."""
+    pool_tokens = engine.kv_pool.num_blocks * engine.layout.block_size
+    shared = batch * (context + 2) > 0.9 * pool_tokens
+    params = SamplingParams(max_tokens=100_000, ignore_eos=True)
+    if shared:
+        prefix = token_ids(engine, context, seed)
+        engine.generate([prefix], SamplingParams(max_tokens=1, ignore_eos=True))  # the shared prefix, cached
+        ids = [engine.add_request([*prefix, 3 + i % 200], params) for i in range(batch)]
+    else:
+        ids = [engine.add_request(token_ids(engine, context + 1, seed * 1000 + i), params) for i in range(batch)]
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
         engine.step()
-    return ids
+    return ids, shared
 
 
 def decode_arms(engine: LLMEngine, cuda: bool) -> dict[str, Callable[[], None]]:
@@ -243,7 +253,7 @@ def decode_steps(c: Check, engine: LLMEngine, fl: dict[str, float], batches: lis
             if c.left_s() < 20:
                 c.emit("decode", batch=b, context=ctx, skipped="budget")
                 continue
-            ids = decoding(engine, b, ctx, seed=b + ctx)
+            ids, shared = decoding(engine, b, ctx, seed=b + ctx)
             done = 0
             for name, use in arms.items():  # the same requests, each arm in turn, each warmed first
                 use()
@@ -257,9 +267,11 @@ def decode_steps(c: Check, engine: LLMEngine, fl: dict[str, float], batches: lis
                 wall = (time.perf_counter() - wall) / steps
                 done += 3 + steps
                 step_s = box["s"] / steps
-                kv_read = b * (ctx + 1 + done - steps // 2) * per_token
+                mean_ctx = ctx + 1 + done - steps // 2
+                unique = ctx + b * (mean_ctx - ctx) if shared else b * mean_ctx  # tokens whose KV must come from memory
+                kv_read = unique * per_token
                 floor_s = (weight_read + kv_read) / (fl["copy_gb_per_s"] * 1e9)
-                c.emit("decode", attention=name, batch=b, context=ctx, step_ms=round(step_s * 1e3, 3),
+                c.emit("decode", attention=name, batch=b, context=ctx, shared_prefix=shared, step_ms=round(step_s * 1e3, 3),
                        wall_ms=round(wall * 1e3, 3), floor_ms=round(floor_s * 1e3, 3),
                        over_floor=round(step_s / floor_s, 2), tokens_per_s=round(b / step_s),
                        weight_read_gib=round(weight_read / 2**30, 3), kv_read_gib=round(kv_read / 2**30, 3))
@@ -277,7 +289,7 @@ def launches(c: Check, engine: LLMEngine, batch: int, context: int, steps: int =
     and the GPU's busy time (its kernels' durations) against the step's host time."""
     from torch.profiler import ProfilerActivity, profile
 
-    ids = decoding(engine, batch, context, seed=5)
+    ids, _ = decoding(engine, batch, context, seed=5)
     for name, use in decode_arms(engine, True).items():
         use()
         for _ in range(3):
@@ -349,7 +361,7 @@ def worst_step(c: Check, engine: LLMEngine) -> None:
 
 
 def _one_decode(engine: LLMEngine, batch: int, context: int) -> None:
-    ids = decoding(engine, batch, context, seed=1)
+    ids, _ = decoding(engine, batch, context, seed=1)
     engine.step()
     for rid in ids:
         engine.abort(rid)
