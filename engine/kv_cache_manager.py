@@ -3,6 +3,11 @@
 Request.block_ids is append-only while the request holds its blocks, but for one cut: a
 speculative step's blocks past the tokens it accepted (`roll_back`), never cached, go back.
 The pool alone touches reference counts. A request's blocks go back to the pool tail first.
+
+Blocks outlive their request when the transfer layer still needs them: a prefill worker's
+blocks while its push reads them, a decode worker's reserved blocks while a one-sided writer
+may still write them (quarantine). `hold` takes them off the request under its id; they stay
+in use until `release`. The manager is the one place that knows them (`held_tables`).
 """
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ from collections.abc import Sequence
 from engine.block_pool import BlockPool
 from engine.hashing import BlockHasher
 from engine.request import Request
-from engine.types import BlockId
+from engine.types import BlockId, RequestId
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -23,6 +28,8 @@ class KVCacheManager:
         self.pool = pool
         self.hasher = hasher
         self.block_size = hasher.block_size
+        self._held: dict[RequestId, list[BlockId]] = {}
+        """Blocks held for the transfer layer, by request id, until `release`."""
 
     def blocks_needed(self, num_tokens: int) -> int:
         return _cdiv(num_tokens, self.block_size)
@@ -102,6 +109,29 @@ class KVCacheManager:
         block_ids, request.block_ids = request.block_ids, []
         request.num_cached_blocks = 0
         return block_ids
+
+    def hold(self, request: Request) -> list[BlockId]:
+        """The request's blocks, taken off it, stay in use under its id until `release`
+        (added to any it already holds); returns what it held before, in order, and now."""
+        held = self._held.setdefault(request.request_id, [])
+        held.extend(self.take_blocks(request))
+        return held
+
+    def release(self, request_id: RequestId) -> bool:
+        """The transfer layer is done with the request's held blocks: back to the pool."""
+        block_ids = self._held.pop(request_id, None)
+        if block_ids is None:
+            return False
+        self.pool.free(reversed(block_ids))
+        return True
+
+    @property
+    def num_held(self) -> int:
+        """Requests whose blocks are held."""
+        return len(self._held)
+
+    def held_tables(self) -> list[list[BlockId]]:
+        return list(self._held.values())
 
     def _update_hashes(self, request: Request) -> None:
         if len(request.block_hashes) < request.num_tokens // self.block_size:

@@ -1,11 +1,13 @@
 """LLMEngine: add_request / abort / step, and the hooks for the prefill and decode roles.
 
 One step reads top-down: propose (speculative decoding, engine/speculator.py) -> schedule
--> run the model -> sample (and verify proposals) -> update requests -> outputs.
-Role `prefill` finishes a request at its first token and hands its blocks to the
-caller's `KVHandoff` (they stay in use until `release_handoff`); role `decode`
-reserves blocks for prompts whose KV arrives from elsewhere (`add_remote_request`,
-then `remote_kv_ready`).
+-> run the model (engine/model_runner.py, which owns the device buffers) -> sample (and
+verify proposals) -> update requests -> the role's turn -> outputs (engine/output_builder.py).
+The parts beside the core: the role (engine/roles.py: role `prefill` finishes a request at
+its first token and hands its blocks to the caller's `KVHandoff`; they stay held in the KV
+cache manager until `release_handoff`), a decode worker's reservations for prompts whose
+KV arrives from elsewhere (`add_remote_request`, then `remote_kv_ready`), and the pool's
+size from a profiled forward on GPUs (engine/kv_profile.py).
 """
 from __future__ import annotations
 
@@ -19,29 +21,30 @@ from tokenizers import Tokenizer
 
 from engine.decode_graphs import CudaGraph, DecodeGraphs, Graph
 from engine.gpu_kernels import GpuKernels, Kernels, select_kernels
-from engine.attention import ATTENTION_WORKSPACE_BYTES
 from engine.block_pool import BlockPool, KVEvent, PoolUsage
 from engine.config import EngineConfig
 from engine.constrainer import Constrainer
-from engine.detokenizer import IncrementalDetokenizer
 from engine.device_memory import CudaMemory, DeviceMemory
 from engine.draft_proposer import DraftProposer
 from engine.hashing import BlockHasher
 from engine.gguf_checkpoint import resolve_model_dir
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_pool import KVAllocator, KVLayout, KVPool
-from engine.kv_sizing import DEFAULT_CPU_KV_BYTES, kv_pool_bytes, num_blocks_for
+from engine.kv_profile import profiled_pool_bytes
+from engine.kv_sizing import DEFAULT_CPU_KV_BYTES, num_blocks_for
 from engine.model import LlamaForCausalLM
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
+from engine.output_builder import OutputBuilder
 from engine.request import FinishReason, Request, SamplingParams
+from engine.roles import Role, role_for
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.speculator import SpecCounters, Speculator
 from engine.step_model import StepModel
 from engine.structured import Grammars
 from engine.outputs import Completion, KVHandoff, Reservation, RequestOutput
-from engine.types import BlockId, EngineLoad, InvalidRequestError, RequestId
+from engine.types import EngineLoad, InvalidRequestError, RequestId
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +68,7 @@ class LLMEngine:
         (a test's `EagerGraph` runs the bucketed path there)."""
         self.config = config
         self.clock = clock
-        self.handoff = handoff
+        self.role: Role = role_for(config.role, handoff)
         model_dir = resolve_model_dir(config.model_dir)  # a GGUF file: its converted directory
         self.model_config = ModelConfig.from_dir(model_dir)
         mc = self.model_config
@@ -162,45 +165,47 @@ class LLMEngine:
         return num_blocks_for(self._profile_kv_bytes(), self.layout.block_bytes)
 
     def _profile_kv_bytes(self) -> int:
-        """GPU: one forward at the largest step on a provisional pool, then what memory is left
-        of this engine's share and free on the device (engine/kv_sizing.py)."""
-        memory = self.memory
-        assert memory is not None  # _pool_blocks profiles only with one
+        """GPU: one forward at the largest step on a provisional pool (engine/kv_profile.py)."""
+        assert self.memory is not None  # _pool_blocks profiles only with one
         num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len - 1)
         profile_blocks = -(-(num_tokens + 1) // self.layout.block_size) + 1
-        memory.synchronize()
-        memory.reset_peak()
-        self._attach_pool(profile_blocks, None, provisional=True)
-        self.generate([[0] * num_tokens], SamplingParams(max_tokens=1, ignore_eos=True))
-        memory.synchronize()
-        peak = memory.peak_reserved() - profile_blocks * self.layout.block_bytes
-        del self.kv_pool, self.runner, self.scheduler, self.kv, self.block_pool
-        memory.release_cached()
-        free, total = memory.free_and_total()
-        free_at_start, reserved_at_start = self._memory_at_start
-        reserved = memory.reserved()
-        held = max(free_at_start - free, reserved - reserved_at_start)
-        # the profiled step's activations, and what a decode batch's or a later chunk's
-        # attention may materialise on top (engine/attention.py bounds it)
-        transient = max(peak - reserved, 0) + ATTENTION_WORKSPACE_BYTES
-        utilization = self.config.cache.gpu_memory_utilization
-        pool_bytes = kv_pool_bytes(total, held + transient, utilization, free, transient)
-        logger.info("KV pool sized from memory: %.2f GiB (%.2f of %.1f GiB less %.2f GiB held by this worker and "
-                    "%.2f GiB of a %d-token forward's transient; %.2f GiB was free)", pool_bytes / 2**30, utilization,
-                    total / 2**30, held / 2**30, transient / 2**30, num_tokens, free / 2**30)
-        return pool_bytes
+
+        def run() -> None:
+            self._attach_pool(profile_blocks, None, provisional=True)
+            self.generate([[0] * num_tokens], SamplingParams(max_tokens=1, ignore_eos=True))
+
+        def drop() -> None:
+            del self.kv_pool, self.runner, self.scheduler, self.kv, self.block_pool
+
+        return profiled_pool_bytes(self.memory, self._memory_at_start, profile_blocks * self.layout.block_bytes,
+                                   run, drop, self.config.cache.gpu_memory_utilization, num_tokens)
 
     def _reset_state(self) -> None:
         self.step_model = StepModel()
         """Decode step time against batch and KV read (heartbeats carry it to routers)."""
         self._decode_step: tuple[int, int, float] | None = None
         """The last step, when it was pure decode: (requests, KV tokens, its start)."""
-        self._detok: dict[RequestId, IncrementalDetokenizer] = {}
-        self._handed_off: dict[RequestId, list[BlockId]] = {}
-        self.num_prompt_tokens = 0
+        self.outputs = OutputBuilder(self.tokenizer, self.config.detokenize)
+        """Builds each step's outputs (detokenized, stop strings); counts prompt and cached tokens."""
+
+    @property
+    def handoff(self) -> KVHandoff | None:
+        """Prefill role: who hears of computed blocks and finished prefills (kvfabric's pusher)."""
+        return self.role.handoff
+
+    @handoff.setter
+    def handoff(self, handoff: KVHandoff | None) -> None:
+        self.role.handoff = handoff
+
+    @property
+    def num_prompt_tokens(self) -> int:
         """Cumulative prompt tokens of requests that got their first token here."""
-        self.num_cached_tokens = 0
+        return self.outputs.num_prompt_tokens
+
+    @property
+    def num_cached_tokens(self) -> int:
         """Of those, the ones served from the prefix cache."""
+        return self.outputs.num_cached_tokens
 
     # -- requests ------------------------------------------------------------------
     def add_request(
@@ -228,7 +233,7 @@ class LLMEngine:
         """Decode role: reserve blocks for a prompt computed elsewhere; None if the pool is full."""
         request = self._new_request(prompt, params, request_id, priority, tenant, tenant_weight)
         if not self.scheduler.add_remote_request(request):
-            self._detok.pop(request.request_id, None)
+            self.outputs.forget(request.request_id)
             return None
         return Reservation(request.request_id, list(request.block_ids), request.num_cached_tokens)
 
@@ -239,7 +244,7 @@ class LLMEngine:
             raise InvalidRequestError(f"unknown request {request_id}")
         self.scheduler.remote_kv_ready(request_id, first_token_id)
         self._stop_if_complete(request, 1)  # a constrained request's matcher takes the first token
-        return [self._output_for(request)]
+        return [self.outputs.output(request, self.scheduler, self.role)]
 
     def abort(self, request_id: str, hold_blocks: bool = False) -> bool:
         """Ends the request in any state and frees its blocks (also handed-off ones).
@@ -252,20 +257,16 @@ class LLMEngine:
         if hold_blocks:
             released = False
             if request is not None:
-                self._handed_off.setdefault(rid, []).extend(self.kv.take_blocks(request))
+                self.kv.hold(request)
         else:
             released = self.release_handoff(rid)
         aborted = self.scheduler.abort(rid)
-        self._forget(rid)
+        self.outputs.forget(rid)
         return aborted or released
 
     def release_handoff(self, request_id: RequestId) -> bool:
         """The transfer layer is done with the request's blocks (prefill hand-off or quarantine)."""
-        block_ids = self._handed_off.pop(request_id, None)
-        if block_ids is None:
-            return False
-        self.block_pool.free(reversed(block_ids))
-        return True
+        return self.kv.release(request_id)
 
     def _new_request(
         self, prompt: str | Sequence[int], params: SamplingParams | None,
@@ -290,7 +291,7 @@ class LLMEngine:
         if params.constraint is not None:
             self.constrainer.start(request)
         if self.tokenizer is not None and self.config.detokenize:
-            self._detok[request.request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
+            self.outputs.start(request)
         elif params.stop:
             raise InvalidRequestError("stop strings need a tokenizer.json in the model directory"
                                       if self.tokenizer is None else "stop strings need detokenize=True")
@@ -328,72 +329,18 @@ class LLMEngine:
             self._stop_if_complete(r, len(r.output_token_ids) - num_outputs[r.request_id])
         if all(s.num_new_tokens == 1 for s in out.scheduled) and any(not r.is_finished for r in updated):
             self._decode_step = (len(out.scheduled), kv_tokens, started)  # the step model's sample, next step
-        if self.config.role == "prefill" and self.handoff is not None:
-            for s in out.scheduled:
-                self.handoff.on_blocks_computed(s.request)
+        self.role.after_step(out.scheduled)
         if self.config.step_floor is not None:  # an emulated accelerator: the step lasts its stated time
             floor = self.config.step_floor.seconds(sum(s.num_new_tokens for s in out.scheduled), len(out.scheduled))
             time.sleep(max(started + floor - time.perf_counter(), 0.0))
-        return [self._output_for(r, len(r.output_token_ids) - num_outputs[r.request_id]) for r in updated]
+        return [self.outputs.output(r, self.scheduler, self.role, len(r.output_token_ids) - num_outputs[r.request_id])
+                for r in updated]
 
     def _stop_if_complete(self, request: Request, num_new: int) -> None:
         """A constrained request's matcher takes its new tokens; complete, the request stops."""
         if request.matcher is not None and not request.is_finished and \
                 Constrainer.advance(request, request.output_token_ids[-num_new:]):
             self.scheduler.finish(request, FinishReason.STOP)
-
-    def _output_for(self, request: Request, num_new: int = 1) -> RequestOutput:
-        """The request's `num_new` last tokens (more than one: accepted proposals), detokenized;
-        a stop string among them ends it there, the tokens after it dropped."""
-        rid = request.request_id
-        tokens = request.output_token_ids[-num_new:]
-        if len(request.output_token_ids) == num_new:
-            self.num_prompt_tokens += request.num_prompt_tokens
-            self.num_cached_tokens += request.num_cached_tokens
-        text, stopped = "", False
-        detok = self._detok.get(rid)
-        if detok is not None:
-            for i, token in enumerate(tokens):
-                piece, stopped = detok.append(token)
-                text += piece
-                if stopped and i + 1 < len(tokens):
-                    drop = len(tokens) - i - 1
-                    del request.output_token_ids[-drop:]
-                    del request.output_logprobs[len(request.output_logprobs) - drop:]
-                    tokens = tokens[: i + 1]
-                if stopped:
-                    break
-        if stopped:
-            self.scheduler.finish(request, FinishReason.STOP)
-        elif not request.is_finished and self.config.role == "prefill":
-            self._hand_off(request, tokens[-1])
-        if request.is_finished and detok is not None and not stopped:
-            text += detok.flush()
-        out = RequestOutput(
-            request_id=rid,
-            new_token_ids=tokens,
-            new_text=text,
-            finished=request.is_finished,
-            finish_reason=request.finish_reason,
-            new_logprobs=request.output_logprobs[-len(tokens):] if request.params.logprobs else [],
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-            num_preemptions=request.num_preemptions,
-            num_prefill_chunks=request.num_prefill_chunks,
-        )
-        if request.is_finished:
-            self._forget(rid)
-        return out
-
-    def _hand_off(self, request: Request, first_token_id: int) -> None:
-        block_ids = self.kv.take_blocks(request)
-        self.scheduler.finish(request, FinishReason.PREFILL_DONE, keep_blocks=True)
-        self._handed_off[request.request_id] = block_ids
-        if self.handoff is not None:
-            self.handoff.on_prefill_finished(request, block_ids, first_token_id)
-
-    def _forget(self, request_id: RequestId) -> None:
-        self._detok.pop(request_id, None)
 
     # -- helpers ---------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -402,7 +349,7 @@ class LLMEngine:
     @property
     def num_handed_off(self) -> int:
         """Requests whose blocks are held for the transfer layer."""
-        return len(self._handed_off)
+        return self.kv.num_held
 
     def has_schedulable(self) -> bool:
         """Requests a step could advance (not those waiting for remote KV)."""
@@ -439,4 +386,4 @@ class LLMEngine:
 
     def check_invariants(self) -> PoolUsage:
         """Pool accounting holds, and every in-use block is held by a request or a hand-off."""
-        return self.scheduler.check_invariants(self._handed_off.values())
+        return self.scheduler.check_invariants(self.kv.held_tables())
