@@ -135,3 +135,30 @@ def test_one_nccl_operation_at_a_time_in_a_process(monkeypatch: pytest.MonkeyPat
     for t in threads:
         t.join(5)
     assert overlapped == [False, False]
+
+
+class _Stream:
+    """A stream that finishes after `queries` polls, or never."""
+
+    def __init__(self, queries: int | None) -> None:
+        self.queries, self.polls = queries, 0
+
+    @property
+    def done(self) -> bool:
+        self.polls += 1
+        return self.queries is not None and self.polls > self.queries
+
+
+def test_a_short_copy_is_waited_for_without_sleeping_and_a_stuck_one_times_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    sleeps: list[float] = []
+    monkeypatch.setattr(cuda.time, "sleep", sleeps.append)
+    stream = _Stream(3)
+    cuda.wait_stream(stream, 1.0)
+    assert stream.polls == 4 and sleeps == []  # polled within the spin window: no 60 us sleep on a 14 us copy
+    clock = iter(x * 1e-4 for x in range(10**6))  # 100 us a poll
+    monkeypatch.setattr(cuda.time, "monotonic", lambda: next(clock))
+    aborted = []
+    with pytest.raises(cuda.CopyInFlight, match="within 0.01 s"):
+        cuda.wait_stream(_Stream(None), 0.01, on_timeout=lambda: aborted.append(True))
+    assert aborted == [True]
+    assert sleeps[:4] == [20e-6, 40e-6, 80e-6, 160e-6] and max(sleeps) == 1e-3  # past the spin: backing off to 1 ms
