@@ -312,7 +312,7 @@ class LLMEngine:
             self.step_model.observe(num_seqs, kv_tokens, started - began)
             self._decode_step = None
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler)
+            self.speculator.propose(self.scheduler, self.step_model.latest)
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
@@ -322,13 +322,16 @@ class LLMEngine:
             self.constrainer.mask(logits, requests, num_spec)
         sampled, verified = (self.speculator.sample(self.sampler, out, requests, logits) if self.speculator is not None
                              else (self.sampler.sample_by_id(logits, requests), {}))
-        kv_tokens = sum(s.request.num_computed_tokens + 1 for s in out.scheduled)
+        # KV each row reads: a verifying request's rows see one more token each
+        kv_tokens = sum(s.num_new_tokens * (s.request.num_computed_tokens + 1) + s.num_new_tokens * (s.num_new_tokens - 1) // 2
+                        for s in out.scheduled)
         num_outputs = {s.request.request_id: len(s.request.output_token_ids) for s in out.scheduled}
         updated = self.scheduler.update_after_step(out, sampled, verified)
         for r in updated:
             self._stop_if_complete(r, len(r.output_token_ids) - num_outputs[r.request_id])
-        if all(s.num_new_tokens == 1 for s in out.scheduled) and any(not r.is_finished for r in updated):
-            self._decode_step = (len(out.scheduled), kv_tokens, started)  # the step model's sample, next step
+        if all(s.num_new_tokens - s.num_spec_tokens == 1 for s in out.scheduled) and any(not r.is_finished for r in updated):
+            # decodes, some verifying proposals: the step model's sample (rows, KV read), next step
+            self._decode_step = (sum(s.num_new_tokens for s in out.scheduled), kv_tokens, started)
         self.role.after_step(out.scheduled)
         if self.config.step_floor is not None:  # an emulated accelerator: the step lasts its stated time
             floor = self.config.step_floor.seconds(sum(s.num_new_tokens for s in out.scheduled), len(out.scheduled))

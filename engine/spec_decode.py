@@ -15,14 +15,23 @@ style, would take them here too). `NgramProposer` is prompt lookup: the last n t
 most recent match is proposed. It costs no model, and on text that copies its input
 (editing, summarising, code completion over a given file) it is often right.
 
-The policy is load-aware. Verification costs one token of compute per proposal, which is
-nearly free while a step is memory-bound (few requests) and steals from the batch once it
-is not, so a step's decode tokens plus proposals stay within `max_batched_tokens`: alone, a
-request gets `num_speculative_tokens`; as the batch grows each gets fewer, and at that many
-requests none. Each request proposes as many tokens as its acceptance (an exponential average over its
-verifications, of the part of its proposals accepted) says are likely to be kept, at least
-one; one whose acceptance falls under `min_acceptance` stops proposing for `backoff_steps`
-steps, twice as long each time it fails again.
+The policy prices proposals. Verification costs a row of compute per proposal, nearly free
+while a step is memory-bound (few requests) and stealing from the batch once it is not.
+Once the engine's step model is fitted (engine/step_model.py: a step of n requests over kv
+KV tokens takes a + b n + c kv), a proposal is made only where it pays: the j-th proposal of
+a request whose acceptance is alpha is kept with probability alpha^j (each kept only if all
+before it are) and costs b + c ctx (its row, and its row's read of the request's context)
+plus the proposer's own time per token; proposals are taken best-first while each one's
+expected tokens per second of step it adds beat the step's tokens per second so far
+(`p T > N dt`). At one request a step is mostly its fixed cost and most proposals pay; at
+32 on a CPU a row costs what a request does and only near-certain ones do. Before the model
+is fitted the batch shares `max_batched_tokens` (decode tokens plus proposals), which
+stays the cap: alone, a request gets `num_speculative_tokens`; as the batch grows each gets
+fewer, at that many requests none. A request's acceptance is an exponential average over
+its verifications of the part of its proposals accepted (the threshold policy proposes as
+many as it says are likely kept, at least one); one whose acceptance falls under
+`min_acceptance` stops proposing for `backoff_steps` steps, twice as long each time it
+fails again.
 """
 from __future__ import annotations
 
@@ -79,26 +88,63 @@ class NgramProposer:
         return []
 
 
+def priced(decoding: Sequence[Request], limits: Sequence[tuple[Request, int]], cost: tuple[float, float, float],
+           propose_s: float, budget: int) -> list[tuple[Request, int]]:
+    """Proposals best-first by expected kept tokens per second of step they add, each taken
+    while it raises the step's expected tokens per second, at most `budget` in all and a
+    request's limit each (see the module's docstring)."""
+    a, b, c = cost
+    step_s = a + b * len(decoding) + c * sum(r.num_tokens for r in decoding)
+    tokens = float(len(decoding))
+    candidates = []
+    for r, limit in limits:
+        alpha = min(max(r.spec_acceptance, 0.0), 1.0)
+        dt = b + c * r.num_tokens + propose_s
+        candidates += [(alpha**j / dt if dt > 0 else math.inf, j, alpha**j, dt, r) for j in range(1, limit + 1)]
+    candidates.sort(key=lambda x: (-x[0], x[1]))
+    k: dict[RequestId, int] = {}
+    picked: list[Request] = []
+    for _, j, p, dt, r in candidates:
+        if budget <= 0:
+            break
+        if k.get(r.request_id, 0) != j - 1 or p * step_s <= tokens * dt:
+            continue
+        if j == 1:
+            picked.append(r)
+        k[r.request_id] = j
+        step_s += dt
+        tokens += p
+        budget -= 1
+    return [(r, k[r.request_id]) for r in picked]
+
+
 class SpecPolicy:
     def __init__(self, config: SpeculativeConfig, context_limit: int) -> None:
         self.config, self.context_limit = config, context_limit
         self.step = 0
 
-    def plan(self, decoding: Sequence[Request]) -> list[tuple[Request, int]]:
-        """The requests that may propose this step and how many tokens each (called once per step)."""
+    def plan(self, decoding: Sequence[Request], cost: tuple[float, float, float] | None = None,
+             propose_s: float = 0.0) -> list[tuple[Request, int]]:
+        """The requests that may propose this step and how many tokens each (called once per
+        step). `cost`: the step model's (a, b, c) in seconds, None before it is fitted;
+        `propose_s`: the proposer's seconds per proposed token."""
         self.step += 1
         c = self.config
         spare = c.max_batched_tokens - len(decoding)
         if spare <= 0 or not decoding:
             return []
-        share = min(c.num_speculative_tokens, spare // len(decoding))
-        wanted = []
+        # priced, a request may take any number up to the cap, the budget shared best-first;
+        # else the budget is split evenly
+        share = min(c.num_speculative_tokens, spare if cost is not None else spare // len(decoding))
+        limits = []
         for r in decoding:
             room = min(r.params.max_tokens - len(r.output_token_ids), self.context_limit - r.num_tokens) - 1
-            k = min(share, room, math.ceil(r.spec_acceptance * c.num_speculative_tokens))
-            if k > 0 and self.step >= r.spec_paused_until:
-                wanted.append((r, k))
-        return wanted
+            if self.step >= r.spec_paused_until and min(share, room) > 0:
+                limits.append((r, min(share, room)))
+        if cost is None:
+            wanted = [(r, min(k, math.ceil(r.spec_acceptance * c.num_speculative_tokens))) for r, k in limits]
+            return [(r, k) for r, k in wanted if k > 0]
+        return priced(decoding, limits, cost, propose_s, spare)
 
     def verified(self, request: Request, num_proposed: int, num_accepted: int) -> None:
         """A verification of `num_proposed` tokens accepted `num_accepted`: update the average,

@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,10 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec_decode import NgramProposer, Proposer, SpecPolicy
 from engine.spec_verify import Verified, verify
 from engine.types import RequestId
+
+
+PROPOSE_WEIGHT = 0.2
+"""Weight of the newest step in the proposer's time per token."""
 
 
 @dataclass
@@ -44,18 +49,26 @@ class Speculator:
         self.policy = SpecPolicy(config, context_limit)
         self.proposer = proposer or NgramProposer(config.ngram_min, config.ngram_max)
         self.counters = SpecCounters(accepted_per_pos=[0] * config.num_speculative_tokens)
+        self.propose_s = 0.0
+        """The proposer's seconds per token it was asked for (an exponential average): a draft
+        model's forward, which the policy prices with the rows that verify it."""
 
-    def propose(self, scheduler: Scheduler) -> None:
-        """Fills the proposals of the decoding requests the policy picks (others: none)."""
+    def propose(self, scheduler: Scheduler, cost: tuple[float, float, float] | None = None) -> None:
+        """Fills the proposals of the decoding requests the policy picks (others: none).
+        `cost`: the engine's step model (a, b, c), by which the policy prices proposals."""
         decoding = []
         for r in scheduler.running:
             r.spec_token_ids = []
             if r.num_computed_tokens == r.num_tokens - 1 and r.output_token_ids:
                 decoding.append(r)
         self.proposer.forget(set(scheduler.requests))
-        wanted = self.policy.plan(decoding)
+        wanted = self.policy.plan(decoding, cost, self.propose_s)
         if wanted:
-            for rid, tokens in self.proposer.propose(wanted).items():
+            began = time.perf_counter()
+            proposed = self.proposer.propose(wanted)
+            seconds = time.perf_counter() - began
+            self.propose_s += PROPOSE_WEIGHT * (seconds / max(sum(k for _, k in wanted), 1) - self.propose_s)
+            for rid, tokens in proposed.items():
                 r = scheduler.requests[rid]
                 r.spec_token_ids = Constrainer.valid_proposals(r, tokens)  # what a constraint forbids is cut
 

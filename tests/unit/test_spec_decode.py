@@ -41,6 +41,32 @@ def test_the_policy_gives_fewer_tokens_as_the_batch_grows_and_none_at_its_limit(
     assert [(r.request_id, k) for r, k in policy.plan([doubtful, sure])] == [("doubtful", 2), ("sure", 4)]
 
 
+def test_priced_proposals_pay_alone_and_only_near_certain_ones_in_a_full_cpu_batch() -> None:
+    """Step model a = 10 ms, b = 2 ms a row (a CPU: a row costs what a request does), no KV term."""
+    policy = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4, max_batched_tokens=64), 1024)
+    cpu = (0.010, 0.002, 0.0)
+    alone = req("alone")
+    alone.spec_acceptance = 0.5  # the j-th kept with 0.5^j: 0.5 x 12 > 1 x 2; 0.25 x 14 > 1.5 x 2; 0.125 x 16 < 1.75 x 2
+    assert [(r.request_id, k) for r, k in policy.plan([alone], cpu)] == [("alone", 2)]
+    batch = [req(f"r{i}") for i in range(32)]
+    for r in batch:
+        r.spec_acceptance = 0.5  # 0.5 x 74 ms < 32 x 2 ms: no proposal pays
+    assert policy.plan(batch, cpu) == []
+    batch[7].spec_acceptance = 0.95  # 0.95 x 74 > 32 x 2; 0.9025 x 76 > 32.95 x 2; 0.857 x 78 < 33.85 x 2
+    assert [(r.request_id, k) for r, k in policy.plan(batch, cpu)] == [("r7", 2)]
+    gpu = (0.006, 0.00002, 0.0)  # a memory-bound step: a row is nearly free, so proposals pay up to the cap
+    planned = {r.request_id: k for r, k in policy.plan(batch, gpu)}
+    assert sum(planned.values()) == 32 and planned["r7"] == 4  # 32 decodes + 32 proposals, the surest first
+    assert len(planned) == 29
+    kv = (0.010, 0.002, 1e-5)  # a row also reads its request's context: 1,000 tokens cost 10 ms more
+    long = req("long", prompt=996)
+    long.spec_acceptance = 0.6  # 997 tokens: a step 22 ms, a row 12 ms: 0.6 x 22 > 12; 0.36 x 34 < 1.6 x 12
+    assert policy.plan([long], kv) == [(long, 1)]
+    slow_draft = req("d")
+    slow_draft.spec_acceptance = 0.5
+    assert policy.plan([slow_draft], cpu, propose_s=0.02) == []  # 0.5 x 12 < 22: the draft costs more than it brings
+
+
 def test_a_request_whose_proposals_keep_failing_backs_off_twice_as_long_each_time() -> None:
     policy = SpecPolicy(SpeculativeConfig(method="ngram", min_acceptance=0.3, backoff_steps=4), 1024)
     r = req("r")
