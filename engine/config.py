@@ -99,6 +99,10 @@ class SpeculativeConfig:
     """A request whose recent proposals are accepted less than this often stops proposing
     for a while (`backoff_steps`, doubling each time it fails again)."""
     backoff_steps: int = 16
+    priced: bool = True
+    """Proposals priced by the step's measured cost (engine/spec_decode.py: made where their
+    expected kept tokens pay for the rows and the step they add); False: every decoding
+    request proposes its share of `max_batched_tokens`, as many as its acceptance says."""
 
     def __post_init__(self) -> None:
         if self.method not in ("off", "ngram", "draft"):

@@ -183,8 +183,8 @@ class LLMEngine:
     def _reset_state(self) -> None:
         self.step_model = StepModel()
         """Decode step time against batch and KV read (heartbeats carry it to routers)."""
-        self._decode_step: tuple[int, int, float] | None = None
-        """The last step, when it was pure decode: (requests, KV tokens, its start)."""
+        self._decode_step: tuple[int, int, int, float] | None = None
+        """The last step, when it was decodes (some verifying): (requests, rows, KV tokens, its start)."""
         self.outputs = OutputBuilder(self.tokenizer, self.config.detokenize)
         """Builds each step's outputs (detokenized, stop strings); counts prompt and cached tokens."""
 
@@ -308,11 +308,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
         if self._decode_step is not None:  # the last step decoded and left requests running: its period ends
-            num_seqs, kv_tokens, began = self._decode_step
-            self.step_model.observe(num_seqs, kv_tokens, started - began)
+            num_seqs, rows, kv_tokens, began = self._decode_step
+            if rows == num_seqs:
+                self.step_model.observe(num_seqs, kv_tokens, started - began)
+            if self.speculator is not None:
+                self.speculator.observe(rows, kv_tokens, rows > num_seqs, started - began)
             self._decode_step = None
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler, self.step_model.latest)
+            self.speculator.propose(self.scheduler)
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
@@ -330,8 +333,9 @@ class LLMEngine:
         for r in updated:
             self._stop_if_complete(r, len(r.output_token_ids) - num_outputs[r.request_id])
         if all(s.num_new_tokens - s.num_spec_tokens == 1 for s in out.scheduled) and any(not r.is_finished for r in updated):
-            # decodes, some verifying proposals: the step model's sample (rows, KV read), next step
-            self._decode_step = (sum(s.num_new_tokens for s in out.scheduled), kv_tokens, started)
+            # decodes, some verifying proposals: a sample of the step model (plain decodes) and
+            # of the speculator's step cost (rows, KV read), taken at the next step
+            self._decode_step = (len(out.scheduled), sum(s.num_new_tokens for s in out.scheduled), kv_tokens, started)
         self.role.after_step(out.scheduled)
         if self.config.step_floor is not None:  # an emulated accelerator: the step lasts its stated time
             floor = self.config.step_floor.seconds(sum(s.num_new_tokens for s in out.scheduled), len(out.scheduled))

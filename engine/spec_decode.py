@@ -17,14 +17,16 @@ most recent match is proposed. It costs no model, and on text that copies its in
 
 The policy prices proposals. Verification costs a row of compute per proposal, nearly free
 while a step is memory-bound (few requests) and stealing from the batch once it is not.
-Once the engine's step model is fitted (engine/step_model.py: a step of n requests over kv
-KV tokens takes a + b n + c kv), a proposal is made only where it pays: the j-th proposal of
+Once the step cost is fitted (engine/spec_cost.py: a step of n rows over kv KV tokens takes
+a + b n + c kv, plus o if it verifies any proposal), a proposal is made only where it pays:
+the j-th proposal of
 a request whose acceptance is alpha is kept with probability alpha^j (each kept only if all
 before it are) and costs b + c ctx (its row, and its row's read of the request's context)
 plus the proposer's own time per token; proposals are taken best-first while each one's
 expected tokens per second of step it adds beat the step's tokens per second so far
-(`p T > N dt`). At one request a step is mostly its fixed cost and most proposals pay; at
-32 on a CPU a row costs what a request does and only near-certain ones do. Before the model
+(`p T > N dt`), and only if together they also pay o. At one request a step is mostly its
+fixed cost and most proposals pay; at 32 on a CPU a row costs what a request does and only
+near-certain ones do. Before the model
 is fitted the batch shares `max_batched_tokens` (decode tokens plus proposals), which
 stays the cap: alone, a request gets `num_speculative_tokens`; as the batch grows each gets
 fewer, at that many requests none. A request's acceptance is an exponential average over
@@ -88,13 +90,15 @@ class NgramProposer:
         return []
 
 
-def priced(decoding: Sequence[Request], limits: Sequence[tuple[Request, int]], cost: tuple[float, float, float],
-           propose_s: float, budget: int) -> list[tuple[Request, int]]:
+def priced(decoding: Sequence[Request], limits: Sequence[tuple[Request, int]],
+           cost: tuple[float, float, float, float], propose_s: float, budget: int) -> list[tuple[Request, int]]:
     """Proposals best-first by expected kept tokens per second of step they add, each taken
     while it raises the step's expected tokens per second, at most `budget` in all and a
-    request's limit each (see the module's docstring)."""
-    a, b, c = cost
+    request's limit each; none unless together they also pay what speculating at all costs
+    a step (`o`; see the module's docstring)."""
+    a, b, c, o = cost
     step_s = a + b * len(decoding) + c * sum(r.num_tokens for r in decoding)
+    plain_rate = len(decoding) / step_s if step_s > 0 else 0.0
     tokens = float(len(decoding))
     candidates = []
     for r, limit in limits:
@@ -115,6 +119,8 @@ def priced(decoding: Sequence[Request], limits: Sequence[tuple[Request, int]], c
         step_s += dt
         tokens += p
         budget -= 1
+    if not picked or tokens / (step_s + o) <= plain_rate:
+        return []
     return [(r, k[r.request_id]) for r in picked]
 
 
@@ -123,11 +129,11 @@ class SpecPolicy:
         self.config, self.context_limit = config, context_limit
         self.step = 0
 
-    def plan(self, decoding: Sequence[Request], cost: tuple[float, float, float] | None = None,
+    def plan(self, decoding: Sequence[Request], cost: tuple[float, float, float, float] | None = None,
              propose_s: float = 0.0) -> list[tuple[Request, int]]:
         """The requests that may propose this step and how many tokens each (called once per
-        step). `cost`: the step model's (a, b, c) in seconds, None before it is fitted;
-        `propose_s`: the proposer's seconds per proposed token."""
+        step). `cost`: (a, b, c, o) in seconds (engine/spec_cost.py), None before it is
+        fitted; `propose_s`: the proposer's seconds per proposed token."""
         self.step += 1
         c = self.config
         spare = c.max_batched_tokens - len(decoding)
@@ -135,6 +141,8 @@ class SpecPolicy:
             return []
         # priced, a request may take any number up to the cap, the budget shared best-first;
         # else the budget is split evenly
+        if not c.priced:
+            cost = None
         share = min(c.num_speculative_tokens, spare if cost is not None else spare // len(decoding))
         limits = []
         for r in decoding:

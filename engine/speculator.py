@@ -22,6 +22,7 @@ from engine.constrainer import Constrainer
 from engine.request import Request
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.spec_cost import SpecCost
 from engine.spec_decode import NgramProposer, Proposer, SpecPolicy
 from engine.spec_verify import Verified, verify
 from engine.types import RequestId
@@ -50,19 +51,23 @@ class Speculator:
         self.proposer = proposer or NgramProposer(config.ngram_min, config.ngram_max)
         self.counters = SpecCounters(accepted_per_pos=[0] * config.num_speculative_tokens)
         self.propose_s = 0.0
+        self.cost = SpecCost()
         """The proposer's seconds per token it was asked for (an exponential average): a draft
         model's forward, which the policy prices with the rows that verify it."""
 
-    def propose(self, scheduler: Scheduler, cost: tuple[float, float, float] | None = None) -> None:
-        """Fills the proposals of the decoding requests the policy picks (others: none).
-        `cost`: the engine's step model (a, b, c), by which the policy prices proposals."""
+    def observe(self, rows: int, kv_tokens: int, speculating: bool, seconds: float) -> None:
+        """A decode step's whole period (engine/spec_cost.py), by which the policy prices proposals."""
+        self.cost.observe(rows, kv_tokens, speculating, seconds)
+
+    def propose(self, scheduler: Scheduler) -> None:
+        """Fills the proposals of the decoding requests the policy picks (others: none)."""
         decoding = []
         for r in scheduler.running:
             r.spec_token_ids = []
             if r.num_computed_tokens == r.num_tokens - 1 and r.output_token_ids:
                 decoding.append(r)
         self.proposer.forget(set(scheduler.requests))
-        wanted = self.policy.plan(decoding, cost, self.propose_s)
+        wanted = self.policy.plan(decoding, self.cost.latest, self.propose_s)
         if wanted:
             began = time.perf_counter()
             proposed = self.proposer.propose(wanted)

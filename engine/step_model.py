@@ -1,10 +1,8 @@
 """StepModel: how long a decode step takes, fitted on the steps an engine runs (pure).
 
-A decode step computes one row for each of `num_seqs` requests (a request that verifies
-k proposals computes 1 + k rows, each counted) and each row reads the KV of its context
-(`kv_tokens`): on any device its time is close to a + b·num_seqs + c·kv_tokens (per-step
-overhead, per-row work, KV reads). The speculation policy prices proposals with it
-(engine/spec_decode.py). The engine feeds every pure-decode step
+A decode step computes one token for each of `num_seqs` requests and reads the KV of all
+their tokens (`kv_tokens`): on any device its time is close to a + b·num_seqs + c·kv_tokens
+(per-step overhead, per-request work, KV reads). The engine feeds every pure-decode step
 (`observe`) with its whole period, from its start to the next step's (the forward, sampling,
 and sending each request its token: what a streaming client waits between tokens). The fit
 is exponentially weighted least squares (recent steps weigh most, a little ridge keeps it
@@ -78,7 +76,7 @@ def _solve_subset(m: list[list[float]], v: list[float], free: list[int]) -> list
             if r != col:
                 f = a[r][col] / a[col][col]
                 a[r] = [x - f * y for x, y in zip(a[r], a[col], strict=True)]
-    out = [0.0, 0.0, 0.0]
+    out = [0.0] * len(v)
     for r in range(k):
         if abs(a[r][r]) >= 1e-12:
             out[free[r]] = a[r][k] / a[r][r] / scale[r] ** 0.5

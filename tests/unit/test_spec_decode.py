@@ -42,9 +42,9 @@ def test_the_policy_gives_fewer_tokens_as_the_batch_grows_and_none_at_its_limit(
 
 
 def test_priced_proposals_pay_alone_and_only_near_certain_ones_in_a_full_cpu_batch() -> None:
-    """Step model a = 10 ms, b = 2 ms a row (a CPU: a row costs what a request does), no KV term."""
+    """Step cost a = 10 ms, b = 2 ms a row (a CPU: a row costs what a request does), no KV term."""
     policy = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4, max_batched_tokens=64), 1024)
-    cpu = (0.010, 0.002, 0.0)
+    cpu = (0.010, 0.002, 0.0, 0.0)
     alone = req("alone")
     alone.spec_acceptance = 0.5  # the j-th kept with 0.5^j: 0.5 x 12 > 1 x 2; 0.25 x 14 > 1.5 x 2; 0.125 x 16 < 1.75 x 2
     assert [(r.request_id, k) for r, k in policy.plan([alone], cpu)] == [("alone", 2)]
@@ -54,17 +54,21 @@ def test_priced_proposals_pay_alone_and_only_near_certain_ones_in_a_full_cpu_bat
     assert policy.plan(batch, cpu) == []
     batch[7].spec_acceptance = 0.95  # 0.95 x 74 > 32 x 2; 0.9025 x 76 > 32.95 x 2; 0.857 x 78 < 33.85 x 2
     assert [(r.request_id, k) for r, k in policy.plan(batch, cpu)] == [("r7", 2)]
-    gpu = (0.006, 0.00002, 0.0)  # a memory-bound step: a row is nearly free, so proposals pay up to the cap
+    gpu = (0.006, 0.00002, 0.0, 0.0)  # a memory-bound step: a row is nearly free, so proposals pay up to the cap
     planned = {r.request_id: k for r, k in policy.plan(batch, gpu)}
     assert sum(planned.values()) == 32 and planned["r7"] == 4  # 32 decodes + 32 proposals, the surest first
     assert len(planned) == 29
-    kv = (0.010, 0.002, 1e-5)  # a row also reads its request's context: 1,000 tokens cost 10 ms more
+    kv = (0.010, 0.002, 1e-5, 0.0)  # a row also reads its request's context: 1,000 tokens cost 10 ms more
     long = req("long", prompt=996)
     long.spec_acceptance = 0.6  # 997 tokens: a step 22 ms, a row 12 ms: 0.6 x 22 > 12; 0.36 x 34 < 1.6 x 12
     assert policy.plan([long], kv) == [(long, 1)]
     slow_draft = req("d")
     slow_draft.spec_acceptance = 0.5
     assert policy.plan([slow_draft], cpu, propose_s=0.02) == []  # 0.5 x 12 < 22: the draft costs more than it brings
+    # speculating at all costs a step 3 ms more (the one-call decode path left): 1.75 tokens in
+    # 16 + 3 ms beat 1 in 12, so alone it still pays; 2 ms more per step of 32 rows does not
+    assert [(r.request_id, k) for r, k in policy.plan([alone], (0.010, 0.002, 0.0, 0.003))] == [("alone", 2)]
+    assert policy.plan([alone], (0.010, 0.002, 0.0, 0.010)) == []  # 1.75 in 26 ms < 1 in 12
 
 
 def test_a_request_whose_proposals_keep_failing_backs_off_twice_as_long_each_time() -> None:
@@ -89,7 +93,10 @@ def engines(tiny_llama_dir: str) -> tuple[LLMEngine, LLMEngine]:
         return LLMEngine(EngineConfig(model_dir=tiny_llama_dir, detokenize=False, speculative=spec,
                                       cache=CacheConfig(block_size=4, num_blocks=256),
                                       scheduler=SchedulerConfig(max_num_batched_tokens=64)))
-    return make(SpeculativeConfig()), make(SpeculativeConfig(method="ngram", num_speculative_tokens=5, ngram_min=1))
+    # unpriced: on the tiny model a verifying step costs more than its proposals bring, and
+    # these tests are about what verification does
+    return make(SpeculativeConfig()), make(SpeculativeConfig(method="ngram", num_speculative_tokens=5, ngram_min=1,
+                                                             priced=False))
 
 
 def repetitive_prompts() -> list[list[int]]:
@@ -247,3 +254,20 @@ def test_make_tiny_model_writes_a_draft_of_a_checkpoint(tiny_llama_dir: str, tmp
     assert (tmp_path / "d" / "tokenizer.json").read_bytes() == (Path(tiny_llama_dir) / "tokenizer.json").read_bytes()
     assert main(["make-tiny-model", str(tmp_path / "e"), "--draft-of", tiny_llama_dir, "--draft-layers", "9"]) == 2
     assert "keeps 1 to 2 layers, not 9" in capsys.readouterr().err
+
+
+def test_the_step_cost_learns_what_speculating_at_all_adds() -> None:
+    from engine.spec_cost import SpecCost
+
+    cost = SpecCost()
+    cost.observe(1, 100, False, 0.012)
+    assert cost.latest is None  # the rows have not varied
+    for i, (rows, spec) in enumerate(((1, False), (3, True), (2, True), (1, False), (5, True), (4, True)) * 20):
+        kv = 200 + (137 * i) % 500  # contexts vary on their own
+        cost.observe(rows, kv, spec, 0.010 + 0.002 * rows + 1e-6 * kv + 0.003 * spec)
+    a, b, c, o = cost.latest  # type: ignore[misc]
+    assert (a, b, c, o) == pytest.approx((0.010, 0.002, 1e-6, 0.003), rel=0.02)
+    plain = SpecCost()  # never speculated: no overhead term to fit, it is 0
+    for rows in (1, 2, 3) * 10:
+        plain.observe(rows, 50 * rows, False, 0.01 + 0.002 * rows)
+    assert plain.latest is not None and plain.latest[3] == 0.0
