@@ -11,7 +11,8 @@ token of `token_index`, attend its query heads over the first `ctx_lens` keys of
   to 16 rows), a running softmax in float32 (FlashAttention's rescaling). It writes the
   split's running max `m`, sum `l` and unnormalised output `acc` to float32 scratch.
 - `_reduce`, one program per (token, query head): rescales the splits to their common max
-  and writes `sum(acc) / sum(l)` in the output dtype.
+  and writes `sum(acc) / sum(l)` in the output dtype. With one split (a large batch covers
+  the GPU by itself) the first kernel writes the output and this one is not launched.
 A batch of one over a long context is thus spread over many programs (`num_splits`, chosen
 so the grid covers the GPU's multiprocessors twice), where one program per (token, KV head)
 left 124 of an H100's 132 idle. A split with no keys (a short context, or a padded row of a
@@ -61,20 +62,25 @@ def paged_decode(q: torch.Tensor, pool: torch.Tensor, layer: int, block_table: t
     if n == 0:
         return
     group = heads // kv_heads
-    m = torch.empty(n, heads, splits, dtype=torch.float32, device=q.device)
-    l_sum = torch.empty_like(m)
-    acc = torch.empty(n, heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    if splits > 1:
+        m = torch.empty(n, heads, splits, dtype=torch.float32, device=q.device)
+        l_sum = torch.empty_like(m)
+        acc = torch.empty(n, heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    else:  # one split: the partial kernel writes the output itself, no scratch and no reduce
+        m = l_sum = acc = out
     d_p2 = max(16, triton.next_power_of_2(head_dim))
     kernels = _kernels()
     kernels.partial[(n, kv_heads, splits)](
-        q, pool, block_table, token_index, rows, ctx_lens, m, l_sum, acc,
+        q, pool, block_table, token_index, rows, ctx_lens, m, l_sum, acc, out,
         layer, scale,
-        q.stride(0), q.stride(1),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3), pool.stride(4),
         block_table.stride(0),
         SPLITS=splits, GROUP=group, GROUP_P2=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, HEAD_DIM_P2=d_p2, TILE=TILE, IEEE=q.dtype == torch.float32,
     )
+    if splits == 1:
+        return
     kernels.reduce[(n, heads)](
         m, l_sum, acc, token_index, out, out.stride(0), out.stride(1),
         HEADS=heads, SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), HEAD_DIM=head_dim, HEAD_DIM_P2=d_p2,
@@ -88,9 +94,9 @@ class _Kernels:
         import triton.language as tl
 
         @triton.jit
-        def partial(q_ptr, pool_ptr, table_ptr, tokens_ptr, rows_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr,
+        def partial(q_ptr, pool_ptr, table_ptr, tokens_ptr, rows_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
                     layer, scale,
-                    q_st, q_sh,
+                    q_st, q_sh, o_st, o_sh,
                     p_sb, p_sl, p_skv, p_st, p_sh,
                     t_sr,
                     SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -142,10 +148,15 @@ class _Kernels:
                 else:
                     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m = m_new
-            at = (i * (GROUP * tl.num_programs(1)) + heads) * SPLITS + split  # [n, heads, splits]
-            tl.store(m_ptr + at, m, mask=g_ok)
-            tl.store(l_ptr + at, l_sum, mask=g_ok)
-            tl.store(acc_ptr + at[:, None] * HEAD_DIM + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+            if SPLITS == 1:  # the whole context: normalise and write the output (no keys: zeros)
+                o = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+                tl.store(out_ptr + token * o_st + heads[:, None] * o_sh + d[None, :], o.to(out_ptr.dtype.element_ty),
+                         mask=g_ok[:, None] & d_ok[None, :])
+            else:
+                at = (i * (GROUP * tl.num_programs(1)) + heads) * SPLITS + split  # [n, heads, splits]
+                tl.store(m_ptr + at, m, mask=g_ok)
+                tl.store(l_ptr + at, l_sum, mask=g_ok)
+                tl.store(acc_ptr + at[:, None] * HEAD_DIM + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
 
         @triton.jit
         def reduce(m_ptr, l_ptr, acc_ptr, tokens_ptr, out_ptr, o_st, o_sh,

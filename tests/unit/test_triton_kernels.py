@@ -42,12 +42,14 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
             triton_attention.paged_decode(q, pool.tensor, 2, table, tokens, rows, ctx_lens, 0.3, out, splits)
             torch.testing.assert_close(out[tokens].float(), want, atol=tol, rtol=tol)
             assert out[4].isnan().all()  # a token not in token_index is not written
-        # a CUDA graph bucket's padded row: no keys, zeros out, nothing else touched
-        out = torch.full((7, heads, head_dim), float("nan"), dtype=dtype)
-        triton_attention.paged_decode(q, pool.tensor, 2, table, torch.tensor([6, 4]), torch.tensor([2, 0]),
-                                      torch.tensor([200, 0]), 0.3, out, 4)
-        assert (out[4] == 0).all() and out[:4].isnan().all()
-        torch.testing.assert_close(out[6].float(), want[5], atol=tol, rtol=tol)
+        # a CUDA graph bucket's padded row: no keys, zeros out, nothing else touched; with one
+        # split the first kernel writes the output itself
+        for splits in (1, 4):
+            out = torch.full((7, heads, head_dim), float("nan"), dtype=dtype)
+            triton_attention.paged_decode(q, pool.tensor, 2, table, torch.tensor([6, 4]), torch.tensor([2, 0]),
+                                          torch.tensor([200, 0]), 0.3, out, splits)
+            assert (out[4] == 0).all() and out[:4].isnan().all()
+            torch.testing.assert_close(out[6].float(), want[5], atol=tol, rtol=tol)
 assert triton_attention.num_splits(1, 8, 4096, 132) == 33 and triton_attention.num_splits(128, 8, 4096, 132) == 1
 assert triton_attention.num_splits(1, 8, 100, 132) == 2  # no more splits than tiles
 print("ok")
