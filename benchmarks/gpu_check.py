@@ -203,125 +203,6 @@ def kv_bytes_per_token(engine: LLMEngine) -> int:
     return engine.layout.block_bytes // engine.layout.block_size
 
 
-def decoding(engine: LLMEngine, batch: int, context: int, seed: int) -> tuple[list[str], bool]:
-    """`batch` requests decoding over `context` tokens each; returns their ids once every one
-    is past its prompt, and whether they share one prefix. Each has a context of its own
-    where the pool holds them all (nine tenths of it), so every KV byte a step reads comes
-    from memory; else they share a cached prefix of `context` tokens (one prefill), whose
-    blocks the L2 cache serves to all but the first reader."""
-    pool_tokens = engine.kv_pool.num_blocks * engine.layout.block_size
-    shared = batch * (context + 2) > 0.9 * pool_tokens
-    params = SamplingParams(max_tokens=100_000, ignore_eos=True)
-    if shared:
-        prefix = token_ids(engine, context, seed)
-        engine.generate([prefix], SamplingParams(max_tokens=1, ignore_eos=True))  # the shared prefix, cached
-        ids = [engine.add_request([*prefix, 3 + i % 200], params) for i in range(batch)]
-    else:
-        ids = [engine.add_request(token_ids(engine, context + 1, seed * 1000 + i), params) for i in range(batch)]
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
-        engine.step()
-    return ids, shared
-
-
-def decode_arms(engine: LLMEngine, cuda: bool) -> dict[str, Callable[[], None]]:
-    """The ways to run a decode step on the same weights and pool: the torch forms (the
-    baseline), the Triton kernels eagerly, and the kernels through the CUDA graphs."""
-    m, runner = engine.model, engine.runner
-    kernels, graphs = m.kernels, runner.decode
-
-    def arm(k: Any, g: Any) -> Callable[[], None]:
-        def use() -> None:
-            m.use_kernels(k) if cuda else None
-            runner.decode = g
-        return use
-
-    if not cuda:
-        return {"native": arm(kernels, graphs)}
-    arms = {"torch": arm(None, None)}
-    if kernels is not None:
-        arms["triton"] = arm(kernels, None)
-    if graphs is not None and graphs.graphs:
-        arms["graphs"] = arm(kernels, graphs)
-    return arms
-
-
-def decode_steps(c: Check, engine: LLMEngine, fl: dict[str, float], batches: list[int], contexts: list[int],
-                 steps: int) -> None:
-    m = engine.model
-    arms = decode_arms(engine, c.device == "cuda")
-    weight_read = m.weight_bytes - (0 if m.tied else m.embed.numel() * m.embed.element_size())
-    per_token = kv_bytes_per_token(engine)
-    for ctx in contexts:
-        for b in batches:
-            if c.left_s() < 20:
-                c.emit("decode", batch=b, context=ctx, skipped="budget")
-                continue
-            ids, shared = decoding(engine, b, ctx, seed=b + ctx)
-            done = 0
-            for name, use in arms.items():  # the same requests, each arm in turn, each warmed first
-                use()
-                for _ in range(3):
-                    engine.step()  # warm: Triton compiles a new shape here, never in the timed steps
-                box: dict[str, float] = {}
-                wall = time.perf_counter()
-                with timed(c.device, box):
-                    for _ in range(steps):
-                        assert len(engine.step()) == b
-                wall = (time.perf_counter() - wall) / steps
-                done += 3 + steps
-                step_s = box["s"] / steps
-                mean_ctx = ctx + 1 + done - steps // 2
-                unique = ctx + b * (mean_ctx - ctx) if shared else b * mean_ctx  # tokens whose KV must come from memory
-                kv_read = unique * per_token
-                floor_s = (weight_read + kv_read) / (fl["copy_gb_per_s"] * 1e9)
-                c.emit("decode", attention=name, batch=b, context=ctx, shared_prefix=shared, step_ms=round(step_s * 1e3, 3),
-                       wall_ms=round(wall * 1e3, 3), floor_ms=round(floor_s * 1e3, 3),
-                       over_floor=round(step_s / floor_s, 2), tokens_per_s=round(b / step_s),
-                       weight_read_gib=round(weight_read / 2**30, 3), kv_read_gib=round(kv_read / 2**30, 3))
-            list(arms.values())[-1]()  # the engine as built
-            for rid in ids:
-                engine.abort(rid)
-
-
-LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch",
-            "cudaMemcpyAsync", "cudaMemsetAsync")
-
-
-def launches(c: Check, engine: LLMEngine, batch: int, context: int, steps: int = 5) -> None:
-    """Per decode step, under the torch profiler: host calls that launch GPU work, by name,
-    and the GPU's busy time (its kernels' durations) against the step's host time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    ids, _ = decoding(engine, batch, context, seed=5)
-    for name, use in decode_arms(engine, True).items():
-        use()
-        for _ in range(3):
-            engine.step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            began = time.perf_counter()
-            for _ in range(steps):
-                engine.step()
-            host_s = (time.perf_counter() - began) / steps
-            torch.cuda.synchronize()
-        counts: dict[str, int] = {}
-        gpu_us = 0.0
-        for e in prof.key_averages():
-            if e.key in LAUNCHES:
-                counts[e.key] = counts.get(e.key, 0) + e.count
-            device_us = getattr(e, "self_device_time_total", None)
-            if device_us is None:
-                device_us = getattr(e, "self_cuda_time_total", 0.0)
-            if str(getattr(e, "device_type", "")).endswith("CUDA"):
-                gpu_us += device_us
-        c.emit("launches", arm=name, batch=batch, context=context,
-               per_step={k: round(v / steps, 1) for k, v in sorted(counts.items())},
-               launches_per_step=round(sum(v for k, v in counts.items() if "Memcpy" not in k and "Memset" not in k) / steps, 1),
-               host_ms_per_step=round(host_s * 1e3, 3), gpu_busy_ms_per_step=round(gpu_us / steps / 1e3, 3))
-    for rid in ids:
-        engine.abort(rid)
-
-
 def prefill(c: Check, engine: LLMEngine, fl: dict[str, float], lengths: list[int]) -> None:
     m, cfg = engine.model, engine.model_config
     matmul_params = sum(x.in_features * x.out_features for x in m.linears())
@@ -364,6 +245,8 @@ def worst_step(c: Check, engine: LLMEngine) -> None:
 
 
 def _one_decode(engine: LLMEngine, batch: int, context: int) -> None:
+    from benchmarks.gpu_check_decode import decoding
+
     ids, _ = decoding(engine, batch, context, seed=1)
     engine.step()
     for rid in ids:
@@ -439,6 +322,8 @@ def main() -> None:
     if engine is not None:
         vocab = engine.model_config.vocab_size
         batches, contexts, steps = ([1, 8, 32, 128], [512, 4096], 10) if cuda else ([1, 8], [64, 256], 3)
+        from benchmarks.gpu_check_decode import decode_steps, launches
+
         if "decode" not in args.skip:
             c.phase("decode", 60, lambda: decode_steps(c, engine, fl, batches, contexts, steps))
         if cuda and "launches" not in args.skip:

@@ -25,8 +25,6 @@ class GpuKernels:
         self.num_sms = num_sms
         """The device's multiprocessors: decode attention splits a context to cover them."""
         self.version = version
-        self.splits: int | None = None
-        """Fixed splits for decode attention (a CUDA graph's bucket captures one); None: per call."""
 
     def supports(self, dtype: torch.dtype, device: torch.device | str) -> bool:
         return torch.device(device).type == self.device_type and dtype in (torch.float32, torch.bfloat16,
@@ -38,8 +36,9 @@ class GpuKernels:
     def paged_attention(self, q: torch.Tensor, pool: torch.Tensor, layer: int, block_table: torch.Tensor,
                         token_index: torch.Tensor, rows: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
                         out: torch.Tensor) -> None:
-        """As `NativeKernels.paged_attention`; a ctx_len of 0 gives zeros."""
-        splits = self.splits or triton_attention.num_splits(
+        """As `NativeKernels.paged_attention`; a ctx_len of 0 gives zeros. The splits follow the
+        table's width, so a CUDA graph, which reads it whole, captures one number of them."""
+        splits = triton_attention.num_splits(
             token_index.numel(), pool.shape[4], block_table.shape[1] * pool.shape[3], self.num_sms)
         triton_attention.paged_decode(q, pool, layer, block_table, token_index, rows, ctx_lens, scale, out, splits)
 

@@ -96,7 +96,7 @@ class LLMEngine:
         self._attach_pool(self._pool_blocks(), allocator)
         self._reset_state()  # a profiled forward's requests and counts are not the worker's
         self.speculator = self._speculator(dtype, kernels)
-        self._capture_graphs(graphs if graphs is not None else self._cuda_graphs(kernels))
+        self._capture_graphs(graphs)
 
     @property
     def constrainer(self) -> Constrainer:
@@ -117,16 +117,15 @@ class LLMEngine:
                                      self.layout.block_size, self.kv_pool.num_blocks, kernels)
         return Speculator(spec, self.scheduler.context_limit, proposer)
 
-    def _cuda_graphs(self, kernels: Kernels | None) -> Callable[[], Graph] | None:
-        if not (self.config.decode_graphs and isinstance(kernels, GpuKernels) and kernels.device_type == "cuda"):
-            return None
-        pool = torch.cuda.graph_pool_handle()
-        return lambda: CudaGraph(pool)
-
     def _capture_graphs(self, graphs: Callable[[], Graph] | None) -> None:
+        """Each decode bucket into a graph: `graphs` (a test's), else CUDA graphs sharing one
+        memory pool wherever the runner has decode buffers on a GPU (`_decode_graphs`)."""
         decode = self.runner.decode
-        if graphs is None or decode is None:
+        if decode is None or (graphs is None and self.config.device == "cpu"):
             return
+        if graphs is None:
+            pool = torch.cuda.graph_pool_handle()
+            graphs = lambda: CudaGraph(pool)  # noqa: E731
         decode.capture(graphs)
 
     # -- the KV pool -----------------------------------------------------------------

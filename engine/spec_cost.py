@@ -7,12 +7,13 @@ verified]. The last term is what speculating at all costs a step beyond its rows
 the verifying group leaves the one-call native decode path for the per-layer one and
 oneDNN meets new shapes; on GPU the step leaves the CUDA graph. The engine feeds every such
 step's whole period (`observe`), speculating or not; the fit is the step model's
-(engine/step_model.py: exponentially weighted least squares, slopes kept at or above zero).
+(`DecayedFit` in engine/step_model.py: exponentially weighted least squares, slopes kept
+at or above zero).
 `latest` is None until the rows have varied; o is 0 until steps of both kinds were seen.
 """
 from __future__ import annotations
 
-from engine.step_model import DECAY, _solve_subset
+from engine.step_model import DecayedFit
 
 MIN_VARIANCE = (0.0, 0.25, 256.0, 0.01)
 """A term is fitted once its load's weighted variance reaches this (rows², KV tokens², share²)."""
@@ -20,27 +21,10 @@ MIN_VARIANCE = (0.0, 0.25, 256.0, 0.01)
 
 class SpecCost:
     def __init__(self) -> None:
-        self._m = [[0.0] * 4 for _ in range(4)]
-        self._v = [0.0] * 4
+        self._fit = DecayedFit(MIN_VARIANCE)
         self.latest: tuple[float, float, float, float] | None = None
         """(a, b, c, o) in seconds, or None before the rows varied."""
 
     def observe(self, rows: int, kv_tokens: int, speculating: bool, seconds: float) -> None:
-        x = (1.0, float(rows), float(kv_tokens), 1.0 if speculating else 0.0)
-        for i in range(4):
-            self._v[i] = self._v[i] * DECAY + x[i] * seconds
-            for j in range(4):
-                self._m[i][j] = self._m[i][j] * DECAY + x[i] * x[j]
-        self.latest = self._solve()
-
-    def _solve(self) -> tuple[float, float, float, float] | None:
-        w = max(self._m[0][0], 1e-30)
-        free = [0] + [i for i in (1, 2, 3) if self._m[i][i] / w - (self._m[0][i] / w) ** 2 >= MIN_VARIANCE[i]]
-        if 1 not in free:
-            return None
-        while True:
-            coef = _solve_subset(self._m, self._v, free)
-            negative = [i for i in free[1:] if coef[i] < 0]
-            if not negative:
-                return coef[0], coef[1], coef[2], coef[3]
-            free.remove(negative[0])
+        coef = self._fit.observe((1.0, float(rows), float(kv_tokens), 1.0 if speculating else 0.0), seconds)
+        self.latest = None if coef is None else (coef[0], coef[1], coef[2], coef[3])

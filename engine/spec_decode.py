@@ -19,16 +19,14 @@ The policy prices proposals. Verification costs a row of compute per proposal, n
 while a step is memory-bound (few requests) and stealing from the batch once it is not.
 Once the step cost is fitted (engine/spec_cost.py: a step of n rows over kv KV tokens takes
 a + b n + c kv, plus o if it verifies any proposal), a proposal is made only where it pays:
-the j-th proposal of
-a request whose acceptance is alpha is kept with probability alpha^j (each kept only if all
-before it are) and costs b + c ctx (its row, and its row's read of the request's context)
-plus the proposer's own time per token; proposals are taken best-first while each one's
-expected tokens per second of step it adds beat the step's tokens per second so far
-(`p T > N dt`), and only if together they also pay o. At one request a step is mostly its
-fixed cost and most proposals pay; at 32 on a CPU a row costs what a request does and only
-near-certain ones do. Before the model
-is fitted the batch shares `max_batched_tokens` (decode tokens plus proposals), which
-stays the cap: alone, a request gets `num_speculative_tokens`; as the batch grows each gets
+the j-th proposal of a request whose acceptance is alpha is kept with probability alpha^j
+(each kept only if all before it are) and costs b + c ctx (its row, and its row's read of
+the request's context) plus the proposer's own time per token; proposals are taken
+best-first while each one's expected tokens per second of step it adds beat the step's
+tokens per second so far (`p T > N dt`), and only if together they also pay o. At one
+request a step is mostly its fixed cost and most proposals pay; at 32 on a CPU a row costs
+what a request does and only near-certain ones do. Before the model is fitted the batch
+shares `max_batched_tokens` (decode tokens plus proposals), which stays the cap: alone, a request gets `num_speculative_tokens`; as the batch grows each gets
 fewer, at that many requests none. A request's acceptance is an exponential average over
 its verifications of the part of its proposals accepted (the threshold policy proposes as
 many as it says are likely kept, at least one); one whose acceptance falls under

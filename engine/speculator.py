@@ -51,13 +51,17 @@ class Speculator:
         self.proposer = proposer or NgramProposer(config.ngram_min, config.ngram_max)
         self.counters = SpecCounters(accepted_per_pos=[0] * config.num_speculative_tokens)
         self.propose_s = 0.0
-        self.cost = SpecCost()
         """The proposer's seconds per token it was asked for (an exponential average): a draft
         model's forward, which the policy prices with the rows that verify it."""
+        self.cost = SpecCost()
+        """The target's step cost, the proposer's time left out (it is priced by `propose_s`)."""
+        self._step_propose_s = 0.0
+        """What proposing took in the step last planned."""
 
     def observe(self, rows: int, kv_tokens: int, speculating: bool, seconds: float) -> None:
-        """A decode step's whole period (engine/spec_cost.py), by which the policy prices proposals."""
-        self.cost.observe(rows, kv_tokens, speculating, seconds)
+        """A decode step's whole period (engine/spec_cost.py), by which the policy prices
+        proposals; what proposing took in it is counted by `propose_s`, not here."""
+        self.cost.observe(rows, kv_tokens, speculating, seconds - self._step_propose_s)
 
     def propose(self, scheduler: Scheduler) -> None:
         """Fills the proposals of the decoding requests the policy picks (others: none)."""
@@ -68,11 +72,12 @@ class Speculator:
                 decoding.append(r)
         self.proposer.forget(set(scheduler.requests))
         wanted = self.policy.plan(decoding, self.cost.latest, self.propose_s)
+        self._step_propose_s = 0.0
         if wanted:
             began = time.perf_counter()
             proposed = self.proposer.propose(wanted)
-            seconds = time.perf_counter() - began
-            self.propose_s += PROPOSE_WEIGHT * (seconds / max(sum(k for _, k in wanted), 1) - self.propose_s)
+            self._step_propose_s = time.perf_counter() - began
+            self.propose_s += PROPOSE_WEIGHT * (self._step_propose_s / sum(k for _, k in wanted) - self.propose_s)
             for rid, tokens in proposed.items():
                 r = scheduler.requests[rid]
                 r.spec_token_ids = Constrainer.valid_proposals(r, tokens)  # what a constraint forbids is cut

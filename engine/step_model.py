@@ -29,35 +29,52 @@ MIN_VARIANCE = (0.0, 0.25, 256.0)
 
 class StepModel:
     def __init__(self) -> None:
-        self._m = [[0.0] * 3 for _ in range(3)]
-        """Weighted sums of x·xᵀ, x = (1, num_seqs, kv_tokens)."""
-        self._v = [0.0] * 3
-        """Weighted sums of x·seconds."""
+        self._fit = DecayedFit(MIN_VARIANCE)
+        """Over x = (1, num_seqs, kv_tokens)."""
         self.num_steps = 0
         self.latest: tuple[float, float, float] | None = None
 
     def observe(self, num_seqs: int, kv_tokens: int, seconds: float) -> None:
-        x = (1.0, float(num_seqs), float(kv_tokens))
-        for i in range(3):
-            self._v[i] = self._v[i] * DECAY + x[i] * seconds
-            for j in range(3):
-                self._m[i][j] = self._m[i][j] * DECAY + x[i] * x[j]
+        coef = self._fit.observe((1.0, float(num_seqs), float(kv_tokens)), seconds)
         self.num_steps += 1
-        self.latest = self._solve()
+        self.latest = None if coef is None else (coef[0], coef[1], coef[2])
 
-    def _solve(self) -> tuple[float, float, float] | None:
-        """Least squares with the slopes kept at or above zero (a slope the samples cannot
-        show yet is zero, and the others are refitted without it); None before the batch
-        size has varied."""
+
+class DecayedFit:
+    """Exponentially weighted least squares of seconds on x = (1, load, ...), the slopes kept at
+    or above zero (a slope the samples cannot show yet is zero, and the others are refitted
+    without it). A term is fitted once its load's weighted variance reaches `min_variance[i]`;
+    no fit at all (None) before the first load (x[1]) has varied. The step model and the
+    speculator's step cost (engine/spec_cost.py) both fit this way."""
+
+    def __init__(self, min_variance: tuple[float, ...]) -> None:
+        n = len(min_variance)
+        self.min_variance = min_variance
+        self._m = [[0.0] * n for _ in range(n)]
+        """Weighted sums of x·xᵀ."""
+        self._v = [0.0] * n
+        """Weighted sums of x·seconds."""
+
+    def observe(self, x: tuple[float, ...], seconds: float) -> list[float] | None:
+        """Adds a sample; returns the coefficients now."""
+        n = len(x)
+        for i in range(n):
+            self._v[i] = self._v[i] * DECAY + x[i] * seconds
+            for j in range(n):
+                self._m[i][j] = self._m[i][j] * DECAY + x[i] * x[j]
+        return self._solve()
+
+    def _solve(self) -> list[float] | None:
         w = max(self._m[0][0], 1e-30)
-        free = [0] + [i for i in (1, 2) if self._m[i][i] / w - (self._m[0][i] / w) ** 2 >= MIN_VARIANCE[i]]
+        free = [0] + [i for i in range(1, len(self._v))
+                      if self._m[i][i] / w - (self._m[0][i] / w) ** 2 >= self.min_variance[i]]
         if 1 not in free:
             return None
         while True:
             coef = _solve_subset(self._m, self._v, free)
             negative = [i for i in free[1:] if coef[i] < 0]
             if not negative:
-                return coef[0], coef[1], coef[2]
+                return coef
             free.remove(negative[0])
 
 

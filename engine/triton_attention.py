@@ -87,101 +87,110 @@ def paged_decode(q: torch.Tensor, pool: torch.Tensor, layer: int, block_table: t
     )
 
 
+def _partial() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def partial(q_ptr, pool_ptr, table_ptr, tokens_ptr, rows_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
+                layer, scale,
+                q_st, q_sh, o_st, o_sh,
+                p_sb, p_sl, p_skv, p_st, p_sh,
+                t_sr,
+                SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr):
+        i = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        token = tl.load(tokens_ptr + i)
+        row = tl.load(rows_ptr + i)
+        ctx = tl.load(ctx_ptr + i)
+        num_tiles = tl.cdiv(ctx, TILE)
+        tiles_per_split = tl.cdiv(num_tiles, SPLITS)
+        first_tile = split * tiles_per_split
+        start = first_tile * TILE
+        end = (first_tile + tiles_per_split) * TILE
+        end = tl.where(end < ctx, end, ctx)
+        g = tl.arange(0, GROUP_P2)
+        d = tl.arange(0, HEAD_DIM_P2)
+        t = tl.arange(0, TILE)
+        g_ok = g < GROUP
+        d_ok = d < HEAD_DIM
+        heads = kvh * GROUP + g
+        q = tl.load(q_ptr + token * q_st + heads[:, None] * q_sh + d[None, :],
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [G, D]
+        m = tl.full([GROUP_P2], float("-inf"), tl.float32)
+        l_sum = tl.zeros([GROUP_P2], tl.float32)
+        acc = tl.zeros([GROUP_P2, HEAD_DIM_P2], tl.float32)
+        base = pool_ptr + layer * p_sl + kvh * p_sh
+        for j in range(first_tile, tl.where(first_tile + tiles_per_split < num_tiles,
+                                            first_tile + tiles_per_split, num_tiles)):
+            pos = j * TILE + t
+            ok = pos < end
+            block = tl.load(table_ptr + row * t_sr + pos // BLOCK_SIZE, mask=ok, other=0)
+            where = base + block[:, None] * p_sb + (pos % BLOCK_SIZE)[:, None] * p_st + d[None, :]
+            kv_mask = ok[:, None] & d_ok[None, :]
+            k = tl.load(where, mask=kv_mask, other=0.0)  # [T, D]
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(ok[None, :], s * scale, float("-inf"))  # [G, T] float32
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+            v = tl.load(where + p_skv, mask=kv_mask, other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        if SPLITS == 1:  # the whole context: normalise and write the output (no keys: zeros)
+            o = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+            tl.store(out_ptr + token * o_st + heads[:, None] * o_sh + d[None, :], o.to(out_ptr.dtype.element_ty),
+                     mask=g_ok[:, None] & d_ok[None, :])
+        else:
+            at = (i * (GROUP * tl.num_programs(1)) + heads) * SPLITS + split  # [n, heads, splits]
+            tl.store(m_ptr + at, m, mask=g_ok)
+            tl.store(l_ptr + at, l_sum, mask=g_ok)
+            tl.store(acc_ptr + at[:, None] * HEAD_DIM + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+    return partial
+
+
+def _reduce() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def reduce(m_ptr, l_ptr, acc_ptr, tokens_ptr, out_ptr, o_st, o_sh,
+               HEADS: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr):
+        i = tl.program_id(0)
+        h = tl.program_id(1)
+        s = tl.arange(0, SPLITS_P2)
+        d = tl.arange(0, HEAD_DIM_P2)
+        s_ok = s < SPLITS
+        d_ok = d < HEAD_DIM
+        at = (i * HEADS + h) * SPLITS + s
+        m = tl.load(m_ptr + at, mask=s_ok, other=float("-inf"))
+        l_sum = tl.load(l_ptr + at, mask=s_ok, other=0.0)
+        acc = tl.load(acc_ptr + at[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+        top = tl.max(m, axis=0)
+        top = tl.where(top == float("-inf"), 0.0, top)  # no keys anywhere: every weight is 0
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))
+        total = tl.sum(w * l_sum, axis=0)
+        o = tl.sum(w[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
+        token = tl.load(tokens_ptr + i)
+        tl.store(out_ptr + token * o_st + h * o_sh + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
+    return reduce
+
+
 class _Kernels:
     def __init__(self) -> None:
         triton_compat.patch_interpreter()
-        import triton
-        import triton.language as tl
-
-        @triton.jit
-        def partial(q_ptr, pool_ptr, table_ptr, tokens_ptr, rows_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
-                    layer, scale,
-                    q_st, q_sh, o_st, o_sh,
-                    p_sb, p_sl, p_skv, p_st, p_sh,
-                    t_sr,
-                    SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr):
-            i = tl.program_id(0)
-            kvh = tl.program_id(1)
-            split = tl.program_id(2)
-            token = tl.load(tokens_ptr + i)
-            row = tl.load(rows_ptr + i)
-            ctx = tl.load(ctx_ptr + i)
-            num_tiles = tl.cdiv(ctx, TILE)
-            tiles_per_split = tl.cdiv(num_tiles, SPLITS)
-            first_tile = split * tiles_per_split
-            start = first_tile * TILE
-            end = (first_tile + tiles_per_split) * TILE
-            end = tl.where(end < ctx, end, ctx)
-            g = tl.arange(0, GROUP_P2)
-            d = tl.arange(0, HEAD_DIM_P2)
-            t = tl.arange(0, TILE)
-            g_ok = g < GROUP
-            d_ok = d < HEAD_DIM
-            heads = kvh * GROUP + g
-            q = tl.load(q_ptr + token * q_st + heads[:, None] * q_sh + d[None, :],
-                        mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [G, D]
-            m = tl.full([GROUP_P2], float("-inf"), tl.float32)
-            l_sum = tl.zeros([GROUP_P2], tl.float32)
-            acc = tl.zeros([GROUP_P2, HEAD_DIM_P2], tl.float32)
-            base = pool_ptr + layer * p_sl + kvh * p_sh
-            for j in range(first_tile, tl.where(first_tile + tiles_per_split < num_tiles,
-                                                first_tile + tiles_per_split, num_tiles)):
-                pos = j * TILE + t
-                ok = pos < end
-                block = tl.load(table_ptr + row * t_sr + pos // BLOCK_SIZE, mask=ok, other=0)
-                where = base + block[:, None] * p_sb + (pos % BLOCK_SIZE)[:, None] * p_st + d[None, :]
-                kv_mask = ok[:, None] & d_ok[None, :]
-                k = tl.load(where, mask=kv_mask, other=0.0)  # [T, D]
-                if IEEE:
-                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(k))
-                s = tl.where(ok[None, :], s * scale, float("-inf"))  # [G, T] float32
-                m_new = tl.maximum(m, tl.max(s, axis=1))
-                p = tl.exp(s - m_new[:, None])
-                alpha = tl.exp(m - m_new)
-                l_sum = l_sum * alpha + tl.sum(p, axis=1)
-                v = tl.load(where + p_skv, mask=kv_mask, other=0.0)
-                if IEEE:
-                    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-                else:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                m = m_new
-            if SPLITS == 1:  # the whole context: normalise and write the output (no keys: zeros)
-                o = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
-                tl.store(out_ptr + token * o_st + heads[:, None] * o_sh + d[None, :], o.to(out_ptr.dtype.element_ty),
-                         mask=g_ok[:, None] & d_ok[None, :])
-            else:
-                at = (i * (GROUP * tl.num_programs(1)) + heads) * SPLITS + split  # [n, heads, splits]
-                tl.store(m_ptr + at, m, mask=g_ok)
-                tl.store(l_ptr + at, l_sum, mask=g_ok)
-                tl.store(acc_ptr + at[:, None] * HEAD_DIM + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
-
-        @triton.jit
-        def reduce(m_ptr, l_ptr, acc_ptr, tokens_ptr, out_ptr, o_st, o_sh,
-                   HEADS: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr):
-            i = tl.program_id(0)
-            h = tl.program_id(1)
-            s = tl.arange(0, SPLITS_P2)
-            d = tl.arange(0, HEAD_DIM_P2)
-            s_ok = s < SPLITS
-            d_ok = d < HEAD_DIM
-            at = (i * HEADS + h) * SPLITS + s
-            m = tl.load(m_ptr + at, mask=s_ok, other=float("-inf"))
-            l_sum = tl.load(l_ptr + at, mask=s_ok, other=0.0)
-            acc = tl.load(acc_ptr + at[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-            top = tl.max(m, axis=0)
-            top = tl.where(top == float("-inf"), 0.0, top)  # no keys anywhere: every weight is 0
-            w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))
-            total = tl.sum(w * l_sum, axis=0)
-            o = tl.sum(w[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
-            token = tl.load(tokens_ptr + i)
-            tl.store(out_ptr + token * o_st + h * o_sh + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
-
-        self.partial = partial
-        self.reduce = reduce
+        self.partial = _partial()
+        self.reduce = _reduce()
 
 
 @functools.cache

@@ -14,6 +14,7 @@ under Triton's interpreter on CPU (tests/unit/test_triton_kernels.py).
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
@@ -73,78 +74,93 @@ def _warps(block: int) -> int:
     return max(1, min(16, block // 512))
 
 
+def _add_rms_norm_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_rms_norm_kernel(h_ptr, delta_ptr, w_ptr, out_ptr, dim, eps,
+                            HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        c = tl.arange(0, BLOCK)
+        ok = c < dim
+        at = row * dim + c
+        h = tl.load(h_ptr + at, mask=ok, other=0.0)
+        if HAS_DELTA:
+            h = (h.to(tl.float32) + tl.load(delta_ptr + at, mask=ok, other=0.0).to(tl.float32)).to(h.dtype)
+            tl.store(h_ptr + at, h, mask=ok)
+        x = h.to(tl.float32)
+        x = x * tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
+        w = tl.load(w_ptr + c, mask=ok, other=0.0)
+        y = (w.to(tl.float32) * x.to(h.dtype).to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + at, y, mask=ok)
+    return add_rms_norm_kernel
+
+
+def _rotary_store_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rotary_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pool_ptr, blocks_ptr, offsets_ptr, qkv_st, cos_st,
+                            p_layer, p_sb, p_skv, p_st,
+                            HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            HALF_P2: tl.constexpr):
+        t = tl.program_id(0)
+        j = tl.program_id(1)  # q heads first, then kv heads
+        half = HEAD_DIM // 2
+        c = tl.arange(0, HALF_P2)
+        ok = c < half
+        head = qkv_ptr + t * qkv_st + j * HEAD_DIM
+        x1 = tl.load(head + c, mask=ok, other=0.0)
+        x2 = tl.load(head + half + c, mask=ok, other=0.0)
+        dt = x1.dtype
+        trig = t * cos_st
+        cos1 = tl.load(cos_ptr + trig + c, mask=ok, other=0.0).to(tl.float32)
+        cos2 = tl.load(cos_ptr + trig + half + c, mask=ok, other=0.0).to(tl.float32)
+        sin1 = tl.load(sin_ptr + trig + c, mask=ok, other=0.0).to(tl.float32)
+        sin2 = tl.load(sin_ptr + trig + half + c, mask=ok, other=0.0).to(tl.float32)
+        # x * cos + swapped * signed_sin, each product and the sum rounded to the dtype as torch does
+        y1 = ((x1.to(tl.float32) * cos1).to(dt).to(tl.float32) + (x2.to(tl.float32) * sin1).to(dt).to(tl.float32)).to(dt)
+        y2 = ((x2.to(tl.float32) * cos2).to(dt).to(tl.float32) + (x1.to(tl.float32) * sin2).to(dt).to(tl.float32)).to(dt)
+        tl.store(head + c, y1, mask=ok)
+        tl.store(head + half + c, y2, mask=ok)
+        if j >= HEADS:
+            block = tl.load(blocks_ptr + t)
+            if block >= 0:
+                kvh = j - HEADS
+                slot = pool_ptr + block * p_sb + p_layer + tl.load(offsets_ptr + t) * p_st + kvh * HEAD_DIM
+                tl.store(slot + c, y1, mask=ok)
+                tl.store(slot + half + c, y2, mask=ok)
+                v = qkv_ptr + t * qkv_st + (HEADS + KV_HEADS + kvh) * HEAD_DIM
+                tl.store(slot + p_skv + c, tl.load(v + c, mask=ok, other=0.0), mask=ok)
+                tl.store(slot + p_skv + half + c, tl.load(v + half + c, mask=ok, other=0.0), mask=ok)
+    return rotary_store_kernel
+
+
+def _silu_mul_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def silu_mul_kernel(gu_ptr, out_ptr, half, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = c < half
+        g = tl.load(gu_ptr + row * 2 * half + c, mask=ok, other=0.0)
+        u = tl.load(gu_ptr + row * 2 * half + half + c, mask=ok, other=0.0)
+        gf = g.to(tl.float32)
+        s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+        tl.store(out_ptr + row * half + c, (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=ok)
+    return silu_mul_kernel
+
+
 class _Kernels:
     def __init__(self) -> None:
         triton_compat.patch_interpreter()
-        import triton
-        import triton.language as tl
-
-        @triton.jit
-        def add_rms_norm_kernel(h_ptr, delta_ptr, w_ptr, out_ptr, dim, eps,
-                                HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
-            row = tl.program_id(0)
-            c = tl.arange(0, BLOCK)
-            ok = c < dim
-            at = row * dim + c
-            h = tl.load(h_ptr + at, mask=ok, other=0.0)
-            if HAS_DELTA:
-                h = (h.to(tl.float32) + tl.load(delta_ptr + at, mask=ok, other=0.0).to(tl.float32)).to(h.dtype)
-                tl.store(h_ptr + at, h, mask=ok)
-            x = h.to(tl.float32)
-            x = x * tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
-            w = tl.load(w_ptr + c, mask=ok, other=0.0)
-            y = (w.to(tl.float32) * x.to(h.dtype).to(tl.float32)).to(out_ptr.dtype.element_ty)
-            tl.store(out_ptr + at, y, mask=ok)
-
-        @triton.jit
-        def rotary_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pool_ptr, blocks_ptr, offsets_ptr, qkv_st, cos_st,
-                                p_layer, p_sb, p_skv, p_st,
-                                HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                                HALF_P2: tl.constexpr):
-            t = tl.program_id(0)
-            j = tl.program_id(1)  # q heads first, then kv heads
-            half = HEAD_DIM // 2
-            c = tl.arange(0, HALF_P2)
-            ok = c < half
-            head = qkv_ptr + t * qkv_st + j * HEAD_DIM
-            x1 = tl.load(head + c, mask=ok, other=0.0)
-            x2 = tl.load(head + half + c, mask=ok, other=0.0)
-            dt = x1.dtype
-            trig = t * cos_st
-            cos1 = tl.load(cos_ptr + trig + c, mask=ok, other=0.0).to(tl.float32)
-            cos2 = tl.load(cos_ptr + trig + half + c, mask=ok, other=0.0).to(tl.float32)
-            sin1 = tl.load(sin_ptr + trig + c, mask=ok, other=0.0).to(tl.float32)
-            sin2 = tl.load(sin_ptr + trig + half + c, mask=ok, other=0.0).to(tl.float32)
-            # x * cos + swapped * signed_sin, each product and the sum rounded to the dtype as torch does
-            y1 = ((x1.to(tl.float32) * cos1).to(dt).to(tl.float32) + (x2.to(tl.float32) * sin1).to(dt).to(tl.float32)).to(dt)
-            y2 = ((x2.to(tl.float32) * cos2).to(dt).to(tl.float32) + (x1.to(tl.float32) * sin2).to(dt).to(tl.float32)).to(dt)
-            tl.store(head + c, y1, mask=ok)
-            tl.store(head + half + c, y2, mask=ok)
-            if j >= HEADS:
-                block = tl.load(blocks_ptr + t)
-                if block >= 0:
-                    kvh = j - HEADS
-                    slot = pool_ptr + block * p_sb + p_layer + tl.load(offsets_ptr + t) * p_st + kvh * HEAD_DIM
-                    tl.store(slot + c, y1, mask=ok)
-                    tl.store(slot + half + c, y2, mask=ok)
-                    v = qkv_ptr + t * qkv_st + (HEADS + KV_HEADS + kvh) * HEAD_DIM
-                    tl.store(slot + p_skv + c, tl.load(v + c, mask=ok, other=0.0), mask=ok)
-                    tl.store(slot + p_skv + half + c, tl.load(v + half + c, mask=ok, other=0.0), mask=ok)
-
-        @triton.jit
-        def silu_mul_kernel(gu_ptr, out_ptr, half, BLOCK: tl.constexpr):
-            row = tl.program_id(0)
-            c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-            ok = c < half
-            g = tl.load(gu_ptr + row * 2 * half + c, mask=ok, other=0.0)
-            u = tl.load(gu_ptr + row * 2 * half + half + c, mask=ok, other=0.0)
-            gf = g.to(tl.float32)
-            s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-            tl.store(out_ptr + row * half + c, (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=ok)
-
-        self.add_rms_norm = add_rms_norm_kernel
-        self.rotary_store = rotary_store_kernel
-        self.silu_mul = silu_mul_kernel
+        self.add_rms_norm = _add_rms_norm_kernel()
+        self.rotary_store = _rotary_store_kernel()
+        self.silu_mul = _silu_mul_kernel()
 
 
 @functools.cache
