@@ -14,13 +14,16 @@ One JSON line per figure in DIR/gpu_check.jsonl (also printed), each naming the 
 - decode: the engine's step at batch 1, 8, 32, 128 and contexts 512 and 4,096 (the contexts
   are each request's own where the pool holds them all, else one cached prefix they share,
   and the floor counts each KV byte once), timed with CUDA events,
-  against (weights read + KV read) / copy bandwidth, on the same requests in three arms: the
+  against (weights read + KV read) / copy bandwidth, on the same requests in four arms: the
   torch forms (the baseline), the Triton kernels eagerly, the kernels through the CUDA
-  graphs; each arm warmed at each shape before it is timed;
+  graphs, the graphs overlapped with the host's work (engine/overlap.py, the default); each
+  arm warmed at each shape before it is timed;
 - launches: per decode step (batch 32, context 512) under the torch profiler, the host calls
-  that launch GPU work and the GPU's busy time against the host's time, per arm;
+  that launch GPU work, the GPU's busy time against the host's time, and the kernels that
+  take the most GPU time, per arm;
 - prefill: tokens/s for one 2,048- and one 8,192-token prompt against 2 x parameters x
-  tokens (+ causal attention) / GEMM FLOP/s;
+  tokens (+ causal attention) / GEMM FLOP/s; the longest once more under the profiler, the
+  kernels that take the most GPU time;
 - worst_step: under that pool, the largest decode batch at the context the pool allows and
   a long prompt's last chunk over its whole context: run or out of memory, and the peak;
 - engine_vs_transformers: the same batch through the engine and `transformers` generate;
@@ -217,6 +220,29 @@ def prefill(c: Check, engine: LLMEngine, fl: dict[str, float], lengths: list[int
         c.emit("prefill", tokens=n, chunk_tokens=engine.config.scheduler.max_num_batched_tokens,
                seconds=round(box["s"], 4), tokens_per_s=round(n / box["s"]), floor_s=round(floor_s, 4),
                over_floor=round(box["s"] / floor_s, 2))
+    if c.device == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        n = lengths[-1]
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.generate([[5, *token_ids(engine, n, n)[1:]]], SamplingParams(max_tokens=1, ignore_eos=True))
+            torch.cuda.synchronize()
+        busy, top = top_kernels(prof)
+        c.emit("prefill_kernels", tokens=n, gpu_busy_ms=round(busy / 1e3, 2),
+               top_kernels_ms={k: round(v / 1e3, 2) for k, v in top})
+
+
+def top_kernels(prof: Any, count: int = 10) -> tuple[float, list[tuple[str, float]]]:
+    """A torch profile's GPU busy time (us) and its `count` kernels (names cut to 60
+    characters) that took the most of it."""
+    kernels: dict[str, float] = {}
+    for e in prof.key_averages():
+        if str(getattr(e, "device_type", "")).endswith("CUDA"):
+            device_us = getattr(e, "self_device_time_total", None)
+            if device_us is None:
+                device_us = getattr(e, "self_cuda_time_total", 0.0)
+            kernels[e.key[:60]] = kernels.get(e.key[:60], 0.0) + device_us
+    return sum(kernels.values()), sorted(kernels.items(), key=lambda kv: -kv[1])[:count]
 
 
 def worst_step(c: Check, engine: LLMEngine) -> None:

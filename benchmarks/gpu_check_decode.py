@@ -1,6 +1,6 @@
 """gpu_check's decode phases (benchmarks/gpu_check.py runs them): the engine's decode step in
 each of its arms (the torch forms, the Triton kernels eagerly, the kernels through the CUDA
-graphs) on the same requests, against the bandwidth floor, and the launches and host against
+graphs, and those overlapped with the host's work) on the same requests, against the bandwidth floor, and the launches and host against
 GPU time per step under the torch profiler."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu_check import Check, kv_bytes_per_token, timed, token_ids
+from benchmarks.gpu_check import Check, kv_bytes_per_token, timed, token_ids, top_kernels
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
 
@@ -37,23 +37,27 @@ def decoding(engine: LLMEngine, batch: int, context: int, seed: int) -> tuple[li
 
 def decode_arms(engine: LLMEngine, cuda: bool) -> dict[str, Callable[[], None]]:
     """The ways to run a decode step on the same weights and pool: the torch forms (the
-    baseline), the Triton kernels eagerly, and the kernels through the CUDA graphs."""
-    m, runner = engine.model, engine.runner
-    kernels, graphs = m.kernels, runner.decode
+    baseline), the Triton kernels eagerly, the kernels through the CUDA graphs with the host
+    waiting for each step, and the graphs overlapped with the host's work (engine/overlap.py)."""
+    m, runner, overlap = engine.model, engine.runner, engine.overlap
+    kernels, graphs, overlaps = m.kernels, runner.decode, overlap.enabled
 
-    def arm(k: Any, g: Any) -> Callable[[], None]:
+    def arm(k: Any, g: Any, o: bool = False) -> Callable[[], None]:
         def use() -> None:
             m.use_kernels(k) if cuda else None
             runner.decode = g
+            overlap.enabled = o
         return use
 
     if not cuda:
-        return {"native": arm(kernels, graphs)}
+        return {"native": arm(kernels, graphs), **({"overlap": arm(kernels, graphs, True)} if overlaps else {})}
     arms = {"torch": arm(None, None)}
     if kernels is not None:
         arms["triton"] = arm(kernels, None)
     if graphs is not None and graphs.graphs:
         arms["graphs"] = arm(kernels, graphs)
+        if overlaps:
+            arms["overlap"] = arm(kernels, graphs, True)
     return arms
 
 
@@ -117,18 +121,14 @@ def launches(c: Check, engine: LLMEngine, batch: int, context: int, steps: int =
             host_s = (time.perf_counter() - began) / steps
             torch.cuda.synchronize()
         counts: dict[str, int] = {}
-        gpu_us = 0.0
         for e in prof.key_averages():
             if e.key in LAUNCHES:
                 counts[e.key] = counts.get(e.key, 0) + e.count
-            device_us = getattr(e, "self_device_time_total", None)
-            if device_us is None:
-                device_us = getattr(e, "self_cuda_time_total", 0.0)
-            if str(getattr(e, "device_type", "")).endswith("CUDA"):
-                gpu_us += device_us
+        gpu_us, top = top_kernels(prof)
         c.emit("launches", arm=name, batch=batch, context=context,
                per_step={k: round(v / steps, 1) for k, v in sorted(counts.items())},
                launches_per_step=round(sum(v for k, v in counts.items() if "Memcpy" not in k and "Memset" not in k) / steps, 1),
-               host_ms_per_step=round(host_s * 1e3, 3), gpu_busy_ms_per_step=round(gpu_us / steps / 1e3, 3))
+               host_ms_per_step=round(host_s * 1e3, 3), gpu_busy_ms_per_step=round(gpu_us / steps / 1e3, 3),
+               top_kernels_us_per_step={k: round(v / steps, 1) for k, v in top})
     for rid in ids:
         engine.abort(rid)

@@ -175,6 +175,11 @@ class EngineConfig:
     GPUs with the Triton kernels, one CUDA graph per batch-size bucket (1, 2, 4, ... up to
     `max_num_seqs`), captured at start; on CPU the same buffers, eagerly. False: every step
     builds its tensors and runs eagerly (vLLM's `enforce_eager`)."""
+    overlap: bool | None = None
+    """Decode steps overlapped with the host's work (engine/overlap.py): the next step is
+    launched, its input tokens still on the device, while the host lands the one before;
+    a request that stops has one row computed for nothing. None: on GPUs, off on CPU (where
+    nothing runs asynchronously). Off beside speculative decoding and a step floor."""
     detokenize: bool = True
     """Turn output tokens into text (and honour stop strings). Workers serving a router
     turn it off: the router detokenizes once, for every worker a request ran on."""

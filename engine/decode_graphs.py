@@ -5,12 +5,15 @@ A step whose every request decodes one token (no proposals to verify, each sampl
 build index lists and tensors per step (engine/model_runner.py `prepare`): its inputs go
 into buffers made once, sized for the largest bucket (`max_num_seqs` requests):
 
-    host (pinned on GPUs)            device (fixed addresses, captured by the graphs)
-    small [5, max_seqs] int64  --->  token ids, positions, slot blocks, slot offsets, ctx lens
+    host (pinned on GPUs, two in turn)  device (fixed addresses, captured by the graphs)
+    small [6, max_seqs] int64  --->  token ids, positions, slot blocks, slot offsets, ctx lens,
+                                     token sources
     table [max_seqs, width] int64 -> block table, `width` = blocks of the longest context
 
 one non-blocking copy each (the table's used columns only; what lies past a row's context is
-never read). On GPUs a batch of n runs the graph of the smallest bucket >= n, captured at
+never read). A row's input token is its request's own, or, with a source j >= 0, row j of
+the previous step's sampled tokens, still on the device (`sampled`): the overlapped decode
+(engine/overlap.py) launches a step before the host has seen the tokens of the one before. On GPUs a batch of n runs the graph of the smallest bucket >= n, captured at
 start (largest first, sharing one memory pool); rows n.. of the bucket are padding: slot
 block -1 (the rotary kernel stores nothing), context 0 (attention writes zeros), and their
 logits are dropped. A batch over the largest bucket, a step with prefill chunks or
@@ -41,7 +44,13 @@ from engine.scheduler import ScheduledRequest
 
 logger = logging.getLogger(__name__)
 
-_IDS, _POSITIONS, _BLOCKS, _OFFSETS, _CTX = range(5)
+_IDS, _POSITIONS, _BLOCKS, _OFFSETS, _CTX, _SRC = range(6)
+_ROWS = 6
+
+Row = tuple[Request, int, int]
+"""A step's row: the request, the position it computes, and where its input token is: -1,
+the request's own tokens; else the row of the previous step's sampled tokens (`sampled`) that
+holds it, a token not yet on the host (engine/overlap.py)."""
 
 
 class Graph(Protocol):
@@ -99,16 +108,16 @@ class DecodeGraphs:
         self.width = -(-max_model_len // self.block_size)
         self.buckets = buckets_for(max_num_seqs)
         pinned = torch.device(device).type == "cuda"
-        self.host_small = torch.zeros(5, max_num_seqs, dtype=torch.long, pin_memory=pinned)
-        self.host_table = torch.zeros(max_num_seqs, self.width, dtype=torch.long, pin_memory=pinned)
-        self.small = self.host_small.to(device) if pinned else self.host_small
-        self.table = self.host_table.to(device) if pinned else self.host_table
+        self._host = [_HostBuffers(max_num_seqs, self.width, pinned) for _ in range(2 if pinned else 1)]
+        """Pinned host buffers on GPUs, two in turn: a step's inputs are written into one while
+        the copy of the previous step's, still queued behind the step before it, reads the other."""
+        self._turn = 0
+        self.small = self._host[0].small.to(device) if pinned else self._host[0].small
+        self.table = self._host[0].table.to(device) if pinned else self._host[0].table
+        self.sampled = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
+        """The last step's sampled tokens, on the device (`remember`): a row whose source is j
+        takes its input token from here."""
         self.index = torch.arange(max_num_seqs, device=device)
-        self._np_small = self.host_small.numpy()
-        self._np_table = self.host_table.numpy()
-        self._row_owner: list[tuple[str, int, int]] = [("", -1, 0)] * max_num_seqs
-        """Per host table row: (request id, its preemptions, columns written): a request that
-        keeps its row from step to step gets only its new blocks written."""
         self.graphs: dict[int, Graph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.capture_s = 0.0
@@ -118,7 +127,8 @@ class DecodeGraphs:
         """Captures every bucket, largest first, each warmed by one eager run (Triton compiles
         there, never inside a capture)."""
         began = time.perf_counter()
-        self._pad(0, self.max_seqs)
+        self._host[0].pad(0, self.max_seqs)
+        self._upload(self._host[0], self.max_seqs, self.width)
         for b in reversed(self.buckets):
             self._forward(b, self.width)  # warm
             graph = make_graph()
@@ -140,26 +150,76 @@ class DecodeGraphs:
 
     def run(self, scheduled: list[ScheduledRequest]) -> tuple[list[Request], torch.Tensor]:
         """The step's float32 logits [n, vocab], a row per scheduled request in order."""
-        n = len(scheduled)
-        cols = self._fill(scheduled)
+        rows = [(s.request, s.request.num_computed_tokens, -1) for s in scheduled]
+        return [s.request for s in scheduled], self.launch(rows)
+
+    def launch(self, rows: list[Row]) -> torch.Tensor:
+        """Runs the rows (a graph replay on GPUs: nothing waits for the device); their logits."""
+        n = len(rows)
+        host = self._host[self._turn]
+        self._turn = (self._turn + 1) % len(self._host)
+        cols = host.fill(rows, self.block_size)
         bucket = next((b for b in self.buckets if b >= n), None) if self.graphs else None
         if bucket is None:  # eager: the model on the first n rows
-            self._upload(n, cols)
-            return [s.request for s in scheduled], self._forward(n, cols)
-        self._pad(n, bucket)
-        self._upload(bucket, cols)
+            self._upload(host, n, cols)
+            return self._forward(n, cols)
+        host.pad(n, bucket)
+        self._upload(host, bucket, cols)
         self.graphs[bucket].replay()
-        return [s.request for s in scheduled], self.logits[bucket][:n]
+        return self.logits[bucket][:n]
 
-    def _fill(self, scheduled: list[ScheduledRequest]) -> int:
-        """The step's inputs into the host buffers; returns the table columns in use."""
-        small, table, bs = self._np_small, self._np_table, self.block_size
+    def remember(self, tokens: torch.Tensor) -> None:
+        """This step's sampled tokens [n], where the next step's rows can take them."""
+        self.sampled[: tokens.numel()].copy_(tokens, non_blocking=True)
+
+    def _upload(self, host: _HostBuffers, rows: int, cols: int) -> None:
+        """The small buffer whole (6 x max_num_seqs values: one contiguous copy); the table's
+        rows and columns in use (a strided copy, which torch stages through a contiguous one)."""
+        if self.small is host.small:
+            return
+        self.small.copy_(host.small, non_blocking=True)
+        self.table[:rows, :cols].copy_(host.table[:rows, :cols], non_blocking=True)
+
+    def _capture(self, bucket: int) -> None:
+        """A bucket's step at the table's full width; its logits, at a fixed address, are the graph's output."""
+        self.logits[bucket] = self._forward(bucket, self.width)
+
+    def _forward(self, rows: int, cols: int) -> torch.Tensor:
+        """float32 logits of the model over the buffers' first `rows` rows and `cols` table columns."""
+        small, index = self.small[:, :rows], self.index[:rows]
+        table = self.table[:rows, :cols]
+        src = small[_SRC]
+        ids = torch.where(src >= 0, self.sampled.gather(0, src.clamp(min=0)), small[_IDS])
+        group = PagedGroup(token_index=index, padded_index=index, batch=rows, max_query_len=1,
+                           block_table=table if table.is_contiguous() else table.contiguous(),
+                           num_keys=cols * self.block_size, rows=index, ctx_lens=small[_CTX], in_order=True)
+        meta = AttentionMetadata(slot_blocks=small[_BLOCKS], slot_offsets=small[_OFFSETS], groups=[group])
+        return self.model.forward(ids, small[_POSITIONS], self.pool, meta, index)
+
+
+class _HostBuffers:
+    """A step's inputs on the host: `small` [6, max_seqs] (token ids, positions, slot blocks,
+    slot offsets, context lengths, token sources) and the block table [max_seqs, width]."""
+
+    def __init__(self, max_seqs: int, width: int, pinned: bool) -> None:
+        self.small = torch.zeros(_ROWS, max_seqs, dtype=torch.long, pin_memory=pinned)
+        self.table = torch.zeros(max_seqs, width, dtype=torch.long, pin_memory=pinned)
+        self.small[_SRC] = -1
+        self._np_small = self.small.numpy()
+        self._np_table = self.table.numpy()
+        self._row_owner: list[tuple[str, int, int]] = [("", -1, 0)] * max_seqs
+        """Per table row: (request id, its preemptions, columns written): a request that
+        keeps its row from step to step gets only its new blocks written."""
+
+    def fill(self, rows: list[Row], block_size: int) -> int:
+        """The rows' inputs; returns the table columns in use."""
+        small, table, bs = self._np_small, self._np_table, block_size
         cols = 1
-        for i, s in enumerate(scheduled):
-            r = s.request
-            p = r.num_computed_tokens
-            small[_IDS, i] = r.prompt_token_ids[p] if p < r.num_prompt_tokens else \
-                r.output_token_ids[p - r.num_prompt_tokens]
+        for i, (r, p, src) in enumerate(rows):
+            if src < 0:
+                small[_IDS, i] = r.prompt_token_ids[p] if p < r.num_prompt_tokens else \
+                    r.output_token_ids[p - r.num_prompt_tokens]
+            small[_SRC, i] = src
             small[_POSITIONS, i] = p
             small[_BLOCKS, i] = r.block_ids[p // bs]
             small[_OFFSETS, i] = p % bs
@@ -174,7 +234,7 @@ class DecodeGraphs:
             cols = max(cols, used)
         return cols
 
-    def _pad(self, start: int, end: int) -> None:
+    def pad(self, start: int, end: int) -> None:
         """Rows start..end of a bucket: no slot to store into, no keys to attend."""
         small = self._np_small
         small[_IDS, start:end] = 0
@@ -182,25 +242,4 @@ class DecodeGraphs:
         small[_BLOCKS, start:end] = -1
         small[_OFFSETS, start:end] = 0
         small[_CTX, start:end] = 0
-
-    def _upload(self, rows: int, cols: int) -> None:
-        """The small buffer whole (5 x max_num_seqs values: one contiguous copy); the table's
-        rows and columns in use (a strided copy, which torch stages through a contiguous one)."""
-        if self.small is self.host_small:
-            return
-        self.small.copy_(self.host_small, non_blocking=True)
-        self.table[:rows, :cols].copy_(self.host_table[:rows, :cols], non_blocking=True)
-
-    def _capture(self, bucket: int) -> None:
-        """A bucket's step at the table's full width; its logits, at a fixed address, are the graph's output."""
-        self.logits[bucket] = self._forward(bucket, self.width)
-
-    def _forward(self, rows: int, cols: int) -> torch.Tensor:
-        """float32 logits of the model over the buffers' first `rows` rows and `cols` table columns."""
-        small, index = self.small[:, :rows], self.index[:rows]
-        table = self.table[:rows, :cols]
-        group = PagedGroup(token_index=index, padded_index=index, batch=rows, max_query_len=1,
-                           block_table=table if table.is_contiguous() else table.contiguous(),
-                           num_keys=cols * self.block_size, rows=index, ctx_lens=small[_CTX], in_order=True)
-        meta = AttentionMetadata(slot_blocks=small[_BLOCKS], slot_offsets=small[_OFFSETS], groups=[group])
-        return self.model.forward(small[_IDS], small[_POSITIONS], self.pool, meta, index)
+        small[_SRC, start:end] = -1

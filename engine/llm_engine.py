@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from tokenizers import Tokenizer
@@ -39,7 +39,9 @@ from engine.output_builder import OutputBuilder
 from engine.request import FinishReason, Request, SamplingParams
 from engine.roles import Role, role_for
 from engine.sampler import Sampler
-from engine.scheduler import Scheduler
+from engine.overlap import Overlap
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.spec_verify import Verified
 from engine.speculator import SpecCounters, Speculator
 from engine.step_model import StepModel
 from engine.structured import Grammars
@@ -138,6 +140,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.block_pool, self.hasher)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.clock)
         self.runner = ModelRunner(self.model, self.kv_pool, config.device, None if provisional else self._decode_graphs())
+        self.overlap = Overlap(self.runner, self.sampler, self.scheduler, self.kv, not provisional and self._overlaps())
         if self.scheduler.context_limit < self.max_model_len and not provisional:
             logger.warning(
                 "the KV pool (%d blocks of %d tokens) is smaller than the model's context (%d tokens): "
@@ -154,6 +157,14 @@ class LLMEngine:
             return None
         return DecodeGraphs(self.model, self.kv_pool, self.config.device, self.config.scheduler.max_num_seqs,
                             self.max_model_len)
+
+    def _overlaps(self) -> bool:
+        """Decode steps overlapped with the host's work (engine/overlap.py): `config.overlap`,
+        by default on GPUs; never beside speculation (its proposals need the last token) or
+        an emulated step floor."""
+        c = self.config
+        on = c.overlap if c.overlap is not None else c.device != "cpu"
+        return on and not (c.speculative.enabled and c.role != "prefill") and c.step_floor is None
 
     def _pool_blocks(self) -> int:
         cache = self.config.cache
@@ -261,6 +272,7 @@ class LLMEngine:
             released = self.release_handoff(rid)
         aborted = self.scheduler.abort(rid)
         self.outputs.forget(rid)
+        self.overlap.drain_if_idle()  # its last request gone, a step in flight lands now (its held blocks back)
         return aborted or released
 
     def release_handoff(self, request_id: RequestId) -> bool:
@@ -306,24 +318,49 @@ class LLMEngine:
     # -- the step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
-        if self._decode_step is not None:  # the last step decoded and left requests running: its period ends
-            num_seqs, rows, kv_tokens, began = self._decode_step
-            if rows == num_seqs:
-                self.step_model.observe(num_seqs, kv_tokens, started - began)
+        self._observe_last_step(started)
+        if self.overlap.current is None:
             if self.speculator is not None:
-                self.speculator.observe(rows, kv_tokens, rows > num_seqs, started - began)
-            self._decode_step = None
+                self.speculator.propose(self.scheduler)
+            out = self.scheduler.schedule()
+            if not out.scheduled:
+                return []
+            if not self.overlap.takes(out):
+                return self._run(out, started)
+            self.overlap.start(out.scheduled)
+        out, sampled = self.overlap.land()  # the next step, where there is one, runs meanwhile
+        outputs = self._apply(out, sampled, {}, started)
+        self.overlap.drain_if_idle()
+        return outputs
+
+    def _observe_last_step(self, now: float) -> None:
+        """The last step decoded and left requests running: its period ends now."""
+        if self._decode_step is None:
+            return
+        num_seqs, rows, kv_tokens, began = self._decode_step
+        if rows == num_seqs:
+            self.step_model.observe(num_seqs, kv_tokens, now - began)
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler)
-        out = self.scheduler.schedule()
-        if not out.scheduled:
-            return []
+            self.speculator.observe(rows, kv_tokens, rows > num_seqs, now - began)
+        self._decode_step = None
+
+    def _run(self, out: SchedulerOutput, started: float) -> list[RequestOutput]:
+        """A step run and sampled here and now."""
         requests, logits = self.runner.execute(out)
         if any(r.matcher is not None for r in requests):
             num_spec = {s.request.request_id: s.num_spec_tokens for s in out.scheduled if s.num_spec_tokens}
             self.constrainer.mask(logits, requests, num_spec)
         sampled, verified = (self.speculator.sample(self.sampler, out, requests, logits) if self.speculator is not None
                              else (self.sampler.sample_by_id(logits, requests), {}))
+        outputs = self._apply(out, sampled, verified, started)
+        if self.config.step_floor is not None:  # an emulated accelerator: the step lasts its stated time
+            floor = self.config.step_floor.seconds(sum(s.num_new_tokens for s in out.scheduled), len(out.scheduled))
+            time.sleep(max(started + floor - time.perf_counter(), 0.0))
+        return outputs
+
+    def _apply(self, out: SchedulerOutput, sampled: Mapping[RequestId, tuple[int, float | None]],
+               verified: Mapping[RequestId, Verified], started: float) -> list[RequestOutput]:
+        """A step's tokens to its requests (stops), the role's turn, the outputs."""
         # KV each row reads: a verifying request's rows see one more token each
         kv_tokens = sum(s.num_new_tokens * (s.request.num_computed_tokens + 1) + s.num_new_tokens * (s.num_new_tokens - 1) // 2
                         for s in out.scheduled)
@@ -336,9 +373,6 @@ class LLMEngine:
             # of the speculator's step cost (rows, KV read), taken at the next step
             self._decode_step = (len(out.scheduled), sum(s.num_new_tokens for s in out.scheduled), kv_tokens, started)
         self.role.after_step(out.scheduled)
-        if self.config.step_floor is not None:  # an emulated accelerator: the step lasts its stated time
-            floor = self.config.step_floor.seconds(sum(s.num_new_tokens for s in out.scheduled), len(out.scheduled))
-            time.sleep(max(started + floor - time.perf_counter(), 0.0))
         return [self.outputs.output(r, self.scheduler, self.role, len(r.output_token_ids) - num_outputs[r.request_id])
                 for r in updated]
 

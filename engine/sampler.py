@@ -9,10 +9,30 @@ preemption by recompute, a router retry that re-prefills the tokens already sent
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.request import Request
 from engine.types import RequestId
+
+
+@dataclass
+class Draw:
+    """A step's sampled tokens [n] and the logprobs [len(want)] of rows `want`, as tensors
+    (on the device, or copied to pinned host memory by engine/overlap.py)."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor | None
+    want: list[int]
+
+    def settle(self) -> list[tuple[int, float | None]]:
+        """(token id, logprob or None) per row: waits for the device where the tensors are on it."""
+        out: list[tuple[int, float | None]] = [(t, None) for t in self.tokens.tolist()]
+        if self.logprobs is not None:
+            for i, v in zip(self.want, self.logprobs.tolist(), strict=True):
+                out[i] = (out[i][0], v)
+        return out
 
 
 class Sampler:
@@ -25,27 +45,31 @@ class Sampler:
         self, logits: torch.Tensor, requests: list[Request]
     ) -> list[tuple[int, float | None]]:
         """logits: [num_requests, vocab] float32. Returns (token id, logprob or None) per row."""
-        tokens = greedy(logits)
-        rows = [i for i, r in enumerate(requests) if not r.params.greedy]
-        if rows:
-            tokens[rows] = self._sample_random(logits[rows], [requests[i] for i in rows])
-        logprobs: list[float | None] = [None] * len(requests)
-        want = [i for i, r in enumerate(requests) if r.params.logprobs]
-        if want:
-            lp = torch.log_softmax(logits[want], dim=-1).gather(1, tokens[want, None])[:, 0]
-            for i, v in zip(want, lp.tolist(), strict=True):
-                logprobs[i] = v
-        return list(zip(tokens.tolist(), logprobs, strict=True))
+        return self.draw(logits, requests).settle()
 
     def sample_by_id(self, logits: torch.Tensor, requests: list[Request]) -> dict[RequestId, tuple[int, float | None]]:
         """`sample`, keyed by request id."""
         return dict(zip((r.request_id for r in requests), self.sample(logits, requests), strict=True))
 
-    def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def draw(self, logits: torch.Tensor, requests: list[Request], ahead: int = 0) -> Draw:
+        """`sample` left on the device (nothing waits for the GPU): the tokens and logprobs as
+        tensors, read by `Draw.settle`. `ahead`: tokens the requests have in flight, not yet
+        appended (engine/overlap.py), so a seeded request draws for the position it samples."""
+        tokens = greedy(logits)
+        rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if rows:
+            tokens[rows] = self._sample_random(logits[rows], [requests[i] for i in rows], ahead)
+        want = [i for i, r in enumerate(requests) if r.params.logprobs]
+        logprobs = None
+        if want:
+            logprobs = torch.log_softmax(logits[want], dim=-1).gather(1, tokens[want, None])[:, 0]
+        return Draw(tokens, logprobs, want)
+
+    def _sample_random(self, logits: torch.Tensor, requests: list[Request], ahead: int = 0) -> torch.Tensor:
         probs = self.probs(logits, requests)
         noise = torch.empty_like(probs)
         for i, r in enumerate(requests):
-            noise[i].exponential_(generator=self.generator_for(r, r.num_tokens))
+            noise[i].exponential_(generator=self.generator_for(r, r.num_tokens + ahead))
         return (probs / noise).argmax(dim=-1)
 
     @staticmethod

@@ -75,6 +75,10 @@ class Scheduler:
         self.fair = FairOrder(config.fair_burst_tokens)
         self.num_preemptions = 0
         """Cumulative, for metrics."""
+        self.in_flight: frozenset[RequestId] = frozenset()
+        """Requests in a step the device still runs (engine/overlap.py): one that ends now keeps
+        its blocks, held (`KVCacheManager.hold`), until that step lands; their ids in `held_in_flight`."""
+        self.held_in_flight: list[RequestId] = []
 
     # -- admission -----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -310,7 +314,12 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        if not keep_blocks:
+        if keep_blocks:
+            pass
+        elif request.request_id in self.in_flight and request.block_ids:  # a step in flight writes them
+            self.kv.hold(request)
+            self.held_in_flight.append(request.request_id)
+        else:
             self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

@@ -142,6 +142,31 @@ def deviations_from(ref: LLMEngine, engines: list[LLMEngine]) -> list[list[float
     return out
 
 
+def test_overlapped_decode_on_cuda_gives_the_tokens_of_a_waiting_host(tiny_llama_dir: str) -> None:
+    """engine/overlap.py on the GPU (its default there): each decode step launched before the
+    host has read the last one's tokens, its inputs taken from the device. float32, so the
+    tokens do not hang on which bucket a row ran in; greedy and seeded sampled requests, each
+    stopping at a stop token (rows computed past a stop are dropped) or at max_tokens."""
+    prompts, _ = _decode_batch()
+    sync = engine(tiny_llama_dir, "float32")
+    sync.overlap.enabled = False
+    params = [SamplingParams(max_tokens=20 + i % 7, ignore_eos=True, temperature=0.9 if i % 3 == 0 else 0.0,
+                             seed=i if i % 3 == 0 else None, logprobs=i % 4 == 0) for i in range(len(prompts))]
+    free = sync.generate(prompts, params)
+    params = [SamplingParams(max_tokens=p.max_tokens, ignore_eos=True, temperature=p.temperature, seed=p.seed,
+                             logprobs=p.logprobs, stop_token_ids=(f.token_ids[14],) if i % 2 else ())
+              for i, (p, f) in enumerate(zip(params, free, strict=True))]
+    want = sync.generate(prompts, params)
+    fast = engine(tiny_llama_dir, "float32")
+    assert fast.overlap.enabled and fast.runner.decode is not None
+    got = fast.generate(prompts, params)
+    assert [(g.token_ids, g.finish_reason) for g in got] == [(w.token_ids, w.finish_reason) for w in want]
+    for g, w in zip(got, want, strict=True):
+        assert g.logprobs == pytest.approx(w.logprobs, abs=1e-4)
+    assert fast.overlap.num_guessed_rows > 100 and fast.overlap.num_wasted_rows > 0  # 177 and 7 on CPU
+    assert fast.check_invariants().num_in_use == 0 and fast.kv.num_held == 0
+
+
 def test_seeded_sampling_on_cuda_repeats_and_depends_on_the_seed(tiny_llama_dir: str) -> None:
     prompts = random_prompts([12, 40], 512, seed=3)
     e = engine(tiny_llama_dir, "bfloat16")

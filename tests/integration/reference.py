@@ -52,8 +52,10 @@ def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[i
 
 
 def capture_logits(engine: LLMEngine) -> list[tuple[list, torch.Tensor]]:
-    """Record (sampled requests as (id, num_tokens), logits) for every step the engine runs."""
+    """Record (sampled requests as (id, num_tokens), logits) for every step the engine runs
+    (the overlapped decode, which runs decode steps past `execute`, is turned off)."""
     seen: list[tuple[list, torch.Tensor]] = []
+    engine.overlap.enabled = False
     execute = engine.runner.execute
 
     def recording(out):

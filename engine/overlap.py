@@ -1,0 +1,159 @@
+"""Overlapped decode: the device runs step N while the host lands step N-1 and launches N+1.
+
+Without it a decode step on a GPU is host work (schedule, fill the buffers, sample, read the
+tokens, update the requests, build the outputs) followed by a graph replay the host waits
+for: the GPU idles through the host work, about a millisecond a step at batch 32 on an H100
+(7 to 8 ms steps). With it, a step of decodes alone that `DecodeGraphs` takes is launched and
+left in flight; each `LLMEngine.step` then
+
+    launches the next step (`_next`): the same requests, one position on, before the host has
+    their tokens: each row's input token comes from the flight's sampled tokens, still on
+    the device (`DecodeGraphs.remember`, a row's token source);
+    waits for the flight (one event), then hands its tokens to the engine, which updates the
+    requests and builds the outputs while the device runs the next step.
+
+The next step is a guess that every request goes on. A request that the flight's token ends
+(a stop token, a stop string, an abort) has one row computed for nothing; its blocks, which
+that row writes, are held until the step lands (`Scheduler.in_flight`), so no other request,
+and no remote writer, gets them first. A request whose in-flight token is certainly its last
+(max_tokens, the context's end) is left out of the next step. The guess is not made, and the
+flight lands alone (the next `step` schedules), when a request waits and a seat is free for it
+(admission is the scheduler's) or a request lacks a block for its next position (preemption
+is the scheduler's).
+
+Off for steps with prefill chunks, proposals to verify, or a constrained request (its next
+mask needs its token): those run as before, after the flight has landed. On CPU nothing runs
+asynchronously; the same path runs there (`EngineConfig.overlap`) for the tests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_runner import ModelRunner
+from engine.sampler import Draw, Sampler
+from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from engine.types import RequestId
+
+
+@dataclass
+class Flight:
+    """A launched step: its rows, the position each computes, its tokens (pinned host
+    tensors the device copies into) and the event that says they are there."""
+
+    rows: list[ScheduledRequest]
+    positions: list[int]
+    draw: Draw
+    done: torch.cuda.Event | None
+
+    def wait(self) -> None:
+        if self.done is not None:
+            self.done.synchronize()
+
+
+class Overlap:
+    def __init__(self, runner: ModelRunner, sampler: Sampler, scheduler: Scheduler, kv: KVCacheManager,
+                 enabled: bool) -> None:
+        self.runner = runner
+        self.sampler = sampler
+        self.scheduler = scheduler
+        self.kv = kv
+        self.enabled = enabled
+        self.current: Flight | None = None
+        """The step in flight, if any."""
+        self.num_guessed_rows = 0
+        self.num_wasted_rows = 0
+        """Rows launched ahead, and of those the ones whose request had ended when they landed."""
+
+    def takes(self, out: SchedulerOutput) -> bool:
+        """A step of decodes alone, none constrained, through the decode buffers."""
+        decode = self.runner.decode
+        return self.enabled and decode is not None and decode.takes(out.scheduled) and \
+            all(s.request.matcher is None for s in out.scheduled)
+
+    def start(self, scheduled: list[ScheduledRequest]) -> None:
+        """Launch a scheduled step and leave it in flight."""
+        assert self.current is None
+        positions = [s.request.num_computed_tokens for s in scheduled]
+        self.current = self._launch(scheduled, positions, [-1] * len(scheduled), ahead=0)
+        self.scheduler.in_flight = frozenset(s.request.request_id for s in scheduled)
+
+    def land(self) -> tuple[SchedulerOutput, dict[RequestId, tuple[int, float | None]]]:
+        """The next step launched where it can be, then the flight's rows whose requests go on,
+        and their tokens."""
+        flight = self.current
+        assert flight is not None
+        following = self._next(flight)
+        flight.wait()
+        self._release_held()
+        self.current = following
+        self.scheduler.in_flight = frozenset(s.request.request_id for s in following.rows) if following else frozenset()
+        out, sampled = SchedulerOutput(), {}
+        for s, pos, token in zip(flight.rows, flight.positions, flight.draw.settle(), strict=True):
+            r = s.request
+            if r.is_finished or r.num_computed_tokens != pos:  # ended while in flight: the row is dropped
+                self.num_wasted_rows += 1
+                continue
+            out.scheduled.append(s)
+            sampled[r.request_id] = token
+        return out, sampled
+
+    def drain_if_idle(self) -> None:
+        """The flight lands now, its tokens dropped, when none of its requests goes on (so no
+        block stays held for a step nobody will land)."""
+        if self.current is not None and all(s.request.is_finished for s in self.current.rows):
+            self.current.wait()
+            self.num_wasted_rows += len(self.current.rows)
+            self.current = None
+            self.scheduler.in_flight = frozenset()
+            self._release_held()
+
+    def _release_held(self) -> None:
+        for rid in self.scheduler.held_in_flight:
+            self.kv.release(rid)
+        self.scheduler.held_in_flight = []
+
+    def _next(self, flight: Flight) -> Flight | None:
+        """The flight's requests one position on, launched; None where the scheduler must decide."""
+        sched = self.scheduler
+        if not self.enabled or self.runner.decode is None or \
+                (sched.waiting and len(sched.running) < sched.config.max_num_seqs):  # one could start
+            return None
+        limit = self.scheduler.context_limit
+        rows, positions, sources = [], [], []
+        for j, (s, pos) in enumerate(zip(flight.rows, flight.positions, strict=True)):
+            r = s.request
+            if r.is_finished or r.num_computed_tokens != pos:
+                continue
+            if len(r.output_token_ids) + 1 >= r.params.max_tokens or r.num_tokens + 1 >= limit:
+                continue  # the token in flight is its last
+            if not self.kv.allocate_slots(r, 2):  # positions pos (in flight) and pos + 1
+                return None
+            rows.append(ScheduledRequest(r, 1))
+            positions.append(pos + 1)
+            sources.append(j)
+        if not rows:
+            return None
+        self.num_guessed_rows += len(rows)
+        return self._launch(rows, positions, sources, ahead=1)
+
+    def _launch(self, rows: list[ScheduledRequest], positions: list[int], sources: list[int], ahead: int) -> Flight:
+        decode = self.runner.decode
+        assert decode is not None
+        requests = [s.request for s in rows]
+        logits = decode.launch(list(zip(requests, positions, sources, strict=True)))
+        draw = self.sampler.draw(logits, requests, ahead)
+        decode.remember(draw.tokens)
+        if draw.tokens.device.type != "cuda":
+            return Flight(rows, positions, draw, None)
+        tokens = torch.empty(draw.tokens.shape, dtype=draw.tokens.dtype, pin_memory=True)
+        tokens.copy_(draw.tokens, non_blocking=True)
+        logprobs = None
+        if draw.logprobs is not None:
+            logprobs = torch.empty(draw.logprobs.shape, dtype=draw.logprobs.dtype, pin_memory=True)
+            logprobs.copy_(draw.logprobs, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return Flight(rows, positions, Draw(tokens, logprobs, draw.want), done)
