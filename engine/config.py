@@ -189,6 +189,13 @@ class EngineConfig:
     step_floor: StepFloor | None = None
     """Hold every step to at least this long (`StepFloor`); None: steps take what they take."""
 
+    @property
+    def overlaps(self) -> bool:
+        """Decode steps overlapped with the host's work (`overlap`, by default on GPUs); never
+        beside speculation (its proposals need the last token) or a step floor."""
+        on = self.overlap if self.overlap is not None else self.device != "cpu"
+        return on and not (self.speculative.enabled and self.role != "prefill") and self.step_floor is None
+
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

@@ -37,6 +37,8 @@ from typing import Protocol
 import torch
 
 from engine.attention import AttentionMetadata, PagedGroup
+from engine.config import EngineConfig
+from engine.gpu_kernels import GpuKernels
 from engine.kv_pool import KVPool
 from engine.model import LlamaForCausalLM
 from engine.request import Request
@@ -86,6 +88,28 @@ class EagerGraph:
     def replay(self) -> None:
         assert self.fn is not None
         self.fn()
+
+
+def decode_buffers(config: EngineConfig, model: LlamaForCausalLM, pool: KVPool, max_model_len: int) -> DecodeGraphs | None:
+    """An engine's decode buffers: on CPU, and on GPUs whose kernels let a graph read the
+    block table in place (the Triton attention; the torch forms gather by it); none for a
+    prefill worker, which never decodes, or with `config.decode_graphs` off."""
+    if not config.decode_graphs or config.role == "prefill":
+        return None
+    if config.device != "cpu" and not isinstance(model.kernels, GpuKernels):
+        return None
+    return DecodeGraphs(model, pool, config.device, config.scheduler.max_num_seqs, max_model_len)
+
+
+def capture_graphs(decode: DecodeGraphs | None, device: str, graphs: Callable[[], Graph] | None) -> None:
+    """Each decode bucket into a graph: `graphs` (a test's), else CUDA graphs sharing one
+    memory pool wherever there are decode buffers on a GPU."""
+    if decode is None or (graphs is None and device == "cpu"):
+        return
+    if graphs is None:
+        pool = torch.cuda.graph_pool_handle()
+        graphs = lambda: CudaGraph(pool)  # noqa: E731
+    decode.capture(graphs)
 
 
 def buckets_for(max_num_seqs: int) -> list[int]:

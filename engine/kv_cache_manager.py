@@ -125,6 +125,10 @@ class KVCacheManager:
         self.pool.free(reversed(block_ids))
         return True
 
+    def held(self, request_id: RequestId) -> list[BlockId]:
+        """The blocks held under `request_id`, in order (none: empty)."""
+        return list(self._held.get(request_id, ()))
+
     @property
     def num_held(self) -> int:
         """Requests whose blocks are held."""

@@ -19,8 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from tokenizers import Tokenizer
 
-from engine.decode_graphs import CudaGraph, DecodeGraphs, Graph
-from engine.gpu_kernels import GpuKernels, Kernels, select_kernels
+from engine.decode_graphs import Graph, capture_graphs, decode_buffers
+from engine.gpu_kernels import Kernels, select_kernels
 from engine.block_pool import BlockPool, KVEvent, PoolUsage
 from engine.config import EngineConfig
 from engine.constrainer import Constrainer
@@ -98,7 +98,7 @@ class LLMEngine:
         self._attach_pool(self._pool_blocks(), allocator)
         self._reset_state()  # a profiled forward's requests and counts are not the worker's
         self.speculator = self._speculator(dtype, kernels)
-        self._capture_graphs(graphs)
+        capture_graphs(self.runner.decode, config.device, graphs)
 
     @property
     def constrainer(self) -> Constrainer:
@@ -119,17 +119,6 @@ class LLMEngine:
                                      self.layout.block_size, self.kv_pool.num_blocks, kernels)
         return Speculator(spec, self.scheduler.context_limit, proposer)
 
-    def _capture_graphs(self, graphs: Callable[[], Graph] | None) -> None:
-        """Each decode bucket into a graph: `graphs` (a test's), else CUDA graphs sharing one
-        memory pool wherever the runner has decode buffers on a GPU (`_decode_graphs`)."""
-        decode = self.runner.decode
-        if decode is None or (graphs is None and self.config.device == "cpu"):
-            return
-        if graphs is None:
-            pool = torch.cuda.graph_pool_handle()
-            graphs = lambda: CudaGraph(pool)  # noqa: E731
-        decode.capture(graphs)
-
     # -- the KV pool -----------------------------------------------------------------
     def _attach_pool(self, num_blocks: int, allocator: KVAllocator | None, provisional: bool = False) -> None:
         """The pool and everything that counts its blocks: block pool, cache manager, scheduler, runner.
@@ -139,32 +128,14 @@ class LLMEngine:
         self.block_pool = BlockPool(num_blocks, config.cache.enable_prefix_caching, config.cache.protected_fraction)
         self.kv = KVCacheManager(self.block_pool, self.hasher)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.clock)
-        self.runner = ModelRunner(self.model, self.kv_pool, config.device, None if provisional else self._decode_graphs())
-        self.overlap = Overlap(self.runner, self.sampler, self.scheduler, self.kv, not provisional and self._overlaps())
+        decode = None if provisional else decode_buffers(config, self.model, self.kv_pool, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.kv_pool, config.device, decode)
+        self.overlap = Overlap(self.runner, self.sampler, self.scheduler, self.kv, not provisional and config.overlaps)
         if self.scheduler.context_limit < self.max_model_len and not provisional:
             logger.warning(
                 "the KV pool (%d blocks of %d tokens) is smaller than the model's context (%d tokens): "
                 "a sequence stops with finish reason length at %d tokens; raise kv_cache_bytes for more",
                 num_blocks, config.cache.block_size, self.max_model_len, self.scheduler.context_limit)
-
-    def _decode_graphs(self) -> DecodeGraphs | None:
-        """Persistent decode buffers: on CPU, and on GPUs whose kernels let a graph read the
-        block table in place (the Triton attention; the torch forms gather by it)."""
-        kernels = self.model.kernels
-        if not self.config.decode_graphs or self.config.role == "prefill":  # a prefill worker never decodes
-            return None
-        if self.config.device != "cpu" and not isinstance(kernels, GpuKernels):
-            return None
-        return DecodeGraphs(self.model, self.kv_pool, self.config.device, self.config.scheduler.max_num_seqs,
-                            self.max_model_len)
-
-    def _overlaps(self) -> bool:
-        """Decode steps overlapped with the host's work (engine/overlap.py): `config.overlap`,
-        by default on GPUs; never beside speculation (its proposals need the last token) or
-        an emulated step floor."""
-        c = self.config
-        on = c.overlap if c.overlap is not None else c.device != "cpu"
-        return on and not (c.speculative.enabled and c.role != "prefill") and c.step_floor is None
 
     def _pool_blocks(self) -> int:
         cache = self.config.cache

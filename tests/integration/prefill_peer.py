@@ -48,10 +48,10 @@ def prefill_main(pipe: Connection, model_dir: str, transport: str, budget: int, 
                 time.sleep(0.001)  # the push lanes finish the hand-offs
             for d in pusher.take_done():
                 if d.error is None:
-                    if device.startswith("cuda"):  # the pushed blocks as the pool holds them once the GPU is done
-                        blocks = engine._handed_off[d.request_id]
+                    blocks = engine.kv.held(d.request_id)  # the pushed blocks as the pool holds them, the GPU done
+                    if device.startswith("cuda"):
                         torch.cuda.synchronize()
-                        pool_bytes[d.request_id] = engine.kv_pool.tensor[blocks].cpu().numpy().tobytes()
+                    pool_bytes[d.request_id] = engine.kv_pool.tensor[blocks].cpu().numpy().tobytes()
                     engine.release_handoff(d.request_id)
                 else:
                     engine.abort(d.request_id)  # still prefilling, or handed off: either way freed

@@ -76,11 +76,16 @@ def test_disaggregated_greedy_equals_transformers_with_chunked_pushes(
     pushes = {rid: n for rid, _, _, n in reply["done"]}
     assert pushes["p4"] >= 4  # 64 tokens at a 16-token budget: pushed after every chunk, not at the end
     tokens = {f"p{i}": [] for i in range(len(prompts))}
+    blocks = {t.request_id: list(t.block_ids) for t in tickets}
     assert run_decode(decode, tokens, len(prompts)) == []
+    pool = decode.engine.kv_pool
     for i, p in enumerate(prompts):
         expected = hf_greedy(tiny_llama_dir, tuple(p), MAX_TOKENS)
         assert tokens[f"p{i}"] == expected
         assert firsts[f"p{i}"] == expected[0]
+        full = len(p) // pool.layout.block_size  # the prompt's full blocks, which decoding never writes
+        sent = reply["pool_bytes"][f"p{i}"][: full * pool.layout.block_bytes]
+        assert pool.tensor[blocks[f"p{i}"][:full]].numpy().tobytes() == sent  # as the prefill pool held them
     assert decode.engine.check_invariants().num_in_use == 0
     assert decode.receiver.held_block_ids() == []
 
