@@ -117,6 +117,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--max-queue-wait-s", type=float, default=30.0)
+    ap.add_argument("--admission-charge", choices=("expected", "max"), default="expected",
+                    help="what admission charges for a request's output (AdmissionConfig.charge_output)")
     ap.add_argument("--kv-cache-mib", type=int, default=16)
     ap.add_argument("--warm-up-wave", type=int, default=16, help="requests sent at once before the burst (0: none)")
     args = ap.parse_args()
@@ -125,7 +127,8 @@ def main() -> None:
         worker=WorkerConfig(model_dir=model, block_size=16, kv_cache_bytes=args.kv_cache_mib * 2**20),
         num_prefill=1, num_decode=1, worker_num_cpus=0.5,
         router=RouterConfig(port=0, routing=RoutingConfig(mode="disaggregated"),
-                            admission=AdmissionConfig(max_queue_wait_s=args.max_queue_wait_s)))
+                            admission=AdmissionConfig(max_queue_wait_s=args.max_queue_wait_s,
+                                                      charge_output=args.admission_charge)))
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(args.prompt_tokens)] for _ in range(args.num_requests)]
     with LocalCluster(config) as cluster:

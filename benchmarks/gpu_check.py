@@ -21,6 +21,9 @@ One JSON line per figure in DIR/gpu_check.jsonl (also printed), each naming the 
 - launches: per decode step (batch 32, context 512) under the torch profiler, the host calls
   that launch GPU work, the GPU's busy time against the host's time, and the kernels that
   take the most GPU time, per arm;
+- attention_splits: the Triton decode attention alone, per layer, at 1 to 16 context splits
+  and batch x context 8/32/128 x 512 and 8/32 x 4,096, against its KV bytes at the copy
+  bandwidth, beside the number the graphs use;
 - prefill: tokens/s for one 2,048- and one 8,192-token prompt against 2 x parameters x
   tokens (+ causal attention) / GEMM FLOP/s; the longest once more under the profiler, the
   kernels that take the most GPU time;
@@ -348,12 +351,14 @@ def main() -> None:
     if engine is not None:
         vocab = engine.model_config.vocab_size
         batches, contexts, steps = ([1, 8, 32, 128], [512, 4096], 10) if cuda else ([1, 8], [64, 256], 3)
-        from benchmarks.gpu_check_decode import decode_steps, launches
+        from benchmarks.gpu_check_decode import attention_splits, decode_steps, launches
 
         if "decode" not in args.skip:
             c.phase("decode", 60, lambda: decode_steps(c, engine, fl, batches, contexts, steps))
         if cuda and "launches" not in args.skip:
             c.phase("launches", 20, lambda: launches(c, engine, 32, 512))
+        if cuda and "attention_splits" not in args.skip:
+            c.phase("attention_splits", 30, lambda: attention_splits(c, engine, fl))
         if "prefill" not in args.skip:
             c.phase("prefill", 30, lambda: prefill(c, engine, fl, [2048, 8192] if cuda else [256, 512]))
         shape = (32, 512, 64) if cuda else (4, 64, 8)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu_check import Check, kv_bytes_per_token, timed, token_ids, top_kernels
+from benchmarks.gpu_check import Check, best_s, kv_bytes_per_token, timed, token_ids, top_kernels
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
 
@@ -132,3 +132,40 @@ def launches(c: Check, engine: LLMEngine, batch: int, context: int, steps: int =
                top_kernels_us_per_step={k: round(v / steps, 1) for k, v in top})
     for rid in ids:
         engine.abort(rid)
+
+
+def attention_splits(c: Check, engine: LLMEngine, fl: dict[str, float],
+                     shapes: tuple[tuple[int, int], ...] = ((8, 512), (32, 512), (128, 512), (8, 4096), (32, 4096)),
+                     splits: tuple[int, ...] = (1, 2, 4, 8, 16)) -> None:
+    """The Triton decode attention alone at each number of context splits: its time per layer
+    (each layer's own KV, so the L2 cache serves none of it) against its KV bytes at the copy
+    bandwidth, and the number the engine's graphs use (`num_splits` over the table's width)."""
+    from engine import triton_attention
+
+    pool = engine.kv_pool.tensor
+    num_blocks, layers, _, block_size, kv_heads, head_dim = pool.shape
+    heads, dev = engine.model_config.num_heads, pool.device
+    num_sms = getattr(engine.model.kernels, "num_sms", 1)
+    g = torch.Generator(device=dev).manual_seed(0)
+    for b, ctx in shapes:
+        per = -(-ctx // block_size)
+        if b * per > num_blocks:
+            c.emit("attention_splits", batch=b, context=ctx, skipped="the pool holds fewer blocks")
+            continue
+        table = torch.randperm(num_blocks, device=dev, generator=g)[: b * per].view(b, per).contiguous()
+        rows = torch.arange(b, device=dev)
+        ctx_lens = torch.full((b,), ctx, device=dev)
+        q = torch.randn(b, heads, head_dim, device=dev, generator=g).to(pool.dtype)
+        out = torch.empty_like(q)
+        kv_bytes = b * ctx * kv_heads * head_dim * 2 * pool.element_size()
+        floor_us = kv_bytes / (fl["copy_gb_per_s"] * 1e9) * 1e6
+        times: dict[int, float] = {}
+        for s in splits:
+            def run(s: int = s) -> None:
+                for layer in range(layers):
+                    triton_attention.paged_decode(q, pool, layer, table, rows, rows, ctx_lens, head_dim**-0.5, out, s)
+            times[s] = best_s(c.device, run) / layers * 1e6
+        picked = triton_attention.num_splits(b, kv_heads, engine.max_model_len, num_sms)
+        c.emit("attention_splits", batch=b, context=ctx, us_per_layer={s: round(t, 1) for s, t in times.items()},
+               over_floor={s: round(t / floor_us, 2) for s, t in times.items()}, floor_us=round(floor_us, 1),
+               graphs_use=picked, best=min(times, key=times.__getitem__))

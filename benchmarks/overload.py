@@ -157,6 +157,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--seconds", type=float, default=15.0, help="per load level")
     ap.add_argument("--ttft-budget-s", type=float, default=2.0, help="the router's TTFT budget (AdmissionConfig.ttft_budget_s)")
     ap.add_argument("--tenant-b-fraction", type=float, default=0.2)
+    ap.add_argument("--admission-charge", choices=("expected", "max"), default="expected",
+                    help="what admission charges for a request's output (AdmissionConfig.charge_output)")
     ap.add_argument("--prompt-tokens", type=int, default=2000, help="every request's (random) prompt")
     ap.add_argument("--chunk-tokens", type=int, default=2048,
                     help="max_num_batched_tokens of every worker: the prefill step, and so how long a more "
@@ -210,7 +212,7 @@ def main() -> None:
     from router.admission import AdmissionConfig
 
     model = args.model or str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny", arch="llama", seed=0))
-    admission = AdmissionConfig(ttft_budget_s=args.ttft_budget_s)
+    admission = AdmissionConfig(ttft_budget_s=args.ttft_budget_s, charge_output=args.admission_charge)
     cluster = LocalCluster(ClusterConfig(
         worker=WorkerConfig(model_dir=model, block_size=16, kv_cache_bytes=8 * 2**20,
                             max_num_batched_tokens=args.chunk_tokens),
@@ -218,7 +220,8 @@ def main() -> None:
     cluster.start()
     config = {"cluster": "1 prefill + 2 decode, tiny llama, CPU", "prompt_tokens": args.prompt_tokens,
               "output_tokens": OUTPUT_TOKENS, "chunk_tokens": args.chunk_tokens, "ttft_budget_s": args.ttft_budget_s,
-              "seconds": args.seconds, "kv_overcommit": admission.kv_overcommit}
+              "seconds": args.seconds, "kv_overcommit": admission.kv_overcommit,
+              "admission_charge": admission.charge_output}
     try:
         sustainable = asyncio.run(closed_loop(cluster.address, 32, args.seconds, args.prompt_tokens))
         print(json.dumps({"bench": "overload", "phase": "calibrate", "sustainable_rps": round(sustainable, 2),

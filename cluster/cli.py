@@ -207,6 +207,7 @@ def _admission_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
     ttft_s = args.ttft_budget_ms / 1e3 if args.ttft_budget_ms is not None else None
     return AdmissionConfig(max_queue_wait_s=args.max_queue_wait_s, kv_overcommit=args.kv_overcommit, ttft_budget_s=ttft_s,
+                           charge_output=args.admission_charge,
                            tenant_weights=pairs(args.tenant_weight, "--tenant-weight", float),
                            tenant_quota_tokens=pairs(args.tenant_quota, "--tenant-quota", int))
 
@@ -339,6 +340,11 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
                         "measured TTFT and half of it bounds the admission wait (default: no TTFT budget)")
     a.add_argument("--kv-overcommit", type=float, default=1.0,
                    help="admitted tokens at most this times the decode pool's KV capacity")
+    a.add_argument("--admission-charge", choices=("expected", "max"), default="expected",
+                   help="what a request's output is charged against the budget: expected (a high quantile of "
+                        "what finished requests of its tenant generated; one that runs longer is charged what "
+                        "it holds, and a full decode pool preempts) or max (its max_tokens within the context: "
+                        "no request ever waits on a decode worker for room); default expected")
     a.add_argument("--tenant-weight", action="append", default=[], metavar="TENANT=W",
                    help="weight of a tenant's fair share (default 1; repeatable)")
     a.add_argument("--tenant-quota", action="append", default=[], metavar="TENANT=TOKENS",

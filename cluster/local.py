@@ -275,7 +275,7 @@ class LocalCluster:
             if u["num_in_use"] or busy or u["num_free"] + u["num_cached"] != u["num_total"]:
                 held.append(f"worker {r['worker_id']}: {u} {busy}")
         for s in self.router_stats():
-            books = {k: s[k] for k in ("num_admitted", "num_queued", "inflight_tokens") if s[k]}
+            books = {k: s[k] for k in ("num_admitted", "num_queued", "inflight_tokens", "used_tokens") if s.get(k)}
             if books:
                 held.append(f"router {s['router_id']}: {books}")
         return held

@@ -12,20 +12,26 @@ from urllib.parse import urlsplit, urlunsplit
 from cluster.metrics_targets import add_observe_flags
 from cluster.metrics_targets import metrics_port as _metrics_port
 from control.worker_config import NO_SECRET
+from engine.kv_sizing import DEFAULT_CPU_KV_FRACTION
 
 
 def placement(args: argparse.Namespace, num_local_workers: int) -> tuple[str, str, int | None, float, float]:
     """--device/--dtype/--kv-cache-mib/--gpu-memory-utilization/--gpus-per-worker, resolved:
-    (device, dtype, KV MiB or None to size from memory, utilization, GPUs per worker)."""
+    (device, dtype, KV MiB or None to size from GPU memory, utilization, GPUs per worker). On
+    CPU without --kv-cache-mib each of the `num_local_workers` gets its part of
+    --cpu-kv-fraction of this host's available memory."""
     import torch
 
     from engine.devices import default_dtype, default_gpus_per_worker, resolve_device
+    from engine.kv_sizing import available_memory_bytes, cpu_kv_bytes
 
     num_gpus = torch.cuda.device_count()
     device = resolve_device(args.device, num_gpus)
     gpus = args.gpus_per_worker or default_gpus_per_worker(num_gpus, num_local_workers)
     utilization = args.gpu_memory_utilization or round(0.9 * min(gpus, 1.0), 3)
-    mib = args.kv_cache_mib if args.kv_cache_mib or device.startswith("cuda") else 256
+    mib = args.kv_cache_mib
+    if not mib and not device.startswith("cuda"):
+        mib = cpu_kv_bytes(available_memory_bytes(), args.cpu_kv_fraction, num_local_workers) // 2**20
     return device, args.dtype or default_dtype(device), mib, utilization, gpus
 
 
@@ -34,7 +40,12 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="default: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--kv-cache-mib", type=int, default=None,
-                   help="KV pool per worker (default: sized from GPU memory on cuda, 256 on cpu)")
+                   help="KV pool per worker (default: sized from GPU memory on cuda; on cpu, a part of "
+                        "--cpu-kv-fraction)")
+    p.add_argument("--cpu-kv-fraction", type=float, default=DEFAULT_CPU_KV_FRACTION,
+                   help=f"on cpu without --kv-cache-mib: the share of this host's available memory its workers' "
+                        f"KV pools take in all, in equal parts (default {DEFAULT_CPU_KV_FRACTION}; pages are taken "
+                        "as requests use them)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="share of its GPU a worker may use in all (default 0.9 x its GPU share)")
 

@@ -52,7 +52,8 @@ def show_status(args: argparse.Namespace, cluster_redis: Callable[[argparse.Name
     for rid, s in sorted(routers.items()):
         hit = s["num_cached_tokens"] / s["num_prompt_tokens"] if s["num_prompt_tokens"] else 0.0
         print(f"{rid} on {s['address']}: {s['num_admitted']} running, {s['num_queued']} queued "
-              f"{s['queued_by_priority']}, {s['num_requests']} done, {s['num_refused']} refused, "
+              f"{s['queued_by_priority']}, KV tokens charged {s.get('inflight_tokens', 0)} / used "
+              f"{s.get('used_tokens', 0)} of a budget of {s.get('budget_tokens', 0)}, {s['num_requests']} done, {s['num_refused']} refused, "
               f"{s.get('num_invalid', 0)} invalid, "
               f"{s.get('num_retries', 0)} retried, prefix hit rate {hit:.0%}, "
               f"Redis feed {'up' if s['redis_healthy'] else 'DOWN'}"

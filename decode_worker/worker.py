@@ -206,4 +206,5 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
         usage = engine.check_invariants()
         return {"worker_id": self.worker_id, "usage": asdict(usage), "num_unfinished": engine.scheduler.num_unfinished,
                 "num_handed_off": engine.num_handed_off, "held_blocks": len(self.remote.receiver.held_block_ids()),
-                "num_reservations": len(self.remote.receiver.table), "num_streams": len(self._requests)}
+                "num_reservations": len(self.remote.receiver.table), "num_streams": len(self._requests),
+                "num_preemptions": engine.scheduler.num_preemptions}

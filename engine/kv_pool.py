@@ -7,6 +7,7 @@ a `KVAllocator` (plain tensor here; shared memory or CUDA IPC-exportable memory 
 """
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,10 +41,18 @@ class KVAllocator(Protocol):
 
 
 class TensorAllocator:
-    """Plain device memory, zero-filled."""
+    """Plain device memory, zero-filled; on CPU an anonymous mapping, which the kernel fills
+    with zeros a page at a time as it is first written, so a pool sized from memory costs
+    only what its requests have used."""
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
-        return torch.zeros(shape, dtype=dtype, device=device)
+        if torch.device(device).type != "cpu":
+            return torch.zeros(shape, dtype=dtype, device=device)
+        nbytes = dtype.itemsize
+        for d in shape:
+            nbytes *= d
+        buffer = mmap.mmap(-1, max(nbytes, 1))  # the tensor keeps it alive
+        return torch.frombuffer(buffer, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)
 
 
 class KVPool:

@@ -10,12 +10,41 @@ top (`transient_bytes`, which must stay free while serving).
 The KV pool gets what is left of this worker's share, `utilization * total_bytes -
 used_bytes`, and never more than is free now less the transient: a second worker on a GPU
 another one already fills gets what is actually there, or a clear error, not a crash at its
-first allocation. An explicit `kv_cache_bytes` overrides it; on CPU that is the only way
-(`DEFAULT_CPU_KV_BYTES` when unset).
+first allocation. An explicit `kv_cache_bytes` overrides it.
+
+On CPU the launcher (`splitserve serve`, `splitserve worker`) gives the workers on its host
+`DEFAULT_CPU_KV_FRACTION` of the memory available there, in equal parts (`cpu_kv_bytes`);
+the pool's pages are taken as requests write them (engine/kv_pool.py), so a large pool
+costs what is used. An engine built without either (tests, library use) gets
+`DEFAULT_CPU_KV_BYTES`.
 """
 from __future__ import annotations
 
+import os
+
 DEFAULT_CPU_KV_BYTES = 256 * 2**20
+DEFAULT_CPU_KV_FRACTION = 0.2
+"""Of the host's available memory, what the KV pools of the CPU workers on it take in all."""
+
+
+def available_memory_bytes() -> int:
+    """The host's available memory (MemAvailable; free pages where /proc/meminfo is missing)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def cpu_kv_bytes(available_bytes: int, fraction: float, num_workers: int) -> int:
+    """Each of `num_workers` CPU workers' KV pool: its part of `fraction` of the available
+    memory, never under `DEFAULT_CPU_KV_BYTES`."""
+    if not 0.0 < fraction <= 0.9:
+        raise ValueError(f"the CPU KV fraction must be in (0, 0.9], got {fraction}")
+    return max(int(available_bytes * fraction / max(num_workers, 1)), DEFAULT_CPU_KV_BYTES)
 
 
 def kv_pool_bytes(total_bytes: int, used_bytes: int, utilization: float, free_bytes: int | None = None,

@@ -134,7 +134,7 @@ class LLMEngine:
         if self.scheduler.context_limit < self.max_model_len and not provisional:
             logger.warning(
                 "the KV pool (%d blocks of %d tokens) is smaller than the model's context (%d tokens): "
-                "a sequence stops with finish reason length at %d tokens; raise kv_cache_bytes for more",
+                "a sequence stops with finish reason length at %d tokens; raise --kv-cache-mib (kv_cache_bytes) for more",
                 num_blocks, config.cache.block_size, self.max_model_len, self.scheduler.context_limit)
 
     def _pool_blocks(self) -> int:

@@ -1,7 +1,11 @@
 """Admission control (torch-free, pure, injected clock): a token budget shared fairly.
 
-A request costs the tokens it can really hold (`frontend.admission_cost`) while it is
-admitted. The budget is `kv_overcommit` times the decode pool's KV capacity once the
+A request costs its prompt's uncached tokens plus the output it is expected to generate
+(`expected_output`: a high quantile of what finished requests of its tenant and route
+generated, router/output_lengths.py, never over its max_tokens; or its max_tokens where
+`charge_output` is "max") while it is admitted; one that generates past that is charged
+what it really holds from then on (`progress`), so the budget counts what is expected
+and never less than what is used (`charged_tokens` against `used_tokens`). The budget is `kv_overcommit` times the decode pool's KV capacity once the
 router knows it (`set_capacity`), so what is admitted can start on a decode worker instead
 of waiting there for room; `max_inflight_tokens` caps it where set (until the pool is
 known, the cap or `UNKNOWN_POOL_TOKENS`).
@@ -34,6 +38,7 @@ from dataclasses import dataclass
 
 from router.admission_config import UNKNOWN_POOL_TOKENS, AdmissionConfig
 from router.fair_queue import Entry, PriorityClass
+from router.output_lengths import OutputLengths
 from router.wait_forecast import Queued, WaitForecast
 
 __all__ = ["AdmissionConfig", "AdmissionQueue", "Refused"]
@@ -44,6 +49,15 @@ DRAIN_WINDOW_S = 60.0
 """...and at most this far back."""
 TTFT_WINDOW = 16
 """Admitted requests' times to first token the TTFT steering looks at, at a time."""
+
+
+@dataclass
+class _Held:
+    """An admitted request's charge: `cost` tokens, of which `base` are its prompt's."""
+
+    cost: int
+    tenant: str
+    base: int
 
 
 @dataclass(frozen=True)
@@ -72,8 +86,9 @@ class AdmissionQueue:
             else config.max_queue_wait_s
         """Longest a request waits in the queue (half the TTFT budget when there is one)."""
         self._classes: dict[int, PriorityClass] = {}
-        self._admitted: dict[str, tuple[int, str]] = {}
-        """Request id -> (cost, tenant)."""
+        self._admitted: dict[str, _Held] = {}
+        self.lengths = OutputLengths(config.expected_quantile, config.expected_prior_tokens)
+        """Output lengths of finished requests, per tenant and route (`expected_output`)."""
         self._tenant_tokens: dict[str, int] = {}
         self.inflight_tokens = 0
         self._releases: deque[tuple[float, int]] = deque(maxlen=DRAIN_WINDOW)
@@ -136,7 +151,7 @@ class AdmissionQueue:
         if admitted is None:
             self._withdraw_queued(request_id)
             return []
-        cost, tenant = admitted
+        cost, tenant = admitted.cost, admitted.tenant
         self.forecast.finished(request_id)
         self.inflight_tokens -= cost
         self._tenant_tokens[tenant] -= cost
@@ -144,6 +159,23 @@ class AdmissionQueue:
             del self._tenant_tokens[tenant]
         self._releases.append((self.clock(), cost))
         return self._dispatch()
+
+    def expected_output(self, tenant: str, route: str, limit: int) -> int:
+        """The output tokens to charge a request that may generate `limit` (`charge_output`)."""
+        return limit if self.config.charge_output == "max" else self.lengths.expected(tenant, route, limit)
+
+    def progress(self, request_id: str, num_generated: int) -> None:
+        """An admitted request has generated `num_generated` tokens: past its charge, it is
+        charged what it holds (its prompt and those tokens)."""
+        self.forecast.progress(request_id, num_generated)
+        held = self._admitted.get(request_id)
+        if held is None or held.base + num_generated <= held.cost:
+            return
+        more = held.base + num_generated - held.cost
+        held.cost += more
+        self.inflight_tokens += more
+        self._tenant_tokens[held.tenant] += more
+        self.forecast.charged(request_id, held.cost)
 
     def set_capacity(self, kv_tokens: int) -> list[str]:
         """The decode pool holds `kv_tokens` of KV (0: unknown): the budget follows it; returns
@@ -208,6 +240,16 @@ class AdmissionQueue:
         return out
 
     # -- views -------------------------------------------------------------------------------
+    @property
+    def charged_tokens(self) -> int:
+        """Tokens the admitted requests are charged: expected output, or what they hold past it."""
+        return self.inflight_tokens
+
+    @property
+    def used_tokens(self) -> int:
+        """Tokens the admitted requests really hold: uncached prompts and what they generated."""
+        return self.forecast.kv_tokens
+
     @property
     def num_queued(self) -> int:
         return sum(c.num_queued for c in self._classes.values())
@@ -322,7 +364,7 @@ class AdmissionQueue:
         self.forecast.admitted(e.request_id, e.cost_tokens, e.new_tokens or e.cost_tokens)
         c.charge(e, self.weight(e.tenant))
         c.served(e)
-        self._admitted[e.request_id] = (e.cost_tokens, e.tenant)
+        self._admitted[e.request_id] = _Held(e.cost_tokens, e.tenant, e.cost_tokens - (e.new_tokens or e.cost_tokens))
         self._tenant_tokens[e.tenant] = self._tenant_tokens.get(e.tenant, 0) + e.cost_tokens
         self.inflight_tokens += e.cost_tokens
 

@@ -13,7 +13,7 @@ UNKNOWN_POOL_TOKENS = 262_144
 class AdmissionConfig:
     max_inflight_tokens: int | None = None
     """A cap on the token budget: the sum of the admitted requests' costs (prompt + the output
-    each can produce). None: no cap of its own; the decode pool's KV sets the budget, and
+    each is charged, `charge_output`). None: no cap of its own; the decode pool's KV sets the budget, and
     `UNKNOWN_POOL_TOKENS` until the router knows the pool. A fixed default would cap a fleet:
     262,144 tokens (the default until 2026-11) held 17 of a long-context trace's requests in
     flight, so 32 H100s served no more than 16 (sim/, `splitserve simulate`)."""
@@ -25,6 +25,16 @@ class AdmissionConfig:
     """Longest a request may wait for admission; a longer estimated wait is refused up front."""
     min_retry_after_s: float = 0.2
     """Smallest retry-after hint given with a refusal."""
+    charge_output: str = "expected"
+    """What admission charges for a request's output: "expected", a high quantile of what
+    finished requests of its tenant and route generated (router/output_lengths.py; a request
+    that runs past it is charged what it holds from then on, and a decode worker whose pool
+    fills preempts), or "max", its max_tokens within the context (no request ever waits on a
+    decode worker for room, and a chat without max_tokens is charged the whole context)."""
+    expected_quantile: float = 0.9
+    """The quantile of finished requests' output lengths a request is charged ("expected")."""
+    expected_prior_tokens: int = 256
+    """The output charged before any request of its kind finished ("expected")."""
     kv_overcommit: float = 1.0
     """The budget is at most this many times the decode pool's KV capacity in tokens. At
     1.0 every admitted request can hold its whole KV at once: none waits on a decode
@@ -53,6 +63,11 @@ class AdmissionConfig:
         for name in ("max_inflight_tokens", "max_inflight_requests", "max_queued_per_priority"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.charge_output not in ("expected", "max"):
+            raise ValueError(f"charge_output must be expected or max, got {self.charge_output!r}")
+        if not 0 < self.expected_quantile <= 1 or self.expected_prior_tokens < 1:
+            raise ValueError("expected_quantile must be in (0, 1] and expected_prior_tokens positive, got "
+                             f"{self.expected_quantile} and {self.expected_prior_tokens}")
         if self.ttft_budget_s is not None and not self.ttft_budget_s > 0:
             raise ValueError(f"ttft_budget_s must be positive, got {self.ttft_budget_s}")
         if not 0 <= self.share_headroom < 1:

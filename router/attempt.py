@@ -49,6 +49,9 @@ class Prepared:
     tenant: str
     tenant_weight: float = 1.0
     """The tenant's weight (the router's config), for the workers' fair order."""
+    route: str = "generate"
+    """How it came: "generate" (gRPC), "chat" or "completion" (OpenAI HTTP); its expected
+    output is learnt per route (router/output_lengths.py)."""
     block_hashes: BlockHashMemo = dataclasses.field(default_factory=dict, compare=False)
     """The prompt's block hashes per (model id, block size), computed once: at admission
     (cached prefix) and reused by the first try's routing."""

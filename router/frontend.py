@@ -139,11 +139,11 @@ def _check_fields(request: pb.GenerateRequest, facts: ModelFacts) -> None:
                                   f"{facts.max_model_len} tokens")
 
 
-def admission_cost(prep: Prepared, max_model_len: int, cached_tokens: int = 0) -> int:
-    """KV tokens a request can really add: its prompt's uncached tokens plus the output it can
-    produce before the context ends (a huge max_tokens costs no more than the context allows)."""
+def admission_cost(prep: Prepared, output: int, cached_tokens: int = 0) -> int:
+    """KV tokens a request is charged: its prompt's uncached tokens plus `output`, what it is
+    expected to generate (`AdmissionQueue.expected_output`, never over `output_tokens`)."""
     n = len(prep.token_ids)
-    return n - min(cached_tokens, n) + output_tokens(prep, max_model_len)
+    return n - min(cached_tokens, n) + output
 
 
 def output_tokens(prep: Prepared, max_model_len: int) -> int:

@@ -92,8 +92,14 @@ class AdmissionGate:
                 self._wake(self.queue.release(rid))
 
     def progress(self, request_id: str, num_generated: int) -> None:
-        """An admitted request has sent `num_generated` tokens (the wait forecast times them)."""
-        self.queue.forecast.progress(request_id, num_generated)
+        """An admitted request has sent `num_generated` tokens (the wait forecast times them;
+        past its expected output, it is charged what it holds)."""
+        self.queue.progress(request_id, num_generated)
+
+    def ended(self, prep: Prepared, num_generated: int) -> None:
+        """The request ended by itself (a stop or its length) after `num_generated` tokens: a
+        sample of what its tenant and route generate (the expected output admission charges)."""
+        self.queue.lengths.observe(prep.tenant, prep.route, num_generated)
 
     def set_step_model(self, model: StepShape | None, num_decode_workers: int) -> None:
         """The decode workers' step time model (the wait forecast's per-token time)."""

@@ -183,7 +183,8 @@ class OpenAIServer:
 
     async def _run(self, request: web.Request, stream: bool, options: Any, generate: Any,
                    out: Output) -> web.StreamResponse:
-        responses = self.generation.stream(generate, [(k.lower(), v) for k, v in request.headers.items()], None)
+        responses = self.generation.stream(generate, [(k.lower(), v) for k, v in request.headers.items()], None,
+                                           route=out.kind)
         try:
             try:
                 first = await anext(responses)  # a refusal before the first token is an HTTP error

@@ -41,7 +41,7 @@ class RouterBooks:
     """Flow and servicer counters: num_local_prefill, num_remote_prefill, num_retries, ..."""
     refusals: Callable[[], dict[str, int]]
     admission: Callable[[], dict[str, int]]
-    """num_admitted, num_queued, inflight_tokens, budget_tokens."""
+    """num_admitted, num_queued, inflight_tokens (charged), used_tokens, budget_tokens."""
     workers: Callable[[], list[tuple[str, str]]]
     """(role, state) of each worker this router sees."""
 
@@ -129,7 +129,11 @@ class _BooksCollector(Collector):
             yield _counter(p + name, doc, m, stats.get(key, 0))
         for name, key, doc in (("router_requests_admitted", "num_admitted", "Requests admitted and not ended."),
                                ("router_requests_queued", "num_queued", "Requests waiting for admission."),
-                               ("admission_inflight_tokens", "inflight_tokens", "Tokens the admitted requests hold."),
+                               ("admission_inflight_tokens", "inflight_tokens",
+                                "Tokens the admitted requests are charged: prompt and expected output, or what "
+                                "they hold past it."),
+                               ("admission_used_tokens", "used_tokens",
+                                "Tokens the admitted requests really hold: uncached prompt and output so far."),
                                ("admission_budget_tokens", "budget_tokens", "The admission token budget now.")):
             yield _gauge(p + name, doc, m, admission.get(key, 0))
         pool = GaugeMetricFamily(p + "pool_workers", "Workers this router sees, by role and state.",

@@ -140,8 +140,8 @@ class RouterService:
 
     def _admission_books(self) -> dict[str, int]:
         q = self.gate.queue
-        return {"num_admitted": q.num_admitted, "num_queued": q.num_queued, "inflight_tokens": q.inflight_tokens,
-                "budget_tokens": q.budget_tokens}
+        return {"num_admitted": q.num_admitted, "num_queued": q.num_queued, "inflight_tokens": q.charged_tokens,
+                "used_tokens": q.used_tokens, "budget_tokens": q.budget_tokens}
 
     async def stats(self) -> dict[str, object]:
         q = self.gate.queue

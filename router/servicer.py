@@ -73,14 +73,15 @@ class Generation(pb_grpc.GenerationServicer):
             await _fail(context, e)
 
     async def stream(self, request: pb.GenerateRequest, trace_metadata: Iterable[tuple[str, Any]] | None,
-                     timeout_s: float | None) -> AsyncIterator[pb.GenerateResponse]:
+                     timeout_s: float | None, route: str = "generate") -> AsyncIterator[pb.GenerateResponse]:
         """One request, whatever protocol it came in by (gRPC here, OpenAI HTTP in router/http_api.py):
         its responses, or RequestFailed with the status it ends with. `trace_metadata` carries the
-        caller's `traceparent`; `timeout_s` is its deadline from now (None: none)."""
+        caller's `traceparent`; `timeout_s` is its deadline from now (None: none); `route` how it
+        came (`Prepared.route`)."""
         progress = Progress(time.perf_counter(), span=tracing.child(
             "router.generate", tracing.extract(trace_metadata), tracing.SpanKind.SERVER))
         try:
-            async for response in self._generate(request, progress, timeout_s):
+            async for response in self._generate(request, progress, timeout_s, route):
                 yield response
         except RequestFailed as e:
             progress.status = e.code.value[0]
@@ -88,10 +89,10 @@ class Generation(pb_grpc.GenerationServicer):
         finally:
             self._end_trace(progress)
 
-    async def _generate(self, request: pb.GenerateRequest, progress: Progress,
-                        timeout_s: float | None) -> AsyncIterator[pb.GenerateResponse]:
+    async def _generate(self, request: pb.GenerateRequest, progress: Progress, timeout_s: float | None,
+                        route: str) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            prep = progress.prep = self._prepare(request)
+            prep = progress.prep = dataclasses.replace(self._prepare(request), route=route)
         except RequestFailed as e:
             self.stats["num_invalid" if e.code == grpc.StatusCode.INVALID_ARGUMENT else "num_refused"] += 1
             raise
@@ -116,6 +117,8 @@ class Generation(pb_grpc.GenerationServicer):
                     self.gate.observe_ttft(progress.first_token - progress.admitted, cost)
                 progress.finish_reason = response.finish_reason or progress.finish_reason
                 yield response
+            if finish_name_from_pb(progress.finish_reason) in ("stop", "length"):
+                self.gate.ended(prep, progress.num_sent)
             self._count(prep, progress)
         except asyncio.CancelledError:
             if (task := asyncio.current_task()) is None or task.cancelling():
@@ -147,11 +150,12 @@ class Generation(pb_grpc.GenerationServicer):
         """Waits for admission (or raises RequestFailed); returns the request as the workers get
         it (with its tenant's weight, for the engines' fair order) and its cost."""
         max_model_len = self.members.facts.max_model_len if self.members.facts else 1 << 30
+        output = self.gate.queue.expected_output(prep.tenant, prep.route, output_tokens(prep, max_model_len))
         # refused whatever part of the prompt is cached? then without hashing it
-        self.gate.refuse_early(prep, deadline, admission_cost(prep, max_model_len, len(prep.token_ids) - 1),
-                               admission_cost(prep, max_model_len))
-        cost = admission_cost(prep, max_model_len, self.flow.cached_tokens(prep))
-        await self.gate.admit(prep, deadline, cost, output_tokens(prep, max_model_len))
+        self.gate.refuse_early(prep, deadline, admission_cost(prep, output, len(prep.token_ids) - 1),
+                               admission_cost(prep, output))
+        cost = admission_cost(prep, output, self.flow.cached_tokens(prep))
+        await self.gate.admit(prep, deadline, cost, output)
         return dataclasses.replace(prep, tenant_weight=self.gate.queue.weight(prep.tenant)), cost
 
     def _prepare(self, request: pb.GenerateRequest) -> Prepared:

@@ -77,7 +77,7 @@ class Running:
 
     cost_tokens: int
     new_tokens: int
-    """The most output tokens it may produce (its max_tokens within the context)."""
+    """The output tokens it is charged (router/admission.py `expected_output`)."""
     admitted_at: float
     ahead: int = 0
     """Admitted requests still waiting for their first token when it was admitted."""
@@ -164,6 +164,14 @@ class WaitForecast:
                                                self.num_awaiting)
         self.num_awaiting += 1
         self.kv_tokens += r.prompt_tokens
+
+    def charged(self, request_id: str, cost_tokens: int) -> None:
+        """The request is charged `cost_tokens` now (it generated past its expected output):
+        that is what it gives back when it ends."""
+        r = self.running.get(request_id)
+        if r is not None:
+            r.new_tokens += cost_tokens - r.cost_tokens
+            r.cost_tokens = cost_tokens
 
     def progress(self, request_id: str, num_generated: int) -> None:
         """The request has sent `num_generated` output tokens so far."""

@@ -23,6 +23,7 @@ from bench import plots, report
 from bench.workload import Item, synthetic
 from cluster.autoscaler import AutoscaleConfig
 from engine.config import SchedulerConfig
+from router.admission import AdmissionConfig
 from router.policy import RoutingConfig
 from sim.arrivals import SHAPES, Shape, arrival_times, timed, trace_items
 from sim.cost_model import GPUS, MODELS, Roofline
@@ -63,6 +64,8 @@ def add_parser(sub: Any) -> None:
     f.add_argument("--max-model-len", type=int, default=131072)
     f.add_argument("--max-num-batched-tokens", type=int, default=2048)
     f.add_argument("--max-num-seqs", type=int, default=128)
+    f.add_argument("--admission-charge", choices=("expected", "max"), default="expected",
+                   help="what the router's admission charges for a request's output (serve's flag)")
     f.add_argument("--autoscale", action="store_true", help="pools from 1 worker each, up to --num-gpus in all")
     f.add_argument("--startup-s", type=float, default=30.0, help="a scaled-up worker serves this long after launch")
     o = s.add_argument_group("output")
@@ -102,6 +105,7 @@ def configs(args: argparse.Namespace, hw: Roofline, items: list[Item]) -> list[t
         raise SystemExit(f"--num-gpus {args.num_gpus} at --tp {args.tp} is too few workers for --mode {args.mode}")
     base = FleetConfig(num_blocks=hw.kv_capacity_tokens() // 16, max_model_len=args.max_model_len,
                        gpus_per_worker=args.tp, startup_s=args.startup_s, seed=args.seed,
+                       admission=AdmissionConfig(charge_output=args.admission_charge),
                        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                                  max_num_seqs=args.max_num_seqs))
     out = []

@@ -86,7 +86,8 @@ class Fleet(PoolControl, KVHandoff):
         """Routed requests no decode worker had KV room for (retried as bookings end)."""
         self.actions: list[tuple[float, str]] = []
         self.pool_sizes: list[tuple[float, int, int]] = []
-        self.stats = {"num_local_prefill": 0, "num_remote_prefill": 0, "num_kv_waits": 0, "num_steps": 0}
+        self.stats = {"num_local_prefill": 0, "num_remote_prefill": 0, "num_kv_waits": 0, "num_steps": 0,
+                      "num_preemptions": 0}
         self._turn = 0
         long = min(LONG_CONTEXT, config.max_model_len // 2)
         self.step_shape = StepShape(profile=tuple(
@@ -172,6 +173,7 @@ class Fleet(PoolControl, KVHandoff):
 
     def _step_done(self, w: Worker, result: StepResult) -> None:
         w.busy = False
+        self.stats["num_preemptions"] += result.num_preempted
         events = w.engine.pool.take_events()
         if events:
             for e in events:
@@ -206,7 +208,7 @@ class Fleet(PoolControl, KVHandoff):
         workers = [*self.serving("decode"), *self.serving("prefill")]
         overlap = self.index.overlap(f.hashes, workers) if workers else {}
         best = max(overlap.values(), default=0)
-        new_tokens = min(item.max_tokens, c.max_model_len - n)
+        new_tokens = self.queue.expected_output("", "generate", min(item.max_tokens, c.max_model_len - n))
         f.cost_tokens = n - min(best * c.block_size, n - 1) + new_tokens
         offered = self.queue.offer(rid, 0, f.cost_tokens, None, "", new_tokens)
         if isinstance(offered, Refused):
@@ -295,7 +297,7 @@ class Fleet(PoolControl, KVHandoff):
             self.itl.observe(gap, 1)
         o.num_out = num_tokens
         f.last_seen = seen
-        self.queue.forecast.progress(f.rid, num_tokens)
+        self.queue.progress(f.rid, num_tokens)
 
     def _finish(self, f: Flight, code: str) -> None:
         f.done = True
@@ -304,6 +306,8 @@ class Fleet(PoolControl, KVHandoff):
         self._left -= 1
         if f.booking is not None:
             f.booking.end()
+        if code == "OK":
+            self.queue.lengths.observe("", "generate", f.outcome.num_out)
         admitted = self.queue.release(f.rid)
         self.pushing.pop(f.rid, None)
         if f.decision is not None:

@@ -39,7 +39,9 @@ def cluster(smollm2_gguf: str, smollm2_dir: str):  # type: ignore[no-untyped-def
         num_prefill=1, num_decode=1, worker_num_cpus=0.5,
         router=RouterConfig(port=0, http_port=0, served_model_name=MODEL, tokenizer_dir=smollm2_dir,
                             routing=RoutingConfig(mode="disaggregated"),
-                            admission=AdmissionConfig(max_queued_per_priority=1, max_queue_wait_s=20.0)))
+                            # charged the worst case, one long request holds the budget (the overload test)
+                            admission=AdmissionConfig(max_queued_per_priority=1, max_queue_wait_s=20.0,
+                                                      charge_output="max")))
     with LocalCluster(config) as c:
         yield c
 

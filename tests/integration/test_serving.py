@@ -36,7 +36,9 @@ def cluster(tiny_llama_dir: str):  # type: ignore[no-untyped-def]
         worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, kv_lease_s=5.0),
         num_prefill=2, num_decode=2,
         router=RouterConfig(port=0, routing=RoutingConfig(mode="auto", local_prefill_tokens=8),
-                            admission=AdmissionConfig(max_inflight_tokens=MAX_TOKENS_BUDGET, max_queued_per_priority=3)),
+                            # the worst case charged: the overload test counts requests by their max_tokens
+                            admission=AdmissionConfig(max_inflight_tokens=MAX_TOKENS_BUDGET, max_queued_per_priority=3,
+                                                      charge_output="max")),
         worker_num_cpus=0.5)
     with LocalCluster(config) as c:
         yield c

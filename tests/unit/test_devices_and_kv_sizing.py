@@ -68,3 +68,49 @@ def test_a_worker_advertises_what_peers_can_dial() -> None:
     assert WorkerConfig(model_dir="m", host="0.0.0.0", advertise_host="node-7").advertised_host(None) == "node-7"
     wildcard = WorkerConfig(model_dir="m", host="0.0.0.0").advertised_host("redis://192.0.2.77:6379/0")
     assert wildcard == route_address("192.0.2.77") and wildcard != "0.0.0.0"  # never the wildcard itself
+
+
+def test_cpu_workers_share_a_fraction_of_available_memory_never_under_the_old_default() -> None:
+    from engine.kv_sizing import DEFAULT_CPU_KV_BYTES, cpu_kv_bytes
+
+    gib = 2**30
+    assert cpu_kv_bytes(20 * gib, 0.2, 2) == 2 * gib  # 1 prefill + 1 decode on a 24 GiB host
+    assert cpu_kv_bytes(gib, 0.2, 4) == DEFAULT_CPU_KV_BYTES  # a small host: never less than before
+    with pytest.raises(ValueError, match="CPU KV fraction"):
+        cpu_kv_bytes(gib, 0.95, 1)
+
+
+def test_serve_sizes_cpu_pools_from_memory_unless_kv_cache_mib_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    import engine.kv_sizing
+    from cluster.processes import add_device_flags, placement
+
+    monkeypatch.setattr(engine.kv_sizing, "available_memory_bytes", lambda: 10 * 2**30)
+    p = argparse.ArgumentParser()
+    add_device_flags(p)
+    p.add_argument("--gpus-per-worker", type=float, default=None)
+    _, _, mib, _, _ = placement(p.parse_args(["--device", "cpu"]), 2)
+    assert mib == 1024  # 0.2 of 10 GiB in two parts
+    _, _, mib, _, _ = placement(p.parse_args(["--device", "cpu", "--cpu-kv-fraction", "0.5"]), 1)
+    assert mib == 5 * 1024
+    _, _, mib, _, _ = placement(p.parse_args(["--device", "cpu", "--kv-cache-mib", "300"]), 2)
+    assert mib == 300
+
+
+def test_a_cpu_pool_reads_zero_and_takes_memory_only_where_written() -> None:
+    import torch
+
+    from engine.kv_pool import KVLayout, KVPool
+
+    def rss() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+    before = rss()
+    pool = KVPool(KVLayout(2, 16, 4, 64, torch.bfloat16), 4096, "cpu")  # 128 MiB
+    assert rss() - before < 16 * 2**20  # nothing resident until written
+    assert pool.tensor.is_contiguous() and pool.tensor.dtype == torch.bfloat16
+    assert float(pool.tensor[4095].abs().sum()) == 0.0
+    pool.tensor[7] = 1.5
+    assert float(pool.tensor[7].float().mean()) == 1.5 and float(pool.tensor[8].abs().sum()) == 0.0

@@ -10,7 +10,7 @@ import pytest
 from control.heartbeat import ModelFacts
 from proto import generate_pb2 as pb
 from router.attempt import RequestFailed
-from router.frontend import Frontend, admission_cost
+from router.frontend import Frontend, admission_cost, output_tokens
 
 FACTS = ModelFacts("m", 16, 1000, 512, 64)
 
@@ -50,5 +50,8 @@ def test_too_many_stop_strings_are_refused() -> None:
 
 def test_a_huge_max_tokens_costs_only_what_the_context_allows() -> None:
     prep = prepare(sampling=pb.SamplingParams(max_tokens=2**31 - 1))
-    assert admission_cost(prep, FACTS.max_model_len) == 512  # 3 prompt tokens + 509 the context leaves
-    assert admission_cost(prepare(sampling=pb.SamplingParams(max_tokens=10)), FACTS.max_model_len) == 13
+    assert output_tokens(prep, FACTS.max_model_len) == 509  # what the context leaves after 3 prompt tokens
+    assert admission_cost(prep, output_tokens(prep, FACTS.max_model_len)) == 512
+    short = prepare(sampling=pb.SamplingParams(max_tokens=10))
+    assert admission_cost(short, output_tokens(short, FACTS.max_model_len)) == 13
+    assert admission_cost(short, 4, cached_tokens=2) == 5  # 1 uncached prompt token + 4 expected
