@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 QUESTIONS = ["What is the capital of France?", "Name a fruit.", "What color is the sky?", "Say hello.",
-             "What is 2 + 2?", "Name a planet.", "What do bees make?", "Name an ocean."]
+             "What is 2 + 2?", "Name a planet.", "What is the capital of Italy?", "Name an ocean."]
 
 
 def chat(client: Any, model: str, question: str) -> tuple[bool, float | None, int]:

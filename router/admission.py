@@ -98,14 +98,15 @@ class AdmissionQueue:
 
     # -- the moves ---------------------------------------------------------------------------
     def offer(self, request_id: str, priority: int, cost_tokens: int, deadline: float | None,
-              tenant: str = "", new_tokens: int = 0) -> bool | Refused:
+              tenant: str = "", new_tokens: int = 0, max_new_tokens: int = 0) -> bool | Refused:
         """True: admitted now; False: queued (wait for `release` to return it); or Refused.
-        `new_tokens`: of the cost, the output it may generate (0: all of it)."""
+        `new_tokens`: of the cost, the output it is charged (0: all of it); `max_new_tokens`:
+        the most it may generate (0: `new_tokens`)."""
         if (over := self._over_quota(tenant, cost_tokens)) is not None:
             return over
         c = self._classes.setdefault(priority, PriorityClass())
         e = self._entry(c, request_id, priority, cost_tokens, deadline, tenant)
-        e.new_tokens = new_tokens
+        e.new_tokens, e.max_new_tokens = new_tokens, max_new_tokens
         refusal = self._refusal(c, e)
         c.push(e)
         if self._next_candidate() is e and self._fits(e):
@@ -361,7 +362,8 @@ class AdmissionQueue:
     def _admit(self, c: PriorityClass, e: Entry) -> None:
         if e.estimate_s and self.on_wait_estimate is not None:  # a queued request: how good was its estimate?
             self.on_wait_estimate((self.clock() - e.queued_at) / e.estimate_s)
-        self.forecast.admitted(e.request_id, e.cost_tokens, e.new_tokens or e.cost_tokens)
+        new = e.new_tokens or e.cost_tokens
+        self.forecast.admitted(e.request_id, e.cost_tokens, new, max(e.max_new_tokens, new))
         c.charge(e, self.weight(e.tenant))
         c.served(e)
         self._admitted[e.request_id] = _Held(e.cost_tokens, e.tenant, e.cost_tokens - (e.new_tokens or e.cost_tokens))

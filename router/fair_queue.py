@@ -20,7 +20,9 @@ class Entry:
     estimate_s: float | None = None
     """Its estimated wait when it was queued (None: nothing measured to estimate with yet)."""
     new_tokens: int = 0
-    """Of `cost_tokens`, the output it may generate (0: all of it), for the wait forecast."""
+    """Of `cost_tokens`, the output it is charged (0: all of it), for the wait forecast."""
+    max_new_tokens: int = 0
+    """The most it may generate (0: `new_tokens`), for the wait forecast."""
 
 
 class PriorityClass:

@@ -146,6 +146,13 @@ def admission_cost(prep: Prepared, output: int, cached_tokens: int = 0) -> int:
     return n - min(cached_tokens, n) + output
 
 
+def runs_to_the_end(prep: Prepared) -> bool:
+    """Nothing can stop it before `output_tokens`: EOS ignored, no stop strings or stop tokens
+    (a benchmark's request): its output is known, not expected."""
+    p = prep.params
+    return p.ignore_eos and not p.stop and not p.stop_token_ids and p.constraint is None
+
+
 def output_tokens(prep: Prepared, max_model_len: int) -> int:
     """The most tokens a request can generate: its max_tokens, within the context."""
     return max(min(prep.params.max_tokens, max_model_len - len(prep.token_ids)), 0)

@@ -31,12 +31,15 @@ class AdmissionGate:
     def waiting(self, request_id: str) -> bool:
         return request_id in self._waiters
 
-    async def admit(self, prep: Prepared, deadline: Deadline, cost: int, new_tokens: int = 0) -> None:
-        """Admits the request (`cost` tokens of the budget, `new_tokens` of them output) or
+    async def admit(self, prep: Prepared, deadline: Deadline, cost: int, new_tokens: int = 0,
+                    max_new_tokens: int = 0) -> None:
+        """Admits the request (`cost` tokens of the budget, `new_tokens` of them output, of at
+        most `max_new_tokens` it may generate) or
         raises RequestFailed: refused at once with a retry hint, refused while queued once its
         revised wait passes its limit, its own deadline passed while queued (DEADLINE_EXCEEDED),
         or the queue's wait limit passed (RESOURCE_EXHAUSTED with a retry hint)."""
-        verdict = self.queue.offer(prep.request_id, prep.priority, cost, deadline.at, prep.tenant, new_tokens)
+        verdict = self.queue.offer(prep.request_id, prep.priority, cost, deadline.at, prep.tenant, new_tokens,
+                                   max_new_tokens)
         if isinstance(verdict, Refused):
             self._refuse(verdict)
         if verdict:

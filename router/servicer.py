@@ -24,7 +24,7 @@ from proto.convert import finish_name_from_pb
 from control import tracing
 from router.attempt import Deadline, Prepared, Progress, RequestFailed
 from router.flow import RequestFlow
-from router.frontend import Frontend, ItlWindow, Responses, admission_cost, output_tokens
+from router.frontend import Frontend, ItlWindow, Responses, admission_cost, output_tokens, runs_to_the_end
 from router.gate import AdmissionGate
 from router.metrics import RouterMetrics
 from router.members import Members
@@ -117,8 +117,8 @@ class Generation(pb_grpc.GenerationServicer):
                     self.gate.observe_ttft(progress.first_token - progress.admitted, cost)
                 progress.finish_reason = response.finish_reason or progress.finish_reason
                 yield response
-            if finish_name_from_pb(progress.finish_reason) in ("stop", "length"):
-                self.gate.ended(prep, progress.num_sent)
+            if finish_name_from_pb(progress.finish_reason) in ("stop", "length") and not runs_to_the_end(prep):
+                self.gate.ended(prep, progress.num_sent)  # a length it chose: a sample of what is expected
             self._count(prep, progress)
         except asyncio.CancelledError:
             if (task := asyncio.current_task()) is None or task.cancelling():
@@ -150,12 +150,13 @@ class Generation(pb_grpc.GenerationServicer):
         """Waits for admission (or raises RequestFailed); returns the request as the workers get
         it (with its tenant's weight, for the engines' fair order) and its cost."""
         max_model_len = self.members.facts.max_model_len if self.members.facts else 1 << 30
-        output = self.gate.queue.expected_output(prep.tenant, prep.route, output_tokens(prep, max_model_len))
+        limit = output_tokens(prep, max_model_len)
+        output = limit if runs_to_the_end(prep) else self.gate.queue.expected_output(prep.tenant, prep.route, limit)
         # refused whatever part of the prompt is cached? then without hashing it
         self.gate.refuse_early(prep, deadline, admission_cost(prep, output, len(prep.token_ids) - 1),
                                admission_cost(prep, output))
         cost = admission_cost(prep, output, self.flow.cached_tokens(prep))
-        await self.gate.admit(prep, deadline, cost, output)
+        await self.gate.admit(prep, deadline, cost, output, limit)
         return dataclasses.replace(prep, tenant_weight=self.gate.queue.weight(prep.tenant)), cost
 
     def _prepare(self, request: pb.GenerateRequest) -> Prepared:

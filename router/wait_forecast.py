@@ -4,7 +4,7 @@ and so when each queued request will be admitted.
     AdmissionQueue._admit --admitted(id, cost, new_tokens)--> Running (one per admitted request)
     servicer, per response --progress(id, num_generated)--> Running.first_at / last_at / num_generated
     AdmissionQueue.release --finished(id)--> calibration: the time from admission to the first
-        token, the time per output token, the part of max_tokens really generated (EMAs)
+        token, the time per output token, the output really generated over what was charged (EMA)
     AdmissionQueue --admission_times(queue in service order, free tokens, ...)--> per queued
         request, the time the replay below admits it
 
@@ -56,13 +56,16 @@ import heapq
 import statistics
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.step_model import StepShape
 from router.linear_fit import LinearFit
 
 EMA_WEIGHT = 0.2
 """Weight of the newest finished request in the output-fraction average."""
+MAX_OUTPUT_FRACTION = 16.0
+"""A finished request's output over what it was charged counts at most this much: charged
+its expected output, a request may run far past it (its max_tokens bounds it anyway)."""
 TOKEN_DECAY = 0.97
 """Per-token time samples (one per finished request): about the last 30 count."""
 FIRST_TOKEN_DECAY = 0.97
@@ -77,8 +80,10 @@ class Running:
 
     cost_tokens: int
     new_tokens: int
-    """The output tokens it is charged (router/admission.py `expected_output`)."""
+    """The output tokens it is charged at admission (router/admission.py `expected_output`)."""
     admitted_at: float
+    max_new_tokens: int = 0
+    """The most it may generate (its max_tokens within the context)."""
     ahead: int = 0
     """Admitted requests still waiting for their first token when it was admitted."""
     num_generated: int = 0
@@ -89,10 +94,11 @@ class Running:
     kv_sum: int = 0
     """The admitted requests' KV tokens at each of those responses, summed."""
     num_responses: int = 0
+    prompt_tokens: int = field(init=False)
+    """Its uncached prompt (the cost at admission less the output charged)."""
 
-    @property
-    def prompt_tokens(self) -> int:
-        return max(self.cost_tokens - self.new_tokens, 0)
+    def __post_init__(self) -> None:
+        self.prompt_tokens = max(self.cost_tokens - self.new_tokens, 0)
 
 
 @dataclass(frozen=True)
@@ -159,9 +165,9 @@ class WaitForecast:
     def calibrated(self) -> bool:
         return self.first_token_s.ready and self.token_s.ready
 
-    def admitted(self, request_id: str, cost_tokens: int, new_tokens: int) -> None:
+    def admitted(self, request_id: str, cost_tokens: int, new_tokens: int, max_new_tokens: int = 0) -> None:
         r = self.running[request_id] = Running(cost_tokens, max(new_tokens, 1), self.clock(),
-                                               self.num_awaiting)
+                                               max(max_new_tokens, new_tokens, 1), self.num_awaiting)
         self.num_awaiting += 1
         self.kv_tokens += r.prompt_tokens
 
@@ -170,7 +176,6 @@ class WaitForecast:
         that is what it gives back when it ends."""
         r = self.running.get(request_id)
         if r is not None:
-            r.new_tokens += cost_tokens - r.cost_tokens
             r.cost_tokens = cost_tokens
 
     def progress(self, request_id: str, num_generated: int) -> None:
@@ -206,14 +211,21 @@ class WaitForecast:
             self._samples.append((streaming / w, kv / w, per_token))
             self._rescale()
         if r is not None and r.num_generated >= 1:
-            self.output_fraction += EMA_WEIGHT * (min(r.num_generated / r.new_tokens, 1.0) - self.output_fraction)
+            sample = min(r.num_generated / r.new_tokens, MAX_OUTPUT_FRACTION)
+            self.output_fraction += EMA_WEIGHT * (sample - self.output_fraction)
 
     def _expected(self, new_tokens: int) -> int:
         return max(round(self.output_fraction * new_tokens), 1)
 
+    def _expected_of(self, r: Running) -> int:
+        """A running request's expected output: as a queued one's, and once it has generated
+        more than half of that, twice what it has so far (it runs long: as long again is the
+        guess), within what it may generate."""
+        return max(self._expected(r.new_tokens), min(2 * r.num_generated, r.max_new_tokens))
+
     def _mean_context(self, queue: list[Queued]) -> float:
         """A request's mean KV over its life, averaged over the admitted and queued ones."""
-        ctx = [r.prompt_tokens + self._expected(r.new_tokens) / 2 for r in self.running.values()]
+        ctx = [r.prompt_tokens + self._expected_of(r) / 2 for r in self.running.values()]
         ctx += [q.prompt_tokens + self._expected(q.new_tokens) / 2 for q in queue]
         return sum(ctx) / len(ctx) if ctx else 0.0
 
@@ -225,7 +237,7 @@ class WaitForecast:
         if r.first_at is None:
             first = max(r.admitted_at + self.first_token_s(r.ahead), now)
             return first + (self._expected(r.new_tokens) - 1) * per_token
-        return now + max(self._expected(r.new_tokens) - r.num_generated, 0) * per_token
+        return now + max(self._expected_of(r) - r.num_generated, 0) * per_token
 
     def admission_times(self, queue: list[Queued], free_tokens: int, budget_tokens: int,
                         free_slots: int) -> dict[str, float] | None:

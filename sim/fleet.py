@@ -208,9 +208,14 @@ class Fleet(PoolControl, KVHandoff):
         workers = [*self.serving("decode"), *self.serving("prefill")]
         overlap = self.index.overlap(f.hashes, workers) if workers else {}
         best = max(overlap.values(), default=0)
-        new_tokens = self.queue.expected_output("", "generate", min(item.max_tokens, c.max_model_len - n))
+        # charged the worst case, a request declares its length as max_tokens (the router knows
+        # it); charged the expected, it is a chat without max_tokens whose length the router learns
+        limit = min(item.max_tokens, c.max_model_len - n)
+        if self.queue.config.charge_output == "expected":
+            limit = c.max_model_len - n
+        new_tokens = self.queue.expected_output("", "generate", limit)
         f.cost_tokens = n - min(best * c.block_size, n - 1) + new_tokens
-        offered = self.queue.offer(rid, 0, f.cost_tokens, None, "", new_tokens)
+        offered = self.queue.offer(rid, 0, f.cost_tokens, None, "", new_tokens, limit)
         if isinstance(offered, Refused):
             self._fail(f, "RESOURCE_EXHAUSTED")
         elif offered:  # routed now, over the index as it is: the same overlap

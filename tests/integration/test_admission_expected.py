@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(900)
 
 MODEL = "smollm2"
 QUESTIONS = ["What is the capital of France?", "Name a fruit.", "What color is the sky?", "Say hello.",
-             "What is 2 + 2?", "Name a planet.", "What do bees make?", "Name an ocean."]
+             "What is 2 + 2?", "Name a planet.", "What is the capital of Italy?", "Name an ocean."]
 
 
 @pytest.fixture(scope="module")

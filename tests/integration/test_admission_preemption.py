@@ -33,30 +33,35 @@ def cluster(tiny_llama_dir: str):  # type: ignore[no-untyped-def]
         yield c
 
 
-def run(stub: pb_grpc.GenerationStub, prompt: list[int], max_tokens: int) -> list[int]:
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), tenant="t",
-                                 sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+def run(stub: pb_grpc.GenerationStub, prompt: list[int], max_tokens: int, stop: int) -> list[int]:
+    """A greedy request that may stop early (a stop token, which never comes: the tiny model's
+    random text would stop at EOS anywhere), so admission charges it what is expected; one
+    that cannot stop before max_tokens is charged max_tokens."""
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), tenant="t", sampling=pb.SamplingParams(
+        max_tokens=max_tokens, ignore_eos=True, stop_token_ids=[stop]))
     return [t for r in stub.Generate(request, timeout=300) for t in r.token_ids]
 
 
 def test_outputs_ten_times_longer_than_expected_are_preempted_recomputed_and_exact(
         cluster: LocalCluster, tiny_llama_dir: str) -> None:
     prompts = [[3 + i, 7, 11 + i, 13] * 5 for i in range(13)]  # 20 tokens each
+    want = [greedy(tiny_llama_dir, p, 400) for p in prompts]
+    stop = min(set(range(3, 512)) - {t for w in want for t in w})
     with grpc.insecure_channel(cluster.address) as channel:
         stub = pb_grpc.GenerationStub(channel)
-        for p in prompts[:8]:  # the tenant's requests stop after 10 tokens: it is charged 30 each
-            assert run(stub, p, 10) == greedy(tiny_llama_dir, p, 10)
+        for p, w in zip(prompts[:8], want, strict=False):  # the tenant's requests stop after 10 tokens: charged 30 each
+            assert run(stub, p, 10, stop) == w[:10]
         with concurrent.futures.ThreadPoolExecutor(4) as pool:  # then 4 at once run to 400: 1,680 > 1,200 tokens
-            long = list(pool.map(lambda p: run(stub, p, 400), prompts[8:12]))
-        assert long == [greedy(tiny_llama_dir, p, 400) for p in prompts[8:12]]
+            long = list(pool.map(lambda p: run(stub, p, 400, stop), prompts[8:12]))
+        assert long == want[8:12]
         [decode] = [r for r in cluster.check_idle() if "num_preemptions" in r]
         assert decode["num_preemptions"] > 0  # the pool filled: preempted and recomputed, nothing failed
         [stats] = cluster.router_stats()
         assert stats["num_refused"] == 0
         # 4 of the window's 12 ran long: the 0.9 quantile is theirs now; the next is charged 20 + 400 at once
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            one = pool.submit(run, stub, prompts[12], 400)
+            one = pool.submit(run, stub, prompts[12], 400, stop)
             charged = wait_for("the next request admitted", lambda: cluster.router_stats()[0]["inflight_tokens"])
             assert charged == 20 + 400
-            assert one.result(timeout=300) == greedy(tiny_llama_dir, prompts[12], 400)
+            assert one.result(timeout=300) == want[12]
     assert_idle(cluster)

@@ -2,6 +2,8 @@
 message that says what to change; a huge max_tokens costs no more than the context allows."""
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import grpc
@@ -10,7 +12,7 @@ import pytest
 from control.heartbeat import ModelFacts
 from proto import generate_pb2 as pb
 from router.attempt import RequestFailed
-from router.frontend import Frontend, admission_cost, output_tokens
+from router.frontend import Frontend, admission_cost, output_tokens, runs_to_the_end
 
 FACTS = ModelFacts("m", 16, 1000, 512, 64)
 
@@ -55,3 +57,11 @@ def test_a_huge_max_tokens_costs_only_what_the_context_allows() -> None:
     short = prepare(sampling=pb.SamplingParams(max_tokens=10))
     assert admission_cost(short, output_tokens(short, FACTS.max_model_len)) == 13
     assert admission_cost(short, 4, cached_tokens=2) == 5  # 1 uncached prompt token + 4 expected
+
+
+def test_only_a_request_that_nothing_can_stop_early_is_charged_its_max_tokens_as_known() -> None:
+    assert runs_to_the_end(prepare(sampling=pb.SamplingParams(max_tokens=10, ignore_eos=True)))
+    assert not runs_to_the_end(prepare(sampling=pb.SamplingParams(max_tokens=10)))  # EOS may stop it
+    known = prepare(sampling=pb.SamplingParams(max_tokens=10, ignore_eos=True))
+    assert not runs_to_the_end(dataclasses.replace(known, params=dataclasses.replace(known.params, stop=(".",))))
+    assert not runs_to_the_end(prepare(sampling=pb.SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=[9])))
