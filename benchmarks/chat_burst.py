@@ -46,6 +46,7 @@ def chat(client: Any, model: str, question: str) -> tuple[bool, float | None, in
 def arm(charge: str, args: argparse.Namespace) -> dict[str, Any]:
     import openai
 
+    from bench.report import pct
     from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
     from cluster.default_model import model_path
     from cluster.local import LocalCluster
@@ -84,12 +85,13 @@ def arm(charge: str, args: argparse.Namespace) -> dict[str, Any]:
     served = [r for r in results if r[0]]
     ttfts = sorted(t for _, t, _ in served if t is not None)
 
-    def pct(q: float) -> float | None:
-        return round(ttfts[min(int(q * len(ttfts)), len(ttfts) - 1)], 3) if ttfts else None
+    def p(q: int) -> float | None:
+        x = pct(ttfts, q)
+        return None if x is None else round(x, 3)
 
     return {"bench": "chat_burst", "admission_charge": charge, "concurrency": args.concurrency, "waves": args.waves,
             "served": len(served), "refused": len(results) - len(served),
-            "goodput_per_s": round(len(served) / elapsed, 2), "ttft_p50_s": pct(0.5), "ttft_p99_s": pct(0.99),
+            "goodput_per_s": round(len(served) / elapsed, 2), "ttft_p50_s": p(50), "ttft_p99_s": p(99),
             "mean_output_tokens": round(sum(n for *_, n in served) / max(len(served), 1), 1),
             "peak_charged_tokens": peak["charged"], "peak_used_tokens": peak["used"], "budget_tokens": peak["budget"],
             "elapsed_s": round(elapsed, 1),

@@ -9,6 +9,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from bench.report import pct
 from bench.runner import Outcome, run
 from bench.workload import Item, synthetic
 
@@ -29,16 +30,9 @@ async def run_load(target: str, items: list[Item], rate: float | None, concurren
     return summarize(result.outcomes, result.elapsed_s)
 
 
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    v = sorted(values)
-    return v[min(len(v) - 1, int(q / 100 * len(v)))]
-
-
 def summarize(outcomes: list[Outcome], elapsed_s: float) -> dict[str, object]:
     ok = [o for o in outcomes if o.ok]
-    ms = lambda xs, q: round(pct(xs, q) * 1e3, 2)  # noqa: E731
+    ms = lambda xs, q: round((pct(xs, q) or 0.0) * 1e3, 2)  # noqa: E731
     ttft, e2e = [o.ttft_s or 0.0 for o in ok], [o.e2e_s for o in ok]
     itl = [x for o in ok for x in o.itls_s]
     prompt = sum(o.num_prompt for o in ok)

@@ -26,7 +26,6 @@ import concurrent.futures
 import json
 import multiprocessing
 import random
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from typing import Any
 
 import grpc
 
+from bench.report import pct
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 
@@ -127,11 +127,10 @@ async def closed_loop(target: str, concurrency: int, seconds: float, prompt_toke
         return sum(s.code == "OK" for s in out) / (time.perf_counter() - started)
 
 
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    return round(statistics.quantiles(values, n=100, method="inclusive")[q - 1] * 1e3, 1) if len(values) > 1 \
-        else round(values[0] * 1e3, 1)
+def pct_ms(values: list[float], q: int) -> float | None:
+    """bench/report.py's percentile (nearest rank, as every tool here reports), in ms."""
+    x = pct(values, q)
+    return None if x is None else round(x * 1e3, 1)
 
 
 def summary(sent: list[Sent], seconds: float, budget_s: float) -> dict[str, object]:
@@ -143,12 +142,12 @@ def summary(sent: list[Sent], seconds: float, budget_s: float) -> dict[str, obje
         codes[s.code] = codes.get(s.code, 0) + 1
     return {"offered_rps": round(len(sent) / seconds, 2), "completed_rps": round(len(ok) / seconds, 2),
             "goodput_rps": round(sum(t <= budget_s for t in ttfts) / seconds, 2), "by_status": codes,
-            "refusal_ms_p50": pct([s.end_s for s in refused], 50), "refusal_ms_p99": pct([s.end_s for s in refused], 99),
-            "ttft_ms_p50": pct(ttfts, 50), "ttft_ms_p99": pct(ttfts, 99),
-            "router_queue_ms_p50": pct([s.queue_ms / 1e3 for s in ok], 50),
-            "router_queue_ms_p99": pct([s.queue_ms / 1e3 for s in ok], 99),
-            "router_prefill_ms_p50": pct([s.prefill_ms / 1e3 for s in ok], 50),
-            "router_prefill_ms_p99": pct([s.prefill_ms / 1e3 for s in ok], 99)}
+            "refusal_ms_p50": pct_ms([s.end_s for s in refused], 50), "refusal_ms_p99": pct_ms([s.end_s for s in refused], 99),
+            "ttft_ms_p50": pct_ms(ttfts, 50), "ttft_ms_p99": pct_ms(ttfts, 99),
+            "router_queue_ms_p50": pct_ms([s.queue_ms / 1e3 for s in ok], 50),
+            "router_queue_ms_p99": pct_ms([s.queue_ms / 1e3 for s in ok], 99),
+            "router_prefill_ms_p50": pct_ms([s.prefill_ms / 1e3 for s in ok], 50),
+            "router_prefill_ms_p99": pct_ms([s.prefill_ms / 1e3 for s in ok], 99)}
 
 
 def parse_args() -> argparse.Namespace:

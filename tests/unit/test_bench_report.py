@@ -26,3 +26,15 @@ def test_goodput_counts_requests_that_met_both_slos_and_failures_meet_none() -> 
     assert s["prefix_hit_rate"] == 0.125
     assert s["ttft_ms"] == {"p50": 300.0, "p90": 1500.0, "p99": 1500.0}
     assert s["itl_ms"]["p50"] == 50.0
+
+
+def test_every_tool_reports_the_same_percentile() -> None:
+    """bench/report.py's nearest rank is the one percentile: the load generator, the overload
+    and chat benchmarks use it, so their p99s compare with `splitserve bench`'s."""
+    import benchmarks.load_gen
+    import benchmarks.overload
+    from bench.report import pct
+
+    assert benchmarks.load_gen.pct is pct and benchmarks.overload.pct is pct
+    assert pct([0.1, 0.2, 0.3, 0.4], 50) == 0.2 and pct([0.1, 0.2, 0.3, 0.4], 99) == 0.4
+    assert benchmarks.overload.pct_ms([0.1, 0.2, 0.3, 0.4], 50) == 200.0 and benchmarks.overload.pct_ms([], 99) is None
