@@ -74,6 +74,7 @@ def test_readme_serve_then_generate_and_status(tmp_path: Path) -> None:
         for worker, role in (("decode-0", "decode"), ("prefill-0", "prefill")):  # state, from their heartbeats
             assert re.search(rf"^{worker}\s+{role}\s+serving\s+127\.0\.0\.1:\d+", st.stdout, re.M), st.stdout
         assert "decode pool: target 1, 1 serving (decode-0 serving)" in st.stdout
+        assert re.search(r"KV tokens charged 0 / used 0 of a budget of [1-9]\d*", st.stdout), st.stdout
         sc = run(["scale", "decode", "2"], env)
         assert sc.returncode == 0 and "decode target set to 2" in sc.stdout, sc.stderr
         deadline = time.monotonic() + 60
