@@ -314,12 +314,10 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        if keep_blocks:
-            pass
-        elif request.request_id in self.in_flight and request.block_ids:  # a step in flight writes them
-            self.kv.hold(request)
+        if not keep_blocks and request.request_id in self.in_flight and request.block_ids:
+            self.kv.hold(request)  # a step in flight still writes them: held until it lands
             self.held_in_flight.append(request.request_id)
-        else:
+        elif not keep_blocks:
             self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

@@ -53,11 +53,10 @@ TTFT_WINDOW = 16
 
 @dataclass
 class _Held:
-    """An admitted request's charge: `cost` tokens, of which `base` are its prompt's."""
+    """An admitted request's charge (`cost` tokens) and tenant."""
 
     cost: int
     tenant: str
-    base: int
 
 
 @dataclass(frozen=True)
@@ -161,18 +160,21 @@ class AdmissionQueue:
         self._releases.append((self.clock(), cost))
         return self._dispatch()
 
-    def expected_output(self, tenant: str, route: str, limit: int) -> int:
-        """The output tokens to charge a request that may generate `limit` (`charge_output`)."""
-        return limit if self.config.charge_output == "max" else self.lengths.expected(tenant, route, limit)
+    def expected_output(self, tenant: str, route: str, limit: int, known: bool = False) -> int:
+        """The output tokens to charge a request that may generate `limit` (`charge_output`);
+        `known`: nothing can stop it early (router/frontend.py `runs_to_the_end`), so `limit`."""
+        if known or self.config.charge_output == "max":
+            return limit
+        return self.lengths.expected(tenant, route, limit)
 
     def progress(self, request_id: str, num_generated: int) -> None:
         """An admitted request has generated `num_generated` tokens: past its charge, it is
         charged what it holds (its prompt and those tokens)."""
         self.forecast.progress(request_id, num_generated)
-        held = self._admitted.get(request_id)
-        if held is None or held.base + num_generated <= held.cost:
+        held, running = self._admitted.get(request_id), self.forecast.running.get(request_id)
+        if held is None or running is None or running.prompt_tokens + num_generated <= held.cost:
             return
-        more = held.base + num_generated - held.cost
+        more = running.prompt_tokens + num_generated - held.cost
         held.cost += more
         self.inflight_tokens += more
         self._tenant_tokens[held.tenant] += more
@@ -366,7 +368,7 @@ class AdmissionQueue:
         self.forecast.admitted(e.request_id, e.cost_tokens, new, max(e.max_new_tokens, new))
         c.charge(e, self.weight(e.tenant))
         c.served(e)
-        self._admitted[e.request_id] = _Held(e.cost_tokens, e.tenant, e.cost_tokens - (e.new_tokens or e.cost_tokens))
+        self._admitted[e.request_id] = _Held(e.cost_tokens, e.tenant)
         self._tenant_tokens[e.tenant] = self._tenant_tokens.get(e.tenant, 0) + e.cost_tokens
         self.inflight_tokens += e.cost_tokens
 

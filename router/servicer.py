@@ -151,7 +151,7 @@ class Generation(pb_grpc.GenerationServicer):
         it (with its tenant's weight, for the engines' fair order) and its cost."""
         max_model_len = self.members.facts.max_model_len if self.members.facts else 1 << 30
         limit = output_tokens(prep, max_model_len)
-        output = limit if runs_to_the_end(prep) else self.gate.queue.expected_output(prep.tenant, prep.route, limit)
+        output = self.gate.queue.expected_output(prep.tenant, prep.route, limit, known=runs_to_the_end(prep))
         # refused whatever part of the prompt is cached? then without hashing it
         self.gate.refuse_early(prep, deadline, admission_cost(prep, output, len(prep.token_ids) - 1),
                                admission_cost(prep, output))

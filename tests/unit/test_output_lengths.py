@@ -67,6 +67,7 @@ def test_eight_ordinary_chats_fit_a_small_pool_charged_as_expected_and_not_as_ma
         expected.release(f"r{i}")
         expected.lengths.observe("", "chat", 9 + i % 2)
     assert expected.expected_output("", "chat", limit) == 10  # learnt: now charged 30 tokens each
+    assert expected.expected_output("", "chat", limit, known=True) == limit  # nothing can stop it early
 
 
 def test_a_request_past_its_charge_is_charged_what_it_holds(clock) -> None:
