@@ -6,6 +6,9 @@ for the router to hand to a prefill worker. `pump()` applies the receiver's even
 the engine: `KVArrived` -> `remote_kv_ready` (the request joins the continuous batch
 with its first token) -> `Landed`; `TransferFailed` -> the request ends, its blocks freed or, when
 a one-sided writer may still write, held; `BlocksFenced` -> held blocks are freed.
+Events are matched to the reservation a request holds now: an arrival or failure of a
+reservation its request no longer holds (aborted after the sender's `ready`, perhaps
+reserved again under the same id) changes nothing.
 The engine's pool comes from `kvfabric.pools.kv_allocator`: shared memory on CPU (`shm`
 senders on this host copy straight into it, others use `tcp`), an IPC-exportable
 cudaMalloc on GPU (`cuda_ipc` on this host, `nccl` across hosts).
@@ -53,6 +56,8 @@ class RemoteKV:
         self.block_size = engine.kv_pool.layout.block_size
         self.receiver = FabricReceiver(layout, pool_region(engine.kv_pool.tensor), config, engine.clock,
                                        **exports(allocator))
+        self._reservations: dict[str, int] = {}
+        """Request id -> the reservation it holds now, until it lands, fails or is aborted."""
 
     def reserve(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None,
@@ -62,25 +67,33 @@ class RemoteKV:
         res = self.engine.add_remote_request(prompt, params, request_id, priority, tenant, tenant_weight)
         if res is None:
             return None
-        return self.receiver.expect(res.request_id, [int(b) for b in res.block_ids], res.num_cached_tokens // self.block_size)
+        ticket = self.receiver.expect(res.request_id, [int(b) for b in res.block_ids], res.num_cached_tokens // self.block_size)
+        self._reservations[ticket.request_id] = ticket.reservation_id
+        return ticket
 
     def pump(self, timeout_s: float = 0.0) -> list[Landed | RemoteFailure]:
         """Apply transfer events to the engine; returns arrivals and failures."""
         results: list[Landed | RemoteFailure] = []
         for ev in self.receiver.poll(timeout_s):
             rid = RequestId(ev.request_id)
-            if isinstance(ev, KVArrived):
+            if isinstance(ev, BlocksFenced):
+                self.engine.release_handoff(rid)
+            elif self._reservations.get(rid) != ev.reservation_id:
+                logger.debug("%s of reservation %d for %s, which no longer holds it: dropped",
+                             type(ev).__name__, ev.reservation_id, rid)
+            elif isinstance(ev, KVArrived):
+                del self._reservations[rid]
                 for out in self.engine.remote_kv_ready(rid, ev.first_token_id):
                     results.append(Landed(rid, out, ev.arrived_at - ev.opened_at, ev.trace))
-            elif isinstance(ev, TransferFailed):
+            else:
+                del self._reservations[rid]
                 self.engine.abort(rid, hold_blocks=ev.blocks_held)
                 results.append(RemoteFailure(rid, ev.reason))
-            elif isinstance(ev, BlocksFenced):
-                self.engine.release_handoff(rid)
         return results
 
     def abort(self, request_id: str) -> bool:
         """End a request in any state; blocks a sender may still write stay held until fenced."""
+        self._reservations.pop(request_id, None)
         held = self.receiver.cancel(request_id)
         return self.engine.abort(request_id, hold_blocks=bool(held))
 

@@ -1,0 +1,101 @@
+"""A transfer's `ready` lands (KVArrived queued) and the decode side aborts the request
+before it pumps that event: the arrival is dropped, the engine loop goes on, every block
+comes back. And a request id reserved again after such an abort gets its own transfer's KV,
+never the stale one's (events are matched by reservation, not by request id alone).
+
+The hostile run that found it: `remote_kv_ready` raised `unknown request` inside the decode
+worker's idle hook, which killed its engine loop with 92 blocks held."""
+from __future__ import annotations
+
+import time
+
+from decode_worker.kv_receive import Landed, RemoteFailure, RemoteKV
+from engine.request import SamplingParams
+from kvfabric import SenderConfig, ShmKVAllocator
+from kvfabric.address import Ticket
+from prefill_worker.kv_push import KVPusher
+from tests.integration.reference import make_engine, random_prompts
+
+PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+def _push_until_ready(prefill, pusher: KVPusher, decode: RemoteKV, ticket: Ticket) -> None:
+    """Step the prefill side until the receiver closed the reservation (ready in), without pumping."""
+    deadline = time.monotonic() + 30
+    while decode.receiver.table.get(ticket.reservation_id) is not None or pusher.num_open:
+        assert time.monotonic() < deadline, "the push never completed"
+        if prefill.has_schedulable():
+            prefill.step()
+        for d in pusher.take_done():
+            assert d.error is None, d.error
+            prefill.release_handoff(d.request_id)
+        time.sleep(0.001)
+
+
+def _drain(decode: RemoteKV) -> list[Landed | RemoteFailure]:
+    items: list[Landed | RemoteFailure] = []
+    for _ in range(20):
+        items += decode.pump(timeout_s=0.01)
+    return items
+
+
+def test_an_arrival_for_a_request_aborted_before_the_pump_is_dropped(tiny_llama_dir: str) -> None:
+    prefill = make_engine(tiny_llama_dir, role="prefill", budget=64)
+    pusher = KVPusher(prefill, SenderConfig(transport="shm"))
+    prefill.handoff = pusher
+    allocator = ShmKVAllocator()
+    decode = RemoteKV(make_engine(tiny_llama_dir, role="decode", allocator=allocator), allocator)
+    try:
+        gone, kept = random_prompts([40, 24], 512, seed=5)
+        ticket = decode.reserve(gone, PARAMS, request_id="gone")
+        assert ticket is not None
+        pusher.attach(ticket)
+        prefill.add_request(gone, PARAMS, "gone")
+        _push_until_ready(prefill, pusher, decode, ticket)
+        assert decode.abort("gone")  # its KVArrived is still queued in the receiver
+        assert decode.engine.check_invariants().num_in_use == 0
+
+        ticket = decode.reserve(kept, PARAMS, request_id="kept")
+        assert ticket is not None
+        pusher.attach(ticket)
+        prefill.add_request(kept, PARAMS, "kept")
+        _push_until_ready(prefill, pusher, decode, ticket)
+        items = _drain(decode)
+        assert [(type(i).__name__, i.request_id) for i in items] == [("Landed", "kept")]
+        assert decode.engine.abort("kept")
+        assert decode.engine.check_invariants().num_in_use == 0
+        assert prefill.check_invariants().num_in_use == 0
+    finally:
+        pusher.close()
+        decode.close()
+
+
+def test_a_request_id_reserved_again_ignores_its_stale_arrival(tiny_llama_dir: str) -> None:
+    prefill = make_engine(tiny_llama_dir, role="prefill", budget=64)
+    pusher = KVPusher(prefill, SenderConfig(transport="shm"))
+    prefill.handoff = pusher
+    allocator = ShmKVAllocator()
+    decode = RemoteKV(make_engine(tiny_llama_dir, role="decode", allocator=allocator), allocator)
+    try:
+        first, second = random_prompts([40, 40], 512, seed=9)
+        ticket = decode.reserve(first, PARAMS, request_id="r")
+        assert ticket is not None
+        pusher.attach(ticket)
+        prefill.add_request(first, PARAMS, "r")
+        _push_until_ready(prefill, pusher, decode, ticket)
+        assert decode.abort("r")
+        again = decode.reserve(second, PARAMS, request_id="r")  # a retry under the same id
+        assert again is not None and again.reservation_id != ticket.reservation_id
+        assert _drain(decode) == []  # the first transfer's arrival is not the retry's
+        assert decode.engine.scheduler.requests["r"].num_computed_tokens == 0
+
+        pusher.attach(again)
+        prefill.add_request(second, PARAMS, "r")
+        _push_until_ready(prefill, pusher, decode, again)
+        items = _drain(decode)
+        assert [(type(i).__name__, i.request_id) for i in items] == [("Landed", "r")]
+        assert decode.abort("r")
+        assert decode.engine.check_invariants().num_in_use == 0
+    finally:
+        pusher.close()
+        decode.close()
