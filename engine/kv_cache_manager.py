@@ -4,10 +4,13 @@ Request.block_ids is append-only while the request holds its blocks, but for one
 speculative step's blocks past the tokens it accepted (`roll_back`), never cached, go back.
 The pool alone touches reference counts. A request's blocks go back to the pool tail first.
 
-Blocks outlive their request when the transfer layer still needs them: a prefill worker's
-blocks while its push reads them, a decode worker's reserved blocks while a one-sided writer
-may still write them (quarantine). `hold` takes them off the request under its id; they stay
-in use until `release`. The manager is the one place that knows them (`held_tables`).
+Blocks outlive their request when something still reads or writes them: a prefill
+worker's push lane (`begin_transfer` when the hand-off opens, `end_transfer` on its
+PushDone, never before: a request that ends meanwhile, at its first token, by an abort or a
+preemption, leaves its blocks held, not freed), a decode worker's one-sided writer after an
+abort (quarantine, the same reference until the writer is fenced), a decode step still in
+flight (`hold` ... `release`). Held blocks are off the request, under its id, in use until
+the last of these lets go. The manager is the one place that knows them (`held_tables`).
 """
 from __future__ import annotations
 
@@ -29,7 +32,9 @@ class KVCacheManager:
         self.hasher = hasher
         self.block_size = hasher.block_size
         self._held: dict[RequestId, list[BlockId]] = {}
-        """Blocks held for the transfer layer, by request id, until `release`."""
+        """Blocks held past their request, by request id, until `release` / `end_transfer`."""
+        self._transfers: set[RequestId] = set()
+        """Requests whose blocks a transfer uses (`begin_transfer` .. `end_transfer`)."""
 
     def blocks_needed(self, num_tokens: int) -> int:
         return _cdiv(num_tokens, self.block_size)
@@ -99,7 +104,10 @@ class KVCacheManager:
             self.pool.free(reversed(tail))
 
     def free(self, request: Request) -> None:
-        """Give all of the request's blocks back, tail first."""
+        """Give all of the request's blocks back, tail first; held instead while a transfer uses them."""
+        if request.request_id in self._transfers:
+            self.hold(request)
+            return
         self.pool.free(reversed(request.block_ids))
         request.block_ids = []
         request.num_cached_blocks = 0
@@ -118,12 +126,25 @@ class KVCacheManager:
         return held
 
     def release(self, request_id: RequestId) -> bool:
-        """The transfer layer is done with the request's held blocks: back to the pool."""
+        """The request's held blocks back to the pool, unless a transfer still uses them."""
+        if request_id in self._transfers:
+            return False
         block_ids = self._held.pop(request_id, None)
         if block_ids is None:
             return False
         self.pool.free(reversed(block_ids))
         return True
+
+    def begin_transfer(self, request_id: RequestId) -> None:
+        """A transfer uses the request's blocks (whether or not the request exists yet) until
+        `end_transfer`: whenever the request ends or is preempted meanwhile, they are held."""
+        self._transfers.add(request_id)
+
+    def end_transfer(self, request_id: RequestId) -> bool:
+        """The transfer is done with the request's blocks: those held go back to the pool (a
+        request still running keeps its own). True when any were held."""
+        self._transfers.discard(request_id)
+        return self.release(request_id)
 
     def held(self, request_id: RequestId) -> list[BlockId]:
         """The blocks held under `request_id`, in order (none: empty)."""

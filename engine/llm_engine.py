@@ -15,6 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
 import torch
 from tokenizers import Tokenizer
@@ -42,7 +43,7 @@ from engine.sampler import Sampler
 from engine.overlap import Overlap
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec_verify import Verified
-from engine.speculator import SpecCounters, Speculator
+from engine.speculator import Speculator
 from engine.step_model import StepModel
 from engine.structured import Grammars
 from engine.outputs import Completion, KVHandoff, Reservation, RequestOutput
@@ -228,27 +229,30 @@ class LLMEngine:
         return [self.outputs.output(request, self.scheduler, self.role)]
 
     def abort(self, request_id: str, hold_blocks: bool = False) -> bool:
-        """Ends the request in any state and frees its blocks (also handed-off ones).
+        """Ends the request in any state and frees its blocks (also handed-off ones), except
+        while a transfer uses them (`begin_transfer`): then they are held until `release_handoff`.
 
-        With `hold_blocks` its blocks are kept out of use until `release_handoff`: the
-        transfer layer's quarantine, while a one-sided writer may still write them.
+        `hold_blocks` begins such a transfer here: the transfer layer's quarantine, while a
+        one-sided writer may still write the blocks.
         """
         rid = RequestId(request_id)
-        request = self.scheduler.requests.get(rid)
         if hold_blocks:
-            released = False
-            if request is not None:
-                self.kv.hold(request)
-        else:
-            released = self.release_handoff(rid)
+            self.kv.begin_transfer(rid)
         aborted = self.scheduler.abort(rid)
+        released = self.kv.release(rid)  # held for a hand-off no transfer uses any more
         self.outputs.forget(rid)
         self.overlap.drain_if_idle()  # its last request gone, a step in flight lands now (its held blocks back)
         return aborted or released
 
-    def release_handoff(self, request_id: RequestId) -> bool:
-        """The transfer layer is done with the request's blocks (prefill hand-off or quarantine)."""
-        return self.kv.release(request_id)
+    def begin_transfer(self, request_id: str) -> None:
+        """The transfer layer will use the request's blocks (a push lane reads them) until
+        `release_handoff`; the request may end or be preempted meanwhile: they stay held."""
+        self.kv.begin_transfer(RequestId(request_id))
+
+    def release_handoff(self, request_id: str) -> bool:
+        """The transfer layer is done with the request's blocks (a prefill push's PushDone, a
+        quarantine's fence): those held go back to the pool."""
+        return self.kv.end_transfer(RequestId(request_id))
 
     def _new_request(
         self, prompt: str | Sequence[int], params: SamplingParams | None,
@@ -384,13 +388,12 @@ class LLMEngine:
 
     def load(self) -> EngineLoad:
         """What the engine holds now, for heartbeats."""
-        u = self.block_pool.usage()
-        s = self.scheduler
-        queued = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in [*s.waiting, *s.running])
-        c = self.speculator.counters if self.speculator is not None else SpecCounters()
-        return EngineLoad(u.num_total, u.num_free, u.num_cached, len(s.running), len(s.waiting), queued,
-                          self.num_prompt_tokens, self.num_cached_tokens, s.num_preemptions, c.num_drafts,
-                          c.num_draft_tokens, c.num_accepted_tokens, tuple(c.accepted_per_pos))
+        load = self.scheduler.load(self.num_prompt_tokens, self.num_cached_tokens)
+        if self.speculator is None:
+            return load
+        c = self.speculator.counters
+        return replace(load, spec_num_drafts=c.num_drafts, spec_num_draft_tokens=c.num_draft_tokens,
+                       spec_num_accepted_tokens=c.num_accepted_tokens, spec_accepted_per_pos=tuple(c.accepted_per_pos))
 
     def take_kv_events(self) -> list[KVEvent]:
         return self.block_pool.take_events()

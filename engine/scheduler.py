@@ -22,7 +22,7 @@ from engine.config import SchedulerConfig
 from engine.fair_order import FairOrder
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import FinishReason, Request, RequestStatus
-from engine.types import BlockId, InvalidRequestError, RequestId
+from engine.types import BlockId, EngineLoad, InvalidRequestError, RequestId
 
 if TYPE_CHECKING:
     from engine.spec_verify import Verified
@@ -334,6 +334,14 @@ class Scheduler:
         """Pool accounting holds and every in-use block is held by a request (or `other_tables`)."""
         tables = [r.block_ids for r in self.requests.values()]
         return self.kv.pool.check_holders([*tables, *other_tables])
+
+    def load(self, num_prompt_tokens: int, num_cached_tokens: int) -> EngineLoad:
+        """What this scheduler's pool and queues hold now (the engine's and the simulator's
+        heartbeat; the engine adds its speculation counters)."""
+        u = self.kv.pool.usage()
+        queued = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in [*self.waiting, *self.running])
+        return EngineLoad(u.num_total, u.num_free, u.num_cached, len(self.running), len(self.waiting), queued,
+                          num_prompt_tokens, num_cached_tokens, self.num_preemptions)
 
     @property
     def num_unfinished(self) -> int:

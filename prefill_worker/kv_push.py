@@ -11,13 +11,12 @@ The engine thread only queues block ids (a snapshot of ints; on GPU with a CUDA 
 recorded after the step that wrote them, which the copy or NCCL stream waits on before
 reading) and never waits on the network: chunk i's copy runs on the lane while chunk i+1 computes, and one slow or
 stalled decode worker stalls only its own lane. Source blocks stay the engine's: full
-blocks are immutable, and they are not freed while a lane may read them (handed-off
-blocks wait for `release_handoff`; an aborted request is held the same way, see
-`cancel`). The one exception is a request that finishes at its first token (EOS,
-max_tokens 1): the engine frees its blocks at once and its transfer is cancelled,
-so a copy still in flight may read reused blocks, but no `ready` ever follows it and
-the decode worker discards the reservation. `on_done` runs on the lane thread; the
-worker hands it to its engine thread (which releases or frees the blocks).
+blocks are immutable, and they are not freed while a lane may read them: `attach` takes
+the engine's transfer reference on the request (`LLMEngine.begin_transfer`), so whenever
+it ends before its PushDone (handed off at its first token, finished there by EOS or
+max_tokens 1, aborted, preempted) its blocks are held, and only `release_handoff` on the
+PushDone gives them back. `on_done` runs on the lane thread; the worker hands it to its
+engine thread, which calls `release_handoff` for every hand-off, whatever its end.
 """
 from __future__ import annotations
 
@@ -166,6 +165,7 @@ class KVPusher:
         self._cuda_device = region.device if isinstance(region, DeviceRegion) else None
         """A device pool's GPU: each push waits on an event recorded after the step that wrote its blocks."""
         self.on_done = on_done or self._keep
+        self._engine = engine
         self._handoffs: dict[str, Handoff] = {}
         """Engine thread: the open hand-offs by request id."""
         self._lanes: dict[str, _Lane] = {}
@@ -175,9 +175,11 @@ class KVPusher:
     # -- engine thread -------------------------------------------------------------------
     def attach(self, ticket: Ticket, trace: str = "") -> Handoff:
         """Queues the transfer's opening for a request about to be added to the engine
-        (`trace`: a W3C traceparent for the receiver)."""
+        (`trace`: a W3C traceparent for the receiver); its blocks are the transfer's until
+        the engine's `release_handoff`, which the PushDone's owner calls."""
         if ticket.request_id in self._handoffs:
             raise ValueError(f"request {ticket.request_id} already has a transfer on this worker")
+        self._engine.begin_transfer(ticket.request_id)
         started = time.perf_counter()
         handoff = Handoff(ticket, ticket.num_skip_blocks, trace)
         self._handoffs[ticket.request_id] = handoff
@@ -203,7 +205,7 @@ class KVPusher:
 
     def cancel(self, request_id: str, reason: str = "aborted") -> bool:
         """Ends the request's hand-off (its `on_done` follows from the lane); True when one
-        was open: the lane may still read its source blocks until then, so hold them."""
+        was open. Its blocks stay the transfer's until that PushDone's `release_handoff`."""
         handoff = self._handoffs.pop(request_id, None)
         if handoff is None:
             return False
@@ -215,9 +217,13 @@ class KVPusher:
     def num_open(self) -> int:
         return len(self._handoffs)
 
-    def forget(self, request_id: str) -> None:
-        """The engine thread took this request's `PushDone`."""
-        self._handoffs.pop(request_id, None)
+    def settle(self, done: PushDone) -> None:
+        """Engine thread, for each `PushDone`: a failed hand-off ends its request if it still
+        prefills; either way the lane is done with the blocks, which go back to the pool."""
+        self._handoffs.pop(done.request_id, None)
+        if done.error is not None:
+            self._engine.abort(done.request_id)
+        self._engine.release_handoff(done.request_id)
 
     # -- lane threads ----------------------------------------------------------------------
     def end(self, handoff: Handoff, error: str | None) -> None:
@@ -234,11 +240,10 @@ class KVPusher:
 
     # -- engine thread -------------------------------------------------------------------
     def take_done(self) -> list[PushDone]:
-        """Engine thread, with the default `on_done`: the hand-offs that ended since the last call."""
+        """Engine thread, with the default `on_done`: the hand-offs that ended since the last
+        call (the caller `settle`s each)."""
         with self._lock:
             done, self._done = self._done, []
-        for d in done:
-            self.forget(d.request_id)
         return done
 
     def close(self) -> None:

@@ -186,8 +186,8 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
 
     def _abort(self, engine: LLMEngine, request_id: RequestId) -> None:
         """The call ended early: a lane that may still read the blocks keeps them held until its PushDone."""
-        live = self.pusher.cancel(request_id)
-        engine.abort(request_id, hold_blocks=live)
+        self.pusher.cancel(request_id)
+        engine.abort(request_id)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -200,16 +200,11 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
         self.loop.call(lambda e: self._settle(e, done))
 
     def _settle(self, engine: LLMEngine, done: PushDone) -> None:
-        rid = RequestId(done.request_id)
-        self.pusher.forget(rid)
+        self.pusher.settle(done)
         self.totals.add(done)
         if self.host.metrics is not None:
             self.host.metrics.transferred(done.transport, done.num_blocks, done.push_s, failed=done.error is not None)
-        if done.error is None:
-            engine.release_handoff(rid)
-        else:
-            engine.abort(rid)  # still prefilling, handed off or held: freed either way
-        self._send(rid, done)
+        self._send(done.request_id, done)
 
     def _hook(self, wait_s: float) -> bool:
         self.host.publish_events(self.engine.take_kv_events())

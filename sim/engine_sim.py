@@ -8,7 +8,7 @@
         its next token (a deterministic id per request and position: the prefix cache sees
         outputs as it would real ones) -> update_after_step -> what got a token and what ended
     role prefill: a request ends at its first token and its blocks are held for the transfer
-        (`release_handoff` frees them), as LLMEngine's hand-off does
+        (`release_handoff` frees them): the engine's own PrefillRole and KV manager
     role decode: `add_remote` reserves blocks for a prompt computed elsewhere (the scheduler's
         remote-KV admission, cached prefix reused), `remote_ready` joins it to the batch
 
@@ -25,9 +25,10 @@ from engine.block_pool import BlockPool
 from engine.config import SchedulerConfig
 from engine.hashing import BlockHasher
 from engine.kv_cache_manager import KVCacheManager
-from engine.request import FinishReason, Request, SamplingParams
+from engine.request import Request, SamplingParams
+from engine.roles import role_for
 from engine.scheduler import Scheduler
-from engine.types import BlockHash, BlockId, EngineLoad, RequestId
+from engine.types import BlockHash, EngineLoad, RequestId
 
 StepCost = Callable[[Sequence[tuple[int, int]], int], float]
 """(chunks of (new tokens, tokens computed before), requests sampled) -> seconds."""
@@ -50,8 +51,6 @@ class SimEngine:
                  max_model_len: int = 1 << 20, protected_fraction: float = 0.5, role: str = "both") -> None:
         self.cost, self.vocab_size, self.role = cost, vocab_size, role
         self.block_size = block_size
-        self.handed_off: dict[RequestId, list[BlockId]] = {}
-        """Prefill role: blocks held for the transfer of a finished prompt."""
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
         self.extra_s: dict[str, float] = {}
@@ -60,6 +59,7 @@ class SimEngine:
         self.pool = BlockPool(num_blocks, True, protected_fraction)
         self.kv = KVCacheManager(self.pool, BlockHasher(secret, model_id, block_size))
         self.scheduler = Scheduler(scheduler or SchedulerConfig(), self.kv, max_model_len, lambda: self.now)
+        self._role = role_for(role)
         self.busy_s = 0.0
         """Virtual seconds spent in steps (the worker's busy time)."""
 
@@ -90,19 +90,14 @@ class SimEngine:
         return r.is_finished
 
     def release_handoff(self, request_id: str) -> None:
-        blocks = self.handed_off.pop(RequestId(request_id), None)
-        if blocks is not None:
-            self.pool.free(reversed(blocks))
+        self.kv.end_transfer(RequestId(request_id))
 
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort(RequestId(request_id))
 
     def load(self) -> EngineLoad:
         """As LLMEngine.load, for heartbeats."""
-        u, s = self.pool.usage(), self.scheduler
-        queued = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in [*s.waiting, *s.running])
-        return EngineLoad(u.num_total, u.num_free, u.num_cached, len(s.running), len(s.waiting), queued,
-                          self.num_prompt_tokens, self.num_cached_tokens, s.num_preemptions)
+        return self.scheduler.load(self.num_prompt_tokens, self.num_cached_tokens)
 
     @property
     def has_work(self) -> bool:
@@ -129,9 +124,8 @@ class SimEngine:
                 self.num_prompt_tokens += r.num_prompt_tokens
                 self.num_cached_tokens += r.num_cached_tokens
                 first[r.request_id] = (r.output_token_ids[0], r.num_cached_tokens)
-            if self.role == "prefill" and not r.is_finished:
-                self.handed_off[r.request_id] = self.kv.take_blocks(r)
-                self.scheduler.finish(r, FinishReason.PREFILL_DONE, keep_blocks=True)
+            if not r.is_finished:
+                self._role.after_token(r, r.output_token_ids[-1], self.scheduler, self.kv)
         return StepResult(duration, {r.request_id: len(r.output_token_ids) for r in updated},
                           [r.request_id for r in updated if r.is_finished], len(out.preempted_ids), first)
 

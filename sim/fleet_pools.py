@@ -89,7 +89,7 @@ class PoolControl:
         self._record_sizes()
 
     def _stop_if_drained(self, w: Worker) -> None:
-        if w.state == "draining" and not w.busy and not w.engine.has_work and not w.engine.handed_off \
+        if w.state == "draining" and not w.busy and not w.engine.has_work and not w.engine.kv.num_held \
                 and not w.engine.scheduler.requests:
             w.state, w.stopped_at = "stopped", self.now
             self.loads.num_blocks.pop(w.worker_id, None)

@@ -34,7 +34,9 @@ def prefill_main(pipe: Connection, model_dir: str, transport: str, budget: int, 
             while any(h.transfer is None and h.request_id not in failed for h in handoffs):
                 assert time.monotonic() < deadline, "a transfer neither opened nor failed in 10 s"
                 time.sleep(0.001)
-                failed |= {d.request_id: d.error for d in pusher.take_done()}
+                for d in pusher.take_done():
+                    pusher.settle(d)
+                    failed[d.request_id] = d.error
             pipe.send(("ok", {h.request_id: failed.get(h.request_id) for h in handoffs}))
             continue
         # "prefill": [(prompt token ids, request id, max_tokens)] -> first tokens, pushes, errors
@@ -52,9 +54,7 @@ def prefill_main(pipe: Connection, model_dir: str, transport: str, budget: int, 
                     if device.startswith("cuda"):
                         torch.cuda.synchronize()
                     pool_bytes[d.request_id] = engine.kv_pool.tensor[blocks].cpu().numpy().tobytes()
-                    engine.release_handoff(d.request_id)
-                else:
-                    engine.abort(d.request_id)  # still prefilling, or handed off: either way freed
+                pusher.settle(d)
                 done.append((d.request_id, firsts.get(d.request_id) if d.error is None else None, d.error,
                              d.num_pushes))
         pipe.send(("ok", {"done": done, "in_use": engine.check_invariants().num_in_use, "pool_bytes": pool_bytes}))

@@ -28,7 +28,7 @@ def _push_until_ready(prefill, pusher: KVPusher, decode: RemoteKV, ticket: Ticke
             prefill.step()
         for d in pusher.take_done():
             assert d.error is None, d.error
-            prefill.release_handoff(d.request_id)
+            pusher.settle(d)
         time.sleep(0.001)
 
 
@@ -95,6 +95,47 @@ def test_a_request_id_reserved_again_ignores_its_stale_arrival(tiny_llama_dir: s
         items = _drain(decode)
         assert [(type(i).__name__, i.request_id) for i in items] == [("Landed", "r")]
         assert decode.abort("r")
+        assert decode.engine.check_invariants().num_in_use == 0
+    finally:
+        pusher.close()
+        decode.close()
+
+
+def test_a_request_that_ends_at_its_first_token_keeps_its_blocks_until_its_push_done(tiny_llama_dir: str) -> None:
+    """The prefill worker's path for EOS / max_tokens 1: the transfer is cancelled, and the
+    blocks the lane may still be reading stay off the pool until its PushDone is settled."""
+    prefill = make_engine(tiny_llama_dir, role="prefill", budget=64)
+    pusher = KVPusher(prefill, SenderConfig(transport="shm"))
+    prefill.handoff = pusher
+    allocator = ShmKVAllocator()
+    decode = RemoteKV(make_engine(tiny_llama_dir, role="decode", allocator=allocator), allocator)
+    try:
+        (prompt,) = random_prompts([40], 512, seed=13)
+        one = SamplingParams(max_tokens=1, ignore_eos=True)
+        ticket = decode.reserve(prompt, one, request_id="one")
+        assert ticket is not None
+        handoff = pusher.attach(ticket)
+        deadline = time.monotonic() + 10
+        while handoff.transfer is None:  # opened: the cancel then reaches the receiver as an abort
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        prefill.add_request(prompt, one, "one")
+        (out,) = prefill.step()
+        assert out.finished and out.finish_reason.value == "length"
+        assert pusher.cancel("one", "finished at the first token")
+        assert prefill.kv.held("one") == list(range(10))  # 40 tokens in blocks of 4
+        assert prefill.check_invariants().num_in_use == 10
+        done = []
+        while not done:
+            assert time.monotonic() < deadline
+            done = pusher.take_done()
+            time.sleep(0.001)
+        assert [d.request_id for d in done] == ["one"] and done[0].error == "finished at the first token"
+        assert prefill.check_invariants().num_in_use == 10  # not before the PushDone is settled
+        pusher.settle(done[0])
+        assert prefill.check_invariants().num_in_use == 0 and prefill.kv.num_held == 0
+        items = _drain(decode)  # the receiver learns the sender gave up: its reservation goes
+        assert [(type(i).__name__, i.request_id) for i in items] == [("RemoteFailure", "one")]
         assert decode.engine.check_invariants().num_in_use == 0
     finally:
         pusher.close()

@@ -45,10 +45,7 @@ def test_a_non_fabric_transport_error_fails_only_its_transfer(tiny_llama_dir: st
                 prefill.step()
             for d in pusher.take_done():
                 done[d.request_id] = d.error
-                if d.error is None:
-                    prefill.release_handoff(d.request_id)
-                else:
-                    prefill.abort(d.request_id)
+                pusher.settle(d)
             for item in decode.pump(timeout_s=0.01):
                 if isinstance(item, Landed):
                     landed.add(item.request_id)

@@ -63,10 +63,7 @@ def drive(prefill, pusher: KVPusher, healthy: RemoteKV,  # type: ignore[no-untyp
             time.sleep(0.002)
         for d in pusher.take_done():
             done_at[d.request_id] = (time.monotonic() - started, d.error)
-            if d.error is None:
-                prefill.release_handoff(d.request_id)
-            else:
-                prefill.abort(d.request_id)
+            pusher.settle(d)
         if any(isinstance(item, Landed) for item in healthy.pump()):
             landed_at = time.monotonic() - started
         for ev in stalled.poll():

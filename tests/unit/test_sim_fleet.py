@@ -86,7 +86,7 @@ def test_same_seed_same_run_and_every_block_comes_back() -> None:
     assert all(code == "OK" for code, *_ in first)
     for w in fleet.workers.values():  # nothing held once every request ended
         u = w.engine.pool.check_invariants()
-        assert u.num_in_use == 0 and not w.engine.handed_off and len(w.table or ()) == 0
+        assert u.num_in_use == 0 and not w.engine.kv.num_held and len(w.table or ()) == 0
 
 
 def test_cache_aware_routing_finds_shared_prefixes_round_robin_spreads_them() -> None:
