@@ -260,20 +260,22 @@ def test_overload_is_429_with_retry_after(base: str, cluster: LocalCluster) -> N
             return 0, {}, {"error": repr(e)}
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(one, i) for i in range(4)]
-        refused = []
+        done, waiting = [], []
         for f in futures:
             try:
-                refused.append(f.result(timeout=10))
+                done.append(f.result(timeout=10))
             except concurrent.futures.TimeoutError:
-                pass  # the queued one: it waits for the long request
+                waiting.append(f)  # the queued one: it waits for the long request
+        assert len(waiting) == 1, done  # max_queued_per_priority 1
         hold.close()  # the long request's client goes away: the queued one is admitted and runs
-        queued = [f.result(timeout=120) for f in futures if f.done() and f.result() not in refused]
-    refused = [r for r in refused if r[0] != 200]
-    assert len(refused) >= 2, refused
+        queued = [f.result(timeout=120) for f in waiting]
+    assert [status for status, _, _ in queued] == [200], queued
+    assert queued[0][2]["usage"]["completion_tokens"] == 300
+    refused = [r for r in done if r[0] != 200]  # any other fitted beside the long one and ran
+    assert len(refused) >= 2, done
     for status, headers, answer in refused:
         _error(status, answer, 429, "")
         assert int(headers["Retry-After"]) >= 1 and answer["error"]["type"] == "rate_limit_error"
-    assert all(status == 200 for status, _, _ in queued)
 
 
 def test_a_client_disconnecting_mid_stream_frees_every_block(base: str, cluster: LocalCluster) -> None:
