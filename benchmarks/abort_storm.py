@@ -103,11 +103,6 @@ def storm_cluster(model_dir: str):  # type: ignore[no-untyped-def]
         router=RouterConfig(port=0, admission=AdmissionConfig(max_inflight_tokens=2048, max_queued_per_priority=64)))
 
 
-def shm_segments(pids: set[int]) -> set[str]:
-    """The kvfabric segments these processes created (their names carry the creator's pid)."""
-    return {p.name for p in Path("/dev/shm").glob("splitserve-kv-*-*") if p.name.split("-")[2] in map(str, pids)}
-
-
 def worker_pids(cluster) -> set[int]:  # type: ignore[no-untyped-def]
     return {int(w["pid"]) for w in cluster.workers() if w.get("pid")}
 
@@ -124,13 +119,14 @@ def main() -> None:
 
     from cluster.local import LocalCluster
     from engine.tiny_model import make_tiny_model
+    from kvfabric.region import segments_of
 
     model = args.model or str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny", arch="llama", seed=0))
     cluster = LocalCluster(storm_cluster(model))
     cluster.start()
     try:
         pids = worker_pids(cluster)
-        shm_before = shm_segments(pids)
+        shm_before = segments_of(pids)
         started = time.perf_counter()
         result = asyncio.run(storm(cluster.address, args.num_requests, args.concurrency, args.seed))
         seconds = time.perf_counter() - started
@@ -138,7 +134,7 @@ def main() -> None:
         deadline = time.monotonic() + 30
         while (held := cluster.holdings()) and time.monotonic() < deadline:
             time.sleep(0.5)
-        shm_grew = len(shm_segments(pids) - shm_before)
+        shm_grew = len(segments_of(pids) - shm_before)
     finally:
         cluster.stop()
     print(json.dumps({"bench": "abort_storm", "num_requests": args.num_requests, "concurrency": args.concurrency,

@@ -46,7 +46,7 @@ from engine.spec_verify import Verified
 from engine.speculator import Speculator
 from engine.step_model import StepModel
 from engine.structured import Grammars
-from engine.outputs import Completion, KVHandoff, Reservation, RequestOutput
+from engine.outputs import Completion, KVHandoff, RemoteBlocks, RequestOutput
 from engine.types import EngineLoad, InvalidRequestError, RequestId
 
 logger = logging.getLogger(__name__)
@@ -211,13 +211,13 @@ class LLMEngine:
         priority: int = 0,
         tenant: str = "",
         tenant_weight: float = 1.0,
-    ) -> Reservation | None:
+    ) -> RemoteBlocks | None:
         """Decode role: reserve blocks for a prompt computed elsewhere; None if the pool is full."""
         request = self._new_request(prompt, params, request_id, priority, tenant, tenant_weight)
         if not self.scheduler.add_remote_request(request):
             self.outputs.forget(request.request_id)
             return None
-        return Reservation(request.request_id, list(request.block_ids), request.num_cached_tokens)
+        return RemoteBlocks(request.request_id, list(request.block_ids), request.num_cached_tokens)
 
     def remote_kv_ready(self, request_id: RequestId, first_token_id: int) -> list[RequestOutput]:
         """Decode role: the reserved blocks hold the prompt's KV; the first token came with it."""

@@ -23,7 +23,7 @@ from engine.attention import ATTENTION_WORKSPACE_BYTES, AttentionMetadata, Paged
 from engine.kv_pool import KVPool
 from engine.linear import Linear
 from engine.model_config import ModelConfig
-from engine.native import LayerWeights as NativeLayer
+from engine.native import NativeLayer
 from engine.native import NativeKernels
 
 if TYPE_CHECKING:

@@ -49,7 +49,7 @@ _LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "g
                  "down_bias")
 
 
-class LayerWeights(ctypes.Structure):
+class NativeLayer(ctypes.Structure):
     """One decoder layer's weight pointers for `decode_layers` (forward.c's layer_weights)."""
     _fields_ = [(name, ctypes.c_void_p) for name in _LAYER_FIELDS]
 
@@ -85,7 +85,7 @@ class NativeKernels:
         for bytes this process won't read back (kvfabric's shm pushes); releases the GIL."""
         self.copy_stream.argtypes, self.copy_stream.restype = [ptr, ptr, i64], None
         self._layers = lib.decode_layers_bf16
-        self._layers.argtypes = [ctypes.POINTER(_ForwardArgs), ctypes.POINTER(LayerWeights),
+        self._layers.argtypes = [ctypes.POINTER(_ForwardArgs), ctypes.POINTER(NativeLayer),
                                  ctypes.POINTER(_AttnArgs), ptr, ptr]
         self._layers.restype = ctypes.c_int
 
@@ -171,7 +171,7 @@ class NativeKernels:
         """All decoder layers of a bfloat16 step whose tokens are one decode group in batch
         order (forward.c, the same kernels as the model's layer loop, bit for bit). h
         [tokens, hidden] (the residual stream) is added to in place; returns the last
-        layer's MLP output. weights: one `LayerWeights` per layer, linears in `pack_linear`
+        layer's MLP output. weights: one `NativeLayer` per layer, linears in `pack_linear`
         tiles; shape: (heads, kv_heads, intermediate size); after: the tiles of the linear
         the caller runs next. Arguments are checked as `rotary_store` and `paged_attention`
         check theirs; the kernels range-check indices before writing (ValueError)."""

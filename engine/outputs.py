@@ -1,6 +1,6 @@
 """What an engine step gives back and what its roles exchange (torch-free): a request's new
 tokens (`RequestOutput`), an offline run's result (`Completion`), a decode worker's block
-reservation for KV computed elsewhere (`Reservation`), and the prefill role's hand-off hook."""
+reservation for KV computed elsewhere (`RemoteBlocks`), and the prefill role's hand-off hook."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -40,7 +40,7 @@ class Completion:
 
 
 @dataclass(frozen=True)
-class Reservation:
+class RemoteBlocks:
     """Decode role: where a prompt's KV must be written."""
 
     request_id: RequestId

@@ -130,14 +130,26 @@ class ShmSegment:
             pass  # a live view (e.g. the engine's pool tensor) keeps the mapping until it dies
 
 
+def _segments() -> list[tuple[Path, int]]:
+    """Every kvfabric segment on this host with its creator's pid (in its name)."""
+    found = []
+    for path in _SHM_DIR.glob("splitserve-kv-*-*"):
+        try:
+            found.append((path, int(path.name.split("-")[2])))
+        except ValueError:
+            continue
+    return found
+
+
+def segments_of(pids: set[int]) -> set[str]:
+    """The names of the segments these processes created."""
+    return {path.name for path, pid in _segments() if pid in pids}
+
+
 def sweep_dead_segments() -> list[str]:
     """Unlink segments whose creating process is gone (killed before it could clean up)."""
     removed = []
-    for path in _SHM_DIR.glob("splitserve-kv-*-*"):
-        try:
-            pid = int(path.name.split("-")[2])
-        except ValueError:
-            continue
+    for path, pid in _segments():
         if not Path(f"/proc/{pid}").exists():
             _unlink(path)
             removed.append(path.name)

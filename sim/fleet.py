@@ -43,7 +43,7 @@ from router.kv_index import KVIndex
 from router.loads import LoadBook
 from router.policy import RouteDecision, choose_round_robin, choose_route
 from sim.engine_sim import SimEngine, StepResult
-from sim.fleet_kv import KVHandoff
+from sim.fleet_kv import FleetTransfers
 from sim.fleet_pools import AUTOSCALE_TICK_S, VOCAB, PoolControl
 from sim.fleet_types import Flight, FleetConfig, FleetResult, Hardware, Role, Worker
 
@@ -56,7 +56,7 @@ PROMPT_MEMO = 8192
 """Prompts whose hashes the fleet keeps (a replayed trace's distinct prompts: 3,993 in the synthetic one)."""
 
 
-class Fleet(PoolControl, KVHandoff):
+class Fleet(PoolControl, FleetTransfers):
     def __init__(self, config: FleetConfig, hardware: Hardware, items: list[Item]) -> None:
         self.config, self.hw = config, hardware
         self.now = 0.0

@@ -12,7 +12,7 @@ from kvfabric.reservations import KVArrived
 from sim.fleet_types import Flight, FleetConfig, Hardware, Worker
 
 
-class KVHandoff:
+class FleetTransfers:
     """Fleet's reservations, pushes, landings and leases (the state it reads is Fleet's)."""
 
     config: FleetConfig

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,11 +25,18 @@ def wait_for(what: str, predicate: Callable[[], Any], timeout_s: float = 120.0) 
     return value
 
 
-def generate(stub: pb_grpc.GenerationStub, prompt: list[int], max_tokens: int) -> list[pb.GenerateResponse]:
-    """One greedy request (ignore_eos) through the public Generate stream."""
+def generate(stub: pb_grpc.GenerationStub, prompt: list[int], max_tokens: int,
+             streaming: threading.Event | None = None) -> list[pb.GenerateResponse]:
+    """One greedy request (ignore_eos) through the public Generate stream; `streaming` is set
+    at its first token."""
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
                                  sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    return list(stub.Generate(request, timeout=120))
+    responses = []
+    for r in stub.Generate(request, timeout=120):
+        responses.append(r)
+        if streaming is not None and r.token_ids:
+            streaming.set()
+    return responses
 
 
 def tokens(responses: list[pb.GenerateResponse]) -> list[int]:
@@ -87,3 +95,8 @@ def ray_head(**head_node_args: Any) -> Any:
                         p.kill()
             time.sleep(2.0)
     raise AssertionError("unreachable")
+
+
+def decode_pids(cluster: LocalCluster) -> dict[str, int]:
+    """The decode workers' process ids by worker id (each owns one KV pool segment)."""
+    return {w["worker_id"]: int(w["pid"]) for w in cluster.workers() if w.get("role") == "decode" and w.get("pid")}

@@ -8,8 +8,9 @@ import asyncio
 
 import pytest
 
-from benchmarks.abort_storm import EXPECTED_CODES, shm_segments, storm, storm_cluster, worker_pids
+from benchmarks.abort_storm import EXPECTED_CODES, storm, storm_cluster, worker_pids
 from cluster.local import LocalCluster
+from kvfabric.region import segments_of
 from tests.integration.cluster_checks import assert_idle
 
 pytestmark = pytest.mark.timeout(600)
@@ -18,13 +19,13 @@ pytestmark = pytest.mark.timeout(600)
 def test_an_abort_storm_leaves_nothing_held(tiny_llama_dir: str) -> None:
     with LocalCluster(storm_cluster(tiny_llama_dir)) as cluster:
         pids = worker_pids(cluster)
-        shm_before = shm_segments(pids)
+        shm_before = segments_of(pids)
         assert shm_before  # the decode workers' KV pools
         result = asyncio.run(storm(cluster.address, num_requests=400, concurrency=32, seed=1))
         assert sum(result.sent.values()) == sum(result.ended.values()) == 400
         assert set(result.ended) <= EXPECTED_CODES, result.ended
         assert result.ended["OK"] >= 40 and result.ended["CANCELLED"] >= 200, result.ended
         assert_idle(cluster, timeout_s=30)
-        assert shm_segments(pids) == shm_before
+        assert segments_of(pids) == shm_before
         stats = cluster.router_stats()[0]
         assert stats["num_admitted"] == stats["num_queued"] == stats["inflight_tokens"] == 0

@@ -10,7 +10,6 @@ import random
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import ray
@@ -19,9 +18,10 @@ import redis
 from cluster import named_actors
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster
+from kvfabric.region import segments_of
 from proto import generate_pb2 as pb
 from router.policy import RoutingConfig
-from tests.integration.cluster_checks import generate, greedy, tokens, wait_for
+from tests.integration.cluster_checks import decode_pids, generate, greedy, tokens, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -97,10 +97,6 @@ def busy(cluster: LocalCluster, worker_id: str) -> int:
     return sum(s["active"].get(worker_id, 0) for s in cluster.router_stats())
 
 
-def segments() -> int:
-    return len(list(Path("/dev/shm").glob("splitserve-kv-*")))
-
-
 def at_rest(cluster: LocalCluster, prefill: int, decode: int) -> bool:
     """The pools are at these sizes, every member serving, nothing more in Ray or in Redis."""
     status = cluster.controller_status()
@@ -144,6 +140,8 @@ def test_a_controller_killed_in_the_middle_of_a_drain_finishes_it(cluster: Local
                                                                   model_dir: str) -> None:
     rng = random.Random(12)
     prompts = [[rng.randrange(3, 500) for _ in range(24 + i)] for i in range(6)]
+    pids = decode_pids(cluster)
+    assert len(pids) == 2 and all(len(segments_of({pid})) == 1 for pid in pids.values())
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(generate, stub, p, LONG) for p in prompts]
         wait_for("requests running on both decode workers (the drained one has some to finish)",
@@ -155,7 +153,9 @@ def test_a_controller_killed_in_the_middle_of_a_drain_finishes_it(cluster: Local
     for p, got in zip(prompts, results, strict=True):
         assert tokens(got) == greedy(model_dir, p, LONG)
     wait_for("the pool back at 1 decode worker", lambda: at_rest(cluster, 1, 1), 60)
-    assert segments() == 1  # the one decode worker's KV pool; the drained one's is gone
+    [(kept, kept_pid)] = decode_pids(cluster).items()
+    assert len(segments_of({kept_pid})) == 1  # the one decode worker's KV pool; the drained one's is gone
+    assert segments_of({pid for w, pid in pids.items() if w != kept}) == set()
     assert cluster.controller_status()["num_drains"] >= 1
 
 
@@ -165,6 +165,7 @@ def test_a_controller_killed_in_the_middle_of_a_launch_adopts_the_new_worker(clu
     wait_for("a launch under way", lambda: "starting" in cluster.controller_status()["workers"].values(), 30, )
     kill9_controller(cluster)
     wait_for("the pool at 2 decode workers", lambda: at_rest(cluster, 1, 2), 120)
-    assert segments() == 2
+    pids = decode_pids(cluster)
+    assert len(pids) == 2 and all(len(segments_of({pid})) == 1 for pid in pids.values())
     prompt = list(range(7, 50))
     assert tokens(generate(stub, prompt, 8)) == greedy(model_dir, prompt, 8)

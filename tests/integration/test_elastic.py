@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import random
+import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster
+from kvfabric.region import segments_of
 from router.policy import RoutingConfig
-from tests.integration.cluster_checks import generate, greedy, tokens, wait_for
+from tests.integration.cluster_checks import decode_pids, generate, greedy, tokens, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -65,10 +66,13 @@ def test_a_decode_worker_added_at_runtime_serves_and_gets_its_cached_prefix(clus
 def test_scale_down_while_requests_stream_fails_nothing(cluster: LocalCluster, stub, tiny_llama_dir: str) -> None:  # type: ignore[no-untyped-def]
     rng = random.Random(4)
     prompts = [[rng.randrange(3, 500) for _ in range(24 + i)] for i in range(6)]
-    segments_before = len(list(Path("/dev/shm").glob("splitserve-kv-*")))
+    pids = decode_pids(cluster)
+    assert len(pids) == 2 and all(len(segments_of({pid})) == 1 for pid in pids.values())
+    streaming = [threading.Event() for _ in prompts]
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [pool.submit(generate, stub, p, 300) for p in prompts]
-        time.sleep(1.0)  # every request is streaming now
+        futures = [pool.submit(generate, stub, p, 300, e) for p, e in zip(prompts, streaming, strict=True)]
+        for e in streaming:
+            assert e.wait(60), "a request never streamed"
         cluster.scale("decode", 1)
         results = [f.result() for f in futures]
     for p, got in zip(prompts, results, strict=True):
@@ -76,7 +80,9 @@ def test_scale_down_while_requests_stream_fails_nothing(cluster: LocalCluster, s
     [drain] = wait_for("the drain to finish", lambda: cluster.controller_status()["drains"], 60)
     assert drain["late_calls"] == 0  # routers were told before: nothing new reached the draining worker
     assert len(serving(cluster, "decode")) == 1
-    assert len(list(Path("/dev/shm").glob("splitserve-kv-*"))) == segments_before - 1  # its KV pool is gone
+    [kept] = serving(cluster, "decode")
+    assert segments_of({pid for w, pid in pids.items() if w != kept}) == set()  # its KV pool is gone
+    assert len(segments_of({pids[kept]})) == 1
     assert all(not r.get("dead") and r["usage"]["num_in_use"] == 0 for r in cluster.check_idle())
 
 
@@ -100,11 +106,13 @@ def test_a_killed_prefill_worker_under_load_is_replaced_and_no_request_is_lost(c
     [victim] = serving(cluster, "prefill")
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(generate, stub, p, 24) for p in prompts]
-        time.sleep(0.3)
+        next(concurrent.futures.as_completed(futures, timeout=120))  # it served; the rest run or wait
         cluster.kill_worker(victim)
         results = [f.result() for f in futures]
     for p, got in zip(prompts, results, strict=True):
         assert tokens(got) == greedy(tiny_llama_dir, p, 24)
+    prefilled_by = [got[-1].route.prefill_worker or "local" for got in results]
+    assert victim in prefilled_by and any(w != victim for w in prefilled_by), prefilled_by  # killed mid-run
     wait_for("a replacement", lambda: [w for w in serving(cluster, "prefill") if w != victim], 60)
     assert victim in cluster.controller_status()["dead"]
 

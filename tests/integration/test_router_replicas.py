@@ -103,6 +103,20 @@ def test_a_lone_router_refuses_a_taken_port(tiny_llama_dir: str) -> None:
             asyncio.run(service.start())
 
 
+def gone(pid: int, timeout_s: float = 10.0) -> None:
+    """The process has exited (a zombie or reaped): the kernel closed its sockets."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return
+        except FileNotFoundError:
+            return
+        assert time.monotonic() < deadline, f"pid {pid} still runs {timeout_s} s after SIGKILL"
+        time.sleep(0.01)
+
+
 def idle(cluster: LocalCluster, worker_id: str, settle_s: float, timeout_s: float = 10.0) -> None:
     """After `settle_s` (a heartbeat, and a router's published stats, catch up), every router
     sees no request active on `worker_id`."""
@@ -124,7 +138,7 @@ def test_a_killed_replica_is_replaced_the_other_serves_throughout_and_the_new_on
         time.sleep(0.1)
     victim = next(s["pid"] for s in cluster.router_stats() if s["router_id"] == "router-1")
     os.kill(victim, signal.SIGKILL)
-    time.sleep(0.5)  # its listening sockets are gone with it: new connections reach the survivor
+    gone(victim)  # its listening sockets are gone with it: new connections reach the survivor
     deadline = time.monotonic() + 90
     while True:
         assert len(generate(cluster.address, [11, 12, 13] * 7)) > 0  # served throughout

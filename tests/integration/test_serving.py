@@ -22,7 +22,7 @@ from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from router.admission import AdmissionConfig
 from router.policy import RoutingConfig
-from tests.integration.cluster_checks import assert_idle
+from tests.integration.cluster_checks import assert_idle, wait_for
 from tests.integration.reference import hf_greedy, make_engine
 
 pytestmark = pytest.mark.timeout(900)
@@ -251,7 +251,7 @@ def test_redis_away_means_load_only_routing(stub, cluster: LocalCluster) -> None
     assert cluster.redis is not None
     cluster.supervise_redis = False
     cluster.redis.stop()
-    time.sleep(1.5)
+    wait_for("the router to see Redis away", lambda: not cluster.router_stats()[0]["redis_healthy"], 30)
     for p in prompts(6, 2, 40) + [[7, 8]]:
         got = generate(stub, p, max_tokens=6, ignore_eos=True)
         assert len(tokens_of(got)) == 6

@@ -19,6 +19,7 @@ from cluster.local import LocalCluster
 from engine.request import SamplingParams
 from proto import generate_pb2 as pb
 from router.policy import RoutingConfig
+from tests.integration.cluster_checks import wait_for
 from tests.integration.reference import make_engine
 
 pytestmark = pytest.mark.timeout(600)
@@ -74,6 +75,8 @@ def test_dead_prefill_worker_request_retried_on_the_other(cluster: LocalCluster,
     victim = got[-1].route.prefill_worker
     assert victim.startswith("prefill-")
     live_idle(cluster)
+    wait_for("the router to index the victim's blocks of it",  # else the choice below is a coin flip
+             lambda: cluster.router_stats()[0]["index_blocks"].get(victim, 0) >= 2, 10)
     before = retries(cluster)
 
     cluster.kill_worker(victim)

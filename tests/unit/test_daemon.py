@@ -60,11 +60,25 @@ def test_stop_with_no_serve_says_so_and_clears_a_stale_record(cache: Path, capsy
     assert "no serve runs here" in capsys.readouterr().out and not daemon.pid_file().exists()
 
 
-def test_worker_hosts_are_stopped_only_on_a_local_provider_head(tmp_path: Path) -> None:
+def test_worker_hosts_are_stopped_only_on_a_local_provider_head(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[list[str]] = []
+
+    def run(argv: list[str], **kw: object) -> subprocess.CompletedProcess:
+        ran.append(argv)
+        return subprocess.CompletedProcess(argv, 0, "", "")
+    monkeypatch.setattr(daemon.subprocess, "run", run)  # no ssh leaves this test: what would run is recorded
     assert daemon.stop_ray_worker_hosts(tmp_path / "absent.yaml") == 0
     cloud = tmp_path / "cloud.yaml"
-    cloud.write_text(yaml.safe_dump({"provider": {"type": "aws", "region": "us-west-2"}}))
+    cloud.write_text(yaml.safe_dump({"provider": {"type": "aws", "region": "us-west-2", "worker_ips": ["10.0.0.11"]}}))
     assert daemon.stop_ray_worker_hosts(cloud) == 0  # the cloud provider terminates its nodes itself
     no_workers = tmp_path / "alone.yaml"
     no_workers.write_text(yaml.safe_dump({"provider": {"type": "local", "head_ip": "10.0.0.10", "worker_ips": []}}))
     assert daemon.stop_ray_worker_hosts(no_workers) == 0
+    assert ran == []
+    local = tmp_path / "local.yaml"
+    local.write_text(yaml.safe_dump({"provider": {"type": "local", "head_ip": "10.0.0.10",
+                                                  "worker_ips": ["10.0.0.11", "10.0.0.12"]},
+                                     "auth": {"ssh_user": "ops", "ssh_private_key": "/keys/k.pem"}}))
+    assert daemon.stop_ray_worker_hosts(local) == 0
+    assert sorted(argv[argv.index("-i") + 1:][-2] for argv in ran) == ["ops@10.0.0.11", "ops@10.0.0.12"]
+    assert all(argv[:3] == ["ssh", "-i", "/keys/k.pem"] and argv[-1].endswith("ray stop'") for argv in ran)

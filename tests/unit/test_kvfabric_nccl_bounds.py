@@ -104,7 +104,8 @@ def test_a_group_end_waiting_for_an_absent_peer_is_bounded_and_aborts(monkeypatc
     began = time.monotonic()
     with pytest.raises(PeerUnavailable, match="posting an NCCL group did not complete within 0.2 s"):
         link.exchange(1, [(100, 16)], [], timeout_s=0.2)
-    assert 0.2 <= time.monotonic() - began < 2.0 and link.comm.aborted.is_set()
+    # bounded by its 0.2 s, not by the peer (10 s here, forever in life)
+    assert 0.2 <= time.monotonic() - began < 8.0 and link.comm.aborted.is_set()
     release.set()
     link.close()
 

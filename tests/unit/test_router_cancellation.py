@@ -30,8 +30,10 @@ class ClosableStream:
 
     def __init__(self) -> None:
         self.closed = asyncio.Event()
+        self.reading = asyncio.Event()
 
     async def read(self) -> object:
+        self.reading.set()
         await self.closed.wait()
         raise asyncio.CancelledError
 
@@ -56,9 +58,10 @@ def test_a_read_cancelled_under_the_call_is_the_workers_failure() -> None:
 
 def test_the_callers_own_cancellation_still_cancels() -> None:
     async def scenario() -> None:
-        call = WorkerCall(ClosableStream(), "decode-far", Deadline(None))
+        stream = ClosableStream()
+        call = WorkerCall(stream, "decode-far", Deadline(None))
         task = asyncio.ensure_future(call.next(5.0))
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(stream.reading.wait(), 5)  # the call waits in its read
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

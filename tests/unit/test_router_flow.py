@@ -112,7 +112,7 @@ def test_a_request_past_its_deadline_ends_with_deadline_exceeded_and_frees_every
     with pytest.raises(RequestFailed) as e:
         asyncio.run(run(flow, deadline_s=0.3))
     assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert 0.25 < time.monotonic() - started < 2.0
+    assert 0.25 < time.monotonic() - started < 20.0  # its deadline, not the hanging worker's (forever)
     assert flow.stats["num_retries"] == 0  # the request's own deadline: no other worker is tried
     assert_settled(flow, streams)
 
@@ -148,7 +148,7 @@ def test_no_decode_worker_left_is_unavailable_with_a_retry_hint() -> None:
     started = time.monotonic()
     with pytest.raises(RequestFailed) as e:
         asyncio.run(run(flow))
-    assert 0.3 <= time.monotonic() - started < 2.0  # it waited no_worker_wait_s for one to join
+    assert 0.3 <= time.monotonic() - started < 20.0  # it waited no_worker_wait_s for one to join, no more
     assert e.value.code == grpc.StatusCode.UNAVAILABLE and e.value.retry_after_s == 1.0
     assert sorted(streams.tried()) == ["d0", "d1"]
     assert flow.down_workers() == ["d0", "d1"]
@@ -162,14 +162,17 @@ def test_a_request_with_no_decode_worker_waits_for_one_to_join() -> None:
 
     async def replaced_meanwhile() -> list[int]:
         async def join() -> None:
-            await asyncio.sleep(0.1)  # the controller's replacement starts serving
+            while "d0" not in streams.tried():  # the request found d0 dead and waits for a worker
+                await asyncio.sleep(0.005)
+            assert not requesting.done()  # d9 below is the only worker it can get
+            # the controller's replacement starts serving
             flow.members.update({w: Heartbeat(w, "decode", address=w, model_id="m", block_size=16, vocab_size=1000,
                                               max_model_len=512, num_total_blocks=64) for w in ("d0", "d9")})
             flow.loads.num_blocks = flow.members.num_blocks()
 
-        joining = asyncio.create_task(join())
-        got, _ = await run(flow)
-        await joining
+        requesting = asyncio.ensure_future(run(flow))
+        await join()
+        got, _ = await requesting
         return got
 
     assert asyncio.run(replaced_meanwhile()) == EXPECTED

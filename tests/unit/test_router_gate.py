@@ -41,7 +41,8 @@ async def queued_behind_a_full_budget(deadline_s: float | None) -> RequestFailed
 def test_the_queue_limit_is_resource_exhausted_with_a_retry_hint() -> None:
     started = time.monotonic()
     failed = asyncio.run(queued_behind_a_full_budget(None))
-    assert failed.code == grpc.StatusCode.RESOURCE_EXHAUSTED and 0.25 < time.monotonic() - started < 1.0
+    # at the queue limit (0.3 s), not the 10 s budget wait: a bound no loaded machine reaches
+    assert failed.code == grpc.StatusCode.RESOURCE_EXHAUSTED and 0.25 < time.monotonic() - started < 8.0
     assert "waited 0.3 s for admission (the router's queue limit)" in failed.message
     assert failed.retry_after_s is not None and failed.retry_after_s >= 0.2
 
