@@ -56,8 +56,10 @@ def failure_for(worker_id: str, code: grpc.StatusCode, details: str) -> RequestF
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # no room there now: elsewhere, or later
         return WorkerFailed(worker_id, code, what, down=False, retry_after_s=1.0)
     # ABORTED: the request's KV transfer failed; INTERNAL/UNKNOWN: a fault there hit this
-    # request; the worker itself still serves. Anything else: it is gone or unreachable.
-    down = code not in (grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+    # request; DEADLINE_EXCEEDED: the request stalled there (the worker's own idle bound,
+    # control/worker_host.py); the worker itself still serves. Anything else: it is gone or unreachable.
+    down = code not in (grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+                        grpc.StatusCode.DEADLINE_EXCEEDED)
     return WorkerFailed(worker_id, grpc.StatusCode.UNAVAILABLE, what, down=down, retry_after_s=1.0 if down else None)
 
 

@@ -37,6 +37,34 @@ MAX_TEXT_CHARS_PER_TOKEN = 32
 """A text prompt longer than this many characters per token of context is refused before tokenizing."""
 
 
+NOT_SERVING = "no decode worker is serving yet; retry after 1.0 s"
+
+
+def serving_facts(facts: ModelFacts | None) -> ModelFacts:
+    """The model's facts, or the one refusal (UNAVAILABLE, retry in 1 s) while no decode worker serves."""
+    if facts is None:
+        raise RequestFailed(grpc.StatusCode.UNAVAILABLE, NOT_SERVING, 1.0)
+    return facts
+
+
+def check_vocabulary(token_ids: list[int], vocab_size: int) -> None:
+    """Raises InvalidRequestError naming the first ids outside [0, vocab_size)."""
+    if bad := [t for t in token_ids if not 0 <= t < vocab_size]:
+        raise InvalidRequestError(f"token ids {bad[:5]} are outside the model's vocabulary [0, {vocab_size})")
+
+
+OFF_LOOP_CHARS = 16384
+"""Text (a prompt, a conversation) longer than this is rendered and tokenized off the event loop."""
+OFF_LOOP_CONSTRAINT_CHARS = 1024
+"""A constraint longer than this is checked off the event loop (a schema's check grows with it)."""
+
+
+def heavy(request: pb.GenerateRequest) -> bool:
+    """Whether preparing the request may take long enough to stall the event loop's other streams."""
+    return (request.WhichOneof("prompt") == "text" and len(request.text) > OFF_LOOP_CHARS) or \
+        len(request.sampling.constraint.value) > OFF_LOOP_CONSTRAINT_CHARS
+
+
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """KV blocks a prompt of `num_tokens` needs once its first token is in."""
     return -(-(num_tokens + 1) // block_size)
@@ -80,20 +108,16 @@ class Frontend:
 
     def prepare(self, request: pb.GenerateRequest, facts: ModelFacts | None, max_decode_blocks: int) -> Prepared:
         """Validates and tokenizes; raises RequestFailed with the status the client gets."""
-        if facts is None:
-            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "no decode worker is serving yet; retry after 1.0 s", 1.0)
+        facts = serving_facts(facts)
         try:
             _check_fields(request, facts)
             params = sampling_from_pb(request.sampling)
             if params.constraint is not None:
                 self.grammars.check(params.constraint)
             token_ids = self._tokenize(request)
+            check_vocabulary(token_ids, facts.vocab_size)
         except InvalidRequestError as e:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        bad = [t for t in token_ids if t >= facts.vocab_size]
-        if bad:
-            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"token ids {bad[:5]} are outside the model's vocabulary [0, {facts.vocab_size})")
         if len(token_ids) >= facts.max_model_len:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"prompt has {len(token_ids)} tokens; the model's context is {facts.max_model_len} "

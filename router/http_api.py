@@ -31,7 +31,8 @@ from aiohttp import web
 from engine.types import InvalidRequestError
 from router.attempt import RequestFailed
 from router.constraints import ToolCallOutput, constraint_of, tool_constraint
-from router.frontend import Frontend
+from router.frontend import (MAX_TEXT_CHARS_PER_TOKEN, NOT_SERVING, OFF_LOOP_CHARS, Frontend, check_vocabulary,
+                             serving_facts)
 from router.members import Members
 from router.openai_protocol import (BadRequest, ChatRequest, CompletionRequest, DetokenizeRequest, Output,
                                     TokenizeRequest, messages_as_dicts, new_id, parse, to_generate)
@@ -53,9 +54,8 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 DONE = b"data: [DONE]\n\n"
-OFF_LOOP_CHARS = 16384
-"""A chat whose messages hold more characters than this is rendered and tokenized in a thread
-(milliseconds of work that would otherwise stall every other stream on the loop)."""
+TOKENIZE_MAX_MODEL_LEN = 1 << 17
+"""/tokenize before any worker reported the model's context: the text limit as for this context."""
 
 
 def error(status: int, message: str, param: str | None = None, code: str | int | None = None,
@@ -156,9 +156,7 @@ class OpenAIServer:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req = parse(ChatRequest, await self._body(request))
         model = self._check_model(req.model)
-        facts = self.members.facts
-        if facts is None:
-            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "no decode worker is serving yet; retry", 1.0)
+        facts = serving_facts(self.members.facts)
         messages = messages_as_dicts(req.messages)
         constraint, tool = constraint_of(req), tool_constraint(req)
         if constraint is not None and tool is not None:
@@ -246,7 +244,7 @@ class OpenAIServer:
 
     async def health(self, request: web.Request) -> web.Response:
         if self.members.facts is None or not self.members.serving("decode"):
-            return error(503, "no decode worker is serving", code="unavailable")
+            return error(503, NOT_SERVING, code="unavailable")
         return web.Response(status=200)
 
     async def version(self, request: web.Request) -> web.Response:
@@ -255,18 +253,25 @@ class OpenAIServer:
     async def tokenize(self, request: web.Request) -> web.Response:
         req = parse(TokenizeRequest, await self._body(request))
         self._check_model(req.model)
-        facts = self.members.facts
-        max_model_len = facts.max_model_len if facts else 1 << 30
-        try:
-            if req.messages is not None:
-                ids = self.frontend.chat_token_ids(messages_as_dicts(req.messages), max_model_len,
-                                                   req.add_generation_prompt)
-                if req.add_special_tokens:
-                    raise BadRequest("add_special_tokens with messages: the chat template adds them", "add_special_tokens")
-            elif req.prompt is not None:
-                ids = self.frontend.encode(req.prompt, req.add_special_tokens is not False)
-            else:
-                raise BadRequest("send 'prompt' or 'messages'", "prompt")
+        facts = self.members.facts  # the tokenizer is the router's own: no worker needed
+        max_model_len = facts.max_model_len if facts else TOKENIZE_MAX_MODEL_LEN
+        if req.messages is not None:
+            if req.add_special_tokens:
+                raise BadRequest("add_special_tokens with messages: the chat template adds them", "add_special_tokens")
+            messages = messages_as_dicts(req.messages)
+            num_chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+            work = functools.partial(self.frontend.chat_token_ids, messages, max_model_len,
+                                     req.add_generation_prompt)
+        elif req.prompt is not None:
+            num_chars = len(req.prompt)
+            if num_chars > MAX_TEXT_CHARS_PER_TOKEN * max_model_len:
+                raise BadRequest(f"prompt has {num_chars} characters; the model's context is {max_model_len} "
+                                 "tokens", "prompt")
+            work = functools.partial(self.frontend.encode, req.prompt, req.add_special_tokens is not False)
+        else:
+            raise BadRequest("send 'prompt' or 'messages'", "prompt")
+        try:  # as the generation endpoints do: long text off the event loop
+            ids = await asyncio.to_thread(work) if num_chars > OFF_LOOP_CHARS else work()
         except InvalidRequestError as e:
             raise BadRequest(str(e)) from None
         return web.json_response({"count": len(ids), "max_model_len": facts.max_model_len if facts else None,
@@ -275,9 +280,10 @@ class OpenAIServer:
     async def detokenize(self, request: web.Request) -> web.Response:
         req = parse(DetokenizeRequest, await self._body(request))
         self._check_model(req.model)
-        vocab = self.members.facts.vocab_size if self.members.facts else 1 << 32
-        if bad := [t for t in req.tokens if not 0 <= t < vocab]:
-            raise BadRequest(f"token ids {bad[:5]} are outside the model's vocabulary [0, {vocab})", "tokens")
+        try:
+            check_vocabulary(req.tokens, self.members.facts.vocab_size if self.members.facts else 1 << 32)
+        except InvalidRequestError as e:
+            raise BadRequest(str(e), "tokens") from None
         try:
             return web.json_response({"prompt": self.frontend.decode(req.tokens)}, dumps=_dumps)
         except InvalidRequestError as e:
@@ -291,7 +297,7 @@ class OpenAIServer:
     def _check_model(self, model: str | None) -> str:
         name = self.model_name
         if name is None:
-            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "no decode worker is serving yet; retry", 1.0)
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, NOT_SERVING, 1.0)
         if model is not None and model != name:
             raise ModelNotFound(f"the model '{model}' does not exist; this server serves '{name}'")
         return name

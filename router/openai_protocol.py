@@ -20,9 +20,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from proto import generate_pb2 as pb
+from proto.convert import finish_name_from_pb
 
 INT32_MAX, UINT32_MAX, UINT64_MAX = 2**31 - 1, 2**32 - 1, 2**64 - 1
-FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
 
 
 class _Body(BaseModel):
@@ -282,7 +282,7 @@ class Output:
         self.token_ids += r.token_ids
         self.logprobs += r.logprobs
         if r.HasField("usage"):  # the last response: finish reason and usage
-            self.finish_reason = FINISH_REASONS.get(r.finish_reason)
+            self.finish_reason = finish_name_from_pb(r.finish_reason)
             u = r.usage
             self.usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
                           "total_tokens": u.prompt_tokens + u.completion_tokens,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -24,7 +25,7 @@ from proto.convert import finish_name_from_pb
 from control import tracing
 from router.attempt import Deadline, Prepared, Progress, RequestFailed
 from router.flow import RequestFlow
-from router.frontend import Frontend, ItlWindow, Responses, admission_cost, output_tokens, runs_to_the_end
+from router.frontend import Frontend, ItlWindow, Responses, admission_cost, heavy, output_tokens, runs_to_the_end
 from router.gate import AdmissionGate
 from router.metrics import RouterMetrics
 from router.members import Members
@@ -92,7 +93,7 @@ class Generation(pb_grpc.GenerationServicer):
     async def _generate(self, request: pb.GenerateRequest, progress: Progress, timeout_s: float | None,
                         route: str) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            prep = progress.prep = dataclasses.replace(self._prepare(request), route=route)
+            prep = progress.prep = dataclasses.replace(await self._prepare(request), route=route)
         except RequestFailed as e:
             self.stats["num_invalid" if e.code == grpc.StatusCode.INVALID_ARGUMENT else "num_refused"] += 1
             raise
@@ -159,11 +160,12 @@ class Generation(pb_grpc.GenerationServicer):
         await self.gate.admit(prep, deadline, cost, output, limit)
         return dataclasses.replace(prep, tenant_weight=self.gate.queue.weight(prep.tenant)), cost
 
-    def _prepare(self, request: pb.GenerateRequest) -> Prepared:
+    async def _prepare(self, request: pb.GenerateRequest) -> Prepared:
         rid = request.request_id
         if rid and (rid in self._active or self.gate.waiting(rid)):
             raise RequestFailed(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already running; use a new id")
-        return self.frontend.prepare(request, self.members.facts, self.members.max_decode_blocks())
+        prepare = functools.partial(self.frontend.prepare, request, self.members.facts, self.members.max_decode_blocks())
+        return await asyncio.to_thread(prepare) if heavy(request) else prepare()
 
     def _count(self, prep: Prepared, progress: Progress) -> None:
         self.stats["num_requests"] += 1

@@ -65,3 +65,13 @@ def test_only_a_request_that_nothing_can_stop_early_is_charged_its_max_tokens_as
     known = prepare(sampling=pb.SamplingParams(max_tokens=10, ignore_eos=True))
     assert not runs_to_the_end(dataclasses.replace(known, params=dataclasses.replace(known.params, stop=(".",))))
     assert not runs_to_the_end(prepare(sampling=pb.SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=[9])))
+
+
+def test_long_text_and_long_constraints_are_prepared_off_the_event_loop() -> None:
+    from router.frontend import OFF_LOOP_CHARS, OFF_LOOP_CONSTRAINT_CHARS, heavy
+
+    assert not heavy(pb.GenerateRequest(text="x" * OFF_LOOP_CHARS))
+    assert heavy(pb.GenerateRequest(text="x" * (OFF_LOOP_CHARS + 1)))
+    assert not heavy(pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(OFF_LOOP_CHARS + 1)))))
+    schema = pb.SamplingParams(constraint=pb.Constraint(kind="json_schema", value="{" + " " * OFF_LOOP_CONSTRAINT_CHARS + "}"))
+    assert heavy(pb.GenerateRequest(text="hi", sampling=schema))
