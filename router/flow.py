@@ -30,11 +30,11 @@ from control import tracing
 from router.attempt import Attempt, BlockHashMemo, Deadline, Prepared, Progress, RequestFailed, WorkerFailed
 from router.clients import WorkerCall, WorkerClients, WorkerEvent
 from router.config import RouterConfig
-from router.frontend import Responses, blocks_for
+from router.frontend import Responses
 from router.kv_index import KVIndex
-from router.loads import Booking, LoadBook
+from router.loads import Booking, LoadBook, book_route
 from router.members import Members
-from router.policy import RouteDecision, choose_round_robin, choose_route
+from router.policy import RouteDecision, route
 
 logger = logging.getLogger(__name__)
 
@@ -283,18 +283,13 @@ class RequestFlow:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE,
                                 "every decode worker failed this request or is gone; retry later", 1.0)
         hashes = self._hashes(facts, attempt.token_ids, attempt.tenant, attempt.block_hashes)
-        n, blocks = len(attempt.token_ids), blocks_for(len(attempt.token_ids), facts.block_size)
         down = set(self.down_workers())
         decode_ids = [w for w in decode_ids if w not in down] or decode_ids
         decodes = [self.loads.load(w) for w in decode_ids]
         prefills = [self.loads.load(w) for w in self.members.serving("prefill") if w not in avoid and w not in down]
-        if self.config.routing.policy == "round_robin":
-            self._turn += 1
-            decision = choose_round_robin(self._turn, n, blocks, decodes, prefills, self.config.routing)
-        else:
-            overlap = self.index.overlap(hashes, [*decode_ids, *(w.worker_id for w in prefills)])
-            decision = choose_route(n, blocks, overlap, decodes, prefills, self.config.routing, facts.block_size,
-                                    self.rng)
+        self._turn += 1
+        decision = route(len(attempt.token_ids), decodes, prefills, lambda ids: self.index.overlap(hashes, ids),
+                         self.config.routing, facts.block_size, self._turn, self.rng)
         if decision is None:
             raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 "no decode worker has free KV blocks for this prompt now; retry after 1.0 s", 1.0)
@@ -316,14 +311,8 @@ class RequestFlow:
 
     def _book(self, attempt: Attempt, decision: RouteDecision, hashes: list[bytes], block_size: int) -> Booking:
         """Counts the routed attempt in the load book, the index's predictions and the stats."""
-        d, p = decision.decode_worker, decision.prefill_worker
-        cached_blocks = decision.num_decode_cached_blocks if p is None else decision.num_prefill_cached_blocks
-        num_tokens = len(attempt.token_ids)
-        booking = self.loads.book(d, p, num_tokens - cached_blocks * block_size, blocks_for(num_tokens, block_size))
-        self.index.predict(d, hashes)
-        if p is not None:
-            self.index.predict(p, hashes)
-        self.stats["num_local_prefill" if p is None else "num_remote_prefill"] += 1
+        booking = book_route(self.loads, self.index, decision, hashes, len(attempt.token_ids), block_size)
+        self.stats["num_local_prefill" if decision.local_prefill else "num_remote_prefill"] += 1
         return booking
 
     @staticmethod

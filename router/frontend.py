@@ -26,6 +26,7 @@ from proto import generate_pb2 as pb
 from proto.convert import finish_to_pb, sampling_from_pb
 from router.attempt import Prepared, Progress, RequestFailed
 from router.chat_template import ChatTemplate, ChatTemplateError
+from router.policy import blocks_for
 
 
 MAX_ID_CHARS = 128
@@ -63,11 +64,6 @@ def heavy(request: pb.GenerateRequest) -> bool:
     """Whether preparing the request may take long enough to stall the event loop's other streams."""
     return (request.WhichOneof("prompt") == "text" and len(request.text) > OFF_LOOP_CHARS) or \
         len(request.sampling.constraint.value) > OFF_LOOP_CONSTRAINT_CHARS
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    """KV blocks a prompt of `num_tokens` needs once its first token is in."""
-    return -(-(num_tokens + 1) // block_size)
 
 
 class Frontend:

@@ -9,9 +9,13 @@ overload a worker. Without Redis the router's own view remains: load-only routin
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from control.heartbeat import Heartbeat
-from router.policy import WorkerLoad
+from router.policy import RouteDecision, WorkerLoad, blocks_for
+
+if TYPE_CHECKING:
+    from router.kv_index import KVIndex
 
 
 @dataclass
@@ -120,3 +124,17 @@ class Booking:
         self.book.end(self.decode, self.blocks)
         if self.prefill is not None:
             self.book.end(self.prefill, 0)
+
+
+def book_route(loads: LoadBook, index: KVIndex, decision: RouteDecision, hashes: list[bytes], num_prompt_tokens: int,
+               block_size: int) -> Booking:
+    """A routed attempt counted where the router counts it (the flow and the simulator both
+    book here): its uncached prompt tokens queued on its prefiller, its blocks promised on D,
+    and the index's prediction that D (and P) will hold the prompt's blocks."""
+    d, p = decision.decode_worker, decision.prefill_worker
+    cached_blocks = decision.num_decode_cached_blocks if p is None else decision.num_prefill_cached_blocks
+    booking = loads.book(d, p, num_prompt_tokens - cached_blocks * block_size, blocks_for(num_prompt_tokens, block_size))
+    index.predict(d, hashes)
+    if p is not None:
+        index.predict(p, hashes)
+    return booking

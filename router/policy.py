@@ -13,6 +13,7 @@ Per docs/architecture.md, lowest cost wins and ties are broken at random:
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -70,6 +71,32 @@ class RouteDecision:
     @property
     def local_prefill(self) -> bool:
         return self.prefill_worker is None
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """KV blocks a prompt of `num_tokens` needs once its first token is in."""
+    return -(-(num_tokens + 1) // block_size)
+
+
+def route(
+    num_prompt_tokens: int,
+    decodes: list[WorkerLoad],
+    prefills: list[WorkerLoad],
+    overlap: Callable[[list[str]], dict[str, int]],
+    config: RoutingConfig,
+    block_size: int,
+    turn: int,
+    rng: random.Random,
+) -> RouteDecision | None:
+    """The router's choice for a prompt among these workers, by its configured policy (the
+    flow and the simulator both decide here). `overlap(worker ids)`: the KV index's leading
+    cached blocks for the prompt, read only when the policy looks at caches; `turn`: the
+    round-robin counter."""
+    blocks = blocks_for(num_prompt_tokens, block_size)
+    if config.policy == "round_robin":
+        return choose_round_robin(turn, num_prompt_tokens, blocks, decodes, prefills, config)
+    cached = overlap([w.worker_id for w in (*decodes, *prefills)])
+    return choose_route(num_prompt_tokens, blocks, cached, decodes, prefills, config, block_size, rng)
 
 
 def choose_route(

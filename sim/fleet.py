@@ -38,10 +38,10 @@ from engine.step_model import StepShape
 from engine.step_profile import LONG_CONTEXT, batch_sizes
 from kvfabric.reservations import ReservationTable
 from router.admission import AdmissionQueue, Refused
-from router.frontend import ItlWindow, blocks_for
+from router.frontend import ItlWindow
 from router.kv_index import KVIndex
-from router.loads import LoadBook
-from router.policy import RouteDecision, choose_round_robin, choose_route
+from router.loads import LoadBook, book_route
+from router.policy import RouteDecision, route
 from sim.engine_sim import SimEngine, StepResult
 from sim.fleet_kv import FleetTransfers
 from sim.fleet_pools import AUTOSCALE_TICK_S, VOCAB, PoolControl
@@ -249,10 +249,7 @@ class Fleet(PoolControl, FleetTransfers):
                 self.waiting_room.append(f)
             return False
         d, p = self.workers[decision.decode_worker], decision.prefill_worker
-        n = len(f.item.prompt)
-        cached = decision.num_decode_cached_blocks if p is None else decision.num_prefill_cached_blocks
-        f.booking = self.loads.book(d.worker_id, p, n - cached * c.block_size, blocks_for(n, c.block_size))
-        self.index.predict(d.worker_id, f.hashes)
+        f.booking = book_route(self.loads, self.index, decision, f.hashes, len(f.item.prompt), c.block_size)
         f.decision = decision
         if p is None:
             self.stats["num_local_prefill"] += 1
@@ -268,14 +265,10 @@ class Fleet(PoolControl, FleetTransfers):
         c = self.config
         decodes = [self.loads.load(w) for w in self.serving("decode")]
         prefills = [self.loads.load(w) for w in self.serving("prefill")]
-        n = len(f.item.prompt)
-        blocks = blocks_for(n, c.block_size)
-        if c.routing.policy == "round_robin":
-            self._turn += 1
-            return choose_round_robin(self._turn, n, blocks, decodes, prefills, c.routing)
-        if overlap is None:
-            overlap = self.index.overlap(f.hashes, [w.worker_id for w in (*decodes, *prefills)])
-        return choose_route(n, blocks, overlap, decodes, prefills, c.routing, c.block_size, self.rng)
+        self._turn += 1
+        return route(len(f.item.prompt), decodes, prefills,
+                     lambda ids: overlap if overlap is not None else self.index.overlap(f.hashes, ids),
+                     c.routing, c.block_size, self._turn, self.rng)
 
     def _token(self, f: Flight, w: Worker, num_tokens: int, first: tuple[int, int] | None) -> None:
         o = f.outcome
