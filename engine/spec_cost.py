@@ -7,13 +7,14 @@ verified]. The last term is what speculating at all costs a step beyond its rows
 the verifying group leaves the one-call native decode path for the per-layer one and
 oneDNN meets new shapes; on GPU the step leaves the CUDA graph. The engine feeds every such
 step's whole period (`observe`), speculating or not; the fit is the step model's
-(`DecayedFit` in engine/step_model.py: exponentially weighted least squares, slopes kept
+(`DecayedFit` in engine/fit.py: exponentially weighted least squares, slopes kept
 at or above zero).
 `latest` is None until the rows have varied; o is 0 until steps of both kinds were seen.
 """
 from __future__ import annotations
 
-from engine.step_model import DecayedFit
+from engine.fit import DecayedFit
+from engine.step_model import DECAY
 
 MIN_VARIANCE = (0.0, 0.25, 256.0, 0.01)
 """A term is fitted once its load's weighted variance reaches this (rows², KV tokens², share²)."""
@@ -21,7 +22,7 @@ MIN_VARIANCE = (0.0, 0.25, 256.0, 0.01)
 
 class SpecCost:
     def __init__(self) -> None:
-        self._fit = DecayedFit(MIN_VARIANCE)
+        self._fit = DecayedFit(MIN_VARIANCE, DECAY)
         self.latest: tuple[float, float, float, float] | None = None
         """(a, b, c, o) in seconds, or None before the rows varied."""
 

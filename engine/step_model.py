@@ -20,16 +20,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from engine.fit import DecayedFit
+
 DECAY = 0.999
 """Per step: about the last thousand count."""
-RIDGE = 1e-9
 MIN_VARIANCE = (0.0, 0.25, 256.0)
 """A slope is fitted once its load's weighted variance reaches this (requests², KV tokens²)."""
 
 
 class StepModel:
     def __init__(self) -> None:
-        self._fit = DecayedFit(MIN_VARIANCE)
+        self._fit = DecayedFit(MIN_VARIANCE, DECAY)
         """Over x = (1, num_seqs, kv_tokens)."""
         self.num_steps = 0
         self.latest: tuple[float, float, float] | None = None
@@ -38,66 +39,6 @@ class StepModel:
         coef = self._fit.observe((1.0, float(num_seqs), float(kv_tokens)), seconds)
         self.num_steps += 1
         self.latest = None if coef is None else (coef[0], coef[1], coef[2])
-
-
-class DecayedFit:
-    """Exponentially weighted least squares of seconds on x = (1, load, ...), the slopes kept at
-    or above zero (a slope the samples cannot show yet is zero, and the others are refitted
-    without it). A term is fitted once its load's weighted variance reaches `min_variance[i]`;
-    no fit at all (None) before the first load (x[1]) has varied. The step model and the
-    speculator's step cost (engine/spec_cost.py) both fit this way."""
-
-    def __init__(self, min_variance: tuple[float, ...]) -> None:
-        n = len(min_variance)
-        self.min_variance = min_variance
-        self._m = [[0.0] * n for _ in range(n)]
-        """Weighted sums of x·xᵀ."""
-        self._v = [0.0] * n
-        """Weighted sums of x·seconds."""
-
-    def observe(self, x: tuple[float, ...], seconds: float) -> list[float] | None:
-        """Adds a sample; returns the coefficients now."""
-        n = len(x)
-        for i in range(n):
-            self._v[i] = self._v[i] * DECAY + x[i] * seconds
-            for j in range(n):
-                self._m[i][j] = self._m[i][j] * DECAY + x[i] * x[j]
-        return self._solve()
-
-    def _solve(self) -> list[float] | None:
-        w = max(self._m[0][0], 1e-30)
-        free = [0] + [i for i in range(1, len(self._v))
-                      if self._m[i][i] / w - (self._m[0][i] / w) ** 2 >= self.min_variance[i]]
-        if 1 not in free:
-            return None
-        while True:
-            coef = _solve_subset(self._m, self._v, free)
-            negative = [i for i in free[1:] if coef[i] < 0]
-            if not negative:
-                return coef
-            free.remove(negative[0])
-
-
-def _solve_subset(m: list[list[float]], v: list[float], free: list[int]) -> list[float]:
-    """Gaussian elimination on the normal equations of the `free` coefficients (the others 0)."""
-    k = len(free)
-    scale = [max(m[i][i], 1e-30) for i in free]
-    a = [[m[free[r]][free[c]] / (scale[r] * scale[c]) ** 0.5 + (RIDGE if r == c else 0.0) for c in range(k)]
-         + [v[free[r]] / scale[r] ** 0.5] for r in range(k)]
-    for col in range(k):
-        pivot = max(range(col, k), key=lambda r: abs(a[r][col]))
-        a[col], a[pivot] = a[pivot], a[col]
-        if abs(a[col][col]) < 1e-12:
-            continue
-        for r in range(k):
-            if r != col:
-                f = a[r][col] / a[col][col]
-                a[r] = [x - f * y for x, y in zip(a[r], a[col], strict=True)]
-    out = [0.0] * len(v)
-    for r in range(k):
-        if abs(a[r][r]) >= 1e-12:
-            out[free[r]] = a[r][k] / a[r][r] / scale[r] ** 0.5
-    return out
 
 
 Row = tuple[float, float, float]
@@ -134,13 +75,13 @@ def _read(lines: list[tuple[float, float, float]], num_seqs: float, kv_tokens: f
 
 
 def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least squares of seconds on context over one batch size's runs, the slope kept >= 0:
-    (intercept, slope)."""
-    mc = sum(c for c, _ in points) / len(points)
-    ms = sum(s for _, s in points) / len(points)
-    var = sum((c - mc) ** 2 for c, _ in points)
-    slope = max(sum((c - mc) * (s - ms) for c, s in points) / var, 0.0) if var > 0 else 0.0
-    return ms - slope * mc, slope
+    """Least squares of seconds on context over one batch size's runs (every run weighs the
+    same), the slope kept >= 0: (intercept, slope)."""
+    fit = DecayedFit((0.0, 1e-9), decay=1.0)
+    for context, seconds in points:
+        fit.add((1.0, context), seconds)
+    coef = fit.solve()
+    return (fit.mean(), 0.0) if coef is None else (coef[0], coef[1])
 
 
 @dataclass(frozen=True)

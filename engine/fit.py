@@ -1,0 +1,80 @@
+"""DecayedFit: the one least-squares fit of the project (pure). The engine's step model and
+the speculator's step cost fit decode steps with it, the routers' wait forecast fits its
+times against load (router/linear_fit.py), and the start-up profile draws its lines.
+"""
+from __future__ import annotations
+
+RIDGE = 1e-9
+"""Added to the normalised normal equations' diagonal: a solvable system whatever the samples."""
+
+
+class DecayedFit:
+    """Exponentially weighted least squares of y on x = (1, load, ...): the newest sample
+    weighs 1 and each older one `decay` times less (1: all the same). Slopes are kept at or
+    above zero (more load is never faster; a slope the samples cannot show yet is zero, and
+    the others are refitted without it). A term is fitted once its load's weighted variance
+    reaches `min_variance[i]`; no fit at all (None) before the first load (x[1]) has varied."""
+
+    def __init__(self, min_variance: tuple[float, ...], decay: float) -> None:
+        n = len(min_variance)
+        self.min_variance, self.decay = min_variance, decay
+        self._m = [[0.0] * n for _ in range(n)]
+        """Weighted sums of x·xᵀ."""
+        self._v = [0.0] * n
+        """Weighted sums of x·y."""
+
+    def add(self, x: tuple[float, ...], y: float) -> None:
+        d = self.decay
+        for i in range(len(x)):
+            self._v[i] = self._v[i] * d + x[i] * y
+            for j in range(len(x)):
+                self._m[i][j] = self._m[i][j] * d + x[i] * x[j]
+
+    def observe(self, x: tuple[float, ...], y: float) -> list[float] | None:
+        """Adds a sample; returns the coefficients now."""
+        self.add(x, y)
+        return self.solve()
+
+    @property
+    def weight(self) -> float:
+        """The samples' total weight (0: none yet)."""
+        return self._m[0][0]
+
+    def mean(self) -> float:
+        """The samples' weighted mean y (0 before any)."""
+        return self._v[0] / self._m[0][0] if self._m[0][0] > 0 else 0.0
+
+    def solve(self) -> list[float] | None:
+        w = max(self._m[0][0], 1e-30)
+        free = [0] + [i for i in range(1, len(self._v))
+                      if self._m[i][i] / w - (self._m[0][i] / w) ** 2 >= self.min_variance[i]]
+        if 1 not in free:
+            return None
+        while True:
+            coef = _solve_subset(self._m, self._v, free)
+            negative = [i for i in free[1:] if coef[i] < 0]
+            if not negative:
+                return coef
+            free.remove(negative[0])
+
+
+def _solve_subset(m: list[list[float]], v: list[float], free: list[int]) -> list[float]:
+    """Gaussian elimination on the normal equations of the `free` coefficients (the others 0)."""
+    k = len(free)
+    scale = [max(m[i][i], 1e-30) for i in free]
+    a = [[m[free[r]][free[c]] / (scale[r] * scale[c]) ** 0.5 + (RIDGE if r == c else 0.0) for c in range(k)]
+         + [v[free[r]] / scale[r] ** 0.5] for r in range(k)]
+    for col in range(k):
+        pivot = max(range(col, k), key=lambda r: abs(a[r][col]))
+        a[col], a[pivot] = a[pivot], a[col]
+        if abs(a[col][col]) < 1e-12:
+            continue
+        for r in range(k):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [x - f * y for x, y in zip(a[r], a[col], strict=True)]
+    out = [0.0] * len(v)
+    for r in range(k):
+        if abs(a[r][r]) >= 1e-12:
+            out[free[r]] = a[r][k] / a[r][r] / scale[r] ** 0.5
+    return out
