@@ -84,7 +84,36 @@ class Handoff:
         return self.ticket.request_id
 
 
-_Job = tuple[str, tuple[object, ...]]
+@dataclass(frozen=True)
+class Open:
+    """Dial the decode worker (once per peer) and bind the reservation."""
+
+
+@dataclass(frozen=True)
+class Push:
+    block_ids: list[int]
+    """Source blocks, in order, for destination positions from `first_index`."""
+    first_index: int
+    after: object | None
+    """On GPU: the CUDA event of the step that wrote them (the copy waits on it)."""
+    last: bool = False
+    """The push queued with the first token (its time counts in the hand-off's tail)."""
+
+
+@dataclass(frozen=True)
+class Finish:
+    """`ready` with the first token; the receiver's ack ends the hand-off."""
+
+    first_token_id: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Nothing to do but end the hand-off (`Handoff.cancelled` says why)."""
+
+
+_Job = Open | Push | Finish | Cancel
 
 
 class _Lane:
@@ -104,14 +133,14 @@ class _Lane:
 
     def _run(self) -> None:
         while (item := self._jobs.get()) is not None:
-            handoff, (kind, args) = item
+            handoff, job = item
             if handoff.ended:
                 continue
             started = time.perf_counter()
             error: str | None = None
             ran = False
             try:
-                ran = self._do(handoff, kind, args)
+                ran = self._do(handoff, job)
             except (FabricError, ValueError) as e:
                 error = str(e)
             except Exception as e:  # a bug: fail this hand-off, keep the lane for the others
@@ -119,7 +148,7 @@ class _Lane:
                 error = repr(e)
             took = time.perf_counter() - started
             handoff.fabric_s += took
-            if kind in ("push_last", "finish"):
+            if isinstance(job, Finish) or (isinstance(job, Push) and job.last):
                 handoff.tail_s += took
             if error is None and not ran:
                 error = handoff.cancelled
@@ -127,26 +156,24 @@ class _Lane:
                 if handoff.transfer is not None:
                     handoff.transfer.abort(error)  # safe in any state
                 self.pusher.end(handoff, error)
-            elif kind == "finish":
+            elif isinstance(job, Finish):
                 self.pusher.end(handoff, None)
 
-    def _do(self, h: Handoff, kind: str, args: tuple[object, ...]) -> bool:
+    def _do(self, h: Handoff, job: _Job) -> bool:
         """Runs one job; False when the hand-off was cancelled (no job runs; the caller aborts it)."""
         if h.cancelled is not None:
             return False
-        if kind == "open":
+        if isinstance(job, Open):
             h.opened_at = time.perf_counter()
             h.transfer = self.pusher.sender.open(h.ticket, h.trace)
-        elif kind in ("push", "push_last"):
-            block_ids, start, after = args
+        elif isinstance(job, Push):
             assert h.transfer is not None
-            h.transfer.push(block_ids, start, after)  # type: ignore[arg-type]
+            h.transfer.push(job.block_ids, job.first_index, job.after)
             h.num_pushes += 1
-            h.num_blocks += len(block_ids)  # type: ignore[arg-type]
-        elif kind == "finish":
-            first_token_id, num_tokens = args
+            h.num_blocks += len(job.block_ids)
+        elif isinstance(job, Finish):
             assert h.transfer is not None
-            h.transfer.finish(first_token_id, num_tokens)  # type: ignore[arg-type]
+            h.transfer.finish(job.first_token_id, job.num_tokens)
         return True
 
 
@@ -183,7 +210,7 @@ class KVPusher:
         started = time.perf_counter()
         handoff = Handoff(ticket, ticket.num_skip_blocks, trace)
         self._handoffs[ticket.request_id] = handoff
-        self._queue(handoff, ("open", ()))
+        self._queue(handoff, Open())
         handoff.engine_s += time.perf_counter() - started
         return handoff
 
@@ -199,8 +226,8 @@ class KVPusher:
         if handoff is None:
             return
         started = time.perf_counter()
-        self._push_upto(handoff, block_ids, len(block_ids), "push_last")
-        self._queue(handoff, ("finish", (first_token_id, request.num_prompt_tokens)))
+        self._push_upto(handoff, block_ids, len(block_ids), last=True)
+        self._queue(handoff, Finish(first_token_id, request.num_prompt_tokens))
         handoff.engine_s += time.perf_counter() - started
 
     def cancel(self, request_id: str, reason: str = "aborted") -> bool:
@@ -210,7 +237,7 @@ class KVPusher:
         if handoff is None:
             return False
         handoff.cancelled = reason
-        self._queue(handoff, ("cancel", ()))
+        self._queue(handoff, Cancel())
         return True
 
     @property
@@ -256,10 +283,10 @@ class KVPusher:
         with self._lock:
             self._done.append(done)
 
-    def _push_upto(self, handoff: Handoff, block_ids: list[BlockId], end: int, kind: str = "push") -> None:
+    def _push_upto(self, handoff: Handoff, block_ids: list[BlockId], end: int, last: bool = False) -> None:
         if end > handoff.next_index:
             ids = [int(b) for b in block_ids[handoff.next_index:end]]
-            self._queue(handoff, (kind, (ids, handoff.next_index, self._step_event())))
+            self._queue(handoff, Push(ids, handoff.next_index, self._step_event(), last))
             handoff.next_index = end
 
     def _step_event(self) -> object | None:
