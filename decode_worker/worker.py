@@ -22,7 +22,6 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 
 import grpc
-import msgpack
 import torch
 
 from control import tracing
@@ -39,7 +38,7 @@ from kvfabric import ReceiverConfig
 from kvfabric.pools import kv_allocator
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
-from proto.convert import finish_to_pb, sampling_from_pb
+from proto.convert import finish_to_pb, sampling_from_pb, ticket_to_pb
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +173,7 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
         if ticket is None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"{self.worker_id} has no free KV blocks for a {len(prompt)}-token prompt now")
-        return pb.Reserved(ticket=msgpack.packb(ticket.to_wire()),
+        return pb.Reserved(ticket=ticket_to_pb(ticket),
                            num_cached_tokens=ticket.num_skip_blocks * self.config.block_size)
 
     def _deliver(self, items: list[Item]) -> None:

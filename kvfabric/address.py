@@ -1,9 +1,10 @@
-"""The descriptors that travel between workers (msgpack-able dicts on the wire).
+"""The descriptors that travel between workers.
 
 `FabricAddress` says how to reach a receiver and what it offers; a `Ticket` is one
 reservation on it: the destination block ids, the leading blocks already cached there
 (not sent), and the lease. The router carries a Ticket from the decode worker to the
-prefill worker.
+prefill worker as the protobuf `KVTicket` (proto/convert.py checks it field by field);
+`to_wire` / `from_wire` are plain dicts for pipes between processes of our own.
 """
 from __future__ import annotations
 

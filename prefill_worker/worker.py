@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 
 import grpc
-import msgpack
 import torch
 
 from control import tracing
@@ -32,11 +31,11 @@ from engine.engine_loop import EngineLoop, freeze_startup_heap
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.request import FinishReason
 from engine.types import InvalidRequestError, RequestId
-from kvfabric import SenderConfig, Ticket
+from kvfabric import SenderConfig
 from prefill_worker.kv_push import KVPusher, PushDone
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
-from proto.convert import finish_to_pb, sampling_from_pb
+from proto.convert import finish_to_pb, sampling_from_pb, ticket_from_pb
 
 logger = logging.getLogger(__name__)
 
@@ -169,10 +168,7 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
 
     # -- on the engine thread --------------------------------------------------------------
     def _start(self, engine: LLMEngine, r: pb.PrefillRequest, trace: str = "") -> None:
-        try:
-            ticket = Ticket.from_wire(msgpack.unpackb(r.ticket))
-        except (KeyError, TypeError, ValueError, msgpack.UnpackException) as e:
-            raise InvalidRequestError(f"the request's KV ticket cannot be read: {e}") from None
+        ticket = ticket_from_pb(r.ticket)
         if ticket.request_id != r.request_id:
             raise InvalidRequestError(f"the KV ticket is for request {ticket.request_id}, not {r.request_id}")
         params = sampling_from_pb(r.sampling, keep_stop_strings=False)

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 from engine.request import Constraint, FinishReason, SamplingParams
+from engine.types import InvalidRequestError
+from kvfabric.address import FabricAddress, Ticket
+from kvfabric.config import TRANSPORTS
 from proto import generate_pb2 as pb
 
 _FINISH_TO_PB = {
@@ -55,3 +58,36 @@ def finish_to_pb(reason: FinishReason | str | None) -> int:
     if isinstance(reason, str):
         return _FINISH_NAMES[reason]
     return _FINISH_TO_PB[reason]
+
+
+def ticket_to_pb(t: Ticket) -> pb.KVTicket:
+    a = t.address
+    address = pb.FabricAddress(host=a.host, port=a.port, host_id=a.host_id, receiver_id=a.receiver_id,
+                               device=a.device, transports=list(a.transports), shm_bytes=a.shm_bytes,
+                               pool_blocks=a.pool_blocks)
+    for name in ("shm_name", "shm_nonce", "cuda_ipc_handle", "gpu", "local_name"):
+        if (value := getattr(a, name)) is not None:
+            setattr(address, name, value)
+    return pb.KVTicket(address=address, reservation_id=t.reservation_id, request_id=t.request_id,
+                       block_ids=list(t.block_ids), num_skip_blocks=t.num_skip_blocks, lease_s=t.lease_s)
+
+
+def ticket_from_pb(m: pb.KVTicket) -> Ticket:
+    """The ticket a decode worker issued, checked field by field; InvalidRequestError names what is wrong."""
+    if not m.HasField("address"):
+        raise InvalidRequestError("the KV ticket has no receiver address")
+    a = m.address
+    bad = [name for name, ok in (
+        ("address.host", bool(a.host)), ("address.port", 0 < a.port < 65536), ("address.receiver_id", bool(a.receiver_id)),
+        ("address.device", a.device in ("cpu", "cuda")), ("address.transports", bool(a.transports) and
+                                                           set(a.transports) <= set(TRANSPORTS)),
+        ("request_id", bool(m.request_id)), ("block_ids", bool(m.block_ids)),
+        ("num_skip_blocks", m.num_skip_blocks <= len(m.block_ids)), ("lease_s", m.lease_s > 0))
+        if not ok]
+    if bad:
+        raise InvalidRequestError(f"the KV ticket's {', '.join(bad)} {'is' if len(bad) == 1 else 'are'} missing or invalid")
+    optional = {name: getattr(a, name) if a.HasField(name) else None
+                for name in ("shm_name", "shm_nonce", "cuda_ipc_handle", "gpu", "local_name")}
+    address = FabricAddress(a.host, a.port, a.host_id, a.receiver_id, a.device, tuple(a.transports),
+                            shm_bytes=a.shm_bytes, pool_blocks=a.pool_blocks, **optional)
+    return Ticket(address, m.reservation_id, m.request_id, tuple(m.block_ids), m.num_skip_blocks, m.lease_s)

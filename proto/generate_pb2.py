@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14proto/generate.proto\x12\rsplitserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xd0\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12-\n\nconstraint\x18\n \x01(\x0b\x32\x19.splitserve.v1.Constraint\x12\x19\n\x11\x63onstraint_prefix\x18\x0b \x01(\rB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seed\")\n\nConstraint\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"\xc0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x0e\n\x06tenant\x18\x06 \x01(\tB\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"p\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\x12\x1a\n\x12transfer_window_ms\x18\x05 \x01(\x01\"M\n\x05Route\x12\x15\n\rdecode_worker\x18\x01 \x01(\t\x12\x16\n\x0eprefill_worker\x18\x02 \x01(\t\x12\x15\n\rlocal_prefill\x18\x03 \x01(\x08\"\xfe\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12%\n\x06timing\x18\x07 \x01(\x0b\x32\x15.splitserve.v1.Timing\x12#\n\x05route\x18\x08 \x01(\x0b\x32\x14.splitserve.v1.Route\"\xb8\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x0e\n\x06ticket\x18\x06 \x01(\x0c\x12\x15\n\rtenant_weight\x18\x07 \x01(\x02\"\x7f\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x32\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\"D\n\x08KVPushed\x12\x0f\n\x07push_ms\x18\x01 \x01(\x01\x12\x13\n\x0bkvfabric_ms\x18\x02 \x01(\x01\x12\x12\n\nnum_pushes\x18\x03 \x01(\r\"n\n\x0cPrefillEvent\x12*\n\x05\x66irst\x18\x01 \x01(\x0b\x32\x19.splitserve.v1.FirstTokenH\x00\x12)\n\x06pushed\x18\x02 \x01(\x0b\x32\x17.splitserve.v1.KVPushedH\x00\x42\x07\n\x05\x65vent\"\xbe\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x15\n\rlocal_prefill\x18\x06 \x01(\x08\x12\x15\n\rtenant_weight\x18\x07 \x01(\x02\"5\n\x08Reserved\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\"|\n\x06Tokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x32\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\"%\n\x07\x41rrived\x12\x1a\n\x12transfer_window_ms\x18\x01 \x01(\x01\"\x97\x01\n\x0b\x44\x65\x63odeEvent\x12+\n\x08reserved\x18\x01 \x01(\x0b\x32\x17.splitserve.v1.ReservedH\x00\x12\'\n\x06tokens\x18\x02 \x01(\x0b\x32\x15.splitserve.v1.TokensH\x00\x12)\n\x07\x61rrived\x18\x03 \x01(\x0b\x32\x16.splitserve.v1.ArrivedH\x00\x42\x07\n\x05\x65vent*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32[\n\nGeneration\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x32X\n\rPrefillWorker\x12G\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1b.splitserve.v1.PrefillEvent0\x01\x32T\n\x0c\x44\x65\x63odeWorker\x12\x44\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1a.splitserve.v1.DecodeEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14proto/generate.proto\x12\rsplitserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xd0\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12-\n\nconstraint\x18\n \x01(\x0b\x32\x19.splitserve.v1.Constraint\x12\x19\n\x11\x63onstraint_prefix\x18\x0b \x01(\rB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seed\")\n\nConstraint\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"\xc0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x0e\n\x06tenant\x18\x06 \x01(\tB\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"p\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\x12\x1a\n\x12transfer_window_ms\x18\x05 \x01(\x01\"M\n\x05Route\x12\x15\n\rdecode_worker\x18\x01 \x01(\t\x12\x16\n\x0eprefill_worker\x18\x02 \x01(\t\x12\x15\n\rlocal_prefill\x18\x03 \x01(\x08\"\xfe\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12%\n\x06timing\x18\x07 \x01(\x0b\x32\x15.splitserve.v1.Timing\x12#\n\x05route\x18\x08 \x01(\x0b\x32\x14.splitserve.v1.Route\"\xd1\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\'\n\x06ticket\x18\x06 \x01(\x0b\x32\x17.splitserve.v1.KVTicket\x12\x15\n\rtenant_weight\x18\x07 \x01(\x02\"\xdb\x02\n\rFabricAddress\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\x0f\n\x07host_id\x18\x03 \x01(\t\x12\x13\n\x0breceiver_id\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\ntransports\x18\x06 \x03(\t\x12\x15\n\x08shm_name\x18\x07 \x01(\tH\x00\x88\x01\x01\x12\x16\n\tshm_nonce\x18\x08 \x01(\tH\x01\x88\x01\x01\x12\x11\n\tshm_bytes\x18\t \x01(\x04\x12\x1c\n\x0f\x63uda_ipc_handle\x18\n \x01(\x0cH\x02\x88\x01\x01\x12\x10\n\x03gpu\x18\x0b \x01(\tH\x03\x88\x01\x01\x12\x13\n\x0bpool_blocks\x18\x0c \x01(\x04\x12\x17\n\nlocal_name\x18\r \x01(\tH\x04\x88\x01\x01\x42\x0b\n\t_shm_nameB\x0c\n\n_shm_nonceB\x12\n\x10_cuda_ipc_handleB\x06\n\x04_gpuB\r\n\x0b_local_name\"\xa2\x01\n\x08KVTicket\x12-\n\x07\x61\x64\x64ress\x18\x01 \x01(\x0b\x32\x1c.splitserve.v1.FabricAddress\x12\x16\n\x0ereservation_id\x18\x02 \x01(\x04\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x17\n\x0fnum_skip_blocks\x18\x05 \x01(\r\x12\x0f\n\x07lease_s\x18\x06 \x01(\x01\"\x7f\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x32\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\"D\n\x08KVPushed\x12\x0f\n\x07push_ms\x18\x01 \x01(\x01\x12\x13\n\x0bkvfabric_ms\x18\x02 \x01(\x01\x12\x12\n\nnum_pushes\x18\x03 \x01(\r\"n\n\x0cPrefillEvent\x12*\n\x05\x66irst\x18\x01 \x01(\x0b\x32\x19.splitserve.v1.FirstTokenH\x00\x12)\n\x06pushed\x18\x02 \x01(\x0b\x32\x17.splitserve.v1.KVPushedH\x00\x42\x07\n\x05\x65vent\"\xbe\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x15\n\rlocal_prefill\x18\x06 \x01(\x08\x12\x15\n\rtenant_weight\x18\x07 \x01(\x02\"N\n\x08Reserved\x12\'\n\x06ticket\x18\x01 \x01(\x0b\x32\x17.splitserve.v1.KVTicket\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\"|\n\x06Tokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x32\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\"%\n\x07\x41rrived\x12\x1a\n\x12transfer_window_ms\x18\x01 \x01(\x01\"\x97\x01\n\x0b\x44\x65\x63odeEvent\x12+\n\x08reserved\x18\x01 \x01(\x0b\x32\x17.splitserve.v1.ReservedH\x00\x12\'\n\x06tokens\x18\x02 \x01(\x0b\x32\x15.splitserve.v1.TokensH\x00\x12)\n\x07\x61rrived\x18\x03 \x01(\x0b\x32\x16.splitserve.v1.ArrivedH\x00\x42\x07\n\x05\x65vent*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32[\n\nGeneration\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x32X\n\rPrefillWorker\x12G\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1b.splitserve.v1.PrefillEvent0\x01\x32T\n\x0c\x44\x65\x63odeWorker\x12\x44\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1a.splitserve.v1.DecodeEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2238
-  _globals['_FINISHREASON']._serialized_end=2358
+  _globals['_FINISHREASON']._serialized_start=2803
+  _globals['_FINISHREASON']._serialized_end=2923
   _globals['_TOKENIDS']._serialized_start=39
   _globals['_TOKENIDS']._serialized_end=62
   _globals['_SAMPLINGPARAMS']._serialized_start=65
@@ -50,27 +50,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATERESPONSE']._serialized_start=917
   _globals['_GENERATERESPONSE']._serialized_end=1171
   _globals['_PREFILLREQUEST']._serialized_start=1174
-  _globals['_PREFILLREQUEST']._serialized_end=1358
-  _globals['_FIRSTTOKEN']._serialized_start=1360
-  _globals['_FIRSTTOKEN']._serialized_end=1487
-  _globals['_KVPUSHED']._serialized_start=1489
-  _globals['_KVPUSHED']._serialized_end=1557
-  _globals['_PREFILLEVENT']._serialized_start=1559
-  _globals['_PREFILLEVENT']._serialized_end=1669
-  _globals['_DECODEREQUEST']._serialized_start=1672
-  _globals['_DECODEREQUEST']._serialized_end=1862
-  _globals['_RESERVED']._serialized_start=1864
-  _globals['_RESERVED']._serialized_end=1917
-  _globals['_TOKENS']._serialized_start=1919
-  _globals['_TOKENS']._serialized_end=2043
-  _globals['_ARRIVED']._serialized_start=2045
-  _globals['_ARRIVED']._serialized_end=2082
-  _globals['_DECODEEVENT']._serialized_start=2085
-  _globals['_DECODEEVENT']._serialized_end=2236
-  _globals['_GENERATION']._serialized_start=2360
-  _globals['_GENERATION']._serialized_end=2451
-  _globals['_PREFILLWORKER']._serialized_start=2453
-  _globals['_PREFILLWORKER']._serialized_end=2541
-  _globals['_DECODEWORKER']._serialized_start=2543
-  _globals['_DECODEWORKER']._serialized_end=2627
+  _globals['_PREFILLREQUEST']._serialized_end=1383
+  _globals['_FABRICADDRESS']._serialized_start=1386
+  _globals['_FABRICADDRESS']._serialized_end=1733
+  _globals['_KVTICKET']._serialized_start=1736
+  _globals['_KVTICKET']._serialized_end=1898
+  _globals['_FIRSTTOKEN']._serialized_start=1900
+  _globals['_FIRSTTOKEN']._serialized_end=2027
+  _globals['_KVPUSHED']._serialized_start=2029
+  _globals['_KVPUSHED']._serialized_end=2097
+  _globals['_PREFILLEVENT']._serialized_start=2099
+  _globals['_PREFILLEVENT']._serialized_end=2209
+  _globals['_DECODEREQUEST']._serialized_start=2212
+  _globals['_DECODEREQUEST']._serialized_end=2402
+  _globals['_RESERVED']._serialized_start=2404
+  _globals['_RESERVED']._serialized_end=2482
+  _globals['_TOKENS']._serialized_start=2484
+  _globals['_TOKENS']._serialized_end=2608
+  _globals['_ARRIVED']._serialized_start=2610
+  _globals['_ARRIVED']._serialized_end=2647
+  _globals['_DECODEEVENT']._serialized_start=2650
+  _globals['_DECODEEVENT']._serialized_end=2801
+  _globals['_GENERATION']._serialized_start=2925
+  _globals['_GENERATION']._serialized_end=3016
+  _globals['_PREFILLWORKER']._serialized_start=3018
+  _globals['_PREFILLWORKER']._serialized_end=3106
+  _globals['_DECODEWORKER']._serialized_start=3108
+  _globals['_DECODEWORKER']._serialized_end=3192
 # @@protoc_insertion_point(module_scope)

@@ -142,9 +142,55 @@ class PrefillRequest(_message.Message):
     sampling: SamplingParams
     priority: int
     tenant: str
-    ticket: bytes
+    ticket: KVTicket
     tenant_weight: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ..., ticket: _Optional[bytes] = ..., tenant_weight: _Optional[float] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ..., ticket: _Optional[_Union[KVTicket, _Mapping]] = ..., tenant_weight: _Optional[float] = ...) -> None: ...
+
+class FabricAddress(_message.Message):
+    __slots__ = ("host", "port", "host_id", "receiver_id", "device", "transports", "shm_name", "shm_nonce", "shm_bytes", "cuda_ipc_handle", "gpu", "pool_blocks", "local_name")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    SHM_NONCE_FIELD_NUMBER: _ClassVar[int]
+    SHM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    GPU_FIELD_NUMBER: _ClassVar[int]
+    POOL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_NAME_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    port: int
+    host_id: str
+    receiver_id: str
+    device: str
+    transports: _containers.RepeatedScalarFieldContainer[str]
+    shm_name: str
+    shm_nonce: str
+    shm_bytes: int
+    cuda_ipc_handle: bytes
+    gpu: str
+    pool_blocks: int
+    local_name: str
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., host_id: _Optional[str] = ..., receiver_id: _Optional[str] = ..., device: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., shm_name: _Optional[str] = ..., shm_nonce: _Optional[str] = ..., shm_bytes: _Optional[int] = ..., cuda_ipc_handle: _Optional[bytes] = ..., gpu: _Optional[str] = ..., pool_blocks: _Optional[int] = ..., local_name: _Optional[str] = ...) -> None: ...
+
+class KVTicket(_message.Message):
+    __slots__ = ("address", "reservation_id", "request_id", "block_ids", "num_skip_blocks", "lease_s")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    address: FabricAddress
+    reservation_id: int
+    request_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_skip_blocks: int
+    lease_s: float
+    def __init__(self, address: _Optional[_Union[FabricAddress, _Mapping]] = ..., reservation_id: _Optional[int] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_skip_blocks: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class FirstToken(_message.Message):
     __slots__ = ("token_id", "logprobs", "finish_reason", "num_cached_tokens")
@@ -198,9 +244,9 @@ class Reserved(_message.Message):
     __slots__ = ("ticket", "num_cached_tokens")
     TICKET_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    ticket: bytes
+    ticket: KVTicket
     num_cached_tokens: int
-    def __init__(self, ticket: _Optional[bytes] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, ticket: _Optional[_Union[KVTicket, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Tokens(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "num_cached_tokens")

@@ -86,7 +86,7 @@ class FakeStreams:
 
 
 def reserved() -> pb.DecodeEvent:
-    return pb.DecodeEvent(reserved=pb.Reserved(ticket=b"ticket"))
+    return pb.DecodeEvent(reserved=pb.Reserved(ticket=pb.KVTicket(request_id="r1", reservation_id=7)))
 
 
 def arrived() -> pb.DecodeEvent:

@@ -12,3 +12,27 @@ def test_finish_reasons_round_trip() -> None:
         assert finish_name_from_pb(finish_to_pb(reason)) == name
     assert finish_to_pb(None) == pb.FINISH_REASON_UNSPECIFIED
     assert finish_name_from_pb(pb.FINISH_REASON_UNSPECIFIED) is None
+
+
+def test_a_kv_ticket_crosses_the_router_as_a_checked_protobuf_message() -> None:
+    import pytest
+
+    from engine.types import InvalidRequestError
+    from kvfabric.address import FabricAddress, Ticket
+    from proto.convert import ticket_from_pb, ticket_to_pb
+
+    addr = FabricAddress("10.0.0.7", 5555, "h/b", "r1", "cuda", ("cuda_ipc", "nccl"), cuda_ipc_handle=b"\x00\x01" * 32,
+                         gpu="0000:1b:00.0", pool_blocks=4096, local_name="splitserve-r1")
+    ticket = Ticket(addr, 2**62 + 5, "req", (4, 5, 9), 1, 10.0)
+    wire = ticket_to_pb(ticket).SerializeToString()
+    assert ticket_from_pb(pb.KVTicket.FromString(wire)) == ticket
+    cpu = Ticket(FabricAddress("127.0.0.1", 1, "h", "r", "cpu", ("shm", "tcp"), "splitserve-kv-1-ab", "n" * 32, 64),
+                 1, "q", (0,), 0, 0.5)
+    assert ticket_from_pb(ticket_to_pb(cpu)) == cpu  # unset optionals stay None
+    for broken, named in ((pb.KVTicket(), "no receiver address"),
+                          (pb.KVTicket(address=pb.FabricAddress(host="h", port=70000, receiver_id="r", device="cpu",
+                                                                transports=["carrier-pigeon"]), request_id="q",
+                                       block_ids=[1], num_skip_blocks=2, lease_s=0),
+                           "address.port, address.transports, num_skip_blocks, lease_s are missing or invalid")):
+        with pytest.raises(InvalidRequestError, match=named):
+            ticket_from_pb(broken)

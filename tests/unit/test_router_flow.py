@@ -33,7 +33,7 @@ def test_remote_prefill_streams_the_first_token_from_p_and_the_rest_from_d() -> 
     assert responses[0].token_ids == [100] and responses[0].route.prefill_worker in ("p0", "p1")
     assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert [type(r).__name__ for _, r, _ in streams.calls] == ["DecodeRequest", "PrefillRequest"]
-    assert streams.calls[1][1].ticket == b"ticket"  # D's reservation goes to P
+    assert streams.calls[1][1].ticket == pb.KVTicket(request_id="r1", reservation_id=7)  # D's reservation goes to P
     assert flow.stats == {"num_local_prefill": 0, "num_remote_prefill": 1, "num_retries": 0, "num_busy_waits": 0,
                           "num_kv_waits": 0}
     assert_settled(flow, streams)
