@@ -9,5 +9,5 @@ mkdir -p .gpuwheels
 "$PY" -m pip download -q --only-binary=:all: --python-version 3.12 --no-deps -d .gpuwheels \
   --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
   llguidance prometheus_client redis gguf opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions \
-  orjson "protobuf>=7.35.1,<8"
+  orjson msgspec "protobuf>=7.35.1,<8"
 ls .gpuwheels

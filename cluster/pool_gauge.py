@@ -39,18 +39,18 @@ class PoolGauge:
         own = [b for w, b in beats.items() if w in mine]
         # a prefill pool scaled to zero: the decode workers hold its queued prompts (local prefill)
         queued_from = own if mine or role == "decode" else [b for b in beats.values() if b.role == "decode"]
-        prompt = sum(b.num_prompt_tokens - b.num_cached_tokens for b in own)
+        prompt = sum(b.load.num_prompt_tokens - b.load.num_cached_tokens for b in own)
         now = self.clock()
         then, before, rate = self._rate.get(role, (now, prompt, 0.0))
         if now > then and prompt > before:  # measured while it had work
             rate = (prompt - before) / (now - then)
         self._rate[role] = (now, prompt, rate)
         states = list(mine.values())
-        used = sum(b.num_total_blocks - b.num_free_blocks - b.num_cached_blocks for b in own)
+        used = sum(b.load.num_total_blocks - b.load.num_free_blocks - b.load.num_cached_blocks for b in own)
         return PoolMetrics(states.count("serving"), states.count("starting"), states.count("draining"),
-                           sum(b.queued_prefill_tokens for b in queued_from), rate, used,
-                           sum(b.num_total_blocks for b in own), None,
-                           sum(b.num_waiting for b in own), sum(b.num_running for b in own))
+                           sum(b.load.queued_prefill_tokens for b in queued_from), rate, used,
+                           sum(b.load.num_total_blocks for b in own), None,
+                           sum(b.load.num_waiting for b in own), sum(b.load.num_running for b in own))
 
 
 def removal_cost(worker_id: str, hb: Heartbeat | None) -> tuple[int, int, str]:
@@ -58,4 +58,4 @@ def removal_cost(worker_id: str, hb: Heartbeat | None) -> tuple[int, int, str]:
     requests, then its cached KV (then its id, for a stable choice)."""
     if hb is None:
         return (0, 0, worker_id)
-    return (hb.num_running + hb.num_waiting, hb.num_cached_blocks, worker_id)
+    return (hb.load.num_running + hb.load.num_waiting, hb.load.num_cached_blocks, worker_id)

@@ -6,6 +6,8 @@ import json
 import sys
 from collections.abc import Callable
 
+import msgspec
+
 from cluster.processes import redacted
 
 
@@ -26,7 +28,7 @@ def show_status(args: argparse.Namespace, cluster_redis: Callable[[argparse.Name
               file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps({"workers": {w: b.__dict__ for w, b in beats.items()}, "routers": routers,
+        print(json.dumps({"workers": {w: msgspec.to_builtins(b) for w, b in beats.items()}, "routers": routers,
                           "controller": controller}, default=str))
         return 0
     if controller is not None:
@@ -41,13 +43,14 @@ def show_status(args: argparse.Namespace, cluster_redis: Callable[[argparse.Name
             print(f"  {action}")
     print(f"{'worker':<12}{'role':<9}{'state':<10}{'address':<22}{'running':>8}{'waiting':>8}{'queued tok':>11}"
           f"{'KV used':>16}{'prefix hit':>11}{'spec accepted':>22}")
-    for w, b in sorted(beats.items()):
+    for w, hb in sorted(beats.items()):
+        b = hb.load
         used = b.num_total_blocks - b.num_free_blocks - b.num_cached_blocks
         hit = b.num_cached_tokens / b.num_prompt_tokens if b.num_prompt_tokens else 0.0
         kv = f"{used}/{b.num_total_blocks} ({used / max(b.num_total_blocks, 1):.0%})"
         spec = (f"{b.spec_num_accepted_tokens}/{b.spec_num_draft_tokens} "
                 f"({b.spec_num_accepted_tokens / b.spec_num_draft_tokens:.0%})" if b.spec_num_draft_tokens else "-")
-        print(f"{w:<12}{b.role:<9}{b.state:<10}{b.address:<22}{b.num_running:>8}{b.num_waiting:>8}"
+        print(f"{w:<12}{hb.role:<9}{hb.state:<10}{hb.address:<22}{b.num_running:>8}{b.num_waiting:>8}"
               f"{b.queued_prefill_tokens:>11}{kv:>16}{hit:>11.0%}{spec:>22}")
     for rid, s in sorted(routers.items()):
         hit = s["num_cached_tokens"] / s["num_prompt_tokens"] if s["num_prompt_tokens"] else 0.0

@@ -1,12 +1,14 @@
 """The KV event wire format: one msgpack map per engine `KVEvent` in a worker's Redis stream.
 
-Entries are read back by routers from a shared Redis: `event_from_bytes` checks every
-field and raises `BadEntry` for anything else, so a malformed entry costs that entry,
-never the reader.
+Entries are read back by routers from a shared Redis: `event_from_bytes` decodes the one
+typed definition (`WireEvent`), checking every field, and raises `BadEntry` for anything
+else, so a malformed entry costs that entry, never the reader.
 """
 from __future__ import annotations
 
-import msgpack
+from typing import Annotated, Literal
+
+import msgspec
 
 from control.heartbeat import BadEntry
 from engine.block_pool import KVEvent
@@ -16,14 +18,26 @@ STREAM_MAXLEN = 100_000
 """Approximate cap of a worker's KV event stream; a router that falls behind it sees a gap and resyncs."""
 MAX_HASHES_PER_EVENT = 1 << 16
 MAX_HASH_BYTES = 64
-KINDS = ("stored", "removed", "cleared")
 
 
-def event_to_wire(ev: KVEvent) -> dict[str, object]:
-    d: dict[str, object] = {"id": ev.event_id, "kind": ev.kind, "hashes": list(ev.block_hashes)}
-    if ev.parent_block_hash is not None:
-        d["parent"] = ev.parent_block_hash
-    return d
+Hash = Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_HASH_BYTES)]
+
+
+class WireEvent(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One entry's payload, typed: msgspec decodes and checks it in one step."""
+
+    id: Annotated[int, msgspec.Meta(ge=0)]
+    kind: Literal["stored", "removed", "cleared"]
+    hashes: Annotated[list[Hash], msgspec.Meta(max_length=MAX_HASHES_PER_EVENT)] = msgspec.field(default_factory=list)
+    parent: Hash | None = None
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(WireEvent)
+
+
+def event_to_bytes(ev: KVEvent) -> bytes:
+    return _ENCODER.encode(WireEvent(ev.event_id, ev.kind, list(ev.block_hashes), ev.parent_block_hash))
 
 
 def event_from_bytes(data: object) -> KVEvent:
@@ -31,27 +45,7 @@ def event_from_bytes(data: object) -> KVEvent:
     if not isinstance(data, bytes):
         raise BadEntry(f"a KV event is msgpack bytes, got {type(data).__name__}")
     try:
-        d = msgpack.unpackb(data, raw=False, max_bin_len=MAX_HASHES_PER_EVENT * MAX_HASH_BYTES)
-    except Exception as e:  # noqa: BLE001 - msgpack raises several unrelated types
-        raise BadEntry(f"undecodable KV event: {e}") from None
-    return event_from_wire(d)
-
-
-def event_from_wire(d: object) -> KVEvent:
-    if not isinstance(d, dict):
-        raise BadEntry(f"a KV event is a map, got {type(d).__name__}")
-    event_id, kind, hashes, parent = d.get("id"), d.get("kind"), d.get("hashes", []), d.get("parent")
-    if not isinstance(event_id, int) or isinstance(event_id, bool) or event_id < 0:
-        raise BadEntry(f"KV event id must be a non-negative integer, got {event_id!r:.40}")
-    if kind not in KINDS:
-        raise BadEntry(f"unknown KV event kind {kind!r:.40}")
-    if not isinstance(hashes, list) or len(hashes) > MAX_HASHES_PER_EVENT or not all(_is_hash(h) for h in hashes):
-        raise BadEntry(f"KV event hashes must be a list of at most {MAX_HASHES_PER_EVENT} byte strings "
-                       f"of 1..{MAX_HASH_BYTES} bytes")
-    if parent is not None and not _is_hash(parent):
-        raise BadEntry("KV event parent must be a byte string")
-    return KVEvent(event_id, kind, [BlockHash(h) for h in hashes], BlockHash(parent) if parent is not None else None)
-
-
-def _is_hash(h: object) -> bool:
-    return isinstance(h, bytes) and 0 < len(h) <= MAX_HASH_BYTES
+        w = _DECODER.decode(data)
+    except msgspec.DecodeError as e:  # ValidationError too: a wrong type, a bound, an unknown kind
+        raise BadEntry(f"KV event: {e}") from None
+    return KVEvent(w.id, w.kind, [BlockHash(h) for h in w.hashes], BlockHash(w.parent) if w.parent is not None else None)

@@ -13,11 +13,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-import msgpack
 import redis
 
 from control.heartbeat import Heartbeat, hb_key, kv_key
-from control.kv_events import STREAM_MAXLEN, event_to_wire
+from control.kv_events import STREAM_MAXLEN, event_to_bytes
 from engine.block_pool import KVEvent
 
 logger = logging.getLogger(__name__)
@@ -84,7 +83,7 @@ class Publisher:
         batch = list(self._events)[:1000]
         pipe = self.client.pipeline(transaction=False)
         for ev in batch:
-            pipe.xadd(kv_key(self.ns, self.worker_id), {"e": msgpack.packb(event_to_wire(ev))},
+            pipe.xadd(kv_key(self.ns, self.worker_id), {"e": event_to_bytes(ev)},
                       maxlen=STREAM_MAXLEN, approximate=True)
         hb = self.heartbeat() if beat else None
         if hb is not None:

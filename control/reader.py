@@ -2,7 +2,7 @@
 
 Keys under one namespace `ns` (msgpack values, never pickle):
   {ns}:hb:{worker_id}      a worker's `Heartbeat`; expires after its TTL, so a missing key is a gone worker
-  {ns}:kv:{worker_id}      Redis Stream of the worker's KV events (field `e`: `event_to_wire`)
+  {ns}:kv:{worker_id}      Redis Stream of the worker's KV events (field `e`: `event_to_bytes`)
   {ns}:router:{router_id}  a router's stats (queues, prefix hit rate); expires like a heartbeat
 """
 from __future__ import annotations

@@ -18,10 +18,10 @@ import os
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any, TypeVar
 
 import grpc
+import msgspec
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from control import tracing
@@ -131,7 +131,7 @@ class WorkerHost:
     def info(self) -> dict[str, object]:
         return {"worker_id": self.worker_id, "role": self.role, "address": self.address,
                 "metrics_address": self.metrics_address, "state": self.state, "incarnation": self.incarnation,
-                "pid": os.getpid(), **asdict(self.facts)}
+                "pid": os.getpid(), **msgspec.structs.asdict(self.facts)}
 
     def publish_events(self, events: list[KVEvent]) -> None:
         if self.publisher:
@@ -142,7 +142,7 @@ class WorkerHost:
         if load is None:
             return None
         return Heartbeat(self.worker_id, self.role, self.address, self.state, self.incarnation,
-                         **asdict(self.facts) | asdict(load), metrics_address=self.metrics_address,
+                         self.facts, load, metrics_address=self.metrics_address,
                          sent_at=time.time(), step_model=list(self.read_step_model() or ()),
                          step_profile=[x for row in self.step_profile for x in row])
 

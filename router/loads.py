@@ -84,9 +84,9 @@ class LoadBook:
         active, queued = o.num_active, o.queued_prefill_tokens
         hb = self.heartbeats.get(worker_id)
         if hb is not None:
-            free = min(free, hb.num_free_blocks + hb.num_cached_blocks)
-            active = max(active, hb.num_running + hb.num_waiting)
-            queued = max(queued, hb.queued_prefill_tokens)
+            free = min(free, hb.load.num_free_blocks + hb.load.num_cached_blocks)
+            active = max(active, hb.load.num_running + hb.load.num_waiting)
+            queued = max(queued, hb.load.queued_prefill_tokens)
         return WorkerLoad(worker_id, active, queued, max(free, 0), total)
 
     def own_active(self, worker_id: str) -> int:

@@ -9,7 +9,7 @@ from typing import Any
 
 from cluster.autoscaler import AutoscaleState, decide
 from cluster.pool_gauge import PoolGauge, removal_cost
-from control.heartbeat import Heartbeat
+from control.heartbeat import Heartbeat, ModelFacts
 from router.admission import AdmissionQueue
 from router.frontend import ItlWindow
 from router.kv_index import KVIndex
@@ -48,12 +48,8 @@ class PoolControl:
         load = w.engine.load()
         if w.beat is not None and w.beat[0] == (load, w.state):
             return w.beat[1]  # type: ignore[no-any-return]
-        beat = Heartbeat(w.worker_id, w.role, state=w.state, model_id="sim",  # type: ignore[arg-type]
-                         block_size=self.config.block_size, vocab_size=VOCAB, max_model_len=self.config.max_model_len,
-                         num_total_blocks=load.num_total_blocks, num_free_blocks=load.num_free_blocks,
-                         num_cached_blocks=load.num_cached_blocks, num_running=load.num_running,
-                         num_waiting=load.num_waiting, queued_prefill_tokens=load.queued_prefill_tokens,
-                         num_prompt_tokens=load.num_prompt_tokens, num_cached_tokens=load.num_cached_tokens)
+        facts = ModelFacts("sim", self.config.block_size, VOCAB, self.config.max_model_len, load.num_total_blocks)
+        beat = Heartbeat(w.worker_id, w.role, state=w.state, facts=facts, load=load)  # type: ignore[arg-type]
         w.beat = ((load, w.state), beat)
         return beat
 

@@ -1,15 +1,18 @@
-"""Builders for bookkeeping tests: a scheduler over a block pool, no model."""
+"""Builders for bookkeeping tests: a scheduler over a block pool, no model; heartbeats."""
 from __future__ import annotations
 
+import dataclasses
 import zlib
+from typing import Any
 
+from control.heartbeat import Heartbeat, ModelFacts
 from engine.block_pool import BlockPool
 from engine.config import SchedulerConfig
 from engine.hashing import BlockHasher
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.types import RequestId
+from engine.types import EngineLoad, RequestId
 
 SECRET = b"test-secret"
 
@@ -50,3 +53,15 @@ def fake_step(s: Scheduler, token: int = 7) -> SchedulerOutput:
 
 def plan(out: SchedulerOutput) -> list[tuple[str, int]]:
     return [(x.request.request_id, x.num_new_tokens) for x in out.scheduled]
+
+
+def heartbeat(worker_id: str, role: str, **fields: Any) -> Heartbeat:
+    """A heartbeat from flat fields, as tests write them: the model facts and the engine load
+    fields go where the message holds them (num_total_blocks to both)."""
+    load_names = {f.name for f in dataclasses.fields(EngineLoad)}
+    facts = {k: fields.pop(k) for k in list(fields) if k in ModelFacts.__struct_fields__ and k != "num_total_blocks"}
+    load = {k: fields.pop(k) for k in list(fields) if k in load_names}
+    total = load.get("num_total_blocks", 0)
+    load = {**dict.fromkeys(load_names - {"spec_accepted_per_pos"}, 0), **load}
+    return Heartbeat(worker_id, role, facts=ModelFacts(**facts, num_total_blocks=total),  # type: ignore[arg-type]
+                     load=EngineLoad(**load), **fields)

@@ -27,6 +27,7 @@ from router.kv_index import KVIndex
 from router.loads import LoadBook
 from router.members import Members
 from router.policy import RoutingConfig
+from tests.unit.helpers import heartbeat
 
 HANG = "hang"
 Script = list[object]
@@ -140,7 +141,7 @@ def first_call_then(failing: Callable[[WorkerRequest], Script],
 def make_flow(scripts: dict[str, Callable[[WorkerRequest], Script]],
               mode: str = "disaggregated", **config_kw: float) -> tuple[RequestFlow, FakeStreams]:
     members = Members()
-    beats = {w: Heartbeat(w, "prefill" if w.startswith("p") else "decode", address=w, model_id="m", block_size=16,
+    beats = {w: heartbeat(w, "prefill" if w.startswith("p") else "decode", address=w, model_id="m", block_size=16,
                           vocab_size=1000, max_model_len=512, num_total_blocks=64) for w in scripts}
     members.update(beats)
     loads = LoadBook(members.num_blocks())

@@ -8,6 +8,7 @@ from cluster.autoscaler import AutoscaleState
 from cluster.controller_state import autoscale_in, autoscale_out, next_ids, plan
 from cluster.pool_gauge import PoolGauge
 from control.heartbeat import Heartbeat
+from tests.unit.helpers import heartbeat
 
 
 def record(role: str, state: str) -> dict[str, object]:
@@ -57,7 +58,7 @@ def test_autoscaler_times_survive_the_trip_through_wall_time() -> None:
 
 
 def beat(worker_id: str, role: str, prompt: int, cached: int = 0, **kw: int) -> Heartbeat:
-    return Heartbeat(worker_id, role, num_prompt_tokens=prompt, num_cached_tokens=cached,  # type: ignore[arg-type]
+    return heartbeat(worker_id, role, num_prompt_tokens=prompt, num_cached_tokens=cached,  # type: ignore[arg-type]
                      **kw)
 
 

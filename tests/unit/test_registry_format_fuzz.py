@@ -7,10 +7,10 @@ import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from control.heartbeat import BadEntry, Heartbeat
-from control.kv_events import event_from_bytes, event_to_wire
+from control.heartbeat import BadEntry, Heartbeat, ModelFacts
+from control.kv_events import event_from_bytes, event_to_bytes
 from engine.block_pool import KVEvent
-from engine.types import BlockHash
+from engine.types import BlockHash, EngineLoad
 
 FUZZ = settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
@@ -19,7 +19,8 @@ leaves = st.none() | st.booleans() | MSGPACK_INTS | \
     st.floats(allow_nan=True) | st.text(max_size=20) | st.binary(max_size=40)
 structures = st.recursive(leaves, lambda inner: st.lists(inner, max_size=6) |
                           st.dictionaries(st.text(max_size=12) | MSGPACK_INTS, inner, max_size=8), max_leaves=30)
-KEYS = ["id", "kind", "hashes", "parent", "worker_id", "role", "state", "address", "num_total_blocks", "sent_at"]
+KEYS = ["id", "kind", "hashes", "parent", "worker_id", "role", "state", "address", "facts", "load", "sent_at",
+        "num_total_blocks", "step_profile"]
 near_valid = st.dictionaries(st.sampled_from(KEYS), structures | st.sampled_from(
     ["stored", "removed", "cleared", "prefill", "decode", "serving"]), max_size=10)
 
@@ -56,7 +57,8 @@ def test_any_bytes_are_a_heartbeat_or_a_bad_entry(data: bytes) -> None:
     except BadEntry:
         return
     assert hb.role in ("prefill", "decode") and isinstance(hb.worker_id, str)
-    assert all(isinstance(getattr(hb, n), int) for n in ("num_total_blocks", "num_free_blocks", "block_size"))
+    assert all(isinstance(getattr(hb.load, n), int) for n in ("num_total_blocks", "num_free_blocks", "num_running"))
+    assert isinstance(hb.facts.block_size, int) and isinstance(hb.load.spec_accepted_per_pos, tuple)
 
 
 @FUZZ
@@ -64,11 +66,28 @@ def test_any_bytes_are_a_heartbeat_or_a_bad_entry(data: bytes) -> None:
        st.lists(st.binary(min_size=1, max_size=32), max_size=20), st.none() | st.binary(min_size=1, max_size=32))
 def test_valid_events_round_trip(event_id: int, kind: str, hashes: list[bytes], parent: bytes | None) -> None:
     ev = KVEvent(event_id, kind, [BlockHash(h) for h in hashes], BlockHash(parent) if parent else None)  # type: ignore[arg-type]
-    assert event_from_bytes(msgpack.packb(event_to_wire(ev))) == ev
+    assert event_from_bytes(event_to_bytes(ev)) == ev
 
 
 def test_a_heartbeat_round_trips_and_unknown_fields_are_ignored() -> None:
-    hb = Heartbeat("d0", "decode", "10.0.0.2:5000", "serving", "abc", "m", 16, 1000, 512, 64, 60, 2, 1, 0, 0, 10, 5,
-                   num_preemptions=3, metrics_address="10.0.0.2:5001", sent_at=1.5)
+    hb = Heartbeat("d0", "decode", "10.0.0.2:5000", "serving", "abc", ModelFacts("m", 16, 1000, 512, 64),
+                   EngineLoad(64, 60, 2, 1, 0, 0, 10, 5, num_preemptions=3, spec_accepted_per_pos=(4, 1)),
+                   metrics_address="10.0.0.2:5001", sent_at=1.5)
     assert Heartbeat.from_wire(hb.to_wire()) == hb
-    assert Heartbeat.from_wire(msgpack.packb({**msgpack.unpackb(hb.to_wire()), "new_field": [1]})) == hb
+    wire = msgpack.unpackb(hb.to_wire())
+    assert Heartbeat.from_wire(msgpack.packb({**wire, "new_field": [1]})) == hb
+    assert Heartbeat.from_wire(msgpack.packb({**wire, "load": {**wire["load"], "new_count": 2}})) == hb
+
+
+def test_a_heartbeat_with_a_wrong_type_anywhere_is_a_bad_entry_naming_it() -> None:
+    wire = msgpack.unpackb(Heartbeat("d0", "decode", load=EngineLoad(64, 60, 2, 1, 0, 0, 10, 5)).to_wire())
+    for bad, where in (({**wire, "load": {**wire["load"], "num_free_blocks": True}}, "$.load.num_free_blocks"),
+                       ({**wire, "role": "router"}, "$.role"),
+                       ({**wire, "facts": {"block_size": "16"}}, "$.facts.block_size"),
+                       ({**wire, "step_profile": [0.5, 10, 0.001]}, "step_profile")):
+        try:
+            Heartbeat.from_wire(msgpack.packb(bad))
+        except BadEntry as e:
+            assert where in str(e), e
+        else:
+            raise AssertionError(f"accepted {bad}")

@@ -24,6 +24,7 @@ from tests.unit.router_fakes import (
     EXPECTED, HANG, MAX_TOKENS, PROMPT, Script, arrived, assert_settled, first, first_call_then, good_decode,
     good_prefill, make_flow, reserved, rpc_error, run,
 )
+from tests.unit.helpers import heartbeat
 
 
 def test_remote_prefill_streams_the_first_token_from_p_and_the_rest_from_d() -> None:
@@ -166,7 +167,7 @@ def test_a_request_with_no_decode_worker_waits_for_one_to_join() -> None:
                 await asyncio.sleep(0.005)
             assert not requesting.done()  # d9 below is the only worker it can get
             # the controller's replacement starts serving
-            flow.members.update({w: Heartbeat(w, "decode", address=w, model_id="m", block_size=16, vocab_size=1000,
+            flow.members.update({w: heartbeat(w, "decode", address=w, model_id="m", block_size=16, vocab_size=1000,
                                               max_model_len=512, num_total_blocks=64) for w in ("d0", "d9")})
             flow.loads.num_blocks = flow.members.num_blocks()
 
@@ -206,7 +207,7 @@ def slow_decode(pause_s: float) -> Callable[[WorkerRequest], Script]:
 
 def beating(flow: RequestFlow, *workers: str) -> None:
     """The registry's current read: these workers heartbeat."""
-    flow.loads.set_heartbeats({w: Heartbeat(w, "decode" if w.startswith("d") else "prefill", num_total_blocks=64,
+    flow.loads.set_heartbeats({w: heartbeat(w, "decode" if w.startswith("d") else "prefill", num_total_blocks=64,
                                             num_free_blocks=64) for w in workers})
 
 

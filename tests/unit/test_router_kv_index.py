@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import random
 
-from control.kv_events import event_from_wire, event_to_wire
+from control.kv_events import event_from_bytes, event_to_bytes
 from engine.block_pool import KVEvent
 from router.kv_index import KVIndex
 
@@ -98,9 +98,9 @@ def test_the_workers_own_events_replace_its_predictions(clock) -> None:
 def test_forget_worker_and_wire_round_trip(clock) -> None:
     idx = KVIndex(clock)
     ev = stored(0, 4, 5)
-    assert event_from_wire(event_to_wire(ev)) == ev
+    assert event_from_bytes(event_to_bytes(ev)) == ev
     with_parent = KVEvent(3, "stored", [h(6)], h(5))
-    assert event_from_wire(event_to_wire(with_parent)) == with_parent
+    assert event_from_bytes(event_to_bytes(with_parent)) == with_parent
     idx.apply("d0", ev)
     idx.predict("d0", [h(9)])
     idx.forget_worker("d0")

@@ -13,13 +13,14 @@ from engine.request import SamplingParams
 from router.attempt import Deadline, Prepared, Progress, RequestFailed
 from router.frontend import Responses
 from tests.unit.router_fakes import EXPECTED, MAX_TOKENS, PROMPT, assert_settled, good_decode, make_flow
+from tests.unit.helpers import heartbeat
 
 
 def one_request_of_room(kv_wait_s: float):  # type: ignore[no-untyped-def]
     """One decode worker whose pool holds one request (40 + 5 tokens: 3 blocks of 16) at a time,
     answering each after 0.2 s."""
     flow, streams = make_flow({"d0": lambda req: [0.2, *good_decode(req)]}, mode="colocated", kv_wait_s=kv_wait_s)
-    flow.members.update({"d0": Heartbeat("d0", "decode", address="d0", model_id="m", block_size=16, vocab_size=1000,
+    flow.members.update({"d0": heartbeat("d0", "decode", address="d0", model_id="m", block_size=16, vocab_size=1000,
                                          max_model_len=512, num_total_blocks=4)})
     flow.loads.num_blocks = flow.members.num_blocks()
     return flow, streams

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from control.heartbeat import Heartbeat
 from router.loads import LoadBook
+from tests.unit.helpers import heartbeat
 
 
 def beat(worker_id: str, free: int = 10, cached: int = 0, running: int = 0, queued: int = 0) -> Heartbeat:
-    return Heartbeat(worker_id, "decode", num_total_blocks=20, num_free_blocks=free, num_cached_blocks=cached,
+    return heartbeat(worker_id, "decode", num_total_blocks=20, num_free_blocks=free, num_cached_blocks=cached,
                      num_running=running, queued_prefill_tokens=queued)
 
 

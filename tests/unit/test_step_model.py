@@ -4,6 +4,7 @@ from __future__ import annotations
 import random
 import time
 
+import msgpack
 import pytest
 
 from control.heartbeat import BadEntry, Heartbeat
@@ -13,6 +14,7 @@ from engine.request import SamplingParams
 from engine.step_model import StepModel
 from engine.tiny_model import make_tiny_model
 from router.members import Members
+from tests.unit.helpers import heartbeat
 
 
 def test_the_three_terms_are_recovered_from_noisy_steps() -> None:
@@ -53,14 +55,14 @@ def test_an_engine_feeds_its_pure_decode_steps(tmp_path) -> None:  # type: ignor
 
 def test_heartbeats_carry_it_and_routers_average_the_serving_decode_workers() -> None:
     def beat(worker_id: str, model: list[float], state: str = "serving") -> Heartbeat:
-        return Heartbeat(worker_id, "decode", address=f"{worker_id}:1", state=state, model_id="m",  # type: ignore[arg-type]
+        return heartbeat(worker_id, "decode", address=f"{worker_id}:1", state=state, model_id="m",  # type: ignore[arg-type]
                          block_size=16, vocab_size=512, max_model_len=2048, num_total_blocks=64, step_model=model)
 
     wire = beat("decode-0", [0.001, 0.0002, 1e-6]).to_wire()
     assert Heartbeat.from_wire(wire).step_model == [0.001, 0.0002, 1e-6]
     for bad in ([1.0, 2.0], ["x", 1, 2], [True, 1.0, 2.0]):
         with pytest.raises(BadEntry, match="step_model"):
-            Heartbeat.from_wire(Heartbeat("d", "decode", step_model=bad).to_wire())  # type: ignore[arg-type]
+            Heartbeat.from_wire(msgpack.packb({**msgpack.unpackb(wire), "step_model": bad}))
     members = Members()
     members.update({"decode-0": beat("decode-0", [0.001, 0.0002, 1e-6]), "decode-1": beat("decode-1", [0.003, 0.0004, 3e-6]),
                     "decode-2": beat("decode-2", []), "decode-3": beat("decode-3", [9.0, 9.0, 9.0], "draining")})

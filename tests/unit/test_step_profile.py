@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import msgpack
 import pytest
 
 from control.heartbeat import BadEntry, Heartbeat
@@ -16,6 +17,7 @@ from engine.tiny_model import make_tiny_model
 from router.members import Members
 from router.wait_forecast import WaitForecast
 from tests.conftest import FakeClock
+from tests.unit.helpers import heartbeat
 
 # two batch sizes, each at mean contexts 10 and 110 per request: 1 ms + 1 µs a context token
 # at 1 request; 3 ms + 0.5 µs per request-context token at 8
@@ -98,14 +100,14 @@ def test_the_budget_and_the_pool_bound_the_profile(model_dir: str) -> None:
 
 def test_heartbeats_carry_profiles_and_routers_average_equal_grids() -> None:
     def beat(worker_id: str, profile: list[float]) -> Heartbeat:
-        return Heartbeat(worker_id, "decode", address=f"{worker_id}:1", state="serving", model_id="m",
+        return heartbeat(worker_id, "decode", address=f"{worker_id}:1", state="serving", model_id="m",
                          block_size=16, vocab_size=512, max_model_len=2048, num_total_blocks=64, step_profile=profile)
 
     flat = [x for row in ROWS for x in row]
     assert Heartbeat.from_wire(beat("decode-0", flat).to_wire()).step_profile == flat
     for bad in ([1.0, 2.0], [0.0, 1.0, 0.001], [1.0, 10.0, -0.5], [True, 1.0, 2.0]):
         with pytest.raises(BadEntry, match="step_profile"):
-            Heartbeat.from_wire(beat("d", bad).to_wire())
+            Heartbeat.from_wire(msgpack.packb({**msgpack.unpackb(beat("d", flat).to_wire()), "step_profile": bad}))
     members = Members()
     doubled = [x * 2 if i % 3 == 2 else x for i, x in enumerate(flat)]
     members.update({"decode-0": beat("decode-0", flat), "decode-1": beat("decode-1", doubled)})
