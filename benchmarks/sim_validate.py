@@ -1,6 +1,6 @@
 """The simulator against the real cluster here: the same workloads, at the same arrival
 times, on the tiny llama (CPU) and in the Fleet with the CPU-fitted cost model and the same
-configuration (sim/validate.py says how the model is fitted and calibrated). One JSON line
+configuration (benchmarks/sim_validation.py says how the model is fitted and calibrated). One JSON line
 per workload and arm (real and simulated summaries, sim / real for TTFT and ITL p50/p90/p99
 and output throughput, and whether p50 is within 15 % and p99 within 30 %), then one line
 with the rankings: for each pair of arms, which is better on TTFT p50, ITL p99 and goodput,
@@ -33,13 +33,13 @@ from pathlib import Path
 
 from bench import report
 from bench.workload import Item, synthetic
-from cluster.autoscaler import AutoscaleConfig
+from benchmarks.sim_validation import (Arm, calibrate, compare, fit_engine, measure_startup, real_pooled_run, real_run,
+                          sim_pooled_run, within)
+from control.autoscaler import AutoscaleConfig
 from engine.config import StepFloor
 from engine.tiny_model import make_tiny_model
 from router.policy import RoutingConfig
 from sim.arrivals import Shape, arrival_times, timed, trace_items
-from sim.validate import (Arm, calibrate, compare, fit_engine, measure_startup, real_pooled_run, real_run,
-                          sim_pooled_run, within)
 
 TRACE = Path(__file__).resolve().parent / "traces" / "mooncake_synthetic_trace.jsonl"
 VOCAB = 500

@@ -21,15 +21,15 @@ import threading
 import time
 from pathlib import Path
 
+from bench.cli import add_parser as add_bench_parser
 from cluster import daemon
 from cluster.default_model import TINY
-from cluster.processes import (add_device_flags, add_http_flags, add_speculative_flags, cluster_secret, placement,
-                               redacted, speculative_config, worker_host)
-from bench.cli import add_parser as add_bench_parser
+from cluster.make_model import add_parser as add_make_model_parser
 from cluster.metrics_targets import add_observe_flags
 from cluster.metrics_targets import add_parser as add_metrics_targets_parser
 from cluster.metrics_targets import metrics_port as _metrics_port
-from cluster.make_model import add_parser as add_make_model_parser
+from cluster.processes import (add_device_flags, add_http_flags, add_speculative_flags, cluster_secret, placement,
+                               redacted, speculative_config, worker_host)
 from cluster.processes import add_parsers as add_process_parsers
 from cluster.status import show_status
 from sim.cli import add_parser as add_simulate_parser
@@ -182,7 +182,7 @@ def _autoscale_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """serve --autoscale: the policy's bounds and budgets (None without the flag)."""
     if not args.autoscale:
         return None
-    from cluster.autoscaler import AutoscaleConfig
+    from control.autoscaler import AutoscaleConfig
 
     return AutoscaleConfig(prefill_min=args.min_prefill, prefill_max=max(args.max_prefill, args.num_prefill),
                            decode_min=args.min_decode, decode_max=max(args.max_decode, args.num_decode),

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cluster.autoscaler import AutoscaleConfig
+from control.autoscaler import AutoscaleConfig
 from control.worker_config import WorkerConfig
 from router.config import RouterConfig
 

@@ -8,7 +8,7 @@ router has seen every worker's heartbeat (routers find workers in Redis, not fro
 
 Then it supervises, once per `supervise_interval_s` (`tick`):
 - targets: `splitserve scale ROLE N` writes `{ns}:target:{role}` in Redis; with
-  `autoscale` the policy in cluster/autoscaler.py sets them from heartbeats and router stats;
+  `autoscale` the policy in control/autoscaler.py sets them from heartbeats and router stats;
 - routers: a replica whose actor died is replaced on the same ports (`RouterPool.check`);
 - liveness: a worker whose actor is dead is forgotten (its Redis keys deleted) and, with
   `replace_dead_workers`, replaced by a new one (a new id, a fresh KV pool);
@@ -43,16 +43,16 @@ import redis
 import redis.asyncio
 
 from cluster import controller_state, named_actors
-from cluster.autoscaler import AutoscaleState, Decision, decide
 from cluster.config import ClusterConfig, RouterConfig
 from cluster.controller_metrics import ControllerMetrics
 from cluster.controller_recovery import Recovery
 from cluster.controller_state import ROLES, History, Worker
-from cluster.pool_gauge import PoolGauge, removal_cost
 from cluster.ray_calls import await_ref
 from cluster.router_pool import RouterPool
+from control.autoscaler import AutoscaleState, Decision, decide
 from control.heartbeat import Heartbeat, Role, controller_key, hb_key, kv_key, target_key
 from control.metrics_http import MetricsServer
+from control.pool_gauge import PoolGauge, removal_cost
 from control.reader import RegistryReader
 from control.worker_config import dialable_host
 from decode_worker.worker import DecodeWorker

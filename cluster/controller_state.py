@@ -26,8 +26,8 @@ from typing import Any, Literal
 import msgpack
 import redis.asyncio
 
-from cluster.autoscaler import AutoscaleState
 from cluster.named_actors import index_of, role_of
+from control.autoscaler import AutoscaleState
 from control.heartbeat import Role
 
 

@@ -1,7 +1,7 @@
 """Shared model execution for every splitserve role.
 
-Importing this package is cheap and torch-free: the bookkeeping modules
-(`hashing`, `block_pool`, `kv_cache_manager`, `scheduler`, `request`) are used by
-the router too. Modules that run the model (`model`, `model_runner`, `llm_engine`)
+Importing this package is cheap and torch-free: the bookkeeping modules are too
+(`request`, `hashing`, `block_pool`'s KV events for the router; `scheduler`,
+`kv_cache_manager`, `block_pool`, `roles` for the simulator, which runs them on a virtual clock). Modules that run the model (`model`, `model_runner`, `llm_engine`)
 import torch and are imported explicitly.
 """

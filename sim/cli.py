@@ -21,7 +21,7 @@ from typing import Any
 
 from bench import plots, report
 from bench.workload import Item, synthetic
-from cluster.autoscaler import AutoscaleConfig
+from control.autoscaler import AutoscaleConfig
 from engine.config import SchedulerConfig
 from router.admission import AdmissionConfig
 from router.policy import RoutingConfig

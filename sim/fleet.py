@@ -7,8 +7,8 @@
          into its engine loop, run between two of its steps) under a kvfabric lease
          (kvfabric/reservations.py ReservationTable: bind, renew, ready, expire); the prefill
          worker's first token ends its part; the KV lands a transfer time later
-    autoscaler (sim/fleet_pools.py): PoolGauge (cluster/pool_gauge.py) -> decide
-         (cluster/autoscaler.py) -> the controller's launch (a worker serves `startup_s`
+    autoscaler (sim/fleet_pools.py): PoolGauge (control/pool_gauge.py) -> decide
+         (control/autoscaler.py) -> the controller's launch (a worker serves `startup_s`
          later) or drain (the cheapest one by `removal_cost`, stopped once its requests are done)
 
 What is not splitserve's code is the world around it: time (an event heap), the forward pass
@@ -30,12 +30,12 @@ from typing import Any
 
 from bench.runner import Outcome, Run
 from bench.workload import Item
-from cluster.autoscaler import AutoscaleState
-from cluster.pool_gauge import PoolGauge
+from control.autoscaler import AutoscaleState
+from control.pool_gauge import PoolGauge
 from engine.hashing import BlockHasher
-from engine.types import BlockHash
 from engine.step_model import StepShape
 from engine.step_profile import LONG_CONTEXT, batch_sizes
+from engine.types import BlockHash
 from kvfabric.reservations import ReservationTable
 from router.admission import AdmissionQueue, Refused
 from router.frontend import ItlWindow

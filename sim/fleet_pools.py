@@ -1,5 +1,5 @@
 """The fleet's control plane: the workers' heartbeats, and the controller's autoscaler loop
-(PoolGauge -> cluster/autoscaler.py `decide` -> launch or drain the cheapest worker by
+(PoolGauge -> control/autoscaler.py `decide` -> launch or drain the cheapest worker by
 `removal_cost`), as the live controller runs them. A part of `Fleet` (sim/fleet.py), which
 holds the state named below; split out so each file reads as one thing."""
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from cluster.autoscaler import AutoscaleState, decide
-from cluster.pool_gauge import PoolGauge, removal_cost
+from control.autoscaler import AutoscaleState, decide
 from control.heartbeat import Heartbeat, ModelFacts
+from control.pool_gauge import PoolGauge, removal_cost
 from router.admission import AdmissionQueue
 from router.frontend import ItlWindow
 from router.kv_index import KVIndex

@@ -9,7 +9,7 @@ from typing import Any, Literal, Protocol
 
 from bench.runner import Outcome, Run
 from bench.workload import Item
-from cluster.autoscaler import AutoscaleConfig
+from control.autoscaler import AutoscaleConfig
 from engine.config import SchedulerConfig
 from kvfabric.reservations import ReservationTable
 from router.admission import AdmissionConfig

@@ -10,9 +10,9 @@ import time
 import grpc
 import pytest
 
-from cluster.autoscaler import AutoscaleConfig
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster
+from control.autoscaler import AutoscaleConfig
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from router.policy import RoutingConfig

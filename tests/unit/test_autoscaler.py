@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.autoscaler import AutoscaleConfig, AutoscaleState, Decision, PoolMetrics, Snapshot, decide
+from control.autoscaler import AutoscaleConfig, AutoscaleState, Decision, PoolMetrics, Snapshot, decide
 
 CONFIG = AutoscaleConfig(prefill_min=1, prefill_max=4, decode_min=1, decode_max=3, ttft_slo_ms=1000,
                          itl_slo_ms=100, up_delay_s=5, down_delay_s=20, cooldown_s=10)

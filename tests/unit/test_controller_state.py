@@ -1,13 +1,13 @@
 """What a restarted controller does with the saved record and the actors Ray still has by name
-(cluster/controller_state.py), and what the autoscaler sees each tick (cluster/pool_gauge.py)."""
+(cluster/controller_state.py), and what the autoscaler sees each tick (control/pool_gauge.py)."""
 from __future__ import annotations
 
 import time
 
-from cluster.autoscaler import AutoscaleState
 from cluster.controller_state import autoscale_in, autoscale_out, next_ids, plan
-from cluster.pool_gauge import PoolGauge
+from control.autoscaler import AutoscaleState
 from control.heartbeat import Heartbeat
+from control.pool_gauge import PoolGauge
 from tests.unit.helpers import heartbeat
 
 

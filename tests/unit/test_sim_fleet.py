@@ -11,7 +11,7 @@ import pytest
 
 from bench import report
 from bench.workload import Item, synthetic
-from cluster.autoscaler import AutoscaleConfig
+from control.autoscaler import AutoscaleConfig
 from engine.config import SchedulerConfig
 from router.admission import AdmissionConfig
 from router.policy import RoutingConfig

@@ -37,9 +37,9 @@ from typing import Any
 from bench import report
 from bench.runner import Run, run
 from bench.workload import Item
-from cluster.autoscaler import AutoscaleConfig
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster
+from control.autoscaler import AutoscaleConfig
 from engine.config import SchedulerConfig, StepFloor
 from engine.model_config import ModelConfig
 from router.policy import RoutingConfig

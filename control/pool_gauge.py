@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from cluster.autoscaler import PoolMetrics, Snapshot
+from control.autoscaler import PoolMetrics, Snapshot
 from control.heartbeat import Heartbeat
 
 
