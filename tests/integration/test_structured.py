@@ -1,7 +1,8 @@
 """Structured output on a real local cluster (Ray actors, redis-server, gRPC on loopback), the
 tiny model: every constraint kind, greedy and sampled, through the colocated path (a short
 prompt prefilled by the decode worker) and the disaggregated one (the prefill worker samples
-the first token under the constraint, the decode worker continues it); a decode worker
+the first token under the constraint, the decode worker continues it), each token for
+token the monolithic engine's (greedy and seeded); a decode worker
 killed mid-stream leaves output identical to the uninterrupted run; bad constraints are
 INVALID_ARGUMENT before any work. The tests share one cluster and run in order."""
 from __future__ import annotations
@@ -17,9 +18,12 @@ import pytest
 
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster
+from engine.llm_engine import LLMEngine
+from engine.request import Constraint, SamplingParams
 from proto import generate_pb2 as pb
 from router.policy import RoutingConfig
 from tests.integration.cluster_checks import wait_for
+from tests.integration.reference import make_engine
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -72,6 +76,18 @@ def request(prompt: list[int], kind: str, max_tokens: int = 120, temperature: fl
     return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
 
 
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir: str) -> LLMEngine:
+    """The monolithic engine the cluster's outputs must equal."""
+    return make_engine(tiny_llama_dir, block_size=16)
+
+
+def monolithic(engine: LLMEngine, prompt: list[int], kind: str, temperature: float, seed: int | None) -> list[int]:
+    params = SamplingParams(max_tokens=120, temperature=temperature, seed=seed,
+                            constraint=Constraint(kind, CONSTRAINTS.get(kind, "")))
+    return engine.generate([prompt], params)[0].token_ids
+
+
 def run(stub, req: pb.GenerateRequest) -> tuple[str, list[pb.GenerateResponse]]:  # type: ignore[no-untyped-def]
     got = list(stub.Generate(req, timeout=120))
     return "".join(r.text for r in got), got
@@ -80,7 +96,7 @@ def run(stub, req: pb.GenerateRequest) -> tuple[str, list[pb.GenerateResponse]]:
 @pytest.mark.parametrize("kind", [k for k in CONSTRAINTS if k != "json_object"])  # a random model writes a
 # free-form object's keys for ever: json_object runs on the real model (test_openai_api.py)
 def test_every_output_follows_its_constraint_on_both_paths_greedy_and_sampled(cluster: LocalCluster, stub,  # type: ignore[no-untyped-def]
-                                                                             kind: str) -> None:
+                                                                             kind: str, engine: LLMEngine) -> None:
     rng = random.Random(1000 + list(CONSTRAINTS).index(kind))  # distinct prompts per kind: no cached prefix
     remote = {"colocated": [], "disaggregated": []}  # type: dict[str, list[bool]]
     for length, path in ((6, "colocated"), (40, "disaggregated")):
@@ -92,6 +108,9 @@ def test_every_output_follows_its_constraint_on_both_paths_greedy_and_sampled(cl
             text, got = run(stub, request(prompt, kind, temperature=temperature, seed=seed))
             assert got[-1].finish_reason == pb.FINISH_REASON_STOP, (kind, path, text)  # complete, not cut
             assert valid(kind, text), (kind, path, text)
+            # token for token the monolithic engine's, the KV moved through kvfabric or not
+            assert [t for r in got for t in r.token_ids] == monolithic(engine, prompt, kind, temperature, seed), \
+                (kind, path, temperature, seed)
             remote[path].append(bool(got[0].route.prefill_worker))
     # short prompts never leave the decode worker; long ones went through the prefill worker
     # (a heartbeat missed under load may still route one of them locally: that is routing, not this test)
