@@ -45,8 +45,8 @@ import redis.asyncio
 from cluster import controller_state, named_actors
 from cluster.config import ClusterConfig, RouterConfig
 from cluster.controller_metrics import ControllerMetrics
-from cluster.controller_recovery import Recovery
-from cluster.controller_state import ROLES, History, Worker
+from cluster.controller_recovery import StateStore
+from cluster.controller_state import ROLES, History, Saved, Worker
 from cluster.ray_calls import await_ref
 from cluster.router_pool import RouterPool
 from control.autoscaler import AutoscaleState, Decision, decide
@@ -62,7 +62,7 @@ from prefill_worker.worker import PrefillWorker
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 300.0
-class Controller(Recovery):
+class Controller:
     def __init__(self, config: ClusterConfig, redis_url: str) -> None:
         if not config.worker.cluster_secret:  # a restart must hand its workers and routers the same one
             raise ValueError("the controller needs the cluster secret in its config (LocalCluster makes one)")
@@ -80,6 +80,7 @@ class Controller(Recovery):
         self._tasks: set[asyncio.Task[None]] = set()
         self._supervisor: asyncio.Task[None] | None = None
         self.reader = RegistryReader(redis_url, config.namespace)
+        self.store = StateStore(self.reader.client, config.namespace)
         self._beats: dict[str, Heartbeat] = {}
         self.metrics = MetricsServer(ControllerMetrics(self._metrics_books).registry)
         self.metrics_address = ""
@@ -89,7 +90,45 @@ class Controller(Recovery):
         if restarted:  # Ray started this one after the last died: nobody calls start()
             self._spawn(self._recover())
 
-    # -- start -------------------------------------------------------------------------------
+    # -- start, and start again after a restart ------------------------------------------------
+    async def _recover(self) -> None:
+        """After a restart: the saved record and Ray's names tell which workers and routers
+        run; each is adopted (a launch or drain the last controller began is finished), one
+        that is gone is accounted dead and the pools are brought back to target by supervision."""
+        c = self.config
+        saved = await self.store.load() or Saved(dict(self.targets), {}, {}, {}, history={})
+        names = [n for n in named_actors.list_names(c.namespace) if named_actors.role_of(n) in ROLES]
+        self.targets.update(saved.targets)
+        self._next = controller_state.next_ids(self._next | saved.next_ids, names)
+        self._autoscale_state = controller_state.autoscale_in(saved.autoscale)
+        self.history = History.from_wire(saved.history)
+        for step in controller_state.plan(saved.members, set(names)):
+            w = Worker(step.worker_id, step.role, named_actors.find(step.worker_id, c.namespace), step.state,
+                       step.info)
+            if step.action in ("keep", "finish_drain", "finish_launch"):
+                self.workers[w.worker_id] = w
+            if step.action == "finish_drain":
+                self._spawn(self._drain(w))
+            elif step.action == "finish_launch":
+                w.state = "starting"
+                self._spawn(self._await_serving(w, c.place_timeout_s))
+            elif step.action == "dead":
+                await self._forget_dead(w)
+            elif step.action == "drained":
+                self.history.drained({"worker_id": w.worker_id, "error": "ended while the controller was down"})
+            elif step.action == "launch_lost":
+                self._act(f"{w.worker_id}: its launch did not survive the controller; launching another")
+        self.routers.adopt(saved.routers or None)
+        self._act(f"controller restarted (pid {os.getpid()}): adopted {sorted(self.workers)}, routers "
+                  f"{sorted(self.routers.actors)}")
+        await self._supervise_from_now()
+
+    async def _save(self) -> None:
+        await self.store.save(Saved(
+            dict(self.targets), dict(self._next),
+            {w.worker_id: {"role": w.role, "state": w.state, "info": w.info} for w in self.workers.values()},
+            self.routers.saved(), controller_state.autoscale_out(self._autoscale_state), self.history.to_wire()))
+
     async def start(self) -> dict[str, Any]:
         c = self.config
         left = named_actors.stop_all(c.namespace, keep=(named_actors.CONTROLLER,))
