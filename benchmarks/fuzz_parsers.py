@@ -1,8 +1,8 @@
 """Coverage-guided fuzzing (atheris / libFuzzer) of the byte parsers that read from the network.
 
 Targets:
-  kvfabric   bytes arriving on a kvfabric connection: framing (`Conn.recv`), the header
-             check (`check_message` with the handshake's and the receiver's schemas) and
+  kvfabric   bytes arriving on a kvfabric connection: framing (`Conn.recv`), the typed
+             messages (`parse` into `Hello` and `ReceiverMessage`) and
              the layout a hello carries (`FabricLayout.from_wire`)
   events     a KV event entry from a worker's Redis stream (`event_from_bytes`)
   heartbeat  a heartbeat entry from Redis (`Heartbeat.from_wire`)
@@ -33,7 +33,7 @@ TARGETS = ("kvfabric", "events", "heartbeat")
 def kvfabric_one(data: bytes) -> None:
     from kvfabric.errors import PeerUnavailable, ProtocolError
     from kvfabric.layout import FabricLayout
-    from kvfabric.wire import HELLO, RECEIVER_MESSAGES, Conn, Idle, check_message
+    from kvfabric.wire import Conn, Hello, Idle, ReceiverMessage, parse
 
     a, b = socket.socketpair()
     try:
@@ -45,13 +45,13 @@ def kvfabric_one(data: bytes) -> None:
             try:
                 msg = conn.recv()
                 if first and msg["t"] == "hello":
-                    check_message(msg, HELLO)
+                    hello = parse(msg, Hello)
                     try:
-                        FabricLayout.from_wire(msg["layout"])
+                        FabricLayout.from_wire(hello.layout)
                     except (TypeError, ValueError):
                         pass  # the receiver refuses the handshake: a clean error
                 else:
-                    check_message(msg, RECEIVER_MESSAGES)
+                    parse(msg, ReceiverMessage)
                 first = False
             except (ProtocolError, PeerUnavailable, Idle):
                 return

@@ -30,7 +30,8 @@ from kvfabric.errors import FabricError, PeerUnavailable, ProtocolError, Reserva
 from kvfabric.layout import FabricLayout
 from kvfabric.region import BlockRegion, ShmSegment
 from kvfabric.reservations import FabricEvent, ReservationTable
-from kvfabric.wire import HELLO, RECEIVER_MESSAGES, Conn, Idle, check_message
+from kvfabric.wire import (Abort, Conn, Data, Hello, Idle, NcclData, Open, Ready, ReceiverMessage, Renew, RevokeAck,
+                           parse)
 
 logger = logging.getLogger(__name__)
 
@@ -159,12 +160,12 @@ class FabricReceiver:
             one_sided = transport in ONE_SIDED
             while not self._closed:
                 try:
-                    msg = check_message(conn.recv(), RECEIVER_MESSAGES)
+                    msg = parse(conn.recv(), ReceiverMessage)
                 except Idle:
                     continue
-                if msg["t"] == "data":
+                if isinstance(msg, Data):
                     self._receive_frame(writer, conn, msg)
-                elif msg["t"] == "nccl_data":
+                elif isinstance(msg, NcclData):
                     if link is None:
                         raise ProtocolError("an nccl_data frame on a connection that is not nccl")
                     self._receive_nccl_frame(writer, conn, link, msg)
@@ -191,14 +192,13 @@ class FabricReceiver:
             raise PeerUnavailable("no hello within the i/o timeout") from None
         if msg["t"] != "hello":
             raise ProtocolError(f"expected hello, got {msg['t']!r:.40}")
-        check_message(msg, HELLO)
-        if self.config.token is not None and not hmac.compare_digest(
-                str(msg.get("token", "")).encode(), self.config.token.encode()):
+        hello: Hello = parse(msg, Hello)
+        if self.config.token is not None and not hmac.compare_digest(hello.token.encode(), self.config.token.encode()):
             conn.send({"t": "hello_err", "field": "token", "error": "the sender did not prove the cluster secret"})
             raise ProtocolError("handshake refused: the sender did not prove the cluster secret")
-        theirs = FabricLayout.from_wire(msg["layout"])
+        theirs = FabricLayout.from_wire(hello.layout)
         field = self.layout.first_mismatch(theirs)
-        transport = msg["transport"]
+        transport = hello.transport
         if field is not None:
             text = f"{field} differs: sender {getattr(theirs, field)!r}, receiver {getattr(self.layout, field)!r}"
             conn.send({"t": "hello_err", "field": field, "error": text})
@@ -207,7 +207,7 @@ class FabricReceiver:
             text = f"transport {transport!r} not offered (receiver offers {list(self.address.transports)})"
             conn.send({"t": "hello_err", "field": "transport", "error": text})
             raise ProtocolError(f"handshake refused: {text}")
-        if transport == "nccl" and msg.get("host_id") == self.address.host_id and msg.get("gpu") == self.address.gpu:
+        if transport == "nccl" and hello.host_id == self.address.host_id and hello.gpu == self.address.gpu:
             text = "nccl cannot join two processes on one GPU (NCCL refuses it): use cuda_ipc"
             conn.send({"t": "hello_err", "field": "transport", "error": text})
             raise ProtocolError(f"handshake refused: {text}")
@@ -215,36 +215,32 @@ class FabricReceiver:
         link = None
         if transport == "nccl":  # rank 1; joins the sender's rank 0 (bounded by NCCL's own init)
             assert isinstance(self.region, DeviceRegion)
-            link = NcclLink(msg["nccl_uid"], bool(msg.get("nccl_uid_bytes")), 2, 1, self.region.device,
-                            self.config.io_timeout_s)
+            if hello.nccl_uid is None:
+                raise ProtocolError("an nccl hello without the NCCL unique id")
+            link = NcclLink(hello.nccl_uid, hello.nccl_uid_bytes, 2, 1, self.region.device, self.config.io_timeout_s)
         return transport, link
 
-    def _dispatch(self, writer: int, conn: Conn, msg: dict[str, Any], one_sided: bool) -> None:
-        t, rid = msg["t"], msg.get("rid")
+    def _dispatch(self, writer: int, conn: Conn, msg: Open | Renew | Ready | RevokeAck | Abort, one_sided: bool) -> None:
+        reply: dict[str, Any] | None = None
         with self._cond:
-            if t == "open":
+            if isinstance(msg, Open):
                 try:
-                    self.table.bind(rid, writer, one_sided, msg.get("trace", ""))
-                    reply: dict[str, Any] = {"t": "open_ok", "rid": rid}
+                    self.table.bind(msg.rid, writer, one_sided, msg.trace)
+                    reply = {"t": "open_ok", "rid": msg.rid}
                 except ReservationRevoked as e:
-                    reply = {"t": "open_err", "rid": rid, "error": str(e)}
-            elif t == "renew":
-                for r in msg["rids"]:
+                    reply = {"t": "open_err", "rid": msg.rid, "error": str(e)}
+            elif isinstance(msg, Renew):
+                for r in msg.rids:
                     self.table.renew(r, writer)
-                reply = None
-            elif t == "ready":
-                if msg.get("runs"):  # one-sided copies reported with the ready
-                    self._record_written(rid, writer, msg["runs"])
-                error = self.table.ready(rid, writer, msg["first_token_id"], msg["num_tokens"])
-                reply = {"t": "ready_ack", "rid": rid, "error": error}
-            elif t == "revoke_ack":
-                self.table.fence(rid, writer)
-                reply = None
-            elif t == "abort":
-                self.table.abandon(rid, writer, f"sender aborted: {msg.get('reason', '')}")
-                reply = None
+            elif isinstance(msg, Ready):
+                if msg.runs:  # one-sided copies reported with the ready
+                    self._record_written(msg.rid, writer, msg.runs)
+                error = self.table.ready(msg.rid, writer, msg.first_token_id, msg.num_tokens)
+                reply = {"t": "ready_ack", "rid": msg.rid, "error": error}
+            elif isinstance(msg, RevokeAck):
+                self.table.fence(msg.rid, writer)
             else:
-                raise ProtocolError(f"unknown message type {t!r}")
+                self.table.abandon(msg.rid, writer, f"sender aborted: {msg.reason}")
             self._cond.notify_all()
         if reply is not None:
             conn.send(reply)
@@ -255,10 +251,10 @@ class FabricReceiver:
         except ValueError as e:
             self.table.fail(rid, writer, str(e))
 
-    def _receive_frame(self, writer: int, conn: Conn, msg: dict[str, Any]) -> None:
+    def _receive_frame(self, writer: int, conn: Conn, msg: Data) -> None:
         """tcp: a frame's runs arrive straight into their destination blocks (scattered recv)."""
-        nbytes = msg["nbytes"]
-        num_blocks = sum(int(n) for _, n in msg["runs"])
+        nbytes = msg.nbytes
+        num_blocks = sum(n for _, n in msg.runs)
         if nbytes != num_blocks * self.layout.block_bytes:
             raise ProtocolError(f"frame of {num_blocks} blocks carries {nbytes} bytes, "
                                 f"expected {num_blocks * self.layout.block_bytes}")
@@ -267,14 +263,14 @@ class FabricReceiver:
             assert isinstance(self.region, BlockRegion)
             dst = [self.region.blocks(first, n) for first, (_, n) in zip(firsts, runs)]
             conn.recv_into([memoryview(d).cast("B") for d in dst])
-            crc = msg.get("crc32")
+            crc = msg.crc32
             if crc is not None and _crc32(dst) != crc:
                 return f"checksum mismatch in a frame of {len(runs)} runs starting at block position {runs[0][0]}"
             return None
 
         self._frame(writer, msg, receive, drop=lambda runs: conn.discard(nbytes))
 
-    def _receive_nccl_frame(self, writer: int, conn: Conn, link: NcclLink, msg: dict[str, Any]) -> None:
+    def _receive_nccl_frame(self, writer: int, conn: Conn, link: NcclLink, msg: NcclData) -> None:
         """nccl: the runs arrive as grouped NCCL receives into their blocks, one per run, as sent."""
         bb, timeout_s = self.layout.block_bytes, self.config.io_timeout_s
 
@@ -293,12 +289,12 @@ class FabricReceiver:
         self._frame(writer, msg, receive, drop)
 
     def _frame(
-        self, writer: int, msg: dict[str, Any],
+        self, writer: int, msg: Data | NcclData,
         receive: Callable[[list[int], list[tuple[int, int]]], str | None],
         drop: Callable[[list[tuple[int, int]]], None],
     ) -> None:
         """A two-sided frame: validate and count it in flight, receive (or drop) it, account for it."""
-        rid, runs = msg["rid"], [(int(i), int(n)) for i, n in msg["runs"]]
+        rid, runs = msg.rid, list(msg.runs)
         with self._cond:
             try:
                 firsts = self.table.begin_frame(rid, writer, runs)

@@ -1,6 +1,7 @@
 """Framing on a stream socket: [u32 big-endian header length][msgpack map][optional payload].
 
-A header is a msgpack map with a type `t`; a data header carries `nbytes` and the raw
+A header is a msgpack map with a type `t` (what a sender may send a receiver is typed
+here: `ReceiverMessage`, `Hello`, checked by `parse`); a data header carries `nbytes` and the raw
 payload follows it, received with `recv_into` straight into destination memory. No
 pickle ever. Sends are serialised by a lock so a frame is never interleaved; every
 blocking call is bounded by the socket's timeout (`io_timeout_s`), except waiting idle
@@ -11,10 +12,11 @@ from __future__ import annotations
 import socket
 import struct
 import threading
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Annotated, Any
 
 import msgpack
+import msgspec
 
 from kvfabric.errors import PeerUnavailable, ProtocolError
 
@@ -51,45 +53,74 @@ MAX_RUNS = 1 << 16
 """Most block runs one message may name."""
 
 
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and -(1 << 63) <= v < (1 << 63)
+Runs = Annotated[list[tuple[int, int]], msgspec.Meta(max_length=MAX_RUNS)]
+"""Block runs (position in the reservation, number of blocks)."""
 
 
-def _is_runs(v: object) -> bool:
-    return isinstance(v, list) and len(v) <= MAX_RUNS and all(
-        isinstance(r, list | tuple) and len(r) == 2 and _is_int(r[0]) and _is_int(r[1]) for r in v)
+class Open(msgspec.Struct, frozen=True, tag_field="t", tag="open"):
+    rid: int
+    trace: str = ""
+    """The sender's W3C traceparent (empty: none)."""
 
 
-_FIELD_CHECKS: dict[str, Callable[[object], bool]] = {
-    "int": _is_int, "str": lambda v: isinstance(v, str), "runs": _is_runs, "map": lambda v: isinstance(v, dict),
-    "ints": lambda v: isinstance(v, list) and len(v) <= MAX_RUNS and all(_is_int(x) for x in v)}
-RECEIVER_MESSAGES: dict[str, dict[str, str]] = {
-    # type -> field -> kind; a trailing "?" marks an optional field
-    "open": {"rid": "int", "trace?": "str"},
-    "renew": {"rids": "ints"},
-    "ready": {"rid": "int", "first_token_id": "int", "num_tokens": "int", "runs?": "runs"},
-    "revoke_ack": {"rid": "int"},
-    "abort": {"rid": "int", "reason?": "str"},
-    "data": {"rid": "int", "runs": "runs", "nbytes": "int", "crc32?": "int"},
-    "nccl_data": {"rid": "int", "runs": "runs"},
-}
+class Renew(msgspec.Struct, frozen=True, tag_field="t", tag="renew"):
+    rids: Annotated[list[int], msgspec.Meta(max_length=MAX_RUNS)]
+
+
+class Ready(msgspec.Struct, frozen=True, tag_field="t", tag="ready"):
+    rid: int
+    first_token_id: int
+    num_tokens: int
+    runs: Runs = msgspec.field(default_factory=list)
+    """One-sided: the runs copied since the last report."""
+
+
+class RevokeAck(msgspec.Struct, frozen=True, tag_field="t", tag="revoke_ack"):
+    rid: int
+
+
+class Abort(msgspec.Struct, frozen=True, tag_field="t", tag="abort"):
+    rid: int
+    reason: str = ""
+
+
+class Data(msgspec.Struct, frozen=True, tag_field="t", tag="data"):
+    """tcp: the header of a frame whose `nbytes` of payload follow it."""
+
+    rid: int
+    runs: Runs
+    nbytes: int
+    crc32: int | None = None
+
+
+class NcclData(msgspec.Struct, frozen=True, tag_field="t", tag="nccl_data"):
+    """nccl: the runs that arrive as grouped NCCL receives."""
+
+    rid: int
+    runs: Runs
+
+
+ReceiverMessage = Open | Renew | Ready | RevokeAck | Abort | Data | NcclData
 """What a sender may send a receiver after the handshake."""
-HELLO = {"hello": {"layout": "map", "transport": "str", "token?": "str", "gpu?": "str"}}
 
 
-def check_message(msg: dict[str, Any], schema: dict[str, dict[str, str]]) -> dict[str, Any]:
-    """`msg` if its type is in `schema` and every field it needs has the right kind; else a
-    ProtocolError naming the first bad field (the connection ends, nothing else)."""
-    fields = schema.get(msg["t"])
-    if fields is None:
-        raise ProtocolError(f"unknown message type {msg['t']!r:.40}")
-    for name, kind in fields.items():
-        key = name.rstrip("?")
-        if key not in msg and name.endswith("?"):
-            continue
-        if key not in msg or not _FIELD_CHECKS[kind](msg[key]):
-            raise ProtocolError(f"{msg['t']!r} message: field {key!r} missing or not a valid {kind}")
-    return msg
+class Hello(msgspec.Struct, frozen=True, tag_field="t", tag="hello"):
+    layout: dict[str, Any]
+    transport: str
+    host_id: str = ""
+    token: str = ""
+    gpu: str | None = None
+    nccl_uid: bytes | list[int] | None = None
+    nccl_uid_bytes: bool = False
+
+
+def parse(msg: dict[str, Any], kind: Any) -> Any:
+    """`msg` as the typed message `kind` (a Struct or a union of them) says, every field
+    checked; else a ProtocolError naming the bad field (the connection ends, nothing else)."""
+    try:
+        return msgspec.convert(msg, kind)
+    except msgspec.ValidationError as e:
+        raise ProtocolError(f"{msg.get('t')!r:.40} message: {e}") from None
 
 
 class Idle(Exception):

@@ -15,6 +15,7 @@ import pytest
 from kvfabric import FabricReceiver, ReceiverConfig, coalesce
 from kvfabric.cuda import DeviceRegion
 from kvfabric.sender import _Peer
+from kvfabric.wire import NcclData, parse
 from tests.integration.fabric_peer import LAYOUT
 
 BB = LAYOUT.block_bytes
@@ -71,7 +72,7 @@ def test_a_dropped_multi_run_frame_posts_exactly_the_receives_the_sender_sent(re
     link = CountingLink()
     header = sender_frame(link, [3, 4, 9, 10, 11, 20], [0, 1, 2, 3, 4, 5])  # three runs on the sender's side
     assert link.sends == [[2 * BB, 3 * BB, 1 * BB]]
-    receiver._receive_nccl_frame(1, None, link, header)  # no such reservation here: dropped
+    receiver._receive_nccl_frame(1, None, link, parse(header, NcclData))  # no such reservation here: dropped
     assert link.recvs == link.sends
 
 
@@ -82,7 +83,7 @@ def test_a_kept_multi_run_frame_receives_run_by_run_into_its_blocks(receiver: Fa
     link = CountingLink()
     header = sender_frame(link, [3, 4, 9, 10, 11, 20], [10, 11, 12, 13, 14, 15])
     header["rid"] = ticket.reservation_id
-    receiver._receive_nccl_frame(1, None, link, header)
+    receiver._receive_nccl_frame(1, None, link, parse(header, NcclData))
     assert link.recvs == link.sends == [[2 * BB, 3 * BB, 1 * BB]]
     assert receiver.table.get(ticket.reservation_id).missing_indices() == []
 

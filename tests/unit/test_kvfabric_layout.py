@@ -74,3 +74,23 @@ def test_the_cpu_fabric_imports_neither_torch_nor_cupy() -> None:
     code = "import sys, kvfabric, kvfabric.receiver, kvfabric.sender; print('torch' in sys.modules, 'cupy' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_a_senders_messages_are_typed_and_a_bad_field_is_named() -> None:
+    import pytest
+
+    from kvfabric.errors import ProtocolError
+    from kvfabric.wire import Data, Hello, Ready, ReceiverMessage, parse
+
+    assert parse({"t": "data", "rid": 5, "runs": [[2, 3]], "nbytes": 96}, ReceiverMessage) == Data(5, [(2, 3)], 96)
+    assert parse({"t": "ready", "rid": 5, "first_token_id": 7, "num_tokens": 40, "new": 1}, ReceiverMessage) == \
+        Ready(5, 7, 40)  # a newer sender's extra field is ignored
+    for bad, named in (({"t": "data", "rid": "5", "runs": [], "nbytes": 0}, "$.rid"),
+                       ({"t": "ready", "rid": True, "first_token_id": 7, "num_tokens": 40}, "$.rid"),
+                       ({"t": "data", "rid": 5, "runs": [[1, 2, 3]], "nbytes": 0}, "$.runs[0]"),
+                       ({"t": "renew", "rids": list(range((1 << 16) + 1))}, "$.rids"),
+                       ({"t": "open"}, "rid"),
+                       ({"t": "hello", "layout": {}, "transport": 4}, "$.transport"),
+                       ({"t": "launch", "rid": 1}, "$.t")):
+        with pytest.raises(ProtocolError, match=named.replace("[", r"\[").replace("$", r"\$")):
+            parse(bad, Hello if bad["t"] == "hello" else ReceiverMessage)
