@@ -142,9 +142,10 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     """Tokens proposed to follow its tokens, verified in the next step (engine/spec_decode.py);
     never part of `num_tokens`, their KV rolled back unless accepted."""
-    spec_acceptance: float = 1.0
-    """Its proposals' recent acceptance (exponential average) and the speculative policy's
-    back-off: failures in a row, and the step it may propose again."""
+    spec_acceptance: float | None = None
+    """Its proposals' recent acceptance (exponential average; None: none verified yet, the
+    policy's prior stands for it) and the speculative policy's back-off: failures in a row,
+    and the step it may propose again."""
     spec_failures: int = 0
     spec_paused_until: int = 0
     matcher: object | None = None

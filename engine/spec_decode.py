@@ -28,7 +28,9 @@ request a step is mostly its fixed cost and most proposals pay; at 32 on a CPU a
 what a request does and only near-certain ones do. Before the model is fitted the batch
 shares `max_batched_tokens` (decode tokens plus proposals), which stays the cap: alone, a request gets `num_speculative_tokens`; as the batch grows each gets
 fewer, at that many requests none. A request's acceptance is an exponential average over
-its verifications of the part of its proposals accepted (the threshold policy proposes as
+its verifications of the part of its proposals accepted, starting from the engine's prior
+(the recent acceptance of all requests' proposals, drifting back toward 1 while nothing is
+verified), so a new request on text where proposals fail does not pay to learn it again (the threshold policy proposes as
 many as it says are likely kept, at least one); one whose acceptance falls under
 `min_acceptance` stops proposing for `backoff_steps` steps, twice as long each time it
 fails again.
@@ -36,7 +38,7 @@ fails again.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -48,6 +50,11 @@ from engine.types import RequestId
 
 ACCEPTANCE_WEIGHT = 0.3
 """Weight of the newest verification in a request's acceptance average."""
+PRIOR_WEIGHT = 0.05
+"""Weight of the newest verification (any request's) in the engine's acceptance prior."""
+PRIOR_RELAX_STEPS = 512
+"""Steps over which the prior, with no verification to learn from, drifts back toward 1
+(so an engine whose proposals stopped paying tries again as its text changes)."""
 
 
 class Proposer(Protocol):
@@ -89,7 +96,8 @@ class NgramProposer:
 
 
 def priced(decoding: Sequence[Request], limits: Sequence[tuple[Request, int]],
-           cost: tuple[float, float, float, float], propose_s: float, budget: int) -> list[tuple[Request, int]]:
+           cost: tuple[float, float, float, float], propose_s: float, budget: int,
+           acceptance: Callable[[Request], float] = lambda r: r.spec_acceptance or 1.0) -> list[tuple[Request, int]]:
     """Proposals best-first by expected kept tokens per second of step they add, each taken
     while it raises the step's expected tokens per second, at most `budget` in all and a
     request's limit each; none unless together they also pay what speculating at all costs
@@ -100,7 +108,7 @@ def priced(decoding: Sequence[Request], limits: Sequence[tuple[Request, int]],
     tokens = float(len(decoding))
     candidates = []
     for r, limit in limits:
-        alpha = min(max(r.spec_acceptance, 0.0), 1.0)
+        alpha = min(max(acceptance(r), 0.0), 1.0)
         dt = b + c * r.num_tokens + propose_s
         candidates += [(alpha**j / dt if dt > 0 else math.inf, j, alpha**j, dt, r) for j in range(1, limit + 1)]
     candidates.sort(key=lambda x: (-x[0], x[1]))
@@ -126,6 +134,12 @@ class SpecPolicy:
     def __init__(self, config: SpeculativeConfig, context_limit: int) -> None:
         self.config, self.context_limit = config, context_limit
         self.step = 0
+        self.prior = 1.0
+        """What a request's proposals are expected to keep before its own have been verified:
+        the recent acceptance of every request's (exponential average), 1 at first."""
+
+    def acceptance(self, request: Request) -> float:
+        return self.prior if request.spec_acceptance is None else request.spec_acceptance
 
     def plan(self, decoding: Sequence[Request], cost: tuple[float, float, float, float] | None = None,
              propose_s: float = 0.0) -> list[tuple[Request, int]]:
@@ -133,6 +147,7 @@ class SpecPolicy:
         step). `cost`: (a, b, c, o) in seconds (engine/spec_cost.py), None before it is
         fitted; `propose_s`: the proposer's seconds per proposed token."""
         self.step += 1
+        self.prior += (1.0 - self.prior) / PRIOR_RELAX_STEPS
         c = self.config
         spare = c.max_batched_tokens - len(decoding)
         if spare <= 0 or not decoding:
@@ -148,9 +163,9 @@ class SpecPolicy:
             if self.step >= r.spec_paused_until and min(share, room) > 0:
                 limits.append((r, min(share, room)))
         if cost is None:
-            wanted = [(r, min(k, math.ceil(r.spec_acceptance * c.num_speculative_tokens))) for r, k in limits]
+            wanted = [(r, min(k, math.ceil(self.acceptance(r) * c.num_speculative_tokens))) for r, k in limits]
             return [(r, k) for r, k in wanted if k > 0]
-        return priced(decoding, limits, cost, propose_s, spare)
+        return priced(decoding, limits, cost, propose_s, spare, self.acceptance)
 
     def verified(self, request: Request, num_proposed: int, num_accepted: int) -> None:
         """A verification of `num_proposed` tokens accepted `num_accepted`: update the average,
@@ -158,10 +173,12 @@ class SpecPolicy:
         if num_proposed <= 0:
             return
         rate = num_accepted / num_proposed
-        request.spec_acceptance += ACCEPTANCE_WEIGHT * (rate - request.spec_acceptance)
+        self.prior += PRIOR_WEIGHT * (rate - self.prior)
+        acceptance = self.acceptance(request)
+        request.spec_acceptance = acceptance + ACCEPTANCE_WEIGHT * (rate - acceptance)
         if rate >= self.config.min_acceptance:
             request.spec_failures = 0
         elif request.spec_acceptance < self.config.min_acceptance:
             request.spec_failures += 1
             request.spec_paused_until = self.step + 1 + self.config.backoff_steps * 2 ** (request.spec_failures - 1)
-            request.spec_acceptance = 1.0  # after the pause it starts afresh
+            request.spec_acceptance = None  # after the pause it starts afresh, from the prior

@@ -271,3 +271,23 @@ def test_the_step_cost_learns_what_speculating_at_all_adds() -> None:
     for rows in (1, 2, 3) * 10:
         plain.observe(rows, 50 * rows, False, 0.01 + 0.002 * rows)
     assert plain.latest is not None and plain.latest[3] == 0.0
+
+
+def test_a_new_request_starts_from_what_the_engines_proposals_kept_lately() -> None:
+    """On text where proposals fail, each new request would otherwise pay again to learn it."""
+    from engine.spec_decode import PRIOR_RELAX_STEPS
+
+    policy = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4, max_batched_tokens=64), 1024)
+    cpu = (0.010, 0.002, 0.0, 0.003)  # alone, 2 proposals at 0.5 pay (1.75 in 19 ms > 1 in 12)
+    fresh = req("fresh")
+    assert policy.acceptance(fresh) == 1.0 and policy.plan([fresh], cpu) == [(fresh, 4)]
+    for i in range(40):  # other requests' proposals all failed
+        policy.verified(req(f"old{i}"), 2, 0)
+    assert policy.prior < 0.15
+    assert policy.plan([req("new")], cpu) == []  # 1.1 tokens in 15 ms < 1 in 12: it does not propose
+    sure = req("sure")
+    sure.spec_acceptance = 0.9  # its own record outweighs the prior
+    assert policy.plan([sure], cpu) == [(sure, 4)]
+    for _ in range(2 * PRIOR_RELAX_STEPS):  # nothing verified for a while: the prior drifts back
+        policy.plan([])
+    assert policy.prior > 0.85 and policy.plan([req("later")], cpu) != []
