@@ -7,12 +7,14 @@ allocated from the engine's `BlockPool`; senders run in spawned child processes
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -72,6 +74,15 @@ class Rx:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+    def received(self, ticket: Ticket, num_blocks: int, timeout_s: float = 10.0) -> None:
+        """Waits until the first `num_blocks` of `ticket` are in place and no frame is in flight."""
+        res = self.receiver.table.get(ticket.reservation_id)
+        assert res is not None
+        deadline = time.monotonic() + timeout_s
+        while res.inflight_frames or res.written[:num_blocks] != b"\x01" * num_blocks:
+            assert time.monotonic() < deadline, "the frame never landed"
+            time.sleep(0.005)
 
     def renewed(self, ticket: Ticket, timeout_s: float = 10.0) -> None:
         """Waits until the sender renews `ticket`'s lease (its expiry moves past where it is now)."""
@@ -186,6 +197,8 @@ def test_no_write_after_free_a_stalled_sender_cannot_touch_reassigned_blocks(tra
         a = rx.reserve("A", 4)
         sender.call("open", a.to_wire())
         sender.call("push", "A", [0, 1], 0, 0.0)
+        if transport == "tcp":  # two-sided: that frame is received by the receiver's own thread
+            rx.received(a, 2)
         sender.send("push", "A", [2, 3], 2, 1.5)  # the child sleeps 1.5 s, then tries to write
         rx.advance(0.3)  # meanwhile A's lease runs out
         events = rx.pump(until=2 if transport == "shm" else 1, timeout_s=5)
@@ -208,6 +221,20 @@ def test_no_write_after_free_a_stalled_sender_cannot_touch_reassigned_blocks(tra
         rx.close()
 
 
+def stopped(pid: int, timeout_s: float = 10.0) -> None:
+    """Every thread of `pid` is stopped (a stop signal is delivered to a process's threads one by one)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+            with contextlib.suppress(OSError):
+                states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+        if states and all(s in ("T", "t") for s in states):
+            return
+        assert time.monotonic() < deadline, f"pid {pid} not stopped: {states}"
+        time.sleep(0.005)
+
+
 def test_a_frozen_shm_sender_keeps_its_blocks_quarantined_until_it_acknowledges() -> None:
     rx = Rx(6, lease_s=0.3)
     sender = start_sender("shm", renew_interval_s=60)
@@ -215,6 +242,7 @@ def test_a_frozen_shm_sender_keeps_its_blocks_quarantined_until_it_acknowledges(
         a = rx.reserve("A", 4)
         sender.call("open", a.to_wire())
         os.kill(sender.process.pid, signal.SIGSTOP)  # frozen: cannot acknowledge a revocation
+        stopped(sender.process.pid)
         rx.advance(0.3)
         [failed] = rx.pump(until=1, timeout_s=3)
         assert isinstance(failed, TransferFailed) and failed.blocks_held

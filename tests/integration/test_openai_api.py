@@ -40,7 +40,9 @@ def cluster(smollm2_gguf: str, smollm2_dir: str):  # type: ignore[no-untyped-def
         router=RouterConfig(port=0, http_port=0, served_model_name=MODEL, tokenizer_dir=smollm2_dir,
                             routing=RoutingConfig(mode="disaggregated"),
                             # charged the worst case, one long request holds the budget (the overload test)
-                            admission=AdmissionConfig(max_queued_per_priority=1, max_queue_wait_s=20.0,
+                            # a queue wait limit no loaded machine's forecast reaches: the overload test's
+                            # queued request waits behind a 1,200-token one, however slow the steps
+                            admission=AdmissionConfig(max_queued_per_priority=1, max_queue_wait_s=300.0,
                                                       charge_output="max")))
     with LocalCluster(config) as c:
         yield c
@@ -261,13 +263,15 @@ def test_overload_is_429_with_retry_after(base: str, cluster: LocalCluster) -> N
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(one, i) for i in range(4)]
         done, waiting = [], []
-        for f in futures:
-            try:
-                done.append(f.result(timeout=10))
-            except concurrent.futures.TimeoutError:
-                waiting.append(f)  # the queued one: it waits for the long request
+        try:
+            for f in futures:
+                try:
+                    done.append(f.result(timeout=10))
+                except concurrent.futures.TimeoutError:
+                    waiting.append(f)  # the queued one: it waits for the long request
+        finally:
+            hold.close()  # the long request's client goes away: the queued one is admitted and runs
         assert len(waiting) == 1, done  # max_queued_per_priority 1
-        hold.close()  # the long request's client goes away: the queued one is admitted and runs
         queued = [f.result(timeout=120) for f in waiting]
     assert [status for status, _, _ in queued] == [200], queued
     assert queued[0][2]["usage"]["completion_tokens"] == 300
