@@ -4,6 +4,7 @@ Real Ray, a real redis-server, gRPC on loopback."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -11,6 +12,7 @@ import signal
 import socket
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -104,16 +106,18 @@ def test_a_lone_router_refuses_a_taken_port(tiny_llama_dir: str) -> None:
 
 
 def gone(pid: int, timeout_s: float = 10.0) -> None:
-    """The process has exited (a zombie or reaped): the kernel closed its sockets."""
+    """Every thread of the process has exited (what is left is a zombie, or nothing): its file
+    table, with its listening sockets, is released. The leader alone shows Z while the other
+    threads still exit holding the files."""
     deadline = time.monotonic() + timeout_s
     while True:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                    return
-        except FileNotFoundError:
+        states = []
+        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+            with contextlib.suppress(OSError):
+                states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+        if all(s in ("Z", "X") for s in states):
             return
-        assert time.monotonic() < deadline, f"pid {pid} still runs {timeout_s} s after SIGKILL"
+        assert time.monotonic() < deadline, f"pid {pid} still runs {timeout_s} s after SIGKILL: {states}"
         time.sleep(0.01)
 
 
