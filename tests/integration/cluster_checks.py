@@ -5,6 +5,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
@@ -100,3 +101,17 @@ def ray_head(**head_node_args: Any) -> Any:
 def decode_pids(cluster: LocalCluster) -> dict[str, int]:
     """The decode workers' process ids by worker id (each owns one KV pool segment)."""
     return {w["worker_id"]: int(w["pid"]) for w in cluster.workers() if w.get("role") == "decode" and w.get("pid")}
+
+
+def wait_threads(pid: int, states: set[str], what: str, timeout_s: float = 10.0) -> None:
+    """Until every thread of `pid` left is in one of `states` (its /proc/PID/task/*/stat)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        seen = []
+        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+            with contextlib.suppress(OSError):
+                seen.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+        if all(x in states for x in seen):
+            return
+        assert time.monotonic() < deadline, f"pid {pid} not {what} within {timeout_s} s: {seen}"
+        time.sleep(0.005)

@@ -7,14 +7,12 @@ allocated from the engine's `BlockPool`; senders run in spawned child processes
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import signal
 import socket
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +23,7 @@ from kvfabric import (
     PeerUnavailable, ReceiverConfig, SenderConfig, ShmSegment, Ticket, TransferFailed,
 )
 from kvfabric.region import sweep_dead_segments
+from tests.integration.cluster_checks import wait_threads
 from tests.integration.fabric_peer import LAYOUT, Peer, receiver_main, sender_main, source_blocks
 
 NUM_DST = 64
@@ -221,20 +220,6 @@ def test_no_write_after_free_a_stalled_sender_cannot_touch_reassigned_blocks(tra
         rx.close()
 
 
-def stopped(pid: int, timeout_s: float = 10.0) -> None:
-    """Every thread of `pid` is stopped (a stop signal is delivered to a process's threads one by one)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        states = []
-        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
-            with contextlib.suppress(OSError):
-                states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
-        if states and all(s in ("T", "t") for s in states):
-            return
-        assert time.monotonic() < deadline, f"pid {pid} not stopped: {states}"
-        time.sleep(0.005)
-
-
 def test_a_frozen_shm_sender_keeps_its_blocks_quarantined_until_it_acknowledges() -> None:
     rx = Rx(6, lease_s=0.3)
     sender = start_sender("shm", renew_interval_s=60)
@@ -242,7 +227,8 @@ def test_a_frozen_shm_sender_keeps_its_blocks_quarantined_until_it_acknowledges(
         a = rx.reserve("A", 4)
         sender.call("open", a.to_wire())
         os.kill(sender.process.pid, signal.SIGSTOP)  # frozen: cannot acknowledge a revocation
-        stopped(sender.process.pid)
+        # a stop signal reaches a process's threads one by one: every one stopped
+        wait_threads(sender.process.pid, {"T", "t"}, "stopped")
         rx.advance(0.3)
         [failed] = rx.pump(until=1, timeout_s=3)
         assert isinstance(failed, TransferFailed) and failed.blocks_held

@@ -4,7 +4,6 @@ Real Ray, a real redis-server, gRPC on loopback."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import random
@@ -12,7 +11,6 @@ import signal
 import socket
 import time
 import urllib.request
-from pathlib import Path
 
 import grpc
 import pytest
@@ -24,6 +22,7 @@ from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from router.policy import RoutingConfig
 from router.service import RouterService
+from tests.integration.cluster_checks import wait_threads
 from tests.integration.reference import make_engine
 
 pytestmark = pytest.mark.timeout(600)
@@ -105,22 +104,6 @@ def test_a_lone_router_refuses_a_taken_port(tiny_llama_dir: str) -> None:
             asyncio.run(service.start())
 
 
-def gone(pid: int, timeout_s: float = 10.0) -> None:
-    """Every thread of the process has exited (what is left is a zombie, or nothing): its file
-    table, with its listening sockets, is released. The leader alone shows Z while the other
-    threads still exit holding the files."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        states = []
-        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
-            with contextlib.suppress(OSError):
-                states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
-        if all(s in ("Z", "X") for s in states):
-            return
-        assert time.monotonic() < deadline, f"pid {pid} still runs {timeout_s} s after SIGKILL: {states}"
-        time.sleep(0.01)
-
-
 def idle(cluster: LocalCluster, worker_id: str, settle_s: float, timeout_s: float = 10.0) -> None:
     """After `settle_s` (a heartbeat, and a router's published stats, catch up), every router
     sees no request active on `worker_id`."""
@@ -142,7 +125,9 @@ def test_a_killed_replica_is_replaced_the_other_serves_throughout_and_the_new_on
         time.sleep(0.1)
     victim = next(s["pid"] for s in cluster.router_stats() if s["router_id"] == "router-1")
     os.kill(victim, signal.SIGKILL)
-    gone(victim)  # its listening sockets are gone with it: new connections reach the survivor
+    # every thread exited (the leader alone shows Z while the others still hold the files):
+    # its listening sockets are gone with it, new connections reach the survivor
+    wait_threads(victim, {"Z", "X"}, "gone")
     deadline = time.monotonic() + 90
     while True:
         assert len(generate(cluster.address, [11, 12, 13] * 7)) > 0  # served throughout
