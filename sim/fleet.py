@@ -30,8 +30,6 @@ from typing import Any
 
 from bench.runner import Outcome, Run
 from bench.workload import Item
-from control.autoscaler import AutoscaleState
-from control.pool_gauge import PoolGauge
 from engine.hashing import BlockHasher
 from engine.step_model import StepShape
 from engine.step_profile import LONG_CONTEXT, batch_sizes
@@ -56,13 +54,13 @@ PROMPT_MEMO = 8192
 """Prompts whose hashes the fleet keeps (a replayed trace's distinct prompts: 3,993 in the synthetic one)."""
 
 
-class Fleet(PoolControl, FleetTransfers):
+class Fleet:
     def __init__(self, config: FleetConfig, hardware: Hardware, items: list[Item]) -> None:
         self.config, self.hw = config, hardware
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self._seq = itertools.count()
-        clock = self._clock
+        clock = self.clock
         self.queue = AdmissionQueue(config.admission, clock)
         self.index = KVIndex(clock)
         self.loads = LoadBook({})
@@ -73,19 +71,17 @@ class Fleet(PoolControl, FleetTransfers):
         self._prompt_hashes: dict[int, tuple[list[int], list[BlockHash]]] = {}
         """The workers' key too (SimEngine's defaults), so a prompt's hashes are the same list everywhere."""
         self.itl = ItlWindow()
-        self.gauge = PoolGauge(clock)
-        self.scale_state = AutoscaleState()
         self.targets = {"prefill": config.num_prefill, "decode": config.num_decode}
         self.workers: dict[str, Worker] = {}
         self._ids = {"prefill": itertools.count(), "decode": itertools.count()}
         self._gpus = itertools.count()
         self.flights: dict[str, Flight] = {}
-        self.pushing: dict[str, Flight] = {}
-        """Remote prefills whose KV has not landed: their prefill worker renews the lease."""
         self.waiting_room: list[Flight] = []
         """Routed requests no decode worker had KV room for (retried as bookings end)."""
-        self.actions: list[tuple[float, str]] = []
-        self.pool_sizes: list[tuple[float, int, int]] = []
+        self.pools = PoolControl(self)
+        """Heartbeats, the autoscaler and drains (sim/fleet_pools.py)."""
+        self.transfers = FleetTransfers(self)
+        """Reservations, pushes and leases of remote prefills (sim/fleet_kv.py)."""
         self.stats = {"num_local_prefill": 0, "num_remote_prefill": 0, "num_kv_waits": 0, "num_steps": 0,
                       "num_preemptions": 0}
         self._turn = 0
@@ -94,17 +90,18 @@ class Fleet(PoolControl, FleetTransfers):
             (float(n), float(n * (ctx + 1)), hardware.step_s([(1, ctx)] * n, n))
             for n in batch_sizes(config.scheduler.max_num_seqs) for ctx in (8, long)))
         """What each decode worker's start-up profile (engine/step_profile.py) reports, priced."""
-        self._timers = {self._tick, self._heartbeats, self._autoscale}
+        self._timers = {self._tick, self.pools.heartbeats, self.pools.autoscale}
         self._num_work = 0
         """Events other than timers in the heap: none left, and no request can move."""
         self._items = items
         self.on_progress: Callable[[Fleet], None] | None = None
-        self._left = len(items)
+        self.num_left = len(items)
+        """Requests not yet finished."""
         for role in _interleaved(config.num_prefill, config.num_decode):
-            self._launch(role, ready_at=0.0)
-        self._record_sizes()
+            self.launch(role, ready_at=0.0)
+        self.pools.record_sizes()
 
-    def _clock(self) -> float:
+    def clock(self) -> float:
         return self.now
 
     # -- the loop ------------------------------------------------------------------------
@@ -118,18 +115,18 @@ class Fleet(PoolControl, FleetTransfers):
             hop = (self.hops.choice(hops) if hops else self.hw.rpc_s) + per_token * len(item.prompt)
             self.at((item.at_s or 0.0) + hop, self._arrive, i, item)
         self.at(TICK_S, self._tick)
-        self.at(0.0, self._heartbeats)
+        self.at(0.0, self.pools.heartbeats)
         if self.config.autoscale is not None:
-            self.at(AUTOSCALE_TICK_S, self._autoscale)
+            self.at(AUTOSCALE_TICK_S, self.pools.autoscale)
         for n in itertools.count():
-            if not (self._events and self._left):
+            if not (self._events and self.num_left):
                 break
             if self.on_progress is not None and not n % PROGRESS_EVERY:
                 self.on_progress(self)
             self.now, _, fn, args = heapq.heappop(self._events)
             self._num_work -= fn not in self._timers
             fn(*args)
-            if self._left and not self._num_work and not self.queue.num_queued and not self.waiting_room:
+            if self.num_left and not self._num_work and not self.queue.num_queued and not self.waiting_room:
                 stuck = [f.rid for f in self.flights.values() if not f.done]
                 raise RuntimeError(f"simulation stuck at {self.now:.1f} s: nothing can move {stuck[:5]}")
         end = self.now
@@ -137,10 +134,10 @@ class Fleet(PoolControl, FleetTransfers):
                     for w in self.workers.values()) * self.config.gpus_per_worker
         outcomes = [f.outcome for f in self.flights.values()]
         return FleetResult(Run(outcomes, end - min((o.sent_s for o in outcomes), default=0.0)), gpu_s,
-                           self.actions, self.pool_sizes, self.config, dict(self.stats))
+                           self.pools.actions, self.pools.pool_sizes, self.config, dict(self.stats))
 
     # -- workers -------------------------------------------------------------------------
-    def _launch(self, role: Role, ready_at: float) -> Worker:
+    def launch(self, role: Role, ready_at: float) -> Worker:
         c = self.config
         wid = f"{role}-{next(self._ids[role])}"
         node = next(self._gpus) * c.gpus_per_worker // c.gpus_per_node
@@ -148,7 +145,7 @@ class Fleet(PoolControl, FleetTransfers):
                            max_model_len=c.max_model_len, role=role)
         w = self.workers[wid] = Worker(wid, role, engine, node, self.now)
         if role == "decode":
-            w.table = ReservationTable(self._clock, c.kv_lease_s)
+            w.table = ReservationTable(self.clock, c.kv_lease_s)
         self.loads.num_blocks[wid] = c.num_blocks
         self.at(ready_at, self._ready, w)
         return w
@@ -156,13 +153,13 @@ class Fleet(PoolControl, FleetTransfers):
     def _ready(self, w: Worker) -> None:
         if w.state == "starting":
             w.state = "serving"
-            self._record_sizes()
+            self.pools.record_sizes()
             self._retry_room()
 
     def serving(self, role: Role) -> list[str]:
         return [w.worker_id for w in self.workers.values() if w.role == role and w.state == "serving"]
 
-    def _wake(self, w: Worker) -> None:
+    def wake(self, w: Worker) -> None:
         if w.busy or w.stopped_at is not None or not w.engine.has_work:
             return
         result = w.engine.step(self.now)
@@ -187,12 +184,12 @@ class Fleet(PoolControl, FleetTransfers):
             for rid in result.finished:
                 f = self.flights.get(rid)
                 if f is not None and not f.done:
-                    self._finish(f, "OK")
+                    self.finish(f, "OK")
         calls, w.calls = w.calls, []
         for fn, *args in calls:
             fn(*args)
-        self._wake(w)
-        self._stop_if_drained(w)
+        self.wake(w)
+        self.pools.stop_if_drained(w)
 
     # -- requests ------------------------------------------------------------------------
     def _arrive(self, i: int, item: Item) -> None:
@@ -202,7 +199,7 @@ class Fleet(PoolControl, FleetTransfers):
         n = len(item.prompt)
         f = self.flights[rid] = Flight(rid, item, outcome, [], 0)
         if n + 1 > c.max_model_len:
-            self._fail(f, "INVALID_ARGUMENT")
+            self.fail(f, "INVALID_ARGUMENT")
             return
         f.hashes = self._hash_prompt(item.prompt)
         workers = [*self.serving("decode"), *self.serving("prefill")]
@@ -217,7 +214,7 @@ class Fleet(PoolControl, FleetTransfers):
         f.cost_tokens = n - min(best * c.block_size, n - 1) + new_tokens
         offered = self.queue.offer(rid, 0, f.cost_tokens, None, "", new_tokens, limit)
         if isinstance(offered, Refused):
-            self._fail(f, "RESOURCE_EXHAUSTED")
+            self.fail(f, "RESOURCE_EXHAUSTED")
         elif offered:  # routed now, over the index as it is: the same overlap
             self._admitted(f, overlap)
 
@@ -254,12 +251,12 @@ class Fleet(PoolControl, FleetTransfers):
         if p is None:
             self.stats["num_local_prefill"] += 1
             d.engine.add(f.rid, f.item.prompt, f.item.max_tokens, block_hashes=f.hashes)
-            self._wake(d)
+            self.wake(d)
             return True
         if d.busy:  # the reservation is a call into D's engine loop, which runs calls between steps
-            d.calls.append((self._reserve, f, d, p))
+            d.calls.append((self.transfers.reserve, f, d, p))
             return True
-        return self._reserve(f, d, p)
+        return self.transfers.reserve(f, d, p)
 
     def _route(self, f: Flight, overlap: dict[str, int] | None = None) -> RouteDecision | None:
         c = self.config
@@ -288,7 +285,7 @@ class Fleet(PoolControl, FleetTransfers):
             for rid in self.queue.observe_ttft(self.now - f.admitted_at, f.cost_tokens):
                 self._admitted(self.flights[rid])
             if w.role == "prefill":
-                self._push(f, w, first[0])
+                self.transfers.push(f, w, first[0])
         elif o.ttft_s is not None:
             gap = seen - f.last_seen
             o.itls_s.append(gap)
@@ -297,32 +294,32 @@ class Fleet(PoolControl, FleetTransfers):
         f.last_seen = seen
         self.queue.progress(f.rid, num_tokens)
 
-    def _finish(self, f: Flight, code: str) -> None:
+    def finish(self, f: Flight, code: str) -> None:
         f.done = True
         f.outcome.code = code
         f.outcome.end_s = max(self.now, f.last_seen)
-        self._left -= 1
+        self.num_left -= 1
         if f.booking is not None:
             f.booking.end()
         if code == "OK":
             self.queue.lengths.observe("", "generate", f.outcome.num_out)
         admitted = self.queue.release(f.rid)
-        self.pushing.pop(f.rid, None)
+        self.transfers.pushing.pop(f.rid, None)
         if f.decision is not None:
             d = self.workers[f.decision.decode_worker]
             if d.table is not None:
                 d.table.cancel(f.rid)
             d.engine.abort(f.rid)
-            self._stop_if_drained(d)
+            self.pools.stop_if_drained(d)
             if f.decision.prefill_worker is not None:
                 self.workers[f.decision.prefill_worker].engine.abort(f.rid)
         for rid in admitted:
             self._admitted(self.flights[rid])
         self._retry_room()
 
-    def _fail(self, f: Flight, code: str) -> None:
+    def fail(self, f: Flight, code: str) -> None:
         f.outcome.details = code
-        self._finish(f, code)
+        self.finish(f, code)
 
     def _retry_room(self) -> None:
         room, self.waiting_room = self.waiting_room, []
@@ -338,16 +335,16 @@ class Fleet(PoolControl, FleetTransfers):
             self._admitted(self.flights[rid])
         self.queue.forecast.set_step_model(self.step_shape, len(decodes))
         for rid, refusal in self.queue.revise():
-            self._fail(self.flights[rid], "RESOURCE_EXHAUSTED")
+            self.fail(self.flights[rid], "RESOURCE_EXHAUSTED")
         for rid in self.queue.expire():
-            self._fail(self.flights[rid], "RESOURCE_EXHAUSTED")
+            self.fail(self.flights[rid], "RESOURCE_EXHAUSTED")
         expired = [f for f in self.waiting_room if f.room_until <= self.now]
         self.waiting_room = [f for f in self.waiting_room if f.room_until > self.now]
         for f in expired:  # no decode worker had room within kv_wait_s
             if not f.done:
-                self._fail(f, "RESOURCE_EXHAUSTED")
-        self._leases()
-        if self._left:
+                self.fail(f, "RESOURCE_EXHAUSTED")
+        self.transfers.leases()
+        if self.num_left:
             self.at(self.now + TICK_S, self._tick)
 
 
