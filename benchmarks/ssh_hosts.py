@@ -217,7 +217,7 @@ def ray_down_quietly(config: Path, cluster_name: str) -> None:
     """`ray down` whatever state the cluster is in, and the launcher's own record of it."""
     with contextlib.suppress(subprocess.TimeoutExpired):
         subprocess.run([str(RAY), "down", "-y", str(config)], cwd=REPO,
-                       capture_output=True, timeout=300)
+                       capture_output=True, timeout=240)
     for leftover in Path("/tmp/ray").glob(f"cluster-{cluster_name}.*"):
         leftover.unlink()
 

@@ -156,6 +156,7 @@ class RouterService:
                 "down_workers": self.flow.down_workers(), "index_gaps": self.index.num_gaps,
                 "index_blocks": {w: self.index.num_blocks(w) for w in self.members.ids()},
                 "active": {w: self.flow.loads.load(w).num_active for w in self.members.ids()},
+                "heartbeat_at": {w: b.sent_at for w, b in self.flow.loads.heartbeats.items()},
                 "index_events": self.feed.num_events, "itl_p50_ms": self.generation.itl.p50_ms(), "rss_mib": _rss_mib(),
                 "pid": os.getpid()}
 

@@ -89,10 +89,15 @@ def test_a_kept_multi_run_frame_receives_run_by_run_into_its_blocks(receiver: Fa
 
 
 class Stream:
-    """A CUDA stream's `done` flag, set by the test."""
+    """A CUDA stream's `done` flag, set by the test; counts how often it was asked."""
 
     def __init__(self) -> None:
-        self.done = False
+        self.finished, self.polls = False, 0
+
+    @property
+    def done(self) -> bool:
+        self.polls += 1
+        return self.finished
 
 
 def test_after_a_timed_out_gpu_copy_the_revoke_is_acked_only_once_the_copy_ended() -> None:
@@ -106,9 +111,12 @@ def test_after_a_timed_out_gpu_copy_the_revoke_is_acked_only_once_the_copy_ended
     peer.transfers = {7: transfer}
     peer._handle({"t": "revoke", "rid": 7, "reason": "lease expired"})
     assert transfer.revoked == "lease expired"
-    time.sleep(0.05)
+    deadline = time.monotonic() + 2
+    while transfer.in_flight.polls < 5 and time.monotonic() < deadline:  # the fence thread waits on the copy
+        time.sleep(0.005)
+    assert transfer.in_flight.polls >= 5
     assert peer.conn.headers == []  # the copy may still be writing: the receiver's blocks stay fenced
-    transfer.in_flight.done = True
+    transfer.in_flight.finished = True
     deadline = time.monotonic() + 2
     while not peer.conn.headers and time.monotonic() < deadline:
         time.sleep(0.005)

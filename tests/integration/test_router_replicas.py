@@ -104,14 +104,14 @@ def test_a_lone_router_refuses_a_taken_port(tiny_llama_dir: str) -> None:
             asyncio.run(service.start())
 
 
-def idle(cluster: LocalCluster, worker_id: str, settle_s: float, timeout_s: float = 10.0) -> None:
-    """After `settle_s` (a heartbeat, and a router's published stats, catch up), every router
-    sees no request active on `worker_id`."""
-    time.sleep(settle_s)
+def idle(cluster: LocalCluster, worker_id: str, since: float, timeout_s: float = 10.0) -> None:
+    """Every router has a heartbeat from `worker_id` sent after `since` (wall clock) and sees
+    no request active on it."""
     deadline = time.monotonic() + timeout_s
-    while any(s["active"].get(worker_id, 0) for s in cluster.router_stats()):
+    while any(s["heartbeat_at"].get(worker_id, 0.0) <= since or s["active"].get(worker_id, 0)
+              for s in cluster.router_stats()):
         assert time.monotonic() < deadline, f"{worker_id} still looks busy to a router"
-        time.sleep(0.2)
+        time.sleep(0.1)
 
 
 def test_a_killed_replica_is_replaced_the_other_serves_throughout_and_the_new_one_knows_the_cache(
@@ -143,12 +143,14 @@ def test_a_killed_replica_is_replaced_the_other_serves_throughout_and_the_new_on
     assert stats["router-1"]["index_blocks"].get(first.route.decode_worker, 0) >= 4, stats["router-1"]
     assert stats["router-1"]["address"] == cluster.address
     before = {rid: s["num_requests"] for rid, s in stats.items()}
+    ended = time.time()
     for i in range(NUM_CHANNELS):
         # the last request's end reaches a router's load view through the worker's heartbeat
         # (every 0.5 s); until it does, the cache-hot worker still looks busy, and one busy
         # request outweighs a 64-token prefix (decode_weight_tokens): routing would be a tie
-        idle(cluster, first.route.decode_worker, settle_s=1.1 if i == 0 else 0.6)
+        idle(cluster, first.route.decode_worker, since=ended)
         final = generate(cluster.address, stem + [20 + i, 9])[-1]
+        ended = time.time()
         assert final.usage.cached_tokens == 64 and final.route.decode_worker == first.route.decode_worker
     served = {s["router_id"]: s["num_requests"] - before[s["router_id"]] for s in cluster.router_stats()}
     assert min(served.values()) > 0 and sum(served.values()) == NUM_CHANNELS, served

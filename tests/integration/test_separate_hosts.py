@@ -30,6 +30,13 @@ from router.policy import RoutingConfig
 from tests.integration.cluster_checks import assert_idle, generate, greedy, ray_head, tokens, wait_for
 
 pytestmark = pytest.mark.timeout(400)
+RAY_HOSTS_TIMEOUT_S = 660
+"""The tests with a Ray node per host: three joins that may each take `JOIN_TRIES` starts of
+`JOIN_WAIT_S` (450 s), with the rest of the test (about 60 s) beside."""
+JOIN_TRIES, JOIN_WAIT_S = 3, 50.0
+"""A raylet must register within Ray's fixed 30 s, which a loaded CI machine can miss."""
+TINY_BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4
+"""One KV block of the tiny model: 2 layers, K and V, 16 tokens, 2 KV heads of 16, float32."""
 
 
 def _test_hosts(names: tuple[str, ...]) -> Iterator[dict[str, str]]:
@@ -111,8 +118,9 @@ def cut_mid_transfer(stub: pb_grpc.GenerationStub, hosts: dict[str, str], far: s
                      prompt: list[int]) -> list[pb.GenerateResponse]:
     """Sends `prompt` (routed to the decode worker on host `d`, whose /metrics is at `far`)
     over a link slowed to 400 kbit/s, cuts that link once the worker holds the transfer's
-    reservation, and checks the reservation is gone within the lease (read from inside the
-    host); returns the request's responses."""
+    reservation and its first KV bytes are on the wire (the link's own byte count: 75 blocks
+    take 12 s at that rate), and checks the reservation is gone within the lease (read from
+    inside the host); returns the request's responses."""
     sh("tc", "qdisc", "add", "dev", hosts["d_link"], "root", "tbf", "rate", "400kbit", "burst", "16kbit",
        "latency", "500ms")
     result: dict[str, object] = {}
@@ -126,6 +134,8 @@ def cut_mid_transfer(stub: pb_grpc.GenerationStub, hosts: dict[str, str], far: s
     client.start()
     wait_for("a reservation on the far decode worker",
              lambda: scrape(far).get("splitserve:kv_reservations,role=decode") == 1, 30)
+    sent = link_tx_bytes(hosts["d_link"])  # no scrape from here to the cut: what crosses now is the push
+    wait_for("KV blocks crossing the link", lambda: link_tx_bytes(hosts["d_link"]) - sent >= 2 * TINY_BLOCK_BYTES, 30)
     sh("ip", "link", "set", hosts["d_link"], "down")  # mid-transfer: no FIN, no RST, just silence
     cut_at = time.monotonic()
     wait_for("the far decode worker freeing the reservation", lambda: scrape(far, hosts["d"]).get(
@@ -134,6 +144,11 @@ def cut_mid_transfer(stub: pb_grpc.GenerationStub, hosts: dict[str, str], far: s
     client.join(timeout=120)
     assert "out" in result, result
     return result["out"]  # type: ignore[return-value]
+
+
+def link_tx_bytes(link: str) -> int:
+    """Bytes this machine has sent into a test host over its veth."""
+    return int(Path(f"/sys/class/net/{link}/statistics/tx_bytes").read_text())
 
 
 RAYLET_DEATH = ("died", "crash", "Check failed", "marked dead", "xiting", "Broken pipe", "SIGTERM", "OOM", "killed")
@@ -159,11 +174,10 @@ def ray_logs_on_failure(head: Any) -> Iterator[None]:
 
 def join(ns: str, gcs_address: str, node_ip: str, resources: dict[str, float], log: Path, num_nodes: int) -> None:
     """Starts a Ray worker node on host `ns` offering `resources`, one at a time; a start that
-    fails (a raylet must register within Ray's fixed 30 s, which a loaded CI machine can
-    miss) is tried again, three times in all."""
-    for _ in range(3):
+    fails is tried again, `JOIN_TRIES` in all."""
+    for _ in range(JOIN_TRIES):
         node = ray_node(ns, gcs_address, node_ip, resources, log)
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + JOIN_WAIT_S
         while node.poll() is None and time.monotonic() < deadline:
             if sum(n["Alive"] for n in ray.nodes()) == num_nodes:
                 return
@@ -172,6 +186,7 @@ def join(ns: str, gcs_address: str, node_ip: str, resources: dict[str, float], l
     raise AssertionError(f"the Ray node on {ns} did not join: {log.read_text()[-2000:]}")
 
 
+@pytest.mark.timeout(RAY_HOSTS_TIMEOUT_S)
 def test_ray_worker_nodes_on_separate_hosts_serve_with_kv_over_tcp(hosts: dict[str, str], tiny_llama_dir: str,
                                                                    tmp_path: Path) -> None:
     """A Ray head here and a Ray worker node on each test host (`ray start` inside the
@@ -216,6 +231,7 @@ def _serve_on_two_ray_hosts(hosts: dict[str, str], head: Any, tiny_llama_dir: st
         assert_idle(cluster)
 
 
+@pytest.mark.timeout(RAY_HOSTS_TIMEOUT_S)
 def test_on_ray_nodes_a_link_cut_mid_transfer_frees_the_reservation_and_the_router_retries(
         three_hosts: dict[str, str], tiny_llama_dir: str, tmp_path: Path) -> None:
     """The link cut again, with the workers in Ray worker nodes on the test hosts: decode-0 on
