@@ -17,7 +17,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any, TypeVar
 
 import grpc
@@ -51,7 +51,7 @@ def status_for(e: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(e, FabricError):
         return grpc.StatusCode.ABORTED, f"KV transfer failed: {e}"
     if isinstance(e, EngineStopped):
-        return grpc.StatusCode.UNAVAILABLE, "the worker is stopping"
+        return grpc.StatusCode.UNAVAILABLE, str(e) or "the worker is stopping"
     return grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
 
 
@@ -146,13 +146,16 @@ class WorkerHost:
                          sent_at=time.time(), step_model=list(self.read_step_model() or ()),
                          step_profile=[x for row in self.step_profile for x in row])
 
-    def refuse_if_not_serving(self) -> tuple[grpc.StatusCode, str] | None:
-        """For a new call: None when this worker takes it, else the status to end it with."""
+    def refusal(self, request_id: str, running: Container[str]) -> tuple[grpc.StatusCode, str] | None:
+        """For a new call of `request_id`: None when this worker takes it, else the status to
+        end it with (a request id empty or already running here is the caller's fault)."""
+        if not request_id or request_id in running:
+            return status_for(InvalidRequestError(f"request id {request_id!r} is empty or already running here"))
         if self.state == "serving":
             return None
         if self.state == "draining":
             self.num_late_calls += 1
-        return grpc.StatusCode.UNAVAILABLE, f"{self.worker_id} is {self.state}: try another worker"
+        return status_for(EngineStopped(f"{self.worker_id} is {self.state}: try another worker"))
 
     async def drain(self, timeout_s: float, num_running: Callable[[], int]) -> int:
         """Takes no new calls (routers see `draining` in the next heartbeat; a call that still

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.request import SamplingParams
 from engine.types import RequestId
-from kvfabric import BlocksFenced, FabricLayout, FabricReceiver, KVArrived, ReceiverConfig, Ticket, TransferFailed
+from kvfabric import BlocksFenced, FabricLayout, FabricReceiver, KVArrived, ReceiverConfig, Ticket
 from kvfabric.pools import KVAllocator, exports, pool_region
 
 logger = logging.getLogger(__name__)

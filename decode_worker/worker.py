@@ -35,6 +35,7 @@ from engine.llm_engine import LLMEngine, RequestOutput
 from engine.step_profile import profile_decode
 from engine.types import RequestId
 from kvfabric import ReceiverConfig
+from kvfabric.errors import FabricError
 from kvfabric.pools import kv_allocator
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
@@ -92,9 +93,7 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
     # -- the Decode stream (on the event loop) ---------------------------------------------
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeEvent]:
         rid = request.request_id
-        if not rid or rid in self._requests:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is empty or already running here")
-        if (refusal := self.host.refuse_if_not_serving()) is not None:
+        if (refusal := self.host.refusal(rid, self._requests)) is not None:
             await context.abort(*refusal)
         state = self._requests[rid] = _Decode(rid)
         parent = tracing.extract(context.invocation_metadata())
@@ -140,7 +139,7 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
         item = await next_event(state.events, context, f"request {state.request_id} on {self.worker_id}")
         if isinstance(item, RemoteFailure):
             state.finished = True  # the engine already ended it
-            await context.abort(grpc.StatusCode.ABORTED, f"request {state.request_id}: KV transfer failed: {item.reason}")
+            await context.abort(*status_for(FabricError(f"request {state.request_id}: {item.reason}")))
         state.finished = item.output.finished if isinstance(item, Landed) else item.finished
         return item
 

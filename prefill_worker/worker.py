@@ -32,6 +32,7 @@ from engine.llm_engine import LLMEngine, RequestOutput
 from engine.request import FinishReason
 from engine.types import InvalidRequestError, RequestId
 from kvfabric import SenderConfig
+from kvfabric.errors import FabricError
 from prefill_worker.kv_push import KVPusher, PushDone
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
@@ -103,9 +104,7 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
     # -- the Prefill stream (on the event loop) ---------------------------------------------
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.PrefillEvent]:
         rid = request.request_id
-        if not rid or rid in self._requests:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is empty or already running here")
-        if (refusal := self.host.refuse_if_not_serving()) is not None:
+        if (refusal := self.host.refusal(rid, self._requests)) is not None:
             await context.abort(*refusal)
         state = self._requests[rid] = _Prefill(rid)
         span = tracing.child("prefill.forward", tracing.extract(context.invocation_metadata()), tracing.SpanKind.SERVER,
@@ -134,7 +133,7 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
                     ended = True
                     self._trace_transfer(span, item)
                     if item.error is not None:
-                        await context.abort(grpc.StatusCode.ABORTED, f"request {rid}: KV transfer failed: {item.error}")
+                        await context.abort(*status_for(FabricError(f"request {rid}: {item.error}")))
                     yield pb.PrefillEvent(pushed=pb.KVPushed(push_ms=item.push_s * 1e3, kvfabric_ms=item.fabric_s * 1e3,
                                                              num_pushes=item.num_pushes))
                     return

@@ -15,7 +15,6 @@ from collections.abc import Callable
 
 import grpc
 
-from control.heartbeat import Heartbeat
 from engine.request import SamplingParams
 from proto import generate_pb2 as pb
 from router.attempt import Deadline, Prepared, Progress

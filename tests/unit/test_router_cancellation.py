@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from control.heartbeat import Heartbeat
 from proto import generate_pb2 as pb
 from router.admission import AdmissionConfig
 from router.attempt import Deadline, Prepared, WorkerFailed

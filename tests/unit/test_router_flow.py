@@ -13,7 +13,6 @@ from collections.abc import Callable
 import grpc
 import pytest
 
-from control.heartbeat import Heartbeat
 from engine.request import SamplingParams
 from proto import generate_pb2 as pb
 from router.attempt import Deadline, Prepared, Progress, RequestFailed

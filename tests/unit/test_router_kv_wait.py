@@ -8,7 +8,6 @@ import time
 import grpc
 import pytest
 
-from control.heartbeat import Heartbeat
 from engine.request import SamplingParams
 from router.attempt import Deadline, Prepared, Progress, RequestFailed
 from router.frontend import Responses

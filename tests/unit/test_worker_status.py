@@ -1,0 +1,32 @@
+"""The one map from a worker-side failure to its gRPC status (control/worker_host.py
+`status_for`), and the refusal of a new call, which goes through it."""
+from __future__ import annotations
+
+import grpc
+
+from control.heartbeat import ModelFacts
+from control.worker_config import WorkerConfig
+from control.worker_host import WorkerHost, status_for
+from engine.types import EngineStopped, InvalidRequestError
+from kvfabric.errors import PeerUnavailable
+
+
+def test_each_failure_maps_to_the_status_the_router_acts_on() -> None:
+    assert status_for(InvalidRequestError("prompt too long")) == (grpc.StatusCode.INVALID_ARGUMENT, "prompt too long")
+    assert status_for(PeerUnavailable("reset")) == (grpc.StatusCode.ABORTED, "KV transfer failed: reset")
+    assert status_for(EngineStopped()) == (grpc.StatusCode.UNAVAILABLE, "the worker is stopping")
+    assert status_for(KeyError("x")) == (grpc.StatusCode.INTERNAL, "KeyError: 'x'")
+
+
+def test_a_new_call_is_refused_for_a_bad_id_and_while_the_worker_does_not_serve() -> None:
+    host = WorkerHost("decode-0", "decode", WorkerConfig(model_dir="unused", serve_metrics=False), ModelFacts(),
+                      lambda: None, None, "t")
+    assert host.refusal("r1", {}) == (grpc.StatusCode.UNAVAILABLE, "decode-0 is starting: try another worker")
+    host.state = "serving"
+    assert host.refusal("r1", {}) is None
+    assert host.refusal("r1", {"r1": object()}) == (
+        grpc.StatusCode.INVALID_ARGUMENT, "request id 'r1' is empty or already running here")
+    assert host.refusal("", {})[0] == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[index]
+    host.state = "draining"
+    assert host.refusal("r2", {}) == (grpc.StatusCode.UNAVAILABLE, "decode-0 is draining: try another worker")
+    assert host.num_late_calls == 1
