@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over the paged KV pool.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over the paged KV pool.
 
 Reads as single-device code: batch layout and attention metadata come in as
 arguments. Tokens of all requests are packed into one [num_tokens] dimension.
@@ -41,6 +41,10 @@ class LayerWeights:
     gate_up: Linear
     """[gate; up], `swiglu`: returns the MLP's activation silu(gate) * up."""
     down: Linear
+    q_norm: torch.Tensor | None = None
+    """[head_dim]: each query head RMS-normalised before rope (Qwen3); None: not."""
+    k_norm: torch.Tensor | None = None
+    """[head_dim]: each key head likewise."""
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -93,6 +97,8 @@ class LlamaForCausalLM:
                 post_norm=get(p + "post_attention_layernorm.weight"),
                 gate_up=fused([m + "gate_proj", m + "up_proj"], swiglu=True),
                 down=fused([m + "down_proj"]),
+                q_norm=get(a + "q_norm.weight") if config.qk_norm else None,
+                k_norm=get(a + "k_norm.weight") if config.qk_norm else None,
             ))
         order = model.linears()
         for first, then in zip(order, order[1:]):
@@ -114,8 +120,8 @@ class LlamaForCausalLM:
         return [x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
 
     def _native_layers(self) -> ctypes.Array | None:
-        if self.kernels is None or self.dtype != torch.bfloat16:
-            return None
+        if self.kernels is None or self.dtype != torch.bfloat16 or self.config.qk_norm:
+            return None  # (decode_layers has no per-head norm of q and k)
         if any(x.tiles is None for x in self.linears()[:-1]):  # decode_layers runs the native matmul only
             return None
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
@@ -132,6 +138,7 @@ class LlamaForCausalLM:
         total = size(self.embed) + size(self.norm) + (0 if self.tied else self.lm_head.nbytes)
         for layer in self.layers:
             total += size(layer.input_norm) + size(layer.post_norm)
+            total += sum(size(t) for t in (layer.q_norm, layer.k_norm) if t is not None)
             total += layer.qkv.nbytes + layer.o.nbytes + layer.gate_up.nbytes + layer.down.nbytes
         return total
 
@@ -184,6 +191,9 @@ class LlamaForCausalLM:
         qkv = layer.qkv(x)  # [num_tokens, (heads + 2 * kv_heads) * head_dim]
         qk = qkv[:, : (h + kvh) * d].view(n, h + kvh, d)
         v = qkv[:, (h + kvh) * d :].view(n, kvh, d)
+        if layer.q_norm is not None and layer.k_norm is not None:  # in place: the rotation reads qkv
+            qk[:, :h] = rms_norm(qk[:, :h], layer.q_norm, cfg.rms_norm_eps)
+            qk[:, h:] = rms_norm(qk[:, h:], layer.k_norm, cfg.rms_norm_eps)
         if self.kernels is not None:  # q and k rotated in place, k and v stored: one pass
             self.kernels.rotary_store(qkv, h, kvh, cos, sin, pool.tensor, i, meta.slot_blocks, meta.slot_offsets)
         else:

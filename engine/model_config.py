@@ -1,8 +1,9 @@
 """Reads a Hugging Face config.json into the fields our Llama-family model needs.
 
 Supported: LlamaForCausalLM (Llama 2/3, rope_scaling type llama3), MistralForCausalLM
-(without a sliding window shorter than the context), Qwen2ForCausalLM (q/k/v bias).
-Anything else is refused with an error that names the field.
+(without a sliding window shorter than the context), Qwen2ForCausalLM (q/k/v bias),
+Qwen3ForCausalLM (an RMSNorm over each head of q and of k before rope; head_dim need not
+be hidden_size / heads). Anything else is refused with an error that names the field.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 
 from engine.types import UnsupportedModelError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class ModelConfig:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
+    qk_norm: bool
+    """Each head of q and of k is RMS-normalised (its own weight, [head_dim]) before rope (Qwen3)."""
     torch_dtype: str
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
@@ -85,6 +88,7 @@ class ModelConfig:
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(raw.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),

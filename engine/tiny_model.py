@@ -4,7 +4,8 @@
 (Llama-3.1-8B's shapes, random bfloat16 weights, 16 GB in 5 GB shards, written one layer
 at a time) for measuring the GPU path at a real model size without a download. The llama
 arch uses Llama-3 rope scaling and untied embeddings; qwen2 has q/k/v biases and
-tied embeddings, so between them the tests cover every model variant we load.
+tied embeddings; qwen3 normalises each head of q and k and has heads wider than
+hidden_size / heads; so between them the tests cover every model variant we load.
 
 `make_draft_model` writes a draft for speculative decoding from any checkpoint we load:
 its first N layers, with its embeddings, final norm, head and tokenizer (a layer-skip
@@ -34,7 +35,7 @@ WEIGHT_DTYPES = {"llama3-8b": torch.bfloat16}
 """Sizes written in a 16-bit dtype (the others in float32)."""
 SHARD_BYTES = 5 * 2**30
 """A checkpoint bigger than this is written in shards with an index, as Hugging Face does."""
-ARCHS = ("llama", "qwen2")
+ARCHS = ("llama", "qwen2", "qwen3")
 
 
 def model_config(arch: str, size: str) -> dict:
@@ -51,10 +52,15 @@ def model_config(arch: str, size: str) -> dict:
                    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                      high_freq_factor=4.0,
                                      original_max_position_embeddings=8192 if size == "llama3-8b" else 256))
-    else:
+    elif arch == "qwen2":
         cfg.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", tie_word_embeddings=True,
                    rope_theta=1000000.0, use_sliding_window=False, sliding_window=None,
                    max_window_layers=cfg["num_hidden_layers"])
+    else:  # Qwen3's heads are wider than hidden_size / heads (128 against 64 in Qwen3-0.6B)
+        cfg.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", tie_word_embeddings=True,
+                   rope_theta=1000000.0, attention_bias=False, use_sliding_window=False, sliding_window=None,
+                   max_window_layers=cfg["num_hidden_layers"],
+                   head_dim=2 * cfg["hidden_size"] // cfg["num_attention_heads"])
     return cfg
 
 
@@ -65,8 +71,8 @@ def _weights(cfg: dict, arch: str, seed: int, device: str = "cpu") -> Iterator[d
     g = torch.Generator(device=device).manual_seed(seed)
     dtype = getattr(torch, cfg["torch_dtype"])
     h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    d = h // cfg["num_attention_heads"]
-    kv = cfg["num_key_value_heads"] * d
+    d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
     randn = lambda *shape, std=0.02: (torch.randn(*shape, generator=g, device=device) * std).to(dtype).cpu()  # noqa: E731
     norm = lambda: 1.0 + randn(h, std=0.1)  # noqa: E731
     # Tied embeddings stay small so the output is not just the input token echoed back.
@@ -78,10 +84,14 @@ def _weights(cfg: dict, arch: str, seed: int, device: str = "cpu") -> Iterator[d
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         w = {p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm()}
-        for name, rows in (("q", h), ("k", kv), ("v", kv), ("o", h)):
+        for name, rows in (("q", q), ("k", kv), ("v", kv)):
             w[p + f"self_attn.{name}_proj.weight"] = randn(rows, h, std=h**-0.5)
-            if arch == "qwen2" and name != "o":
+            if arch == "qwen2":
                 w[p + f"self_attn.{name}_proj.bias"] = randn(rows, std=0.1)
+        w[p + "self_attn.o_proj.weight"] = randn(h, q, std=q**-0.5)
+        if arch == "qwen3":
+            w[p + "self_attn.q_norm.weight"] = 1.0 + randn(d, std=0.1)
+            w[p + "self_attn.k_norm.weight"] = 1.0 + randn(d, std=0.1)
         w[p + "mlp.gate_proj.weight"] = randn(inter, h, std=h**-0.5)
         w[p + "mlp.up_proj.weight"] = randn(inter, h, std=h**-0.5)
         w[p + "mlp.down_proj.weight"] = randn(h, inter, std=inter**-0.5)
@@ -134,6 +144,7 @@ CHAT_TEMPLATES = {
         "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>'"
         " + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"),
 }
+CHAT_TEMPLATES["qwen3"] = CHAT_TEMPLATES["qwen2"]
 """Chat templates the test checkpoints carry (in tokenizer_config.json, as Hugging Face writes them)."""
 
 

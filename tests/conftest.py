@@ -39,9 +39,16 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2", seed=0))
 
 
-@pytest.fixture(scope="session", params=["llama", "qwen2"])
-def tiny_model_dir(request: pytest.FixtureRequest, tiny_llama_dir: str, tiny_qwen2_dir: str) -> str:
-    return tiny_llama_dir if request.param == "llama" else tiny_qwen2_dir
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from engine.tiny_model import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), arch="qwen3", seed=0))
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2", "qwen3"])
+def tiny_model_dir(request: pytest.FixtureRequest) -> str:
+    return str(request.getfixturevalue(f"tiny_{request.param}_dir"))
 
 
 @pytest.fixture(scope="session")

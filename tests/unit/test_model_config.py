@@ -18,6 +18,15 @@ def test_llama3_rope_and_qwen2_bias_are_read() -> None:
     assert qwen.head_dim == 16 and qwen.num_kv_heads == 2
 
 
+def test_qwen3_heads_are_normalised_and_may_be_wider_than_hidden_over_heads() -> None:
+    qwen3 = ModelConfig.from_dict(model_config("qwen3", "tiny"))
+    assert qwen3.qk_norm and not qwen3.qkv_bias and not qwen3.o_bias and qwen3.tie_word_embeddings
+    assert (qwen3.hidden_size, qwen3.num_heads, qwen3.head_dim) == (64, 4, 32)
+    assert not ModelConfig.from_dict(model_config("qwen2", "tiny")).qk_norm
+    with pytest.raises(UnsupportedModelError, match="sliding_window"):
+        ModelConfig.from_dict(dict(model_config("qwen3", "tiny"), use_sliding_window=True, sliding_window=64))
+
+
 def test_transformers_v5_rope_parameters_are_read() -> None:
     raw = model_config("llama", "tiny")
     raw["rope_parameters"] = dict(raw.pop("rope_scaling"), rope_theta=raw.pop("rope_theta"))
