@@ -1,9 +1,10 @@
 """Reads a Hugging Face config.json into the fields our Llama-family model needs.
 
-Supported: LlamaForCausalLM (Llama 2/3, rope_scaling type llama3), MistralForCausalLM
+Supported: LlamaForCausalLM (Llama 2/3), MistralForCausalLM
 (without a sliding window shorter than the context), Qwen2ForCausalLM (q/k/v bias),
 Qwen3ForCausalLM (an RMSNorm over each head of q and of k before rope; head_dim need not
-be hidden_size / heads). Anything else is refused with an error that names the field.
+be hidden_size / heads). Rope types default, linear, dynamic, yarn, longrope and llama3 (engine/rope.py).
+Anything else is refused with an error that names the field.
 """
 from __future__ import annotations
 
@@ -18,15 +19,29 @@ from engine.types import UnsupportedModelError
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float
     rope_type: str = "default"
-    """default or llama3."""
+    """One of ROPE_TYPES, as transformers defines them (engine/rope.py)."""
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    attention_factor: float = 1.0
+    """yarn, longrope: cos and sin are scaled by it (the config's, else derived from `factor`)."""
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    """yarn: the ramp between extrapolated and interpolated frequencies."""
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    """longrope: per-frequency divisors within the original context, and past it."""
+    base_max_position_embeddings: int = 0
+    """dynamic: the config's max_position_embeddings, past which the base grows."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +83,7 @@ class ModelConfig:
         num_heads = _req(raw, "num_attention_heads")
         hidden = _req(raw, "hidden_size")
         _check_supported_fields(raw, arch)
+        rope, context = _rope(raw)
         eos = (generation or {}).get("eos_token_id", raw.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         is_qwen2 = arch == "Qwen2ForCausalLM"
@@ -81,9 +97,9 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=raw.get("num_key_value_heads") or num_heads,
             head_dim=raw.get("head_dim") or hidden // num_heads,
-            max_position_embeddings=_req(raw, "max_position_embeddings"),
+            max_position_embeddings=context,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope=_rope(raw),
+            rope=rope,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=attention_bias and not is_qwen2,
@@ -126,21 +142,61 @@ def _check_supported_fields(raw: dict[str, Any], arch: str) -> None:
         raise UnsupportedModelError("config field 'num_key_value_heads' must divide num_attention_heads")
 
 
-def _rope(raw: dict[str, Any]) -> RopeConfig:
+def _rope(raw: dict[str, Any]) -> tuple[RopeConfig, int]:
+    """The rope and the context it serves: the config's max_position_embeddings, times the
+    factor for linear, dynamic and yarn scaling (their configs keep the pretraining length
+    there; llama3 and longrope configs already state the extended one), as vLLM reads it."""
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return RopeConfig(theta=float(theta))
-    if rope_type != "llama3":
+    rope_type = {"su": "longrope", "mrope": "default"}.get(rope_type, rope_type)
+    max_pos = int(_req(raw, "max_position_embeddings"))
+    if rope_type not in ROPE_TYPES:
         raise UnsupportedModelError(
-            f"config field 'rope_scaling' has type {rope_type!r}; supported: default, llama3"
-        )
-    return RopeConfig(
-        theta=float(theta),
-        rope_type="llama3",
-        factor=float(params["factor"]),
-        low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]),
-        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-    )
+            f"config field 'rope_scaling' has type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+    if float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise UnsupportedModelError("config field 'partial_rotary_factor' must be 1 (rope over the whole head)")
+    if rope_type == "default":
+        return RopeConfig(theta=theta), max_pos
+    factor = params.get("factor")
+    original = int(params.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
+                   or max_pos)
+    if rope_type == "llama3":
+        return RopeConfig(theta=theta, rope_type="llama3", factor=float(params["factor"]),
+                          low_freq_factor=float(params["low_freq_factor"]),
+                          high_freq_factor=float(params["high_freq_factor"]),
+                          original_max_position_embeddings=original), max_pos
+    if rope_type in ("linear", "dynamic"):
+        factor = float(_rope_req(params, "factor"))
+        return RopeConfig(theta=theta, rope_type=rope_type, factor=factor,
+                          base_max_position_embeddings=max_pos), int(max_pos * factor)
+    if rope_type == "yarn":
+        factor = float(factor) if factor is not None else max_pos / original
+        attention = params.get("attention_factor")
+        if attention is None:
+            mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+            attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dim) if mscale and all_dim
+                         else _yarn_mscale(factor, 1.0))
+        return RopeConfig(theta=theta, rope_type="yarn", factor=factor, original_max_position_embeddings=original,
+                          attention_factor=float(attention), beta_fast=float(params.get("beta_fast") or 32),
+                          beta_slow=float(params.get("beta_slow") or 1), truncate=bool(params.get("truncate", True))
+                          ), max(max_pos, int(original * factor))
+    # longrope (Phi-3's "su")
+    factor = float(factor) if factor is not None else max_pos / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeConfig(theta=theta, rope_type="longrope", factor=factor, original_max_position_embeddings=original,
+                      attention_factor=float(attention),
+                      short_factor=tuple(float(x) for x in _rope_req(params, "short_factor")),
+                      long_factor=tuple(float(x) for x in _rope_req(params, "long_factor"))), max_pos
+
+
+def _rope_req(params: dict[str, Any], name: str) -> Any:
+    if name not in params:
+        raise UnsupportedModelError(f"config field 'rope_scaling' has no {name!r}")
+    return params[name]
+
+
+def _yarn_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0

@@ -145,3 +145,40 @@ def test_bfloat16_tracks_the_float32_reference_as_closely_as_transformers_does(t
             ours = max(ours, *((lg - ref[n - 1]).abs().max().item() for lg, n in rows))
     assert ours < LOGITS_ATOL_BF16
     assert ours <= 1.5 * hf_err, f"ours {ours:.4f} vs transformers bfloat16 {hf_err:.4f}"
+
+
+ROPE_SCALINGS = {
+    "linear": dict(rope_type="linear", factor=2.0),
+    "dynamic": dict(rope_type="dynamic", factor=4.0),
+    "yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32, beta_fast=8.0),
+    "longrope": dict(rope_type="longrope", original_max_position_embeddings=32,
+                     short_factor=[1.0 + 0.05 * i for i in range(8)], long_factor=[1.5 + 0.4 * i for i in range(8)]),
+}
+"""Each scaled from a pretraining length of 32 positions, so a short test crosses it."""
+
+
+@pytest.mark.parametrize("scaling", list(ROPE_SCALINGS))
+def test_scaled_rope_matches_transformers_past_the_pretraining_length(tiny_llama_dir: str, tmp_path, scaling: str) -> None:
+    """A 20-token prompt decoded to 60 tokens: past position 32, where dynamic's base starts
+    to grow and longrope turns to its long divisors (transformers decodes one token at a time
+    here, as the engine rotates every position; engine/rope.py), and yarn's and longrope's
+    attention factor scales every position."""
+    import json
+    import shutil
+
+    model_dir = shutil.copytree(tiny_llama_dir, tmp_path / scaling)
+    config = json.loads((model_dir / "config.json").read_text())
+    config.pop("rope_scaling")
+    config.update(rope_scaling=ROPE_SCALINGS[scaling], rope_theta=10000.0,
+                  max_position_embeddings=32 if scaling in ("linear", "dynamic") else 128)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    prompts = _prompts(str(model_dir), [20, 9])
+    completions = make_engine(str(model_dir), budget=8).generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
+    for p, c in zip(prompts, completions, strict=True):
+        assert c.token_ids == hf_greedy(str(model_dir), tuple(p), 40), f"prompt of {len(p)} tokens"
+    # every position's logits, computed in chunks of 8 over the cache, against one forward pass: of
+    # all 60 tokens where the rotation is static; of the first 32 for dynamic and longrope (one
+    # forward of 60 rotates all 60 for a length of 60 in transformers)
+    prompt = (prompts[0] + completions[0].token_ids)[: 60 if scaling in ("linear", "yarn") else 32]
+    ours = _all_position_logits(make_engine(str(model_dir), budget=8), prompt)
+    assert (ours - hf_logits(str(model_dir), prompt)).abs().max().item() < LOGITS_ATOL_FP32

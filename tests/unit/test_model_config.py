@@ -37,7 +37,7 @@ def test_transformers_v5_rope_parameters_are_read() -> None:
 @pytest.mark.parametrize("change, field", [
     ({"architectures": ["GPT2LMHeadModel"]}, "architectures"),
     ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
+    ({"rope_scaling": {"rope_type": "mla", "factor": 4.0}}, "rope_scaling"),
     ({"architectures": ["MistralForCausalLM"], "sliding_window": 512}, "sliding_window"),
     ({"num_key_value_heads": 3}, "num_key_value_heads"),
 ])
@@ -58,3 +58,23 @@ def test_missing_field_is_named(tmp_path) -> None:
 def test_mistral_without_window_is_accepted() -> None:
     raw = dict(model_config("llama", "tiny"), architectures=["MistralForCausalLM"], sliding_window=None)
     assert ModelConfig.from_dict(raw).architecture == "MistralForCausalLM"
+
+
+@pytest.mark.parametrize("scaling, max_pos, context", [
+    ({"rope_type": "linear", "factor": 2.0}, 4096, 8192),
+    ({"rope_type": "dynamic", "factor": 4.0}, 4096, 16384),
+    ({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}, 32768, 131072),  # Qwen2.5's
+    ({"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096}, 163840, 163840),  # DeepSeek's
+    ({"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+      "original_max_position_embeddings": 4096}, 131072, 131072),  # Phi-3's
+])
+def test_a_scaled_rope_serves_the_context_it_extends_to(scaling, max_pos, context) -> None:
+    raw = dict(model_config("llama", "tiny"), rope_scaling=scaling, max_position_embeddings=max_pos)
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.max_position_embeddings == context
+    assert cfg.rope.rope_type == scaling.get("rope_type", scaling.get("type"))
+
+
+def test_a_partial_rotary_factor_is_refused_by_name() -> None:
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor"):
+        ModelConfig.from_dict(dict(model_config("llama", "tiny"), partial_rotary_factor=0.5))
