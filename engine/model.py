@@ -23,6 +23,7 @@ from engine.attention import ATTENTION_WORKSPACE_BYTES, AttentionMetadata, Paged
 from engine.kv_pool import KVPool
 from engine.linear import Linear
 from engine.model_config import ModelConfig
+from engine.moe import MoEWeights, moe_forward
 from engine.native import NativeLayer
 from engine.native import NativeKernels
 
@@ -38,9 +39,11 @@ class LayerWeights:
     qkv: Linear
     o: Linear
     post_norm: torch.Tensor
-    gate_up: Linear
-    """[gate; up], `swiglu`: returns the MLP's activation silu(gate) * up."""
-    down: Linear
+    gate_up: Linear | None
+    """[gate; up], `swiglu`: returns the MLP's activation silu(gate) * up (None: a mixture of experts)."""
+    down: Linear | None
+    moe: MoEWeights | None = None
+    """The layer's mixture of experts in place of the MLP (engine/moe.py), or None."""
     q_norm: torch.Tensor | None = None
     """[head_dim]: each query head RMS-normalised before rope (Qwen3); None: not."""
     k_norm: torch.Tensor | None = None
@@ -90,13 +93,15 @@ class LlamaForCausalLM:
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
+            moe = config.moe is not None and i in config.moe.layers
             model.layers.append(LayerWeights(
                 input_norm=get(p + "input_layernorm.weight"),
                 qkv=fused([a + f"{n}_proj" for n in "qkv"]),
                 o=fused([a + "o_proj"]),
                 post_norm=get(p + "post_attention_layernorm.weight"),
-                gate_up=fused([m + "gate_proj", m + "up_proj"], swiglu=True),
-                down=fused([m + "down_proj"]),
+                gate_up=None if moe else fused([m + "gate_proj", m + "up_proj"], swiglu=True),
+                down=None if moe else fused([m + "down_proj"]),
+                moe=MoEWeights.load(get, p, config.moe) if moe and config.moe is not None else None,
                 q_norm=get(a + "q_norm.weight") if config.qk_norm else None,
                 k_norm=get(a + "k_norm.weight") if config.qk_norm else None,
             ))
@@ -117,14 +122,16 @@ class LlamaForCausalLM:
 
     def linears(self) -> list[Linear]:
         """Every projection, in the order forward() calls them (the lm_head last)."""
-        return [x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
+        return [x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down) if x is not None
+                ] + [self.lm_head]
 
     def _native_layers(self) -> ctypes.Array | None:
-        if self.kernels is None or self.dtype != torch.bfloat16 or self.config.qk_norm:
-            return None  # (decode_layers has no per-head norm of q and k)
+        if self.kernels is None or self.dtype != torch.bfloat16 or self.config.qk_norm or self.config.moe is not None:
+            return None  # (decode_layers has no per-head norm of q and k, and no experts)
         if any(x.tiles is None for x in self.linears()[:-1]):  # decode_layers runs the native matmul only
             return None
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        assert all(x.gate_up is not None and x.down is not None for x in self.layers)
         return (NativeLayer * len(self.layers))(*(NativeLayer(
             input_norm=ptr(x.input_norm), qkv=ptr(x.qkv.tiles), qkv_bias=ptr(x.qkv.bias), o=ptr(x.o.tiles),
             o_bias=ptr(x.o.bias), post_norm=ptr(x.post_norm), gate_up=ptr(x.gate_up.tiles),
@@ -139,7 +146,7 @@ class LlamaForCausalLM:
         for layer in self.layers:
             total += size(layer.input_norm) + size(layer.post_norm)
             total += sum(size(t) for t in (layer.q_norm, layer.k_norm) if t is not None)
-            total += layer.qkv.nbytes + layer.o.nbytes + layer.gate_up.nbytes + layer.down.nbytes
+            total += sum(x.nbytes for x in (layer.qkv, layer.o, layer.gate_up, layer.down, layer.moe) if x is not None)
         return total
 
     @torch.inference_mode()
@@ -161,6 +168,7 @@ class LlamaForCausalLM:
         if self.native_layers is not None and isinstance(group, PagedGroup) and group.in_order:  # a decode batch
             assert self.kernels is not None
             cfg, gate_up = self.config, self.layers[0].gate_up
+            assert gate_up is not None
             delta = self.kernels.decode_layers(
                 self.native_layers, h, cos, sin, pool.tensor, meta.slot_blocks, meta.slot_offsets, group.block_table,
                 group.rows, group.ctx_lens, (cfg.num_heads, cfg.num_kv_heads, gate_up.out_features // 2),
@@ -205,4 +213,8 @@ class LlamaForCausalLM:
         return layer.o(o.reshape(n, h * d))
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        if layer.moe is not None:
+            assert self.config.moe is not None
+            return moe_forward(x, layer.moe, self.config.moe)
+        assert layer.gate_up is not None and layer.down is not None
         return layer.down(layer.gate_up(x))  # gate_up returns silu(gate) * up

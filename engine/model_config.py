@@ -3,7 +3,8 @@
 Supported: LlamaForCausalLM (Llama 2/3), MistralForCausalLM
 (without a sliding window shorter than the context), Qwen2ForCausalLM (q/k/v bias),
 Qwen3ForCausalLM (an RMSNorm over each head of q and of k before rope; head_dim need not
-be hidden_size / heads). Rope types default, linear, dynamic, yarn, longrope and llama3 (engine/rope.py).
+be hidden_size / heads); the mixtures of experts MixtralForCausalLM, Qwen2MoeForCausalLM (a
+gated shared expert beside the routed ones) and Qwen3MoeForCausalLM (`MoEConfig`). Rope types default, linear, dynamic, yarn, longrope and llama3 (engine/rope.py).
 Anything else is refused with an error that names the field.
 """
 from __future__ import annotations
@@ -16,7 +17,9 @@ from typing import Any
 
 from engine.types import UnsupportedModelError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
@@ -45,6 +48,25 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A mixture of experts in place of the MLP of the layers in `layers`: a router picks
+    `top_k` of `num_experts` SwiGLU experts per token by softmax probability (renormalised
+    over those picked when `norm_topk_prob`), whose outputs are summed by those weights."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    layers: tuple[int, ...]
+    """The layers whose MLP is the mixture (the others keep the dense MLP)."""
+    shared_intermediate_size: int = 0
+    """Qwen2-MoE: a dense expert every token takes, scaled by a sigmoid gate (0: none)."""
+    checkpoint_names: tuple[str, str, str, str] = ("mlp", "gate_proj", "up_proj", "down_proj")
+    """The block's name in a layer, and its experts' gate, up and down projections (Mixtral:
+    block_sparse_moe, w1, w3, w2)."""
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -66,6 +88,7 @@ class ModelConfig:
     torch_dtype: str
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    moe: MoEConfig | None = None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -86,14 +109,15 @@ class ModelConfig:
         rope, context = _rope(raw)
         eos = (generation or {}).get("eos_token_id", raw.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        is_qwen2 = arch == "Qwen2ForCausalLM"
+        is_qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         attention_bias = bool(raw.get("attention_bias", False))
+        num_layers = _req(raw, "num_hidden_layers")
         return cls(
             architecture=arch,
             vocab_size=_req(raw, "vocab_size"),
             hidden_size=hidden,
             intermediate_size=_req(raw, "intermediate_size"),
-            num_layers=_req(raw, "num_hidden_layers"),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=raw.get("num_key_value_heads") or num_heads,
             head_dim=raw.get("head_dim") or hidden // num_heads,
@@ -101,13 +125,14 @@ class ModelConfig:
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope=rope,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=is_qwen2 or attention_bias,
+            qkv_bias=bool(raw.get("qkv_bias", True)) if arch == "Qwen2MoeForCausalLM" else is_qwen2 or attention_bias,
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
+            moe=_moe(raw, arch, num_layers),
         )
 
 
@@ -118,6 +143,26 @@ def _architecture(raw: dict[str, Any]) -> str:
             f"config field 'architectures' is {archs!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     return archs[0]
+
+
+def _moe(raw: dict[str, Any], arch: str, num_layers: int) -> MoEConfig | None:
+    if arch not in MOE_ARCHITECTURES:
+        return None
+    num_experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
+    if num_experts < 1:
+        raise UnsupportedModelError("config field 'num_experts' (or 'num_local_experts') must be at least 1")
+    top_k = int(_req(raw, "num_experts_per_tok"))
+    if not 1 <= top_k <= num_experts:
+        raise UnsupportedModelError(f"config field 'num_experts_per_tok' is {top_k}; it must be 1 to {num_experts}")
+    if arch == "MixtralForCausalLM":
+        return MoEConfig(num_experts, top_k, _req(raw, "intermediate_size"), True, tuple(range(num_layers)),
+                         checkpoint_names=("block_sparse_moe", "w1", "w3", "w2"))
+    step = int(raw.get("decoder_sparse_step", 1))
+    dense = set(raw.get("mlp_only_layers") or [])
+    layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    shared = int(raw.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
+    return MoEConfig(num_experts, top_k, _req(raw, "moe_intermediate_size"), bool(raw.get("norm_topk_prob", False)),
+                     layers, shared)
 
 
 def _req(raw: dict[str, Any], name: str) -> Any:
@@ -131,7 +176,7 @@ def _check_supported_fields(raw: dict[str, Any], arch: str) -> None:
     if act != "silu":
         raise UnsupportedModelError(f"config field 'hidden_act' is {act!r}; only 'silu' is supported")
     window = raw.get("sliding_window")
-    use_window = raw.get("use_sliding_window", arch == "MistralForCausalLM")
+    use_window = raw.get("use_sliding_window", arch in ("MistralForCausalLM", "MixtralForCausalLM"))
     if window is not None and use_window and window < raw.get("max_position_embeddings", math.inf):
         raise UnsupportedModelError(
             f"config field 'sliding_window' is {window}; sliding-window attention is not supported"

@@ -5,7 +5,9 @@
 at a time) for measuring the GPU path at a real model size without a download. The llama
 arch uses Llama-3 rope scaling and untied embeddings; qwen2 has q/k/v biases and
 tied embeddings; qwen3 normalises each head of q and k and has heads wider than
-hidden_size / heads; so between them the tests cover every model variant we load.
+hidden_size / heads; mixtral, qwen2_moe (a shared expert, one dense layer) and qwen3_moe
+are mixtures of 4 experts, 2 per token; so between them the tests cover every model
+variant we load.
 
 `make_draft_model` writes a draft for speculative decoding from any checkpoint we load:
 its first N layers, with its embeddings, final norm, head and tokenizer (a layer-skip
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -35,7 +37,8 @@ WEIGHT_DTYPES = {"llama3-8b": torch.bfloat16}
 """Sizes written in a 16-bit dtype (the others in float32)."""
 SHARD_BYTES = 5 * 2**30
 """A checkpoint bigger than this is written in shards with an index, as Hugging Face does."""
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+NUM_EXPERTS, EXPERTS_PER_TOKEN = 4, 2
 
 
 def model_config(arch: str, size: str) -> dict:
@@ -56,11 +59,25 @@ def model_config(arch: str, size: str) -> dict:
         cfg.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", tie_word_embeddings=True,
                    rope_theta=1000000.0, use_sliding_window=False, sliding_window=None,
                    max_window_layers=cfg["num_hidden_layers"])
-    else:  # Qwen3's heads are wider than hidden_size / heads (128 against 64 in Qwen3-0.6B)
+    elif arch in ("qwen3", "qwen3_moe"):  # Qwen3's heads are wider than hidden_size / heads (128 against 64)
         cfg.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", tie_word_embeddings=True,
                    rope_theta=1000000.0, attention_bias=False, use_sliding_window=False, sliding_window=None,
                    max_window_layers=cfg["num_hidden_layers"],
                    head_dim=2 * cfg["hidden_size"] // cfg["num_attention_heads"])
+    if arch == "mixtral":
+        cfg.update(architectures=["MixtralForCausalLM"], model_type="mixtral", tie_word_embeddings=False,
+                   rope_theta=1000000.0, sliding_window=None, num_local_experts=NUM_EXPERTS,
+                   num_experts_per_tok=EXPERTS_PER_TOKEN)
+    elif arch == "qwen2_moe":  # layer 0 dense (mlp_only_layers), the others a mixture beside a shared expert
+        cfg.update(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", tie_word_embeddings=True,
+                   rope_theta=1000000.0, use_sliding_window=False, num_experts=NUM_EXPERTS,
+                   num_experts_per_tok=EXPERTS_PER_TOKEN, moe_intermediate_size=cfg["intermediate_size"] // 2,
+                   shared_expert_intermediate_size=cfg["intermediate_size"], norm_topk_prob=False,
+                   decoder_sparse_step=1, mlp_only_layers=[0], qkv_bias=True)
+    elif arch == "qwen3_moe":
+        cfg.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=NUM_EXPERTS,
+                   num_experts_per_tok=EXPERTS_PER_TOKEN, moe_intermediate_size=cfg["intermediate_size"] // 2,
+                   norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
     return cfg
 
 
@@ -86,16 +103,41 @@ def _weights(cfg: dict, arch: str, seed: int, device: str = "cpu") -> Iterator[d
         w = {p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm()}
         for name, rows in (("q", q), ("k", kv), ("v", kv)):
             w[p + f"self_attn.{name}_proj.weight"] = randn(rows, h, std=h**-0.5)
-            if arch == "qwen2":
+            if arch in ("qwen2", "qwen2_moe"):
                 w[p + f"self_attn.{name}_proj.bias"] = randn(rows, std=0.1)
         w[p + "self_attn.o_proj.weight"] = randn(h, q, std=q**-0.5)
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3_moe"):
             w[p + "self_attn.q_norm.weight"] = 1.0 + randn(d, std=0.1)
             w[p + "self_attn.k_norm.weight"] = 1.0 + randn(d, std=0.1)
-        w[p + "mlp.gate_proj.weight"] = randn(inter, h, std=h**-0.5)
-        w[p + "mlp.up_proj.weight"] = randn(inter, h, std=h**-0.5)
-        w[p + "mlp.down_proj.weight"] = randn(h, inter, std=inter**-0.5)
+        if "num_experts_per_tok" in cfg and i not in cfg.get("mlp_only_layers", []):
+            w.update(_experts(cfg, p, randn))
+        else:
+            w[p + "mlp.gate_proj.weight"] = randn(inter, h, std=h**-0.5)
+            w[p + "mlp.up_proj.weight"] = randn(inter, h, std=h**-0.5)
+            w[p + "mlp.down_proj.weight"] = randn(h, inter, std=inter**-0.5)
         yield w
+
+
+def _experts(cfg: dict, p: str, randn: Callable[..., torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A layer's mixture of experts under the names its architecture's checkpoints use."""
+    h = cfg["hidden_size"]
+    mixtral = cfg["model_type"] == "mixtral"
+    inter = cfg["intermediate_size"] if mixtral else cfg["moe_intermediate_size"]
+    block, gate, up, down = ("block_sparse_moe", "w1", "w3", "w2") if mixtral else ("mlp", "gate_proj", "up_proj", "down_proj")
+    num = cfg.get("num_local_experts") or cfg["num_experts"]
+    w = {f"{p}{block}.gate.weight": randn(num, h, std=1.0)}  # routers that prefer some experts clearly
+    for e in range(num):
+        x = f"{p}{block}.experts.{e}."
+        w[x + f"{gate}.weight"] = randn(inter, h, std=h**-0.5)
+        w[x + f"{up}.weight"] = randn(inter, h, std=h**-0.5)
+        w[x + f"{down}.weight"] = randn(h, inter, std=inter**-0.5)
+    if cfg.get("shared_expert_intermediate_size"):
+        s, inter = f"{p}mlp.shared_expert.", cfg["shared_expert_intermediate_size"]
+        w[s + "gate_proj.weight"] = randn(inter, h, std=h**-0.5)
+        w[s + "up_proj.weight"] = randn(inter, h, std=h**-0.5)
+        w[s + "down_proj.weight"] = randn(h, inter, std=inter**-0.5)
+        w[f"{p}mlp.shared_expert_gate.weight"] = randn(1, h, std=h**-0.5)
+    return w
 
 
 def _save_weights(groups: Iterable[dict[str, torch.Tensor]], out: Path) -> None:
@@ -144,7 +186,8 @@ CHAT_TEMPLATES = {
         "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>'"
         " + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"),
 }
-CHAT_TEMPLATES["qwen3"] = CHAT_TEMPLATES["qwen2"]
+CHAT_TEMPLATES.update(qwen3=CHAT_TEMPLATES["qwen2"], qwen2_moe=CHAT_TEMPLATES["qwen2"],
+                      qwen3_moe=CHAT_TEMPLATES["qwen2"], mixtral=CHAT_TEMPLATES["llama"])
 """Chat templates the test checkpoints carry (in tokenizer_config.json, as Hugging Face writes them)."""
 
 

@@ -39,16 +39,14 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2", seed=0))
 
 
-@pytest.fixture(scope="session")
-def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+@pytest.fixture(scope="session", params=["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"])
+def tiny_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Each architecture's tiny checkpoint (engine/tiny_model.py), one per session."""
+    if request.param in ("llama", "qwen2"):
+        return str(request.getfixturevalue(f"tiny_{request.param}_dir"))
     from engine.tiny_model import make_tiny_model
 
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), arch="qwen3", seed=0))
-
-
-@pytest.fixture(scope="session", params=["llama", "qwen2", "qwen3"])
-def tiny_model_dir(request: pytest.FixtureRequest) -> str:
-    return str(request.getfixturevalue(f"tiny_{request.param}_dir"))
+    return str(make_tiny_model(tmp_path_factory.mktemp(f"tiny-{request.param}"), arch=request.param, seed=0))
 
 
 @pytest.fixture(scope="session")

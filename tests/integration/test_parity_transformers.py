@@ -4,13 +4,16 @@ float32: logits within LOGITS_ATOL_FP32 (1e-4); greedy tokens identical.
 bfloat16 (CPU; its attention takes other code paths than float32): logits within
 LOGITS_ATOL_BF16 (0.05, on logits of magnitude up to about 1.6) of the float32
 reference, and no further from it than 1.5x what transformers' own bfloat16 is.
-Each test runs for a Llama (llama3 rope, untied) and a Qwen2 (q/k/v bias, tied) model.
+Each test runs for every tiny architecture (engine/tiny_model.py): Llama (llama3 rope,
+untied), Qwen2 (q/k/v bias, tied), Qwen3 (per-head q/k norm, wide heads) and the mixtures
+of experts Mixtral, Qwen2-MoE (shared expert, a dense layer) and Qwen3-MoE.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
+from engine.model_config import ModelConfig
 from engine.request import SamplingParams
 from tests.integration.reference import (
     LOGITS_ATOL_BF16, LOGITS_ATOL_FP32, capture_logits, hf_greedy, hf_logits, make_engine, random_prompts,
@@ -143,7 +146,9 @@ def test_bfloat16_tracks_the_float32_reference_as_closely_as_transformers_does(t
             rows = [(logits[row], n) for ids, logits in seen for row, (rid, n) in enumerate(ids) if rid == c.request_id]
             assert len(rows) == 8
             ours = max(ours, *((lg - ref[n - 1]).abs().max().item() for lg, n in rows))
-    assert ours < LOGITS_ATOL_BF16
+    if ModelConfig.from_dir(tiny_model_dir).moe is None:  # (a router's softmax over bfloat16 logits moves the
+        # experts' weights: transformers' own bfloat16 is 0.07-0.18 off on the tiny mixtures, so there only the bound below)
+        assert ours < LOGITS_ATOL_BF16, f"ours {ours:.4f} vs transformers bfloat16 {hf_err:.4f}"
     assert ours <= 1.5 * hf_err, f"ours {ours:.4f} vs transformers bfloat16 {hf_err:.4f}"
 
 

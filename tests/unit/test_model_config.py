@@ -78,3 +78,27 @@ def test_a_scaled_rope_serves_the_context_it_extends_to(scaling, max_pos, contex
 def test_a_partial_rotary_factor_is_refused_by_name() -> None:
     with pytest.raises(UnsupportedModelError, match="partial_rotary_factor"):
         ModelConfig.from_dict(dict(model_config("llama", "tiny"), partial_rotary_factor=0.5))
+
+
+def test_the_mixtures_of_experts_are_read_field_by_field() -> None:
+    mixtral = ModelConfig.from_dict(model_config("mixtral", "tiny"))
+    assert mixtral.moe is not None and (mixtral.moe.num_experts, mixtral.moe.top_k) == (4, 2)
+    assert mixtral.moe.norm_topk_prob and mixtral.moe.layers == (0, 1) and mixtral.moe.intermediate_size == 128
+    assert mixtral.moe.checkpoint_names == ("block_sparse_moe", "w1", "w3", "w2")
+    qwen2 = ModelConfig.from_dict(model_config("qwen2_moe", "tiny"))
+    assert qwen2.moe is not None and qwen2.moe.layers == (1,) and qwen2.moe.shared_intermediate_size == 128
+    assert qwen2.qkv_bias and not qwen2.moe.norm_topk_prob and qwen2.moe.intermediate_size == 64
+    qwen3 = ModelConfig.from_dict(model_config("qwen3_moe", "tiny"))
+    assert qwen3.moe is not None and qwen3.qk_norm and qwen3.moe.norm_topk_prob and not qwen3.moe.shared_intermediate_size
+    every_other = dict(model_config("qwen3_moe", "tiny"), num_hidden_layers=4, decoder_sparse_step=2)
+    assert ModelConfig.from_dict(every_other).moe.layers == (1, 3)  # type: ignore[union-attr]
+    assert ModelConfig.from_dict(model_config("llama", "tiny")).moe is None
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"num_experts_per_tok": 5}, "num_experts_per_tok"),
+    ({"num_experts": 0}, "num_experts"),
+])
+def test_a_bad_mixture_is_refused_by_name(change, field) -> None:
+    with pytest.raises(UnsupportedModelError, match=field):
+        ModelConfig.from_dict(dict(model_config("qwen3_moe", "tiny"), **change))
