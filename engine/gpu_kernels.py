@@ -4,7 +4,8 @@ which stay the reference for both).
 
 `GpuKernels` offers the native kernels' interface (engine/native.py: `paged_attention`,
 `add_rms_norm`, `rotary_store`, `silu_mul`, `pack_linear`), so the model calls either the
-same way; its matmuls stay cuBLAS (`pack_linear` returns None). On CPU it runs under
+same way; its matmuls stay cuBLAS (`pack_linear` returns None), and a mixture of experts
+runs as grouped GEMMs (`moe`; the native kernels have none: the torch form, engine/moe.py). On CPU it runs under
 Triton's interpreter only: the tests check it there against the torch forms.
 """
 from __future__ import annotations
@@ -13,7 +14,9 @@ from typing import Union
 
 import torch
 
-from engine import native, triton_attention, triton_pointwise
+from engine import native, triton_attention, triton_moe, triton_pointwise
+from engine.model_config import MoEConfig
+from engine.moe import MoEWeights
 from engine.triton_compat import interpreting
 
 Kernels = Union["native.NativeKernels", "GpuKernels"]
@@ -52,6 +55,10 @@ class GpuKernels:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return triton_pointwise.silu_mul(gate_up)
+
+    def moe(self, x: torch.Tensor, weights: MoEWeights, config: MoEConfig) -> torch.Tensor:
+        """A mixture-of-experts MLP as grouped GEMMs (engine/triton_moe.py)."""
+        return triton_moe.moe_forward(x, weights, config)
 
 
 def num_sms(device: str) -> int:

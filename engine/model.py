@@ -215,6 +215,8 @@ class LlamaForCausalLM:
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         if layer.moe is not None:
             assert self.config.moe is not None
+            if self.kernels is not None:  # grouped GEMMs on GPUs (engine/triton_moe.py)
+                return self.kernels.moe(x, layer.moe, self.config.moe)
             return moe_forward(x, layer.moe, self.config.moe)
         assert layer.gate_up is not None and layer.down is not None
         return layer.down(layer.gate_up(x))  # gate_up returns silu(gate) * up

@@ -25,6 +25,9 @@ from pathlib import Path
 
 import torch
 
+from engine.model_config import MoEConfig
+from engine.moe import MoEWeights, moe_forward
+
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
@@ -132,6 +135,10 @@ class NativeKernels:
         self._norm[h.dtype](h.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
                             out.data_ptr(), rows, dim, eps, torch.get_num_threads())
         return out
+
+    def moe(self, x: torch.Tensor, weights: MoEWeights, config: MoEConfig) -> torch.Tensor:
+        """A mixture-of-experts MLP: no native kernel, the torch form (engine/moe.py)."""
+        return moe_forward(x, weights, config)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for gate_up = [gate | up] of shape [rows, 2 I]; returns [rows, I]."""

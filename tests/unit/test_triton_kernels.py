@@ -113,6 +113,63 @@ def _interpret(code: str) -> None:
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-4000:]
 
 
+MOE = r"""
+import torch
+from engine import moe, triton_moe
+from engine.model_config import MoEConfig
+
+# the alignment: each expert's pairs in a run of its own, padded to BLOCK_M; blocks past the last run -1
+experts = torch.tensor([[2, 0], [2, 1], [0, 2]])  # pairs 0..5 -> experts 2 0 2 1 0 2
+pairs, blocks = triton_moe.align(experts, 4, block_m=4)
+assert blocks.tolist() == [0, 1, 2, -1, -1, -1]  # 6 pairs / 4 + 4 experts = 6 blocks at most
+assert pairs.tolist()[:12] == [1, 4, 6, 6, 3, 6, 6, 6, 0, 2, 5, 6], pairs.tolist()  # 6: padding
+
+for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 3e-3)):
+    for tokens, hidden, inter, num, k, renorm, shared in ((1, 64, 32, 4, 2, True, 0), (37, 64, 48, 8, 2, False, 96),
+                                                          (20, 96, 64, 6, 3, True, 0), (5, 32, 32, 16, 4, False, 0)):
+        g = torch.Generator().manual_seed(tokens + num)
+        randn = lambda *shape, std=1.0: (torch.randn(*shape, generator=g) * std).to(dtype)
+        w = moe.MoEWeights(router=randn(num, hidden), gate_up=randn(num, 2 * inter, hidden, std=hidden**-0.5),
+                           down=randn(num, hidden, inter, std=inter**-0.5))
+        if shared:
+            w.shared_gate_up, w.shared_down = randn(2 * shared, hidden, std=hidden**-0.5), randn(hidden, shared, std=shared**-0.5)
+            w.shared_gate = randn(1, hidden, std=hidden**-0.5)
+        config = MoEConfig(num, k, inter, renorm, (0,), shared)
+        x = randn(tokens, hidden)
+        want = moe.moe_forward(x.float(), moe.MoEWeights(*(None if t is None else t.float() for t in (
+            w.router, w.gate_up, w.down, w.shared_gate_up, w.shared_down, w.shared_gate))), config)
+        got = triton_moe.moe_forward(x, w, config)
+        assert got.dtype == dtype and got.shape == (tokens, hidden)
+        torch.testing.assert_close(got.float(), want, atol=tol * 4, rtol=tol)
+        if dtype == torch.float32:  # the torch form in the same dtype: the same routing, rounding apart
+            torch.testing.assert_close(got, moe.moe_forward(x, w, config), atol=1e-5, rtol=1e-5)
+
+# a Qwen2-MoE engine (routed and shared experts, a dense layer) on the GPU kernels gives the torch forms' tokens
+import tempfile
+from pathlib import Path
+from engine.config import CacheConfig, EngineConfig
+from engine.gpu_kernels import GpuKernels
+from engine.llm_engine import LLMEngine
+from engine.request import SamplingParams
+from engine.tiny_model import make_tiny_model
+
+model = str(make_tiny_model(Path(tempfile.mkdtemp()) / "moe", arch="qwen2_moe", seed=0))
+engine = LLMEngine(EngineConfig(model_dir=model, cache=CacheConfig(block_size=4, num_blocks=64, enable_prefix_caching=False)))
+kernels = engine.model.kernels
+assert isinstance(kernels, GpuKernels)
+prompts = [[5 + 7 * i % 300 for i in range(n)] for n in (3, 11)]
+params = SamplingParams(max_tokens=6, ignore_eos=True)
+fused = [c.token_ids for c in engine.generate(prompts, params)]
+engine.model.use_kernels(None)
+assert fused == [c.token_ids for c in engine.generate(prompts, params)]
+print("ok")
+"""
+
+
+def test_the_grouped_gemm_mixture_of_experts_matches_the_torch_form_under_the_interpreter() -> None:
+    _interpret(MOE)
+
+
 def test_split_decode_attention_matches_the_reference_under_the_interpreter() -> None:
     _interpret(ATTENTION)
 
