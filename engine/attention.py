@@ -33,9 +33,8 @@ pieces give what the whole group would.
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -79,16 +78,27 @@ class PagedGroup:
     max_context_len: int = 0
     """The longest context in the group, in keys (0: not known; the torch forms attend over
     `num_keys` under the mask)."""
+    _masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
-    @functools.cached_property
+    @property
     def mask(self) -> torch.Tensor:
+        return self.mask_for(0)
+
+    def mask_for(self, window: int) -> torch.Tensor:
         """[batch, 1, max_query_len, num_keys] bool, True = attend: each token its first
-        ctx_lens keys (causal within the request); padded query rows key 0 only (never an
-        empty row). Built on first use: the native kernel reads ctx_lens instead."""
-        limit = torch.ones(self.batch * self.max_query_len, dtype=torch.long, device=self.ctx_lens.device)
-        limit[self.padded_index] = self.ctx_lens
-        keys = torch.arange(self.num_keys, device=limit.device)
-        return (keys[None, :] < limit[:, None]).view(self.batch, 1, self.max_query_len, self.num_keys)
+        ctx_lens keys (causal within the request), of those the last `window` (0: all);
+        padded query rows key 0 only (never an empty row). Built on first use, per window:
+        the native kernel reads ctx_lens instead."""
+        made = self._masks.get(window)
+        if made is None:
+            limit = torch.ones(self.batch * self.max_query_len, dtype=torch.long, device=self.ctx_lens.device)
+            limit[self.padded_index] = self.ctx_lens
+            keys = torch.arange(self.num_keys, device=limit.device)
+            attend = keys[None, :] < limit[:, None]
+            if window:
+                attend &= keys[None, :] >= limit[:, None] - window
+            made = self._masks[window] = attend.view(self.batch, 1, self.max_query_len, self.num_keys)
+        return made
 
 
 @dataclass
@@ -110,24 +120,28 @@ def paged_attention(
     scale: float,
     kernels: NativeKernels | None = None,
     workspace_bytes: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
 
-    Attends over each request's whole context; the caller has written k, v into the pool
-    (`KVPool.write`, or the native `rotary_store`). Returns [num_tokens, num_heads,
-    head_dim]. With `kernels`, short-query groups run the native kernel straight over
-    the pool (no gather). With `workspace_bytes`, the torch forms attend in pieces under it.
+    Attends over each request's whole context, or with a `window` (a layer's sliding
+    window) over the last `window` keys of it, a token's own included; the caller has written
+    k, v into the pool (`KVPool.write`, or the native `rotary_store`). Returns [num_tokens,
+    num_heads, head_dim]. With `kernels`, short-query groups run the native kernel straight
+    over the pool (no gather). With `workspace_bytes`, the torch forms attend in pieces under it.
     """
     out = torch.empty_like(q)
     num_heads, head_dim = q.shape[1], q.shape[2]
     for g in meta.groups:
         if isinstance(g, CausalGroup):
-            out[g.token_index] = _causal_self_attention(q[g.token_index], k[g.token_index], v[g.token_index], scale)
+            out[g.token_index] = _causal_self_attention(q[g.token_index], k[g.token_index], v[g.token_index], scale,
+                                                        window)
             continue
         if kernels is not None and g.max_query_len <= SHORT_QUERY_MAX_LEN:
-            kernels.paged_attention(q, pool.tensor, layer, g.block_table, g.token_index, g.rows, g.ctx_lens, scale, out)
+            kernels.paged_attention(q, pool.tensor, layer, g.block_table, g.token_index, g.rows, g.ctx_lens, scale, out,
+                                    window)
             continue
-        if q.is_cuda and g.batch == 1 and g.max_context_len and g.max_query_len > SHORT_QUERY_MAX_LEN:
+        if q.is_cuda and g.batch == 1 and g.max_context_len and g.max_query_len > SHORT_QUERY_MAX_LEN and not window:
             out[g.token_index] = _chunk_over_context(q[g.token_index], pool, layer, g, scale)
             continue
         if g.in_order:
@@ -140,15 +154,16 @@ def paged_attention(
         attend = _paged_form(q.dtype, g.max_query_len)
         qv = qp.view(g.batch, g.max_query_len, num_heads, head_dim)
         pieces = _pieces(g, num_heads, pool, q.element_size(), workspace_bytes)
+        mask = g.mask_for(window)
         if len(pieces) == 1:
             kc, vc = pool.gather(layer, g.block_table)  # [batch, ctx, kv_heads, head_dim]
-            o = attend(qv, kc, vc, g.mask, scale)
+            o = attend(qv, kc, vc, mask, scale)
         else:
             o = qv.new_empty(qv.shape)
             gathered = pool.gather(layer, g.block_table) if g.batch == 1 else None  # query runs share it
             for rows, queries in pieces:
                 kc, vc = gathered or pool.gather(layer, g.block_table[rows])
-                o[rows, queries] = attend(qv[rows, queries], kc, vc, g.mask[rows, :, queries], scale)
+                o[rows, queries] = attend(qv[rows, queries], kc, vc, mask[rows, :, queries], scale)
         o = o.reshape(g.batch * g.max_query_len, num_heads, head_dim)
         if g.in_order:  # the only group: its output is the whole output
             return o
@@ -211,15 +226,22 @@ def _paged_form(dtype: torch.dtype, max_query_len: int) -> Callable[..., torch.T
     return _all_pairs_attention
 
 
-def _causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                           window: int = 0) -> torch.Tensor:
     """q: [n, num_heads, head_dim]; k, v: [n, num_kv_heads, head_dim] -> [n, num_heads, head_dim].
 
     The inputs get a batch dimension of 1: given 3-D tensors, torch's CPU SDPA takes its
     math path, not the flash kernel (8x slower for a 2048-token prompt, 2x at 512;
-    `benchmarks/engine_throughput.py` has the prefill numbers)."""
+    `benchmarks/engine_throughput.py` has the prefill numbers). A `window` shorter than the
+    chunk bands the causal mask (token j sees keys j - window + 1 .. j)."""
+    n = q.shape[0]
+    band = None
+    if window and n > window:
+        keys = torch.arange(n, device=q.device)
+        band = (keys[None, :] <= keys[:, None]) & (keys[None, :] > keys[:, None] - window)
     o = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True, scale=scale,
-        enable_gqa=True,
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=band,
+        is_causal=band is None, scale=scale, enable_gqa=True,
     )  # [1, num_heads, n, head_dim]
     return o[0].transpose(0, 1)
 

@@ -126,8 +126,10 @@ class LlamaForCausalLM:
                 ] + [self.lm_head]
 
     def _native_layers(self) -> ctypes.Array | None:
-        if self.kernels is None or self.dtype != torch.bfloat16 or self.config.qk_norm or self.config.moe is not None:
-            return None  # (decode_layers has no per-head norm of q and k, and no experts)
+        cfg = self.config
+        if self.kernels is None or self.dtype != torch.bfloat16 or cfg.qk_norm or cfg.moe is not None or any(
+                cfg.layer_windows):
+            return None  # (decode_layers has no per-head norm of q and k, no experts and no sliding window)
         if any(x.tiles is None for x in self.linears()[:-1]):  # decode_layers runs the native matmul only
             return None
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
@@ -209,7 +211,8 @@ class LlamaForCausalLM:
             pool.write(i, meta.slot_blocks, meta.slot_offsets, qk[:, h:], v)
         q, k = qk[:, :h], qk[:, h:]  # [num_tokens, heads | kv_heads, head_dim]
         workspace = ATTENTION_WORKSPACE_BYTES if q.is_cuda else None
-        o = paged_attention(q, k, v, i, pool, meta, self.scale, self.kernels, workspace)  # [num_tokens, heads, head_dim]
+        o = paged_attention(q, k, v, i, pool, meta, self.scale, self.kernels, workspace,
+                            cfg.layer_windows[i])  # [num_tokens, heads, head_dim]
         return layer.o(o.reshape(n, h * d))
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:

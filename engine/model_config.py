@@ -89,6 +89,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     moe: MoEConfig | None = None
+    layer_windows: tuple[int, ...] = ()
+    """Per layer, the keys a token attends to, its own last (a sliding window); 0: all (a
+    window as long as the context is none)."""
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -133,6 +136,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             moe=_moe(raw, arch, num_layers),
+            layer_windows=tuple(w if w < context else 0 for w in _layer_windows(raw, arch, num_layers)),
         )
 
 
@@ -143,6 +147,34 @@ def _architecture(raw: dict[str, Any]) -> str:
             f"config field 'architectures' is {archs!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     return archs[0]
+
+
+def _layer_windows(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int, ...]:
+    """Each layer's sliding window (0: none), as transformers reads the config: its
+    `layer_types` where it has them, else the architecture's rule (Mistral and Mixtral: every
+    layer, when `sliding_window` is set; Qwen2 and Qwen3: layers from `max_window_layers` on,
+    when `use_sliding_window`; Qwen2-MoE: the even layers below it; Qwen3-MoE: every layer)."""
+    window = int(raw.get("sliding_window") or 0)
+    if window < 0:
+        raise UnsupportedModelError(f"config field 'sliding_window' is {window}")
+    if arch == "LlamaForCausalLM" or not window:
+        return (0,) * num_layers
+    types = raw.get("layer_types")
+    if types is not None:
+        if len(types) != num_layers or any(t not in ("full_attention", "sliding_attention") for t in types):
+            raise UnsupportedModelError(f"config field 'layer_types' is {types!r}: one of full_attention or "
+                                        f"sliding_attention per layer ({num_layers})")
+        return tuple(window if t == "sliding_attention" else 0 for t in types)
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+        return (window,) * num_layers
+    if not raw.get("use_sliding_window", False):
+        return (0,) * num_layers
+    below = int(raw.get("max_window_layers", num_layers))
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        return tuple(window if i >= below else 0 for i in range(num_layers))
+    if arch == "Qwen2MoeForCausalLM":
+        return tuple(window if (i + 1) % 2 and i < below else 0 for i in range(num_layers))
+    return (window,) * num_layers
 
 
 def _moe(raw: dict[str, Any], arch: str, num_layers: int) -> MoEConfig | None:
@@ -175,12 +207,6 @@ def _check_supported_fields(raw: dict[str, Any], arch: str) -> None:
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedModelError(f"config field 'hidden_act' is {act!r}; only 'silu' is supported")
-    window = raw.get("sliding_window")
-    use_window = raw.get("use_sliding_window", arch in ("MistralForCausalLM", "MixtralForCausalLM"))
-    if window is not None and use_window and window < raw.get("max_position_embeddings", math.inf):
-        raise UnsupportedModelError(
-            f"config field 'sliding_window' is {window}; sliding-window attention is not supported"
-        )
     if raw.get("pretraining_tp", 1) != 1:
         raise UnsupportedModelError("config field 'pretraining_tp' must be 1")
     if (raw.get("num_attention_heads") or 0) % (raw.get("num_key_value_heads") or 1):

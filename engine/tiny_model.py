@@ -6,8 +6,8 @@ at a time) for measuring the GPU path at a real model size without a download. T
 arch uses Llama-3 rope scaling and untied embeddings; qwen2 has q/k/v biases and
 tied embeddings; qwen3 normalises each head of q and k and has heads wider than
 hidden_size / heads; mixtral, qwen2_moe (a shared expert, one dense layer) and qwen3_moe
-are mixtures of 4 experts, 2 per token; so between them the tests cover every model
-variant we load.
+are mixtures of 4 experts, 2 per token; mistral attends through a sliding window of 16
+keys; so between them the tests cover every model variant we load.
 
 `make_draft_model` writes a draft for speculative decoding from any checkpoint we load:
 its first N layers, with its embeddings, final norm, head and tokenizer (a layer-skip
@@ -37,7 +37,9 @@ WEIGHT_DTYPES = {"llama3-8b": torch.bfloat16}
 """Sizes written in a 16-bit dtype (the others in float32)."""
 SHARD_BYTES = 5 * 2**30
 """A checkpoint bigger than this is written in shards with an index, as Hugging Face does."""
-ARCHS = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+ARCHS = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "mistral")
+SLIDING_WINDOW = 16
+"""The tiny mistral's window: prompts of a few blocks already slide it."""
 NUM_EXPERTS, EXPERTS_PER_TOKEN = 4, 2
 
 
@@ -64,7 +66,10 @@ def model_config(arch: str, size: str) -> dict:
                    rope_theta=1000000.0, attention_bias=False, use_sliding_window=False, sliding_window=None,
                    max_window_layers=cfg["num_hidden_layers"],
                    head_dim=2 * cfg["hidden_size"] // cfg["num_attention_heads"])
-    if arch == "mixtral":
+    if arch == "mistral":
+        cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", tie_word_embeddings=False,
+                   rope_theta=10000.0, sliding_window=SLIDING_WINDOW)
+    elif arch == "mixtral":
         cfg.update(architectures=["MixtralForCausalLM"], model_type="mixtral", tie_word_embeddings=False,
                    rope_theta=1000000.0, sliding_window=None, num_local_experts=NUM_EXPERTS,
                    num_experts_per_tok=EXPERTS_PER_TOKEN)
@@ -187,7 +192,8 @@ CHAT_TEMPLATES = {
         " + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"),
 }
 CHAT_TEMPLATES.update(qwen3=CHAT_TEMPLATES["qwen2"], qwen2_moe=CHAT_TEMPLATES["qwen2"],
-                      qwen3_moe=CHAT_TEMPLATES["qwen2"], mixtral=CHAT_TEMPLATES["llama"])
+                      qwen3_moe=CHAT_TEMPLATES["qwen2"], mixtral=CHAT_TEMPLATES["llama"],
+                      mistral=CHAT_TEMPLATES["llama"])
 """Chat templates the test checkpoints carry (in tokenizer_config.json, as Hugging Face writes them)."""
 
 

@@ -46,10 +46,11 @@ def num_splits(num_tokens: int, kv_heads: int, max_context: int, num_sms: int) -
 
 def paged_decode(q: torch.Tensor, pool: torch.Tensor, layer: int, block_table: torch.Tensor,
                  token_index: torch.Tensor, rows: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
-                 out: torch.Tensor, splits: int) -> None:
+                 out: torch.Tensor, splits: int, window: int = 0) -> None:
     """q, out: [num_tokens, heads, head_dim] (head_dim contiguous); pool: [blocks, layers, 2,
     block_size, kv_heads, head_dim] contiguous; block_table [rows, max_blocks]; token_index,
-    rows, ctx_lens [n] int64 (a ctx_len of 0 gives zeros)."""
+    rows, ctx_lens [n] int64 (a ctx_len of 0 gives zeros). With a `window`, each query attends
+    to the last `window` of its keys (the table entries before those are not read)."""
     import triton
 
     heads, head_dim = q.shape[1], q.shape[2]
@@ -72,7 +73,7 @@ def paged_decode(q: torch.Tensor, pool: torch.Tensor, layer: int, block_table: t
     kernels = _kernels()
     kernels.partial[(n, kv_heads, splits)](
         q, pool, block_table, token_index, rows, ctx_lens, m, l_sum, acc, out,
-        layer, scale,
+        layer, scale, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3), pool.stride(4),
         block_table.stride(0),
@@ -93,7 +94,7 @@ def _partial() -> Any:
 
     @triton.jit
     def partial(q_ptr, pool_ptr, table_ptr, tokens_ptr, rows_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
-                layer, scale,
+                layer, scale, window,
                 q_st, q_sh, o_st, o_sh,
                 p_sb, p_sl, p_skv, p_st, p_sh,
                 t_sr,
@@ -105,10 +106,11 @@ def _partial() -> Any:
         token = tl.load(tokens_ptr + i)
         row = tl.load(rows_ptr + i)
         ctx = tl.load(ctx_ptr + i)
+        first_key = tl.where((window > 0) & (ctx > window), ctx - window, 0)  # a sliding window's start
+        lo_tile = first_key // TILE
         num_tiles = tl.cdiv(ctx, TILE)
-        tiles_per_split = tl.cdiv(num_tiles, SPLITS)
-        first_tile = split * tiles_per_split
-        start = first_tile * TILE
+        tiles_per_split = tl.cdiv(num_tiles - lo_tile, SPLITS)
+        first_tile = lo_tile + split * tiles_per_split
         end = (first_tile + tiles_per_split) * TILE
         end = tl.where(end < ctx, end, ctx)
         g = tl.arange(0, GROUP_P2)
@@ -126,7 +128,7 @@ def _partial() -> Any:
         for j in range(first_tile, tl.where(first_tile + tiles_per_split < num_tiles,
                                             first_tile + tiles_per_split, num_tiles)):
             pos = j * TILE + t
-            ok = pos < end
+            ok = (pos < end) & (pos >= first_key)
             block = tl.load(table_ptr + row * t_sr + pos // BLOCK_SIZE, mask=ok, other=0)
             where = base + block[:, None] * p_sb + (pos % BLOCK_SIZE)[:, None] * p_st + d[None, :]
             kv_mask = ok[:, None] & d_ok[None, :]

@@ -19,6 +19,7 @@ typedef struct {
     int64_t num_tokens;       /* tokens (first dimension) of q and of out */
     float scale;
     int32_t num_threads;
+    int64_t window;           /* keys a query attends to, its own last (sliding window); 0: all */
 } attn_args;
 
 int paged_attention_bf16(const attn_args *a, const uint16_t *q, const uint16_t *pool, const int64_t *table,

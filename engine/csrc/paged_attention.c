@@ -246,19 +246,23 @@ static inline void softmax_row(float *s, int64_t n, float *max_out, float *sum_o
     *sum_out = l;
 }
 
+/* The first key a query over ctx keys attends to. */
+#define FIRST_KEY(a, ctx) ((a)->window > 0 && (ctx) > (a)->window ? (ctx) - (a)->window : 0)
+
 /* Splits of one query's context: enough tasks for the threads when the batch is small,
  * at least MIN_SPLIT_BLOCKS blocks each. */
 #define MIN_SPLIT_BLOCKS 4
 
 /* One task: query token `tok` (its q and block-table row) over context blocks [b0, b1),
- * the last holding keys up to ctx - 1. Leaves per head the running max m, the sum of
+ * the last holding keys up to ctx - 1, the first `skip` keys of b0 outside the window (their
+ * scores computed, then weighted exactly 0). Leaves per head the running max m, the sum of
  * exp(score - m) l, and acc = sum of exp(score - m) * v, in part[h * (d + 2) ...]:
  * acc[0 .. d-1], m, l. scores: scratch of heads * (b1 - b0) * block_size floats; qf: heads * d;
  * row: 16 * d (K or V rows converted to float32). */
 #define DEFINE_TASK(NAME, T)                                                                  \
 static void task_##NAME(const attn_args *a, const T *q, const T *pool, const int64_t *blocks, \
-                        int64_t b0, int64_t b1, int64_t ctx, float *part, float *scores, float *qf, \
-                        float *row) {                                                         \
+                        int64_t b0, int64_t b1, int64_t ctx, int64_t skip, float *part, float *scores, \
+                        float *qf, float *row) {                                              \
     const int64_t d = a->head_dim, bs = a->block_size, kvh = a->num_kv_heads;                 \
     const int64_t heads = a->num_heads, grp = heads / kvh, tok_stride = kvh * d;              \
     const int64_t n_keys = (b1 * bs < ctx ? b1 * bs : ctx) - b0 * bs;                         \
@@ -299,7 +303,8 @@ static void task_##NAME(const attn_args *a, const T *q, const T *pool, const int
     for (int64_t h = 0; h < heads; h++) {                                                     \
         float *ph = part + h * (d + 2);                                                       \
         memset(ph, 0, sizeof(float) * d);                                                     \
-        softmax_row(scores + h * n_keys, n_keys, ph + d, ph + d + 1);                         \
+        softmax_row(scores + h * n_keys + skip, n_keys - skip, ph + d, ph + d + 1);           \
+        memset(scores + h * n_keys, 0, sizeof(float) * skip);                                 \
     }                                                                                         \
     for (int64_t b = b0; b < b1; b++) {                                                       \
         const T *v = pool + blocks[b] * a->block_stride + a->layer_offset + a->v_offset;      \
@@ -360,7 +365,8 @@ DEFINE_TASK(bf16, uint16_t)
 
 /* q, out: token i's heads at q + token_index[i] * q_token_stride (same for out).
  * rows[i]: its block-table row; ctx_lens[i]: keys it attends to (positions 0 .. ctx-1),
- * at least 1. head_dim at most 512. Returns 0; -1 when scratch memory can't be had (out
+ * at least 1; with a window w, only the last w of them (the blocks before those are not
+ * read, nor their table entries checked: they may be gone). head_dim at most 512. Returns 0; -1 when scratch memory can't be had (out
  * is then incomplete); -2 for a head_dim over 512, -3 for an index out of range (a
  * context longer than its table row, a row, token or block id outside its tensor): nothing
  * is read or written then. */
@@ -376,9 +382,9 @@ int paged_attention_##NAME(const attn_args *a, const T *q, const T *pool, const 
         if (ctx_lens[i] < 1 || ctx_lens[i] > a->table_stride * bs || rows[i] < 0             \
             || rows[i] >= a->table_rows || token_index[i] < 0 || token_index[i] >= a->num_tokens) \
             return -3;                                                                        \
-        const int64_t nb = (ctx_lens[i] + bs - 1) / bs;                                       \
-        max_blocks = nb > max_blocks ? nb : max_blocks;                                       \
-        for (int64_t b = 0; b < nb; b++) {                                                    \
+        const int64_t nb = (ctx_lens[i] + bs - 1) / bs, fb = FIRST_KEY(a, ctx_lens[i]) / bs;  \
+        max_blocks = nb - fb > max_blocks ? nb - fb : max_blocks;                             \
+        for (int64_t b = fb; b < nb; b++) {                                                   \
             const int64_t blk = table[rows[i] * a->table_stride + b];                         \
             if (blk < 0 || blk >= a->num_blocks) return -3;                                   \
         }                                                                                     \
@@ -398,15 +404,17 @@ int paged_attention_##NAME(const attn_args *a, const T *q, const T *pool, const 
         _Pragma("omp for schedule(dynamic, 1)")                                               \
         for (int64_t task = 0; task < nq * splits; task++) {                                  \
             const int64_t i = task / splits, s = task % splits;                               \
-            const int64_t nb = (ctx_lens[i] + bs - 1) / bs;                                   \
-            const int64_t b0 = s * per_split, b1 = (s + 1) * per_split < nb ? (s + 1) * per_split : nb; \
+            const int64_t nb = (ctx_lens[i] + bs - 1) / bs, k0 = FIRST_KEY(a, ctx_lens[i]);   \
+            const int64_t b0 = k0 / bs + s * per_split;                                       \
+            const int64_t b1 = b0 + per_split < nb ? b0 + per_split : nb;                     \
             float *part = parts + task * part_w;                                              \
             if (scratch == NULL || b0 >= b1) { /* an empty split: weight 0 */                 \
                 for (int64_t h = 0; h < heads; h++) part[h * (d + 2) + d + 1] = 0.f;          \
                 continue;                                                                     \
             }                                                                                 \
             task_##NAME(a, q + token_index[i] * a->q_token_stride, pool, table + rows[i] * a->table_stride, \
-                        b0, b1, ctx_lens[i], part, scratch + heads * d + 16 * d, scratch, scratch + heads * d); \
+                        b0, b1, ctx_lens[i], k0 > b0 * bs ? k0 - b0 * bs : 0, part,                \
+                        scratch + heads * d + 16 * d, scratch, scratch + heads * d);          \
         }                                                                                     \
         _Pragma("omp for schedule(static)")                                                   \
         for (int64_t i = 0; i < nq; i++)                                                      \

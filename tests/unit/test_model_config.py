@@ -23,8 +23,8 @@ def test_qwen3_heads_are_normalised_and_may_be_wider_than_hidden_over_heads() ->
     assert qwen3.qk_norm and not qwen3.qkv_bias and not qwen3.o_bias and qwen3.tie_word_embeddings
     assert (qwen3.hidden_size, qwen3.num_heads, qwen3.head_dim) == (64, 4, 32)
     assert not ModelConfig.from_dict(model_config("qwen2", "tiny")).qk_norm
-    with pytest.raises(UnsupportedModelError, match="sliding_window"):
-        ModelConfig.from_dict(dict(model_config("qwen3", "tiny"), use_sliding_window=True, sliding_window=64))
+    windowed = dict(model_config("qwen3", "tiny"), use_sliding_window=True, sliding_window=64, max_window_layers=1)
+    assert ModelConfig.from_dict(windowed).layer_windows == (0, 64)
 
 
 def test_transformers_v5_rope_parameters_are_read() -> None:
@@ -38,7 +38,7 @@ def test_transformers_v5_rope_parameters_are_read() -> None:
     ({"architectures": ["GPT2LMHeadModel"]}, "architectures"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"rope_scaling": {"rope_type": "mla", "factor": 4.0}}, "rope_scaling"),
-    ({"architectures": ["MistralForCausalLM"], "sliding_window": 512}, "sliding_window"),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": -1}, "sliding_window"),
     ({"num_key_value_heads": 3}, "num_key_value_heads"),
 ])
 def test_unsupported_configs_name_the_field(change, field) -> None:
@@ -102,3 +102,18 @@ def test_the_mixtures_of_experts_are_read_field_by_field() -> None:
 def test_a_bad_mixture_is_refused_by_name(change, field) -> None:
     with pytest.raises(UnsupportedModelError, match=field):
         ModelConfig.from_dict(dict(model_config("qwen3_moe", "tiny"), **change))
+
+
+def test_each_layer_gets_the_sliding_window_transformers_gives_it() -> None:
+    base = model_config("llama", "tiny")  # 2 layers, 2048 positions
+    windows = lambda **kw: ModelConfig.from_dict(dict(base, **kw)).layer_windows  # noqa: E731
+    assert windows(architectures=["MistralForCausalLM"], sliding_window=16) == (16, 16)
+    assert windows(architectures=["MistralForCausalLM"], sliding_window=4096) == (0, 0)  # past the context: none
+    assert windows(architectures=["LlamaForCausalLM"], sliding_window=16) == (0, 0)
+    assert windows(architectures=["Qwen2ForCausalLM"], sliding_window=16) == (0, 0)  # use_sliding_window off
+    assert windows(architectures=["Qwen2ForCausalLM"], sliding_window=16, use_sliding_window=True,
+                   max_window_layers=1) == (0, 16)
+    assert windows(architectures=["Qwen2ForCausalLM"], sliding_window=16,
+                   layer_types=["sliding_attention", "full_attention"]) == (16, 0)
+    with pytest.raises(UnsupportedModelError, match="layer_types"):
+        windows(architectures=["Qwen2ForCausalLM"], sliding_window=16, layer_types=["chunked_attention"] * 2)

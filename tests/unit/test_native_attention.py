@@ -21,15 +21,17 @@ def make_pool(heads_kv: int, head_dim: int, dtype: torch.dtype, num_blocks: int 
     return pool
 
 
-def reference(q, pool: KVPool, layer, table, rows, ctx_lens, scale) -> torch.Tensor:
-    """[n, heads, d] float32: each query token and head on its own, blocks read one at a time."""
+def reference(q, pool: KVPool, layer, table, rows, ctx_lens, scale, window: int = 0) -> torch.Tensor:
+    """[n, heads, d] float32: each query token and head on its own, blocks read one at a time;
+    with a window, over the last `window` keys."""
     n, heads, d = q.shape
     kvh = pool.layout.num_kv_heads
     out = torch.zeros(n, heads, d)
     for i in range(n):
-        blocks = table[rows[i]].tolist()
-        k = torch.cat([pool.tensor[b, layer, 0] for b in blocks])[: ctx_lens[i]].float()  # [ctx, kvh, d]
-        v = torch.cat([pool.tensor[b, layer, 1] for b in blocks])[: ctx_lens[i]].float()
+        blocks = [max(b, 0) for b in table[rows[i]].tolist()]
+        first = max(int(ctx_lens[i]) - window, 0) if window else 0
+        k = torch.cat([pool.tensor[b, layer, 0] for b in blocks])[first: ctx_lens[i]].float()  # [ctx, kvh, d]
+        v = torch.cat([pool.tensor[b, layer, 1] for b in blocks])[first: ctx_lens[i]].float()
         for h in range(heads):
             g = h // (heads // kvh)
             p = torch.softmax((k[:, g] @ q[i, h].float()) * scale, dim=0)
@@ -59,6 +61,46 @@ def test_kernel_matches_the_reference(kernels, dtype, heads, kv_heads, head_dim,
     want = reference(q, pool, 2, table, rows, ctx_lens, 0.3)
     tol = 1e-5 if dtype == torch.float32 else 8e-3
     torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("window", [1, 5, 16, 30])
+def test_a_sliding_window_attends_to_the_last_keys_only(kernels, dtype, block_size, window):
+    """Windows inside a block, on a block edge and over several; the blocks wholly before a
+    window are not read (their table entries here are -1: freed blocks may be)."""
+    pool = make_pool(2, 64, dtype, num_blocks=200, block_size=block_size)
+    g = torch.Generator().manual_seed(window + block_size)
+    ctx_lens = torch.tensor([1, 18, 19, 33, 120, 700])
+    per_row = 700 // block_size + 1
+    table = torch.randperm(200, generator=g).repeat(6)[: 6 * per_row].view(6, per_row).contiguous()
+    for i, ctx in enumerate(ctx_lens.tolist()):
+        table[i, : max(ctx - window, 0) // block_size] = -1
+    q = torch.randn(6, 4, 64, generator=g).to(dtype)
+    out = torch.full((6, 4, 64), float("nan"), dtype=dtype)
+    kernels.paged_attention(q, pool.tensor, 1, table, torch.arange(6), torch.arange(6), ctx_lens, 0.2, out, window)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(out.float(), reference(q, pool, 1, table, range(6), ctx_lens, 0.2, window),
+                               atol=tol, rtol=tol)
+
+
+def test_the_torch_forms_band_a_windowed_group_as_the_kernel_does(kernels):
+    """A decode group and a prefill chunk over earlier context, windowed, through
+    `paged_attention`: the kernel and the masked torch form agree."""
+    pool = make_pool(2, 16, torch.float32)
+    table = torch.tensor([[3, 9, 1, 30, 31], [20, 21, 0, 4, 5]])
+    group = PagedGroup(
+        token_index=torch.arange(2), padded_index=torch.arange(2), batch=2, max_query_len=1, block_table=table,
+        num_keys=20, rows=torch.arange(2), ctx_lens=torch.tensor([19, 6]), in_order=True)
+    meta = AttentionMetadata(slot_blocks=torch.tensor([31, 21]), slot_offsets=torch.tensor([2, 1]), groups=[group])
+    q, k, v = torch.randn(2, 4, 16), torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+    pool.write(1, meta.slot_blocks, meta.slot_offsets, k, v)
+    for window in (3, 7):
+        plain = paged_attention(q, k, v, 1, pool, meta, 0.25, window=window)
+        fast = paged_attention(q, k, v, 1, pool, meta, 0.25, kernels, window=window)
+        torch.testing.assert_close(fast, plain, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(plain, reference(q, pool, 1, table, [0, 1], group.ctx_lens, 0.25, window),
+                                   atol=1e-5, rtol=1e-5)
 
 
 def test_long_contexts_split_across_threads_give_the_unsplit_result(kernels):

@@ -50,6 +50,23 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
                                           torch.tensor([200, 0]), 0.3, out, splits)
             assert (out[4] == 0).all() and out[:4].isnan().all()
             torch.testing.assert_close(out[6].float(), want[5], atol=tol, rtol=tol)
+# a sliding window: the last `window` keys only, the table's slid-past entries never read (-1 here)
+pool = KVPool(KVLayout(2, 16, 2, 32, torch.float32), 80, "cpu")
+pool.tensor.copy_(torch.randn(pool.tensor.shape, generator=torch.Generator().manual_seed(5)))
+g = torch.Generator().manual_seed(6)
+ctx_lens = torch.tensor([1, 17, 40, 300])
+table = torch.randperm(80, generator=g).repeat(2)[: 4 * 19].view(4, 19).contiguous()
+q = torch.randn(4, 4, 32, generator=g)
+for window in (1, 16, 50):
+    windowed = table.clone()
+    for i, ctx in enumerate(ctx_lens.tolist()):
+        windowed[i, : max(ctx - window, 0) // 16] = -1
+    want = reference(q, pool, 1, windowed, range(4), ctx_lens, 0.3, window)
+    for splits in (1, 3):
+        out = torch.full((4, 4, 32), float("nan"))
+        triton_attention.paged_decode(q, pool.tensor, 1, windowed, torch.arange(4), torch.arange(4), ctx_lens, 0.3,
+                                      out, splits, window)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 assert triton_attention.num_splits(1, 8, 4096, 132) == 33 and triton_attention.num_splits(128, 8, 4096, 132) == 1
 assert triton_attention.num_splits(1, 8, 100, 132) == 2  # no more splits than tiles
 print("ok")
