@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over the paged KV pool.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/3 and their mixtures of experts,
+Mixtral, Gemma 3's text model) over the paged KV pool.
 
 Reads as single-device code: batch layout and attention metadata come in as
 arguments. Tokens of all requests are packed into one [num_tokens] dimension.
@@ -44,6 +45,10 @@ class LayerWeights:
     down: Linear | None
     moe: MoEWeights | None = None
     """The layer's mixture of experts in place of the MLP (engine/moe.py), or None."""
+    attn_out_norm: torch.Tensor | None = None
+    """Gemma: the attention's output normalised before the residual add (its post_attention_layernorm)."""
+    mlp_out_norm: torch.Tensor | None = None
+    """Gemma: the MLP's output likewise (post_feedforward_layernorm)."""
     q_norm: torch.Tensor | None = None
     """[head_dim]: each query head RMS-normalised before rope (Qwen3); None: not."""
     k_norm: torch.Tensor | None = None
@@ -62,8 +67,11 @@ class LlamaForCausalLM:
         self.config = config
         self.dtype = dtype
         self.device = device
-        self.scale = config.head_dim**-0.5
+        self.scale = config.query_scale or config.head_dim**-0.5
         self.rotary = RotaryTable(config.rope, config.head_dim, config.max_position_embeddings, device)
+        self.local_rotary = None if config.local_rope is None else RotaryTable(
+            config.local_rope, config.head_dim, config.max_position_embeddings, device)
+        """The sliding-window layers' rope, where it is their own (Gemma 3)."""
         self.layers: list[LayerWeights] = []
         self.kernels: Kernels | None = None
         """Native C kernels on CPU, Triton ones on GPUs (engine/gpu_kernels.py); None: the torch forms."""
@@ -86,8 +94,12 @@ class LlamaForCausalLM:
             bias = torch.cat(biases) if all(b is not None for b in biases) else None
             return Linear(torch.cat([get(n + ".weight") for n in names]), bias, prepack, model.kernels, swiglu)
 
+        def norm(name: str) -> torch.Tensor:
+            """A norm's weight; Gemma's w is applied as 1 + w, added here in float32 as it adds it."""
+            return (ckpt.get(name, torch.float32, device) + 1.0).to(dtype) if config.norm_offset else get(name)
+
         model.embed = get("model.embed_tokens.weight")
-        model.norm = get("model.norm.weight")
+        model.norm = norm("model.norm.weight")
         model.tied = config.tie_word_embeddings or not ckpt.has("lm_head.weight")
         model.lm_head = Linear(model.embed if model.tied else get("lm_head.weight"), None, prepack, model.kernels)
         for i in range(config.num_layers):
@@ -95,15 +107,18 @@ class LlamaForCausalLM:
             a, m = p + "self_attn.", p + "mlp."
             moe = config.moe is not None and i in config.moe.layers
             model.layers.append(LayerWeights(
-                input_norm=get(p + "input_layernorm.weight"),
+                input_norm=norm(p + "input_layernorm.weight"),
                 qkv=fused([a + f"{n}_proj" for n in "qkv"]),
                 o=fused([a + "o_proj"]),
-                post_norm=get(p + "post_attention_layernorm.weight"),
-                gate_up=None if moe else fused([m + "gate_proj", m + "up_proj"], swiglu=True),
+                post_norm=norm(p + ("pre_feedforward_layernorm" if config.sandwich_norms else "post_attention_layernorm")
+                               + ".weight"),
+                gate_up=None if moe else fused([m + "gate_proj", m + "up_proj"], swiglu=config.hidden_act == "silu"),
                 down=None if moe else fused([m + "down_proj"]),
                 moe=MoEWeights.load(get, p, config.moe) if moe and config.moe is not None else None,
-                q_norm=get(a + "q_norm.weight") if config.qk_norm else None,
-                k_norm=get(a + "k_norm.weight") if config.qk_norm else None,
+                q_norm=norm(a + "q_norm.weight") if config.qk_norm else None,
+                k_norm=norm(a + "k_norm.weight") if config.qk_norm else None,
+                attn_out_norm=norm(p + "post_attention_layernorm.weight") if config.sandwich_norms else None,
+                mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if config.sandwich_norms else None,
             ))
         order = model.linears()
         for first, then in zip(order, order[1:]):
@@ -147,7 +162,8 @@ class LlamaForCausalLM:
         total = size(self.embed) + size(self.norm) + (0 if self.tied else self.lm_head.nbytes)
         for layer in self.layers:
             total += size(layer.input_norm) + size(layer.post_norm)
-            total += sum(size(t) for t in (layer.q_norm, layer.k_norm) if t is not None)
+            total += sum(size(t) for t in (layer.q_norm, layer.k_norm, layer.attn_out_norm, layer.mlp_out_norm)
+                         if t is not None)
             total += sum(x.nbytes for x in (layer.qkv, layer.o, layer.gate_up, layer.down, layer.moe) if x is not None)
         return total
 
@@ -165,7 +181,10 @@ class LlamaForCausalLM:
         Returns float32 logits [num_logits, vocab_size].
         """
         cos, sin = self.rotary.lookup(positions, self.dtype)
+        local = (cos, sin) if self.local_rotary is None else self.local_rotary.lookup(positions, self.dtype)
         h = self.embed[input_ids]  # [num_tokens, hidden], a copy: the residual stream, added to in place
+        if self.config.embed_scale != 1.0:  # (the scale rounded to the dtype first, as transformers does)
+            h *= torch.tensor(self.config.embed_scale, dtype=h.dtype)
         group = meta.groups[0] if len(meta.groups) == 1 else None
         if self.native_layers is not None and isinstance(group, PagedGroup) and group.in_order:  # a decode batch
             assert self.kernels is not None
@@ -178,10 +197,17 @@ class LlamaForCausalLM:
         else:
             delta = None  # the last block's output, not yet added to h
             for i, layer in enumerate(self.layers):
-                delta = self._attention(i, layer, self._add_norm(h, delta, layer.input_norm), cos, sin, pool, meta)
+                c, s = local if self.config.layer_windows[i] else (cos, sin)
+                delta = self._attention(i, layer, self._add_norm(h, delta, layer.input_norm), c, s, pool, meta)
+                if layer.attn_out_norm is not None:
+                    delta = self._add_norm(delta, None, layer.attn_out_norm)
                 delta = self._mlp(layer, self._add_norm(h, delta, layer.post_norm))
+                if layer.mlp_out_norm is not None:
+                    delta = self._add_norm(delta, None, layer.mlp_out_norm)
         x = self._add_norm(h[logits_index], delta[logits_index], self.norm)  # [num_logits, hidden]
-        return self.lm_head(x).float()
+        logits = self.lm_head(x).float()
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
         """h += delta (in place), then RMSNorm(h): one native pass where there are kernels."""
@@ -222,4 +248,7 @@ class LlamaForCausalLM:
                 return self.kernels.moe(x, layer.moe, self.config.moe)
             return moe_forward(x, layer.moe, self.config.moe)
         assert layer.gate_up is not None and layer.down is not None
+        if self.config.hidden_act == "gelu_tanh":  # GeGLU (Gemma): gate_up is the plain product
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            return layer.down(torch.nn.functional.gelu(gate, approximate="tanh") * up)
         return layer.down(layer.gate_up(x))  # gate_up returns silu(gate) * up

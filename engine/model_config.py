@@ -4,7 +4,10 @@ Supported: LlamaForCausalLM (Llama 2/3), MistralForCausalLM
 (without a sliding window shorter than the context), Qwen2ForCausalLM (q/k/v bias),
 Qwen3ForCausalLM (an RMSNorm over each head of q and of k before rope; head_dim need not
 be hidden_size / heads); the mixtures of experts MixtralForCausalLM, Qwen2MoeForCausalLM (a
-gated shared expert beside the routed ones) and Qwen3MoeForCausalLM (`MoEConfig`). Rope types default, linear, dynamic, yarn, longrope and llama3 (engine/rope.py).
+gated shared expert beside the routed ones) and Qwen3MoeForCausalLM (`MoEConfig`);
+Gemma3ForCausalLM, Gemma 3's text model (norms of weight 1 + w, around each block too,
+GeGLU, a scaled embedding, its own query scale, local layers with their own rope base
+in a sliding window, final logit soft-capping). Rope types default, linear, dynamic, yarn, longrope and llama3 (engine/rope.py).
 Anything else is refused with an error that names the field.
 """
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 from engine.types import UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+                           "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
@@ -92,6 +95,21 @@ class ModelConfig:
     layer_windows: tuple[int, ...] = ()
     """Per layer, the keys a token attends to, its own last (a sliding window); 0: all (a
     window as long as the context is none)."""
+    norm_offset: bool = False
+    """Gemma: a norm's weight w is applied as 1 + w (the model adds the 1 at load)."""
+    sandwich_norms: bool = False
+    """Gemma: the attention's and the MLP's outputs are normalised before the residual add
+    (post_attention_layernorm, post_feedforward_layernorm; pre_feedforward_layernorm before the MLP)."""
+    hidden_act: str = "silu"
+    """The MLP's gate activation: silu (SwiGLU) or gelu_tanh (GeGLU)."""
+    embed_scale: float = 1.0
+    """The embeddings are multiplied by it (Gemma: sqrt(hidden_size), rounded to the dtype)."""
+    query_scale: float | None = None
+    """Attention's score scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)."""
+    final_logit_softcap: float | None = None
+    """Logits become cap * tanh(logits / cap) (Gemma)."""
+    local_rope: RopeConfig | None = None
+    """The rope of the sliding-window layers, where it is not `rope` (Gemma 3's local base)."""
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -109,7 +127,8 @@ class ModelConfig:
         num_heads = _req(raw, "num_attention_heads")
         hidden = _req(raw, "hidden_size")
         _check_supported_fields(raw, arch)
-        rope, context = _rope(raw)
+        gemma = arch == "Gemma3ForCausalLM"
+        rope, context, local_rope = _gemma3_ropes(raw) if gemma else (*_rope(raw), None)
         eos = (generation or {}).get("eos_token_id", raw.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         is_qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
@@ -131,12 +150,18 @@ class ModelConfig:
             qkv_bias=bool(raw.get("qkv_bias", True)) if arch == "Qwen2MoeForCausalLM" else is_qwen2 or attention_bias,
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             moe=_moe(raw, arch, num_layers),
             layer_windows=tuple(w if w < context else 0 for w in _layer_windows(raw, arch, num_layers)),
+            norm_offset=gemma, sandwich_norms=gemma, hidden_act="gelu_tanh" if gemma else "silu",
+            embed_scale=hidden**0.5 if gemma else 1.0,
+            query_scale=float(raw.get("query_pre_attn_scalar") or raw.get("head_dim") or hidden // num_heads) ** -0.5
+            if gemma else None,
+            final_logit_softcap=raw.get("final_logit_softcapping") if gemma else None,
+            local_rope=local_rope,
         )
 
 
@@ -167,6 +192,9 @@ def _layer_windows(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int
         return tuple(window if t == "sliding_attention" else 0 for t in types)
     if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         return (window,) * num_layers
+    if arch == "Gemma3ForCausalLM":  # every `sliding_window_pattern`-th layer global
+        pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6)
+        return tuple(0 if (i + 1) % pattern == 0 else window for i in range(num_layers))
     if not raw.get("use_sliding_window", False):
         return (0,) * num_layers
     below = int(raw.get("max_window_layers", num_layers))
@@ -204,9 +232,17 @@ def _req(raw: dict[str, Any], name: str) -> Any:
 
 
 def _check_supported_fields(raw: dict[str, Any], arch: str) -> None:
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModelError(f"config field 'hidden_act' is {act!r}; only 'silu' is supported")
+    if arch == "Gemma3ForCausalLM":
+        act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+        if act != "gelu_pytorch_tanh":
+            raise UnsupportedModelError(f"config field 'hidden_activation' is {act!r}; Gemma 3's is 'gelu_pytorch_tanh'")
+        if raw.get("attn_logit_softcapping") is not None:
+            raise UnsupportedModelError("config field 'attn_logit_softcapping' is set; attention soft-capping is "
+                                        "not supported")
+    else:
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"config field 'hidden_act' is {act!r}; only 'silu' is supported")
     if raw.get("pretraining_tp", 1) != 1:
         raise UnsupportedModelError("config field 'pretraining_tp' must be 1")
     if (raw.get("num_attention_heads") or 0) % (raw.get("num_key_value_heads") or 1):
@@ -261,6 +297,20 @@ def _rope(raw: dict[str, Any]) -> tuple[RopeConfig, int]:
                       attention_factor=float(attention),
                       short_factor=tuple(float(x) for x in _rope_req(params, "short_factor")),
                       long_factor=tuple(float(x) for x in _rope_req(params, "long_factor"))), max_pos
+
+
+def _gemma3_ropes(raw: dict[str, Any]) -> tuple[RopeConfig, int, RopeConfig]:
+    """Gemma 3's two ropes: the global layers' (with its scaling) and the local layers'
+    (`rope_local_base_freq`, or transformers 5's rope_parameters per layer type). Its
+    max_position_embeddings already states the scaled context (128K for the linear factor 8)."""
+    params = raw.get("rope_parameters") or {}
+    context = int(_req(raw, "max_position_embeddings"))
+    if "full_attention" in params:
+        rope, _ = _rope({**raw, "rope_parameters": params["full_attention"]})
+        local, _ = _rope({**raw, "rope_parameters": params.get("sliding_attention") or {"rope_theta": 10000.0}})
+        return rope, context, local
+    rope, _ = _rope(raw)
+    return rope, context, RopeConfig(theta=float(raw.get("rope_local_base_freq", 10000.0)))
 
 
 def _rope_req(params: dict[str, Any], name: str) -> Any:

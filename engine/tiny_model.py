@@ -7,7 +7,9 @@ arch uses Llama-3 rope scaling and untied embeddings; qwen2 has q/k/v biases and
 tied embeddings; qwen3 normalises each head of q and k and has heads wider than
 hidden_size / heads; mixtral, qwen2_moe (a shared expert, one dense layer) and qwen3_moe
 are mixtures of 4 experts, 2 per token; mistral attends through a sliding window of 16
-keys; so between them the tests cover every model variant we load.
+keys; gemma3 has Gemma 3's norms (1 + w, around each block), GeGLU, scaled embeddings,
+a query scale of its own, a local layer (window 8, its own rope base) before a global one
+and soft-capped logits; so between them the tests cover every model variant we load.
 
 `make_draft_model` writes a draft for speculative decoding from any checkpoint we load:
 its first N layers, with its embeddings, final norm, head and tokenizer (a layer-skip
@@ -37,7 +39,7 @@ WEIGHT_DTYPES = {"llama3-8b": torch.bfloat16}
 """Sizes written in a 16-bit dtype (the others in float32)."""
 SHARD_BYTES = 5 * 2**30
 """A checkpoint bigger than this is written in shards with an index, as Hugging Face does."""
-ARCHS = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "mistral")
+ARCHS = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "mistral", "gemma3")
 SLIDING_WINDOW = 16
 """The tiny mistral's window: prompts of a few blocks already slide it."""
 NUM_EXPERTS, EXPERTS_PER_TOKEN = 4, 2
@@ -66,7 +68,16 @@ def model_config(arch: str, size: str) -> dict:
                    rope_theta=1000000.0, attention_bias=False, use_sliding_window=False, sliding_window=None,
                    max_window_layers=cfg["num_hidden_layers"],
                    head_dim=2 * cfg["hidden_size"] // cfg["num_attention_heads"])
-    if arch == "mistral":
+    if arch == "gemma3":  # transformers 5's config: a rope per layer type
+        cfg.update(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", tie_word_embeddings=True,
+                   head_dim=2 * cfg["hidden_size"] // cfg["num_attention_heads"], num_key_value_heads=1,
+                   query_pre_attn_scalar=24, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+                   hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=15.0, attn_logit_softcapping=None,
+                   rms_norm_eps=1e-6)
+        del cfg["hidden_act"]
+    elif arch == "mistral":
         cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", tie_word_embeddings=False,
                    rope_theta=10000.0, sliding_window=SLIDING_WINDOW)
     elif arch == "mixtral":
@@ -96,7 +107,8 @@ def _weights(cfg: dict, arch: str, seed: int, device: str = "cpu") -> Iterator[d
     d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
     randn = lambda *shape, std=0.02: (torch.randn(*shape, generator=g, device=device) * std).to(dtype).cpu()  # noqa: E731
-    norm = lambda: 1.0 + randn(h, std=0.1)  # noqa: E731
+    gemma = cfg["model_type"] == "gemma3_text"
+    norm = lambda n=h: randn(n, std=0.1) + (0.0 if gemma else 1.0)  # noqa: E731  (Gemma applies 1 + w)
     # Tied embeddings stay small so the output is not just the input token echoed back.
     embed_std = 0.05 if cfg["tie_word_embeddings"] else 0.5
     w = {"model.embed_tokens.weight": randn(v, h, std=embed_std), "model.norm.weight": norm()}
@@ -106,14 +118,17 @@ def _weights(cfg: dict, arch: str, seed: int, device: str = "cpu") -> Iterator[d
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         w = {p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm()}
+        if gemma:
+            w[p + "pre_feedforward_layernorm.weight"] = norm()
+            w[p + "post_feedforward_layernorm.weight"] = norm()
         for name, rows in (("q", q), ("k", kv), ("v", kv)):
             w[p + f"self_attn.{name}_proj.weight"] = randn(rows, h, std=h**-0.5)
             if arch in ("qwen2", "qwen2_moe"):
                 w[p + f"self_attn.{name}_proj.bias"] = randn(rows, std=0.1)
         w[p + "self_attn.o_proj.weight"] = randn(h, q, std=q**-0.5)
-        if arch in ("qwen3", "qwen3_moe"):
-            w[p + "self_attn.q_norm.weight"] = 1.0 + randn(d, std=0.1)
-            w[p + "self_attn.k_norm.weight"] = 1.0 + randn(d, std=0.1)
+        if arch in ("qwen3", "qwen3_moe", "gemma3"):
+            w[p + "self_attn.q_norm.weight"] = norm(d)
+            w[p + "self_attn.k_norm.weight"] = norm(d)
         if "num_experts_per_tok" in cfg and i not in cfg.get("mlp_only_layers", []):
             w.update(_experts(cfg, p, randn))
         else:
@@ -193,7 +208,11 @@ CHAT_TEMPLATES = {
 }
 CHAT_TEMPLATES.update(qwen3=CHAT_TEMPLATES["qwen2"], qwen2_moe=CHAT_TEMPLATES["qwen2"],
                       qwen3_moe=CHAT_TEMPLATES["qwen2"], mixtral=CHAT_TEMPLATES["llama"],
-                      mistral=CHAT_TEMPLATES["llama"])
+                      mistral=CHAT_TEMPLATES["llama"],
+                      gemma3="{{ bos_token }}{% for message in messages %}{{ '<start_of_turn>' + ('model' if "
+                             "message['role'] == 'assistant' else message['role']) + '\n' + message['content'] | trim "
+                             "+ '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}"
+                             "{{ '<start_of_turn>model\n' }}{% endif %}")
 """Chat templates the test checkpoints carry (in tokenizer_config.json, as Hugging Face writes them)."""
 
 

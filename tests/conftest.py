@@ -39,7 +39,8 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2", seed=0))
 
 
-@pytest.fixture(scope="session", params=["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "mistral"])
+@pytest.fixture(scope="session", params=["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "mistral",
+                                                  "gemma3"])
 def tiny_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
     """Each architecture's tiny checkpoint (engine/tiny_model.py), one per session."""
     if request.param in ("llama", "qwen2"):

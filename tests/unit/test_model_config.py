@@ -117,3 +117,21 @@ def test_each_layer_gets_the_sliding_window_transformers_gives_it() -> None:
                    layer_types=["sliding_attention", "full_attention"]) == (16, 0)
     with pytest.raises(UnsupportedModelError, match="layer_types"):
         windows(architectures=["Qwen2ForCausalLM"], sliding_window=16, layer_types=["chunked_attention"] * 2)
+
+
+def test_gemma3_is_read_in_both_the_hub_and_the_transformers_5_shapes() -> None:
+    tiny = ModelConfig.from_dict(model_config("gemma3", "tiny"))  # transformers 5: a rope per layer type
+    assert tiny.norm_offset and tiny.sandwich_norms and tiny.qk_norm and tiny.hidden_act == "gelu_tanh"
+    assert tiny.query_scale == 24**-0.5 and tiny.embed_scale == 64**0.5 and tiny.final_logit_softcap == 15.0
+    assert tiny.layer_windows == (8, 0) and tiny.rope.theta == 1e6 and tiny.local_rope.theta == 1e4  # type: ignore[union-attr]
+    hub = {k: v for k, v in model_config("gemma3", "tiny").items() if k not in ("rope_parameters", "layer_types")}
+    hub.update(num_hidden_layers=12, rope_theta=1e6, rope_local_base_freq=1e4, sliding_window_pattern=6,
+               rope_scaling={"rope_type": "linear", "factor": 8.0}, max_position_embeddings=131072)
+    cfg = ModelConfig.from_dict(hub)  # Gemma 3 4B's shape
+    assert cfg.layer_windows == (8,) * 5 + (0,) + (8,) * 5 + (0,)
+    assert cfg.rope.rope_type == "linear" and cfg.rope.factor == 8.0 and cfg.local_rope.rope_type == "default"  # type: ignore[union-attr]
+    assert cfg.max_position_embeddings == 131072  # its context already scaled
+    with pytest.raises(UnsupportedModelError, match="attn_logit_softcapping"):
+        ModelConfig.from_dict(dict(hub, attn_logit_softcapping=50.0))
+    with pytest.raises(UnsupportedModelError, match="hidden_activation"):
+        ModelConfig.from_dict(dict(hub, hidden_activation="gelu"))
