@@ -89,7 +89,11 @@ class LlamaForCausalLM:
         get = lambda name: ckpt.get(name, dtype, device)  # noqa: E731
         opt = lambda name: get(name) if ckpt.has(name) else None  # noqa: E731
 
-        def fused(names: list[str], swiglu: bool = False) -> Linear:
+        def fused(names: list[str], swiglu: bool = False, stored: str | None = None) -> Linear:
+            """One Linear over the projections `names`, or over `stored` where the checkpoint
+            holds them fused already (Phi-3's qkv_proj and gate_up_proj, in the same order)."""
+            if stored is not None and ckpt.has(stored + ".weight"):
+                names = [stored]
             biases = [opt(n + ".bias") for n in names]
             bias = torch.cat(biases) if all(b is not None for b in biases) else None
             return Linear(torch.cat([get(n + ".weight") for n in names]), bias, prepack, model.kernels, swiglu)
@@ -108,11 +112,12 @@ class LlamaForCausalLM:
             moe = config.moe is not None and i in config.moe.layers
             model.layers.append(LayerWeights(
                 input_norm=norm(p + "input_layernorm.weight"),
-                qkv=fused([a + f"{n}_proj" for n in "qkv"]),
+                qkv=fused([a + f"{n}_proj" for n in "qkv"], stored=a + "qkv_proj"),
                 o=fused([a + "o_proj"]),
                 post_norm=norm(p + ("pre_feedforward_layernorm" if config.sandwich_norms else "post_attention_layernorm")
                                + ".weight"),
-                gate_up=None if moe else fused([m + "gate_proj", m + "up_proj"], swiglu=config.hidden_act == "silu"),
+                gate_up=None if moe else fused([m + "gate_proj", m + "up_proj"], swiglu=config.hidden_act == "silu",
+                                               stored=m + "gate_up_proj"),
                 down=None if moe else fused([m + "down_proj"]),
                 moe=MoEWeights.load(get, p, config.moe) if moe and config.moe is not None else None,
                 q_norm=norm(a + "q_norm.weight") if config.qk_norm else None,

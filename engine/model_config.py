@@ -7,7 +7,8 @@ be hidden_size / heads); the mixtures of experts MixtralForCausalLM, Qwen2MoeFor
 gated shared expert beside the routed ones) and Qwen3MoeForCausalLM (`MoEConfig`);
 Gemma3ForCausalLM, Gemma 3's text model (norms of weight 1 + w, around each block too,
 GeGLU, a scaled embedding, its own query scale, local layers with their own rope base
-in a sliding window, final logit soft-capping). Rope types default, linear, dynamic, yarn, longrope and llama3 (engine/rope.py).
+in a sliding window, final logit soft-capping); Phi3ForCausalLM (Phi-3, Phi-4: q/k/v and
+gate/up fused in the checkpoint, longrope). Rope types default, linear, dynamic, yarn, longrope and llama3 (engine/rope.py).
 Anything else is refused with an error that names the field.
 """
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import Any
 from engine.types import UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+                           "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
+                           "Phi3ForCausalLM")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
@@ -190,7 +192,7 @@ def _layer_windows(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int
             raise UnsupportedModelError(f"config field 'layer_types' is {types!r}: one of full_attention or "
                                         f"sliding_attention per layer ({num_layers})")
         return tuple(window if t == "sliding_attention" else 0 for t in types)
-    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
         return (window,) * num_layers
     if arch == "Gemma3ForCausalLM":  # every `sliding_window_pattern`-th layer global
         pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6)

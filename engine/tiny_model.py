@@ -9,7 +9,8 @@ hidden_size / heads; mixtral, qwen2_moe (a shared expert, one dense layer) and q
 are mixtures of 4 experts, 2 per token; mistral attends through a sliding window of 16
 keys; gemma3 has Gemma 3's norms (1 + w, around each block), GeGLU, scaled embeddings,
 a query scale of its own, a local layer (window 8, its own rope base) before a global one
-and soft-capped logits; so between them the tests cover every model variant we load.
+and soft-capped logits; phi3 stores q/k/v and gate/up fused; so between them the tests
+cover every model variant we load.
 
 `make_draft_model` writes a draft for speculative decoding from any checkpoint we load:
 its first N layers, with its embeddings, final norm, head and tokenizer (a layer-skip
@@ -39,7 +40,7 @@ WEIGHT_DTYPES = {"llama3-8b": torch.bfloat16}
 """Sizes written in a 16-bit dtype (the others in float32)."""
 SHARD_BYTES = 5 * 2**30
 """A checkpoint bigger than this is written in shards with an index, as Hugging Face does."""
-ARCHS = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "mistral", "gemma3")
+ARCHS = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "mistral", "gemma3", "phi3")
 SLIDING_WINDOW = 16
 """The tiny mistral's window: prompts of a few blocks already slide it."""
 NUM_EXPERTS, EXPERTS_PER_TOKEN = 4, 2
@@ -77,6 +78,9 @@ def model_config(arch: str, size: str) -> dict:
                    hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=15.0, attn_logit_softcapping=None,
                    rms_norm_eps=1e-6)
         del cfg["hidden_act"]
+    elif arch == "phi3":
+        cfg.update(architectures=["Phi3ForCausalLM"], model_type="phi3", tie_word_embeddings=False,
+                   rope_theta=10000.0, sliding_window=None, original_max_position_embeddings=cfg["max_position_embeddings"])
     elif arch == "mistral":
         cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", tie_word_embeddings=False,
                    rope_theta=10000.0, sliding_window=SLIDING_WINDOW)
@@ -135,6 +139,9 @@ def _weights(cfg: dict, arch: str, seed: int, device: str = "cpu") -> Iterator[d
             w[p + "mlp.gate_proj.weight"] = randn(inter, h, std=h**-0.5)
             w[p + "mlp.up_proj.weight"] = randn(inter, h, std=h**-0.5)
             w[p + "mlp.down_proj.weight"] = randn(h, inter, std=inter**-0.5)
+        if arch == "phi3":  # its checkpoints hold the projections fused: [q; k; v], [gate; up]
+            w[p + "self_attn.qkv_proj.weight"] = torch.cat([w.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            w[p + "mlp.gate_up_proj.weight"] = torch.cat([w.pop(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
         yield w
 
 
@@ -209,6 +216,7 @@ CHAT_TEMPLATES = {
 CHAT_TEMPLATES.update(qwen3=CHAT_TEMPLATES["qwen2"], qwen2_moe=CHAT_TEMPLATES["qwen2"],
                       qwen3_moe=CHAT_TEMPLATES["qwen2"], mixtral=CHAT_TEMPLATES["llama"],
                       mistral=CHAT_TEMPLATES["llama"],
+                      phi3=CHAT_TEMPLATES["llama"],
                       gemma3="{{ bos_token }}{% for message in messages %}{{ '<start_of_turn>' + ('model' if "
                              "message['role'] == 'assistant' else message['role']) + '\n' + message['content'] | trim "
                              "+ '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}"

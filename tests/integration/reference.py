@@ -17,7 +17,9 @@ LOGITS_ATOL_BF16 = 0.05
 
 @functools.cache
 def hf_model(model_dir: str, dtype: torch.dtype = torch.float32):
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model.generation_config.eos_token_id = None  # (else `generate` stops at the config's EOS: ours ignore it)
+    return model
 
 
 @functools.cache

@@ -135,3 +135,16 @@ def test_gemma3_is_read_in_both_the_hub_and_the_transformers_5_shapes() -> None:
         ModelConfig.from_dict(dict(hub, attn_logit_softcapping=50.0))
     with pytest.raises(UnsupportedModelError, match="hidden_activation"):
         ModelConfig.from_dict(dict(hub, hidden_activation="gelu"))
+
+
+def test_phi3_reads_its_windows_and_longrope_and_refuses_a_partial_rotation() -> None:
+    raw = dict(model_config("phi3", "tiny"), sliding_window=64, max_position_embeddings=4096,
+               original_max_position_embeddings=4096)
+    assert ModelConfig.from_dict(raw).layer_windows == (64, 64)  # Phi-3-mini-4k's window, on every layer
+    longrope = dict(raw, sliding_window=None, max_position_embeddings=131072, rope_scaling={
+        "type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8})
+    cfg = ModelConfig.from_dict(longrope)  # Phi-3-mini-128k's shape: original_max_position_embeddings at the top
+    assert cfg.rope.rope_type == "longrope" and cfg.rope.original_max_position_embeddings == 4096
+    assert cfg.max_position_embeddings == 131072 and cfg.layer_windows == (0, 0)
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor"):  # Phi-4-mini's
+        ModelConfig.from_dict(dict(raw, partial_rotary_factor=0.75))
