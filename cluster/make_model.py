@@ -10,7 +10,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p = sub.add_parser("make-tiny-model", help="write a deterministic HF-format test checkpoint")
     p.add_argument("dir")
     p.add_argument("--arch", choices=("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "mistral", "gemma3",
-                                           "phi3"),
+                                           "phi3", "gemma2"),
                    default="llama",
                    help="(engine.tiny_model.ARCHS)")
     p.add_argument("--size", choices=("tiny", "small", "llama3-8b"), default="tiny",

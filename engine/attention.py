@@ -33,6 +33,7 @@ pieces give what the whole group would.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -121,6 +122,7 @@ def paged_attention(
     kernels: NativeKernels | None = None,
     workspace_bytes: int | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
 
@@ -129,19 +131,22 @@ def paged_attention(
     k, v into the pool (`KVPool.write`, or the native `rotary_store`). Returns [num_tokens,
     num_heads, head_dim]. With `kernels`, short-query groups run the native kernel straight
     over the pool (no gather). With `workspace_bytes`, the torch forms attend in pieces under it.
+    A `softcap` (Gemma 2) caps each score s at softcap * tanh(s / softcap): the torch forms
+    then score explicitly (`_capped_attention`), as SDPA cannot.
     """
     out = torch.empty_like(q)
     num_heads, head_dim = q.shape[1], q.shape[2]
     for g in meta.groups:
         if isinstance(g, CausalGroup):
             out[g.token_index] = _causal_self_attention(q[g.token_index], k[g.token_index], v[g.token_index], scale,
-                                                        window)
+                                                        window, softcap)
             continue
         if kernels is not None and g.max_query_len <= SHORT_QUERY_MAX_LEN:
             kernels.paged_attention(q, pool.tensor, layer, g.block_table, g.token_index, g.rows, g.ctx_lens, scale, out,
-                                    window)
+                                    window, softcap)
             continue
-        if q.is_cuda and g.batch == 1 and g.max_context_len and g.max_query_len > SHORT_QUERY_MAX_LEN and not window:
+        if q.is_cuda and g.batch == 1 and g.max_context_len and g.max_query_len > SHORT_QUERY_MAX_LEN and not (
+                window or softcap):
             out[g.token_index] = _chunk_over_context(q[g.token_index], pool, layer, g, scale)
             continue
         if g.in_order:
@@ -151,7 +156,8 @@ def paged_attention(
         else:
             qp = q.new_zeros(g.batch * g.max_query_len, num_heads, head_dim)
             qp[g.padded_index] = q[g.token_index]
-        attend = _paged_form(q.dtype, g.max_query_len)
+        attend = _paged_form(q.dtype, g.max_query_len) if not softcap else functools.partial(
+            _capped_attention, softcap=softcap)
         qv = qp.view(g.batch, g.max_query_len, num_heads, head_dim)
         pieces = _pieces(g, num_heads, pool, q.element_size(), workspace_bytes)
         mask = g.mask_for(window)
@@ -227,7 +233,7 @@ def _paged_form(dtype: torch.dtype, max_query_len: int) -> Callable[..., torch.T
 
 
 def _causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                           window: int = 0) -> torch.Tensor:
+                           window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q: [n, num_heads, head_dim]; k, v: [n, num_kv_heads, head_dim] -> [n, num_heads, head_dim].
 
     The inputs get a batch dimension of 1: given 3-D tensors, torch's CPU SDPA takes its
@@ -236,9 +242,13 @@ def _causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     chunk bands the causal mask (token j sees keys j - window + 1 .. j)."""
     n = q.shape[0]
     band = None
-    if window and n > window:
+    if (window and n > window) or softcap:
         keys = torch.arange(n, device=q.device)
-        band = (keys[None, :] <= keys[:, None]) & (keys[None, :] > keys[:, None] - window)
+        band = keys[None, :] <= keys[:, None]
+        if window:
+            band &= keys[None, :] > keys[:, None] - window
+    if softcap:
+        return _capped_attention(q[None], k[None], v[None], band[None, None], scale, softcap)[0]
     o = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=band,
         is_causal=band is None, scale=scale, enable_gqa=True,
@@ -256,6 +266,20 @@ def _sdpa_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True,
     )  # [batch, heads, q_len, head_dim]
     return o.transpose(1, 2)
+
+
+def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                      softcap: float) -> torch.Tensor:
+    """`_sdpa_attention`'s contract, each score s capped at softcap * tanh(s / softcap) before
+    the mask and the softmax (Gemma 2, as transformers' eager attention does); scores and
+    probabilities in float32."""
+    grp = q.shape[2] // k.shape[2]
+    qh = q.transpose(1, 2).float()  # [batch, heads, q_len, d]
+    kh = k.transpose(1, 2).float().repeat_interleave(grp, dim=1)
+    vh = v.transpose(1, 2).repeat_interleave(grp, dim=1)
+    scores = torch.tanh(qh @ kh.transpose(-1, -2) * (scale / softcap)) * softcap
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(v.dtype)
+    return (probs @ vh).transpose(1, 2)
 
 
 def _all_pairs_attention(

@@ -148,8 +148,8 @@ class LlamaForCausalLM:
     def _native_layers(self) -> ctypes.Array | None:
         cfg = self.config
         if self.kernels is None or self.dtype != torch.bfloat16 or cfg.qk_norm or cfg.moe is not None or any(
-                cfg.layer_windows):
-            return None  # (decode_layers has no per-head norm of q and k, no experts and no sliding window)
+                cfg.layer_windows) or cfg.sandwich_norms or cfg.hidden_act != "silu" or cfg.embed_scale != 1.0:
+            return None  # (decode_layers is Llama's layer: no per-head norms, experts, windows or Gemma's parts)
         if any(x.tiles is None for x in self.linears()[:-1]):  # decode_layers runs the native matmul only
             return None
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
@@ -243,7 +243,7 @@ class LlamaForCausalLM:
         q, k = qk[:, :h], qk[:, h:]  # [num_tokens, heads | kv_heads, head_dim]
         workspace = ATTENTION_WORKSPACE_BYTES if q.is_cuda else None
         o = paged_attention(q, k, v, i, pool, meta, self.scale, self.kernels, workspace,
-                            cfg.layer_windows[i])  # [num_tokens, heads, head_dim]
+                            cfg.layer_windows[i], cfg.attn_softcap)  # [num_tokens, heads, head_dim]
         return layer.o(o.reshape(n, h * d))
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,8 @@ be hidden_size / heads); the mixtures of experts MixtralForCausalLM, Qwen2MoeFor
 gated shared expert beside the routed ones) and Qwen3MoeForCausalLM (`MoEConfig`);
 Gemma3ForCausalLM, Gemma 3's text model (norms of weight 1 + w, around each block too,
 GeGLU, a scaled embedding, its own query scale, local layers with their own rope base
-in a sliding window, final logit soft-capping); Phi3ForCausalLM (Phi-3, Phi-4: q/k/v and
+in a sliding window, final logit soft-capping); Gemma2ForCausalLM (the same, less the
+q/k norms and the local rope, plus soft-capped attention scores); Phi3ForCausalLM (Phi-3, Phi-4: q/k/v and
 gate/up fused in the checkpoint, longrope). Rope types default, linear, dynamic, yarn, longrope and llama3 (engine/rope.py).
 Anything else is refused with an error that names the field.
 """
@@ -22,8 +23,9 @@ from typing import Any
 from engine.types import UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
-                           "Phi3ForCausalLM")
+                           "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
+                           "Gemma3ForCausalLM", "Phi3ForCausalLM")
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
@@ -112,6 +114,8 @@ class ModelConfig:
     """Logits become cap * tanh(logits / cap) (Gemma)."""
     local_rope: RopeConfig | None = None
     """The rope of the sliding-window layers, where it is not `rope` (Gemma 3's local base)."""
+    attn_softcap: float = 0.0
+    """Attention scores s become attn_softcap * tanh(s / attn_softcap) (Gemma 2); 0: not."""
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -129,8 +133,8 @@ class ModelConfig:
         num_heads = _req(raw, "num_attention_heads")
         hidden = _req(raw, "hidden_size")
         _check_supported_fields(raw, arch)
-        gemma = arch == "Gemma3ForCausalLM"
-        rope, context, local_rope = _gemma3_ropes(raw) if gemma else (*_rope(raw), None)
+        gemma = arch in GEMMA_ARCHITECTURES
+        rope, context, local_rope = _gemma3_ropes(raw) if arch == "Gemma3ForCausalLM" else (*_rope(raw), None)
         eos = (generation or {}).get("eos_token_id", raw.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         is_qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
@@ -164,6 +168,7 @@ class ModelConfig:
             if gemma else None,
             final_logit_softcap=raw.get("final_logit_softcapping") if gemma else None,
             local_rope=local_rope,
+            attn_softcap=float(raw.get("attn_logit_softcapping") or 0.0) if arch == "Gemma2ForCausalLM" else 0.0,
         )
 
 
@@ -194,6 +199,8 @@ def _layer_windows(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int
         return tuple(window if t == "sliding_attention" else 0 for t in types)
     if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
         return (window,) * num_layers
+    if arch == "Gemma2ForCausalLM":  # the even layers local, the odd global
+        return tuple(window if (i + 1) % 2 else 0 for i in range(num_layers))
     if arch == "Gemma3ForCausalLM":  # every `sliding_window_pattern`-th layer global
         pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6)
         return tuple(0 if (i + 1) % pattern == 0 else window for i in range(num_layers))
@@ -234,11 +241,11 @@ def _req(raw: dict[str, Any], name: str) -> Any:
 
 
 def _check_supported_fields(raw: dict[str, Any], arch: str) -> None:
-    if arch == "Gemma3ForCausalLM":
+    if arch in GEMMA_ARCHITECTURES:
         act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
         if act != "gelu_pytorch_tanh":
-            raise UnsupportedModelError(f"config field 'hidden_activation' is {act!r}; Gemma 3's is 'gelu_pytorch_tanh'")
-        if raw.get("attn_logit_softcapping") is not None:
+            raise UnsupportedModelError(f"config field 'hidden_activation' is {act!r}; Gemma's is 'gelu_pytorch_tanh'")
+        if arch == "Gemma3ForCausalLM" and raw.get("attn_logit_softcapping") is not None:
             raise UnsupportedModelError("config field 'attn_logit_softcapping' is set; attention soft-capping is "
                                         "not supported")
     else:

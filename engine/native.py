@@ -45,7 +45,8 @@ class _AttnArgs(ctypes.Structure):
         "num_queries", "num_heads", "num_kv_heads", "head_dim", "block_size", "q_token_stride",
         "out_token_stride", "block_stride", "layer_offset", "v_offset", "table_stride", "table_rows", "num_blocks",
         "num_tokens",
-    )] + [("scale", ctypes.c_float), ("num_threads", ctypes.c_int32), ("window", ctypes.c_int64)]
+    )] + [("scale", ctypes.c_float), ("num_threads", ctypes.c_int32), ("window", ctypes.c_int64),
+                                                                     ("softcap", ctypes.c_float)]
 
 
 _LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias", "down",
@@ -98,11 +99,12 @@ class NativeKernels:
     def paged_attention(
         self, q: torch.Tensor, pool: torch.Tensor, layer: int, block_table: torch.Tensor,
         token_index: torch.Tensor, rows: torch.Tensor, ctx_lens: torch.Tensor, scale: float, out: torch.Tensor,
-        window: int = 0,
+        window: int = 0, softcap: float = 0.0,
     ) -> None:
         """Writes out[token_index[i]] = attention of q[token_index[i]] over keys 0 .. ctx_lens[i] - 1
         of block-table row rows[i], for one layer of the pool; with a `window` (a sliding window
-        of keys), over the last `window` of them only.
+        of keys), over the last `window` of them only; with a `softcap`, each score s becomes
+        softcap * tanh(s / softcap) before the softmax.
 
         q, out: [num_tokens, heads, head_dim], heads and head_dim dense (tokens may be
         strided); pool: [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
@@ -111,7 +113,7 @@ class NativeKernels:
         (ValueError); every ctx_len must be in 1 .. max_blocks * block_size.
         """
         args = _attention_args(q, pool, layer, block_table, token_index, rows, ctx_lens, scale, out)
-        args.window = window
+        args.window, args.softcap = window, softcap
         ptrs = [q, pool, block_table, token_index, rows, ctx_lens, out]
         status = self._attn[q.dtype](ctypes.byref(args), *(t.data_ptr() for t in ptrs))
         if status == -3:

@@ -9,7 +9,8 @@ hidden_size / heads; mixtral, qwen2_moe (a shared expert, one dense layer) and q
 are mixtures of 4 experts, 2 per token; mistral attends through a sliding window of 16
 keys; gemma3 has Gemma 3's norms (1 + w, around each block), GeGLU, scaled embeddings,
 a query scale of its own, a local layer (window 8, its own rope base) before a global one
-and soft-capped logits; phi3 stores q/k/v and gate/up fused; so between them the tests
+and soft-capped logits; gemma2 the same less q/k norms and local rope, with attention
+scores soft-capped (at 2, so the cap bites); phi3 stores q/k/v and gate/up fused; so between them the tests
 cover every model variant we load.
 
 `make_draft_model` writes a draft for speculative decoding from any checkpoint we load:
@@ -40,7 +41,7 @@ WEIGHT_DTYPES = {"llama3-8b": torch.bfloat16}
 """Sizes written in a 16-bit dtype (the others in float32)."""
 SHARD_BYTES = 5 * 2**30
 """A checkpoint bigger than this is written in shards with an index, as Hugging Face does."""
-ARCHS = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "mistral", "gemma3", "phi3")
+ARCHS = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "mistral", "gemma3", "phi3", "gemma2")
 SLIDING_WINDOW = 16
 """The tiny mistral's window: prompts of a few blocks already slide it."""
 NUM_EXPERTS, EXPERTS_PER_TOKEN = 4, 2
@@ -78,6 +79,12 @@ def model_config(arch: str, size: str) -> dict:
                    hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=15.0, attn_logit_softcapping=None,
                    rms_norm_eps=1e-6)
         del cfg["hidden_act"]
+    elif arch == "gemma2":  # soft-capped attention, a local layer before a global one
+        cfg.update(architectures=["Gemma2ForCausalLM"], model_type="gemma2", tie_word_embeddings=True,
+                   head_dim=cfg["hidden_size"] // cfg["num_attention_heads"], query_pre_attn_scalar=24,
+                   sliding_window=8, rope_theta=10000.0, hidden_activation="gelu_pytorch_tanh",
+                   final_logit_softcapping=15.0, attn_logit_softcapping=2.0, rms_norm_eps=1e-6)
+        del cfg["hidden_act"]
     elif arch == "phi3":
         cfg.update(architectures=["Phi3ForCausalLM"], model_type="phi3", tie_word_embeddings=False,
                    rope_theta=10000.0, sliding_window=None, original_max_position_embeddings=cfg["max_position_embeddings"])
@@ -111,7 +118,7 @@ def _weights(cfg: dict, arch: str, seed: int, device: str = "cpu") -> Iterator[d
     d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
     randn = lambda *shape, std=0.02: (torch.randn(*shape, generator=g, device=device) * std).to(dtype).cpu()  # noqa: E731
-    gemma = cfg["model_type"] == "gemma3_text"
+    gemma = cfg["model_type"] in ("gemma3_text", "gemma2")
     norm = lambda n=h: randn(n, std=0.1) + (0.0 if gemma else 1.0)  # noqa: E731  (Gemma applies 1 + w)
     # Tied embeddings stay small so the output is not just the input token echoed back.
     embed_std = 0.05 if cfg["tie_word_embeddings"] else 0.5
@@ -222,6 +229,7 @@ CHAT_TEMPLATES.update(qwen3=CHAT_TEMPLATES["qwen2"], qwen2_moe=CHAT_TEMPLATES["q
                              "+ '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}"
                              "{{ '<start_of_turn>model\n' }}{% endif %}")
 """Chat templates the test checkpoints carry (in tokenizer_config.json, as Hugging Face writes them)."""
+CHAT_TEMPLATES["gemma2"] = CHAT_TEMPLATES["gemma3"]
 
 
 def make_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny", seed: int = 0,

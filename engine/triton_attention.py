@@ -46,11 +46,12 @@ def num_splits(num_tokens: int, kv_heads: int, max_context: int, num_sms: int) -
 
 def paged_decode(q: torch.Tensor, pool: torch.Tensor, layer: int, block_table: torch.Tensor,
                  token_index: torch.Tensor, rows: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
-                 out: torch.Tensor, splits: int, window: int = 0) -> None:
+                 out: torch.Tensor, splits: int, window: int = 0, softcap: float = 0.0) -> None:
     """q, out: [num_tokens, heads, head_dim] (head_dim contiguous); pool: [blocks, layers, 2,
     block_size, kv_heads, head_dim] contiguous; block_table [rows, max_blocks]; token_index,
     rows, ctx_lens [n] int64 (a ctx_len of 0 gives zeros). With a `window`, each query attends
-    to the last `window` of its keys (the table entries before those are not read)."""
+    to the last `window` of its keys (the table entries before those are not read); with a
+    `softcap`, scores s become softcap * tanh(s / softcap)."""
     import triton
 
     heads, head_dim = q.shape[1], q.shape[2]
@@ -73,12 +74,12 @@ def paged_decode(q: torch.Tensor, pool: torch.Tensor, layer: int, block_table: t
     kernels = _kernels()
     kernels.partial[(n, kv_heads, splits)](
         q, pool, block_table, token_index, rows, ctx_lens, m, l_sum, acc, out,
-        layer, scale, window,
+        layer, scale, window, softcap if softcap > 0 else 1.0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3), pool.stride(4),
         block_table.stride(0),
         SPLITS=splits, GROUP=group, GROUP_P2=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim, HEAD_DIM_P2=d_p2, TILE=TILE, IEEE=q.dtype == torch.float32,
+        HEAD_DIM=head_dim, HEAD_DIM_P2=d_p2, TILE=TILE, IEEE=q.dtype == torch.float32, SOFTCAP=softcap > 0,
     )
     if splits == 1:
         return
@@ -94,12 +95,13 @@ def _partial() -> Any:
 
     @triton.jit
     def partial(q_ptr, pool_ptr, table_ptr, tokens_ptr, rows_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
-                layer, scale, window,
+                layer, scale, window, softcap,
                 q_st, q_sh, o_st, o_sh,
                 p_sb, p_sl, p_skv, p_st, p_sh,
                 t_sr,
                 SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr):
+                HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr,
+                SOFTCAP: tl.constexpr):
         i = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -137,7 +139,10 @@ def _partial() -> Any:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
-            s = tl.where(ok[None, :], s * scale, float("-inf"))  # [G, T] float32
+            s = s * scale
+            if SOFTCAP:  # softcap * tanh(s / softcap), tanh as 2 sigmoid(2 x) - 1
+                s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
+            s = tl.where(ok[None, :], s, float("-inf"))  # [G, T] float32
             m_new = tl.maximum(m, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m - m_new)

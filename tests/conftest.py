@@ -40,7 +40,7 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session", params=["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "mistral",
-                                                  "gemma3", "phi3"])
+                                                  "gemma3", "phi3", "gemma2"])
 def tiny_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
     """Each architecture's tiny checkpoint (engine/tiny_model.py), one per session."""
     if request.param in ("llama", "qwen2"):

@@ -20,6 +20,7 @@ typedef struct {
     float scale;
     int32_t num_threads;
     int64_t window;           /* keys a query attends to, its own last (sliding window); 0: all */
+    float softcap;            /* scores become softcap * tanh(score / softcap) (Gemma 2); 0: not */
 } attn_args;
 
 int paged_attention_bf16(const attn_args *a, const uint16_t *q, const uint16_t *pool, const int64_t *table,

@@ -300,6 +300,10 @@ static void task_##NAME(const attn_args *a, const T *q, const T *pool, const int
                     scores[h * n_keys + t0 + t] = dot(qf + h * d, row, d);                    \
             }                                                                                 \
     }                                                                                         \
+    if (a->softcap > 0.f) /* soft-capped scores (Gemma 2), as transformers caps them */    \
+        for (int64_t h = 0; h < heads; h++)                                                   \
+            for (int64_t t = skip; t < n_keys; t++)                                           \
+                scores[h * n_keys + t] = a->softcap * tanhf(scores[h * n_keys + t] / a->softcap); \
     for (int64_t h = 0; h < heads; h++) {                                                     \
         float *ph = part + h * (d + 2);                                                       \
         memset(ph, 0, sizeof(float) * d);                                                     \

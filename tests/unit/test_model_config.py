@@ -148,3 +148,10 @@ def test_phi3_reads_its_windows_and_longrope_and_refuses_a_partial_rotation() ->
     assert cfg.max_position_embeddings == 131072 and cfg.layer_windows == (0, 0)
     with pytest.raises(UnsupportedModelError, match="partial_rotary_factor"):  # Phi-4-mini's
         ModelConfig.from_dict(dict(raw, partial_rotary_factor=0.75))
+
+
+def test_gemma2_caps_attention_and_alternates_local_and_global_layers() -> None:
+    raw = dict(model_config("gemma2", "tiny"), num_hidden_layers=4)
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.attn_softcap == 2.0 and cfg.final_logit_softcap == 15.0 and not cfg.qk_norm and cfg.local_rope is None
+    assert cfg.layer_windows == (8, 0, 8, 0) and cfg.norm_offset and cfg.sandwich_norms

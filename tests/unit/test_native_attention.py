@@ -21,9 +21,10 @@ def make_pool(heads_kv: int, head_dim: int, dtype: torch.dtype, num_blocks: int 
     return pool
 
 
-def reference(q, pool: KVPool, layer, table, rows, ctx_lens, scale, window: int = 0) -> torch.Tensor:
+def reference(q, pool: KVPool, layer, table, rows, ctx_lens, scale, window: int = 0,
+              softcap: float = 0.0) -> torch.Tensor:
     """[n, heads, d] float32: each query token and head on its own, blocks read one at a time;
-    with a window, over the last `window` keys."""
+    with a window, over the last `window` keys; with a softcap, scores capped by tanh."""
     n, heads, d = q.shape
     kvh = pool.layout.num_kv_heads
     out = torch.zeros(n, heads, d)
@@ -34,7 +35,10 @@ def reference(q, pool: KVPool, layer, table, rows, ctx_lens, scale, window: int 
         v = torch.cat([pool.tensor[b, layer, 1] for b in blocks])[first: ctx_lens[i]].float()
         for h in range(heads):
             g = h // (heads // kvh)
-            p = torch.softmax((k[:, g] @ q[i, h].float()) * scale, dim=0)
+            scores = (k[:, g] @ q[i, h].float()) * scale
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
+            p = torch.softmax(scores, dim=0)
             out[i, h] = p @ v[:, g]
     return out
 
@@ -81,6 +85,31 @@ def test_a_sliding_window_attends_to_the_last_keys_only(kernels, dtype, block_si
     kernels.paged_attention(q, pool.tensor, 1, table, torch.arange(6), torch.arange(6), ctx_lens, 0.2, out, window)
     tol = 1e-5 if dtype == torch.float32 else 8e-3
     torch.testing.assert_close(out.float(), reference(q, pool, 1, table, range(6), ctx_lens, 0.2, window),
+                               atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_soft_capped_scores_match_the_reference_in_the_kernel_and_the_torch_forms(kernels, dtype):
+    """Gemma 2's soft cap: the kernel (windowed and not) and the explicit torch form."""
+    pool = make_pool(2, 64, dtype, num_blocks=60, block_size=16)
+    g = torch.Generator().manual_seed(8)
+    table = torch.randperm(60, generator=g)[:54].view(3, 18).contiguous()
+    ctx_lens = torch.tensor([1, 40, 280])
+    q = (torch.randn(3, 4, 64, generator=g) * 3).to(dtype)  # scores well past the cap
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    for window in (0, 20):
+        out = torch.empty(3, 4, 64, dtype=dtype)
+        kernels.paged_attention(q, pool.tensor, 0, table, torch.arange(3), torch.arange(3), ctx_lens, 0.3, out,
+                                window, 2.0)
+        want = reference(q, pool, 0, table, range(3), ctx_lens, 0.3, window, 2.0)
+        torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
+        assert (want - reference(q, pool, 0, table, range(3), ctx_lens, 0.3, window)).abs().max() > 0.01  # it bites
+    group = PagedGroup(token_index=torch.arange(3), padded_index=torch.arange(3), batch=3, max_query_len=1,
+                       block_table=table, num_keys=18 * 16, rows=torch.arange(3), ctx_lens=ctx_lens, in_order=True)
+    meta = AttentionMetadata(slot_blocks=torch.zeros(3, dtype=torch.long), slot_offsets=torch.zeros(3, dtype=torch.long),
+                             groups=[group])
+    plain = paged_attention(q, q[:, :2], q[:, :2], 0, pool, meta, 0.3, window=20, softcap=2.0)
+    torch.testing.assert_close(plain.float(), reference(q, pool, 0, table, range(3), ctx_lens, 0.3, 20, 2.0),
                                atol=tol, rtol=tol)
 
 

@@ -67,6 +67,11 @@ for window in (1, 16, 50):
         triton_attention.paged_decode(q, pool.tensor, 1, windowed, torch.arange(4), torch.arange(4), ctx_lens, 0.3,
                                       out, splits, window)
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    capped = reference(q * 4, pool, 1, windowed, range(4), ctx_lens, 0.3, window, 2.0)  # Gemma 2's soft cap
+    out = torch.full((4, 4, 32), float("nan"))
+    triton_attention.paged_decode(q * 4, pool.tensor, 1, windowed, torch.arange(4), torch.arange(4), ctx_lens, 0.3,
+                                  out, 3, window, 2.0)
+    torch.testing.assert_close(out, capped, atol=1e-5, rtol=1e-5)
 assert triton_attention.num_splits(1, 8, 4096, 132) == 33 and triton_attention.num_splits(128, 8, 4096, 132) == 1
 assert triton_attention.num_splits(1, 8, 100, 132) == 2  # no more splits than tiles
 print("ok")
