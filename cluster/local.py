@@ -206,7 +206,8 @@ class LocalCluster:
                                "cluster: give this one another --namespace")
         return ray.remote(Controller).options(
             name=named_actors.CONTROLLER, namespace=named_actors.ray_namespace(c.namespace),
-            max_restarts=c.controller_max_restarts, num_cpus=0, scheduling_strategy=here).remote(c, self.redis_url)
+            max_restarts=c.controller_max_restarts, num_cpus=0, scheduling_strategy=here,
+            runtime_env=named_actors.SERVING_ENV).remote(c, self.redis_url)
 
     def __enter__(self) -> LocalCluster:
         self.start()

@@ -39,10 +39,18 @@ def index_of(name: str) -> int | None:
     return int(tail) if tail.isdigit() else None
 
 
+SERVING_ENV = {"env_vars": {"RAY_worker_niceness": "0"}}
+"""Ray starts its worker processes at niceness 15 (its `RAY_worker_niceness`), for batch
+tasks that should yield to everything else. Ours serve requests: at 15, any process on the
+host at the default priority takes the cores first (two busy loops beside a cluster held its
+actors to a few per cent of the CPU, and it took minutes to start). Ray's own job supervisor
+asks for 0 the same way."""
+
+
 def create(cls: type, name: str, namespace: str, options: dict[str, Any], *args: Any) -> Any:
-    """A detached actor named `name` in the cluster's namespace."""
+    """A detached actor named `name` in the cluster's namespace, at the default priority."""
     return ray.remote(cls).options(name=name, namespace=ray_namespace(namespace), lifetime="detached",
-                                   **options).remote(*args)
+                                   runtime_env=SERVING_ENV, **options).remote(*args)
 
 
 def find(name: str, namespace: str) -> Any | None:

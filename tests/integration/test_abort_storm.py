@@ -5,6 +5,7 @@ segment to their KV pools."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
@@ -19,6 +20,7 @@ pytestmark = pytest.mark.timeout(600)
 def test_an_abort_storm_leaves_nothing_held(tiny_llama_dir: str) -> None:
     with LocalCluster(storm_cluster(tiny_llama_dir)) as cluster:
         pids = worker_pids(cluster)
+        assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in pids] == [0] * len(pids)  # not Ray's niceness 15
         shm_before = segments_of(pids)
         assert shm_before  # the decode workers' KV pools
         result = asyncio.run(storm(cluster.address, num_requests=400, concurrency=32, seed=1))
