@@ -252,6 +252,11 @@ def _check_supported_fields(raw: dict[str, Any], arch: str) -> None:
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(f"config field 'hidden_act' is {act!r}; only 'silu' is supported")
+    quant = raw.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise UnsupportedModelError(f"config field 'quantization_config' is set ({method}): quantized checkpoints "
+                                    "are not supported (a GGUF file of the model is)")
     if raw.get("pretraining_tp", 1) != 1:
         raise UnsupportedModelError("config field 'pretraining_tp' must be 1")
     if (raw.get("num_attention_heads") or 0) % (raw.get("num_key_value_heads") or 1):
@@ -265,7 +270,7 @@ def _rope(raw: dict[str, Any]) -> tuple[RopeConfig, int]:
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    rope_type = {"su": "longrope", "mrope": "default"}.get(rope_type, rope_type)
+    rope_type = {"su": "longrope"}.get(rope_type, rope_type)
     max_pos = int(_req(raw, "max_position_embeddings"))
     if rope_type not in ROPE_TYPES:
         raise UnsupportedModelError(

@@ -40,6 +40,8 @@ def test_transformers_v5_rope_parameters_are_read() -> None:
     ({"rope_scaling": {"rope_type": "mla", "factor": 4.0}}, "rope_scaling"),
     ({"architectures": ["MistralForCausalLM"], "sliding_window": -1}, "sliding_window"),
     ({"num_key_value_heads": 3}, "num_key_value_heads"),
+    ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quantization_config"),
+    ({"rope_scaling": {"rope_type": "mrope", "mrope_section": [16, 24, 24]}}, "rope_scaling"),
 ])
 def test_unsupported_configs_name_the_field(change, field) -> None:
     raw = dict(model_config("llama", "tiny"), **change)
