@@ -28,8 +28,14 @@ logger = logging.getLogger(__name__)
 
 CONVERTER_VERSION = "1"
 """Part of the cache key: a change to what a conversion writes bumps it."""
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
-"""GGUF `general.architecture` -> the Hugging Face architecture the engine runs."""
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                 "phi3": "Phi3ForCausalLM"}
+"""GGUF `general.architecture` -> the Hugging Face architecture the engine runs. (The
+mixtures of experts are not among them: transformers' GGUF loading fuses their experts into
+tensors of its own layout, not a checkpoint's.)"""
+MODEL_TYPES = {"gemma3_text": "gemma3"}
+"""A converted config's model_type, where it is not the GGUF architecture's name."""
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 """Tensor types dequantized (by the gguf package, through transformers)."""
 
@@ -123,7 +129,7 @@ def _convert(file: Path, out: Path) -> None:
     out.mkdir(parents=True)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     raw = config.to_dict()
-    raw["architectures"] = [ARCHITECTURES[raw["model_type"]]]
+    raw["architectures"] = [ARCHITECTURES[MODEL_TYPES.get(raw["model_type"], raw["model_type"])]]
     raw["torch_dtype"] = "float32"
     (out / "config.json").write_text(json.dumps(raw, indent=2, default=str))
     generation = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if raw.get(k) is not None}

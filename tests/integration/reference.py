@@ -26,8 +26,9 @@ def hf_model(model_dir: str, dtype: torch.dtype = torch.float32):
 def hf_greedy(model_dir: str, prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
     """transformers `generate`, greedy, EOS disabled (our ignore_eos)."""
     gc = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=2)
-    with torch.inference_mode():
-        out = hf_model(model_dir).generate(torch.tensor([prompt]), generation_config=gc)
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():  # (the mask given: else a prompt token equal to the pad id, Gemma's BOS, is masked)
+        out = hf_model(model_dir).generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)
     return out[0, len(prompt):].tolist()
 
 
