@@ -135,3 +135,27 @@ def test_abort_during_prefill_frees_both_sides(prefill: Peer, decode: RemoteKV, 
     assert decode.pump(timeout_s=0.5) == []  # the fence (shm) frees silently: nothing to report
     assert decode.receiver.held_block_ids() == []
     assert decode.engine.check_invariants().num_in_use == 0
+
+
+def test_every_architecture_crosses_kvfabric_with_the_tokens_of_transformers(tiny_model_dir: str) -> None:
+    """Each family's tiny checkpoint (tests/conftest.py `tiny_model_dir`: windows, experts, Gemma's
+    norms, fused checkpoints) through the real path: a prefill engine in another process pushes
+    its blocks over shm into the decode engine, which decodes transformers' greedy tokens."""
+    peer = Peer(prefill_main, tiny_model_dir, "shm", 16)
+    allocator = ShmKVAllocator()
+    remote = RemoteKV(make_engine(tiny_model_dir, role="decode", allocator=allocator), allocator)
+    try:
+        prompts = random_prompts([7, 37], 512, seed=13)  # 37: three chunks, past the 8- and 16-key windows
+        tickets = [remote.reserve(p, PARAMS, request_id=f"f{i}") for i, p in enumerate(prompts)]
+        assert all(t is not None for t in tickets)
+        assert set(peer.call("attach", [t.to_wire() for t in tickets]).values()) == {None}
+        reply = peer.call("prefill", [(p, t.request_id, MAX_TOKENS) for p, t in zip(prompts, tickets)], timeout_s=60)
+        assert all(error is None for _, _, error, _ in reply["done"]) and reply["in_use"] == 0
+        tokens: dict[str, list[int]] = {f"f{i}": [] for i in range(len(prompts))}
+        assert run_decode(remote, tokens, len(prompts)) == []
+        for i, p in enumerate(prompts):
+            assert tokens[f"f{i}"] == hf_greedy(tiny_model_dir, tuple(p), MAX_TOKENS), f"prompt of {len(p)} tokens"
+        assert remote.engine.check_invariants().num_in_use == 0
+    finally:
+        remote.close()
+        peer.stop()
