@@ -52,6 +52,10 @@ class _Sampling(_Body):
     request_id: str | None = None
     return_token_ids: bool = False
     """vLLM's extension: each choice (and stream chunk) also carries the generated token ids."""
+    min_tokens: int = 0
+    prompt_logprobs: int | None = None
+    """vLLM's extensions, not implemented: refused, never silently ignored (an evaluation
+    harness would get wrong numbers and no error)."""
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None
@@ -213,6 +217,11 @@ def _refuse_unsupported(req: CompletionRequest | ChatRequest) -> None:
         raise BadRequest("repetition_penalty is not supported; leave it unset or 1", "repetition_penalty")
     if req.logit_bias:
         raise BadRequest("logit_bias is not supported", "logit_bias")
+    if req.min_tokens:
+        raise BadRequest("min_tokens is not supported; leave it unset or 0", "min_tokens")
+    if req.prompt_logprobs is not None:
+        raise BadRequest("prompt_logprobs is not supported: prompt log-probabilities are not returned",
+                         "prompt_logprobs")
     if isinstance(req, CompletionRequest):
         if req.logprobs:
             raise BadRequest(f"logprobs={req.logprobs}: top alternatives are not returned; logprobs=0 returns each "
