@@ -33,6 +33,10 @@ def test_an_unsupported_architecture_or_tensor_type_is_refused_by_name(tmp_path:
     with pytest.raises(UnsupportedModelError, match="GGUF tensor types TQ1_0 are not supported"):
         check_supported(write_gguf(tmp_path / "b.gguf", "llama", GGMLQuantizationType.TQ1_0))
     check_supported(write_gguf(tmp_path / "c.gguf", "llama"))  # the checks pass; conversion would follow
+    for arch in ("qwen3", "gemma2", "gemma3", "phi3"):
+        check_supported(write_gguf(tmp_path / f"{arch}.gguf", arch))
+    with pytest.raises(UnsupportedModelError, match="GGUF architecture 'qwen3_moe' is not supported"):
+        check_supported(write_gguf(tmp_path / "moe.gguf", "qwen3_moe"))
     (tmp_path / "d.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(UnsupportedModelError, match="d.gguf is not a readable GGUF file"):
         resolve_model_dir(tmp_path / "d.gguf")
