@@ -73,7 +73,9 @@ def model_config(arch: str, size: str) -> dict:
     if arch == "gemma3":  # transformers 5's config: a rope per layer type
         cfg.update(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", tie_word_embeddings=True,
                    head_dim=2 * cfg["hidden_size"] // cfg["num_attention_heads"], num_key_value_heads=1,
-                   query_pre_attn_scalar=24, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                   query_pre_attn_scalar=24, sliding_window=8,
+                   layer_types=["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                for i in range(cfg["num_hidden_layers"])],
                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                     "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
                    hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=15.0, attn_logit_softcapping=None,
