@@ -90,7 +90,12 @@ def moe_forward(x: torch.Tensor, w: MoEWeights, config: MoEConfig) -> torch.Tens
         y = F.linear(F.silu(gate) * up, w.down[e])
         out.index_add_(0, rows, y * scale[start:start + n, None])
         start += n
+    add_shared_expert(out, x, w)
+    return out
+
+
+def add_shared_expert(out: torch.Tensor, x: torch.Tensor, w: MoEWeights) -> None:
+    """out += the shared expert's output, gated by sigmoid(x @ g) (Qwen2-MoE; none: nothing)."""
     if w.shared_gate_up is not None and w.shared_down is not None and w.shared_gate is not None:
         gate, up = F.linear(x, w.shared_gate_up).chunk(2, dim=-1)
         out += torch.sigmoid(F.linear(x, w.shared_gate)) * F.linear(F.silu(gate) * up, w.shared_down)
-    return out

@@ -25,7 +25,7 @@ import torch
 
 from engine import triton_compat, triton_pointwise
 from engine.model_config import MoEConfig
-from engine.moe import MoEWeights, route
+from engine.moe import MoEWeights, add_shared_expert, route
 
 BLOCK_M = 16
 BLOCK_N = 64
@@ -39,7 +39,8 @@ def align(experts: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> tu
     flat = experts.flatten()
     pairs = flat.numel()
     max_blocks = -(-pairs // block_m) + num_experts
-    counts = torch.bincount(flat, minlength=num_experts)
+    # (not bincount: on CUDA it reads its input's max back to the host, which a graph cannot hold)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     starts = ends - padded
@@ -68,9 +69,7 @@ def moe_forward(x: torch.Tensor, w: MoEWeights, config: MoEConfig) -> torch.Tens
     down = x.new_empty(pairs, hidden)
     _gemm(act, w.down, down, weights.flatten().contiguous(), sorted_pairs, block_experts, pairs, 1)
     out = down.view(tokens, config.top_k, hidden).sum(dim=1)
-    if w.shared_gate_up is not None and w.shared_down is not None and w.shared_gate is not None:
-        shared = triton_pointwise.silu_mul(torch.nn.functional.linear(x, w.shared_gate_up).contiguous())
-        out += torch.sigmoid(torch.nn.functional.linear(x, w.shared_gate)) * torch.nn.functional.linear(shared, w.shared_down)
+    add_shared_expert(out, x, w)
     return out
 
 

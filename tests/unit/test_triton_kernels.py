@@ -210,27 +210,30 @@ from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
 from engine.tiny_model import make_tiny_model
 
-model = str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny", arch="llama", seed=0))
-cache = CacheConfig(block_size=4, num_blocks=256)
-sched = SchedulerConfig(max_num_seqs=6)
-graphed = LLMEngine(EngineConfig(model_dir=model, cache=cache, scheduler=sched, max_model_len=96, overlap=True),
-                    graphs=EagerGraph)
-assert isinstance(graphed.model.kernels, GpuKernels)
-decode = graphed.runner.decode
-assert decode.buckets == [1, 2, 4, 6] and sorted(decode.graphs) == [1, 2, 4, 6]
-replayed = []
-for b, g in decode.graphs.items():
-    g.replay = (lambda b=b, f=g.replay: (replayed.append(b), f())[1])
-reference = LLMEngine(EngineConfig(model_dir=model, cache=cache, scheduler=sched, native_kernels=False,
-                                   decode_graphs=False, max_model_len=96))
-prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [20, 21]]  # 3 decoding: bucket 4, one row of padding
-params = SamplingParams(max_tokens=10, ignore_eos=True)
-got = [c.token_ids for c in graphed.generate(prompts, params)]
-want = [c.token_ids for c in reference.generate(prompts, params)]
-assert got == want, (got, want)
-assert set(replayed) == {4}, replayed  # every decode step replayed the padded bucket
-assert graphed.overlap.num_guessed_rows == 3 * 8, graphed.overlap.num_guessed_rows  # launched ahead, inputs from the device
-assert graphed.check_invariants().num_in_use == 0
+# llama; gemma2 (a window of 8 passed within a decode, soft-capped scores, Gemma's norms);
+# qwen2_moe (the grouped-GEMM experts inside the buckets)
+for arch in ("llama", "gemma2", "qwen2_moe"):
+    model = str(make_tiny_model(Path(tempfile.mkdtemp()) / arch, arch=arch, seed=0))
+    cache = CacheConfig(block_size=4, num_blocks=256)
+    sched = SchedulerConfig(max_num_seqs=6)
+    graphed = LLMEngine(EngineConfig(model_dir=model, cache=cache, scheduler=sched, max_model_len=96, overlap=True),
+                        graphs=EagerGraph)
+    assert isinstance(graphed.model.kernels, GpuKernels)
+    decode = graphed.runner.decode
+    assert decode.buckets == [1, 2, 4, 6] and sorted(decode.graphs) == [1, 2, 4, 6]
+    replayed = []
+    for b, g in decode.graphs.items():
+        g.replay = (lambda b=b, f=g.replay: (replayed.append(b), f())[1])
+    reference = LLMEngine(EngineConfig(model_dir=model, cache=cache, scheduler=sched, native_kernels=False,
+                                       decode_graphs=False, max_model_len=96))
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [20, 21]]  # 3 decoding: bucket 4, one row of padding
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    got = [c.token_ids for c in graphed.generate(prompts, params)]
+    want = [c.token_ids for c in reference.generate(prompts, params)]
+    assert got == want, (got, want)
+    assert set(replayed) == {4}, replayed  # every decode step replayed the padded bucket
+    assert graphed.overlap.num_guessed_rows == 3 * 8, graphed.overlap.num_guessed_rows  # launched ahead, inputs from the device
+    assert graphed.check_invariants().num_in_use == 0
 print("ok")
 """
 
