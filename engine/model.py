@@ -72,6 +72,8 @@ class LlamaForCausalLM:
         self.local_rotary = None if config.local_rope is None else RotaryTable(
             config.local_rope, config.head_dim, config.max_position_embeddings, device)
         """The sliding-window layers' rope, where it is their own (Gemma 3)."""
+        self.embed_scale = torch.tensor(config.embed_scale, dtype=dtype).item()
+        """The embeddings' scale rounded to the dtype first, as transformers rounds it."""
         self.layers: list[LayerWeights] = []
         self.kernels: Kernels | None = None
         """Native C kernels on CPU, Triton ones on GPUs (engine/gpu_kernels.py); None: the torch forms."""
@@ -146,10 +148,8 @@ class LlamaForCausalLM:
                 ] + [self.lm_head]
 
     def _native_layers(self) -> ctypes.Array | None:
-        cfg = self.config
-        if self.kernels is None or self.dtype != torch.bfloat16 or cfg.qk_norm or cfg.moe is not None or any(
-                cfg.layer_windows) or cfg.sandwich_norms or cfg.hidden_act != "silu" or cfg.embed_scale != 1.0:
-            return None  # (decode_layers is Llama's layer: no per-head norms, experts, windows or Gemma's parts)
+        if self.kernels is None or self.dtype != torch.bfloat16 or not self.config.llama_layers:
+            return None  # (decode_layers runs Llama's layer, and only it)
         if any(x.tiles is None for x in self.linears()[:-1]):  # decode_layers runs the native matmul only
             return None
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
@@ -188,8 +188,8 @@ class LlamaForCausalLM:
         cos, sin = self.rotary.lookup(positions, self.dtype)
         local = (cos, sin) if self.local_rotary is None else self.local_rotary.lookup(positions, self.dtype)
         h = self.embed[input_ids]  # [num_tokens, hidden], a copy: the residual stream, added to in place
-        if self.config.embed_scale != 1.0:  # (the scale rounded to the dtype first, as transformers does)
-            h *= torch.tensor(self.config.embed_scale, dtype=h.dtype)
+        if self.embed_scale != 1.0:
+            h *= self.embed_scale
         group = meta.groups[0] if len(meta.groups) == 1 else None
         if self.native_layers is not None and isinstance(group, PagedGroup) and group.in_order:  # a decode batch
             assert self.kernels is not None

@@ -1,7 +1,7 @@
 """Reads a Hugging Face config.json into the fields our Llama-family model needs.
 
-Supported: LlamaForCausalLM (Llama 2/3), MistralForCausalLM
-(without a sliding window shorter than the context), Qwen2ForCausalLM (q/k/v bias),
+Supported: LlamaForCausalLM (Llama 2/3), MistralForCausalLM (a sliding window on every
+layer), Qwen2ForCausalLM (q/k/v bias),
 Qwen3ForCausalLM (an RMSNorm over each head of q and of k before rope; head_dim need not
 be hidden_size / heads); the mixtures of experts MixtralForCausalLM, Qwen2MoeForCausalLM (a
 gated shared expert beside the routed ones) and Qwen3MoeForCausalLM (`MoEConfig`);
@@ -116,6 +116,15 @@ class ModelConfig:
     """The rope of the sliding-window layers, where it is not `rope` (Gemma 3's local base)."""
     attn_softcap: float = 0.0
     """Attention scores s become attn_softcap * tanh(s / attn_softcap) (Gemma 2); 0: not."""
+
+    @property
+    def llama_layers(self) -> bool:
+        """Every layer is Llama's own: none of the parts above that other families add (what the
+        native one-call decode, `NativeKernels.decode_layers`, runs)."""
+        return not (self.qk_norm or self.moe is not None or any(self.layer_windows) or self.norm_offset
+                    or self.sandwich_norms or self.hidden_act != "silu" or self.embed_scale != 1.0
+                    or self.query_scale is not None or self.final_logit_softcap is not None
+                    or self.local_rope is not None or self.attn_softcap)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
