@@ -135,7 +135,6 @@ def paged_attention(
     then score explicitly (`_capped_attention`), as SDPA cannot.
     """
     out = torch.empty_like(q)
-    num_heads, head_dim = q.shape[1], q.shape[2]
     for g in meta.groups:
         if isinstance(g, CausalGroup):
             out[g.token_index] = _causal_self_attention(q[g.token_index], k[g.token_index], v[g.token_index], scale,
@@ -149,32 +148,40 @@ def paged_attention(
                 window or softcap):
             out[g.token_index] = _chunk_over_context(q[g.token_index], pool, layer, g, scale)
             continue
-        if g.in_order:
-            qp = q
-        elif g.max_query_len == 1:  # one token per request: nothing to pad
-            qp = q[g.token_index]
-        else:
-            qp = q.new_zeros(g.batch * g.max_query_len, num_heads, head_dim)
-            qp[g.padded_index] = q[g.token_index]
-        attend = _paged_form(q.dtype, g.max_query_len) if not softcap else functools.partial(
-            _capped_attention, softcap=softcap)
-        qv = qp.view(g.batch, g.max_query_len, num_heads, head_dim)
-        pieces = _pieces(g, num_heads, pool, q.element_size(), workspace_bytes)
-        mask = g.mask_for(window)
-        if len(pieces) == 1:
-            kc, vc = pool.gather(layer, g.block_table)  # [batch, ctx, kv_heads, head_dim]
-            o = attend(qv, kc, vc, mask, scale)
-        else:
-            o = qv.new_empty(qv.shape)
-            gathered = pool.gather(layer, g.block_table) if g.batch == 1 else None  # query runs share it
-            for rows, queries in pieces:
-                kc, vc = gathered or pool.gather(layer, g.block_table[rows])
-                o[rows, queries] = attend(qv[rows, queries], kc, vc, mask[rows, :, queries], scale)
-        o = o.reshape(g.batch * g.max_query_len, num_heads, head_dim)
+        o = _gathered_attention(q, pool, layer, g, scale, workspace_bytes, window, softcap)
         if g.in_order:  # the only group: its output is the whole output
             return o
         out[g.token_index] = o if g.max_query_len == 1 else o[g.padded_index]
     return out
+
+
+def _gathered_attention(q: torch.Tensor, pool: KVPool, layer: int, g: PagedGroup, scale: float,
+                        workspace_bytes: int | None, window: int, softcap: float) -> torch.Tensor:
+    """A paged group through the torch forms: its queries padded to [batch, max_query_len],
+    K and V gathered (in pieces under `workspace_bytes`), attended under the group's mask.
+    Returns [batch * max_query_len, heads, head_dim]."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    if g.in_order:
+        qp = q
+    elif g.max_query_len == 1:  # one token per request: nothing to pad
+        qp = q[g.token_index]
+    else:
+        qp = q.new_zeros(g.batch * g.max_query_len, num_heads, head_dim)
+        qp[g.padded_index] = q[g.token_index]
+    attend = _paged_form(q.dtype, g.max_query_len, softcap)
+    qv = qp.view(g.batch, g.max_query_len, num_heads, head_dim)
+    pieces = _pieces(g, num_heads, pool, q.element_size(), workspace_bytes)
+    mask = g.mask_for(window)
+    if len(pieces) == 1:
+        kc, vc = pool.gather(layer, g.block_table)  # [batch, ctx, kv_heads, head_dim]
+        o = attend(qv, kc, vc, mask, scale)
+    else:
+        o = qv.new_empty(qv.shape)
+        gathered = pool.gather(layer, g.block_table) if g.batch == 1 else None  # query runs share it
+        for rows, queries in pieces:
+            kc, vc = gathered or pool.gather(layer, g.block_table[rows])
+            o[rows, queries] = attend(qv[rows, queries], kc, vc, mask[rows, :, queries], scale)
+    return o.reshape(g.batch * g.max_query_len, num_heads, head_dim)
 
 
 def _chunk_over_context(q: torch.Tensor, pool: KVPool, layer: int, g: PagedGroup, scale: float) -> torch.Tensor:
@@ -226,7 +233,9 @@ def _pieces(g: PagedGroup, num_heads: int, pool: KVPool, elem: int, workspace_by
     return [(slice(None), slice(i, i + n)) for i in range(0, g.max_query_len, n)]
 
 
-def _paged_form(dtype: torch.dtype, max_query_len: int) -> Callable[..., torch.Tensor]:
+def _paged_form(dtype: torch.dtype, max_query_len: int, softcap: float = 0.0) -> Callable[..., torch.Tensor]:
+    if softcap:  # SDPA cannot cap scores
+        return functools.partial(_capped_attention, softcap=softcap)
     if dtype == torch.float32 or max_query_len > SHORT_QUERY_MAX_LEN:
         return _sdpa_attention
     return _all_pairs_attention

@@ -55,59 +55,59 @@ def model_config(arch: str, size: str) -> dict:
     dtype = str(WEIGHT_DTYPES.get(size, torch.float32)).removeprefix("torch.")
     cfg = dict(SIZES[size], hidden_act="silu", rms_norm_eps=1e-5, bos_token_id=BOS_ID,
                eos_token_id=EOS_ID, pad_token_id=PAD_ID, torch_dtype=dtype, use_cache=True)
-    if arch == "llama":
-        cfg.update(architectures=["LlamaForCausalLM"], model_type="llama", tie_word_embeddings=False,
-                   rope_theta=500000.0, attention_bias=False, mlp_bias=False,
-                   rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                                     high_freq_factor=4.0,
-                                     original_max_position_embeddings=8192 if size == "llama3-8b" else 256))
-    elif arch == "qwen2":
-        cfg.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", tie_word_embeddings=True,
-                   rope_theta=1000000.0, use_sliding_window=False, sliding_window=None,
-                   max_window_layers=cfg["num_hidden_layers"])
-    elif arch in ("qwen3", "qwen3_moe"):  # Qwen3's heads are wider than hidden_size / heads (128 against 64)
-        cfg.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", tie_word_embeddings=True,
-                   rope_theta=1000000.0, attention_bias=False, use_sliding_window=False, sliding_window=None,
-                   max_window_layers=cfg["num_hidden_layers"],
-                   head_dim=2 * cfg["hidden_size"] // cfg["num_attention_heads"])
-    if arch == "gemma3":  # transformers 5's config: a rope per layer type
-        cfg.update(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", tie_word_embeddings=True,
-                   head_dim=2 * cfg["hidden_size"] // cfg["num_attention_heads"], num_key_value_heads=1,
-                   query_pre_attn_scalar=24, sliding_window=8,
-                   layer_types=["sliding_attention" if (i + 1) % 2 else "full_attention"
-                                for i in range(cfg["num_hidden_layers"])],
-                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
-                   hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=15.0, attn_logit_softcapping=None,
-                   rms_norm_eps=1e-6)
+    cfg.update(_arch_fields(arch, size, cfg))
+    if "hidden_activation" in cfg:  # Gemma names it so
         del cfg["hidden_act"]
-    elif arch == "gemma2":  # soft-capped attention, a local layer before a global one
-        cfg.update(architectures=["Gemma2ForCausalLM"], model_type="gemma2", tie_word_embeddings=True,
-                   head_dim=cfg["hidden_size"] // cfg["num_attention_heads"], query_pre_attn_scalar=24,
-                   sliding_window=8, rope_theta=10000.0, hidden_activation="gelu_pytorch_tanh",
-                   final_logit_softcapping=15.0, attn_logit_softcapping=2.0, rms_norm_eps=1e-6)
-        del cfg["hidden_act"]
-    elif arch == "phi3":
-        cfg.update(architectures=["Phi3ForCausalLM"], model_type="phi3", tie_word_embeddings=False,
-                   rope_theta=10000.0, sliding_window=None, original_max_position_embeddings=cfg["max_position_embeddings"])
-    elif arch == "mistral":
-        cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", tie_word_embeddings=False,
-                   rope_theta=10000.0, sliding_window=SLIDING_WINDOW)
-    elif arch == "mixtral":
-        cfg.update(architectures=["MixtralForCausalLM"], model_type="mixtral", tie_word_embeddings=False,
-                   rope_theta=1000000.0, sliding_window=None, num_local_experts=NUM_EXPERTS,
-                   num_experts_per_tok=EXPERTS_PER_TOKEN)
-    elif arch == "qwen2_moe":  # layer 0 dense (mlp_only_layers), the others a mixture beside a shared expert
-        cfg.update(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", tie_word_embeddings=True,
-                   rope_theta=1000000.0, use_sliding_window=False, num_experts=NUM_EXPERTS,
-                   num_experts_per_tok=EXPERTS_PER_TOKEN, moe_intermediate_size=cfg["intermediate_size"] // 2,
-                   shared_expert_intermediate_size=cfg["intermediate_size"], norm_topk_prob=False,
-                   decoder_sparse_step=1, mlp_only_layers=[0], qkv_bias=True)
-    elif arch == "qwen3_moe":
-        cfg.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=NUM_EXPERTS,
-                   num_experts_per_tok=EXPERTS_PER_TOKEN, moe_intermediate_size=cfg["intermediate_size"] // 2,
-                   norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
     return cfg
+
+
+def _arch_fields(arch: str, size: str, cfg: dict) -> dict:
+    """What an architecture's config.json sets beside the size's shape (`cfg`)."""
+    layers, wide_heads = cfg["num_hidden_layers"], 2 * cfg["hidden_size"] // cfg["num_attention_heads"]
+    experts = dict(num_experts_per_tok=EXPERTS_PER_TOKEN, moe_intermediate_size=cfg["intermediate_size"] // 2,
+                   decoder_sparse_step=1)
+    if arch == "llama":
+        return dict(architectures=["LlamaForCausalLM"], model_type="llama", tie_word_embeddings=False,
+                    rope_theta=500000.0, attention_bias=False, mlp_bias=False,
+                    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                      original_max_position_embeddings=8192 if size == "llama3-8b" else 256))
+    if arch == "qwen2":
+        return dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", tie_word_embeddings=True,
+                    rope_theta=1000000.0, use_sliding_window=False, sliding_window=None, max_window_layers=layers)
+    if arch == "qwen3":  # Qwen3's heads are wider than hidden_size / heads (128 against 64)
+        return dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", tie_word_embeddings=True,
+                    rope_theta=1000000.0, attention_bias=False, use_sliding_window=False, sliding_window=None,
+                    max_window_layers=layers, head_dim=wide_heads)
+    if arch == "qwen3_moe":
+        return dict(_arch_fields("qwen3", size, cfg), architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                    num_experts=NUM_EXPERTS, norm_topk_prob=True, mlp_only_layers=[], **experts)
+    if arch == "qwen2_moe":  # layer 0 dense (mlp_only_layers), the others a mixture beside a shared expert
+        return dict(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", tie_word_embeddings=True,
+                    rope_theta=1000000.0, use_sliding_window=False, num_experts=NUM_EXPERTS,
+                    shared_expert_intermediate_size=cfg["intermediate_size"], norm_topk_prob=False,
+                    mlp_only_layers=[0], qkv_bias=True, **experts)
+    if arch == "mixtral":
+        return dict(architectures=["MixtralForCausalLM"], model_type="mixtral", tie_word_embeddings=False,
+                    rope_theta=1000000.0, sliding_window=None, num_local_experts=NUM_EXPERTS,
+                    num_experts_per_tok=EXPERTS_PER_TOKEN)
+    if arch == "mistral":
+        return dict(architectures=["MistralForCausalLM"], model_type="mistral", tie_word_embeddings=False,
+                    rope_theta=10000.0, sliding_window=SLIDING_WINDOW)
+    if arch == "phi3":
+        return dict(architectures=["Phi3ForCausalLM"], model_type="phi3", tie_word_embeddings=False,
+                    rope_theta=10000.0, sliding_window=None,
+                    original_max_position_embeddings=cfg["max_position_embeddings"])
+    gemma = dict(tie_word_embeddings=True, query_pre_attn_scalar=24, sliding_window=8, rms_norm_eps=1e-6,
+                 hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=15.0)
+    if arch == "gemma2":  # soft-capped attention, a local layer before a global one
+        return dict(gemma, architectures=["Gemma2ForCausalLM"], model_type="gemma2", rope_theta=10000.0,
+                    head_dim=cfg["hidden_size"] // cfg["num_attention_heads"], attn_logit_softcapping=2.0)
+    # gemma3, as transformers 5 writes its config: a rope per layer type
+    return dict(gemma, architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", head_dim=wide_heads,
+                num_key_value_heads=1, attn_logit_softcapping=None,
+                layer_types=["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)],
+                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                 "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
 
 
 def _weights(cfg: dict, arch: str, seed: int, device: str = "cpu") -> Iterator[dict[str, torch.Tensor]]:
