@@ -24,6 +24,8 @@ One JSON line per figure in DIR/gpu_check.jsonl (also printed), each naming the 
 - attention_splits: the Triton decode attention alone, per layer, at 1 to 16 context splits
   and batch x context 8/32/128 x 512 and 8/32 x 4,096, against its KV bytes at the copy
   bandwidth, beside the number the graphs use;
+- prefill_attention (benchmarks/gpu_check_prefill.py): a later chunk's attention over its
+  context, one lower-right causal call against the engine's two merged by log-sum-exp;
 - prefill: tokens/s for one 2,048- and one 8,192-token prompt against 2 x parameters x
   tokens (+ causal attention) / GEMM FLOP/s; the longest once more under the profiler, the
   kernels that take the most GPU time;
@@ -359,6 +361,10 @@ def main() -> None:
             c.phase("launches", 20, lambda: launches(c, engine, 32, 512))
         if cuda and "attention_splits" not in args.skip:
             c.phase("attention_splits", 30, lambda: attention_splits(c, engine, fl))
+        if cuda and "prefill_attention" not in args.skip:
+            from benchmarks.gpu_check_prefill import prefill_attention
+
+            c.phase("prefill_attention", 15, lambda: prefill_attention(c, fl))
         if "prefill" not in args.skip:
             c.phase("prefill", 30, lambda: prefill(c, engine, fl, [2048, 8192] if cuda else [256, 512]))
         shape = (32, 512, 64) if cuda else (4, 64, 8)

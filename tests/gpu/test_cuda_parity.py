@@ -1,9 +1,8 @@
-"""The engine on CUDA against `transformers` on CUDA.
+"""The engine on CUDA against `transformers` in float32 on the CPU, per architecture.
 
-float32: greedy tokens identical, logits within 1e-3 (TF32 off).
-bfloat16: last-position logits within 0.25 of the float32 reference, and greedy tokens
-identical to transformers-bf16 for the first 4 new tokens (bf16 rounding can flip
-later near-ties between two implementations).
+float32: greedy tokens identical (TF32 off).
+bfloat16: every step's logits within 0.25 of the float32 reference over the same tokens, and
+each greedy token within 0.1 of float32's best there.
 """
 from __future__ import annotations
 
@@ -37,16 +36,17 @@ def test_cuda_float32_greedy_matches_cpu_reference(tiny_model_dir: str) -> None:
 
 
 def test_cuda_bfloat16_tracks_reference(tiny_model_dir: str) -> None:
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
+    """Every step's logits, prefill and decodes, against float32 transformers over the same
+    tokens; each greedy token one that float32 ranks within bf16's noise of its best. (Not
+    token identity with transformers in bf16: two bf16 implementations part at near-ties, e.g.
+    qwen2_moe's third token here, where float32's best two are 0.02 apart and bf16 rounds by ~0.025.)"""
     prompt = random_prompts([24], 512, seed=1)[0]
     engine = make_engine(tiny_model_dir, dtype="bfloat16")
     seen = capture_logits(engine)
     c = engine.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
-    ref32 = hf_logits(tiny_model_dir, prompt)[-1]
-    assert (seen[0][1][0].cpu() - ref32).abs().max().item() < 0.25
-    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).cuda().eval()
-    gc = GenerationConfig(do_sample=False, max_new_tokens=8, eos_token_id=None, pad_token_id=2)
-    ref = hf.generate(torch.tensor([prompt], device="cuda"), generation_config=gc)[0, len(prompt):].tolist()
-    assert c.token_ids[:4] == ref[:4]
-
+    ref32 = hf_logits(tiny_model_dir, prompt + c.token_ids)
+    assert len(seen) == 8
+    for step, ((_, logits), token) in enumerate(zip(seen, c.token_ids, strict=True)):
+        want = ref32[len(prompt) - 1 + step]
+        assert (logits[0].cpu() - want).abs().max().item() < 0.25, step
+        assert want[token] >= want.max() - 0.1, (step, token, want.topk(2))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
@@ -17,7 +17,13 @@ LOGITS_ATOL_BF16 = 0.05
 
 @functools.cache
 def hf_model(model_dir: str, dtype: torch.dtype = torch.float32):
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    """The checkpoint in transformers. A model whose attention scores are soft-capped (Gemma 2)
+    is loaded with the eager attention, the one that caps them: some transformers releases
+    (5.17 on the GPU machine) loaded Gemma 2 with SDPA, which cannot, and left the cap out."""
+    config = AutoConfig.from_pretrained(model_dir)
+    capped = getattr(config, "attn_logit_softcapping", None)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
+                                                 **({"attn_implementation": "eager"} if capped else {})).eval()
     model.generation_config.eos_token_id = None  # (else `generate` stops at the config's EOS: ours ignore it)
     return model
 
