@@ -28,7 +28,8 @@ class WorkerConfig:
     flag: two workers sharing one GPU take about half each."""
     protected_fraction: float = 0.5
     """Pool share kept for cached blocks that were hit again (see `CacheConfig`); 0 is plain LRU."""
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None
+    """A step's token budget; None: by the device (engine/config.py `step_tokens`)."""
     max_num_seqs: int = 128
     fair_burst_tokens: int = 32768
     """How far a light tenant's burst may run ahead of a heavy tenant's backlog (`SchedulerConfig`)."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import secrets
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 Role = Literal["both", "prefill", "decode"]
@@ -48,10 +48,27 @@ class CacheConfig:
             raise ValueError(f"protected_fraction must be in [0, 1), got {self.protected_fraction}")
 
 
+STEP_TOKENS = 2048
+"""A step's token budget where none is set, on CPUs and on GPUs under `LARGE_GPU_BYTES`."""
+LARGE_GPU_STEP_TOKENS = 8192
+LARGE_GPU_BYTES = 70 * 2**30
+"""From this much device memory (an H100, an H200) a step's budget is `LARGE_GPU_STEP_TOKENS`,
+as vLLM's server sets it: an 8,192-token prompt is one chunk, whose causal attention is one
+fused call (28 ms over Llama-3-8B's 32 layers on an H100) where 2,048-token chunks paid four
+steps and their chunks' attention over the context."""
+
+
+def step_tokens(device_total_bytes: int | None) -> int:
+    """The default token budget of one step on a device of this much memory (None: a CPU)."""
+    return LARGE_GPU_STEP_TOKENS if (device_total_bytes or 0) >= LARGE_GPU_BYTES else STEP_TOKENS
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 2048
-    """Token budget of one step, shared by decode tokens and prefill chunks."""
+    max_num_batched_tokens: int | None = None
+    """Token budget of one step, shared by decode tokens and prefill chunks. None: by the
+    device (`step_tokens`: 8,192 on GPUs of 70 GiB or more, else 2,048), set when the engine
+    starts (`resolved`)."""
     max_num_seqs: int = 128
     """Most requests running at once."""
     enable_chunked_prefill: bool = True
@@ -65,7 +82,7 @@ class SchedulerConfig:
     fair queuing."""
 
     def __post_init__(self) -> None:
-        if self.max_num_batched_tokens <= 0:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
@@ -73,6 +90,12 @@ class SchedulerConfig:
             raise ValueError(f"fair_burst_tokens must be at least 0, got {self.fair_burst_tokens}")
         if self.aging_interval_s <= 0:
             raise ValueError(f"aging_interval_s must be positive, got {self.aging_interval_s}")
+
+    def resolved(self, device_total_bytes: int | None) -> SchedulerConfig:
+        """This config with its step budget set: its own, else the device's (`step_tokens`)."""
+        if self.max_num_batched_tokens is not None:
+            return self
+        return replace(self, max_num_batched_tokens=step_tokens(device_total_bytes))
 
 
 SpecMethod = Literal["off", "ngram", "draft"]

@@ -79,9 +79,11 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         cuda = config.device.startswith("cuda")
         self.memory = memory if memory is not None else CudaMemory(config.device) if cuda else None
-        self._memory_at_start = (self.memory.free_and_total()[0], self.memory.reserved()) if self.memory else (0, 0)
+        free, total = self.memory.free_and_total() if self.memory else (0, None)
+        self._memory_at_start = (free, self.memory.reserved() if self.memory else 0)
         """The device's free memory and torch's reserved memory before this engine took any
         (KV sizing counts what it took since)."""
+        self.config = config = replace(config, scheduler=config.scheduler.resolved(total))  # the step budget
         kernels = select_kernels(config.device, config.native_kernels)
         self.model = LlamaForCausalLM.load(model_dir, mc, dtype, config.device, config.prepack_weights, kernels)
         self.model_id = config.model_id or model_dir.resolve().name

@@ -55,7 +55,7 @@ class Scheduler:
         max_model_len: int,
         clock: Callable[[], float],
     ) -> None:
-        self.config = config
+        self.config = config.resolved(None)  # the engine has set a GPU's budget; else a CPU's
         self.kv = kv
         self.max_model_len = max_model_len
         self.context_limit = min(max_model_len, kv.pool.num_blocks * kv.block_size + 1)

@@ -62,7 +62,7 @@ class FleetTransfers:
             fleet.finish(f, "OK")
             return
         n = len(f.item.prompt)
-        last_chunk = min(n - f.outcome.num_cached, fleet.config.scheduler.max_num_batched_tokens)
+        last_chunk = min(n - f.outcome.num_cached, p.engine.scheduler.config.max_num_batched_tokens)
         t = fleet.hw.transfer_s(max(last_chunk, 1), same_node=d.node == p.node)
         fleet.at(fleet.now + t, self._landed, f, p, d, first_token)
 

@@ -45,6 +45,28 @@ def test_a_profile_that_leaves_no_room_says_so(tiny_llama_dir: str) -> None:
         LLMEngine(EngineConfig(model_dir=tiny_llama_dir), memory=memory)
 
 
+def test_a_large_gpu_takes_an_8k_step_budget_and_a_set_one_stands(tiny_llama_dir: str) -> None:
+    """The step's token budget by the device's memory, as vLLM's server sets it: 8,192 tokens
+    from 70 GiB (an H100), 2,048 under it and on CPU; one the operator set is kept."""
+    from engine.config import SchedulerConfig
+
+    cache = CacheConfig(block_size=4, num_blocks=64)
+    for total, want in ((80 * 2**30, 8192), (70 * 2**30 - 1, 2048)):
+        engine = LLMEngine(EngineConfig(model_dir=tiny_llama_dir, cache=cache),
+                           memory=StatedMemory(total_bytes=total, free_bytes=total))
+        assert engine.config.scheduler.max_num_batched_tokens == want
+        assert engine.scheduler.config.max_num_batched_tokens == want
+    engine = LLMEngine(EngineConfig(model_dir=tiny_llama_dir, cache=cache,
+                                    scheduler=SchedulerConfig(max_num_batched_tokens=512)),
+                       memory=StatedMemory(total_bytes=80 * 2**30, free_bytes=80 * 2**30))
+    assert engine.scheduler.config.max_num_batched_tokens == 512
+    cpu = LLMEngine(EngineConfig(model_dir=tiny_llama_dir, cache=cache))
+    assert cpu.scheduler.config.max_num_batched_tokens == 2048
+    prompt = list(range(5, 40))
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    assert engine.generate([prompt], params)[0].token_ids == cpu.generate([prompt], params)[0].token_ids
+
+
 def test_a_cuda_worker_picks_the_triton_kernels_without_asking_cuda() -> None:
     kernels = select_kernels("cuda", True, triton_version="3.6.0", sms=132)
     assert isinstance(kernels, GpuKernels) and kernels.num_sms == 132 and kernels.device_type == "cuda"
