@@ -329,63 +329,82 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available()
-    device = "cuda" if cuda else "cpu"
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = False
     else:
         torch.set_num_threads(2)
-    c = Check(out, args.budget_s, device)
+    c = Check(out, args.budget_s, "cuda" if cuda else "cpu")
     c.phase("preflight", 0, lambda: preflight(c))
     if "pytest" not in args.skip:
         c.phase("pytest", 60, lambda: run_pytest(c, min(240.0, c.left_s() - 220)))
-    model_dir = args.model
-    if model_dir is None:
-        from engine.tiny_model import make_tiny_model
-
-        size = args.size or ("llama3-8b" if cuda else "tiny")
-        began = time.monotonic()
-        model_dir = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="gpu-check-")) / size, size=size,
-                                        device="cuda" if cuda else "cpu"))  # drawn on the GPU: a minute less
-        c.emit("model", size=size, dir=model_dir, write_s=round(time.monotonic() - began, 1))
+    model_dir = args.model or tiny_model(c, args.size or ("llama3-8b" if cuda else "tiny"), cuda)
     fl = c.phase("floors", 10, lambda: floors(c)) or {"copy_gb_per_s": float("nan"), "gemm_tflops": float("nan")}
-    dtype = "bfloat16"
-    engine = c.phase("kv_sizing", 60, lambda: build_engine(c, model_dir, dtype))
+    engine = c.phase("kv_sizing", 60, lambda: build_engine(c, model_dir, "bfloat16"))
     if engine is not None:
         vocab = engine.model_config.vocab_size
-        batches, contexts, steps = ([1, 8, 32, 128], [512, 4096], 10) if cuda else ([1, 8], [64, 256], 3)
-        from benchmarks.gpu_check_decode import attention_splits, decode_steps, launches
-
-        if "decode" not in args.skip:
-            c.phase("decode", 60, lambda: decode_steps(c, engine, fl, batches, contexts, steps))
-        if cuda and "launches" not in args.skip:
-            c.phase("launches", 20, lambda: launches(c, engine, 32, 512))
-        if cuda and "attention_splits" not in args.skip:
-            c.phase("attention_splits", 30, lambda: attention_splits(c, engine, fl))
-        if cuda and "prefill_attention" not in args.skip:
-            from benchmarks.gpu_check_prefill import prefill_attention
-
-            c.phase("prefill_attention", 15, lambda: prefill_attention(c, fl))
-        if "prefill" not in args.skip:
-            c.phase("prefill", 30, lambda: prefill(c, engine, fl, [2048, 8192] if cuda else [256, 512]))
-        shape = (32, 512, 64) if cuda else (4, 64, 8)
-        ours = c.phase("engine_generate", 30, lambda: engine_vs_transformers(c, engine, model_dir, vocab, *shape))
-        if "worst_step" not in args.skip:
-            c.phase("worst_step", 60, lambda: worst_step(c, engine))
-        del engine
+        ours = engine_phases(c, engine, fl, model_dir, set(args.skip), cuda)
+        del engine  # its pool given back before transformers loads the model
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
         if "transformers" not in args.skip:
-            theirs = c.phase("transformers", 90, lambda: engine_vs_transformers(c, None, model_dir, vocab, *shape))
-            if ours and theirs:
-                c.emit("engine_vs_transformers", batch=shape[0], prompt_tokens=shape[1], new_tokens=shape[2],
-                       engine_tokens_per_s=round(ours, 1), transformers_tokens_per_s=round(theirs, 1),
-                       ratio=round(ours / theirs, 2))
+            transformers_phase(c, model_dir, vocab, ours, cuda)
     if cuda and "fabric" not in args.skip:
         from benchmarks.gpu_check_fabric import fabric
 
         c.phase("fabric", 40, lambda: fabric(c))
     c.emit("end", left_s=round(c.left_s()))
+
+
+def tiny_model(c: Check, size: str, cuda: bool) -> str:
+    """A checkpoint of random weights in `size`'s shapes, drawn on the GPU where there is one
+    (a minute less than on the host)."""
+    from engine.tiny_model import make_tiny_model
+
+    began = time.monotonic()
+    model_dir = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="gpu-check-")) / size, size=size,
+                                    device="cuda" if cuda else "cpu"))
+    c.emit("model", size=size, dir=model_dir, write_s=round(time.monotonic() - began, 1))
+    return model_dir
+
+
+def generate_shape(cuda: bool) -> tuple[int, int, int]:
+    """engine_vs_transformers's batch, prompt tokens and new tokens."""
+    return (32, 512, 64) if cuda else (4, 64, 8)
+
+
+def engine_phases(c: Check, engine: LLMEngine, fl: dict[str, float], model_dir: str, skip: set[str],
+                  cuda: bool) -> float | None:
+    """The phases that run on the sized engine. Returns its generate tokens/s."""
+    from benchmarks.gpu_check_decode import attention_splits, decode_steps, launches
+    from benchmarks.gpu_check_prefill import prefill_attention
+
+    batches, contexts, steps = ([1, 8, 32, 128], [512, 4096], 10) if cuda else ([1, 8], [64, 256], 3)
+    if "decode" not in skip:
+        c.phase("decode", 60, lambda: decode_steps(c, engine, fl, batches, contexts, steps))
+    if cuda and "launches" not in skip:
+        c.phase("launches", 20, lambda: launches(c, engine, 32, 512))
+    if cuda and "attention_splits" not in skip:
+        c.phase("attention_splits", 30, lambda: attention_splits(c, engine, fl))
+    if cuda and "prefill_attention" not in skip:
+        c.phase("prefill_attention", 15, lambda: prefill_attention(c, fl))
+    if "prefill" not in skip:
+        c.phase("prefill", 30, lambda: prefill(c, engine, fl, [2048, 8192] if cuda else [256, 512]))
+    vocab, shape = engine.model_config.vocab_size, generate_shape(cuda)
+    ours = c.phase("engine_generate", 30, lambda: engine_vs_transformers(c, engine, model_dir, vocab, *shape))
+    if "worst_step" not in skip:
+        c.phase("worst_step", 60, lambda: worst_step(c, engine))
+    return ours
+
+
+def transformers_phase(c: Check, model_dir: str, vocab: int, ours: float | None, cuda: bool) -> None:
+    """transformers generating the engine_generate phase's batch, and the ratio of the two."""
+    shape = generate_shape(cuda)
+    theirs = c.phase("transformers", 90, lambda: engine_vs_transformers(c, None, model_dir, vocab, *shape))
+    if ours and theirs:
+        c.emit("engine_vs_transformers", batch=shape[0], prompt_tokens=shape[1], new_tokens=shape[2],
+               engine_tokens_per_s=round(ours, 1), transformers_tokens_per_s=round(theirs, 1),
+               ratio=round(ours / theirs, 2))
 
 
 if __name__ == "__main__":

@@ -206,31 +206,48 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [1, heads, n, d]; k, v: [1, kv_heads, keys, d] (causal: keys == n). Returns the
     output [1, heads, n, d] and each query's log-sum-exp of its scaled scores [1, heads, n]
-    (float32), through the fused kernel this device runs: cuDNN's, else FlashAttention's, else
-    the memory-efficient one (float32) on CUDA (grouped KV heads as they are where one takes
-    them), else scores made in float32; SDPA's flash kernel on CPU."""
-    heads, n = q.shape[1], q.shape[2]
+    (float32), through the fused kernel this device runs: on CUDA cuDNN's, else
+    FlashAttention's, else the memory-efficient one, else scores made in float32; SDPA's
+    flash kernel on CPU."""
     if q.is_cuda:
-        cuda = torch.backends.cuda
-        for grouped in (True, False):
-            kk, vv = (k, v) if grouped else _expand_heads(k, v, heads)
-            params = cuda.SDPAParams(q, kk, vv, None, 0.0, causal, grouped and kk.shape[1] != heads)
-            if cuda.cudnn_sdp_enabled() and cuda.can_use_cudnn_attention(params):
-                got = torch.ops.aten._scaled_dot_product_cudnn_attention(q, kk, vv, None, True, 0.0, causal, False,
+        return _cuda_fused_with_lse(q, k, v, causal, scale) or _scores_with_lse(q, k, v, causal, scale)
+    kk, vv = _expand_heads(k, v, q.shape[1])
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, kk, vv, 0.0, causal, scale=scale)
+    return o, lse.reshape(q.shape[:3]).float()
+
+
+def _cuda_fused_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """attention_with_lse through the first fused CUDA kernel that takes the inputs, the KV
+    heads grouped as they are where a kernel takes them so, else repeated per query head;
+    None where none takes them."""
+    heads, n = q.shape[1], q.shape[2]
+    cuda = torch.backends.cuda
+    forms = [(k, v, k.shape[1] != heads)]
+    if k.shape[1] != heads:
+        forms.append((*_expand_heads(k, v, heads), False))
+    for kk, vv, grouped in forms:
+        params = cuda.SDPAParams(q, kk, vv, None, 0.0, causal, grouped)
+        if cuda.cudnn_sdp_enabled() and cuda.can_use_cudnn_attention(params):
+            got = torch.ops.aten._scaled_dot_product_cudnn_attention(q, kk, vv, None, True, 0.0, causal, False,
+                                                                     scale=scale)
+            return got[0], got[1].reshape(1, heads, n).float()
+        if cuda.flash_sdp_enabled() and cuda.can_use_flash_attention(params):
+            got = torch.ops.aten._scaled_dot_product_flash_attention(q, kk, vv, 0.0, causal, False, scale=scale)
+            return got[0], got[1].reshape(1, heads, n).float()
+        if not grouped and cuda.mem_efficient_sdp_enabled() and cuda.can_use_efficient_attention(params):
+            got = torch.ops.aten._scaled_dot_product_efficient_attention(q, kk, vv, None, True, 0.0, causal,
                                                                          scale=scale)
-                return got[0], got[1].reshape(1, heads, n).float()
-            if cuda.flash_sdp_enabled() and cuda.can_use_flash_attention(params):
-                got = torch.ops.aten._scaled_dot_product_flash_attention(q, kk, vv, 0.0, causal, False, scale=scale)
-                return got[0], got[1].reshape(1, heads, n).float()
-            if not grouped and cuda.mem_efficient_sdp_enabled() and cuda.can_use_efficient_attention(params):
-                got = torch.ops.aten._scaled_dot_product_efficient_attention(q, kk, vv, None, True, 0.0, causal,
-                                                                             scale=scale)
-                return got[0], got[1][:, :, :n].float()  # its log-sum-exp is padded to 32 queries
-    kk, vv = _expand_heads(k, v, heads)
-    if not q.is_cuda:
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, kk, vv, 0.0, causal, scale=scale)
-        return o, lse.reshape(1, heads, n).float()
-    scores = q.float() @ kk.float().transpose(-1, -2) * scale  # no fused kernel takes it: scores made
+            return got[0], got[1][:, :, :n].float()  # its log-sum-exp is padded to 32 queries
+    return None
+
+
+def _scores_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention_with_lse with the scores made in float32, for inputs no fused kernel takes."""
+    n = q.shape[2]
+    kk, vv = _expand_heads(k, v, q.shape[1])
+    scores = q.float() @ kk.float().transpose(-1, -2) * scale
     if causal:
         scores.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)

@@ -112,3 +112,21 @@ def test_a_later_chunk_over_its_context_matches_the_reference(heads, kv_heads, s
     k, v = pool.gather(1, table)
     want = reference_attention(q[None], k, v, [ctx], [start], 0.25)[0]
     torch.testing.assert_close(_chunk_over_context(q, pool, 1, g, 0.25), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_scores_made_in_float32_give_the_fused_kernels_output_and_log_sum_exp(heads, kv_heads, causal):
+    """The CUDA fallback of attention_with_lse (for inputs no fused kernel takes) against
+    the CPU's fused flash kernel: the same output and log-sum-exp, grouped KV heads included."""
+    from engine.attention import _scores_with_lse, attention_with_lse
+
+    gen = torch.Generator().manual_seed(heads + kv_heads)
+    q = torch.randn(1, heads, 7, 16, generator=gen)
+    keys = 7 if causal else 11
+    k, v = (torch.randn(1, kv_heads, keys, 16, generator=gen) for _ in range(2))
+    want_o, want_lse = attention_with_lse(q, k, v, causal, 0.25)
+    got_o, got_lse = _scores_with_lse(q, k, v, causal, 0.25)
+    assert got_lse.shape == want_lse.shape == (1, heads, 7)
+    torch.testing.assert_close(got_o, want_o, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_lse, want_lse, atol=1e-5, rtol=1e-5)
