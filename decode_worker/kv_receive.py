@@ -67,7 +67,7 @@ class RemoteKV:
         res = self.engine.add_remote_request(prompt, params, request_id, priority, tenant, tenant_weight)
         if res is None:
             return None
-        ticket = self.receiver.expect(res.request_id, [int(b) for b in res.block_ids], res.num_cached_tokens // self.block_size)
+        ticket = self.receiver.expect(res.request_id, [int(b) for b in res.block_ids], res.num_skip_blocks)
         self._reservations[ticket.request_id] = ticket.reservation_id
         return ticket
 

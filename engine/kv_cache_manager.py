@@ -10,13 +10,23 @@ PushDone, never before: a request that ends meanwhile, at its first token, by an
 preemption, leaves its blocks held, not freed), a decode worker's one-sided writer after an
 abort (quarantine, the same reference until the writer is fenced), a decode step still in
 flight (`hold` ... `release`). Held blocks are off the request, under its id, in use until
-the last of these lets go. The manager is the one place that knows them (`held_tables`).
+the last of these lets go. The manager is the one place that knows them (`check_holders` counts them).
+
+A model whose every layer has a sliding window (Mistral's, Qwen3-MoE's) reads, for its next
+query at position p, only keys from p + 1 - window on: the blocks wholly before that go back
+to the pool as the window passes (`slide`), after they are registered in the prefix cache
+(so a later prompt with the same start still finds them while they stay there). Their
+entries in the block table become the null block, which the manager holds for the pool's
+life and nothing writes: every attention kernel starts at its window and never reads it; the
+torch forms gather it and mask it out, as they do a table's padding. Positions stay where they
+were, so the table indexes as before. A request's first blocks (a prefix-cache hit, or the
+prompt a decode worker receives) are claimed from its first query's window on.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-from engine.block_pool import BlockPool
+from engine.block_pool import BlockPool, PoolUsage
 from engine.hashing import BlockHasher
 from engine.request import Request
 from engine.types import BlockId, RequestId
@@ -27,10 +37,20 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, hasher: BlockHasher) -> None:
+    def __init__(self, pool: BlockPool, hasher: BlockHasher, window: int = 0) -> None:
+        """`window`: the keys behind its query that the model's widest layer reads, where every
+        layer has a sliding window (0: some layer reads the whole context, nothing slides)."""
         self.pool = pool
         self.hasher = hasher
         self.block_size = hasher.block_size
+        self.window = window
+        self.null_block: BlockId | None = None
+        """The table entry of a slid-past position (held here for the pool's life; None: no window)."""
+        if window:
+            null = pool.allocate(1)
+            if null is None or pool.num_free_blocks == 0:
+                raise ValueError(f"a pool of {pool.num_blocks} blocks has no room beside the null block")
+            self.null_block = null[0]
         self._held: dict[RequestId, list[BlockId]] = {}
         """Blocks held past their request, by request id, until `release` / `end_transfer`."""
         self._transfers: set[RequestId] = set()
@@ -38,6 +58,20 @@ class KVCacheManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return _cdiv(num_tokens, self.block_size)
+
+    def num_slid_blocks(self, next_query: int) -> int:
+        """Leading blocks that no query at `next_query` or later reads: wholly before its window."""
+        if not self.window:
+            return 0
+        return max(0, next_query + 1 - self.window) // self.block_size
+
+    def blocks_to_compute(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks a sequence holds at once while `num_tokens` of it are computed in
+        steps of at most `chunk`: all of them, or with a window (a step at s holds its keys from
+        s + 1 - window on, and its own) at most those of window + chunk tokens and one more."""
+        if not self.window:
+            return self.blocks_needed(num_tokens)
+        return min(self.blocks_needed(num_tokens), self.blocks_needed(self.window + chunk) + 1)
 
     def find_cached_prefix(self, request: Request) -> tuple[list[BlockId], int]:
         """Longest cached run of the request's full blocks, leaving >= 1 token to compute.
@@ -56,22 +90,35 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         cached_block_ids: Sequence[BlockId] = (),
+        next_query: int | None = None,
     ) -> bool:
         """Make room for `num_new_tokens` beyond the computed (and cached) tokens.
 
         On success the cached blocks are claimed and new blocks appended to the
-        request's block table; on shortage nothing changes and False is returned.
+        request's block table; on shortage nothing changes and False is returned. A request's
+        first blocks start at the window of `next_query`, the first position that will read
+        them (default: the first computed here; a decode worker's remote prompt: its end),
+        the entries before it null.
         """
         num_cached = len(cached_block_ids) * self.block_size
         total = request.num_computed_tokens + num_cached + num_new_tokens
-        num_new_blocks = self.blocks_needed(total) - len(request.block_ids) - len(cached_block_ids)
-        num_revived = sum(1 for b in cached_block_ids if self.pool.ref_cnt(b) == 0) if cached_block_ids else 0
+        skip = 0
+        if not request.block_ids:
+            start = request.num_computed_tokens + num_cached if next_query is None else next_query
+            skip = min(self.num_slid_blocks(start), self.blocks_needed(total))
+        claimed = list(cached_block_ids[skip:])
+        num_new_blocks = self.blocks_needed(total) - len(request.block_ids) - max(skip, len(cached_block_ids))
+        num_revived = sum(1 for b in claimed if self.pool.ref_cnt(b) == 0)
         if num_new_blocks > self.pool.num_free_blocks - num_revived:
             return False
-        if cached_block_ids:
-            self.pool.touch(cached_block_ids)
-            request.block_ids.extend(cached_block_ids)
-            request.num_cached_blocks += len(cached_block_ids)
+        if skip:
+            assert self.null_block is not None
+            request.block_ids.extend([self.null_block] * skip)
+            request.num_slid_blocks = skip
+        if claimed:
+            self.pool.touch(claimed)
+            request.block_ids.extend(claimed)
+        request.num_cached_blocks = max(request.num_cached_blocks + len(cached_block_ids), skip)
         if num_new_blocks > 0:
             new = self.pool.allocate(num_new_blocks)
             assert new is not None  # checked above
@@ -93,6 +140,18 @@ class KVCacheManager:
         )
         request.num_cached_blocks = num_full
 
+    def slide(self, request: Request) -> None:
+        """Give back the blocks that every layer's window has passed (registered in the prefix
+        cache first, by `cache_computed_blocks`); their table entries become the null block."""
+        n = min(self.num_slid_blocks(request.num_computed_tokens), len(request.block_ids))
+        if n <= request.num_slid_blocks:
+            return
+        assert self.null_block is not None
+        gone = request.block_ids[request.num_slid_blocks:n]
+        request.block_ids[request.num_slid_blocks:n] = [self.null_block] * len(gone)
+        request.num_slid_blocks = n
+        self.pool.free(reversed(gone))
+
     def roll_back(self, request: Request) -> None:
         """Give back the blocks past the request's computed tokens (a speculative step's
         rejected slots); they hold no cached block, which needs computed tokens."""
@@ -108,14 +167,14 @@ class KVCacheManager:
         if request.request_id in self._transfers:
             self.hold(request)
             return
-        self.pool.free(reversed(request.block_ids))
+        self.pool.free(reversed(self._own(request.block_ids)))
         request.block_ids = []
-        request.num_cached_blocks = 0
+        request.num_cached_blocks = request.num_slid_blocks = 0
 
     def take_blocks(self, request: Request) -> list[BlockId]:
         """Detach the block table from the request (an explicit hand-off); caller frees later."""
         block_ids, request.block_ids = request.block_ids, []
-        request.num_cached_blocks = 0
+        request.num_cached_blocks = request.num_slid_blocks = 0
         return block_ids
 
     def hold(self, request: Request) -> list[BlockId]:
@@ -132,7 +191,7 @@ class KVCacheManager:
         block_ids = self._held.pop(request_id, None)
         if block_ids is None:
             return False
-        self.pool.free(reversed(block_ids))
+        self.pool.free(reversed(self._own(block_ids)))
         return True
 
     def begin_transfer(self, request_id: RequestId) -> None:
@@ -155,8 +214,17 @@ class KVCacheManager:
         """Requests whose blocks are held."""
         return len(self._held)
 
-    def held_tables(self) -> list[list[BlockId]]:
-        return list(self._held.values())
+    def check_holders(self, tables: Iterable[Sequence[BlockId]]) -> PoolUsage:
+        """The pool's accounting, each block's ref count equal to the tables holding it: these
+        (a table's null entries not counted) and the manager's own (held ones, the null block)."""
+        own = [self._own(t) for t in [*tables, *self._held.values()]]
+        return self.pool.check_holders([*own, *([[self.null_block]] if self.null_block is not None else [])])
+
+    def _own(self, block_ids: list[BlockId]) -> list[BlockId]:
+        """A table's blocks, its null entries left out."""
+        if self.null_block is None:
+            return block_ids
+        return [b for b in block_ids if b != self.null_block]
 
     def _update_hashes(self, request: Request) -> None:
         if len(request.block_hashes) < request.num_tokens // self.block_size:

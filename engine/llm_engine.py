@@ -129,7 +129,7 @@ class LLMEngine:
         config = self.config
         self.kv_pool = KVPool(self.layout, num_blocks, config.device, allocator)
         self.block_pool = BlockPool(num_blocks, config.cache.enable_prefix_caching, config.cache.protected_fraction)
-        self.kv = KVCacheManager(self.block_pool, self.hasher)
+        self.kv = KVCacheManager(self.block_pool, self.hasher, self.model_config.kv_window)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.clock)
         decode = None if provisional else decode_buffers(config, self.model, self.kv_pool, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv_pool, config.device, decode)
@@ -152,7 +152,7 @@ class LLMEngine:
         """GPU: one forward at the largest step on a provisional pool (engine/kv_profile.py)."""
         assert self.memory is not None  # _pool_blocks profiles only with one
         num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len - 1)
-        profile_blocks = -(-(num_tokens + 1) // self.layout.block_size) + 1
+        profile_blocks = -(-(num_tokens + 1) // self.layout.block_size) + 2  # and a window's null block
 
         def run() -> None:
             self._attach_pool(profile_blocks, None, provisional=True)
@@ -219,7 +219,8 @@ class LLMEngine:
         if not self.scheduler.add_remote_request(request):
             self.outputs.forget(request.request_id)
             return None
-        return RemoteBlocks(request.request_id, list(request.block_ids), request.num_cached_tokens)
+        return RemoteBlocks(request.request_id, list(request.block_ids), request.num_cached_tokens,
+                            request.num_cached_blocks)
 
     def remote_kv_ready(self, request_id: RequestId, first_token_id: int) -> list[RequestOutput]:
         """Decode role: the reserved blocks hold the prompt's KV; the first token came with it."""
@@ -402,4 +403,4 @@ class LLMEngine:
 
     def check_invariants(self) -> PoolUsage:
         """Pool accounting holds, and every in-use block is held by a request or a hand-off."""
-        return self.scheduler.check_invariants(self.kv.held_tables())
+        return self.scheduler.check_invariants()

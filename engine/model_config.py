@@ -118,6 +118,12 @@ class ModelConfig:
     """Attention scores s become attn_softcap * tanh(s / attn_softcap) (Gemma 2); 0: not."""
 
     @property
+    def kv_window(self) -> int:
+        """Keys behind a query that any layer reads, where every layer has a sliding window (the
+        blocks before it go back to the pool as it passes); 0: some layer reads the whole context."""
+        return max(self.layer_windows) if self.layer_windows and all(self.layer_windows) else 0
+
+    @property
     def llama_layers(self) -> bool:
         """Every layer is Llama's own: none of the parts above that other families add (what the
         native one-call decode, `NativeKernels.decode_layers`, runs)."""

@@ -46,7 +46,10 @@ class RemoteBlocks:
     request_id: RequestId
     block_ids: list[BlockId]
     num_cached_tokens: int
-    """Leading prompt tokens already cached here: their blocks need not be sent."""
+    """Leading prompt tokens already cached here."""
+    num_skip_blocks: int
+    """Leading blocks not to send: cached here, or wholly before the first decode query's
+    sliding window (null entries)."""
 
 
 class KVHandoff(Protocol):

@@ -129,7 +129,11 @@ class Request:
     block_ids: list[BlockId] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_cached_blocks: int = 0
-    """Leading blocks of `block_ids` already registered in the prefix cache."""
+    """Leading blocks of `block_ids` not to register in the prefix cache: registered already,
+    or never computed here (a sliding window's null entries)."""
+    num_slid_blocks: int = 0
+    """Leading entries of `block_ids` that are the null block: every layer's sliding window
+    has passed them, so their blocks went back to the pool (`KVCacheManager.slide`)."""
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0

@@ -13,7 +13,7 @@ KV arrives; then they rejoin like any waiting request with computed tokens.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -58,11 +58,14 @@ class Scheduler:
         self.config = config.resolved(None)  # the engine has set a GPU's budget; else a CPU's
         self.kv = kv
         self.max_model_len = max_model_len
-        self.context_limit = min(max_model_len, kv.pool.num_blocks * kv.block_size + 1)
+        budget = self.config.max_num_batched_tokens
+        fits = kv.blocks_to_compute(max_model_len, budget) <= kv.pool.num_free_blocks
+        self.context_limit = max_model_len if fits else min(max_model_len, kv.pool.num_free_blocks * kv.block_size + 1)
         """Where a sequence stops with finish reason length: the model's context, or the
         pool's, whichever is shorter. A sequence alone in a pool smaller than the model's
         context would otherwise preempt itself to recompute, grow back, and again, forever.
-        (The last sampled token needs no slot, hence the + 1.)"""
+        (The last sampled token needs no slot, hence the + 1.) A model whose layers all slide
+        their window holds only a window's blocks, so the pool limits it less."""
         self.clock = clock
         self.requests: dict[RequestId, Request] = {}
         self.waiting: list[Request] = []
@@ -90,7 +93,7 @@ class Scheduler:
         self._admit(request)
         cached, num_cached = self.kv.find_cached_prefix(request)
         missing = request.num_prompt_tokens - num_cached
-        if not self.kv.allocate_slots(request, missing, cached):
+        if not self.kv.allocate_slots(request, missing, cached, next_query=request.num_prompt_tokens):
             del self.requests[request.request_id]
             return False
         request.num_cached_tokens = num_cached
@@ -129,10 +132,10 @@ class Scheduler:
                 f"max_num_batched_tokens={self.config.max_num_batched_tokens} with chunked "
                 "prefill off; enable chunked prefill or raise the budget"
             )
-        if self.kv.blocks_needed(request.num_prompt_tokens + 1) > self.kv.pool.num_blocks:
+        if self.context_limit < self.max_model_len and request.num_prompt_tokens + 1 >= self.context_limit:
             raise InvalidRequestError(
                 f"prompt has {request.num_prompt_tokens} tokens, more than the KV pool holds "
-                f"(at most {self.kv.pool.num_blocks * self.kv.block_size - 1} prompt tokens)"
+                f"(at most {self.context_limit - 2} prompt tokens)"
             )
         request.arrival_seq = self._seq
         self._seq += 1
@@ -296,6 +299,7 @@ class Scheduler:
             if s.num_spec_tokens:
                 self.kv.roll_back(request)
             self.kv.cache_computed_blocks(request)
+            self.kv.slide(request)
             if tokens:
                 updated.append(request)
             if reason is not None:
@@ -326,10 +330,10 @@ class Scheduler:
         self.finish(request, FinishReason.ABORT)
         return True
 
-    def check_invariants(self, other_tables: Iterable[Sequence[BlockId]] = ()) -> PoolUsage:
-        """Pool accounting holds and every in-use block is held by a request (or `other_tables`)."""
-        tables = [r.block_ids for r in self.requests.values()]
-        return self.kv.pool.check_holders([*tables, *other_tables])
+    def check_invariants(self) -> PoolUsage:
+        """Pool accounting holds and every in-use block is held by a request or the KV cache
+        manager (a hand-off's, the null block)."""
+        return self.kv.check_holders([r.block_ids for r in self.requests.values()])
 
     def load(self, num_prompt_tokens: int, num_cached_tokens: int) -> EngineLoad:
         """What this scheduler's pool and queues hold now (the engine's and the simulator's

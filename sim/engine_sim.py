@@ -48,7 +48,8 @@ class StepResult:
 class SimEngine:
     def __init__(self, cost: StepCost, num_blocks: int, block_size: int, vocab_size: int,
                  scheduler: SchedulerConfig | None = None, secret: bytes = b"sim", model_id: str = "sim",
-                 max_model_len: int = 1 << 20, protected_fraction: float = 0.5, role: str = "both") -> None:
+                 max_model_len: int = 1 << 20, protected_fraction: float = 0.5, role: str = "both",
+                 kv_window: int = 0) -> None:
         self.cost, self.vocab_size, self.role = cost, vocab_size, role
         self.block_size = block_size
         self.num_prompt_tokens = 0
@@ -57,7 +58,7 @@ class SimEngine:
         """Seconds a request adds to the first step it is scheduled in (the caller prices them)."""
         self.now = 0.0
         self.pool = BlockPool(num_blocks, True, protected_fraction)
-        self.kv = KVCacheManager(self.pool, BlockHasher(secret, model_id, block_size))
+        self.kv = KVCacheManager(self.pool, BlockHasher(secret, model_id, block_size), kv_window)
         self.scheduler = Scheduler(scheduler or SchedulerConfig(), self.kv, max_model_len, lambda: self.now)
         self._role = role_for(role)
         self.busy_s = 0.0

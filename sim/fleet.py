@@ -142,7 +142,7 @@ class Fleet:
         wid = f"{role}-{next(self._ids[role])}"
         node = next(self._gpus) * c.gpus_per_worker // c.gpus_per_node
         engine = SimEngine(self.hw.for_worker(), c.num_blocks, c.block_size, VOCAB, c.scheduler, model_id="sim",
-                           max_model_len=c.max_model_len, role=role)
+                           max_model_len=c.max_model_len, role=role, kv_window=c.kv_window)
         w = self.workers[wid] = Worker(wid, role, engine, node, self.now)
         if role == "decode":
             w.table = ReservationTable(self.clock, c.kv_lease_s)

@@ -40,7 +40,7 @@ class FleetTransfers:
         fleet.stats["num_remote_prefill"] += 1
         fleet.index.predict(p, f.hashes)
         assert d.table is not None
-        res = d.table.add(f.rid, list(request.block_ids), request.num_cached_tokens // c.block_size)
+        res = d.table.add(f.rid, list(request.block_ids), request.num_cached_blocks)
         d.table.bind(res.reservation_id, writer=_writer(p), one_sided=True)
         f.reservation_id = res.reservation_id
         self.pushing[f.rid] = f

@@ -63,6 +63,9 @@ class FleetConfig:
     """KV blocks per worker (Roofline.kv_capacity_tokens // block_size for a GPU model)."""
     block_size: int = 16
     max_model_len: int = 131072
+    kv_window: int = 0
+    """The model's sliding window where every layer has one (ModelConfig.kv_window): a request
+    holds at most that many keys' blocks; 0: its whole context."""
     gpus_per_worker: int = 1
     gpus_per_node: int = 8
     """Workers fill nodes in order; P and D on one node move KV over NVLink, else the NIC."""

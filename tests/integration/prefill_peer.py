@@ -42,7 +42,7 @@ def prefill_main(pipe: Connection, model_dir: str, transport: str, budget: int, 
         # "prefill": [(prompt token ids, request id, max_tokens)] -> first tokens, pushes, errors
         for prompt, rid, max_tokens in args[0]:
             engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), rid)
-        firsts, done, pool_bytes = {}, [], {}
+        firsts, done, pool_bytes, pushed = {}, [], {}, {}
         while engine.has_unfinished() or pusher.num_open:
             if engine.has_schedulable():
                 firsts |= {o.request_id: o.new_token_ids[0] for o in engine.step()}
@@ -55,6 +55,8 @@ def prefill_main(pipe: Connection, model_dir: str, transport: str, budget: int, 
                         torch.cuda.synchronize()
                     pool_bytes[d.request_id] = engine.kv_pool.tensor[blocks].cpu().numpy().tobytes()
                 pusher.settle(d)
+                pushed[d.request_id] = d.num_blocks
                 done.append((d.request_id, firsts.get(d.request_id) if d.error is None else None, d.error,
                              d.num_pushes))
-        pipe.send(("ok", {"done": done, "in_use": engine.check_invariants().num_in_use, "pool_bytes": pool_bytes}))
+        in_use = engine.check_invariants().num_in_use - (engine.kv.null_block is not None)  # a window's null block
+        pipe.send(("ok", {"done": done, "in_use": in_use, "pool_bytes": pool_bytes, "pushed_blocks": pushed}))

@@ -79,7 +79,7 @@ def test_concurrent_greedy_matches_generate(tiny_model_dir: str, chunked: bool, 
     engine = make_engine(tiny_model_dir, budget=budget, chunked=chunked)
     completions = engine.generate(prompts, GREEDY)
     _assert_matches_hf(tiny_model_dir, prompts, completions)
-    assert engine.check_invariants().num_in_use == 0
+    assert engine.check_invariants().num_in_use == (engine.kv.null_block is not None)  # a window's null block
 
 
 def test_prefix_cache_hits_give_the_same_tokens(tiny_model_dir: str) -> None:
@@ -99,7 +99,10 @@ def test_prefix_cache_hits_give_the_same_tokens(tiny_model_dir: str) -> None:
 
 def test_preemption_by_a_tiny_pool_gives_the_same_tokens(tiny_model_dir: str) -> None:
     prompts = _prompts(tiny_model_dir, [15, 17, 21, 9, 30, 12])
-    engine = make_engine(tiny_model_dir, num_blocks=16, budget=32)  # 64 slots for ~270 tokens
+    if ModelConfig.from_dir(tiny_model_dir).kv_window:  # a request holds a window's blocks and a step's
+        engine = make_engine(tiny_model_dir, num_blocks=10, budget=8)
+    else:
+        engine = make_engine(tiny_model_dir, num_blocks=16, budget=32)  # 64 slots for ~270 tokens
     preempted: list[str] = []
     schedule = engine.scheduler.schedule
 
@@ -112,7 +115,7 @@ def test_preemption_by_a_tiny_pool_gives_the_same_tokens(tiny_model_dir: str) ->
     completions = engine.generate(prompts, GREEDY)
     assert len(preempted) >= 2
     _assert_matches_hf(tiny_model_dir, prompts, completions)
-    assert engine.check_invariants().num_in_use == 0
+    assert engine.check_invariants().num_in_use == (engine.kv.null_block is not None)  # a window's null block
 
 
 def test_seeded_sampling_is_reproducible_across_batches(tiny_llama_dir: str) -> None:

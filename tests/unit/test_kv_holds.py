@@ -16,7 +16,7 @@ def test_held_blocks_stay_in_use_until_released(clock) -> None:
     assert kv.allocate_slots(r, 10)
     assert r.block_ids == [0, 1, 2]
     assert kv.hold(r) == [0, 1, 2] and r.block_ids == []
-    assert kv.num_held == 1 and kv.held_tables() == [[0, 1, 2]]
+    assert kv.num_held == 1 and kv.held(r.request_id) == [0, 1, 2]
     assert pool.num_free_blocks == 5
     assert kv.allocate_slots(r, 3) and r.block_ids == [3]  # a quarantine adds to what it holds
     assert kv.hold(r) == [0, 1, 2, 3]
@@ -53,6 +53,6 @@ def test_the_prefill_role_holds_a_request_at_its_first_token_and_tells_the_hando
     role.after_token(r, 42, s, s.kv)
     assert handoff.finished == [("p", [0, 1, 2], 42)]
     assert r.is_finished and "p" not in s.requests and s.kv.num_held == 1
-    s.check_invariants(s.kv.held_tables())
+    s.check_invariants()
     assert s.kv.release(r.request_id)
     assert s.check_invariants().num_in_use == 0
