@@ -12,6 +12,7 @@ from typing import Literal
 
 import msgspec
 
+from engine.kv_cache_manager import window_tokens
 from engine.types import EngineLoad
 
 Role = Literal["prefill", "decode"]
@@ -53,6 +54,14 @@ class ModelFacts(msgspec.Struct, frozen=True):
     """Longest sequence (prompt + output) the engine serves."""
     num_total_blocks: int = 0
     """KV pool size in blocks."""
+    kv_window: int = 0
+    """The sliding window of a model whose every layer has one (ModelConfig.kv_window): a
+    sequence holds only that window's blocks; 0: its whole context."""
+
+    @property
+    def max_held_tokens(self) -> int | None:
+        """The most KV tokens one sequence holds, however long (None: no window, its length)."""
+        return window_tokens(self.block_size, self.kv_window) if self.kv_window else None
 
 
 def _idle() -> EngineLoad:

@@ -69,7 +69,7 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
         self.loop = EngineLoop(self.engine, self._on_outputs, self._hook, name=f"engine-{worker_id}")
         e = self.engine
         facts = ModelFacts(e.model_id, config.block_size, e.model_config.vocab_size, e.max_model_len,
-                           e.kv_pool.num_blocks)
+                           e.kv_pool.num_blocks, e.model_config.kv_window)
         self.host = WorkerHost(worker_id, "decode", config, facts, engine_load_reader(self.loop), redis_url, namespace)
         self.host.read_step_model = lambda: self.engine.step_model.latest  # a tuple swapped whole: read from here
         self.host.step_profile = profile

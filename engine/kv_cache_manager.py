@@ -36,6 +36,27 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def slid_blocks(next_query: int, block_size: int, window: int) -> int:
+    """Leading blocks that no query at `next_query` or later reads, under a sliding `window`
+    on every layer (0: none): wholly before the keys next_query + 1 - window on."""
+    if not window:
+        return 0
+    return max(0, next_query + 1 - window) // block_size
+
+
+def window_tokens(block_size: int, window: int) -> int:
+    """The most KV tokens a sequence holds under a sliding `window` on every layer, however
+    long it grows: the window's blocks and one more (`held_blocks` at its largest)."""
+    return (_cdiv(window, block_size) + 1) * block_size
+
+
+def held_blocks(num_tokens: int, block_size: int, window: int) -> int:
+    """The blocks a sequence of `num_tokens` (its last one's KV not yet computed) holds for its
+    next step: all of them, or with a window those from that token's window on (what a decode
+    worker reserves for a prompt, the router books and admission charges)."""
+    return _cdiv(num_tokens, block_size) - slid_blocks(max(num_tokens - 1, 0), block_size, window)
+
+
 class KVCacheManager:
     def __init__(self, pool: BlockPool, hasher: BlockHasher, window: int = 0) -> None:
         """`window`: the keys behind its query that the model's widest layer reads, where every
@@ -61,9 +82,7 @@ class KVCacheManager:
 
     def num_slid_blocks(self, next_query: int) -> int:
         """Leading blocks that no query at `next_query` or later reads: wholly before its window."""
-        if not self.window:
-            return 0
-        return max(0, next_query + 1 - self.window) // self.block_size
+        return slid_blocks(next_query, self.block_size, self.window)
 
     def blocks_to_compute(self, num_tokens: int, chunk: int) -> int:
         """The most blocks a sequence holds at once while `num_tokens` of it are computed in

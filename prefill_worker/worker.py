@@ -82,7 +82,7 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
         self.loop = EngineLoop(self.engine, self._on_outputs, self._hook, name=f"engine-{worker_id}")
         e = self.engine
         facts = ModelFacts(e.model_id, config.block_size, e.model_config.vocab_size, e.max_model_len,
-                           e.kv_pool.num_blocks)
+                           e.kv_pool.num_blocks, e.model_config.kv_window)
         self.host = WorkerHost(worker_id, "prefill", config, facts, engine_load_reader(self.loop), redis_url, namespace)
         if self.host.metrics is not None:
             self.host.metrics.block_bytes = self.pusher.layout.block_bytes

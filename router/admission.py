@@ -51,6 +51,14 @@ TTFT_WINDOW = 16
 """Admitted requests' times to first token the TTFT steering looks at, at a time."""
 
 
+def admission_cost(num_prompt_tokens: int, output: int, cached_tokens: int = 0, max_held: int | None = None) -> int:
+    """KV tokens a request is charged (the router and the simulator charge here): its prompt's
+    uncached tokens plus `output`, what it is expected to generate (`expected_output`), or
+    `max_held` where fewer (a sliding window's: ModelFacts.max_held_tokens)."""
+    cost = num_prompt_tokens - min(cached_tokens, num_prompt_tokens) + output
+    return cost if max_held is None else min(cost, max_held)
+
+
 @dataclass
 class _Held:
     """An admitted request's charge (`cost` tokens) and tenant."""
@@ -92,6 +100,8 @@ class AdmissionQueue:
         self.inflight_tokens = 0
         self._releases: deque[tuple[float, int]] = deque(maxlen=DRAIN_WINDOW)
         self.forecast = WaitForecast(clock)
+        self.max_held_tokens: int | None = None
+        """The most KV tokens one sequence holds (`set_capacity`); None: its length."""
         self.on_wait_estimate: Callable[[float], None] | None = None
         """Called with actual / estimated wait of each queued request admitted (the estimate's error)."""
 
@@ -172,17 +182,25 @@ class AdmissionQueue:
         charged what it holds (its prompt and those tokens)."""
         self.forecast.progress(request_id, num_generated)
         held, running = self._admitted.get(request_id), self.forecast.running.get(request_id)
-        if held is None or running is None or running.prompt_tokens + num_generated <= held.cost:
+        if held is None or running is None:
             return
-        more = running.prompt_tokens + num_generated - held.cost
+        holds = running.prompt_tokens + num_generated
+        if self.max_held_tokens is not None:
+            holds = min(holds, self.max_held_tokens)
+        if holds <= held.cost:
+            return
+        more = holds - held.cost
         held.cost += more
         self.inflight_tokens += more
         self._tenant_tokens[held.tenant] += more
         self.forecast.charged(request_id, held.cost)
 
-    def set_capacity(self, kv_tokens: int) -> list[str]:
+    def set_capacity(self, kv_tokens: int, max_held_tokens: int | None = None) -> list[str]:
         """The decode pool holds `kv_tokens` of KV (0: unknown): the budget follows it; returns
-        the requests a larger budget admits now."""
+        the requests a larger budget admits now. `max_held_tokens`: the most one sequence holds
+        (a sliding window's, ModelFacts.max_held_tokens; None: its length), which `progress`
+        never charges past."""
+        self.max_held_tokens = max_held_tokens
         cap = self.config.max_inflight_tokens
         budget = cap or UNKNOWN_POOL_TOKENS
         if kv_tokens > 0:

@@ -289,7 +289,7 @@ class RequestFlow:
         prefills = [self.loads.load(w) for w in self.members.serving("prefill") if w not in avoid and w not in down]
         self._turn += 1
         decision = route(len(attempt.token_ids), decodes, prefills, lambda ids: self.index.overlap(hashes, ids),
-                         self.config.routing, facts.block_size, self._turn, self.rng)
+                         self.config.routing, facts.block_size, self._turn, self.rng, facts.kv_window)
         if decision is None:
             raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 "no decode worker has free KV blocks for this prompt now; retry after 1.0 s", 1.0)
@@ -311,7 +311,9 @@ class RequestFlow:
 
     def _book(self, attempt: Attempt, decision: RouteDecision, hashes: list[bytes], block_size: int) -> Booking:
         """Counts the routed attempt in the load book, the index's predictions and the stats."""
-        booking = book_route(self.loads, self.index, decision, hashes, len(attempt.token_ids), block_size)
+        facts = self.members.facts
+        booking = book_route(self.loads, self.index, decision, hashes, len(attempt.token_ids), block_size,
+                             facts.kv_window if facts else 0)
         self.stats["num_local_prefill" if decision.local_prefill else "num_remote_prefill"] += 1
         return booking
 

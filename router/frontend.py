@@ -118,7 +118,7 @@ class Frontend:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"prompt has {len(token_ids)} tokens; the model's context is {facts.max_model_len} "
                                 "tokens, so the prompt must be shorter than that")
-        need = blocks_for(len(token_ids), facts.block_size)
+        need = blocks_for(len(token_ids), facts.block_size, facts.kv_window)
         if need > max_decode_blocks:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"prompt needs {need} KV blocks; the largest decode worker holds {max_decode_blocks}")
@@ -157,13 +157,6 @@ def _check_fields(request: pb.GenerateRequest, facts: ModelFacts) -> None:
     if request.WhichOneof("prompt") == "text" and len(request.text) > MAX_TEXT_CHARS_PER_TOKEN * facts.max_model_len:
         raise InvalidRequestError(f"prompt text has {len(request.text)} characters; the model's context is "
                                   f"{facts.max_model_len} tokens")
-
-
-def admission_cost(prep: Prepared, output: int, cached_tokens: int = 0) -> int:
-    """KV tokens a request is charged: its prompt's uncached tokens plus `output`, what it is
-    expected to generate (`AdmissionQueue.expected_output`, never over `output_tokens`)."""
-    n = len(prep.token_ids)
-    return n - min(cached_tokens, n) + output
 
 
 def runs_to_the_end(prep: Prepared) -> bool:

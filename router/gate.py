@@ -112,9 +112,10 @@ class AdmissionGate:
         """An admitted request's first token came `seconds` after its admission (TTFT steering)."""
         self._wake(self.queue.observe_ttft(seconds, cost_tokens))
 
-    def set_capacity(self, kv_tokens: int) -> None:
-        """The decode pool's KV capacity in tokens (0: unknown): the budget follows it."""
-        self._wake(self.queue.set_capacity(kv_tokens))
+    def set_capacity(self, kv_tokens: int, max_held_tokens: int | None = None) -> None:
+        """The decode pool's KV capacity in tokens (0: unknown): the budget follows it;
+        `max_held_tokens`: the most one sequence holds (None: its length)."""
+        self._wake(self.queue.set_capacity(kv_tokens, max_held_tokens))
 
     def expire(self) -> None:
         """Called on a timer: queued requests past their max wait, or whose revised wait now

@@ -170,8 +170,10 @@ class OpenAIServer:
             prompt_ids = await asyncio.to_thread(render) if long else render()
         except InvalidRequestError as e:
             raise BadRequest(str(e), "messages") from None
-        # no max_tokens: as long as the context and the largest decode worker allow (vLLM's default)
-        room = min(facts.max_model_len, self.members.max_decode_blocks() * facts.block_size) - len(prompt_ids) - 1
+        # no max_tokens: as long as the context and the largest decode worker allow (vLLM's default;
+        # a model that slides a window on every layer holds only that window, whatever its length)
+        pool = self.members.max_decode_blocks() * facts.block_size if not facts.kv_window else facts.max_model_len
+        room = min(facts.max_model_len, pool) - len(prompt_ids) - 1
         rid = new_id("chat")
         generate = to_generate(req, req.request_id or rid, prompt_ids, max(room, 1), tool[0] if tool else constraint)
         out = (ToolCallOutput("chat", rid, model, req.logprobs, self._token_text, return_token_ids=req.return_token_ids,

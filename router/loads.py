@@ -127,13 +127,14 @@ class Booking:
 
 
 def book_route(loads: LoadBook, index: KVIndex, decision: RouteDecision, hashes: list[bytes], num_prompt_tokens: int,
-               block_size: int) -> Booking:
+               block_size: int, window: int = 0) -> Booking:
     """A routed attempt counted where the router counts it (the flow and the simulator both
     book here): its uncached prompt tokens queued on its prefiller, its blocks promised on D,
     and the index's prediction that D (and P) will hold the prompt's blocks."""
     d, p = decision.decode_worker, decision.prefill_worker
     cached_blocks = decision.num_decode_cached_blocks if p is None else decision.num_prefill_cached_blocks
-    booking = loads.book(d, p, num_prompt_tokens - cached_blocks * block_size, blocks_for(num_prompt_tokens, block_size))
+    booking = loads.book(d, p, num_prompt_tokens - cached_blocks * block_size,
+                         blocks_for(num_prompt_tokens, block_size, window))
     index.predict(d, hashes)
     if p is not None:
         index.predict(p, hashes)

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from engine.kv_cache_manager import held_blocks
+
 Mode = Literal["disaggregated", "colocated", "auto"]
 Policy = Literal["cache_aware", "round_robin"]
 
@@ -73,9 +75,10 @@ class RouteDecision:
         return self.prefill_worker is None
 
 
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    """KV blocks a prompt of `num_tokens` needs once its first token is in."""
-    return -(-(num_tokens + 1) // block_size)
+def blocks_for(num_tokens: int, block_size: int, window: int = 0) -> int:
+    """KV blocks a prompt of `num_tokens` needs once its first token is in (with a sliding
+    `window` on every layer, those its first decode step reads)."""
+    return held_blocks(num_tokens + 1, block_size, window)
 
 
 def route(
@@ -87,12 +90,13 @@ def route(
     block_size: int,
     turn: int,
     rng: random.Random,
+    window: int = 0,
 ) -> RouteDecision | None:
     """The router's choice for a prompt among these workers, by its configured policy (the
     flow and the simulator both decide here). `overlap(worker ids)`: the KV index's leading
     cached blocks for the prompt, read only when the policy looks at caches; `turn`: the
-    round-robin counter."""
-    blocks = blocks_for(num_prompt_tokens, block_size)
+    round-robin counter; `window`: the model's sliding window on every layer (ModelFacts.kv_window)."""
+    blocks = blocks_for(num_prompt_tokens, block_size, window)
     if config.policy == "round_robin":
         return choose_round_robin(turn, num_prompt_tokens, blocks, decodes, prefills, config)
     cached = overlap([w.worker_id for w in (*decodes, *prefills)])

@@ -164,7 +164,8 @@ class RouterService:
         n = 0
         while True:
             await asyncio.sleep(0.1)
-            self.gate.set_capacity(self.members.decode_kv_tokens())
+            facts = self.members.facts
+            self.gate.set_capacity(self.members.decode_kv_tokens(), facts.max_held_tokens if facts else None)
             self.gate.set_step_model(*self.members.decode_step_model())
             self.gate.expire()
             n += 1

@@ -25,7 +25,8 @@ from proto.convert import finish_name_from_pb
 from control import tracing
 from router.attempt import Deadline, Prepared, Progress, RequestFailed
 from router.flow import RequestFlow
-from router.frontend import Frontend, ItlWindow, Responses, admission_cost, heavy, output_tokens, runs_to_the_end
+from router.frontend import Frontend, ItlWindow, Responses, heavy, output_tokens, runs_to_the_end
+from router.admission import admission_cost
 from router.gate import AdmissionGate
 from router.metrics import RouterMetrics
 from router.members import Members
@@ -150,13 +151,14 @@ class Generation(pb_grpc.GenerationServicer):
     async def _admit(self, prep: Prepared, deadline: Deadline) -> tuple[Prepared, int]:
         """Waits for admission (or raises RequestFailed); returns the request as the workers get
         it (with its tenant's weight, for the engines' fair order) and its cost."""
-        max_model_len = self.members.facts.max_model_len if self.members.facts else 1 << 30
+        facts = self.members.facts
+        max_model_len, held = (facts.max_model_len, facts.max_held_tokens) if facts else (1 << 30, None)
         limit = output_tokens(prep, max_model_len)
         output = self.gate.queue.expected_output(prep.tenant, prep.route, limit, known=runs_to_the_end(prep))
         # refused whatever part of the prompt is cached? then without hashing it
-        self.gate.refuse_early(prep, deadline, admission_cost(prep, output, len(prep.token_ids) - 1),
-                               admission_cost(prep, output))
-        cost = admission_cost(prep, output, self.flow.cached_tokens(prep))
+        n = len(prep.token_ids)
+        self.gate.refuse_early(prep, deadline, admission_cost(n, output, n - 1, held), admission_cost(n, output, 0, held))
+        cost = admission_cost(n, output, self.flow.cached_tokens(prep), held)
         await self.gate.admit(prep, deadline, cost, output, limit)
         return dataclasses.replace(prep, tenant_weight=self.gate.queue.weight(prep.tenant)), cost
 

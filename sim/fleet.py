@@ -31,11 +31,12 @@ from typing import Any
 from bench.runner import Outcome, Run
 from bench.workload import Item
 from engine.hashing import BlockHasher
+from engine.kv_cache_manager import window_tokens
 from engine.step_model import StepShape
 from engine.step_profile import LONG_CONTEXT, batch_sizes
 from engine.types import BlockHash
 from kvfabric.reservations import ReservationTable
-from router.admission import AdmissionQueue, Refused
+from router.admission import AdmissionQueue, Refused, admission_cost
 from router.frontend import ItlWindow
 from router.kv_index import KVIndex
 from router.loads import LoadBook, book_route
@@ -211,7 +212,8 @@ class Fleet:
         if self.queue.config.charge_output == "expected":
             limit = c.max_model_len - n
         new_tokens = self.queue.expected_output("", "generate", limit)
-        f.cost_tokens = n - min(best * c.block_size, n - 1) + new_tokens
+        f.cost_tokens = admission_cost(n, new_tokens, min(best * c.block_size, n - 1),
+                                       window_tokens(c.block_size, c.kv_window) if c.kv_window else None)
         offered = self.queue.offer(rid, 0, f.cost_tokens, None, "", new_tokens, limit)
         if isinstance(offered, Refused):
             self.fail(f, "RESOURCE_EXHAUSTED")
@@ -246,7 +248,8 @@ class Fleet:
                 self.waiting_room.append(f)
             return False
         d, p = self.workers[decision.decode_worker], decision.prefill_worker
-        f.booking = book_route(self.loads, self.index, decision, f.hashes, len(f.item.prompt), c.block_size)
+        f.booking = book_route(self.loads, self.index, decision, f.hashes, len(f.item.prompt), c.block_size,
+                               c.kv_window)
         f.decision = decision
         if p is None:
             self.stats["num_local_prefill"] += 1
@@ -265,7 +268,7 @@ class Fleet:
         self._turn += 1
         return route(len(f.item.prompt), decodes, prefills,
                      lambda ids: overlap if overlap is not None else self.index.overlap(f.hashes, ids),
-                     c.routing, c.block_size, self._turn, self.rng)
+                     c.routing, c.block_size, self._turn, self.rng, c.kv_window)
 
     def _token(self, f: Flight, w: Worker, num_tokens: int, first: tuple[int, int] | None) -> None:
         o = f.outcome
@@ -331,7 +334,9 @@ class Fleet:
     # -- timers --------------------------------------------------------------------------
     def _tick(self) -> None:
         decodes = self.serving("decode")  # as the router's timer: the budget follows the decode pool
-        for rid in self.queue.set_capacity(len(decodes) * self.config.num_blocks * self.config.block_size):
+        c = self.config
+        for rid in self.queue.set_capacity(len(decodes) * c.num_blocks * c.block_size,
+                                           window_tokens(c.block_size, c.kv_window) if c.kv_window else None):
             self._admitted(self.flights[rid])
         self.queue.forecast.set_step_model(self.step_shape, len(decodes))
         for rid, refusal in self.queue.revise():

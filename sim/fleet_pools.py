@@ -42,7 +42,7 @@ class PoolControl:
         if w.beat is not None and w.beat[0] == (load, w.state):
             return w.beat[1]  # type: ignore[no-any-return]
         c = self.fleet.config
-        facts = ModelFacts("sim", c.block_size, VOCAB, c.max_model_len, load.num_total_blocks)
+        facts = ModelFacts("sim", c.block_size, VOCAB, c.max_model_len, load.num_total_blocks, c.kv_window)
         beat = Heartbeat(w.worker_id, w.role, state=w.state, facts=facts, load=load)  # type: ignore[arg-type]
         w.beat = ((load, w.state), beat)
         return beat

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.admission import AdmissionConfig, AdmissionQueue
+from control.heartbeat import ModelFacts
+from router.admission import AdmissionConfig, AdmissionQueue, admission_cost
 from router.output_lengths import MAX_KEYS, MIN_SAMPLES, PRIOR_TOKENS, WINDOW, OutputLengths
 
 
@@ -89,3 +90,18 @@ def test_a_request_past_its_charge_is_charged_what_it_holds(clock) -> None:
 def test_admission_charge_settings_are_checked(bad: dict) -> None:
     with pytest.raises(ValueError):
         AdmissionConfig(**bad)
+
+
+def test_under_a_sliding_window_a_request_is_never_charged_past_what_it_can_hold(clock) -> None:
+    """A model that slides a 30-key window on every layer, 16-token blocks: a sequence holds at
+    most 3 blocks (48 tokens), however long it grows, and is charged no more."""
+    q = AdmissionQueue(AdmissionConfig(max_inflight_tokens=100), clock)
+    held = ModelFacts("m", 16, 1000, 4096, 64, kv_window=30).max_held_tokens
+    assert held == 48 and ModelFacts("m", 16, 1000, 4096, 64).max_held_tokens is None
+    q.set_capacity(0, held)
+    assert admission_cost(1000, 200, 0, held) == 48 and admission_cost(20, 10, 0, held) == 30
+    assert q.offer("a", 0, 30, None, "t", 10) is True  # 20 prompt tokens + 10 expected
+    q.progress("a", 25)  # holds 45
+    assert q.charged_tokens == 45
+    q.progress("a", 400)  # would hold 420 without the window: 48
+    assert q.charged_tokens == 48 and q.release("a") == [] and q.charged_tokens == 0

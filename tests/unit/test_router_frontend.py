@@ -12,7 +12,9 @@ import pytest
 from control.heartbeat import ModelFacts
 from proto import generate_pb2 as pb
 from router.attempt import RequestFailed
-from router.frontend import Frontend, admission_cost, output_tokens, runs_to_the_end
+from router.admission import admission_cost
+from router.frontend import Frontend, output_tokens, runs_to_the_end
+from router.policy import blocks_for
 
 FACTS = ModelFacts("m", 16, 1000, 512, 64)
 
@@ -53,10 +55,10 @@ def test_too_many_stop_strings_are_refused() -> None:
 def test_a_huge_max_tokens_costs_only_what_the_context_allows() -> None:
     prep = prepare(sampling=pb.SamplingParams(max_tokens=2**31 - 1))
     assert output_tokens(prep, FACTS.max_model_len) == 509  # what the context leaves after 3 prompt tokens
-    assert admission_cost(prep, output_tokens(prep, FACTS.max_model_len)) == 512
+    assert admission_cost(len(prep.token_ids), output_tokens(prep, FACTS.max_model_len)) == 512
     short = prepare(sampling=pb.SamplingParams(max_tokens=10))
-    assert admission_cost(short, output_tokens(short, FACTS.max_model_len)) == 13
-    assert admission_cost(short, 4, cached_tokens=2) == 5  # 1 uncached prompt token + 4 expected
+    assert admission_cost(len(short.token_ids), output_tokens(short, FACTS.max_model_len)) == 13
+    assert admission_cost(len(short.token_ids), 4, cached_tokens=2) == 5  # 1 uncached prompt token + 4 expected
 
 
 def test_only_a_request_that_nothing_can_stop_early_is_charged_its_max_tokens_as_known() -> None:
@@ -75,3 +77,15 @@ def test_long_text_and_long_constraints_are_prepared_off_the_event_loop() -> Non
     assert not heavy(pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(OFF_LOOP_CHARS + 1)))))
     schema = pb.SamplingParams(constraint=pb.Constraint(kind="json_schema", value="{" + " " * OFF_LOOP_CONSTRAINT_CHARS + "}"))
     assert heavy(pb.GenerateRequest(text="hi", sampling=schema))
+
+
+def test_a_prompt_under_a_sliding_window_needs_only_its_window_s_blocks_on_a_decode_worker() -> None:
+    """A 200-token prompt in 16-token blocks needs 13 blocks once its first token is in; where
+    every layer slides a 32-key window, its first decode query (200) reads keys 169..: blocks
+    10 to 12, so a decode worker of 8 blocks takes it; the router books the same 3."""
+    windowed = ModelFacts("m", 16, 1000, 4096, 64, kv_window=32)
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 200))
+    with pytest.raises(RequestFailed, match="prompt needs 13 KV blocks; the largest decode worker holds 8"):
+        Frontend(None).prepare(request, ModelFacts("m", 16, 1000, 4096, 64), 8)
+    assert len(Frontend(None).prepare(request, windowed, 8).token_ids) == 200
+    assert blocks_for(200, 16) == 13 and blocks_for(200, 16, 32) == 3
