@@ -119,6 +119,7 @@ def _serve_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
                             otlp_endpoint=args.otlp_endpoint, tokenizer_dir=_model_dir(model),
                             http_port=None if args.http_port < 0 else args.http_port,
                             served_model_name=args.served_model_name, chat_template=args.chat_template,
+                            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                             admission=_admission_config(args),
                             routing=RoutingConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens)),
         redis_url=args.redis_url or "", redis_host=args.redis_host, namespace=args.namespace,

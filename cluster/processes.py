@@ -13,6 +13,8 @@ from cluster.metrics_targets import add_observe_flags
 from cluster.metrics_targets import metrics_port as _metrics_port
 from control.worker_config import NO_SECRET
 from engine.kv_sizing import DEFAULT_CPU_KV_FRACTION
+from router.reasoning import REASONING_PARSERS
+from router.tool_parsers import PARSERS
 
 
 def placement(args: argparse.Namespace, num_local_workers: int) -> tuple[str, str, int | None, float, float]:
@@ -89,6 +91,12 @@ def add_http_flags(p: argparse.ArgumentParser, default_port: int = 8000) -> None
                    help=f"OpenAI-compatible HTTP API port on --host (default {default_port}; 0: a free one; -1: none)")
     p.add_argument("--served-model-name", help="model name the HTTP API answers to (default: the model's name)")
     p.add_argument("--chat-template", metavar="FILE", help="Jinja chat template replacing the model's own")
+    p.add_argument("--tool-call-parser", choices=PARSERS,
+                   help="how tool_choice auto reads calls out of the model's text (default: the chat template's "
+                        "own format; hermes for <tool_call>, llama3_json, mistral for [TOOL_CALLS])")
+    p.add_argument("--reasoning-parser", choices=[*REASONING_PARSERS, "none"],
+                   help="how a thinking model's reasoning is split into reasoning_content (default: as the chat "
+                        "template implies: qwen3 or deepseek_r1 where it writes <think>; none: never)")
 
 
 def worker_host(args: argparse.Namespace) -> str:
@@ -188,6 +196,7 @@ def _router(args: argparse.Namespace) -> int:
         config = RouterConfig(host=args.host, port=args.port, metrics_port=_metrics_port(args),
                               otlp_endpoint=args.otlp_endpoint, http_port=None if args.http_port < 0 else args.http_port,
                               served_model_name=args.served_model_name, chat_template=args.chat_template,
+                              tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                               tokenizer_dir=args.tokenizer,
                               routing=RoutingConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens),
                               cluster_secret=required_secret())

@@ -12,8 +12,10 @@ _CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...]) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...],
+                 skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -22,10 +24,21 @@ class IncrementalDetokenizer:
         self.stop = stop
         self._max_stop_len = max((len(s) for s in stop), default=0)
 
+    def ends_output(self, token_id: int, stop_token_ids: tuple[int, ...]) -> bool:
+        """Whether `token_id`, the last of an output that stopped, is its stop token (a stop
+        token id or a special token such as EOS: not a constrained output's last token) whose
+        text the output leaves out; with special tokens skipped it has none anyway."""
+        if self.skip_special_tokens:
+            return False
+        if token_id in stop_token_ids:
+            return True
+        added = self.tokenizer.get_added_tokens_decoder().get(token_id)
+        return added is not None and added.special
+
     def append(self, token_id: int) -> tuple[str, bool]:
         """Add one token; returns (new text, whether a stop string ended the text)."""
         self.ids.append(token_id)
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)  # noqa: E731
         prefix = decode(self.ids[self.prefix_offset : self.read_offset])
         full = decode(self.ids[self.prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):

@@ -83,6 +83,9 @@ class SamplingParams:
     constraint_prefix: int = 0
     """The last this many prompt tokens were already generated under `constraint` (a retry
     that re-prefills the tokens sent so far continues the constraint from there)."""
+    skip_special_tokens: bool = True
+    """The output text leaves special tokens out (False: keeps them, but for the stop token
+    that ends it: a tool-call parser reads markers that are special tokens)."""
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:

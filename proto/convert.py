@@ -31,6 +31,7 @@ def sampling_from_pb(s: pb.SamplingParams, keep_stop_strings: bool = True) -> Sa
         logprobs=s.logprobs,
         constraint=Constraint(s.constraint.kind, s.constraint.value) if s.HasField("constraint") else None,
         constraint_prefix=s.constraint_prefix,
+        skip_special_tokens=s.skip_special_tokens if s.HasField("skip_special_tokens") else True,
     )
 
 
@@ -44,6 +45,8 @@ def sampling_to_pb(p: SamplingParams, keep_stop_strings: bool = True) -> pb.Samp
         msg.constraint_prefix = p.constraint_prefix
     if keep_stop_strings:
         msg.stop.extend(p.stop)
+    if not p.skip_special_tokens:
+        msg.skip_special_tokens = False
     return msg
 
 

@@ -35,6 +35,7 @@ class ChatTemplate:
             self._template = _environment().from_string(source)
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"the chat template does not compile: {e}") from None
+        self.source = source
         self.special_tokens = special_tokens
 
     @classmethod

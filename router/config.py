@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 from router.admission import AdmissionConfig
 from router.policy import RoutingConfig
+from router.reasoning import REASONING_PARSERS
+from router.tool_parsers import PARSERS
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,12 @@ class RouterConfig:
     """The model name the HTTP API answers to and reports; None: the model id the workers report."""
     chat_template: str | None = None
     """A Jinja chat template file that replaces the model's own (None: the model's)."""
+    tool_call_parser: str | None = None
+    """How tool calls are read out of the model's text for `tool_choice: "auto"`: hermes,
+    llama3_json or mistral (router/tool_parsers.py); None: the chat template's own format."""
+    reasoning_parser: str | None = None
+    """How a thinking model's reasoning is split from its answer (`reasoning_content`): qwen3,
+    deepseek_r1 (router/reasoning.py) or "none"; None: as the chat template implies."""
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     prefill_timeout_s: float = 120.0
@@ -78,6 +86,11 @@ class RouterConfig:
     (required to serve; there is no built-in one)."""
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
+        if self.reasoning_parser not in (None, "none", *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} or none, got "
+                             f"{self.reasoning_parser!r}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
         if not 0 <= self.port < 65536:

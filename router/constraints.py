@@ -5,21 +5,23 @@ in OpenAI's `tool_calls` shape.
     response_format (json_object | json_schema), vLLM's structured_outputs {json, json_object,
         regex, choice, grammar} or its older guided_json / guided_regex / guided_choice /
         guided_grammar --constraint_of--> (kind, value); two at once is a 400
-    tools + tool_choice --tool_constraint--> a named function: its parameters' schema; required:
-        {"name": one of the tools, "arguments": that tool's parameters}; auto is not supported
-        (a 400 that says what is: a model free to answer in text or call would need the
-        model's own tool-call format parsed out of its text)
+    tools + tool_choice --tool_plan--> named: its parameters' schema; required: a JSON list of
+        {"name": one of the tools, "arguments": that tool's parameters} (one at most without
+        parallel tool calls); auto (the default with tools): free text, read by the model
+        family's tool-call parser (router/tool_parsers.py); none: free text, not read
     ToolCallOutput: the constrained text as `message.tool_calls` (finish_reason tool_calls)
+    AutoToolOutput: the free text as content and the calls the parser reads in it
 """
 from __future__ import annotations
 
 import json
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from proto import generate_pb2 as pb
 from router.openai_protocol import BadRequest, ChatRequest, CompletionRequest, Output
+from router.tool_parsers import PARSERS, ToolCall, ToolParser, ToolStream, make_parser
 
 
 STRUCTURED_KEYS = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "choice": "choice",
@@ -85,17 +87,60 @@ def _json(value: Any) -> str:
 
 
 @dataclass(frozen=True)
-class ToolChoice:
-    name: str | None
-    """The function every answer calls (tool_choice names it), or None: required, any tool."""
+class ToolPlan:
+    """How a chat request with tools gets its calls."""
+
+    mode: Literal["none", "auto", "required", "named"]
+    constraint: tuple[str, str] | None = None
+    """required and named: the output is the calls' JSON, constrained."""
+    name: str | None = None
+    """named: the function every answer calls."""
+    parser: ToolParser | None = None
+    """auto: reads the calls out of the model's own text."""
+    max_calls: int | None = None
+    """1 with `parallel_tool_calls: false`."""
 
 
-def tool_constraint(req: ChatRequest) -> tuple[tuple[str, str], ToolChoice] | None:
-    """The constraint and tool choice of a chat request with tools (None: no tool call)."""
-    if not req.tools or req.tool_choice == "none":
+def tool_plan(req: ChatRequest, parser: str | None) -> ToolPlan | None:
+    """The plan for a chat request's tools (None: it has none); `parser`: the router's tool-call
+    parser (--tool-call-parser, else the chat template's own format), which auto needs."""
+    if not req.tools:
+        if req.tool_choice not in (None, "none"):
+            raise BadRequest("tool_choice needs tools", "tool_choice")
         return None
+    functions = _functions(req.tools)
+    max_calls = None if req.parallel_tool_calls else 1
+    choice = req.tool_choice if req.tool_choice is not None else "auto"  # OpenAI's default with tools
+    if choice == "none":
+        return ToolPlan("none")
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if name not in functions:
+            raise BadRequest(f"tool_choice names {name!r}, which is not among the tools ({', '.join(functions)})",
+                             "tool_choice")
+        return ToolPlan("named", ("json_schema", _json(functions[name])), name, max_calls=1)
+    if choice == "required":
+        call = {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                           "properties": {"name": {"const": name}, "arguments": params}}
+                          for name, params in functions.items()]}
+        schema: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
+        if max_calls is not None:
+            schema["maxItems"] = max_calls
+        return ToolPlan("required", ("json_schema", _json(schema)), max_calls=max_calls)
+    if choice != "auto":
+        raise BadRequest(f"tool_choice must be \"none\", \"auto\", \"required\" or a named function "
+                         f"({{\"type\": \"function\", \"function\": {{\"name\": ...}}}}), got {choice!r}",
+                         "tool_choice")
+    if parser is None:
+        raise BadRequest("tool_choice \"auto\" needs the model's tool-call format, and this model's chat template "
+                         f"has none the router knows; start the router with --tool-call-parser ({', '.join(PARSERS)}), "
+                         "or send tool_choice \"required\" or a named function", "tool_choice")
+    return ToolPlan("auto", parser=make_parser(parser), max_calls=max_calls)
+
+
+def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     functions = {}
-    for i, tool in enumerate(req.tools):
+    for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise BadRequest(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", "tools")
@@ -103,72 +148,96 @@ def tool_constraint(req: ChatRequest) -> tuple[tuple[str, str], ToolChoice] | No
         if not isinstance(params, dict):
             raise BadRequest(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
         functions[fn["name"]] = params
-    choice = req.tool_choice
-    if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
-        if name not in functions:
-            raise BadRequest(f"tool_choice names {name!r}, which is not among the tools ({', '.join(functions)})",
-                             "tool_choice")
-        return ("json_schema", _json(functions[name])), ToolChoice(name)
-    if choice == "required":
-        schema = {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                             "properties": {"name": {"const": name}, "arguments": params}}
-                            for name, params in functions.items()]}
-        return ("json_schema", _json(schema)), ToolChoice(None)
-    raise BadRequest(f"tool_choice {choice or 'auto'!r} is not supported: name a function "
-                     "({\"type\": \"function\", \"function\": {\"name\": ...}}) or send \"required\" "
-                     "(or \"none\")", "tool_choice")
+    return functions
+
+
+def _finish(reason: str | None, calls: bool) -> str | None:
+    """OpenAI's finish reason: tool_calls when the answer ended by itself in calls (a length
+    cut stays length: the calls may be cut short)."""
+    return "tool_calls" if calls and reason == "stop" else reason
 
 
 @dataclass
 class ToolCallOutput(Output):
-    """A chat answer that is one tool call: the constrained text becomes its arguments."""
+    """A constrained chat answer that is its tool calls: a named function's arguments, or
+    (required) a JSON list of {"name", "arguments"}."""
 
-    tool: ToolChoice = ToolChoice(None)
+    plan: ToolPlan = ToolPlan("required")
     call_id: str = ""
 
     def __post_init__(self) -> None:
         self.call_id = "call_" + uuid.uuid4().hex[:24]
 
-    def _call(self) -> dict[str, Any]:
-        text = "".join(self.text)
-        name = self.tool.name
-        if name is None:  # required: {"name": ..., "arguments": {...}}
-            try:
-                value = json.loads(text)
-                name, text = value["name"], json.dumps(value["arguments"], ensure_ascii=False)
-            except (ValueError, KeyError, TypeError):  # cut short (max_tokens): what there is
-                name = ""
-        return {"id": self.call_id, "type": "function", "function": {"name": name, "arguments": text}}
+    def _calls(self, text: str) -> list[dict[str, Any]]:
+        if self.plan.name is not None:
+            return [{"id": self.call_id, "type": "function", "function": {"name": self.plan.name, "arguments": text}}]
+        try:
+            value = json.loads(text)
+            return [ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)).as_openai() for c in value]
+        except (ValueError, KeyError, TypeError):  # cut short (max_tokens): what there is, as one call
+            return [{"id": self.call_id, "type": "function", "function": {"name": "", "arguments": text}}]
 
-    def _finish(self) -> str | None:
-        return "tool_calls" if self.finish_reason == "stop" else self.finish_reason
+    def _finish_reason(self) -> str | None:
+        return _finish(self.finish_reason, True)
 
-    def whole(self) -> dict[str, Any]:
-        out = super().whole()
-        choice = out["choices"][0]
-        choice["message"] = {"role": "assistant", "content": None, "tool_calls": [self._call()]}
-        choice["finish_reason"] = self._finish()
-        return out
+    def _message(self, content: str) -> dict[str, Any]:
+        return {"role": "assistant", "content": None, "tool_calls": self._calls(content)}
 
-    def chunk(self, r: pb.GenerateResponse | None, first: bool = False) -> dict[str, Any] | None:
-        """A named function streams its arguments as they come; required, the whole call at the end."""
-        out = super().chunk(r, first)
-        if r is None or out is None or not out["choices"]:
-            return out
-        choice = out["choices"][0]
-        last = r.HasField("usage")
-        if self.tool.name is not None:
-            call: dict[str, Any] = {"index": 0, "function": {"arguments": r.text}}
+    def _delta(self, content: str, first: bool, last: bool) -> dict[str, Any]:
+        """A named function streams its arguments as they come; required, the calls at the end."""
+        if self.plan.name is not None:
+            call: dict[str, Any] = {"index": 0, "function": {"arguments": content}}
             if first:
                 call |= {"id": self.call_id, "type": "function"}
-                call["function"] = {"name": self.tool.name, "arguments": r.text}
-            delta: dict[str, Any] = {"tool_calls": [call]} if (r.text or first) else {}
+                call["function"] = {"name": self.plan.name, "arguments": content}
+            delta: dict[str, Any] = {"tool_calls": [call]} if (content or first) else {}
         else:
-            delta = {"tool_calls": [{"index": 0, **self._call()}]} if last else {}
-        if first:
-            delta = {"role": "assistant", "content": None, **delta}
-        choice["delta"] = delta
-        if last:
-            choice["finish_reason"] = self._finish()
-        return out
+            delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(self._calls("".join(self.text)))]} \
+                if last else {}
+        return {"role": "assistant", "content": None, **delta} if first else delta
+
+
+@dataclass
+class AutoToolOutput(Output):
+    """A chat answer the model wrote freely: its content and the tool calls its family's
+    parser reads out of its text (router/tool_parsers.py), whole or streamed."""
+
+    plan: ToolPlan = ToolPlan("auto")
+    stream: ToolStream | None = None
+
+    def __post_init__(self) -> None:
+        assert self.plan.parser is not None
+        self.stream = ToolStream(self.plan.parser, self.plan.max_calls)
+
+    def _finish_reason(self) -> str | None:
+        """Read from the whole text (a stream asks before its last calls are sent)."""
+        text = "".join(self.text)
+        return _finish(self.finish_reason, bool(self._parse(self.reasoning.split(text)[1] if self.reasoning else text)[1]))
+
+    def _parse(self, content: str) -> tuple[str | None, list[ToolCall]]:
+        assert self.plan.parser is not None
+        text, calls = self.plan.parser.parse(content)
+        return text, calls[:self.plan.max_calls] if self.plan.max_calls is not None else calls
+
+    def _message(self, content: str) -> dict[str, Any]:
+        text, calls = self._parse(content)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if calls:
+            message["tool_calls"] = [c.as_openai() for c in calls]
+        return message
+
+    def _delta(self, content: str, first: bool, last: bool) -> dict[str, Any]:
+        assert self.stream is not None
+        deltas = self.stream.feed(content) + (self.stream.finish() if last else [])
+        text = "".join(d.content for d in deltas)
+        calls: list[dict[str, Any]] = []
+        for d in deltas:
+            if d.call is not None:
+                calls.append({"index": d.index, "id": d.call.id, "type": "function",
+                              "function": {"name": d.call.name, "arguments": ""}})
+            elif d.index >= 0:
+                calls.append({"index": d.index, "function": {"arguments": d.arguments}})
+        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        if calls:
+            delta["tool_calls"] = calls
+        return delta

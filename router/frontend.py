@@ -7,6 +7,7 @@ vocabulary, context length, and the KV blocks the largest decode worker holds.
 """
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 import uuid
@@ -92,6 +93,13 @@ class Frontend:
             raise InvalidRequestError(str(e)) from None
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
+    @functools.cached_property
+    def special_tokens(self) -> frozenset[str]:
+        """The tokenizer's special tokens, as text (what skip_special_tokens leaves out)."""
+        if self.tokenizer is None:
+            return frozenset()
+        return frozenset(t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer")
@@ -141,7 +149,9 @@ class Frontend:
         return ids
 
     def detokenizer(self, prep: Prepared) -> IncrementalDetokenizer | None:
-        return IncrementalDetokenizer(self.tokenizer, prep.token_ids, prep.params.stop) if self.tokenizer else None
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, prep.token_ids, prep.params.stop, prep.params.skip_special_tokens)
 
 
 def _check_fields(request: pb.GenerateRequest, facts: ModelFacts) -> None:
@@ -208,9 +218,12 @@ class Responses:
         if token_ids:
             self._last_at = now
         text, sent = "", []
-        for t in token_ids:
+        # the stop token that ends the output (EOS, a stop token id) is never text, special or not
+        shown = len(token_ids) - (reason == "stop" and self.detok is not None and bool(token_ids)
+                                  and self.detok.ends_output(token_ids[-1], self.prep.params.stop_token_ids))
+        for i, t in enumerate(token_ids):
             sent.append(t)
-            if self.detok is not None:
+            if self.detok is not None and i < shown:
                 delta, stopped = self.detok.append(t)
                 text += delta
                 if stopped:

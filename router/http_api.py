@@ -30,13 +30,16 @@ from aiohttp import web
 
 from engine.types import InvalidRequestError
 from router.attempt import RequestFailed
-from router.constraints import ToolCallOutput, constraint_of, tool_constraint
+from router.constraints import AutoToolOutput, ToolCallOutput, constraint_of, tool_plan
 from router.frontend import (MAX_TEXT_CHARS_PER_TOKEN, NOT_SERVING, OFF_LOOP_CHARS, Frontend, check_vocabulary,
                              serving_facts)
 from router.members import Members
 from router.openai_protocol import (BadRequest, ChatRequest, CompletionRequest, DetokenizeRequest, Output,
                                     TokenizeRequest, messages_as_dicts, new_id, parse, to_generate)
 from router.servicer import Generation
+from router.reasoning import ReasoningParser
+from router.reasoning import parser_for_template as reasoning_for_template
+from router.tool_parsers import parser_for_template
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +89,15 @@ class OpenAIServer:
     """The HTTP routes of one router replica; `start` serves them on the running loop."""
 
     def __init__(self, generation: Generation, frontend: Frontend, members: Members,
-                 served_model_name: str | None, max_request_bytes: int) -> None:
+                 served_model_name: str | None, max_request_bytes: int, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         self.generation, self.frontend, self.members = generation, frontend, members
+        source = frontend.chat_template.source if frontend.chat_template else None
+        self.tool_call_parser = tool_call_parser or parser_for_template(source)
+        """Reads `tool_choice: "auto"` calls out of the model's text (None: auto is refused)."""
+        name = reasoning_parser or reasoning_for_template(source)
+        self.reasoning = ReasoningParser(name) if name and name != "none" else None
+        """Splits a thinking model's reasoning from its chat answers (None: no split)."""
         self.served_model_name = served_model_name
         self.max_request_bytes = max_request_bytes
         self.created = int(time.time())
@@ -158,15 +168,15 @@ class OpenAIServer:
         model = self._check_model(req.model)
         facts = serving_facts(self.members.facts)
         messages = messages_as_dicts(req.messages)
-        constraint, tool = constraint_of(req), tool_constraint(req)
-        if constraint is not None and tool is not None:
-            raise BadRequest("a tool call and a response_format or structured_outputs both constrain the output; "
-                             "send one", "tool_choice")
-        kwargs = {"tools": req.tools, **(req.chat_template_kwargs or {})} if tool else req.chat_template_kwargs
+        constraint, plan = constraint_of(req), tool_plan(req, self.tool_call_parser)
+        if constraint is not None and plan is not None and plan.mode != "none":
+            raise BadRequest("tool calls and a response_format or structured_outputs both shape the output; send "
+                             "one (or tool_choice \"none\")", "tool_choice")
+        kwargs = {"tools": req.tools, **(req.chat_template_kwargs or {})} if plan else req.chat_template_kwargs
         render = functools.partial(self.frontend.chat_token_ids, messages, facts.max_model_len,
                                    req.add_generation_prompt, kwargs)
         try:  # a long conversation renders and tokenizes off the event loop
-            long = sum(len(m["content"]) for m in messages) > OFF_LOOP_CHARS
+            long = sum(len(m["content"]) for m in messages) + len(str(req.tools or "")) > OFF_LOOP_CHARS
             prompt_ids = await asyncio.to_thread(render) if long else render()
         except InvalidRequestError as e:
             raise BadRequest(str(e), "messages") from None
@@ -175,10 +185,21 @@ class OpenAIServer:
         pool = self.members.max_decode_blocks() * facts.block_size if not facts.kv_window else facts.max_model_len
         room = min(facts.max_model_len, pool) - len(prompt_ids) - 1
         rid = new_id("chat")
-        generate = to_generate(req, req.request_id or rid, prompt_ids, max(room, 1), tool[0] if tool else constraint)
-        out = (ToolCallOutput("chat", rid, model, req.logprobs, self._token_text, return_token_ids=req.return_token_ids,
-                              tool=tool[1]) if tool else
-               Output("chat", rid, model, req.logprobs, self._token_text, return_token_ids=req.return_token_ids))
+        generate = to_generate(req, req.request_id or rid, prompt_ids, max(room, 1),
+                               plan.constraint if plan and plan.constraint else constraint)
+        constrained = generate.sampling.HasField("constraint")
+        fields: dict[str, Any] = {"return_token_ids": req.return_token_ids,
+                                  "reasoning": None if constrained else self.reasoning}
+        markers = [*(fields["reasoning"].special_tokens if fields["reasoning"] else ()),
+                   *(plan.parser.special_tokens if plan and plan.parser else ())]
+        if self.frontend.special_tokens.intersection(markers):  # the parsers read them: the text keeps them
+            generate.sampling.skip_special_tokens = False
+        if plan is not None and plan.mode == "auto":
+            out: Output = AutoToolOutput("chat", rid, model, req.logprobs, self._token_text, plan=plan, **fields)
+        elif plan is not None and plan.constraint is not None:
+            out = ToolCallOutput("chat", rid, model, req.logprobs, self._token_text, plan=plan, **fields)
+        else:
+            out = Output("chat", rid, model, req.logprobs, self._token_text, **fields)
         return await self._run(request, req.stream, req.stream_options, generate, out)
 
     async def _run(self, request: web.Request, stream: bool, options: Any, generate: Any,

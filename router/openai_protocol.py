@@ -12,6 +12,7 @@ max_tokens, stop strings) are checked once, by the engine's `SamplingParams`.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from proto import generate_pb2 as pb
 from proto.convert import finish_name_from_pb
+from router.reasoning import ReasoningParser, ReasoningStream
 
 INT32_MAX, UINT32_MAX, UINT64_MAX = 2**31 - 1, 2**32 - 1, 2**64 - 1
 
@@ -52,6 +54,8 @@ class _Sampling(_Body):
     request_id: str | None = None
     return_token_ids: bool = False
     """vLLM's extension: each choice (and stream chunk) also carries the generated token ids."""
+    skip_special_tokens: bool = True
+    """vLLM's extension: False keeps special tokens in the text (never the stop token)."""
     min_tokens: int = 0
     prompt_logprobs: int | None = None
     """vLLM's extensions, not implemented: refused, never silently ignored (an evaluation
@@ -85,10 +89,26 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str
+    """The arguments as JSON text, as OpenAI sends them back."""
+
+
+class ToolCallItem(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Body):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None
+    """An assistant message's calls (its content may then be null)."""
+    tool_call_id: str | None = None
+    """A tool message: the call it answers."""
 
 
 class ChatRequest(_Sampling):
@@ -99,6 +119,7 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -151,15 +172,38 @@ def _type_name(annotation: Any) -> str:
 
 
 def messages_as_dicts(messages: list[Message]) -> list[dict[str, Any]]:
-    """Messages as chat templates read them: text parts joined into one string per message."""
+    """Messages as chat templates read them (as transformers' apply_chat_template is given
+    them): text parts joined into one string per message; a developer message as the system
+    message it replaces; an assistant's calls with their arguments as objects (templates write
+    them out with `tojson`); a tool message with the id of the call it answers."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         content = m.content if not isinstance(m.content, list) else "\n".join(p.text for p in m.content)
-        d: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if m.role == "tool" and (m.tool_call_id is None or content is None):
+            raise BadRequest(f"messages[{i}]: a tool message needs tool_call_id and content", "messages")
+        if m.tool_calls and m.role != "assistant":
+            raise BadRequest(f"messages[{i}]: only an assistant message has tool_calls", "messages")
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
         if m.name is not None:
             d["name"] = m.name
+        if m.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments, i)}} for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
         out.append(d)
     return out
+
+
+def _arguments(text: str, index: int) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise BadRequest(f"messages[{index}]: a tool call's arguments must be a JSON object's text, got "
+                         f"{_short(text)}", "messages")
+    return value
 
 
 def to_generate(req: CompletionRequest | ChatRequest, request_id: str, prompt_ids: list[int] | None,
@@ -187,6 +231,8 @@ def to_generate(req: CompletionRequest | ChatRequest, request_id: str, prompt_id
     sampling.stop.extend([req.stop] if isinstance(req.stop, str) else req.stop or [])
     sampling.stop_token_ids.extend(_token_ids(req.stop_token_ids or [], "stop_token_ids"))
     sampling.logprobs = req.logprobs if isinstance(req, ChatRequest) else req.logprobs is not None  # 0: chosen only
+    if not req.skip_special_tokens:
+        sampling.skip_special_tokens = False
     if constraint is not None:
         sampling.constraint.kind, sampling.constraint.value = constraint
     out = pb.GenerateRequest(request_id=request_id, sampling=sampling, tenant=req.user or "",
@@ -266,7 +312,10 @@ def _short(value: Any) -> str:
 
 @dataclass
 class Output:
-    """One request's answer as OpenAI writes it, built from the router's responses."""
+    """One request's answer as OpenAI writes it, built from the router's responses. A chat
+    answer's text goes through the reasoning parser where there is one (`reasoning_content`
+    beside the content); subclasses shape the content (tool calls: router/constraints.py)
+    through `_message`, `_delta` and `_finish_reason`."""
 
     kind: Literal["completion", "chat"]
     request_id: str
@@ -275,12 +324,14 @@ class Output:
     token_text: Any = None
     """Token id -> its text (for logprobs)."""
     return_token_ids: bool = False
+    reasoning: ReasoningParser | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
+    _thinking: ReasoningStream | None = None
 
     @property
     def object(self) -> str:
@@ -300,11 +351,14 @@ class Output:
     def whole(self) -> dict[str, Any]:
         text = "".join(self.text)
         choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(self.token_ids, self.logprobs),
-                                  "finish_reason": self.finish_reason}
+                                  "finish_reason": self._finish_reason()}
         if self.kind == "completion":
             choice["text"] = text
         else:
-            choice["message"] = {"role": "assistant", "content": text}
+            reasoning, content = self.reasoning.split(text) if self.reasoning else (None, text)
+            choice["message"] = self._message(content)
+            if reasoning is not None:
+                choice["message"]["reasoning_content"] = reasoning
         if self.return_token_ids:
             choice["token_ids"] = self.token_ids
         return {"id": self.request_id, "object": self.object, "created": self.created, "model": self.model,
@@ -319,20 +373,48 @@ class Output:
             out["usage"] = self.usage
             return out
         last = r.HasField("usage")
-        if not (r.text or last or first or ((self.include_logprobs or self.return_token_ids) and r.token_ids)):
-            return None
-        choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(list(r.token_ids), list(r.logprobs)),
-                                  "finish_reason": self.finish_reason if last else None}
+        logprobs = self._logprobs(list(r.token_ids), list(r.logprobs))
+        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs,
+                                  "finish_reason": self._finish_reason() if last else None}
         if self.kind == "completion":
             choice["text"] = r.text
-        elif first:
-            choice["delta"] = {"role": "assistant", "content": r.text}
+            says = bool(r.text)
         else:
-            choice["delta"] = {"content": r.text} if r.text else {}
+            reasoning, content = self._think(r.text, last)
+            delta = self._delta(content, first, last)
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            choice["delta"] = delta
+            says = bool(delta)
+        if not (says or last or first or ((logprobs is not None or self.return_token_ids) and r.token_ids)):
+            return None
         if self.return_token_ids:
             choice["token_ids"] = list(r.token_ids)
         out["choices"].append(choice)
         return out
+
+    def _think(self, text: str, last: bool) -> tuple[str, str]:
+        """A streamed delta's (reasoning, content)."""
+        if self.reasoning is None:
+            return "", text
+        if self._thinking is None:
+            self._thinking = ReasoningStream(self.reasoning)
+        reasoning, content = self._thinking.feed(text)
+        if last:
+            more = self._thinking.finish()
+            reasoning, content = reasoning + more[0], content + more[1]
+        return reasoning, content
+
+    def _finish_reason(self) -> str | None:
+        return self.finish_reason
+
+    def _message(self, content: str) -> dict[str, Any]:
+        return {"role": "assistant", "content": content}
+
+    def _delta(self, content: str, first: bool, last: bool) -> dict[str, Any]:
+        if first:
+            return {"role": "assistant", "content": content}
+        return {"content": content} if content else {}
 
     def _logprobs(self, token_ids: list[int], logprobs: list[float]) -> dict[str, Any] | None:
         if not self.include_logprobs:

@@ -68,7 +68,8 @@ class RouterService:
         frontend = Frontend(config.tokenizer_dir, config.chat_template)
         self.generation = Generation(frontend, self.gate, self.flow, self.members, metrics=self.metrics)
         self.http = OpenAIServer(self.generation, frontend, self.members, config.served_model_name,
-                                 config.max_request_bytes) if config.http_port is not None else None
+                                 config.max_request_bytes, config.tool_call_parser,
+                                 config.reasoning_parser) if config.http_port is not None else None
         self.http_address = ""
         self.metrics_server: MetricsServer | None = None
         if self.metrics is not None:

@@ -376,7 +376,7 @@ def test_tool_calls_named_and_required_come_back_as_tool_calls(client: openai.Op
     ask = [{"role": "user", "content": "What is the weather like in Paris?"}]
     for tool_choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
         kw = dict(model=MODEL, messages=ask, max_tokens=80, temperature=0.0, tools=[WEATHER, TIME],
-                  tool_choice=tool_choice)
+                  tool_choice=tool_choice, parallel_tool_calls=False)
         if stream:
             calls: dict[int, dict] = {}
             finish = None

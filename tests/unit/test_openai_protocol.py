@@ -7,7 +7,7 @@ import json
 import pytest
 
 from proto import generate_pb2 as pb
-from router.constraints import ToolCallOutput, ToolChoice, constraint_of, tool_constraint
+from router.constraints import AutoToolOutput, ToolCallOutput, ToolPlan, constraint_of, tool_plan
 from router.openai_protocol import (BadRequest, ChatRequest, CompletionRequest, Output, messages_as_dicts, parse,
                                     to_generate)
 
@@ -18,7 +18,8 @@ def bad(kind, body: dict | bytes) -> BadRequest:  # type: ignore[no-untyped-def]
         req = parse(kind, raw)
         to_generate(req, "r", [1] if kind is ChatRequest else None, None, constraint_of(req))
         if kind is ChatRequest:
-            tool_constraint(req)
+            messages_as_dicts(req.messages)
+            tool_plan(req, None)
     return e.value
 
 
@@ -30,7 +31,13 @@ def bad(kind, body: dict | bytes) -> BadRequest:  # type: ignore[no-untyped-def]
     (CompletionRequest, {"prompt": "x", "max_tokens": "5"}, "max_tokens", "'max_tokens': Input should be a valid integer"),
     (CompletionRequest, {"prompt": "x", "temperature": "hot"}, "temperature", "'temperature': Input should be a valid number"),
     (CompletionRequest, {"prompt": "x", "stream": "yes"}, "stream", "'stream': Input should be a valid boolean"),
-    (ChatRequest, {"messages": [{"role": "tool", "content": "x"}]}, "messages", "'messages.0.role': Input should be"),
+    (ChatRequest, {"messages": [{"role": "function", "content": "x"}]}, "messages", "'messages.0.role': Input should be"),
+    (ChatRequest, {"messages": [{"role": "tool", "content": "x"}]}, "messages",
+     "messages[0]: a tool message needs tool_call_id and content"),
+    (ChatRequest, {"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "f", "arguments": "[1]"}}]}]}, "messages", "messages[0]: a tool call's arguments must be a JSON object"),
+    (ChatRequest, {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice",
+     "tool_choice needs tools"),
     (ChatRequest, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages", "messages"),
     (CompletionRequest, {"prompt": "x", "n": 5}, "n", "n=5: only one choice per request is supported"),
     (CompletionRequest, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options",
@@ -55,7 +62,9 @@ def bad(kind, body: dict | bytes) -> BadRequest:  # type: ignore[no-untyped-def]
     (CompletionRequest, {"prompt": "x", "response_format": {"type": "json_object"}, "guided_regex": "a+"},
      "guided_regex", "response_format and guided_regex both constrain the output"),
     (ChatRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
-        "name": "f"}}]}, "tool_choice", "tool_choice 'auto' is not supported: name a function"),
+        "name": "f"}}]}, "tool_choice", 'tool_choice "auto" needs the model\'s tool-call format'),
+    (ChatRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
+        "name": "f"}}], "tool_choice": "any"}, "tool_choice", 'tool_choice must be "none", "auto", "required"'),
     (ChatRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
         "name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice",
      "tool_choice names 'g', which is not among the tools (f)"),
@@ -150,13 +159,14 @@ def test_each_way_of_asking_for_structured_output_maps_onto_one_constraint(field
     assert (c.kind, c.value) == (kind, value)
 
 
-def tool_output(tool: ToolChoice, texts: list[str]) -> tuple[dict, list[dict]]:
-    """The whole answer and the stream chunks of a tool call whose constrained text came as `texts`."""
-    whole, streamed = (ToolCallOutput("chat", "chatcmpl-1", "m", False, tool=tool) for _ in range(2))
+def tool_output(plan: ToolPlan, texts: list[str], kind: type = ToolCallOutput,
+                finish: int = pb.FINISH_REASON_STOP) -> tuple[dict, list[dict]]:
+    """The whole answer and the stream chunks of a tool call whose text came as `texts`."""
+    whole, streamed = (kind("chat", "chatcmpl-1", "m", False, plan=plan) for _ in range(2))
     chunks = []
     for i, t in enumerate(texts):
         last = i == len(texts) - 1
-        r = pb.GenerateResponse(text=t, token_ids=[i], finish_reason=pb.FINISH_REASON_STOP if last else 0)
+        r = pb.GenerateResponse(text=t, token_ids=[i], finish_reason=finish if last else 0)
         if last:
             r.usage.completion_tokens = len(texts)
         whole.add(r)
@@ -167,7 +177,7 @@ def tool_output(tool: ToolChoice, texts: list[str]) -> tuple[dict, list[dict]]:
 
 
 def test_a_named_tool_call_is_openais_tool_calls_shape_whole_and_streamed() -> None:
-    whole, chunks = tool_output(ToolChoice("get_weather"), ['{"city": ', '"Paris"', "}"])
+    whole, chunks = tool_output(ToolPlan("named", name="get_weather"), ['{"city": ', '"Paris"', "}"])
     choice = whole["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     [call] = choice["message"]["tool_calls"]
@@ -179,14 +189,72 @@ def test_a_named_tool_call_is_openais_tool_calls_shape_whole_and_streamed() -> N
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
-def test_a_required_tool_call_names_the_tool_the_model_chose() -> None:
-    req = parse(ChatRequest, json.dumps({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
-                                         "tools": [{"type": "function", "function": {"name": n, "parameters": {
-                                             "type": "object", "properties": {"q": {"type": "string"}}}}}
-                                                   for n in ("search", "lookup")]}).encode())
-    (kind, value), choice = tool_constraint(req)  # type: ignore[misc]
-    assert kind == "json_schema" and [a["properties"]["name"] for a in json.loads(value)["anyOf"]] == [
-        {"const": "search"}, {"const": "lookup"}]
-    whole, chunks = tool_output(choice, ['{"name": "lookup", ', '"arguments": {"q": "x"}}'])
-    assert whole["choices"][0]["message"]["tool_calls"][0]["function"] == {"name": "lookup", "arguments": '{"q": "x"}'}
-    assert chunks[-1]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "lookup"
+def _tools_request(choice: object, parallel: bool = True) -> ChatRequest:
+    return parse(ChatRequest, json.dumps({"messages": [{"role": "user", "content": "x"}], "tool_choice": choice,
+                                          "parallel_tool_calls": parallel,
+                                          "tools": [{"type": "function", "function": {"name": n, "parameters": {
+                                              "type": "object", "properties": {"q": {"type": "string"}}}}}
+                                                    for n in ("search", "lookup")]}).encode())
+
+
+def test_required_tool_calls_are_a_list_of_the_tools_the_model_chose() -> None:
+    plan = tool_plan(_tools_request("required"), None)
+    assert plan is not None and plan.constraint is not None
+    kind, value = plan.constraint
+    schema = json.loads(value)
+    assert kind == "json_schema" and schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    assert [a["properties"]["name"] for a in schema["items"]["anyOf"]] == [{"const": "search"}, {"const": "lookup"}]
+    whole, chunks = tool_output(plan, ['[{"name": "lookup", ', '"arguments": {"q": "x"}}, ',
+                                       '{"name": "search", "arguments": {"q": "y"}}]'])
+    assert [c["function"] for c in whole["choices"][0]["message"]["tool_calls"]] == [
+        {"name": "lookup", "arguments": '{"q": "x"}'}, {"name": "search", "arguments": '{"q": "y"}'}]
+    assert [c["index"] for c in chunks[-1]["choices"][0]["delta"]["tool_calls"]] == [0, 1]
+    one = tool_plan(_tools_request("required", parallel=False), None)
+    assert one is not None and one.constraint is not None and json.loads(one.constraint[1])["maxItems"] == 1
+
+
+def test_auto_reads_content_and_parallel_calls_out_of_the_model_s_text_whole_and_streamed() -> None:
+    plan = tool_plan(_tools_request("auto"), "hermes")
+    assert plan is not None and plan.mode == "auto" and plan.constraint is None
+    texts = ["Let me", " check.\n", "<tool", "_call>\n{\"name\": \"search\", ", "\"arguments\": {\"q\": \"a\"}}",
+             "\n</tool_call>\n<tool_call>\n", "{\"name\": \"lookup\", \"arguments\": {}}\n</tool_call>"]
+    whole, chunks = tool_output(plan, texts, AutoToolOutput)
+    message = whole["choices"][0]["message"]
+    assert message["content"] == "Let me check." and whole["choices"][0]["finish_reason"] == "tool_calls"
+    assert [c["function"] for c in message["tool_calls"]] == [{"name": "search", "arguments": '{"q": "a"}'},
+                                                               {"name": "lookup", "arguments": "{}"}]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("content") or "" for d in deltas) == "Let me check."
+    calls: dict[int, dict] = {}
+    for d in deltas:  # assembled as the OpenAI SDK assembles them
+        for c in d.get("tool_calls", []):
+            got = calls.setdefault(c["index"], {"id": c.get("id"), "name": "", "arguments": ""})
+            got["name"] += c.get("function", {}).get("name", "")
+            got["arguments"] += c["function"].get("arguments", "")
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [("search", '{"q": "a"}'), ("lookup", "{}")]
+    assert all(c["id"].startswith("call_") for c in calls.values())
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # cut by max_tokens, the calls so far are sent and the finish reason stays length
+    cut, _ = tool_output(plan, texts[:5], AutoToolOutput, pb.FINISH_REASON_LENGTH)
+    assert cut["choices"][0]["finish_reason"] == "length"
+    # an answer without calls is content
+    plain, _ = tool_output(plan, ["Paris", " is the capital."], AutoToolOutput)
+    assert plain["choices"][0]["message"] == {"role": "assistant", "content": "Paris is the capital."}
+    assert plain["choices"][0]["finish_reason"] == "stop"
+    # parallel_tool_calls false: the first call only
+    first, _ = tool_output(tool_plan(_tools_request("auto", parallel=False), "hermes"), texts, AutoToolOutput)
+    assert [c["function"]["name"] for c in first["choices"][0]["message"]["tool_calls"]] == ["search"]
+
+
+def test_tool_messages_and_an_assistant_s_calls_reach_the_template_as_transformers_takes_them() -> None:
+    req = parse(ChatRequest, json.dumps({"messages": [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]}).encode())
+    assert messages_as_dicts(req.messages) == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}]
