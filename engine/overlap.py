@@ -21,8 +21,8 @@ flight lands alone (the next `step` schedules), when a request waits and a seat 
 (admission is the scheduler's) or a request lacks a block for its next position (preemption
 is the scheduler's).
 
-Off for steps with prefill chunks, proposals to verify, or a constrained request (its next
-mask needs its token): those run as before, after the flight has landed. On CPU nothing runs
+Off for steps with prefill chunks, proposals to verify, a constrained request (its next
+mask needs its token) or one whose penalties or min_tokens read its tokens: those run as before, after the flight has landed. On CPU nothing runs
 asynchronously; the same path runs there (`EngineConfig.overlap`) for the tests.
 """
 from __future__ import annotations
@@ -68,10 +68,10 @@ class Overlap:
         """Rows launched ahead, and of those the ones whose request had ended when they landed."""
 
     def takes(self, out: SchedulerOutput) -> bool:
-        """A step of decodes alone, none constrained, through the decode buffers."""
+        """A step of decodes alone, none constrained or reading its tokens, through the decode buffers."""
         decode = self.runner.decode
         return self.enabled and decode is not None and decode.takes(out.scheduled) and \
-            all(s.request.matcher is None for s in out.scheduled)
+            all(s.request.matcher is None and not s.request.params.reads_history for s in out.scheduled)
 
     def start(self, scheduled: list[ScheduledRequest]) -> None:
         """Launch a scheduled step and leave it in flight."""

@@ -35,6 +35,8 @@ class FinishReason(enum.Enum):
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 1024
+"""Entries of a request's logit_bias (OpenAI's own limit is on the order of hundreds)."""
 
 
 CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -86,6 +88,23 @@ class SamplingParams:
     skip_special_tokens: bool = True
     """The output text leaves special tokens out (False: keeps them, but for the stop token
     that ends it: a tool-call parser reads markers that are special tokens)."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token the output already holds (OpenAI's)."""
+    frequency_penalty: float = 0.0
+    """Subtracted once per time the output already holds the token (OpenAI's)."""
+    repetition_penalty: float = 1.0
+    """A token of the prompt or the output has its logit divided by it where positive, else
+    multiplied (transformers' and vLLM's); 1: off."""
+    min_p: float = 0.0
+    """Random sampling keeps the tokens whose probability is at least min_p times the
+    likeliest one's (after temperature); 0: off."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) added to the logits before anything else (OpenAI's, each in [-100, 100])."""
+    min_tokens: int = 0
+    """The output is at least this long: EOS and the stop tokens are not drawn before."""
+    output_prefix: int = 0
+    """The prompt's last this many tokens are this output's, sent on an earlier try (a router
+    retry re-prefills them): the frequency and presence penalties count them as output."""
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -106,10 +125,41 @@ class SamplingParams:
                                       f"{self.constraint_prefix}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequestError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (math.isfinite(getattr(self, name)) and -2.0 <= getattr(self, name) <= 2.0):
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 10):
+            raise InvalidRequestError(f"repetition_penalty must be in (0, 10] (1 is off), got {self.repetition_penalty}")
+        if not 0 <= self.min_p <= 1:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"logit_bias holds {len(self.logit_bias)} tokens; at most {MAX_LOGIT_BIAS}")
+        if any(not (math.isfinite(b) and -100 <= b <= 100) or t < 0 for t, b in self.logit_bias):
+            raise InvalidRequestError("logit_bias maps token ids (0 or more) to biases in [-100, 100]")
+        if self.output_prefix < 0:
+            raise InvalidRequestError(f"output_prefix must be >= 0, got {self.output_prefix}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def controls_logits(self) -> bool:
+        """Some control changes the logits before sampling (engine/logits_controls.py)."""
+        return bool(self.logit_bias) or self.min_tokens > 0 or self.penalizes
+
+    @property
+    def penalizes(self) -> bool:
+        """A penalty reads the tokens so far."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1.0
+
+    @property
+    def reads_history(self) -> bool:
+        """Its logits depend on the tokens before each position (a penalty, min_tokens): no
+        proposals verified several positions at once, no step launched ahead of its token."""
+        return self.penalizes or self.min_tokens > 0
 
 
 @dataclass(eq=False)

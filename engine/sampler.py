@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.logits_controls import apply_min_p, controlled
 from engine.request import Request
 from engine.types import RequestId
 
@@ -55,6 +56,7 @@ class Sampler:
         """`sample` left on the device (nothing waits for the GPU): the tokens and logprobs as
         tensors, read by `Draw.settle`. `ahead`: tokens the requests have in flight, not yet
         appended (engine/overlap.py), so a seeded request draws for the position it samples."""
+        raw, logits = logits, controlled(logits, requests)
         tokens = greedy(logits)
         rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if rows:
@@ -62,7 +64,7 @@ class Sampler:
         want = [i for i, r in enumerate(requests) if r.params.logprobs]
         logprobs = None
         if want:
-            logprobs = torch.log_softmax(logits[want], dim=-1).gather(1, tokens[want, None])[:, 0]
+            logprobs = torch.log_softmax(raw[want], dim=-1).gather(1, tokens[want, None])[:, 0]
         return Draw(tokens, logprobs, want)
 
     def _sample_random(self, logits: torch.Tensor, requests: list[Request], ahead: int = 0) -> torch.Tensor:
@@ -74,12 +76,12 @@ class Sampler:
 
     @staticmethod
     def probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """Each row's sampling distribution: tempered, then cut to its top-k and top-p."""
+        """Each row's sampling distribution: tempered, then cut to its top-k, top-p and min-p."""
         temps = torch.tensor([r.params.temperature for r in requests], device=logits.device)
         logits = apply_top_k_top_p(
             logits / temps[:, None], [r.params.top_k for r in requests], [r.params.top_p for r in requests]
         )
-        return torch.softmax(logits, dim=-1)
+        return apply_min_p(torch.softmax(logits, dim=-1), [r.params.min_p for r in requests])
 
     def generator_for(self, request: Request, position: int) -> torch.Generator:
         """The random stream of the token at `position`: the engine's, or from the request's seed."""

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.request import Request
+from engine.logits_controls import controlled
 from engine.sampler import Sampler, greedy
 
 
@@ -45,6 +46,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, request: Request, proposals: 
     """logits: [1 + k, vocab] float32, the target's rows for this request; proposals: k tokens;
     proposal_probs: [k, vocab] the proposer's distributions (None: each all on its token)."""
     k = len(proposals)
+    assert not request.params.reads_history  # such a request never speculates (Speculator.propose)
+    raw, logits = logits, controlled(logits, [request] * logits.shape[0])  # its logit_bias: the same at every row
     if request.params.greedy:
         target = greedy(logits).tolist()
         kept = 0
@@ -56,7 +59,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, request: Request, proposals: 
         kept = len(chosen) - 1
     logprobs: list[float | None] = [None] * len(chosen)
     if request.params.logprobs:
-        rows = torch.log_softmax(logits[: len(chosen)], dim=-1)
+        rows = torch.log_softmax(raw[: len(chosen)], dim=-1)
         logprobs = rows.gather(1, torch.tensor(chosen, device=logits.device)[:, None])[:, 0].tolist()
     return Verified(list(zip(chosen, logprobs, strict=True)), kept)
 

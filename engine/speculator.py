@@ -68,7 +68,7 @@ class Speculator:
         decoding = []
         for r in scheduler.running:
             r.spec_token_ids = []
-            if r.num_computed_tokens == r.num_tokens - 1 and r.output_token_ids:
+            if r.num_computed_tokens == r.num_tokens - 1 and r.output_token_ids and not r.params.reads_history:
                 decoding.append(r)
         self.proposer.forget(set(scheduler.requests))
         wanted = self.policy.plan(decoding, self.cost.latest, self.propose_s)

@@ -32,6 +32,13 @@ def sampling_from_pb(s: pb.SamplingParams, keep_stop_strings: bool = True) -> Sa
         constraint=Constraint(s.constraint.kind, s.constraint.value) if s.HasField("constraint") else None,
         constraint_prefix=s.constraint_prefix,
         skip_special_tokens=s.skip_special_tokens if s.HasField("skip_special_tokens") else True,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else d.repetition_penalty,
+        min_p=s.min_p,
+        logit_bias=tuple(sorted(s.logit_bias.items())),
+        min_tokens=s.min_tokens,
+        output_prefix=s.output_prefix,
     )
 
 
@@ -47,6 +54,11 @@ def sampling_to_pb(p: SamplingParams, keep_stop_strings: bool = True) -> pb.Samp
         msg.stop.extend(p.stop)
     if not p.skip_special_tokens:
         msg.skip_special_tokens = False
+    msg.presence_penalty, msg.frequency_penalty, msg.min_p = p.presence_penalty, p.frequency_penalty, p.min_p
+    if p.repetition_penalty != 1.0:
+        msg.repetition_penalty = p.repetition_penalty
+    msg.logit_bias.update(dict(p.logit_bias))
+    msg.min_tokens, msg.output_prefix = p.min_tokens, p.output_prefix
     return msg
 
 

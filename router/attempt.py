@@ -64,7 +64,9 @@ class Prepared:
         return Attempt(f"{self.request_id}~{n}", self.token_ids + sent,
                        dataclasses.replace(self.params, max_tokens=self.params.max_tokens - len(sent),
                                            constraint_prefix=self.params.constraint_prefix + len(sent)
-                                           if self.params.constraint is not None else 0),
+                                           if self.params.constraint is not None else 0,
+                                           min_tokens=max(self.params.min_tokens - len(sent), 0),
+                                           output_prefix=self.params.output_prefix + len(sent)),
                        self.tenant, self.priority, self.tenant_weight)
 
 

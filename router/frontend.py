@@ -49,10 +49,10 @@ def serving_facts(facts: ModelFacts | None) -> ModelFacts:
     return facts
 
 
-def check_vocabulary(token_ids: list[int], vocab_size: int) -> None:
+def check_vocabulary(token_ids: list[int], vocab_size: int, what: str = "token ids") -> None:
     """Raises InvalidRequestError naming the first ids outside [0, vocab_size)."""
     if bad := [t for t in token_ids if not 0 <= t < vocab_size]:
-        raise InvalidRequestError(f"token ids {bad[:5]} are outside the model's vocabulary [0, {vocab_size})")
+        raise InvalidRequestError(f"{what} {bad[:5]} are outside the model's vocabulary [0, {vocab_size})")
 
 
 OFF_LOOP_CHARS = 16384
@@ -120,6 +120,7 @@ class Frontend:
                 self.grammars.check(params.constraint)
             token_ids = self._tokenize(request)
             check_vocabulary(token_ids, facts.vocab_size)
+            check_vocabulary([t for t, _ in params.logit_bias], facts.vocab_size, "logit_bias token ids")
         except InvalidRequestError as e:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         if len(token_ids) >= facts.max_model_len:

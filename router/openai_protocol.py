@@ -6,8 +6,8 @@
     pb.GenerateResponse stream --(Output)--> OpenAI JSON: whole, or as chunks
 
 Only what this module can know without the model is checked here: types, fields the
-engine does not implement (`n` > 1, top logprobs, penalties, tools...), and integer
-ranges the proto cannot hold. Value ranges the engine owns (temperature, top_p, top_k,
+engine does not implement (`n` > 1, top logprobs, echo...), and integer ranges the proto
+cannot hold. Value ranges the engine owns (temperature, top_p, top_k,
 max_tokens, stop strings) are checked once, by the engine's `SamplingParams`.
 """
 from __future__ import annotations
@@ -233,6 +233,13 @@ def to_generate(req: CompletionRequest | ChatRequest, request_id: str, prompt_id
     sampling.logprobs = req.logprobs if isinstance(req, ChatRequest) else req.logprobs is not None  # 0: chosen only
     if not req.skip_special_tokens:
         sampling.skip_special_tokens = False
+    sampling.presence_penalty, sampling.frequency_penalty = req.presence_penalty, req.frequency_penalty
+    if req.repetition_penalty is not None:
+        sampling.repetition_penalty = req.repetition_penalty
+    if req.min_p is not None:
+        sampling.min_p = req.min_p
+    sampling.logit_bias.update(_logit_bias(req.logit_bias or {}))
+    sampling.min_tokens = _within(req.min_tokens, "min_tokens", 0, UINT32_MAX)
     if constraint is not None:
         sampling.constraint.kind, sampling.constraint.value = constraint
     out = pb.GenerateRequest(request_id=request_id, sampling=sampling, tenant=req.user or "",
@@ -254,17 +261,6 @@ def _refuse_unsupported(req: CompletionRequest | ChatRequest) -> None:
                          "several choices)", "n")
     if req.stream_options is not None and not req.stream:
         raise BadRequest("stream_options is only allowed with stream=true", "stream_options")
-    if req.min_p:
-        raise BadRequest("min_p is not supported; leave it unset or 0", "min_p")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise BadRequest(f"{name} is not supported; leave it unset or 0", name)
-    if req.repetition_penalty not in (None, 1.0):
-        raise BadRequest("repetition_penalty is not supported; leave it unset or 1", "repetition_penalty")
-    if req.logit_bias:
-        raise BadRequest("logit_bias is not supported", "logit_bias")
-    if req.min_tokens:
-        raise BadRequest("min_tokens is not supported; leave it unset or 0", "min_tokens")
     if req.prompt_logprobs is not None:
         raise BadRequest("prompt_logprobs is not supported: prompt log-probabilities are not returned",
                          "prompt_logprobs")
@@ -282,6 +278,16 @@ def _refuse_unsupported(req: CompletionRequest | ChatRequest) -> None:
     if req.top_logprobs:
         raise BadRequest(f"top_logprobs={req.top_logprobs}: top alternatives are not returned; logprobs=true returns "
                          "each chosen token's log-probability", "top_logprobs")
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias, {"token id": bias}, with integer keys (the engine checks the values)."""
+    out = {}
+    for key, value in bias.items():
+        if not key.isascii() or not key.isdigit() or int(key) > UINT32_MAX:
+            raise BadRequest(f"logit_bias keys are token ids (\"0\", \"1\", ...), got {_short(key)}", "logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:

@@ -24,18 +24,18 @@ class CollectingHandoff:
         self.finished[request.request_id] = (list(block_ids), first_token_id)
 
 
-def _disaggregated(model_dir: str, prompts: list[list[int]], prefill, decode, handoff) -> list[list[int]]:
-    rids = [prefill.add_request(p, PARAMS) for p in prompts]
+def _disaggregated(model_dir: str, prompts: list[list[int]], prefill, decode, handoff,
+                   params: SamplingParams = PARAMS) -> list[list[int]]:
+    rids = [prefill.add_request(p, params) for p in prompts]
     while prefill.has_unfinished():
         for out in prefill.step():
             assert out.finish_reason is FinishReason.PREFILL_DONE
     tokens = {}
-    bs = prefill.kv_pool.layout.block_size
     for rid, prompt in zip(rids, prompts, strict=True):
         src_blocks, first = handoff.finished[rid]
-        res = decode.add_remote_request(prompt, PARAMS, request_id=rid)
+        res = decode.add_remote_request(prompt, params, request_id=rid)
         assert res is not None and len(res.block_ids) == len(src_blocks)
-        start = res.num_cached_tokens // bs  # cached on D: not sent
+        start = res.num_skip_blocks  # cached on D, or before its first query's window: not sent
         decode.kv_pool.tensor[res.block_ids[start:]] = prefill.kv_pool.tensor[src_blocks[start:]]
         prefill.release_handoff(rid)
         tokens[rid] = [first]
@@ -57,7 +57,7 @@ def test_prefill_then_decode_equals_transformers(tiny_model_dir: str) -> None:
     # the 40-token prompt took three 16-token-budget steps: the hook saw every chunk boundary
     assert max(handoff.chunk_calls.values(), key=len)[-1] == 40
     for engine in (prefill, decode):
-        assert engine.check_invariants().num_in_use == 0
+        assert engine.check_invariants().num_in_use == (engine.kv.null_block is not None)  # a window's null block
 
 
 def test_decode_reuses_its_cached_prefix_so_only_missing_blocks_travel(tiny_llama_dir: str) -> None:
@@ -105,3 +105,22 @@ def test_reservation_refused_when_decode_pool_is_full(tiny_llama_dir: str) -> No
     assert decode.add_remote_request(list(range(3, 15)), PARAMS, request_id="a") is not None
     assert decode.add_remote_request(list(range(20, 30)), PARAMS, request_id="b") is None
     assert decode.check_invariants().num_in_use == 3
+
+
+def test_sampling_controls_give_the_same_tokens_whichever_worker_samples(tiny_llama_dir: str) -> None:
+    """Penalties, logit_bias and min_tokens read only the request's own tokens: the first
+    token drawn on the prefill worker and the rest on the decode worker equal one engine's."""
+    prompts = random_prompts([6, 19, 33], 512, seed=5)
+    for params in (SamplingParams(max_tokens=12, repetition_penalty=1.5, frequency_penalty=0.7, presence_penalty=0.4,
+                                  logit_bias=((17, 3.0), (99, -100.0))),
+                   SamplingParams(max_tokens=12, temperature=0.9, seed=3, min_p=0.2, min_tokens=12,
+                                  presence_penalty=-0.5)):
+        handoff = CollectingHandoff()
+        prefill = make_engine(tiny_llama_dir, role="prefill", budget=16, handoff=handoff)
+        decode = make_engine(tiny_llama_dir, role="decode")
+        alone = [c.token_ids for c in make_engine(tiny_llama_dir).generate(prompts, params)]
+        plain = [c.token_ids for c in make_engine(tiny_llama_dir).generate(
+            prompts, SamplingParams(max_tokens=12, temperature=params.temperature, seed=params.seed))]
+        assert _disaggregated(tiny_llama_dir, prompts, prefill, decode, handoff, params) == alone
+        assert alone != plain  # the controls changed the tokens
+        assert all(99 not in t for t in alone)

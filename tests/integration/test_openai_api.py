@@ -143,6 +143,26 @@ def test_completions_equal_the_grpc_path(client: openai.OpenAI, stub, stream: bo
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
+def test_sampling_controls_over_http_equal_the_grpc_path(client: openai.OpenAI, stub) -> None:  # type: ignore[no-untyped-def]
+    """Penalties, min_p, logit_bias and min_tokens: the same tokens by both doors, through
+    prefill (the first token) and decode (the rest); they change the greedy answer."""
+    prompt = "List the days of the week: Monday, Tuesday,"
+    _, plain, _ = grpc_generate(stub, prompt, max_tokens=24)
+    banned = plain[1]
+    grpc_kw = dict(max_tokens=24, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.3,
+                   logit_bias={banned: -100.0}, min_tokens=20)
+    _, want, last = grpc_generate(stub, prompt, **grpc_kw)
+    assert want != plain and banned not in want and len(want) >= 20
+    r = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=24, presence_penalty=0.3,
+                                  frequency_penalty=0.5, logit_bias={str(banned): -100},
+                                  extra_body={"repetition_penalty": 1.3, "min_tokens": 20, "return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == want  # type: ignore[index]
+    sampled = client.completions.create(model=MODEL, prompt=prompt, temperature=0.8, seed=11, max_tokens=16,
+                                        extra_body={"min_p": 0.3, "return_token_ids": True})
+    _, again, _ = grpc_generate(stub, prompt, max_tokens=16, temperature=0.8, seed=11, min_p=0.3)
+    assert sampled.choices[0].model_extra["token_ids"] == again  # type: ignore[index]
+
+
 def test_seeded_sampling_equals_the_grpc_path_and_repeats(client: openai.OpenAI, stub) -> None:  # type: ignore[no-untyped-def]
     prompt = "The three best things about autumn are"
     want_text, _, _ = grpc_generate(stub, prompt, max_tokens=20, temperature=0.9, top_p=0.95, seed=1234)

@@ -47,9 +47,8 @@ def bad(kind, body: dict | bytes) -> BadRequest:  # type: ignore[no-untyped-def]
     (CompletionRequest, {"prompt": "x", "seed": -1}, "seed", "'seed' is -1, outside [0, 18446744073709551615]"),
     (CompletionRequest, {"prompt": [1, -2]}, "prompt", "'prompt' holds token ids [-2]"),
     (CompletionRequest, {"prompt": ["a", "b"]}, "prompt", "prompt holds 2 prompts; send one prompt per request"),
-    (CompletionRequest, {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "presence_penalty is not supported"),
-    (CompletionRequest, {"prompt": "x", "min_p": 0.1}, "min_p", "min_p is not supported"),
-    (CompletionRequest, {"prompt": "x", "min_tokens": 4}, "min_tokens", "min_tokens is not supported"),
+    (CompletionRequest, {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias", "logit_bias keys are token ids"),
+    (CompletionRequest, {"prompt": "x", "min_tokens": -1}, "min_tokens", "'min_tokens' is -1"),
     (ChatRequest, {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 0}, "prompt_logprobs",
      "prompt_logprobs is not supported"),
     (ChatRequest, {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
@@ -258,3 +257,14 @@ def test_tool_messages_and_an_assistant_s_calls_reach_the_template_as_transforme
         {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
             "name": "get_weather", "arguments": {"city": "Paris"}}}]},
         {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}]
+
+
+def test_the_sampling_controls_map_onto_the_grpc_fields() -> None:
+    req = parse(CompletionRequest, json.dumps({"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -0.25,
+                                               "repetition_penalty": 1.2, "min_p": 0.05, "min_tokens": 3,
+                                               "logit_bias": {"7": -100, "42": 2.5}}).encode())
+    s = to_generate(req, "r", None, None).sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.min_p, s.min_tokens) == (0.5, -0.25, pytest.approx(0.05), 3)
+    assert s.repetition_penalty == pytest.approx(1.2) and dict(s.logit_bias) == {7: -100.0, 42: 2.5}
+    plain = to_generate(parse(CompletionRequest, b'{"prompt": "x"}'), "r", None, None).sampling
+    assert not plain.HasField("repetition_penalty") and not plain.logit_bias and plain.min_tokens == 0

@@ -89,3 +89,8 @@ def test_a_prompt_under_a_sliding_window_needs_only_its_window_s_blocks_on_a_dec
         Frontend(None).prepare(request, ModelFacts("m", 16, 1000, 4096, 64), 8)
     assert len(Frontend(None).prepare(request, windowed, 8).token_ids) == 200
     assert blocks_for(200, 16) == 13 and blocks_for(200, 16, 32) == 3
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused_by_name() -> None:
+    with pytest.raises(RequestFailed, match=r"logit_bias token ids \[1000\] are outside the model's vocabulary"):
+        prepare(sampling=pb.SamplingParams(logit_bias={1000: 1.0, 5: 2.0}))
