@@ -39,7 +39,7 @@ from kvfabric.errors import FabricError
 from kvfabric.pools import kv_allocator
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
-from proto.convert import finish_to_pb, sampling_from_pb, ticket_to_pb
+from proto.convert import finish_to_pb, prompt_logprobs_to_pb, sampling_from_pb, ticket_to_pb, top_logprobs_to_pb
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +153,8 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
         assert isinstance(item, RequestOutput)
         return [pb.DecodeEvent(tokens=pb.Tokens(
             token_ids=item.new_token_ids, logprobs=item.new_logprobs, finish_reason=finish_to_pb(item.finish_reason),
-            num_cached_tokens=item.num_cached_tokens))]
+            num_cached_tokens=item.num_cached_tokens, top_logprobs=top_logprobs_to_pb(item.new_top_logprobs),
+            prompt_logprobs=prompt_logprobs_to_pb(item.prompt_logprobs)))]
 
     async def _admit(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> pb.Reserved | None:
         rid = request.request_id

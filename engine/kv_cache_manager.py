@@ -97,8 +97,8 @@ class KVCacheManager:
 
         Returns (block ids, number of tokens they cover). Nothing is claimed yet.
         """
-        if not self.pool.enable_caching:
-            return [], 0
+        if not self.pool.enable_caching or request.params.prompt_logprobs is not None:
+            return [], 0  # prompt log-probabilities need every position computed
         self._update_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits = self.pool.lookup_run(request.block_hashes[:max_blocks])

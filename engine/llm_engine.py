@@ -37,7 +37,7 @@ from engine.model import LlamaForCausalLM
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.output_builder import OutputBuilder
-from engine.request import FinishReason, Request, SamplingParams
+from engine.request import FinishReason, Logprob, Request, SamplingParams
 from engine.roles import Role, role_for
 from engine.sampler import Sampler
 from engine.overlap import Overlap
@@ -336,7 +336,7 @@ class LLMEngine:
             time.sleep(max(started + floor - time.perf_counter(), 0.0))
         return outputs
 
-    def _apply(self, out: SchedulerOutput, sampled: Mapping[RequestId, tuple[int, float | None]],
+    def _apply(self, out: SchedulerOutput, sampled: Mapping[RequestId, tuple[int, float | Logprob | None]],
                verified: Mapping[RequestId, Verified], started: float) -> list[RequestOutput]:
         """A step's tokens to its requests (stops), the role's turn, the outputs."""
         # KV each row reads: a verifying request's rows see one more token each
@@ -386,6 +386,8 @@ class LLMEngine:
                 c.token_ids += o.new_token_ids
                 c.text += o.new_text
                 c.logprobs += o.new_logprobs
+                c.top_logprobs += o.new_top_logprobs
+                c.prompt_logprobs = o.prompt_logprobs if o.prompt_logprobs is not None else c.prompt_logprobs
                 c.finish_reason = o.finish_reason
         return [acc[i] for i in ids]
 

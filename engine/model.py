@@ -29,9 +29,15 @@ from engine.native import NativeLayer
 from engine.native import NativeKernels
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from engine.gpu_kernels import Kernels
 from engine.rope import RotaryTable, apply_rotary
 from engine.weights import CheckpointReader
+
+PROMPT_LOGIT_ROWS = 256
+"""Prompt positions whose logits are made at once for prompt log-probabilities (256 x a 128K
+vocabulary is 128 MiB of float32)."""
 
 
 @dataclass
@@ -180,8 +186,11 @@ class LlamaForCausalLM:
         pool: KVPool,
         meta: AttentionMetadata,
         logits_index: torch.Tensor,
+        prompt_rows: tuple[torch.Tensor, Callable[[int, torch.Tensor], None]] | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens]; logits_index: [num_logits] into the tokens.
+        `prompt_rows` (index, take): more tokens whose logits are wanted (prompt log-probabilities),
+        handed to `take(offset into index, logits)` PROMPT_LOGIT_ROWS at a time, never all at once.
 
         Returns float32 logits [num_logits, vocab_size].
         """
@@ -209,7 +218,16 @@ class LlamaForCausalLM:
                 delta = self._mlp(layer, self._add_norm(h, delta, layer.post_norm))
                 if layer.mlp_out_norm is not None:
                     delta = self._add_norm(delta, None, layer.mlp_out_norm)
-        x = self._add_norm(h[logits_index], delta[logits_index], self.norm)  # [num_logits, hidden]
+        if prompt_rows is not None:
+            index, take = prompt_rows
+            for a in range(0, index.numel(), PROMPT_LOGIT_ROWS):
+                rows = index[a:a + PROMPT_LOGIT_ROWS]
+                take(a, self._logits(h[rows], delta[rows]))
+        return self._logits(h[logits_index], delta[logits_index])
+
+    def _logits(self, h: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """float32 logits of these tokens' last hidden states (the residual and the last block's output)."""
+        x = self._add_norm(h, delta, self.norm)  # [num_logits, hidden]
         logits = self.lm_head(x).float()
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap

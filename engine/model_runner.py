@@ -18,6 +18,7 @@ from engine.attention import AttentionMetadata, CausalGroup, PagedGroup
 from engine.decode_graphs import DecodeGraphs
 from engine.kv_pool import KVPool
 from engine.model import LlamaForCausalLM
+from engine.prompt_logprobs import PromptRows
 from engine.request import Request
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -29,6 +30,8 @@ class ForwardBatch:
     meta: AttentionMetadata
     logits_index: torch.Tensor
     sampled_requests: list[Request]
+    prompt_rows: PromptRows | None = None
+    """Prompt positions whose log-probabilities some request wants."""
 
 
 def _token_slice(request: Request, start: int, end: int) -> list[int]:
@@ -57,8 +60,10 @@ class ModelRunner:
         if self.decode is not None and self.decode.takes(out.scheduled):
             return self.decode.run(out.scheduled)
         batch = self.prepare(out)
+        rows = batch.prompt_rows
+        prompt = (torch.tensor(rows.index, dtype=torch.long, device=self.device), rows.take) if rows else None
         logits = self.model.forward(
-            batch.input_ids, batch.positions, self.pool, batch.meta, batch.logits_index
+            batch.input_ids, batch.positions, self.pool, batch.meta, batch.logits_index, prompt
         )
         return batch.sampled_requests, logits
 
@@ -73,8 +78,11 @@ class ModelRunner:
         spec: list[tuple[ScheduledRequest, int]] = []
         prefill: list[tuple[ScheduledRequest, int]] = []
         bs = self.block_size
+        prompt_rows = PromptRows()
         for s in out.scheduled:
             r, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
+            if r.params.prompt_logprobs is not None and start < r.num_prompt_tokens - 1:
+                prompt_rows.add(r, start, n, len(input_ids))
             (spec if s.num_spec_tokens else decode if n == 1 else prefill).append((s, len(input_ids)))
             input_ids += _input_tokens(s)
             positions += range(start, start + n)
@@ -91,7 +99,7 @@ class ModelRunner:
         ids, pos, blocks, offsets, logits = (next(views) for _ in range(5))
         meta = AttentionMetadata(slot_blocks=blocks, slot_offsets=offsets,
                                  groups=[make(*(next(views) for _ in own)) for own, make in groups])
-        return ForwardBatch(ids, pos, meta, logits, sampled)
+        return ForwardBatch(ids, pos, meta, logits, sampled, prompt_rows if prompt_rows.index else None)
 
     def _group(self, members: list[tuple[ScheduledRequest, int]], num_tokens: int) -> tuple[
         list[list[int]], Callable[..., CausalGroup | PagedGroup]

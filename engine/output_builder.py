@@ -50,6 +50,7 @@ class OutputBuilder:
                     drop = len(tokens) - i - 1
                     del request.output_token_ids[-drop:]
                     del request.output_logprobs[len(request.output_logprobs) - drop:]
+                    del request.output_top_logprobs[len(request.output_top_logprobs) - drop:]
                     tokens = tokens[: i + 1]
                 if stopped:
                     break
@@ -66,6 +67,9 @@ class OutputBuilder:
             finished=request.is_finished,
             finish_reason=request.finish_reason,
             new_logprobs=request.output_logprobs[-len(tokens):] if request.params.logprobs else [],
+            new_top_logprobs=request.output_top_logprobs[-len(tokens):] if request.params.top_logprobs else [],
+            prompt_logprobs=list(request.prompt_logprobs) if request.params.prompt_logprobs is not None and
+            len(request.output_token_ids) == len(tokens) else None,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             num_preemptions=request.num_preemptions,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.request import FinishReason, Request
+from engine.request import FinishReason, PromptLogprob, Request, TopLogprobs
 from engine.types import BlockId, RequestId
 
 
@@ -20,6 +20,10 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     new_logprobs: list[float] = field(default_factory=list)
+    new_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    """With top_logprobs: each new token's alternatives."""
+    prompt_logprobs: list[PromptLogprob] | None = None
+    """With prompt_logprobs, on the request's first output: its prompt tokens' (from the second)."""
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
@@ -37,6 +41,8 @@ class Completion:
     num_prompt_tokens: int
     num_cached_tokens: int
     logprobs: list[float]
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 @dataclass(frozen=True)

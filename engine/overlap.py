@@ -33,6 +33,7 @@ import torch
 
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
+from engine.request import Logprob
 from engine.sampler import Draw, Sampler
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.types import RequestId
@@ -80,7 +81,7 @@ class Overlap:
         self.current = self._launch(scheduled, positions, [-1] * len(scheduled), ahead=0)
         self.scheduler.in_flight = frozenset(s.request.request_id for s in scheduled)
 
-    def land(self) -> tuple[SchedulerOutput, dict[RequestId, tuple[int, float | None]]]:
+    def land(self) -> tuple[SchedulerOutput, dict[RequestId, tuple[int, float | Logprob | None]]]:
         """The next step launched where it can be, then the flight's rows whose requests go on,
         and their tokens."""
         flight = self.current
@@ -148,12 +149,16 @@ class Overlap:
         decode.remember(draw.tokens)
         if draw.tokens.device.type != "cuda":
             return Flight(rows, positions, draw, None)
-        tokens = torch.empty(draw.tokens.shape, dtype=draw.tokens.dtype, pin_memory=True)
-        tokens.copy_(draw.tokens, non_blocking=True)
-        logprobs = None
-        if draw.logprobs is not None:
-            logprobs = torch.empty(draw.logprobs.shape, dtype=draw.logprobs.dtype, pin_memory=True)
-            logprobs.copy_(draw.logprobs, non_blocking=True)
+        top = (_to_host(draw.top[0]), _to_host(draw.top[1])) if draw.top is not None else None
+        host = Draw(_to_host(draw.tokens), _to_host(draw.logprobs) if draw.logprobs is not None else None, draw.want,
+                    top, draw.k)
         done = torch.cuda.Event()
         done.record()
-        return Flight(rows, positions, Draw(tokens, logprobs, draw.want), done)
+        return Flight(rows, positions, host, done)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A copy into pinned host memory, queued on the device (read once the flight's event is done)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host

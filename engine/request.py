@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from engine.types import BlockHash, BlockId, InvalidRequestError, RequestId
 
@@ -35,6 +36,8 @@ class FinishReason(enum.Enum):
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_TOP_LOGPROBS = 20
+"""Alternatives a request may ask for per token (vLLM's default max_logprobs; OpenAI's chat limit)."""
 MAX_LOGIT_BIAS = 1024
 """Entries of a request's logit_bias (OpenAI's own limit is on the order of hundreds)."""
 
@@ -63,6 +66,29 @@ class Constraint:
             raise InvalidRequestError(f"the {self.kind} constraint is empty")
 
 
+class TopLogprobs(NamedTuple):
+    """One position's likeliest tokens, best first, and their log-probabilities."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+
+
+class Logprob(NamedTuple):
+    """A sampled token's log-probability with the position's alternatives (top_logprobs)."""
+
+    logprob: float
+    top: TopLogprobs
+
+
+class PromptLogprob(NamedTuple):
+    """A prompt token's log-probability given the tokens before it, its rank among the
+    vocabulary (1: the likeliest), and the position's alternatives."""
+
+    logprob: float
+    rank: int
+    top: TopLogprobs
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -79,6 +105,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     """Return the log-probability of each chosen token (from the raw logits)."""
+    top_logprobs: int = 0
+    """With logprobs: also the this many likeliest tokens at each position, and theirs."""
+    prompt_logprobs: int | None = None
+    """Return each prompt token's log-probability (after the first), its rank, and this many
+    likeliest alternatives; None: none. Such a prompt is computed whole: no prefix-cache hit."""
     constraint: Constraint | None = None
     """Structured output: every token must keep the output within it, and the request ends
     (stop) once it is complete."""
@@ -136,6 +167,11 @@ class SamplingParams:
             raise InvalidRequestError(f"logit_bias holds {len(self.logit_bias)} tokens; at most {MAX_LOGIT_BIAS}")
         if any(not (math.isfinite(b) and -100 <= b <= 100) or t < 0 for t, b in self.logit_bias):
             raise InvalidRequestError("logit_bias maps token ids (0 or more) to biases in [-100, 100]")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS or (self.top_logprobs and not self.logprobs):
+            raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}] and needs logprobs, got "
+                                      f"{self.top_logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
         if self.output_prefix < 0:
             raise InvalidRequestError(f"output_prefix must be >= 0, got {self.output_prefix}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
@@ -176,6 +212,11 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    """With top_logprobs: each output token's alternatives."""
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
+    """With prompt_logprobs: each prompt token's from the second on, in order (filled as the
+    prompt's chunks are computed; a recompute after preemption leaves them be)."""
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache at first schedule."""
@@ -231,9 +272,12 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def append_output(self, token_id: int, logprob: float | None = None) -> None:
+    def append_output(self, token_id: int, logprob: float | Logprob | None = None) -> None:
         self.output_token_ids.append(token_id)
-        if logprob is not None:
+        if isinstance(logprob, Logprob):
+            self.output_logprobs.append(logprob.logprob)
+            self.output_top_logprobs.append(logprob.top)
+        elif logprob is not None:
             self.output_logprobs.append(logprob)
 
     def stop_reason_for_last_token(self, max_model_len: int) -> FinishReason | None:

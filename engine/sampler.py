@@ -9,30 +9,36 @@ preemption by recompute, a router retry that re-prefills the tokens already sent
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.logits_controls import apply_min_p, controlled
-from engine.request import Request
+from engine.request import Logprob, Request, TopLogprobs
 from engine.types import RequestId
 
 
 @dataclass
 class Draw:
     """A step's sampled tokens [n] and the logprobs [len(want)] of rows `want`, as tensors
-    (on the device, or copied to pinned host memory by engine/overlap.py)."""
+    (on the device, or copied to pinned host memory by engine/overlap.py); with `top`, those
+    rows' likeliest tokens and logprobs [len(want), max k], of which row i keeps its `k[i]`."""
 
     tokens: torch.Tensor
     logprobs: torch.Tensor | None
     want: list[int]
+    top: tuple[torch.Tensor, torch.Tensor] | None = None
+    k: list[int] = field(default_factory=list)
 
-    def settle(self) -> list[tuple[int, float | None]]:
-        """(token id, logprob or None) per row: waits for the device where the tensors are on it."""
-        out: list[tuple[int, float | None]] = [(t, None) for t in self.tokens.tolist()]
+    def settle(self) -> list[tuple[int, float | Logprob | None]]:
+        """(token id, logprob or None) per row, a row asking for alternatives with them (a
+        `Logprob`): waits for the device where the tensors are on it."""
+        out: list[tuple[int, float | Logprob | None]] = [(t, None) for t in self.tokens.tolist()]
         if self.logprobs is not None:
-            for i, v in zip(self.want, self.logprobs.tolist(), strict=True):
-                out[i] = (out[i][0], v)
+            tops = zip(*(t.tolist() for t in self.top)) if self.top is not None else ((None, None) for _ in self.want)
+            for i, v, k, (ids, lps) in zip(self.want, self.logprobs.tolist(), self.k or [0] * len(self.want), tops,
+                                           strict=True):
+                out[i] = (out[i][0], Logprob(v, TopLogprobs(tuple(ids[:k]), tuple(lps[:k]))) if k else v)
         return out
 
 
@@ -44,11 +50,11 @@ class Sampler:
 
     def sample(
         self, logits: torch.Tensor, requests: list[Request]
-    ) -> list[tuple[int, float | None]]:
+    ) -> list[tuple[int, float | Logprob | None]]:
         """logits: [num_requests, vocab] float32. Returns (token id, logprob or None) per row."""
         return self.draw(logits, requests).settle()
 
-    def sample_by_id(self, logits: torch.Tensor, requests: list[Request]) -> dict[RequestId, tuple[int, float | None]]:
+    def sample_by_id(self, logits: torch.Tensor, requests: list[Request]) -> dict[RequestId, tuple[int, float | Logprob | None]]:
         """`sample`, keyed by request id."""
         return dict(zip((r.request_id for r in requests), self.sample(logits, requests), strict=True))
 
@@ -62,10 +68,13 @@ class Sampler:
         if rows:
             tokens[rows] = self._sample_random(logits[rows], [requests[i] for i in rows], ahead)
         want = [i for i, r in enumerate(requests) if r.params.logprobs]
-        logprobs = None
-        if want:
-            logprobs = torch.log_softmax(raw[want], dim=-1).gather(1, tokens[want, None])[:, 0]
-        return Draw(tokens, logprobs, want)
+        if not want:
+            return Draw(tokens, None, want)
+        rows = torch.log_softmax(raw[want], dim=-1)
+        logprobs = rows.gather(1, tokens[want, None])[:, 0]
+        k = [requests[i].params.top_logprobs for i in want]
+        top = tuple(rows.topk(max(k), dim=-1)) if any(k) else None  # values, indices
+        return Draw(tokens, logprobs, want, (top[1], top[0]) if top is not None else None, k if top else [])
 
     def _sample_random(self, logits: torch.Tensor, requests: list[Request], ahead: int = 0) -> torch.Tensor:
         probs = self.probs(logits, requests)

@@ -21,7 +21,7 @@ from engine.block_pool import PoolUsage
 from engine.config import SchedulerConfig
 from engine.fair_order import FairOrder
 from engine.kv_cache_manager import KVCacheManager
-from engine.request import FinishReason, Request, RequestStatus
+from engine.request import FinishReason, Logprob, Request, RequestStatus
 from engine.types import BlockId, EngineLoad, InvalidRequestError, RequestId
 
 if TYPE_CHECKING:
@@ -267,7 +267,7 @@ class Scheduler:
 
     # -- after the model ran ---------------------------------------------------------
     def update_after_step(
-        self, out: SchedulerOutput, sampled: Mapping[RequestId, tuple[int, float | None]],
+        self, out: SchedulerOutput, sampled: Mapping[RequestId, tuple[int, float | Logprob | None]],
         verified: Mapping[RequestId, Verified] | None = None,
     ) -> list[Request]:
         """Advance counters, append sampled tokens, finish on token-level stops.

@@ -28,14 +28,14 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.request import Request
+from engine.request import Logprob, Request, TopLogprobs
 from engine.logits_controls import controlled
 from engine.sampler import Sampler, greedy
 
 
 @dataclass
 class Verified:
-    tokens: list[tuple[int, float | None]]
+    tokens: list[tuple[int, float | Logprob | None]]
     """(token id, logprob or None) to append, in order: 1 + num_accepted of them."""
     num_accepted: int
     """Proposals kept."""
@@ -57,10 +57,14 @@ def verify(sampler: Sampler, logits: torch.Tensor, request: Request, proposals: 
     else:
         chosen = _rejection_sample(sampler, logits, request, proposals, proposal_probs)
         kept = len(chosen) - 1
-    logprobs: list[float | None] = [None] * len(chosen)
+    logprobs: list[float | Logprob | None] = [None] * len(chosen)
     if request.params.logprobs:
         rows = torch.log_softmax(raw[: len(chosen)], dim=-1)
         logprobs = rows.gather(1, torch.tensor(chosen, device=logits.device)[:, None])[:, 0].tolist()
+        if k_top := request.params.top_logprobs:
+            values, ids = rows.topk(k_top, dim=-1)
+            logprobs = [Logprob(lp, TopLogprobs(tuple(i), tuple(v)))  # type: ignore[misc]
+                        for lp, i, v in zip(logprobs, ids.tolist(), values.tolist(), strict=True)]
     return Verified(list(zip(chosen, logprobs, strict=True)), kept)
 
 

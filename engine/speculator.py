@@ -19,7 +19,7 @@ import torch
 
 from engine.config import SpeculativeConfig
 from engine.constrainer import Constrainer
-from engine.request import Request
+from engine.request import Logprob, Request
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec_cost import SpecCost
@@ -83,7 +83,7 @@ class Speculator:
                 r.spec_token_ids = Constrainer.valid_proposals(r, tokens)  # what a constraint forbids is cut
 
     def sample(self, sampler: Sampler, out: SchedulerOutput, requests: list[Request], logits: torch.Tensor) -> tuple[
-            dict[RequestId, tuple[int, float | None]], dict[RequestId, Verified]]:
+            dict[RequestId, tuple[int, float | Logprob | None]], dict[RequestId, Verified]]:
         """The sampled token of each plain request, the verification of each speculating one."""
         num_spec = {s.request.request_id: s.num_spec_tokens for s in out.scheduled if s.num_spec_tokens}
         if not num_spec:

@@ -36,7 +36,7 @@ from kvfabric.errors import FabricError
 from prefill_worker.kv_push import KVPusher, PushDone
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
-from proto.convert import finish_to_pb, sampling_from_pb, ticket_from_pb
+from proto.convert import finish_to_pb, prompt_logprobs_to_pb, sampling_from_pb, ticket_from_pb, top_logprobs_to_pb
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,9 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
                                 splitserve__prefill_chunks=item.num_prefill_chunks)
                     yield pb.PrefillEvent(first=pb.FirstToken(
                         token_id=item.new_token_ids[0], logprobs=item.new_logprobs,
-                        finish_reason=finish_to_pb(reason), num_cached_tokens=item.num_cached_tokens))
+                        finish_reason=finish_to_pb(reason), num_cached_tokens=item.num_cached_tokens,
+                        top_logprobs=top_logprobs_to_pb(item.new_top_logprobs),
+                        prompt_logprobs=prompt_logprobs_to_pb(item.prompt_logprobs)))
                     if ended:
                         return
                 else:

@@ -1,7 +1,7 @@
 """Hand-written: conversions between the proto messages and the engine's dataclasses (one place)."""
 from __future__ import annotations
 
-from engine.request import Constraint, FinishReason, SamplingParams
+from engine.request import Constraint, FinishReason, PromptLogprob, SamplingParams, TopLogprobs
 from engine.types import InvalidRequestError
 from kvfabric.address import FabricAddress, Ticket
 from kvfabric.config import TRANSPORTS
@@ -39,6 +39,8 @@ def sampling_from_pb(s: pb.SamplingParams, keep_stop_strings: bool = True) -> Sa
         logit_bias=tuple(sorted(s.logit_bias.items())),
         min_tokens=s.min_tokens,
         output_prefix=s.output_prefix,
+        top_logprobs=s.top_logprobs,
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
     )
 
 
@@ -58,8 +60,22 @@ def sampling_to_pb(p: SamplingParams, keep_stop_strings: bool = True) -> pb.Samp
     if p.repetition_penalty != 1.0:
         msg.repetition_penalty = p.repetition_penalty
     msg.logit_bias.update(dict(p.logit_bias))
-    msg.min_tokens, msg.output_prefix = p.min_tokens, p.output_prefix
+    msg.min_tokens, msg.output_prefix, msg.top_logprobs = p.min_tokens, p.output_prefix, p.top_logprobs
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
     return msg
+
+
+def top_logprobs_to_pb(tops: list[TopLogprobs]) -> list[pb.TopLogprobs]:
+    return [pb.TopLogprobs(token_ids=t.token_ids, logprobs=t.logprobs) for t in tops]
+
+
+def prompt_logprobs_to_pb(entries: list[PromptLogprob] | None) -> pb.PromptLogprobs | None:
+    """None where the output carries none (not asked for, or not its first)."""
+    if entries is None:
+        return None
+    return pb.PromptLogprobs(logprobs=[e.logprob for e in entries], ranks=[e.rank for e in entries],
+                             top=top_logprobs_to_pb([e.top for e in entries]))
 
 
 def finish_name_from_pb(code: int) -> str | None:

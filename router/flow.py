@@ -128,7 +128,8 @@ class RequestFlow:
                 first_at = time.perf_counter()
                 self._first_prefilled(progress, prefill.num_cached_tokens)
                 response, done = out.tokens([prefill.token_id], list(prefill.logprobs),
-                                            finish_name_from_pb(prefill.finish_reason))
+                                            finish_name_from_pb(prefill.finish_reason), prefill.top_logprobs,
+                                            prefill.prompt_logprobs if prefill.HasField("prompt_logprobs") else None)
                 yield response
                 if done:
                     yield out.final(response.finish_reason)
@@ -241,7 +242,8 @@ class RequestFlow:
                 booking.prefilled()
                 self._first_prefilled(progress, tokens.num_cached_tokens)
             response, done = out.tokens(list(tokens.token_ids), list(tokens.logprobs),
-                                        finish_name_from_pb(tokens.finish_reason))
+                                        finish_name_from_pb(tokens.finish_reason), tokens.top_logprobs,
+                                        tokens.prompt_logprobs if tokens.HasField("prompt_logprobs") else None)
             if response.token_ids or done:
                 yield response
             if done:

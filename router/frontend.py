@@ -12,7 +12,7 @@ import statistics
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -208,8 +208,11 @@ class Responses:
         self.prep, self.progress, self.detok, self.itl = prep, progress, detok, itl
         self._last_at = 0.0
 
-    def tokens(self, token_ids: list[int], logprobs: list[float], reason: str | None) -> tuple[pb.GenerateResponse, bool]:
-        """A response with these new tokens (cut at a stop string); True when it is the last."""
+    def tokens(self, token_ids: list[int], logprobs: list[float], reason: str | None,
+               top: Sequence[pb.TopLogprobs] = (), prompt: pb.PromptLogprobs | None = None
+               ) -> tuple[pb.GenerateResponse, bool]:
+        """A response with these new tokens (cut at a stop string), their alternatives `top`,
+        and on the first the prompt's log-probabilities; True when it is the last."""
         progress = self.progress
         now = time.perf_counter()
         if progress.num_sent == 0 and token_ids:
@@ -234,9 +237,13 @@ class Responses:
         done = reason is not None
         if done and self.detok is not None:
             text += self.detok.flush()
+        params = self.prep.params
         response = pb.GenerateResponse(request_id=self.prep.request_id, token_ids=sent, text=text,
-                                       logprobs=logprobs[:len(sent)] if self.prep.params.logprobs else [],
+                                       logprobs=logprobs[:len(sent)] if params.logprobs else [],
+                                       top_logprobs=list(top)[:len(sent)] if params.top_logprobs else [],
                                        finish_reason=finish_to_pb(reason))
+        if prompt is not None and params.prompt_logprobs is not None and progress.num_sent == len(sent):
+            response.prompt_logprobs.CopyFrom(prompt)
         if sent and progress.num_sent == len(sent) and progress.route is not None:
             response.route.CopyFrom(progress.route)
         return response, done

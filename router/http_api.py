@@ -35,7 +35,7 @@ from router.frontend import (MAX_TEXT_CHARS_PER_TOKEN, NOT_SERVING, OFF_LOOP_CHA
                              serving_facts)
 from router.members import Members
 from router.openai_protocol import (BadRequest, ChatRequest, CompletionRequest, DetokenizeRequest, Output,
-                                    TokenizeRequest, messages_as_dicts, new_id, parse, to_generate)
+                                    TokenizeRequest, messages_as_dicts, new_id, parse, single_prompt, to_generate)
 from router.servicer import Generation
 from router.reasoning import ReasoningParser
 from router.reasoning import parser_for_template as reasoning_for_template
@@ -158,10 +158,25 @@ class OpenAIServer:
         req = parse(CompletionRequest, await self._body(request))
         model = self._check_model(req.model)
         rid = new_id("completion")
-        generate = to_generate(req, req.request_id or rid, None, None, constraint_of(req))
-        return await self._run(request, req.stream, req.stream_options, generate,
-                               Output("completion", rid, model, req.logprobs is not None, self._token_text,
-                                      return_token_ids=req.return_token_ids))
+        prompt_ids, text = None, None
+        if req.echo or req.prompt_logprobs is not None:  # the prompt's tokens are returned: tokenized here
+            prompt_ids, text = await self._prompt(single_prompt(req.prompt))
+        generate = to_generate(req, req.request_id or rid, prompt_ids, None, constraint_of(req))
+        return await self._run(request, req.stream, req.stream_options, generate, Output(
+            "completion", rid, model, req.logprobs is not None, self._token_text, return_token_ids=req.return_token_ids,
+            prompt_ids=prompt_ids, echo=text if req.echo else None, hide=req.echo and req.max_tokens == 0,
+            prompt_logprobs=req.prompt_logprobs, num_top=req.logprobs or 0))
+
+    async def _prompt(self, prompt: str | list[int]) -> tuple[list[int], str]:
+        """A completion prompt's token ids and text (a long one tokenized off the event loop)."""
+        try:
+            if isinstance(prompt, str):
+                encode = functools.partial(self.frontend.encode, prompt)
+                ids = await asyncio.to_thread(encode) if len(prompt) > OFF_LOOP_CHARS else encode()
+                return ids, prompt
+            return prompt, self.frontend.decode(prompt)
+        except InvalidRequestError as e:
+            raise BadRequest(str(e), "prompt") from None
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req = parse(ChatRequest, await self._body(request))
@@ -189,7 +204,9 @@ class OpenAIServer:
                                plan.constraint if plan and plan.constraint else constraint)
         constrained = generate.sampling.HasField("constraint")
         fields: dict[str, Any] = {"return_token_ids": req.return_token_ids,
-                                  "reasoning": None if constrained else self.reasoning}
+                                  "reasoning": None if constrained else self.reasoning,
+                                  "prompt_ids": prompt_ids if req.prompt_logprobs is not None else None,
+                                  "prompt_logprobs": req.prompt_logprobs}
         markers = [*(fields["reasoning"].special_tokens if fields["reasoning"] else ()),
                    *(plan.parser.special_tokens if plan and plan.parser else ())]
         if self.frontend.special_tokens.intersection(markers):  # the parsers read them: the text keeps them

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from engine.request import MAX_TOP_LOGPROBS
 from proto import generate_pb2 as pb
 from proto.convert import finish_name_from_pb
 from router.reasoning import ReasoningParser, ReasoningStream
@@ -58,8 +59,8 @@ class _Sampling(_Body):
     """vLLM's extension: False keeps special tokens in the text (never the stop token)."""
     min_tokens: int = 0
     prompt_logprobs: int | None = None
-    """vLLM's extensions, not implemented: refused, never silently ignored (an evaluation
-    harness would get wrong numbers and no error)."""
+    """vLLM's extension: each prompt token's log-probability and rank, and this many
+    alternatives at its position (`prompt_logprobs` in the choice)."""
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None
@@ -219,6 +220,8 @@ def to_generate(req: CompletionRequest | ChatRequest, request_id: str, prompt_id
         max_tokens = max_tokens_default
     sampling = pb.SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
                                  ignore_eos=req.ignore_eos)
+    if max_tokens == 0 and isinstance(req, CompletionRequest) and req.echo:
+        max_tokens = 1  # the prompt scored, nothing generated: one token drawn, not returned (Output.hide)
     if max_tokens is not None:
         sampling.max_tokens = _within(max_tokens, "max_completion_tokens" if isinstance(req, ChatRequest)
                                       and req.max_completion_tokens is not None else "max_tokens", -INT32_MAX, INT32_MAX)
@@ -230,7 +233,15 @@ def to_generate(req: CompletionRequest | ChatRequest, request_id: str, prompt_id
         sampling.seed = _within(req.seed, "seed", 0, UINT64_MAX)
     sampling.stop.extend([req.stop] if isinstance(req.stop, str) else req.stop or [])
     sampling.stop_token_ids.extend(_token_ids(req.stop_token_ids or [], "stop_token_ids"))
-    sampling.logprobs = req.logprobs if isinstance(req, ChatRequest) else req.logprobs is not None  # 0: chosen only
+    if isinstance(req, ChatRequest):
+        sampling.logprobs, sampling.top_logprobs = req.logprobs, req.top_logprobs or 0
+    else:
+        sampling.logprobs, sampling.top_logprobs = req.logprobs is not None, req.logprobs or 0  # 0: chosen only
+    prompt_logprobs = req.prompt_logprobs
+    if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
+        prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)  # the echoed prompt's logprobs
+    if prompt_logprobs is not None:
+        sampling.prompt_logprobs = _within(prompt_logprobs, "prompt_logprobs", 0, UINT32_MAX)
     if not req.skip_special_tokens:
         sampling.skip_special_tokens = False
     sampling.presence_penalty, sampling.frequency_penalty = req.presence_penalty, req.frequency_penalty
@@ -247,7 +258,7 @@ def to_generate(req: CompletionRequest | ChatRequest, request_id: str, prompt_id
     if prompt_ids is not None:
         out.token_ids.ids.extend(prompt_ids)
     else:
-        prompt = _single_prompt(req.prompt) if isinstance(req, CompletionRequest) else ""
+        prompt = single_prompt(req.prompt) if isinstance(req, CompletionRequest) else ""
         if isinstance(prompt, str):
             out.text = prompt
         else:
@@ -261,23 +272,20 @@ def _refuse_unsupported(req: CompletionRequest | ChatRequest) -> None:
                          "several choices)", "n")
     if req.stream_options is not None and not req.stream:
         raise BadRequest("stream_options is only allowed with stream=true", "stream_options")
-    if req.prompt_logprobs is not None:
-        raise BadRequest("prompt_logprobs is not supported: prompt log-probabilities are not returned",
-                         "prompt_logprobs")
+    for name in ("prompt_logprobs", "logprobs" if isinstance(req, CompletionRequest) else "top_logprobs"):
+        value = getattr(req, name)
+        if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise BadRequest(f"{name}={value}: at most {MAX_TOP_LOGPROBS} alternatives per token", name)
     if isinstance(req, CompletionRequest):
-        if req.logprobs:
-            raise BadRequest(f"logprobs={req.logprobs}: top alternatives are not returned; logprobs=0 returns each "
-                             "chosen token's log-probability", "logprobs")
-        if req.echo:
-            raise BadRequest("echo is not supported", "echo")
         if req.best_of not in (None, 1):
             raise BadRequest("best_of must be 1", "best_of")
         if req.suffix:
             raise BadRequest("suffix is not supported", "suffix")
+        if req.max_tokens == 0 and not req.echo:
+            raise BadRequest("max_tokens=0 returns nothing; send echo=true to score the prompt alone", "max_tokens")
         return
-    if req.top_logprobs:
-        raise BadRequest(f"top_logprobs={req.top_logprobs}: top alternatives are not returned; logprobs=true returns "
-                         "each chosen token's log-probability", "top_logprobs")
+    if req.top_logprobs and not req.logprobs:
+        raise BadRequest("top_logprobs needs logprobs=true", "top_logprobs")
 
 
 def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
@@ -290,7 +298,7 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
     return out
 
 
-def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
+def single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
     if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
         return prompt  # type: ignore[return-value]
     if len(prompt) != 1:
@@ -331,35 +339,56 @@ class Output:
     """Token id -> its text (for logprobs)."""
     return_token_ids: bool = False
     reasoning: ReasoningParser | None = None
+    prompt_ids: list[int] | None = None
+    """The prompt's token ids, where its log-probabilities or its echo are returned."""
+    echo: str | None = None
+    """A completion with echo: the prompt's text, returned before the output."""
+    hide: bool = False
+    """max_tokens 0 with echo: the one token drawn is not returned (nor counted)."""
+    prompt_logprobs: int | None = None
+    """vLLM's prompt_logprobs: the choice lists each prompt token's (alternatives' too)."""
+    num_top: int = 0
+    """A completion's logprobs k: its top_logprobs is a list (of k alternatives a token) when k > 0."""
     created: int = field(default_factory=lambda: int(time.time()))
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top: list[pb.TopLogprobs] = field(default_factory=list)
+    prompt: pb.PromptLogprobs | None = None
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
     _thinking: ReasoningStream | None = None
+    _offset: int = 0
+    """Characters of the completion's text so far (text_offset of its next token)."""
 
     @property
     def object(self) -> str:
         return "text_completion" if self.kind == "completion" else "chat.completion"
 
     def add(self, r: pb.GenerateResponse) -> None:
-        self.text.append(r.text)
-        self.token_ids += r.token_ids
-        self.logprobs += r.logprobs
+        if r.HasField("prompt_logprobs"):
+            self.prompt = r.prompt_logprobs
+        if not self.hide:
+            self.text.append(r.text)
+            self.token_ids += r.token_ids
+            self.logprobs += r.logprobs
+            self.top += r.top_logprobs
         if r.HasField("usage"):  # the last response: finish reason and usage
             self.finish_reason = finish_name_from_pb(r.finish_reason)
             u = r.usage
-            self.usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-                          "total_tokens": u.prompt_tokens + u.completion_tokens,
+            completion = 0 if self.hide else u.completion_tokens
+            self.usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": completion,
+                          "total_tokens": u.prompt_tokens + completion,
                           "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
     def whole(self) -> dict[str, Any]:
         text = "".join(self.text)
-        choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(self.token_ids, self.logprobs),
+        choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(self.token_ids, self.logprobs, self.top, True),
                                   "finish_reason": self._finish_reason()}
+        if self.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._prompt_entries()
         if self.kind == "completion":
-            choice["text"] = text
+            choice["text"] = (self.echo or "") + text
         else:
             reasoning, content = self.reasoning.split(text) if self.reasoning else (None, text)
             choice["message"] = self._message(content)
@@ -379,12 +408,15 @@ class Output:
             out["usage"] = self.usage
             return out
         last = r.HasField("usage")
-        logprobs = self._logprobs(list(r.token_ids), list(r.logprobs))
+        ids, text = ([], "") if self.hide else (list(r.token_ids), r.text)
+        logprobs = self._logprobs(ids, list(r.logprobs), list(r.top_logprobs), first)
         choice: dict[str, Any] = {"index": 0, "logprobs": logprobs,
                                   "finish_reason": self._finish_reason() if last else None}
+        if first and self.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._prompt_entries()
         if self.kind == "completion":
-            choice["text"] = r.text
-            says = bool(r.text)
+            choice["text"] = (self.echo if self.echo is not None and first else "") + text
+            says = bool(choice["text"])
         else:
             reasoning, content = self._think(r.text, last)
             delta = self._delta(content, first, last)
@@ -392,10 +424,10 @@ class Output:
                 delta["reasoning_content"] = reasoning
             choice["delta"] = delta
             says = bool(delta)
-        if not (says or last or first or ((logprobs is not None or self.return_token_ids) and r.token_ids)):
+        if not (says or last or first or ((logprobs is not None or self.return_token_ids) and ids)):
             return None
         if self.return_token_ids:
-            choice["token_ids"] = list(r.token_ids)
+            choice["token_ids"] = ids
         out["choices"].append(choice)
         return out
 
@@ -422,15 +454,47 @@ class Output:
             return {"role": "assistant", "content": content}
         return {"content": content} if content else {}
 
-    def _logprobs(self, token_ids: list[int], logprobs: list[float]) -> dict[str, Any] | None:
+    def _logprobs(self, token_ids: list[int], logprobs: list[float], top: list[pb.TopLogprobs],
+                  first: bool) -> dict[str, Any] | None:
+        """OpenAI's logprobs of these tokens; a completion's, with echo on its first part, the
+        prompt's before them (its first token has none)."""
         if not self.include_logprobs:
             return None
         texts = [self.token_text(t) for t in token_ids]
-        if self.kind == "completion":
-            return {"tokens": texts, "token_logprobs": logprobs[:len(texts)], "top_logprobs": None,
-                    "text_offset": None}
-        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                            for t, lp in zip(texts, logprobs, strict=False)]}
+        alternatives = [{self.token_text(t): lp for t, lp in zip(x.token_ids, x.logprobs, strict=True)} for x in top]
+        if self.kind == "chat":
+            return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": [
+                {"token": self.token_text(a), "logprob": b, "bytes": list(self.token_text(a).encode())}
+                for a, b in zip(x.token_ids, x.logprobs, strict=True)] if x is not None else []}
+                for t, lp, x in zip(texts, logprobs, [*top, *[None] * len(texts)], strict=False)]}
+        tokens, values, tops = texts, list(logprobs[:len(texts)]), alternatives or [None] * len(texts)
+        if first and self.echo is not None and self.prompt_ids is not None:
+            p, n = self.prompt, len(self.prompt_ids) - 1
+            tokens = [self.token_text(t) for t in self.prompt_ids] + tokens
+            values = [None, *(p.logprobs if p is not None else [None] * n)] + values
+            tops = [None, *([{self.token_text(t): lp for t, lp in zip(x.token_ids, x.logprobs, strict=True)}
+                             for x in p.top] if p is not None and any(x.token_ids for x in p.top)
+                            else [None] * n)] + tops
+        offsets = []
+        for t in tokens:
+            offsets.append(self._offset)
+            self._offset += len(t)
+        return {"tokens": tokens, "token_logprobs": values,
+                "top_logprobs": tops if self.num_top else None, "text_offset": offsets}
+
+    def _prompt_entries(self) -> list[dict[str, Any] | None] | None:
+        """vLLM's prompt_logprobs: per prompt token, None for the first, then {token id: {logprob,
+        rank, decoded_token}} for it and its position's alternatives."""
+        p, ids = self.prompt, self.prompt_ids
+        if p is None or ids is None:
+            return None
+        out: list[dict[str, Any] | None] = [None]
+        for token, lp, rank, top in zip(ids[1:], p.logprobs, p.ranks, p.top, strict=False):
+            entry = {str(t): {"logprob": v, "rank": i + 1, "decoded_token": self.token_text(t)}
+                     for i, (t, v) in enumerate(zip(top.token_ids, top.logprobs, strict=True))}
+            entry[str(token)] = {"logprob": lp, "rank": rank, "decoded_token": self.token_text(token)}
+            out.append(entry)
+        return out
 
 
 def new_id(kind: Literal["completion", "chat"]) -> str:

@@ -121,6 +121,58 @@ def test_chat_answers_and_greedy_tokens_equal_transformers_on_the_gguf(client: o
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_prompt_and_output_logprobs_equal_transformers(client: openai.OpenAI, stub, hf_gguf, stream: bool) -> None:  # type: ignore[no-untyped-def]
+    """lm-evaluation-harness's log-likelihood request (echo, logprobs 1, max_tokens 0) and top
+    alternatives: each prompt token's log-probability, and each generated token's with its 5
+    likeliest, within 2e-3 of transformers' float32 log-softmax on the same GGUF, through
+    prefill worker (the prompt's, the first token's) and decode worker (the rest)."""
+    prompt = "The quick brown fox jumps over the lazy dog. Paris is the capital of"
+    ids = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=0).choices[0]
+    kw = dict(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=0, temperature=0)
+    if stream:
+        chunks = [c for c in client.completions.create(**kw, stream=True) if c.choices]
+        text = "".join(c.choices[0].text for c in chunks)
+        lp = [x for c in chunks for x in c.choices[0].logprobs.token_logprobs]
+        tops = [x for c in chunks for x in c.choices[0].logprobs.top_logprobs]
+    else:
+        r = client.completions.create(**kw)
+        text, lp, tops = r.choices[0].text, r.choices[0].logprobs.token_logprobs, r.choices[0].logprobs.top_logprobs
+        assert r.usage.completion_tokens == 0
+    assert text == prompt and lp[0] is None and tops[0] is None
+    n = len(lp)
+    tokens = ids.logprobs.tokens[:n]
+    status, _, tok = post(client.base_url.scheme + "://" + client.base_url.host + ":" + str(client.base_url.port),
+                          "/tokenize", {"prompt": prompt})
+    assert status == 200 and tok["count"] == n and "".join(tokens) == prompt
+    with torch.inference_mode():
+        want = torch.log_softmax(hf_gguf(torch.tensor([tok["tokens"]])).logits[0].float(), -1)
+    want_lp = [float(want[i - 1, t]) for i, t in enumerate(tok["tokens"]) if i]
+    assert max(abs(a - b) for a, b in zip(lp[1:], want_lp, strict=True)) < 2e-3
+    assert all(len(t) == 1 and abs(max(t.values()) - float(want[i].max())) < 2e-3 for i, t in enumerate(tops[1:]))
+    # generated tokens' logprobs and 5 alternatives (chat), the greedy token the likeliest
+    r = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=6, logprobs=True,
+                                       top_logprobs=5, extra_body={"return_token_ids": True})
+    content = r.choices[0].logprobs.content
+    gen = r.choices[0].model_extra["token_ids"]
+    assert len(content) == len(gen) and all(len(c.top_logprobs) == 5 for c in content)
+    assert all(c.top_logprobs[0].token == c.token and c.top_logprobs[0].logprob == c.logprob for c in content)
+    _, _, prompt_tok = post(client.base_url.scheme + "://" + client.base_url.host + ":" + str(client.base_url.port),
+                            "/tokenize", {"messages": QUESTION})
+    with torch.inference_mode():
+        full = torch.log_softmax(hf_gguf(torch.tensor([prompt_tok["tokens"] + gen])).logits[0].float(), -1)
+    start = len(prompt_tok["tokens"]) - 1
+    assert max(abs(c.logprob - float(full[start + i, t])) for i, (c, t) in enumerate(zip(content, gen))) < 2e-3
+    # the gRPC door: prompt_logprobs on the first response, ranks too
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=tok["tokens"]), sampling=pb.SamplingParams(
+        max_tokens=2, prompt_logprobs=3, logprobs=True, top_logprobs=2))
+    responses = list(stub.Generate(request, timeout=120))
+    p = responses[0].prompt_logprobs
+    assert len(p.logprobs) == n - 1 and all(len(t.token_ids) == 3 for t in p.top)
+    assert all(r == 1 + int((want[i] > want[i, t]).sum()) for i, (r, t) in enumerate(zip(p.ranks, tok["tokens"][1:])))
+    assert [len(t.token_ids) for r in responses for t in r.top_logprobs] == [2, 2]
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_completions_equal_the_grpc_path(client: openai.OpenAI, stub, stream: bool) -> None:  # type: ignore[no-untyped-def]
     prompt = "Once upon a time, in a small village,"
     want_text, want_ids, last = grpc_generate(stub, prompt, max_tokens=24, ignore_eos=True)

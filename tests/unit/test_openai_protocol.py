@@ -42,15 +42,17 @@ def bad(kind, body: dict | bytes) -> BadRequest:  # type: ignore[no-untyped-def]
     (CompletionRequest, {"prompt": "x", "n": 5}, "n", "n=5: only one choice per request is supported"),
     (CompletionRequest, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options",
      "stream_options is only allowed with stream=true"),
-    (CompletionRequest, {"prompt": "x", "logprobs": 3}, "logprobs", "logprobs=3: top alternatives are not returned"),
-    (ChatRequest, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "top_logprobs=2"),
+    (CompletionRequest, {"prompt": "x", "logprobs": 21}, "logprobs", "logprobs=21: at most 20 alternatives per token"),
+    (CompletionRequest, {"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens=0 returns nothing; send echo=true"),
+    (ChatRequest, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs",
+     "top_logprobs needs logprobs=true"),
     (CompletionRequest, {"prompt": "x", "seed": -1}, "seed", "'seed' is -1, outside [0, 18446744073709551615]"),
     (CompletionRequest, {"prompt": [1, -2]}, "prompt", "'prompt' holds token ids [-2]"),
     (CompletionRequest, {"prompt": ["a", "b"]}, "prompt", "prompt holds 2 prompts; send one prompt per request"),
     (CompletionRequest, {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias", "logit_bias keys are token ids"),
     (CompletionRequest, {"prompt": "x", "min_tokens": -1}, "min_tokens", "'min_tokens' is -1"),
-    (ChatRequest, {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 0}, "prompt_logprobs",
-     "prompt_logprobs is not supported"),
+    (ChatRequest, {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 30}, "prompt_logprobs",
+     "prompt_logprobs=30: at most 20"),
     (ChatRequest, {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
      "response_format", "response_format type must be text, json_object or json_schema, got 'xml'"),
     (ChatRequest, {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
@@ -138,7 +140,7 @@ def test_completion_output_with_logprobs_and_token_ids() -> None:
     choice = out.whole()["choices"][0]
     assert choice["text"] == "Hi there" and choice["token_ids"] == [10, 11, 12] and choice["finish_reason"] == "stop"
     assert choice["logprobs"] == {"tokens": ["<10>", "<11>", "<12>"], "token_logprobs": [-0.5, -1.0, -0.25],
-                                  "top_logprobs": None, "text_offset": None}
+                                  "top_logprobs": None, "text_offset": [0, 4, 8]}
 
 
 @pytest.mark.parametrize(("fields", "kind", "value"), [
@@ -268,3 +270,46 @@ def test_the_sampling_controls_map_onto_the_grpc_fields() -> None:
     assert s.repetition_penalty == pytest.approx(1.2) and dict(s.logit_bias) == {7: -100.0, 42: 2.5}
     plain = to_generate(parse(CompletionRequest, b'{"prompt": "x"}'), "r", None, None).sampling
     assert not plain.HasField("repetition_penalty") and not plain.logit_bias and plain.min_tokens == 0
+
+
+def test_echo_with_logprobs_and_max_tokens_0_is_the_shape_lm_eval_scores() -> None:
+    """lm-evaluation-harness's log-likelihood request: echo, logprobs 1, max_tokens 0 (the
+    prompt's per-token logprobs and top alternatives, nothing generated): it reads
+    token_logprobs[ctxlen:] and checks each against max(top_logprobs[i].values())."""
+    req = parse(CompletionRequest, json.dumps({"prompt": [5, 6, 7], "echo": True, "logprobs": 1,
+                                               "max_tokens": 0, "temperature": 0}).encode())
+    s = to_generate(req, "r", [5, 6, 7], None).sampling
+    assert (s.max_tokens, s.logprobs, s.top_logprobs, s.prompt_logprobs) == (1, True, 1, 1)
+    out = Output("completion", "cmpl-1", "m", include_logprobs=True, token_text=lambda t: f"<{t}>",
+                 prompt_ids=[5, 6, 7], echo="<5><6><7>", hide=True, num_top=1)
+    r = pb.GenerateResponse(token_ids=[9], text="<9>", logprobs=[-0.1], top_logprobs=[pb.TopLogprobs(
+        token_ids=[9], logprobs=[-0.1])], finish_reason=pb.FINISH_REASON_LENGTH, prompt_logprobs=pb.PromptLogprobs(
+        logprobs=[-2.0, -0.5], ranks=[3, 1], top=[pb.TopLogprobs(token_ids=[8], logprobs=[-1.0]),
+                                                  pb.TopLogprobs(token_ids=[7], logprobs=[-0.5])]))
+    r.usage.prompt_tokens, r.usage.completion_tokens = 3, 1
+    out.add(r)
+    choice = out.whole()["choices"][0]
+    assert choice["text"] == "<5><6><7>"  # the prompt, and nothing generated
+    assert choice["logprobs"] == {"tokens": ["<5>", "<6>", "<7>"], "token_logprobs": [None, -2.0, -0.5],
+                                  "top_logprobs": [None, {"<8>": -1.0}, {"<7>": -0.5}], "text_offset": [0, 3, 6]}
+    assert out.whole()["usage"]["completion_tokens"] == 0
+    greedy = [lp == max(top.values()) for lp, top in zip(choice["logprobs"]["token_logprobs"][1:],
+                                                         choice["logprobs"]["top_logprobs"][1:], strict=True)]
+    assert greedy == [False, True]
+
+
+def test_chat_top_logprobs_and_vllm_prompt_logprobs() -> None:
+    out = Output("chat", "chatcmpl-1", "m", include_logprobs=True, token_text=lambda t: f"<{t}>",
+                 prompt_ids=[1, 2], prompt_logprobs=1)
+    r = pb.GenerateResponse(token_ids=[4], text="<4>", logprobs=[-0.3], finish_reason=pb.FINISH_REASON_STOP,
+                            top_logprobs=[pb.TopLogprobs(token_ids=[4, 5], logprobs=[-0.3, -1.5])],
+                            prompt_logprobs=pb.PromptLogprobs(logprobs=[-4.0], ranks=[7], top=[pb.TopLogprobs(
+                                token_ids=[3], logprobs=[-0.2])]))
+    r.usage.prompt_tokens, r.usage.completion_tokens = 2, 1
+    out.add(r)
+    choice = out.whole()["choices"][0]
+    [entry] = choice["logprobs"]["content"]
+    assert entry["token"] == "<4>" and entry["logprob"] == pytest.approx(-0.3)
+    assert [(t["token"], round(t["logprob"], 3)) for t in entry["top_logprobs"]] == [("<4>", -0.3), ("<5>", -1.5)]
+    assert choice["prompt_logprobs"] == [None, {"3": {"logprob": pytest.approx(-0.2), "rank": 1, "decoded_token": "<3>"},
+                                                "2": {"logprob": -4.0, "rank": 7, "decoded_token": "<2>"}}]
