@@ -35,7 +35,8 @@ from router.frontend import (MAX_TEXT_CHARS_PER_TOKEN, NOT_SERVING, OFF_LOOP_CHA
                              serving_facts)
 from router.members import Members
 from router.openai_protocol import (BadRequest, ChatRequest, CompletionRequest, DetokenizeRequest, Output,
-                                    TokenizeRequest, messages_as_dicts, new_id, parse, single_prompt, to_generate)
+                                    TokenizeRequest, merged, messages_as_dicts, new_id, parse, prompts_of, sum_usage,
+                                    to_generate)
 from router.servicer import Generation
 from router.reasoning import ReasoningParser
 from router.reasoning import parser_for_template as reasoning_for_template
@@ -158,14 +159,21 @@ class OpenAIServer:
         req = parse(CompletionRequest, await self._body(request))
         model = self._check_model(req.model)
         rid = new_id("completion")
-        prompt_ids, text = None, None
-        if req.echo or req.prompt_logprobs is not None:  # the prompt's tokens are returned: tokenized here
-            prompt_ids, text = await self._prompt(single_prompt(req.prompt))
-        generate = to_generate(req, req.request_id or rid, prompt_ids, None, constraint_of(req))
-        return await self._run(request, req.stream, req.stream_options, generate, Output(
-            "completion", rid, model, req.logprobs is not None, self._token_text, return_token_ids=req.return_token_ids,
-            prompt_ids=prompt_ids, echo=text if req.echo else None, hide=req.echo and req.max_tokens == 0,
-            prompt_logprobs=req.prompt_logprobs, num_top=req.logprobs or 0))
+        prompts = prompts_of(req.prompt)
+        constraint = constraint_of(req)
+        parts = []
+        for i, prompt in enumerate(prompts):
+            prompt_ids, text = None, None
+            if req.echo or req.prompt_logprobs is not None:  # the prompt's tokens are returned: tokenized here
+                prompt_ids, text = await self._prompt(prompt)
+            request_id = (req.request_id or rid) + (f"-{i}" if len(prompts) > 1 else "")
+            generate = to_generate(req, request_id, prompt_ids if prompt_ids is not None else prompt, None, constraint)
+            parts.append((generate, Output(
+                "completion", rid, model, req.logprobs is not None, self._token_text,
+                return_token_ids=req.return_token_ids, prompt_ids=prompt_ids, echo=text if req.echo else None,
+                hide=req.echo and req.max_tokens == 0, prompt_logprobs=req.prompt_logprobs, num_top=req.logprobs or 0,
+                index=i)))
+        return await self._run(request, req.stream, req.stream_options, parts)
 
     async def _prompt(self, prompt: str | list[int]) -> tuple[list[int], str]:
         """A completion prompt's token ids and text (a long one tokenized off the event loop)."""
@@ -217,57 +225,89 @@ class OpenAIServer:
             out = ToolCallOutput("chat", rid, model, req.logprobs, self._token_text, plan=plan, **fields)
         else:
             out = Output("chat", rid, model, req.logprobs, self._token_text, **fields)
-        return await self._run(request, req.stream, req.stream_options, generate, out)
+        return await self._run(request, req.stream, req.stream_options, [(generate, out)])
 
-    async def _run(self, request: web.Request, stream: bool, options: Any, generate: Any,
-                   out: Output) -> web.StreamResponse:
-        responses = self.generation.stream(generate, [(k.lower(), v) for k, v in request.headers.items()], None,
-                                           route=out.kind)
+    async def _run(self, request: web.Request, stream: bool, options: Any, parts: list[tuple[Any, Output]]
+                   ) -> web.StreamResponse:
+        """Runs each (GenerateRequest, Output) part, a choice of one answer (several prompts of a
+        completion, or n > 1), at once: one JSON body, or one event stream interleaving them."""
+        headers = [(k.lower(), v) for k, v in request.headers.items()]
+        streams = [self.generation.stream(g, headers, None, route=out.kind) for g, out in parts]
+        outs = [out for _, out in parts]
         try:
-            try:
-                first = await anext(responses)  # a refusal before the first token is an HTTP error
-            except RequestFailed as e:
-                return failed(e)
-            except StopAsyncIteration:
-                return failed(RequestFailed(grpc.StatusCode.INTERNAL, "the request ended without a response"))
+            firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+            for f in firsts:  # a refusal before the first token is an HTTP error
+                if isinstance(f, RequestFailed):
+                    return failed(f)
+                if isinstance(f, StopAsyncIteration):
+                    return failed(RequestFailed(grpc.StatusCode.INTERNAL, "the request ended without a response"))
+                if isinstance(f, BaseException):
+                    raise f
             if not stream:
-                return await self._whole(responses, first, out)
-            return await self._stream(request, responses, first, out, bool(options and options.include_usage))
+                return await self._whole(streams, firsts, outs)
+            return await self._stream(request, streams, firsts, outs, bool(options and options.include_usage))
         finally:
-            await responses.aclose()
+            for s in streams:
+                await s.aclose()
 
-    async def _whole(self, responses: AsyncIterator[Any], first: Any, out: Output) -> web.Response:
-        out.add(first)
-        try:
+    async def _whole(self, streams: list[AsyncIterator[Any]], firsts: list[Any], outs: list[Output]) -> web.Response:
+        async def collect(responses: AsyncIterator[Any], first: Any, out: Output) -> None:
+            out.add(first)
             async for r in responses:
                 out.add(r)
+
+        try:
+            await asyncio.gather(*(collect(s, f, o) for s, f, o in zip(streams, firsts, outs, strict=True)))
         except RequestFailed as e:
             return failed(e)
-        return web.json_response(out.whole(), dumps=_dumps)
+        return web.json_response(outs[0].whole() if len(outs) == 1 else merged(outs), dumps=_dumps)
 
-    async def _stream(self, request: web.Request, responses: AsyncIterator[Any], first: Any, out: Output,
-                      include_usage: bool) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, streams: list[AsyncIterator[Any]], firsts: list[Any],
+                      outs: list[Output], include_usage: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers=SSE_HEADERS)
         await resp.prepare(request)
-        r, is_first = first, True
+        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        started = [False] * len(outs)
+
+        async def pump(i: int, responses: AsyncIterator[Any]) -> None:
+            try:
+                async for r in responses:
+                    await queue.put((i, r))
+            except RequestFailed as e:
+                await queue.put((i, e))
+            await queue.put((i, None))
+
+        for i, first in enumerate(firsts):
+            queue.put_nowait((i, first))
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
         try:
-            while True:
-                out.add(r)
-                if (chunk := out.chunk(r, is_first)) is not None:
+            running = len(outs)
+            while running:
+                i, r = await queue.get()
+                if r is None:
+                    running -= 1
+                    continue
+                if isinstance(r, RequestFailed):
+                    raise r
+                outs[i].add(r)
+                if (chunk := outs[i].chunk(r, not started[i])) is not None:
                     await resp.write(_sse(chunk))
-                    is_first = False
-                try:
-                    r = await anext(responses)
-                except StopAsyncIteration:
-                    break
+                    started[i] = True
             if include_usage:
-                await resp.write(_sse(out.chunk(None)))
+                usage = outs[0].chunk(None)
+                if len(outs) > 1:
+                    usage["usage"] = sum_usage([o.usage for o in outs if o.usage is not None])
+                await resp.write(_sse(usage))
         except RequestFailed as e:  # mid-stream: an error event, then [DONE]
             status = HTTP_STATUS.get(e.code, 500)
             await resp.write(_sse({"error": {"message": e.message, "type": ERROR_TYPES.get(status, "internal_error"),
                                              "param": None, "code": status}}))
-        except ConnectionResetError:  # the client went away: closing `responses` cancels the request
+        except ConnectionResetError:  # the client went away: closing the streams cancels the requests
             return resp
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         with contextlib.suppress(ConnectionResetError):
             await resp.write(DONE)
             await resp.write_eof()

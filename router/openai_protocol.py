@@ -26,6 +26,8 @@ from proto.convert import finish_name_from_pb
 from router.reasoning import ReasoningParser, ReasoningStream
 
 INT32_MAX, UINT32_MAX, UINT64_MAX = 2**31 - 1, 2**32 - 1, 2**64 - 1
+MAX_PROMPTS = 128
+"""Prompts in one completions request (each a choice, run at once)."""
 
 
 class _Body(BaseModel):
@@ -207,10 +209,10 @@ def _arguments(text: str, index: int) -> dict[str, Any]:
     return value
 
 
-def to_generate(req: CompletionRequest | ChatRequest, request_id: str, prompt_ids: list[int] | None,
+def to_generate(req: CompletionRequest | ChatRequest, request_id: str, prompt: str | list[int],
                 max_tokens_default: int | None, constraint: tuple[str, str] | None = None) -> pb.GenerateRequest:
-    """The gRPC message for this request: `prompt_ids` (a chat's rendered prompt) or the
-    completion's own prompt; max_tokens from the request, else `max_tokens_default`;
+    """The gRPC message for this request's `prompt` (a chat's rendered token ids, or one of a
+    completion's prompts: `prompts_of`); max_tokens from the request, else `max_tokens_default`;
     `constraint` (kind, value) its structured output (router/constraints.py)."""
     _refuse_unsupported(req)
     max_tokens = req.max_tokens
@@ -255,14 +257,10 @@ def to_generate(req: CompletionRequest | ChatRequest, request_id: str, prompt_id
         sampling.constraint.kind, sampling.constraint.value = constraint
     out = pb.GenerateRequest(request_id=request_id, sampling=sampling, tenant=req.user or "",
                              priority=_within(req.priority, "priority", -INT32_MAX, INT32_MAX))
-    if prompt_ids is not None:
-        out.token_ids.ids.extend(prompt_ids)
+    if isinstance(prompt, str):
+        out.text = prompt
     else:
-        prompt = single_prompt(req.prompt) if isinstance(req, CompletionRequest) else ""
-        if isinstance(prompt, str):
-            out.text = prompt
-        else:
-            out.token_ids.ids.extend(_token_ids(prompt, "prompt"))
+        out.token_ids.ids.extend(_token_ids(prompt, "prompt"))
     return out
 
 
@@ -298,12 +296,14 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
     return out
 
 
-def single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
+def prompts_of(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+    """A completion request's prompts: one (text, or token ids), or a list of them, each its
+    own choice (at most MAX_PROMPTS)."""
     if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
-        return prompt  # type: ignore[return-value]
-    if len(prompt) != 1:
-        raise BadRequest(f"prompt holds {len(prompt)} prompts; send one prompt per request", "prompt")
-    return prompt[0]  # type: ignore[return-value]
+        return [prompt]  # type: ignore[list-item]
+    if len(prompt) > MAX_PROMPTS:
+        raise BadRequest(f"prompt holds {len(prompt)} prompts; at most {MAX_PROMPTS} per request", "prompt")
+    return list(prompt)
 
 
 def _token_ids(ids: list[int], param: str) -> list[int]:
@@ -349,6 +349,8 @@ class Output:
     """vLLM's prompt_logprobs: the choice lists each prompt token's (alternatives' too)."""
     num_top: int = 0
     """A completion's logprobs k: its top_logprobs is a list (of k alternatives a token) when k > 0."""
+    index: int = 0
+    """The choice's index: a request's prompts (completions), or its n choices."""
     created: int = field(default_factory=lambda: int(time.time()))
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -383,7 +385,8 @@ class Output:
 
     def whole(self) -> dict[str, Any]:
         text = "".join(self.text)
-        choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(self.token_ids, self.logprobs, self.top, True),
+        choice: dict[str, Any] = {"index": self.index,
+                                  "logprobs": self._logprobs(self.token_ids, self.logprobs, self.top, True),
                                   "finish_reason": self._finish_reason()}
         if self.prompt_logprobs is not None:
             choice["prompt_logprobs"] = self._prompt_entries()
@@ -410,7 +413,7 @@ class Output:
         last = r.HasField("usage")
         ids, text = ([], "") if self.hide else (list(r.token_ids), r.text)
         logprobs = self._logprobs(ids, list(r.logprobs), list(r.top_logprobs), first)
-        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs,
+        choice: dict[str, Any] = {"index": self.index, "logprobs": logprobs,
                                   "finish_reason": self._finish_reason() if last else None}
         if first and self.prompt_logprobs is not None:
             choice["prompt_logprobs"] = self._prompt_entries()
@@ -495,6 +498,22 @@ class Output:
             entry[str(token)] = {"logprob": lp, "rank": rank, "decoded_token": self.token_text(token)}
             out.append(entry)
         return out
+
+
+def merged(outputs: list[Output]) -> dict[str, Any]:
+    """One answer of several choices (several prompts, or n > 1), their usage summed."""
+    bodies = [o.whole() for o in outputs]
+    body = {**bodies[0], "choices": [b["choices"][0] for b in bodies]}
+    usages = [b["usage"] for b in bodies if b["usage"] is not None]
+    if usages:
+        body["usage"] = sum_usage(usages)
+    return body
+
+
+def sum_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
+    total = {k: sum(u[k] for u in usages) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    return {**total, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def new_id(kind: Literal["completion", "chat"]) -> str:

@@ -195,6 +195,26 @@ def test_completions_equal_the_grpc_path(client: openai.OpenAI, stub, stream: bo
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_several_prompts_in_one_completions_request_are_choices_by_index(client: openai.OpenAI, stream: bool) -> None:
+    prompts = ["The sky is", "One, two, three,", "def fibonacci(n):"]
+    alone = [client.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=8).choices[0].text
+             for p in prompts]
+    kw = dict(model=MODEL, prompt=prompts, temperature=0, max_tokens=8)
+    if stream:
+        texts, usage = ["", "", ""], None
+        for chunk in client.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+            for c in chunk.choices:
+                texts[c.index] += c.text
+            usage = chunk.usage or usage
+    else:
+        r = client.completions.create(**kw)
+        assert [c.index for c in r.choices] == [0, 1, 2]
+        texts, usage = [c.text for c in r.choices], r.usage
+    assert texts == alone
+    assert usage is not None and usage.completion_tokens == 24
+
+
 def test_sampling_controls_over_http_equal_the_grpc_path(client: openai.OpenAI, stub) -> None:  # type: ignore[no-untyped-def]
     """Penalties, min_p, logit_bias and min_tokens: the same tokens by both doors, through
     prefill (the first token) and decode (the rest); they change the greedy answer."""
@@ -287,7 +307,8 @@ def test_bad_requests_get_4xx_in_openai_shape_and_leave_nothing_held(base: str, 
         (chat, {"messages": "hi"}, 400, "'messages': Input should be a valid array"),
         (comp, {"prompt": "x", "temperature": -1}, 400, "temperature must be a finite number >= 0"),
         (comp, {"prompt": "x", "top_p": 0}, 400, "top_p must be in (0, 1]"),
-        (comp, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens must be at least 1"),
+        (comp, {"prompt": "x", "max_tokens": -1}, 400, "max_tokens must be at least 1"),
+        (comp, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens=0 returns nothing; send echo=true"),
         (comp, {"prompt": "x", "model": "gpt-4"}, 404, "the model 'gpt-4' does not exist; this server serves 'smollm2'"),
         (comp, {"prompt": [5] * 8192}, 400, "prompt has 8192 tokens; the model's context is 8192 tokens"),
         (chat, {"messages": [{"role": "user", "content": "word " * 4000}]}, 400,  # rendered off the loop

@@ -9,14 +9,14 @@ import pytest
 from proto import generate_pb2 as pb
 from router.constraints import AutoToolOutput, ToolCallOutput, ToolPlan, constraint_of, tool_plan
 from router.openai_protocol import (BadRequest, ChatRequest, CompletionRequest, Output, messages_as_dicts, parse,
-                                    to_generate)
+                                    prompts_of, to_generate)
 
 
 def bad(kind, body: dict | bytes) -> BadRequest:  # type: ignore[no-untyped-def]
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     with pytest.raises(BadRequest) as e:
         req = parse(kind, raw)
-        to_generate(req, "r", [1] if kind is ChatRequest else None, None, constraint_of(req))
+        to_generate(req, "r", [1] if kind is ChatRequest else prompts_of(req.prompt)[0], None, constraint_of(req))
         if kind is ChatRequest:
             messages_as_dicts(req.messages)
             tool_plan(req, None)
@@ -48,7 +48,7 @@ def bad(kind, body: dict | bytes) -> BadRequest:  # type: ignore[no-untyped-def]
      "top_logprobs needs logprobs=true"),
     (CompletionRequest, {"prompt": "x", "seed": -1}, "seed", "'seed' is -1, outside [0, 18446744073709551615]"),
     (CompletionRequest, {"prompt": [1, -2]}, "prompt", "'prompt' holds token ids [-2]"),
-    (CompletionRequest, {"prompt": ["a", "b"]}, "prompt", "prompt holds 2 prompts; send one prompt per request"),
+    (CompletionRequest, {"prompt": ["a"] * 129}, "prompt", "prompt holds 129 prompts; at most 128 per request"),
     (CompletionRequest, {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias", "logit_bias keys are token ids"),
     (CompletionRequest, {"prompt": "x", "min_tokens": -1}, "min_tokens", "'min_tokens' is -1"),
     (ChatRequest, {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 30}, "prompt_logprobs",
@@ -85,12 +85,13 @@ def test_a_completion_maps_onto_generate_request_and_ignores_unknown_fields() ->
         "model": "m", "prompt": "Hello", "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": -1, "seed": 3,
         "stop": "\n", "stop_token_ids": [2], "ignore_eos": True, "user": "acme", "priority": -2, "logprobs": 0,
         "some_future_field": {"x": 1}, "frequency_penalty": 0}).encode())
-    g = to_generate(req, "cmpl-1", None, None)
+    g = to_generate(req, "cmpl-1", prompts_of(req.prompt)[0], None)
     assert g.text == "Hello" and g.request_id == "cmpl-1" and g.tenant == "acme" and g.priority == -2
     s = g.sampling
     assert (s.max_tokens, round(s.temperature, 3), round(s.top_p, 3), s.top_k, s.seed) == (7, 0.5, 0.9, 0, 3)
     assert list(s.stop) == ["\n"] and list(s.stop_token_ids) == [2] and s.ignore_eos and s.logprobs
-    ids = to_generate(parse(CompletionRequest, b'{"prompt": [[5, 6, 7]]}'), "r", None, None)
+    [one] = prompts_of(parse(CompletionRequest, b'{"prompt": [[5, 6, 7]]}').prompt)
+    ids = to_generate(parse(CompletionRequest, b'{"prompt": [[5, 6, 7]]}'), "r", one, None)
     assert list(ids.token_ids.ids) == [5, 6, 7] and ids.sampling.max_tokens == 16 and ids.sampling.temperature == 1.0
 
 
@@ -265,10 +266,10 @@ def test_the_sampling_controls_map_onto_the_grpc_fields() -> None:
     req = parse(CompletionRequest, json.dumps({"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -0.25,
                                                "repetition_penalty": 1.2, "min_p": 0.05, "min_tokens": 3,
                                                "logit_bias": {"7": -100, "42": 2.5}}).encode())
-    s = to_generate(req, "r", None, None).sampling
+    s = to_generate(req, "r", "x", None).sampling
     assert (s.presence_penalty, s.frequency_penalty, s.min_p, s.min_tokens) == (0.5, -0.25, pytest.approx(0.05), 3)
     assert s.repetition_penalty == pytest.approx(1.2) and dict(s.logit_bias) == {7: -100.0, 42: 2.5}
-    plain = to_generate(parse(CompletionRequest, b'{"prompt": "x"}'), "r", None, None).sampling
+    plain = to_generate(parse(CompletionRequest, b'{"prompt": "x"}'), "r", "x", None).sampling
     assert not plain.HasField("repetition_penalty") and not plain.logit_bias and plain.min_tokens == 0
 
 
