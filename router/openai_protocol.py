@@ -32,13 +32,28 @@ MAX_PROMPTS = 128
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
+    """Inside a request (a message, a part): fields OpenAI's own responses carry, which clients
+    send back with the conversation (refusal, annotations...), are ignored."""
 
+
+class _Request(_Body):
+    model_config = ConfigDict(extra="allow", strict=True)
+    """A request's own fields: each one works, or is refused by name (`parse`), but for
+    `IGNORED_FIELDS`."""
+
+
+IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+                            "prediction", "reasoning_effort", "verbosity"})
+"""OpenAI's own request fields that change nothing here, ignored: metadata and storage on
+OpenAI's side, its service tiers and cache keys, a predicted output (a latency hint: the
+tokens are the same without it), and the reasoning hints of its own models. Any other field
+this API does not implement is a 400 that names it."""
 
 class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _Sampling(_Body):
+class _Sampling(_Request):
     model: str | None = None
     """The served model's name (None: it)."""
     temperature: float | None = None
@@ -125,9 +140,11 @@ class ChatRequest(_Sampling):
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    """OpenAI's: the output's kinds; only ["text"] here."""
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = None
@@ -135,7 +152,7 @@ class TokenizeRequest(_Body):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
 
@@ -151,9 +168,15 @@ class BadRequest(Exception):
 def parse(kind: type[_Body], body: bytes) -> Any:
     """The body as `kind` (raises BadRequest naming the first field at fault)."""
     try:
-        return kind.model_validate_json(body)
+        req = kind.model_validate_json(body)
     except ValidationError as e:
         errors = e.errors(include_url=False)
+    else:
+        unknown = sorted(set(req.model_extra or ()) - IGNORED_FIELDS)
+        if unknown:
+            raise BadRequest(f"unknown field '{unknown[0]}': this API does not implement it (fields OpenAI's API has "
+                             f"that change nothing here are ignored: {', '.join(sorted(IGNORED_FIELDS))})", unknown[0])
+        return req
     err = errors[0]
     if err["type"] == "json_invalid":
         raise BadRequest(f"the body is not valid JSON in UTF-8: {err['msg']}")
@@ -284,6 +307,8 @@ def _refuse_unsupported(req: CompletionRequest | ChatRequest) -> None:
         return
     if req.top_logprobs and not req.logprobs:
         raise BadRequest("top_logprobs needs logprobs=true", "top_logprobs")
+    if req.modalities not in (None, ["text"]):
+        raise BadRequest(f"modalities {req.modalities}: only text is produced here; send [\"text\"]", "modalities")
 
 
 def _logit_bias(bias: dict[str, float]) -> dict[int, float]:

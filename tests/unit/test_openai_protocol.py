@@ -80,11 +80,11 @@ def test_bad_requests_name_the_field(kind, body, param, message) -> None:  # typ
     assert e.param == param and message in e.message, (e.param, e.message)
 
 
-def test_a_completion_maps_onto_generate_request_and_ignores_unknown_fields() -> None:
+def test_a_completion_maps_onto_generate_request() -> None:
     req = parse(CompletionRequest, json.dumps({
         "model": "m", "prompt": "Hello", "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": -1, "seed": 3,
         "stop": "\n", "stop_token_ids": [2], "ignore_eos": True, "user": "acme", "priority": -2, "logprobs": 0,
-        "some_future_field": {"x": 1}, "frequency_penalty": 0}).encode())
+        "store": True, "frequency_penalty": 0}).encode())
     g = to_generate(req, "cmpl-1", prompts_of(req.prompt)[0], None)
     assert g.text == "Hello" and g.request_id == "cmpl-1" and g.tenant == "acme" and g.priority == -2
     s = g.sampling
@@ -314,3 +314,20 @@ def test_chat_top_logprobs_and_vllm_prompt_logprobs() -> None:
     assert [(t["token"], round(t["logprob"], 3)) for t in entry["top_logprobs"]] == [("<4>", -0.3), ("<5>", -1.5)]
     assert choice["prompt_logprobs"] == [None, {"3": {"logprob": pytest.approx(-0.2), "rank": 1, "decoded_token": "<3>"},
                                                 "2": {"logprob": -4.0, "rank": 7, "decoded_token": "<2>"}}]
+
+
+def test_an_unknown_field_is_refused_by_name_and_openai_s_own_no_op_fields_are_ignored() -> None:
+    with pytest.raises(BadRequest, match="unknown field 'include_stop_str_in_output'") as e:
+        parse(ChatRequest, json.dumps({"messages": [{"role": "user", "content": "x"}],
+                                       "include_stop_str_in_output": True, "store": True}).encode())
+    assert e.value.param == "include_stop_str_in_output"
+    req = parse(ChatRequest, json.dumps({"messages": [{"role": "user", "content": "x", "refusal": None},
+                                                      {"role": "assistant", "content": "y", "annotations": []}],
+                                         "store": False, "metadata": {"k": "v"}, "service_tier": "auto",
+                                         "modalities": ["text"]}).encode())
+    assert len(req.messages) == 2  # fields OpenAI's responses carry, sent back with a conversation
+    with pytest.raises(BadRequest, match="modalities"):
+        to_generate(parse(ChatRequest, json.dumps({"messages": [{"role": "user", "content": "x"}],
+                                                   "modalities": ["text", "audio"]}).encode()), "r", [1], 4)
+    with pytest.raises(BadRequest, match="unknown field 'suffixes'"):
+        parse(CompletionRequest, b'{"prompt": "x", "suffixes": 1}')
