@@ -171,6 +171,27 @@ class KVCacheManager:
         request.num_slid_blocks = n
         self.pool.free(reversed(gone))
 
+    def fork(self, parent: Request, child: Request, computed: int) -> tuple[BlockId, BlockId] | None | bool:
+        """`child` takes the blocks of `parent`'s first `computed` tokens: the full ones shared
+        (a holder more each), the partial last one, which each will write its own tokens into,
+        copied to a block of its own. Returns the (source, copy) the caller copies on the
+        device, None when nothing needs copying, False when the pool has no block for the copy
+        (nothing changed)."""
+        num_full = computed // self.block_size
+        copy: tuple[BlockId, BlockId] | None = None
+        if computed % self.block_size:
+            new = self.pool.allocate(1)
+            if new is None:
+                return False
+            copy = (parent.block_ids[num_full], new[0])
+        shared = parent.block_ids[:num_full]
+        self.pool.touch(self._own(shared))
+        child.block_ids = [*shared, *([copy[1]] if copy else [])]
+        child.block_hashes = list(parent.block_hashes)
+        child.num_cached_blocks = min(parent.num_cached_blocks, num_full)
+        child.num_slid_blocks = parent.num_slid_blocks
+        return copy
+
     def roll_back(self, request: Request) -> None:
         """Give back the blocks past the request's computed tokens (a speculative step's
         rejected slots); they hold no cached block, which needs computed tokens."""

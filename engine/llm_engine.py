@@ -37,11 +37,12 @@ from engine.model import LlamaForCausalLM
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.output_builder import OutputBuilder
-from engine.request import FinishReason, Logprob, Request, SamplingParams
+from engine.choices import children, choice_id, first_rows, repeat_rows
+from engine.request import FinishReason, Logprob, Request, RequestStatus, SamplingParams
 from engine.roles import Role, role_for
 from engine.sampler import Sampler
 from engine.overlap import Overlap
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.spec_verify import Verified
 from engine.speculator import Speculator
 from engine.step_model import StepModel
@@ -222,14 +223,30 @@ class LLMEngine:
         return RemoteBlocks(request.request_id, list(request.block_ids), request.num_cached_tokens,
                             request.num_cached_blocks)
 
-    def remote_kv_ready(self, request_id: RequestId, first_token_id: int) -> list[RequestOutput]:
-        """Decode role: the reserved blocks hold the prompt's KV; the first token came with it."""
+    def remote_kv_ready(self, request_id: RequestId, first_token_id: int,
+                        choice_tokens: Sequence[int] = ()) -> list[RequestOutput]:
+        """Decode role: the reserved blocks hold the prompt's KV; the first token came with it,
+        and with n choices the others' first tokens (`choice_tokens`): it forks into them here."""
         request = self.scheduler.requests.get(request_id)
         if request is None:
             raise InvalidRequestError(f"unknown request {request_id}")
+        if len(choice_tokens) != request.params.n - 1:
+            raise InvalidRequestError(f"request {request_id} has {request.params.n} choices; "
+                                      f"{len(choice_tokens) + 1} first tokens came")
+        kids = children(request)
+        copies = [self.kv.fork(request, child, request.num_prompt_tokens) for child in kids]
         self.scheduler.remote_kv_ready(request_id, first_token_id)
-        self._stop_if_complete(request, 1)  # a constrained request's matcher takes the first token
-        return [self.outputs.output(request, self.scheduler, self.role)]
+        outputs = []
+        for r, token, copy in [(request, first_token_id, None), *zip(kids, choice_tokens, copies, strict=True)]:
+            if r is not request:
+                self._admit_child(r, copy, running=False)
+                if copy is not False:
+                    self.scheduler.landed(r, token)
+                else:
+                    continue  # it recomputes its prompt and first token (the same, if seeded)
+            self._stop_if_complete(r, 1)  # a constrained request's matcher takes the first token
+            outputs.append(self.outputs.output(r, self.scheduler, self.role))
+        return outputs
 
     def abort(self, request_id: str, hold_blocks: bool = False) -> bool:
         """Ends the request in any state and frees its blocks (also handed-off ones), except
@@ -325,16 +342,65 @@ class LLMEngine:
     def _run(self, out: SchedulerOutput, started: float) -> list[RequestOutput]:
         """A step run and sampled here and now."""
         requests, logits = self.runner.execute(out)
+        shadows: list[Request] = []
+        if rows := first_rows(requests):  # requests of n choices at their first token (engine/choices.py)
+            requests, logits, shadows = self._fork(out, requests, logits, rows)
         if any(r.matcher is not None for r in requests):
             num_spec = {s.request.request_id: s.num_spec_tokens for s in out.scheduled if s.num_spec_tokens}
             self.constrainer.mask(logits, requests, num_spec)
         sampled, verified = (self.speculator.sample(self.sampler, out, requests, logits) if self.speculator is not None
                              else (self.sampler.sample_by_id(logits, requests), {}))
         outputs = self._apply(out, sampled, verified, started)
+        for o in outputs:  # a prefill worker sends every choice's first token, the decode worker forks
+            if kids := [s for s in shadows if s.request_id.startswith(o.request_id + "#")]:
+                o.choice_tokens = [sampled[s.request_id] for s in kids]
         if self.config.step_floor is not None:  # an emulated accelerator: the step lasts its stated time
             floor = self.config.step_floor.seconds(sum(s.num_new_tokens for s in out.scheduled), len(out.scheduled))
             time.sleep(max(started + floor - time.perf_counter(), 0.0))
         return outputs
+
+    def _fork(self, out: SchedulerOutput, requests: list[Request], logits: torch.Tensor, rows: list[int]
+              ) -> tuple[list[Request], torch.Tensor, list[Request]]:
+        """Each request at `rows` forks into its n choices, which draw from its logits row. On a
+        prefill worker the other choices are shadows, drawn and not run (returned last); else
+        they join the step as running requests sharing the parent's blocks."""
+        steps = {s.request.request_id: s for s in out.scheduled}
+        added: list[Request] = []
+        shadows: list[Request] = []
+        for row in rows:
+            parent = requests[row]
+            kids = children(parent)
+            if self.config.role == "prefill":
+                shadows += kids
+                continue
+            s = steps[parent.request_id]
+            for child in kids:
+                copy = self.kv.fork(parent, child, parent.num_computed_tokens + s.num_new_tokens)
+                self._admit_child(child, copy, running=True)
+                if copy is not False:
+                    out.scheduled.append(ScheduledRequest(child, s.num_new_tokens))
+                    added.append(child)
+        drawn = [*added, *shadows]
+        parents = [requests.index(next(p for p in requests if d.request_id.startswith(p.request_id + "#")))
+                   for d in drawn]
+        return [*requests, *drawn], repeat_rows(logits, parents, [1] * len(parents)), shadows
+
+    def _admit_child(self, child: Request, copy: tuple[int, int] | None | bool, running: bool) -> None:
+        """A forked choice into the scheduler: with its blocks (running in this step, or left
+        for `Scheduler.landed` to queue), or, without a block for its copy, preempted to
+        recompute (it draws the same tokens then, if seeded)."""
+        if isinstance(copy, tuple):
+            self.kv_pool.tensor[copy[1]].copy_(self.kv_pool.tensor[copy[0]])
+        if copy is False:
+            child.status, child.num_computed_tokens, child.output_token_ids = RequestStatus.PREEMPTED, 0, []
+            self.scheduler.waiting.append(child)
+        elif running:
+            self.scheduler.running.append(child)
+        self.scheduler.requests[child.request_id] = child
+        if child.params.constraint is not None:
+            self.constrainer.start(child)
+        if self.tokenizer is not None and self.config.detokenize:
+            self.outputs.start(child)
 
     def _apply(self, out: SchedulerOutput, sampled: Mapping[RequestId, tuple[int, float | Logprob | None]],
                verified: Mapping[RequestId, Verified], started: float) -> list[RequestOutput]:
@@ -376,9 +442,11 @@ class LLMEngine:
     def generate(
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[Completion]:
-        """Offline: run all prompts to completion as one continuous batch."""
+        """Offline: run all prompts to completion as one continuous batch; a prompt of n
+        choices gives n completions in a row (choice 0 first)."""
         per = params if isinstance(params, Sequence) else [params] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, per, strict=True)]
+        ids = [choice_id(rid, i) for p, sp in zip(prompts, per, strict=True)
+               for rid in [self.add_request(p, sp)] for i in range((sp or SamplingParams()).n)]
         acc: dict[RequestId, Completion] = {}
         while self.has_unfinished():
             for o in self.step():

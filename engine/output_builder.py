@@ -37,7 +37,7 @@ class OutputBuilder:
         """The request's `num_new` last tokens (more than one: accepted proposals), detokenized."""
         rid = request.request_id
         tokens = request.output_token_ids[-num_new:]
-        if len(request.output_token_ids) == num_new:
+        if len(request.output_token_ids) == num_new and request.choice_index == 0:  # a prompt counts once
             self.num_prompt_tokens += request.num_prompt_tokens
             self.num_cached_tokens += request.num_cached_tokens
         text, stopped = "", False

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.request import FinishReason, PromptLogprob, Request, TopLogprobs
+from engine.request import FinishReason, Logprob, PromptLogprob, Request, TopLogprobs
 from engine.types import BlockId, RequestId
 
 
@@ -24,6 +24,9 @@ class RequestOutput:
     """With top_logprobs: each new token's alternatives."""
     prompt_logprobs: list[PromptLogprob] | None = None
     """With prompt_logprobs, on the request's first output: its prompt tokens' (from the second)."""
+    choice_tokens: list[tuple[int, float | Logprob | None]] = field(default_factory=list)
+    """A prefill worker's first output of a request of n choices: the other choices' first
+    tokens (engine/choices.py), which the decode worker forks with."""
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0

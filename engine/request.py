@@ -36,6 +36,8 @@ class FinishReason(enum.Enum):
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_CHOICES = 16
+"""Choices (`n`) one request may ask for."""
 MAX_TOP_LOGPROBS = 20
 """Alternatives a request may ask for per token (vLLM's default max_logprobs; OpenAI's chat limit)."""
 MAX_LOGIT_BIAS = 1024
@@ -136,6 +138,10 @@ class SamplingParams:
     output_prefix: int = 0
     """The prompt's last this many tokens are this output's, sent on an earlier try (a router
     retry re-prefills them): the frequency and presence penalties count them as output."""
+    n: int = 1
+    """Choices: the prompt is computed once, and at its first token the request forks into n
+    sequences sharing its blocks (engine/choices.py); choice i draws as a request of seed
+    `seed + i` would (unseeded: from the engine's stream)."""
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -172,6 +178,8 @@ class SamplingParams:
                                       f"{self.top_logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise InvalidRequestError(f"n must be in [1, {MAX_CHOICES}], got {self.n}")
         if self.output_prefix < 0:
             raise InvalidRequestError(f"output_prefix must be >= 0, got {self.output_prefix}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
@@ -228,6 +236,9 @@ class Request:
     num_slid_blocks: int = 0
     """Leading entries of `block_ids` that are the null block: every layer's sliding window
     has passed them, so their blocks went back to the pool (`KVCacheManager.slide`)."""
+    choice_index: int = 0
+    """Of a request with n choices, which this one is (0: the request itself; the others are
+    forked from it at its first token, with ids `choice_id(request_id, i)`)."""
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0

@@ -105,6 +105,11 @@ class Scheduler:
         request = self.requests[request_id]
         if request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
             raise InvalidRequestError(f"request {request_id} is not waiting for remote KV")
+        self.landed(request, first_token_id)
+
+    def landed(self, request: Request, first_token_id: int) -> None:
+        """A request whose blocks hold its prompt's KV (a remote prefill's, or its parent's
+        for a forked choice) and whose first token is drawn: it waits to decode from there."""
         request.num_computed_tokens = request.num_prompt_tokens
         self.kv.cache_computed_blocks(request)
         request.append_output(first_token_id)
