@@ -83,7 +83,7 @@ class RemoteKV:
                              type(ev).__name__, ev.reservation_id, rid)
             elif isinstance(ev, KVArrived):
                 del self._reservations[rid]
-                for out in self.engine.remote_kv_ready(rid, ev.first_token_id):
+                for out in self.engine.remote_kv_ready(rid, ev.first_token_id, ev.choice_token_ids):
                     results.append(Landed(rid, out, ev.arrived_at - ev.opened_at, ev.trace))
             else:
                 del self._reservations[rid]

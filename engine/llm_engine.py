@@ -38,7 +38,7 @@ from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.output_builder import OutputBuilder
 from engine.choices import children, choice_id, first_rows, repeat_rows
-from engine.request import FinishReason, Logprob, Request, RequestStatus, SamplingParams
+from engine.request import MAX_CHOICES, FinishReason, Logprob, Request, RequestStatus, SamplingParams
 from engine.roles import Role, role_for
 from engine.sampler import Sampler
 from engine.overlap import Overlap
@@ -258,6 +258,9 @@ class LLMEngine:
         rid = RequestId(request_id)
         if hold_blocks:
             self.kv.begin_transfer(rid)
+        for i in range(1, MAX_CHOICES):  # its other choices, forked from it (engine/choices.py)
+            if self.scheduler.abort(choice_id(rid, i)):
+                self.outputs.forget(choice_id(rid, i))
         aborted = self.scheduler.abort(rid)
         released = self.kv.release(rid)  # held for a hand-off no transfer uses any more
         self.outputs.forget(rid)
@@ -350,10 +353,10 @@ class LLMEngine:
             self.constrainer.mask(logits, requests, num_spec)
         sampled, verified = (self.speculator.sample(self.sampler, out, requests, logits) if self.speculator is not None
                              else (self.sampler.sample_by_id(logits, requests), {}))
+        for r in requests:  # a prefill worker sends every choice's first token; the decode worker forks
+            if shadows and r.choice_index == 0 and r.params.n > 1 and not r.output_token_ids:
+                r.choice_tokens = [sampled[s.request_id] for s in shadows if s.request_id.startswith(r.request_id + "#")]
         outputs = self._apply(out, sampled, verified, started)
-        for o in outputs:  # a prefill worker sends every choice's first token, the decode worker forks
-            if kids := [s for s in shadows if s.request_id.startswith(o.request_id + "#")]:
-                o.choice_tokens = [sampled[s.request_id] for s in kids]
         if self.config.step_floor is not None:  # an emulated accelerator: the step lasts its stated time
             floor = self.config.step_floor.seconds(sum(s.num_new_tokens for s in out.scheduled), len(out.scheduled))
             time.sleep(max(started + floor - time.perf_counter(), 0.0))

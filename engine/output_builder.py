@@ -70,6 +70,7 @@ class OutputBuilder:
             new_top_logprobs=request.output_top_logprobs[-len(tokens):] if request.params.top_logprobs else [],
             prompt_logprobs=list(request.prompt_logprobs) if request.params.prompt_logprobs is not None and
             len(request.output_token_ids) == len(tokens) else None,
+            choice_tokens=request.choice_tokens if len(request.output_token_ids) == len(tokens) else [],
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             num_preemptions=request.num_preemptions,

@@ -239,6 +239,9 @@ class Request:
     choice_index: int = 0
     """Of a request with n choices, which this one is (0: the request itself; the others are
     forked from it at its first token, with ids `choice_id(request_id, i)`)."""
+    choice_tokens: list[tuple[int, float | Logprob | None]] = field(default_factory=list)
+    """On a prefill worker, a request of n choices: the others' first tokens (and logprobs),
+    drawn with its own; they travel with it to the decode worker, which forks with them."""
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0

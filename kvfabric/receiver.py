@@ -235,7 +235,7 @@ class FabricReceiver:
             elif isinstance(msg, Ready):
                 if msg.runs:  # one-sided copies reported with the ready
                     self._record_written(msg.rid, writer, msg.runs)
-                error = self.table.ready(msg.rid, writer, msg.first_token_id, msg.num_tokens)
+                error = self.table.ready(msg.rid, writer, msg.first_token_id, msg.num_tokens, msg.choice_token_ids)
                 reply = {"t": "ready_ack", "rid": msg.rid, "error": error}
             elif isinstance(msg, RevokeAck):
                 self.table.fence(msg.rid, writer)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -76,6 +76,8 @@ class KVArrived:
     """Receiver clock when the last byte and `ready` were in: the transfer window ends here."""
     trace: str = ""
     """The sender's W3C `traceparent` from its `open` (empty: none)."""
+    choice_token_ids: tuple[int, ...] = ()
+    """A request of n choices: the other choices' first tokens."""
 
 
 @dataclass(frozen=True)
@@ -214,7 +216,8 @@ class ReservationTable:
             for index, num_blocks in runs:
                 res.mark_written(index, num_blocks)
 
-    def ready(self, reservation_id: int, writer: int, first_token_id: int, num_tokens: int) -> str | None:
+    def ready(self, reservation_id: int, writer: int, first_token_id: int, num_tokens: int,
+              choice_token_ids: Sequence[int] = ()) -> str | None:
         """The sender says everything is sent. Returns an error (and fails the transfer) or None."""
         res = self._open(reservation_id, writer)
         if res is None:
@@ -228,7 +231,7 @@ class ReservationTable:
         assert res.opened_at is not None  # set by bind, the only way to OPEN
         self._events.append(
             KVArrived(res.request_id, reservation_id, first_token_id, num_tokens, res.opened_at, self.clock(),
-                      res.trace))
+                      res.trace, tuple(choice_token_ids)))
         return None
 
     def fail(self, reservation_id: int, writer: int, reason: str) -> None:

@@ -19,7 +19,7 @@ import logging
 import socket
 import threading
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvfabric.address import ONE_SIDED, FabricAddress, Ticket, local_host_id, route_address
@@ -83,14 +83,16 @@ class Transfer:
             self._check_usable()
             self.peer.write(self, runs, after)
 
-    def finish(self, first_token_id: int, num_tokens: int) -> None:
-        """After all data: hand over the first token; returns once the receiver accepted."""
+    def finish(self, first_token_id: int, num_tokens: int, choice_token_ids: Sequence[int] = ()) -> None:
+        """After all data: hand over the first token (and a request of n choices, the others'
+        first tokens); returns once the receiver accepted."""
         with self.lock:
             self._check_usable()
             self.done = True
         try:
             reply = self.peer.request({"t": "ready", "rid": self.ticket.reservation_id, "runs": self.unreported,
-                                       "first_token_id": first_token_id, "num_tokens": num_tokens})
+                                       "first_token_id": first_token_id, "num_tokens": num_tokens,
+                                       "choice_token_ids": list(choice_token_ids)})
         finally:
             self.peer.forget(self)
         if reply.get("error"):

@@ -57,6 +57,9 @@ Runs = Annotated[list[tuple[int, int]], msgspec.Meta(max_length=MAX_RUNS)]
 """Block runs (position in the reservation, number of blocks)."""
 
 
+MAX_CHOICE_TOKENS = 15
+"""First tokens of a request's other choices a `ready` carries (engine/request.py MAX_CHOICES - 1)."""
+
 class Open(msgspec.Struct, frozen=True, tag_field="t", tag="open"):
     rid: int
     trace: str = ""
@@ -73,6 +76,9 @@ class Ready(msgspec.Struct, frozen=True, tag_field="t", tag="ready"):
     num_tokens: int
     runs: Runs = msgspec.field(default_factory=list)
     """One-sided: the runs copied since the last report."""
+    choice_token_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_CHOICE_TOKENS)] = msgspec.field(
+        default_factory=list)
+    """A request of n choices: the other choices' first tokens (engine/choices.py)."""
 
 
 class RevokeAck(msgspec.Struct, frozen=True, tag_field="t", tag="revoke_ack"):

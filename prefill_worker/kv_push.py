@@ -106,6 +106,8 @@ class Finish:
 
     first_token_id: int
     num_tokens: int
+    choice_token_ids: tuple[int, ...] = ()
+    """A request of n choices: the others' first tokens, for the decode worker to fork with."""
 
 
 @dataclass(frozen=True)
@@ -173,7 +175,7 @@ class _Lane:
             h.num_blocks += len(job.block_ids)
         elif isinstance(job, Finish):
             assert h.transfer is not None
-            h.transfer.finish(job.first_token_id, job.num_tokens)
+            h.transfer.finish(job.first_token_id, job.num_tokens, job.choice_token_ids)
         return True
 
 
@@ -227,7 +229,8 @@ class KVPusher:
             return
         started = time.perf_counter()
         self._push_upto(handoff, block_ids, len(block_ids), last=True)
-        self._queue(handoff, Finish(first_token_id, request.num_prompt_tokens))
+        self._queue(handoff, Finish(first_token_id, request.num_prompt_tokens,
+                                    tuple(t for t, _ in request.choice_tokens)))
         handoff.engine_s += time.perf_counter() - started
 
     def cancel(self, request_id: str, reason: str = "aborted") -> bool:

@@ -39,9 +39,11 @@ def prefill_main(pipe: Connection, model_dir: str, transport: str, budget: int, 
                     failed[d.request_id] = d.error
             pipe.send(("ok", {h.request_id: failed.get(h.request_id) for h in handoffs}))
             continue
-        # "prefill": [(prompt token ids, request id, max_tokens)] -> first tokens, pushes, errors
-        for prompt, rid, max_tokens in args[0]:
-            engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), rid)
+        # "prefill": [(prompt token ids, request id, max_tokens[, more SamplingParams fields])] -> first
+        # tokens, pushes, errors
+        for prompt, rid, max_tokens, *more in args[0]:
+            engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **(more[0] if more else {})),
+                               rid)
         firsts, done, pool_bytes, pushed = {}, [], {}, {}
         while engine.has_unfinished() or pusher.num_open:
             if engine.has_schedulable():

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from decode_worker.kv_receive import RemoteFailure, RemoteKV
+from engine.choices import choice_id, choice_params
 from engine.model_config import ModelConfig
 from engine.request import FinishReason, SamplingParams
 from kvfabric import ShmKVAllocator
@@ -165,3 +166,35 @@ def test_every_architecture_crosses_kvfabric_with_the_tokens_of_transformers(tin
     finally:
         remote.close()
         peer.stop()
+
+
+def test_n_choices_cross_kvfabric_once_and_fork_on_the_decode_worker(tiny_llama_dir: str, prefill: Peer,
+                                                                     decode: RemoteKV) -> None:
+    """n = 4, seeded: the prompt is prefilled and pushed once (its 6 blocks); the other choices'
+    first tokens ride with the first one in kvfabric's ready; the decode worker forks: 5 full
+    blocks shared, the partial one copied 3 times; each choice equals a request of seed + i
+    alone; every block comes back."""
+    [prompt] = random_prompts([22], 512, seed=21)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=11, n=4, ignore_eos=True)
+    ticket = decode.reserve(prompt, params, request_id="n4")
+    assert ticket is not None and len(ticket.block_ids) == 6
+    prefill.call("attach", [ticket.to_wire()])
+    reply = prefill.call("prefill", [(prompt, "n4", MAX_TOKENS, {"temperature": 1.0, "seed": 11, "n": 4})],
+                         timeout_s=60)
+    assert reply["pushed_blocks"] == {"n4": 6} and reply["in_use"] == 0
+    tokens = {choice_id("n4", i): [] for i in range(4)}
+    arrived = 0
+    deadline = time.monotonic() + 60
+    while arrived < 4:  # the parent's and its choices' first tokens land together
+        assert time.monotonic() < deadline
+        for item in decode.pump(timeout_s=0.05):
+            assert not isinstance(item, RemoteFailure)
+            tokens[item.output.request_id] += item.output.new_token_ids
+            arrived += 1
+    assert decode.engine.block_pool.usage().num_in_use == 6 + 3
+    while decode.engine.has_unfinished():
+        for out in decode.engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    alone = [make_engine(tiny_llama_dir).generate([prompt], choice_params(params, i))[0].token_ids for i in range(4)]
+    assert [tokens[choice_id("n4", i)] for i in range(4)] == alone
+    assert decode.engine.check_invariants().num_in_use == 0
