@@ -30,6 +30,7 @@ from control.heartbeat import ModelFacts
 from control.worker_config import WorkerConfig, on_this_node
 from control.worker_host import HostedWorker, WorkerHost, engine_load_reader, next_event, status_for
 from decode_worker.kv_receive import Landed, RemoteFailure, RemoteKV
+from engine.choices import parent_of
 from engine.engine_loop import EngineLoop, freeze_startup_heap
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.step_profile import profile_decode
@@ -48,11 +49,18 @@ Item = RequestOutput | Landed | RemoteFailure
 
 @dataclass
 class _Decode:
-    """One request on this worker, on the asyncio side: what the engine thread sends it."""
+    """One request on this worker, on the asyncio side: what the engine thread sends it (its
+    n choices' outputs too, engine/choices.py)."""
 
     request_id: str
+    n: int = 1
     events: asyncio.Queue[Item] = field(default_factory=asyncio.Queue)
-    finished: bool = False
+    done: set[int] = field(default_factory=set)
+    """Choices finished."""
+
+    @property
+    def finished(self) -> bool:
+        return len(self.done) == self.n
 
 
 class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
@@ -95,7 +103,7 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
         rid = request.request_id
         if (refusal := self.host.refusal(rid, self._requests)) is not None:
             await context.abort(*refusal)
-        state = self._requests[rid] = _Decode(rid)
+        state = self._requests[rid] = _Decode(rid, max(request.sampling.n, 1))
         parent = tracing.extract(context.invocation_metadata())
         span = tracing.child("decode.stream", parent, tracing.SpanKind.SERVER, splitserve__request_id=rid) \
             if request.local_prefill else tracing.NO_SPAN  # remote: it starts when the KV and first token land
@@ -138,23 +146,28 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
     async def _next(self, state: _Decode, context: grpc.aio.ServicerContext) -> Item:
         item = await next_event(state.events, context, f"request {state.request_id} on {self.worker_id}")
         if isinstance(item, RemoteFailure):
-            state.finished = True  # the engine already ended it
+            state.done = set(range(state.n))  # the engine already ended it
             await context.abort(*status_for(FabricError(f"request {state.request_id}: {item.reason}")))
-        state.finished = item.output.finished if isinstance(item, Landed) else item.finished
+        out = item.output if isinstance(item, Landed) else item
+        if out.finished:
+            state.done.add(out.choice_index)
         return item
 
     @staticmethod
     def _events(rid: str, item: Item) -> list[pb.DecodeEvent]:
-        if isinstance(item, Landed):  # the first token came from the prefill worker: not sent again
-            events = [pb.DecodeEvent(arrived=pb.Arrived(transfer_window_ms=item.transfer_window_s * 1e3))]
-            if item.output.finished:
-                events.append(pb.DecodeEvent(tokens=pb.Tokens(finish_reason=finish_to_pb(item.output.finish_reason))))
+        if isinstance(item, Landed):  # the first tokens came from the prefill worker: not sent again
+            out = item.output
+            events = [pb.DecodeEvent(arrived=pb.Arrived(transfer_window_ms=item.transfer_window_s * 1e3))] \
+                if out.choice_index == 0 else []
+            if out.finished:
+                events.append(pb.DecodeEvent(tokens=pb.Tokens(finish_reason=finish_to_pb(out.finish_reason),
+                                                              choice=out.choice_index)))
             return events
         assert isinstance(item, RequestOutput)
         return [pb.DecodeEvent(tokens=pb.Tokens(
             token_ids=item.new_token_ids, logprobs=item.new_logprobs, finish_reason=finish_to_pb(item.finish_reason),
             num_cached_tokens=item.num_cached_tokens, top_logprobs=top_logprobs_to_pb(item.new_top_logprobs),
-            prompt_logprobs=prompt_logprobs_to_pb(item.prompt_logprobs)))]
+            prompt_logprobs=prompt_logprobs_to_pb(item.prompt_logprobs), choice=item.choice_index))]
 
     async def _admit(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> pb.Reserved | None:
         rid = request.request_id
@@ -178,7 +191,8 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
 
     def _deliver(self, items: list[Item]) -> None:
         for item in items:
-            state = self._requests.get(item.request_id)
+            rid = item.output.request_id if isinstance(item, Landed) else item.request_id
+            state = self._requests.get(rid) or self._requests.get(parent_of(rid)[0])
             if state is not None:
                 state.events.put_nowait(item)
 

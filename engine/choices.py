@@ -28,6 +28,12 @@ def choice_id(request_id: str, index: int) -> RequestId:
     return RequestId(request_id if index == 0 else f"{request_id}#{index}")
 
 
+def parent_of(request_id: str) -> tuple[str, int]:
+    """(the request's id, the choice) of a choice's id; (the id, 0) for a request's own."""
+    parent, sep, index = request_id.rpartition("#")
+    return (parent, int(index)) if sep and index.isdigit() else (request_id, 0)
+
+
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
     """Choice `index`'s sampling: one sequence, its own seed stream."""
     seed = None if params.seed is None else (params.seed + index) % (1 << 64)

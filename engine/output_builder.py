@@ -71,6 +71,7 @@ class OutputBuilder:
             prompt_logprobs=list(request.prompt_logprobs) if request.params.prompt_logprobs is not None and
             len(request.output_token_ids) == len(tokens) else None,
             choice_tokens=request.choice_tokens if len(request.output_token_ids) == len(tokens) else [],
+            choice_index=request.choice_index,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             num_preemptions=request.num_preemptions,

@@ -297,6 +297,8 @@ class Scheduler:
             for token in tokens:
                 request.append_output(*token)
                 reason = request.stop_reason_for_last_token(self.context_limit)
+                if request.choice_tokens:  # a prefill worker's request of n choices: the decode worker ends each
+                    reason = None
                 if reason is not None:
                     break
             # a stop among accepted proposals: the KV after it is not kept

@@ -128,7 +128,10 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
                         token_id=item.new_token_ids[0], logprobs=item.new_logprobs,
                         finish_reason=finish_to_pb(reason), num_cached_tokens=item.num_cached_tokens,
                         top_logprobs=top_logprobs_to_pb(item.new_top_logprobs),
-                        prompt_logprobs=prompt_logprobs_to_pb(item.prompt_logprobs)))
+                        prompt_logprobs=prompt_logprobs_to_pb(item.prompt_logprobs),
+                        choice_token_ids=[t for t, _ in item.choice_tokens],
+                        choice_logprobs=[float(lp) if not isinstance(lp, tuple) else lp[0]
+                                         for _, lp in item.choice_tokens if lp is not None]))
                     if ended:
                         return
                 else:

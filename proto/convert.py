@@ -41,6 +41,7 @@ def sampling_from_pb(s: pb.SamplingParams, keep_stop_strings: bool = True) -> Sa
         output_prefix=s.output_prefix,
         top_logprobs=s.top_logprobs,
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
+        n=s.n or 1,
     )
 
 
@@ -63,6 +64,8 @@ def sampling_to_pb(p: SamplingParams, keep_stop_strings: bool = True) -> pb.Samp
     msg.min_tokens, msg.output_prefix, msg.top_logprobs = p.min_tokens, p.output_prefix, p.top_logprobs
     if p.prompt_logprobs is not None:
         msg.prompt_logprobs = p.prompt_logprobs
+    if p.n > 1:
+        msg.n = p.n
     return msg
 
 

@@ -30,7 +30,7 @@ from control import tracing
 from router.attempt import Attempt, BlockHashMemo, Deadline, Prepared, Progress, RequestFailed, WorkerFailed
 from router.clients import WorkerCall, WorkerClients, WorkerEvent
 from router.config import RouterConfig
-from router.frontend import Responses
+from router.choices import Choices
 from router.kv_index import KVIndex
 from router.loads import Booking, LoadBook, book_route
 from router.members import Members
@@ -79,7 +79,7 @@ class RequestFlow:
         return min(best * facts.block_size, max(len(prep.token_ids) - 1, 0))
 
     async def run(self, prep: Prepared, deadline: Deadline, progress: Progress,
-                  out: Responses) -> AsyncIterator[pb.GenerateResponse]:
+                  out: Choices) -> AsyncIterator[pb.GenerateResponse]:
         """The request's responses; when a worker fails under it, tries again on others."""
         avoid: set[str] = set()
         for n in range(self.config.max_attempts):
@@ -88,6 +88,9 @@ class RequestFlow:
                     yield response
                 return
             except WorkerFailed as e:
+                if prep.params.n > 1 and out.started:  # n choices: what each sent cannot be re-prefilled as one prompt
+                    raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"{e.message}; a request of {prep.params.n} "
+                                        "choices cannot go on elsewhere once it has sent tokens: retry it", 1.0) from None
                 avoid.add(e.worker_id)
                 if e.down:
                     self._down[e.worker_id] = self.clock() + self.config.worker_down_s
@@ -100,7 +103,7 @@ class RequestFlow:
                                prep.request_id, e.message, progress.num_sent)
 
     # -- one try -------------------------------------------------------------------------------
-    async def _run(self, attempt: Attempt, deadline: Deadline, progress: Progress, out: Responses,
+    async def _run(self, attempt: Attempt, deadline: Deadline, progress: Progress, out: Choices,
                    avoid: set[str]) -> AsyncIterator[pb.GenerateResponse]:
         await self._await_decode_worker(avoid, deadline)
         route = tracing.child("router.route", progress.span)
@@ -127,12 +130,15 @@ class RequestFlow:
                 booking.prefilled()
                 first_at = time.perf_counter()
                 self._first_prefilled(progress, prefill.num_cached_tokens)
-                response, done = out.tokens([prefill.token_id], list(prefill.logprobs),
-                                            finish_name_from_pb(prefill.finish_reason), prefill.top_logprobs,
-                                            prefill.prompt_logprobs if prefill.HasField("prompt_logprobs") else None)
-                yield response
-                if done:
-                    yield out.final(response.finish_reason)
+                for response in out.tokens(0, [prefill.token_id], list(prefill.logprobs),
+                                           finish_name_from_pb(prefill.finish_reason), prefill.top_logprobs,
+                                           prefill.prompt_logprobs if prefill.HasField("prompt_logprobs") else None):
+                    yield response
+                lps = list(prefill.choice_logprobs)
+                for i, token in enumerate(prefill.choice_token_ids, 1):  # n choices: the others' first tokens
+                    for response in out.tokens(i, [token], lps[i - 1:i], None):
+                        yield response
+                if out.finished:
                     return
                 await self._arrival(calls[1], decode, progress, first_at)
             async for response in self._decode_tokens(progress, out, decode, booking):
@@ -231,7 +237,7 @@ class RequestFlow:
         if isinstance(failure, WorkerFailed) and failure.down:
             raise failure
 
-    async def _decode_tokens(self, progress: Progress, out: Responses, decode: WorkerCall,
+    async def _decode_tokens(self, progress: Progress, out: Choices, decode: WorkerCall,
                              booking: Booking) -> AsyncIterator[pb.GenerateResponse]:
         while True:
             ev = await self._next(decode, self.config.decode_idle_timeout_s)
@@ -241,13 +247,11 @@ class RequestFlow:
             if booking.prefilling:  # a local prefill's first token
                 booking.prefilled()
                 self._first_prefilled(progress, tokens.num_cached_tokens)
-            response, done = out.tokens(list(tokens.token_ids), list(tokens.logprobs),
-                                        finish_name_from_pb(tokens.finish_reason), tokens.top_logprobs,
-                                        tokens.prompt_logprobs if tokens.HasField("prompt_logprobs") else None)
-            if response.token_ids or done:
+            for response in out.tokens(tokens.choice, list(tokens.token_ids), list(tokens.logprobs),
+                                       finish_name_from_pb(tokens.finish_reason), tokens.top_logprobs,
+                                       tokens.prompt_logprobs if tokens.HasField("prompt_logprobs") else None):
                 yield response
-            if done:
-                yield out.final(response.finish_reason)
+            if out.finished:
                 return
 
     async def _await_decode_worker(self, avoid: set[str], deadline: Deadline) -> None:

@@ -168,11 +168,11 @@ class OpenAIServer:
                 prompt_ids, text = await self._prompt(prompt)
             request_id = (req.request_id or rid) + (f"-{i}" if len(prompts) > 1 else "")
             generate = to_generate(req, request_id, prompt_ids if prompt_ids is not None else prompt, None, constraint)
-            parts.append((generate, Output(
+            parts.append((generate, [Output(
                 "completion", rid, model, req.logprobs is not None, self._token_text,
                 return_token_ids=req.return_token_ids, prompt_ids=prompt_ids, echo=text if req.echo else None,
                 hide=req.echo and req.max_tokens == 0, prompt_logprobs=req.prompt_logprobs, num_top=req.logprobs or 0,
-                index=i)))
+                index=i * req.n + c) for c in range(req.n)]))  # OpenAI's order: each prompt's n choices
         return await self._run(request, req.stream, req.stream_options, parts)
 
     async def _prompt(self, prompt: str | list[int]) -> tuple[list[int], str]:
@@ -220,20 +220,22 @@ class OpenAIServer:
         if self.frontend.special_tokens.intersection(markers):  # the parsers read them: the text keeps them
             generate.sampling.skip_special_tokens = False
         if plan is not None and plan.mode == "auto":
-            out: Output = AutoToolOutput("chat", rid, model, req.logprobs, self._token_text, plan=plan, **fields)
+            kind, fields = AutoToolOutput, {**fields, "plan": plan}
         elif plan is not None and plan.constraint is not None:
-            out = ToolCallOutput("chat", rid, model, req.logprobs, self._token_text, plan=plan, **fields)
+            kind, fields = ToolCallOutput, {**fields, "plan": plan}
         else:
-            out = Output("chat", rid, model, req.logprobs, self._token_text, **fields)
-        return await self._run(request, req.stream, req.stream_options, [(generate, out)])
+            kind = Output
+        outs = [kind("chat", rid, model, req.logprobs, self._token_text, index=c, **fields) for c in range(req.n)]
+        return await self._run(request, req.stream, req.stream_options, [(generate, outs)])
 
-    async def _run(self, request: web.Request, stream: bool, options: Any, parts: list[tuple[Any, Output]]
+    async def _run(self, request: web.Request, stream: bool, options: Any, parts: list[tuple[Any, list[Output]]]
                    ) -> web.StreamResponse:
-        """Runs each (GenerateRequest, Output) part, a choice of one answer (several prompts of a
-        completion, or n > 1), at once: one JSON body, or one event stream interleaving them."""
+        """Runs each part, a GenerateRequest with its choices' outputs (a completion's several
+        prompts, each of n choices), at once: one JSON body, or one event stream interleaving
+        them; a response goes to its part's output of its `choice`."""
         headers = [(k.lower(), v) for k, v in request.headers.items()]
-        streams = [self.generation.stream(g, headers, None, route=out.kind) for g, out in parts]
-        outs = [out for _, out in parts]
+        streams = [self.generation.stream(g, headers, None, route=outs[0].kind) for g, outs in parts]
+        outs = [o for _, part in parts for o in part]
         try:
             firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
             for f in firsts:  # a refusal before the first token is an HTTP error
@@ -243,31 +245,34 @@ class OpenAIServer:
                     return failed(RequestFailed(grpc.StatusCode.INTERNAL, "the request ended without a response"))
                 if isinstance(f, BaseException):
                     raise f
+            routed = [part for _, part in parts]
             if not stream:
-                return await self._whole(streams, firsts, outs)
-            return await self._stream(request, streams, firsts, outs, bool(options and options.include_usage))
+                return await self._whole(streams, firsts, routed, outs)
+            return await self._stream(request, streams, firsts, routed, outs,
+                                      bool(options and options.include_usage))
         finally:
             for s in streams:
                 await s.aclose()
 
-    async def _whole(self, streams: list[AsyncIterator[Any]], firsts: list[Any], outs: list[Output]) -> web.Response:
-        async def collect(responses: AsyncIterator[Any], first: Any, out: Output) -> None:
-            out.add(first)
+    async def _whole(self, streams: list[AsyncIterator[Any]], firsts: list[Any], routed: list[list[Output]],
+                     outs: list[Output]) -> web.Response:
+        async def collect(responses: AsyncIterator[Any], first: Any, part: list[Output]) -> None:
+            part[first.choice].add(first)
             async for r in responses:
-                out.add(r)
+                part[r.choice].add(r)
 
         try:
-            await asyncio.gather(*(collect(s, f, o) for s, f, o in zip(streams, firsts, outs, strict=True)))
+            await asyncio.gather(*(collect(s, f, p) for s, f, p in zip(streams, firsts, routed, strict=True)))
         except RequestFailed as e:
             return failed(e)
         return web.json_response(outs[0].whole() if len(outs) == 1 else merged(outs), dumps=_dumps)
 
     async def _stream(self, request: web.Request, streams: list[AsyncIterator[Any]], firsts: list[Any],
-                      outs: list[Output], include_usage: bool) -> web.StreamResponse:
+                      routed: list[list[Output]], outs: list[Output], include_usage: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers=SSE_HEADERS)
         await resp.prepare(request)
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-        started = [False] * len(outs)
+        started: set[int] = set()
 
         async def pump(i: int, responses: AsyncIterator[Any]) -> None:
             try:
@@ -281,7 +286,7 @@ class OpenAIServer:
             queue.put_nowait((i, first))
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
         try:
-            running = len(outs)
+            running = len(streams)
             while running:
                 i, r = await queue.get()
                 if r is None:
@@ -289,10 +294,11 @@ class OpenAIServer:
                     continue
                 if isinstance(r, RequestFailed):
                     raise r
-                outs[i].add(r)
-                if (chunk := outs[i].chunk(r, not started[i])) is not None:
+                out = routed[i][r.choice]
+                out.add(r)
+                if (chunk := out.chunk(r, id(out) not in started)) is not None:
                     await resp.write(_sse(chunk))
-                    started[i] = True
+                    started.add(id(out))
             if include_usage:
                 usage = outs[0].chunk(None)
                 if len(outs) > 1:

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.request import MAX_TOP_LOGPROBS
+from engine.request import MAX_CHOICES, MAX_TOP_LOGPROBS
 from proto import generate_pb2 as pb
 from proto.convert import finish_name_from_pb
 from router.reasoning import ReasoningParser, ReasoningStream
@@ -244,7 +244,7 @@ def to_generate(req: CompletionRequest | ChatRequest, request_id: str, prompt: s
     if max_tokens is None:
         max_tokens = max_tokens_default
     sampling = pb.SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
-                                 ignore_eos=req.ignore_eos)
+                                 ignore_eos=req.ignore_eos, n=req.n if req.n > 1 else 0)
     if max_tokens == 0 and isinstance(req, CompletionRequest) and req.echo:
         max_tokens = 1  # the prompt scored, nothing generated: one token drawn, not returned (Output.hide)
     if max_tokens is not None:
@@ -288,9 +288,8 @@ def to_generate(req: CompletionRequest | ChatRequest, request_id: str, prompt: s
 
 
 def _refuse_unsupported(req: CompletionRequest | ChatRequest) -> None:
-    if req.n != 1:
-        raise BadRequest(f"n={req.n}: only one choice per request is supported; send n=1 (several requests for "
-                         "several choices)", "n")
+    if not 1 <= req.n <= MAX_CHOICES:
+        raise BadRequest(f"n={req.n}: between 1 and {MAX_CHOICES} choices per request", "n")
     if req.stream_options is not None and not req.stream:
         raise BadRequest("stream_options is only allowed with stream=true", "stream_options")
     for name in ("prompt_logprobs", "logprobs" if isinstance(req, CompletionRequest) else "top_logprobs"):
@@ -298,8 +297,9 @@ def _refuse_unsupported(req: CompletionRequest | ChatRequest) -> None:
         if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
             raise BadRequest(f"{name}={value}: at most {MAX_TOP_LOGPROBS} alternatives per token", name)
     if isinstance(req, CompletionRequest):
-        if req.best_of not in (None, 1):
-            raise BadRequest("best_of must be 1", "best_of")
+        if req.best_of not in (None, req.n):
+            raise BadRequest(f"best_of={req.best_of}: choosing the best of more sequences than n is not supported; "
+                             "leave best_of unset (or equal to n)", "best_of")
         if req.suffix:
             raise BadRequest("suffix is not supported", "suffix")
         if req.max_tokens == 0 and not req.echo:

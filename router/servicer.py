@@ -25,7 +25,8 @@ from proto.convert import finish_name_from_pb
 from control import tracing
 from router.attempt import Deadline, Prepared, Progress, RequestFailed
 from router.flow import RequestFlow
-from router.frontend import Frontend, ItlWindow, Responses, heavy, output_tokens, runs_to_the_end
+from router.choices import Choices
+from router.frontend import Frontend, ItlWindow, heavy, output_tokens, runs_to_the_end
 from router.admission import admission_cost
 from router.gate import AdmissionGate
 from router.metrics import RouterMetrics
@@ -110,7 +111,7 @@ class Generation(pb_grpc.GenerationServicer):
         self._active.add(prep.request_id)
         try:
             progress.admitted = time.perf_counter()
-            out = Responses(prep, progress, self.frontend.detokenizer(prep), self.itl)
+            out = Choices(prep, progress, [self.frontend.detokenizer(prep) for _ in range(prep.params.n)], self.itl)
             observed = False
             async for response in self.flow.run(prep, deadline, progress, out):
                 self.gate.progress(prep.request_id, progress.num_sent)
@@ -156,7 +157,7 @@ class Generation(pb_grpc.GenerationServicer):
         limit = output_tokens(prep, max_model_len)
         output = self.gate.queue.expected_output(prep.tenant, prep.route, limit, known=runs_to_the_end(prep))
         # refused whatever part of the prompt is cached? then without hashing it
-        n = len(prep.token_ids)
+        n, output = len(prep.token_ids), output * prep.params.n  # n choices: n outputs, one prompt
         self.gate.refuse_early(prep, deadline, admission_cost(n, output, n - 1, held), admission_cost(n, output, 0, held))
         cost = admission_cost(n, output, self.flow.cached_tokens(prep), held)
         await self.gate.admit(prep, deadline, cost, output, limit)

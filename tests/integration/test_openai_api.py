@@ -215,6 +215,41 @@ def test_several_prompts_in_one_completions_request_are_choices_by_index(client:
     assert usage is not None and usage.completion_tokens == 24
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_are_seed_plus_i_alone_and_count_the_prompt_once(client: openai.OpenAI, stub, stream: bool) -> None:  # type: ignore[no-untyped-def]
+    """n = 4 through prefill -> kvfabric -> decode: the prompt computed and pushed once, forked
+    on the decode worker; choice i equals the request with seed + i alone, by both doors."""
+    prompt = "Write a short poem about the sea:"
+    alone = [grpc_generate(stub, prompt, max_tokens=10, temperature=1.0, seed=40 + i)[1] for i in range(4)]
+    assert len({tuple(a) for a in alone}) == 4
+    kw = dict(model=MODEL, prompt=prompt, temperature=1.0, seed=40, max_tokens=10, n=4,
+              extra_body={"return_token_ids": True})
+    if stream:
+        ids: dict[int, list[int]] = {}
+        finishes: dict[int, str] = {}
+        usage = None
+        for chunk in client.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+            for c in chunk.choices:
+                ids.setdefault(c.index, []).extend(c.model_extra.get("token_ids") or [])
+                if c.finish_reason:
+                    finishes[c.index] = c.finish_reason
+            usage = chunk.usage or usage
+        got = [ids[i] for i in range(4)]
+        assert finishes == {0: "length", 1: "length", 2: "length", 3: "length"}
+    else:
+        r = client.completions.create(**kw)
+        assert [c.index for c in r.choices] == [0, 1, 2, 3]
+        got, usage = [c.model_extra["token_ids"] for c in r.choices], r.usage
+    assert got == alone
+    _, _, one = grpc_generate(stub, prompt, max_tokens=10)
+    assert usage.prompt_tokens == one.usage.prompt_tokens and usage.completion_tokens == 40
+    request = pb.GenerateRequest(text=prompt, sampling=pb.SamplingParams(max_tokens=10, temperature=1.0, seed=40, n=4))
+    by_choice: dict[int, list[int]] = {}
+    for response in stub.Generate(request, timeout=120):
+        by_choice.setdefault(response.choice, []).extend(response.token_ids)
+    assert [by_choice[i] for i in range(4)] == alone
+
+
 def test_sampling_controls_over_http_equal_the_grpc_path(client: openai.OpenAI, stub) -> None:  # type: ignore[no-untyped-def]
     """Penalties, min_p, logit_bias and min_tokens: the same tokens by both doors, through
     prefill (the first token) and decode (the rest); they change the greedy answer."""
@@ -315,8 +350,8 @@ def test_bad_requests_get_4xx_in_openai_shape_and_leave_nothing_held(base: str, 
          "KV blocks; the largest decode worker holds 91"),
         (comp, b'{"prompt": "x",', 400, "the body is not valid JSON in UTF-8"),
         (comp, b'{"prompt": "\xff\xfe"}', 400, "the body is not valid JSON in UTF-8"),
-        (comp, {"prompt": "x", "n": 5}, 400, "n=5: only one choice per request is supported"),
-        (chat, {"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n=2"),
+        (comp, {"prompt": "x", "n": 17}, 400, "n=17: between 1 and 16 choices per request"),
+        (chat, {"messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n=0: between 1 and 16"),
         (comp, {"prompt": "x", "user": "bad\ntenant"}, 400, "tenant must be at most 128 printable characters"),
         (comp, {"prompt": "x", "priority": 99}, 400, "priority must be in [-8, 8]"),
         (comp, b'{"prompt": "' + b"a" * (20 << 20) + b'"}', 413, "the request body is larger than 16777216 bytes"),
@@ -332,8 +367,8 @@ def test_bad_requests_get_4xx_in_openai_shape_and_leave_nothing_held(base: str, 
 
 
 def test_the_openai_client_raises_its_own_error_types(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError, match="n=3"):
-        client.completions.create(model=MODEL, prompt="x", n=3)
+    with pytest.raises(openai.BadRequestError, match="n=30"):
+        client.completions.create(model=MODEL, prompt="x", n=30)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="other", messages=QUESTION)
 

@@ -114,3 +114,14 @@ def test_bad_tool_requests_are_400s_that_say_what_is_wrong(client: openai.OpenAI
         client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="bogus")  # type: ignore[arg-type]
     with pytest.raises(openai.BadRequestError, match="tool message needs tool_call_id"):
         client.chat.completions.create(model=MODEL, messages=[*ASK, {"role": "tool", "content": "x"}])  # type: ignore[list-item]
+
+
+def test_n_choices_each_read_their_own_calls(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, temperature=0.0, max_tokens=40, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for c in r.choices:  # greedy: the same answer thrice, each parsed on its own
+        assert c.finish_reason == "tool_calls" and c.message.content == "Let me check."
+        assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == CALLS
+    one = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, temperature=0.0, max_tokens=40)
+    assert r.usage.completion_tokens == 3 * one.usage.completion_tokens  # type: ignore[union-attr]
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens  # type: ignore[union-attr]  # the prompt counts once

@@ -21,7 +21,7 @@ from router.attempt import Deadline, Prepared, Progress
 from router.clients import WorkerClients, WorkerRequest
 from router.config import RouterConfig
 from router.flow import RequestFlow
-from router.frontend import Responses
+from router.choices import Choices
 from router.kv_index import KVIndex
 from router.loads import LoadBook
 from router.members import Members
@@ -156,7 +156,7 @@ async def run(flow: RequestFlow, deadline_s: float | None = None) -> tuple[list[
     prep = Prepared("r1", PROMPT, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), 0, "")
     progress = Progress(time.perf_counter())
     deadline = Deadline(None if deadline_s is None else time.monotonic() + deadline_s)
-    responses = [r async for r in flow.run(prep, deadline, progress, Responses(prep, progress, None))]
+    responses = [r async for r in flow.run(prep, deadline, progress, Choices(prep, progress, [None]))]
     return [t for r in responses for t in r.token_ids], responses
 
 

@@ -18,7 +18,7 @@ from proto import generate_pb2 as pb
 from router.attempt import Deadline, Prepared, Progress, RequestFailed
 from router.clients import WorkerRequest
 from router.flow import RequestFlow
-from router.frontend import Responses
+from router.choices import Choices
 from tests.unit.router_fakes import (
     EXPECTED, HANG, MAX_TOKENS, PROMPT, Script, arrived, assert_settled, first, first_call_then, good_decode,
     good_prefill, make_flow, reserved, rpc_error, run,
@@ -59,7 +59,7 @@ def test_every_call_of_every_try_carries_the_tenant_and_its_weight() -> None:
     progress = Progress(time.perf_counter())
 
     async def go() -> list[pb.GenerateResponse]:
-        return [r async for r in flow.run(prep, Deadline(None), progress, Responses(prep, progress, None))]
+        return [r async for r in flow.run(prep, Deadline(None), progress, Choices(prep, progress, [None]))]
     asyncio.run(go())
     assert len(streams.calls) == 4  # a retry after the prefill failure
     assert [(r.tenant, r.tenant_weight, r.priority) for _, r, _ in streams.calls] == [("gold", 3.0, 2)] * 4
@@ -126,7 +126,7 @@ def test_a_client_cancel_cancels_both_worker_calls_and_settles_the_booking() -> 
         got = []
 
         async def consume() -> None:
-            async for r in flow.run(prep, Deadline(None), progress, Responses(prep, progress, None)):
+            async for r in flow.run(prep, Deadline(None), progress, Choices(prep, progress, [None])):
                 got.append(r)
 
         task = asyncio.create_task(consume())
@@ -188,7 +188,7 @@ def test_the_router_measures_inter_token_latency_for_the_autoscaler() -> None:
     progress = Progress(time.perf_counter())
 
     async def go() -> None:
-        async for _ in flow.run(prep, Deadline(None), progress, Responses(prep, progress, None, window)):
+        async for _ in flow.run(prep, Deadline(None), progress, Choices(prep, progress, [None], window)):
             pass
 
     asyncio.run(go())
@@ -285,7 +285,7 @@ def test_a_prompt_is_hashed_once_for_admission_and_routing(monkeypatch: pytest.M
     progress = Progress(time.perf_counter())
 
     async def go() -> None:
-        async for _ in flow.run(prep, Deadline(None), progress, Responses(prep, progress, None)):
+        async for _ in flow.run(prep, Deadline(None), progress, Choices(prep, progress, [None])):
             pass
 
     asyncio.run(go())

@@ -10,7 +10,7 @@ import pytest
 
 from engine.request import SamplingParams
 from router.attempt import Deadline, Prepared, Progress, RequestFailed
-from router.frontend import Responses
+from router.choices import Choices
 from tests.unit.router_fakes import EXPECTED, MAX_TOKENS, PROMPT, assert_settled, good_decode, make_flow
 from tests.unit.helpers import heartbeat
 
@@ -30,7 +30,7 @@ async def two_at_once(flow) -> list[list[int] | RequestFailed]:  # type: ignore[
         prep = Prepared(rid, prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), 0, "")
         progress = Progress(time.perf_counter())
         try:
-            return [t async for r in flow.run(prep, Deadline(None), progress, Responses(prep, progress, None))
+            return [t async for r in flow.run(prep, Deadline(None), progress, Choices(prep, progress, [None]))
                     for t in r.token_ids]
         except RequestFailed as e:
             return e
