@@ -16,11 +16,18 @@ decode worker forks with them, so the KV is pushed once.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from engine.request import Request, RequestStatus, SamplingParams
-from engine.types import RequestId
+from engine.request import Logprob, Request, RequestStatus, SamplingParams
+from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.types import InvalidRequestError, RequestId
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+    from engine.outputs import RequestOutput
 
 
 def choice_id(request_id: str, index: int) -> RequestId:
@@ -59,8 +66,87 @@ def first_rows(requests: list[Request]) -> list[int]:
     return [i for i, r in enumerate(requests) if r.params.n > 1 and not r.output_token_ids and r.choice_index == 0]
 
 
-def repeat_rows(logits: torch.Tensor, rows: list[int], counts: list[int]) -> torch.Tensor:
-    """`logits` with each of `rows` repeated `counts` times more at the end (the children draw
-    from their parent's row)."""
-    extra = [logits[r:r + 1].expand(c, -1) for r, c in zip(rows, counts, strict=True)]
-    return torch.cat([logits, *extra]) if extra else logits
+def repeat_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """`logits` with `rows` repeated at the end, in order (the children draw from their parent's row)."""
+    return torch.cat([logits, logits[rows]]) if rows else logits
+
+
+class Forks:
+    """Forks an engine's requests of n choices: in the step that draws their first token, or
+    (a decode worker) as their KV and first tokens land."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+
+    def in_step(self, out: SchedulerOutput, requests: list[Request], logits: torch.Tensor, rows: list[int]
+                ) -> tuple[list[Request], torch.Tensor, list[Request]]:
+        """Each request at `rows` forks into its n choices, which draw from its logits row. On a
+        prefill worker the other choices are shadows, drawn and not run (returned last); else
+        they join the step as running requests sharing the parent's blocks."""
+        e = self.engine
+        steps = {s.request.request_id: s for s in out.scheduled}
+        drawn: list[Request] = []  # the children this step samples, in order
+        parent_rows: list[int] = []  # and the row each draws from
+        shadows: list[Request] = []
+        for row in rows:
+            parent = requests[row]
+            for child in children(parent):
+                if e.config.role == "prefill":
+                    shadows.append(child)
+                else:
+                    s = steps[parent.request_id]
+                    copy = e.kv.fork(parent, child, parent.num_computed_tokens + s.num_new_tokens)
+                    self._admit(child, copy, running=True)
+                    if copy is False:
+                        continue  # preempted: it draws when it recomputes
+                    out.scheduled.append(ScheduledRequest(child, s.num_new_tokens))
+                drawn.append(child)
+                parent_rows.append(row)
+        return [*requests, *drawn], repeat_rows(logits, parent_rows), shadows
+
+    @staticmethod
+    def drawn(requests: list[Request], shadows: list[Request],
+              sampled: Mapping[RequestId, tuple[int, float | Logprob | None]]) -> None:
+        """A prefill worker's requests of n choices keep their other choices' first tokens."""
+        for r in requests:
+            if r.choice_index == 0 and r.params.n > 1 and not r.output_token_ids:
+                r.choice_tokens = [sampled[s.request_id] for s in shadows if parent_of(s.request_id)[0] == r.request_id]
+
+    def landed(self, request: Request, first_token_id: int, choice_tokens: Sequence[int]) -> list[RequestOutput]:
+        """A decode worker's request whose prompt's KV and first tokens arrived: it forks into
+        its choices, each with its first token; their outputs."""
+        e = self.engine
+        if len(choice_tokens) != request.params.n - 1:
+            raise InvalidRequestError(f"request {request.request_id} has {request.params.n} choices; "
+                                      f"{len(choice_tokens) + 1} first tokens came")
+        kids = children(request)
+        copies = [e.kv.fork(request, child, request.num_prompt_tokens) for child in kids]
+        e.scheduler.remote_kv_ready(request.request_id, first_token_id)
+        outputs = []
+        for r, token, copy in [(request, first_token_id, None), *zip(kids, choice_tokens, copies, strict=True)]:
+            if r is not request:
+                self._admit(r, copy, running=False)
+                if copy is False:
+                    continue  # it recomputes its prompt and first token (the same, if seeded)
+                e.scheduler.landed(r, token)
+            e.stop_if_complete(r, 1)  # a constrained request's matcher takes the first token
+            outputs.append(e.outputs.output(r, e.scheduler, e.role))
+        return outputs
+
+    def _admit(self, child: Request, copy: tuple[int, int] | None | bool, running: bool) -> None:
+        """A forked choice into the scheduler: with its blocks (running in this step, or left
+        for `Scheduler.landed` to queue), or, without a block for its copy, preempted to
+        recompute (it draws the same tokens then, if seeded)."""
+        e = self.engine
+        if isinstance(copy, tuple):
+            e.kv_pool.tensor[copy[1]].copy_(e.kv_pool.tensor[copy[0]])
+        if copy is False:
+            child.status, child.num_computed_tokens, child.output_token_ids = RequestStatus.PREEMPTED, 0, []
+            e.scheduler.waiting.append(child)
+        elif running:
+            e.scheduler.running.append(child)
+        e.scheduler.requests[child.request_id] = child
+        if child.params.constraint is not None:
+            e.constrainer.start(child)
+        if e.tokenizer is not None and e.config.detokenize:
+            e.outputs.start(child)

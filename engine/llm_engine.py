@@ -37,12 +37,12 @@ from engine.model import LlamaForCausalLM
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.output_builder import OutputBuilder
-from engine.choices import children, choice_id, first_rows, repeat_rows
-from engine.request import MAX_CHOICES, FinishReason, Logprob, Request, RequestStatus, SamplingParams
+from engine.choices import Forks, choice_id, first_rows
+from engine.request import MAX_CHOICES, FinishReason, Logprob, Request, SamplingParams
 from engine.roles import Role, role_for
 from engine.sampler import Sampler
 from engine.overlap import Overlap
-from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec_verify import Verified
 from engine.speculator import Speculator
 from engine.step_model import StepModel
@@ -102,6 +102,8 @@ class LLMEngine:
         self._attach_pool(self._pool_blocks(), allocator)
         self._reset_state()  # a profiled forward's requests and counts are not the worker's
         self.speculator = self._speculator(dtype, kernels)
+        self.forks = Forks(self)
+        """Requests of n choices forked into them (engine/choices.py)."""
         capture_graphs(self.runner.decode, config.device, graphs)
 
     @property
@@ -230,23 +232,7 @@ class LLMEngine:
         request = self.scheduler.requests.get(request_id)
         if request is None:
             raise InvalidRequestError(f"unknown request {request_id}")
-        if len(choice_tokens) != request.params.n - 1:
-            raise InvalidRequestError(f"request {request_id} has {request.params.n} choices; "
-                                      f"{len(choice_tokens) + 1} first tokens came")
-        kids = children(request)
-        copies = [self.kv.fork(request, child, request.num_prompt_tokens) for child in kids]
-        self.scheduler.remote_kv_ready(request_id, first_token_id)
-        outputs = []
-        for r, token, copy in [(request, first_token_id, None), *zip(kids, choice_tokens, copies, strict=True)]:
-            if r is not request:
-                self._admit_child(r, copy, running=False)
-                if copy is not False:
-                    self.scheduler.landed(r, token)
-                else:
-                    continue  # it recomputes its prompt and first token (the same, if seeded)
-            self._stop_if_complete(r, 1)  # a constrained request's matcher takes the first token
-            outputs.append(self.outputs.output(r, self.scheduler, self.role))
-        return outputs
+        return self.forks.landed(request, first_token_id, choice_tokens)
 
     def abort(self, request_id: str, hold_blocks: bool = False) -> bool:
         """Ends the request in any state and frees its blocks (also handed-off ones), except
@@ -347,63 +333,19 @@ class LLMEngine:
         requests, logits = self.runner.execute(out)
         shadows: list[Request] = []
         if rows := first_rows(requests):  # requests of n choices at their first token (engine/choices.py)
-            requests, logits, shadows = self._fork(out, requests, logits, rows)
+            requests, logits, shadows = self.forks.in_step(out, requests, logits, rows)
         if any(r.matcher is not None for r in requests):
             num_spec = {s.request.request_id: s.num_spec_tokens for s in out.scheduled if s.num_spec_tokens}
             self.constrainer.mask(logits, requests, num_spec)
         sampled, verified = (self.speculator.sample(self.sampler, out, requests, logits) if self.speculator is not None
                              else (self.sampler.sample_by_id(logits, requests), {}))
-        for r in requests:  # a prefill worker sends every choice's first token; the decode worker forks
-            if shadows and r.choice_index == 0 and r.params.n > 1 and not r.output_token_ids:
-                r.choice_tokens = [sampled[s.request_id] for s in shadows if s.request_id.startswith(r.request_id + "#")]
+        if shadows:  # a prefill worker sends every choice's first token; the decode worker forks
+            self.forks.drawn(requests, shadows, sampled)
         outputs = self._apply(out, sampled, verified, started)
         if self.config.step_floor is not None:  # an emulated accelerator: the step lasts its stated time
             floor = self.config.step_floor.seconds(sum(s.num_new_tokens for s in out.scheduled), len(out.scheduled))
             time.sleep(max(started + floor - time.perf_counter(), 0.0))
         return outputs
-
-    def _fork(self, out: SchedulerOutput, requests: list[Request], logits: torch.Tensor, rows: list[int]
-              ) -> tuple[list[Request], torch.Tensor, list[Request]]:
-        """Each request at `rows` forks into its n choices, which draw from its logits row. On a
-        prefill worker the other choices are shadows, drawn and not run (returned last); else
-        they join the step as running requests sharing the parent's blocks."""
-        steps = {s.request.request_id: s for s in out.scheduled}
-        added: list[Request] = []
-        shadows: list[Request] = []
-        for row in rows:
-            parent = requests[row]
-            kids = children(parent)
-            if self.config.role == "prefill":
-                shadows += kids
-                continue
-            s = steps[parent.request_id]
-            for child in kids:
-                copy = self.kv.fork(parent, child, parent.num_computed_tokens + s.num_new_tokens)
-                self._admit_child(child, copy, running=True)
-                if copy is not False:
-                    out.scheduled.append(ScheduledRequest(child, s.num_new_tokens))
-                    added.append(child)
-        drawn = [*added, *shadows]
-        parents = [requests.index(next(p for p in requests if d.request_id.startswith(p.request_id + "#")))
-                   for d in drawn]
-        return [*requests, *drawn], repeat_rows(logits, parents, [1] * len(parents)), shadows
-
-    def _admit_child(self, child: Request, copy: tuple[int, int] | None | bool, running: bool) -> None:
-        """A forked choice into the scheduler: with its blocks (running in this step, or left
-        for `Scheduler.landed` to queue), or, without a block for its copy, preempted to
-        recompute (it draws the same tokens then, if seeded)."""
-        if isinstance(copy, tuple):
-            self.kv_pool.tensor[copy[1]].copy_(self.kv_pool.tensor[copy[0]])
-        if copy is False:
-            child.status, child.num_computed_tokens, child.output_token_ids = RequestStatus.PREEMPTED, 0, []
-            self.scheduler.waiting.append(child)
-        elif running:
-            self.scheduler.running.append(child)
-        self.scheduler.requests[child.request_id] = child
-        if child.params.constraint is not None:
-            self.constrainer.start(child)
-        if self.tokenizer is not None and self.config.detokenize:
-            self.outputs.start(child)
 
     def _apply(self, out: SchedulerOutput, sampled: Mapping[RequestId, tuple[int, float | Logprob | None]],
                verified: Mapping[RequestId, Verified], started: float) -> list[RequestOutput]:
@@ -414,7 +356,7 @@ class LLMEngine:
         num_outputs = {s.request.request_id: len(s.request.output_token_ids) for s in out.scheduled}
         updated = self.scheduler.update_after_step(out, sampled, verified)
         for r in updated:
-            self._stop_if_complete(r, len(r.output_token_ids) - num_outputs[r.request_id])
+            self.stop_if_complete(r, len(r.output_token_ids) - num_outputs[r.request_id])
         if all(s.num_new_tokens - s.num_spec_tokens == 1 for s in out.scheduled) and any(not r.is_finished for r in updated):
             # decodes, some verifying proposals: a sample of the step model (plain decodes) and
             # of the speculator's step cost (rows, KV read), taken at the next step
@@ -423,7 +365,7 @@ class LLMEngine:
         return [self.outputs.output(r, self.scheduler, self.role, len(r.output_token_ids) - num_outputs[r.request_id])
                 for r in updated]
 
-    def _stop_if_complete(self, request: Request, num_new: int) -> None:
+    def stop_if_complete(self, request: Request, num_new: int) -> None:
         """A constrained request's matcher takes its new tokens; complete, the request stops."""
         if request.matcher is not None and not request.is_finished and \
                 Constrainer.advance(request, request.output_token_ids[-num_new:]):

@@ -34,9 +34,9 @@ from router.constraints import AutoToolOutput, ToolCallOutput, constraint_of, to
 from router.frontend import (MAX_TEXT_CHARS_PER_TOKEN, NOT_SERVING, OFF_LOOP_CHARS, Frontend, check_vocabulary,
                              serving_facts)
 from router.members import Members
-from router.openai_protocol import (BadRequest, ChatRequest, CompletionRequest, DetokenizeRequest, Output,
-                                    TokenizeRequest, merged, messages_as_dicts, new_id, parse, prompts_of, sum_usage,
-                                    to_generate)
+from router.openai_output import Output, merged, new_id, sum_usage
+from router.openai_protocol import (BadRequest, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                    messages_as_dicts, parse, prompts_of, to_generate)
 from router.servicer import Generation
 from router.reasoning import ReasoningParser
 from router.reasoning import parser_for_template as reasoning_for_template

@@ -8,8 +8,9 @@ import pytest
 
 from proto import generate_pb2 as pb
 from router.constraints import AutoToolOutput, ToolCallOutput, ToolPlan, constraint_of, tool_plan
-from router.openai_protocol import (BadRequest, ChatRequest, CompletionRequest, Output, messages_as_dicts, parse,
-                                    prompts_of, to_generate)
+from router.openai_output import Output
+from router.openai_protocol import (BadRequest, ChatRequest, CompletionRequest, messages_as_dicts, parse, prompts_of,
+                                    to_generate)
 
 
 def bad(kind, body: dict | bytes) -> BadRequest:  # type: ignore[no-untyped-def]
