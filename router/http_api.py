@@ -34,7 +34,7 @@ from router.constraints import AutoToolOutput, ToolCallOutput, constraint_of, to
 from router.frontend import (MAX_TEXT_CHARS_PER_TOKEN, NOT_SERVING, OFF_LOOP_CHARS, Frontend, check_vocabulary,
                              serving_facts)
 from router.members import Members
-from router.openai_output import Output, merged, new_id, sum_usage
+from router.openai_output import Output, best, merged, new_id, sum_usage
 from router.openai_protocol import (BadRequest, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                     messages_as_dicts, parse, prompts_of, to_generate)
 from router.servicer import Generation
@@ -162,6 +162,7 @@ class OpenAIServer:
         prompts = prompts_of(req.prompt)
         constraint = constraint_of(req)
         parts = []
+        choices = max(req.n, req.best_of or 1)  # best_of: that many drawn, the n likeliest returned
         for i, prompt in enumerate(prompts):
             prompt_ids, text = None, None
             if req.echo or req.prompt_logprobs is not None:  # the prompt's tokens are returned: tokenized here
@@ -172,8 +173,8 @@ class OpenAIServer:
                 "completion", rid, model, req.logprobs is not None, self._token_text,
                 return_token_ids=req.return_token_ids, prompt_ids=prompt_ids, echo=text if req.echo else None,
                 hide=req.echo and req.max_tokens == 0, prompt_logprobs=req.prompt_logprobs, num_top=req.logprobs or 0,
-                index=i * req.n + c) for c in range(req.n)]))  # OpenAI's order: each prompt's n choices
-        return await self._run(request, req.stream, req.stream_options, parts)
+                index=i * req.n + c) for c in range(choices)]))  # OpenAI's order: each prompt's n choices
+        return await self._run(request, req.stream, req.stream_options, parts, keep=req.n if choices > req.n else None)
 
     async def _prompt(self, prompt: str | list[int]) -> tuple[list[int], str]:
         """A completion prompt's token ids and text (a long one tokenized off the event loop)."""
@@ -228,8 +229,8 @@ class OpenAIServer:
         outs = [kind("chat", rid, model, req.logprobs, self._token_text, index=c, **fields) for c in range(req.n)]
         return await self._run(request, req.stream, req.stream_options, [(generate, outs)])
 
-    async def _run(self, request: web.Request, stream: bool, options: Any, parts: list[tuple[Any, list[Output]]]
-                   ) -> web.StreamResponse:
+    async def _run(self, request: web.Request, stream: bool, options: Any, parts: list[tuple[Any, list[Output]]],
+                   keep: int | None = None) -> web.StreamResponse:
         """Runs each part, a GenerateRequest with its choices' outputs (a completion's several
         prompts, each of n choices), at once: one JSON body, or one event stream interleaving
         them; a response goes to its part's output of its `choice`."""
@@ -247,7 +248,7 @@ class OpenAIServer:
                     raise f
             routed = [part for _, part in parts]
             if not stream:
-                return await self._whole(streams, firsts, routed, outs)
+                return await self._whole(streams, firsts, routed, outs, keep)
             return await self._stream(request, streams, firsts, routed, outs,
                                       bool(options and options.include_usage))
         finally:
@@ -255,7 +256,7 @@ class OpenAIServer:
                 await s.aclose()
 
     async def _whole(self, streams: list[AsyncIterator[Any]], firsts: list[Any], routed: list[list[Output]],
-                     outs: list[Output]) -> web.Response:
+                     outs: list[Output], keep: int | None = None) -> web.Response:
         async def collect(responses: AsyncIterator[Any], first: Any, part: list[Output]) -> None:
             part[first.choice].add(first)
             async for r in responses:
@@ -265,6 +266,8 @@ class OpenAIServer:
             await asyncio.gather(*(collect(s, f, p) for s, f, p in zip(streams, firsts, routed, strict=True)))
         except RequestFailed as e:
             return failed(e)
+        if keep is not None:  # best_of: each part's `keep` likeliest choices (usage still counts them all)
+            return web.json_response(merged(best(routed, keep), usage_of=outs), dumps=_dumps)
         return web.json_response(outs[0].whole() if len(outs) == 1 else merged(outs), dumps=_dumps)
 
     async def _stream(self, request: web.Request, streams: list[AsyncIterator[Any]], firsts: list[Any],

@@ -189,14 +189,26 @@ class Output:
         return out
 
 
-def merged(outputs: list[Output]) -> dict[str, Any]:
-    """One answer of several choices (several prompts, or n > 1), their usage summed."""
+def merged(outputs: list[Output], usage_of: list[Output] | None = None) -> dict[str, Any]:
+    """One answer of several choices (several prompts, or n > 1), the usage of `usage_of`
+    (default: these) summed."""
     bodies = [o.whole() for o in outputs]
     body = {**bodies[0], "choices": [b["choices"][0] for b in bodies]}
-    usages = [b["usage"] for b in bodies if b["usage"] is not None]
+    usages = [o.usage for o in (usage_of or outputs) if o.usage is not None]
     if usages:
         body["usage"] = sum_usage(usages)
     return body
+
+
+def best(parts: list[list[Output]], keep: int) -> list[Output]:
+    """best_of: each part's `keep` choices of the highest summed log-probability, indexed
+    anew in OpenAI's order (their logprobs shown only where asked for)."""
+    out = []
+    for i, part in enumerate(parts):
+        for j, o in enumerate(sorted(part, key=lambda o: -sum(o.logprobs))[:keep]):
+            o.index = i * keep + j
+            out.append(o)
+    return out
 
 
 def sum_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:

@@ -238,8 +238,9 @@ def to_generate(req: CompletionRequest | ChatRequest, request_id: str, prompt: s
         max_tokens = req.max_completion_tokens
     if max_tokens is None:
         max_tokens = max_tokens_default
+    choices = max(req.n, (req.best_of or 1) if isinstance(req, CompletionRequest) else 1)
     sampling = pb.SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
-                                 ignore_eos=req.ignore_eos, n=req.n if req.n > 1 else 0)
+                                 ignore_eos=req.ignore_eos, n=choices if choices > 1 else 0)
     if max_tokens == 0 and isinstance(req, CompletionRequest) and req.echo:
         max_tokens = 1  # the prompt scored, nothing generated: one token drawn, not returned (Output.hide)
     if max_tokens is not None:
@@ -255,8 +256,8 @@ def to_generate(req: CompletionRequest | ChatRequest, request_id: str, prompt: s
     sampling.stop_token_ids.extend(_token_ids(req.stop_token_ids or [], "stop_token_ids"))
     if isinstance(req, ChatRequest):
         sampling.logprobs, sampling.top_logprobs = req.logprobs, req.top_logprobs or 0
-    else:
-        sampling.logprobs, sampling.top_logprobs = req.logprobs is not None, req.logprobs or 0  # 0: chosen only
+    else:  # best_of ranks its choices by their log-probabilities: it needs them
+        sampling.logprobs, sampling.top_logprobs = req.logprobs is not None or choices > req.n, req.logprobs or 0
     prompt_logprobs = req.prompt_logprobs
     if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
         prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)  # the echoed prompt's logprobs
@@ -292,9 +293,10 @@ def _refuse_unsupported(req: CompletionRequest | ChatRequest) -> None:
         if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
             raise BadRequest(f"{name}={value}: at most {MAX_TOP_LOGPROBS} alternatives per token", name)
     if isinstance(req, CompletionRequest):
-        if req.best_of not in (None, req.n):
-            raise BadRequest(f"best_of={req.best_of}: choosing the best of more sequences than n is not supported; "
-                             "leave best_of unset (or equal to n)", "best_of")
+        if req.best_of is not None and not req.n <= req.best_of <= MAX_CHOICES:
+            raise BadRequest(f"best_of={req.best_of}: between n={req.n} and {MAX_CHOICES}", "best_of")
+        if (req.best_of or req.n) > req.n and req.stream:
+            raise BadRequest("best_of > n cannot stream: which choices are best is known at their end", "best_of")
         if req.suffix:
             raise BadRequest("suffix is not supported", "suffix")
         if req.max_tokens == 0 and not req.echo:

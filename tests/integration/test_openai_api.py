@@ -250,6 +250,21 @@ def test_n_choices_are_seed_plus_i_alone_and_count_the_prompt_once(client: opena
     assert [by_choice[i] for i in range(4)] == alone
 
 
+def test_best_of_returns_the_n_likeliest_of_its_choices(client: openai.OpenAI, stub) -> None:  # type: ignore[no-untyped-def]
+    prompt = "My favourite colour is"
+    drawn = []
+    for i in range(4):  # best_of 4 draws choices 0..3 as seeds 50..53 would
+        responses = list(stub.Generate(pb.GenerateRequest(text=prompt, sampling=pb.SamplingParams(
+            max_tokens=6, temperature=1.0, seed=50 + i, logprobs=True)), timeout=120))
+        drawn.append((sum(lp for r in responses for lp in r.logprobs), [t for r in responses for t in r.token_ids]))
+    want = [ids for _, ids in sorted(drawn, key=lambda d: -d[0])[:2]]
+    r = client.completions.create(model=MODEL, prompt=prompt, temperature=1.0, seed=50, max_tokens=6, n=2, best_of=4,
+                                  extra_body={"return_token_ids": True})
+    assert [c.index for c in r.choices] == [0, 1] and r.choices[0].logprobs is None
+    assert [c.model_extra["token_ids"] for c in r.choices] == want
+    assert r.usage.completion_tokens == 24  # the 4 drawn count
+
+
 def test_sampling_controls_over_http_equal_the_grpc_path(client: openai.OpenAI, stub) -> None:  # type: ignore[no-untyped-def]
     """Penalties, min_p, logit_bias and min_tokens: the same tokens by both doors, through
     prefill (the first token) and decode (the rest); they change the greedy answer."""
