@@ -41,6 +41,10 @@ PROBE_TIMEOUT_S = 5.0
 """How often the local cluster checks its embedded redis-server is alive."""
 LOCAL_HEADROOM_WORKERS = 4
 """Workers a local cluster can add beyond its initial pools (splitserve scale)."""
+LOCAL_NODE_ATTEMPTS, LOCAL_NODE_RETRY_S = 3, 10.0
+"""Tries at starting Ray's local node, and the pause between: on a loaded 2-core machine its
+raylet sometimes misses Ray's 30 s start window, twice in a row right after another node
+shut down (seen in this suite), and starts a minute later."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -234,7 +238,7 @@ class LocalCluster:
         if c.autoscale is not None:
             most = max(most, c.autoscale.prefill_max + c.autoscale.decode_max)
         num_cpus = max(os.cpu_count() or 1, int(most * c.worker_num_cpus + 0.999))
-        for attempt in (1, 2):
+        for attempt in range(1, LOCAL_NODE_ATTEMPTS + 1):
             try:
                 ray.init(address="local", num_cpus=num_cpus, resources=self._role_resources(),
                          include_dashboard=False, logging_level=logging.WARNING, configure_logging=False,
@@ -243,9 +247,11 @@ class LocalCluster:
                 return
             except Exception as e:  # Ray raises a bare Exception for this
                 ray.shutdown()  # whatever half of the node did start
-                if attempt == 2 or not any(m in str(e) for m in ("timed out during startup", "Timed out waiting for file")):
+                if attempt == LOCAL_NODE_ATTEMPTS or not any(
+                        m in str(e) for m in ("timed out during startup", "Timed out waiting for file")):
                     raise
-                logger.warning("Ray's local node did not start (%s); trying once more", e)
+                logger.warning("Ray's local node did not start (%s); trying again in %g s", e, LOCAL_NODE_RETRY_S)
+                time.sleep(LOCAL_NODE_RETRY_S)
 
     def _role_resources(self) -> dict[str, float]:
         """This node offers exactly the custom resources the initial pools ask for (`role_resources`)."""
