@@ -13,9 +13,12 @@ _CONTEXT_TOKENS = 5
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...],
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, special_ids: frozenset[int] = frozenset()) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.special_ids = special_ids
+        """The tokenizer's special tokens' ids (the caller's cached set): what ends_output knows
+        as special; skipped ones need none."""
         self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -30,10 +33,7 @@ class IncrementalDetokenizer:
         text the output leaves out; with special tokens skipped it has none anyway."""
         if self.skip_special_tokens:
             return False
-        if token_id in stop_token_ids:
-            return True
-        added = self.tokenizer.get_added_tokens_decoder().get(token_id)
-        return added is not None and added.special
+        return token_id in stop_token_ids or token_id in self.special_ids
 
     def append(self, token_id: int) -> tuple[str, bool]:
         """Add one token; returns (new text, whether a stop string ended the text)."""

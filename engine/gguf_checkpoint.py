@@ -2,7 +2,8 @@
 router already read, once, in a cache.
 
     model.gguf --(gguf reader: architecture, tensor types checked)--> refused with a clear error,
-               --(transformers' GGUF loading: dequantize, un-permute, rename)--> config.json,
+               --(transformers' GGUF loading: dequantize, un-permute, rename; the widths it
+                  leaves at its defaults taken from the file)--> config.json,
                  generation_config.json, model.safetensors (float32), tokenizer.json,
                  tokenizer_config.json, chat_template.jinja (from the GGUF's metadata)
                under <cache>/gguf/<key of path, size, mtime + converter>/<file stem>/
@@ -26,16 +27,22 @@ from engine.types import UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
-CONVERTER_VERSION = "1"
+CONVERTER_VERSION = "2"
 """Part of the cache key: a change to what a conversion writes bumps it."""
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                 "phi3": "Phi3ForCausalLM"}
-"""GGUF `general.architecture` -> the Hugging Face architecture the engine runs. (The
-mixtures of experts are not among them: transformers' GGUF loading fuses their experts into
-tensors of its own layout, not a checkpoint's.)"""
-MODEL_TYPES = {"gemma3_text": "gemma3"}
+                 "phi3": "Phi3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+"""GGUF `general.architecture` -> the Hugging Face architecture the engine runs. (A
+mixture's experts come out of transformers' GGUF reading stacked per layer, the layout the
+engine runs them in: engine/moe.py reads them so. Mixtral's GGUFs, "llama" with experts,
+transformers does not read.)"""
+MIXTURES = ("qwen2moe", "qwen3moe")
+"""The architectures among them whose experts are read."""
+MODEL_TYPES = {"gemma3_text": "gemma3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 """A converted config's model_type, where it is not the GGUF architecture's name."""
+FILLED_FIELDS = {"attention.key_length": "head_dim", "expert_feed_forward_length": "moe_intermediate_size",
+                 "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
+"""GGUF hyperparameter (after the architecture's name) -> the config attribute it sets."""
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 """Tensor types dequantized (by the gguf package, through transformers)."""
 
@@ -98,6 +105,10 @@ def check_supported(file: Path) -> None:
     if arch not in ARCHITECTURES:
         raise UnsupportedModelError(f"{file.name}: GGUF architecture {arch!r} is not supported; "
                                     f"supported: {', '.join(ARCHITECTURES)}")
+    experts = reader.fields.get(f"{arch}.expert_count")
+    if arch not in MIXTURES and experts is not None and int(experts.contents()) > 0:
+        raise UnsupportedModelError(f"{file.name}: a GGUF {arch!r} with {int(experts.contents())} experts (Mixtral's "
+                                    "form) is not supported; serve its Hugging Face checkpoint instead")
     unsupported = sorted({t.tensor_type.name for t in reader.tensors} - set(TENSOR_TYPES))
     if unsupported:
         raise UnsupportedModelError(f"{file.name}: GGUF tensor types {', '.join(unsupported)} are not supported; "
@@ -122,8 +133,10 @@ def _convert(file: Path, out: Path) -> None:
     transformers.utils.logging.disable_progress_bar()
     directory, name = str(file.parent), file.name
     config = transformers.AutoConfig.from_pretrained(directory, gguf_file=name)
+    _fill_config(config, file)
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, config=config,
+                                                              dtype=torch.float32)
     state = {k: v.contiguous() for k, v in model.state_dict().items()
              if not (config.tie_word_embeddings and k == "lm_head.weight")}  # tied: one tensor, not two
     out.mkdir(parents=True)
@@ -136,3 +149,17 @@ def _convert(file: Path, out: Path) -> None:
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
     tokenizer.save_pretrained(str(out))  # tokenizer.json, tokenizer_config.json, chat_template.jinja
     (out / "source.json").write_text(json.dumps({"gguf": str(file.resolve()), "converter": CONVERTER_VERSION}))
+
+
+def _fill_config(config, file: Path) -> None:  # type: ignore[no-untyped-def]
+    """What transformers' GGUF reading leaves at its defaults for some architectures, from the
+    file's own hyperparameters (Qwen3's head width: the default, 128, fits only some sizes;
+    Qwen-MoE's expert widths)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(file).fields
+    arch = fields["general.architecture"].contents()
+    for key, attribute in FILLED_FIELDS.items():
+        field = fields.get(f"{arch}.{key}")
+        if field is not None and hasattr(config, attribute):
+            setattr(config, attribute, int(field.contents()))

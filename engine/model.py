@@ -127,7 +127,7 @@ class LlamaForCausalLM:
                 gate_up=None if moe else fused([m + "gate_proj", m + "up_proj"], swiglu=config.hidden_act == "silu",
                                                stored=m + "gate_up_proj"),
                 down=None if moe else fused([m + "down_proj"]),
-                moe=MoEWeights.load(get, p, config.moe) if moe and config.moe is not None else None,
+                moe=MoEWeights.load(get, ckpt.has, p, config.moe) if moe and config.moe is not None else None,
                 q_norm=norm(a + "q_norm.weight") if config.qk_norm else None,
                 k_norm=norm(a + "k_norm.weight") if config.qk_norm else None,
                 attn_out_norm=norm(p + "post_attention_layernorm.weight") if config.sandwich_norms else None,

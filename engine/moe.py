@@ -40,16 +40,21 @@ class MoEWeights:
     """[1, hidden]: the shared expert's sigmoid gate."""
 
     @classmethod
-    def load(cls, get: Callable[[str], torch.Tensor], prefix: str, config: MoEConfig) -> MoEWeights:
-        """`prefix`: the layer's ("model.layers.{i}.")."""
-        block, gate, up, down = config.checkpoint_names
+    def load(cls, get: Callable[[str], torch.Tensor], has: Callable[[str], bool], prefix: str,
+             config: MoEConfig) -> MoEWeights:
+        """`prefix`: the layer's ("model.layers.{i}."). The experts per expert, as checkpoints
+        store them, or stacked already (`experts.gate_up_proj`, `experts.down_proj`: how
+        transformers holds them, and so a converted GGUF)."""
+        block, gate_name, up_name, down_name = config.checkpoint_names
         p = f"{prefix}{block}."
         experts = range(config.num_experts)
-        weights = cls(
-            router=get(p + "gate.weight"),
-            gate_up=torch.stack([torch.cat([get(f"{p}experts.{e}.{gate}.weight"), get(f"{p}experts.{e}.{up}.weight")])
-                                 for e in experts]),
-            down=torch.stack([get(f"{p}experts.{e}.{down}.weight") for e in experts]))
+        if has(p + "experts.gate_up_proj"):
+            gate_up, down = get(p + "experts.gate_up_proj"), get(p + "experts.down_proj")
+        else:
+            gate_up = torch.stack([torch.cat([get(f"{p}experts.{e}.{gate_name}.weight"),
+                                              get(f"{p}experts.{e}.{up_name}.weight")]) for e in experts])
+            down = torch.stack([get(f"{p}experts.{e}.{down_name}.weight") for e in experts])
+        weights = cls(router=get(p + "gate.weight"), gate_up=gate_up, down=down)
         if config.shared_intermediate_size:
             s = p + "shared_expert."
             weights.shared_gate_up = torch.cat([get(s + "gate_proj.weight"), get(s + "up_proj.weight")])

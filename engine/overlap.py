@@ -27,7 +27,8 @@ asynchronously; the same path runs there (`EngineConfig.overlap`) for the tests.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 import torch
 
@@ -47,7 +48,8 @@ class Flight:
     rows: list[ScheduledRequest]
     positions: list[int]
     draw: Draw
-    done: torch.cuda.Event | None
+    done: Any
+    """The device's event (`HostCopy.recorded`), or None where the draw is already on the host."""
 
     def wait(self) -> None:
         if self.done is not None:
@@ -62,6 +64,9 @@ class Overlap:
         self.scheduler = scheduler
         self.kv = kv
         self.enabled = enabled
+        self.host_copy: HostCopy | None = CudaHostCopy() if torch.device(runner.device).type == "cuda" else None
+        """How a flight's draw reaches the host: on CUDA pinned copies and an event (a test on
+        CPU injects its own to run that path)."""
         self.current: Flight | None = None
         """The step in flight, if any."""
         self.num_guessed_rows = 0
@@ -147,18 +152,30 @@ class Overlap:
         logits = decode.launch(list(zip(requests, positions, sources, strict=True)))
         draw = self.sampler.draw(logits, requests, ahead)
         decode.remember(draw.tokens)
-        if draw.tokens.device.type != "cuda":
+        if self.host_copy is None:
             return Flight(rows, positions, draw, None)
-        top = (_to_host(draw.top[0]), _to_host(draw.top[1])) if draw.top is not None else None
-        host = Draw(_to_host(draw.tokens), _to_host(draw.logprobs) if draw.logprobs is not None else None, draw.want,
-                    top, draw.k)
+        c = self.host_copy
+        host = replace(draw, tokens=c.to_host(draw.tokens),
+                       logprobs=c.to_host(draw.logprobs) if draw.logprobs is not None else None,
+                       top=(c.to_host(draw.top[0]), c.to_host(draw.top[1])) if draw.top is not None else None)
+        return Flight(rows, positions, host, c.recorded())
+
+
+class HostCopy(Protocol):
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of a device tensor on the host, queued behind the step (read after the event)."""
+
+    def recorded(self) -> Any:
+        """An event recorded after the copies: its synchronize() returns once they are done."""
+
+
+class CudaHostCopy:
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        return host
+
+    def recorded(self) -> torch.cuda.Event:
         done = torch.cuda.Event()
         done.record()
-        return Flight(rows, positions, host, done)
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A copy into pinned host memory, queued on the device (read once the flight's event is done)."""
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    return host
+        return done

@@ -19,7 +19,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from proto import generate_pb2 as pb
 from router.openai_output import Output
 from router.openai_protocol import BadRequest, ChatRequest, CompletionRequest
 from router.tool_parsers import PARSERS, ToolCall, ToolParser, ToolStream, make_parser

@@ -94,11 +94,19 @@ class Frontend:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     @functools.cached_property
-    def special_tokens(self) -> frozenset[str]:
-        """The tokenizer's special tokens, as text (what skip_special_tokens leaves out)."""
+    def _special(self) -> dict[int, str]:
+        """The tokenizer's special tokens: id -> text (what skip_special_tokens leaves out)."""
         if self.tokenizer is None:
-            return frozenset()
-        return frozenset(t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special)
+            return {}
+        return {i: t.content for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
+
+    @functools.cached_property
+    def special_tokens(self) -> frozenset[str]:
+        return frozenset(self._special.values())
+
+    @functools.cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        return frozenset(self._special)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
@@ -152,7 +160,8 @@ class Frontend:
     def detokenizer(self, prep: Prepared) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
             return None
-        return IncrementalDetokenizer(self.tokenizer, prep.token_ids, prep.params.stop, prep.params.skip_special_tokens)
+        return IncrementalDetokenizer(self.tokenizer, prep.token_ids, prep.params.stop, prep.params.skip_special_tokens,
+                                      self.special_token_ids)
 
 
 def _check_fields(request: pb.GenerateRequest, facts: ModelFacts) -> None:

@@ -153,19 +153,18 @@ class Output:
         if not self.include_logprobs:
             return None
         texts = [self.token_text(t) for t in token_ids]
-        alternatives = [{self.token_text(t): lp for t, lp in zip(x.token_ids, x.logprobs, strict=True)} for x in top]
         if self.kind == "chat":
             return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": [
                 {"token": self.token_text(a), "logprob": b, "bytes": list(self.token_text(a).encode())}
                 for a, b in zip(x.token_ids, x.logprobs, strict=True)] if x is not None else []}
                 for t, lp, x in zip(texts, logprobs, [*top, *[None] * len(texts)], strict=False)]}
-        tokens, values, tops = texts, list(logprobs[:len(texts)]), alternatives or [None] * len(texts)
+        tops = [self._alternatives(x) for x in top] or [None] * len(texts)
+        tokens, values = texts, list(logprobs[:len(texts)])
         if first and self.echo is not None and self.prompt_ids is not None:
             p, n = self.prompt, len(self.prompt_ids) - 1
             tokens = [self.token_text(t) for t in self.prompt_ids] + tokens
             values = [None, *(p.logprobs if p is not None else [None] * n)] + values
-            tops = [None, *([{self.token_text(t): lp for t, lp in zip(x.token_ids, x.logprobs, strict=True)}
-                             for x in p.top] if p is not None and any(x.token_ids for x in p.top)
+            tops = [None, *([self._alternatives(x) for x in p.top] if p is not None and any(x.token_ids for x in p.top)
                             else [None] * n)] + tops
         offsets = []
         for t in tokens:
@@ -173,6 +172,10 @@ class Output:
             self._offset += len(t)
         return {"tokens": tokens, "token_logprobs": values,
                 "top_logprobs": tops if self.num_top else None, "text_offset": offsets}
+
+    def _alternatives(self, x: pb.TopLogprobs) -> dict[str, float]:
+        """A completion's top_logprobs entry: each alternative's text -> its log-probability."""
+        return {self.token_text(t): lp for t, lp in zip(x.token_ids, x.logprobs, strict=True)}
 
     def _prompt_entries(self) -> list[dict[str, Any] | None] | None:
         """vLLM's prompt_logprobs: per prompt token, None for the first, then {token id: {logprob,

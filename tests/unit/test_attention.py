@@ -130,3 +130,42 @@ def test_scores_made_in_float32_give_the_fused_kernels_output_and_log_sum_exp(he
     assert got_lse.shape == want_lse.shape == (1, heads, 7)
     torch.testing.assert_close(got_o, want_o, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_lse, want_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["cudnn", "flash", "efficient", None])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_the_first_fused_cuda_kernel_that_takes_a_kv_form_runs_and_its_lse_is_per_query(
+        monkeypatch: pytest.MonkeyPatch, kernel: str | None, kv_heads: int) -> None:
+    """CUDA's answers injected: which kernel takes which inputs (torch.backends.cuda's
+    can_use_*: here `kernel`, and only KV heads repeated per query head), run on the meta
+    device, whose forms of the three kernels give CUDA's shapes (cuDNN's log-sum-exp has a
+    trailing 1, the memory-efficient one pads to 32 queries)."""
+    from engine.attention import _cuda_fused_with_lse
+
+    cuda, tried = torch.backends.cuda, []
+
+    def can_use(name: str):  # type: ignore[no-untyped-def]
+        def answer(params) -> bool:  # type: ignore[no-untyped-def]
+            tried.append((name, params.key.shape[1], params.enable_gqa))
+            return name == kernel and not params.enable_gqa
+        return answer
+
+    for name in ("cudnn", "flash", "efficient"):
+        monkeypatch.setattr(cuda, f"can_use_{name}_attention", can_use(name))
+    for enabled in ("cudnn_sdp_enabled", "flash_sdp_enabled", "mem_efficient_sdp_enabled"):
+        monkeypatch.setattr(cuda, enabled, lambda: True)
+    q = torch.empty(1, 4, 5, 8, device="meta", dtype=torch.bfloat16)
+    k = v = torch.empty(1, kv_heads, 7, 8, device="meta", dtype=torch.bfloat16)
+    got = _cuda_fused_with_lse(q, k, v, False, 0.35)
+    order = ["cudnn", "flash", "efficient"]
+    upto = order[:order.index(kernel) + 1] if kernel else order
+    if kv_heads == 4:  # one form, every kernel asked in turn
+        assert tried == [(n, 4, False) for n in upto]
+    else:  # grouped first (the memory-efficient kernel takes no groups), then repeated
+        assert tried == [("cudnn", 2, True), ("flash", 2, True)] + [(n, 4, False) for n in upto]
+    if kernel is None:
+        assert got is None
+    else:
+        o, lse = got
+        assert o.shape == (1, 4, 5, 8) and o.dtype == torch.bfloat16
+        assert lse.shape == (1, 4, 5) and lse.dtype == torch.float32

@@ -41,3 +41,14 @@ def test_no_stop_found_flushes_held_back_text() -> None:
 
 def test_tokenizer_is_deterministic() -> None:
     assert build_tokenizer(512, seed=3).to_str() == build_tokenizer(512, seed=3).to_str()
+
+
+def test_an_output_ends_at_a_stop_token_or_a_special_one_only_when_specials_are_kept() -> None:
+    from engine.tiny_tokenizer import EOS_ID
+
+    word = TOK.encode(" hello").ids[0]
+    kept = IncrementalDetokenizer(TOK, [], (), skip_special_tokens=False, special_ids=frozenset({EOS_ID}))
+    assert kept.ends_output(EOS_ID, ()) and kept.ends_output(word, (word,))
+    assert not kept.ends_output(word, ())
+    skipped = IncrementalDetokenizer(TOK, [], (), special_ids=frozenset({EOS_ID}))
+    assert not skipped.ends_output(EOS_ID, ()) and not skipped.ends_output(word, (word,))  # their text is empty

@@ -13,8 +13,11 @@ from engine.gguf_checkpoint import check_supported, gguf_file, resolve_model_dir
 from engine.types import UnsupportedModelError
 
 
-def write_gguf(path: Path, arch: str, qtype: GGMLQuantizationType = GGMLQuantizationType.F32) -> Path:
+def write_gguf(path: Path, arch: str, qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
+               experts: int = 0) -> Path:
     writer = GGUFWriter(str(path), arch)
+    if experts:
+        writer.add_expert_count(experts)
     if qtype == GGMLQuantizationType.F32:
         writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
     else:  # raw bytes of one quantized block row
@@ -33,10 +36,14 @@ def test_an_unsupported_architecture_or_tensor_type_is_refused_by_name(tmp_path:
     with pytest.raises(UnsupportedModelError, match="GGUF tensor types TQ1_0 are not supported"):
         check_supported(write_gguf(tmp_path / "b.gguf", "llama", GGMLQuantizationType.TQ1_0))
     check_supported(write_gguf(tmp_path / "c.gguf", "llama"))  # the checks pass; conversion would follow
-    for arch in ("qwen3", "gemma2", "gemma3", "phi3"):
+    for arch in ("qwen3", "gemma2", "gemma3", "phi3", "qwen2moe"):
         check_supported(write_gguf(tmp_path / f"{arch}.gguf", arch))
+    check_supported(write_gguf(tmp_path / "qwen3moe.gguf", "qwen3moe", experts=8))
     with pytest.raises(UnsupportedModelError, match="GGUF architecture 'qwen3_moe' is not supported"):
-        check_supported(write_gguf(tmp_path / "moe.gguf", "qwen3_moe"))
+        check_supported(write_gguf(tmp_path / "moe.gguf", "qwen3_moe"))  # llama.cpp's name has no underscore
+    with pytest.raises(UnsupportedModelError, match="mixtral.gguf: a GGUF 'llama' with 8 experts \\(Mixtral's form\\) "
+                                                    "is not supported; serve its Hugging Face checkpoint instead"):
+        check_supported(write_gguf(tmp_path / "mixtral.gguf", "llama", experts=8))
     (tmp_path / "d.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(UnsupportedModelError, match="d.gguf is not a readable GGUF file"):
         resolve_model_dir(tmp_path / "d.gguf")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
@@ -64,6 +65,44 @@ def test_overlapped_decode_gives_the_same_tokens_and_logprobs_and_frees_every_bl
     assert overlapped.overlap.num_wasted_rows == 0  # max_tokens is known: no row past it
     usage = overlapped.check_invariants()
     assert usage.num_in_use == 0 and overlapped.kv.num_held == 0
+
+
+class _Copied:
+    """CUDA's host copy injected on CPU: each draw tensor copied to a fresh one, an event per flight."""
+
+    def __init__(self) -> None:
+        self.copies = 0
+        self.waited = 0
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        self.copies += 1
+        return t.clone()
+
+    def recorded(self) -> _Copied:
+        return self
+
+    def synchronize(self) -> None:
+        self.waited += 1
+
+
+def test_the_gpu_flights_host_copies_carry_tokens_logprobs_and_alternatives(tiny_llama_dir: str) -> None:
+    """The path a flight takes on CUDA (its draw copied to the host behind an event), with top
+    alternatives on some rows: the same tokens, logprobs and alternatives as without overlap."""
+    prompts = [[5, 9, 13, 17], [7, 7, 8], [21, 3, 4, 9, 10, 11], [6, 6]]
+    params = [SamplingParams(max_tokens=14, ignore_eos=True, logprobs=i % 2 == 0, top_logprobs=3 if i == 0 else 0,
+                             temperature=0.8 if i == 3 else 0.0, seed=7) for i in range(4)]
+    want = _engine(tiny_llama_dir, overlap=False).generate(prompts, params)
+    e = _engine(tiny_llama_dir, overlap=True)
+    e.overlap.host_copy = copied = _Copied()
+    got = e.generate(prompts, params)
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        assert g.logprobs == pytest.approx(w.logprobs, abs=1e-5)
+        assert [t.token_ids for t in g.top_logprobs] == [t.token_ids for t in w.top_logprobs]
+    assert [len(t.token_ids) for t in got[0].top_logprobs] == [3] * 14 and got[1].top_logprobs == []
+    assert e.overlap.num_guessed_rows > 20 and copied.waited > 10
+    assert copied.copies >= 4 * copied.waited  # tokens, logprobs and both halves of the alternatives
+    assert e.check_invariants().num_in_use == 0
 
 
 def test_a_request_that_stops_in_flight_keeps_its_blocks_until_the_step_lands(tiny_llama_dir: str) -> None:

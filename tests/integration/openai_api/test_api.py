@@ -1,7 +1,6 @@
-"""The OpenAI HTTP API end to end, with the official `openai` client, on the embedded default
-model (SmolLM2-135M-Instruct from its GGUF file): a real cluster (Ray actors, redis-server),
-1 prefill + 1 decode worker in mode disaggregated, so every request goes router -> prefill
--> kvfabric -> decode. After every test nothing is held on any worker or router."""
+"""The OpenAI HTTP API end to end, with the official `openai` client: answers equal to
+transformers, streaming, stop strings, the side endpoints, errors in OpenAI's shape, overload,
+disconnects, metrics shared with gRPC, structured output and tool calls."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -10,89 +9,18 @@ import json
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
-import grpc
 import openai
 import pytest
 import torch
 
-from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster
 from proto import generate_pb2 as pb
-from proto import generate_pb2_grpc as pb_grpc
-from router.admission import AdmissionConfig
-from router.policy import RoutingConfig
 from tests.integration.cluster_checks import assert_idle
+from tests.integration.openai_api.calls import MODEL, QUESTION, grpc_generate, post
 from tests.integration.test_metrics import scrape, total
 
 pytestmark = pytest.mark.timeout(900)
-
-MODEL = "smollm2"
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def cluster(smollm2_gguf: str, smollm2_dir: str):  # type: ignore[no-untyped-def]
-    config = ClusterConfig(
-        worker=WorkerConfig(model_dir=smollm2_gguf, block_size=16, kv_cache_bytes=64 * 2**20),
-        num_prefill=1, num_decode=1, worker_num_cpus=0.5,
-        router=RouterConfig(port=0, http_port=0, served_model_name=MODEL, tokenizer_dir=smollm2_dir,
-                            routing=RoutingConfig(mode="disaggregated"),
-                            # charged the worst case, one long request holds the budget (the overload test)
-                            # a queue wait limit no loaded machine's forecast reaches: the overload test's
-                            # queued request waits behind a 1,200-token one, however slow the steps
-                            admission=AdmissionConfig(max_queued_per_priority=1, max_queue_wait_s=300.0,
-                                                      charge_output="max")))
-    with LocalCluster(config) as c:
-        yield c
-
-
-@pytest.fixture
-def base(cluster: LocalCluster) -> str:  # type: ignore[misc]
-    yield f"http://{cluster.info['http_address']}"
-    assert_idle(cluster)
-
-
-@pytest.fixture
-def client(base: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def stub(cluster: LocalCluster):  # type: ignore[no-untyped-def]
-    with grpc.insecure_channel(cluster.address) as channel:
-        yield pb_grpc.GenerationStub(channel)
-
-
-@pytest.fixture(scope="module")
-def hf_gguf(smollm2_gguf: str):  # type: ignore[no-untyped-def]
-    """transformers loading the same GGUF file (dequantized to float32): the reference."""
-    from transformers import AutoModelForCausalLM
-
-    path = Path(smollm2_gguf)
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-
-
-def post(base: str, path: str, body: bytes | dict, headers: dict | None = None) -> tuple[int, dict, dict]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json",
-                                                                      **(headers or {})})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as r:
-            return r.status, dict(r.headers), json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), json.loads(e.read())
-
-
-def grpc_generate(stub, prompt: str | list[int], **sampling) -> tuple[str, list[int], pb.GenerateResponse]:  # type: ignore[no-untyped-def]
-    request = pb.GenerateRequest(sampling=pb.SamplingParams(**sampling))
-    if isinstance(prompt, str):
-        request.text = prompt
-    else:
-        request.token_ids.ids.extend(prompt)
-    responses = list(stub.Generate(request, timeout=120))
-    return "".join(r.text for r in responses), [t for r in responses for t in r.token_ids], responses[-1]
 
 
 def test_chat_answers_and_greedy_tokens_equal_transformers_on_the_gguf(client: openai.OpenAI, base: str,
@@ -118,181 +46,6 @@ def test_chat_answers_and_greedy_tokens_equal_transformers_on_the_gguf(client: o
         out = hf_gguf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=32, eos_token_id=None)
     assert c.choices[0].model_extra["token_ids"] == out[0, len(prompt):].tolist()
     assert c.choices[0].finish_reason == "length" and c.usage.completion_tokens == 32
-
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_prompt_and_output_logprobs_equal_transformers(client: openai.OpenAI, stub, hf_gguf, stream: bool) -> None:  # type: ignore[no-untyped-def]
-    """lm-evaluation-harness's log-likelihood request (echo, logprobs 1, max_tokens 0) and top
-    alternatives: each prompt token's log-probability, and each generated token's with its 5
-    likeliest, within 2e-3 of transformers' float32 log-softmax on the same GGUF, through
-    prefill worker (the prompt's, the first token's) and decode worker (the rest)."""
-    prompt = "The quick brown fox jumps over the lazy dog. Paris is the capital of"
-    ids = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=0).choices[0]
-    kw = dict(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=0, temperature=0)
-    if stream:
-        chunks = [c for c in client.completions.create(**kw, stream=True) if c.choices]
-        text = "".join(c.choices[0].text for c in chunks)
-        lp = [x for c in chunks for x in c.choices[0].logprobs.token_logprobs]
-        tops = [x for c in chunks for x in c.choices[0].logprobs.top_logprobs]
-    else:
-        r = client.completions.create(**kw)
-        text, lp, tops = r.choices[0].text, r.choices[0].logprobs.token_logprobs, r.choices[0].logprobs.top_logprobs
-        assert r.usage.completion_tokens == 0
-    assert text == prompt and lp[0] is None and tops[0] is None
-    n = len(lp)
-    tokens = ids.logprobs.tokens[:n]
-    status, _, tok = post(client.base_url.scheme + "://" + client.base_url.host + ":" + str(client.base_url.port),
-                          "/tokenize", {"prompt": prompt})
-    assert status == 200 and tok["count"] == n and "".join(tokens) == prompt
-    with torch.inference_mode():
-        want = torch.log_softmax(hf_gguf(torch.tensor([tok["tokens"]])).logits[0].float(), -1)
-    want_lp = [float(want[i - 1, t]) for i, t in enumerate(tok["tokens"]) if i]
-    assert max(abs(a - b) for a, b in zip(lp[1:], want_lp, strict=True)) < 2e-3
-    assert all(len(t) == 1 and abs(max(t.values()) - float(want[i].max())) < 2e-3 for i, t in enumerate(tops[1:]))
-    # generated tokens' logprobs and 5 alternatives (chat), the greedy token the likeliest
-    r = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=6, logprobs=True,
-                                       top_logprobs=5, extra_body={"return_token_ids": True})
-    content = r.choices[0].logprobs.content
-    gen = r.choices[0].model_extra["token_ids"]
-    assert len(content) == len(gen) and all(len(c.top_logprobs) == 5 for c in content)
-    assert all(c.top_logprobs[0].token == c.token and c.top_logprobs[0].logprob == c.logprob for c in content)
-    _, _, prompt_tok = post(client.base_url.scheme + "://" + client.base_url.host + ":" + str(client.base_url.port),
-                            "/tokenize", {"messages": QUESTION})
-    with torch.inference_mode():
-        full = torch.log_softmax(hf_gguf(torch.tensor([prompt_tok["tokens"] + gen])).logits[0].float(), -1)
-    start = len(prompt_tok["tokens"]) - 1
-    assert max(abs(c.logprob - float(full[start + i, t])) for i, (c, t) in enumerate(zip(content, gen))) < 2e-3
-    # the gRPC door: prompt_logprobs on the first response, ranks too
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=tok["tokens"]), sampling=pb.SamplingParams(
-        max_tokens=2, prompt_logprobs=3, logprobs=True, top_logprobs=2))
-    responses = list(stub.Generate(request, timeout=120))
-    p = responses[0].prompt_logprobs
-    assert len(p.logprobs) == n - 1 and all(len(t.token_ids) == 3 for t in p.top)
-    assert all(r == 1 + int((want[i] > want[i, t]).sum()) for i, (r, t) in enumerate(zip(p.ranks, tok["tokens"][1:])))
-    assert [len(t.token_ids) for r in responses for t in r.top_logprobs] == [2, 2]
-
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_completions_equal_the_grpc_path(client: openai.OpenAI, stub, stream: bool) -> None:  # type: ignore[no-untyped-def]
-    prompt = "Once upon a time, in a small village,"
-    want_text, want_ids, last = grpc_generate(stub, prompt, max_tokens=24, ignore_eos=True)
-    kwargs = dict(model=MODEL, prompt=prompt, temperature=0, max_tokens=24, extra_body={"ignore_eos": True})
-    if stream:
-        chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
-        text = "".join(c.choices[0].text for c in chunks if c.choices)
-        usage = [c.usage for c in chunks if c.usage is not None]
-        assert len(usage) == 1 and chunks[-1].usage is not None and chunks[-1].choices == []  # exactly one, last
-        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
-        assert finish == ["length"]
-        usage = usage[0]
-    else:
-        r = client.completions.create(**kwargs)
-        text, usage = r.choices[0].text, r.usage
-        assert r.choices[0].finish_reason == "length" and r.id.startswith("cmpl-") and r.object == "text_completion"
-    assert text == want_text
-    assert usage.completion_tokens == len(want_ids) == 24
-    assert usage.prompt_tokens == last.usage.prompt_tokens
-    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
-
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_several_prompts_in_one_completions_request_are_choices_by_index(client: openai.OpenAI, stream: bool) -> None:
-    prompts = ["The sky is", "One, two, three,", "def fibonacci(n):"]
-    alone = [client.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=8).choices[0].text
-             for p in prompts]
-    kw = dict(model=MODEL, prompt=prompts, temperature=0, max_tokens=8)
-    if stream:
-        texts, usage = ["", "", ""], None
-        for chunk in client.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
-            for c in chunk.choices:
-                texts[c.index] += c.text
-            usage = chunk.usage or usage
-    else:
-        r = client.completions.create(**kw)
-        assert [c.index for c in r.choices] == [0, 1, 2]
-        texts, usage = [c.text for c in r.choices], r.usage
-    assert texts == alone
-    assert usage is not None and usage.completion_tokens == 24
-
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_n_choices_are_seed_plus_i_alone_and_count_the_prompt_once(client: openai.OpenAI, stub, stream: bool) -> None:  # type: ignore[no-untyped-def]
-    """n = 4 through prefill -> kvfabric -> decode: the prompt computed and pushed once, forked
-    on the decode worker; choice i equals the request with seed + i alone, by both doors."""
-    prompt = "Write a short poem about the sea:"
-    alone = [grpc_generate(stub, prompt, max_tokens=10, temperature=1.0, seed=40 + i)[1] for i in range(4)]
-    assert len({tuple(a) for a in alone}) == 4
-    kw = dict(model=MODEL, prompt=prompt, temperature=1.0, seed=40, max_tokens=10, n=4,
-              extra_body={"return_token_ids": True})
-    if stream:
-        ids: dict[int, list[int]] = {}
-        finishes: dict[int, str] = {}
-        usage = None
-        for chunk in client.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
-            for c in chunk.choices:
-                ids.setdefault(c.index, []).extend(c.model_extra.get("token_ids") or [])
-                if c.finish_reason:
-                    finishes[c.index] = c.finish_reason
-            usage = chunk.usage or usage
-        got = [ids[i] for i in range(4)]
-        assert finishes == {0: "length", 1: "length", 2: "length", 3: "length"}
-    else:
-        r = client.completions.create(**kw)
-        assert [c.index for c in r.choices] == [0, 1, 2, 3]
-        got, usage = [c.model_extra["token_ids"] for c in r.choices], r.usage
-    assert got == alone
-    _, _, one = grpc_generate(stub, prompt, max_tokens=10)
-    assert usage.prompt_tokens == one.usage.prompt_tokens and usage.completion_tokens == 40
-    request = pb.GenerateRequest(text=prompt, sampling=pb.SamplingParams(max_tokens=10, temperature=1.0, seed=40, n=4))
-    by_choice: dict[int, list[int]] = {}
-    for response in stub.Generate(request, timeout=120):
-        by_choice.setdefault(response.choice, []).extend(response.token_ids)
-    assert [by_choice[i] for i in range(4)] == alone
-
-
-def test_best_of_returns_the_n_likeliest_of_its_choices(client: openai.OpenAI, stub) -> None:  # type: ignore[no-untyped-def]
-    prompt = "My favourite colour is"
-    drawn = []
-    for i in range(4):  # best_of 4 draws choices 0..3 as seeds 50..53 would
-        responses = list(stub.Generate(pb.GenerateRequest(text=prompt, sampling=pb.SamplingParams(
-            max_tokens=6, temperature=1.0, seed=50 + i, logprobs=True)), timeout=120))
-        drawn.append((sum(lp for r in responses for lp in r.logprobs), [t for r in responses for t in r.token_ids]))
-    want = [ids for _, ids in sorted(drawn, key=lambda d: -d[0])[:2]]
-    r = client.completions.create(model=MODEL, prompt=prompt, temperature=1.0, seed=50, max_tokens=6, n=2, best_of=4,
-                                  extra_body={"return_token_ids": True})
-    assert [c.index for c in r.choices] == [0, 1] and r.choices[0].logprobs is None
-    assert [c.model_extra["token_ids"] for c in r.choices] == want
-    assert r.usage.completion_tokens == 24  # the 4 drawn count
-
-
-def test_sampling_controls_over_http_equal_the_grpc_path(client: openai.OpenAI, stub) -> None:  # type: ignore[no-untyped-def]
-    """Penalties, min_p, logit_bias and min_tokens: the same tokens by both doors, through
-    prefill (the first token) and decode (the rest); they change the greedy answer."""
-    prompt = "List the days of the week: Monday, Tuesday,"
-    _, plain, _ = grpc_generate(stub, prompt, max_tokens=24)
-    banned = plain[1]
-    grpc_kw = dict(max_tokens=24, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.3,
-                   logit_bias={banned: -100.0}, min_tokens=20)
-    _, want, last = grpc_generate(stub, prompt, **grpc_kw)
-    assert want != plain and banned not in want and len(want) >= 20
-    r = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=24, presence_penalty=0.3,
-                                  frequency_penalty=0.5, logit_bias={str(banned): -100},
-                                  extra_body={"repetition_penalty": 1.3, "min_tokens": 20, "return_token_ids": True})
-    assert r.choices[0].model_extra["token_ids"] == want  # type: ignore[index]
-    sampled = client.completions.create(model=MODEL, prompt=prompt, temperature=0.8, seed=11, max_tokens=16,
-                                        extra_body={"min_p": 0.3, "return_token_ids": True})
-    _, again, _ = grpc_generate(stub, prompt, max_tokens=16, temperature=0.8, seed=11, min_p=0.3)
-    assert sampled.choices[0].model_extra["token_ids"] == again  # type: ignore[index]
-
-
-def test_seeded_sampling_equals_the_grpc_path_and_repeats(client: openai.OpenAI, stub) -> None:  # type: ignore[no-untyped-def]
-    prompt = "The three best things about autumn are"
-    want_text, _, _ = grpc_generate(stub, prompt, max_tokens=20, temperature=0.9, top_p=0.95, seed=1234)
-    texts = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0.9, top_p=0.95,
-                                       seed=1234).choices[0].text for _ in range(2)]
-    assert texts == [want_text, want_text]
-    other = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0.9, top_p=0.95, seed=99)
-    assert other.choices[0].text != want_text
 
 
 def test_streamed_chat_and_cached_tokens(client: openai.OpenAI) -> None:
