@@ -86,11 +86,13 @@ def on_host(ns: str, argv: list[str]) -> list[str]:
             f"hostname {ns} && mount -t tmpfs -o size=512m tmpfs /dev/shm && {inner}"]
 
 
-def start_serving(cmd: list[str], secret: str, log: Path | None = None) -> tuple[subprocess.Popen, str]:
-    """Starts a process (stderr to `log`) and waits up to 120 s for its 'serving on HOST:PORT' line."""
+def start_serving(cmd: list[str], secret: str, log: Path | None = None,
+                  env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """Starts a process (stderr to `log`, `env` beside the cluster secret in its environment)
+    and waits up to 120 s for its 'serving on HOST:PORT' line."""
     err = log.open("w") if log is not None else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
-                            env={**os.environ, "SPLITSERVE_CLUSTER_SECRET": secret})
+                            env={**os.environ, "SPLITSERVE_CLUSTER_SECRET": secret, **(env or {})})
     deadline = time.monotonic() + 120
     assert proc.stdout is not None
     while time.monotonic() < deadline:

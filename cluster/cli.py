@@ -28,8 +28,8 @@ from cluster.make_model import add_parser as add_make_model_parser
 from cluster.metrics_targets import add_observe_flags
 from cluster.metrics_targets import add_parser as add_metrics_targets_parser
 from cluster.metrics_targets import metrics_port as _metrics_port
-from cluster.processes import (add_device_flags, add_http_flags, add_speculative_flags, cluster_secret, placement,
-                               redacted, speculative_config, worker_host)
+from cluster.processes import (add_device_flags, add_http_flags, add_speculative_flags, cluster_secret, http_fields,
+                               placement, redacted, speculative_config, worker_host)
 from cluster.processes import add_parsers as add_process_parsers
 from cluster.status import show_status
 from sim.cli import add_parser as add_simulate_parser
@@ -116,10 +116,7 @@ def _serve_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         num_prefill=args.num_prefill, num_decode=args.num_decode, num_routers=args.num_routers,
         controller_max_restarts=args.controller_max_restarts, gpus_per_worker=gpus, autoscale=_autoscale_config(args),
         router=RouterConfig(host=args.host, port=args.port, metrics_port=_metrics_port(args),
-                            otlp_endpoint=args.otlp_endpoint, tokenizer_dir=_model_dir(model),
-                            http_port=None if args.http_port < 0 else args.http_port,
-                            served_model_name=args.served_model_name, chat_template=args.chat_template,
-                            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                            otlp_endpoint=args.otlp_endpoint, tokenizer_dir=_model_dir(model), **http_fields(args),
                             admission=_admission_config(args),
                             routing=RoutingConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens)),
         redis_url=args.redis_url or "", redis_host=args.redis_host, namespace=args.namespace,
@@ -228,7 +225,7 @@ def _scale(args: argparse.Namespace) -> int:
         client = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
         client.set(target_key(namespace, args.role), args.n, ex=60)
     except redis.RedisError as e:
-        print(f"error: cannot reach {redis_url}: {e}", file=sys.stderr)
+        print(f"error: cannot reach {redacted(redis_url)}: {e}", file=sys.stderr)
         return 1
     print(f"{args.role} target set to {args.n}; the controller acts on it within a second "
           "(`splitserve status` shows the pools)")

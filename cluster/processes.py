@@ -11,9 +11,11 @@ from urllib.parse import urlsplit, urlunsplit
 
 from cluster.metrics_targets import add_observe_flags
 from cluster.metrics_targets import metrics_port as _metrics_port
+from control.auth import check_private
 from control.worker_config import NO_SECRET
 from engine.kv_sizing import DEFAULT_CPU_KV_FRACTION
 from router.reasoning import REASONING_PARSERS
+from router.request_limits import HttpDeadlines, RequestLimits
 from router.tool_parsers import PARSERS
 
 
@@ -97,6 +99,73 @@ def add_http_flags(p: argparse.ArgumentParser, default_port: int = 8000) -> None
     p.add_argument("--reasoning-parser", choices=[*REASONING_PARSERS, "none"],
                    help="how a thinking model's reasoning is split into reasoning_content (default: as the chat "
                         "template implies: qwen3 or deepseek_r1 where it writes <think>; none: never)")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY[:TENANT]",
+                   help="a key callers must show (HTTP 'Authorization: Bearer KEY', gRPC metadata "
+                        "'authorization'); with :TENANT its requests are that tenant's (repeatable; argv is "
+                        "visible to other users: prefer --api-key-file or $SPLITSERVE_API_KEY)")
+    p.add_argument("--api-key-file", metavar="FILE", help="keys, a KEY[:TENANT] a line (mode 600)")
+    p.add_argument("--open-path", action="append", default=None, metavar="PATH",
+                   help="an HTTP path served without a key (repeatable; default /health; the Prometheus "
+                        "/metrics is on its own port, never behind a key)")
+    p.add_argument("--max-messages", type=int, default=RequestLimits.max_messages,
+                   help="messages one chat or /tokenize request may hold")
+    p.add_argument("--max-tools", type=int, default=RequestLimits.max_tools, help="tools one chat request may hold")
+    p.add_argument("--max-template-kwargs-bytes", type=int, default=RequestLimits.max_template_kwargs_bytes,
+                   help="largest chat_template_kwargs, as JSON")
+    p.add_argument("--request-timeout-s", type=float, default=600.0,
+                   help="deadline of a request whose caller sets none (HTTP requests; gRPC calls without one)")
+    p.add_argument("--http-header-timeout-s", type=float, default=HttpDeadlines.header_timeout_s,
+                   help="a connection's request head (or its next one, kept alive) must arrive within this")
+    p.add_argument("--http-body-timeout-s", type=float, default=HttpDeadlines.body_timeout_s,
+                   help="a request's body must arrive within this of its head (408 past it)")
+    p.add_argument("--http-max-connections", type=int, default=HttpDeadlines.max_connections,
+                   help="HTTP connections one router holds (past it: 503 and closed); idle ones past a quarter of "
+                        "it are closed longest idle first")
+    p.add_argument("--worker-network", action="append", default=[], metavar="CIDR|NAME",
+                   help="where workers may be (repeatable): a heartbeat giving another address is skipped "
+                        "(default: any address that is not globally routable)")
+    p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="a host name HTTP requests may name (repeatable): beside localhost on a loopback bind; "
+                        "bound wider, the only ones (default: any)")
+
+
+REDIS_URL_ENV = "SPLITSERVE_REDIS_URL"
+
+
+def add_redis_url_flag(p: argparse.ArgumentParser) -> None:
+    """A plain process's Redis: --redis-url, else $SPLITSERVE_REDIS_URL (where a password
+    belongs: argv is visible to every user of the machine in `ps`)."""
+    p.add_argument("--redis-url", default=None, help=f"the cluster's Redis (redis://host:port/db; default "
+                                                     f"${REDIS_URL_ENV}, where a password belongs: argv shows in ps)")
+
+
+def redis_url_of(args: argparse.Namespace) -> str:
+    """The Redis URL a plain process was given (ValueError when none)."""
+    url = args.redis_url or os.environ.get(REDIS_URL_ENV)
+    if not url:
+        raise ValueError(f"no Redis: pass --redis-url or set ${REDIS_URL_ENV}")
+    if args.redis_url and urlsplit(args.redis_url).password:
+        print(f"splitserve: warning: --redis-url holds a password, visible to other users in ps; set "
+              f"${REDIS_URL_ENV} instead", file=sys.stderr)
+    return url
+
+
+def http_fields(args: argparse.Namespace) -> dict:
+    """The RouterConfig fields of the HTTP flags (serve and router)."""
+    from router import api_keys
+
+    return dict(http_port=None if args.http_port < 0 else args.http_port, served_model_name=args.served_model_name,
+                chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
+                reasoning_parser=args.reasoning_parser, api_keys=api_keys.load(args.api_key, args.api_key_file),
+                allowed_hosts=tuple(args.allowed_host), worker_networks=tuple(args.worker_network),
+                open_paths=tuple(args.open_path) if args.open_path is not None else ("/health",),
+                request_limits=RequestLimits(max_messages=args.max_messages, max_tools=args.max_tools,
+                                             max_template_kwargs_bytes=args.max_template_kwargs_bytes),
+                request_timeout_s=args.request_timeout_s,
+                http_deadlines=HttpDeadlines(header_timeout_s=args.http_header_timeout_s,
+                                             body_timeout_s=args.http_body_timeout_s,
+                                             max_connections=args.http_max_connections,
+                                             max_idle_connections=max(1, args.http_max_connections // 4)))
 
 
 def worker_host(args: argparse.Namespace) -> str:
@@ -121,6 +190,7 @@ def cluster_secret() -> bytes | None:
     """The cluster secret from $SPLITSERVE_CLUSTER_SECRET_FILE or $SPLITSERVE_CLUSTER_SECRET (never argv)."""
     path = os.environ.get("SPLITSERVE_CLUSTER_SECRET_FILE")
     if path:
+        check_private(Path(path), "$SPLITSERVE_CLUSTER_SECRET_FILE")
         return Path(path).read_bytes().strip()
     value = os.environ.get("SPLITSERVE_CLUSTER_SECRET")
     return value.encode() if value else None
@@ -166,6 +236,7 @@ def _worker(args: argparse.Namespace) -> int:
                               model_id=args.model_id, advertise_host=args.advertise_host,
                               cluster_secret=required_secret(), otlp_endpoint=args.otlp_endpoint,
                               speculative=speculative_config(args))
+        redis_url = redis_url_of(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -174,12 +245,12 @@ def _worker(args: argparse.Namespace) -> int:
         from prefill_worker.worker import PrefillWorker as Worker
     else:
         from decode_worker.worker import DecodeWorker as Worker  # type: ignore[assignment]
-    worker = Worker(worker_id, config, args.redis_url, args.namespace)
+    worker = Worker(worker_id, config, redis_url, args.namespace)
 
     async def start() -> str:
         info = await worker.start()
         return (f"splitserve: {args.role} worker {worker_id} serving on {info['address']} "
-                f"(Redis {redacted(args.redis_url)})")
+                f"(Redis {redacted(redis_url)})")
 
     return _run_until_signal(start, worker.shutdown)
 
@@ -194,21 +265,19 @@ def _router(args: argparse.Namespace) -> int:
             raise ValueError("--tokenizer takes a directory; for a GGUF model, the converted directory a worker "
                              "of that model logs at start (the router loads no model code)")
         config = RouterConfig(host=args.host, port=args.port, metrics_port=_metrics_port(args),
-                              otlp_endpoint=args.otlp_endpoint, http_port=None if args.http_port < 0 else args.http_port,
-                              served_model_name=args.served_model_name, chat_template=args.chat_template,
-                              tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                              tokenizer_dir=args.tokenizer,
+                              otlp_endpoint=args.otlp_endpoint, **http_fields(args), tokenizer_dir=args.tokenizer,
                               routing=RoutingConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens),
                               cluster_secret=required_secret())
+        redis_url = redis_url_of(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    service = RouterService(args.router_id, config, args.redis_url, args.namespace)
+    service = RouterService(args.router_id, config, redis_url, args.namespace)
 
     async def start() -> str:
         address = await service.start()
         http = f", OpenAI API on http://{service.http_address}/v1" if service.http_address else ""
-        return f"splitserve: router {args.router_id} serving on {address}{http} (Redis {redacted(args.redis_url)})"
+        return f"splitserve: router {args.router_id} serving on {address}{http} (Redis {redacted(redis_url)})"
 
     return _run_until_signal(start, service.shutdown)
 
@@ -216,7 +285,7 @@ def _router(args: argparse.Namespace) -> int:
 def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     w = sub.add_parser("worker", help="run one prefill or decode worker as a plain process (no Ray)")
     w.add_argument("role", choices=("prefill", "decode"))
-    w.add_argument("--redis-url", required=True, help="the cluster's Redis (redis://host:port/db)")
+    add_redis_url_flag(w)
     w.add_argument("--namespace", default="splitserve", help="prefix of the cluster's Redis keys")
     w.add_argument("--worker-id", help="unique in the cluster (default: ROLE-<random>)")
     w.add_argument("--model", help="model directory, .gguf file, or `tiny` (default: the embedded SmolLM2-135M-Instruct)")
@@ -233,7 +302,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     w.set_defaults(func=_worker)
 
     r = sub.add_parser("router", help="run one router replica as a plain process (no Ray)")
-    r.add_argument("--redis-url", required=True, help="the cluster's Redis (redis://host:port/db)")
+    add_redis_url_flag(r)
     r.add_argument("--namespace", default="splitserve", help="prefix of the cluster's Redis keys")
     r.add_argument("--router-id", default="router-0")
     r.add_argument("--port", type=int, default=50051, help="0: a free one, printed when ready")

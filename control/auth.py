@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from pathlib import Path
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -46,3 +47,12 @@ async def _refuse(request: bytes, context: grpc.aio.ServicerContext) -> None:
     await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                         "this is a splitserve worker: only its cluster's routers may call it (no or wrong "
                         f"{TOKEN_METADATA}: give the caller the cluster secret)")
+
+
+def check_private(path: Path, what: str) -> None:
+    """A secret file must be readable by its owner alone (as ssh insists)."""
+    if not path.is_file():
+        raise ValueError(f"{what} {path}: no such file")
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        raise ValueError(f"{what} {path} is readable by others (mode {mode:o}); chmod 600 it")

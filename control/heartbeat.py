@@ -8,6 +8,8 @@ one step; unknown fields are ignored, so a newer worker can talk to an older rou
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Literal
 
 import msgspec
@@ -42,6 +44,11 @@ def controller_key(ns: str) -> str:
     return f"{ns}:controller"
 
 
+FACT_LIMITS = {"block_size": 1 << 12, "vocab_size": 1 << 24, "max_model_len": 1 << 24, "num_total_blocks": 1 << 32,
+               "kv_window": 1 << 24}
+"""A model fact's largest believable value (heartbeats outside are skipped as malformed)."""
+
+
 class ModelFacts(msgspec.Struct, frozen=True):
     """What a worker's engine owns and a router must agree with."""
 
@@ -57,6 +64,21 @@ class ModelFacts(msgspec.Struct, frozen=True):
     kv_window: int = 0
     """The sliding window of a model whose every layer has one (ModelConfig.kv_window): a
     sequence holds only that window's blocks; 0: its whole context."""
+
+    def __post_init__(self) -> None:
+        """Sizes in range (0 only while unknown: a worker that serves reports them all; a block
+        size of 0 or a negative pool would break every request's arithmetic)."""
+        for name, high in FACT_LIMITS.items():
+            value = getattr(self, name)
+            if not 0 <= value <= high:
+                raise ValueError(f"model fact {name}={value} is outside [0, {high}]")
+        if len(self.model_id) > 256:
+            raise ValueError("model fact model_id is longer than 256 characters")
+
+    @property
+    def complete(self) -> bool:
+        """Every size known (what a serving worker must report)."""
+        return all(getattr(self, name) > 0 for name in FACT_LIMITS if name != "kv_window")
 
     @property
     def max_held_tokens(self) -> int | None:
@@ -92,6 +114,11 @@ class Heartbeat(msgspec.Struct, frozen=True):
 
     def __post_init__(self) -> None:
         """What the types cannot say (msgspec checks the types as it decodes)."""
+        if any(v < 0 for v in dataclasses.astuple(self.load) if isinstance(v, int)) or \
+                any(v < 0 for v in self.load.spec_accepted_per_pos):
+            raise ValueError("heartbeat field load holds a negative count")
+        if not all(math.isfinite(x) for x in (*self.step_model, *self.step_profile, self.sent_at)):
+            raise ValueError("heartbeat holds a number that is not finite")
         if len(self.step_model) not in (0, 3):
             raise ValueError("heartbeat field step_model is not [a, b, c] seconds")
         p = self.step_profile

@@ -37,7 +37,8 @@ class RegistryReader:
         self.client = redis.asyncio.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.ns = namespace
         self.num_bad_entries = 0
-        """Malformed heartbeats and KV events skipped (each logged once as it is met)."""
+        """Malformed heartbeats and KV events skipped (each key's logged once)."""
+        self._warned: set[object] = set()
 
     async def heartbeats(self) -> dict[str, Heartbeat]:
         keys = [k async for k in self.client.scan_iter(match=hb_key(self.ns, "*"), count=500)]
@@ -70,7 +71,9 @@ class RegistryReader:
             return parse(data)
         except BadEntry as e:
             self.num_bad_entries += 1
-            logger.warning("registry: skipping a malformed entry in %r: %s", key, e)
+            if key not in self._warned and len(self._warned) < 10_000:  # once a key: a bad one is re-read each poll
+                self._warned.add(key)
+                logger.warning("registry: skipping a malformed entry in %r: %s", key, e)
             return None
 
     async def set_router_stats(self, router_id: str, stats: dict[str, object], ttl_s: float) -> None:

@@ -37,7 +37,7 @@ class WorkerConfig:
     model_id: str | None = None
     """Name the block hashes are keyed with; None uses the model directory's name. Set it
     when hosts reach one checkpoint by different paths."""
-    cluster_secret: bytes | None = None
+    cluster_secret: bytes | None = field(default=None, repr=False)
     """Key of the block hashes: the same on every worker and router of a cluster, known to
     nobody else. There is no built-in one: a local cluster generates it (`Controller`), plain
     processes read it from $SPLITSERVE_CLUSTER_SECRET_FILE or $SPLITSERVE_CLUSTER_SECRET."""

@@ -31,7 +31,7 @@ class CacheConfig:
     protected_fraction: float = 0.5
     """Share of the pool that cached blocks hit again after they were stored (shared
     prefixes) may keep out of reach of one-off blocks (segmented LRU); 0 is plain LRU."""
-    cluster_secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))
+    cluster_secret: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
     """Key of the block hashes; one cluster's workers and routers share it, nobody else knows
     it. By default a random one: a standalone engine's hashes never leave its process."""
 

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
+
+K = TypeVar("K", bound=Hashable)
 
 _TOKEN = re.compile(r"""
     (?P<ws>\s+|//[^\n]*)
@@ -228,17 +230,23 @@ def _refs(x: Expr) -> set[str]:
     return {x[1]} if x[0] == "rule" else set()
 
 
-def lark_unending(text: str) -> list[str]:
+def lark_unending(text: str, budget: Budget | None = None) -> list[str]:
     """The rules reachable from `start` that derive no finite string, when `start` is one of
-    them ([] when the grammar can end, or when the text is beyond this reader)."""
+    them ([] when the grammar can end, or when the text is beyond this reader); TooLarge past
+    `budget` (rule readings)."""
+    budget = budget or Budget()
     try:
         rules = _Parser(_tokens(text)).definitions()
     except (_Unknown, RecursionError):
         return []
     if "start" not in rules:
         return []
-    done = _least_fixed_point({r: _refs(body) for r, body in rules.items()},
-                              lambda r, done: _finite(rules[r], lambda x: x in done or x not in rules))
+
+    def holds(r: str, done: set[str]) -> bool:
+        budget.spend(1 + len(rules[r][1]) if rules[r][0] in ("seq", "alt") else 1)
+        return _finite(rules[r], lambda x: x in done or x not in rules)
+
+    done = _least_fixed_point({r: _refs(body) for r, body in rules.items()}, holds)
     if "start" in done:
         return []
     seen, todo = {"start"}, ["start"]
@@ -250,14 +258,14 @@ def lark_unending(text: str) -> list[str]:
     return sorted(seen - done, key=lambda r: (r != "start", r))
 
 
-def _least_fixed_point(deps: dict[str, set[str]], holds: Callable[[str, set[str]], bool]) -> set[str]:
+def _least_fixed_point(deps: dict[K, set[K]], holds: Callable[[K, set[K]], bool]) -> set[K]:
     """The names that hold, each rechecked only when one it depends on comes to hold: the
     least fixed point in time linear in the dependencies, not quadratic in the names."""
-    users: dict[str, list[str]] = {}
+    users: dict[K, list[K]] = {}
     for name, needs in deps.items():
         for need in needs:
             users.setdefault(need, []).append(name)
-    done: set[str] = set()
+    done: set[K] = set()
     todo = list(deps)
     while todo:
         name = todo.pop()
@@ -267,11 +275,36 @@ def _least_fixed_point(deps: dict[str, set[str]], holds: Callable[[str, set[str]
     return done
 
 
-def _schema_refs(node: Any) -> set[str]:
+class TooLarge(ValueError):
+    """The constraint is beyond the checking budget: refused naming the limit, not checked for ever."""
+
+
+MAX_CHECK_STEPS = 1_000_000
+"""Schema nodes (or grammar rule visits) one check may visit: ~1 s of Python at most; a
+schema past it is refused as too large to check."""
+MAX_REFS = 10_000
+"""Distinct local `$ref` strings one schema may hold."""
+_INDEX = re.compile(r"0|[1-9][0-9]*")
+"""An array index in a JSON pointer (RFC 6901): ASCII digits, no sign, no leading zero."""
+
+
+class Budget:
+    def __init__(self, steps: int = MAX_CHECK_STEPS) -> None:
+        self.left = steps
+        self.steps = steps
+
+    def spend(self, n: int = 1) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise TooLarge(f"the constraint is too large to check (more than {self.steps} steps)")
+
+
+def _schema_refs(node: Any, budget: Budget) -> set[str]:
     out: set[str] = set()
     stack = [node]
     while stack:
         x = stack.pop()
+        budget.spend()
         if isinstance(x, dict):
             if isinstance(x.get("$ref"), str):
                 out.add(x["$ref"])
@@ -281,50 +314,85 @@ def _schema_refs(node: Any) -> set[str]:
     return out
 
 
+_UNRESOLVED = object()
+
+
 def _pointer(root: Any, ref: str) -> Any:
+    """The node a local `$ref` names, read as RFC 6901 says (an index only as its canonical
+    digits); `_UNRESOLVED` where it names none."""
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        return _UNRESOLVED
     node = root
-    for part in ref[1:].lstrip("/").split("/") if ref != "#" else []:
+    for part in ref[2:].split("/"):
         part = part.replace("~1", "/").replace("~0", "~")
-        node = node[int(part)] if isinstance(node, list) else node[part]
+        if isinstance(node, list) and _INDEX.fullmatch(part) and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            return _UNRESOLVED
     return node
 
 
-def schema_unending(schema: Any) -> list[str]:
+def schema_unending(schema: Any, budget: Budget | None = None) -> list[str]:
     """The local `$ref` targets (JSON pointers) with no finite instance, when the whole schema
-    has none ([] when it has one)."""
-    targets: dict[str, Any] = {}
-    todo = [schema]
+    has none ([] when it has one). Each node is read once, however many `$ref` spellings name
+    it, so the check is linear in the schema (within `budget`: TooLarge past it)."""
+    budget = budget or Budget()
+    node_of: dict[str, int] = {}  # a $ref -> the id of the node it names
+    nodes: dict[int, Any] = {}
+    refs_in: dict[int, set[str]] = {id(schema): _schema_refs(schema, budget)}
+    todo, seen = [id(schema)], set()
     while todo:
-        for ref in _schema_refs(todo.pop()):
-            if ref.startswith("#") and ref not in targets:
-                try:
-                    targets[ref] = _pointer(schema, ref)
-                except (KeyError, IndexError, ValueError, TypeError):
-                    targets[ref] = True  # unresolvable: llguidance reports it, not us
-                todo.append(targets[ref])
+        for ref in refs_in[todo.pop()]:
+            if not ref.startswith("#") or ref in seen:
+                continue
+            seen.add(ref)
+            if len(seen) > MAX_REFS:
+                raise TooLarge(f"the JSON schema holds more than {MAX_REFS} distinct $refs")
+            target = _pointer(schema, ref)
+            if target is _UNRESOLVED:
+                continue  # unresolvable: llguidance reports it, not us
+            key = node_of[ref] = id(target)
+            if key not in nodes:
+                nodes[key] = target
+                if key not in refs_in:
+                    refs_in[key] = _schema_refs(target, budget)
+                todo.append(key)
     try:
-        done = _least_fixed_point({ref: _schema_refs(node) & targets.keys() for ref, node in targets.items()},
-                                  lambda ref, done: _instance(targets[ref], done))
-        ends = _instance(schema, done)
+        done = _least_fixed_point({k: {node_of[r] for r in refs_in[k] if r in node_of} for k in nodes},
+                                  lambda k, done: _instance(nodes[k], _known(node_of, done), budget))
+        ends = _instance(schema, _known(node_of, done), budget)
     except RecursionError:  # nested past Python's stack: no verdict
         return []
-    return [] if ends else sorted(set(targets) - done) or ["#"]
+    if ends:
+        return []
+    return sorted(r for r, k in node_of.items() if k not in done) or ["#"]
 
 
-def _instance(s: Any, done: set[str]) -> bool:
-    """Whether schema `s` has a finite instance, the `$ref`s in `done` known to have one."""
+def _known(node_of: dict[str, int], done: set[int]) -> Callable[[str], bool]:
+    """Whether a `$ref` is known to have a finite instance (an unresolvable one counts as
+    having one: llguidance refuses it)."""
+    return lambda ref: ref not in node_of or node_of[ref] in done
+
+
+def _instance(s: Any, known: Callable[[str], bool], budget: Budget) -> bool:
+    """Whether schema `s` has a finite instance, the `$ref`s `known` to have one."""
+    budget.spend()
     if s is False:
         return False
     if not isinstance(s, dict):
         return True
     ref = s.get("$ref")
-    if isinstance(ref, str) and ref.startswith("#") and ref not in done:
+    if isinstance(ref, str) and ref.startswith("#") and not known(ref):
         return False
     if "const" in s or "enum" in s:
         return True
     for key, need in (("allOf", all), ("anyOf", any), ("oneOf", any)):
         subs = s.get(key)
-        if isinstance(subs, list) and subs and not need(_instance(x, done) for x in subs):
+        if isinstance(subs, list) and subs and not need(_instance(x, known, budget) for x in subs):
             return False
     types = s.get("type")
     types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else None
@@ -334,11 +402,11 @@ def _instance(s: Any, done: set[str]) -> bool:
     if "object" in types:
         props = s.get("properties") if isinstance(s.get("properties"), dict) else {}
         required = [r for r in s.get("required", []) if isinstance(r, str)] if isinstance(s.get("required"), list) else []
-        ok = all(_instance(props.get(r, True), done) for r in required)
+        ok = all(_instance(props.get(r, True), known, budget) for r in required)
     if "array" in types and not ok:
         low = s.get("minItems", 0) if isinstance(s.get("minItems", 0), int) else 0
         prefix = s.get("prefixItems") if isinstance(s.get("prefixItems"), list) else []
         firsts = prefix[:low]
         rest = s.get("items", True) if low > len(prefix) else True
-        ok = all(_instance(x, done) for x in firsts) and _instance(rest, done)
+        ok = all(_instance(x, known, budget) for x in firsts) and _instance(rest, known, budget)
     return ok

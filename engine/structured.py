@@ -32,7 +32,7 @@ import llguidance
 import numpy as np
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from engine.grammar_finite import lark_unending, schema_unending
+from engine.grammar_finite import TooLarge, lark_unending, schema_unending
 from engine.request import Constraint
 from engine.types import InvalidRequestError
 
@@ -79,7 +79,10 @@ def grammar_text(c: Constraint) -> str:
             raise InvalidRequestError("a choice is a non-empty list of non-empty strings")
         return llguidance.LLMatcher.grammar_from_lark(
             "start: " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options))
-    lark = gbnf_to_lark(c.value) if "::=" in c.value else c.value
+    try:
+        lark = gbnf_to_lark(c.value) if "::=" in c.value else c.value
+    except Exception as e:  # noqa: BLE001  (the converter raises bare Exceptions for a rule it cannot find)
+        raise InvalidRequestError(f"the GBNF grammar cannot be read: {str(e)[:300]}") from None
     unending = lark_unending(lark)
     if unending:
         raise InvalidRequestError(
@@ -99,8 +102,9 @@ class Grammars:
         self.limits = llguidance.LLParserLimits(**LIMITS)
         self.max_entries = max_entries
         self._pool: llguidance.LLExecutor | None = None
-        self._compiled: OrderedDict[str, llguidance.LLMatcher | str] = OrderedDict()
-        """Content hash -> a matcher in its start state (or, without a tokenizer, the grammar)."""
+        self._compiled: OrderedDict[str, llguidance.LLMatcher | str | InvalidRequestError] = OrderedDict()
+        """Content hash -> a matcher in its start state (or, without a tokenizer, the grammar),
+        or why it was refused."""
 
     @classmethod
     def for_model(cls, model_dir: str | Path, vocab_size: int, eos_token_ids: Sequence[int]) -> Grammars:
@@ -119,24 +123,37 @@ class Grammars:
         return entry.deep_copy()
 
     def _entry(self, c: Constraint) -> llguidance.LLMatcher | str:
+        """The compiled constraint, or InvalidRequestError; either is kept (a refused one is
+        refused again at once: sending it again costs nothing)."""
         key = hashlib.sha256(f"{c.kind}\0{c.value}".encode()).hexdigest()
         entry = self._compiled.get(key)
         if entry is None:
-            grammar = grammar_text(c)
-            error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer, limits=self.limits)
-            if error and not error.startswith("WARNING"):
-                raise InvalidRequestError(f"the {c.kind.replace('_', ' ')} cannot be compiled: {error.strip()}")
-            entry = grammar
-            if self.tokenizer is not None:
-                entry = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
-                if entry.is_error():
-                    raise InvalidRequestError(f"the {c.kind.replace('_', ' ')} cannot be compiled: "
-                                              f"{entry.get_error()}")
+            try:
+                entry = self._compile(c)
+            except InvalidRequestError as e:
+                entry = e
             self._compiled[key] = entry
             while len(self._compiled) > self.max_entries:
                 self._compiled.popitem(last=False)
         self._compiled.move_to_end(key)
+        if isinstance(entry, InvalidRequestError):
+            raise InvalidRequestError(str(entry))
         return entry
+
+    def _compile(self, c: Constraint) -> llguidance.LLMatcher | str:
+        try:
+            grammar = grammar_text(c)
+        except TooLarge as e:
+            raise InvalidRequestError(str(e)) from None
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer, limits=self.limits)
+        if error and not error.startswith("WARNING"):
+            raise InvalidRequestError(f"the {c.kind.replace('_', ' ')} cannot be compiled: {error.strip()}")
+        if self.tokenizer is None:
+            return grammar
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
+        if matcher.is_error():
+            raise InvalidRequestError(f"the {c.kind.replace('_', ' ')} cannot be compiled: {matcher.get_error()}")
+        return matcher
 
     def __len__(self) -> int:
         return len(self._compiled)

@@ -1,7 +1,7 @@
 """The settings of kvfabric's two ends (every field documented, units in names, validated)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 TRANSPORTS = ("shm", "tcp", "cuda_ipc", "nccl")
 """shm / cuda_ipc: one host (the sender writes into the receiver's pool); tcp / nccl: any two hosts."""
@@ -19,7 +19,7 @@ class SenderConfig:
     """tcp: send a CRC32 per frame; the receiver fails the transfer on mismatch."""
     transport: str | None = None
     """Force "shm" or "tcp"; None picks the best one the pair supports."""
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)
     """Shown in the hello to receivers that require one (`ReceiverConfig.token`)."""
 
     def __post_init__(self) -> None:
@@ -42,11 +42,19 @@ class ReceiverConfig:
     """Bound on any single send, and on a frame that has started arriving."""
     advertise_host: str | None = None
     """Host senders should dial (defaults to `host`)."""
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)
     """When set, a sender's hello must show it (the cluster's proof of its secret), else the
     handshake is refused before any reservation can be opened or byte written."""
+    hello_timeout_s: float = 5.0
+    """A connection's whole hello must arrive within this of its accept, however it trickles."""
+    max_pending_hellos: int = 64
+    """Connections accepted whose hello has not arrived, at most: past it the longest waiting
+    one is closed (a flood of silent connections churns through the slots, while a real
+    sender, whose hello follows its connect at once, gets through)."""
 
     def __post_init__(self) -> None:
-        for f in ("lease_s", "io_timeout_s"):
+        if self.max_pending_hellos < 1:
+            raise ValueError(f"ReceiverConfig.max_pending_hellos must be at least 1, got {self.max_pending_hellos}")
+        for f in ("lease_s", "io_timeout_s", "hello_timeout_s"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"ReceiverConfig.{f} must be positive, got {getattr(self, f)}")

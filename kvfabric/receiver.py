@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +54,12 @@ class FabricReceiver:
         self.table = ReservationTable(clock, self.config.lease_s)
         self._cond = threading.Condition()
         self._conns: dict[int, Conn] = {}
+        self._pending: OrderedDict[int, Conn] = OrderedDict()
+        """Connections whose hello has not arrived, oldest first (guarded by `_cond`)."""
+        self.num_hellos_evicted = 0
+        self.num_hellos_failed = 0
+        """Connections closed before their hello completed (evicted, late, refused, malformed)."""
+        self.num_accept_errors = 0
         self._writer_ids = itertools.count(1)
         self._closed = False
         self._listener = socket.create_server((self.config.host, self.config.port))
@@ -140,24 +147,59 @@ class FabricReceiver:
 
     # -- connections ---------------------------------------------------------------------
     def _accept_loop(self, listener: socket.socket) -> None:
+        """Accepts until closed, whatever fails meanwhile (out of file descriptors, a thread
+        that cannot start): that connection is dropped, the next one accepted."""
         while not self._closed:
             try:
                 sock, _ = listener.accept()
             except TimeoutError:
                 continue
-            except OSError:
-                return
-            writer = next(self._writer_ids)
-            conn = Conn(sock, self.config.io_timeout_s)
-            self._conns[writer] = conn
-            threading.Thread(target=self._serve, args=(writer, conn), name=f"kvfabric-recv-{writer}", daemon=True).start()
+            except OSError as e:
+                if self._closed:
+                    return
+                self.num_accept_errors += 1
+                logger.warning("kvfabric: accept failed (%s); accepting on", e)
+                time.sleep(0.05)
+                continue
+            try:
+                self._start(sock)
+            except Exception as e:  # noqa: BLE001  (the loop outlives any one connection)
+                self.num_accept_errors += 1
+                logger.warning("kvfabric: dropped a new connection (%s); accepting on", e)
+                sock.close()
+
+    def _start(self, sock: socket.socket) -> None:
+        """A thread for a new connection, counted as pending until its hello; the longest
+        pending one closed when that passes `max_pending_hellos`."""
+        writer = next(self._writer_ids)
+        conn = Conn(sock, self.config.io_timeout_s)
+        with self._cond:
+            self._pending[writer] = conn
+            while len(self._pending) > self.config.max_pending_hellos:
+                _, oldest = self._pending.popitem(last=False)
+                oldest.close()  # its thread's read ends, and it returns
+                self.num_hellos_evicted += 1
+        self._conns[writer] = conn
+        try:
+            threading.Thread(target=self._serve, args=(writer, conn), name=f"kvfabric-recv-{writer}",
+                             daemon=True).start()
+        except BaseException:
+            with self._cond:
+                self._pending.pop(writer, None)
+            self._conns.pop(writer, None)
+            raise
 
     def _serve(self, writer: int, conn: Conn) -> None:
         reason = "sender disconnected"
         link = None
+        greeted = False
         try:
-            transport, link = self._handshake(conn)
-            one_sided = transport in ONE_SIDED
+            try:
+                transport, link = self._handshake(conn)
+            finally:
+                with self._cond:
+                    self._pending.pop(writer, None)
+            greeted, one_sided = True, transport in ONE_SIDED
             while not self._closed:
                 try:
                     msg = parse(conn.recv(), ReceiverMessage)
@@ -174,7 +216,10 @@ class FabricReceiver:
                 self._send_revocations()
         except (FabricError, ValueError, KeyError, TypeError) as e:
             reason = f"sender connection ended: {e}"
-            if not isinstance(e, PeerUnavailable):
+            if not greeted:  # before its hello: counted, not logged one by one (a flood would flood the log)
+                self.num_hellos_failed += 1
+                logger.debug("kvfabric: closing connection %d before its hello: %s", writer, e)
+            elif not isinstance(e, PeerUnavailable):
                 logger.warning("kvfabric: closing sender %d: %s", writer, e)
         finally:
             conn.close()
@@ -186,10 +231,7 @@ class FabricReceiver:
                 self._cond.notify_all()
 
     def _handshake(self, conn: Conn) -> tuple[str, NcclLink | None]:
-        try:
-            msg = conn.recv()
-        except Idle:
-            raise PeerUnavailable("no hello within the i/o timeout") from None
+        msg = conn.recv(deadline=time.monotonic() + self.config.hello_timeout_s)
         if msg["t"] != "hello":
             raise ProtocolError(f"expected hello, got {msg['t']!r:.40}")
         hello: Hello = parse(msg, Hello)

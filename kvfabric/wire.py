@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
 from collections.abc import Sequence
 from typing import Annotated, Any
 
@@ -137,6 +138,7 @@ class Conn:
     def __init__(self, sock: socket.socket, io_timeout_s: float) -> None:
         tune(sock, io_timeout_s)
         self.sock = sock
+        self.io_timeout_s = io_timeout_s
         self._send_lock = threading.Lock()
         self._hdr = bytearray(_LEN.size)
         self.closed = False
@@ -156,14 +158,16 @@ class Conn:
                 raise PeerUnavailable(f"send failed: {e}") from e
 
     # -- receiving -----------------------------------------------------------------------
-    def recv(self) -> dict[str, Any]:
-        """The next header. Raises Idle when none started in time, PeerUnavailable on EOF."""
-        self._read_into(memoryview(self._hdr), idle_ok=True)
+    def recv(self, deadline: float | None = None) -> dict[str, Any]:
+        """The next header. Raises Idle when none started in time, PeerUnavailable on EOF;
+        with a `deadline` (time.monotonic()), ProtocolError when the whole header has not
+        arrived by then, however it trickles in."""
+        self._read_into(memoryview(self._hdr), idle_ok=deadline is None, deadline=deadline)
         (n,) = _LEN.unpack(self._hdr)
         if not 0 < n <= MAX_HEADER_BYTES:
             raise ProtocolError(f"header length {n} outside (0, {MAX_HEADER_BYTES}]")
         body = bytearray(n)
-        self._read_into(memoryview(body), idle_ok=False)
+        self._read_into(memoryview(body), idle_ok=False, deadline=deadline)
         try:
             msg = msgpack.unpackb(body, raw=False)
         except Exception as e:  # msgpack raises several unrelated types
@@ -194,9 +198,14 @@ class Conn:
             self._read_into(scratch[:n], idle_ok=False)
             nbytes -= n
 
-    def _read_into(self, view: memoryview, idle_ok: bool) -> None:
+    def _read_into(self, view: memoryview, idle_ok: bool, deadline: float | None = None) -> None:
         got = 0
         while got < len(view):
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ProtocolError(f"the frame did not arrive by its deadline ({got} of {len(view)} bytes)")
+                self.sock.settimeout(min(self.io_timeout_s, remaining))
             try:
                 n = self.sock.recv_into(view[got:])
             except TimeoutError:
@@ -210,6 +219,8 @@ class Conn:
                     raise PeerUnavailable("connection closed by peer")
                 raise ProtocolError(f"truncated frame: connection closed after {got} of {len(view)} bytes")
             got += n
+        if deadline is not None:
+            self.sock.settimeout(self.io_timeout_s)
 
     def close(self) -> None:
         if self.closed:

@@ -13,6 +13,7 @@ special tokens, so it is tokenized without adding any (as transformers does).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -56,13 +57,23 @@ class ChatTemplate:
             source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
         return cls(source, specials) if isinstance(source, str) and source else None
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """The prompt text for `messages` (raises ChatTemplateError with the template's own message)."""
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               kwargs: Mapping[str, Any] | None = None) -> str:
+        """The prompt text for `messages` (raises ChatTemplateError with the template's own message).
+        `kwargs` (a request's chat_template_kwargs) may not set what the call itself sets."""
+        kwargs = kwargs or {}
+        taken = sorted({"messages", "add_generation_prompt", *self.special_tokens}.intersection(kwargs))
+        if taken:
+            raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(taken)}: the request's own fields "
+                                    "and the tokenizer's special tokens set them")
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          **self.special_tokens, **kwargs)
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"the chat template refused these messages: {e}") from None
+        except (TypeError, ValueError, LookupError, ArithmeticError, RecursionError) as e:  # what the request's values did
+            raise ChatTemplateError(f"the chat template failed on these messages ({type(e).__name__}: "
+                                    f"{str(e)[:200]})") from None
 
 
 def _tokenizer_config(directory: Path) -> dict[str, Any]:

@@ -4,6 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from router.admission import AdmissionConfig
+from router.api_keys import ApiKeys
+from router.members import WorkerNetworks
+from router.request_limits import HttpDeadlines, RequestLimits
 from router.policy import RoutingConfig
 from router.reasoning import REASONING_PARSERS
 from router.tool_parsers import PARSERS
@@ -81,7 +84,24 @@ class RouterConfig:
     otlp_endpoint: str | None = None
     """OTLP/gRPC collector for the router's trace spans (`control.tracing`); None:
     `$OTEL_EXPORTER_OTLP_ENDPOINT`, or no tracing."""
-    cluster_secret: bytes | None = None
+    request_timeout_s: float = 600.0
+    """The deadline of a request whose caller sets none (every HTTP request; a gRPC call
+    without a deadline): queued, prefilled and streamed within it, else DEADLINE_EXCEEDED / 504."""
+    http_deadlines: HttpDeadlines = field(default_factory=HttpDeadlines)
+    """How long the HTTP API waits for a request's head and body, and the connections it holds."""
+    request_limits: RequestLimits = field(default_factory=RequestLimits)
+    """How much one OpenAI request may hold (messages, tools, names, template kwargs)."""
+    api_keys: ApiKeys | None = None
+    """Keys a caller must show on both doors (router/api_keys.py); None: the doors are open."""
+    open_paths: tuple[str, ...] = ("/health",)
+    """HTTP paths served without a key (gRPC health checks are always open)."""
+    allowed_hosts: tuple[str, ...] = ()
+    """Host names HTTP requests may name beside the loopback ones a loopback-bound router
+    answers to; bound wider, the only ones (empty: any)."""
+    worker_networks: tuple[str, ...] = ()
+    """Where workers' addresses may be (CIDRs, or host names matched exactly): a heartbeat
+    naming another address is skipped. Empty: any address that is not globally routable."""
+    cluster_secret: bytes | None = field(default=None, repr=False)
     """Key of the block hashes: the workers' `cluster_secret`, so the KV index matches them
     (required to serve; there is no built-in one)."""
 
@@ -91,6 +111,7 @@ class RouterConfig:
         if self.reasoning_parser not in (None, "none", *REASONING_PARSERS):
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} or none, got "
                              f"{self.reasoning_parser!r}")
+        WorkerNetworks(self.worker_networks)  # a malformed network is an error here, at start
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
         if not 0 <= self.port < 65536:
@@ -99,6 +120,8 @@ class RouterConfig:
             raise ValueError(f"http_port must be in 0..65535 (or None for no HTTP API), got {self.http_port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in 0..65535 (or None for no /metrics), got {self.metrics_port}")
+        if not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be positive, got {self.request_timeout_s}")
         if self.kv_wait_s < 0:
             raise ValueError(f"kv_wait_s must be at least 0, got {self.kv_wait_s}")
         if min(self.prefill_timeout_s, self.reserve_timeout_s, self.decode_idle_timeout_s, self.busy_wait_s) <= 0:

@@ -114,8 +114,9 @@ def tool_plan(req: ChatRequest, parser: str | None) -> ToolPlan | None:
     if choice == "none":
         return ToolPlan("none")
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
-        if name not in functions:
+        function = choice.get("function") if choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or name not in functions:
             raise BadRequest(f"tool_choice names {name!r}, which is not among the tools ({', '.join(functions)})",
                              "tool_choice")
         return ToolPlan("named", ("json_schema", _json(functions[name])), name, max_calls=1)

@@ -18,19 +18,22 @@ import asyncio
 import contextlib
 import functools
 import logging
-import math
 import time
 from collections.abc import AsyncIterator
 from importlib import metadata
 from typing import Any
 
 import grpc
-import orjson
 from aiohttp import web
 
 from engine.types import InvalidRequestError
 from router.attempt import RequestFailed
 from router.constraints import AutoToolOutput, ToolCallOutput, constraint_of, tool_plan
+from router.http_guard import HttpGuard, identity
+from router.http_connections import BodyReader, ConnectionGuard
+from router.off_loop import OffLoop
+from router.request_limits import HttpDeadlines, RequestLimits
+from router.http_errors import DONE, ERROR_TYPES, HTTP_STATUS, SSE_HEADERS, dumps, error, failed, sse
 from router.frontend import (MAX_TEXT_CHARS_PER_TOKEN, NOT_SERVING, OFF_LOOP_CHARS, Frontend, check_vocabulary,
                              serving_facts)
 from router.members import Members
@@ -44,42 +47,8 @@ from router.tool_parsers import parser_for_template
 
 logger = logging.getLogger(__name__)
 
-HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
-    grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.CANCELLED: 499,
-    grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-}
-"""gRPC status -> HTTP status; anything else is 500 (never a caller's mistake)."""
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
-               413: "invalid_request_error", 429: "rate_limit_error", 499: "cancelled",
-               503: "service_unavailable_error", 504: "timeout_error"}
-SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
-               "X-Accel-Buffering": "no"}
-DONE = b"data: [DONE]\n\n"
 TOKENIZE_MAX_MODEL_LEN = 1 << 17
 """/tokenize before any worker reported the model's context: the text limit as for this context."""
-
-
-def error(status: int, message: str, param: str | None = None, code: str | int | None = None,
-          retry_after_s: float | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "internal_error"), "param": param,
-                      "code": code if code is not None else status}}
-    headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))} if retry_after_s is not None else None
-    return web.json_response(body, status=status, headers=headers, dumps=_dumps)
-
-
-def failed(e: RequestFailed) -> web.Response:
-    return error(HTTP_STATUS.get(e.code, 500), e.message, code=e.code.name.lower(), retry_after_s=e.retry_after_s)
-
-
-def _dumps(value: Any) -> str:
-    return orjson.dumps(value).decode()
-
-
-def _sse(value: Any) -> bytes:
-    return b"data: " + orjson.dumps(value) + b"\n\n"
 
 
 class ModelNotFound(Exception):
@@ -91,7 +60,9 @@ class OpenAIServer:
 
     def __init__(self, generation: Generation, frontend: Frontend, members: Members,
                  served_model_name: str | None, max_request_bytes: int, tool_call_parser: str | None = None,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, guard: HttpGuard | None = None,
+                 limits: RequestLimits | None = None, deadlines: HttpDeadlines | None = None,
+                 off_loop: OffLoop | None = None) -> None:
         self.generation, self.frontend, self.members = generation, frontend, members
         source = frontend.chat_template.source if frontend.chat_template else None
         self.tool_call_parser = tool_call_parser or parser_for_template(source)
@@ -99,11 +70,20 @@ class OpenAIServer:
         name = reasoning_parser or reasoning_for_template(source)
         self.reasoning = ReasoningParser(name) if name and name != "none" else None
         """Splits a thinking model's reasoning from its chat answers (None: no split)."""
+        self.limits = limits or RequestLimits()
+        self.off_loop = off_loop or OffLoop()
+        """Where long prompts and conversations are rendered and tokenized (the gRPC door's pool)."""
+        self.deadlines = deadlines or HttpDeadlines()
+        d = self.deadlines
+        self.connections = ConnectionGuard(d.max_connections, d.max_idle_connections, d.header_timeout_s)
+        self.bodies = BodyReader(max_request_bytes, d.max_body_bytes_in_flight, d.body_timeout_s)
         self.served_model_name = served_model_name
         self.max_request_bytes = max_request_bytes
         self.created = int(time.time())
         self._runner: web.AppRunner | None = None
-        app = web.Application(client_max_size=max_request_bytes, middlewares=[self._errors])
+        guard = guard or HttpGuard()
+        app = web.Application(client_max_size=max_request_bytes,
+                              middlewares=[self.connections.middleware, guard.middleware, self._errors])
         app.add_routes([web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
                         web.get("/v1/models", self.models), web.get("/health", self.health),
                         web.get("/version", self.version), web.post("/tokenize", self.tokenize),
@@ -114,6 +94,7 @@ class OpenAIServer:
         """Serves on host:port (0: a free port) and returns the port."""
         runner = web.AppRunner(self.app, handle_signals=False, handler_cancellation=True, access_log=None)
         await runner.setup()
+        self.connections.install(runner.server)
         site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None, backlog=1024)
         try:
             await site.start()
@@ -149,7 +130,10 @@ class OpenAIServer:
         except web.HTTPException as e:
             if e.status < 400:
                 raise
-            return error(e.status, f"{request.method} {request.path}: {e.reason}")
+            response = error(e.status, f"{request.method} {request.path}: {e.reason}")
+            if e.status == 408:  # the rest of the body is not waited for: the connection ends with the answer
+                response.force_close()
+            return response
         except Exception:  # a bug of ours: logged, and still an answer in OpenAI's shape
             logger.exception("%s %s failed", request.method, request.path)
             return error(500, "internal error in the router (logged); retry", code="internal")
@@ -181,14 +165,17 @@ class OpenAIServer:
         try:
             if isinstance(prompt, str):
                 encode = functools.partial(self.frontend.encode, prompt)
-                ids = await asyncio.to_thread(encode) if len(prompt) > OFF_LOOP_CHARS else encode()
+                ids = await self.off_loop.run(encode) if len(prompt) > OFF_LOOP_CHARS else encode()
                 return ids, prompt
             return prompt, self.frontend.decode(prompt)
         except InvalidRequestError as e:
             raise BadRequest(str(e), "prompt") from None
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        req = parse(ChatRequest, await self._body(request))
+        body = await self._body(request)
+        self.limits.prescan(body)
+        req = parse(ChatRequest, body)
+        self.limits.check(req)
         model = self._check_model(req.model)
         facts = serving_facts(self.members.facts)
         messages = messages_as_dicts(req.messages)
@@ -199,9 +186,8 @@ class OpenAIServer:
         kwargs = {"tools": req.tools, **(req.chat_template_kwargs or {})} if plan else req.chat_template_kwargs
         render = functools.partial(self.frontend.chat_token_ids, messages, facts.max_model_len,
                                    req.add_generation_prompt, kwargs)
-        try:  # a long conversation renders and tokenizes off the event loop
-            long = sum(len(m["content"]) for m in messages) + len(str(req.tools or "")) > OFF_LOOP_CHARS
-            prompt_ids = await asyncio.to_thread(render) if long else render()
+        try:  # a long request (all it holds: messages, names, tools, kwargs) renders and tokenizes off the loop
+            prompt_ids = await self.off_loop.run(render) if len(body) > OFF_LOOP_CHARS else render()
         except InvalidRequestError as e:
             raise BadRequest(str(e), "messages") from None
         # no max_tokens: as long as the context and the largest decode worker allow (vLLM's default;
@@ -234,7 +220,11 @@ class OpenAIServer:
         """Runs each part, a GenerateRequest with its choices' outputs (a completion's several
         prompts, each of n choices), at once: one JSON body, or one event stream interleaving
         them; a response goes to its part's output of its `choice`."""
-        headers = [(k.lower(), v) for k, v in request.headers.items()]
+        headers = [(k.lower(), v) for k, v in request.headers.items() if k.lower() != "authorization"]
+        who = identity(request)
+        if who is not None and who.tenant is not None:  # the key's tenant, whatever the body says
+            for g, _ in parts:
+                g.tenant = who.tenant
         streams = [self.generation.stream(g, headers, None, route=outs[0].kind) for g, outs in parts]
         outs = [o for _, part in parts for o in part]
         try:
@@ -267,8 +257,8 @@ class OpenAIServer:
         except RequestFailed as e:
             return failed(e)
         if keep is not None:  # best_of: each part's `keep` likeliest choices (usage still counts them all)
-            return web.json_response(merged(best(routed, keep), usage_of=outs), dumps=_dumps)
-        return web.json_response(outs[0].whole() if len(outs) == 1 else merged(outs), dumps=_dumps)
+            return web.json_response(merged(best(routed, keep), usage_of=outs), dumps=dumps)
+        return web.json_response(outs[0].whole() if len(outs) == 1 else merged(outs), dumps=dumps)
 
     async def _stream(self, request: web.Request, streams: list[AsyncIterator[Any]], firsts: list[Any],
                       routed: list[list[Output]], outs: list[Output], include_usage: bool) -> web.StreamResponse:
@@ -300,16 +290,16 @@ class OpenAIServer:
                 out = routed[i][r.choice]
                 out.add(r)
                 if (chunk := out.chunk(r, id(out) not in started)) is not None:
-                    await resp.write(_sse(chunk))
+                    await resp.write(sse(chunk))
                     started.add(id(out))
             if include_usage:
                 usage = outs[0].chunk(None)
                 if len(outs) > 1:
                     usage["usage"] = sum_usage([o.usage for o in outs if o.usage is not None])
-                await resp.write(_sse(usage))
+                await resp.write(sse(usage))
         except RequestFailed as e:  # mid-stream: an error event, then [DONE]
             status = HTTP_STATUS.get(e.code, 500)
-            await resp.write(_sse({"error": {"message": e.message, "type": ERROR_TYPES.get(status, "internal_error"),
+            await resp.write(sse({"error": {"message": e.message, "type": ERROR_TYPES.get(status, "internal_error"),
                                              "param": None, "code": status}}))
         except ConnectionResetError:  # the client went away: closing the streams cancels the requests
             return resp
@@ -329,7 +319,7 @@ class OpenAIServer:
             "id": name, "object": "model", "created": self.created, "owned_by": "splitserve",
             "root": facts.model_id if facts else name, "parent": None,
             "max_model_len": facts.max_model_len if facts else None}]
-        return web.json_response({"object": "list", "data": data}, dumps=_dumps)
+        return web.json_response({"object": "list", "data": data}, dumps=dumps)
 
     async def health(self, request: web.Request) -> web.Response:
         if self.members.facts is None or not self.members.serving("decode"):
@@ -337,10 +327,13 @@ class OpenAIServer:
         return web.Response(status=200)
 
     async def version(self, request: web.Request) -> web.Response:
-        return web.json_response({"version": _version()}, dumps=_dumps)
+        return web.json_response({"version": _version()}, dumps=dumps)
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        req = parse(TokenizeRequest, await self._body(request))
+        body = await self._body(request)
+        self.limits.prescan(body)
+        req = parse(TokenizeRequest, body)
+        self.limits.check(req)
         self._check_model(req.model)
         facts = self.members.facts  # the tokenizer is the router's own: no worker needed
         max_model_len = facts.max_model_len if facts else TOKENIZE_MAX_MODEL_LEN
@@ -348,7 +341,7 @@ class OpenAIServer:
             if req.add_special_tokens:
                 raise BadRequest("add_special_tokens with messages: the chat template adds them", "add_special_tokens")
             messages = messages_as_dicts(req.messages)
-            num_chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+            num_chars = len(body)  # all it renders
             work = functools.partial(self.frontend.chat_token_ids, messages, max_model_len,
                                      req.add_generation_prompt)
         elif req.prompt is not None:
@@ -360,11 +353,11 @@ class OpenAIServer:
         else:
             raise BadRequest("send 'prompt' or 'messages'", "prompt")
         try:  # as the generation endpoints do: long text off the event loop
-            ids = await asyncio.to_thread(work) if num_chars > OFF_LOOP_CHARS else work()
+            ids = await self.off_loop.run(work) if num_chars > OFF_LOOP_CHARS else work()
         except InvalidRequestError as e:
             raise BadRequest(str(e)) from None
         return web.json_response({"count": len(ids), "max_model_len": facts.max_model_len if facts else None,
-                                  "tokens": ids}, dumps=_dumps)
+                                  "tokens": ids}, dumps=dumps)
 
     async def detokenize(self, request: web.Request) -> web.Response:
         req = parse(DetokenizeRequest, await self._body(request))
@@ -374,14 +367,12 @@ class OpenAIServer:
         except InvalidRequestError as e:
             raise BadRequest(str(e), "tokens") from None
         try:
-            return web.json_response({"prompt": self.frontend.decode(req.tokens)}, dumps=_dumps)
+            return web.json_response({"prompt": self.frontend.decode(req.tokens)}, dumps=dumps)
         except InvalidRequestError as e:
             raise BadRequest(str(e)) from None
 
     async def _body(self, request: web.Request) -> bytes:
-        if request.content_length is not None and request.content_length > self.max_request_bytes:
-            raise web.HTTPRequestEntityTooLarge(max_size=self.max_request_bytes, actual_size=request.content_length)
-        return await request.read()
+        return await self.bodies.read(request)
 
     def _check_model(self, model: str | None) -> str:
         name = self.model_name

@@ -11,6 +11,7 @@ from the others' (another model id, block size) is left out of routing and logge
 """
 from __future__ import annotations
 
+import ipaddress
 import logging
 from collections import Counter
 from dataclasses import dataclass
@@ -36,7 +37,12 @@ class Member:
 
 
 class Members:
-    def __init__(self) -> None:
+    def __init__(self, networks: tuple[str, ...] = ()) -> None:
+        self.networks = WorkerNetworks(networks)
+        """Where a worker's address may be: a heartbeat naming another is skipped (the router
+        would send it the cluster token with every call)."""
+        self.num_refused_addresses = 0
+        self._refused: set[tuple[str, str]] = set()
         self._members: dict[str, Member] = {}
         self._draining: set[str] = set()
         """Told to drain by the controller: no new requests, even before its heartbeat says so."""
@@ -52,10 +58,20 @@ class Members:
         self._members = {w: Member(w, hb.role, hb.address, hb.state, hb.incarnation, hb.facts,
                                    tuple(float(x) for x in hb.step_model),
                                    tuple(zip(*[iter(map(float, hb.step_profile))] * 3)))
-                         for w, hb in heartbeats.items() if hb.address}
+                         for w, hb in heartbeats.items() if hb.address and self._allowed(w, hb.address)}
         self._draining &= set(self._members)
         self._check_facts()
         return left
+
+    def _allowed(self, worker_id: str, address: str) -> bool:
+        if self.networks.allows(address):
+            return True
+        if (worker_id, address) not in self._refused:  # counted and logged once a worker and address
+            self._refused.add((worker_id, address))
+            self.num_refused_addresses += 1
+            logger.warning("router: worker %s's heartbeat gives the address %r, outside the workers' networks (%s): "
+                           "skipped", worker_id, address[:100], self.networks)
+        return False
 
     def _check_facts(self) -> None:
         self.facts = facts = self._agreed_facts()
@@ -67,7 +83,8 @@ class Members:
         self._mismatched = mismatched
 
     def _agreed_facts(self) -> ModelFacts | None:
-        counts = Counter(_model_key(m.facts) for m in self._members.values() if m.state == "serving")
+        counts = Counter(_model_key(m.facts) for m in self._members.values()
+                         if m.state == "serving" and m.facts.complete)  # a size of 0 breaks every request
         if not counts:
             return None
         key, _ = counts.most_common(1)[0]
@@ -128,3 +145,40 @@ class Members:
 
 def _model_key(f: ModelFacts) -> tuple[str, int, int, int]:
     return f.model_id, f.block_size, f.vocab_size, f.max_model_len
+
+
+class WorkerNetworks:
+    """Where workers may be: `networks` (CIDRs, host names matched exactly, or "*": any), or
+    when none are given any address that is not globally routable (loopback, private,
+    link-local, documentation ranges), no names."""
+
+    def __init__(self, networks: tuple[str, ...] = ()) -> None:
+        self.spec = networks
+        self.nets = [ipaddress.ip_network(n, strict=False) for n in networks if _is_network(n)]
+        self.names = {n.lower() for n in networks if not _is_network(n) and n != "*"}
+
+    def __str__(self) -> str:
+        return ", ".join(self.spec) or "addresses that are not globally routable"
+
+    def allows(self, address: str) -> bool:
+        host, _, port = address.rpartition(":")
+        host = host.strip("[]")
+        if "*" in self.spec:
+            return True
+        if not port.isdigit() or not 0 < int(port) < 65536 or not host:
+            return False
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            return host.lower() in self.names
+        if not self.spec:
+            return not ip.is_global and not ip.is_multicast and not ip.is_unspecified
+        return any(ip in n for n in self.nets)
+
+
+def _is_network(text: str) -> bool:
+    try:
+        ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        return False
+    return True

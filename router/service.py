@@ -33,7 +33,9 @@ from router.feed import RegistryFeed
 from router.flow import RequestFlow
 from router.frontend import Frontend
 from router.gate import AdmissionGate
+from router.api_keys import KeyCheck
 from router.http_api import OpenAIServer
+from router.http_guard import HttpGuard
 from router.kv_index import KVIndex
 from router.loads import LoadBook
 from router.members import Members
@@ -56,7 +58,7 @@ class RouterService:
         tracing.setup("splitserve-router", router_id, config.otlp_endpoint)
         self.reader = RegistryReader(redis_url, namespace)
         self.redis_url = redis_url
-        self.members = Members()
+        self.members = Members(config.worker_networks)
         self.index = KVIndex(time.monotonic)
         self.loads = LoadBook({})
         self.streams = GrpcStreams(cluster_token(config.cluster_secret))
@@ -66,10 +68,14 @@ class RouterService:
         self.metrics = RouterMetrics(lambda: self.members.facts.model_id if self.members.facts else "") \
             if config.metrics_port is not None else None
         frontend = Frontend(config.tokenizer_dir, config.chat_template)
-        self.generation = Generation(frontend, self.gate, self.flow, self.members, metrics=self.metrics)
+        self.generation = Generation(frontend, self.gate, self.flow, self.members, metrics=self.metrics,
+                                     api_keys=config.api_keys, default_timeout_s=config.request_timeout_s)
+        guard = HttpGuard.for_bind(config.host, config.api_keys, config.open_paths, config.allowed_hosts)
         self.http = OpenAIServer(self.generation, frontend, self.members, config.served_model_name,
                                  config.max_request_bytes, config.tool_call_parser,
-                                 config.reasoning_parser) if config.http_port is not None else None
+                                 config.reasoning_parser, guard, config.request_limits, config.http_deadlines,
+                                 self.generation.off_loop) \
+            if config.http_port is not None else None
         self.http_address = ""
         self.metrics_server: MetricsServer | None = None
         if self.metrics is not None:
@@ -90,7 +96,8 @@ class RouterService:
         picks a free one) and returns gRPC's host:port (`http_address` has the other)."""
         port = self.config.port if port is None else port
         server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.config.share_port)),
-                                          ("grpc.max_receive_message_length", self.config.max_request_bytes)])
+                                          ("grpc.max_receive_message_length", self.config.max_request_bytes)],
+                                 interceptors=[KeyCheck(self.config.api_keys)] if self.config.api_keys else None)
         self.generation.add_to_server(server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -159,6 +166,8 @@ class RouterService:
                 "active": {w: self.flow.loads.load(w).num_active for w in self.members.ids()},
                 "heartbeat_at": {w: b.sent_at for w, b in self.flow.loads.heartbeats.items()},
                 "index_events": self.feed.num_events, "itl_p50_ms": self.generation.itl.p50_ms(), "rss_mib": _rss_mib(),
+                "bad_registry_entries": self.reader.num_bad_entries,
+                "refused_addresses": self.members.num_refused_addresses,
                 "pid": os.getpid()}
 
     async def _tick(self) -> None:
@@ -189,6 +198,7 @@ class RouterService:
         for t in self._tasks:
             t.cancel()
         await self.flow.clients.close()
+        self.generation.off_loop.close()
         with contextlib.suppress(redis.RedisError, OSError):
             await self.reader.close()
 

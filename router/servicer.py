@@ -23,6 +23,7 @@ from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from proto.convert import finish_name_from_pb
 from control import tracing
+from router.api_keys import ApiKeys, Unauthenticated, authorization
 from router.attempt import Deadline, Prepared, Progress, RequestFailed
 from router.flow import RequestFlow
 from router.choices import Choices
@@ -30,6 +31,7 @@ from router.frontend import Frontend, ItlWindow, heavy, output_tokens, runs_to_t
 from router.admission import admission_cost
 from router.gate import AdmissionGate
 from router.metrics import RouterMetrics
+from router.off_loop import OffLoop
 from router.members import Members
 
 
@@ -40,9 +42,17 @@ logger = logging.getLogger(__name__)
 
 class Generation(pb_grpc.GenerationServicer):
     def __init__(self, frontend: Frontend, gate: AdmissionGate, flow: RequestFlow, members: Members,
-                 clock: Callable[[], float] = time.monotonic, metrics: RouterMetrics | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, metrics: RouterMetrics | None = None,
+                 api_keys: ApiKeys | None = None, default_timeout_s: float | None = None) -> None:
         self.frontend, self.gate, self.flow, self.members, self.clock = frontend, gate, flow, members, clock
         self.metrics = metrics
+        self.off_loop = OffLoop()
+        """Where long requests are prepared (tokenized, their constraints checked), bounded."""
+        self.default_timeout_s = default_timeout_s
+        """The deadline of a request whose caller gives none (an HTTP request, a gRPC call without one)."""
+        self.api_keys = api_keys
+        """The keys gRPC callers show (checked by `KeyCheck` before a call starts); here for the
+        tenant a key names, which replaces the request's."""
         self._active: set[str] = set()
         self.itl = ItlWindow(on_gap=metrics.observe_itl if metrics else None)
         self.stats = {"num_requests": 0, "num_refused": 0, "num_invalid": 0, "num_prompt_tokens": 0,
@@ -70,6 +80,13 @@ class Generation(pb_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         try:
+            if self.api_keys is not None:
+                try:
+                    who = self.api_keys.check(authorization(context.invocation_metadata()))
+                except Unauthenticated as e:
+                    raise RequestFailed(grpc.StatusCode.UNAUTHENTICATED, str(e)) from None
+                if who.tenant is not None:
+                    request.tenant = who.tenant
             async for response in self.stream(request, context.invocation_metadata(), context.time_remaining()):
                 yield response
         except RequestFailed as e:
@@ -80,7 +97,9 @@ class Generation(pb_grpc.GenerationServicer):
         """One request, whatever protocol it came in by (gRPC here, OpenAI HTTP in router/http_api.py):
         its responses, or RequestFailed with the status it ends with. `trace_metadata` carries the
         caller's `traceparent`; `timeout_s` is its deadline from now (None: none); `route` how it
-        came (`Prepared.route`)."""
+        came (`Prepared.route`); None: the router's default deadline."""
+        if timeout_s is None:
+            timeout_s = self.default_timeout_s
         progress = Progress(time.perf_counter(), span=tracing.child(
             "router.generate", tracing.extract(trace_metadata), tracing.SpanKind.SERVER))
         try:
@@ -168,7 +187,7 @@ class Generation(pb_grpc.GenerationServicer):
         if rid and (rid in self._active or self.gate.waiting(rid)):
             raise RequestFailed(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already running; use a new id")
         prepare = functools.partial(self.frontend.prepare, request, self.members.facts, self.members.max_decode_blocks())
-        return await asyncio.to_thread(prepare) if heavy(request) else prepare()
+        return await self.off_loop.run(prepare) if heavy(request) else prepare()
 
     def _count(self, prep: Prepared, progress: Progress) -> None:
         self.stats["num_requests"] += 1

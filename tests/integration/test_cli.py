@@ -139,6 +139,21 @@ def test_serve_refuses_a_bad_model_or_a_taken_port_before_starting_anything(tmp_
                            timeout=120, check=False, env={k: v for k, v in os.environ.items()
                                                           if not k.startswith("SPLITSERVE_CLUSTER_SECRET")})
         assert r.returncode == 2 and "no cluster secret: set SPLITSERVE_CLUSTER_SECRET_FILE" in r.stderr, r.stderr
+        r = subprocess.run(CLI + command, capture_output=True, text=True, timeout=120, check=False,
+                           env={**{k: v for k, v in os.environ.items() if k != "SPLITSERVE_REDIS_URL"},
+                                "SPLITSERVE_CLUSTER_SECRET": "x"})
+        assert r.returncode == 2 and "no Redis: pass --redis-url or set $SPLITSERVE_REDIS_URL" in r.stderr, r.stderr
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("s3cret")
+    secret_file.chmod(0o644)
+    r = subprocess.run(CLI + ["router"], capture_output=True, text=True, timeout=120, check=False,
+                       env={**os.environ, "SPLITSERVE_CLUSTER_SECRET_FILE": str(secret_file)})
+    assert r.returncode == 2 and "is readable by others (mode 644); chmod 600 it" in r.stderr, r.stderr
+    key_file = tmp_path / "keys"
+    key_file.write_text("sk-0123456789\n")
+    key_file.chmod(0o640)
+    r = run(["serve", "--api-key-file", str(key_file)])
+    assert r.returncode == 2 and "--api-key-file" in r.stderr and "chmod 600" in r.stderr, r.stderr
     r = run(["serve", "--kv-overcommit", "0"])
     assert r.returncode == 2 and "kv_overcommit" in r.stderr and "Traceback" not in r.stderr
     import socket

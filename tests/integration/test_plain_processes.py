@@ -7,6 +7,7 @@ import random
 import signal
 import subprocess
 import sys
+from urllib.parse import urlsplit
 
 import grpc
 import pytest
@@ -22,22 +23,24 @@ CLI = [sys.executable, "-m", "cluster.cli"]
 pytestmark = pytest.mark.timeout(300)
 
 
-def start(args: list[str]) -> tuple[subprocess.Popen, str]:
-    return start_serving(CLI + args, "plain-test-secret")
+def start(args: list[str], redis_url: str) -> tuple[subprocess.Popen, str]:
+    """The Redis URL (with its password) from the environment, not argv."""
+    return start_serving(CLI + args, "plain-test-secret", env={"SPLITSERVE_REDIS_URL": redis_url})
 
 
 def test_plain_process_workers_serve_through_a_plain_process_router(tiny_llama_dir: str) -> None:
     redis = EmbeddedRedis()
     procs: list[subprocess.Popen] = []
     try:
-        common = ["--redis-url", redis.url, "--namespace", "plain", "--model", tiny_llama_dir, "--kv-cache-mib", "8"]
+        assert urlsplit(redis.url).password  # the embedded Redis has one: it stays out of argv
+        common = ["--namespace", "plain", "--model", tiny_llama_dir, "--kv-cache-mib", "8"]
         addresses = {}
         for role, wid in (("decode", "decode-a"), ("prefill", "prefill-a")):
-            proc, addresses[role] = start(["worker", role, "--worker-id", wid, *common])
+            proc, addresses[role] = start(["worker", role, "--worker-id", wid, *common], redis.url)
             procs.append(proc)
         decode_address = addresses["decode"]
-        router, address = start(["router", "--redis-url", redis.url, "--namespace", "plain", "--port", "0",
-                                 "--mode", "disaggregated", "--tokenizer", tiny_llama_dir])
+        router, address = start(["router", "--namespace", "plain", "--port", "0",
+                                 "--mode", "disaggregated", "--tokenizer", tiny_llama_dir], redis.url)
         procs.append(router)
         prompt = [random.Random(5).randrange(3, 500) for _ in range(40)]
         want = make_engine(tiny_llama_dir, block_size=16).generate(

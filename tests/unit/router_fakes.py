@@ -139,7 +139,7 @@ def first_call_then(failing: Callable[[WorkerRequest], Script],
 
 def make_flow(scripts: dict[str, Callable[[WorkerRequest], Script]],
               mode: str = "disaggregated", **config_kw: float) -> tuple[RequestFlow, FakeStreams]:
-    members = Members()
+    members = Members(("*",))
     beats = {w: heartbeat(w, "prefill" if w.startswith("p") else "decode", address=w, model_id="m", block_size=16,
                           vocab_size=1000, max_model_len=512, num_total_blocks=64) for w in scripts}
     members.update(beats)

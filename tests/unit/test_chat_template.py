@@ -75,3 +75,13 @@ def test_the_sandbox_refuses_to_reach_python_internals() -> None:
         template.render([])
     tojson = ChatTemplate("{{ messages | tojson }}", {})
     assert tojson.render([{"role": "user", "content": "über"}]) == '[{"role": "user", "content": "über"}]'
+
+
+def test_template_kwargs_that_would_set_the_calls_own_arguments_are_refused(tiny_llama_dir: str) -> None:
+    frontend = Frontend(tiny_llama_dir)
+    messages = [{"role": "user", "content": "a"}]
+    for kwargs, taken in (({"messages": []}, "messages"), ({"add_generation_prompt": False}, "add_generation_prompt"),
+                          ({"bos_token": "x", "messages": 1}, "bos_token, messages")):
+        with pytest.raises(InvalidRequestError, match=f"chat_template_kwargs may not set {taken}: "):
+            frontend.chat_token_ids(messages, 8192, True, kwargs)
+    assert frontend.chat_token_ids(messages, 8192, True, {"enable_thinking": False})  # others reach the template

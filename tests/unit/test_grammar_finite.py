@@ -3,6 +3,7 @@ without a word; splitserve refuses them by name, and never refuses one that can 
 from __future__ import annotations
 
 import json
+import re
 
 import llguidance
 import pytest
@@ -104,6 +105,37 @@ def test_grammars_refuse_them_with_a_message_a_person_can_act_on() -> None:
         g.check(Constraint("json_schema", json.dumps(SELF)))
     with pytest.raises(InvalidRequestError, match="nested too deeply"):
         g.check(Constraint("json_schema", '{"items":' * 3000 + "{}" + "}" * 3000))
-    assert len(g) == 0  # nothing compiled, nothing kept
+    assert len(g) == 3  # the refusals are kept: the same constraint again is refused at once
+    with pytest.raises(InvalidRequestError, match="nested too deeply"):
+        g.check(Constraint("json_schema", '{"items":' * 3000 + "{}" + "}" * 3000))
+    assert len(g) == 3
     g.check(Constraint("grammar", 'root ::= x\nx ::= "a" x | "b"'))
-    assert len(g) == 1
+    assert len(g) == 4
+
+
+@pytest.mark.parametrize("gbnf,message", [("root ::= (", "Expected ')'"), ("root ::= y", "Rule 'y' not found"),
+                                          ('root ::= "a', "Unexpected end of input")])
+def test_a_malformed_gbnf_grammar_is_an_invalid_request_naming_the_fault(gbnf: str, message: str) -> None:
+    with pytest.raises(InvalidRequestError, match=f"the GBNF grammar cannot be read: .*{re.escape(message)}"):
+        Grammars(None, 512, [2]).check(Constraint("grammar", gbnf))
+
+
+def test_refs_that_spell_one_index_many_ways_are_not_followed_and_the_check_is_linear() -> None:
+    """Distinct `$ref` spellings of one node ("00", "+0", "0_0": Python's int reads them all
+    as 0) are not RFC 6901 pointers: unresolved (llguidance names them). Canonical ones
+    naming one node read it once; a schema past the budget is refused naming it."""
+    from engine.grammar_finite import MAX_REFS, Budget, TooLarge
+
+    selfish = {"type": "object", "properties": {"next": {"$ref": "#/$defs/l/0"}}, "required": ["next"]}
+    for spelling in ("00", "+0", "0_0", " 0", "\u0660"):
+        assert schema_unending({"$defs": {"l": [selfish]}, "$ref": f"#/$defs/l/{spelling}"}) == []
+    assert schema_unending({"$defs": {"l": [selfish]}, "$ref": "#/$defs/l/0"}) == ["#/$defs/l/0"]
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(2000)}}
+    many = {"$defs": {"big": big}, "anyOf": [{"$ref": "#/$defs/big"}] * 5000}
+    budget = Budget()
+    assert schema_unending(many, budget) == []
+    assert budget.steps - budget.left < 20_000  # the big node read once, not once per $ref
+    with pytest.raises(TooLarge, match="more than 100 steps"):
+        schema_unending(many, Budget(100))
+    with pytest.raises(TooLarge, match=f"more than {MAX_REFS} distinct"):
+        schema_unending({"$defs": {"x": {}}, "anyOf": [{"$ref": f"#/$defs/x{i}"} for i in range(MAX_REFS + 1)]})

@@ -72,6 +72,12 @@ def bad(kind, body: dict | bytes) -> BadRequest:  # type: ignore[no-untyped-def]
     (ChatRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
         "name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice",
      "tool_choice names 'g', which is not among the tools (f)"),
+    (ChatRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
+        "name": "f"}}], "tool_choice": {"type": "function", "function": "f"}}, "tool_choice",
+     "tool_choice names None, which is not among the tools (f)"),
+    (ChatRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
+        "name": "f"}}], "tool_choice": {"type": "function", "function": {"name": ["f"]}}}, "tool_choice",
+     "tool_choice names ['f'], which is not among the tools (f)"),
     (ChatRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "retrieval"}],
       "tool_choice": "required"}, "tools", "tools[0] must be"),
     (CompletionRequest, b"{bad", None, "the body is not valid JSON in UTF-8"),

@@ -107,7 +107,7 @@ class CancelledFlow:
 
 
 def test_a_cancellation_from_below_ends_the_call_with_a_status() -> None:
-    members = Members()
+    members = Members(("*",))
     members.update({"d0": heartbeat("d0", "decode", address="d0", model_id="m", block_size=16, vocab_size=1000,
                                     max_model_len=512, num_total_blocks=64)})
     gate = AdmissionGate(AdmissionConfig(), time.monotonic)

@@ -63,7 +63,7 @@ def test_heartbeats_carry_it_and_routers_average_the_serving_decode_workers() ->
     for bad in ([1.0, 2.0], ["x", 1, 2], [True, 1.0, 2.0]):
         with pytest.raises(BadEntry, match="step_model"):
             Heartbeat.from_wire(msgpack.packb({**msgpack.unpackb(wire), "step_model": bad}))
-    members = Members()
+    members = Members(("*",))
     members.update({"decode-0": beat("decode-0", [0.001, 0.0002, 1e-6]), "decode-1": beat("decode-1", [0.003, 0.0004, 3e-6]),
                     "decode-2": beat("decode-2", []), "decode-3": beat("decode-3", [9.0, 9.0, 9.0], "draining")})
     model, n = members.decode_step_model()

@@ -108,12 +108,12 @@ def test_heartbeats_carry_profiles_and_routers_average_equal_grids() -> None:
     for bad in ([1.0, 2.0], [0.0, 1.0, 0.001], [1.0, 10.0, -0.5], [True, 1.0, 2.0]):
         with pytest.raises(BadEntry, match="step_profile"):
             Heartbeat.from_wire(msgpack.packb({**msgpack.unpackb(beat("d", flat).to_wire()), "step_profile": bad}))
-    members = Members()
+    members = Members(("*",))
     doubled = [x * 2 if i % 3 == 2 else x for i, x in enumerate(flat)]
     members.update({"decode-0": beat("decode-0", flat), "decode-1": beat("decode-1", doubled)})
     shape, n = members.decode_step_model()
     assert n == 2 and shape is not None and shape.linear is None
     assert [s for _, _, s in shape.profile] == pytest.approx([1.5 * s for _, _, s in ROWS])
-    other = Members()  # different grids (other pool sizes): the first worker's, by id
+    other = Members(("*",))  # different grids (other pool sizes): the first worker's, by id
     other.update({"decode-1": beat("decode-1", flat[:6]), "decode-0": beat("decode-0", flat)})
     assert other.decode_step_model()[0].profile == ROWS  # type: ignore[union-attr]

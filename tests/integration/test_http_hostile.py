@@ -1,0 +1,212 @@
+"""The HTTP API against hostile clients, over real loopback sockets: the server (aiohttp, the
+router's OpenAIServer, its generation scripted) runs on its own thread and event loop while
+this thread attacks it. Each case ends in a clear 4xx or a closed connection, a real request
+is answered meanwhile, and a 1 ms timer on the server's loop shows it never stalled for long
+(the bound asserted is loose, 0.5 s, against stalls of seconds before; the measured numbers
+are benchmarks/front_hostile.py's)."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import http.client
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from router.frontend import Frontend
+from router.http_api import OpenAIServer
+from router.http_guard import HttpGuard
+from router.request_limits import HttpDeadlines, RequestLimits
+from tests.integration.test_http_errors import Generation, Members, token
+
+pytestmark = pytest.mark.timeout(300)
+
+DEADLINES = HttpDeadlines(header_timeout_s=1.0, body_timeout_s=1.0, max_connections=20_000, max_idle_connections=200)
+STALL_BOUND_S = 0.5
+
+
+class Served:
+    """An OpenAIServer on a thread of its own, with a lateness probe on its loop."""
+
+    def __init__(self, frontend: Frontend, guard: HttpGuard | None = None,
+                 deadlines: HttpDeadlines = DEADLINES) -> None:
+        self.generation, self.members = Generation(), Members()
+        self.generation.script = ([token(5, "a"), token(6, "b")], None)
+        self.lateness: list[float] = []
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.server = OpenAIServer(self.generation, frontend, self.members, None, 16 << 20,  # type: ignore[arg-type]
+                                       guard=guard, limits=RequestLimits(), deadlines=deadlines)
+            self.port = self.loop.run_until_complete(self.server.start("127.0.0.1", 0, False))
+            self.probe = self.loop.create_task(self._probe())
+            started.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        assert started.wait(30)
+
+    async def _probe(self) -> None:
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(0.001)
+            self.lateness.append(time.perf_counter() - t - 0.001)
+
+    def worst_stall_s(self) -> float:
+        worst, self.lateness = max(self.lateness, default=0.0), []
+        return worst
+
+    def call(self, method: str, path: str, body: Any = None) -> tuple[int, dict]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json"} if data else {})
+        r = conn.getresponse()
+        answer = json.loads(r.read() or b"{}")
+        conn.close()
+        return r.status, answer
+
+    def answers(self) -> None:
+        """A real request is served."""
+        status, answer = self.call("POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": 2})
+        assert status == 200 and answer["choices"][0]["text"] == "ab", answer
+
+    def close(self) -> None:
+        async def stop() -> None:
+            self.probe.cancel()
+            await self.server.stop()
+
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture
+def served(tiny_llama_dir: str) -> Iterator[Served]:
+    s = Served(Frontend(tiny_llama_dir))
+    yield s
+    s.close()
+
+
+def raw(port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=10)
+
+
+def closed_within(sock: socket.socket, timeout_s: float) -> bytes | None:
+    """What the server sent before closing, or None if it is still open after `timeout_s`."""
+    sock.settimeout(0.2)
+    got, deadline = b"", time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            return got
+        if not chunk:
+            return got
+        got += chunk
+    return None
+
+
+def test_sixteen_mib_of_messages_is_refused_before_it_is_parsed(served: Served) -> None:
+    body = json.dumps({"messages": [{"role": "user", "content": ""}] * 570_000}, separators=(",", ":")).encode()
+    assert len(body) > 15 << 20
+    t0 = time.perf_counter()
+    status, answer = served.call("POST", "/v1/chat/completions", body)
+    assert status == 400 and "more than 2048 messages (--max-messages)" in answer["error"]["message"]
+    assert time.perf_counter() - t0 < 5
+    status, answer = served.call("POST", "/tokenize", body)
+    assert status == 400 and answer["error"]["param"] == "messages"
+    assert served.worst_stall_s() < STALL_BOUND_S
+    served.answers()
+
+
+def test_a_huge_tokenize_and_a_long_name_are_400s(served: Served) -> None:
+    status, answer = served.call("POST", "/tokenize", {"prompt": "word " * 3_000_000})
+    assert status == 400 and "the model's context is 64 tokens" in answer["error"]["message"]
+    status, answer = served.call("POST", "/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "hi", "name": "n" * 65}]})
+    assert status == 400 and "messages[0].name has 65 characters; at most 64" in answer["error"]["message"]
+    tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]
+    status, answer = served.call("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                                  "tools": tools})
+    assert status == 400 and "129 tools; at most 128 (--max-tools)" in answer["error"]["message"]
+    status, answer = served.call("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                                  "chat_template_kwargs": {"k": "v" * 20_000}})
+    assert status == 400 and answer["error"]["param"] == "chat_template_kwargs"
+    assert served.worst_stall_s() < STALL_BOUND_S
+
+
+def test_slowloris_on_the_head_and_on_the_body_is_closed_at_its_deadline(served: Served) -> None:
+    head = raw(served.port)
+    t0 = time.monotonic()
+    head.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n")
+    sent = 0
+    try:
+        for _ in range(20):  # a header byte every 0.2 s: never a whole head
+            head.sendall(b"X")
+            sent += 1
+            time.sleep(0.2)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    assert closed_within(head, 3.0) is not None and time.monotonic() - t0 < DEADLINES.header_timeout_s + 3
+    assert sent < 20
+    body = raw(served.port)
+    body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
+    answer = closed_within(body, DEADLINES.body_timeout_s + 3)
+    assert answer is not None and answer.startswith(b"HTTP/1.1 408"), answer
+    assert b"the body did not arrive within 1 s" in answer
+    served.answers()
+
+
+def test_ten_thousand_idle_connections_are_capped_and_a_real_client_is_served(served: Served) -> None:
+    idle = []
+    try:
+        for i in range(10_000):
+            idle.append(raw(served.port))
+            if i % 2000 == 1999:
+                served.answers()  # served while the flood holds every idle slot
+        guard = served.server.connections
+        assert guard.num_idle <= DEADLINES.max_idle_connections
+        assert guard.num_evicted >= 10_000 - DEADLINES.max_idle_connections - 50
+        served.answers()
+        closed = sum(closed_within(s, 0.01) is not None for s in idle[-100:])  # the newest still wait
+        assert closed < 100
+        time.sleep(DEADLINES.header_timeout_s + 0.5)
+        assert guard.num_idle == 0 and guard.num_timed_out > 0  # the rest closed at their deadline
+    finally:
+        for s in idle:
+            s.close()
+    assert served.worst_stall_s() < STALL_BOUND_S
+    served.answers()
+
+
+def test_bodies_past_the_bytes_in_flight_are_told_to_retry(tiny_llama_dir: str) -> None:
+    served = Served(Frontend(tiny_llama_dir), deadlines=dataclasses.replace(DEADLINES, body_timeout_s=5.0,
+                                                                            max_body_bytes_in_flight=20 << 20))
+    try:
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n{" % (8 << 20))
+        slow = [raw(served.port) for _ in range(3)]
+        for s in slow[:2]:
+            s.sendall(head)  # 16 MiB of the 20 promised, and not sent
+        time.sleep(0.3)
+        slow[2].sendall(head)
+        answer = closed_within(slow[2], 3.0) or b""
+        assert answer.startswith(b"HTTP/1.1 503") and b"request bodies already; retry" in answer, answer
+        assert b"Retry-After: 1" in answer
+        for s in slow[:2]:
+            s.close()
+        time.sleep(0.3)
+        served.answers()  # the bytes were given back
+    finally:
+        served.close()

@@ -1,0 +1,110 @@
+"""A kvfabric receiver against connections that are not senders: a thousand that never say
+hello, a hello trickled a byte at a time, a connection whose thread cannot start. Each time
+the receiver goes on accepting real peers, and every thread it started returns."""
+from __future__ import annotations
+
+import resource
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvfabric import BlockRegion, FabricReceiver, ReceiverConfig
+from tests.integration.fabric_peer import LAYOUT
+from tests.integration.test_kvfabric_wire import connect, frame
+
+HELLO_TIMEOUT_S = 1.0
+
+
+@pytest.fixture
+def receiver() -> Iterator[FabricReceiver]:
+    region = BlockRegion(np.zeros((8, LAYOUT.block_bytes), np.uint8))
+    r = FabricReceiver(LAYOUT, region, ReceiverConfig(lease_s=5, io_timeout_s=1, hello_timeout_s=HELLO_TIMEOUT_S,
+                                                      max_pending_hellos=32))
+    yield r
+    r.close()
+
+
+def receiver_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("kvfabric-recv-")]
+
+
+def wait_for(condition, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def closed_by_peer(sock: socket.socket, timeout_s: float) -> bool:
+    sock.settimeout(timeout_s)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_a_thousand_silent_connections_leave_room_for_a_real_sender(receiver: FabricReceiver) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if min(hard, 4096) < 2500:
+        pytest.skip(f"needs 2,500 file descriptors, the limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    address = (receiver.address.host, receiver.address.port)
+    silent, most = [], 0
+    try:
+        for i in range(1000):
+            silent.append(socket.create_connection(address, timeout=5))
+            if i % 50 == 0:
+                most = max(most, len(receiver_threads()))
+        real = connect(receiver)  # its hello follows its connect: it gets through the flood's slots
+        real.close()
+        assert most <= 2 * 32  # the pending ones, and evicted ones on their way out
+        t0 = time.monotonic()
+        for s in silent:  # each one closed by the receiver: evicted, or at its hello deadline
+            assert closed_by_peer(s, HELLO_TIMEOUT_S + 2)
+        assert time.monotonic() - t0 < HELLO_TIMEOUT_S + 3
+        wait_for(lambda: receiver_threads() == [])
+        assert receiver.num_hellos_failed == 1000 and receiver.num_hellos_evicted > 0
+    finally:
+        for s in silent:
+            s.close()
+    connect(receiver).close()
+
+
+def test_a_hello_trickled_a_byte_at_a_time_is_cut_at_its_deadline(receiver: FabricReceiver) -> None:
+    sock = socket.create_connection((receiver.address.host, receiver.address.port), timeout=5)
+    hello = frame({"t": "hello", "layout": LAYOUT.to_wire(), "transport": "tcp", "host_id": "x"})
+    t0, sent = time.monotonic(), 0
+    try:
+        for byte in hello:  # one byte every 0.3 s: each read is within the 1 s i/o timeout
+            sock.sendall(bytes([byte]))
+            sent += 1
+            time.sleep(0.3)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    assert sent < len(hello) and time.monotonic() - t0 < HELLO_TIMEOUT_S + 1.5
+    sock.close()
+    wait_for(lambda: receiver_threads() == [])
+    connect(receiver).close()
+
+
+def test_the_accept_loop_survives_a_thread_that_cannot_start(receiver: FabricReceiver,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    start, failed = threading.Thread.start, []
+
+    def start_once_failing(self: threading.Thread) -> None:
+        if self.name.startswith("kvfabric-recv-") and not failed:
+            failed.append(self.name)
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start_once_failing)
+    doomed = socket.create_connection((receiver.address.host, receiver.address.port), timeout=5)
+    assert closed_by_peer(doomed, 5.0) and receiver.num_accept_errors == 1
+    connect(receiver).close()  # the next connection is served
+    wait_for(lambda: receiver_threads() == [])
