@@ -2,7 +2,7 @@
 hostile case runs (a 1 ms timer's lateness, max and p99, against the same timer idle), and
 what an API key costs a request on each door.
 
-    ./dev python benchmarks/front_hostile.py [--model DIR]
+    ./dev python -m benchmarks.front_hostile [--model DIR]
 
 One JSON line per case. The HTTP server is the router's OpenAIServer with its generation
 scripted (tests/integration/test_http_hostile.py's `Served`, on its own thread and loop);
@@ -90,6 +90,34 @@ def idle_flood(served: Served) -> Callable[[], None]:
     return run
 
 
+def ref_schema(served: Served, model: str) -> Callable[[], None]:
+    """A 60 KB JSON schema whose 1,200 `$ref`s all name one large node, prepared on the
+    server's loop as a gRPC request is (its check off the loop)."""
+    from proto import generate_pb2 as pb
+    from router.admission import AdmissionConfig
+    from router.gate import AdmissionGate
+    from router.members import Members
+    from router.servicer import Generation
+    from tests.unit.helpers import heartbeat
+
+    big = {"type": "object", "properties": {f"p{i}": {"type": "object", "properties": {
+        f"q{j}": {"type": "integer"} for j in range(4)}} for i in range(150)}}
+    schema = json.dumps({"$defs": {"big": big}, "anyOf": [{"$ref": "#/$defs/big"}] * 1200}, separators=(",", ":"))
+    members = Members()
+    members.update({"d0": heartbeat("d0", "decode", address="10.0.0.1:1", model_id="m", block_size=16,
+                                    vocab_size=1 << 16, max_model_len=4096, num_total_blocks=64)})
+    service = Generation(Frontend(model), AdmissionGate(AdmissionConfig(), time.monotonic), None,  # type: ignore[arg-type]
+                         members)
+
+    def run() -> None:
+        for i in range(3):  # a new schema each time (a refused or compiled one is cached)
+            request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7]), sampling=pb.SamplingParams(
+                max_tokens=2, constraint=pb.Constraint(kind="json_schema", value=schema.replace("p0", f"p0{i}"))))
+            asyncio.run_coroutine_threadsafe(service._prepare(request), served.loop).result(60)
+        service.off_loop.close()
+    return run
+
+
 def wrong_keys(served: Served) -> Callable[[], None]:
     return lambda: [served.call("GET", "/v1/models") for _ in range(1000)] and None
 
@@ -149,7 +177,8 @@ def main() -> None:
     try:
         for name, attack in (("idle", idle), ("messages_16mib", messages_16mib(served)),
                              ("huge_tokenize", huge_tokenize(served)), ("long_chat_off_loop", long_chat(served)),
-                             ("slowloris_200", slowloris(served)), ("idle_connections_10000", idle_flood(served))):
+                             ("slowloris_200", slowloris(served)), ("idle_connections_10000", idle_flood(served)),
+                             ("ref_schema_60kb", ref_schema(served, model))):
             print(json.dumps({"case": name, **lateness(served, attack), "config": config}), flush=True)
         served.members.facts = served.members.facts.__class__(**{**_facts(served), "max_model_len": 64})
         plain = statistics.median(http_request_cost(served, args.requests // 5, None) for _ in range(5))
