@@ -4,7 +4,10 @@ from __future__ import annotations
 import secrets
 
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from engine.tensor_parallel import TensorParallel
 
 Role = Literal["both", "prefill", "decode"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -211,6 +214,9 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     step_floor: StepFloor | None = None
     """Hold every step to at least this long (`StepFloor`); None: steps take what they take."""
+    tensor_parallel: TensorParallel | None = None
+    """This process's rank of a model split across processes (engine/tensor_parallel.py; its
+    process group set up by the caller); None: the whole model in this process."""
 
     @property
     def overlaps(self) -> bool:
@@ -224,5 +230,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.role not in ("both", "prefill", "decode"):
             raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
+        if self.tensor_parallel is not None and self.speculative.enabled:
+            raise ValueError("speculative decoding does not run under tensor parallelism yet")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")

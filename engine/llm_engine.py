@@ -86,10 +86,12 @@ class LLMEngine:
         (KV sizing counts what it took since)."""
         self.config = config = replace(config, scheduler=config.scheduler.resolved(total))  # the step budget
         kernels = select_kernels(config.device, config.native_kernels)
-        self.model = LlamaForCausalLM.load(model_dir, mc, dtype, config.device, config.prepack_weights, kernels)
+        self.model = LlamaForCausalLM.load(model_dir, mc, dtype, config.device, config.prepack_weights, kernels,
+                                           config.tensor_parallel)
         self.model_id = config.model_id or model_dir.resolve().name
         self.hasher = BlockHasher(config.cache.cluster_secret, self.model_id, config.cache.block_size)
-        self.layout = KVLayout(mc.num_layers, config.cache.block_size, mc.num_kv_heads, mc.head_dim, dtype)
+        local = self.model.config  # its heads on this rank (all of them without tensor parallelism)
+        self.layout = KVLayout(mc.num_layers, config.cache.block_size, local.num_kv_heads, mc.head_dim, dtype)
         self.sampler = Sampler(config.seed, config.device)
         tok_path = model_dir / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.is_file() else None

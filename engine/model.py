@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from engine.gpu_kernels import Kernels
+    from engine.tensor_parallel import TensorParallel
 from engine.rope import RotaryTable, apply_rotary
 from engine.weights import CheckpointReader
 
@@ -85,16 +86,24 @@ class LlamaForCausalLM:
         """Native C kernels on CPU, Triton ones on GPUs (engine/gpu_kernels.py); None: the torch forms."""
         self.native_layers: ctypes.Array | None = None
         """The layers' weight pointers for `NativeKernels.decode_layers`, where it can run them."""
+        self.tp: TensorParallel | None = None
+        """This process's rank of a tensor-parallel model; None: the whole model is here."""
 
     @classmethod
     def load(
         cls, model_dir: str, config: ModelConfig, dtype: torch.dtype, device: str, prepack: bool = True,
-        kernels: Kernels | None = None,
+        kernels: Kernels | None = None, tp: TensorParallel | None = None,
     ) -> LlamaForCausalLM:
-        model = cls(config, dtype, device)
+        """`tp`: this process's rank of a tensor-parallel model (engine/tensor_parallel.py): it
+        loads its share of each tensor and runs with its local heads (`model.config`)."""
+        model = cls(tp.local_config(config) if tp is not None else config, dtype, device)
+        model.tp = tp
         model.kernels = kernels if kernels is not None and kernels.supports(dtype, device) else None
         ckpt = CheckpointReader(model_dir)
-        get = lambda name: ckpt.get(name, dtype, device)  # noqa: E731
+        if tp is None:
+            get = lambda name: ckpt.get(name, dtype, device)  # noqa: E731
+        else:
+            get = lambda name: tp.shard(name, ckpt.get(name, dtype, device), config)  # noqa: E731
         opt = lambda name: get(name) if ckpt.has(name) else None  # noqa: E731
 
         def fused(names: list[str], swiglu: bool = False, stored: str | None = None) -> Linear:
@@ -154,8 +163,8 @@ class LlamaForCausalLM:
                 ] + [self.lm_head]
 
     def _native_layers(self) -> ctypes.Array | None:
-        if self.kernels is None or self.dtype != torch.bfloat16 or not self.config.llama_layers:
-            return None  # (decode_layers runs Llama's layer, and only it)
+        if self.kernels is None or self.dtype != torch.bfloat16 or not self.config.llama_layers or self.tp:
+            return None  # (decode_layers runs Llama's layer, and only it, whole)
         if any(x.tiles is None for x in self.linears()[:-1]):  # decode_layers runs the native matmul only
             return None
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
@@ -196,7 +205,8 @@ class LlamaForCausalLM:
         """
         cos, sin = self.rotary.lookup(positions, self.dtype)
         local = (cos, sin) if self.local_rotary is None else self.local_rotary.lookup(positions, self.dtype)
-        h = self.embed[input_ids]  # [num_tokens, hidden], a copy: the residual stream, added to in place
+        # [num_tokens, hidden], a copy: the residual stream, added to in place
+        h = self.embed[input_ids] if self.tp is None else self.tp.embed(self.embed, input_ids, self.config.vocab_size)
         if self.embed_scale != 1.0:
             h *= self.embed_scale
         group = meta.groups[0] if len(meta.groups) == 1 else None
@@ -228,7 +238,8 @@ class LlamaForCausalLM:
     def _logits(self, h: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
         """float32 logits of these tokens' last hidden states (the residual and the last block's output)."""
         x = self._add_norm(h, delta, self.norm)  # [num_logits, hidden]
-        logits = self.lm_head(x).float()
+        logits = self.lm_head(x) if self.tp is None else self.tp.gather_logits(self.lm_head(x), self.config.vocab_size)
+        logits = logits.float()
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -262,7 +273,11 @@ class LlamaForCausalLM:
         workspace = ATTENTION_WORKSPACE_BYTES if q.is_cuda else None
         o = paged_attention(q, k, v, i, pool, meta, self.scale, self.kernels, workspace,
                             cfg.layer_windows[i], cfg.attn_softcap)  # [num_tokens, heads, head_dim]
-        return layer.o(o.reshape(n, h * d))
+        return self._summed(layer.o(o.reshape(n, h * d)))
+
+    def _summed(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's output: each rank's part, summed (the whole, untouched)."""
+        return partial if self.tp is None else self.tp.all_reduce(partial)
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         if layer.moe is not None:
@@ -273,5 +288,5 @@ class LlamaForCausalLM:
         assert layer.gate_up is not None and layer.down is not None
         if self.config.hidden_act == "gelu_tanh":  # GeGLU (Gemma): gate_up is the plain product
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            return layer.down(torch.nn.functional.gelu(gate, approximate="tanh") * up)
-        return layer.down(layer.gate_up(x))  # gate_up returns silu(gate) * up
+            return self._summed(layer.down(torch.nn.functional.gelu(gate, approximate="tanh") * up))
+        return self._summed(layer.down(layer.gate_up(x)))  # gate_up returns silu(gate) * up
