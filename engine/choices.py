@@ -140,6 +140,8 @@ class Forks:
         e = self.engine
         if isinstance(copy, tuple):
             e.kv_pool.tensor[copy[1]].copy_(e.kv_pool.tensor[copy[0]])
+            if e.followers is not None:  # every tensor-parallel rank copies its own heads' block
+                e.followers.send({"op": "copy", "src": copy[0], "dst": copy[1]})
         if copy is False:
             child.status, child.num_computed_tokens, child.output_token_ids = RequestStatus.PREEMPTED, 0, []
             e.scheduler.waiting.append(child)

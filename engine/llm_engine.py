@@ -36,6 +36,7 @@ from engine.kv_sizing import DEFAULT_CPU_KV_BYTES, num_blocks_for
 from engine.model import LlamaForCausalLM
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
+from engine.tp_followers import Channel
 from engine.output_builder import OutputBuilder
 from engine.choices import Forks, choice_id, first_rows
 from engine.request import MAX_CHOICES, FinishReason, Logprob, Request, SamplingParams
@@ -100,6 +101,8 @@ class LLMEngine:
         self.speculator: Speculator | None = None
         """Proposes and verifies tokens ahead (None: off, or a prefill worker, which stops at the
         first). Set before any step runs: sizing the pool on a GPU runs one (`_profile_kv_bytes`)."""
+        self.followers: Channel | None = None if config.tensor_parallel is None else Channel(config.tensor_parallel)
+        """Rank 0 of a tensor-parallel model: the other ranks follow its steps (engine/tp_followers.py)."""
         self._reset_state()
         self._attach_pool(self._pool_blocks(), allocator)
         self._reset_state()  # a profiled forward's requests and counts are not the worker's
@@ -107,6 +110,12 @@ class LLMEngine:
         self.forks = Forks(self)
         """Requests of n choices forked into them (engine/choices.py)."""
         capture_graphs(self.runner.decode, config.device, graphs)
+
+    def release_followers(self) -> None:
+        """A tensor-parallel leader's last word: the other ranks stop following (they return)."""
+        if self.followers is not None:
+            self.followers.send({"op": "stop"})
+            self.followers = None
 
     @property
     def constrainer(self) -> Constrainer:
@@ -136,8 +145,11 @@ class LLMEngine:
         self.block_pool = BlockPool(num_blocks, config.cache.enable_prefix_caching, config.cache.protected_fraction)
         self.kv = KVCacheManager(self.block_pool, self.hasher, self.model_config.kv_window)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.clock)
-        decode = None if provisional else decode_buffers(config, self.model, self.kv_pool, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.kv_pool, config.device, decode)
+        leads = self.followers
+        decode = None if provisional or leads else decode_buffers(config, self.model, self.kv_pool, self.max_model_len)
+        if leads is not None:
+            leads.send({"op": "pool", "num_blocks": num_blocks})
+        self.runner = ModelRunner(self.model, self.kv_pool, config.device, decode, leads.send if leads else None)
         self.overlap = Overlap(self.runner, self.sampler, self.scheduler, self.kv, not provisional and config.overlaps)
         if self.scheduler.context_limit < self.max_model_len and not provisional:
             logger.warning(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -47,19 +48,64 @@ def _input_tokens(s: ScheduledRequest) -> list[int]:
     return known + r.spec_token_ids[: s.num_spec_tokens]
 
 
+@dataclass
+class StepPlan:
+    """A step's model inputs as index lists: what `batch` turns into tensors, and what a
+    tensor-parallel leader sends its followers (`wire`) so they run the same forward."""
+
+    lists: list[list[int]]
+    """input ids, positions, slot blocks, slot offsets, logits index, then each group's lists."""
+    groups: list[tuple[int, ...]]
+    """Per attention group: () for a first chunk's causal group, else a paged group's
+    (batch, max_query_len, max_blocks, longest context, in order)."""
+    sampled: list[Request]
+    prompt_rows: PromptRows | None = None
+
+    def wire(self) -> dict[str, Any]:
+        rows = self.prompt_rows
+        return {"op": "forward", "lists": self.lists, "groups": [list(g) for g in self.groups],
+                "prompt_index": rows.index if rows is not None else None}
+
+
+def batch_tensors(lists: list[list[int]], groups: list[tuple[int, ...]], block_size: int, device: str
+                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    """(input ids, positions, attention metadata, logits index) of a step's index lists: one
+    copy to the device, then views."""
+    flat = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.long, device=device)
+    views = iter(flat.split([len(x) for x in lists]))
+    ids, pos, blocks, offsets, logits = (next(views) for _ in range(5))
+    made: list[CausalGroup | PagedGroup] = []
+    for g in groups:
+        if not g:
+            made.append(CausalGroup(next(views)))
+            continue
+        batch, max_q, max_blocks, longest, in_order = g
+        token_index, padded_index, table, rows, ctx_lens = (next(views) for _ in range(5))
+        made.append(PagedGroup(token_index=token_index, padded_index=padded_index, batch=batch, max_query_len=max_q,
+                               block_table=table.view(batch, max_blocks), num_keys=max_blocks * block_size, rows=rows,
+                               ctx_lens=ctx_lens, in_order=bool(in_order), max_context_len=longest))
+    return ids, pos, AttentionMetadata(slot_blocks=blocks, slot_offsets=offsets, groups=made), logits
+
+
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, pool: KVPool, device: str, decode: DecodeGraphs | None = None) -> None:
+    def __init__(self, model: LlamaForCausalLM, pool: KVPool, device: str, decode: DecodeGraphs | None = None,
+                 followers: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.model = model
         self.pool = pool
         self.device = device
         self.block_size = pool.layout.block_size
         self.decode = decode
         """Pure decode steps through persistent buffers and, on GPUs, CUDA graphs (engine/decode_graphs.py)."""
+        self.followers = followers
+        """A tensor-parallel leader's: tells the other ranks each step's plan (engine/tp_followers.py)."""
 
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
         if self.decode is not None and self.decode.takes(out.scheduled):
             return self.decode.run(out.scheduled)
-        batch = self.prepare(out)
+        plan = self.plan(out)
+        if self.followers is not None:
+            self.followers(plan.wire())
+        batch = self.batch(plan)
         rows = batch.prompt_rows
         prompt = (torch.tensor(rows.index, dtype=torch.long, device=self.device), rows.take) if rows else None
         logits = self.model.forward(
@@ -68,6 +114,13 @@ class ModelRunner:
         return batch.sampled_requests, logits
 
     def prepare(self, out: SchedulerOutput) -> ForwardBatch:
+        return self.batch(self.plan(out))
+
+    def batch(self, plan: StepPlan) -> ForwardBatch:
+        ids, pos, meta, logits = batch_tensors(plan.lists, plan.groups, self.block_size, self.device)
+        return ForwardBatch(ids, pos, meta, logits, plan.sampled, plan.prompt_rows)
+
+    def plan(self, out: SchedulerOutput) -> StepPlan:
         input_ids: list[int] = []
         positions: list[int] = []
         slot_blocks: list[int] = []
@@ -92,22 +145,16 @@ class ModelRunner:
                 logits_index += range(len(input_ids) - 1 - s.num_spec_tokens, len(input_ids))
                 sampled.append(r)
         groups = [self._group(g, len(input_ids)) for g in [decode, spec, *([m] for m in prefill)] if g]
-        # every index list goes to the device as one tensor (one copy), then is split into views
         lists = [input_ids, positions, slot_blocks, slot_offsets, logits_index, *(x for g in groups for x in g[0])]
-        flat = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.long, device=self.device)
-        views = iter(flat.split([len(x) for x in lists]))
-        ids, pos, blocks, offsets, logits = (next(views) for _ in range(5))
-        meta = AttentionMetadata(slot_blocks=blocks, slot_offsets=offsets,
-                                 groups=[make(*(next(views) for _ in own)) for own, make in groups])
-        return ForwardBatch(ids, pos, meta, logits, sampled, prompt_rows if prompt_rows.index else None)
+        return StepPlan(lists, [recipe for _, recipe in groups], sampled, prompt_rows if prompt_rows.index else None)
 
     def _group(self, members: list[tuple[ScheduledRequest, int]], num_tokens: int) -> tuple[
-        list[list[int]], Callable[..., CausalGroup | PagedGroup]
+        list[list[int]], tuple[int, ...]
     ]:
-        """A group's index lists and what makes the group of them once they are tensors."""
+        """A group's index lists and its recipe (`StepPlan.groups`)."""
         if len(members) == 1 and members[0][0].request.num_computed_tokens == 0:
             (s, offset), = members
-            return [list(range(offset, offset + s.num_new_tokens))], CausalGroup
+            return [list(range(offset, offset + s.num_new_tokens))], ()
         bs = self.block_size
         max_q = max(s.num_new_tokens for s, _ in members)
         ctx_lens = [s.request.num_computed_tokens + s.num_new_tokens for s, _ in members]
@@ -128,12 +175,5 @@ class ModelRunner:
             table += used
             table += [0] * (max_blocks - len(used))
         in_order = max_q == 1 and token_index == list(range(num_tokens))
-
-        def make(token_index: torch.Tensor, padded_index: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
-                 ctx_lens: torch.Tensor) -> PagedGroup:
-            return PagedGroup(token_index=token_index, padded_index=padded_index, batch=len(members),
-                              max_query_len=max_q, block_table=table.view(len(members), max_blocks),
-                              num_keys=max_blocks * bs, rows=rows, ctx_lens=ctx_lens, in_order=in_order,
-                              max_context_len=longest)
-
-        return [token_index, padded_index, table, rows, key_counts], make
+        return [token_index, padded_index, table, rows, key_counts], (len(members), max_q, max_blocks, longest,
+                                                                      int(in_order))

@@ -1,8 +1,8 @@
 """Tensor parallelism on CPU (gloo): a model split across 2 and 4 processes gives the greedy
 tokens of the whole model in one process, and log-probabilities within 1e-4 (the sums of the
-row-parallel projections run in another order). Each rank is a process of its own, with an
-engine over its share of the weights and a KV pool of its KV heads; every rank is given the
-same requests, and the step's collectives keep them in step."""
+row-parallel projections run in another order). Each rank is a process of its own over its
+share of the weights and a KV pool of its KV heads: rank 0's engine schedules and samples,
+the others follow its steps (engine/tp_followers.py)."""
 from __future__ import annotations
 
 import json
@@ -26,22 +26,34 @@ TOLERANCE = 1e-4
 
 
 def _rank(rank: int, world: int, port: int, model_dir: str, prompts: list[list[int]], out: str) -> None:
+    """Rank 0 runs the engine (it alone has the requests); the others follow its steps."""
     import torch
     import torch.distributed as dist
 
     from engine.tensor_parallel import TensorParallel
+    from engine.tp_followers import follow
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        engine = LLMEngine(replace(make_engine_config(model_dir), tensor_parallel=TensorParallel(rank, world)))
-        got = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True, logprobs=True))
-        layout = engine.layout
-        Path(out).write_text(json.dumps({"tokens": [c.token_ids for c in got], "logprobs": [c.logprobs for c in got],
-                                         "kv_heads": layout.num_kv_heads,
-                                         "in_use": engine.check_invariants().num_in_use}))
+        config = replace(make_engine_config(model_dir), tensor_parallel=TensorParallel(rank, world))
+        if rank:
+            Path(out).write_text(json.dumps({"steps": follow(config)}))
+            return
+        engine = LLMEngine(config)
+        got = engine.generate(prompts, PARAMS)
+        forks = engine.generate([prompts[0]], FORKS)  # n choices: the prompt's last block copied on every rank
+        engine.release_followers()
+        Path(out).write_text(json.dumps({
+            "tokens": [c.token_ids for c in got], "logprobs": [c.logprobs for c in got],
+            "forks": [c.token_ids for c in forks], "kv_heads": engine.layout.num_kv_heads,
+            "in_use": engine.check_invariants().num_in_use}))
     finally:
         dist.destroy_process_group()
+
+
+PARAMS = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=True)
+FORKS = SamplingParams(max_tokens=6, ignore_eos=True, n=3, temperature=0.8, seed=11)
 
 
 def make_engine_config(model_dir: str) -> EngineConfig:
@@ -80,11 +92,12 @@ def test_a_split_model_gives_the_whole_models_tokens(arch: str, world: int, tmp_
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     whole = LLMEngine(make_engine_config(model_dir))
     prompts = random_prompts([5, 23, 40], whole.model_config.vocab_size, seed=3)
-    want = whole.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True, logprobs=True))
-    ranks = run_ranks(world, model_dir, prompts, tmp_path)
-    kv_heads = whole.model_config.num_kv_heads
-    for r in ranks:
-        assert r["tokens"] == [c.token_ids for c in want]
-        for got, ref in zip(r["logprobs"], [c.logprobs for c in want], strict=True):
-            assert got == pytest.approx(ref, abs=TOLERANCE)
-        assert r["kv_heads"] == max(kv_heads // world, 1) and r["in_use"] == 0
+    want = whole.generate(prompts, PARAMS)
+    forks = whole.generate([prompts[0]], FORKS)
+    leader, *followers = run_ranks(world, model_dir, prompts, tmp_path)
+    assert leader["tokens"] == [c.token_ids for c in want]
+    for got, ref in zip(leader["logprobs"], [c.logprobs for c in want], strict=True):
+        assert got == pytest.approx(ref, abs=TOLERANCE)
+    assert leader["forks"] == [c.token_ids for c in forks] and len(forks) == 3
+    assert leader["kv_heads"] == max(whole.model_config.num_kv_heads // world, 1) and leader["in_use"] == 0
+    assert all(f["steps"] > 10 for f in followers)  # every step followed

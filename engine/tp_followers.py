@@ -1,0 +1,101 @@
+"""A tensor-parallel worker's ranks: rank 0 leads (its engine schedules, samples, owns every
+request and the block accounting), the others follow its steps.
+
+    rank 0: LLMEngine --each step's plan (index lists, engine/model_runner.StepPlan)-->
+                      `Leader.send`: msgpack over a broadcast in the ranks' process group
+    rank r: `follow` --recv--> the same forward on its share of the model and its KV pool
+                              (the same block ids: rank 0's accounting holds for every rank)
+
+What the leader sends is the scheduled batch, never activations: a pool of a given size
+(at start), a step's plan, a block copy (a request forked into choices), the end. A
+follower keeps no requests; its pool's blocks are written by the forwards it runs in the
+order they come. Followers join each step's collectives (two all-reduces a layer, the
+logits' all-gather), so a rank that dies stalls the others within the step: the worker
+process that owns them ends. Decode steps run eagerly under tensor parallelism (no decode
+buffers or CUDA graphs yet).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgpack
+import torch
+
+from engine.config import EngineConfig
+from engine.tensor_parallel import TensorParallel
+
+logger = logging.getLogger(__name__)
+
+
+class Channel:
+    """Messages from rank 0 to every rank of the group: a length, then the msgpack bytes."""
+
+    def __init__(self, tp: TensorParallel) -> None:
+        self.tp = tp
+
+    def send(self, msg: dict[str, Any]) -> None:
+        import torch.distributed as dist
+
+        payload = msgpack.packb(msg)
+        dist.broadcast(torch.tensor([len(payload)], dtype=torch.long), 0, group=self.tp.group)
+        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), 0, group=self.tp.group)
+
+    def recv(self) -> dict[str, Any]:
+        import torch.distributed as dist
+
+        size = torch.zeros(1, dtype=torch.long)
+        dist.broadcast(size, 0, group=self.tp.group)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.broadcast(payload, 0, group=self.tp.group)
+        msg = msgpack.unpackb(payload.numpy().tobytes())
+        if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
+            raise ValueError("a tensor-parallel message is a map with a string 'op'")
+        return msg
+
+
+def follow(config: EngineConfig) -> int:
+    """A follower rank's life: its share of the model, then the leader's steps until it says
+    stop. Returns the number of forwards run."""
+    from engine.gguf_checkpoint import resolve_model_dir
+    from engine.kv_pool import KVLayout, KVPool
+    from engine.llm_engine import _DTYPES
+    from engine.model import LlamaForCausalLM
+    from engine.model_config import ModelConfig
+    from engine.model_runner import batch_tensors
+    from engine.gpu_kernels import select_kernels
+
+    tp = config.tensor_parallel
+    assert tp is not None and tp.rank > 0, "follow() runs the ranks after the first"
+    model_dir = resolve_model_dir(config.model_dir)
+    full = ModelConfig.from_dir(model_dir)
+    dtype = _DTYPES[config.dtype]
+    model = LlamaForCausalLM.load(str(model_dir), full, dtype, config.device, config.prepack_weights,
+                                  select_kernels(config.device, config.native_kernels), tp)
+    local = model.config
+    layout = KVLayout(full.num_layers, config.cache.block_size, local.num_kv_heads, full.head_dim, dtype)
+    channel, pool, steps = Channel(tp), None, 0
+    while True:
+        msg = channel.recv()
+        op = msg["op"]
+        if op == "stop":
+            return steps
+        if op == "pool":
+            pool = KVPool(layout, int(msg["num_blocks"]), config.device)
+        elif op == "forward":
+            assert pool is not None, "a step before the pool"
+            ids, pos, meta, logits = batch_tensors(msg["lists"], [tuple(g) for g in msg["groups"]],
+                                                   layout.block_size, config.device)
+            index = msg["prompt_index"]
+            prompt = (torch.tensor(index, dtype=torch.long, device=config.device), _drop) if index else None
+            model.forward(ids, pos, pool, meta, logits, prompt)
+            steps += 1
+        elif op == "copy":
+            assert pool is not None
+            pool.tensor[msg["dst"]].copy_(pool.tensor[msg["src"]])
+        else:
+            raise ValueError(f"unknown tensor-parallel op {op!r}")
+
+
+def _drop(offset: int, logits: torch.Tensor) -> None:
+    """A follower's prompt logits: made (their all-gather is every rank's), not kept."""
