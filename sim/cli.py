@@ -56,6 +56,8 @@ def add_parser(sub: Any) -> None:
     f.add_argument("--model", choices=sorted(MODELS), default="llama-3-8b")
     f.add_argument("--gpu", choices=sorted(GPUS), default="h100-sxm")
     f.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per worker")
+    f.add_argument("--prefill-tp", type=int, help="a prefill worker's degree where it differs from --tp "
+                                                  "(disaggregated; needs --prefill and --decode)")
     f.add_argument("--num-gpus", type=int, default=8)
     f.add_argument("--mode", choices=("both", "disaggregated", "colocated"), default="both")
     f.add_argument("--prefill", type=int, help="prefill workers (disaggregated); default: from the workload")
@@ -109,6 +111,18 @@ def configs(args: argparse.Namespace, hw: Roofline, items: list[Item]) -> list[t
                        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                                  max_num_seqs=args.max_num_seqs))
     out = []
+    if args.prefill_tp and args.prefill_tp != args.tp:
+        if not (args.prefill and args.decode):
+            raise SystemExit("--prefill-tp needs --prefill and --decode (the pools' sizes at their degrees)")
+        p_hw = Roofline(hw.model, hw.gpu, args.prefill_tp)
+        if args.prefill * args.prefill_tp + args.decode * args.tp > args.num_gpus:
+            raise SystemExit(f"{args.prefill} prefill x TP {args.prefill_tp} + {args.decode} decode x TP {args.tp} "
+                             f"is more than --num-gpus {args.num_gpus}")
+        cfg = dataclasses.replace(base, num_prefill=args.prefill, num_decode=args.decode,
+                                  prefill_gpus_per_worker=args.prefill_tp,
+                                  prefill_num_blocks=p_hw.kv_capacity_tokens() // 16,
+                                  routing=RoutingConfig(mode="disaggregated", policy=args.policy))
+        return [(f"disaggregated {args.prefill}P(TP{args.prefill_tp}):{args.decode}D(TP{args.tp})", cfg)]
     if args.mode in ("both", "disaggregated"):
         p, d = (args.prefill, args.decode) if args.prefill and args.decode else \
             default_split(hw, items, workers, args.max_num_batched_tokens)
@@ -149,7 +163,8 @@ def _simulate(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     runs = {}
     for label, cfg in configs(args, hw, items):
-        result = Fleet(cfg, hw, items).run()
+        p_hw = Roofline(hw.model, hw.gpu, cfg.prefill_gpus_per_worker) if cfg.prefill_gpus_per_worker else None
+        result = Fleet(cfg, hw, items, p_hw).run()
         s = summary(result, args.ttft_slo_ms / 1e3, args.itl_slo_ms / 1e3)
         console.print(report.table(s, title=f"splitserve simulate: {label}"))
         console.print(report.totals(s))

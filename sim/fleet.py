@@ -56,8 +56,12 @@ PROMPT_MEMO = 8192
 
 
 class Fleet:
-    def __init__(self, config: FleetConfig, hardware: Hardware, items: list[Item]) -> None:
+    def __init__(self, config: FleetConfig, hardware: Hardware, items: list[Item],
+                 prefill_hardware: Hardware | None = None) -> None:
+        """`prefill_hardware`: what a prefill worker's steps cost where its tensor-parallel
+        degree differs from a decode worker's (`FleetConfig.prefill_gpus_per_worker`)."""
         self.config, self.hw = config, hardware
+        self.prefill_hw = prefill_hardware or hardware
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self._seq = itertools.count()
@@ -75,7 +79,8 @@ class Fleet:
         self.targets = {"prefill": config.num_prefill, "decode": config.num_decode}
         self.workers: dict[str, Worker] = {}
         self._ids = {"prefill": itertools.count(), "decode": itertools.count()}
-        self._gpus = itertools.count()
+        self._next_gpu = 0
+        """The first GPU of the next worker launched: workers fill nodes in order."""
         self.flights: dict[str, Flight] = {}
         self.waiting_room: list[Flight] = []
         """Routed requests no decode worker had KV room for (retried as bookings end)."""
@@ -131,8 +136,8 @@ class Fleet:
                 stuck = [f.rid for f in self.flights.values() if not f.done]
                 raise RuntimeError(f"simulation stuck at {self.now:.1f} s: nothing can move {stuck[:5]}")
         end = self.now
-        gpu_s = sum(((w.stopped_at if w.stopped_at is not None else end) - w.created_at)
-                    for w in self.workers.values()) * self.config.gpus_per_worker
+        gpu_s = sum(((w.stopped_at if w.stopped_at is not None else end) - w.created_at) * self.config.gpus(w.role)
+                    for w in self.workers.values())
         outcomes = [f.outcome for f in self.flights.values()]
         return FleetResult(Run(outcomes, end - min((o.sent_s for o in outcomes), default=0.0)), gpu_s,
                            self.pools.actions, self.pools.pool_sizes, self.config, dict(self.stats))
@@ -141,13 +146,15 @@ class Fleet:
     def launch(self, role: Role, ready_at: float) -> Worker:
         c = self.config
         wid = f"{role}-{next(self._ids[role])}"
-        node = next(self._gpus) * c.gpus_per_worker // c.gpus_per_node
-        engine = SimEngine(self.hw.for_worker(), c.num_blocks, c.block_size, VOCAB, c.scheduler, model_id="sim",
+        node = self._next_gpu // c.gpus_per_node
+        self._next_gpu += c.gpus(role)
+        hw = self.prefill_hw if role == "prefill" else self.hw
+        engine = SimEngine(hw.for_worker(), c.blocks(role), c.block_size, VOCAB, c.scheduler, model_id="sim",
                            max_model_len=c.max_model_len, role=role, kv_window=c.kv_window)
         w = self.workers[wid] = Worker(wid, role, engine, node, self.now)
         if role == "decode":
             w.table = ReservationTable(self.clock, c.kv_lease_s)
-        self.loads.num_blocks[wid] = c.num_blocks
+        self.loads.num_blocks[wid] = c.blocks(role)
         self.at(ready_at, self._ready, w)
         return w
 

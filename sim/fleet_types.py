@@ -67,6 +67,11 @@ class FleetConfig:
     """The model's sliding window where every layer has one (ModelConfig.kv_window): a request
     holds at most that many keys' blocks; 0: its whole context."""
     gpus_per_worker: int = 1
+    prefill_gpus_per_worker: int | None = None
+    """A prefill worker's tensor-parallel degree where it differs from a decode worker's
+    (`gpus_per_worker`): prefill likes a wide TP, decode many narrow replicas."""
+    prefill_num_blocks: int | None = None
+    """A prefill worker's KV blocks where its degree differs (None: `num_blocks`)."""
     gpus_per_node: int = 8
     """Workers fill nodes in order; P and D on one node move KV over NVLink, else the NIC."""
     routing: RoutingConfig = field(default_factory=lambda: RoutingConfig(mode="disaggregated"))
@@ -82,9 +87,16 @@ class FleetConfig:
     """How long a request waits for a decode worker with room (RouterConfig.kv_wait_s)."""
     seed: int = 0
 
+    def gpus(self, role: Role) -> int:
+        """GPUs one worker of `role` spans (its tensor-parallel degree)."""
+        return (self.prefill_gpus_per_worker or self.gpus_per_worker) if role == "prefill" else self.gpus_per_worker
+
+    def blocks(self, role: Role) -> int:
+        return (self.prefill_num_blocks or self.num_blocks) if role == "prefill" else self.num_blocks
+
     @property
     def num_gpus(self) -> int:
-        return (self.num_prefill + self.num_decode) * self.gpus_per_worker
+        return self.num_prefill * self.gpus("prefill") + self.num_decode * self.gpus("decode")
 
 
 @dataclass

@@ -272,3 +272,25 @@ def test_a_prefill_workers_push_costs_its_first_step_for_every_token_the_decode_
 
     [a] = Fleet(one_each(), Pushing(), [Item(list(range(3, 103)), 2, 0.0)]).run().run.outcomes
     assert a.ttft_s == pytest.approx(0.011 + 100 * 1e-5)  # the prefill, and 100 tokens pushed beside it
+
+
+class Split(Linear):
+    """A prefill worker at twice the degree: its steps take half as long."""
+
+    def step_s(self, chunks: list[tuple[int, int]], num_sampled: int | None = None) -> float:
+        return super().step_s(chunks, num_sampled) / 2
+
+
+def test_prefill_and_decode_at_different_degrees_are_priced_and_counted_apart() -> None:
+    """P at TP 2 (its steps priced by its own cost, its GPUs counted twice) beside D at TP 1:
+    the same run's first token comes in half the prefill time; GPU-seconds count 3 GPUs."""
+    prompt = list(range(3, 103))
+    items = [Item(prompt, 4, 0.0)]
+    same = Fleet(one_each(), Linear(), items).run()
+    cfg = one_each(prefill_gpus_per_worker=2, prefill_num_blocks=2000)
+    split = Fleet(cfg, Linear(), items, prefill_hardware=Split()).run()
+    [a], [b] = same.run.outcomes, split.run.outcomes
+    assert a.ttft_s == pytest.approx(0.011) and b.ttft_s == pytest.approx(0.0055)
+    assert cfg.num_gpus == 3 and cfg.gpus("prefill") == 2 and cfg.gpus("decode") == 1 and cfg.blocks("prefill") == 2000
+    assert split.gpu_seconds == pytest.approx(3 * b.end_s)
+    assert b.itls_s == pytest.approx(a.itls_s)  # decode runs at its own degree, unchanged
