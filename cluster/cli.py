@@ -115,6 +115,7 @@ def _serve_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
                             otlp_endpoint=args.otlp_endpoint, speculative=speculative_config(args)),
         num_prefill=args.num_prefill, num_decode=args.num_decode, num_routers=args.num_routers,
         controller_max_restarts=args.controller_max_restarts, gpus_per_worker=gpus, autoscale=_autoscale_config(args),
+        decode_tp=args.decode_tp,
         router=RouterConfig(host=args.host, port=args.port, metrics_port=_metrics_port(args),
                             otlp_endpoint=args.otlp_endpoint, tokenizer_dir=_model_dir(model), **http_fields(args),
                             admission=_admission_config(args),
@@ -314,6 +315,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     s.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="--autoscale: the TTFT budget prefill scales on")
     s.add_argument("--itl-slo-ms", type=float, default=100.0, help="--autoscale: the ITL budget decode scales on")
     add_device_flags(s)
+    s.add_argument("--decode-tp", type=int, default=1,
+                   help="tensor-parallel degree of each decode worker: its model split across this many processes "
+                        "(GPUs); above 1 needs --mode colocated")
     s.add_argument("--gpus-per-worker", type=float, default=None,
                    help="GPUs each worker asks Ray for (default 1; 1/N when N workers share a one-GPU machine)")
     s.add_argument("--block-size", type=int, default=16)

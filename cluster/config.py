@@ -49,6 +49,10 @@ class ClusterConfig:
     """Times Ray restarts a controller that died (its workers and routers serve on meanwhile;
     the new one adopts them, cluster/controller_state.py); past them `serve` says the cluster
     can no longer be supervised."""
+    decode_tp: int = 1
+    """Tensor-parallel degree of each decode worker: its model split across this many
+    processes (GPUs), Ray giving it as many GPUs (engine/tensor_parallel.py). Above 1 the
+    workers prefill their own prompts: mode colocated."""
     num_routers: int = 1
     """Router replicas; more than one share one port (see `RouterConfig.share_port`),
     each with its own admission budget and its own KV index replayed from Redis."""
@@ -64,6 +68,11 @@ class ClusterConfig:
             raise ValueError("supervise_interval_s, drain_timeout_s and place_timeout_s must be positive")
         if not 0 < self.gpus_per_worker <= 8:
             raise ValueError(f"gpus_per_worker must be in (0, 8], got {self.gpus_per_worker}")
+        if self.decode_tp < 1:
+            raise ValueError(f"decode_tp must be at least 1, got {self.decode_tp}")
+        if self.decode_tp > 1 and self.router.routing.mode != "colocated":
+            raise ValueError(f"--decode-tp {self.decode_tp} needs --mode colocated: KV a prefill worker pushes "
+                             "reaches one rank of a split decode worker (not yet every rank)")
         if self.num_prefill < 0:
             raise ValueError(f"num_prefill must be >= 0, got {self.num_prefill}")
         if self.num_prefill == 0 and self.router.routing.mode == "disaggregated":

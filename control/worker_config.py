@@ -74,6 +74,11 @@ class WorkerConfig:
     step_floor: StepFloor | None = None
     """Hold each engine step to at least this long (an emulated accelerator, `StepFloor`):
     for measuring the control plane on a few cores, never for serving."""
+    tensor_parallel: int = 1
+    """Processes (GPUs) one worker's model is split across (engine/tensor_parallel.py): the
+    worker and tensor_parallel - 1 child ranks (engine/tp_ranks.py). Decode workers only,
+    prefilling their own prompts (mode colocated), until KV moves between ranks of different
+    workers."""
 
     def advertised_host(self, redis_url: str | None) -> str:
         """Where peers reach this worker (see `advertise_host`)."""
@@ -93,6 +98,8 @@ class WorkerConfig:
             raise ValueError(f"step_profile_s must be >= 0, got {self.step_profile_s}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        if self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be at least 1, got {self.tensor_parallel}")
 
     def engine_config(self, role: Role) -> EngineConfig:
         """The engine of a worker that serves a router: the router detokenizes."""

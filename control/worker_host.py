@@ -44,6 +44,19 @@ LoadReader = Callable[[], EngineLoad | None]
 (the beat keeps the last one alive)."""
 
 
+def engine_died(worker_id: str) -> Callable[[BaseException], None]:
+    """What a worker does when its engine loop dies (a device fault, a tensor-parallel rank
+    lost): it exits at once, as a crashed worker would. Its gRPC streams break, so routers
+    retry its requests on other workers; its heartbeat stops; the controller replaces it."""
+    def die(error: BaseException) -> None:
+        logger.critical("worker %s: its engine died (%r); the worker exits", worker_id, error)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(70)  # EX_SOFTWARE
+
+    return die
+
+
 def status_for(e: BaseException) -> tuple[grpc.StatusCode, str]:
     """A worker-side failure of one request as (status code, message for the router)."""
     if isinstance(e, InvalidRequestError):

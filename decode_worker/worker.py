@@ -28,13 +28,15 @@ from control import tracing
 from control.auth import cluster_token
 from control.heartbeat import ModelFacts
 from control.worker_config import WorkerConfig, on_this_node
-from control.worker_host import HostedWorker, WorkerHost, engine_load_reader, next_event, status_for
+from control.worker_host import (HostedWorker, WorkerHost, engine_died, engine_load_reader, next_event,
+                                 status_for)
 from decode_worker.kv_receive import Landed, RemoteFailure, RemoteKV
 from engine.choices import parent_of
 from engine.engine_loop import EngineLoop, freeze_startup_heap
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.step_profile import profile_decode
 from engine.types import RequestId
+from engine.tp_ranks import TensorRanks
 from kvfabric import ReceiverConfig
 from kvfabric.errors import FabricError
 from kvfabric.pools import kv_allocator
@@ -69,12 +71,18 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
         self.worker_id = worker_id
         self.config = config = on_this_node(config)
         self.allocator = kv_allocator(config.device)
-        self.engine = LLMEngine(config.engine_config("decode"), allocator=self.allocator)
+        self.ranks = TensorRanks(config.tensor_parallel) if config.tensor_parallel > 1 else None
+        """The model's other ranks (child processes) when it is split (engine/tp_ranks.py)."""
+        engine_config = config.engine_config("decode")
+        if self.ranks is not None:
+            engine_config = self.ranks.start(engine_config)
+        self.engine = LLMEngine(engine_config, allocator=self.allocator)
         profile = profile_decode(self.engine, config.step_profile_s) if config.step_profile_s > 0 else ()
         self.remote = RemoteKV(self.engine, self.allocator, ReceiverConfig(
             host=config.host, advertise_host=config.advertised_host(redis_url), lease_s=config.kv_lease_s,
             token=cluster_token(config.cluster_secret) if config.cluster_secret else None))
-        self.loop = EngineLoop(self.engine, self._on_outputs, self._hook, name=f"engine-{worker_id}")
+        self.loop = EngineLoop(self.engine, self._on_outputs, self._hook, name=f"engine-{worker_id}",
+                               on_death=engine_died(worker_id))
         e = self.engine
         facts = ModelFacts(e.model_id, config.block_size, e.model_config.vocab_size, e.max_model_len,
                            e.kv_pool.num_blocks, e.model_config.kv_window)
@@ -95,6 +103,9 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
     async def shutdown(self) -> None:
         await self.host.stop()
         self.loop.stop()
+        if self.ranks is not None:  # the engine's thread has ended: its followers are released from here
+            self.engine.release_followers()
+            self.ranks.stop()
         self.remote.close()
         self.allocator.close()
 
@@ -103,6 +114,10 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
         rid = request.request_id
         if (refusal := self.host.refusal(rid, self._requests)) is not None:
             await context.abort(*refusal)
+        if self.ranks is not None and not request.local_prefill:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "a tensor-parallel decode worker prefills its own prompts (mode colocated): KV pushed "
+                                "by a prefill worker reaches one rank only")
         state = self._requests[rid] = _Decode(rid, max(request.sampling.n, 1))
         parent = tracing.extract(context.invocation_metadata())
         span = tracing.child("decode.stream", parent, tracing.SpanKind.SERVER, splitserve__request_id=rid) \

@@ -48,8 +48,12 @@ class EngineLoop:
         hook_wait_s: float = 0.002,
         idle_wait_s: float = 0.05,
         name: str = "engine-loop",
+        on_death: Callable[[BaseException], None] | None = None,
     ) -> None:
+        """`on_death`: called (on the loop's thread) when a step raised and the loop ended: a
+        worker exits then, as a crashed one would, rather than serve on without an engine."""
         self.engine = engine
+        self.on_death = on_death
         self.on_outputs = on_outputs
         self.idle_hook = idle_hook
         self.hook_wait_s = hook_wait_s
@@ -83,11 +87,13 @@ class EngineLoop:
         try:
             while not self._stop.is_set():
                 self._turn()
-        except BaseException as e:  # a bug: fail every later call loudly instead of hanging them
+        except BaseException as e:  # a bug, a device fault, a lost tensor-parallel rank: fail every later call
             logger.exception("engine loop died")
             self.error = e
             self._stop.set()
         self._fail_pending()
+        if self.error is not None and self.on_death is not None:
+            self.on_death(self.error)
 
     def _turn(self) -> None:
         ran_calls = self._run_calls(block_s=0.0)

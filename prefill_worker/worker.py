@@ -26,7 +26,8 @@ from control import tracing
 from control.auth import cluster_token
 from control.heartbeat import ModelFacts
 from control.worker_config import WorkerConfig, on_this_node
-from control.worker_host import HostedWorker, WorkerHost, engine_load_reader, next_event, status_for
+from control.worker_host import (HostedWorker, WorkerHost, engine_died, engine_load_reader, next_event,
+                                 status_for)
 from engine.engine_loop import EngineLoop, freeze_startup_heap
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.request import FinishReason
@@ -74,12 +75,15 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
         torch.set_num_threads(config.num_threads)
         self.worker_id = worker_id
         self.config = config = on_this_node(config)
+        if config.tensor_parallel > 1:
+            raise ValueError("a prefill worker runs its whole model (tensor_parallel 1): its pushes carry every KV head")
         self.engine = LLMEngine(config.engine_config("prefill"))
         self.pusher = KVPusher(self.engine, SenderConfig(
             renew_interval_s=config.kv_lease_s / 4, transport=config.kv_transport,
             token=cluster_token(config.cluster_secret) if config.cluster_secret else None), self._push_ended)
         self.engine.handoff = self.pusher
-        self.loop = EngineLoop(self.engine, self._on_outputs, self._hook, name=f"engine-{worker_id}")
+        self.loop = EngineLoop(self.engine, self._on_outputs, self._hook, name=f"engine-{worker_id}",
+                               on_death=engine_died(worker_id))
         e = self.engine
         facts = ModelFacts(e.model_id, config.block_size, e.model_config.vocab_size, e.max_model_len,
                            e.kv_pool.num_blocks, e.model_config.kv_window)

@@ -28,7 +28,6 @@ class FleetTransfers:
         if f.done:
             return True
         fleet = self.fleet
-        c = fleet.config
         n = len(f.item.prompt)
         assert f.booking is not None
         request = d.engine.add_remote(f.rid, f.item.prompt, f.item.max_tokens, f.hashes)

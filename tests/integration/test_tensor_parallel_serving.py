@@ -1,0 +1,84 @@
+"""Decode workers split across two processes (`serve --decode-tp 2 --mode colocated`): the
+router, the worker (rank 0, the engine) and its child rank serve greedy tokens equal to the
+whole model's; a child rank killed mid-stream takes its worker down (its engine's next
+collective fails), the request goes on on the other worker with the same tokens, and the
+controller replaces the dead worker; the workers' shutdown stops their child ranks."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import pytest
+
+from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
+from cluster.local import LocalCluster
+from engine.request import SamplingParams
+from proto import generate_pb2 as pb
+from proto import generate_pb2_grpc as pb_grpc
+from router.policy import RoutingConfig
+from tests.integration.cluster_checks import assert_idle
+from tests.integration.reference import make_engine, random_prompts
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def spawned_ranks(parent: int | None = None) -> set[int]:
+    """Processes started by multiprocessing's spawn (a split worker's child ranks), of `parent` if given."""
+    out = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+                ppid = int(next(line.split()[1] for line in open(f"/proc/{pid}/status") if line.startswith("PPid:")))
+            except (OSError, StopIteration):
+                continue
+            if (b"multiprocessing.spawn" in cmdline or b"spawn_main" in cmdline) and parent in (None, ppid):
+                out.add(int(pid))
+    return out
+
+
+def test_split_decode_workers_serve_the_whole_models_tokens_and_survive_a_lost_rank(tiny_llama_dir: str) -> None:
+    before = spawned_ranks()
+    config = ClusterConfig(
+        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20),
+        num_prefill=0, num_decode=2, decode_tp=2, worker_num_cpus=0.25,
+        router=RouterConfig(port=0, routing=RoutingConfig(mode="colocated")))
+    prompts = random_prompts([9, 30, 70], 512, seed=4)
+    engine = make_engine(tiny_llama_dir, block_size=16)
+    want = engine.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+    long = engine.generate([prompts[0]], SamplingParams(max_tokens=600, ignore_eos=True))[0].token_ids
+    with LocalCluster(config) as cluster:
+        assert len(spawned_ranks() - before) == 2  # each worker's one child rank
+        with grpc.insecure_channel(cluster.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            for prompt, w in zip(prompts, want, strict=True):
+                request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
+                    max_tokens=10, ignore_eos=True, temperature=0))
+                got = list(stub.Generate(request, timeout=120))
+                assert [t for r in got for t in r.token_ids] == w.token_ids
+                assert got[-1].route.local_prefill
+            stream = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompts[0]), sampling=pb.SamplingParams(
+                max_tokens=600, ignore_eos=True, temperature=0)), timeout=300)
+            head = next(stream)
+            victim = head.route.decode_worker
+            [pid] = [w["pid"] for w in cluster.workers() if w["worker_id"] == victim]
+            [rank] = spawned_ranks(pid)
+            os.kill(rank, signal.SIGKILL)
+            rest = list(stream)
+        assert [t for r in [head, *rest] for t in r.token_ids] == long
+        assert rest[-1].route.decode_worker not in ("", victim)
+        deadline = time.monotonic() + 180
+        while True:  # the dead worker is replaced by a new one, split as it was
+            serving = [w for w in cluster.workers() if w.get("role") == "decode" and w.get("worker_id") != victim
+                       and not w.get("dead")]
+            if len(serving) == 2:
+                break
+            assert time.monotonic() < deadline, serving
+            time.sleep(1)
+        assert_idle(cluster)
+    deadline = time.monotonic() + 30
+    while spawned_ranks() - before:
+        assert time.monotonic() < deadline, "the child rank outlived its worker"
+        time.sleep(0.5)
