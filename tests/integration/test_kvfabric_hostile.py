@@ -67,7 +67,7 @@ def test_a_thousand_silent_connections_leave_room_for_a_real_sender(receiver: Fa
         t0 = time.monotonic()
         for s in silent:  # each one closed by the receiver: evicted, or at its hello deadline
             assert closed_by_peer(s, HELLO_TIMEOUT_S + 2)
-        assert time.monotonic() - t0 < HELLO_TIMEOUT_S + 3
+        assert time.monotonic() - t0 < HELLO_TIMEOUT_S + 10
         wait_for(lambda: receiver_threads() == [])
         assert receiver.num_hellos_failed == 1000 and receiver.num_hellos_evicted > 0
     finally:
