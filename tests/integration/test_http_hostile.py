@@ -2,8 +2,8 @@
 router's OpenAIServer, its generation scripted) runs on its own thread and event loop while
 this thread attacks it. Each case ends in a clear 4xx or a closed connection, a real request
 is answered meanwhile, and a 1 ms timer on the server's loop shows it never stalled for long
-(the bound asserted is loose, 0.5 s, against stalls of seconds before; the measured numbers
-are benchmarks/front_hostile.py's)."""
+(the bound asserted is loose, 2 s, against stalls of 13 to 19 s before; the measured numbers,
+tens of milliseconds, are benchmarks/front_hostile.py's)."""
 from __future__ import annotations
 
 import asyncio
@@ -27,7 +27,9 @@ from tests.integration.test_http_errors import Generation, Members, token
 pytestmark = pytest.mark.timeout(300)
 
 DEADLINES = HttpDeadlines(header_timeout_s=1.0, body_timeout_s=1.0, max_connections=20_000, max_idle_connections=200)
-STALL_BOUND_S = 0.5
+STALL_BOUND_S = 2.0
+"""Loose: it catches the stalls of seconds these cases caused (13 s, 19 s), not a loaded
+machine's scheduling (0.5 s seen beside a CI run); the measured stalls are the benchmark's."""
 
 
 class Served:

@@ -79,5 +79,5 @@ def test_a_large_ref_schema_is_prepared_while_the_loop_keeps_its_timer(tiny_llam
         await timer
 
     asyncio.run(scenario())
-    assert max(late) < 0.2, f"the loop stalled {max(late) * 1e3:.0f} ms"
+    assert max(late) < 1.0, f"the loop stalled {max(late) * 1e3:.0f} ms"  # 6.5 ms here idle; 12.6 s on the loop before
     service.off_loop.close()
