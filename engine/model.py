@@ -283,8 +283,8 @@ class LlamaForCausalLM:
         if layer.moe is not None:
             assert self.config.moe is not None
             if self.kernels is not None:  # grouped GEMMs on GPUs (engine/triton_moe.py)
-                return self.kernels.moe(x, layer.moe, self.config.moe)
-            return moe_forward(x, layer.moe, self.config.moe)
+                return self._summed(self.kernels.moe(x, layer.moe, self.config.moe))
+            return self._summed(moe_forward(x, layer.moe, self.config.moe))
         assert layer.gate_up is not None and layer.down is not None
         if self.config.hidden_act == "gelu_tanh":  # GeGLU (Gemma): gate_up is the plain product
             gate, up = layer.gate_up(x).chunk(2, dim=-1)

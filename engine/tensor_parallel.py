@@ -15,9 +15,10 @@ share of every layer, two all-reduces a layer.
 Each rank's model is the same code as one device's (engine/model.py) with a config of its
 local heads (`local_config`), so the attention, the KV pool (its local KV heads) and every
 kernel are unchanged; `TensorParallel` adds the collectives (torch.distributed: gloo on
-CPU, NCCL on GPUs), and `shard` picks a checkpoint tensor's share by its name. Mixtures of
-experts are refused for now (their experts would split the same way, gate/up rows and down
-columns, one all-reduce after the block).
+CPU, NCCL on GPUs), and `shard` picks a checkpoint tensor's share by its name. A mixture of
+experts splits each expert (and a shared one) as a dense MLP splits, along its own
+intermediate size: the router is whole on every rank, so every rank routes each token to the
+same experts, and the block's output is summed as the MLP's is.
 """
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ _COLUMN = re.compile(r"\.(gate_proj|up_proj)\.(weight|bias)$")
 _ROW = re.compile(r"\.(o_proj|down_proj)\.weight$")
 _ROW_BIAS = re.compile(r"\.(o_proj|down_proj)\.bias$")
 _VOCAB = re.compile(r"^(model\.embed_tokens|lm_head)\.weight$")
+_EXPERT = re.compile(r"\.experts\.\d+\.(\w+)\.weight$")
+_STACKED_GATE_UP, _STACKED_DOWN = re.compile(r"\.experts\.gate_up_proj$"), re.compile(r"\.experts\.down_proj$")
+_SHARED = re.compile(r"\.shared_expert\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED_QKV, _FUSED_GATE_UP = re.compile(r"\.qkv_proj\.(weight|bias)$"), re.compile(r"\.gate_up_proj\.(weight|bias)$")
 
 
@@ -55,8 +59,10 @@ class TensorParallel:
         """The model as one rank runs it: its query and KV heads (the rest unchanged); refuses
         a model whose shapes do not split `world` ways, naming the shape."""
         w, h, kvh = self.world, config.num_heads, config.num_kv_heads
-        if config.moe is not None:
-            raise UnsupportedModelError("tensor parallelism does not split mixtures of experts yet")
+        moe = config.moe
+        if moe is not None and (moe.intermediate_size % w or moe.shared_intermediate_size % w):
+            raise UnsupportedModelError(f"experts of intermediate size {moe.intermediate_size} (shared "
+                                        f"{moe.shared_intermediate_size}) do not split across {w} ranks")
         if h % w:
             raise UnsupportedModelError(f"{h} attention heads do not split across {w} tensor-parallel ranks")
         if kvh % w and (w % kvh or (h // kvh) % (h // w)):
@@ -64,7 +70,10 @@ class TensorParallel:
         if config.intermediate_size % w:
             raise UnsupportedModelError(f"an intermediate size of {config.intermediate_size} does not split "
                                         f"across {w} ranks")
-        return dataclasses.replace(config, num_heads=h // w, num_kv_heads=max(kvh // w, 1))
+        if moe is not None:
+            moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // w,
+                                      shared_intermediate_size=moe.shared_intermediate_size // w)
+        return dataclasses.replace(config, num_heads=h // w, num_kv_heads=max(kvh // w, 1), moe=moe)
 
     def q_heads(self, config: ModelConfig) -> range:
         n = config.num_heads // self.world
@@ -91,6 +100,8 @@ class TensorParallel:
     def shard(self, name: str, t: torch.Tensor, config: ModelConfig) -> torch.Tensor:
         """This rank's share of the checkpoint tensor `name` (the full model's `config`)."""
         d, inter = config.head_dim, config.intermediate_size
+        if config.moe is not None and (part := self._expert_share(name, t, config)) is not None:
+            return part
         if _Q.search(name):
             return _heads(t, self.q_heads(config), d)
         if _KV.search(name):
@@ -118,6 +129,27 @@ class TensorParallel:
             pad = -(-config.vocab_size // self.world) - len(rows)
             return torch.cat([out, out.new_zeros(pad, *out.shape[1:])]) if pad else out.contiguous()
         return t  # norms: every rank holds them
+
+    def _expert_share(self, name: str, t: torch.Tensor, config: ModelConfig) -> torch.Tensor | None:
+        """A mixture's tensors: each expert (and the shared one) split as a dense MLP is, along
+        its own intermediate size; the router and the shared expert's gate whole."""
+        moe = config.moe
+        assert moe is not None
+        _, gate, up, down = moe.checkpoint_names
+        if m := _EXPERT.search(name):
+            n = moe.intermediate_size // self.world
+            if m[1] in (gate, up):
+                return _slice(t, 0, self.rank, n)
+            return _slice(t, 1, self.rank, n) if m[1] == down else None
+        if _STACKED_GATE_UP.search(name):  # [experts, 2 I, hidden]: gate rows, then up rows
+            i, n = moe.intermediate_size, moe.intermediate_size // self.world
+            return torch.cat([_slice(t[:, :i], 1, self.rank, n), _slice(t[:, i:], 1, self.rank, n)], dim=1)
+        if _STACKED_DOWN.search(name):  # [experts, hidden, I]
+            return _slice(t, 2, self.rank, moe.intermediate_size // self.world)
+        if m := _SHARED.search(name):
+            n = moe.shared_intermediate_size // self.world
+            return _slice(t, 1 if m[1] == "down_proj" else 0, self.rank, n)
+        return None
 
     # -- the collectives ---------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

@@ -77,12 +77,14 @@ def run_ranks(world: int, model_dir: str, prompts: list[list[int]], tmp_path: Pa
     return [json.loads(Path(o).read_text()) for o in outs]
 
 
-@pytest.mark.parametrize("arch,world", [("llama", 2), ("llama", 4), ("qwen2", 2), ("gemma3", 2), ("phi3", 2)])
+@pytest.mark.parametrize("arch,world", [("llama", 2), ("llama", 4), ("qwen2", 2), ("gemma3", 2), ("phi3", 2),
+                                        ("qwen2_moe", 2), ("mixtral", 2)])
 def test_a_split_model_gives_the_whole_models_tokens(arch: str, world: int, tmp_path: Path,
                                                      request: pytest.FixtureRequest) -> None:
     """llama: KV heads split (2 ranks) and replicated (4 ranks, 2 KV heads); qwen2: q/k/v
     biases; gemma3: one KV head, sandwich norms, GeGLU, soft-capped logits; phi3: fused q/k/v
-    and gate/up tensors."""
+    and gate/up tensors; qwen2_moe: experts and a gated shared expert split, a dense layer;
+    mixtral: its w1/w3/w2 experts."""
     if arch in ("llama", "qwen2"):
         model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     else:

@@ -58,9 +58,24 @@ def test_shapes_that_do_not_split_are_refused_by_name(tiny_llama_dir: str, chang
         TensorParallel(0, world).local_config(config(tiny_llama_dir, **changes))
 
 
-def test_mixtures_of_experts_are_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_experts_split_along_their_own_intermediate_size(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from engine.tiny_model import make_tiny_model
 
-    moe = ModelConfig.from_dir(make_tiny_model(tmp_path, "qwen3_moe"))
-    with pytest.raises(UnsupportedModelError, match="does not split mixtures of experts yet"):
-        TensorParallel(0, 2).local_config(moe)
+    moe = ModelConfig.from_dir(make_tiny_model(tmp_path, "qwen2_moe"))  # experts of 64, a shared one of 128
+    assert moe.moe is not None and (moe.moe.intermediate_size, moe.moe.shared_intermediate_size) == (64, 128)
+    local = TensorParallel(1, 2).local_config(moe)
+    assert local.moe is not None and (local.moe.intermediate_size, local.moe.shared_intermediate_size) == (32, 64)
+    tp = TensorParallel(1, 2)
+    expert = torch.arange(64.0)[:, None].repeat(1, 4)  # [I, hidden]
+    assert tp.shard("model.layers.1.mlp.experts.3.up_proj.weight", expert, moe)[:, 0].tolist() == list(range(32, 64))
+    stacked = torch.arange(128.0)[None, :, None].repeat(2, 1, 3)  # [experts, 2 I, hidden]
+    got = tp.shard("model.layers.1.mlp.experts.gate_up_proj", stacked, moe)
+    assert got.shape == (2, 64, 3) and got[0, :, 0].tolist() == [*range(32, 64), *range(96, 128)]
+    shared_down = torch.arange(128.0)[None, :]
+    assert tp.shard("model.layers.1.mlp.shared_expert.down_proj.weight", shared_down, moe)[0, 0] == 64
+    router = torch.ones(4, 8)
+    assert tp.shard("model.layers.1.mlp.gate.weight", router, moe) is router  # every rank routes alike
+    with pytest.raises(UnsupportedModelError, match="experts of intermediate size 64 \\(shared 128\\) do not split "
+                                                    "across 3"):
+        TensorParallel(0, 3).local_config(dataclasses.replace(moe, num_heads=6, num_kv_heads=3,
+                                                              intermediate_size=129))
