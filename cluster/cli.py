@@ -323,6 +323,13 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     s.add_argument("--block-size", type=int, default=16)
     add_speculative_flags(s)
     daemon.add_flags(s)
+    _add_ray_flags(s)
+    _add_admission_flags(s)
+    s.set_defaults(func=_serve)
+
+
+def _add_ray_flags(s: argparse.ArgumentParser) -> None:
+    """serve's flags for a Ray cluster (deploy/): where workers run and how peers reach them."""
     r = s.add_argument_group("on a Ray cluster (see deploy/)")
     r.add_argument("--ray-address", help="join this Ray cluster (auto, or the head's HOST:PORT) instead of "
                                          "starting a local Ray node")
@@ -334,6 +341,10 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
                         "127.0.0.1, or with --ray-address the IP of the Ray node each worker runs on)")
     r.add_argument("--advertise-host", help="address workers give peers (default: --worker-host, or for 0.0.0.0 "
                                             "each machine's address on its route to the Redis host)")
+
+
+def _add_admission_flags(s: argparse.ArgumentParser) -> None:
+    """serve's flags for the router's admission: its token budget and the tenants' shares."""
     a = s.add_argument_group("admission (the router's token budget, shared fairly)")
     a.add_argument("--max-queue-wait-s", type=float, default=30.0,
                    help="longest a request waits for admission; a longer estimated wait is refused at once")
@@ -351,7 +362,6 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
                    help="weight of a tenant's fair share (default 1; repeatable)")
     a.add_argument("--tenant-quota", action="append", default=[], metavar="TENANT=TOKENS",
                    help="most tokens a tenant may have admitted at once (repeatable)")
-    s.set_defaults(func=_serve)
 
 
 def _add_client_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

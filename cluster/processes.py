@@ -15,7 +15,8 @@ from control.auth import check_private
 from control.worker_config import NO_SECRET
 from engine.kv_sizing import DEFAULT_CPU_KV_FRACTION
 from router.reasoning import REASONING_PARSERS
-from router.request_limits import HttpDeadlines, RequestLimits
+from router.http_connections import HttpDeadlines
+from router.request_limits import RequestLimits
 from router.tool_parsers import PARSERS
 
 

@@ -106,15 +106,18 @@ def load(flags: Iterable[str], file: str | None, environ: dict[str, str] | None 
 
 class KeyCheck(grpc.aio.ServerInterceptor):
     """The gRPC door: every call but health checks shows a key in its `authorization`
-    metadata (`Bearer KEY`), else it ends UNAUTHENTICATED before its handler runs."""
+    metadata (`Bearer KEY`), else it ends UNAUTHENTICATED before its handler runs. Methods in
+    `own_check` check it in their handler, where its tenant is read (checked once, not twice)."""
 
-    def __init__(self, keys: ApiKeys) -> None:
+    def __init__(self, keys: ApiKeys, own_check: frozenset[str] = frozenset()) -> None:
         self.keys = keys
+        self.own_check = own_check
 
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]],
                                 handler_call_details: Any) -> Any:
         handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(OPEN_GRPC_PREFIX):
+        method = handler_call_details.method
+        if handler is None or method.startswith(OPEN_GRPC_PREFIX) or method in self.own_check:
             return handler
         try:
             self.keys.check(authorization(handler_call_details.invocation_metadata))

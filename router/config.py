@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from router.admission import AdmissionConfig
 from router.api_keys import ApiKeys
 from router.members import WorkerNetworks
-from router.request_limits import HttpDeadlines, RequestLimits
+from router.http_connections import HttpDeadlines
+from router.request_limits import RequestLimits
 from router.policy import RoutingConfig
 from router.reasoning import REASONING_PARSERS
 from router.tool_parsers import PARSERS

@@ -30,9 +30,9 @@ from engine.types import InvalidRequestError
 from router.attempt import RequestFailed
 from router.constraints import AutoToolOutput, ToolCallOutput, constraint_of, tool_plan
 from router.http_guard import HttpGuard, identity
-from router.http_connections import BodyReader, ConnectionGuard
+from router.http_connections import BodyReader, ConnectionGuard, HttpDeadlines
 from router.off_loop import OffLoop
-from router.request_limits import HttpDeadlines, RequestLimits
+from router.request_limits import RequestLimits
 from router.http_errors import DONE, ERROR_TYPES, HTTP_STATUS, SSE_HEADERS, dumps, error, failed, sse
 from router.frontend import (MAX_TEXT_CHARS_PER_TOKEN, NOT_SERVING, OFF_LOOP_CHARS, Frontend, check_vocabulary,
                              serving_facts)
@@ -140,7 +140,7 @@ class OpenAIServer:
 
     # -- generation ------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = parse(CompletionRequest, await self._body(request))
+        req = parse(CompletionRequest, await self.bodies.read(request))
         model = self._check_model(req.model)
         rid = new_id("completion")
         prompts = prompts_of(req.prompt)
@@ -172,7 +172,7 @@ class OpenAIServer:
             raise BadRequest(str(e), "prompt") from None
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
+        body = await self.bodies.read(request)
         self.limits.prescan(body)
         req = parse(ChatRequest, body)
         self.limits.check(req)
@@ -226,7 +226,6 @@ class OpenAIServer:
             for g, _ in parts:
                 g.tenant = who.tenant
         streams = [self.generation.stream(g, headers, None, route=outs[0].kind) for g, outs in parts]
-        outs = [o for _, part in parts for o in part]
         try:
             firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
             for f in firsts:  # a refusal before the first token is an HTTP error
@@ -238,15 +237,14 @@ class OpenAIServer:
                     raise f
             routed = [part for _, part in parts]
             if not stream:
-                return await self._whole(streams, firsts, routed, outs, keep)
-            return await self._stream(request, streams, firsts, routed, outs,
-                                      bool(options and options.include_usage))
+                return await self._whole(streams, firsts, routed, keep)
+            return await self._stream(request, streams, firsts, routed, bool(options and options.include_usage))
         finally:
             for s in streams:
                 await s.aclose()
 
     async def _whole(self, streams: list[AsyncIterator[Any]], firsts: list[Any], routed: list[list[Output]],
-                     outs: list[Output], keep: int | None = None) -> web.Response:
+                     keep: int | None = None) -> web.Response:
         async def collect(responses: AsyncIterator[Any], first: Any, part: list[Output]) -> None:
             part[first.choice].add(first)
             async for r in responses:
@@ -256,12 +254,13 @@ class OpenAIServer:
             await asyncio.gather(*(collect(s, f, p) for s, f, p in zip(streams, firsts, routed, strict=True)))
         except RequestFailed as e:
             return failed(e)
+        outs = [o for part in routed for o in part]
         if keep is not None:  # best_of: each part's `keep` likeliest choices (usage still counts them all)
             return web.json_response(merged(best(routed, keep), usage_of=outs), dumps=dumps)
         return web.json_response(outs[0].whole() if len(outs) == 1 else merged(outs), dumps=dumps)
 
     async def _stream(self, request: web.Request, streams: list[AsyncIterator[Any]], firsts: list[Any],
-                      routed: list[list[Output]], outs: list[Output], include_usage: bool) -> web.StreamResponse:
+                      routed: list[list[Output]], include_usage: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers=SSE_HEADERS)
         await resp.prepare(request)
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
@@ -293,6 +292,7 @@ class OpenAIServer:
                     await resp.write(sse(chunk))
                     started.add(id(out))
             if include_usage:
+                outs = [o for part in routed for o in part]
                 usage = outs[0].chunk(None)
                 if len(outs) > 1:
                     usage["usage"] = sum_usage([o.usage for o in outs if o.usage is not None])
@@ -330,7 +330,7 @@ class OpenAIServer:
         return web.json_response({"version": _version()}, dumps=dumps)
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
+        body = await self.bodies.read(request)
         self.limits.prescan(body)
         req = parse(TokenizeRequest, body)
         self.limits.check(req)
@@ -360,7 +360,7 @@ class OpenAIServer:
                                   "tokens": ids}, dumps=dumps)
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        req = parse(DetokenizeRequest, await self._body(request))
+        req = parse(DetokenizeRequest, await self.bodies.read(request))
         self._check_model(req.model)
         try:
             check_vocabulary(req.tokens, self.members.facts.vocab_size if self.members.facts else 1 << 32)
@@ -370,9 +370,6 @@ class OpenAIServer:
             return web.json_response({"prompt": self.frontend.decode(req.tokens)}, dumps=dumps)
         except InvalidRequestError as e:
             raise BadRequest(str(e)) from None
-
-    async def _body(self, request: web.Request) -> bytes:
-        return await self.bodies.read(request)
 
     def _check_model(self, model: str | None) -> str:
         name = self.model_name

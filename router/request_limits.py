@@ -5,8 +5,7 @@
     request    --check (messages, tools, names, chat_template_kwargs)--> render, tokenize
 
 Each limit is a flag (`serve` / `router`); a request past one is a 400 naming the field and
-the flag. The text itself is bounded by the model's context (router/frontend.py). Beside them,
-`HttpDeadlines`: how long the HTTP API waits on a client. Torch-free.
+the flag. The text itself is bounded by the model's context (router/frontend.py). Torch-free.
 """
 from __future__ import annotations
 
@@ -81,26 +80,3 @@ class RequestLimits:
         if size > self.max_template_kwargs_bytes:
             raise BadRequest(f"chat_template_kwargs is {size} bytes as JSON; at most "
                              f"{self.max_template_kwargs_bytes} (--max-template-kwargs-bytes)", "chat_template_kwargs")
-
-
-@dataclass(frozen=True)
-class HttpDeadlines:
-    """How long the HTTP API waits on a client, and how many connections it holds."""
-
-    header_timeout_s: float = 10.0
-    """A connection's request head (or its next one, kept alive) must arrive within this."""
-    body_timeout_s: float = 30.0
-    """A request's body must arrive within this of its head (408 past it, and closed)."""
-    max_connections: int = 4096
-    """Connections one router holds; past it a new one is told 503 and closed."""
-    max_idle_connections: int = 1024
-    """Connections with no request in progress; past it the longest idle one is closed."""
-    max_body_bytes_in_flight: int = 256 << 20
-    """Request bodies being read at once, in bytes (each counted at its Content-Length, or the
-    largest body where it has none): past it a new one is told 503 with a retry hint."""
-
-    def __post_init__(self) -> None:
-        if min(self.header_timeout_s, self.body_timeout_s) <= 0:
-            raise ValueError("HTTP timeouts must be positive")
-        if self.max_connections < 1 or self.max_idle_connections < 1 or self.max_body_bytes_in_flight < 1:
-            raise ValueError("max_connections, max_idle_connections and max_body_bytes_in_flight must be at least 1")

@@ -97,7 +97,8 @@ class RouterService:
         port = self.config.port if port is None else port
         server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.config.share_port)),
                                           ("grpc.max_receive_message_length", self.config.max_request_bytes)],
-                                 interceptors=[KeyCheck(self.config.api_keys)] if self.config.api_keys else None)
+                                 interceptors=[KeyCheck(self.config.api_keys, frozenset({f"/{SERVICE_NAME}/Generate"}))]
+                                 if self.config.api_keys else None)
         self.generation.add_to_server(server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

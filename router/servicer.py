@@ -51,8 +51,8 @@ class Generation(pb_grpc.GenerationServicer):
         self.default_timeout_s = default_timeout_s
         """The deadline of a request whose caller gives none (an HTTP request, a gRPC call without one)."""
         self.api_keys = api_keys
-        """The keys gRPC callers show (checked by `KeyCheck` before a call starts); here for the
-        tenant a key names, which replaces the request's."""
+        """The keys a gRPC `Generate` call shows, checked here (`KeyCheck` checks other methods'),
+        with the tenant a key names, which replaces the request's."""
         self._active: set[str] = set()
         self.itl = ItlWindow(on_gap=metrics.observe_itl if metrics else None)
         self.stats = {"num_requests": 0, "num_refused": 0, "num_invalid": 0, "num_prompt_tokens": 0,
@@ -96,8 +96,8 @@ class Generation(pb_grpc.GenerationServicer):
                      timeout_s: float | None, route: str = "generate") -> AsyncIterator[pb.GenerateResponse]:
         """One request, whatever protocol it came in by (gRPC here, OpenAI HTTP in router/http_api.py):
         its responses, or RequestFailed with the status it ends with. `trace_metadata` carries the
-        caller's `traceparent`; `timeout_s` is its deadline from now (None: none); `route` how it
-        came (`Prepared.route`); None: the router's default deadline."""
+        caller's `traceparent`; `timeout_s` is its deadline from now (None: the router's default,
+        `default_timeout_s`); `route` how it came (`Prepared.route`)."""
         if timeout_s is None:
             timeout_s = self.default_timeout_s
         progress = Progress(time.perf_counter(), span=tracing.child(

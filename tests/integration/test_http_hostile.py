@@ -21,7 +21,8 @@ import pytest
 from router.frontend import Frontend
 from router.http_api import OpenAIServer
 from router.http_guard import HttpGuard
-from router.request_limits import HttpDeadlines, RequestLimits
+from router.http_connections import HttpDeadlines
+from router.request_limits import RequestLimits
 from tests.integration.test_http_errors import Generation, Members, token
 
 pytestmark = pytest.mark.timeout(300)
