@@ -11,7 +11,10 @@ reservation its request no longer holds (aborted after the sender's `ready`, per
 reserved again under the same id) changes nothing.
 The engine's pool comes from `kvfabric.pools.kv_allocator`: shared memory on CPU (`shm`
 senders on this host copy straight into it, others use `tcp`), an IPC-exportable
-cudaMalloc on GPU (`cuda_ipc` on this host, `nccl` across hosts).
+cudaMalloc on GPU (`cuda_ipc` on this host, `nccl` across hosts). A tensor-parallel
+engine's followers keep their heads in pools of their own, in shared memory on CPU: the
+receiver offers them all (`kvfabric.pools.worker_pools`), so each rank's heads land in its
+own pool, from whichever prefill rank holds them.
 """
 from __future__ import annotations
 
@@ -22,8 +25,8 @@ from dataclasses import dataclass
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.request import SamplingParams
 from engine.types import RequestId
-from kvfabric import BlocksFenced, FabricLayout, FabricReceiver, KVArrived, ReceiverConfig, Ticket
-from kvfabric.pools import KVAllocator, exports, pool_region
+from kvfabric import BlocksFenced, FabricError, FabricReceiver, KVArrived, ReceiverConfig, Ticket
+from kvfabric.pools import KVAllocator, exports, worker_pools
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +55,19 @@ class RemoteKV:
         """`allocator`: the one the engine's pool came from (`kvfabric.pools.kv_allocator`; None: a
         CPU pool not in shared memory, tcp only)."""
         self.engine = engine
-        layout = FabricLayout.of_pool(engine.model_id, engine.kv_pool.layout)
+        self.refusal: str | None = None
+        """Why this worker takes no pushed KV (a split worker whose ranks' pools it cannot map)."""
+        try:
+            self.pools = worker_pools(engine.model_id, engine.kv_pool, engine.model_config.num_kv_heads,
+                                      engine.kv_shards, engine.follower_pools)
+        except FabricError as e:  # it prefills its own prompts; no sender passes the handshake of rank 0's heads
+            self.refusal = str(e)
+            self.pools = worker_pools(engine.model_id, engine.kv_pool)
         self.block_size = engine.kv_pool.layout.block_size
-        self.receiver = FabricReceiver(layout, pool_region(engine.kv_pool.tensor), config, engine.clock,
-                                       **exports(allocator))
+        offered = exports(allocator)
+        if "shm" in offered:
+            offered["shm_ranks"] = self.pools.segments
+        self.receiver = FabricReceiver(self.pools.layout, self.pools.regions, config, engine.clock, **offered)
         self._reservations: dict[str, int] = {}
         """Request id -> the reservation it holds now, until it lands, fails or is aborted."""
 
@@ -99,3 +111,4 @@ class RemoteKV:
 
     def close(self) -> None:
         self.receiver.close()
+        self.pools.close()

@@ -39,7 +39,7 @@ from engine.types import RequestId
 from engine.tp_ranks import TensorRanks
 from kvfabric import ReceiverConfig
 from kvfabric.errors import FabricError
-from kvfabric.pools import kv_allocator
+from kvfabric.pools import kv_allocator, rank_allocator
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from proto.convert import finish_to_pb, prompt_logprobs_to_pb, sampling_from_pb, ticket_to_pb, top_logprobs_to_pb
@@ -71,7 +71,8 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
         self.worker_id = worker_id
         self.config = config = on_this_node(config)
         self.allocator = kv_allocator(config.device)
-        self.ranks = TensorRanks(config.tensor_parallel) if config.tensor_parallel > 1 else None
+        self.ranks = TensorRanks(config.tensor_parallel, rank_allocator(config.device)) \
+            if config.tensor_parallel > 1 else None
         """The model's other ranks (child processes) when it is split (engine/tp_ranks.py)."""
         engine_config = config.engine_config("decode")
         if self.ranks is not None:
@@ -114,10 +115,8 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
         rid = request.request_id
         if (refusal := self.host.refusal(rid, self._requests)) is not None:
             await context.abort(*refusal)
-        if self.ranks is not None and not request.local_prefill:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "a tensor-parallel decode worker prefills its own prompts (mode colocated): KV pushed "
-                                "by a prefill worker reaches one rank only")
+        if self.remote.refusal is not None and not request.local_prefill:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.remote.refusal)
         state = self._requests[rid] = _Decode(rid, max(request.sampling.n, 1))
         parent = tracing.extract(context.invocation_metadata())
         span = tracing.child("decode.stream", parent, tracing.SpanKind.SERVER, splitserve__request_id=rid) \

@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer
@@ -103,6 +104,11 @@ class LLMEngine:
         first). Set before any step runs: sizing the pool on a GPU runs one (`_profile_kv_bytes`)."""
         self.followers: Channel | None = None if config.tensor_parallel is None else Channel(config.tensor_parallel)
         """Rank 0 of a tensor-parallel model: the other ranks follow its steps (engine/tp_followers.py)."""
+        tp = config.tensor_parallel
+        self.kv_shards: tuple[int, ...] = tp.kv_shards(mc) if tp is not None else (0,)
+        """The first of the model's KV heads in each rank's pool (rank 0's is `kv_pool`)."""
+        self.follower_pools: list[dict[str, Any]] = []
+        """The other ranks' pools as each exported them (their allocator's `export()`; {}: not exported)."""
         self._reset_state()
         self._attach_pool(self._pool_blocks(), allocator)
         self._reset_state()  # a profiled forward's requests and counts are not the worker's
@@ -148,7 +154,9 @@ class LLMEngine:
         leads = self.followers
         decode = None if provisional or leads else decode_buffers(config, self.model, self.kv_pool, self.max_model_len)
         if leads is not None:
-            leads.send({"op": "pool", "num_blocks": num_blocks})
+            leads.send({"op": "pool", "num_blocks": num_blocks, "export": not provisional})
+            if not provisional:
+                self.follower_pools = leads.gather({})[1:]
         self.runner = ModelRunner(self.model, self.kv_pool, config.device, decode, leads.send if leads else None)
         self.overlap = Overlap(self.runner, self.sampler, self.scheduler, self.kv, not provisional and config.overlaps)
         if self.scheduler.context_limit < self.max_model_len and not provisional:

@@ -90,6 +90,10 @@ class TensorParallel:
         first = self.q_heads(config).start // group
         return range(first, first + 1)
 
+    def kv_shards(self, config: ModelConfig) -> tuple[int, ...]:
+        """The first KV head of each rank's pool, in rank order (kvfabric's `FabricLayout.shards`)."""
+        return tuple(TensorParallel(r, self.world).kv_heads(config).start for r in range(self.world))
+
     def vocab_rows(self, vocab_size: int) -> range:
         """This rank's rows of the embedding and the LM head (the vocabulary padded to a
         multiple of the world)."""

@@ -7,7 +7,10 @@ request and the block accounting), the others follow its steps.
                               (the same block ids: rank 0's accounting holds for every rank)
 
 What the leader sends is the scheduled batch, never activations: a pool of a given size
-(at start), a step's plan, a block copy (a request forked into choices), the end. A
+(at start), a step's plan, a block copy (a request forked into choices), the end. The one
+answer comes at the pool: each follower's pool in memory the worker can map (`gather`: a
+shared-memory segment on CPU, from the allocator its `TensorRanks` gave it), so kvfabric
+pushes and receives every rank's heads straight from and into the rank's own pool. A
 follower keeps no requests; its pool's blocks are written by the forwards it runs in the
 order they come. Followers join each step's collectives (two all-reduces a layer, the
 logits' all-gather), so a rank that dies stalls the others within the step: the worker
@@ -17,6 +20,7 @@ buffers or CUDA graphs yet).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -53,10 +57,26 @@ class Channel:
             raise ValueError("a tensor-parallel message is a map with a string 'op'")
         return msg
 
+    def gather(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's map, in rank order (a collective: each rank calls it once)."""
+        import torch.distributed as dist
 
-def follow(config: EngineConfig) -> int:
+        payload = msgpack.packb(mine)
+        sizes = [torch.zeros(1, dtype=torch.long) for _ in range(self.tp.world)]
+        dist.all_gather(sizes, torch.tensor([len(payload)], dtype=torch.long), group=self.tp.group)
+        longest = max(int(s.item()) for s in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.tp.world)]
+        dist.all_gather(parts, padded, group=self.tp.group)
+        return [msgpack.unpackb(p[:int(s.item())].numpy().tobytes()) for p, s in zip(parts, sizes, strict=True)]
+
+
+def follow(config: EngineConfig, allocator: Callable[[], Any] | None = None) -> int:
     """A follower rank's life: its share of the model, then the leader's steps until it says
-    stop. Returns the number of forwards run."""
+    stop. `allocator` makes each pool's allocator (one with an `export()`, a map another
+    process maps the pool by: the worker's kvfabric); None: a pool of its own, exported as {}.
+    Returns the number of forwards run."""
     from engine.gguf_checkpoint import resolve_model_dir
     from engine.kv_pool import KVLayout, KVPool
     from engine.llm_engine import _DTYPES
@@ -74,14 +94,20 @@ def follow(config: EngineConfig) -> int:
                                   select_kernels(config.device, config.native_kernels), tp)
     local = model.config
     layout = KVLayout(full.num_layers, config.cache.block_size, local.num_kv_heads, full.head_dim, dtype)
-    channel, pool, steps = Channel(tp), None, 0
+    channel, pool, steps, memory = Channel(tp), None, 0, None
     while True:
         msg = channel.recv()
         op = msg["op"]
         if op == "stop":
             return steps
         if op == "pool":
-            pool = KVPool(layout, int(msg["num_blocks"]), config.device)
+            pool = None
+            if memory is not None:
+                memory.close()
+            memory = allocator() if allocator is not None and msg.get("export") else None
+            pool = KVPool(layout, int(msg["num_blocks"]), config.device, memory)
+            if msg.get("export"):
+                channel.gather(memory.export() if memory is not None else {})
         elif op == "forward":
             assert pool is not None, "a step before the pool"
             ids, pos, meta, logits = batch_tensors(msg["lists"], [tuple(g) for g in msg["groups"]],

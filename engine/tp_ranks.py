@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import multiprocessing
 import socket
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -30,8 +31,11 @@ TIMEOUT_S = 120.0
 
 
 class TensorRanks:
-    def __init__(self, world: int) -> None:
+    def __init__(self, world: int, allocator: Callable[[], Any] | None = None) -> None:
+        """`allocator`: makes each follower's pool allocator, one the worker can map (a
+        class or a module-level function: it crosses the spawn); None: private pools."""
         self.world = world
+        self.allocator = allocator
         self.processes: list[Any] = []
 
     def start(self, config: EngineConfig) -> EngineConfig:
@@ -44,8 +48,8 @@ class TensorRanks:
             port = s.getsockname()[1]
         ctx = multiprocessing.get_context("spawn")
         for rank in range(1, self.world):
-            p = ctx.Process(target=_follower, args=(config, rank, self.world, port), name=f"tp-rank-{rank}",
-                            daemon=True)
+            p = ctx.Process(target=_follower, args=(config, rank, self.world, port, self.allocator),
+                            name=f"tp-rank-{rank}", daemon=True)
             p.start()
             self.processes.append(p)
         dist.init_process_group(_backend(config.device), init_method=f"tcp://127.0.0.1:{port}", rank=0,
@@ -66,7 +70,7 @@ class TensorRanks:
             dist.destroy_process_group()
 
 
-def _follower(config: EngineConfig, rank: int, world: int, port: int) -> None:
+def _follower(config: EngineConfig, rank: int, world: int, port: int, allocator: Callable[[], Any] | None) -> None:
     import torch
     import torch.distributed as dist
 
@@ -77,7 +81,7 @@ def _follower(config: EngineConfig, rank: int, world: int, port: int) -> None:
                             world_size=world, timeout=timedelta(seconds=TIMEOUT_S))
     try:
         follow(dataclasses.replace(config, device=_rank_device(config.device, rank),
-                                   tensor_parallel=TensorParallel(rank, world)))
+                                   tensor_parallel=TensorParallel(rank, world)), allocator)
     finally:
         dist.destroy_process_group()
 

@@ -47,16 +47,21 @@ class FabricAddress:
     pool_blocks: int = 0
     local_name: str | None = None
     """Abstract Unix socket name for same-host senders of one-sided transports."""
+    shm_ranks: tuple[tuple[str, str, int], ...] = ()
+    """A tensor-parallel receiver's other ranks' pools in shared memory (name, nonce, bytes),
+    rank 1 first (rank 0's is `shm_name`)."""
 
     def to_wire(self) -> dict[str, object]:
         d = asdict(self)
         d["transports"] = list(self.transports)
+        d["shm_ranks"] = [list(r) for r in self.shm_ranks]
         return d
 
     @classmethod
     def from_wire(cls, d: dict[str, object]) -> FabricAddress:
         d = dict(d)
         d["transports"] = tuple(d["transports"])  # type: ignore[arg-type]
+        d["shm_ranks"] = tuple(tuple(r) for r in d.get("shm_ranks", ()))  # type: ignore[union-attr]
         return cls(**d)  # type: ignore[arg-type]
 
 

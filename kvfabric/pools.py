@@ -10,11 +10,14 @@ at start-up when a GPU pool cannot use the GPU transports.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvfabric.cuda import CudaIpcKVAllocator, DeviceRegion
 from kvfabric.errors import FabricError, HandshakeError
-from kvfabric.region import BlockRegion, ShmKVAllocator
+from kvfabric.layout import FabricLayout
+from kvfabric.region import BlockRegion, ShmKVAllocator, ShmSegment
 
 if TYPE_CHECKING:
     import torch
@@ -39,6 +42,52 @@ def kv_allocator(device: str) -> KVAllocator:
 
 def pool_region(tensor: torch.Tensor) -> BlockRegion | DeviceRegion:
     return DeviceRegion.from_tensor(tensor) if tensor.device.type == "cuda" else BlockRegion.from_tensor(tensor)
+
+
+@dataclass
+class WorkerPools:
+    """A worker's KV pools as kvfabric moves them: one per tensor-parallel rank, rank 0's the
+    engine's own, the others' mapped here from what each rank exported."""
+
+    layout: FabricLayout
+    regions: list[BlockRegion | DeviceRegion]
+    segments: list[ShmSegment] = field(default_factory=list)
+    """The further ranks' shared pools, mapped by this process (closed by `close`)."""
+
+    def close(self) -> None:
+        self.regions = self.regions[:1]
+        for seg in self.segments:
+            seg.close()
+        self.segments = []
+
+
+def worker_pools(model_id: str, pool: Any, model_kv_heads: int = 0, shards: Sequence[int] = (0,),
+                 further: Sequence[dict[str, Any]] = ()) -> WorkerPools:
+    """`pool`: the engine's (rank 0's) KVPool; `further`: the other ranks' pools as they
+    exported them (engine.follower_pools). A rank that exported none (a GPU pool) makes the
+    worker's KV immovable: FabricError, saying so."""
+    layout = FabricLayout.of_pool(model_id, pool.layout, model_kv_heads, tuple(shards))
+    if len(further) != layout.world - 1:
+        raise ValueError(f"{len(further)} further pools for {layout.world} ranks")
+    segments: list[ShmSegment] = []
+    try:
+        for rank, export in enumerate(further, 1):
+            if not export.get("shm"):
+                raise FabricError(f"tensor-parallel rank {rank}'s KV pool is not in memory this worker can map (on "
+                                  "GPUs a split worker prefills its own prompts: serve it with --mode colocated)")
+            segments.append(ShmSegment.open(export["shm"], export["nonce"], export["bytes"]))
+    except BaseException:
+        for seg in segments:
+            seg.close()
+        raise
+    regions = [pool_region(pool.tensor), *(BlockRegion(s.data.reshape(-1, layout.block_bytes)) for s in segments)]
+    return WorkerPools(layout, regions, segments)
+
+
+def rank_allocator(device: str) -> type[ShmKVAllocator] | None:
+    """What a tensor-parallel worker's further ranks put their pools in, so that the worker's
+    kvfabric maps them: shared memory on CPU; None on GPUs (their pools stay private)."""
+    return ShmKVAllocator if device_kind(device) == "cpu" else None
 
 
 def exports(allocator: KVAllocator | None) -> dict[str, Any]:

@@ -8,6 +8,9 @@ into the blocks. `ready` completes it. The owner calls `poll()` to collect `KVAr
 `TransferFailed` and `BlocksFenced` events and to expire leases; `cancel()` aborts one.
 One thread per sender connection; the reservation table is guarded by one lock and
 never held while bytes move.
+A tensor-parallel decode worker's pools (one per rank, its KV heads each) are all this
+receiver's regions: its hello_ok names the split, and each sender writes every rank's heads
+from whichever of its ranks holds them (`HeadMap`, computed alike on both sides).
 """
 from __future__ import annotations
 
@@ -21,14 +24,16 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import numpy as np
 
 from kvfabric.address import ONE_SIDED, FabricAddress, Ticket, local_host_id
 from kvfabric.config import ReceiverConfig
 from kvfabric.cuda import DeviceRegion, NcclLink, gpu_identity, nccl_payload
 from kvfabric.errors import FabricError, PeerUnavailable, ProtocolError, ReservationRevoked
-from kvfabric.layout import FabricLayout
+from kvfabric.layout import FabricLayout, HeadMap
 from kvfabric.region import BlockRegion, ShmSegment
 from kvfabric.reservations import FabricEvent, ReservationTable
 from kvfabric.wire import (Abort, Conn, Data, Hello, Idle, NcclData, Open, Ready, ReceiverMessage, Renew, RevokeAck,
@@ -40,17 +45,29 @@ class FabricReceiver:
     def __init__(
         self,
         layout: FabricLayout,
-        region: BlockRegion | DeviceRegion,
+        region: BlockRegion | DeviceRegion | Sequence[BlockRegion],
         config: ReceiverConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         shm: ShmSegment | None = None,
         cuda_ipc_handle: bytes | None = None,
+        shm_ranks: Sequence[ShmSegment] = (),
     ) -> None:
         """A CPU pool (`BlockRegion`, in `shm` when given) offers shm and tcp; a device pool
-        (`DeviceRegion`, exported as `cuda_ipc_handle` when given) offers cuda_ipc and nccl."""
-        if region.block_bytes != layout.block_bytes:
-            raise ValueError(f"region blocks are {region.block_bytes} bytes, layout says {layout.block_bytes}")
-        self.layout, self.region, self.config = layout, region, config or ReceiverConfig()
+        (`DeviceRegion`, exported as `cuda_ipc_handle` when given) offers cuda_ipc and nccl.
+        A tensor-parallel worker passes its pools in rank order (host memory), the further
+        ranks' in `shm_ranks` when rank 0's is in `shm`."""
+        regions = list(region) if isinstance(region, Sequence) else [region]
+        if len(regions) != layout.world:
+            raise ValueError(f"{len(regions)} pools for a layout of {layout.world} ranks")
+        if layout.world > 1 and not all(isinstance(r, BlockRegion) for r in regions):
+            raise ValueError("a tensor-parallel worker's pools receive in host memory (device pools: one rank)")
+        if shm is not None and len(shm_ranks) != layout.world - 1:
+            raise ValueError(f"{len(shm_ranks)} shared pools for the {layout.world - 1} further ranks")
+        for r in regions:
+            if r.block_bytes != layout.block_bytes or r.num_blocks != regions[0].num_blocks:
+                raise ValueError(f"region blocks are {r.block_bytes} bytes, layout says {layout.block_bytes}")
+        self.layout, self.regions, self.config = layout, regions, config or ReceiverConfig()
+        self.region = regions[0]
         self.table = ReservationTable(clock, self.config.lease_s)
         self._cond = threading.Condition()
         self._conns: dict[int, Conn] = {}
@@ -70,6 +87,7 @@ class FabricReceiver:
         listeners = [x for x in (self._listener, self._local) if x is not None]
         for x in listeners:
             x.settimeout(0.2)
+        region = self.region
         on_device = isinstance(region, DeviceRegion)
         if on_device:
             transports: tuple[str, ...] = ("cuda_ipc", "nccl") if cuda_ipc_handle else ("nccl",)
@@ -89,6 +107,7 @@ class FabricReceiver:
             gpu=_gpu_of(region),
             pool_blocks=region.num_blocks,
             local_name=local_name,
+            shm_ranks=tuple((seg.name, seg.nonce, seg.nbytes) for seg in shm_ranks) if shm else (),
         )
         self._accept_threads = [
             threading.Thread(target=self._accept_loop, args=(x,), name="kvfabric-accept", daemon=True)
@@ -195,7 +214,7 @@ class FabricReceiver:
         greeted = False
         try:
             try:
-                transport, link = self._handshake(conn)
+                transport, link, heads = self._handshake(conn)
             finally:
                 with self._cond:
                     self._pending.pop(writer, None)
@@ -206,7 +225,7 @@ class FabricReceiver:
                 except Idle:
                     continue
                 if isinstance(msg, Data):
-                    self._receive_frame(writer, conn, msg)
+                    self._receive_frame(writer, conn, msg, heads)
                 elif isinstance(msg, NcclData):
                     if link is None:
                         raise ProtocolError("an nccl_data frame on a connection that is not nccl")
@@ -230,7 +249,7 @@ class FabricReceiver:
                 self.table.writer_gone(writer, reason)
                 self._cond.notify_all()
 
-    def _handshake(self, conn: Conn) -> tuple[str, NcclLink | None]:
+    def _handshake(self, conn: Conn) -> tuple[str, NcclLink | None, HeadMap]:
         msg = conn.recv(deadline=time.monotonic() + self.config.hello_timeout_s)
         if msg["t"] != "hello":
             raise ProtocolError(f"expected hello, got {msg['t']!r:.40}")
@@ -242,8 +261,19 @@ class FabricReceiver:
         field = self.layout.first_mismatch(theirs)
         transport = hello.transport
         if field is not None:
-            text = f"{field} differs: sender {getattr(theirs, field)!r}, receiver {getattr(self.layout, field)!r}"
+            value = (lambda lay: lay.total_kv_heads) if field == "num_kv_heads" else (lambda lay: getattr(lay, field))
+            text = f"{field} differs: sender {value(theirs)!r}, receiver {value(self.layout)!r}"
             conn.send({"t": "hello_err", "field": field, "error": text})
+            raise ProtocolError(f"handshake refused: {text}")
+        try:
+            heads = HeadMap.between(theirs, self.layout)
+        except ValueError as e:
+            conn.send({"t": "hello_err", "field": "model_kv_heads", "error": str(e)})
+            raise ProtocolError(f"handshake refused: {e}") from None
+        if isinstance(self.region, DeviceRegion) and not heads.whole_blocks:
+            text = (f"GPU pools move whole blocks between workers of one tensor-parallel degree; the sender splits "
+                    f"the KV heads {theirs.world} ways, this receiver {self.layout.world}")
+            conn.send({"t": "hello_err", "field": "shards", "error": text})
             raise ProtocolError(f"handshake refused: {text}")
         if transport not in self.address.transports:
             text = f"transport {transport!r} not offered (receiver offers {list(self.address.transports)})"
@@ -253,14 +283,14 @@ class FabricReceiver:
             text = "nccl cannot join two processes on one GPU (NCCL refuses it): use cuda_ipc"
             conn.send({"t": "hello_err", "field": "transport", "error": text})
             raise ProtocolError(f"handshake refused: {text}")
-        conn.send({"t": "hello_ok", "receiver_id": self.address.receiver_id})
+        conn.send({"t": "hello_ok", "receiver_id": self.address.receiver_id, "layout": self.layout.to_wire()})
         link = None
         if transport == "nccl":  # rank 1; joins the sender's rank 0 (bounded by NCCL's own init)
             assert isinstance(self.region, DeviceRegion)
             if hello.nccl_uid is None:
                 raise ProtocolError("an nccl hello without the NCCL unique id")
             link = NcclLink(hello.nccl_uid, hello.nccl_uid_bytes, 2, 1, self.region.device, self.config.io_timeout_s)
-        return transport, link
+        return transport, link, heads
 
     def _dispatch(self, writer: int, conn: Conn, msg: Open | Renew | Ready | RevokeAck | Abort, one_sided: bool) -> None:
         reply: dict[str, Any] | None = None
@@ -293,21 +323,32 @@ class FabricReceiver:
         except ValueError as e:
             self.table.fail(rid, writer, str(e))
 
-    def _receive_frame(self, writer: int, conn: Conn, msg: Data) -> None:
-        """tcp: a frame's runs arrive straight into their destination blocks (scattered recv)."""
+    def _receive_frame(self, writer: int, conn: Conn, msg: Data, heads: HeadMap) -> None:
+        """tcp: a frame's runs arrive straight into their destination blocks (scattered recv);
+        each piece of heads in turn, a piece narrower than a block through a scratch buffer."""
         nbytes = msg.nbytes
         num_blocks = sum(n for _, n in msg.runs)
-        if nbytes != num_blocks * self.layout.block_bytes:
+        if nbytes != num_blocks * heads.block_bytes():
             raise ProtocolError(f"frame of {num_blocks} blocks carries {nbytes} bytes, "
-                                f"expected {num_blocks * self.layout.block_bytes}")
+                                f"expected {num_blocks * heads.block_bytes()}")
 
         def receive(firsts: list[int], runs: list[tuple[int, int]]) -> str | None:
-            assert isinstance(self.region, BlockRegion)
-            dst = [self.region.blocks(first, n) for first, (_, n) in zip(firsts, runs)]
-            conn.recv_into([memoryview(d).cast("B") for d in dst])
+            into, scattered = [], []
+            for p in heads.pieces:
+                region = self.regions[p.dst_rank]
+                assert isinstance(region, BlockRegion)
+                for first, (_, n) in zip(firsts, runs):
+                    dst = heads.destination(p, region.blocks(first, n))
+                    if not dst.flags.c_contiguous:
+                        scattered.append((dst, np.empty(dst.shape, np.uint8)))
+                        dst = scattered[-1][1]
+                    into.append(dst)
+            conn.recv_into([memoryview(d).cast("B") for d in into])
             crc = msg.crc32
-            if crc is not None and _crc32(dst) != crc:
+            if crc is not None and _crc32(into) != crc:
                 return f"checksum mismatch in a frame of {len(runs)} runs starting at block position {runs[0][0]}"
+            for dst, scratch in scattered:
+                np.copyto(dst, scratch)
             return None
 
         self._frame(writer, msg, receive, drop=lambda runs: conn.discard(nbytes))

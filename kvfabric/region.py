@@ -182,6 +182,12 @@ class ShmKVAllocator:
         self.segment = ShmSegment.create(nbytes)
         return torch.from_numpy(self.segment.data).view(dtype).view(shape)  # zero-filled by the kernel
 
+    def export(self) -> dict[str, object]:
+        """What another process of this host maps the pool by (`ShmSegment.open`)."""
+        if self.segment is None:
+            return {}
+        return {"shm": self.segment.name, "nonce": self.segment.nonce, "bytes": self.segment.nbytes}
+
     def close(self) -> None:
         if self.segment is not None:
             self.segment.close()

@@ -8,6 +8,10 @@ pair) and binds the reservation -> `Transfer`. After each prefill chunk the work
 `ready` with the first token after the data and waits for the receiver's ack; one-sided
 copies (`shm`, `cuda_ipc`) are reported in that same message, not one message per push,
 since only `ready` needs them. A background thread renews the leases of open transfers.
+A tensor-parallel worker's pools (one per rank, its heads each) are all this sender's
+regions; the receiver's hello names its split, and every push writes each receiver rank's
+heads from the sender rank that holds them (`HeadMap`): region to region, one copy or one
+frame's part per piece.
 A revocation from the receiver is applied under the transfer's lock and only then
 acknowledged, so once the receiver sees the ack no byte of that reservation can still be
 written (the fence).
@@ -22,12 +26,14 @@ import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from kvfabric.address import ONE_SIDED, FabricAddress, Ticket, local_host_id, route_address
 from kvfabric.config import SenderConfig
 from kvfabric.cuda import (CopyInFlight, DeviceRegion, IpcMapping, NcclLink, gpu_identity, nccl_payload, nccl_unique_id,
                            when_done)
 from kvfabric.errors import FabricError, HandshakeError, PeerUnavailable, ReservationRevoked
-from kvfabric.layout import FabricLayout, Run, coalesce, merge_spans
+from kvfabric.layout import FabricLayout, HeadMap, Run, coalesce, merge_spans
 from kvfabric.pools import pick_transport
 from kvfabric.region import BlockRegion, CopyBytes, ShmSegment
 from kvfabric.wire import Conn, Idle, dial
@@ -127,13 +133,16 @@ class _Peer:
         self.ipc: IpcMapping | None = None
         self.link: NcclLink | None = None
         self._frame_lock = threading.Lock()
+        self.map: HeadMap | None = None
+        """The receiver's ranks' heads from ours (from its hello_ok)."""
         self.transport, self.shm = self._choose_transport()
         self.conn: Conn | None = None
         self.dead: str | None = None
         self.transfers: dict[int, Transfer] = {}
         self._pending: dict[tuple[str, int], _Pending] = {}
         self._lock = threading.Lock()
-        self.dst: BlockRegion | None = None
+        self.dsts: list[BlockRegion] = []
+        """shm: the receiver's pool of each rank, mapped."""
         try:
             a = self.address
             local = a.local_name if self.transport in ONE_SIDED and a.host_id == local_host_id() else None
@@ -145,7 +154,7 @@ class _Peer:
         self._reader = threading.Thread(target=self._read_loop, name="kvfabric-send-reader", daemon=True)
         self._reader.start()
 
-    def _choose_transport(self) -> tuple[str, ShmSegment | None]:
+    def _choose_transport(self) -> tuple[str, list[ShmSegment]]:
         a, forced, src = self.address, self.config.transport, self.sender.region
         same_host = a.host_id == local_host_id()
         offered = a.transports if a.shm_name and a.shm_nonce else tuple(t for t in a.transports if t != "shm")
@@ -157,14 +166,19 @@ class _Peer:
             assert isinstance(src, DeviceRegion) and a.cuda_ipc_handle is not None
             self.ipc = IpcMapping(a.cuda_ipc_handle, a.pool_blocks, self.sender.layout.block_bytes, src.device)
         if transport != "shm":
-            return transport, None
+            return transport, []
+        segments: list[ShmSegment] = []
         try:
-            return "shm", ShmSegment.open(a.shm_name, a.shm_nonce, a.shm_bytes)  # type: ignore[arg-type]
+            for name, nonce, nbytes in ((a.shm_name, a.shm_nonce, a.shm_bytes), *a.shm_ranks):
+                segments.append(ShmSegment.open(name, nonce, nbytes))  # type: ignore[arg-type]
+            return "shm", segments
         except (OSError, ValueError) as e:
+            for seg in segments:
+                seg.close()
             if forced == "shm":
                 raise HandshakeError(f"cannot map the receiver's shared memory: {e}", "transport") from e
             logger.info("kvfabric: shm unavailable for receiver %s (%s); using tcp", a.receiver_id, e)
-            return "tcp", None
+            return "tcp", []
 
     def _handshake(self) -> None:
         hello = {"t": "hello", "layout": self.sender.layout.to_wire(), "transport": self.transport,
@@ -185,8 +199,19 @@ class _Peer:
             raise HandshakeError(f"kvfabric handshake refused: {reply['error']}", reply.get("field"))
         if reply["t"] != "hello_ok":
             raise HandshakeError(f"unexpected handshake reply {reply['t']!r}")
-        if self.shm is not None:
-            self.dst = BlockRegion(self.shm.data.reshape(-1, self.sender.layout.block_bytes))
+        try:
+            theirs = FabricLayout.from_wire(reply["layout"])
+            self.map = HeadMap.between(self.sender.layout, theirs)
+        except (KeyError, TypeError, ValueError) as e:
+            raise HandshakeError(f"the receiver's split of the KV heads cannot be filled from ours: {e}",
+                                 "model_kv_heads") from e
+        if isinstance(self.sender.region, DeviceRegion) and not self.map.whole_blocks:
+            raise HandshakeError("GPU pools move whole blocks between workers of one tensor-parallel degree; this "
+                                 f"receiver splits the KV heads {theirs.world} ways, the sender {self.sender.layout.world}",
+                                 "shards")
+        if len(self.shm) not in (0, theirs.world):
+            raise HandshakeError(f"the receiver offers {len(self.shm)} shared pools for {theirs.world} ranks", "shards")
+        self.dsts = [BlockRegion(seg.data.reshape(-1, theirs.block_bytes)) for seg in self.shm]
         if self.transport == "nccl":
             src = self.sender.region
             assert isinstance(src, DeviceRegion)
@@ -218,13 +243,20 @@ class _Peer:
                 transfer.in_flight = e.stream
                 raise
             return
+        assert self.map is not None
         if self.transport == "shm":
-            assert self.dst is not None
             for r in runs:
-                self.dst.copy_from(src, r.src_block, r.dst_block, r.num_blocks, self.sender.copy)
+                for p in self.map.pieces:
+                    source, dst = self.sender.regions[p.src_rank], self.dsts[p.dst_rank]
+                    if self.map.is_whole(p):
+                        dst.copy_from(source, r.src_block, r.dst_block, r.num_blocks, self.sender.copy)
+                    else:  # a strided copy of the piece's heads
+                        np.copyto(self.map.destination(p, dst.blocks(r.dst_block, r.num_blocks)),
+                                  self.map.source(p, source.blocks(r.src_block, r.num_blocks)))
             merge_spans(transfer.unreported, spans)
             return
-        data = [src.blocks(r.src_block, r.num_blocks) for r in runs]
+        data = [np.ascontiguousarray(self.map.source(p, self.sender.regions[p.src_rank].blocks(r.src_block, r.num_blocks)))
+                for p in self.map.pieces for r in runs]  # a frame: each piece's runs in turn
         header = {"t": "data", "rid": rid, "runs": spans, "nbytes": sum(d.nbytes for d in data)}
         if self.config.checksum:
             crc = 0
@@ -345,10 +377,11 @@ class _Peer:
         for t in transfers:
             with t.lock:  # waits out a copy in progress; later pushes see `dead`
                 t.done = True
-        if self.shm is not None:
-            self.dst = None
-            self.shm.close()
-            self.shm = None
+        if self.shm:
+            self.dsts = []
+            for seg in self.shm:
+                seg.close()
+            self.shm = []
         if self.ipc is not None:
             self.ipc.close()
             self.ipc = None
@@ -358,12 +391,20 @@ class _Peer:
 
 
 class FabricSender:
-    def __init__(self, layout: FabricLayout, region: BlockRegion | DeviceRegion, config: SenderConfig | None = None,
-                 copy: CopyBytes = ctypes.memmove) -> None:
-        """`copy` moves `shm` pushes' bytes (the prefill worker passes the engine's copy_stream)."""
-        if region.block_bytes != layout.block_bytes:
-            raise ValueError(f"region blocks are {region.block_bytes} bytes, layout says {layout.block_bytes}")
-        self.layout, self.region, self.config, self.copy = layout, region, config or SenderConfig(), copy
+    def __init__(self, layout: FabricLayout, region: BlockRegion | DeviceRegion | Sequence[BlockRegion],
+                 config: SenderConfig | None = None, copy: CopyBytes = ctypes.memmove) -> None:
+        """`region`: the pool, or a tensor-parallel worker's pools in rank order (host memory);
+        `copy` moves `shm` pushes' bytes (the prefill worker passes the engine's copy_stream)."""
+        self.regions = list(region) if isinstance(region, Sequence) else [region]
+        if len(self.regions) != layout.world:
+            raise ValueError(f"{len(self.regions)} pools for a layout of {layout.world} ranks")
+        if layout.world > 1 and not all(isinstance(r, BlockRegion) for r in self.regions):
+            raise ValueError("a tensor-parallel worker's pools move from host memory (device pools: one rank)")
+        for r in self.regions:
+            if r.block_bytes != layout.block_bytes:
+                raise ValueError(f"region blocks are {r.block_bytes} bytes, layout says {layout.block_bytes}")
+        self.region = self.regions[0]
+        self.layout, self.config, self.copy = layout, config or SenderConfig(), copy
         self._peers: dict[str, _Peer] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()

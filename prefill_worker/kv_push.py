@@ -17,6 +17,10 @@ it ends before its PushDone (handed off at its first token, finished there by EO
 max_tokens 1, aborted, preempted) its blocks are held, and only `release_handoff` on the
 PushDone gives them back. `on_done` runs on the lane thread; the worker hands it to its
 engine thread, which calls `release_handoff` for every hand-off, whatever its end.
+A tensor-parallel engine's followers keep their heads in pools of their own, mapped here
+(`kvfabric.pools.worker_pools`): each push copies every rank's heads from its pool straight
+into the decode ranks' that need them (their forwards ended within the step that wrote them:
+each rank's last layer joins rank 0's collectives).
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ from engine.request import Request
 from engine.types import BlockId
 from kvfabric import FabricError, FabricLayout, FabricSender, SenderConfig, Ticket, Transfer
 from kvfabric.cuda import DeviceRegion, record_event
-from kvfabric.pools import pool_region, require_cupy
+from kvfabric.pools import require_cupy, worker_pools
 
 logger = logging.getLogger(__name__)
 
@@ -183,14 +187,16 @@ class KVPusher:
     def __init__(self, engine: LLMEngine, config: SenderConfig | None = None,
                  on_done: Callable[[PushDone], None] | None = None) -> None:
         """`on_done` is called on a lane thread when a hand-off ends (default: kept for `take_done`)."""
-        self.layout = FabricLayout.of_pool(engine.model_id, engine.kv_pool.layout)
+        self.pools = worker_pools(engine.model_id, engine.kv_pool, engine.model_config.num_kv_heads, engine.kv_shards,
+                                  engine.follower_pools)
+        self.layout: FabricLayout = self.pools.layout
         self.block_size = engine.kv_pool.layout.block_size
         kernels = engine.model.kernels  # the native CPU kernels' streaming copy moves shm pushes; else memmove
         copy = kernels.copy_stream if isinstance(kernels, NativeKernels) else ctypes.memmove
-        region = pool_region(engine.kv_pool.tensor)
+        region = self.pools.regions[0]
         if isinstance(region, DeviceRegion):
             require_cupy()  # one clear error at start-up, naming the extra to install
-        self.sender = FabricSender(self.layout, region, config, copy)
+        self.sender = FabricSender(self.layout, self.pools.regions, config, copy)
         self._cuda_device = region.device if isinstance(region, DeviceRegion) else None
         """A device pool's GPU: each push waits on an event recorded after the step that wrote its blocks."""
         self.on_done = on_done or self._keep
@@ -280,6 +286,7 @@ class KVPusher:
         for lane in self._lanes.values():
             lane.stop()
         self.sender.close()
+        self.pools.close()
 
     # -- internals -----------------------------------------------------------------------
     def _keep(self, done: PushDone) -> None:

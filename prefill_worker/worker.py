@@ -31,9 +31,11 @@ from control.worker_host import (HostedWorker, WorkerHost, engine_died, engine_l
 from engine.engine_loop import EngineLoop, freeze_startup_heap
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.request import FinishReason
+from engine.tp_ranks import TensorRanks
 from engine.types import InvalidRequestError, RequestId
 from kvfabric import SenderConfig
 from kvfabric.errors import FabricError
+from kvfabric.pools import rank_allocator
 from prefill_worker.kv_push import KVPusher, PushDone
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
@@ -75,12 +77,21 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
         torch.set_num_threads(config.num_threads)
         self.worker_id = worker_id
         self.config = config = on_this_node(config)
-        if config.tensor_parallel > 1:
-            raise ValueError("a prefill worker runs its whole model (tensor_parallel 1): its pushes carry every KV head")
-        self.engine = LLMEngine(config.engine_config("prefill"))
-        self.pusher = KVPusher(self.engine, SenderConfig(
-            renew_interval_s=config.kv_lease_s / 4, transport=config.kv_transport,
-            token=cluster_token(config.cluster_secret) if config.cluster_secret else None), self._push_ended)
+        self.ranks = TensorRanks(config.tensor_parallel, rank_allocator(config.device)) \
+            if config.tensor_parallel > 1 else None
+        """The model's other ranks (child processes) when it is split (engine/tp_ranks.py): each
+        pushes its KV heads from its own pool, which this process maps."""
+        engine_config = config.engine_config("prefill")
+        if self.ranks is not None:
+            engine_config = self.ranks.start(engine_config)
+        self.engine = LLMEngine(engine_config)
+        try:
+            self.pusher = KVPusher(self.engine, SenderConfig(
+                renew_interval_s=config.kv_lease_s / 4, transport=config.kv_transport,
+                token=cluster_token(config.cluster_secret) if config.cluster_secret else None), self._push_ended)
+        except BaseException:
+            self._stop_ranks()
+            raise
         self.engine.handoff = self.pusher
         self.loop = EngineLoop(self.engine, self._on_outputs, self._hook, name=f"engine-{worker_id}",
                                on_death=engine_died(worker_id))
@@ -104,6 +115,13 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
         await self.host.stop()
         self.loop.stop()
         self.pusher.close()
+        self._stop_ranks()
+
+    def _stop_ranks(self) -> None:
+        """After the engine's thread ended (or never started): its followers are released from here."""
+        if self.ranks is not None:
+            self.engine.release_followers()
+            self.ranks.stop()
 
     # -- the Prefill stream (on the event loop) ---------------------------------------------
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.PrefillEvent]:

@@ -98,7 +98,8 @@ def ticket_to_pb(t: Ticket) -> pb.KVTicket:
     a = t.address
     address = pb.FabricAddress(host=a.host, port=a.port, host_id=a.host_id, receiver_id=a.receiver_id,
                                device=a.device, transports=list(a.transports), shm_bytes=a.shm_bytes,
-                               pool_blocks=a.pool_blocks)
+                               pool_blocks=a.pool_blocks,
+                               shm_ranks=[pb.ShmPool(name=n, nonce=c, bytes=b) for n, c, b in a.shm_ranks])
     for name in ("shm_name", "shm_nonce", "cuda_ipc_handle", "gpu", "local_name"):
         if (value := getattr(a, name)) is not None:
             setattr(address, name, value)
@@ -115,6 +116,7 @@ def ticket_from_pb(m: pb.KVTicket) -> Ticket:
         ("address.host", bool(a.host)), ("address.port", 0 < a.port < 65536), ("address.receiver_id", bool(a.receiver_id)),
         ("address.device", a.device in ("cpu", "cuda")), ("address.transports", bool(a.transports) and
                                                            set(a.transports) <= set(TRANSPORTS)),
+        ("address.shm_ranks", all(r.name and r.nonce and r.bytes for r in a.shm_ranks) and len(a.shm_ranks) < 256),
         ("request_id", bool(m.request_id)), ("block_ids", bool(m.block_ids)),
         ("num_skip_blocks", m.num_skip_blocks <= len(m.block_ids)), ("lease_s", m.lease_s > 0))
         if not ok]
@@ -123,5 +125,6 @@ def ticket_from_pb(m: pb.KVTicket) -> Ticket:
     optional = {name: getattr(a, name) if a.HasField(name) else None
                 for name in ("shm_name", "shm_nonce", "cuda_ipc_handle", "gpu", "local_name")}
     address = FabricAddress(a.host, a.port, a.host_id, a.receiver_id, a.device, tuple(a.transports),
-                            shm_bytes=a.shm_bytes, pool_blocks=a.pool_blocks, **optional)
+                            shm_bytes=a.shm_bytes, pool_blocks=a.pool_blocks,
+                            shm_ranks=tuple((r.name, r.nonce, r.bytes) for r in a.shm_ranks), **optional)
     return Ticket(address, m.reservation_id, m.request_id, tuple(m.block_ids), m.num_skip_blocks, m.lease_s)

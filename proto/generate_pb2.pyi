@@ -200,7 +200,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ..., ticket: _Optional[_Union[KVTicket, _Mapping]] = ..., tenant_weight: _Optional[float] = ...) -> None: ...
 
 class FabricAddress(_message.Message):
-    __slots__ = ("host", "port", "host_id", "receiver_id", "device", "transports", "shm_name", "shm_nonce", "shm_bytes", "cuda_ipc_handle", "gpu", "pool_blocks", "local_name")
+    __slots__ = ("host", "port", "host_id", "receiver_id", "device", "transports", "shm_name", "shm_nonce", "shm_bytes", "cuda_ipc_handle", "gpu", "pool_blocks", "local_name", "shm_ranks")
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +214,7 @@ class FabricAddress(_message.Message):
     GPU_FIELD_NUMBER: _ClassVar[int]
     POOL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_NAME_FIELD_NUMBER: _ClassVar[int]
+    SHM_RANKS_FIELD_NUMBER: _ClassVar[int]
     host: str
     port: int
     host_id: str
@@ -227,7 +228,18 @@ class FabricAddress(_message.Message):
     gpu: str
     pool_blocks: int
     local_name: str
-    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., host_id: _Optional[str] = ..., receiver_id: _Optional[str] = ..., device: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., shm_name: _Optional[str] = ..., shm_nonce: _Optional[str] = ..., shm_bytes: _Optional[int] = ..., cuda_ipc_handle: _Optional[bytes] = ..., gpu: _Optional[str] = ..., pool_blocks: _Optional[int] = ..., local_name: _Optional[str] = ...) -> None: ...
+    shm_ranks: _containers.RepeatedCompositeFieldContainer[ShmPool]
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., host_id: _Optional[str] = ..., receiver_id: _Optional[str] = ..., device: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., shm_name: _Optional[str] = ..., shm_nonce: _Optional[str] = ..., shm_bytes: _Optional[int] = ..., cuda_ipc_handle: _Optional[bytes] = ..., gpu: _Optional[str] = ..., pool_blocks: _Optional[int] = ..., local_name: _Optional[str] = ..., shm_ranks: _Optional[_Iterable[_Union[ShmPool, _Mapping]]] = ...) -> None: ...
+
+class ShmPool(_message.Message):
+    __slots__ = ("name", "nonce", "bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    nonce: str
+    bytes: int
+    def __init__(self, name: _Optional[str] = ..., nonce: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class KVTicket(_message.Message):
     __slots__ = ("address", "reservation_id", "request_id", "block_ids", "num_skip_blocks", "lease_s")

@@ -80,10 +80,11 @@ def receiver_main(pipe: Connection, layout_wire: dict, num_blocks: int, config: 
 class Peer:
     """The parent's handle on a child process."""
 
-    def __init__(self, target: Any, *args: Any) -> None:
+    def __init__(self, target: Any, *args: Any, daemon: bool = True) -> None:
+        """`daemon` False: a child that starts children of its own (a split worker's ranks)."""
         ctx = mp.get_context("spawn")
         self.pipe, child = ctx.Pipe()
-        self.process = ctx.Process(target=target, args=(child, *args), daemon=True)
+        self.process = ctx.Process(target=target, args=(child, *args), daemon=daemon)
         self.process.start()
         self.hello = self.call_raw(None, timeout_s=60)
 

@@ -1,4 +1,5 @@
-"""A prefill engine with a kvfabric pusher, in a child process driven over a Pipe."""
+"""A prefill engine with a kvfabric pusher, in a child process driven over a Pipe (split
+across `world` processes, this one and its child ranks, when `world` > 1)."""
 from __future__ import annotations
 
 import time
@@ -6,18 +7,25 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
+from engine.tp_ranks import TensorRanks
 from kvfabric import SenderConfig, Ticket
+from kvfabric.pools import rank_allocator
 from prefill_worker.kv_push import KVPusher
-from tests.integration.reference import make_engine
+from tests.integration.reference import engine_config
 
 
 def prefill_main(pipe: Connection, model_dir: str, transport: str, budget: int, device: str = "cpu",
-                 num_blocks: int = 512) -> None:
+                 num_blocks: int = 512, world: int = 1) -> None:
     torch.set_num_threads(1)
     if device.startswith("cuda"):  # the GPU tests compare bytes: no TF32 in either engine
         torch.backends.cuda.matmul.allow_tf32 = False
-    engine = make_engine(model_dir, role="prefill", budget=budget, device=device, num_blocks=num_blocks)
+    config = engine_config(model_dir, role="prefill", budget=budget, device=device, num_blocks=num_blocks)
+    ranks = TensorRanks(world, rank_allocator(device)) if world > 1 else None
+    if ranks is not None:
+        config = ranks.start(config)
+    engine = LLMEngine(config)
     pusher = KVPusher(engine, SenderConfig(transport=transport, checksum=True))
     engine.handoff = pusher
     pipe.send(("ok", "ready"))
@@ -25,6 +33,9 @@ def prefill_main(pipe: Connection, model_dir: str, transport: str, budget: int, 
         cmd, *args = pipe.recv()
         if cmd == "exit":
             pusher.close()
+            if ranks is not None:
+                engine.release_followers()
+                ranks.stop()
             pipe.send(("ok", None))
             return
         if cmd == "attach":  # [ticket wire] -> {request id: error or None}, once each transfer opened or failed

@@ -1,0 +1,67 @@
+"""KV handed off between workers of different tensor-parallel degrees, through real kvfabric:
+a prefill worker split over P processes pushes each rank's KV heads, from that rank's own
+pool, into the pools of a decode worker split over D processes, whatever P and D are; the
+decode worker's greedy tokens equal the whole model's in one process, and every block on
+every rank of both sides is free afterwards.
+
+The prefill worker (tests/integration/prefill_peer.py) runs in a child process with its child
+ranks; the decode worker runs here, its ranks children of this process. The tiny Llama has 2
+KV heads: at D 4 each is replicated on two ranks, and each replica gets it.
+"""
+from __future__ import annotations
+
+import pytest
+
+from decode_worker.kv_receive import RemoteKV
+from engine.llm_engine import LLMEngine
+from engine.request import SamplingParams
+from engine.tp_ranks import TensorRanks
+from kvfabric import ShmKVAllocator
+from kvfabric.pools import rank_allocator
+from tests.integration.fabric_peer import Peer
+from tests.integration.prefill_peer import prefill_main
+from tests.integration.reference import engine_config, make_engine, random_prompts
+from tests.integration.test_disaggregated_kv import run_decode
+
+pytestmark = pytest.mark.timeout(600)
+
+MAX_TOKENS = 8
+PARAMS = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.mark.parametrize("p,d,transport", [(2, 1, "shm"), (1, 2, "tcp"), (2, 4, "shm"), (2, 2, "tcp")])
+def test_prefill_and_decode_at_different_degrees_give_the_whole_models_tokens(
+    tiny_llama_dir: str, p: int, d: int, transport: str,
+) -> None:
+    prompts = random_prompts([5, 16, 23, 41], 512, seed=p * 10 + d)
+    reference = make_engine(tiny_llama_dir)
+    want = {f"r{i}": c.token_ids for i, c in enumerate(reference.generate(prompts, PARAMS))}
+    prefill = Peer(prefill_main, tiny_llama_dir, transport, 16, "cpu", 512, p, daemon=False)
+    ranks = TensorRanks(d, rank_allocator("cpu")) if d > 1 else None
+    config = engine_config(tiny_llama_dir, role="decode")
+    allocator = ShmKVAllocator()
+    remote = None
+    try:
+        engine = LLMEngine(ranks.start(config) if ranks else config, allocator=allocator)
+        remote = RemoteKV(engine, allocator)
+        assert remote.refusal is None and remote.receiver.layout.world == d
+        tickets = [remote.reserve(prompt, PARAMS, request_id=f"r{i}") for i, prompt in enumerate(prompts)]
+        assert set(prefill.call("attach", [t.to_wire() for t in tickets]).values()) == {None}
+        reply = prefill.call("prefill", [(prompt, t.request_id, MAX_TOKENS) for prompt, t in zip(prompts, tickets)],
+                             timeout_s=120)
+        assert all(error is None for _, _, error, _ in reply["done"])
+        assert reply["in_use"] == 0  # the prefill side's blocks (the same ids on each of its ranks) all free
+        tokens: dict[str, list[int]] = {rid: [] for rid in want}
+        assert run_decode(remote, tokens, len(prompts)) == []
+        assert tokens == want
+        assert engine.check_invariants().num_in_use == 0  # every rank's pool: the same block ids, all free
+        assert remote.receiver.held_block_ids() == [] and remote.receiver.num_reservations() == 0
+        if ranks is not None:
+            engine.release_followers()
+    finally:
+        prefill.stop()
+        if remote is not None:
+            remote.close()
+        if ranks is not None:
+            ranks.stop()
+        allocator.close()
