@@ -51,8 +51,12 @@ class ClusterConfig:
     can no longer be supervised."""
     decode_tp: int = 1
     """Tensor-parallel degree of each decode worker: its model split across this many
-    processes (GPUs), Ray giving it as many GPUs (engine/tensor_parallel.py). Above 1 the
-    workers prefill their own prompts: mode colocated."""
+    processes (GPUs), Ray giving it as many GPUs (engine/tensor_parallel.py)."""
+    prefill_tp: int = 1
+    """The same for each prefill worker. Degrees may differ: each rank of a prefill worker
+    pushes its KV heads into the decode ranks that hold them (kvfabric's `HeadMap`); on GPUs
+    a split worker's ranks keep their pools private, so there a split decode worker prefills
+    its own prompts (mode colocated) and prefill workers run whole."""
     num_routers: int = 1
     """Router replicas; more than one share one port (see `RouterConfig.share_port`),
     each with its own admission budget and its own KV index replayed from Redis."""
@@ -68,11 +72,12 @@ class ClusterConfig:
             raise ValueError("supervise_interval_s, drain_timeout_s and place_timeout_s must be positive")
         if not 0 < self.gpus_per_worker <= 8:
             raise ValueError(f"gpus_per_worker must be in (0, 8], got {self.gpus_per_worker}")
-        if self.decode_tp < 1:
-            raise ValueError(f"decode_tp must be at least 1, got {self.decode_tp}")
-        if self.decode_tp > 1 and self.router.routing.mode != "colocated":
-            raise ValueError(f"--decode-tp {self.decode_tp} needs --mode colocated: KV a prefill worker pushes "
-                             "reaches one rank of a split decode worker (not yet every rank)")
+        if min(self.decode_tp, self.prefill_tp) < 1:
+            raise ValueError(f"decode_tp and prefill_tp must be at least 1, got {self.decode_tp}, {self.prefill_tp}")
+        if self.worker.device.startswith("cuda") and (self.prefill_tp > 1 or (
+                self.decode_tp > 1 and self.router.routing.mode != "colocated")):
+            raise ValueError("on GPUs a split worker's KV moves within it only: --decode-tp above 1 needs --mode "
+                             "colocated, and --prefill-tp stays 1 (on CPU both split, at any degrees)")
         if self.num_prefill < 0:
             raise ValueError(f"num_prefill must be >= 0, got {self.num_prefill}")
         if self.num_prefill == 0 and self.router.routing.mode == "disaggregated":

@@ -162,7 +162,7 @@ class Controller:
 
     def _worker_options(self, role: Role) -> dict[str, Any]:
         c = self.config
-        ranks = c.decode_tp if role == "decode" else 1  # a split worker's processes: one GPU (or CPU share) each
+        ranks = c.decode_tp if role == "decode" else c.prefill_tp  # a split worker's processes: one GPU (or CPU share) each
         opts: dict[str, Any] = ({"num_gpus": c.gpus_per_worker * ranks, "num_cpus": 1}
                                 if c.worker.device.startswith("cuda") else {"num_cpus": c.worker_num_cpus * ranks})
         if c.role_resources.get(role):
@@ -176,8 +176,8 @@ class Controller:
         w = self.workers[worker_id] = Worker(worker_id, role, None)
         await self._save()  # before the actor exists: a restarted controller looks for it by name
         cls = PrefillWorker if role == "prefill" else DecodeWorker
-        worker = self.config.worker if role == "prefill" else \
-            dataclasses.replace(self.config.worker, tensor_parallel=self.config.decode_tp)
+        worker = dataclasses.replace(self.config.worker, tensor_parallel=self.config.decode_tp if role == "decode"
+                                     else self.config.prefill_tp)
         w.actor = named_actors.create(cls, worker_id, self.config.namespace, self._worker_options(role),
                                       worker_id, worker, self.redis_url, self.config.namespace)
         await self._await_serving(w, timeout_s)

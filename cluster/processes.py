@@ -237,9 +237,9 @@ def _worker(args: argparse.Namespace) -> int:
                               model_id=args.model_id, advertise_host=args.advertise_host,
                               cluster_secret=required_secret(), otlp_endpoint=args.otlp_endpoint,
                               speculative=speculative_config(args), tensor_parallel=args.tensor_parallel)
-        if args.tensor_parallel > 1 and args.role == "prefill":
-            raise ValueError("--tensor-parallel splits decode workers only (a prefill worker's pushed KV would "
-                             "come from one rank)")
+        if args.tensor_parallel > 1 and args.role == "prefill" and device.startswith("cuda"):
+            raise ValueError("--tensor-parallel splits prefill workers on CPU only: on GPUs a split worker's ranks "
+                             "keep their KV pools private, so its pushes could not carry every KV head")
         redis_url = redis_url_of(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -303,7 +303,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     w.add_argument("--block-size", type=int, default=16)
     w.add_argument("--num-threads", type=int, default=1, help="torch CPU threads")
     w.add_argument("--tensor-parallel", type=int, default=1,
-                   help="decode: split the model across this many processes (GPUs), prefilling its own prompts")
+                   help="split the model across this many processes (GPUs); on GPUs decode only, prefilling its "
+                        "own prompts")
     add_speculative_flags(w)
     w.set_defaults(func=_worker)
 

@@ -76,9 +76,10 @@ class WorkerConfig:
     for measuring the control plane on a few cores, never for serving."""
     tensor_parallel: int = 1
     """Processes (GPUs) one worker's model is split across (engine/tensor_parallel.py): the
-    worker and tensor_parallel - 1 child ranks (engine/tp_ranks.py). Decode workers only,
-    prefilling their own prompts (mode colocated), until KV moves between ranks of different
-    workers."""
+    worker and tensor_parallel - 1 child ranks (engine/tp_ranks.py). On CPU the child ranks'
+    KV pools are in shared memory the worker maps, so KV moves between workers of any two
+    degrees; on GPUs they stay private (a split decode worker prefills its own prompts, a
+    prefill worker runs whole)."""
 
     def advertised_host(self, redis_url: str | None) -> str:
         """Where peers reach this worker (see `advertise_host`)."""

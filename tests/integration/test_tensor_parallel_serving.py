@@ -82,3 +82,33 @@ def test_split_decode_workers_serve_the_whole_models_tokens_and_survive_a_lost_r
     while spawned_ranks() - before:
         assert time.monotonic() < deadline, "the child rank outlived its worker"
         time.sleep(0.5)
+
+
+def test_a_split_prefill_worker_pushes_every_ranks_heads_to_a_whole_decode_worker(tiny_llama_dir: str) -> None:
+    """`serve --prefill-tp 2 --mode disaggregated`: each prompt is prefilled by a worker split
+    in two, whose ranks push their KV heads from their own pools into the decode worker's one
+    pool; the tokens are the whole model's, and nothing is held afterwards."""
+    before = spawned_ranks()
+    config = ClusterConfig(
+        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20),
+        num_prefill=1, num_decode=1, prefill_tp=2, worker_num_cpus=0.25,
+        router=RouterConfig(port=0, routing=RoutingConfig(mode="disaggregated")))
+    prompts = random_prompts([9, 30, 70], 512, seed=5)
+    engine = make_engine(tiny_llama_dir, block_size=16)
+    want = engine.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+    with LocalCluster(config) as cluster:
+        [prefill] = [w for w in cluster.workers() if w.get("role") == "prefill"]
+        assert len(spawned_ranks(prefill["pid"])) == 1  # the prefill worker's one child rank
+        with grpc.insecure_channel(cluster.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            for prompt, w in zip(prompts, want, strict=True):
+                request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
+                    max_tokens=10, ignore_eos=True, temperature=0))
+                got = list(stub.Generate(request, timeout=120))
+                assert [t for r in got for t in r.token_ids] == w.token_ids
+                assert not got[-1].route.local_prefill and got[-1].route.prefill_worker == prefill["worker_id"]
+        assert_idle(cluster)
+    deadline = time.monotonic() + 30
+    while spawned_ranks() - before:
+        assert time.monotonic() < deadline, "the child rank outlived its worker"
+        time.sleep(0.5)

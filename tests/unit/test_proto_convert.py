@@ -29,6 +29,14 @@ def test_a_kv_ticket_crosses_the_router_as_a_checked_protobuf_message() -> None:
     cpu = Ticket(FabricAddress("127.0.0.1", 1, "h", "r", "cpu", ("shm", "tcp"), "splitserve-kv-1-ab", "n" * 32, 64),
                  1, "q", (0,), 0, 0.5)
     assert ticket_from_pb(ticket_to_pb(cpu)) == cpu  # unset optionals stay None
+    split = Ticket(FabricAddress("127.0.0.1", 1, "h", "r", "cpu", ("shm", "tcp"), "splitserve-kv-1-ab", "n" * 32, 64,
+                                 shm_ranks=(("splitserve-kv-2-cd", "m" * 32, 64), ("splitserve-kv-3-ef", "o" * 32, 64))),
+                   1, "q", (0,), 0, 0.5)  # a decode worker split across 3 ranks: each rank's pool
+    assert ticket_from_pb(pb.KVTicket.FromString(ticket_to_pb(split).SerializeToString())) == split
+    bad_rank = ticket_to_pb(split)
+    bad_rank.address.shm_ranks[1].nonce = ""
+    with pytest.raises(InvalidRequestError, match="address.shm_ranks is missing or invalid"):
+        ticket_from_pb(bad_rank)
     for broken, named in ((pb.KVTicket(), "no receiver address"),
                           (pb.KVTicket(address=pb.FabricAddress(host="h", port=70000, receiver_id="r", device="cpu",
                                                                 transports=["carrier-pigeon"]), request_id="q",
