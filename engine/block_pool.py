@@ -124,8 +124,9 @@ class BlockPool:
             self._emit("removed", evicted)
         return block_ids
 
-    def touch(self, block_ids: Iterable[BlockId]) -> None:
-        """Add a holder to blocks found in the prefix cache."""
+    def touch(self, block_ids: Iterable[BlockId], hit: bool = True) -> None:
+        """Add a holder to blocks found in the prefix cache (`hit` False: a reader that is no
+        prefix hit, e.g. an offload, which leaves the block's standing in the cache as it was)."""
         ref_cnt, hashes, reused, free, protected = self._ref_cnt, self._hash, self._reused, self._free, self._protected
         held = 0
         for block_id in block_ids:  # hot, as in allocate
@@ -135,7 +136,8 @@ class BlockPool:
                 del (protected if block_id in protected else free)[block_id]
                 held += hashed
             ref_cnt[block_id] = count + 1
-            reused[block_id] = hashed
+            if hit:
+                reused[block_id] = hashed
         self._num_hashed_in_use += held
 
     def free(self, block_ids: Iterable[BlockId]) -> None:

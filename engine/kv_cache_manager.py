@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 from engine.block_pool import BlockPool, PoolUsage
 from engine.hashing import BlockHasher
 from engine.request import Request
-from engine.types import BlockId, RequestId
+from engine.types import BlockHash, BlockId, RequestId
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -244,6 +244,35 @@ class KVCacheManager:
         request still running keeps its own). True when any were held."""
         self._transfers.discard(request_id)
         return self.release(request_id)
+
+    def hold_new(self, holder: RequestId, num_blocks: int) -> list[BlockId] | None:
+        """`num_blocks` fresh blocks held under `holder` (a fetch from the KV tier writes them)
+        until `cache_held` or `release`; None when the pool has too few free."""
+        if holder in self._held:
+            raise ValueError(f"{holder} already holds blocks")
+        block_ids = self.pool.allocate(num_blocks)
+        if block_ids is not None:
+            self._held[holder] = block_ids
+        return block_ids
+
+    def hold_cached(self, holder: RequestId, block_hashes: Sequence[BlockHash]) -> list[BlockId]:
+        """The cached blocks of these hashes still in the pool, held under `holder` (an offload
+        to the KV tier reads them) until `release`; in the order of `block_hashes`."""
+        if holder in self._held:
+            raise ValueError(f"{holder} already holds blocks")
+        found = [b for b in map(self.pool.lookup, block_hashes) if b is not None]
+        self.pool.touch(found, hit=False)
+        self._held[holder] = found
+        return found
+
+    def cache_held(self, holder: RequestId, block_hashes: Sequence[BlockHash], parent: BlockHash | None) -> None:
+        """The blocks `holder` holds now carry these hashes' KV (a fetch landed): registered in
+        the prefix cache, then released (cached, free to claim or evict)."""
+        block_ids = self._held.get(holder)
+        if block_ids is None or len(block_ids) != len(block_hashes):
+            raise ValueError(f"{holder} holds {len(block_ids or ())} blocks, not {len(block_hashes)}")
+        self.pool.cache_blocks(block_ids, block_hashes, parent)
+        self.release(holder)
 
     def held(self, request_id: RequestId) -> list[BlockId]:
         """The blocks held under `request_id`, in order (none: empty)."""

@@ -354,3 +354,75 @@ class DecodeEvent(_message.Message):
     tokens: Tokens
     arrived: Arrived
     def __init__(self, reserved: _Optional[_Union[Reserved, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., arrived: _Optional[_Union[Arrived, _Mapping]] = ...) -> None: ...
+
+class OfferRequest(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class OfferReply(_message.Message):
+    __slots__ = ("ticket", "wanted")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    WANTED_FIELD_NUMBER: _ClassVar[int]
+    ticket: KVTicket
+    wanted: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ticket: _Optional[_Union[KVTicket, _Mapping]] = ..., wanted: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LookupReply(_message.Message):
+    __slots__ = ("num_blocks",)
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("ticket", "block_hashes")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    ticket: KVTicket
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, ticket: _Optional[_Union[KVTicket, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class FetchReply(_message.Message):
+    __slots__ = ("error",)
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    error: str
+    def __init__(self, error: _Optional[str] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StoreStats(_message.Message):
+    __slots__ = ("capacity_blocks", "num_blocks", "block_bytes", "num_offered", "num_stored", "num_lookups", "num_hit_blocks", "num_fetched", "num_evicted", "bytes_in", "bytes_out", "num_fetch_failures")
+    CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_OFFERED_FIELD_NUMBER: _ClassVar[int]
+    NUM_STORED_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FETCHED_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    NUM_FETCH_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    capacity_blocks: int
+    num_blocks: int
+    block_bytes: int
+    num_offered: int
+    num_stored: int
+    num_lookups: int
+    num_hit_blocks: int
+    num_fetched: int
+    num_evicted: int
+    bytes_in: int
+    bytes_out: int
+    num_fetch_failures: int
+    def __init__(self, capacity_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_offered: _Optional[int] = ..., num_stored: _Optional[int] = ..., num_lookups: _Optional[int] = ..., num_hit_blocks: _Optional[int] = ..., num_fetched: _Optional[int] = ..., num_evicted: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., num_fetch_failures: _Optional[int] = ...) -> None: ...

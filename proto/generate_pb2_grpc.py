@@ -252,3 +252,218 @@ class DecodeWorker:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class KVStoreStub:
+    """A host's shared KV tier (kvstore/): full blocks by their chained hash, in host memory,
+    written and read through kvfabric. Workers offer the blocks they computed, look up the
+    blocks a prompt would otherwise compute, and fetch them into their pool.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Offer = channel.unary_unary(
+                '/splitserve.v1.KVStore/Offer',
+                request_serializer=proto_dot_generate__pb2.OfferRequest.SerializeToString,
+                response_deserializer=proto_dot_generate__pb2.OfferReply.FromString,
+                _registered_method=True)
+        self.Lookup = channel.unary_unary(
+                '/splitserve.v1.KVStore/Lookup',
+                request_serializer=proto_dot_generate__pb2.LookupRequest.SerializeToString,
+                response_deserializer=proto_dot_generate__pb2.LookupReply.FromString,
+                _registered_method=True)
+        self.Fetch = channel.unary_unary(
+                '/splitserve.v1.KVStore/Fetch',
+                request_serializer=proto_dot_generate__pb2.FetchRequest.SerializeToString,
+                response_deserializer=proto_dot_generate__pb2.FetchReply.FromString,
+                _registered_method=True)
+        self.Stats = channel.unary_unary(
+                '/splitserve.v1.KVStore/Stats',
+                request_serializer=proto_dot_generate__pb2.StatsRequest.SerializeToString,
+                response_deserializer=proto_dot_generate__pb2.StoreStats.FromString,
+                _registered_method=True)
+
+
+class KVStoreServicer:
+    """A host's shared KV tier (kvstore/): full blocks by their chained hash, in host memory,
+    written and read through kvfabric. Workers offer the blocks they computed, look up the
+    blocks a prompt would otherwise compute, and fetch them into their pool.
+    """
+
+    def Offer(self, request, context):
+        """Which of these blocks the store wants (it lacks them): a reservation to push them into.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Lookup(self, request, context):
+        """How many of the leading hashes the store holds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Fetch(self, request, context):
+        """Push the blocks of these hashes into the caller's reservation; returns once the caller's
+        receiver accepted them (error set: nothing was promised, the caller computes them).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stats(self, request, context):
+        """What the store holds and has done.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_KVStoreServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Offer': grpc.unary_unary_rpc_method_handler(
+                    servicer.Offer,
+                    request_deserializer=proto_dot_generate__pb2.OfferRequest.FromString,
+                    response_serializer=proto_dot_generate__pb2.OfferReply.SerializeToString,
+            ),
+            'Lookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lookup,
+                    request_deserializer=proto_dot_generate__pb2.LookupRequest.FromString,
+                    response_serializer=proto_dot_generate__pb2.LookupReply.SerializeToString,
+            ),
+            'Fetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fetch,
+                    request_deserializer=proto_dot_generate__pb2.FetchRequest.FromString,
+                    response_serializer=proto_dot_generate__pb2.FetchReply.SerializeToString,
+            ),
+            'Stats': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stats,
+                    request_deserializer=proto_dot_generate__pb2.StatsRequest.FromString,
+                    response_serializer=proto_dot_generate__pb2.StoreStats.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'splitserve.v1.KVStore', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('splitserve.v1.KVStore', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class KVStore:
+    """A host's shared KV tier (kvstore/): full blocks by their chained hash, in host memory,
+    written and read through kvfabric. Workers offer the blocks they computed, look up the
+    blocks a prompt would otherwise compute, and fetch them into their pool.
+    """
+
+    @staticmethod
+    def Offer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.KVStore/Offer',
+            proto_dot_generate__pb2.OfferRequest.SerializeToString,
+            proto_dot_generate__pb2.OfferReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.KVStore/Lookup',
+            proto_dot_generate__pb2.LookupRequest.SerializeToString,
+            proto_dot_generate__pb2.LookupReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.KVStore/Fetch',
+            proto_dot_generate__pb2.FetchRequest.SerializeToString,
+            proto_dot_generate__pb2.FetchReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.KVStore/Stats',
+            proto_dot_generate__pb2.StatsRequest.SerializeToString,
+            proto_dot_generate__pb2.StoreStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,0 +1,234 @@
+"""A host's KV store: full blocks by their chained hash in one shared-memory pool, written by
+the workers' offloads and read by their fetches, both through kvfabric.
+
+    offload  Offer(hashes) -> slots for those it lacks, under a kvfabric reservation
+             -> the worker pushes them -> KVArrived: indexed, fetchable from now on;
+                TransferFailed: the slots go back (held first while the writer may still write)
+    fetch    Lookup(hashes) -> the leading run it holds
+             Fetch(ticket, hashes) -> the slots pinned, pushed into the worker's reservation,
+                `ready` acknowledged, unpinned
+
+Hashes are keyed with the cluster secret and salted per model and tenant (engine/hashing.py),
+so a block is found only by the prompt of its own tenant. The store keeps blocks in least
+recently used order, a chain touched last block first: its first blocks, which every longer
+prompt of the conversation needs (a lookup is a leading run), are the last to go. A slot is
+never reused while an offload may write it or a fetch reads it. The store holds no request
+and answers for nothing but cached bytes: when it dies the workers compute what they would
+have fetched.
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvfabric import (
+    BlockRegion,
+    BlocksFenced,
+    FabricError,
+    FabricLayout,
+    FabricReceiver,
+    FabricSender,
+    KVArrived,
+    ReceiverConfig,
+    SenderConfig,
+    ShmSegment,
+    Ticket,
+    TransferFailed,
+)
+from kvfabric.region import CopyBytes
+
+logger = logging.getLogger(__name__)
+
+MAX_HASHES = 1 << 16
+"""Most hashes one call may name (a 1M-token prompt at 16 tokens a block)."""
+
+
+@dataclass
+class StoreStats:
+    num_offered: int = 0
+    num_stored: int = 0
+    num_lookups: int = 0
+    num_hit_blocks: int = 0
+    num_fetched: int = 0
+    num_evicted: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    num_fetch_failures: int = 0
+
+
+class KVStore:
+    def __init__(self, layout: FabricLayout, num_blocks: int, receiver: ReceiverConfig | None = None,
+                 sender: SenderConfig | None = None, copy: CopyBytes = ctypes.memmove) -> None:
+        """`copy` moves a fetch's bytes into a worker's shared pool (see kvfabric's `CopyBytes`)."""
+        if num_blocks <= 0:
+            raise ValueError(f"a KV store holds at least one block, got {num_blocks}")
+        if layout.world != 1:
+            raise ValueError("a KV store holds whole blocks (every KV head): its layout has one rank")
+        self.layout, self.capacity = layout, num_blocks
+        self.segment = ShmSegment.create(num_blocks * layout.block_bytes)
+        self.region = BlockRegion(self.segment.data.reshape(num_blocks, layout.block_bytes))
+        self.receiver = FabricReceiver(layout, self.region, receiver, shm=self.segment)
+        self.sender = FabricSender(layout, self.region, sender, copy)
+        self.stats = StoreStats()
+        self._lock = threading.Lock()
+        self._index: OrderedDict[bytes, int] = OrderedDict()
+        """Hash -> slot, least recently used first."""
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._pins: Counter[int] = Counter()
+        """Slots a fetch is reading."""
+        self._incoming: dict[str, tuple[list[int], list[bytes]]] = {}
+        """Offer id -> the slots reserved for it and their hashes, until it arrives or fails."""
+        self._arriving: set[bytes] = set()
+        self._quarantine: dict[str, list[int]] = {}
+        """Failed offers whose writer may still write: their slots, until it is fenced."""
+        self._ids = itertools.count(1)
+        self._stop = threading.Event()
+        self._events = threading.Thread(target=self._apply_events, name="kvstore-events", daemon=True)
+        self._events.start()
+
+    # -- offload ---------------------------------------------------------------------------
+    def offer(self, hashes: Sequence[bytes]) -> tuple[Ticket | None, list[int]]:
+        """The positions of `hashes` the store lacks and has room for (the chain's first ones
+        first), and a reservation to push them into; (None, []) when it wants none."""
+        _check_hashes(hashes)
+        with self._lock:
+            self.stats.num_offered += len(hashes)
+            wanted = [i for i, h in enumerate(hashes) if h not in self._index and h not in self._arriving]
+            self._touch([h for h in hashes if h in self._index])
+            slots = self._take(len(wanted))
+            wanted = wanted[:len(slots)]
+            if not wanted:
+                return None, []
+            offer_id = f"offer-{next(self._ids)}"
+            chosen = [hashes[i] for i in wanted]
+            self._incoming[offer_id] = (slots, chosen)
+            self._arriving.update(chosen)
+        return self.receiver.expect(offer_id, slots, 0), wanted
+
+    # -- fetch -----------------------------------------------------------------------------
+    def lookup(self, hashes: Sequence[bytes]) -> int:
+        """How many of the leading hashes the store holds (touched: they were wanted)."""
+        _check_hashes(hashes)
+        with self._lock:
+            n = 0
+            while n < len(hashes) and hashes[n] in self._index:
+                n += 1
+            self._touch(hashes[:n])
+            self.stats.num_lookups += 1
+            self.stats.num_hit_blocks += n
+        return n
+
+    def fetch(self, ticket: Ticket, hashes: Sequence[bytes]) -> str:
+        """Pushes the blocks of `hashes` into the reservation `ticket` (one block each, none
+        skipped); "" once the receiver accepted them, else why not (it then has nothing)."""
+        _check_hashes(hashes)
+        if len(ticket.block_ids) != len(hashes) or ticket.num_skip_blocks:
+            return f"a fetch of {len(hashes)} blocks needs a reservation of as many, none skipped"
+        with self._lock:
+            slots = [self._index.get(h) for h in hashes]
+            if None in slots:
+                self.stats.num_fetch_failures += 1
+                return f"block {slots.index(None)} of {len(hashes)} is no longer in the store"
+            held = [s for s in slots if s is not None]
+            self._pins.update(held)
+            self._touch(hashes)
+        try:
+            transfer = self.sender.open(ticket)
+            try:
+                transfer.push(held, 0)
+                transfer.finish(0, len(held) * self.layout.block_size)
+            except BaseException:
+                transfer.abort("the store's push failed")
+                raise
+        except (FabricError, ValueError) as e:
+            with self._lock:
+                self.stats.num_fetch_failures += 1
+            return str(e)
+        finally:
+            with self._lock:
+                self._pins.subtract(held)
+                self._pins += Counter()  # drops the zeros
+        with self._lock:
+            self.stats.num_fetched += len(held)
+            self.stats.bytes_out += len(held) * self.layout.block_bytes
+        return ""
+
+    # -- state -----------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    def check(self) -> None:
+        """Every slot is exactly one of: free, indexed, reserved for an offer, quarantined."""
+        with self._lock:
+            owned = [*self._free, *self._index.values(), *(s for slots, _ in self._incoming.values() for s in slots),
+                     *(s for slots in self._quarantine.values() for s in slots)]
+            if sorted(owned) != list(range(self.capacity)):
+                raise AssertionError(f"the store's {self.capacity} slots are not accounted for once each")
+            if any(n < 0 for n in self._pins.values()):
+                raise AssertionError("a slot unpinned more often than pinned")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._events.join(2)
+        self.sender.close()
+        self.receiver.close()
+        self.segment.close()
+
+    # -- internals ---------------------------------------------------------------------------
+    def _touch(self, hashes: Sequence[bytes]) -> None:
+        """Most recently used, the chain's first block last (evicted after its later ones)."""
+        for h in reversed(hashes):
+            self._index.move_to_end(h)
+
+    def _take(self, n: int) -> list[int]:
+        """Up to `n` slots: free ones, then the least recently used blocks not being read."""
+        taken = [self._free.pop() for _ in range(min(n, len(self._free)))]
+        if len(taken) < n:
+            victims = []
+            for h, slot in self._index.items():
+                if len(taken) + len(victims) == n:
+                    break
+                if not self._pins[slot]:
+                    victims.append(h)
+            for h in victims:
+                taken.append(self._index.pop(h))
+            self.stats.num_evicted += len(victims)
+        return taken
+
+    def _apply_events(self) -> None:
+        while not self._stop.is_set():
+            try:
+                events = self.receiver.poll(0.2)
+            except Exception:  # noqa: BLE001  (closed under us)
+                return
+            with self._lock:
+                for ev in events:
+                    if isinstance(ev, BlocksFenced):
+                        self._free.extend(self._quarantine.pop(ev.request_id, []))
+                        continue
+                    slots, hashes = self._incoming.pop(ev.request_id)
+                    self._arriving.difference_update(hashes)
+                    if isinstance(ev, KVArrived):
+                        for h, slot in zip(hashes, slots, strict=True):
+                            self._index[h] = slot
+                        self._touch(hashes)
+                        self.stats.num_stored += len(slots)
+                        self.stats.bytes_in += len(slots) * self.layout.block_bytes
+                    elif isinstance(ev, TransferFailed) and ev.blocks_held:
+                        self._quarantine[ev.request_id] = slots
+                    else:
+                        self._free.extend(slots)
+
+
+def _check_hashes(hashes: Sequence[bytes]) -> None:
+    if len(hashes) > MAX_HASHES:
+        raise ValueError(f"{len(hashes)} hashes in one call; at most {MAX_HASHES}")
+    if any(not isinstance(h, bytes) or not 8 <= len(h) <= 64 for h in hashes):
+        raise ValueError("a block hash is 8 to 64 bytes")

@@ -1,0 +1,288 @@
+"""A worker's side of its host's KV store (kvstore/store.py): what the pool caches is offered
+to the store, what a prompt would compute is first looked for there.
+
+    engine thread  each step's `stored` KV events -> `on_events`: the blocks held (an offload's
+                   reference, off the engine's requests) and queued for the offload lane
+    offload lane   Offer(hashes) -> push the blocks the store wants (kvfabric) -> `ready`
+                   -> the hold released on the engine thread, whatever happened
+    event loop     `fetch(prompt)`, before the request joins the engine:
+                     engine thread: the prompt's block hashes past the pool's cached run
+                     Lookup -> k blocks; engine thread: k fresh blocks held, reserved on this
+                     worker's tier receiver -> Fetch: the store pushes them and `ready`
+                     engine thread: the blocks cached under their hashes (the request then
+                     finds them as any prefix hit) or released (held while a writer may write)
+
+Nothing here waits on the engine thread, and the engine thread never waits on the store. A
+store that is down, slow or evicting costs one fetch: the request computes its prompt as it
+would without a tier, with the same tokens. Fetched blocks are cached as computed ones are,
+by the hashes of the tenant who asked: no other tenant's prompt finds them.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from control.auth import TOKEN_METADATA
+from engine.block_pool import KVEvent
+from engine.llm_engine import LLMEngine
+from engine.types import BlockHash, RequestId
+from kvfabric import (
+    BlocksFenced,
+    FabricError,
+    FabricReceiver,
+    FabricSender,
+    KVArrived,
+    ReceiverConfig,
+    SenderConfig,
+    TransferFailed,
+)
+from kvfabric.pools import KVAllocator, exports, worker_pools
+from proto import generate_pb2 as pb
+from proto import generate_pb2_grpc as pb_grpc
+from proto.convert import ticket_from_pb, ticket_to_pb
+
+logger = logging.getLogger(__name__)
+
+EngineCall = Callable[[Callable[[LLMEngine], Any]], "concurrent.futures.Future[Any]"]
+"""Runs a function on the engine thread (EngineLoop.call)."""
+
+
+@dataclass
+class TierCounters:
+    num_fetches: int = 0
+    num_fetched_blocks: int = 0
+    """Blocks that landed in the pool from the store."""
+    num_fetch_failures: int = 0
+    """Fetches that fell back to computing (store down, evicted, refused, timed out)."""
+    num_offered_blocks: int = 0
+    num_offloaded_blocks: int = 0
+    """Blocks pushed into the store."""
+    num_offload_failures: int = 0
+    num_offload_skipped: int = 0
+    """Blocks not offered because the lane was behind (`max_offload_blocks` held already)."""
+
+
+class KVTier:
+    def __init__(self, engine: LLMEngine, call: EngineCall, address: str, token: str | None = None,
+                 allocator: KVAllocator | None = None, host: str = "127.0.0.1", advertise_host: str | None = None,
+                 timeout_s: float = 5.0, min_blocks: int = 1, max_offload_blocks: int = 4096) -> None:
+        """`address`: the store's gRPC host:port; `allocator`: the one the engine's pool came
+        from (shared memory: the store on this host copies straight into it)."""
+        self.engine, self.call, self.address = engine, call, address
+        self.timeout_s, self.min_blocks, self.max_offload_blocks = timeout_s, min_blocks, max_offload_blocks
+        self.metadata = ((TOKEN_METADATA, token),) if token else ()
+        self.pools = worker_pools(engine.model_id, engine.kv_pool, engine.model_config.num_kv_heads, engine.kv_shards,
+                                  engine.follower_pools)
+        offered = exports(allocator)
+        if "shm" in offered:
+            offered["shm_ranks"] = self.pools.segments
+        self.receiver = FabricReceiver(self.pools.layout, self.pools.regions, ReceiverConfig(
+            host=host, advertise_host=advertise_host, token=token), **offered)
+        self.sender = FabricSender(self.pools.layout, self.pools.regions, SenderConfig(token=token))
+        self.counters = TierCounters()
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._fetches: dict[str, concurrent.futures.Future[Any]] = {}
+        """Fetch id -> its receiver event (KVArrived or TransferFailed), set by the events thread."""
+        self._offload_blocks = 0
+        """Engine thread: blocks held for offloads now."""
+        self._stub: pb_grpc.KVStoreStub | None = None
+        self._aio_channel: grpc.aio.Channel | None = None
+        self._stop = threading.Event()
+        self._offloads: queue.SimpleQueue[tuple[RequestId, list[BlockHash], list[int]] | None] = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._receiver_events, name="kvtier-events", daemon=True),
+                         threading.Thread(target=self._offload_lane, name="kvtier-offload", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    # -- fetch (the worker's event loop) -----------------------------------------------------
+    async def fetch(self, prompt: Sequence[int], tenant: str = "") -> int:
+        """The blocks of `prompt` the store holds past the pool's cached run, copied into the
+        pool and cached there before the request is added; returns how many landed."""
+        plan = await asyncio.wrap_future(self.call(lambda e: _plan(e, prompt, tenant)))
+        if plan is None:
+            return 0
+        hashes, parent = plan
+        stub = self._store()
+        try:
+            reply = await stub.Lookup(pb.LookupRequest(block_hashes=hashes), timeout=self.timeout_s,
+                                      metadata=self.metadata)
+        except grpc.RpcError as e:
+            return self._failed(f"lookup: {e.code().name}")
+        k = min(reply.num_blocks, len(hashes))
+        if k < self.min_blocks:
+            return 0
+        fid = RequestId(f"kvstore-fetch-{next(self._ids)}")
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            self._fetches[fid] = done
+        ticket = await asyncio.wrap_future(self.call(lambda e: self._reserve(e, fid, k)))
+        if ticket is None:
+            with self._lock:
+                self._fetches.pop(fid, None)
+            return 0
+        self.counters.num_fetches += 1
+        try:
+            answer = await stub.Fetch(pb.FetchRequest(ticket=ticket_to_pb(ticket), block_hashes=hashes[:k]),
+                                      timeout=self.timeout_s, metadata=self.metadata)
+            error = answer.error
+        except grpc.RpcError as e:
+            error = f"fetch: {e.code().name}"
+        event, held = await self._outcome(fid, done, error)
+        landed = isinstance(event, KVArrived)
+        await asyncio.wrap_future(self.call(lambda e: self._settle(e, fid, hashes[:k], parent, landed, held)))
+        if not landed:
+            return self._failed(error or f"fetch: {type(event).__name__ if event else 'no answer'}")
+        self.counters.num_fetched_blocks += k
+        return k
+
+    async def _outcome(self, fid: str, done: concurrent.futures.Future[Any], error: str) -> tuple[Any, bool]:
+        """The fetch's receiver event (None: none came) and whether its blocks stay held until
+        the store's writer is fenced."""
+        held: bool | None = None
+        if error:  # the store gave up: revoke what it may still hold open
+            held = self.receiver.cancel(fid, error)
+        if held is None:  # nothing active: the event came, or comes now
+            try:
+                event = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(done)), self.timeout_s)
+                return event, isinstance(event, TransferFailed) and event.blocks_held
+            except TimeoutError:
+                held = self.receiver.cancel(fid, "no answer from the store")
+        with self._lock:
+            self._fetches.pop(fid, None)
+        if done.done():
+            event = done.result()
+            return event, isinstance(event, TransferFailed) and event.blocks_held
+        return None, bool(held)
+
+    def _failed(self, why: str) -> int:
+        self.counters.num_fetch_failures += 1
+        logger.debug("kv store %s: computing instead (%s)", self.address, why)
+        return 0
+
+    def _reserve(self, e: LLMEngine, fid: RequestId, k: int) -> Any:
+        """Engine thread: k fresh blocks held under the fetch, reserved for the store's push."""
+        blocks = e.kv.hold_new(fid, k)
+        if blocks is None:
+            return None
+        return self.receiver.expect(fid, [int(b) for b in blocks], 0)
+
+    def _settle(self, e: LLMEngine, fid: RequestId, hashes: list[BlockHash], parent: BlockHash | None,
+                landed: bool, held: bool) -> None:
+        """Engine thread: landed blocks cached under their hashes; others released (unless a
+        writer may still write them: then on its fence)."""
+        if landed:
+            e.kv.cache_held(fid, hashes, parent)
+        elif not held:
+            e.kv.release(fid)
+
+    def _store(self) -> pb_grpc.KVStoreStub:
+        if self._stub is None:  # on the worker's event loop, where its calls run
+            self._aio_channel = grpc.aio.insecure_channel(self.address)
+            self._stub = pb_grpc.KVStoreStub(self._aio_channel)
+        return self._stub
+
+    # -- offload (engine thread, then the lane) ------------------------------------------------
+    def on_events(self, e: LLMEngine, events: list[KVEvent]) -> None:
+        """Engine thread, with each step's KV events: newly cached blocks held and queued for the store."""
+        for ev in events:
+            if ev.kind != "stored":
+                continue
+            if self._offload_blocks >= self.max_offload_blocks:
+                self.counters.num_offload_skipped += len(ev.block_hashes)
+                continue
+            hid = RequestId(f"kvstore-offload-{next(self._ids)}")
+            blocks = e.kv.hold_cached(hid, ev.block_hashes)
+            if not blocks:
+                e.kv.release(hid)
+                continue
+            hashes = [e.block_pool.block_hash(b) for b in blocks]
+            self._offload_blocks += len(blocks)
+            self._offloads.put((hid, hashes, [int(b) for b in blocks]))  # type: ignore[arg-type]
+
+    def _offload_lane(self) -> None:
+        with grpc.insecure_channel(self.address) as channel:
+            stub = pb_grpc.KVStoreStub(channel)
+            while (item := self._offloads.get()) is not None:
+                hid, hashes, blocks = item
+                try:
+                    self._offload(stub, hashes, blocks)
+                except (grpc.RpcError, FabricError, ValueError) as e:
+                    self.counters.num_offload_failures += 1
+                    logger.debug("kv store %s: offload of %d blocks failed: %s", self.address, len(blocks), e)
+                finally:
+                    self.call(self._unholder(hid, len(blocks)))
+
+    def _offload(self, stub: pb_grpc.KVStoreStub, hashes: list[BlockHash], blocks: list[int]) -> None:
+        self.counters.num_offered_blocks += len(hashes)
+        reply = stub.Offer(pb.OfferRequest(block_hashes=hashes), timeout=self.timeout_s, metadata=self.metadata)
+        if not reply.HasField("ticket"):
+            return
+        transfer = self.sender.open(ticket_from_pb(reply.ticket))
+        try:
+            transfer.push([blocks[i] for i in reply.wanted], 0)
+            transfer.finish(0, len(reply.wanted) * self.pools.layout.block_size)
+        except BaseException:
+            transfer.abort("the worker's offload failed")
+            raise
+        self.counters.num_offloaded_blocks += len(reply.wanted)
+
+    def _unholder(self, hid: RequestId, n: int) -> Callable[[LLMEngine], None]:
+        def unhold(e: LLMEngine) -> None:
+            e.kv.release(hid)
+            self._offload_blocks -= n
+        return unhold
+
+    # -- the receiver's events ----------------------------------------------------------------
+    def _receiver_events(self) -> None:
+        while not self._stop.is_set():
+            try:
+                events = self.receiver.poll(0.2)
+            except Exception:  # noqa: BLE001  (closed under us)
+                return
+            for ev in events:
+                if isinstance(ev, BlocksFenced):  # a failed fetch's writer can no longer write
+                    self.call(_releaser(RequestId(ev.request_id)))
+                    continue
+                with self._lock:
+                    done = self._fetches.pop(ev.request_id, None)
+                if done is not None and not done.done():
+                    done.set_result(ev)
+
+    async def close(self) -> None:
+        self._stop.set()
+        self._offloads.put(None)
+        if self._aio_channel is not None:
+            await self._aio_channel.close()
+        self.sender.close()
+        self.receiver.close()
+        self.pools.close()
+
+
+def _releaser(holder: RequestId) -> Callable[[LLMEngine], object]:
+    return lambda e: e.kv.release(holder)
+
+
+def _plan(e: LLMEngine, prompt: Sequence[int], tenant: str) -> tuple[list[BlockHash], BlockHash | None] | None:
+    """Engine thread: the hashes of the prompt's full blocks past the pool's cached run (at
+    least one token is always computed), with the hash before them; None: nothing to look for."""
+    if not e.block_pool.enable_caching:
+        return None
+    bs = e.kv.block_size
+    limit = (len(prompt) - 1) // bs
+    if limit <= 0:
+        return None
+    hashes = e.hasher.hash_prompt(list(prompt[:limit * bs]), tenant)
+    k = len(e.block_pool.lookup_run(hashes))
+    if k == limit:
+        return None
+    return hashes[k:], hashes[k - 1] if k else None

@@ -1,0 +1,147 @@
+"""The shared KV tier: blocks a worker computed live on in its host's KV store after its pool
+evicted them, and any worker on the host fetches them instead of computing them again, with
+the tokens of a recompute; another tenant's prompt never finds them; a store that dies
+mid-fetch costs only the fetch. After each test no block is held in any pool, no slot of the
+store is unaccounted for, and no reservation is left on either side.
+
+Workers are engines on their loops with a `KVTier` (tests/integration/tier_peer.py); the
+store serves its gRPC API here, or in a child process the test kills.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from engine.request import SamplingParams
+from kvstore.service import open_store, serve, store_layout
+from proto import generate_pb2 as pb
+from proto import generate_pb2_grpc as pb_grpc
+from tests.integration.fabric_peer import Peer
+from tests.integration.reference import make_engine, random_prompts
+from tests.integration.tier_peer import TierWorker, cached_run, store_main
+
+pytestmark = pytest.mark.timeout(300)
+
+MAX_TOKENS = 6
+BLOCK = 4
+
+
+def reference_tokens(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
+    engine = make_engine(model_dir, caching=False)
+    return [c.token_ids for c in engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))]
+
+
+async def wait_for(check, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+def test_an_evicted_prefix_comes_back_from_the_store_with_the_tokens_of_a_recompute(tiny_llama_dir: str) -> None:
+    prompt, *others = random_prompts([41, 38, 38, 38, 38], 512, seed=3)
+    want, *_ = reference_tokens(tiny_llama_dir, [prompt])
+
+    async def run() -> None:
+        model_id = make_engine(tiny_llama_dir, num_blocks=8).model_id
+        store = open_store(store_layout(tiny_llama_dir, model_id, BLOCK, "float32"), 4 << 20, "127.0.0.1", None, None)
+        server, port = await serve(store, "127.0.0.1", 0, None)
+        a = TierWorker(tiny_llama_dir, f"127.0.0.1:{port}")
+        b = TierWorker(tiny_llama_dir, f"127.0.0.1:{port}")
+        try:
+            assert await a.generate(prompt) == (0, want, 0)  # the store is empty: computed, then offered
+            await wait_for(lambda: asyncio.sleep(0, store.lookup(a.engine.hasher.hash_prompt(prompt)[:10]) == 10))
+            for other in others:  # 40 blocks of pool: these evict the first prompt's blocks
+                await a.generate(other)
+            assert await a.on_engine(lambda e: cached_run(e, prompt)) == 0
+            # its 10 full blocks (the 41st token is computed) come from the store, into the pool's cache
+            assert await a.generate(prompt) == (10, want, 40)
+            assert await b.generate(prompt) == (10, want, 40)  # another worker of the host fetches them too
+            assert await b.generate(prompt, tenant="t2") == (0, want, 0)  # another tenant's hashes: not found
+            for w in (a, b):
+                await w.settled()
+                assert w.tier.counters.num_fetch_failures == 0
+            stats = await pb_grpc.KVStoreStub(a.tier._aio_channel).Stats(pb.StatsRequest())
+            assert stats.num_fetched == 20 and stats.num_hit_blocks >= 20 and stats.num_stored >= 10 + 4 * 9
+            assert stats.bytes_out == 20 * store.layout.block_bytes
+            store.check()
+            assert store.receiver.num_reservations() == 0
+        finally:
+            for w in (a, b):
+                await w.close()
+            await server.stop(0)
+            store.close()
+
+    asyncio.run(run())
+
+
+def test_a_full_store_evicts_a_conversations_later_blocks_before_its_first(tiny_llama_dir: str) -> None:
+    """A store of 12 blocks, a 9-block conversation and then a 6-block one: the second needs
+    3 slots, taken from the first's tail; the first's leading blocks are still a hit."""
+    first, second = random_prompts([37, 25], 512, seed=8)
+
+    async def run() -> None:
+        model_id = make_engine(tiny_llama_dir, num_blocks=8).model_id
+        layout = store_layout(tiny_llama_dir, model_id, BLOCK, "float32")
+        store = open_store(layout, 12 * layout.block_bytes, "127.0.0.1", None, None)
+        server, port = await serve(store, "127.0.0.1", 0, None)
+        w = TierWorker(tiny_llama_dir, f"127.0.0.1:{port}")
+        try:
+            hashes = w.engine.hasher.hash_prompt
+            await w.generate(first, max_tokens=1)
+            await wait_for(lambda: asyncio.sleep(0, store.num_blocks == 9))
+            await w.generate(second, max_tokens=1)
+            await wait_for(lambda: asyncio.sleep(0, store.lookup(hashes(second)) == 6))
+            assert store.lookup(hashes(first)) == 6  # its first 6 of 9 blocks: the last 3 went
+            assert store.stats.num_evicted == 3
+            await w.settled()
+            store.check()
+        finally:
+            await w.close()
+            await server.stop(0)
+            store.close()
+
+    asyncio.run(run())
+
+
+def test_a_store_killed_mid_fetch_costs_only_the_fetch(tiny_llama_dir: str) -> None:
+    prompt, = random_prompts([41], 512, seed=5)
+    want, = reference_tokens(tiny_llama_dir, [prompt])
+    model_id = make_engine(tiny_llama_dir, num_blocks=8).model_id
+    peer = Peer(store_main, tiny_llama_dir, model_id, 4, 3.0)  # each fetch's copy waits 3 s: time to kill it
+    address = f"127.0.0.1:{peer.hello}"
+
+    async def run() -> None:
+        a = TierWorker(tiny_llama_dir, address)
+        b = TierWorker(tiny_llama_dir, address)
+        try:
+            await a.generate(prompt)
+            stub = pb_grpc.KVStoreStub(a.tier._aio_channel)
+
+            async def stored() -> bool:
+                return (await stub.Stats(pb.StatsRequest())).num_stored >= 10
+            await wait_for(stored)
+            fetch = asyncio.create_task(b.generate(prompt))
+
+            async def copying() -> bool:  # the store opened b's reservation and is in its copy
+                table = b.tier.receiver.table
+                return any(r.state.value == "open" for r in table._by_id.values())
+            await wait_for(copying)
+            os.kill(peer.process.pid, signal.SIGKILL)
+            assert await fetch == (0, want, 0)  # computed instead, the same tokens
+            assert b.tier.counters.num_fetch_failures == 1
+            await b.settled()
+            await a.settled()
+        finally:
+            for w in (a, b):
+                await w.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        peer.process.kill()
+        peer.process.join(5)

@@ -1,0 +1,101 @@
+"""The ends of KV tier tests: a worker's engine on its loop with a tier (`TierWorker`, in the
+test process) and a KV store in a child process (`store_main`) that the test may kill."""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import threading
+import time
+from dataclasses import replace
+from multiprocessing.connection import Connection
+from typing import Any
+
+from engine.engine_loop import EngineLoop
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.request import SamplingParams
+from kvfabric import ShmKVAllocator
+from kvstore.tier import KVTier
+from tests.integration.reference import engine_config
+
+SECRET = b"kv-tier-test-cluster-secret"
+
+
+class TierWorker:
+    """An engine on its own thread (EngineLoop) with a KV tier, as a worker runs them: the
+    loop's hook hands each step's KV events to the tier, requests start after a fetch."""
+
+    def __init__(self, model_dir: str, store_address: str, num_blocks: int = 40) -> None:
+        self.allocator = ShmKVAllocator()
+        config = engine_config(model_dir, num_blocks=num_blocks, budget=64)
+        config = replace(config, cache=replace(config.cache, cluster_secret=SECRET))  # the cluster's: hashes agree
+        self.engine = LLMEngine(config, allocator=self.allocator)
+        self._done: dict[str, threading.Event] = {}
+        self._tokens: dict[str, list[int]] = {}
+        self._cached: dict[str, int] = {}
+        self.loop = EngineLoop(self.engine, self._on_outputs, self._hook, name="tier-test-engine")
+        self.tier = KVTier(self.engine, self.loop.call, store_address, allocator=self.allocator, timeout_s=10)
+        self.loop.start()
+        self._next = 0
+
+    def _hook(self, wait_s: float) -> bool:
+        self.tier.on_events(self.engine, self.engine.take_kv_events())
+        return False
+
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self._tokens[out.request_id] += out.new_token_ids
+            self._cached[out.request_id] = max(self._cached[out.request_id], out.num_cached_tokens)
+            if out.finished:
+                self._done[out.request_id].set()
+
+    async def generate(self, prompt: list[int], tenant: str = "", max_tokens: int = 6) -> tuple[int, list[int], int]:
+        """(blocks fetched from the store, greedy tokens, prompt tokens served from the pool's cache)."""
+        fetched = await self.tier.fetch(prompt, tenant)
+        self._next += 1
+        rid = f"q{self._next}"
+        self._done[rid], self._tokens[rid], self._cached[rid] = threading.Event(), [], 0
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        await asyncio.wrap_future(self.loop.call(lambda e: e.add_request(prompt, params, rid, 0, tenant)))
+        assert await asyncio.to_thread(self._done[rid].wait, 60), f"{rid} did not finish"
+        return fetched, self._tokens[rid], self._cached[rid]
+
+    async def on_engine(self, fn: Any) -> Any:
+        return await asyncio.wrap_future(self.loop.call(fn))
+
+    async def settled(self, timeout_s: float = 20.0) -> None:
+        """Waits until no offload holds a block, then checks the pool: nothing in use."""
+        deadline = time.monotonic() + timeout_s
+        while await self.on_engine(lambda e: self.tier._offload_blocks):
+            assert time.monotonic() < deadline, "offloads still hold blocks"
+            await asyncio.sleep(0.05)
+        usage = await self.on_engine(lambda e: e.check_invariants())
+        assert usage.num_in_use == 0, usage
+        assert self.tier.receiver.num_reservations() == 0
+
+    async def close(self) -> None:
+        await self.tier.close()
+        self.loop.stop()
+        self.allocator.close()
+
+
+def cached_run(engine: LLMEngine, prompt: list[int], tenant: str = "") -> int:
+    """Engine thread: the prompt's full blocks the pool's prefix cache holds, leading run."""
+    return len(engine.block_pool.lookup_run(engine.hasher.hash_prompt(prompt, tenant)))
+
+
+def store_main(pipe: Connection, model_dir: str, model_id: str, capacity_mib: int, copy_delay_s: float) -> None:
+    """A KV store whose fetches copy after `copy_delay_s` (a test kills it meanwhile)."""
+    from kvstore.service import open_store, serve, store_layout
+
+    def slow_copy(dst: int, src: int, nbytes: int) -> None:
+        time.sleep(copy_delay_s)
+        ctypes.memmove(dst, src, nbytes)
+
+    async def run() -> None:
+        store = open_store(store_layout(model_dir, model_id, 4, "float32"), capacity_mib << 20, "127.0.0.1", None,
+                           None, copy=slow_copy)
+        _, port = await serve(store, "127.0.0.1", 0, None)
+        pipe.send(("ok", port))
+        await asyncio.Event().wait()
+
+    asyncio.run(run())
