@@ -115,7 +115,7 @@ def _serve_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
                             otlp_endpoint=args.otlp_endpoint, speculative=speculative_config(args)),
         num_prefill=args.num_prefill, num_decode=args.num_decode, num_routers=args.num_routers,
         controller_max_restarts=args.controller_max_restarts, gpus_per_worker=gpus, autoscale=_autoscale_config(args),
-        decode_tp=args.decode_tp, prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp, prefill_tp=args.prefill_tp, kv_store_mib=args.kv_store_mib,
         router=RouterConfig(host=args.host, port=args.port, metrics_port=_metrics_port(args),
                             otlp_endpoint=args.otlp_endpoint, tokenizer_dir=_model_dir(model), **http_fields(args),
                             admission=_admission_config(args),
@@ -321,6 +321,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     s.add_argument("--prefill-tp", type=int, default=1,
                    help="tensor-parallel degree of each prefill worker (CPU; any degree against --decode-tp: each "
                         "rank pushes its KV heads to the decode ranks that hold them)")
+    s.add_argument("--kv-store-mib", type=int, default=0,
+                   help="the shared KV tier: host memory of each node's store of evicted prefix blocks, which any "
+                        "worker of the node fetches instead of computing them again (CPU workers; default 0: none)")
     s.add_argument("--gpus-per-worker", type=float, default=None,
                    help="GPUs each worker asks Ray for (default 1; 1/N when N workers share a one-GPU machine)")
     s.add_argument("--block-size", type=int, default=16)

@@ -57,6 +57,10 @@ class ClusterConfig:
     pushes its KV heads into the decode ranks that hold them (kvfabric's `HeadMap`); on GPUs
     a split worker's ranks keep their pools private, so there a split decode worker prefills
     its own prompts (mode colocated) and prefill workers run whole."""
+    kv_store_mib: int = 0
+    """Host memory of the shared KV tier's store on each node (kvstore/): blocks a worker's pool
+    evicts live on there, and any worker of the node fetches them instead of computing them
+    again; 0: no tier. CPU workers only for now."""
     num_routers: int = 1
     """Router replicas; more than one share one port (see `RouterConfig.share_port`),
     each with its own admission budget and its own KV index replayed from Redis."""
@@ -78,6 +82,10 @@ class ClusterConfig:
                 self.decode_tp > 1 and self.router.routing.mode != "colocated")):
             raise ValueError("on GPUs a split worker's KV moves within it only: --decode-tp above 1 needs --mode "
                              "colocated, and --prefill-tp stays 1 (on CPU both split, at any degrees)")
+        if self.kv_store_mib < 0:
+            raise ValueError(f"kv_store_mib must be >= 0, got {self.kv_store_mib}")
+        if self.kv_store_mib and self.worker.device.startswith("cuda"):
+            raise ValueError("the shared KV tier (--kv-store-mib) moves host-memory pools: CPU workers only for now")
         if self.num_prefill < 0:
             raise ValueError(f"num_prefill must be >= 0, got {self.num_prefill}")
         if self.num_prefill == 0 and self.router.routing.mode == "disaggregated":

@@ -47,6 +47,7 @@ from cluster.config import ClusterConfig, RouterConfig
 from cluster.controller_metrics import ControllerMetrics
 from cluster.controller_recovery import StateStore
 from cluster.controller_state import ROLES, History, Saved, Worker
+from cluster.kv_stores import KVStores
 from cluster.ray_calls import await_ref
 from cluster.router_pool import RouterPool
 from control.autoscaler import AutoscaleState, Decision, decide
@@ -57,6 +58,7 @@ from control.reader import RegistryReader
 from control.worker_config import dialable_host
 from decode_worker.worker import DecodeWorker
 from engine.gguf_checkpoint import resolve_model_dir
+from kvstore.host import StoreConfig
 from prefill_worker.worker import PrefillWorker
 
 logger = logging.getLogger(__name__)
@@ -72,6 +74,8 @@ class Controller:
         self.workers: dict[str, Worker] = {}
         self.history = History()
         self.routers = RouterPool(self._router_config(), self.redis_url, config.namespace, self._act, START_TIMEOUT_S)
+        self.stores = KVStores(self._store_config(), redis_url, config.namespace)
+        """The shared KV tier's stores, one per node (`kv_store_mib`; none: no tier)."""
         self.info: dict[str, Any] = {}
         self.decision: Decision | None = None
         self._autoscale_state = AutoscaleState()
@@ -134,6 +138,7 @@ class Controller:
         left = named_actors.stop_all(c.namespace, keep=(named_actors.CONTROLLER,))
         if left:  # its controller is gone (ours has the name now): a serve that was killed
             self._act(f"stopped {len(left)} actor(s) an earlier cluster of namespace {c.namespace!r} left: {left}")
+        await self.stores.ensure()  # before the workers, which look for their node's store as they start
         await asyncio.gather(*(self._launch(role, START_TIMEOUT_S) for role in ROLES for _ in range(self.targets[role])))
         short = {r: self.targets[r] - len(self._live(r)) for r in ROLES if len(self._live(r)) < self.targets[r]}
         if short:
@@ -160,6 +165,13 @@ class Controller:
                                    tokenizer_dir=c.router.tokenizer_dir or str(resolve_model_dir(c.worker.model_dir)),
                                    cluster_secret=c.worker.cluster_secret)
 
+    def _store_config(self) -> StoreConfig | None:
+        c, w = self.config, self.config.worker
+        if not c.kv_store_mib:
+            return None
+        return StoreConfig(w.model_dir, c.kv_store_mib << 20, w.block_size, w.dtype, w.model_id,
+                           w.host, w.advertise_host, cluster_secret=w.cluster_secret)
+
     def _worker_options(self, role: Role) -> dict[str, Any]:
         c = self.config
         ranks = c.decode_tp if role == "decode" else c.prefill_tp  # a split worker's processes: one GPU (or CPU share) each
@@ -177,7 +189,8 @@ class Controller:
         await self._save()  # before the actor exists: a restarted controller looks for it by name
         cls = PrefillWorker if role == "prefill" else DecodeWorker
         worker = dataclasses.replace(self.config.worker, tensor_parallel=self.config.decode_tp if role == "decode"
-                                     else self.config.prefill_tp)
+                                     else self.config.prefill_tp,
+                                     kv_store="local" if self.config.kv_store_mib else self.config.worker.kv_store)
         w.actor = named_actors.create(cls, worker_id, self.config.namespace, self._worker_options(role),
                                       worker_id, worker, self.redis_url, self.config.namespace)
         await self._await_serving(w, timeout_s)
@@ -220,6 +233,8 @@ class Controller:
             logger.warning("controller: Redis unavailable (%s); supervising from the last view", e)
         await self._check_liveness()
         await self.routers.check()
+        for node in await self.stores.ensure():
+            self._act(f"started a KV store on node {node[:16]}")
         if self.config.autoscale is not None:
             await self._autoscale()
         self._reconcile()

@@ -81,6 +81,11 @@ class WorkerConfig:
     degrees; on GPUs they stay private (a split decode worker prefills its own prompts, a
     prefill worker runs whole)."""
 
+    kv_store: str | None = None
+    """This host's shared KV tier (kvstore/): "local" finds it in the cluster's Redis (the store
+    started on this host, `serve --kv-store-mib`), HOST:PORT names it; None: none. The worker
+    offers the blocks its pool caches and fetches a prompt's blocks from it before computing."""
+
     def advertised_host(self, redis_url: str | None) -> str:
         """Where peers reach this worker (see `advertise_host`)."""
         return self.advertise_host or dialable_host(self.host, redis_url)
@@ -101,6 +106,9 @@ class WorkerConfig:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         if self.tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be at least 1, got {self.tensor_parallel}")
+        if self.kv_store and self.device.startswith("cuda"):
+            raise ValueError("the shared KV tier moves host-memory pools (CPU workers) for now: a GPU worker "
+                             "runs without --kv-store")
 
     def engine_config(self, role: Role) -> EngineConfig:
         """The engine of a worker that serves a router: the router detokenizes."""

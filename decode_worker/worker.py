@@ -40,6 +40,7 @@ from engine.tp_ranks import TensorRanks
 from kvfabric import ReceiverConfig
 from kvfabric.errors import FabricError
 from kvfabric.pools import kv_allocator, rank_allocator
+from kvstore.tier import start_tier
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from proto.convert import finish_to_pb, prompt_logprobs_to_pb, sampling_from_pb, ticket_to_pb, top_logprobs_to_pb
@@ -84,6 +85,9 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
             token=cluster_token(config.cluster_secret) if config.cluster_secret else None))
         self.loop = EngineLoop(self.engine, self._on_outputs, self._hook, name=f"engine-{worker_id}",
                                on_death=engine_died(worker_id))
+        self.tier = start_tier(self.engine, self.loop.call, self.allocator, config.kv_store, redis_url, namespace,
+                               self.remote.receiver.config.token, config.host, config.advertised_host(redis_url))
+        """This host's shared KV tier (kvstore/tier.py), or None."""
         e = self.engine
         facts = ModelFacts(e.model_id, config.block_size, e.model_config.vocab_size, e.max_model_len,
                            e.kv_pool.num_blocks, e.model_config.kv_window)
@@ -107,6 +111,8 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
         if self.ranks is not None:  # the engine's thread has ended: its followers are released from here
             self.engine.release_followers()
             self.ranks.stop()
+        if self.tier is not None:
+            await self.tier.close()
         self.remote.close()
         self.allocator.close()
 
@@ -190,6 +196,8 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
             prompt = list(request.prompt_token_ids)
             weight = request.tenant_weight or 1.0
             if request.local_prefill:
+                if self.tier is not None:  # the prompt's blocks this host's store holds, into the pool first
+                    await self.tier.fetch(prompt, request.tenant)
                 await asyncio.wrap_future(self.loop.call(
                     lambda e: e.add_request(prompt, params, rid, request.priority, request.tenant, weight)))
                 return None
@@ -213,14 +221,21 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
     # -- on the engine thread --------------------------------------------------------------
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         self._send(list(outputs))
-        self.host.publish_events(self.engine.take_kv_events())
+        self._kv_events()
 
     def _hook(self, wait_s: float) -> bool:
         items = self.remote.pump(wait_s)
         if items:
             self._send(items)
-        self.host.publish_events(self.engine.take_kv_events())
+        self._kv_events()
         return bool(items)
+
+    def _kv_events(self) -> None:
+        """The pool's changes to the routers' index, and its newly cached blocks to the tier."""
+        events = self.engine.take_kv_events()
+        if self.tier is not None:
+            self.tier.on_events(self.engine, events)
+        self.host.publish_events(events)
 
     def _send(self, items: list[Item]) -> None:
         assert self._aio is not None

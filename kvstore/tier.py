@@ -46,6 +46,7 @@ from kvfabric import (
     TransferFailed,
 )
 from kvfabric.pools import KVAllocator, exports, worker_pools
+from kvstore.host import find_store
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from proto.convert import ticket_from_pb, ticket_to_pb
@@ -266,6 +267,20 @@ class KVTier:
         self.sender.close()
         self.receiver.close()
         self.pools.close()
+
+
+def start_tier(engine: LLMEngine, call: EngineCall, allocator: KVAllocator | None, kv_store: str | None,
+               redis_url: str | None, namespace: str, token: str | None, host: str,
+               advertise_host: str | None) -> KVTier | None:
+    """A worker's tier: `kv_store` "local" (this host's store, from Redis) or HOST:PORT; None
+    when none is configured or none is registered for this host (then it serves without one)."""
+    if not kv_store:
+        return None
+    address = find_store(redis_url, namespace) if kv_store == "local" else kv_store
+    if address is None:
+        logger.warning("no KV store is registered for this host: serving without the shared KV tier")
+        return None
+    return KVTier(engine, call, address, token, allocator, host, advertise_host)
 
 
 def _releaser(holder: RequestId) -> Callable[[LLMEngine], object]:

@@ -35,7 +35,8 @@ from engine.tp_ranks import TensorRanks
 from engine.types import InvalidRequestError, RequestId
 from kvfabric import SenderConfig
 from kvfabric.errors import FabricError
-from kvfabric.pools import rank_allocator
+from kvfabric.pools import kv_allocator, rank_allocator
+from kvstore.tier import start_tier
 from prefill_worker.kv_push import KVPusher, PushDone
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
@@ -84,7 +85,9 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
         engine_config = config.engine_config("prefill")
         if self.ranks is not None:
             engine_config = self.ranks.start(engine_config)
-        self.engine = LLMEngine(engine_config)
+        self.allocator = kv_allocator(config.device) if config.kv_store else None
+        """Shared memory for the pool when a KV store on this host copies fetched blocks into it."""
+        self.engine = LLMEngine(engine_config, allocator=self.allocator)
         try:
             self.pusher = KVPusher(self.engine, SenderConfig(
                 renew_interval_s=config.kv_lease_s / 4, transport=config.kv_transport,
@@ -95,6 +98,10 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
         self.engine.handoff = self.pusher
         self.loop = EngineLoop(self.engine, self._on_outputs, self._hook, name=f"engine-{worker_id}",
                                on_death=engine_died(worker_id))
+        self.tier = start_tier(self.engine, self.loop.call, self.allocator, config.kv_store, redis_url, namespace,
+                               cluster_token(config.cluster_secret) if config.cluster_secret else None, config.host,
+                               config.advertised_host(redis_url))
+        """This host's shared KV tier (kvstore/tier.py), or None."""
         e = self.engine
         facts = ModelFacts(e.model_id, config.block_size, e.model_config.vocab_size, e.max_model_len,
                            e.kv_pool.num_blocks, e.model_config.kv_window)
@@ -115,7 +122,11 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
         await self.host.stop()
         self.loop.stop()
         self.pusher.close()
+        if self.tier is not None:
+            await self.tier.close()
         self._stop_ranks()
+        if self.allocator is not None:
+            self.allocator.close()
 
     def _stop_ranks(self) -> None:
         """After the engine's thread ended (or never started): its followers are released from here."""
@@ -135,6 +146,8 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
         try:
             try:
                 trace = dict(tracing.headers(span)).get("traceparent", "")
+                if self.tier is not None:  # the prompt's blocks this host's store holds, into the pool first
+                    await self.tier.fetch(list(request.prompt_token_ids), request.tenant)
                 await asyncio.wrap_future(self.loop.call(lambda e: self._start(e, request, trace)))
             except Exception as e:  # noqa: BLE001 - every failure becomes the call's status
                 ended = True  # _start cleaned up
@@ -229,7 +242,10 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
         self._send(done.request_id, done)
 
     def _hook(self, wait_s: float) -> bool:
-        self.host.publish_events(self.engine.take_kv_events())
+        events = self.engine.take_kv_events()
+        if self.tier is not None:  # newly cached blocks offered to this host's store
+            self.tier.on_events(self.engine, events)
+        self.host.publish_events(events)
         return False
 
     def _idle_report(self, engine: LLMEngine) -> dict[str, object]:

@@ -1,0 +1,139 @@
+"""A host's KV store as a service: the store, its gRPC API and its entry in the cluster's Redis.
+
+    StoreHost.start -> KVStore (shared memory) + gRPC on `host` (free port)
+                    -> `{namespace}:kvstore:{host id}` = its address, refreshed every second
+                       (expires 5 s after the store is gone: workers then run without it)
+    a worker (`WorkerConfig.kv_store = "local"`) -> `find_store`: the entry of its own host
+
+The same class runs as a Ray actor (the controller starts one per node that hosts workers,
+`serve --kv-store-mib`) or in a plain process (`splitserve kv-store`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from control.worker_config import NODE_IP, dialable_host
+from kvfabric.address import local_host_id
+
+logger = logging.getLogger(__name__)
+
+TTL_S = 5.0
+"""A store's Redis entry outlives its last refresh by this long."""
+
+
+def store_key(ns: str, host_id: str) -> str:
+    return f"{ns}:kvstore:{host_id}"
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    model_dir: str
+    capacity_bytes: int
+    """Host memory for blocks (a shared-memory segment of this size)."""
+    block_size: int = 16
+    dtype: str = "float32"
+    model_id: str | None = None
+    """As the workers' (`WorkerConfig.model_id`): the name their block hashes are keyed with."""
+    host: str = "127.0.0.1"
+    advertise_host: str | None = None
+    port: int = 0
+    cluster_secret: bytes | None = field(default=None, repr=False)
+
+
+class StoreHost:
+    def __init__(self, config: StoreConfig, redis_url: str | None, namespace: str) -> None:
+        self.config, self.redis_url, self.namespace = config, redis_url, namespace
+        self.store: Any = None
+        self.server: grpc.aio.Server | None = None
+        self.address = ""
+        self._stop = threading.Event()
+        self._registrar: threading.Thread | None = None
+
+    async def start(self) -> dict[str, object]:
+        """Opens the store and serves it; returns `info()` (idempotent)."""
+        if self.store is not None:
+            return self.info()
+        from kvstore.service import open_store, serve, store_layout
+
+        c = self.config
+        host = c.host
+        if host == NODE_IP:  # the workers' "the node's IP": resolved where this actor runs
+            import ray
+
+            host = ray.util.get_node_ip_address()
+        advertised = c.advertise_host or dialable_host(host, self.redis_url)
+        layout = store_layout(c.model_dir, c.model_id or "", c.block_size, c.dtype)
+        self.store = open_store(layout, c.capacity_bytes, host, advertised, c.cluster_secret)
+        self.server, port = await serve(self.store, host, c.port, c.cluster_secret)
+        self.address = f"{advertised}:{port}"
+        if self.redis_url:
+            self._registrar = threading.Thread(target=self._register, name="kvstore-registrar", daemon=True)
+            self._registrar.start()
+        logger.info("KV store of %d blocks (%d MiB) serving on %s", self.store.capacity,
+                    c.capacity_bytes >> 20, self.address)
+        return self.info()
+
+    def info(self) -> dict[str, object]:
+        s = self.store
+        return {"address": self.address, "host_id": local_host_id(), "capacity_blocks": s.capacity if s else 0,
+                "num_blocks": s.num_blocks if s else 0}
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._registrar is not None:
+            self._registrar.join(3)
+        if self.server is not None:
+            await self.server.stop(1)
+        if self.store is not None:
+            self.store.close()
+
+    def _register(self) -> None:
+        import redis
+
+        client = redis.Redis.from_url(self.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        key = store_key(self.namespace, local_host_id())
+        value = json.dumps({"address": self.address})
+        try:
+            while not self._stop.is_set():
+                try:
+                    client.set(key, value, px=int(TTL_S * 1000))
+                except redis.RedisError as e:
+                    logger.warning("KV store: cannot register in Redis (%s); retrying", e)
+                self._stop.wait(1.0)
+            try:
+                client.delete(key)
+            except redis.RedisError:
+                pass
+        finally:
+            client.close()
+
+
+def find_store(redis_url: str | None, namespace: str, timeout_s: float = 10.0) -> str | None:
+    """The address of this host's store from the cluster's Redis (waits up to `timeout_s` for
+    one starting beside this worker); None: there is none."""
+    if not redis_url:
+        return None
+    import redis
+
+    client = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                raw = client.get(store_key(namespace, local_host_id()))
+            except redis.RedisError:
+                raw = None
+            if raw:
+                return str(json.loads(raw)["address"])
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.2)
+    finally:
+        client.close()

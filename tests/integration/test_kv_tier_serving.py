@@ -1,0 +1,58 @@
+"""The shared KV tier through a cluster (`serve --kv-store-mib`): the controller starts the
+node's store, the workers find it in Redis; a conversation whose blocks the workers' small
+pools evicted is served again from the store, with the tokens of the whole model and its
+prompt counted as cached, on the prefill worker (disaggregated) or the decode worker's own
+prefill (colocated); afterwards nothing is held anywhere."""
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
+from cluster.local import LocalCluster
+from control.auth import TOKEN_METADATA, cluster_token
+from engine.request import SamplingParams
+from kvstore.host import find_store
+from proto import generate_pb2 as pb
+from proto import generate_pb2_grpc as pb_grpc
+from router.policy import RoutingConfig
+from tests.integration.cluster_checks import assert_idle
+from tests.integration.reference import make_engine, random_prompts
+
+pytestmark = pytest.mark.timeout(600)
+
+POOL_BLOCKS = 24
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_an_evicted_conversation_is_served_from_the_nodes_store(tiny_llama_dir: str, mode: str) -> None:
+    block_bytes = make_engine(tiny_llama_dir, block_size=16, num_blocks=8).layout.block_bytes
+    config = ClusterConfig(
+        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=POOL_BLOCKS * block_bytes),
+        num_prefill=1 if mode == "disaggregated" else 0, num_decode=1, kv_store_mib=16, worker_num_cpus=0.5,
+        router=RouterConfig(port=0, routing=RoutingConfig(mode=mode)))
+    prompt, *others = random_prompts([170, 170, 170, 170], 512, seed=6)  # 10 full blocks each, 24 in a pool
+    want = make_engine(tiny_llama_dir, block_size=16).generate(
+        [prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+    with LocalCluster(config) as cluster:
+        token = (TOKEN_METADATA, cluster_token(cluster.config.worker.cluster_secret))
+        store = find_store(cluster.redis_url, config.namespace, timeout_s=0)
+        assert store is not None
+        with grpc.insecure_channel(cluster.address) as channel, grpc.insecure_channel(store) as store_channel:
+            stub, stats = pb_grpc.GenerationStub(channel), pb_grpc.KVStoreStub(store_channel)
+
+            def generate(p: list[int]) -> tuple[list[int], int]:
+                got = list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=p), sampling=pb.SamplingParams(
+                    max_tokens=8, ignore_eos=True, temperature=0)), timeout=120))
+                return [t for r in got for t in r.token_ids], got[-1].usage.cached_tokens
+
+            assert generate(prompt) == (want, 0)
+            for other in others:  # 30 blocks more than the pools hold: the first prompt's are evicted
+                generate(other)
+            assert stats.Stats(pb.StatsRequest(), metadata=[token]).num_fetched == 0
+            assert generate(prompt) == (want, 160)  # its 10 full blocks, from the store
+            assert stats.Stats(pb.StatsRequest(), metadata=[token]).num_fetched == 10
+            with pytest.raises(grpc.RpcError) as refused:  # the store serves its cluster only
+                stats.Stats(pb.StatsRequest())
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert_idle(cluster)
