@@ -236,7 +236,8 @@ def _worker(args: argparse.Namespace) -> int:
                               gpu_memory_utilization=utilization, host=args.host, num_threads=args.num_threads,
                               model_id=args.model_id, advertise_host=args.advertise_host,
                               cluster_secret=required_secret(), otlp_endpoint=args.otlp_endpoint,
-                              speculative=speculative_config(args), tensor_parallel=args.tensor_parallel)
+                              speculative=speculative_config(args), tensor_parallel=args.tensor_parallel,
+                              kv_store=args.kv_store)
         if args.tensor_parallel > 1 and args.role == "prefill" and device.startswith("cuda"):
             raise ValueError("--tensor-parallel splits prefill workers on CPU only: on GPUs a split worker's ranks "
                              "keep their KV pools private, so its pushes could not carry every KV head")
@@ -257,6 +258,29 @@ def _worker(args: argparse.Namespace) -> int:
                 f"(Redis {redacted(redis_url)})")
 
     return _run_until_signal(start, worker.shutdown)
+
+
+def _kv_store(args: argparse.Namespace) -> int:
+    from cluster.default_model import model_path
+    from kvstore.host import StoreConfig, StoreHost
+
+    try:
+        if args.kv_store_mib <= 0:
+            raise ValueError(f"--kv-store-mib must be positive, got {args.kv_store_mib}")
+        config = StoreConfig(model_path(args.model), args.kv_store_mib << 20, args.block_size, args.dtype,
+                             args.model_id, args.host, args.advertise_host, args.port, required_secret())
+        redis_url = redis_url_of(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    host = StoreHost(config, redis_url, args.namespace)
+
+    async def start() -> str:
+        info = await host.start()
+        return (f"splitserve: KV store of {info['capacity_blocks']} blocks serving on {info['address']} for this "
+                f"host's workers (Redis {redacted(redis_url)})")
+
+    return _run_until_signal(start, host.stop)
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -306,7 +330,23 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
                    help="split the model across this many processes (GPUs); on GPUs decode only, prefilling its "
                         "own prompts")
     add_speculative_flags(w)
+    w.add_argument("--kv-store", help="this host's shared KV tier: `local` (the store `splitserve kv-store` "
+                                      "registered for this host) or HOST:PORT (default: none)")
     w.set_defaults(func=_worker)
+
+    k = sub.add_parser("kv-store", help="run this host's shared KV tier (a store of prefix blocks) as a plain process")
+    add_redis_url_flag(k)
+    k.add_argument("--namespace", default="splitserve", help="prefix of the cluster's Redis keys")
+    k.add_argument("--model", help="the workers' model: directory, .gguf file, or `tiny` (default: the embedded one)")
+    k.add_argument("--model-id", help="as the workers' --model-id (default: the directory's name)")
+    k.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="the workers' KV dtype")
+    k.add_argument("--block-size", type=int, default=16)
+    k.add_argument("--kv-store-mib", type=int, default=1024, help="host memory for blocks")
+    k.add_argument("--host", default="127.0.0.1", help="interface for the store's gRPC and kvfabric listeners")
+    k.add_argument("--advertise-host", help="address workers dial (default: --host)")
+    k.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one, printed when ready)")
+    k.set_defaults(func=_kv_store)
 
     r = sub.add_parser("router", help="run one router replica as a plain process (no Ray)")
     add_redis_url_flag(r)

@@ -1,5 +1,6 @@
-"""A cluster without Ray: `splitserve worker prefill|decode` and `splitserve router` as plain
-processes around a real redis-server. The router finds the workers through their heartbeats;
+"""A cluster without Ray: `splitserve kv-store`, `splitserve worker prefill|decode` and
+`splitserve router` as plain processes around a real redis-server. The router finds the
+workers through their heartbeats, the workers their host's KV store through its entry;
 greedy output equals the monolithic engine; SIGTERM stops each process cleanly."""
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from urllib.parse import urlsplit
 
 import grpc
@@ -14,6 +16,7 @@ import pytest
 
 from benchmarks.separate_hosts import start_serving
 from cluster.local import EmbeddedRedis
+from control.auth import cluster_token
 from engine.request import SamplingParams
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
@@ -33,7 +36,10 @@ def test_plain_process_workers_serve_through_a_plain_process_router(tiny_llama_d
     procs: list[subprocess.Popen] = []
     try:
         assert urlsplit(redis.url).password  # the embedded Redis has one: it stays out of argv
-        common = ["--namespace", "plain", "--model", tiny_llama_dir, "--kv-cache-mib", "8"]
+        store, store_address = start(["kv-store", "--namespace", "plain", "--model", tiny_llama_dir,
+                                      "--kv-store-mib", "8"], redis.url)
+        procs.append(store)
+        common = ["--namespace", "plain", "--model", tiny_llama_dir, "--kv-cache-mib", "8", "--kv-store", "local"]
         addresses = {}
         for role, wid in (("decode", "decode-a"), ("prefill", "prefill-a")):
             proc, addresses[role] = start(["worker", role, "--worker-id", wid, *common], redis.url)
@@ -52,6 +58,13 @@ def test_plain_process_workers_serve_through_a_plain_process_router(tiny_llama_d
             got = list(stub.Generate(request, timeout=60))
         assert [t for r in got for t in r.token_ids] == want
         assert (got[-1].route.prefill_worker, got[-1].route.decode_worker) == ("prefill-a", "decode-a")
+        with grpc.insecure_channel(store_address) as channel:  # the prompt's 2 full blocks reached the store
+            stats = pb_grpc.KVStoreStub(channel)
+            token = [("x-splitserve-token", cluster_token(b"plain-test-secret"))]
+            deadline = time.monotonic() + 30
+            while stats.Stats(pb.StatsRequest(), metadata=token, timeout=10).num_stored < 2:
+                assert time.monotonic() < deadline, "the workers offered the store nothing"
+                time.sleep(0.2)
         with grpc.insecure_channel(decode_address) as channel:  # straight to the worker, without the secret
             for metadata in (None, (("x-splitserve-token", "guess"),)):
                 with pytest.raises(grpc.RpcError) as e:
@@ -67,4 +80,4 @@ def test_plain_process_workers_serve_through_a_plain_process_router(tiny_llama_d
             proc.send_signal(signal.SIGTERM)
         codes = [proc.wait(timeout=60) for proc in reversed(procs)]
         redis.stop()
-    assert codes == [0, 0, 0]
+    assert codes == [0, 0, 0, 0]
