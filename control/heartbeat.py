@@ -111,6 +111,9 @@ class Heartbeat(msgspec.Struct, frozen=True):
     step_profile: list[float] = msgspec.field(default_factory=list)
     """A decode worker's start-up profile of its decode steps (engine/step_profile.py), flat
     (requests, KV tokens, seconds) triples; routers prefer it to `step_model`. Empty: none run."""
+    kv_store: str = ""
+    """The id of the KV store this worker fetches from (its host's, kvstore/host.py), whose
+    event stream routers index; empty: none."""
 
     def __post_init__(self) -> None:
         """What the types cannot say (msgspec checks the types as it decodes)."""
@@ -119,6 +122,8 @@ class Heartbeat(msgspec.Struct, frozen=True):
             raise ValueError("heartbeat field load holds a negative count")
         if not all(math.isfinite(x) for x in (*self.step_model, *self.step_profile, self.sent_at)):
             raise ValueError("heartbeat holds a number that is not finite")
+        if len(self.kv_store) > 64:
+            raise ValueError("heartbeat field kv_store is longer than 64 characters")
         if len(self.step_model) not in (0, 3):
             raise ValueError("heartbeat field step_model is not [a, b, c] seconds")
         p = self.step_profile

@@ -113,6 +113,8 @@ class WorkerHost:
         """Decode workers: the engine's step model (engine/step_model.py), for the heartbeat."""
         self.step_profile: tuple[tuple[float, float, float], ...] = ()
         """Decode workers: their start-up profile of decode steps (engine/step_profile.py)."""
+        self.read_kv_store: Callable[[], str] = lambda: ""
+        """The id of the KV store the worker fetches from (kvstore/tier.py), for the heartbeat."""
         self.server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self.publisher = Publisher(redis_url, namespace, worker_id, self.heartbeat, config.heartbeat_interval_s,
@@ -157,7 +159,7 @@ class WorkerHost:
         return Heartbeat(self.worker_id, self.role, self.address, self.state, self.incarnation,
                          self.facts, load, metrics_address=self.metrics_address,
                          sent_at=time.time(), step_model=list(self.read_step_model() or ()),
-                         step_profile=[x for row in self.step_profile for x in row])
+                         step_profile=[x for row in self.step_profile for x in row], kv_store=self.read_kv_store())
 
     def refusal(self, request_id: str, running: Container[str]) -> tuple[grpc.StatusCode, str] | None:
         """For a new call of `request_id`: None when this worker takes it, else the status to

@@ -94,6 +94,8 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
         self.host = WorkerHost(worker_id, "decode", config, facts, engine_load_reader(self.loop), redis_url, namespace)
         self.host.read_step_model = lambda: self.engine.step_model.latest  # a tuple swapped whole: read from here
         self.host.step_profile = profile
+        if self.tier is not None:
+            self.host.read_kv_store = lambda: self.tier.store_id if self.tier else ""
         if self.host.metrics is not None:
             self.host.metrics.read_reservations = self.remote.receiver.num_reservations
         self._requests: dict[str, _Decode] = {}

@@ -1,15 +1,19 @@
 """A host's KV store as a service: the store, its gRPC API and its entry in the cluster's Redis.
 
     StoreHost.start -> KVStore (shared memory) + gRPC on `host` (free port)
-                    -> `{namespace}:kvstore:{host id}` = its address, refreshed every second
-                       (expires 5 s after the store is gone: workers then run without it)
-    a worker (`WorkerConfig.kv_store = "local"`) -> `find_store`: the entry of its own host
+                    -> `{namespace}:kvstore:{host id}` = its address and store id, refreshed
+                       every second (expires 5 s after the store is gone)
+                    -> its `stored` / `removed` events on the KV event stream of its store id,
+                       as a worker's (control/publisher.py): routers index what each store holds
+    a worker (`WorkerConfig.kv_store = "local"`) -> `find_store`: the entry of its own host;
+    its heartbeat names the store id, so a router prices a hit there for that worker
 
 The same class runs as a Ray actor (the controller starts one per node that hosts workers,
 `serve --kv-store-mib`) or in a plain process (`splitserve kv-store`).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
@@ -30,6 +34,17 @@ TTL_S = 5.0
 
 def store_key(ns: str, host_id: str) -> str:
     return f"{ns}:kvstore:{host_id}"
+
+
+def store_id_of(host_id: str) -> str:
+    """The member id a host's store publishes its KV events under (the same after a restart)."""
+    return "kvstore-" + hashlib.blake2b(host_id.encode(), digest_size=6).hexdigest()
+
+
+@dataclass(frozen=True)
+class StoreEntry:
+    address: str
+    store_id: str
 
 
 @dataclass(frozen=True)
@@ -55,6 +70,8 @@ class StoreHost:
         self.address = ""
         self._stop = threading.Event()
         self._registrar: threading.Thread | None = None
+        self.store_id = store_id_of(local_host_id())
+        self.publisher: Any = None
 
     async def start(self) -> dict[str, object]:
         """Opens the store and serves it; returns `info()` (idempotent)."""
@@ -70,10 +87,14 @@ class StoreHost:
             host = ray.util.get_node_ip_address()
         advertised = c.advertise_host or dialable_host(host, self.redis_url)
         layout = store_layout(c.model_dir, c.model_id or "", c.block_size, c.dtype)
-        self.store = open_store(layout, c.capacity_bytes, host, advertised, c.cluster_secret)
+        self.store = open_store(layout, c.capacity_bytes, host, advertised, c.cluster_secret, store_id=self.store_id)
         self.server, port = await serve(self.store, host, c.port, c.cluster_secret)
         self.address = f"{advertised}:{port}"
         if self.redis_url:
+            from control.publisher import Publisher
+
+            self.publisher = Publisher(self.redis_url, self.namespace, self.store_id, lambda: None)
+            self.publisher.start()
             self._registrar = threading.Thread(target=self._register, name="kvstore-registrar", daemon=True)
             self._registrar.start()
         logger.info("KV store of %d blocks (%d MiB) serving on %s", self.store.capacity,
@@ -82,13 +103,15 @@ class StoreHost:
 
     def info(self) -> dict[str, object]:
         s = self.store
-        return {"address": self.address, "host_id": local_host_id(), "capacity_blocks": s.capacity if s else 0,
-                "num_blocks": s.num_blocks if s else 0}
+        return {"address": self.address, "store_id": self.store_id, "host_id": local_host_id(),
+                "capacity_blocks": s.capacity if s else 0, "num_blocks": s.num_blocks if s else 0}
 
     async def stop(self) -> None:
         self._stop.set()
         if self._registrar is not None:
             self._registrar.join(3)
+        if self.publisher is not None:
+            self.publisher.stop()
         if self.server is not None:
             await self.server.stop(1)
         if self.store is not None:
@@ -99,14 +122,19 @@ class StoreHost:
 
         client = redis.Redis.from_url(self.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
         key = store_key(self.namespace, local_host_id())
-        value = json.dumps({"address": self.address})
+        value = json.dumps({"address": self.address, "store_id": self.store_id})
+        next_entry = 0.0
         try:
             while not self._stop.is_set():
-                try:
-                    client.set(key, value, px=int(TTL_S * 1000))
-                except redis.RedisError as e:
-                    logger.warning("KV store: cannot register in Redis (%s); retrying", e)
-                self._stop.wait(1.0)
+                self.publisher.publish_events(self.store.take_events())  # never blocks
+                if time.monotonic() >= next_entry:
+                    try:
+                        client.set(key, value, px=int(TTL_S * 1000))
+                        next_entry = time.monotonic() + 1.0
+                    except redis.RedisError as e:
+                        logger.warning("KV store: cannot register in Redis (%s); retrying", e)
+                        next_entry = time.monotonic() + 1.0
+                self._stop.wait(0.1)
             try:
                 client.delete(key)
             except redis.RedisError:
@@ -115,9 +143,9 @@ class StoreHost:
             client.close()
 
 
-def find_store(redis_url: str | None, namespace: str, timeout_s: float = 10.0) -> str | None:
-    """The address of this host's store from the cluster's Redis (waits up to `timeout_s` for
-    one starting beside this worker); None: there is none."""
+def find_store(redis_url: str | None, namespace: str, timeout_s: float = 10.0) -> StoreEntry | None:
+    """This host's store from the cluster's Redis (waits up to `timeout_s` for one starting
+    beside this worker); None: there is none."""
     if not redis_url:
         return None
     import redis
@@ -131,7 +159,8 @@ def find_store(redis_url: str | None, namespace: str, timeout_s: float = 10.0) -
             except redis.RedisError:
                 raw = None
             if raw:
-                return str(json.loads(raw)["address"])
+                entry = json.loads(raw)
+                return StoreEntry(str(entry["address"]), str(entry["store_id"]))
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.2)

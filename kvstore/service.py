@@ -60,7 +60,8 @@ class StoreService(pb_grpc.KVStoreServicer):
                              block_bytes=self.store.layout.block_bytes, num_offered=s.num_offered,
                              num_stored=s.num_stored, num_lookups=s.num_lookups, num_hit_blocks=s.num_hit_blocks,
                              num_fetched=s.num_fetched, num_evicted=s.num_evicted, bytes_in=s.bytes_in,
-                             bytes_out=s.bytes_out, num_fetch_failures=s.num_fetch_failures)
+                             bytes_out=s.bytes_out, num_fetch_failures=s.num_fetch_failures,
+                             store_id=self.store.store_id)
 
 
 def store_layout(model_dir: str, model_id: str, block_size: int, dtype: str) -> FabricLayout:
@@ -85,11 +86,11 @@ async def serve(store: KVStore, host: str, port: int, secret: bytes | None) -> t
 
 
 def open_store(layout: FabricLayout, capacity_bytes: int, host: str, advertise_host: str | None,
-               secret: bytes | None, copy: CopyBytes = ctypes.memmove) -> KVStore:
+               secret: bytes | None, copy: CopyBytes = ctypes.memmove, store_id: str = "") -> KVStore:
     """A store of `capacity_bytes` of blocks, its kvfabric listener on `host`."""
     token = cluster_token(secret) if secret else None
     num_blocks = capacity_bytes // layout.block_bytes
     if num_blocks < 1:
         raise ValueError(f"a KV store of {capacity_bytes} bytes holds no {layout.block_bytes}-byte block")
     return KVStore(layout, num_blocks, ReceiverConfig(host=host, advertise_host=advertise_host, token=token),
-                   SenderConfig(token=token), copy)
+                   SenderConfig(token=token), copy, store_id)

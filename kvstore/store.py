@@ -26,6 +26,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine.block_pool import KVEvent, KVEventKind
+from engine.types import BlockHash
 from kvfabric import (
     BlockRegion,
     BlocksFenced,
@@ -63,8 +65,10 @@ class StoreStats:
 
 class KVStore:
     def __init__(self, layout: FabricLayout, num_blocks: int, receiver: ReceiverConfig | None = None,
-                 sender: SenderConfig | None = None, copy: CopyBytes = ctypes.memmove) -> None:
-        """`copy` moves a fetch's bytes into a worker's shared pool (see kvfabric's `CopyBytes`)."""
+                 sender: SenderConfig | None = None, copy: CopyBytes = ctypes.memmove, store_id: str = "") -> None:
+        """`copy` moves a fetch's bytes into a worker's shared pool (see kvfabric's `CopyBytes`);
+        `store_id`: the member id its KV events are published under (routers index them)."""
+        self.store_id = store_id
         if num_blocks <= 0:
             raise ValueError(f"a KV store holds at least one block, got {num_blocks}")
         if layout.world != 1:
@@ -87,6 +91,9 @@ class KVStore:
         self._quarantine: dict[str, list[int]] = {}
         """Failed offers whose writer may still write: their slots, until it is fenced."""
         self._ids = itertools.count(1)
+        self._events_out: list[KVEvent] = []
+        """`stored` / `removed` events for the routers' index of the tiers, numbered without gaps."""
+        self._next_event_id = 0
         self._stop = threading.Event()
         self._events = threading.Thread(target=self._apply_events, name="kvstore-events", daemon=True)
         self._events.start()
@@ -181,7 +188,18 @@ class KVStore:
         self.receiver.close()
         self.segment.close()
 
+    def take_events(self) -> list[KVEvent]:
+        """The `stored` / `removed` events since the last call (the routers' index of the tiers)."""
+        with self._lock:
+            events, self._events_out = self._events_out, []
+        return events
+
     # -- internals ---------------------------------------------------------------------------
+    def _emit(self, kind: KVEventKind, hashes: list[bytes]) -> None:
+        """Under the lock. A store's blocks are no chain of one prompt: no parent is named."""
+        self._events_out.append(KVEvent(self._next_event_id, kind, [BlockHash(h) for h in hashes]))
+        self._next_event_id += 1
+
     def _touch(self, hashes: Sequence[bytes]) -> None:
         """Most recently used, the chain's first block last (evicted after its later ones)."""
         for h in reversed(hashes):
@@ -200,6 +218,8 @@ class KVStore:
             for h in victims:
                 taken.append(self._index.pop(h))
             self.stats.num_evicted += len(victims)
+            if victims:
+                self._emit("removed", victims)
         return taken
 
     def _apply_events(self) -> None:
@@ -219,6 +239,7 @@ class KVStore:
                         for h, slot in zip(hashes, slots, strict=True):
                             self._index[h] = slot
                         self._touch(hashes)
+                        self._emit("stored", hashes)
                         self.stats.num_stored += len(slots)
                         self.stats.bytes_in += len(slots) * self.layout.block_bytes
                     elif isinstance(ev, TransferFailed) and ev.blocks_held:

@@ -25,6 +25,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,12 +47,15 @@ from kvfabric import (
     TransferFailed,
 )
 from kvfabric.pools import KVAllocator, exports, worker_pools
-from kvstore.host import find_store
+from kvstore.host import StoreEntry, find_store
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from proto.convert import ticket_from_pb, ticket_to_pb
 
 logger = logging.getLogger(__name__)
+
+RESOLVE_EVERY_S = 5.0
+"""Least time between two searches for a store that went away."""
 
 EngineCall = Callable[[Callable[[LLMEngine], Any]], "concurrent.futures.Future[Any]"]
 """Runs a function on the engine thread (EngineLoop.call)."""
@@ -75,10 +79,15 @@ class TierCounters:
 class KVTier:
     def __init__(self, engine: LLMEngine, call: EngineCall, address: str, token: str | None = None,
                  allocator: KVAllocator | None = None, host: str = "127.0.0.1", advertise_host: str | None = None,
-                 timeout_s: float = 5.0, min_blocks: int = 1, max_offload_blocks: int = 4096) -> None:
+                 timeout_s: float = 5.0, min_blocks: int = 1, max_offload_blocks: int = 4096,
+                 store_id: str = "", resolve: Callable[[], StoreEntry | None] | None = None) -> None:
         """`address`: the store's gRPC host:port; `allocator`: the one the engine's pool came
-        from (shared memory: the store on this host copies straight into it)."""
-        self.engine, self.call, self.address = engine, call, address
+        from (shared memory: the store on this host copies straight into it); `store_id`: its
+        KV event stream's id (heartbeats name it, routers index it); `resolve`: finds the
+        host's store again after it went away (a restarted store listens elsewhere)."""
+        self.engine, self.call, self.address, self.store_id = engine, call, address, store_id
+        self.resolve = resolve
+        self._resolved_at = 0.0
         self.timeout_s, self.min_blocks, self.max_offload_blocks = timeout_s, min_blocks, max_offload_blocks
         self.metadata = ((TOKEN_METADATA, token),) if token else ()
         self.pools = worker_pools(engine.model_id, engine.kv_pool, engine.model_config.num_kv_heads, engine.kv_shards,
@@ -118,6 +127,8 @@ class KVTier:
             reply = await stub.Lookup(pb.LookupRequest(block_hashes=hashes), timeout=self.timeout_s,
                                       metadata=self.metadata)
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                await self._find_again()
             return self._failed(f"lookup: {e.code().name}")
         k = min(reply.num_blocks, len(hashes))
         if k < self.min_blocks:
@@ -192,6 +203,21 @@ class KVTier:
             self._stub = pb_grpc.KVStoreStub(self._aio_channel)
         return self._stub
 
+    async def _find_again(self) -> None:
+        """The store did not answer: look for the host's store again (at most every 5 s); a new
+        address replaces the old one here and, from its next offer, on the offload lane."""
+        if self.resolve is None or time.monotonic() - self._resolved_at < RESOLVE_EVERY_S:
+            return
+        self._resolved_at = time.monotonic()
+        entry = await asyncio.to_thread(self.resolve)
+        if entry is None or entry.address == self.address:
+            return
+        logger.info("kv store: %s replaces %s", entry.address, self.address)
+        old, self._aio_channel, self._stub = self._aio_channel, None, None
+        self.address, self.store_id = entry.address, entry.store_id
+        if old is not None:
+            await old.close()
+
     # -- offload (engine thread, then the lane) ------------------------------------------------
     def on_events(self, e: LLMEngine, events: list[KVEvent]) -> None:
         """Engine thread, with each step's KV events: newly cached blocks held and queued for the store."""
@@ -211,10 +237,15 @@ class KVTier:
             self._offloads.put((hid, hashes, [int(b) for b in blocks]))  # type: ignore[arg-type]
 
     def _offload_lane(self) -> None:
-        with grpc.insecure_channel(self.address) as channel:
-            stub = pb_grpc.KVStoreStub(channel)
+        address, channel = self.address, grpc.insecure_channel(self.address)
+        stub = pb_grpc.KVStoreStub(channel)
+        try:
             while (item := self._offloads.get()) is not None:
                 hid, hashes, blocks = item
+                if address != self.address:  # the store moved (`_find_again`)
+                    channel.close()
+                    address, channel = self.address, grpc.insecure_channel(self.address)
+                    stub = pb_grpc.KVStoreStub(channel)
                 try:
                     self._offload(stub, hashes, blocks)
                 except (grpc.RpcError, FabricError, ValueError) as e:
@@ -222,6 +253,8 @@ class KVTier:
                     logger.debug("kv store %s: offload of %d blocks failed: %s", self.address, len(blocks), e)
                 finally:
                     self.call(self._unholder(hid, len(blocks)))
+        finally:
+            channel.close()
 
     def _offload(self, stub: pb_grpc.KVStoreStub, hashes: list[BlockHash], blocks: list[int]) -> None:
         self.counters.num_offered_blocks += len(hashes)
@@ -276,11 +309,26 @@ def start_tier(engine: LLMEngine, call: EngineCall, allocator: KVAllocator | Non
     when none is configured or none is registered for this host (then it serves without one)."""
     if not kv_store:
         return None
-    address = find_store(redis_url, namespace) if kv_store == "local" else kv_store
-    if address is None:
-        logger.warning("no KV store is registered for this host: serving without the shared KV tier")
-        return None
-    return KVTier(engine, call, address, token, allocator, host, advertise_host)
+    if kv_store == "local":
+        entry = find_store(redis_url, namespace)
+        if entry is None:
+            logger.warning("no KV store is registered for this host: serving without the shared KV tier")
+            return None
+        return KVTier(engine, call, entry.address, token, allocator, host, advertise_host, store_id=entry.store_id,
+                      resolve=lambda: find_store(redis_url, namespace, timeout_s=0))
+    return KVTier(engine, call, kv_store, token, allocator, host, advertise_host, store_id=_store_id(kv_store, token))
+
+
+def _store_id(address: str, token: str | None) -> str:
+    """A store named by address: its id, from its Stats (empty when it does not answer now)."""
+    try:
+        with grpc.insecure_channel(address) as channel:
+            metadata = ((TOKEN_METADATA, token),) if token else ()
+            return str(pb_grpc.KVStoreStub(channel).Stats(pb.StatsRequest(), timeout=5, metadata=metadata).store_id)
+    except grpc.RpcError as e:
+        logger.warning("kv store %s did not answer (%s): its blocks stay out of the routers' view", address,
+                       e.code().name)
+        return ""
 
 
 def _releaser(holder: RequestId) -> Callable[[LLMEngine], object]:

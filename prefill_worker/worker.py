@@ -108,6 +108,8 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
         self.host = WorkerHost(worker_id, "prefill", config, facts, engine_load_reader(self.loop), redis_url, namespace)
         if self.host.metrics is not None:
             self.host.metrics.block_bytes = self.pusher.layout.block_bytes
+        if self.tier is not None:
+            self.host.read_kv_store = lambda: self.tier.store_id if self.tier else ""
         self._requests: dict[str, _Prefill] = {}
         """Asyncio side: the running calls."""
         self.totals = HandoffTotals()

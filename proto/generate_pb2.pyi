@@ -400,7 +400,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StoreStats(_message.Message):
-    __slots__ = ("capacity_blocks", "num_blocks", "block_bytes", "num_offered", "num_stored", "num_lookups", "num_hit_blocks", "num_fetched", "num_evicted", "bytes_in", "bytes_out", "num_fetch_failures")
+    __slots__ = ("capacity_blocks", "num_blocks", "block_bytes", "num_offered", "num_stored", "num_lookups", "num_hit_blocks", "num_fetched", "num_evicted", "bytes_in", "bytes_out", "num_fetch_failures", "store_id")
     CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -413,6 +413,7 @@ class StoreStats(_message.Message):
     BYTES_IN_FIELD_NUMBER: _ClassVar[int]
     BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
     NUM_FETCH_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
     capacity_blocks: int
     num_blocks: int
     block_bytes: int
@@ -425,4 +426,5 @@ class StoreStats(_message.Message):
     bytes_in: int
     bytes_out: int
     num_fetch_failures: int
-    def __init__(self, capacity_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_offered: _Optional[int] = ..., num_stored: _Optional[int] = ..., num_lookups: _Optional[int] = ..., num_hit_blocks: _Optional[int] = ..., num_fetched: _Optional[int] = ..., num_evicted: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., num_fetch_failures: _Optional[int] = ...) -> None: ...
+    store_id: str
+    def __init__(self, capacity_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_offered: _Optional[int] = ..., num_stored: _Optional[int] = ..., num_lookups: _Optional[int] = ..., num_hit_blocks: _Optional[int] = ..., num_fetched: _Optional[int] = ..., num_evicted: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., num_fetch_failures: _Optional[int] = ..., store_id: _Optional[str] = ...) -> None: ...

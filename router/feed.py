@@ -3,7 +3,8 @@
 Runs as one asyncio task: every `load_refresh_s` it re-reads heartbeats into the
 `Members` table (who serves, where, with which model) and the `LoadBook`; in between
 it blocks (at most `index_poll_ms`) on the members' KV event streams and replays them
-into the `KVIndex`. When Redis is away it logs once, marks itself unhealthy (routing
+into the `KVIndex`, and the streams of the KV stores the members fetch from (their
+heartbeats name them) into the index of the tier (`stores`). When Redis is away it logs once, marks itself unhealthy (routing
 goes on from the last membership and the router's own load view), and retries.
 """
 from __future__ import annotations
@@ -26,9 +27,12 @@ logger = logging.getLogger(__name__)
 class RegistryFeed:
     def __init__(self, reader: RegistryReader, members: Members, index: KVIndex, loads: LoadBook,
                  load_refresh_s: float, index_poll_ms: int, on_left: Callable[[str], Awaitable[None]] | None = None,
-                 retry_s: float = 1.0) -> None:
-        """`on_left(address)`: a worker left (its connections can close)."""
+                 retry_s: float = 1.0, stores: KVIndex | None = None) -> None:
+        """`on_left(address)`: a worker left (its connections can close); `stores`: what each
+        host's KV store holds, by store id (None: not read)."""
         self.reader, self.members, self.index, self.loads = reader, members, index, loads
+        self.stores = stores
+        self._store_ids: set[str] = set()
         self.load_refresh_s, self.index_poll_ms, self.retry_s = load_refresh_s, index_poll_ms, retry_s
         self.on_left = on_left
         self.cursor = StreamCursor()
@@ -50,6 +54,12 @@ class RegistryFeed:
             logger.info("router: worker %s joined (%s at %s)", w, beats[w].role, beats[w].address)
         for w in sorted(before - now):
             logger.info("router: worker %s left", w)
+        if self.stores is not None:
+            now_stores = set(self.members.stores())
+            for gone in self._store_ids - now_stores:  # no member fetches from it any more
+                self.stores.forget_worker(gone)
+                self.cursor.last_ids.pop(gone, None)
+            self._store_ids = now_stores
         self.loads.num_blocks = self.members.num_blocks()
         self.loads.set_heartbeats({w: b for w, b in beats.items() if w in self.members})
         self.num_refreshes += 1
@@ -68,9 +78,13 @@ class RegistryFeed:
 
     async def _read_events(self) -> int:
         """One read of the members' KV event streams (blocks up to `index_poll_ms`), applied to the index."""
-        events = await self.reader.read_events(self.cursor, self.members.ids(), self.index_poll_ms)
-        for worker_id, ev in events:
-            self.index.apply(worker_id, ev)
+        events = await self.reader.read_events(self.cursor, [*self.members.ids(), *sorted(self._store_ids)],
+                                               self.index_poll_ms)
+        for member_id, ev in events:
+            if member_id in self._store_ids and self.stores is not None:
+                self.stores.apply(member_id, ev)
+            else:
+                self.index.apply(member_id, ev)
         self.num_events += len(events)
         return len(events)
 

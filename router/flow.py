@@ -46,9 +46,12 @@ KV_RECHECK_S = 0.1
 
 class RequestFlow:
     def __init__(self, config: RouterConfig, members: Members, clients: WorkerClients, index: KVIndex,
-                 loads: LoadBook, clock: Callable[[], float] = time.monotonic, seed: int | None = None) -> None:
+                 loads: LoadBook, clock: Callable[[], float] = time.monotonic, seed: int | None = None,
+                 stores: KVIndex | None = None) -> None:
+        """`stores`: what each host's KV store holds, by store id (None: no tier is priced)."""
         self.config, self.members, self.clients = config, members, clients
         self.index, self.loads, self.clock = index, loads, clock
+        self.stores = stores
         self.rng = random.Random(seed)
         self._hashers: dict[tuple[str, int], BlockHasher] = {}
         self._down: dict[str, float] = {}
@@ -280,6 +283,14 @@ class RequestFlow:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._room.wait(), min(left, KV_RECHECK_S))
 
+    def _stored(self, hashes: list[bytes], worker_ids: list[str]) -> dict[str, int]:
+        """Per worker, the prompt's leading blocks its host's KV store holds (0: none, or no store)."""
+        if self.stores is None:
+            return {}
+        by_store = {w: s for w in worker_ids if (s := self.members.store_of(w))}
+        held = self.stores.overlap(hashes, set(by_store.values()))  # type: ignore[arg-type]
+        return {w: held[s] for w, s in by_store.items()}
+
     def _route(self, attempt: Attempt, avoid: set[str]) -> tuple[RouteDecision, list[bytes], int]:
         """Workers that failed this request are avoided; ones that are down too, unless no decode
         worker is left otherwise (down is a guess; a prefill worker is never needed)."""
@@ -295,7 +306,8 @@ class RequestFlow:
         prefills = [self.loads.load(w) for w in self.members.serving("prefill") if w not in avoid and w not in down]
         self._turn += 1
         decision = route(len(attempt.token_ids), decodes, prefills, lambda ids: self.index.overlap(hashes, ids),
-                         self.config.routing, facts.block_size, self._turn, self.rng, facts.kv_window)
+                         self.config.routing, facts.block_size, self._turn, self.rng, facts.kv_window,
+                         lambda ids: self._stored(hashes, ids))
         if decision is None:
             raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 "no decode worker has free KV blocks for this prompt now; retry after 1.0 s", 1.0)

@@ -34,6 +34,8 @@ class Member:
     """A decode worker's step time (a, b, c): a + b·requests + c·KV tokens seconds."""
     step_profile: tuple[Row, ...] = ()
     """Its start-up profile: (requests, KV tokens, seconds) per point."""
+    kv_store: str = ""
+    """The id of the KV store it fetches from (its host's); empty: none."""
 
 
 class Members:
@@ -57,7 +59,7 @@ class Members:
                 if w not in heartbeats or heartbeats[w].incarnation != m.incarnation]
         self._members = {w: Member(w, hb.role, hb.address, hb.state, hb.incarnation, hb.facts,
                                    tuple(float(x) for x in hb.step_model),
-                                   tuple(zip(*[iter(map(float, hb.step_profile))] * 3)))
+                                   tuple(zip(*[iter(map(float, hb.step_profile))] * 3)), hb.kv_store)
                          for w, hb in heartbeats.items() if hb.address and self._allowed(w, hb.address)}
         self._draining &= set(self._members)
         self._check_facts()
@@ -106,6 +108,14 @@ class Members:
         """(role, state) of each member; told to drain counts as draining, a model mismatch as mismatched."""
         return [(m.role, "mismatched" if w in self._mismatched else "draining" if w in self._draining else m.state)
                 for w, m in self._members.items()]
+
+    def stores(self) -> list[str]:
+        """The KV stores the members fetch from (their event streams: the routers' index of the tier)."""
+        return sorted({m.kv_store for m in self._members.values() if m.kv_store})
+
+    def store_of(self, worker_id: str) -> str:
+        m = self._members.get(worker_id)
+        return m.kv_store if m is not None else ""
 
     def address(self, worker_id: str) -> str | None:
         m = self._members.get(worker_id)

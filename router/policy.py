@@ -9,6 +9,11 @@ Per docs/architecture.md, lowest cost wins and ties are broken at random:
 - uncached part on D shorter than `local_prefill_tokens` (mode `auto`), or mode
   `colocated`: D prefills itself.
 - prefill worker P: `max(prompt - P's cached prefix, 0) + queued prefill tokens`.
+
+A worker's cached prefix counts its pool's leading blocks whole and, past them, those its
+host's KV store holds (kvstore/) at `1 - store_fetch_cost` each: a pool hit is free, a
+store hit costs a copy, a miss a forward pass. What is booked on a worker (its blocks) is
+its pool's hit only: blocks fetched from a store take room as computed ones do.
 """
 from __future__ import annotations
 
@@ -38,6 +43,9 @@ class RoutingConfig:
     """Estimated wait one running request adds on a decode worker, in prefill tokens."""
     kv_pressure_weight_tokens: int = 512
     """Cost of a full KV pool on a decode worker, in prefill tokens."""
+    store_fetch_cost: float = 0.1
+    """What fetching a block from the worker's host KV store costs, as a share of computing it
+    (a memory-speed copy against a forward pass)."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated", "auto"):
@@ -48,6 +56,8 @@ class RoutingConfig:
                      "kv_pressure_weight_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.store_fetch_cost <= 1.0:
+            raise ValueError(f"store_fetch_cost must be in [0, 1], got {self.store_fetch_cost}")
 
 
 @dataclass(frozen=True)
@@ -91,16 +101,20 @@ def route(
     turn: int,
     rng: random.Random,
     window: int = 0,
+    stored: Callable[[list[str]], dict[str, int]] | None = None,
 ) -> RouteDecision | None:
     """The router's choice for a prompt among these workers, by its configured policy (the
     flow and the simulator both decide here). `overlap(worker ids)`: the KV index's leading
     cached blocks for the prompt, read only when the policy looks at caches; `turn`: the
-    round-robin counter; `window`: the model's sliding window on every layer (ModelFacts.kv_window)."""
+    round-robin counter; `window`: the model's sliding window on every layer (ModelFacts.kv_window);
+    `stored(worker ids)`: the leading blocks each worker's host KV store holds (None: no tier)."""
     blocks = blocks_for(num_prompt_tokens, block_size, window)
     if config.policy == "round_robin":
         return choose_round_robin(turn, num_prompt_tokens, blocks, decodes, prefills, config)
-    cached = overlap([w.worker_id for w in (*decodes, *prefills)])
-    return choose_route(num_prompt_tokens, blocks, cached, decodes, prefills, config, block_size, rng)
+    ids = [w.worker_id for w in (*decodes, *prefills)]
+    cached = overlap(ids)
+    return choose_route(num_prompt_tokens, blocks, cached, decodes, prefills, config, block_size, rng,
+                        stored(ids) if stored is not None else None)
 
 
 def choose_route(
@@ -112,22 +126,31 @@ def choose_route(
     config: RoutingConfig,
     block_size: int,
     rng: random.Random,
+    stored: dict[str, int] | None = None,
 ) -> RouteDecision | None:
     """Picks D (and P unless D prefills itself); None when no decode worker has room.
 
     `num_new_blocks`: blocks the request needs on D beyond a cached prefix of 0
-    (prompt + output); `overlap`: leading cached blocks per worker id.
+    (prompt + output); `overlap`: leading cached blocks per worker id; `stored`: leading
+    blocks of each worker's host KV store.
     """
-    d = _pick_decode(num_prompt_tokens, num_new_blocks, overlap, decodes, config, block_size, rng)
+    def cached_tokens(worker_id: str) -> float:
+        """The prompt tokens a worker need not compute, a store's at their fetch's discount."""
+        pool = overlap.get(worker_id, 0)
+        extra = max((stored or {}).get(worker_id, 0) - pool, 0) * (1.0 - config.store_fetch_cost)
+        return min((pool + extra) * block_size, num_prompt_tokens)
+
+    d = _pick_decode(num_prompt_tokens, num_new_blocks, overlap, decodes, config, rng, cached_tokens)
     if d is None:
         return None
     d_cached = overlap.get(d.worker_id, 0)
-    uncached_on_d = max(num_prompt_tokens - d_cached * block_size, 0)
+    uncached_on_d = max(num_prompt_tokens - cached_tokens(d.worker_id), 0)
     local = config.mode == "colocated" or not prefills or (
         config.mode == "auto" and uncached_on_d < config.local_prefill_tokens)
     if local:
         return RouteDecision(d.worker_id, None, d_cached, 0)
-    p = _lowest(prefills, lambda w: _prefill_cost(w, num_prompt_tokens, overlap, block_size), rng)
+    p = _lowest(prefills, lambda w: max(num_prompt_tokens - cached_tokens(w.worker_id), 0) + w.queued_prefill_tokens,
+                rng)
     return RouteDecision(d.worker_id, p.worker_id, d_cached, overlap.get(p.worker_id, 0))
 
 
@@ -146,13 +169,9 @@ def choose_round_robin(
     return RouteDecision(d.worker_id, p, 0, 0)
 
 
-def _prefill_cost(w: WorkerLoad, num_prompt_tokens: int, overlap: dict[str, int], block_size: int) -> float:
-    return max(num_prompt_tokens - overlap.get(w.worker_id, 0) * block_size, 0) + w.queued_prefill_tokens
-
-
 def _pick_decode(
     num_prompt_tokens: int, num_new_blocks: int, overlap: dict[str, int], decodes: list[WorkerLoad],
-    config: RoutingConfig, block_size: int, rng: random.Random,
+    config: RoutingConfig, rng: random.Random, cached_tokens: Callable[[str], float],
 ) -> WorkerLoad | None:
     def needed(w: WorkerLoad) -> int:
         return max(num_new_blocks - overlap.get(w.worker_id, 0), 0)
@@ -162,8 +181,7 @@ def _pick_decode(
         return None
 
     def cost(w: WorkerLoad) -> float:
-        cached_tokens = min(overlap.get(w.worker_id, 0) * block_size, num_prompt_tokens)
-        credit = min(cached_tokens, config.affinity_bound_tokens)
+        credit = min(cached_tokens(w.worker_id), config.affinity_bound_tokens)
         used_after = 1.0 - (w.num_free_blocks - needed(w)) / max(w.num_total_blocks, 1)
         return (w.num_active * config.decode_weight_tokens + w.queued_prefill_tokens
                 + config.kv_pressure_weight_tokens * used_after - credit)

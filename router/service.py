@@ -60,10 +60,12 @@ class RouterService:
         self.redis_url = redis_url
         self.members = Members(config.worker_networks)
         self.index = KVIndex(time.monotonic)
+        self.stores = KVIndex(time.monotonic)
+        """What each host's KV store holds (kvstore/), by store id."""
         self.loads = LoadBook({})
         self.streams = GrpcStreams(cluster_token(config.cluster_secret))
         self.flow = RequestFlow(config, self.members, WorkerClients(self.streams, self.members.address), self.index,
-                                self.loads)
+                                self.loads, stores=self.stores)
         self.gate = AdmissionGate(config.admission, time.monotonic)
         self.metrics = RouterMetrics(lambda: self.members.facts.model_id if self.members.facts else "") \
             if config.metrics_port is not None else None
@@ -86,7 +88,7 @@ class RouterService:
             self.gate.queue.on_wait_estimate = self.metrics.observe_wait_estimate
         self.metrics_address = ""
         self.feed = RegistryFeed(self.reader, self.members, self.index, self.loads, config.load_refresh_s,
-                                 config.index_poll_ms, self.streams.forget)
+                                 config.index_poll_ms, self.streams.forget, stores=self.stores)
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.address = ""
@@ -164,6 +166,7 @@ class RouterService:
                 "serving": {role: self.members.serving(role) for role in ("prefill", "decode")},
                 "down_workers": self.flow.down_workers(), "index_gaps": self.index.num_gaps,
                 "index_blocks": {w: self.index.num_blocks(w) for w in self.members.ids()},
+                "store_blocks": {s: self.stores.num_blocks(s) for s in self.members.stores()},
                 "active": {w: self.flow.loads.load(w).num_active for w in self.members.ids()},
                 "heartbeat_at": {w: b.sent_at for w, b in self.flow.loads.heartbeats.items()},
                 "index_events": self.feed.num_events, "itl_p50_ms": self.generation.itl.p50_ms(), "rss_mib": _rss_mib(),

@@ -5,6 +5,8 @@ prompt counted as cached, on the prefill worker (disaggregated) or the decode wo
 prefill (colocated); afterwards nothing is held anywhere."""
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 
@@ -36,8 +38,9 @@ def test_an_evicted_conversation_is_served_from_the_nodes_store(tiny_llama_dir: 
         [prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
     with LocalCluster(config) as cluster:
         token = (TOKEN_METADATA, cluster_token(cluster.config.worker.cluster_secret))
-        store = find_store(cluster.redis_url, config.namespace, timeout_s=0)
-        assert store is not None
+        entry = find_store(cluster.redis_url, config.namespace, timeout_s=0)
+        assert entry is not None
+        store = entry.address
         with grpc.insecure_channel(cluster.address) as channel, grpc.insecure_channel(store) as store_channel:
             stub, stats = pb_grpc.GenerationStub(channel), pb_grpc.KVStoreStub(store_channel)
 
@@ -55,4 +58,8 @@ def test_an_evicted_conversation_is_served_from_the_nodes_store(tiny_llama_dir: 
             with pytest.raises(grpc.RpcError) as refused:  # the store serves its cluster only
                 stats.Stats(pb.StatsRequest())
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        deadline = time.monotonic() + 20  # the router indexes what the store holds, from its event stream
+        while not (known := cluster.router_stats()[0].get("store_blocks", {})).get(entry.store_id, 0) >= 40:
+            assert time.monotonic() < deadline, known
+            time.sleep(0.2)
         assert_idle(cluster)

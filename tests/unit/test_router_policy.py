@@ -75,3 +75,30 @@ def test_round_robin_ignores_caches_and_skips_full_workers() -> None:
         ("d0", "p0"), ("d2", "p1"), ("d0", "p0"), ("d2", "p1")]
     assert choose_round_robin(0, 10, 1, ds, ps, cfg).local_prefill
     assert choose_round_robin(0, 100, 200, ds, ps, cfg) is None
+
+
+def test_a_pool_hit_beats_a_store_hit_which_beats_a_miss() -> None:
+    """Prefill workers p0 (its pool holds 20 blocks), p1 (its host's store holds 32), p2 (nothing):
+    at a fetch cost of 0.1 a block, p1's uncached cost is 512 - 32 * 16 * 0.9 = 51 tokens, p0's
+    512 - 320 = 192, p2's 512. A store's blocks past a pool hit add at their discount."""
+    prefills = [d("p0"), d("p1"), d("p2")]
+    cfg = RoutingConfig(mode="disaggregated")
+    pick = choose_route(512, 33, {"p0": 20}, [d("d0")], prefills, cfg, BS, random.Random(0), {"p1": 32})
+    assert pick.prefill_worker == "p1" and pick.num_prefill_cached_blocks == 0  # booked: its pool's hit only
+    pick = choose_route(512, 33, {"p0": 20}, [d("d0")], prefills, cfg, BS, random.Random(0), {"p1": 12})
+    assert pick.prefill_worker == "p0"  # 512 - 12 * 16 * 0.9 = 339 > 192
+    pick = choose_route(512, 33, {"p0": 20}, [d("d0")], prefills, cfg, BS, random.Random(0), {"p0": 32, "p1": 30})
+    assert pick.prefill_worker == "p0"  # 512 - (20 + 12 * 0.9) * 16 = 19 < 512 - 30 * 16 * 0.9 = 80
+    free = RoutingConfig(mode="disaggregated", store_fetch_cost=1.0)  # a fetch as dear as computing: no credit
+    assert choose_route(512, 33, {}, [d("d0")], [d("p0", queued=1), d("p1")], free, BS, random.Random(0),
+                        {"p0": 32}).prefill_worker == "p1"
+
+
+def test_auto_mode_prefills_on_the_decode_worker_what_its_store_holds() -> None:
+    """300 uncached tokens on d0 are past the 256 of local prefill; its host's store holding the
+    prompt's 18 blocks leaves 300 - 18 * 16 * 0.9 = 41: d0 prefills it itself."""
+    cfg = RoutingConfig(mode="auto", local_prefill_tokens=256)
+    assert choose_route(300, 20, {}, [d("d0")], [d("p0")], cfg, BS, random.Random(0)).prefill_worker == "p0"
+    assert choose_route(300, 20, {}, [d("d0")], [d("p0")], cfg, BS, random.Random(0), {"d0": 18}).local_prefill
+    with pytest.raises(ValueError, match="store_fetch_cost must be in"):
+        RoutingConfig(store_fetch_cost=1.5)
