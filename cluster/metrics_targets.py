@@ -24,24 +24,27 @@ from control.heartbeat import Heartbeat
 
 
 def file_sd(beats: dict[str, Heartbeat], routers: dict[str, dict[str, Any]], namespace: str,
-            controller: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+            controller: dict[str, Any] | None = None, stores: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:  # type: ignore[assignment]
     """One target group per process that serves `/metrics`, sorted by role then id."""
     groups = [(b.role, w, b.metrics_address) for w, b in beats.items()] + \
              [("router", r, str(s.get("metrics_address", ""))) for r, s in routers.items()] + \
-             [("controller", "controller", str((controller or {}).get("metrics_address", "")))]
+             [("controller", "controller", str((controller or {}).get("metrics_address", "")))] + \
+             [("kv_store", str(e.get("store_id", "")), str(e.get("metrics_address", ""))) for e in stores]
     return [{"targets": [address], "labels": {"role": role, "instance_id": name, "splitserve_namespace": namespace}}
             for role, name, address in sorted(groups) if address]
 
 
 def run(args: argparse.Namespace, redis_url: str) -> int:
     from control.reader import read_cluster
+    from kvstore.host import read_stores
 
     try:
         beats, routers, controller = asyncio.run(read_cluster(redis_url, args.namespace))
+        stores = read_stores(redis_url, args.namespace)
     except Exception as e:  # noqa: BLE001 - any Redis failure is reported, not raised
         print(f"Redis at {redis_url} is away ({e}): no targets can be read now", file=sys.stderr)
         return 1
-    text = json.dumps(file_sd(beats, routers, args.namespace, controller), indent=2) + "\n"
+    text = json.dumps(file_sd(beats, routers, args.namespace, controller, stores), indent=2) + "\n"
     if args.output is None:
         sys.stdout.write(text)
     else:  # written whole, then renamed: Prometheus never reads half a file

@@ -27,9 +27,15 @@ def show_status(args: argparse.Namespace, cluster_redis: Callable[[argparse.Name
               "serving on the membership they last saw; an embedded Redis is started again by its cluster.",
               file=sys.stderr)
         return 1
+    from kvstore.host import read_stores
+
+    try:
+        stores = read_stores(redis_url, namespace)
+    except Exception:  # noqa: BLE001 - the stores' entries are extra: status goes on without them
+        stores = []
     if args.json:
         print(json.dumps({"workers": {w: msgspec.to_builtins(b) for w, b in beats.items()}, "routers": routers,
-                          "controller": controller}, default=str))
+                          "controller": controller, "kv_stores": stores}, default=str))
         return 0
     if controller is not None:
         live = controller["workers"]
@@ -61,6 +67,13 @@ def show_status(args: argparse.Namespace, cluster_redis: Callable[[argparse.Name
               f"{s.get('num_retries', 0)} retried, prefix hit rate {hit:.0%}, "
               f"Redis feed {'up' if s['redis_healthy'] else 'DOWN'}"
               + (f", workers down: {', '.join(s['down_workers'])}" if s.get("down_workers") else ""))
+    for e in stores:
+        mib = e.get("block_bytes", 0) / 2**20
+        print(f"{e['store_id']} on {e['address']}: {e['num_blocks']}/{e['capacity_blocks']} blocks held, "
+              f"{e.get('num_stored', 0)} stored ({e.get('num_stored', 0) * mib:.0f} MiB in), "
+              f"{e.get('num_fetched', 0)} fetched ({e.get('num_fetched', 0) * mib:.0f} MiB out), "
+              f"{e.get('num_hit_blocks', 0)} of the blocks looked up found, {e.get('num_evicted', 0)} evicted, "
+              f"{e.get('num_fetch_failures', 0)} fetches failed")
     if controller is None:
         print("controller: not reporting (its state expired): the cluster is down or starting; `serve`'s console "
               "says which")

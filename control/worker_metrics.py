@@ -37,6 +37,8 @@ class WorkerMetrics(Collector):
         self.read_reservations: Callable[[], int] | None = None
         """A decode worker's open kvfabric reservations (set by the decode worker)."""
         self._reservations: int | None = None
+        self.read_tier: Callable[[], object] | None = None
+        """The worker's KV tier counters (kvstore/tier.py `TierCounters`), when it has a tier."""
         labels = ["model_name", "role", "transport"]
         r, p = self.registry, PREFIX
         self.transfer_bytes = Counter(p + "kv_transfer_bytes", "KV bytes pushed to decode workers.", labels, registry=r)
@@ -94,6 +96,20 @@ class WorkerMetrics(Collector):
             counter = CounterMetricFamily(p + name, doc, labels=labels)
             counter.add_metric(values, value)
             yield counter
+        if self.read_tier is not None:
+            tier = self.read_tier()
+            for name, doc, attr in (
+                    ("kv_tier_fetched_blocks", "Blocks fetched from the host's KV store instead of computed.",
+                     "num_fetched_blocks"),
+                    ("kv_tier_fetch_failures", "Fetches that fell back to computing.", "num_fetch_failures"),
+                    ("kv_tier_offloaded_blocks", "Cached blocks written into the host's KV store.",
+                     "num_offloaded_blocks"),
+                    ("kv_tier_offload_failures", "Offloads that failed.", "num_offload_failures"),
+                    ("kv_tier_offload_skipped_blocks", "Cached blocks not offered (the offload lane was behind).",
+                     "num_offload_skipped")):
+                counter = CounterMetricFamily(p + name, doc, labels=labels)
+                counter.add_metric(values, getattr(tier, attr))
+                yield counter
         per_pos = CounterMetricFamily(p + "spec_decode_num_accepted_tokens_per_pos",
                                       "Proposed tokens accepted, by position in the proposal (0: the first).",
                                       labels=[*labels, "position"])

@@ -96,6 +96,8 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
         self.host.step_profile = profile
         if self.tier is not None:
             self.host.read_kv_store = lambda: self.tier.store_id if self.tier else ""
+            if self.host.metrics is not None:
+                self.host.metrics.read_tier = lambda: self.tier.counters if self.tier else None
         if self.host.metrics is not None:
             self.host.metrics.read_reservations = self.remote.receiver.num_reservations
         self._requests: dict[str, _Decode] = {}

@@ -18,7 +18,7 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import grpc
@@ -72,6 +72,8 @@ class StoreHost:
         self._registrar: threading.Thread | None = None
         self.store_id = store_id_of(local_host_id())
         self.publisher: Any = None
+        self.metrics: Any = None
+        self.metrics_address = ""
 
     async def start(self) -> dict[str, object]:
         """Opens the store and serves it; returns `info()` (idempotent)."""
@@ -90,6 +92,10 @@ class StoreHost:
         self.store = open_store(layout, c.capacity_bytes, host, advertised, c.cluster_secret, store_id=self.store_id)
         self.server, port = await serve(self.store, host, c.port, c.cluster_secret)
         self.address = f"{advertised}:{port}"
+        from control.metrics_http import MetricsServer
+
+        self.metrics = MetricsServer(store_registry(self.store))
+        self.metrics_address = f"{advertised}:{await self.metrics.start(host)}"
         if self.redis_url:
             from control.publisher import Publisher
 
@@ -104,7 +110,9 @@ class StoreHost:
     def info(self) -> dict[str, object]:
         s = self.store
         return {"address": self.address, "store_id": self.store_id, "host_id": local_host_id(),
-                "capacity_blocks": s.capacity if s else 0, "num_blocks": s.num_blocks if s else 0}
+                "metrics_address": self.metrics_address, "capacity_blocks": s.capacity if s else 0,
+                "num_blocks": s.num_blocks if s else 0, "block_bytes": s.layout.block_bytes if s else 0,
+                **(asdict(s.stats) if s else {})}
 
     async def stop(self) -> None:
         self._stop.set()
@@ -114,6 +122,8 @@ class StoreHost:
             self.publisher.stop()
         if self.server is not None:
             await self.server.stop(1)
+        if self.metrics is not None:
+            await self.metrics.stop()
         if self.store is not None:
             self.store.close()
 
@@ -122,14 +132,13 @@ class StoreHost:
 
         client = redis.Redis.from_url(self.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
         key = store_key(self.namespace, local_host_id())
-        value = json.dumps({"address": self.address, "store_id": self.store_id})
         next_entry = 0.0
         try:
             while not self._stop.is_set():
                 self.publisher.publish_events(self.store.take_events())  # never blocks
                 if time.monotonic() >= next_entry:
-                    try:
-                        client.set(key, value, px=int(TTL_S * 1000))
+                    try:  # its address, id and counters: `splitserve status` reads them here
+                        client.set(key, json.dumps(self.info()), px=int(TTL_S * 1000))
                         next_entry = time.monotonic() + 1.0
                     except redis.RedisError as e:
                         logger.warning("KV store: cannot register in Redis (%s); retrying", e)
@@ -141,6 +150,51 @@ class StoreHost:
                 pass
         finally:
             client.close()
+
+
+def store_registry(store: Any) -> Any:
+    """The store's Prometheus registry: what it holds and has moved, read at each scrape."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    class StoreCollector:
+        def collect(self) -> Any:
+            s, p = store.stats, "splitserve:kv_store_"
+            for name, doc, value in (("capacity_blocks", "Blocks the store can hold.", store.capacity),
+                                     ("blocks", "Blocks it holds now.", store.num_blocks)):
+                g = GaugeMetricFamily(p + name, doc)
+                g.add_metric([], value)
+                yield g
+            for name, doc, value in (
+                    ("offered_blocks", "Blocks workers offered.", s.num_offered),
+                    ("stored_blocks", "Blocks written in (offers taken).", s.num_stored),
+                    ("lookups", "Lookups of a prompt's blocks.", s.num_lookups),
+                    ("hit_blocks", "Blocks lookups found.", s.num_hit_blocks),
+                    ("fetched_blocks", "Blocks pushed into workers' pools.", s.num_fetched),
+                    ("evicted_blocks", "Blocks evicted for room.", s.num_evicted),
+                    ("bytes_in", "Bytes written in.", s.bytes_in), ("bytes_out", "Bytes pushed out.", s.bytes_out),
+                    ("fetch_failures", "Fetches that failed (evicted meanwhile, a worker gone).",
+                     s.num_fetch_failures)):
+                c = CounterMetricFamily(p + name, doc)
+                c.add_metric([], value)
+                yield c
+
+    registry = CollectorRegistry()
+    registry.register(StoreCollector())  # type: ignore[arg-type]
+    return registry
+
+
+def read_stores(redis_url: str, namespace: str) -> list[dict[str, Any]]:
+    """Every registered store's entry (`StoreHost.info()`), by store id."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    try:
+        keys = list(client.scan_iter(match=store_key(namespace, "*"), count=100))
+        values = client.mget(keys) if keys else []
+        return sorted((json.loads(v) for v in values if v), key=lambda e: str(e.get("store_id")))
+    finally:
+        client.close()
 
 
 def find_store(redis_url: str | None, namespace: str, timeout_s: float = 10.0) -> StoreEntry | None:

@@ -5,7 +5,12 @@ prompt counted as cached, on the prefill worker (disaggregated) or the decode wo
 prefill (colocated); afterwards nothing is held anywhere."""
 from __future__ import annotations
 
+import json
+import re
+import subprocess
+import sys
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -24,6 +29,11 @@ from tests.integration.reference import make_engine, random_prompts
 pytestmark = pytest.mark.timeout(600)
 
 POOL_BLOCKS = 24
+
+
+def scrape(address: str) -> str:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+        return r.read().decode()
 
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
@@ -62,4 +72,16 @@ def test_an_evicted_conversation_is_served_from_the_nodes_store(tiny_llama_dir: 
         while not (known := cluster.router_stats()[0].get("store_blocks", {})).get(entry.store_id, 0) >= 40:
             assert time.monotonic() < deadline, known
             time.sleep(0.2)
+        # what an operator sees: the store in `status`, its /metrics and the workers' among the targets
+        cli = [sys.executable, "-m", "cluster.cli"]
+        status = subprocess.run([*cli, "status", "--redis-url", cluster.redis_url], capture_output=True, text=True,
+                                timeout=60, check=True).stdout
+        assert re.search(rf"{entry.store_id} on {re.escape(store)}: \d+/\d+ blocks held, \d+ stored .* 10 fetched",
+                         status), status
+        targets = json.loads(subprocess.run([*cli, "metrics-targets", "--redis-url", cluster.redis_url],
+                                            capture_output=True, text=True, timeout=60, check=True).stdout)
+        by_role = {t["labels"]["role"]: t["targets"][0] for t in targets}
+        assert "splitserve:kv_store_fetched_blocks_total 10.0" in scrape(by_role["kv_store"])
+        fetcher = "prefill" if mode == "disaggregated" else "decode"
+        assert re.search(r'splitserve:kv_tier_fetched_blocks_total\{[^}]*\} 10.0', scrape(by_role[fetcher]))
         assert_idle(cluster)
