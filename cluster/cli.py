@@ -116,6 +116,7 @@ def _serve_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         num_prefill=args.num_prefill, num_decode=args.num_decode, num_routers=args.num_routers,
         controller_max_restarts=args.controller_max_restarts, gpus_per_worker=gpus, autoscale=_autoscale_config(args),
         decode_tp=args.decode_tp, prefill_tp=args.prefill_tp, kv_store_mib=args.kv_store_mib,
+        kv_store_dir=args.kv_store_dir, kv_store_disk_gib=args.kv_store_disk_gib,
         router=RouterConfig(host=args.host, port=args.port, metrics_port=_metrics_port(args),
                             otlp_endpoint=args.otlp_endpoint, tokenizer_dir=_model_dir(model), **http_fields(args),
                             admission=_admission_config(args),
@@ -324,6 +325,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     s.add_argument("--kv-store-mib", type=int, default=0,
                    help="the shared KV tier: host memory of each node's store of evicted prefix blocks, which any "
                         "worker of the node fetches instead of computing them again (CPU workers; default 0: none)")
+    s.add_argument("--kv-store-dir", help="a directory (an SSD) where each node's KV store spills the blocks its "
+                                         "memory evicts (with --kv-store-disk-gib)")
+    s.add_argument("--kv-store-disk-gib", type=float, default=0.0, help="how much of --kv-store-dir a store may fill")
     s.add_argument("--gpus-per-worker", type=float, default=None,
                    help="GPUs each worker asks Ray for (default 1; 1/N when N workers share a one-GPU machine)")
     s.add_argument("--block-size", type=int, default=16)

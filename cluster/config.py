@@ -61,6 +61,10 @@ class ClusterConfig:
     """Host memory of the shared KV tier's store on each node (kvstore/): blocks a worker's pool
     evicts live on there, and any worker of the node fetches them instead of computing them
     again; 0: no tier. CPU workers only for now."""
+    kv_store_dir: str | None = None
+    """A directory (an SSD) where each node's store spills the blocks its memory evicts."""
+    kv_store_disk_gib: float = 0.0
+    """How much of `kv_store_dir` a store may fill."""
     num_routers: int = 1
     """Router replicas; more than one share one port (see `RouterConfig.share_port`),
     each with its own admission budget and its own KV index replayed from Redis."""
@@ -84,6 +88,9 @@ class ClusterConfig:
                              "colocated, and --prefill-tp stays 1 (on CPU both split, at any degrees)")
         if self.kv_store_mib < 0:
             raise ValueError(f"kv_store_mib must be >= 0, got {self.kv_store_mib}")
+        if (self.kv_store_dir is None) != (self.kv_store_disk_gib <= 0) or (self.kv_store_dir and not self.kv_store_mib):
+            raise ValueError("a store's spill needs --kv-store-dir and a positive --kv-store-disk-gib, beside "
+                             "--kv-store-mib")
         if self.kv_store_mib and self.worker.device.startswith("cuda"):
             raise ValueError("the shared KV tier (--kv-store-mib) moves host-memory pools: CPU workers only for now")
         if self.num_prefill < 0:

@@ -170,7 +170,8 @@ class Controller:
         if not c.kv_store_mib:
             return None
         return StoreConfig(w.model_dir, c.kv_store_mib << 20, w.block_size, w.dtype, w.model_id,
-                           w.host, w.advertise_host, cluster_secret=w.cluster_secret)
+                           w.host, w.advertise_host, cluster_secret=w.cluster_secret, disk_dir=c.kv_store_dir,
+                           disk_bytes=int(c.kv_store_disk_gib * 2**30))
 
     def _worker_options(self, role: Role) -> dict[str, Any]:
         c = self.config

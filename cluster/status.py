@@ -73,6 +73,8 @@ def show_status(args: argparse.Namespace, cluster_redis: Callable[[argparse.Name
               f"{e.get('num_stored', 0)} stored ({e.get('num_stored', 0) * mib:.0f} MiB in), "
               f"{e.get('num_fetched', 0)} fetched ({e.get('num_fetched', 0) * mib:.0f} MiB out), "
               f"{e.get('num_hit_blocks', 0)} of the blocks looked up found, {e.get('num_evicted', 0)} evicted, "
+              + (f"{e.get('disk_blocks', 0)}/{e.get('disk_capacity_blocks', 0)} spilled to disk "
+                 f"({e.get('num_unspilled', 0)} read back), " if e.get("disk_capacity_blocks") else "") +
               f"{e.get('num_fetch_failures', 0)} fetches failed")
     if controller is None:
         print("controller: not reporting (its state expired): the cluster is down or starting; `serve`'s console "

@@ -60,6 +60,9 @@ class StoreConfig:
     advertise_host: str | None = None
     port: int = 0
     cluster_secret: bytes | None = field(default=None, repr=False)
+    disk_dir: str | None = None
+    """A directory (on an SSD) for blocks memory evicts; None: they leave the store."""
+    disk_bytes: int = 0
 
 
 class StoreHost:
@@ -89,7 +92,8 @@ class StoreHost:
             host = ray.util.get_node_ip_address()
         advertised = c.advertise_host or dialable_host(host, self.redis_url)
         layout = store_layout(c.model_dir, c.model_id or "", c.block_size, c.dtype)
-        self.store = open_store(layout, c.capacity_bytes, host, advertised, c.cluster_secret, store_id=self.store_id)
+        self.store = open_store(layout, c.capacity_bytes, host, advertised, c.cluster_secret, store_id=self.store_id,
+                                disk_dir=c.disk_dir, disk_bytes=c.disk_bytes)
         self.server, port = await serve(self.store, host, c.port, c.cluster_secret)
         self.address = f"{advertised}:{port}"
         from control.metrics_http import MetricsServer
@@ -112,6 +116,7 @@ class StoreHost:
         return {"address": self.address, "store_id": self.store_id, "host_id": local_host_id(),
                 "metrics_address": self.metrics_address, "capacity_blocks": s.capacity if s else 0,
                 "num_blocks": s.num_blocks if s else 0, "block_bytes": s.layout.block_bytes if s else 0,
+                "disk_blocks": len(s.disk) if s and s.disk else 0, "disk_capacity_blocks": s.disk.capacity if s and s.disk else 0,
                 **(asdict(s.stats) if s else {})}
 
     async def stop(self) -> None:
@@ -160,8 +165,12 @@ def store_registry(store: Any) -> Any:
     class StoreCollector:
         def collect(self) -> Any:
             s, p = store.stats, "splitserve:kv_store_"
-            for name, doc, value in (("capacity_blocks", "Blocks the store can hold.", store.capacity),
-                                     ("blocks", "Blocks it holds now.", store.num_blocks)):
+            disk = store.disk
+            for name, doc, value in (("capacity_blocks", "Blocks the store can hold in memory.", store.capacity),
+                                     ("blocks", "Blocks it holds in memory now.", store.num_blocks),
+                                     ("disk_capacity_blocks", "Blocks its spill file can hold.",
+                                      disk.capacity if disk else 0),
+                                     ("disk_blocks", "Blocks in its spill file now.", len(disk) if disk else 0)):
                 g = GaugeMetricFamily(p + name, doc)
                 g.add_metric([], value)
                 yield g
@@ -174,7 +183,9 @@ def store_registry(store: Any) -> Any:
                     ("evicted_blocks", "Blocks evicted for room.", s.num_evicted),
                     ("bytes_in", "Bytes written in.", s.bytes_in), ("bytes_out", "Bytes pushed out.", s.bytes_out),
                     ("fetch_failures", "Fetches that failed (evicted meanwhile, a worker gone).",
-                     s.num_fetch_failures)):
+                     s.num_fetch_failures),
+                    ("spilled_blocks", "Blocks memory evicted into the spill file.", s.num_spilled),
+                    ("unspilled_blocks", "Blocks read back from the spill file for a fetch.", s.num_unspilled)):
                 c = CounterMetricFamily(p + name, doc)
                 c.add_metric([], value)
                 yield c

@@ -18,6 +18,7 @@ import grpc
 from control.auth import TokenCheck, cluster_token
 from kvfabric import FabricLayout, ReceiverConfig, SenderConfig
 from kvfabric.region import CopyBytes
+from kvstore.disk import DiskTier
 from kvstore.store import KVStore
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
@@ -32,7 +33,7 @@ class StoreService(pb_grpc.KVStoreServicer):
 
     async def Offer(self, request: pb.OfferRequest, context: grpc.aio.ServicerContext) -> pb.OfferReply:
         try:
-            ticket, wanted = self.store.offer(list(request.block_hashes))
+            ticket, wanted = await asyncio.to_thread(self.store.offer, list(request.block_hashes))  # may spill
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if ticket is None:
@@ -86,11 +87,14 @@ async def serve(store: KVStore, host: str, port: int, secret: bytes | None) -> t
 
 
 def open_store(layout: FabricLayout, capacity_bytes: int, host: str, advertise_host: str | None,
-               secret: bytes | None, copy: CopyBytes = ctypes.memmove, store_id: str = "") -> KVStore:
-    """A store of `capacity_bytes` of blocks, its kvfabric listener on `host`."""
+               secret: bytes | None, copy: CopyBytes = ctypes.memmove, store_id: str = "",
+               disk_dir: str | None = None, disk_bytes: int = 0) -> KVStore:
+    """A store of `capacity_bytes` of blocks, its kvfabric listener on `host`; with `disk_dir`,
+    up to `disk_bytes` more of them spilled into a file there (kvstore/disk.py)."""
     token = cluster_token(secret) if secret else None
     num_blocks = capacity_bytes // layout.block_bytes
     if num_blocks < 1:
         raise ValueError(f"a KV store of {capacity_bytes} bytes holds no {layout.block_bytes}-byte block")
+    disk = DiskTier(disk_dir, disk_bytes // layout.block_bytes, layout.block_bytes) if disk_dir else None
     return KVStore(layout, num_blocks, ReceiverConfig(host=host, advertise_host=advertise_host, token=token),
-                   SenderConfig(token=token), copy, store_id)
+                   SenderConfig(token=token), copy, store_id, disk)

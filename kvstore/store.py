@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.block_pool import KVEvent, KVEventKind
+from kvstore.disk import DiskTier
 from engine.types import BlockHash
 from kvfabric import (
     BlockRegion,
@@ -61,14 +62,21 @@ class StoreStats:
     bytes_in: int = 0
     bytes_out: int = 0
     num_fetch_failures: int = 0
+    num_spilled: int = 0
+    """Blocks memory evicted into the spill file (kvstore/disk.py)."""
+    num_unspilled: int = 0
+    """Blocks a fetch read back from it."""
 
 
 class KVStore:
     def __init__(self, layout: FabricLayout, num_blocks: int, receiver: ReceiverConfig | None = None,
-                 sender: SenderConfig | None = None, copy: CopyBytes = ctypes.memmove, store_id: str = "") -> None:
+                 sender: SenderConfig | None = None, copy: CopyBytes = ctypes.memmove, store_id: str = "",
+                 disk: DiskTier | None = None) -> None:
         """`copy` moves a fetch's bytes into a worker's shared pool (see kvfabric's `CopyBytes`);
-        `store_id`: the member id its KV events are published under (routers index them)."""
+        `store_id`: the member id its KV events are published under (routers index them);
+        `disk`: where blocks evicted from memory go on living (None: they leave the store)."""
         self.store_id = store_id
+        self.disk = disk
         if num_blocks <= 0:
             raise ValueError(f"a KV store holds at least one block, got {num_blocks}")
         if layout.world != 1:
@@ -105,8 +113,8 @@ class KVStore:
         _check_hashes(hashes)
         with self._lock:
             self.stats.num_offered += len(hashes)
-            wanted = [i for i, h in enumerate(hashes) if h not in self._index and h not in self._arriving]
-            self._touch([h for h in hashes if h in self._index])
+            wanted = [i for i, h in enumerate(hashes) if not self._holds(h) and h not in self._arriving]
+            self._touch([h for h in hashes if self._holds(h)])
             slots = self._take(len(wanted))
             wanted = wanted[:len(slots)]
             if not wanted:
@@ -123,7 +131,7 @@ class KVStore:
         _check_hashes(hashes)
         with self._lock:
             n = 0
-            while n < len(hashes) and hashes[n] in self._index:
+            while n < len(hashes) and self._holds(hashes[n]):
                 n += 1
             self._touch(hashes[:n])
             self.stats.num_lookups += 1
@@ -137,13 +145,20 @@ class KVStore:
         if len(ticket.block_ids) != len(hashes) or ticket.num_skip_blocks:
             return f"a fetch of {len(hashes)} blocks needs a reservation of as many, none skipped"
         with self._lock:
-            slots = [self._index.get(h) for h in hashes]
-            if None in slots:
+            missing = next((i for i, h in enumerate(hashes) if not self._holds(h)), None)
+            if missing is not None:
                 self.stats.num_fetch_failures += 1
-                return f"block {slots.index(None)} of {len(hashes)} is no longer in the store"
-            held = [s for s in slots if s is not None]
-            self._pins.update(held)
-            self._touch(hashes)
+                return f"block {missing} of {len(hashes)} is no longer in the store"
+            self._touch(hashes)  # first: making room for the spilled ones drops others from the file
+            self._pins.update(self._index[h] for h in hashes if h in self._index)
+            try:
+                self._unspill([h for h in hashes if h not in self._index])
+            except (OSError, ValueError, KeyError) as e:
+                self._pins.subtract(self._index[h] for h in hashes if h in self._index)
+                self._pins += Counter()
+                self.stats.num_fetch_failures += 1
+                return f"the spilled blocks could not be read back: {e}"
+            held = [self._index[h] for h in hashes]
         try:
             transfer = self.sender.open(ticket)
             try:
@@ -180,6 +195,10 @@ class KVStore:
                 raise AssertionError(f"the store's {self.capacity} slots are not accounted for once each")
             if any(n < 0 for n in self._pins.values()):
                 raise AssertionError("a slot unpinned more often than pinned")
+            if self.disk is not None:
+                self.disk.check()
+                if any(h in self.disk for h in self._index):
+                    raise AssertionError("a block both in memory and in the spill file")
 
     def close(self) -> None:
         self._stop.set()
@@ -187,6 +206,8 @@ class KVStore:
         self.sender.close()
         self.receiver.close()
         self.segment.close()
+        if self.disk is not None:
+            self.disk.close()
 
     def take_events(self) -> list[KVEvent]:
         """The `stored` / `removed` events since the last call (the routers' index of the tiers)."""
@@ -200,10 +221,32 @@ class KVStore:
         self._events_out.append(KVEvent(self._next_event_id, kind, [BlockHash(h) for h in hashes]))
         self._next_event_id += 1
 
+    def _holds(self, h: bytes) -> bool:
+        return h in self._index or (self.disk is not None and h in self.disk)
+
     def _touch(self, hashes: Sequence[bytes]) -> None:
         """Most recently used, the chain's first block last (evicted after its later ones)."""
         for h in reversed(hashes):
-            self._index.move_to_end(h)
+            if h in self._index:
+                self._index.move_to_end(h)
+            elif self.disk is not None and h in self.disk:
+                self.disk.touch(h)
+
+    def _unspill(self, hashes: list[bytes]) -> None:
+        """Spilled blocks read back into memory slots and pinned (a fetch's; its memory-resident
+        blocks are pinned already, so making room never spills them)."""
+        if not hashes:
+            return
+        assert self.disk is not None
+        slots = self._take(len(hashes))
+        if len(slots) < len(hashes):
+            self._free.extend(slots)
+            raise ValueError(f"no room in memory for {len(hashes)} spilled blocks (the rest are being read)")
+        for h, slot in zip(hashes, slots, strict=True):
+            self.disk.take(h, self.region.array[slot])
+            self._index[h] = slot
+            self._pins[slot] += 1
+        self.stats.num_unspilled += len(hashes)
 
     def _take(self, n: int) -> list[int]:
         """Up to `n` slots: free ones, then the least recently used blocks not being read."""
@@ -215,11 +258,20 @@ class KVStore:
                     break
                 if not self._pins[slot]:
                     victims.append(h)
+            gone = []
             for h in victims:
-                taken.append(self._index.pop(h))
-            self.stats.num_evicted += len(victims)
-            if victims:
-                self._emit("removed", victims)
+                slot = self._index.pop(h)
+                taken.append(slot)
+                if self.disk is None:
+                    gone.append(h)
+                    continue
+                dropped = self.disk.put(h, self.region.array[slot])  # lives on in the file
+                self.stats.num_spilled += 1
+                if dropped is not None:
+                    gone.append(dropped)
+            self.stats.num_evicted += len(gone)
+            if gone:
+                self._emit("removed", gone)
         return taken
 
     def _apply_events(self) -> None:

@@ -48,3 +48,52 @@ def test_store_events_and_lru_order() -> None:
     finally:
         sender.close()
         store.close()
+
+
+def test_blocks_memory_evicts_live_on_in_the_spill_file_and_come_back_byte_for_byte(tmp_path) -> None:  # noqa: ANN001
+    """Memory of 2 blocks, a spill file of 2: a third block spills the least recently used one,
+    which a fetch reads back (spilling another); only a block dropped from the file leaves the
+    store (its `removed` event). Fetched bytes equal the offered ones."""
+    from kvfabric import FabricReceiver, ShmSegment
+    from kvstore.disk import DiskTier
+
+    store = KVStore(LAYOUT, 2, disk=DiskTier(tmp_path, 2, LAYOUT.block_bytes))
+    assert not list(tmp_path.iterdir())  # the spill file is unlinked at once
+    rng = np.random.default_rng(4)
+    source = BlockRegion(rng.integers(0, 256, (8, LAYOUT.block_bytes), dtype=np.uint8))
+    sender = FabricSender(LAYOUT, source)
+    seg = ShmSegment.create(8 * LAYOUT.block_bytes)
+    pool = BlockRegion(seg.data.reshape(8, -1))
+    receiver = FabricReceiver(LAYOUT, pool, shm=seg)
+
+    def offer(hashes: list[bytes], first_source: int) -> None:
+        ticket, wanted = store.offer(hashes)
+        assert ticket is not None and wanted == list(range(len(hashes)))
+        t = sender.open(ticket)
+        t.push(list(range(first_source, first_source + len(hashes))), 0)
+        t.finish(0, len(hashes) * LAYOUT.block_size)
+        deadline = time.monotonic() + 5
+        while not all(store._holds(h) for h in hashes):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+    try:
+        offer([h(1), h(2)], 0)  # memory full; h(1) most recently used (a chain's first block last to go)
+        offer([h(3)], 2)        # h(2) spills
+        assert store.stats.num_spilled == 1 and len(store.disk) == 1 and store.lookup([h(1), h(2)]) == 2
+        assert [e.kind for e in store.take_events()] == ["stored", "stored"]  # a spill is no removal
+        ticket = receiver.expect("f1", [5, 6], 0)
+        assert store.fetch(ticket, [h(1), h(2)]) == ""  # h(2) read back (h(3) spills to make room)
+        assert store.stats.num_unspilled == 1
+        assert np.array_equal(pool.array[[5, 6]], source.array[[0, 1]])
+        offer([h(4)], 3)
+        offer([h(5)], 4)  # each spills one more: the file of 2 drops its least recently used
+        events = store.take_events()
+        assert [e.kind for e in events] == ["stored", "removed", "stored"] and events[1].block_hashes == [h(3)]
+        assert store.lookup([h(3)]) == 0 and store.stats.num_evicted == 1
+        store.check()
+    finally:
+        receiver.close()
+        sender.close()
+        store.close()
+        seg.close()

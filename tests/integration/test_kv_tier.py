@@ -145,3 +145,35 @@ def test_a_store_killed_mid_fetch_costs_only_the_fetch(tiny_llama_dir: str) -> N
     finally:
         peer.process.kill()
         peer.process.join(5)
+
+
+def test_a_prefix_spilled_to_disk_comes_back_with_the_tokens_of_a_recompute(tiny_llama_dir: str, tmp_path) -> None:  # noqa: ANN001
+    """The store's memory holds 12 blocks, its spill file 64: the first prompt's 10 blocks are
+    pushed to disk by the later prompts' offers and read back for its fetch."""
+    prompt, *others = random_prompts([41, 38, 38, 38], 512, seed=9)
+    want, *_ = reference_tokens(tiny_llama_dir, [prompt])
+
+    async def run() -> None:
+        model_id = make_engine(tiny_llama_dir, num_blocks=8).model_id
+        layout = store_layout(tiny_llama_dir, model_id, BLOCK, "float32")
+        store = open_store(layout, 12 * layout.block_bytes, "127.0.0.1", None, None, disk_dir=str(tmp_path),
+                           disk_bytes=64 * layout.block_bytes)
+        server, port = await serve(store, "127.0.0.1", 0, None)
+        w = TierWorker(tiny_llama_dir, f"127.0.0.1:{port}", num_blocks=24)
+        try:
+            hashes = w.engine.hasher.hash_prompt(prompt)[:10]
+            assert await w.generate(prompt) == (0, want, 0)
+            for other in others:
+                await w.generate(other)
+            await wait_for(lambda: asyncio.sleep(0, all(h in store.disk for h in hashes)))
+            assert await w.on_engine(lambda e: cached_run(e, prompt)) == 0
+            assert await w.generate(prompt) == (10, want, 40)
+            assert store.stats.num_unspilled == 10  # every one read back from the file
+            await w.settled()
+            store.check()
+        finally:
+            await w.close()
+            await server.stop(0)
+            store.close()
+
+    asyncio.run(run())
