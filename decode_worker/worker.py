@@ -200,10 +200,12 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
             prompt = list(request.prompt_token_ids)
             weight = request.tenant_weight or 1.0
             if request.local_prefill:
-                if self.tier is not None:  # the prompt's blocks this host's store holds, into the pool first
-                    await self.tier.fetch(prompt, request.tenant)
-                await asyncio.wrap_future(self.loop.call(
-                    lambda e: e.add_request(prompt, params, rid, request.priority, request.tenant, weight)))
+                def add(e: LLMEngine) -> object:
+                    return e.add_request(prompt, params, rid, request.priority, request.tenant, weight)
+                if self.tier is not None:  # the prompt's blocks this host's store holds land in the pool first
+                    await self.tier.admit(prompt, request.tenant, add)
+                else:
+                    await asyncio.wrap_future(self.loop.call(add))
                 return None
             ticket = await asyncio.wrap_future(self.loop.call(
                 lambda e: self.remote.reserve(prompt, params, rid, request.priority, request.tenant, weight)))

@@ -27,7 +27,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.block_pool import KVEvent, KVEventKind
-from kvstore.disk import DiskTier
 from engine.types import BlockHash
 from kvfabric import (
     BlockRegion,
@@ -44,6 +43,7 @@ from kvfabric import (
     TransferFailed,
 )
 from kvfabric.region import CopyBytes
+from kvstore.disk import DiskTier
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -56,6 +56,8 @@ logger = logging.getLogger(__name__)
 
 RESOLVE_EVERY_S = 5.0
 """Least time between two searches for a store that went away."""
+
+T = TypeVar("T")
 
 EngineCall = Callable[[Callable[[LLMEngine], Any]], "concurrent.futures.Future[Any]"]
 """Runs a function on the engine thread (EngineLoop.call)."""
@@ -115,13 +117,33 @@ class KVTier:
             t.start()
 
     # -- fetch (the worker's event loop) -----------------------------------------------------
+    async def admit(self, prompt: Sequence[int], tenant: str, add: Callable[[LLMEngine], T]) -> T:
+        """`add` (the request joining the engine) run on the engine thread right after the
+        blocks the store held for `prompt` landed in the pool's cache: nothing can evict them
+        in between. Two engine-thread calls in all (the reservation, then this)."""
+        landing = await self._fetch(prompt, tenant)
+
+        def land_then_add(e: LLMEngine) -> T:
+            if landing is not None:
+                self._settle(e, landing)
+            return add(e)
+        return await asyncio.wrap_future(self.call(land_then_add))
+
     async def fetch(self, prompt: Sequence[int], tenant: str = "") -> int:
         """The blocks of `prompt` the store holds past the pool's cached run, copied into the
-        pool and cached there before the request is added; returns how many landed."""
-        plan = await asyncio.wrap_future(self.call(lambda e: _plan(e, prompt, tenant)))
-        if plan is None:
+        pool and cached there; returns how many landed."""
+        landing = await self._fetch(prompt, tenant)
+        if landing is None:
             return 0
-        hashes, parent = plan
+        await asyncio.wrap_future(self.call(lambda e: self._settle(e, landing)))
+        return len(landing.hashes) if landing.landed else 0
+
+    async def _fetch(self, prompt: Sequence[int], tenant: str) -> _Landing | None:
+        """The store's blocks of the prompt past the pool's run, in held blocks of the pool (not
+        yet cached: `_settle` does that on the engine thread); None: nothing was reserved."""
+        hashes = _prompt_hashes(self.engine, prompt, tenant)  # the hasher is pure: hashed here, off the engine
+        if not hashes:
+            return None
         stub = self._store()
         try:
             reply = await stub.Lookup(pb.LookupRequest(block_hashes=hashes), timeout=self.timeout_s,
@@ -129,33 +151,36 @@ class KVTier:
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 await self._find_again()
-            return self._failed(f"lookup: {e.code().name}")
-        k = min(reply.num_blocks, len(hashes))
-        if k < self.min_blocks:
-            return 0
+            self._failed(f"lookup: {e.code().name}")
+            return None
+        held_there = min(reply.num_blocks, len(hashes))
+        if held_there < self.min_blocks:
+            return None
         fid = RequestId(f"kvstore-fetch-{next(self._ids)}")
         done: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
             self._fetches[fid] = done
-        ticket = await asyncio.wrap_future(self.call(lambda e: self._reserve(e, fid, k)))
-        if ticket is None:
+        reserved = await asyncio.wrap_future(self.call(lambda e: self._reserve(e, fid, hashes[:held_there])))
+        if reserved is None:
             with self._lock:
                 self._fetches.pop(fid, None)
-            return 0
+            return None
+        ticket, in_pool = reserved
+        wanted = hashes[in_pool:held_there]
         self.counters.num_fetches += 1
         try:
-            answer = await stub.Fetch(pb.FetchRequest(ticket=ticket_to_pb(ticket), block_hashes=hashes[:k]),
+            answer = await stub.Fetch(pb.FetchRequest(ticket=ticket_to_pb(ticket), block_hashes=wanted),
                                       timeout=self.timeout_s, metadata=self.metadata)
             error = answer.error
         except grpc.RpcError as e:
             error = f"fetch: {e.code().name}"
         event, held = await self._outcome(fid, done, error)
         landed = isinstance(event, KVArrived)
-        await asyncio.wrap_future(self.call(lambda e: self._settle(e, fid, hashes[:k], parent, landed, held)))
-        if not landed:
-            return self._failed(error or f"fetch: {type(event).__name__ if event else 'no answer'}")
-        self.counters.num_fetched_blocks += k
-        return k
+        if landed:
+            self.counters.num_fetched_blocks += len(wanted)
+        else:
+            self._failed(error or f"fetch: {type(event).__name__ if event else 'no answer'}")
+        return _Landing(fid, wanted, hashes[in_pool - 1] if in_pool else None, landed, held)
 
     async def _outcome(self, fid: str, done: concurrent.futures.Future[Any], error: str) -> tuple[Any, bool]:
         """The fetch's receiver event (None: none came) and whether its blocks stay held until
@@ -181,21 +206,24 @@ class KVTier:
         logger.debug("kv store %s: computing instead (%s)", self.address, why)
         return 0
 
-    def _reserve(self, e: LLMEngine, fid: RequestId, k: int) -> Any:
-        """Engine thread: k fresh blocks held under the fetch, reserved for the store's push."""
-        blocks = e.kv.hold_new(fid, k)
+    def _reserve(self, e: LLMEngine, fid: RequestId, hashes: list[BlockHash]) -> tuple[Any, int] | None:
+        """Engine thread: fresh blocks for the store's blocks past the pool's own cached run,
+        held under the fetch and reserved for the store's push: (ticket, the pool's run)."""
+        in_pool = len(e.block_pool.lookup_run(hashes))
+        if len(hashes) - in_pool < self.min_blocks:
+            return None
+        blocks = e.kv.hold_new(fid, len(hashes) - in_pool)
         if blocks is None:
             return None
-        return self.receiver.expect(fid, [int(b) for b in blocks], 0)
+        return self.receiver.expect(fid, [int(b) for b in blocks], 0), in_pool
 
-    def _settle(self, e: LLMEngine, fid: RequestId, hashes: list[BlockHash], parent: BlockHash | None,
-                landed: bool, held: bool) -> None:
+    def _settle(self, e: LLMEngine, landing: _Landing) -> None:
         """Engine thread: landed blocks cached under their hashes; others released (unless a
         writer may still write them: then on its fence)."""
-        if landed:
-            e.kv.cache_held(fid, hashes, parent)
-        elif not held:
-            e.kv.release(fid)
+        if landing.landed:
+            e.kv.cache_held(landing.fid, landing.hashes, landing.parent)
+        elif not landing.held:
+            e.kv.release(landing.fid)
 
     def _store(self) -> pb_grpc.KVStoreStub:
         if self._stub is None:  # on the worker's event loop, where its calls run
@@ -335,17 +363,24 @@ def _releaser(holder: RequestId) -> Callable[[LLMEngine], object]:
     return lambda e: e.kv.release(holder)
 
 
-def _plan(e: LLMEngine, prompt: Sequence[int], tenant: str) -> tuple[list[BlockHash], BlockHash | None] | None:
-    """Engine thread: the hashes of the prompt's full blocks past the pool's cached run (at
-    least one token is always computed), with the hash before them; None: nothing to look for."""
-    if not e.block_pool.enable_caching:
-        return None
-    bs = e.kv.block_size
+@dataclass(frozen=True)
+class _Landing:
+    """A fetch's end: its held blocks, the hashes they carry if `landed`, and whether a
+    writer may still write them (`held`: released on its fence, not now)."""
+
+    fid: RequestId
+    hashes: list[BlockHash]
+    parent: BlockHash | None
+    landed: bool
+    held: bool
+
+
+def _prompt_hashes(e: LLMEngine, prompt: Sequence[int], tenant: str) -> list[BlockHash]:
+    """The hashes of the prompt's full blocks that could be a prefix hit (at least one token
+    is always computed); none when the engine caches no prefix. The hasher and the engine's
+    block size are fixed at its start: any thread may read them."""
+    if not e.config.cache.enable_prefix_caching:
+        return []
+    bs = e.config.cache.block_size
     limit = (len(prompt) - 1) // bs
-    if limit <= 0:
-        return None
-    hashes = e.hasher.hash_prompt(list(prompt[:limit * bs]), tenant)
-    k = len(e.block_pool.lookup_run(hashes))
-    if k == limit:
-        return None
-    return hashes[k:], hashes[k - 1] if k else None
+    return e.hasher.hash_prompt(list(prompt[:limit * bs]), tenant) if limit > 0 else []

@@ -150,9 +150,11 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
         try:
             try:
                 trace = dict(tracing.headers(span)).get("traceparent", "")
-                if self.tier is not None:  # the prompt's blocks this host's store holds, into the pool first
-                    await self.tier.fetch(list(request.prompt_token_ids), request.tenant)
-                await asyncio.wrap_future(self.loop.call(lambda e: self._start(e, request, trace)))
+                if self.tier is not None:  # the prompt's blocks this host's store holds land in the pool first
+                    await self.tier.admit(list(request.prompt_token_ids), request.tenant,
+                                          lambda e: self._start(e, request, trace))
+                else:
+                    await asyncio.wrap_future(self.loop.call(lambda e: self._start(e, request, trace)))
             except Exception as e:  # noqa: BLE001 - every failure becomes the call's status
                 ended = True  # _start cleaned up
                 await context.abort(*status_for(e))

@@ -50,7 +50,7 @@ def test_store_events_and_lru_order() -> None:
         store.close()
 
 
-def test_blocks_memory_evicts_live_on_in_the_spill_file_and_come_back_byte_for_byte(tmp_path) -> None:  # noqa: ANN001
+def test_blocks_memory_evicts_live_on_in_the_spill_file_and_come_back_byte_for_byte(tmp_path) -> None:
     """Memory of 2 blocks, a spill file of 2: a third block spills the least recently used one,
     which a fetch reads back (spilling another); only a block dropped from the file leaves the
     store (its `removed` event). Fetched bytes equal the offered ones."""

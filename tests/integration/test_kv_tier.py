@@ -147,7 +147,7 @@ def test_a_store_killed_mid_fetch_costs_only_the_fetch(tiny_llama_dir: str) -> N
         peer.process.join(5)
 
 
-def test_a_prefix_spilled_to_disk_comes_back_with_the_tokens_of_a_recompute(tiny_llama_dir: str, tmp_path) -> None:  # noqa: ANN001
+def test_a_prefix_spilled_to_disk_comes_back_with_the_tokens_of_a_recompute(tiny_llama_dir: str, tmp_path) -> None:
     """The store's memory holds 12 blocks, its spill file 64: the first prompt's 10 blocks are
     pushed to disk by the later prompts' offers and read back for its fetch."""
     prompt, *others = random_prompts([41, 38, 38, 38], 512, seed=9)
