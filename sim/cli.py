@@ -70,6 +70,9 @@ def add_parser(sub: Any) -> None:
                    help="what the router's admission charges for a request's output (serve's flag)")
     f.add_argument("--autoscale", action="store_true", help="pools from 1 worker each, up to --num-gpus in all")
     f.add_argument("--startup-s", type=float, default=30.0, help="a scaled-up worker serves this long after launch")
+    f.add_argument("--kv-store-gib", type=float, default=0.0,
+                   help="each node's shared KV store in host memory (the tier: a prefix its workers' pools evicted "
+                        "is fetched over PCIe instead of computed); 0: none")
     o = s.add_argument_group("output")
     o.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     o.add_argument("--itl-slo-ms", type=float, default=100.0)
@@ -107,6 +110,7 @@ def configs(args: argparse.Namespace, hw: Roofline, items: list[Item]) -> list[t
         raise SystemExit(f"--num-gpus {args.num_gpus} at --tp {args.tp} is too few workers for --mode {args.mode}")
     base = FleetConfig(num_blocks=hw.kv_capacity_tokens() // 16, max_model_len=args.max_model_len,
                        gpus_per_worker=args.tp, startup_s=args.startup_s, seed=args.seed,
+                       kv_store_blocks=int(args.kv_store_gib * 2**30 // (16 * hw.model.kv_bytes_per_token)),
                        admission=AdmissionConfig(charge_output=args.admission_charge),
                        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                                  max_num_seqs=args.max_num_seqs))

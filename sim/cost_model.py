@@ -79,6 +79,8 @@ class GPU:
     bandwidth_efficiency: float = 0.8
     step_overhead_s: float = 0.0015
     link_latency_s: float = 20e-6
+    host_bytes_per_s: float = 50e9
+    """Host memory to the GPU (PCIe 5 x16): a fetch from the node's KV store."""
 
 
 H100_SXM = GPU("h100-sxm", peak_flops=989e12, hbm_bytes_per_s=3.35e12, memory_bytes=80e9, nvlink_bytes_per_s=450e9)
@@ -158,6 +160,10 @@ class Roofline:
         """Moving `num_tokens` tokens of KV from a prefill worker to a decode worker."""
         bw = self.gpu.nvlink_bytes_per_s if same_node else self.gpu.nic_bytes_per_s
         return self.gpu.link_latency_s + num_tokens * self.model.kv_bytes_per_token / bw
+
+    def store_s(self, num_tokens: int) -> float:
+        """Fetching `num_tokens` tokens of KV from the node's KV store (host memory) into the pool."""
+        return self.rpc_s + num_tokens * self.model.kv_bytes_per_token / self.gpu.host_bytes_per_s
 
     def kv_capacity_tokens(self, memory_utilization: float = 0.9) -> int:
         """Tokens of KV one worker holds: its GPUs' memory share less the weights."""

@@ -127,6 +127,10 @@ class CpuCost:
     def transfer_s(self, num_tokens: int, same_node: bool) -> float:
         return self.transfer_base_s
 
+    def store_s(self, num_tokens: int) -> float:
+        """A fetch from the host's store: its round trips, as a transfer's (a shm copy on one host)."""
+        return self.transfer_base_s
+
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)) + "\n")
 

@@ -44,6 +44,7 @@ from router.policy import RouteDecision, route
 from sim.engine_sim import SimEngine, StepResult
 from sim.fleet_kv import FleetTransfers
 from sim.fleet_pools import AUTOSCALE_TICK_S, VOCAB, PoolControl
+from sim.fleet_tier import SimStores
 from sim.fleet_types import Flight, FleetConfig, FleetResult, Hardware, Role, Worker
 
 __all__ = ["Fleet", "FleetConfig", "FleetResult", "Hardware"]
@@ -87,6 +88,8 @@ class Fleet:
         self.pools = PoolControl(self)
         """Heartbeats, the autoscaler and drains (sim/fleet_pools.py)."""
         self.transfers = FleetTransfers(self)
+        self.tier = SimStores(config.kv_store_blocks, config.block_size, hardware) if config.kv_store_blocks else None
+        """Each node's shared KV store (None: no tier)."""
         """Reservations, pushes and leases of remote prefills (sim/fleet_kv.py)."""
         self.stats = {"num_local_prefill": 0, "num_remote_prefill": 0, "num_kv_waits": 0, "num_steps": 0,
                       "num_preemptions": 0}
@@ -139,6 +142,9 @@ class Fleet:
         gpu_s = sum(((w.stopped_at if w.stopped_at is not None else end) - w.created_at) * self.config.gpus(w.role)
                     for w in self.workers.values())
         outcomes = [f.outcome for f in self.flights.values()]
+        if self.tier is not None:
+            self.stats["num_store_fetched_blocks"] = self.tier.num_fetched_blocks
+            self.stats["num_store_evicted_blocks"] = self.tier.num_evicted_blocks
         return FleetResult(Run(outcomes, end - min((o.sent_s for o in outcomes), default=0.0)), gpu_s,
                            self.pools.actions, self.pools.pool_sizes, self.config, dict(self.stats))
 
@@ -183,6 +189,8 @@ class Fleet:
         if events:
             for e in events:
                 self.index.apply(w.worker_id, e)
+                if self.tier is not None and e.kind == "stored":
+                    self.tier.offer(w.node, e.block_hashes)
             self.index.expire_predictions()  # as the router's feed, after each batch of events
         for rid, num_tokens in result.tokens.items():
             f = self.flights.get(rid)
@@ -260,6 +268,8 @@ class Fleet:
         f.decision = decision
         if p is None:
             self.stats["num_local_prefill"] += 1
+            if self.tier is not None:
+                self.tier.before_add(d, f.rid, f.hashes, len(f.item.prompt))
             d.engine.add(f.rid, f.item.prompt, f.item.max_tokens, block_hashes=f.hashes)
             self.wake(d)
             return True
@@ -273,9 +283,11 @@ class Fleet:
         decodes = [self.loads.load(w) for w in self.serving("decode")]
         prefills = [self.loads.load(w) for w in self.serving("prefill")]
         self._turn += 1
+        tier = self.tier
         return route(len(f.item.prompt), decodes, prefills,
                      lambda ids: overlap if overlap is not None else self.index.overlap(f.hashes, ids),
-                     c.routing, c.block_size, self._turn, self.rng, c.kv_window)
+                     c.routing, c.block_size, self._turn, self.rng, c.kv_window,
+                     (lambda ids: tier.stored(f.hashes, self.workers, ids)) if tier is not None else None)
 
     def _token(self, f: Flight, w: Worker, num_tokens: int, first: tuple[int, int] | None) -> None:
         o = f.outcome

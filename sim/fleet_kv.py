@@ -44,6 +44,8 @@ class FleetTransfers:
         f.reservation_id = res.reservation_id
         self.pushing[f.rid] = f
         pw = fleet.workers[p]
+        if fleet.tier is not None:
+            fleet.tier.before_add(pw, f.rid, f.hashes, n)
         pw.engine.add(f.rid, f.item.prompt, 1, block_hashes=f.hashes)
         if fleet.hw.push_token_s:  # the push of every block D lacks shares P's cores with its prefill
             pw.engine.extra_s[f.rid] = fleet.hw.push_token_s * (n - request.num_cached_tokens)

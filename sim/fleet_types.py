@@ -30,6 +30,9 @@ class Hardware(Protocol):
 
     def transfer_s(self, num_tokens: int, same_node: bool) -> float: ...
 
+    def store_s(self, num_tokens: int) -> float:
+        """Fetching `num_tokens` tokens of KV from the node's KV store into a worker's pool."""
+
     @property
     def rpc_s(self) -> float:
         """From a request's arrival to its work starting on a worker (the router's hops)."""
@@ -86,6 +89,8 @@ class FleetConfig:
     kv_wait_s: float = 1.0
     """How long a request waits for a decode worker with room (RouterConfig.kv_wait_s)."""
     seed: int = 0
+    kv_store_blocks: int = 0
+    """Each node's shared KV store, in blocks (sim/fleet_tier.py); 0: no tier."""
 
     def gpus(self, role: Role) -> int:
         """GPUs one worker of `role` spans (its tensor-parallel degree)."""

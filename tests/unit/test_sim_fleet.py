@@ -31,6 +31,9 @@ class Linear:
     def transfer_s(self, num_tokens: int, same_node: bool) -> float:
         return 0.002
 
+    def store_s(self, num_tokens: int) -> float:
+        return 0.0005
+
     rpc_s = 0.0
     delivery_s = ()
     hops_s = ()
@@ -294,3 +297,27 @@ def test_prefill_and_decode_at_different_degrees_are_priced_and_counted_apart() 
     assert cfg.num_gpus == 3 and cfg.gpus("prefill") == 2 and cfg.gpus("decode") == 1 and cfg.blocks("prefill") == 2000
     assert split.gpu_seconds == pytest.approx(3 * b.end_s)
     assert b.itls_s == pytest.approx(a.itls_s)  # decode runs at its own degree, unchanged
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_the_node_store_serves_a_prefix_the_pool_evicted_and_its_fetch_is_priced(mode: str) -> None:
+    """A 100-token prompt, five others that fill a 20-block pool, then the first again: with a
+    store of 200 blocks on the node its 6 full blocks come from the store (96 cached tokens, the
+    fetch's 0.5 ms in its first step: 4 tokens computed, 1.4 ms + 0.5 ms); without, it is computed
+    whole (11 ms). Every block comes back."""
+    first = list(range(3, 103))
+    items = [Item(first, 1, 0.0), *(Item(list(range(1000 * i, 1000 * i + 100)), 1, 0.05 * i) for i in range(1, 6)),
+             Item(first, 1, 0.5)]
+    for blocks, cached, ttft in ((0, 0, 0.011), (200, 96, 0.0019)):
+        cfg = FleetConfig(num_prefill=0 if mode == "colocated" else 1, num_decode=1, num_blocks=20,
+                          max_model_len=4096, routing=RoutingConfig(mode=mode), kv_store_blocks=blocks)
+        fleet = Fleet(cfg, Linear(), items)
+        result = fleet.run()
+        last = result.run.outcomes[-1]
+        assert last.code == "OK" and last.num_cached == cached
+        if mode == "colocated":
+            assert last.ttft_s == pytest.approx(ttft)
+        assert result.stats.get("num_store_fetched_blocks", 0) == cached // 16
+        for w in fleet.workers.values():
+            u = w.engine.pool.check_invariants()
+            assert u.num_in_use == 0 and not w.engine.kv.num_held
