@@ -39,6 +39,11 @@ def target_key(ns: str, role: str) -> str:
     return f"{ns}:target:{role}"
 
 
+def store_key(ns: str, host_id: str) -> str:
+    """A host's KV store's entry (kvstore/host.py): its address, store id and counters, as JSON."""
+    return f"{ns}:kvstore:{host_id}"
+
+
 def controller_key(ns: str) -> str:
     """The controller's status: targets, workers' states, last actions and autoscaler decision."""
     return f"{ns}:controller"

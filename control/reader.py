@@ -7,6 +7,7 @@ Keys under one namespace `ns` (msgpack values, never pickle):
 """
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from typing import Any, TypeVar
 import msgpack
 import redis.asyncio
 
-from control.heartbeat import BadEntry, Heartbeat, controller_key, hb_key, kv_key, router_key
+from control.heartbeat import BadEntry, Heartbeat, controller_key, hb_key, kv_key, router_key, store_key
 from control.kv_events import event_from_bytes
 from engine.block_pool import KVEvent
 
@@ -76,6 +77,21 @@ class RegistryReader:
                 logger.warning("registry: skipping a malformed entry in %r: %s", key, e)
             return None
 
+    async def store_entries(self) -> dict[str, str]:
+        """The registered KV stores (kvstore/host.py): store id -> gRPC address."""
+        keys = [k async for k in self.client.scan_iter(match=store_key(self.ns, "*"), count=100)]
+        values = await self.client.mget(keys) if keys else []
+        out = {}
+        for k, v in zip(keys, values, strict=True):
+            try:
+                entry = json.loads(v) if v else None
+                if isinstance(entry, dict) and isinstance(entry.get("store_id"), str) \
+                        and isinstance(entry.get("address"), str):
+                    out[entry["store_id"]] = entry["address"]
+            except ValueError:
+                self._parse(k, v, _bad_store_entry)
+        return out
+
     async def set_router_stats(self, router_id: str, stats: dict[str, object], ttl_s: float) -> None:
         await self.client.set(router_key(self.ns, router_id), msgpack.packb(stats), px=int(ttl_s * 1000))
 
@@ -87,6 +103,10 @@ class RegistryReader:
 
     async def close(self) -> None:
         await self.client.aclose()
+
+
+def _bad_store_entry(data: object) -> None:
+    raise BadEntry("a KV store's entry is a JSON map with its store_id and address")
 
 
 ClusterState = tuple[dict[str, Heartbeat], dict[str, dict[str, Any]], dict[str, Any] | None]

@@ -101,6 +101,8 @@ class WorkerMetrics(Collector):
             for name, doc, attr in (
                     ("kv_tier_fetched_blocks", "Blocks fetched from the host's KV store instead of computed.",
                      "num_fetched_blocks"),
+                    ("kv_tier_far_fetched_blocks", "Of those, blocks fetched from another host's store.",
+                     "num_far_fetched_blocks"),
                     ("kv_tier_fetch_failures", "Fetches that fell back to computing.", "num_fetch_failures"),
                     ("kv_tier_offloaded_blocks", "Cached blocks written into the host's KV store.",
                      "num_offloaded_blocks"),

@@ -203,7 +203,8 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
                 def add(e: LLMEngine) -> object:
                     return e.add_request(prompt, params, rid, request.priority, request.tenant, weight)
                 if self.tier is not None:  # the prompt's blocks this host's store holds land in the pool first
-                    await self.tier.admit(prompt, request.tenant, add)
+                    await self.tier.admit(prompt, request.tenant, add,
+                                          request.store if request.HasField("store") else None)
                 else:
                     await asyncio.wrap_future(self.loop.call(add))
                 return None

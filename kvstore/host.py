@@ -23,6 +23,7 @@ from typing import Any
 
 import grpc
 
+from control.heartbeat import store_key
 from control.worker_config import NODE_IP, dialable_host
 from kvfabric.address import local_host_id
 
@@ -30,10 +31,6 @@ logger = logging.getLogger(__name__)
 
 TTL_S = 5.0
 """A store's Redis entry outlives its last refresh by this long."""
-
-
-def store_key(ns: str, host_id: str) -> str:
-    return f"{ns}:kvstore:{host_id}"
 
 
 def store_id_of(host_id: str) -> str:

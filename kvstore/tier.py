@@ -68,6 +68,8 @@ class TierCounters:
     num_fetches: int = 0
     num_fetched_blocks: int = 0
     """Blocks that landed in the pool from the store."""
+    num_far_fetched_blocks: int = 0
+    """Of those, blocks fetched from another host's store (the router's hint), over tcp."""
     num_fetch_failures: int = 0
     """Fetches that fell back to computing (store down, evicted, refused, timed out)."""
     num_offered_blocks: int = 0
@@ -109,6 +111,8 @@ class KVTier:
         """Engine thread: blocks held for offloads now."""
         self._stub: pb_grpc.KVStoreStub | None = None
         self._aio_channel: grpc.aio.Channel | None = None
+        self._far: dict[str, pb_grpc.KVStoreStub] = {}
+        self._far_channels: list[grpc.aio.Channel] = []
         self._stop = threading.Event()
         self._offloads: queue.SimpleQueue[tuple[RequestId, list[BlockHash], list[int]] | None] = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._receiver_events, name="kvtier-events", daemon=True),
@@ -117,11 +121,13 @@ class KVTier:
             t.start()
 
     # -- fetch (the worker's event loop) -----------------------------------------------------
-    async def admit(self, prompt: Sequence[int], tenant: str, add: Callable[[LLMEngine], T]) -> T:
+    async def admit(self, prompt: Sequence[int], tenant: str, add: Callable[[LLMEngine], T],
+                    hint: Any = None) -> T:
         """`add` (the request joining the engine) run on the engine thread right after the
         blocks the store held for `prompt` landed in the pool's cache: nothing can evict them
-        in between. Two engine-thread calls in all (the reservation, then this)."""
-        landing = await self._fetch(prompt, tenant)
+        in between. Two engine-thread calls in all (the reservation, then this). `hint`: the
+        router's `StoreHint`, another host's store to fetch from instead of this host's."""
+        landing = await self._fetch(prompt, tenant, hint)
 
         def land_then_add(e: LLMEngine) -> T:
             if landing is not None:
@@ -138,18 +144,19 @@ class KVTier:
         await asyncio.wrap_future(self.call(lambda e: self._settle(e, landing)))
         return len(landing.hashes) if landing.landed else 0
 
-    async def _fetch(self, prompt: Sequence[int], tenant: str) -> _Landing | None:
+    async def _fetch(self, prompt: Sequence[int], tenant: str, hint: Any = None) -> _Landing | None:
         """The store's blocks of the prompt past the pool's run, in held blocks of the pool (not
         yet cached: `_settle` does that on the engine thread); None: nothing was reserved."""
         hashes = _prompt_hashes(self.engine, prompt, tenant)  # the hasher is pure: hashed here, off the engine
         if not hashes:
             return None
-        stub = self._store()
+        far = hint is not None and hint.address and hint.store_id != self.store_id
+        stub = self._far_store(hint.address) if far else self._store()
         try:
             reply = await stub.Lookup(pb.LookupRequest(block_hashes=hashes), timeout=self.timeout_s,
                                       metadata=self.metadata)
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
+            if e.code() == grpc.StatusCode.UNAVAILABLE and not far:
                 await self._find_again()
             self._failed(f"lookup: {e.code().name}")
             return None
@@ -178,6 +185,8 @@ class KVTier:
         landed = isinstance(event, KVArrived)
         if landed:
             self.counters.num_fetched_blocks += len(wanted)
+            if far:
+                self.counters.num_far_fetched_blocks += len(wanted)
         else:
             self._failed(error or f"fetch: {type(event).__name__ if event else 'no answer'}")
         return _Landing(fid, wanted, hashes[in_pool - 1] if in_pool else None, landed, held)
@@ -230,6 +239,15 @@ class KVTier:
             self._aio_channel = grpc.aio.insecure_channel(self.address)
             self._stub = pb_grpc.KVStoreStub(self._aio_channel)
         return self._stub
+
+    def _far_store(self, address: str) -> pb_grpc.KVStoreStub:
+        """Another host's store (the router's hint): one channel each, kept (a few hosts' stores)."""
+        stub = self._far.get(address)
+        if stub is None:
+            channel = grpc.aio.insecure_channel(address)
+            self._far_channels.append(channel)
+            stub = self._far[address] = pb_grpc.KVStoreStub(channel)
+        return stub
 
     async def _find_again(self) -> None:
         """The store did not answer: look for the host's store again (at most every 5 s); a new
@@ -325,6 +343,8 @@ class KVTier:
         self._offloads.put(None)
         if self._aio_channel is not None:
             await self._aio_channel.close()
+        for channel in self._far_channels:
+            await channel.close()
         self.sender.close()
         self.receiver.close()
         self.pools.close()

@@ -152,7 +152,8 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
                 trace = dict(tracing.headers(span)).get("traceparent", "")
                 if self.tier is not None:  # the prompt's blocks this host's store holds land in the pool first
                     await self.tier.admit(list(request.prompt_token_ids), request.tenant,
-                                          lambda e: self._start(e, request, trace))
+                                          lambda e: self._start(e, request, trace),
+                                          request.store if request.HasField("store") else None)
                 else:
                     await asyncio.wrap_future(self.loop.call(lambda e: self._start(e, request, trace)))
             except Exception as e:  # noqa: BLE001 - every failure becomes the call's status

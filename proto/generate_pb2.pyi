@@ -182,7 +182,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., route: _Optional[_Union[Route, _Mapping]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ..., choice: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "tenant", "ticket", "tenant_weight")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "tenant", "ticket", "tenant_weight", "store")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +190,7 @@ class PrefillRequest(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
     TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -197,7 +198,18 @@ class PrefillRequest(_message.Message):
     tenant: str
     ticket: KVTicket
     tenant_weight: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ..., ticket: _Optional[_Union[KVTicket, _Mapping]] = ..., tenant_weight: _Optional[float] = ...) -> None: ...
+    store: StoreHint
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ..., ticket: _Optional[_Union[KVTicket, _Mapping]] = ..., tenant_weight: _Optional[float] = ..., store: _Optional[_Union[StoreHint, _Mapping]] = ...) -> None: ...
+
+class StoreHint(_message.Message):
+    __slots__ = ("address", "store_id", "num_blocks")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    store_id: str
+    num_blocks: int
+    def __init__(self, address: _Optional[str] = ..., store_id: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class FabricAddress(_message.Message):
     __slots__ = ("host", "port", "host_id", "receiver_id", "device", "transports", "shm_name", "shm_nonce", "shm_bytes", "cuda_ipc_handle", "gpu", "pool_blocks", "local_name", "shm_ranks")
@@ -296,7 +308,7 @@ class PrefillEvent(_message.Message):
     def __init__(self, first: _Optional[_Union[FirstToken, _Mapping]] = ..., pushed: _Optional[_Union[KVPushed, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "tenant", "local_prefill", "tenant_weight")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "tenant", "local_prefill", "tenant_weight", "store")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -304,6 +316,7 @@ class DecodeRequest(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -311,7 +324,8 @@ class DecodeRequest(_message.Message):
     tenant: str
     local_prefill: bool
     tenant_weight: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ..., local_prefill: _Optional[bool] = ..., tenant_weight: _Optional[float] = ...) -> None: ...
+    store: StoreHint
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ..., local_prefill: _Optional[bool] = ..., tenant_weight: _Optional[float] = ..., store: _Optional[_Union[StoreHint, _Mapping]] = ...) -> None: ...
 
 class Reserved(_message.Message):
     __slots__ = ("ticket", "num_cached_tokens")

@@ -55,6 +55,7 @@ class RegistryFeed:
         for w in sorted(before - now):
             logger.info("router: worker %s left", w)
         if self.stores is not None:
+            self.members.store_addresses = await self.reader.store_entries()
             now_stores = set(self.members.stores())
             for gone in self._store_ids - now_stores:  # no member fetches from it any more
                 self.stores.forget_worker(gone)

@@ -34,7 +34,7 @@ from router.choices import Choices
 from router.kv_index import KVIndex
 from router.loads import Booking, LoadBook, book_route
 from router.members import Members
-from router.policy import RouteDecision, route
+from router.policy import RouteDecision, StoreHit, route
 
 logger = logging.getLogger(__name__)
 
@@ -120,16 +120,18 @@ class RequestFlow:
                                   local_prefill=decision.local_prefill)
         booking = self._book(attempt, decision, hashes, block_size)
         d, p = booking.decode, booking.prefill
+        hint = self._store_hint(hashes, p or d)
         calls: list[WorkerCall] = []
         try:
             decode = self.clients.call(d, pb.DecodeRequest(
                 request_id=attempt.worker_request_id, prompt_token_ids=attempt.token_ids,
                 sampling=sampling_to_pb(attempt.params, keep_stop_strings=False), priority=attempt.priority,
-                tenant=attempt.tenant, tenant_weight=attempt.tenant_weight, local_prefill=p is None), deadline,
-                tracing.headers(progress.span))
+                tenant=attempt.tenant, tenant_weight=attempt.tenant_weight, local_prefill=p is None,
+                store=hint if p is None else None), deadline, tracing.headers(progress.span))
             calls.append(decode)
             if p is not None:
-                prefill = await self._remote_prefill(attempt, p, decode, deadline, calls, tracing.headers(progress.span))
+                prefill = await self._remote_prefill(attempt, p, decode, deadline, calls, tracing.headers(progress.span),
+                                                     hint)
                 booking.prefilled()
                 first_at = time.perf_counter()
                 self._first_prefilled(progress, prefill.num_cached_tokens)
@@ -158,7 +160,8 @@ class RequestFlow:
             self._room = asyncio.Event()
 
     async def _remote_prefill(self, attempt: Attempt, p: str, decode: WorkerCall, deadline: Deadline,
-                              calls: list[WorkerCall], trace: tuple[tuple[str, str], ...]) -> pb.FirstToken:
+                              calls: list[WorkerCall], trace: tuple[tuple[str, str], ...],
+                              hint: pb.StoreHint | None = None) -> pb.FirstToken:
         ev = await self._next(decode, self.config.reserve_timeout_s)
         if ev.WhichOneof("event") != "reserved":  # type: ignore[union-attr]
             raise RequestFailed(grpc.StatusCode.INTERNAL, f"{decode.worker_id}: expected a reservation first")
@@ -166,7 +169,7 @@ class RequestFlow:
             request_id=attempt.worker_request_id, prompt_token_ids=attempt.token_ids,
             sampling=sampling_to_pb(attempt.params, keep_stop_strings=False), priority=attempt.priority,
             tenant=attempt.tenant, tenant_weight=attempt.tenant_weight,
-            ticket=ev.reserved.ticket), deadline, trace)  # type: ignore[union-attr]
+            ticket=ev.reserved.ticket, store=hint), deadline, trace)  # type: ignore[union-attr]
         calls.append(prefill)
         try:
             ev = await self._next(prefill, self.config.prefill_timeout_s)
@@ -283,13 +286,33 @@ class RequestFlow:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._room.wait(), min(left, KV_RECHECK_S))
 
-    def _stored(self, hashes: list[bytes], worker_ids: list[str]) -> dict[str, int]:
-        """Per worker, the prompt's leading blocks its host's KV store holds (0: none, or no store)."""
+    def _stored(self, hashes: list[bytes], worker_ids: list[str]) -> dict[str, StoreHit]:
+        """Per worker, its best KV store hit: its own host's store, or another host's (a worker
+        without a tier fetches from none), whichever saves the most computing."""
         if self.stores is None:
             return {}
-        by_store = {w: s for w in worker_ids if (s := self.members.store_of(w))}
-        held = self.stores.overlap(hashes, set(by_store.values()))  # type: ignore[arg-type]
-        return {w: held[s] for w, s in by_store.items()}
+        held = self.stores.overlap(hashes, self.members.stores())
+        routing = self.config.routing
+        remote = max(((n, s) for s, n in held.items() if s in self.members.store_addresses), default=(0, ""))
+        hits = {}
+        for w in worker_ids:
+            own = self.members.store_of(w)
+            if not own:
+                continue
+            best = StoreHit(held.get(own, 0), routing.store_fetch_cost, own)
+            if remote[1] != own and (far := StoreHit(remote[0], routing.remote_store_fetch_cost, remote[1])).saved \
+                    > best.saved:
+                best = far
+            hits[w] = best
+        return hits
+
+    def _store_hint(self, hashes: list[bytes], worker_id: str) -> pb.StoreHint | None:
+        """Another host's store, when the worker that prefills is best served from there."""
+        hit = self._stored(hashes, [worker_id]).get(worker_id)
+        if hit is None or not hit.num_blocks or hit.store_id == self.members.store_of(worker_id):
+            return None
+        return pb.StoreHint(address=self.members.store_addresses.get(hit.store_id, ""), store_id=hit.store_id,
+                            num_blocks=hit.num_blocks)
 
     def _route(self, attempt: Attempt, avoid: set[str]) -> tuple[RouteDecision, list[bytes], int]:
         """Workers that failed this request are avoided; ones that are down too, unless no decode

@@ -51,6 +51,8 @@ class Members:
         self._mismatched: set[str] = set()
         self.facts: ModelFacts | None = None
         """The model facts most serving workers report (None before any worker serves); set by `update`."""
+        self.store_addresses: dict[str, str] = {}
+        """The registered KV stores: store id -> gRPC address (set by the feed)."""
 
     def update(self, heartbeats: dict[str, Heartbeat]) -> list[Member]:
         """Applies the registry's heartbeats; returns the members that left (gone, or restarted
@@ -110,8 +112,9 @@ class Members:
                 for w, m in self._members.items()]
 
     def stores(self) -> list[str]:
-        """The KV stores the members fetch from (their event streams: the routers' index of the tier)."""
-        return sorted({m.kv_store for m in self._members.values() if m.kv_store})
+        """The KV stores the members fetch from and the registered ones (their event streams: the
+        routers' index of the tier)."""
+        return sorted({m.kv_store for m in self._members.values() if m.kv_store} | set(self.store_addresses))
 
     def store_of(self, worker_id: str) -> str:
         m = self._members.get(worker_id)

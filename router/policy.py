@@ -10,9 +10,10 @@ Per docs/architecture.md, lowest cost wins and ties are broken at random:
   `colocated`: D prefills itself.
 - prefill worker P: `max(prompt - P's cached prefix, 0) + queued prefill tokens`.
 
-A worker's cached prefix counts its pool's leading blocks whole and, past them, those its
-host's KV store holds (kvstore/) at `1 - store_fetch_cost` each: a pool hit is free, a
-store hit costs a copy, a miss a forward pass. What is booked on a worker (its blocks) is
+A worker's cached prefix counts its pool's leading blocks whole and, past them, those a KV
+store holds (kvstore/) at `1 - fetch_cost` each: its own host's (`store_fetch_cost`) or
+another host's over the network (`remote_store_fetch_cost`), whichever saves more: a pool
+hit is free, a store hit costs a copy, a remote one a transfer, a miss a forward pass. What is booked on a worker (its blocks) is
 its pool's hit only: blocks fetched from a store take room as computed ones do.
 """
 from __future__ import annotations
@@ -46,6 +47,8 @@ class RoutingConfig:
     store_fetch_cost: float = 0.1
     """What fetching a block from the worker's host KV store costs, as a share of computing it
     (a memory-speed copy against a forward pass)."""
+    remote_store_fetch_cost: float = 0.3
+    """The same from another host's store (over the network)."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated", "auto"):
@@ -56,8 +59,9 @@ class RoutingConfig:
                      "kv_pressure_weight_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not 0.0 <= self.store_fetch_cost <= 1.0:
-            raise ValueError(f"store_fetch_cost must be in [0, 1], got {self.store_fetch_cost}")
+        for name in ("store_fetch_cost", "remote_store_fetch_cost"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,20 @@ class WorkerLoad:
     num_free_blocks: int = 0
     """Blocks it can allocate (free + evictable), less what is promised to requests in flight."""
     num_total_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class StoreHit:
+    """The leading blocks of a prompt a KV store holds, and what fetching one costs a worker
+    (a share of computing it)."""
+
+    num_blocks: int
+    fetch_cost: float
+    store_id: str = ""
+
+    @property
+    def saved(self) -> float:
+        return self.num_blocks * (1.0 - self.fetch_cost)
 
 
 @dataclass(frozen=True)
@@ -101,13 +119,13 @@ def route(
     turn: int,
     rng: random.Random,
     window: int = 0,
-    stored: Callable[[list[str]], dict[str, int]] | None = None,
+    stored: Callable[[list[str]], dict[str, StoreHit]] | None = None,
 ) -> RouteDecision | None:
     """The router's choice for a prompt among these workers, by its configured policy (the
     flow and the simulator both decide here). `overlap(worker ids)`: the KV index's leading
     cached blocks for the prompt, read only when the policy looks at caches; `turn`: the
     round-robin counter; `window`: the model's sliding window on every layer (ModelFacts.kv_window);
-    `stored(worker ids)`: the leading blocks each worker's host KV store holds (None: no tier)."""
+    `stored(worker ids)`: the best KV store hit of each worker (None: no tier)."""
     blocks = blocks_for(num_prompt_tokens, block_size, window)
     if config.policy == "round_robin":
         return choose_round_robin(turn, num_prompt_tokens, blocks, decodes, prefills, config)
@@ -126,18 +144,19 @@ def choose_route(
     config: RoutingConfig,
     block_size: int,
     rng: random.Random,
-    stored: dict[str, int] | None = None,
+    stored: dict[str, StoreHit] | None = None,
 ) -> RouteDecision | None:
     """Picks D (and P unless D prefills itself); None when no decode worker has room.
 
     `num_new_blocks`: blocks the request needs on D beyond a cached prefix of 0
-    (prompt + output); `overlap`: leading cached blocks per worker id; `stored`: leading
-    blocks of each worker's host KV store.
+    (prompt + output); `overlap`: leading cached blocks per worker id; `stored`: each worker's
+    best KV store hit.
     """
     def cached_tokens(worker_id: str) -> float:
         """The prompt tokens a worker need not compute, a store's at their fetch's discount."""
         pool = overlap.get(worker_id, 0)
-        extra = max((stored or {}).get(worker_id, 0) - pool, 0) * (1.0 - config.store_fetch_cost)
+        hit = (stored or {}).get(worker_id)
+        extra = max(hit.num_blocks - pool, 0) * (1.0 - hit.fetch_cost) if hit is not None else 0.0
         return min((pool + extra) * block_size, num_prompt_tokens)
 
     d = _pick_decode(num_prompt_tokens, num_new_blocks, overlap, decodes, config, rng, cached_tokens)

@@ -287,7 +287,8 @@ class Fleet:
         return route(len(f.item.prompt), decodes, prefills,
                      lambda ids: overlap if overlap is not None else self.index.overlap(f.hashes, ids),
                      c.routing, c.block_size, self._turn, self.rng, c.kv_window,
-                     (lambda ids: tier.stored(f.hashes, self.workers, ids)) if tier is not None else None)
+                     (lambda ids: tier.stored(f.hashes, self.workers, ids, c.routing.store_fetch_cost))
+                     if tier is not None else None)
 
     def _token(self, f: Flight, w: Worker, num_tokens: int, first: tuple[int, int] | None) -> None:
         o = f.outcome

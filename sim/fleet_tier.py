@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from engine.types import BlockHash, RequestId
+from router.policy import StoreHit
 from sim.fleet_types import Hardware, Worker
 
 
@@ -47,8 +48,10 @@ class SimStores:
             n += 1
         return n
 
-    def stored(self, hashes: Sequence[BlockHash], workers: dict[str, Worker], ids: list[str]) -> dict[str, int]:
-        return {w: self.held(workers[w].node, hashes) for w in ids}
+    def stored(self, hashes: Sequence[BlockHash], workers: dict[str, Worker], ids: list[str],
+               fetch_cost: float) -> dict[str, StoreHit]:
+        """Each worker's own node's store (a fetch from another node's is not modelled)."""
+        return {w: StoreHit(self.held(workers[w].node, hashes), fetch_cost, f"node-{workers[w].node}") for w in ids}
 
     def before_add(self, w: Worker, request_id: str, hashes: Sequence[BlockHash], num_prompt_tokens: int) -> int:
         """The store's blocks past the pool's run cached in `w`'s pool; returns how many."""

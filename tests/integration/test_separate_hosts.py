@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ import ray
 from benchmarks.separate_hosts import SUBNET, Hosts, kill_all_in, namespaces, ray_node, scrape, sh, unavailable
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster, free_port
+from control.auth import cluster_token
 from control.worker_config import NODE_IP
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
@@ -80,6 +82,55 @@ def test_kv_crosses_between_separate_hosts_over_tcp(cluster_hosts: Hosts, tiny_l
             assert tokens(got) == greedy(tiny_llama_dir, prompt, 8)
             assert (got[-1].route.prefill_worker, got[-1].route.decode_worker) == ("prefill-far", "decode-far")
     # (with a private /dev/shm and another hostname, `shm` could not have carried it: the KV went over tcp)
+
+
+def test_a_worker_fetches_a_prefix_from_another_hosts_kv_store_over_tcp(cluster_hosts: Hosts,
+                                                                       tiny_llama_dir: str) -> None:
+    """Host p: a KV store and a decode worker that serves a conversation and offers its blocks
+    to its store. Host d: a store and a decode worker of its own. With p's worker gone, the next
+    turn goes to d, whose own store holds nothing: the router saw p's store holding the prefix
+    (its event stream) and hints it; d's worker fetches the blocks from there over tcp and
+    serves the turn with the tokens of a recompute, its prompt counted as cached."""
+    redis = {"p": f"{SUBNET}.1.1", "d": f"{SUBNET}.2.1"}
+    stores = {name: cluster_hosts.start(name, ["kv-store", "--redis-url", cluster_hosts.redis_url(redis[name]),
+                                               "--namespace", "hosts", "--model", tiny_llama_dir,
+                                               "--kv-store-mib", "8", "--host", "0.0.0.0"]) for name in ("p", "d")}
+    assert stores["p"].startswith(f"{SUBNET}.1.2:") and stores["d"].startswith(f"{SUBNET}.2.2:")
+
+    def worker(name: str, worker_id: str) -> subprocess.Popen:
+        cluster_hosts.start(name, ["worker", "decode", "--worker-id", worker_id, "--redis-url",
+                                   cluster_hosts.redis_url(redis[name]), "--host", "0.0.0.0", "--kv-store", "local",
+                                   *cluster_hosts.common])
+        return cluster_hosts.procs[-1]
+
+    near = worker("p", "decode-p")
+    address = cluster_hosts.start("router", ["router", "--redis-url", cluster_hosts.redis_url("127.0.0.1"),
+                                             "--namespace", "hosts", "--port", "0", "--mode", "colocated"])
+    prompt = [random.Random(8).randrange(3, 500) for _ in range(170)]  # 10 full blocks of 16
+    token = [("x-splitserve-token", cluster_token(b"hosts-test-secret"))]
+    with grpc.insecure_channel(address) as channel, grpc.insecure_channel(stores["p"]) as store_p:
+        stub, stats_p = pb_grpc.GenerationStub(channel), pb_grpc.KVStoreStub(store_p)
+        first = generate(stub, prompt, 6)
+        assert first[-1].route.decode_worker == "decode-p" and first[-1].usage.cached_tokens == 0
+        wait_for("p's store holding the prompt's blocks",
+                 lambda: stats_p.Stats(pb.StatsRequest(), metadata=token, timeout=10).num_stored >= 10, 30)
+        worker("d", "decode-d")
+        near.terminate()
+        near.wait(30)
+        got = wait_for("the turn served on d", lambda: served_on(stub, prompt, "decode-d"), 60)
+        assert tokens(got) == greedy(tiny_llama_dir, prompt, 6)
+        assert got[-1].usage.cached_tokens == 160  # its 10 full blocks, from p's store
+        assert stats_p.Stats(pb.StatsRequest(), metadata=token, timeout=10).num_fetched == 10
+
+
+def served_on(stub: pb_grpc.GenerationStub, prompt: list[int], worker_id: str) -> list[pb.GenerateResponse] | None:
+    """The request's responses when the router sent it to `worker_id` (None: it is not routing
+    there yet, or the worker that left was still tried)."""
+    try:
+        got = generate(stub, prompt, 6)
+    except grpc.RpcError:
+        return None
+    return got if got[-1].route.decode_worker == worker_id else None
 
 
 LEASE_S = 10.0

@@ -4,13 +4,17 @@ import random
 
 import pytest
 
-from router.policy import RoutingConfig, WorkerLoad, choose_round_robin, choose_route
+from router.policy import RoutingConfig, StoreHit, WorkerLoad, choose_round_robin, choose_route
 
 BS = 16
 
 
 def d(wid: str, active: int = 0, free: int = 100, total: int = 100, queued: int = 0) -> WorkerLoad:
     return WorkerLoad(wid, num_active=active, num_free_blocks=free, num_total_blocks=total, queued_prefill_tokens=queued)
+
+
+def hit(num_blocks: int, fetch_cost: float = 0.1) -> StoreHit:
+    return StoreHit(num_blocks, fetch_cost)
 
 
 def route(prompt: int, overlap: dict[str, int], decodes, prefills, **cfg):  # type: ignore[no-untyped-def]
@@ -83,15 +87,21 @@ def test_a_pool_hit_beats_a_store_hit_which_beats_a_miss() -> None:
     512 - 320 = 192, p2's 512. A store's blocks past a pool hit add at their discount."""
     prefills = [d("p0"), d("p1"), d("p2")]
     cfg = RoutingConfig(mode="disaggregated")
-    pick = choose_route(512, 33, {"p0": 20}, [d("d0")], prefills, cfg, BS, random.Random(0), {"p1": 32})
+    pick = choose_route(512, 33, {"p0": 20}, [d("d0")], prefills, cfg, BS, random.Random(0), {"p1": hit(32)})
     assert pick.prefill_worker == "p1" and pick.num_prefill_cached_blocks == 0  # booked: its pool's hit only
-    pick = choose_route(512, 33, {"p0": 20}, [d("d0")], prefills, cfg, BS, random.Random(0), {"p1": 12})
+    pick = choose_route(512, 33, {"p0": 20}, [d("d0")], prefills, cfg, BS, random.Random(0), {"p1": hit(12)})
     assert pick.prefill_worker == "p0"  # 512 - 12 * 16 * 0.9 = 339 > 192
-    pick = choose_route(512, 33, {"p0": 20}, [d("d0")], prefills, cfg, BS, random.Random(0), {"p0": 32, "p1": 30})
+    pick = choose_route(512, 33, {"p0": 20}, [d("d0")], prefills, cfg, BS, random.Random(0),
+                        {"p0": hit(32), "p1": hit(30)})
     assert pick.prefill_worker == "p0"  # 512 - (20 + 12 * 0.9) * 16 = 19 < 512 - 30 * 16 * 0.9 = 80
+    # another host's store, at 0.3 a block: p1's 32 there (512 - 32 * 16 * 0.7 = 154) beat p0's pool (192)
+    pick = choose_route(512, 33, {"p0": 20}, [d("d0")], prefills, cfg, BS, random.Random(0), {"p1": hit(32, 0.3)})
+    assert pick.prefill_worker == "p1"
+    pick = choose_route(512, 33, {"p0": 20}, [d("d0")], prefills, cfg, BS, random.Random(0), {"p1": hit(24, 0.3)})
+    assert pick.prefill_worker == "p0"  # 512 - 24 * 16 * 0.7 = 243 > 192
     free = RoutingConfig(mode="disaggregated", store_fetch_cost=1.0)  # a fetch as dear as computing: no credit
     assert choose_route(512, 33, {}, [d("d0")], [d("p0", queued=1), d("p1")], free, BS, random.Random(0),
-                        {"p0": 32}).prefill_worker == "p1"
+                        {"p0": hit(32, 1.0)}).prefill_worker == "p1"
 
 
 def test_auto_mode_prefills_on_the_decode_worker_what_its_store_holds() -> None:
@@ -99,6 +109,6 @@ def test_auto_mode_prefills_on_the_decode_worker_what_its_store_holds() -> None:
     prompt's 18 blocks leaves 300 - 18 * 16 * 0.9 = 41: d0 prefills it itself."""
     cfg = RoutingConfig(mode="auto", local_prefill_tokens=256)
     assert choose_route(300, 20, {}, [d("d0")], [d("p0")], cfg, BS, random.Random(0)).prefill_worker == "p0"
-    assert choose_route(300, 20, {}, [d("d0")], [d("p0")], cfg, BS, random.Random(0), {"d0": 18}).local_prefill
+    assert choose_route(300, 20, {}, [d("d0")], [d("p0")], cfg, BS, random.Random(0), {"d0": hit(18)}).local_prefill
     with pytest.raises(ValueError, match="store_fetch_cost must be in"):
         RoutingConfig(store_fetch_cost=1.5)
