@@ -70,6 +70,8 @@ class TierCounters:
     """Blocks that landed in the pool from the store."""
     num_far_fetched_blocks: int = 0
     """Of those, blocks fetched from another host's store (the router's hint), over tcp."""
+    num_skipped_lookups: int = 0
+    """Prompts the router said no store held: not looked up."""
     num_fetch_failures: int = 0
     """Fetches that fell back to computing (store down, evicted, refused, timed out)."""
     num_offered_blocks: int = 0
@@ -150,7 +152,10 @@ class KVTier:
         hashes = _prompt_hashes(self.engine, prompt, tenant)  # the hasher is pure: hashed here, off the engine
         if not hashes:
             return None
-        far = hint is not None and hint.address and hint.store_id != self.store_id
+        if hint is not None and not hint.num_blocks:  # the router saw none of them in any store: no lookup
+            self.counters.num_skipped_lookups += 1
+            return None
+        far = hint is not None and bool(hint.address) and hint.store_id != self.store_id
         stub = self._far_store(hint.address) if far else self._store()
         try:
             reply = await stub.Lookup(pb.LookupRequest(block_hashes=hashes), timeout=self.timeout_s,

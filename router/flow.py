@@ -307,12 +307,15 @@ class RequestFlow:
         return hits
 
     def _store_hint(self, hashes: list[bytes], worker_id: str) -> pb.StoreHint | None:
-        """Another host's store, when the worker that prefills is best served from there."""
+        """Where the worker that prefills finds the prompt's blocks: its own host's store (no
+        address), another host's, or nowhere (0 blocks: it need not ask); None: the router has
+        no view of the worker's store."""
         hit = self._stored(hashes, [worker_id]).get(worker_id)
-        if hit is None or not hit.num_blocks or hit.store_id == self.members.store_of(worker_id):
+        if hit is None:
             return None
-        return pb.StoreHint(address=self.members.store_addresses.get(hit.store_id, ""), store_id=hit.store_id,
-                            num_blocks=hit.num_blocks)
+        far = hit.store_id != self.members.store_of(worker_id)
+        return pb.StoreHint(address=self.members.store_addresses.get(hit.store_id, "") if far else "",
+                            store_id=hit.store_id, num_blocks=hit.num_blocks)
 
     def _route(self, attempt: Attempt, avoid: set[str]) -> tuple[RouteDecision, list[bytes], int]:
         """Workers that failed this request are avoided; ones that are down too, unless no decode
