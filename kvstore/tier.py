@@ -135,7 +135,9 @@ class KVTier:
             if landing is not None:
                 self._settle(e, landing)
             return add(e)
-        return await asyncio.wrap_future(self.call(land_then_add))
+        # shielded: a call cancelled now still lands its blocks (and adds the request, which the
+        # caller's own cleanup, queued after this, aborts)
+        return await asyncio.shield(asyncio.wrap_future(self.call(land_then_add)))
 
     async def fetch(self, prompt: Sequence[int], tenant: str = "") -> int:
         """The blocks of `prompt` the store holds past the pool's cached run, copied into the
@@ -143,7 +145,7 @@ class KVTier:
         landing = await self._fetch(prompt, tenant)
         if landing is None:
             return 0
-        await asyncio.wrap_future(self.call(lambda e: self._settle(e, landing)))
+        await asyncio.shield(asyncio.wrap_future(self.call(lambda e: self._settle(e, landing))))
         return len(landing.hashes) if landing.landed else 0
 
     async def _fetch(self, prompt: Sequence[int], tenant: str, hint: Any = None) -> _Landing | None:
@@ -172,21 +174,27 @@ class KVTier:
         done: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
             self._fetches[fid] = done
-        reserved = await asyncio.wrap_future(self.call(lambda e: self._reserve(e, fid, hashes[:held_there])))
-        if reserved is None:
+        try:
+            reserved = await asyncio.wrap_future(self.call(lambda e: self._reserve(e, fid, hashes[:held_there])))
+            if reserved is None:
+                with self._lock:
+                    self._fetches.pop(fid, None)
+                return None
+            ticket, in_pool = reserved
+            wanted = hashes[in_pool:held_there]
+            self.counters.num_fetches += 1
+            try:
+                answer = await stub.Fetch(pb.FetchRequest(ticket=ticket_to_pb(ticket), block_hashes=wanted),
+                                          timeout=self.timeout_s, metadata=self.metadata)
+                error = answer.error
+            except grpc.RpcError as e:
+                error = f"fetch: {e.code().name}"
+            event, held = await self._outcome(fid, done, error)
+        except BaseException:  # the call was cancelled (or a bug): nothing of the fetch may stay held
             with self._lock:
                 self._fetches.pop(fid, None)
-            return None
-        ticket, in_pool = reserved
-        wanted = hashes[in_pool:held_there]
-        self.counters.num_fetches += 1
-        try:
-            answer = await stub.Fetch(pb.FetchRequest(ticket=ticket_to_pb(ticket), block_hashes=wanted),
-                                      timeout=self.timeout_s, metadata=self.metadata)
-            error = answer.error
-        except grpc.RpcError as e:
-            error = f"fetch: {e.code().name}"
-        event, held = await self._outcome(fid, done, error)
+            self.call(self._abandoner(fid))  # after the reservation, if that call is still queued
+            raise
         landed = isinstance(event, KVArrived)
         if landed:
             self.counters.num_fetched_blocks += len(wanted)
@@ -219,6 +227,14 @@ class KVTier:
         self.counters.num_fetch_failures += 1
         logger.debug("kv store %s: computing instead (%s)", self.address, why)
         return 0
+
+    def _abandoner(self, fid: RequestId) -> Callable[[LLMEngine], None]:
+        def abandon(e: LLMEngine) -> None:
+            """Engine thread: a fetch whose caller went away: its reservation revoked, its blocks
+            released (or, where the store may still write them, on its fence)."""
+            if not self.receiver.cancel(fid, "the request ended"):
+                e.kv.release(fid)
+        return abandon
 
     def _reserve(self, e: LLMEngine, fid: RequestId, hashes: list[BlockHash]) -> tuple[Any, int] | None:
         """Engine thread: fresh blocks for the store's blocks past the pool's own cached run,

@@ -177,3 +177,46 @@ def test_a_prefix_spilled_to_disk_comes_back_with_the_tokens_of_a_recompute(tiny
             store.close()
 
     asyncio.run(run())
+
+
+def test_a_call_that_ends_mid_fetch_leaves_nothing_held(tiny_llama_dir: str) -> None:
+    """The worker's call is cancelled while the store copies its fetch (slowly): the fetch's
+    reservation is revoked, its blocks stay held until the store's writer is fenced (its copy
+    ends), then go back; the store is left with nothing pinned; the next request is served."""
+    prompt, = random_prompts([41], 512, seed=12)
+    want, = reference_tokens(tiny_llama_dir, [prompt])
+    model_id = make_engine(tiny_llama_dir, num_blocks=8).model_id
+    peer = Peer(store_main, tiny_llama_dir, model_id, 4, 2.0)
+    address = f"127.0.0.1:{peer.hello}"
+
+    async def run() -> None:
+        a = TierWorker(tiny_llama_dir, address)
+        b = TierWorker(tiny_llama_dir, address)
+        try:
+            await a.generate(prompt)
+            stub = pb_grpc.KVStoreStub(a.tier._aio_channel)
+
+            async def stored() -> bool:
+                return (await stub.Stats(pb.StatsRequest())).num_stored >= 10
+            await wait_for(stored)
+            call = asyncio.create_task(b.generate(prompt))
+
+            async def copying() -> bool:
+                return any(r.state.value == "open" for r in b.tier.receiver.table._by_id.values())
+            await wait_for(copying)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            assert await b.on_engine(lambda e: e.kv.num_held) == 1  # held: the store may still be writing
+            await b.settled()  # fenced once its copy ended: released, nothing in use, no reservation
+            assert await b.generate(prompt) == (10, want, 40)  # the store is intact: the next fetch lands
+            await b.settled()
+        finally:
+            for w in (a, b):
+                await w.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        peer.process.kill()
+        peer.process.join(5)

@@ -64,13 +64,16 @@ class TierWorker:
         return await asyncio.wrap_future(self.loop.call(fn))
 
     async def settled(self, timeout_s: float = 20.0) -> None:
-        """Waits until no offload holds a block, then checks the pool: nothing in use."""
+        """Waits until no offload or fetch holds a block (a fetch's held until its writer is
+        fenced), then checks the pool's accounting: nothing in use, no reservation left."""
         deadline = time.monotonic() + timeout_s
-        while await self.on_engine(lambda e: self.tier._offload_blocks):
-            assert time.monotonic() < deadline, "offloads still hold blocks"
+        while True:
+            usage = await self.on_engine(lambda e: e.check_invariants())
+            if usage.num_in_use == 0 and not await self.on_engine(lambda e: self.tier._offload_blocks):
+                break
+            held = await self.on_engine(lambda e: {k: len(v) for k, v in e.kv._held.items()})
+            assert time.monotonic() < deadline, f"still held: {usage} {held}"
             await asyncio.sleep(0.05)
-        usage = await self.on_engine(lambda e: e.check_invariants())
-        assert usage.num_in_use == 0, usage
         assert self.tier.receiver.num_reservations() == 0
 
     async def close(self) -> None:
