@@ -85,7 +85,7 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
             token=cluster_token(config.cluster_secret) if config.cluster_secret else None))
         self.loop = EngineLoop(self.engine, self._on_outputs, self._hook, name=f"engine-{worker_id}",
                                on_death=engine_died(worker_id))
-        self.tier = start_tier(self.engine, self.loop.call, self.allocator, config.kv_store, redis_url, namespace,
+        self.tier = start_tier(self.engine, self.loop.call, config.kv_store, redis_url, namespace,
                                self.remote.receiver.config.token, config.host, config.advertised_host(redis_url))
         """This host's shared KV tier (kvstore/tier.py), or None."""
         e = self.engine

@@ -240,7 +240,7 @@ class KVStore:
         assert self.disk is not None
         slots = self._take(len(hashes))
         if len(slots) < len(hashes):
-            self._free.extend(slots)
+            self._free.extend(sorted(slots, reverse=True))
             raise ValueError(f"no room in memory for {len(hashes)} spilled blocks (the rest are being read)")
         for h, slot in zip(hashes, slots, strict=True):
             self.disk.take(h, self.region.array[slot])
@@ -283,7 +283,7 @@ class KVStore:
             with self._lock:
                 for ev in events:
                     if isinstance(ev, BlocksFenced):
-                        self._free.extend(self._quarantine.pop(ev.request_id, []))
+                        self._free.extend(sorted(self._quarantine.pop(ev.request_id, []), reverse=True))
                         continue
                     slots, hashes = self._incoming.pop(ev.request_id)
                     self._arriving.difference_update(hashes)
@@ -297,7 +297,7 @@ class KVStore:
                     elif isinstance(ev, TransferFailed) and ev.blocks_held:
                         self._quarantine[ev.request_id] = slots
                     else:
-                        self._free.extend(slots)
+                        self._free.extend(sorted(slots, reverse=True))
 
 
 def _check_hashes(hashes: Sequence[bytes]) -> None:

@@ -5,17 +5,20 @@ to the store, what a prompt would compute is first looked for there.
                    reference, off the engine's requests) and queued for the offload lane
     offload lane   Offer(hashes) -> push the blocks the store wants (kvfabric) -> `ready`
                    -> the hold released on the engine thread, whatever happened
-    event loop     `fetch(prompt)`, before the request joins the engine:
-                     engine thread: the prompt's block hashes past the pool's cached run
-                     Lookup -> k blocks; engine thread: k fresh blocks held, reserved on this
-                     worker's tier receiver -> Fetch: the store pushes them and `ready`
-                     engine thread: the blocks cached under their hashes (the request then
-                     finds them as any prefix hit) or released (held while a writer may write)
+    event loop     `admit(prompt, add)`, before the request joins the engine:
+                     the prompt's block hashes (the hasher is pure: off the engine thread)
+                     Lookup -> k blocks; staging slots (kvstore/staging.py, shared memory)
+                     reserved on this worker's tier receiver -> Fetch: the store pushes them
+                     into the slots and sends `ready`
+                     engine thread, one call: pool blocks for the staged ones past the pool's
+                     own run, filled, cached under their hashes, then `add`: the request finds
+                     them as any prefix hit; the slots go back
 
-Nothing here waits on the engine thread, and the engine thread never waits on the store. A
-store that is down, slow or evicting costs one fetch: the request computes its prompt as it
-would without a tier, with the same tokens. Fetched blocks are cached as computed ones are,
-by the hashes of the tenant who asked: no other tenant's prompt finds them.
+Nothing here waits on the engine thread but the one call that adds the request, and the
+engine thread never waits on the store: a fetch holds no pool block while it waits on the
+network. A store that is down, slow or evicting costs one fetch: the request computes its
+prompt as it would without a tier, with the same tokens. Fetched blocks are cached as
+computed ones are, by the hashes of the tenant who asked: no other tenant's prompt finds them.
 """
 from __future__ import annotations
 
@@ -46,8 +49,9 @@ from kvfabric import (
     SenderConfig,
     TransferFailed,
 )
-from kvfabric.pools import KVAllocator, exports, worker_pools
+from kvfabric.pools import worker_pools
 from kvstore.host import StoreEntry, find_store
+from kvstore.staging import Staging
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from proto.convert import ticket_from_pb, ticket_to_pb
@@ -74,6 +78,8 @@ class TierCounters:
     """Prompts the router said no store held: not looked up."""
     num_fetch_failures: int = 0
     """Fetches that fell back to computing (store down, evicted, refused, timed out)."""
+    num_staging_full: int = 0
+    """Fetches skipped: every staging slot was waiting for the engine."""
     num_offered_blocks: int = 0
     num_offloaded_blocks: int = 0
     """Blocks pushed into the store."""
@@ -84,13 +90,13 @@ class TierCounters:
 
 class KVTier:
     def __init__(self, engine: LLMEngine, call: EngineCall, address: str, token: str | None = None,
-                 allocator: KVAllocator | None = None, host: str = "127.0.0.1", advertise_host: str | None = None,
-                 timeout_s: float = 5.0, min_blocks: int = 1, max_offload_blocks: int = 4096,
-                 store_id: str = "", resolve: Callable[[], StoreEntry | None] | None = None) -> None:
-        """`address`: the store's gRPC host:port; `allocator`: the one the engine's pool came
-        from (shared memory: the store on this host copies straight into it); `store_id`: its
-        KV event stream's id (heartbeats name it, routers index it); `resolve`: finds the
-        host's store again after it went away (a restarted store listens elsewhere)."""
+                 host: str = "127.0.0.1", advertise_host: str | None = None, timeout_s: float = 5.0,
+                 min_blocks: int = 1, max_offload_blocks: int = 4096, store_id: str = "",
+                 resolve: Callable[[], StoreEntry | None] | None = None, staging_blocks: int = 1024) -> None:
+        """`address`: the store's gRPC host:port; `store_id`: its KV event stream's id
+        (heartbeats name it, routers index it); `resolve`: finds the host's store again after it
+        went away (a restarted store listens elsewhere); `staging_blocks`: how many fetched
+        blocks may wait for the engine at once (more: a fetch is skipped)."""
         self.engine, self.call, self.address, self.store_id = engine, call, address, store_id
         self.resolve = resolve
         self._resolved_at = 0.0
@@ -98,17 +104,18 @@ class KVTier:
         self.metadata = ((TOKEN_METADATA, token),) if token else ()
         self.pools = worker_pools(engine.model_id, engine.kv_pool, engine.model_config.num_kv_heads, engine.kv_shards,
                                   engine.follower_pools)
-        offered = exports(allocator)
-        if "shm" in offered:
-            offered["shm_ranks"] = self.pools.segments
-        self.receiver = FabricReceiver(self.pools.layout, self.pools.regions, ReceiverConfig(
-            host=host, advertise_host=advertise_host, token=token), **offered)
+        self.staging = Staging(self.pools, staging_blocks)
+        """Where fetched blocks land before the engine copies them into its pool."""
+        self.receiver = FabricReceiver(self.staging.layout, self.staging.region, ReceiverConfig(
+            host=host, advertise_host=advertise_host, token=token), shm=self.staging.segment)
         self.sender = FabricSender(self.pools.layout, self.pools.regions, SenderConfig(token=token))
         self.counters = TierCounters()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._fetches: dict[str, concurrent.futures.Future[Any]] = {}
         """Fetch id -> its receiver event (KVArrived or TransferFailed), set by the events thread."""
+        self._staged: dict[str, list[int]] = {}
+        """Fetch id -> its staging slots, until they are copied or given back."""
         self._offload_blocks = 0
         """Engine thread: blocks held for offloads now."""
         self._stub: pb_grpc.KVStoreStub | None = None
@@ -126,37 +133,36 @@ class KVTier:
     async def admit(self, prompt: Sequence[int], tenant: str, add: Callable[[LLMEngine], T],
                     hint: Any = None) -> T:
         """`add` (the request joining the engine) run on the engine thread right after the
-        blocks the store held for `prompt` landed in the pool's cache: nothing can evict them
-        in between. Two engine-thread calls in all (the reservation, then this). `hint`: the
-        router's `StoreHint`, another host's store to fetch from instead of this host's."""
+        blocks a store held for `prompt` were copied into the pool and cached there: nothing
+        can evict them in between. `hint`: the router's `StoreHint` (where the blocks are)."""
         landing = await self._fetch(prompt, tenant, hint)
 
         def land_then_add(e: LLMEngine) -> T:
             if landing is not None:
-                self._settle(e, landing)
+                self._land(e, landing)
             return add(e)
-        # shielded: a call cancelled now still lands its blocks (and adds the request, which the
-        # caller's own cleanup, queued after this, aborts)
+        # shielded: a call cancelled now still lands (the slots go back) and adds its request,
+        # which the caller's own cleanup, queued after this, aborts
         return await asyncio.shield(asyncio.wrap_future(self.call(land_then_add)))
 
-    async def fetch(self, prompt: Sequence[int], tenant: str = "") -> int:
-        """The blocks of `prompt` the store holds past the pool's cached run, copied into the
+    async def fetch(self, prompt: Sequence[int], tenant: str = "", hint: Any = None) -> int:
+        """The blocks of `prompt` a store holds past the pool's cached run, copied into the
         pool and cached there; returns how many landed."""
-        landing = await self._fetch(prompt, tenant)
+        landing = await self._fetch(prompt, tenant, hint)
         if landing is None:
             return 0
-        await asyncio.shield(asyncio.wrap_future(self.call(lambda e: self._settle(e, landing))))
-        return len(landing.hashes) if landing.landed else 0
+        return await asyncio.shield(asyncio.wrap_future(self.call(lambda e: self._land(e, landing))))
 
     async def _fetch(self, prompt: Sequence[int], tenant: str, hint: Any = None) -> _Landing | None:
-        """The store's blocks of the prompt past the pool's run, in held blocks of the pool (not
-        yet cached: `_settle` does that on the engine thread); None: nothing was reserved."""
+        """The store's blocks of the prompt past the pool's run (as the router saw it: from
+        `hint.pool_blocks`, else from the first) in staging slots; None: nothing was fetched."""
         hashes = _prompt_hashes(self.engine, prompt, tenant)  # the hasher is pure: hashed here, off the engine
         if not hashes:
             return None
         if hint is not None and not hint.num_blocks:  # the router saw none of them in any store: no lookup
             self.counters.num_skipped_lookups += 1
             return None
+        start = min(hint.pool_blocks, len(hashes)) if hint is not None else 0
         far = hint is not None and bool(hint.address) and hint.store_id != self.store_id
         stub = self._far_store(hint.address) if far else self._store()
         try:
@@ -168,44 +174,46 @@ class KVTier:
             self._failed(f"lookup: {e.code().name}")
             return None
         held_there = min(reply.num_blocks, len(hashes))
-        if held_there < self.min_blocks:
+        if held_there - start < self.min_blocks:
+            return None
+        slots = self.staging.take(held_there - start)
+        if slots is None:
+            self.counters.num_staging_full += 1
             return None
         fid = RequestId(f"kvstore-fetch-{next(self._ids)}")
         done: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
             self._fetches[fid] = done
+            self._staged[fid] = slots
+        self.counters.num_fetches += 1
         try:
-            reserved = await asyncio.wrap_future(self.call(lambda e: self._reserve(e, fid, hashes[:held_there])))
-            if reserved is None:
-                with self._lock:
-                    self._fetches.pop(fid, None)
-                return None
-            ticket, in_pool = reserved
-            wanted = hashes[in_pool:held_there]
-            self.counters.num_fetches += 1
+            ticket = self.receiver.expect(fid, slots, 0)
             try:
-                answer = await stub.Fetch(pb.FetchRequest(ticket=ticket_to_pb(ticket), block_hashes=wanted),
+                answer = await stub.Fetch(pb.FetchRequest(ticket=ticket_to_pb(ticket),
+                                                          block_hashes=hashes[start:held_there]),
                                           timeout=self.timeout_s, metadata=self.metadata)
                 error = answer.error
             except grpc.RpcError as e:
                 error = f"fetch: {e.code().name}"
             event, held = await self._outcome(fid, done, error)
-        except BaseException:  # the call was cancelled (or a bug): nothing of the fetch may stay held
+        except BaseException:  # the call was cancelled (or a bug): its slots back, now or on the fence
             with self._lock:
                 self._fetches.pop(fid, None)
-            self.call(self._abandoner(fid))  # after the reservation, if that call is still queued
+            if not self.receiver.cancel(fid, "the request ended"):
+                self._unstage(fid)
             raise
         landed = isinstance(event, KVArrived)
-        if landed:
-            self.counters.num_fetched_blocks += len(wanted)
-            if far:
-                self.counters.num_far_fetched_blocks += len(wanted)
-        else:
+        if not landed:
             self._failed(error or f"fetch: {type(event).__name__ if event else 'no answer'}")
-        return _Landing(fid, wanted, hashes[in_pool - 1] if in_pool else None, landed, held)
+            if not held:  # else the slots go back on the writer's fence (the events thread)
+                self._unstage(fid)
+            return None
+        if far:
+            self.counters.num_far_fetched_blocks += len(slots)
+        return _Landing(fid, hashes[:held_there], start, slots)
 
     async def _outcome(self, fid: str, done: concurrent.futures.Future[Any], error: str) -> tuple[Any, bool]:
-        """The fetch's receiver event (None: none came) and whether its blocks stay held until
+        """The fetch's receiver event (None: none came) and whether its slots stay held until
         the store's writer is fenced."""
         held: bool | None = None
         if error:  # the store gave up: revoke what it may still hold open
@@ -228,32 +236,29 @@ class KVTier:
         logger.debug("kv store %s: computing instead (%s)", self.address, why)
         return 0
 
-    def _abandoner(self, fid: RequestId) -> Callable[[LLMEngine], None]:
-        def abandon(e: LLMEngine) -> None:
-            """Engine thread: a fetch whose caller went away: its reservation revoked, its blocks
-            released (or, where the store may still write them, on its fence)."""
-            if not self.receiver.cancel(fid, "the request ended"):
-                e.kv.release(fid)
-        return abandon
+    def _unstage(self, fid: str) -> None:
+        with self._lock:
+            slots = self._staged.pop(fid, None)
+        if slots:
+            self.staging.give(slots)
 
-    def _reserve(self, e: LLMEngine, fid: RequestId, hashes: list[BlockHash]) -> tuple[Any, int] | None:
-        """Engine thread: fresh blocks for the store's blocks past the pool's own cached run,
-        held under the fetch and reserved for the store's push: (ticket, the pool's run)."""
-        in_pool = len(e.block_pool.lookup_run(hashes))
-        if len(hashes) - in_pool < self.min_blocks:
-            return None
-        blocks = e.kv.hold_new(fid, len(hashes) - in_pool)
-        if blocks is None:
-            return None
-        return self.receiver.expect(fid, [int(b) for b in blocks], 0), in_pool
-
-    def _settle(self, e: LLMEngine, landing: _Landing) -> None:
-        """Engine thread: landed blocks cached under their hashes; others released (unless a
-        writer may still write them: then on its fence)."""
-        if landing.landed:
-            e.kv.cache_held(landing.fid, landing.hashes, landing.parent)
-        elif not landing.held:
-            e.kv.release(landing.fid)
+    def _land(self, e: LLMEngine, landing: _Landing) -> int:
+        """Engine thread: the staged blocks past the pool's run now, in fresh pool blocks,
+        cached under their hashes; the slots back. Returns the blocks that landed."""
+        try:
+            run = len(e.block_pool.lookup_run(landing.hashes))
+            if run < landing.start or run >= len(landing.hashes):  # a gap before them (evicted meanwhile), or nothing new
+                return 0
+            fid = RequestId(landing.fid)
+            blocks = e.kv.hold_new(fid, len(landing.hashes) - run)
+            if blocks is None:
+                return 0
+            self.staging.copy_into(self.pools, landing.slots[run - landing.start:], [int(b) for b in blocks])
+            e.kv.cache_held(fid, landing.hashes[run:], landing.hashes[run - 1] if run else None)
+            self.counters.num_fetched_blocks += len(blocks)
+            return len(blocks)
+        finally:
+            self._unstage(landing.fid)
 
     def _store(self) -> pb_grpc.KVStoreStub:
         if self._stub is None:  # on the worker's event loop, where its calls run
@@ -351,8 +356,8 @@ class KVTier:
             except Exception:  # noqa: BLE001  (closed under us)
                 return
             for ev in events:
-                if isinstance(ev, BlocksFenced):  # a failed fetch's writer can no longer write
-                    self.call(_releaser(RequestId(ev.request_id)))
+                if isinstance(ev, BlocksFenced):  # a failed fetch's writer can no longer write: its slots back
+                    self._unstage(ev.request_id)
                     continue
                 with self._lock:
                     done = self._fetches.pop(ev.request_id, None)
@@ -368,12 +373,12 @@ class KVTier:
             await channel.close()
         self.sender.close()
         self.receiver.close()
+        self.staging.close()
         self.pools.close()
 
 
-def start_tier(engine: LLMEngine, call: EngineCall, allocator: KVAllocator | None, kv_store: str | None,
-               redis_url: str | None, namespace: str, token: str | None, host: str,
-               advertise_host: str | None) -> KVTier | None:
+def start_tier(engine: LLMEngine, call: EngineCall, kv_store: str | None, redis_url: str | None, namespace: str,
+               token: str | None, host: str, advertise_host: str | None) -> KVTier | None:
     """A worker's tier: `kv_store` "local" (this host's store, from Redis) or HOST:PORT; None
     when none is configured or none is registered for this host (then it serves without one)."""
     if not kv_store:
@@ -383,9 +388,9 @@ def start_tier(engine: LLMEngine, call: EngineCall, allocator: KVAllocator | Non
         if entry is None:
             logger.warning("no KV store is registered for this host: serving without the shared KV tier")
             return None
-        return KVTier(engine, call, entry.address, token, allocator, host, advertise_host, store_id=entry.store_id,
+        return KVTier(engine, call, entry.address, token, host, advertise_host, store_id=entry.store_id,
                       resolve=lambda: find_store(redis_url, namespace, timeout_s=0))
-    return KVTier(engine, call, kv_store, token, allocator, host, advertise_host, store_id=_store_id(kv_store, token))
+    return KVTier(engine, call, kv_store, token, host, advertise_host, store_id=_store_id(kv_store, token))
 
 
 def _store_id(address: str, token: str | None) -> str:
@@ -400,20 +405,15 @@ def _store_id(address: str, token: str | None) -> str:
         return ""
 
 
-def _releaser(holder: RequestId) -> Callable[[LLMEngine], object]:
-    return lambda e: e.kv.release(holder)
-
-
 @dataclass(frozen=True)
 class _Landing:
-    """A fetch's end: its held blocks, the hashes they carry if `landed`, and whether a
-    writer may still write them (`held`: released on its fence, not now)."""
+    """A fetch that arrived: the prompt's hashes through the store's run, the first of them
+    staged (`start`), and the staging slots of those from `start` on."""
 
-    fid: RequestId
+    fid: str
     hashes: list[BlockHash]
-    parent: BlockHash | None
-    landed: bool
-    held: bool
+    start: int
+    slots: list[int]
 
 
 def _prompt_hashes(e: LLMEngine, prompt: Sequence[int], tenant: str) -> list[BlockHash]:

@@ -35,7 +35,7 @@ from engine.tp_ranks import TensorRanks
 from engine.types import InvalidRequestError, RequestId
 from kvfabric import SenderConfig
 from kvfabric.errors import FabricError
-from kvfabric.pools import kv_allocator, rank_allocator
+from kvfabric.pools import rank_allocator
 from kvstore.tier import start_tier
 from prefill_worker.kv_push import KVPusher, PushDone
 from proto import generate_pb2 as pb
@@ -85,9 +85,7 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
         engine_config = config.engine_config("prefill")
         if self.ranks is not None:
             engine_config = self.ranks.start(engine_config)
-        self.allocator = kv_allocator(config.device) if config.kv_store else None
-        """Shared memory for the pool when a KV store on this host copies fetched blocks into it."""
-        self.engine = LLMEngine(engine_config, allocator=self.allocator)
+        self.engine = LLMEngine(engine_config)
         try:
             self.pusher = KVPusher(self.engine, SenderConfig(
                 renew_interval_s=config.kv_lease_s / 4, transport=config.kv_transport,
@@ -98,7 +96,7 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
         self.engine.handoff = self.pusher
         self.loop = EngineLoop(self.engine, self._on_outputs, self._hook, name=f"engine-{worker_id}",
                                on_death=engine_died(worker_id))
-        self.tier = start_tier(self.engine, self.loop.call, self.allocator, config.kv_store, redis_url, namespace,
+        self.tier = start_tier(self.engine, self.loop.call, config.kv_store, redis_url, namespace,
                                cluster_token(config.cluster_secret) if config.cluster_secret else None, config.host,
                                config.advertised_host(redis_url))
         """This host's shared KV tier (kvstore/tier.py), or None."""
@@ -129,8 +127,6 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
         if self.tier is not None:
             await self.tier.close()
         self._stop_ranks()
-        if self.allocator is not None:
-            self.allocator.close()
 
     def _stop_ranks(self) -> None:
         """After the engine's thread ended (or never started): its followers are released from here."""

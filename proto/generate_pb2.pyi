@@ -202,14 +202,16 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ..., ticket: _Optional[_Union[KVTicket, _Mapping]] = ..., tenant_weight: _Optional[float] = ..., store: _Optional[_Union[StoreHint, _Mapping]] = ...) -> None: ...
 
 class StoreHint(_message.Message):
-    __slots__ = ("address", "store_id", "num_blocks")
+    __slots__ = ("address", "store_id", "num_blocks", "pool_blocks")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STORE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    POOL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     address: str
     store_id: str
     num_blocks: int
-    def __init__(self, address: _Optional[str] = ..., store_id: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    pool_blocks: int
+    def __init__(self, address: _Optional[str] = ..., store_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., pool_blocks: _Optional[int] = ...) -> None: ...
 
 class FabricAddress(_message.Message):
     __slots__ = ("host", "port", "host_id", "receiver_id", "device", "transports", "shm_name", "shm_nonce", "shm_bytes", "cuda_ipc_handle", "gpu", "pool_blocks", "local_name", "shm_ranks")

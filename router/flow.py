@@ -118,9 +118,9 @@ class RequestFlow:
         progress.routed = progress.routed or time.perf_counter()
         progress.route = pb.Route(decode_worker=decision.decode_worker, prefill_worker=decision.prefill_worker or "",
                                   local_prefill=decision.local_prefill)
+        hint = self._store_hint(hashes, decision)  # before the booking predicts the prompt's blocks there
         booking = self._book(attempt, decision, hashes, block_size)
         d, p = booking.decode, booking.prefill
-        hint = self._store_hint(hashes, p or d)
         calls: list[WorkerCall] = []
         try:
             decode = self.clients.call(d, pb.DecodeRequest(
@@ -306,16 +306,18 @@ class RequestFlow:
             hits[w] = best
         return hits
 
-    def _store_hint(self, hashes: list[bytes], worker_id: str) -> pb.StoreHint | None:
+    def _store_hint(self, hashes: list[bytes], decision: RouteDecision) -> pb.StoreHint | None:
         """Where the worker that prefills finds the prompt's blocks: its own host's store (no
-        address), another host's, or nowhere (0 blocks: it need not ask); None: the router has
-        no view of the worker's store."""
+        address), another host's, or nowhere (0 blocks: it need not ask), and what its pool
+        held when it was chosen; None: the router has no view of the worker's store."""
+        worker_id = decision.prefill_worker or decision.decode_worker
         hit = self._stored(hashes, [worker_id]).get(worker_id)
         if hit is None:
             return None
         far = hit.store_id != self.members.store_of(worker_id)
+        pool = decision.num_prefill_cached_blocks if decision.prefill_worker else decision.num_decode_cached_blocks
         return pb.StoreHint(address=self.members.store_addresses.get(hit.store_id, "") if far else "",
-                            store_id=hit.store_id, num_blocks=hit.num_blocks)
+                            store_id=hit.store_id, num_blocks=hit.num_blocks, pool_blocks=pool)
 
     def _route(self, attempt: Attempt, avoid: set[str]) -> tuple[RouteDecision, list[bytes], int]:
         """Workers that failed this request are avoided; ones that are down too, unless no decode

@@ -13,7 +13,6 @@ from typing import Any
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.request import SamplingParams
-from kvfabric import ShmKVAllocator
 from kvstore.tier import KVTier
 from tests.integration.reference import engine_config
 
@@ -25,15 +24,14 @@ class TierWorker:
     loop's hook hands each step's KV events to the tier, requests start after a fetch."""
 
     def __init__(self, model_dir: str, store_address: str, num_blocks: int = 40) -> None:
-        self.allocator = ShmKVAllocator()
         config = engine_config(model_dir, num_blocks=num_blocks, budget=64)
         config = replace(config, cache=replace(config.cache, cluster_secret=SECRET))  # the cluster's: hashes agree
-        self.engine = LLMEngine(config, allocator=self.allocator)
+        self.engine = LLMEngine(config)  # a private pool: fetched blocks land through the tier's staging
         self._done: dict[str, threading.Event] = {}
         self._tokens: dict[str, list[int]] = {}
         self._cached: dict[str, int] = {}
         self.loop = EngineLoop(self.engine, self._on_outputs, self._hook, name="tier-test-engine")
-        self.tier = KVTier(self.engine, self.loop.call, store_address, allocator=self.allocator, timeout_s=10)
+        self.tier = KVTier(self.engine, self.loop.call, store_address, timeout_s=10)
         self.loop.start()
         self._next = 0
 
@@ -69,7 +67,8 @@ class TierWorker:
         deadline = time.monotonic() + timeout_s
         while True:
             usage = await self.on_engine(lambda e: e.check_invariants())
-            if usage.num_in_use == 0 and not await self.on_engine(lambda e: self.tier._offload_blocks):
+            if usage.num_in_use == 0 and not await self.on_engine(lambda e: self.tier._offload_blocks) \
+                    and self.tier.staging.num_free == self.tier.staging.capacity:
                 break
             held = await self.on_engine(lambda e: {k: len(v) for k, v in e.kv._held.items()})
             assert time.monotonic() < deadline, f"still held: {usage} {held}"
@@ -79,7 +78,6 @@ class TierWorker:
     async def close(self) -> None:
         await self.tier.close()
         self.loop.stop()
-        self.allocator.close()
 
 
 def cached_run(engine: LLMEngine, prompt: list[int], tenant: str = "") -> int:
