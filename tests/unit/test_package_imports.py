@@ -7,8 +7,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("proto", "router", "prefill_worker", "decode_worker", "control", "engine", "kvfabric", "cluster", "sim",
-            "bench")
+PACKAGES = ("proto", "router", "prefill_worker", "decode_worker", "control", "engine", "kvfabric", "kvstore", "cluster",
+            "sim", "bench")
 
 
 def package_graph() -> dict[str, set[str]]:
@@ -48,4 +48,16 @@ def test_the_roles_and_the_layers_below_them_import_what_the_design_says() -> No
     for below in ("engine", "kvfabric", "control", "proto"):
         assert not graph[below] & (roles | {"cluster", "sim", "bench"}), (below, sorted(graph[below]))
     assert "kvfabric" not in graph["engine"] and not graph["kvfabric"] - {"engine"}, (graph["engine"], graph["kvfabric"])
+    assert not graph["kvstore"] & (roles | {"cluster", "sim", "bench"}), sorted(graph["kvstore"])
+    assert "kvstore" not in graph["engine"] | graph["kvfabric"] | graph["control"], "a layer below the tier imports it"
     assert [p for p in PACKAGES if "cluster" in graph[p]] == []
+
+
+def test_every_package_is_installed() -> None:
+    """What `pip install .` ships (pyproject's packages) is every package of the project: one
+    left out works from the checkout and fails where splitserve is installed (a `ray up` host)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests", "benchmarks"}
+    assert found == listed == set(PACKAGES), (sorted(found - listed), sorted(listed - found))
