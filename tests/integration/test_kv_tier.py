@@ -221,3 +221,32 @@ def test_a_call_that_ends_mid_fetch_leaves_nothing_held(tiny_llama_dir: str) -> 
     finally:
         peer.process.kill()
         peer.process.join(5)
+
+
+def test_a_long_prompt_is_hashed_off_the_event_loop_with_the_same_hits(tiny_llama_dir: str, monkeypatch) -> None:
+    """Past LONG_PROMPT_TOKENS (lowered here to 8) the prompt is hashed on a worker thread: the
+    same blocks are found and land."""
+    import kvstore.tier
+
+    monkeypatch.setattr(kvstore.tier, "LONG_PROMPT_TOKENS", 8)
+    prompt, = random_prompts([41], 512, seed=21)
+    want, = reference_tokens(tiny_llama_dir, [prompt])
+
+    async def run() -> None:
+        model_id = make_engine(tiny_llama_dir, num_blocks=8).model_id
+        store = open_store(store_layout(tiny_llama_dir, model_id, BLOCK, "float32"), 4 << 20, "127.0.0.1", None, None)
+        server, port = await serve(store, "127.0.0.1", 0, None)
+        a = TierWorker(tiny_llama_dir, f"127.0.0.1:{port}")
+        b = TierWorker(tiny_llama_dir, f"127.0.0.1:{port}")
+        try:
+            await a.generate(prompt)
+            await wait_for(lambda: asyncio.sleep(0, store.lookup(a.engine.hasher.hash_prompt(prompt)[:10]) == 10))
+            assert await b.generate(prompt) == (10, want, 40)
+            await b.settled()
+        finally:
+            for w in (a, b):
+                await w.close()
+            await server.stop(0)
+            store.close()
+
+    asyncio.run(run())
