@@ -52,8 +52,9 @@ def test_the_head_starts_splitserve_with_flags_that_exist_and_resources_the_node
     assert args.prefill_resource in types["prefill"]["resources"]
     assert args.decode_resource in types["decode"]["resources"]
     assert args.prefill_resource not in types["head"]["resources"]
-    for role in ("prefill", "decode"):  # one worker per GPU
+    for role in ("prefill", "decode"):  # one worker per GPU at degree 1; a split worker takes its degree's GPUs
         assert types[role]["resources"][role] == types[role]["resources"]["GPU"]
+        assert types[role]["resources"]["GPU"] % getattr(args, f"{role}_tp") == 0
 
 
 def test_the_onprem_file_is_valid_for_ray_and_its_hosts_offer_what_serve_asks_for() -> None:
