@@ -74,10 +74,13 @@ def test_an_evicted_conversation_is_served_from_the_nodes_store(tiny_llama_dir: 
             time.sleep(0.2)
         # what an operator sees: the store in `status`, its /metrics and the workers' among the targets
         cli = [sys.executable, "-m", "cluster.cli"]
-        status = subprocess.run([*cli, "status", "--redis-url", cluster.redis_url], capture_output=True, text=True,
-                                timeout=60, check=True).stdout
-        assert re.search(rf"{entry.store_id} on {re.escape(store)}: \d+/\d+ blocks held, \d+ stored .* 10 fetched",
-                         status), status
+        line = rf"{entry.store_id} on {re.escape(store)}: \d+/\d+ blocks held, \d+ stored .* 10 fetched"
+        deadline = time.monotonic() + 20  # the store's entry is rewritten every second
+        while not re.search(line, status := subprocess.run([*cli, "status", "--redis-url", cluster.redis_url],
+                                                           capture_output=True, text=True, timeout=60,
+                                                           check=True).stdout):
+            assert time.monotonic() < deadline, status
+            time.sleep(0.5)
         targets = json.loads(subprocess.run([*cli, "metrics-targets", "--redis-url", cluster.redis_url],
                                             capture_output=True, text=True, timeout=60, check=True).stdout)
         by_role = {t["labels"]["role"]: t["targets"][0] for t in targets}
