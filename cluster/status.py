@@ -67,6 +67,17 @@ def show_status(args: argparse.Namespace, cluster_redis: Callable[[argparse.Name
               f"{s.get('num_retries', 0)} retried, prefix hit rate {hit:.0%}, "
               f"Redis feed {'up' if s['redis_healthy'] else 'DOWN'}"
               + (f", workers down: {', '.join(s['down_workers'])}" if s.get("down_workers") else ""))
+    print_stores(stores)
+    if controller is None:
+        print("controller: not reporting (its state expired): the cluster is down or starting; `serve`'s console "
+              "says which")
+    if not beats and not routers:
+        print("no workers or routers are reporting (is the cluster running?)")
+    return 0
+
+
+def print_stores(stores: list[dict]) -> None:
+    """One line per KV store (kvstore/host.py entries): what it holds, has moved and spilled."""
     for e in stores:
         mib = e.get("block_bytes", 0) / 2**20
         print(f"{e['store_id']} on {e['address']}: {e['num_blocks']}/{e['capacity_blocks']} blocks held, "
@@ -76,9 +87,3 @@ def show_status(args: argparse.Namespace, cluster_redis: Callable[[argparse.Name
               + (f"{e.get('disk_blocks', 0)}/{e.get('disk_capacity_blocks', 0)} spilled to disk "
                  f"({e.get('num_unspilled', 0)} read back), " if e.get("disk_capacity_blocks") else "") +
               f"{e.get('num_fetch_failures', 0)} fetches failed")
-    if controller is None:
-        print("controller: not reporting (its state expired): the cluster is down or starting; `serve`'s console "
-              "says which")
-    if not beats and not routers:
-        print("no workers or routers are reporting (is the cluster running?)")
-    return 0

@@ -81,16 +81,9 @@ class RegistryReader:
         """The registered KV stores (kvstore/host.py): store id -> gRPC address."""
         keys = [k async for k in self.client.scan_iter(match=store_key(self.ns, "*"), count=100)]
         values = await self.client.mget(keys) if keys else []
-        out = {}
-        for k, v in zip(keys, values, strict=True):
-            try:
-                entry = json.loads(v) if v else None
-                if isinstance(entry, dict) and isinstance(entry.get("store_id"), str) \
-                        and isinstance(entry.get("address"), str):
-                    out[entry["store_id"]] = entry["address"]
-            except ValueError:
-                self._parse(k, v, _bad_store_entry)
-        return out
+        entries = [e for k, v in zip(keys, values, strict=True) if v is not None
+                   and (e := self._parse(k, v, _store_entry)) is not None]
+        return dict(entries)
 
     async def set_router_stats(self, router_id: str, stats: dict[str, object], ttl_s: float) -> None:
         await self.client.set(router_key(self.ns, router_id), msgpack.packb(stats), px=int(ttl_s * 1000))
@@ -105,8 +98,16 @@ class RegistryReader:
         await self.client.aclose()
 
 
-def _bad_store_entry(data: object) -> None:
-    raise BadEntry("a KV store's entry is a JSON map with its store_id and address")
+def _store_entry(data: object) -> tuple[str, str]:
+    """A KV store's entry (kvstore/host.py `info()`, JSON): (store id, address); BadEntry else."""
+    try:
+        entry = json.loads(data)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        entry = None
+    if not isinstance(entry, dict) or not isinstance(entry.get("store_id"), str) \
+            or not isinstance(entry.get("address"), str):
+        raise BadEntry("a KV store's entry is a JSON map with its store_id and address")
+    return entry["store_id"], entry["address"]
 
 
 ClusterState = tuple[dict[str, Heartbeat], dict[str, dict[str, Any]], dict[str, Any] | None]

@@ -56,16 +56,9 @@ class FabricReceiver:
         (`DeviceRegion`, exported as `cuda_ipc_handle` when given) offers cuda_ipc and nccl.
         A tensor-parallel worker passes its pools in rank order (host memory), the further
         ranks' in `shm_ranks` when rank 0's is in `shm`."""
-        regions = list(region) if isinstance(region, Sequence) else [region]
-        if len(regions) != layout.world:
-            raise ValueError(f"{len(regions)} pools for a layout of {layout.world} ranks")
-        if layout.world > 1 and not all(isinstance(r, BlockRegion) for r in regions):
-            raise ValueError("a tensor-parallel worker's pools receive in host memory (device pools: one rank)")
+        regions = _rank_regions(layout, region)
         if shm is not None and len(shm_ranks) != layout.world - 1:
             raise ValueError(f"{len(shm_ranks)} shared pools for the {layout.world - 1} further ranks")
-        for r in regions:
-            if r.block_bytes != layout.block_bytes or r.num_blocks != regions[0].num_blocks:
-                raise ValueError(f"region blocks are {r.block_bytes} bytes, layout says {layout.block_bytes}")
         self.layout, self.regions, self.config = layout, regions, config or ReceiverConfig()
         self.region = regions[0]
         self.table = ReservationTable(clock, self.config.lease_s)
@@ -409,6 +402,19 @@ class FabricReceiver:
                 conn.send({"t": "revoke", "rid": rev.reservation_id, "reason": rev.reason})
             except PeerUnavailable:
                 conn.close()  # its serving thread sees the close and reports the writer gone
+
+
+def _rank_regions(layout: FabricLayout, region: BlockRegion | DeviceRegion | Sequence[BlockRegion]) -> list:
+    """A receiver's pools, one per rank of `layout`, of its block size and one pool size."""
+    regions = list(region) if isinstance(region, Sequence) else [region]
+    if len(regions) != layout.world:
+        raise ValueError(f"{len(regions)} pools for a layout of {layout.world} ranks")
+    if layout.world > 1 and not all(isinstance(r, BlockRegion) for r in regions):
+        raise ValueError("a tensor-parallel worker's pools receive in host memory (device pools: one rank)")
+    for r in regions:
+        if r.block_bytes != layout.block_bytes or r.num_blocks != regions[0].num_blocks:
+            raise ValueError(f"region blocks are {r.block_bytes} bytes, layout says {layout.block_bytes}")
+    return regions
 
 
 def _crc32(arrays: list) -> int:

@@ -148,14 +148,6 @@ class KVTier:
         # which the caller's own cleanup, queued after this, aborts
         return await asyncio.shield(asyncio.wrap_future(self.call(land_then_add)))
 
-    async def fetch(self, prompt: Sequence[int], tenant: str = "", hint: Any = None) -> int:
-        """The blocks of `prompt` a store holds past the pool's cached run, copied into the
-        pool and cached there; returns how many landed."""
-        landing = await self._fetch(prompt, tenant, hint)
-        if landing is None:
-            return 0
-        return await asyncio.shield(asyncio.wrap_future(self.call(lambda e: self._land(e, landing))))
-
     async def _fetch(self, prompt: Sequence[int], tenant: str, hint: Any = None) -> _Landing | None:
         """The store's blocks of the prompt past the pool's run (as the router saw it: from
         `hint.pool_blocks`, else from the first) in staging slots; None: nothing was fetched."""

@@ -10,14 +10,17 @@ store serves its gRPC API here, or in a child process the test kills.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 
 from engine.request import SamplingParams
 from kvstore.service import open_store, serve, store_layout
+from kvstore.store import KVStore
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from tests.integration.fabric_peer import Peer
@@ -35,6 +38,25 @@ def reference_tokens(model_dir: str, prompts: list[list[int]]) -> list[list[int]
     return [c.token_ids for c in engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))]
 
 
+@contextlib.asynccontextmanager
+async def served_store(model_dir: str, capacity_blocks: int, num_workers: int, pool_blocks: int = 40,
+                       disk_dir: str | None = None, disk_blocks: int = 0) -> AsyncIterator[tuple[KVStore, tuple]]:
+    """A store of `capacity_blocks` (and `disk_blocks` spilled in `disk_dir`) serving here, and
+    `num_workers` workers of `pool_blocks` using it; all closed after."""
+    layout = store_layout(model_dir, make_engine(model_dir, num_blocks=8).model_id, BLOCK, "float32")
+    store = open_store(layout, capacity_blocks * layout.block_bytes, "127.0.0.1", None, None, disk_dir=disk_dir,
+                       disk_bytes=disk_blocks * layout.block_bytes)
+    server, port = await serve(store, "127.0.0.1", 0, None)
+    workers = tuple(TierWorker(model_dir, f"127.0.0.1:{port}", num_blocks=pool_blocks) for _ in range(num_workers))
+    try:
+        yield store, workers
+    finally:
+        for w in workers:
+            await w.close()
+        await server.stop(0)
+        store.close()
+
+
 async def wait_for(check, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not await check():
@@ -47,12 +69,7 @@ def test_an_evicted_prefix_comes_back_from_the_store_with_the_tokens_of_a_recomp
     want, *_ = reference_tokens(tiny_llama_dir, [prompt])
 
     async def run() -> None:
-        model_id = make_engine(tiny_llama_dir, num_blocks=8).model_id
-        store = open_store(store_layout(tiny_llama_dir, model_id, BLOCK, "float32"), 4 << 20, "127.0.0.1", None, None)
-        server, port = await serve(store, "127.0.0.1", 0, None)
-        a = TierWorker(tiny_llama_dir, f"127.0.0.1:{port}")
-        b = TierWorker(tiny_llama_dir, f"127.0.0.1:{port}")
-        try:
+        async with served_store(tiny_llama_dir, 4096, 2) as (store, (a, b)):
             assert await a.generate(prompt) == (0, want, 0)  # the store is empty: computed, then offered
             await wait_for(lambda: asyncio.sleep(0, store.lookup(a.engine.hasher.hash_prompt(prompt)[:10]) == 10))
             for other in others:  # 40 blocks of pool: these evict the first prompt's blocks
@@ -70,11 +87,6 @@ def test_an_evicted_prefix_comes_back_from_the_store_with_the_tokens_of_a_recomp
             assert stats.bytes_out == 20 * store.layout.block_bytes
             store.check()
             assert store.receiver.num_reservations() == 0
-        finally:
-            for w in (a, b):
-                await w.close()
-            await server.stop(0)
-            store.close()
 
     asyncio.run(run())
 
@@ -85,12 +97,7 @@ def test_a_full_store_evicts_a_conversations_later_blocks_before_its_first(tiny_
     first, second = random_prompts([37, 25], 512, seed=8)
 
     async def run() -> None:
-        model_id = make_engine(tiny_llama_dir, num_blocks=8).model_id
-        layout = store_layout(tiny_llama_dir, model_id, BLOCK, "float32")
-        store = open_store(layout, 12 * layout.block_bytes, "127.0.0.1", None, None)
-        server, port = await serve(store, "127.0.0.1", 0, None)
-        w = TierWorker(tiny_llama_dir, f"127.0.0.1:{port}")
-        try:
+        async with served_store(tiny_llama_dir, 12, 1) as (store, (w,)):
             hashes = w.engine.hasher.hash_prompt
             await w.generate(first, max_tokens=1)
             await wait_for(lambda: asyncio.sleep(0, store.num_blocks == 9))
@@ -100,10 +107,6 @@ def test_a_full_store_evicts_a_conversations_later_blocks_before_its_first(tiny_
             assert store.stats.num_evicted == 3
             await w.settled()
             store.check()
-        finally:
-            await w.close()
-            await server.stop(0)
-            store.close()
 
     asyncio.run(run())
 
@@ -154,13 +157,8 @@ def test_a_prefix_spilled_to_disk_comes_back_with_the_tokens_of_a_recompute(tiny
     want, *_ = reference_tokens(tiny_llama_dir, [prompt])
 
     async def run() -> None:
-        model_id = make_engine(tiny_llama_dir, num_blocks=8).model_id
-        layout = store_layout(tiny_llama_dir, model_id, BLOCK, "float32")
-        store = open_store(layout, 12 * layout.block_bytes, "127.0.0.1", None, None, disk_dir=str(tmp_path),
-                           disk_bytes=64 * layout.block_bytes)
-        server, port = await serve(store, "127.0.0.1", 0, None)
-        w = TierWorker(tiny_llama_dir, f"127.0.0.1:{port}", num_blocks=24)
-        try:
+        async with served_store(tiny_llama_dir, 12, 1, pool_blocks=24, disk_dir=str(tmp_path), disk_blocks=64) \
+                as (store, (w,)):
             hashes = w.engine.hasher.hash_prompt(prompt)[:10]
             assert await w.generate(prompt) == (0, want, 0)
             for other in others:
@@ -171,10 +169,6 @@ def test_a_prefix_spilled_to_disk_comes_back_with_the_tokens_of_a_recompute(tiny
             assert store.stats.num_unspilled == 10  # every one read back from the file
             await w.settled()
             store.check()
-        finally:
-            await w.close()
-            await server.stop(0)
-            store.close()
 
     asyncio.run(run())
 
@@ -233,20 +227,10 @@ def test_a_long_prompt_is_hashed_off_the_event_loop_with_the_same_hits(tiny_llam
     want, = reference_tokens(tiny_llama_dir, [prompt])
 
     async def run() -> None:
-        model_id = make_engine(tiny_llama_dir, num_blocks=8).model_id
-        store = open_store(store_layout(tiny_llama_dir, model_id, BLOCK, "float32"), 4 << 20, "127.0.0.1", None, None)
-        server, port = await serve(store, "127.0.0.1", 0, None)
-        a = TierWorker(tiny_llama_dir, f"127.0.0.1:{port}")
-        b = TierWorker(tiny_llama_dir, f"127.0.0.1:{port}")
-        try:
+        async with served_store(tiny_llama_dir, 4096, 2) as (store, (a, b)):
             await a.generate(prompt)
             await wait_for(lambda: asyncio.sleep(0, store.lookup(a.engine.hasher.hash_prompt(prompt)[:10]) == 10))
             assert await b.generate(prompt) == (10, want, 40)
             await b.settled()
-        finally:
-            for w in (a, b):
-                await w.close()
-            await server.stop(0)
-            store.close()
 
     asyncio.run(run())
