@@ -126,3 +126,23 @@ def test_a_split_of_another_model_is_refused_naming_the_heads() -> None:
     finally:
         sender.close()
         pools.close()
+
+
+def test_a_device_pool_refuses_a_split_it_would_have_to_move_head_by_head() -> None:
+    """GPU pools move whole blocks between equal degrees only: a receiver over a device pool
+    (a stand-in region: nothing is copied) answers a TP-2 sender's hello with the reason."""
+    from kvfabric.cuda import DeviceRegion
+    from kvfabric.wire import Conn, dial
+
+    whole = layout(1)
+    receiver = FabricReceiver(whole, DeviceRegion(1 << 32, NUM_DST, whole.block_bytes, 0), ReceiverConfig())
+    try:
+        a = receiver.address
+        conn = Conn(dial(a.host, a.port, None, 5), 5)
+        conn.send({"t": "hello", "layout": layout(2).to_wire(), "transport": "nccl", "host_id": "another-host"})
+        reply = conn.recv()
+        assert reply["t"] == "hello_err" and reply["field"] == "shards"
+        assert "GPU pools move whole blocks between workers of one tensor-parallel degree" in reply["error"]
+        conn.close()
+    finally:
+        receiver.close()
