@@ -8,8 +8,8 @@ fills; this charges a high quantile of what finished requests like it generated:
 
     servicer, a request ended (stop or length) --observe(tenant, route, n)--> a window of the
         last `WINDOW` lengths per (tenant, route), per tenant, per route and overall
-    servicer, a request arrives --expected(tenant, route, limit)--> the `QUANTILE` of the most
-        specific window with `MIN_SAMPLES` lengths (else `PRIOR_TOKENS`), never over `limit`
+    servicer, a request arrives --expected(tenant, route, limit)--> the `quantile` of the most
+        specific window with `MIN_SAMPLES` lengths (else `prior_tokens`), never over `limit`
         (its max_tokens within the context) and at least 1
 
 The charge is a guess; the real use is the limit it cannot pass: a request that runs past
@@ -23,13 +23,10 @@ from __future__ import annotations
 import bisect
 from collections import OrderedDict, deque
 
-QUANTILE = 0.9
 WINDOW = 256
 """Finished requests each window holds (the oldest leaves first)."""
 MIN_SAMPLES = 8
 """Lengths a window needs before its quantile is used; fewer, the next wider window answers."""
-PRIOR_TOKENS = 256
-"""The expected output before any request finished (a chat's answer, as a guess)."""
 MAX_KEYS = 4096
 
 
@@ -52,9 +49,10 @@ class _Window:
 
 
 class OutputLengths:
-    def __init__(self, quantile: float = QUANTILE, prior_tokens: int = PRIOR_TOKENS) -> None:
-        if not 0.0 < quantile <= 1.0 or prior_tokens < 1:
-            raise ValueError(f"quantile must be in (0, 1] and prior_tokens positive, got {quantile}, {prior_tokens}")
+    """`quantile` and `prior_tokens`: AdmissionConfig's `expected_quantile` and
+    `expected_prior_tokens` (checked there)."""
+
+    def __init__(self, quantile: float, prior_tokens: int) -> None:
         self.quantile = quantile
         self.prior_tokens = prior_tokens
         self._windows: OrderedDict[tuple[str, str], _Window] = OrderedDict()

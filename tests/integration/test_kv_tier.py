@@ -1,8 +1,9 @@
 """The shared KV tier: blocks a worker computed live on in its host's KV store after its pool
 evicted them, and any worker on the host fetches them instead of computing them again, with
 the tokens of a recompute; another tenant's prompt never finds them; a store that dies
-mid-fetch costs only the fetch. After each test no block is held in any pool, no slot of the
-store is unaccounted for, and no reservation is left on either side.
+mid-fetch costs only the fetch, and a restarted one is found again through Redis; a worker
+split over ranks offloads and fetches each rank's heads. After each test no block is held in
+any pool, no slot of the store is unaccounted for, and no reservation is left on either side.
 
 Workers are engines on their loops with a `KVTier` (tests/integration/tier_peer.py); the
 store serves its gRPC API here, or in a child process the test kills.
@@ -232,5 +233,102 @@ def test_a_long_prompt_is_hashed_off_the_event_loop_with_the_same_hits(tiny_llam
             await wait_for(lambda: asyncio.sleep(0, store.lookup(a.engine.hasher.hash_prompt(prompt)[:10]) == 10))
             assert await b.generate(prompt) == (10, want, 40)
             await b.settled()
+
+    asyncio.run(run())
+
+
+def test_a_worker_finds_its_hosts_restarted_store_in_redis(tiny_llama_dir: str) -> None:
+    """The host's store stops and another starts on a new port (a restarted store, empty): the
+    worker's next lookup finds nothing listening, it reads the host's entry in Redis again,
+    and its offloads and fetches go to the new store from then on."""
+    from cluster.local import EmbeddedRedis
+    from kvstore.host import StoreConfig, StoreHost, find_store
+
+    first, second, *others = random_prompts([41, 41, 38, 38, 38, 38], 512, seed=14)
+    want_first, want_second = reference_tokens(tiny_llama_dir, [first, second])
+    redis, namespace = EmbeddedRedis(), "tier-restart"
+    config = StoreConfig(tiny_llama_dir, 512 * store_layout(tiny_llama_dir, "", BLOCK, "float32").block_bytes,
+                         block_size=BLOCK, model_id=make_engine(tiny_llama_dir, num_blocks=8).model_id)
+
+    async def run() -> None:
+        old = StoreHost(config, redis.url, namespace)
+        await old.start()
+        w = TierWorker(tiny_llama_dir, "", redis=(redis.url, namespace))
+        new: StoreHost | None = None
+        try:
+            assert w.tier.address == old.address and w.tier.store_id == old.store_id
+            assert await w.generate(first) == (0, want_first, 0)
+            await wait_for(lambda: asyncio.sleep(0, old.store.num_blocks >= 10))
+            await old.stop()
+            new = StoreHost(config, redis.url, namespace)
+            await new.start()
+            assert new.address != old.address
+
+            async def registered() -> bool:
+                entry = await asyncio.to_thread(find_store, redis.url, namespace, 0)
+                return entry is not None and entry.address == new.address
+            await wait_for(registered)
+            # the old store is gone: computed (its lookup failed), and the worker looked again
+            assert await w.generate(second) == (0, want_second, 0)
+            assert w.tier.counters.num_fetch_failures == 1
+            assert w.tier.address == new.address and w.tier.store_id == new.store_id
+            hashes = w.engine.hasher.hash_prompt(second)[:10]
+            await wait_for(lambda: asyncio.sleep(0, new.store.lookup(hashes) == 10))  # offloaded to the new one
+            for other in others:  # evict the second prompt's blocks from the pool
+                await w.generate(other)
+            assert await w.on_engine(lambda e: cached_run(e, second)) == 0
+            assert await w.generate(second) == (10, want_second, 40)  # fetched from the new store
+            assert new.store.lookup(w.engine.hasher.hash_prompt(first)[:10]) == 0  # the old one's blocks died with it
+            await w.settled()
+            new.store.check()
+            assert new.store.receiver.num_reservations() == 0
+        finally:
+            await w.close()
+            if new is not None:
+                await new.stop()
+
+    try:
+        asyncio.run(run())
+    finally:
+        redis.stop()
+
+
+def test_a_split_worker_offloads_and_fetches_its_ranks_heads(tiny_llama_dir: str) -> None:
+    """A worker split over 2 ranks (each holds 1 of the tiny Llama's 2 KV heads) and a whole
+    one share the store, which holds every head of a block: what the split worker offloaded
+    (each rank's heads from its own pool) the whole one fetches, and the other way round
+    (each rank gets its heads from the staged block); tokens equal the whole model's."""
+    split_first, whole_first, *others = random_prompts([41, 41, 38, 38, 38, 38], 512, seed=15)
+    want_split, want_whole = reference_tokens(tiny_llama_dir, [split_first, whole_first])
+    layout = store_layout(tiny_llama_dir, make_engine(tiny_llama_dir, num_blocks=8).model_id, BLOCK, "float32")
+
+    async def run() -> None:
+        store = open_store(layout, 4096 * layout.block_bytes, "127.0.0.1", None, None)
+        server, port = await serve(store, "127.0.0.1", 0, None)
+        split = TierWorker(tiny_llama_dir, f"127.0.0.1:{port}", tp=2)
+        whole = TierWorker(tiny_llama_dir, f"127.0.0.1:{port}")
+        try:
+            assert split.tier.pools.layout.world == 2 and split.tier.pools.layout.num_kv_heads == 1
+            assert await split.generate(split_first) == (0, want_split, 0)
+            assert await whole.generate(whole_first) == (0, want_whole, 0)
+            for w, p in ((split, split_first), (whole, whole_first)):
+                hashes = w.engine.hasher.hash_prompt(p)[:10]
+                await wait_for(lambda hashes=hashes: asyncio.sleep(0, store.lookup(hashes) == 10))
+            assert await whole.generate(split_first) == (10, want_split, 40)  # the split worker's heads, whole
+            assert await split.generate(whole_first) == (10, want_whole, 40)  # a whole block, cut per rank
+            for other in others:  # and its own, back after eviction
+                await split.generate(other)
+            assert await split.on_engine(lambda e: cached_run(e, split_first)) == 0
+            assert await split.generate(split_first) == (10, want_split, 40)
+            for w in (split, whole):
+                await w.settled()
+                assert w.tier.counters.num_fetch_failures == 0
+            store.check()
+            assert store.receiver.num_reservations() == 0
+        finally:
+            for w in (split, whole):
+                await w.close()
+            await server.stop(0)
+            store.close()
 
     asyncio.run(run())

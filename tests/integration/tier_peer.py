@@ -13,7 +13,9 @@ from typing import Any
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.request import SamplingParams
-from kvstore.tier import KVTier
+from engine.tp_ranks import TensorRanks
+from kvfabric.pools import rank_allocator
+from kvstore.tier import KVTier, start_tier
 from tests.integration.reference import engine_config
 
 SECRET = b"kv-tier-test-cluster-secret"
@@ -23,15 +25,27 @@ class TierWorker:
     """An engine on its own thread (EngineLoop) with a KV tier, as a worker runs them: the
     loop's hook hands each step's KV events to the tier, requests start after a fetch."""
 
-    def __init__(self, model_dir: str, store_address: str, num_blocks: int = 40) -> None:
+    def __init__(self, model_dir: str, store_address: str, num_blocks: int = 40,
+                 redis: tuple[str, str] | None = None, tp: int = 1) -> None:
+        """`redis`: (url, namespace) to find the host's store there as a worker configured
+        with `kv_store="local"` does (`start_tier`), `store_address` unused; `tp`: the
+        worker's tensor-parallel degree (its ranks children of this process: one split worker
+        a process)."""
         config = engine_config(model_dir, num_blocks=num_blocks, budget=64)
         config = replace(config, cache=replace(config.cache, cluster_secret=SECRET))  # the cluster's: hashes agree
-        self.engine = LLMEngine(config)  # a private pool: fetched blocks land through the tier's staging
+        self.ranks = TensorRanks(tp, rank_allocator("cpu")) if tp > 1 else None
+        # a private pool (each rank's in shared memory when split): fetched blocks land through the tier's staging
+        self.engine = LLMEngine(self.ranks.start(config) if self.ranks else config)
         self._done: dict[str, threading.Event] = {}
         self._tokens: dict[str, list[int]] = {}
         self._cached: dict[str, int] = {}
         self.loop = EngineLoop(self.engine, self._on_outputs, self._hook, name="tier-test-engine")
-        self.tier = KVTier(self.engine, self.loop.call, store_address, timeout_s=10)
+        if redis is None:
+            self.tier = KVTier(self.engine, self.loop.call, store_address, timeout_s=10)
+        else:
+            tier = start_tier(self.engine, self.loop.call, "local", redis[0], redis[1], None, "127.0.0.1", None)
+            assert tier is not None, "no store registered for this host"
+            self.tier = tier
         self.loop.start()
         self._next = 0
 
@@ -78,6 +92,9 @@ class TierWorker:
     async def close(self) -> None:
         await self.tier.close()
         self.loop.stop()
+        if self.ranks is not None:
+            self.engine.release_followers()
+            self.ranks.stop()
 
 
 def cached_run(engine: LLMEngine, prompt: list[int], tenant: str = "") -> int:

@@ -7,11 +7,13 @@ import pytest
 
 from control.heartbeat import ModelFacts
 from router.admission import AdmissionConfig, AdmissionQueue, admission_cost
-from router.output_lengths import MAX_KEYS, MIN_SAMPLES, PRIOR_TOKENS, WINDOW, OutputLengths
+from router.output_lengths import MAX_KEYS, MIN_SAMPLES, WINDOW, OutputLengths
+
+PRIOR_TOKENS = 256
 
 
 def test_the_prior_until_enough_requests_ended_then_their_high_quantile_within_max_tokens() -> None:
-    lengths = OutputLengths(quantile=0.9)
+    lengths = OutputLengths(0.9, PRIOR_TOKENS)
     assert lengths.expected("a", "chat", 10_000) == PRIOR_TOKENS
     assert lengths.expected("a", "chat", 40) == 40  # never over what the request may generate
     assert lengths.expected("a", "chat", 0) == 0
@@ -25,7 +27,7 @@ def test_the_prior_until_enough_requests_ended_then_their_high_quantile_within_m
 
 
 def test_a_tenant_and_route_of_its_own_else_the_tenant_else_the_route_else_everyone() -> None:
-    lengths = OutputLengths(quantile=1.0)
+    lengths = OutputLengths(1.0, PRIOR_TOKENS)
     for _ in range(MIN_SAMPLES):
         lengths.observe("a", "chat", 10)
         lengths.observe("b", "completion", 500)
@@ -37,7 +39,7 @@ def test_a_tenant_and_route_of_its_own_else_the_tenant_else_the_route_else_every
 
 
 def test_the_window_forgets_the_oldest_and_made_up_tenants_are_bounded() -> None:
-    lengths = OutputLengths(quantile=0.5)
+    lengths = OutputLengths(0.5, PRIOR_TOKENS)
     for _ in range(WINDOW):
         lengths.observe("a", "chat", 1000)
     for _ in range(WINDOW // 2):
