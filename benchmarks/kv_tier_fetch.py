@@ -11,7 +11,11 @@ Three arms per block count, each the median of `--repeats` runs, in one process:
   disk   the same fetch with every block in the store's spill file (read back first), and
          `dd` reading the same bytes of that file (page cache warm for both: the blocks were
          just written)
+  disk_cold    the same with the file's pages dropped from the page cache before each run
+               (fdatasync + POSIX_FADV_DONTNEED), for the fetch and for `dd`: the disk itself
+  disk_direct  a spill file opened O_DIRECT (`--kv-store-direct-io`), against `dd iflag=direct`
 One JSON line per (arm, blocks): milliseconds, GB/s, and the ratio to `push` (disk: to dd).
+`KV_TIER_DISK_DIR` chooses the directory of the spill files (default: the temp directory).
 """
 from __future__ import annotations
 
@@ -63,14 +67,16 @@ async def bench(shape: str, counts: list[int], repeats: int) -> list[dict]:
     sender = FabricSender(layout, source)
     rows = []
     with tempfile.TemporaryDirectory(dir=os.environ.get("KV_TIER_DISK_DIR")) as disk_dir:
-        stores = {"fetch": KVStore(layout, most), "disk": KVStore(layout, most, disk=DiskTier(disk_dir, 2 * most,
-                                                                                                  layout.block_bytes))}
+        stores = {"fetch": KVStore(layout, most),
+                  "disk": KVStore(layout, most, disk=DiskTier(disk_dir, 2 * most, layout.block_bytes)),
+                  "disk_direct": KVStore(layout, most, disk=DiskTier(disk_dir, 2 * most, layout.block_bytes,
+                                                                     direct=True))}
         servers = []
         try:
             hashes = [i.to_bytes(16, "little") for i in range(most)]
             other = [(most + i).to_bytes(16, "little") for i in range(most)]
             for name, store in stores.items():
-                for chain, first in ((hashes, 0), (other, 0)) if name == "disk" else ((hashes, 0),):
+                for chain, first in ((hashes, 0), (other, 0)) if store.disk else ((hashes, 0),):
                     ticket, wanted = store.offer(chain)  # filled through kvfabric, as a worker's offload fills it
                     t = sender.open(ticket)
                     t.push(list(range(first, first + len(wanted))), 0)
@@ -81,7 +87,10 @@ async def bench(shape: str, counts: list[int], repeats: int) -> list[dict]:
                         time.sleep(0.01)
                 server, port = await serve(store, "127.0.0.1", 0, None)
                 servers.append((server, port))
-            assert all(h in stores["disk"].disk for h in hashes)  # the second chain spilled the first
+            assert all(h in stores[d].disk for h in hashes for d in ("disk", "disk_direct"))  # the second chain spilled the first
+            ports = {name: port for name, (_, port) in zip(stores, servers, strict=True)}
+            arms = [("fetch", "fetch", False), ("disk", "disk", False), ("disk_cold", "disk", True),
+                    ("disk_direct", "disk_direct", False)]
             for n in counts:
                 pushed = []
                 for i in range(repeats + 1):
@@ -96,13 +105,16 @@ async def bench(shape: str, counts: list[int], repeats: int) -> list[dict]:
                         pushed.append(took)
                 base = statistics.median(pushed)
                 rows.append(row(shape, "push", n, base, layout, 1.0))
-                for (name, store), (_, port) in zip(stores.items(), servers, strict=True):
-                    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                for name, key, cold in arms:
+                    store = stores[key]
+                    async with grpc.aio.insecure_channel(f"127.0.0.1:{ports[key]}") as channel:
                         stub = pb_grpc.KVStoreStub(channel)
                         took_all = []
                         for i in range(repeats + 1):
-                            if name == "disk":  # back into the file: each run reads all n from disk
+                            if store.disk:  # back into the file: each run reads all n from disk
                                 respill(store, hashes[:n])
+                                if cold:
+                                    drop_cache(store)
                             ticket = receiver.expect(f"{name}-{n}-{i}", list(range(n)), 0)
                             t0 = time.perf_counter()
                             k = (await stub.Lookup(pb.LookupRequest(block_hashes=hashes[:n]))).num_blocks
@@ -118,8 +130,8 @@ async def bench(shape: str, counts: list[int], repeats: int) -> list[dict]:
                         if name == "fetch":
                             rows.append(row(shape, "fetch", n, median, layout, median / base))
                         else:
-                            dd = dd_seconds(store, n, layout.block_bytes, repeats)
-                            rows.append({**row(shape, "disk", n, median, layout, median / base),
+                            dd = dd_seconds(store, n, layout.block_bytes, repeats, cold)
+                            rows.append({**row(shape, name, n, median, layout, median / base),
                                          "dd_ms": round(dd * 1e3, 3), "vs_dd": round(median / dd, 2)})
         finally:
             for server, _ in servers:
@@ -143,14 +155,24 @@ def respill(store: KVStore, hashes: list[bytes]) -> None:
                 store._free.append(slot)  # noqa: SLF001
 
 
-def dd_seconds(store: KVStore, n: int, block_bytes: int, repeats: int) -> float:
-    """`dd` reading n blocks' bytes of the spill file (through /proc: the file is unlinked)."""
+def drop_cache(store: KVStore) -> None:
+    """The spill file's pages out of the page cache (written back first: dirty ones stay)."""
+    os.fdatasync(store.disk.fd)
+    os.posix_fadvise(store.disk.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def dd_seconds(store: KVStore, n: int, block_bytes: int, repeats: int, cold: bool) -> float:
+    """`dd` reading n blocks' bytes of the spill file (through /proc: the file is unlinked),
+    with O_DIRECT where the store's file is direct, from the disk where `cold`."""
     path = f"/proc/{os.getpid()}/fd/{store.disk.fd}"
+    direct = ["iflag=direct"] if store.disk.direct else []
     times = []
     for _ in range(repeats):
+        if cold:
+            drop_cache(store)
         t0 = time.perf_counter()
-        subprocess.run(["dd", f"if={path}", "of=/dev/null", f"bs={block_bytes}", f"count={n}"], check=True,
-                       capture_output=True)
+        subprocess.run(["dd", f"if={path}", "of=/dev/null", f"bs={store.disk.stride}", f"count={n}", *direct],
+                       check=True, capture_output=True)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 

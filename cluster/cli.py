@@ -117,6 +117,7 @@ def _serve_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         controller_max_restarts=args.controller_max_restarts, gpus_per_worker=gpus, autoscale=_autoscale_config(args),
         decode_tp=args.decode_tp, prefill_tp=args.prefill_tp, kv_store_mib=args.kv_store_mib,
         kv_store_dir=args.kv_store_dir, kv_store_disk_gib=args.kv_store_disk_gib,
+        kv_store_direct_io=args.kv_store_direct_io,
         router=RouterConfig(host=args.host, port=args.port, metrics_port=_metrics_port(args),
                             otlp_endpoint=args.otlp_endpoint, tokenizer_dir=_model_dir(model), **http_fields(args),
                             admission=_admission_config(args),
@@ -328,6 +329,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     s.add_argument("--kv-store-dir", help="a directory (an SSD) where each node's KV store spills the blocks its "
                                          "memory evicts (with --kv-store-disk-gib)")
     s.add_argument("--kv-store-disk-gib", type=float, default=0.0, help="how much of --kv-store-dir a store may fill")
+    s.add_argument("--kv-store-direct-io", action="store_true", help="read and write the spill file with O_DIRECT "
+                                                                     "(no page cache)")
     s.add_argument("--gpus-per-worker", type=float, default=None,
                    help="GPUs each worker asks Ray for (default 1; 1/N when N workers share a one-GPU machine)")
     s.add_argument("--block-size", type=int, default=16)

@@ -65,6 +65,8 @@ class ClusterConfig:
     """A directory (an SSD) where each node's store spills the blocks its memory evicts."""
     kv_store_disk_gib: float = 0.0
     """How much of `kv_store_dir` a store may fill."""
+    kv_store_direct_io: bool = False
+    """The spill file with O_DIRECT (no page cache): benchmarks/kv_tier_fetch.py compares."""
     num_routers: int = 1
     """Router replicas; more than one share one port (see `RouterConfig.share_port`),
     each with its own admission budget and its own KV index replayed from Redis."""
@@ -91,6 +93,8 @@ class ClusterConfig:
         if (self.kv_store_dir is None) != (self.kv_store_disk_gib <= 0) or (self.kv_store_dir and not self.kv_store_mib):
             raise ValueError("a store's spill needs --kv-store-dir and a positive --kv-store-disk-gib, beside "
                              "--kv-store-mib")
+        if self.kv_store_direct_io and not self.kv_store_dir:
+            raise ValueError("--kv-store-direct-io is how the spill file is read and written: it needs --kv-store-dir")
         if self.kv_store_mib and self.worker.device.startswith("cuda"):
             raise ValueError("the shared KV tier (--kv-store-mib) moves host-memory pools: CPU workers only for now")
         if self.num_prefill < 0:

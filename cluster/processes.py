@@ -269,9 +269,11 @@ def _kv_store(args: argparse.Namespace) -> int:
             raise ValueError(f"--kv-store-mib must be positive, got {args.kv_store_mib}")
         if (args.kv_store_dir is None) != (args.kv_store_disk_gib <= 0):
             raise ValueError("a spill needs both --kv-store-dir and a positive --kv-store-disk-gib")
+        if args.kv_store_direct_io and args.kv_store_dir is None:
+            raise ValueError("--kv-store-direct-io is how the spill file is read and written: it needs --kv-store-dir")
         config = StoreConfig(model_path(args.model), args.kv_store_mib << 20, args.block_size, args.dtype,
                              args.model_id, args.host, args.advertise_host, args.port, required_secret(),
-                             args.kv_store_dir, int(args.kv_store_disk_gib * 2**30))
+                             args.kv_store_dir, int(args.kv_store_disk_gib * 2**30), args.kv_store_direct_io)
         redis_url = redis_url_of(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -351,6 +353,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     k.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one, printed when ready)")
     k.add_argument("--kv-store-dir", help="a directory (an SSD) for the blocks memory evicts")
     k.add_argument("--kv-store-disk-gib", type=float, default=0.0, help="how much of --kv-store-dir to fill")
+    k.add_argument("--kv-store-direct-io", action="store_true", help="the spill file with O_DIRECT (no page cache)")
     k.set_defaults(func=_kv_store)
 
     r = sub.add_parser("router", help="run one router replica as a plain process (no Ray)")

@@ -6,13 +6,16 @@
         (`take(hash)` -> pread into the memory slot, the disk slot freed)
 
 The file is created in `directory` and unlinked at once: the kernel frees its blocks when
-the store's process ends, however it ends. Plain buffered I/O (pwrite/pread): the page
+the store's process ends, however it ends. Buffered I/O by default (pwrite/pread): the page
 cache keeps recently spilled blocks in memory the store does not count as its own, and the
-kernel writes them back at its pace; benchmarks/kv_tier_disk.py measures reads against
-`dd` of the same bytes. Called under the store's lock, off any event loop.
+kernel writes them back at its pace. `direct`: O_DIRECT, the device at every read and
+write, no page cache (slots padded to `ALIGN`, a block whose memory is not aligned goes
+through one aligned bounce buffer); benchmarks/kv_tier_fetch.py reads both ways against `dd`
+of the same bytes. Called under the store's lock, off any event loop.
 """
 from __future__ import annotations
 
+import mmap
 import os
 import secrets
 from collections import OrderedDict
@@ -20,20 +23,40 @@ from pathlib import Path
 
 import numpy as np
 
+ALIGN = 4096
+"""O_DIRECT's unit: offsets, lengths and buffer addresses are multiples of it (a page; every
+logical block size Linux filesystems use divides it)."""
+
+
+def slot_bytes(block_bytes: int, direct: bool) -> int:
+    """Bytes a block's slot takes in the file (whole `ALIGN` units under O_DIRECT)."""
+    return -(-block_bytes // ALIGN) * ALIGN if direct else block_bytes
+
 
 class DiskTier:
-    def __init__(self, directory: str | Path, num_blocks: int, block_bytes: int) -> None:
+    def __init__(self, directory: str | Path, num_blocks: int, block_bytes: int, direct: bool = False) -> None:
         if num_blocks <= 0:
             raise ValueError(f"a disk tier holds at least one block, got {num_blocks}")
+        self.direct = direct
+        self.stride = slot_bytes(block_bytes, direct)
+        """Bytes a slot takes in the file."""
         path = Path(directory) / f"splitserve-kvstore-{os.getpid()}-{secrets.token_hex(4)}.blocks"
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0), 0o600)
+        except OSError as e:
+            if direct and e.errno == 22:  # EINVAL: tmpfs and a few others have no O_DIRECT
+                raise OSError(e.errno, f"{directory} does not take O_DIRECT (tmpfs?): spill there buffered, or "
+                                       "choose a directory on a disk") from e
+            raise
         try:
             os.unlink(path)  # anonymous from here: freed with the process
-            os.posix_fallocate(self.fd, 0, num_blocks * block_bytes)  # a full disk fails now, not mid-write
+            os.posix_fallocate(self.fd, 0, num_blocks * self.stride)  # a full disk fails now, not mid-write
         except OSError:
             os.close(self.fd)
             raise
         self.capacity, self.block_bytes = num_blocks, block_bytes
+        self._bounce = mmap.mmap(-1, self.stride) if direct else None
+        """Direct I/O of a block whose memory is not aligned goes through here (page-aligned)."""
         self._index: OrderedDict[bytes, int] = OrderedDict()
         """Hash -> slot of the file, least recently used first."""
         self._free = list(range(num_blocks - 1, -1, -1))
@@ -53,9 +76,13 @@ class DiskTier:
         else:
             dropped, slot = self._index.popitem(last=False)
             self.num_dropped += 1
-        written = os.pwrite(self.fd, memoryview(data).cast("B"), slot * self.block_bytes)
-        if written != self.block_bytes:
-            raise OSError(f"short write to the KV store's spill file: {written} of {self.block_bytes} bytes")
+        view = memoryview(data).cast("B")
+        if self._bounce is not None and not self._aligned(data):
+            self._bounce[:self.block_bytes] = view
+            view = memoryview(self._bounce)
+        written = os.pwrite(self.fd, view, slot * self.stride)
+        if written != len(view):
+            raise OSError(f"short write to the KV store's spill file: {written} of {len(view)} bytes")
         self._index[block_hash] = slot
         self.num_written += 1
         return dropped
@@ -63,11 +90,19 @@ class DiskTier:
     def take(self, block_hash: bytes, into: np.ndarray) -> None:
         """Reads a block into `into` and lets go of it here (memory holds it from now on)."""
         slot = self._index.pop(block_hash)
-        n = os.preadv(self.fd, [memoryview(into).cast("B")], slot * self.block_bytes)
         self._free.append(slot)
-        if n != self.block_bytes:
+        view = memoryview(into).cast("B")
+        bounce = self._bounce is not None and not self._aligned(into)
+        n = os.preadv(self.fd, [memoryview(self._bounce) if bounce else view], slot * self.stride)
+        if n != (self.stride if bounce else self.block_bytes):
             raise OSError(f"short read from the KV store's spill file: {n} of {self.block_bytes} bytes")
+        if bounce:
+            view[:] = memoryview(self._bounce)[:self.block_bytes]
         self.num_read += 1
+
+    def _aligned(self, data: np.ndarray) -> bool:
+        """Direct I/O straight from or into `data`: its address and length are whole units."""
+        return self.block_bytes == self.stride and data.ctypes.data % ALIGN == 0
 
     def touch(self, block_hash: bytes) -> None:
         self._index.move_to_end(block_hash)
@@ -80,3 +115,6 @@ class DiskTier:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        if self._bounce is not None:
+            self._bounce.close()
+            self._bounce = None

@@ -60,6 +60,8 @@ class StoreConfig:
     disk_dir: str | None = None
     """A directory (on an SSD) for blocks memory evicts; None: they leave the store."""
     disk_bytes: int = 0
+    disk_direct: bool = False
+    """The spill file with O_DIRECT: no page cache between the store and the disk."""
 
 
 class StoreHost:
@@ -90,7 +92,7 @@ class StoreHost:
         advertised = c.advertise_host or dialable_host(host, self.redis_url)
         layout = store_layout(c.model_dir, c.model_id or "", c.block_size, c.dtype)
         self.store = open_store(layout, c.capacity_bytes, host, advertised, c.cluster_secret, store_id=self.store_id,
-                                disk_dir=c.disk_dir, disk_bytes=c.disk_bytes)
+                                disk_dir=c.disk_dir, disk_bytes=c.disk_bytes, disk_direct=c.disk_direct)
         self.server, port = await serve(self.store, host, c.port, c.cluster_secret)
         self.address = f"{advertised}:{port}"
         from control.metrics_http import MetricsServer

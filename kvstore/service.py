@@ -18,7 +18,7 @@ import grpc
 from control.auth import TokenCheck, cluster_token
 from kvfabric import FabricLayout, ReceiverConfig, SenderConfig
 from kvfabric.region import CopyBytes
-from kvstore.disk import DiskTier
+from kvstore.disk import DiskTier, slot_bytes
 from kvstore.store import KVStore
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
@@ -88,13 +88,15 @@ async def serve(store: KVStore, host: str, port: int, secret: bytes | None) -> t
 
 def open_store(layout: FabricLayout, capacity_bytes: int, host: str, advertise_host: str | None,
                secret: bytes | None, copy: CopyBytes = ctypes.memmove, store_id: str = "",
-               disk_dir: str | None = None, disk_bytes: int = 0) -> KVStore:
+               disk_dir: str | None = None, disk_bytes: int = 0, disk_direct: bool = False) -> KVStore:
     """A store of `capacity_bytes` of blocks, its kvfabric listener on `host`; with `disk_dir`,
-    up to `disk_bytes` more of them spilled into a file there (kvstore/disk.py)."""
+    up to `disk_bytes` more of them spilled into a file there (kvstore/disk.py), with O_DIRECT
+    where `disk_direct`."""
     token = cluster_token(secret) if secret else None
     num_blocks = capacity_bytes // layout.block_bytes
     if num_blocks < 1:
         raise ValueError(f"a KV store of {capacity_bytes} bytes holds no {layout.block_bytes}-byte block")
-    disk = DiskTier(disk_dir, disk_bytes // layout.block_bytes, layout.block_bytes) if disk_dir else None
+    disk = DiskTier(disk_dir, disk_bytes // slot_bytes(layout.block_bytes, disk_direct), layout.block_bytes,
+                    disk_direct) if disk_dir else None
     return KVStore(layout, num_blocks, ReceiverConfig(host=host, advertise_host=advertise_host, token=token),
                    SenderConfig(token=token), copy, store_id, disk)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 
 from kvfabric import BlockRegion, FabricLayout, FabricSender, KVArrived
 from kvstore.store import KVStore
@@ -50,14 +51,15 @@ def test_store_events_and_lru_order() -> None:
         store.close()
 
 
-def test_blocks_memory_evicts_live_on_in_the_spill_file_and_come_back_byte_for_byte(tmp_path) -> None:
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "o_direct"])
+def test_blocks_memory_evicts_live_on_in_the_spill_file_and_come_back_byte_for_byte(tmp_path, direct: bool) -> None:
     """Memory of 2 blocks, a spill file of 2: a third block spills the least recently used one,
     which a fetch reads back (spilling another); only a block dropped from the file leaves the
     store (its `removed` event). Fetched bytes equal the offered ones."""
     from kvfabric import FabricReceiver, ShmSegment
     from kvstore.disk import DiskTier
 
-    store = KVStore(LAYOUT, 2, disk=DiskTier(tmp_path, 2, LAYOUT.block_bytes))
+    store = KVStore(LAYOUT, 2, disk=DiskTier(tmp_path, 2, LAYOUT.block_bytes, direct=direct))  # 128-byte blocks: bounced
     assert not list(tmp_path.iterdir())  # the spill file is unlinked at once
     rng = np.random.default_rng(4)
     source = BlockRegion(rng.integers(0, 256, (8, LAYOUT.block_bytes), dtype=np.uint8))
