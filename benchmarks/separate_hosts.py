@@ -79,11 +79,13 @@ def kill_all_in(ns: str) -> None:
             os.kill(int(pid), signal.SIGKILL)
 
 
-def on_host(ns: str, argv: list[str]) -> list[str]:
-    """`argv` run as a separate host: network namespace `ns`, hostname `ns`, a private /dev/shm."""
+def on_host(ns: str, argv: list[str], private_shm: bool = True) -> list[str]:
+    """`argv` run as a separate host: network namespace `ns`, hostname `ns`, a private /dev/shm
+    (`private_shm`: each process its own, so a wrong choice of shm fails; else the machine's,
+    which the processes of one host then share as a real host's do)."""
     inner = " ".join(["exec", sys.executable, "-m", "cluster.cli", *argv])
-    return ["ip", "netns", "exec", ns, "unshare", "--mount", "--uts", "sh", "-c",
-            f"hostname {ns} && mount -t tmpfs -o size=512m tmpfs /dev/shm && {inner}"]
+    shm = "mount -t tmpfs -o size=512m tmpfs /dev/shm && " if private_shm else ""
+    return ["ip", "netns", "exec", ns, "unshare", "--mount", "--uts", "sh", "-c", f"hostname {ns} && {shm}{inner}"]
 
 
 def start_serving(cmd: list[str], secret: str, log: Path | None = None,
@@ -111,8 +113,9 @@ class Hosts:
     """A Redis on this machine that both hosts reach, and the splitserve processes started
     on them or here (stopped at the end, Redis last)."""
 
-    def __init__(self, hosts: dict[str, str], model_dir: str, tmp_path: Path, kv_cache_mib: int = 8) -> None:
-        self.hosts, self.tmp_path, self.port = hosts, tmp_path, free_port()
+    def __init__(self, hosts: dict[str, str], model_dir: str, tmp_path: Path, kv_cache_mib: int = 8,
+                 private_shm: bool = True) -> None:
+        self.hosts, self.tmp_path, self.port, self.private_shm = hosts, tmp_path, free_port(), private_shm
         self.common = ["--namespace", "hosts", "--model", model_dir, "--kv-cache-mib", str(kv_cache_mib)]
         self.procs: list[subprocess.Popen] = [subprocess.Popen(
             [shutil.which("redis-server") or "redis-server", "--port", str(self.port), "--bind",
@@ -124,7 +127,7 @@ class Hosts:
 
     def start(self, name: str, argv: list[str]) -> str:
         """Starts `cluster.cli argv` (on a test host when `name` is one) and returns its address."""
-        cmd = on_host(self.hosts[name], argv) if name in self.hosts else [sys.executable, "-m", "cluster.cli", *argv]
+        cmd = on_host(self.hosts[name], argv, self.private_shm) if name in self.hosts else [sys.executable, "-m", "cluster.cli", *argv]
         proc, address = start_serving(cmd, "hosts-test-secret", self.tmp_path / f"{argv[0]}-{len(self.procs)}.log")
         self.procs.append(proc)
         return address

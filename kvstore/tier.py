@@ -51,6 +51,7 @@ from kvfabric import (
 )
 from kvfabric.pools import worker_pools
 from kvstore.host import StoreEntry, find_store
+from kvstore.host_copy import HostCopies
 from kvstore.staging import Staging
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
@@ -60,6 +61,10 @@ logger = logging.getLogger(__name__)
 
 LONG_PROMPT_TOKENS = 4096
 """A prompt longer than this is hashed on a worker thread (hashing takes about 0.3 ms per 4k tokens)."""
+
+HOST_ROWS = 32
+"""Host rows (pinned) a device pool's offloads go through (kvstore/host_copy.py): 64 MiB of
+Llama-3-8B's bfloat16 blocks of 16 tokens."""
 
 RESOLVE_EVERY_S = 5.0
 """Least time between two searches for a store that went away."""
@@ -95,11 +100,14 @@ class KVTier:
     def __init__(self, engine: LLMEngine, call: EngineCall, address: str, token: str | None = None,
                  host: str = "127.0.0.1", advertise_host: str | None = None, timeout_s: float = 5.0,
                  min_blocks: int = 1, max_offload_blocks: int = 4096, store_id: str = "",
-                 resolve: Callable[[], StoreEntry | None] | None = None, staging_blocks: int = 1024) -> None:
+                 resolve: Callable[[], StoreEntry | None] | None = None, staging_blocks: int = 1024,
+                 through_host: bool | None = None) -> None:
         """`address`: the store's gRPC host:port; `store_id`: its KV event stream's id
         (heartbeats name it, routers index it); `resolve`: finds the host's store again after it
         went away (a restarted store listens elsewhere); `staging_blocks`: how many fetched
-        blocks may wait for the engine at once (more: a fetch is skipped)."""
+        blocks may wait for the engine at once (more: a fetch is skipped); `through_host`: the
+        pool's blocks cross host rows of their own (kvstore/host_copy.py) both ways, as a GPU
+        pool's must (None: where the pool is on a GPU)."""
         self.engine, self.call, self.address, self.store_id = engine, call, address, store_id
         self.resolve = resolve
         self._resolved_at = 0.0
@@ -109,9 +117,16 @@ class KVTier:
                                   engine.follower_pools)
         self.staging = Staging(self.pools, staging_blocks)
         """Where fetched blocks land before the engine copies them into its pool."""
+        if through_host is None:
+            through_host = engine.kv_pool.tensor.device.type == "cuda"
+        if through_host and self.pools.layout.world > 1:
+            raise ValueError("a split worker's pools on GPUs stay private to their ranks: run it without the KV tier")
+        self.host = HostCopies(engine.kv_pool.tensor, HOST_ROWS) if through_host else None
+        """A device pool's way to and from host memory (None: the pool is host memory)."""
         self.receiver = FabricReceiver(self.staging.layout, self.staging.region, ReceiverConfig(
             host=host, advertise_host=advertise_host, token=token), shm=self.staging.segment)
-        self.sender = FabricSender(self.pools.layout, self.pools.regions, SenderConfig(token=token))
+        self.sender = FabricSender(self.pools.layout, [self.host.region] if self.host else self.pools.regions,
+                                   SenderConfig(token=token))
         self.counters = TierCounters()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -250,7 +265,11 @@ class KVTier:
             blocks = e.kv.hold_new(fid, len(landing.hashes) - run)
             if blocks is None:
                 return 0
-            self.staging.copy_into(self.pools, landing.slots[run - landing.start:], [int(b) for b in blocks])
+            slots, block_ids = landing.slots[run - landing.start:], [int(b) for b in blocks]
+            if self.host is not None:  # one rank, whole blocks: the staged rows as they are
+                self.host.upload(self.staging.region.array[slots], block_ids)
+            else:
+                self.staging.copy_into(self.pools, slots, block_ids)
             e.kv.cache_held(fid, landing.hashes[run:], landing.hashes[run - 1] if run else None)
             self.counters.num_fetched_blocks += len(blocks)
             return len(blocks)
@@ -331,9 +350,17 @@ class KVTier:
         if not reply.HasField("ticket"):
             return
         transfer = self.sender.open(ticket_from_pb(reply.ticket))
+        wanted = [blocks[i] for i in reply.wanted]
         try:
-            transfer.push([blocks[i] for i in reply.wanted], 0)
-            transfer.finish(0, len(reply.wanted) * self.pools.layout.block_size)
+            if self.host is None:
+                transfer.push(wanted, 0)
+            else:  # through the host rows, a turn of them at a time (a push has read its rows when it returns)
+                step = self.host.capacity
+                for first in range(0, len(wanted), step):
+                    turn = wanted[first:first + step]
+                    self.host.download(turn)
+                    transfer.push(list(range(len(turn))), first)
+            transfer.finish(0, len(wanted) * self.pools.layout.block_size)
         except BaseException:
             transfer.abort("the worker's offload failed")
             raise

@@ -332,3 +332,43 @@ def test_a_split_worker_offloads_and_fetches_its_ranks_heads(tiny_llama_dir: str
             store.close()
 
     asyncio.run(run())
+
+
+def test_a_pool_the_tier_reaches_through_host_rows_offloads_and_fetches_whole_blocks(tiny_llama_dir: str,
+                                                                                    monkeypatch) -> None:
+    """The path a GPU worker's tier takes (kvstore/host_copy.py), on host tensors: its offloads
+    are copied out of the pool into host rows, 3 at a time here (a 10-block offload in 4 turns),
+    and pushed from there; its fetches are copied from staging into the pool by one indexed
+    copy. A worker that reads its pool directly fetches what it offloaded, and the other way
+    round, with the tokens of a recompute."""
+    import kvstore.tier
+
+    monkeypatch.setattr(kvstore.tier, "HOST_ROWS", 3)
+    mine, theirs, *others = random_prompts([41, 41, 38, 38, 38, 38], 512, seed=16)
+    want_mine, want_theirs = reference_tokens(tiny_llama_dir, [mine, theirs])
+
+    async def run() -> None:
+        async with served_store(tiny_llama_dir, 4096, 1) as (store, (direct,)):
+            bounced = TierWorker(tiny_llama_dir, direct.tier.address, through_host=True)
+            try:
+                assert bounced.tier.host is not None and bounced.tier.host.capacity == 3
+                assert await bounced.generate(mine) == (0, want_mine, 0)
+                assert await direct.generate(theirs) == (0, want_theirs, 0)
+                for w, p in ((bounced, mine), (direct, theirs)):
+                    hashes = w.engine.hasher.hash_prompt(p)[:10]
+                    await wait_for(lambda hashes=hashes: asyncio.sleep(0, store.lookup(hashes) == 10))
+                assert await direct.generate(mine) == (10, want_mine, 40)  # pushed from the host rows
+                assert await bounced.generate(theirs) == (10, want_theirs, 40)  # copied in from staging
+                for other in others:
+                    await bounced.generate(other)
+                assert await bounced.on_engine(lambda e: cached_run(e, mine)) == 0
+                assert await bounced.generate(mine) == (10, want_mine, 40)
+                for w in (bounced, direct):
+                    await w.settled()
+                    assert w.tier.counters.num_fetch_failures == 0 and w.tier.counters.num_offload_failures == 0
+                store.check()
+                assert store.receiver.num_reservations() == 0
+            finally:
+                await bounced.close()
+
+    asyncio.run(run())

@@ -26,11 +26,12 @@ class TierWorker:
     loop's hook hands each step's KV events to the tier, requests start after a fetch."""
 
     def __init__(self, model_dir: str, store_address: str, num_blocks: int = 40,
-                 redis: tuple[str, str] | None = None, tp: int = 1) -> None:
+                 redis: tuple[str, str] | None = None, tp: int = 1, through_host: bool = False) -> None:
         """`redis`: (url, namespace) to find the host's store there as a worker configured
         with `kv_store="local"` does (`start_tier`), `store_address` unused; `tp`: the
         worker's tensor-parallel degree (its ranks children of this process: one split worker
-        a process)."""
+        a process); `through_host`: the tier moves the pool's blocks through host rows of its
+        own, as it does a GPU pool's."""
         config = engine_config(model_dir, num_blocks=num_blocks, budget=64)
         config = replace(config, cache=replace(config.cache, cluster_secret=SECRET))  # the cluster's: hashes agree
         self.ranks = TensorRanks(tp, rank_allocator("cpu")) if tp > 1 else None
@@ -41,7 +42,7 @@ class TierWorker:
         self._cached: dict[str, int] = {}
         self.loop = EngineLoop(self.engine, self._on_outputs, self._hook, name="tier-test-engine")
         if redis is None:
-            self.tier = KVTier(self.engine, self.loop.call, store_address, timeout_s=10)
+            self.tier = KVTier(self.engine, self.loop.call, store_address, timeout_s=10, through_host=through_host)
         else:
             tier = start_tier(self.engine, self.loop.call, "local", redis[0], redis[1], None, "127.0.0.1", None)
             assert tier is not None, "no store registered for this host"
