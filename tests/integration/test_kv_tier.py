@@ -41,14 +41,16 @@ def reference_tokens(model_dir: str, prompts: list[list[int]]) -> list[list[int]
 
 @contextlib.asynccontextmanager
 async def served_store(model_dir: str, capacity_blocks: int, num_workers: int, pool_blocks: int = 40,
-                       disk_dir: str | None = None, disk_blocks: int = 0) -> AsyncIterator[tuple[KVStore, tuple]]:
+                       disk_dir: str | None = None, disk_blocks: int = 0,
+                       device: str = "cpu") -> AsyncIterator[tuple[KVStore, tuple]]:
     """A store of `capacity_blocks` (and `disk_blocks` spilled in `disk_dir`) serving here, and
-    `num_workers` workers of `pool_blocks` using it; all closed after."""
+    `num_workers` workers of `pool_blocks` on `device` using it; all closed after."""
     layout = store_layout(model_dir, make_engine(model_dir, num_blocks=8).model_id, BLOCK, "float32")
     store = open_store(layout, capacity_blocks * layout.block_bytes, "127.0.0.1", None, None, disk_dir=disk_dir,
                        disk_bytes=disk_blocks * layout.block_bytes)
     server, port = await serve(store, "127.0.0.1", 0, None)
-    workers = tuple(TierWorker(model_dir, f"127.0.0.1:{port}", num_blocks=pool_blocks) for _ in range(num_workers))
+    workers = tuple(TierWorker(model_dir, f"127.0.0.1:{port}", num_blocks=pool_blocks, device=device)
+                    for _ in range(num_workers))
     try:
         yield store, workers
     finally:

@@ -26,13 +26,14 @@ class TierWorker:
     loop's hook hands each step's KV events to the tier, requests start after a fetch."""
 
     def __init__(self, model_dir: str, store_address: str, num_blocks: int = 40,
-                 redis: tuple[str, str] | None = None, tp: int = 1, through_host: bool = False) -> None:
+                 redis: tuple[str, str] | None = None, tp: int = 1, through_host: bool | None = None,
+                 device: str = "cpu") -> None:
         """`redis`: (url, namespace) to find the host's store there as a worker configured
         with `kv_store="local"` does (`start_tier`), `store_address` unused; `tp`: the
         worker's tensor-parallel degree (its ranks children of this process: one split worker
         a process); `through_host`: the tier moves the pool's blocks through host rows of its
-        own, as it does a GPU pool's."""
-        config = engine_config(model_dir, num_blocks=num_blocks, budget=64)
+        own, as it does a GPU pool's (None: where the pool is on a GPU)."""
+        config = engine_config(model_dir, num_blocks=num_blocks, budget=64, device=device)
         config = replace(config, cache=replace(config.cache, cluster_secret=SECRET))  # the cluster's: hashes agree
         self.ranks = TensorRanks(tp, rank_allocator("cpu")) if tp > 1 else None
         # a private pool (each rank's in shared memory when split): fetched blocks land through the tier's staging
