@@ -8,8 +8,8 @@ that wanted them is added.
         tensor-parallel worker) -> `give` the slots back
 
 A fetch never holds pool blocks while it waits on the network: the engine allocates them
-only when they are filled, in the call that adds the request. On a GPU the same copy would
-be a host-to-device one from pinned memory (not built yet: the tier runs with CPU workers).
+only when they are filled, in the call that adds the request. A device pool's landing
+copies the staged rows in through kvstore/host_copy.py instead (one rank, whole blocks).
 """
 from __future__ import annotations
 
