@@ -76,7 +76,7 @@ async def bench(shape: str, counts: list[int], repeats: int) -> list[dict]:
             hashes = [i.to_bytes(16, "little") for i in range(most)]
             other = [(most + i).to_bytes(16, "little") for i in range(most)]
             for name, store in stores.items():
-                for chain, first in ((hashes, 0), (other, 0)) if store.disk else ((hashes, 0),):
+                for chain, first in ((hashes, 0), (other, 0)) if store.disk is not None else ((hashes, 0),):
                     ticket, wanted = store.offer(chain)  # filled through kvfabric, as a worker's offload fills it
                     t = sender.open(ticket)
                     t.push(list(range(first, first + len(wanted))), 0)
@@ -111,7 +111,7 @@ async def bench(shape: str, counts: list[int], repeats: int) -> list[dict]:
                         stub = pb_grpc.KVStoreStub(channel)
                         took_all = []
                         for i in range(repeats + 1):
-                            if store.disk:  # back into the file: each run reads all n from disk
+                            if store.disk is not None:  # back into the file: each run reads all n from disk
                                 respill(store, hashes[:n])
                                 if cold:
                                     drop_cache(store)

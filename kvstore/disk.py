@@ -33,6 +33,10 @@ def slot_bytes(block_bytes: int, direct: bool) -> int:
     return -(-block_bytes // ALIGN) * ALIGN if direct else block_bytes
 
 
+MAX_RUN = 512
+"""Most blocks one preadv reads (the kernel takes at most IOV_MAX, 1,024, buffers a call)."""
+
+
 class DiskTier:
     def __init__(self, directory: str | Path, num_blocks: int, block_bytes: int, direct: bool = False) -> None:
         if num_blocks <= 0:
@@ -99,6 +103,34 @@ class DiskTier:
         if bounce:
             view[:] = memoryview(self._bounce)[:self.block_bytes]
         self.num_read += 1
+
+    def take_many(self, hashes: list[bytes], intos: list[np.ndarray]) -> None:
+        """`take` of each, the blocks in adjacent slots of the file read by one preadv each
+        (a chain spilled together lies together: one request to the disk, not one a block)."""
+        if self._bounce is not None and not all(self._aligned(a) for a in intos):
+            for h, into in zip(hashes, intos, strict=True):
+                self.take(h, into)
+            return
+        order = sorted(zip((self._index[h] for h in hashes), hashes, intos, strict=True), key=lambda t: t[0])
+        run: list[tuple[int, bytes, np.ndarray]] = []
+        for item in order:
+            if run and (item[0] != run[-1][0] + 1 or len(run) == MAX_RUN):
+                self._read_run(run)
+                run = []
+            run.append(item)
+        if run:
+            self._read_run(run)
+
+    def _read_run(self, run: list[tuple[int, bytes, np.ndarray]]) -> None:
+        """Adjacent slots into their blocks' memory, in one preadv."""
+        want = len(run) * self.block_bytes
+        n = os.preadv(self.fd, [memoryview(into).cast("B") for _, _, into in run], run[0][0] * self.stride)
+        for slot, h, _ in run:
+            del self._index[h]
+            self._free.append(slot)
+        if n != want:
+            raise OSError(f"short read from the KV store's spill file: {n} of {want} bytes")
+        self.num_read += len(run)
 
     def _aligned(self, data: np.ndarray) -> bool:
         """Direct I/O straight from or into `data`: its address and length are whole units."""

@@ -242,8 +242,8 @@ class KVStore:
         if len(slots) < len(hashes):
             self._free.extend(sorted(slots, reverse=True))
             raise ValueError(f"no room in memory for {len(hashes)} spilled blocks (the rest are being read)")
+        self.disk.take_many(hashes, [self.region.array[slot] for slot in slots])
         for h, slot in zip(hashes, slots, strict=True):
-            self.disk.take(h, self.region.array[slot])
             self._index[h] = slot
             self._pins[slot] += 1
         self.stats.num_unspilled += len(hashes)

@@ -60,3 +60,32 @@ def test_direct_io_of_memory_that_is_not_aligned_goes_through_the_bounce_buffer(
     disk.take(b"x", into)
     assert (into == want).all()
     disk.close()
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "o_direct"])
+def test_blocks_in_adjacent_slots_come_back_in_one_read_each_run(tmp_path, monkeypatch, direct: bool) -> None:
+    """Slots 0-2 and 4 hold blocks taken together: two preadv calls (slots 0-2, then 4), each
+    block's bytes where it belongs, whatever order they were asked in."""
+    try:
+        disk = DiskTier(tmp_path, 5, ALIGN, direct=direct)
+    except OSError:
+        pytest.skip(f"{tmp_path} has no O_DIRECT")
+    blocks = aligned(5, ALIGN)
+    blocks[:] = np.random.default_rng(2).integers(0, 256, blocks.shape, dtype=np.uint8)
+    for i in range(5):
+        disk.put(bytes([i]), blocks[i])  # block i in slot i
+    calls = []
+    real = __import__("os").preadv
+
+    def counted(fd, buffers, offset):
+        calls.append((offset // ALIGN, len(buffers)))
+        return real(fd, buffers, offset)
+    monkeypatch.setattr("kvstore.disk.os.preadv", counted)
+    into = aligned(4, ALIGN)
+    disk.take_many([bytes([4]), bytes([2]), bytes([0]), bytes([1])], [into[0], into[1], into[2], into[3]])
+    assert calls == [(0, 3), (4, 1)]
+    for got, i in zip(into, (4, 2, 0, 1), strict=True):
+        assert (got == blocks[i]).all()
+    assert len(disk) == 1 and bytes([3]) in disk and disk.num_read == 4
+    disk.check()
+    disk.close()
