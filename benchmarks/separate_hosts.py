@@ -116,10 +116,13 @@ class Hosts:
     def __init__(self, hosts: dict[str, str], model_dir: str, tmp_path: Path, kv_cache_mib: int = 8,
                  private_shm: bool = True) -> None:
         self.hosts, self.tmp_path, self.port, self.private_shm = hosts, tmp_path, free_port(), private_shm
+        self.names = [name for name in hosts if not name.endswith("_link")]
+        """The hosts, in the order `namespaces` numbered their links."""
         self.common = ["--namespace", "hosts", "--model", model_dir, "--kv-cache-mib", str(kv_cache_mib)]
+        bind = " ".join(["127.0.0.1", *(f"{SUBNET}.{i}.1" for i in range(1, len(self.names) + 1))])
         self.procs: list[subprocess.Popen] = [subprocess.Popen(
-            [shutil.which("redis-server") or "redis-server", "--port", str(self.port), "--bind",
-             f"127.0.0.1 {SUBNET}.1.1 {SUBNET}.2.1", "--protected-mode", "no", "--save", "", "--appendonly", "no"],
+            [shutil.which("redis-server") or "redis-server", "--port", str(self.port), "--bind", bind,
+             "--protected-mode", "no", "--save", "", "--appendonly", "no"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
 
     def redis_url(self, via: str) -> str:
@@ -127,7 +130,8 @@ class Hosts:
 
     def start(self, name: str, argv: list[str]) -> str:
         """Starts `cluster.cli argv` (on a test host when `name` is one) and returns its address."""
-        cmd = on_host(self.hosts[name], argv, self.private_shm) if name in self.hosts else [sys.executable, "-m", "cluster.cli", *argv]
+        cmd = (on_host(self.hosts[name], argv, self.private_shm) if name in self.hosts
+               else [sys.executable, "-m", "cluster.cli", *argv])
         proc, address = start_serving(cmd, "hosts-test-secret", self.tmp_path / f"{argv[0]}-{len(self.procs)}.log")
         self.procs.append(proc)
         return address
