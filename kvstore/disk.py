@@ -48,9 +48,9 @@ class DiskTier:
         try:
             self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0), 0o600)
         except OSError as e:
-            if direct and e.errno == 22:  # EINVAL: tmpfs and a few others have no O_DIRECT
-                raise OSError(e.errno, f"{directory} does not take O_DIRECT (tmpfs?): spill there buffered, or "
-                                       "choose a directory on a disk") from e
+            if direct and e.errno == 22:  # EINVAL: a filesystem without O_DIRECT (older kernels' tmpfs)
+                raise OSError(e.errno, f"{directory}'s filesystem does not take O_DIRECT: spill there buffered "
+                                       "(without --kv-store-direct-io), or choose a directory on a disk") from e
             raise
         try:
             os.unlink(path)  # anonymous from here: freed with the process
