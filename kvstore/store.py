@@ -242,7 +242,11 @@ class KVStore:
         if len(slots) < len(hashes):
             self._free.extend(sorted(slots, reverse=True))
             raise ValueError(f"no room in memory for {len(hashes)} spilled blocks (the rest are being read)")
-        self.disk.take_many(hashes, [self.region.array[slot] for slot in slots])
+        try:
+            self.disk.take_many(hashes, [self.region.array[slot] for slot in slots])
+        except OSError:  # what was read is lost with the rest (a cache): the slots go back
+            self._free.extend(sorted(slots, reverse=True))
+            raise
         for h, slot in zip(hashes, slots, strict=True):
             self._index[h] = slot
             self._pins[slot] += 1

@@ -2,6 +2,7 @@
 routers index it by (stored on arrival, removed on eviction, numbered without gaps)."""
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -52,10 +53,12 @@ def test_store_events_and_lru_order() -> None:
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "o_direct"])
-def test_blocks_memory_evicts_live_on_in_the_spill_file_and_come_back_byte_for_byte(tmp_path, direct: bool) -> None:
+def test_blocks_memory_evicts_live_on_in_the_spill_file_and_come_back_byte_for_byte(tmp_path, monkeypatch,
+                                                                                    direct: bool) -> None:
     """Memory of 2 blocks, a spill file of 2: a third block spills the least recently used one,
     which a fetch reads back (spilling another); only a block dropped from the file leaves the
-    store (its `removed` event). Fetched bytes equal the offered ones."""
+    store (its `removed` event). Fetched bytes equal the offered ones. A disk that fails a
+    read costs that fetch, and the memory slot it took comes back."""
     from kvfabric import FabricReceiver, ShmSegment
     from kvstore.disk import DiskTier
 
@@ -94,6 +97,14 @@ def test_blocks_memory_evicts_live_on_in_the_spill_file_and_come_back_byte_for_b
         assert [e.kind for e in events] == ["stored", "removed", "stored"] and events[1].block_hashes == [h(3)]
         assert store.lookup([h(3)]) == 0 and store.stats.num_evicted == 1
         store.check()
+
+        def failing(*args: object) -> int:
+            raise OSError(5, "Input/output error")
+        monkeypatch.setattr(os, "preadv", failing)  # the disk fails under a fetch of a spilled block
+        spilled = next(x for x in (h(1), h(2), h(4)) if x in store.disk)
+        assert "could not be read back" in store.fetch(receiver.expect("f2", [7], 0), [spilled])
+        monkeypatch.undo()
+        store.check()  # that fetch only: the memory slot it took is free again, nothing pinned
     finally:
         receiver.close()
         sender.close()
