@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.kv_tier_trace import BLOCK, conversation_trace
+from benchmarks.kv_tier_trace import BLOCK, conversation_trace, ratios, replay_row
 from benchmarks.separate_hosts import SUBNET, Hosts, namespaces, scrape, unavailable
 
 NAMESPACE = "hosts"
@@ -50,7 +50,6 @@ def serving(made: Hosts, n: int, timeout_s: float = 120.0) -> None:
 
 def arm(model_dir: str, trace: Path, n: int, num_hosts: int, pool_mib: int, store_mib: int, concurrency: int,
         tmp: Path) -> dict:
-    from bench.report import pct
     from bench.runner import run
     from bench.workload import from_trace
 
@@ -81,15 +80,8 @@ def arm(model_dir: str, trace: Path, n: int, num_hosts: int, pool_mib: int, stor
                     far += v if name == "splitserve:kv_tier_far_fetched_blocks_total" else 0
         finally:
             made.stop()
-    ok = [o for o in result.outcomes if o.ok]
-    prompt = sum(o.num_prompt for o in ok)
-    cached = sum(o.num_cached for o in ok)
-    ttfts = [o.ttft_s * 1e3 for o in ok if o.ttft_s is not None]
     return {"bench": "kv_tier_hosts", "hosts": num_hosts, "tier": bool(store_mib), "requests": len(items),
-            "ok": len(ok), "pool_mib": pool_mib, "store_mib": store_mib, "concurrency": concurrency,
-            "prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": round(cached / max(prompt, 1), 3),
-            "prefill_tokens": prompt - cached, "ttft_p50_ms": round(pct(ttfts, 50) or 0, 1),
-            "ttft_p99_ms": round(pct(ttfts, 99) or 0, 1), "elapsed_s": round(result.elapsed_s, 1),
+            "pool_mib": pool_mib, "store_mib": store_mib, "concurrency": concurrency, **replay_row(result),
             "fetched_blocks": int(fetched), "far_fetched_blocks": int(far)}
 
 
@@ -121,11 +113,7 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     for off, on in (rows[0:2], rows[2:4]):
-        print(json.dumps({"bench": "kv_tier_hosts", "hosts": on["hosts"], "ratio": "tier/no tier",
-                          "prefill_tokens": round(on["prefill_tokens"] / max(off["prefill_tokens"], 1), 3),
-                          "ttft_p50": round(on["ttft_p50_ms"] / max(off["ttft_p50_ms"], 1e-9), 3),
-                          "ttft_p99": round(on["ttft_p99_ms"] / max(off["ttft_p99_ms"], 1e-9), 3),
-                          "elapsed": round(on["elapsed_s"] / max(off["elapsed_s"], 1e-9), 3)}), flush=True)
+        print(json.dumps({"bench": "kv_tier_hosts", "hosts": on["hosts"], **ratios(off, on)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import json
 import random
 import tempfile
 from pathlib import Path
+from typing import Any
 
 BLOCK = 16
 
@@ -54,7 +55,6 @@ def conversation_trace(conversations: int, turns: int, seed: int = 0) -> list[di
 
 
 def arm(model_dir: str, trace: Path, n: int, pool_blocks: int, store_mib: int, concurrency: int) -> dict:
-    from bench.report import pct
     from bench.runner import run
     from bench.workload import from_trace
     from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
@@ -77,17 +77,33 @@ def arm(model_dir: str, trace: Path, n: int, pool_blocks: int, store_mib: int, c
             from kvstore.host import read_stores
 
             stores = read_stores(cluster.redis_url, config.namespace)
+    return {"bench": "kv_tier_trace", "tier": bool(store_mib), "requests": len(items),
+            "pool_blocks": pool_blocks, "store_mib": store_mib, "concurrency": concurrency, **replay_row(result),
+            "store_fetched_blocks": sum(s.get("num_fetched", 0) for s in stores),
+            "store_evicted_blocks": sum(s.get("num_evicted", 0) for s in stores)}
+
+
+def replay_row(result: Any) -> dict:
+    """A replay's requests served, prompt tokens, those served from a cache, the hit rate, the
+    prefill tokens computed, TTFT p50/p99 and the wall time (bench.runner's `Run`)."""
+    from bench.report import pct
+
     ok = [o for o in result.outcomes if o.ok]
     prompt = sum(o.num_prompt for o in ok)
     cached = sum(o.num_cached for o in ok)
     ttfts = [o.ttft_s * 1e3 for o in ok if o.ttft_s is not None]
-    return {"bench": "kv_tier_trace", "tier": bool(store_mib), "requests": len(items), "ok": len(ok),
-            "pool_blocks": pool_blocks, "store_mib": store_mib, "concurrency": concurrency,
-            "prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": round(cached / max(prompt, 1), 3),
-            "prefill_tokens": prompt - cached, "ttft_p50_ms": round(pct(ttfts, 50) or 0, 1),
-            "ttft_p99_ms": round(pct(ttfts, 99) or 0, 1), "elapsed_s": round(result.elapsed_s, 1),
-            "store_fetched_blocks": sum(s.get("num_fetched", 0) for s in stores),
-            "store_evicted_blocks": sum(s.get("num_evicted", 0) for s in stores)}
+    return {"ok": len(ok), "prompt_tokens": prompt, "cached_tokens": cached,
+            "hit_rate": round(cached / max(prompt, 1), 3), "prefill_tokens": prompt - cached,
+            "ttft_p50_ms": round(pct(ttfts, 50) or 0, 1), "ttft_p99_ms": round(pct(ttfts, 99) or 0, 1),
+            "elapsed_s": round(result.elapsed_s, 1)}
+
+
+def ratios(off: dict, on: dict) -> dict:
+    """The tier arm over the arm without it."""
+    return {"ratio": "tier/no tier", "prefill_tokens": round(on["prefill_tokens"] / max(off["prefill_tokens"], 1), 3),
+            "ttft_p50": round(on["ttft_p50_ms"] / max(off["ttft_p50_ms"], 1e-9), 3),
+            "ttft_p99": round(on["ttft_p99_ms"] / max(off["ttft_p99_ms"], 1e-9), 3),
+            "elapsed": round(on["elapsed_s"] / max(off["elapsed_s"], 1e-9), 3)}
 
 
 def main() -> None:
@@ -114,11 +130,7 @@ def main() -> None:
                 for mib in (0, args.store_mib)]
     for row in rows:
         print(json.dumps({**row, "size": args.size}), flush=True)
-    off, on = rows
-    print(json.dumps({"bench": "kv_tier_trace", "ratio": "tier/no tier",
-                      "prefill_tokens": round(on["prefill_tokens"] / max(off["prefill_tokens"], 1), 3),
-                      "ttft_p50": round(on["ttft_p50_ms"] / max(off["ttft_p50_ms"], 1e-9), 3),
-                      "ttft_p99": round(on["ttft_p99_ms"] / max(off["ttft_p99_ms"], 1e-9), 3)}), flush=True)
+    print(json.dumps({"bench": "kv_tier_trace", **ratios(*rows)}), flush=True)
 
 
 if __name__ == "__main__":
