@@ -1,10 +1,8 @@
 """A worker's side of its host's KV store (kvstore/store.py): what the pool caches is offered
 to the store, what a prompt would compute is first looked for there.
 
-    engine thread  each step's `stored` KV events -> `on_events`: the blocks held (an offload's
-                   reference, off the engine's requests) and queued for the offload lane
-    offload lane   Offer(hashes) -> push the blocks the store wants (kvfabric) -> `ready`
-                   -> the hold released on the engine thread, whatever happened
+    engine thread  each step's `stored` KV events -> `on_events`: offered to the store by the
+                   offload lane (kvstore/offload.py), the blocks held until their push ends
     event loop     `admit(prompt, add)`, before the request joins the engine:
                      the prompt's block hashes (the hasher is pure: off the engine thread)
                      Lookup -> k blocks; staging slots (kvstore/staging.py, shared memory)
@@ -26,7 +24,6 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -41,21 +38,19 @@ from engine.llm_engine import LLMEngine
 from engine.types import BlockHash, RequestId
 from kvfabric import (
     BlocksFenced,
-    FabricError,
     FabricReceiver,
-    FabricSender,
     KVArrived,
     ReceiverConfig,
-    SenderConfig,
     TransferFailed,
 )
 from kvfabric.pools import worker_pools
 from kvstore.host import StoreEntry, find_store
 from kvstore.host_copy import HostCopies
+from kvstore.offload import Offloads
 from kvstore.staging import Staging
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
-from proto.convert import ticket_from_pb, ticket_to_pb
+from proto.convert import ticket_to_pb
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +106,7 @@ class KVTier:
         self.engine, self.call, self.address, self.store_id = engine, call, address, store_id
         self.resolve = resolve
         self._resolved_at = 0.0
-        self.timeout_s, self.min_blocks, self.max_offload_blocks = timeout_s, min_blocks, max_offload_blocks
+        self.timeout_s, self.min_blocks = timeout_s, min_blocks
         self.metadata = ((TOKEN_METADATA, token),) if token else ()
         self.pools = worker_pools(engine.model_id, engine.kv_pool, engine.model_config.num_kv_heads, engine.kv_shards,
                                   engine.follower_pools)
@@ -125,8 +120,6 @@ class KVTier:
         """A device pool's way to and from host memory (None: the pool is host memory)."""
         self.receiver = FabricReceiver(self.staging.layout, self.staging.region, ReceiverConfig(
             host=host, advertise_host=advertise_host, token=token), shm=self.staging.segment)
-        self.sender = FabricSender(self.pools.layout, [self.host.region] if self.host else self.pools.regions,
-                                   SenderConfig(token=token))
         self.counters = TierCounters()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -134,18 +127,15 @@ class KVTier:
         """Fetch id -> its receiver event (KVArrived or TransferFailed), set by the events thread."""
         self._staged: dict[str, list[int]] = {}
         """Fetch id -> its staging slots, until they are copied or given back."""
-        self._offload_blocks = 0
-        """Engine thread: blocks held for offloads now."""
         self._stub: pb_grpc.KVStoreStub | None = None
         self._aio_channel: grpc.aio.Channel | None = None
         self._far: dict[str, pb_grpc.KVStoreStub] = {}
         self._far_channels: list[grpc.aio.Channel] = []
         self._stop = threading.Event()
-        self._offloads: queue.SimpleQueue[tuple[RequestId, list[BlockHash], list[int]] | None] = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._receiver_events, name="kvtier-events", daemon=True),
-                         threading.Thread(target=self._offload_lane, name="kvtier-offload", daemon=True)]
-        for t in self._threads:
-            t.start()
+        self.offloads = Offloads(call, self.pools, self.host, self.counters, lambda: self.address, token,
+                                 self.metadata, timeout_s, max_offload_blocks)
+        self._events = threading.Thread(target=self._receiver_events, name="kvtier-events", daemon=True)
+        self._events.start()
 
     # -- fetch (the worker's event loop) -----------------------------------------------------
     async def admit(self, prompt: Sequence[int], tenant: str, add: Callable[[LLMEngine], T],
@@ -306,71 +296,10 @@ class KVTier:
         if old is not None:
             await old.close()
 
-    # -- offload (engine thread, then the lane) ------------------------------------------------
     def on_events(self, e: LLMEngine, events: list[KVEvent]) -> None:
-        """Engine thread, with each step's KV events: newly cached blocks held and queued for the store."""
-        for ev in events:
-            if ev.kind != "stored":
-                continue
-            if self._offload_blocks >= self.max_offload_blocks:
-                self.counters.num_offload_skipped += len(ev.block_hashes)
-                continue
-            hid = RequestId(f"kvstore-offload-{next(self._ids)}")
-            blocks = e.kv.hold_cached(hid, ev.block_hashes)
-            if not blocks:
-                e.kv.release(hid)
-                continue
-            hashes = [e.block_pool.block_hash(b) for b in blocks]
-            self._offload_blocks += len(blocks)
-            self._offloads.put((hid, hashes, [int(b) for b in blocks]))  # type: ignore[arg-type]
-
-    def _offload_lane(self) -> None:
-        address, channel = self.address, grpc.insecure_channel(self.address)
-        stub = pb_grpc.KVStoreStub(channel)
-        try:
-            while (item := self._offloads.get()) is not None:
-                hid, hashes, blocks = item
-                if address != self.address:  # the store moved (`_find_again`)
-                    channel.close()
-                    address, channel = self.address, grpc.insecure_channel(self.address)
-                    stub = pb_grpc.KVStoreStub(channel)
-                try:
-                    self._offload(stub, hashes, blocks)
-                except (grpc.RpcError, FabricError, ValueError) as e:
-                    self.counters.num_offload_failures += 1
-                    logger.debug("kv store %s: offload of %d blocks failed: %s", self.address, len(blocks), e)
-                finally:
-                    self.call(self._unholder(hid, len(blocks)))
-        finally:
-            channel.close()
-
-    def _offload(self, stub: pb_grpc.KVStoreStub, hashes: list[BlockHash], blocks: list[int]) -> None:
-        self.counters.num_offered_blocks += len(hashes)
-        reply = stub.Offer(pb.OfferRequest(block_hashes=hashes), timeout=self.timeout_s, metadata=self.metadata)
-        if not reply.HasField("ticket"):
-            return
-        transfer = self.sender.open(ticket_from_pb(reply.ticket))
-        wanted = [blocks[i] for i in reply.wanted]
-        try:
-            if self.host is None:
-                transfer.push(wanted, 0)
-            else:  # through the host rows, a turn of them at a time (a push has read its rows when it returns)
-                step = self.host.capacity
-                for first in range(0, len(wanted), step):
-                    turn = wanted[first:first + step]
-                    self.host.download(turn)
-                    transfer.push(list(range(len(turn))), first)
-            transfer.finish(0, len(wanted) * self.pools.layout.block_size)
-        except BaseException:
-            transfer.abort("the worker's offload failed")
-            raise
-        self.counters.num_offloaded_blocks += len(reply.wanted)
-
-    def _unholder(self, hid: RequestId, n: int) -> Callable[[LLMEngine], None]:
-        def unhold(e: LLMEngine) -> None:
-            e.kv.release(hid)
-            self._offload_blocks -= n
-        return unhold
+        """Engine thread, with each step's KV events: what the pool newly cached, offered to
+        the store (kvstore/offload.py)."""
+        self.offloads.on_events(e, events)
 
     # -- the receiver's events ----------------------------------------------------------------
     def _receiver_events(self) -> None:
@@ -390,12 +319,11 @@ class KVTier:
 
     async def close(self) -> None:
         self._stop.set()
-        self._offloads.put(None)
+        self.offloads.close()
         if self._aio_channel is not None:
             await self._aio_channel.close()
         for channel in self._far_channels:
             await channel.close()
-        self.sender.close()
         self.receiver.close()
         self.staging.close()
         self.pools.close()

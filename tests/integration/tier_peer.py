@@ -83,7 +83,7 @@ class TierWorker:
         deadline = time.monotonic() + timeout_s
         while True:
             usage = await self.on_engine(lambda e: e.check_invariants())
-            if usage.num_in_use == 0 and not await self.on_engine(lambda e: self.tier._offload_blocks) \
+            if usage.num_in_use == 0 and not await self.on_engine(lambda e: self.tier.offloads.held) \
                     and self.tier.staging.num_free == self.tier.staging.capacity:
                 break
             held = await self.on_engine(lambda e: {k: len(v) for k, v in e.kv._held.items()})
