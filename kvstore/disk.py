@@ -72,6 +72,11 @@ class DiskTier:
     def __len__(self) -> int:
         return len(self._index)
 
+    def __bool__(self) -> bool:
+        """A spill file is there even while it holds nothing (else `if store.disk` reads an
+        empty one as none: the store's entry reported its capacity as 0 until a first spill)."""
+        return True
+
     def put(self, block_hash: bytes, data: np.ndarray) -> bytes | None:
         """Keeps a block; returns the hash of one dropped to make room (None: none was)."""
         dropped = None

@@ -89,3 +89,9 @@ def test_blocks_in_adjacent_slots_come_back_in_one_read_each_run(tmp_path, monke
     assert len(disk) == 1 and bytes([3]) in disk and disk.num_read == 4
     disk.check()
     disk.close()
+
+
+def test_an_empty_spill_file_is_still_a_spill_file(tmp_path) -> None:
+    disk = DiskTier(tmp_path, 3, ALIGN)
+    assert len(disk) == 0 and disk and disk.capacity == 3
+    disk.close()
