@@ -68,12 +68,26 @@ def show_status(args: argparse.Namespace, cluster_redis: Callable[[argparse.Name
               f"Redis feed {'up' if s['redis_healthy'] else 'DOWN'}"
               + (f", workers down: {', '.join(s['down_workers'])}" if s.get("down_workers") else ""))
     print_stores(stores)
+    print_tier_speeds(beats)
     if controller is None:
         print("controller: not reporting (its state expired): the cluster is down or starting; `serve`'s console "
               "says which")
     if not beats and not routers:
         print("no workers or routers are reporting (is the cluster running?)")
     return 0
+
+
+def print_tier_speeds(beats: dict) -> None:
+    """One line per worker with a KV tier: what its fetches took against computing the same
+    blocks (what routers price its store hits by)."""
+    for w, hb in sorted(beats.items()):
+        if not hb.kv_store:
+            continue
+        s, block_s = hb.tier_speed, hb.tier_speed.token_s * hb.facts.block_size
+        fetches = [f"{line[0] * 1e3:.1f} ms + {line[1] * 1e3:.2f} ms a block from {where}"
+                   for where, line in (("its host's store", s.fetch), ("other hosts'", s.far_fetch)) if line]
+        print(f"{w} fetches from {hb.kv_store}: " + (", ".join(fetches) if fetches else "no fetch timed yet") + "; "
+              + (f"computes a block in {block_s * 1e3:.2f} ms" if block_s else "no prefill timed yet"))
 
 
 def print_stores(stores: list[dict]) -> None:

@@ -91,6 +91,24 @@ class ModelFacts(msgspec.Struct, frozen=True):
         return window_tokens(self.block_size, self.kv_window) if self.kv_window else None
 
 
+class TierSpeed(msgspec.Struct, frozen=True):
+    """What a worker with a KV tier measured of fetching blocks against computing them: routers
+    price a store's hit with it (router/policy.py `fetch_share`). Unmeasured: 0 or empty."""
+
+    token_s: float = 0.0
+    """Seconds its engine takes per prompt token it computes (engine/step_model.py PrefillCost)."""
+    fetch: list[float] = msgspec.field(default_factory=list)
+    """[a, b]: a fetch of n blocks from its host's store took a + b·n seconds (kvstore/tier.py)."""
+    far_fetch: list[float] = msgspec.field(default_factory=list)
+    """The same from other hosts' stores (over tcp)."""
+
+    def __post_init__(self) -> None:
+        if not all(math.isfinite(x) and x >= 0 for x in (self.token_s, *self.fetch, *self.far_fetch)):
+            raise ValueError("heartbeat field tier_speed holds a negative or infinite time")
+        if len(self.fetch) not in (0, 2) or len(self.far_fetch) not in (0, 2):
+            raise ValueError("heartbeat field tier_speed's fetch lines are not [a, b] seconds")
+
+
 def _idle() -> EngineLoad:
     return EngineLoad(0, 0, 0, 0, 0, 0, 0, 0)
 
@@ -119,6 +137,7 @@ class Heartbeat(msgspec.Struct, frozen=True):
     kv_store: str = ""
     """The id of the KV store this worker fetches from (its host's, kvstore/host.py), whose
     event stream routers index; empty: none."""
+    tier_speed: TierSpeed = msgspec.field(default_factory=TierSpeed)
 
     def __post_init__(self) -> None:
         """What the types cannot say (msgspec checks the types as it decodes)."""

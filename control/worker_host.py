@@ -26,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from control import tracing
 from control.auth import TokenCheck, cluster_token
-from control.heartbeat import Heartbeat, ModelFacts, Role, WorkerState
+from control.heartbeat import Heartbeat, ModelFacts, Role, TierSpeed, WorkerState
 from control.metrics_http import MetricsServer
 from control.publisher import Publisher
 from control.worker_config import WorkerConfig
@@ -113,8 +113,9 @@ class WorkerHost:
         """Decode workers: the engine's step model (engine/step_model.py), for the heartbeat."""
         self.step_profile: tuple[tuple[float, float, float], ...] = ()
         """Decode workers: their start-up profile of decode steps (engine/step_profile.py)."""
-        self.read_kv_store: Callable[[], str] = lambda: ""
-        """The id of the KV store the worker fetches from (kvstore/tier.py), for the heartbeat."""
+        self.read_tier: Callable[[], tuple[str, TierSpeed] | None] = lambda: None
+        """The id of the KV store the worker fetches from and what it measured of fetching
+        (kvstore/tier.py `KVTier.heartbeat`), for the heartbeat; None: no tier."""
         self.server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self.publisher = Publisher(redis_url, namespace, worker_id, self.heartbeat, config.heartbeat_interval_s,
@@ -156,10 +157,11 @@ class WorkerHost:
         load = self.read_load()
         if load is None:
             return None
+        store, speed = self.read_tier() or ("", TierSpeed())
         return Heartbeat(self.worker_id, self.role, self.address, self.state, self.incarnation,
                          self.facts, load, metrics_address=self.metrics_address,
                          sent_at=time.time(), step_model=list(self.read_step_model() or ()),
-                         step_profile=[x for row in self.step_profile for x in row], kv_store=self.read_kv_store())
+                         step_profile=[x for row in self.step_profile for x in row], kv_store=store, tier_speed=speed)
 
     def refusal(self, request_id: str, running: Container[str]) -> tuple[grpc.StatusCode, str] | None:
         """For a new call of `request_id`: None when this worker takes it, else the status to

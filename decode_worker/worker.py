@@ -95,7 +95,7 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
         self.host.read_step_model = lambda: self.engine.step_model.latest  # a tuple swapped whole: read from here
         self.host.step_profile = profile
         if self.tier is not None:
-            self.host.read_kv_store = lambda: self.tier.store_id if self.tier else ""
+            self.host.read_tier = lambda: self.tier.heartbeat() if self.tier else None
             if self.host.metrics is not None:
                 self.host.metrics.read_tier = lambda: self.tier.counters if self.tier else None
         if self.host.metrics is not None:

@@ -1,6 +1,12 @@
 """DecayedFit: the one least-squares fit of the project (pure). The engine's step model and
-the speculator's step cost fit decode steps with it, the routers' wait forecast fits its
-times against load (router/linear_fit.py), and the start-up profile draws its lines.
+the speculator's step cost fit decode steps with it, the start-up profile draws its lines,
+and `LinearFit` (y ≈ a + b·x over recent samples) is it on one load: the routers' wait
+forecast, the engine's prefill cost per token and the KV tier's fetch times.
+
+LinearFit: the newest sample weighs 1 and each older one `decay` times less than the next,
+so the fit follows a cluster whose speed changes; the slope is never negative (more load is
+never faster). Until the samples' x values spread (variance under `MIN_X_VARIANCE`) the
+slope is unknown and the fit is their weighted mean; a value is never below `floor`.
 """
 from __future__ import annotations
 
@@ -78,3 +84,45 @@ def _solve_subset(m: list[list[float]], v: list[float], free: list[int]) -> list
         if abs(a[r][r]) >= 1e-12:
             out[free[r]] = a[r][k] / a[r][r] / scale[r] ** 0.5
     return out
+
+
+MIN_X_VARIANCE = 0.25
+
+
+class LinearFit:
+    def __init__(self, decay: float, floor: float = 0.0) -> None:
+        self.floor = floor
+        self._fit = DecayedFit((0.0, MIN_X_VARIANCE), decay)
+        self._coef: list[float] | None = None
+        self._solved = True
+
+    @property
+    def ready(self) -> bool:
+        return self._fit.weight > 0
+
+    def add(self, x: float, y: float) -> None:
+        self._fit.add((1.0, x), y)
+        self._solved = False
+
+    def _line(self) -> list[float] | None:
+        if not self._solved:  # solved once per change, read many times
+            self._coef, self._solved = self._fit.solve(), True
+        return self._coef
+
+    def slope(self) -> float:
+        coef = self._line()
+        return 0.0 if coef is None else coef[1]
+
+    def line(self) -> tuple[float, float] | None:
+        """(a, b): y = a + b·x; b 0 while the slope is unknown (a: the mean); None before any sample."""
+        if not self.ready:
+            return None
+        coef = self._line()
+        return (self._fit.mean(), 0.0) if coef is None else (coef[0], coef[1])
+
+    def __call__(self, x: float) -> float:
+        """The fitted y at x (the samples' mean before x spreads; `floor` before any sample)."""
+        if not self.ready:
+            return self.floor
+        coef = self._line()
+        return max(self._fit.mean() if coef is None else coef[0] + coef[1] * x, self.floor)

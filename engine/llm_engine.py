@@ -47,7 +47,7 @@ from engine.overlap import Overlap
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec_verify import Verified
 from engine.speculator import Speculator
-from engine.step_model import StepModel
+from engine.step_model import PrefillCost, StepModel
 from engine.structured import Grammars
 from engine.outputs import Completion, KVHandoff, RemoteBlocks, RequestOutput
 from engine.types import EngineLoad, InvalidRequestError, RequestId
@@ -192,6 +192,8 @@ class LLMEngine:
     def _reset_state(self) -> None:
         self.step_model = StepModel()
         """Decode step time against batch and KV read (heartbeats carry it to routers)."""
+        self.prefill_cost = PrefillCost()
+        """Seconds per prompt token computed (the KV tier's fetches are priced against it)."""
         self._decode_step: tuple[int, int, int, float] | None = None
         """The last step, when it was decodes (some verifying): (requests, rows, KV tokens, its start)."""
         self.outputs = OutputBuilder(self.tokenizer, self.config.detokenize)
@@ -367,6 +369,8 @@ class LLMEngine:
         if self.config.step_floor is not None:  # an emulated accelerator: the step lasts its stated time
             floor = self.config.step_floor.seconds(sum(s.num_new_tokens for s in out.scheduled), len(out.scheduled))
             time.sleep(max(started + floor - time.perf_counter(), 0.0))
+        if (tokens := sum(s.num_new_tokens for s in out.scheduled)) > sum(1 + s.num_spec_tokens for s in out.scheduled):
+            self.prefill_cost.observe(tokens, time.perf_counter() - started)  # a prompt's chunk in it
         return outputs
 
     def _apply(self, out: SchedulerOutput, sampled: Mapping[RequestId, tuple[int, float | Logprob | None]],

@@ -20,12 +20,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from engine.fit import DecayedFit
+from engine.fit import DecayedFit, LinearFit
 
 DECAY = 0.999
 """Per step: about the last thousand count."""
 MIN_VARIANCE = (0.0, 0.25, 256.0)
 """A slope is fitted once its load's weighted variance reaches this (requests², KV tokens²)."""
+PREFILL_DECAY = 0.99
+"""Per prefilling step: about the last hundred count."""
 
 
 class StepModel:
@@ -39,6 +41,28 @@ class StepModel:
         coef = self._fit.observe((1.0, float(num_seqs), float(kv_tokens)), seconds)
         self.num_steps += 1
         self.latest = None if coef is None else (coef[0], coef[1], coef[2])
+
+
+class PrefillCost:
+    """What the engine takes per prompt token it computes: the slope of a prefilling step's time
+    on its tokens (a + b·tokens: what one more token costs, the step's own overhead apart), or,
+    until the steps' sizes vary, their seconds over their tokens. The KV tier's fetches are
+    priced against it (router/policy.py `fetch_share`). `token_s` is one float swapped whole:
+    the heartbeat reads it from its thread; 0 before any prefilling step."""
+
+    def __init__(self) -> None:
+        self._fit = LinearFit(PREFILL_DECAY)
+        self._seconds = self._tokens = 0.0
+        self.token_s = 0.0
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens <= 0:
+            return
+        self._fit.add(num_tokens, seconds)
+        self._seconds = self._seconds * PREFILL_DECAY + seconds
+        self._tokens = self._tokens * PREFILL_DECAY + num_tokens
+        slope = self._fit.slope()
+        self.token_s = slope if slope > 0 else self._seconds / self._tokens
 
 
 Row = tuple[float, float, float]

@@ -33,7 +33,9 @@ from typing import Any, TypeVar
 import grpc
 
 from control.auth import TOKEN_METADATA
+from control.heartbeat import TierSpeed
 from engine.block_pool import KVEvent
+from engine.fit import LinearFit
 from engine.llm_engine import LLMEngine
 from engine.types import BlockHash, RequestId
 from kvfabric import (
@@ -60,6 +62,9 @@ LONG_PROMPT_TOKENS = 4096
 HOST_ROWS = 32
 """Host rows (pinned) a device pool's offloads go through (kvstore/host_copy.py): 64 MiB of
 Llama-3-8B's bfloat16 blocks of 16 tokens."""
+
+FETCH_DECAY = 0.95
+"""Per fetch: about the last twenty count (a store's speed changes with its load and its spill)."""
 
 RESOLVE_EVERY_S = 5.0
 """Least time between two searches for a store that went away."""
@@ -89,6 +94,24 @@ class TierCounters:
     num_offload_failures: int = 0
     num_offload_skipped: int = 0
     """Blocks not offered because the lane was behind (`max_offload_blocks` held already)."""
+
+
+class FetchTimes:
+    """How long this worker's fetches took, from the lookup to the blocks in staging, against
+    their blocks (a + b·blocks seconds): from its host's store and, apart, from other hosts'.
+    Heartbeats carry the lines to routers, which weigh a hit's fetch against computing its
+    tokens (router/policy.py `fetch_share`). Each line is swapped whole (read from the
+    heartbeat's thread)."""
+
+    def __init__(self) -> None:
+        self._fits = (LinearFit(FETCH_DECAY), LinearFit(FETCH_DECAY))
+        self.lines: list[tuple[float, float] | None] = [None, None]
+        """[its host's store, other hosts'] (None: no fetch landed from there yet)."""
+
+    def observe(self, far: bool, num_blocks: int, seconds: float) -> None:
+        fit = self._fits[far]
+        fit.add(num_blocks, seconds)
+        self.lines[far] = fit.line()
 
 
 class KVTier:
@@ -121,6 +144,7 @@ class KVTier:
         self.receiver = FabricReceiver(self.staging.layout, self.staging.region, ReceiverConfig(
             host=host, advertise_host=advertise_host, token=token), shm=self.staging.segment)
         self.counters = TierCounters()
+        self.times = FetchTimes()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._fetches: dict[str, concurrent.futures.Future[Any]] = {}
@@ -167,6 +191,7 @@ class KVTier:
         start = min(hint.pool_blocks, len(hashes)) if hint is not None else 0
         far = hint is not None and bool(hint.address) and hint.store_id != self.store_id
         stub = self._far_store(hint.address) if far else self._store()
+        began = time.perf_counter()
         try:
             reply = await stub.Lookup(pb.LookupRequest(block_hashes=hashes), timeout=self.timeout_s,
                                       metadata=self.metadata)
@@ -210,6 +235,7 @@ class KVTier:
             if not held:  # else the slots go back on the writer's fence (the events thread)
                 self._unstage(fid)
             return None
+        self.times.observe(far, len(slots), time.perf_counter() - began)
         if far:
             self.counters.num_far_fetched_blocks += len(slots)
         return _Landing(fid, hashes[:held_there], start, slots)
@@ -295,6 +321,11 @@ class KVTier:
         self.address, self.store_id = entry.address, entry.store_id
         if old is not None:
             await old.close()
+
+    def heartbeat(self) -> tuple[str, TierSpeed]:
+        """The store the worker fetches from, and what it measured of fetching against computing."""
+        near, far = self.times.lines
+        return self.store_id, TierSpeed(self.engine.prefill_cost.token_s, list(near or ()), list(far or ()))
 
     def on_events(self, e: LLMEngine, events: list[KVEvent]) -> None:
         """Engine thread, with each step's KV events: what the pool newly cached, offered to

@@ -107,7 +107,7 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
         if self.host.metrics is not None:
             self.host.metrics.block_bytes = self.pusher.layout.block_bytes
         if self.tier is not None:
-            self.host.read_kv_store = lambda: self.tier.store_id if self.tier else ""
+            self.host.read_tier = lambda: self.tier.heartbeat() if self.tier else None
             if self.host.metrics is not None:
                 self.host.metrics.read_tier = lambda: self.tier.counters if self.tier else None
         self._requests: dict[str, _Prefill] = {}

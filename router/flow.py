@@ -34,7 +34,7 @@ from router.choices import Choices
 from router.kv_index import KVIndex
 from router.loads import Booking, LoadBook, book_route
 from router.members import Members
-from router.policy import RouteDecision, StoreHit, route
+from router.policy import RouteDecision, StoreHit, route, store_hit
 
 logger = logging.getLogger(__name__)
 
@@ -293,23 +293,25 @@ class RequestFlow:
             return {}
         held = self.stores.overlap(hashes, self.members.stores())
         routing = self.config.routing
+        block_size = self.members.facts.block_size if self.members.facts is not None else 0
         remote = max(((n, s) for s, n in held.items() if s in self.members.store_addresses), default=(0, ""))
         hits = {}
         for w in worker_ids:
             own = self.members.store_of(w)
             if not own:
                 continue
-            best = StoreHit(held.get(own, 0), routing.store_fetch_cost, own)
-            if remote[1] != own and (far := StoreHit(remote[0], routing.remote_store_fetch_cost, remote[1])).saved \
-                    > best.saved:
+            speed = self.members.tier_speed(w)  # priced by what this worker measured
+            best = store_hit(held.get(own, 0), speed.fetch, speed.token_s, block_size, routing.store_fetch_cost, own)
+            if remote[1] != own and (far := store_hit(remote[0], speed.far_fetch, speed.token_s, block_size,
+                                                      routing.remote_store_fetch_cost, remote[1])).saved > best.saved:
                 best = far
             hits[w] = best
         return hits
 
     def _store_hint(self, hashes: list[bytes], decision: RouteDecision) -> pb.StoreHint | None:
         """Where the worker that prefills finds the prompt's blocks: its own host's store (no
-        address), another host's, or nowhere (0 blocks: it need not ask), and what its pool
-        held when it was chosen; None: the router has no view of the worker's store."""
+        address), another host's, or nowhere (0 blocks: it need not ask; also where fetching is
+        no faster than computing), and what its pool held when it was chosen; None: the router has no view of the worker's store."""
         worker_id = decision.prefill_worker or decision.decode_worker
         hit = self._stored(hashes, [worker_id]).get(worker_id)
         if hit is None:
@@ -317,7 +319,7 @@ class RequestFlow:
         far = hit.store_id != self.members.store_of(worker_id)
         pool = decision.num_prefill_cached_blocks if decision.prefill_worker else decision.num_decode_cached_blocks
         return pb.StoreHint(address=self.members.store_addresses.get(hit.store_id, "") if far else "",
-                            store_id=hit.store_id, num_blocks=hit.num_blocks, pool_blocks=pool)
+                            store_id=hit.store_id, num_blocks=hit.num_blocks if hit.saved > 0 else 0, pool_blocks=pool)
 
     def _route(self, attempt: Attempt, avoid: set[str]) -> tuple[RouteDecision, list[bytes], int]:
         """Workers that failed this request are avoided; ones that are down too, unless no decode

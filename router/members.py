@@ -16,7 +16,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 
-from control.heartbeat import Heartbeat, ModelFacts, Role
+from control.heartbeat import Heartbeat, ModelFacts, Role, TierSpeed
 from engine.step_model import Row, StepShape
 
 logger = logging.getLogger(__name__)
@@ -36,6 +36,8 @@ class Member:
     """Its start-up profile: (requests, KV tokens, seconds) per point."""
     kv_store: str = ""
     """The id of the KV store it fetches from (its host's); empty: none."""
+    tier_speed: TierSpeed = TierSpeed()
+    """What it measured of fetching from stores against computing."""
 
 
 class Members:
@@ -61,7 +63,7 @@ class Members:
                 if w not in heartbeats or heartbeats[w].incarnation != m.incarnation]
         self._members = {w: Member(w, hb.role, hb.address, hb.state, hb.incarnation, hb.facts,
                                    tuple(float(x) for x in hb.step_model),
-                                   tuple(zip(*[iter(map(float, hb.step_profile))] * 3)), hb.kv_store)
+                                   tuple(zip(*[iter(map(float, hb.step_profile))] * 3)), hb.kv_store, hb.tier_speed)
                          for w, hb in heartbeats.items() if hb.address and self._allowed(w, hb.address)}
         self._draining &= set(self._members)
         self._check_facts()
@@ -119,6 +121,10 @@ class Members:
     def store_of(self, worker_id: str) -> str:
         m = self._members.get(worker_id)
         return m.kv_store if m is not None else ""
+
+    def tier_speed(self, worker_id: str) -> TierSpeed:
+        m = self._members.get(worker_id)
+        return m.tier_speed if m is not None else TierSpeed()
 
     def address(self, worker_id: str) -> str | None:
         m = self._members.get(worker_id)

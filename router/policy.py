@@ -11,15 +11,18 @@ Per docs/architecture.md, lowest cost wins and ties are broken at random:
 - prefill worker P: `max(prompt - P's cached prefix, 0) + queued prefill tokens`.
 
 A worker's cached prefix counts its pool's leading blocks whole and, past them, those a KV
-store holds (kvstore/) at `1 - fetch_cost` each: its own host's (`store_fetch_cost`) or
-another host's over the network (`remote_store_fetch_cost`), whichever saves more: a pool
-hit is free, a store hit costs a copy, a remote one a transfer, a miss a forward pass. What is booked on a worker (its blocks) is
-its pool's hit only: blocks fetched from a store take room as computed ones do.
+store holds (kvstore/) at `1 - fetch_cost` each: its own host's or another host's over the
+network, whichever saves more: a pool hit is free, a store hit costs a copy, a remote one a
+transfer, a miss a forward pass. A hit's `fetch_cost` is `fetch_share`: the fetch's time for
+its blocks as the worker measured its fetches, over the time the worker takes to compute
+their tokens; until it has measured both, `store_fetch_cost` / `remote_store_fetch_cost`.
+A fetch slower than computing saves nothing and is not made. What is booked on a worker
+(its blocks) is its pool's hit only: blocks fetched from a store take room as computed ones do.
 """
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -46,7 +49,7 @@ class RoutingConfig:
     """Cost of a full KV pool on a decode worker, in prefill tokens."""
     store_fetch_cost: float = 0.1
     """What fetching a block from the worker's host KV store costs, as a share of computing it
-    (a memory-speed copy against a forward pass)."""
+    (a memory-speed copy against a forward pass), until the worker has measured both."""
     remote_store_fetch_cost: float = 0.3
     """The same from another host's store (over the network)."""
 
@@ -88,6 +91,23 @@ class StoreHit:
     @property
     def saved(self) -> float:
         return self.num_blocks * (1.0 - self.fetch_cost)
+
+
+def fetch_share(fetch_s: float, compute_s: float, prior: float) -> float:
+    """What fetching a store's blocks costs as a share of computing their tokens, from the two
+    times (seconds); `prior` where either is unknown (<= 0). At most 1: a fetch slower than
+    computing saves nothing."""
+    if fetch_s <= 0 or compute_s <= 0:
+        return prior
+    return min(fetch_s / compute_s, 1.0)
+
+
+def store_hit(num_blocks: int, fetch_line: Sequence[float], token_s: float, block_size: int, prior: float,
+              store_id: str) -> StoreHit:
+    """A store's hit of `num_blocks` priced for one worker: its measured fetch line (a + b·blocks
+    seconds; empty: none yet) against its seconds per computed token (0: not measured)."""
+    fetch_s = fetch_line[0] + fetch_line[1] * num_blocks if len(fetch_line) == 2 and num_blocks else 0.0
+    return StoreHit(num_blocks, fetch_share(fetch_s, num_blocks * block_size * token_s, prior), store_id)
 
 
 @dataclass(frozen=True)

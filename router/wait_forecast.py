@@ -59,7 +59,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.step_model import StepShape
-from router.linear_fit import LinearFit
+from engine.fit import LinearFit
 
 EMA_WEIGHT = 0.2
 """Weight of the newest finished request in the output-fraction average."""

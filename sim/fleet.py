@@ -88,7 +88,8 @@ class Fleet:
         self.pools = PoolControl(self)
         """Heartbeats, the autoscaler and drains (sim/fleet_pools.py)."""
         self.transfers = FleetTransfers(self)
-        self.tier = SimStores(config.kv_store_blocks, config.block_size, hardware) if config.kv_store_blocks else None
+        self.tier = SimStores(config.kv_store_blocks, config.block_size, hardware,
+                              config.routing.store_fetch_cost) if config.kv_store_blocks else None
         """Each node's shared KV store (None: no tier)."""
         """Reservations, pushes and leases of remote prefills (sim/fleet_kv.py)."""
         self.stats = {"num_local_prefill": 0, "num_remote_prefill": 0, "num_kv_waits": 0, "num_steps": 0,
@@ -287,7 +288,7 @@ class Fleet:
         return route(len(f.item.prompt), decodes, prefills,
                      lambda ids: overlap if overlap is not None else self.index.overlap(f.hashes, ids),
                      c.routing, c.block_size, self._turn, self.rng, c.kv_window,
-                     (lambda ids: tier.stored(f.hashes, self.workers, ids, c.routing.store_fetch_cost))
+                     (lambda ids: tier.stored(f.hashes, self.workers, ids))
                      if tier is not None else None)
 
     def _token(self, f: Flight, w: Worker, num_tokens: int, first: tuple[int, int] | None) -> None:

@@ -85,6 +85,11 @@ def test_an_evicted_prefix_comes_back_from_the_store_with_the_tokens_of_a_recomp
             for w in (a, b):
                 await w.settled()
                 assert w.tier.counters.num_fetch_failures == 0
+                # what its heartbeat tells routers: one fetch of 10 blocks timed (no slope yet:
+                # its seconds as the line's fixed part), none from another host, and its prefill
+                store_id, speed = w.tier.heartbeat()
+                assert store_id == w.tier.store_id and len(speed.fetch) == 2 and speed.fetch[1] == 0.0
+                assert 0 < speed.fetch[0] < 5 and not speed.far_fetch and 0 < speed.token_s < 1
             stats = await pb_grpc.KVStoreStub(a.tier._aio_channel).Stats(pb.StatsRequest())
             assert stats.num_fetched == 20 and stats.num_hit_blocks >= 20 and stats.num_stored >= 10 + 4 * 9
             assert stats.bytes_out == 20 * store.layout.block_bytes

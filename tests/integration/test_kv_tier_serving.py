@@ -76,17 +76,20 @@ def test_an_evicted_conversation_is_served_from_the_nodes_store(tiny_llama_dir: 
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         # what an operator sees: the store in `status`, its /metrics and the workers' among the targets
         cli = [sys.executable, "-m", "cluster.cli"]
+        fetcher = "prefill" if mode == "disaggregated" else "decode"
         line = rf"{entry.store_id} on {re.escape(store)}: \d+/\d+ blocks held, \d+ stored .* 10 fetched"
-        deadline = time.monotonic() + 20  # the store's entry is rewritten every second
-        while not re.search(line, status := subprocess.run([*cli, "status", "--redis-url", cluster.redis_url],
-                                                           capture_output=True, text=True, timeout=60,
-                                                           check=True).stdout):
+        # and the fetching worker's line: its fetch timed (what routers now price its hits by)
+        timed = (rf"{fetcher}-0 fetches from {entry.store_id}: [\d.]+ ms \+ [\d.]+ ms a block from its host's store; "
+                 rf"computes a block in [\d.]+ ms")
+        deadline = time.monotonic() + 20  # the store's entry and the heartbeats are rewritten every second
+        while not (re.search(line, status := subprocess.run([*cli, "status", "--redis-url", cluster.redis_url],
+                                                            capture_output=True, text=True, timeout=60,
+                                                            check=True).stdout) and re.search(timed, status)):
             assert time.monotonic() < deadline, status
             time.sleep(0.5)
         targets = json.loads(subprocess.run([*cli, "metrics-targets", "--redis-url", cluster.redis_url],
                                             capture_output=True, text=True, timeout=60, check=True).stdout)
         by_role = {t["labels"]["role"]: t["targets"][0] for t in targets}
         assert "splitserve:kv_store_fetched_blocks_total 10.0" in scrape(by_role["kv_store"])
-        fetcher = "prefill" if mode == "disaggregated" else "decode"
         assert re.search(r'splitserve:kv_tier_fetched_blocks_total\{[^}]*\} 10.0', scrape(by_role[fetcher]))
         assert_idle(cluster)

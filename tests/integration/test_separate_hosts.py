@@ -20,11 +20,13 @@ from typing import Any
 import grpc
 import pytest
 import ray
+import redis as redis_client
 
 from benchmarks.separate_hosts import SUBNET, Hosts, kill_all_in, namespaces, ray_node, scrape, sh, unavailable
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster, free_port
 from control.auth import cluster_token
+from control.heartbeat import Heartbeat, TierSpeed, hb_key
 from control.worker_config import NODE_IP
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
@@ -121,6 +123,13 @@ def test_a_worker_fetches_a_prefix_from_another_hosts_kv_store_over_tcp(cluster_
         assert tokens(got) == greedy(tiny_llama_dir, prompt, 6)
         assert got[-1].usage.cached_tokens == 160  # its 10 full blocks, from p's store
         assert stats_p.Stats(pb.StatsRequest(), metadata=token, timeout=10).num_fetched == 10
+    # d's heartbeat tells routers what that fetch took, apart from its own host's store's
+    client = redis_client.Redis.from_url(cluster_hosts.redis_url("127.0.0.1"), socket_timeout=5)
+
+    def speed() -> TierSpeed:
+        return Heartbeat.from_wire(client.get(hb_key("hosts", "decode-d"))).tier_speed
+    wait_for("d's heartbeat timing its fetch from p's store", lambda: len(speed().far_fetch) == 2, 30)
+    assert speed().far_fetch[0] > 0 and not speed().fetch and speed().token_s > 0
 
 
 def served_on(stub: pb_grpc.GenerationStub, prompt: list[int], worker_id: str) -> list[pb.GenerateResponse] | None:

@@ -4,7 +4,15 @@ import random
 
 import pytest
 
-from router.policy import RoutingConfig, StoreHit, WorkerLoad, choose_round_robin, choose_route
+from router.policy import (
+    RoutingConfig,
+    StoreHit,
+    WorkerLoad,
+    choose_round_robin,
+    choose_route,
+    fetch_share,
+    store_hit,
+)
 
 BS = 16
 
@@ -102,6 +110,30 @@ def test_a_pool_hit_beats_a_store_hit_which_beats_a_miss() -> None:
     free = RoutingConfig(mode="disaggregated", store_fetch_cost=1.0)  # a fetch as dear as computing: no credit
     assert choose_route(512, 33, {}, [d("d0")], [d("p0", queued=1), d("p1")], free, BS, random.Random(0),
                         {"p0": hit(32, 1.0)}).prefill_worker == "p1"
+
+
+def test_a_store_hit_is_priced_by_the_workers_measured_fetch_against_its_prefill() -> None:
+    """A fetch of n blocks took 2 ms + 0.1 ms a block; computing a token takes 0.05 ms (0.8 ms a
+    block of 16): 32 blocks fetch in 5.2 ms against 25.6 ms computed, a share of 0.203125."""
+    assert fetch_share(5.2e-3, 25.6e-3, 0.1) == pytest.approx(0.203125)
+    assert fetch_share(0.0, 25.6e-3, 0.1) == 0.1 and fetch_share(5.2e-3, 0.0, 0.3) == 0.3  # unmeasured: the prior
+    assert fetch_share(30e-3, 25.6e-3, 0.1) == 1.0  # slower than computing: saves nothing
+    assert store_hit(32, [2e-3, 1e-4], 5e-5, BS, 0.1, "s").fetch_cost == pytest.approx(0.203125)
+    assert store_hit(32, [], 5e-5, BS, 0.1, "s").fetch_cost == 0.1  # no fetch measured yet
+    assert store_hit(32, [2e-3, 1e-4], 0.0, BS, 0.1, "s").fetch_cost == 0.1  # no prefill measured yet
+    assert store_hit(0, [2e-3, 1e-4], 5e-5, BS, 0.1, "s").fetch_cost == 0.1  # nothing held: nothing to price
+    # a small hit pays the fixed cost over few blocks: 2 blocks take 2.2 ms against 1.6 ms computed
+    slow = store_hit(2, [2e-3, 1e-4], 5e-5, BS, 0.1, "s")
+    assert slow.fetch_cost == 1.0 and slow.saved == 0.0
+    # p0's store holds 32 blocks: at its measured share it is cheaper than p1 computing; at a
+    # share of 1 (a tiny model whose prefill outruns the fetch) p0 earns no credit and p1's
+    # shorter queue wins
+    prefills = [d("p0", queued=100), d("p1")]
+    cfg = RoutingConfig(mode="disaggregated")
+    assert choose_route(512, 33, {}, [d("d0")], prefills, cfg, BS, random.Random(0),
+                        {"p0": store_hit(32, [2e-3, 1e-4], 5e-5, BS, 0.1, "s")}).prefill_worker == "p0"
+    assert choose_route(512, 33, {}, [d("d0")], prefills, cfg, BS, random.Random(0),
+                        {"p0": store_hit(32, [2e-3, 1e-4], 1e-6, BS, 0.1, "s")}).prefill_worker == "p1"
 
 
 def test_auto_mode_prefills_on_the_decode_worker_what_its_store_holds() -> None:

@@ -321,3 +321,27 @@ def test_the_node_store_serves_a_prefix_the_pool_evicted_and_its_fetch_is_priced
         for w in fleet.workers.values():
             u = w.engine.pool.check_invariants()
             assert u.num_in_use == 0 and not w.engine.kv.num_held
+
+
+class SlowStore(Linear):
+    """A store that takes 20 ms a fetch: computing 6 blocks (96 tokens) takes 9.6 ms."""
+
+    def store_s(self, num_tokens: int) -> float:
+        return 0.02
+
+
+def test_a_store_slower_than_computing_is_neither_credited_nor_fetched_from() -> None:
+    """The evicted prompt of the test above, with a node store whose fetch (20 ms) outruns
+    computing its 6 blocks: the router's price is 1 (no credit) and the worker computes them."""
+    first = list(range(3, 103))
+    items = [Item(first, 1, 0.0), *(Item(list(range(1000 * i, 1000 * i + 100)), 1, 0.05 * i) for i in range(1, 6)),
+             Item(first, 1, 0.5)]
+    cfg = FleetConfig(num_prefill=0, num_decode=1, num_blocks=20, max_model_len=4096,
+                      routing=RoutingConfig(mode="colocated"), kv_store_blocks=200)
+    fleet = Fleet(cfg, SlowStore(), items)
+    result = fleet.run()
+    last = result.run.outcomes[-1]
+    assert last.code == "OK" and last.num_cached == 0 and last.ttft_s == pytest.approx(0.011)
+    assert result.stats["num_store_fetched_blocks"] == 0
+    assert fleet.tier is not None and fleet.tier.share(6) == 1.0 and Fleet(cfg, Linear(), items).tier.share(6) == \
+        pytest.approx(0.0005 / 0.0096)

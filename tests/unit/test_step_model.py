@@ -7,11 +7,11 @@ import time
 import msgpack
 import pytest
 
-from control.heartbeat import BadEntry, Heartbeat
+from control.heartbeat import BadEntry, Heartbeat, TierSpeed
 from engine.config import CacheConfig, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
-from engine.step_model import StepModel
+from engine.step_model import PrefillCost, StepModel
 from engine.tiny_model import make_tiny_model
 from router.members import Members
 from tests.unit.helpers import heartbeat
@@ -123,3 +123,37 @@ def test_a_step_floor_holds_each_step_to_its_stated_time_and_changes_no_token(ti
     assert all(t >= 0.04 + 0.001 * 3 + 0.005 * 3 for t in times[1:])  # three decodes a step after
     with pytest.raises(ValueError):
         StepFloor(base_s=-0.01)
+
+
+def test_the_prefill_cost_is_the_slope_of_a_steps_time_on_its_tokens() -> None:
+    """0.004 s + 2e-5 s a token: one more prompt token costs 2e-5 s. Before the steps' sizes
+    vary it is their seconds over their tokens (the step's own cost shared by its tokens)."""
+    cost = PrefillCost()
+    assert cost.token_s == 0.0
+    cost.observe(0, 1.0)  # nothing computed: no sample
+    assert cost.token_s == 0.0
+    for _ in range(3):
+        cost.observe(200, 0.004 + 200 * 2e-5)
+    assert cost.token_s == pytest.approx(0.008 / 200)
+    for n in (16, 64, 512, 2048) * 10:
+        cost.observe(n, 0.004 + n * 2e-5)
+    assert cost.token_s == pytest.approx(2e-5, rel=1e-3)
+
+
+def test_an_engine_prices_its_prompt_tokens_and_heartbeats_carry_the_tiers_speed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    engine = LLMEngine(EngineConfig(model_dir=str(make_tiny_model(tmp_path / "m")),
+                                    cache=CacheConfig(block_size=16, num_blocks=64)))
+    engine.generate([[5, 6, 7, 8] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # decodes: not prefills
+    seconds = engine.prefill_cost.token_s
+    assert 0 < seconds < 1
+    engine.generate([[5, 6, 7, 8] * 2], SamplingParams(max_tokens=1))
+    assert engine.prefill_cost.token_s != seconds  # a second prefilling step, another size
+    speed = TierSpeed(seconds, [0.002, 1e-4], [])
+    wire = heartbeat("decode-0", "decode", address="decode-0:1", tier_speed=speed).to_wire()
+    assert Heartbeat.from_wire(wire).tier_speed == speed
+    for bad in ({"token_s": -1.0}, {"fetch": [0.002]}, {"far_fetch": [0.1, float("inf")]}, {"fetch": ["x", 1]}):
+        with pytest.raises(BadEntry, match="tier_speed"):
+            Heartbeat.from_wire(msgpack.packb({**msgpack.unpackb(wire), "tier_speed": {"token_s": 0.0, **bad}}))
+    members = Members(("*",))
+    members.update({"decode-0": Heartbeat.from_wire(wire)})
+    assert members.tier_speed("decode-0") == speed and members.tier_speed("gone") == TierSpeed()
