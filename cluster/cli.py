@@ -23,6 +23,7 @@ from pathlib import Path
 
 from bench.cli import add_parser as add_bench_parser
 from cluster import daemon
+from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.default_model import TINY
 from cluster.make_model import add_parser as add_make_model_parser
 from cluster.metrics_targets import add_observe_flags
@@ -32,6 +33,9 @@ from cluster.processes import (add_device_flags, add_http_flags, add_speculative
                                placement, redacted, speculative_config, worker_host)
 from cluster.processes import add_parsers as add_process_parsers
 from cluster.status import show_status
+from control.autoscaler import AutoscaleConfig
+from router.admission_config import AdmissionConfig
+from router.policy import RoutingConfig
 from sim.cli import add_parser as add_simulate_parser
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -101,9 +105,7 @@ def _watch(cluster, stop: threading.Event) -> None:  # type: ignore[no-untyped-d
 def _serve_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """serve's flags as a ClusterConfig (raises ValueError naming what is wrong). The cluster
     secret comes from the environment, or the controller generates one."""
-    from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
     from cluster.default_model import model_path
-    from router.policy import RoutingConfig
 
     device, dtype, mib, utilization, gpus = placement(args, args.num_prefill + args.num_decode)
     model = model_path(args.model)
@@ -183,8 +185,6 @@ def _autoscale_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """serve --autoscale: the policy's bounds and budgets (None without the flag)."""
     if not args.autoscale:
         return None
-    from control.autoscaler import AutoscaleConfig
-
     return AutoscaleConfig(prefill_min=args.min_prefill, prefill_max=max(args.max_prefill, args.num_prefill),
                            decode_min=args.min_decode, decode_max=max(args.max_decode, args.num_decode),
                            ttft_slo_ms=args.ttft_slo_ms, itl_slo_ms=args.itl_slo_ms)
@@ -192,7 +192,6 @@ def _autoscale_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 def _admission_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """serve's admission flags; raises ValueError with the flag at fault."""
-    from router.admission import AdmissionConfig
 
     def pairs(values: list[str], flag: str, kind: type) -> dict[str, float]:
         out = {}
@@ -290,50 +289,50 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     s = sub.add_parser("serve", help="start a local cluster: Ray, Redis, prefill + decode pools, router")
     s.add_argument("--model", help="a Hugging Face model directory, a .gguf file (or a directory holding one), or "
                                    "`tiny` (random weights, for tests); default: the embedded SmolLM2-135M-Instruct")
-    s.add_argument("--num-prefill", type=int, default=1)
-    s.add_argument("--num-decode", type=int, default=1)
-    s.add_argument("--num-routers", type=int, default=1,
+    s.add_argument("--num-prefill", type=int, default=ClusterConfig.num_prefill)
+    s.add_argument("--num-decode", type=int, default=ClusterConfig.num_decode)
+    s.add_argument("--num-routers", type=int, default=ClusterConfig.num_routers,
                    help="router replicas, all serving --port (the kernel spreads connections over them)")
-    s.add_argument("--mode", choices=("disaggregated", "colocated", "auto"), default="auto")
-    s.add_argument("--local-prefill-tokens", type=int, default=256,
+    s.add_argument("--mode", choices=("disaggregated", "colocated", "auto"), default=RoutingConfig.mode)
+    s.add_argument("--local-prefill-tokens", type=int, default=RoutingConfig.local_prefill_tokens,
                    help="auto mode: decode workers prefill prompts with fewer uncached tokens themselves")
-    s.add_argument("--port", type=int, default=50051, help="router port (0: a free one, printed when ready)")
-    s.add_argument("--host", default="127.0.0.1", help="interface to serve on (0.0.0.0 for other machines)")
+    s.add_argument("--port", type=int, default=RouterConfig.port, help="router port (0: a free one, printed when ready)")
+    s.add_argument("--host", default=RouterConfig.host, help="interface to serve on (0.0.0.0 for other machines)")
     add_http_flags(s)
     add_observe_flags(s)
     s.add_argument("--redis-url", help="use this Redis instead of starting one (redis://host:port/db)")
-    s.add_argument("--redis-host", default="127.0.0.1", help="interface the embedded Redis binds: on a Ray "
+    s.add_argument("--redis-host", default=ClusterConfig.redis_host, help="interface the embedded Redis binds: on a Ray "
                    "cluster's head its private address (or 0.0.0.0), so workers on other nodes reach it")
-    s.add_argument("--namespace", default="splitserve", help="prefix of this cluster's Redis keys (and its Ray "
+    s.add_argument("--namespace", default=ClusterConfig.namespace, help="prefix of this cluster's Redis keys (and its Ray "
                    "namespace: one cluster per namespace on a Ray cluster)")
-    s.add_argument("--controller-max-restarts", type=int, default=10,
+    s.add_argument("--controller-max-restarts", type=int, default=ClusterConfig.controller_max_restarts,
                    help="times Ray restarts a controller that died (workers and routers serve on meanwhile)")
     s.add_argument("--autoscale", action="store_true",
                    help="scale prefill on queue time and decode on KV pressure, within the --min/--max bounds")
     s.add_argument("--min-prefill", type=int, default=0, help="--autoscale: (0 lets mode auto drop the prefill pool)")
-    s.add_argument("--max-prefill", type=int, default=4)
-    s.add_argument("--min-decode", type=int, default=1)
-    s.add_argument("--max-decode", type=int, default=4)
-    s.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="--autoscale: the TTFT budget prefill scales on")
-    s.add_argument("--itl-slo-ms", type=float, default=100.0, help="--autoscale: the ITL budget decode scales on")
+    s.add_argument("--max-prefill", type=int, default=AutoscaleConfig.prefill_max)
+    s.add_argument("--min-decode", type=int, default=AutoscaleConfig.decode_min)
+    s.add_argument("--max-decode", type=int, default=AutoscaleConfig.decode_max)
+    s.add_argument("--ttft-slo-ms", type=float, default=AutoscaleConfig.ttft_slo_ms, help="--autoscale: the TTFT budget prefill scales on")
+    s.add_argument("--itl-slo-ms", type=float, default=AutoscaleConfig.itl_slo_ms, help="--autoscale: the ITL budget decode scales on")
     add_device_flags(s)
-    s.add_argument("--decode-tp", type=int, default=1,
+    s.add_argument("--decode-tp", type=int, default=ClusterConfig.decode_tp,
                    help="tensor-parallel degree of each decode worker: its model split across this many processes "
                         "(GPUs; there, above 1 needs --mode colocated)")
-    s.add_argument("--prefill-tp", type=int, default=1,
+    s.add_argument("--prefill-tp", type=int, default=ClusterConfig.prefill_tp,
                    help="tensor-parallel degree of each prefill worker (CPU; any degree against --decode-tp: each "
                         "rank pushes its KV heads to the decode ranks that hold them)")
-    s.add_argument("--kv-store-mib", type=int, default=0,
+    s.add_argument("--kv-store-mib", type=int, default=ClusterConfig.kv_store_mib,
                    help="the shared KV tier: host memory of each node's store of evicted prefix blocks, which any "
                         "worker of the node fetches instead of computing them again (CPU workers; default 0: none)")
     s.add_argument("--kv-store-dir", help="a directory (an SSD) where each node's KV store spills the blocks its "
                                          "memory evicts (with --kv-store-disk-gib)")
-    s.add_argument("--kv-store-disk-gib", type=float, default=0.0, help="how much of --kv-store-dir a store may fill")
+    s.add_argument("--kv-store-disk-gib", type=float, default=ClusterConfig.kv_store_disk_gib, help="how much of --kv-store-dir a store may fill")
     s.add_argument("--kv-store-direct-io", action="store_true", help="read and write the spill file with O_DIRECT "
                                                                      "(no page cache)")
     s.add_argument("--gpus-per-worker", type=float, default=None,
                    help="GPUs each worker asks Ray for (default 1; 1/N when N workers share a one-GPU machine)")
-    s.add_argument("--block-size", type=int, default=16)
+    s.add_argument("--block-size", type=int, default=WorkerConfig.block_size)
     add_speculative_flags(s)
     daemon.add_flags(s)
     _add_ray_flags(s)
@@ -359,14 +358,14 @@ def _add_ray_flags(s: argparse.ArgumentParser) -> None:
 def _add_admission_flags(s: argparse.ArgumentParser) -> None:
     """serve's flags for the router's admission: its token budget and the tenants' shares."""
     a = s.add_argument_group("admission (the router's token budget, shared fairly)")
-    a.add_argument("--max-queue-wait-s", type=float, default=30.0,
+    a.add_argument("--max-queue-wait-s", type=float, default=AdmissionConfig.max_queue_wait_s,
                    help="longest a request waits for admission; a longer estimated wait is refused at once")
     a.add_argument("--ttft-budget-ms", type=float, default=None,
                    help="keep admitted requests' time to first token within this: the token budget follows "
                         "measured TTFT and half of it bounds the admission wait (default: no TTFT budget)")
-    a.add_argument("--kv-overcommit", type=float, default=1.0,
+    a.add_argument("--kv-overcommit", type=float, default=AdmissionConfig.kv_overcommit,
                    help="admitted tokens at most this times the decode pool's KV capacity")
-    a.add_argument("--admission-charge", choices=("expected", "max"), default="expected",
+    a.add_argument("--admission-charge", choices=("expected", "max"), default=AdmissionConfig.charge_output,
                    help="what a request's output is charged against the budget: expected (a high quantile of "
                         "what finished requests of its tenant generated; one that runs longer is charged what "
                         "it holds, and a full decode pool preempts) or max (its max_tokens within the context: "

@@ -9,10 +9,12 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.metrics_targets import add_observe_flags
 from cluster.metrics_targets import metrics_port as _metrics_port
 from control.auth import check_private
 from control.worker_config import NO_SECRET
+from engine.config import SpeculativeConfig
 from engine.kv_sizing import DEFAULT_CPU_KV_FRACTION
 from router.reasoning import REASONING_PARSERS
 from router.http_connections import HttpDeadlines
@@ -61,21 +63,19 @@ def add_speculative_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative", default="off", metavar="ngram|draft:DIR|off",
                    help="propose tokens ahead and verify them in one forward: ngram (prompt lookup), or a "
                         "draft model with the same tokenizer (draft:DIR); default off")
-    g.add_argument("--num-speculative-tokens", type=int, default=4, help="most tokens proposed per request per step")
-    g.add_argument("--spec-max-batched-tokens", type=int, default=32,
+    g.add_argument("--num-speculative-tokens", type=int, default=SpeculativeConfig.num_speculative_tokens, help="most tokens proposed per request per step")
+    g.add_argument("--spec-max-batched-tokens", type=int, default=SpeculativeConfig.max_batched_tokens,
                    help="a step's decode tokens plus proposals stay within this: fewer proposals as the batch "
                         "grows, none at this many requests decoding")
-    g.add_argument("--spec-min-acceptance", type=float, default=0.3,
+    g.add_argument("--spec-min-acceptance", type=float, default=SpeculativeConfig.min_acceptance,
                    help="a request whose proposals are accepted less often stops proposing for a while")
-    g.add_argument("--spec-backoff-steps", type=int, default=16, help="that while, doubling each time")
-    g.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest suffix matched")
-    g.add_argument("--prompt-lookup-min", type=int, default=1, help="ngram: shortest suffix matched")
+    g.add_argument("--spec-backoff-steps", type=int, default=SpeculativeConfig.backoff_steps, help="that while, doubling each time")
+    g.add_argument("--prompt-lookup-max", type=int, default=SpeculativeConfig.ngram_max, help="ngram: longest suffix matched")
+    g.add_argument("--prompt-lookup-min", type=int, default=SpeculativeConfig.ngram_min, help="ngram: shortest suffix matched")
 
 
 def speculative_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """--speculative and its knobs as a SpeculativeConfig (ValueError naming what is wrong)."""
-    from engine.config import SpeculativeConfig
-
     method, _, draft = str(args.speculative).partition(":")
     if method not in ("off", "ngram", "draft") or (method == "draft") != bool(draft):
         raise ValueError(f"--speculative must be ngram, draft:DIR or off, got {args.speculative!r}")
@@ -227,7 +227,6 @@ def _worker(args: argparse.Namespace) -> int:
     import secrets
 
     from cluster.default_model import model_path
-    from control.worker_config import WorkerConfig
 
     try:
         device, dtype, mib, utilization, _ = placement(args, 1)
@@ -289,7 +288,6 @@ def _kv_store(args: argparse.Namespace) -> int:
 
 
 def _router(args: argparse.Namespace) -> int:
-    from router.config import RouterConfig
     from router.policy import RoutingConfig
     from router.service import RouterService
 
@@ -319,7 +317,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     w = sub.add_parser("worker", help="run one prefill or decode worker as a plain process (no Ray)")
     w.add_argument("role", choices=("prefill", "decode"))
     add_redis_url_flag(w)
-    w.add_argument("--namespace", default="splitserve", help="prefix of the cluster's Redis keys")
+    w.add_argument("--namespace", default=ClusterConfig.namespace, help="prefix of the cluster's Redis keys")
     w.add_argument("--worker-id", help="unique in the cluster (default: ROLE-<random>)")
     w.add_argument("--model", help="model directory, .gguf file, or `tiny` (default: the embedded SmolLM2-135M-Instruct)")
     w.add_argument("--model-id", help="name the block hashes are keyed with (default: the directory's name)")
@@ -329,7 +327,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     add_observe_flags(w, metrics_port=False)
     add_device_flags(w)
     w.add_argument("--gpus-per-worker", type=float, default=1.0, help=argparse.SUPPRESS)
-    w.add_argument("--block-size", type=int, default=16)
+    w.add_argument("--block-size", type=int, default=WorkerConfig.block_size)
     w.add_argument("--num-threads", type=int, default=1, help="torch CPU threads")
     w.add_argument("--tensor-parallel", type=int, default=1,
                    help="split the model across this many processes (GPUs); on GPUs decode only, prefilling its "
@@ -341,12 +339,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
 
     k = sub.add_parser("kv-store", help="run this host's shared KV tier (a store of prefix blocks) as a plain process")
     add_redis_url_flag(k)
-    k.add_argument("--namespace", default="splitserve", help="prefix of the cluster's Redis keys")
+    k.add_argument("--namespace", default=ClusterConfig.namespace, help="prefix of the cluster's Redis keys")
     k.add_argument("--model", help="the workers' model: directory, .gguf file, or `tiny` (default: the embedded one)")
     k.add_argument("--model-id", help="as the workers' --model-id (default: the directory's name)")
     k.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="the workers' KV dtype")
-    k.add_argument("--block-size", type=int, default=16)
+    k.add_argument("--block-size", type=int, default=WorkerConfig.block_size)
     k.add_argument("--kv-store-mib", type=int, default=1024, help="host memory for blocks")
     k.add_argument("--host", default="127.0.0.1", help="interface for the store's gRPC and kvfabric listeners")
     k.add_argument("--advertise-host", help="address workers dial (default: --host)")
@@ -358,9 +356,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
 
     r = sub.add_parser("router", help="run one router replica as a plain process (no Ray)")
     add_redis_url_flag(r)
-    r.add_argument("--namespace", default="splitserve", help="prefix of the cluster's Redis keys")
+    r.add_argument("--namespace", default=ClusterConfig.namespace, help="prefix of the cluster's Redis keys")
     r.add_argument("--router-id", default="router-0")
-    r.add_argument("--port", type=int, default=50051, help="0: a free one, printed when ready")
+    r.add_argument("--port", type=int, default=RouterConfig.port, help="0: a free one, printed when ready")
     add_observe_flags(r)
     r.add_argument("--host", default="127.0.0.1", help="interface to serve on (0.0.0.0 for other machines)")
     add_http_flags(r)
