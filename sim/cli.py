@@ -62,22 +62,22 @@ def add_parser(sub: Any) -> None:
     f.add_argument("--mode", choices=("both", "disaggregated", "colocated"), default="both")
     f.add_argument("--prefill", type=int, help="prefill workers (disaggregated); default: from the workload")
     f.add_argument("--decode", type=int, help="decode workers (disaggregated)")
-    f.add_argument("--policy", choices=("cache_aware", "round_robin"), default="cache_aware")
-    f.add_argument("--max-model-len", type=int, default=131072)
+    f.add_argument("--policy", choices=("cache_aware", "round_robin"), default=RoutingConfig.policy)
+    f.add_argument("--max-model-len", type=int, default=FleetConfig.max_model_len)
     f.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    f.add_argument("--max-num-seqs", type=int, default=128)
-    f.add_argument("--admission-charge", choices=("expected", "max"), default="expected",
+    f.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    f.add_argument("--admission-charge", choices=("expected", "max"), default=AdmissionConfig.charge_output,
                    help="what the router's admission charges for a request's output (serve's flag)")
     f.add_argument("--autoscale", action="store_true", help="pools from 1 worker each, up to --num-gpus in all")
-    f.add_argument("--startup-s", type=float, default=30.0, help="a scaled-up worker serves this long after launch")
+    f.add_argument("--startup-s", type=float, default=FleetConfig.startup_s, help="a scaled-up worker serves this long after launch")
     f.add_argument("--kv-store-gib", type=float, default=0.0,
                    help="each node's shared KV store in host memory (the tier: a prefix its workers' pools evicted "
                         "is fetched over PCIe instead of computed); 0: none")
     o = s.add_argument_group("output")
-    o.add_argument("--ttft-slo-ms", type=float, default=2000.0)
-    o.add_argument("--itl-slo-ms", type=float, default=100.0)
+    o.add_argument("--ttft-slo-ms", type=float, default=AutoscaleConfig.ttft_slo_ms)
+    o.add_argument("--itl-slo-ms", type=float, default=AutoscaleConfig.itl_slo_ms)
     o.add_argument("--plots", type=Path, metavar="DIR", help="bench's PNGs, one line per configuration")
-    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--seed", type=int, default=FleetConfig.seed)
     s.set_defaults(func=_simulate)
 
 
