@@ -42,6 +42,10 @@ PEEK_AFTER_TRANSFER_ERROR_S = 1.0
 """After a failed KV transfer, how long to watch the decode call for the decode worker's death."""
 KV_RECHECK_S = 0.1
 """A request waiting for KV room routes again at least this often (heartbeats move too)."""
+FETCH_PROBE_S = 10.0
+"""A worker priced out of fetching (its measured fetch no faster than computing) is still let
+fetch once this often: its measurement then follows a store, or a load, that changed, and
+one slow first fetch (a new connection) cannot price it out for good."""
 
 
 class RequestFlow:
@@ -57,6 +61,8 @@ class RequestFlow:
         self._down: dict[str, float] = {}
         """Worker id -> until when (router clock) it gets no new requests."""
         self._turn = 0
+        self._probes: dict[str, float] = {}
+        """Worker id -> when it may next fetch where its measurements price the fetch out."""
         self._room = asyncio.Event()
         """Set (and replaced) whenever a booking ends: KV may be free for a request waiting for it."""
         self.stats = {"num_local_prefill": 0, "num_remote_prefill": 0, "num_retries": 0, "num_busy_waits": 0,
@@ -311,15 +317,30 @@ class RequestFlow:
     def _store_hint(self, hashes: list[bytes], decision: RouteDecision) -> pb.StoreHint | None:
         """Where the worker that prefills finds the prompt's blocks: its own host's store (no
         address), another host's, or nowhere (0 blocks: it need not ask; also where fetching is
-        no faster than computing), and what its pool held when it was chosen; None: the router has no view of the worker's store."""
+        no faster than computing, `_fetches`), and what its pool held when it was chosen; None:
+        the router has no view of the worker's store."""
         worker_id = decision.prefill_worker or decision.decode_worker
         hit = self._stored(hashes, [worker_id]).get(worker_id)
         if hit is None:
             return None
         far = hit.store_id != self.members.store_of(worker_id)
         pool = decision.num_prefill_cached_blocks if decision.prefill_worker else decision.num_decode_cached_blocks
+        told = hit.num_blocks if self._fetches(worker_id, hit, pool) else 0
         return pb.StoreHint(address=self.members.store_addresses.get(hit.store_id, "") if far else "",
-                            store_id=hit.store_id, num_blocks=hit.num_blocks if hit.saved > 0 else 0, pool_blocks=pool)
+                            store_id=hit.store_id, num_blocks=told, pool_blocks=pool)
+
+    def _fetches(self, worker_id: str, hit: StoreHit, pool: int) -> bool:
+        """Whether the worker is told where the hit's blocks are: unless its measurements price
+        fetching the ones past its pool's out, and then once every `FETCH_PROBE_S` (a fresh
+        measurement)."""
+        if hit.saved > 0 or hit.num_blocks <= pool:
+            return True
+        now = self.clock()
+        if now < self._probes.get(worker_id, 0.0):
+            return False
+        self._probes = {w: t for w, t in self._probes.items() if t > now}  # only the pending ones kept
+        self._probes[worker_id] = now + FETCH_PROBE_S
+        return True
 
     def _route(self, attempt: Attempt, avoid: set[str]) -> tuple[RouteDecision, list[bytes], int]:
         """Workers that failed this request are avoided; ones that are down too, unless no decode
