@@ -5,7 +5,8 @@ to the store, what a prompt would compute is first looked for there.
                    offload lane (kvstore/offload.py), the blocks held until their push ends
     event loop     `admit(prompt, add)`, before the request joins the engine:
                      the prompt's block hashes (the hasher is pure: off the engine thread)
-                     Lookup -> k blocks; staging slots (kvstore/staging.py, shared memory)
+                     k blocks: the router's hint (its index of the store), else a Lookup;
+                     staging slots (kvstore/staging.py, shared memory)
                      reserved on this worker's tier receiver -> Fetch: the store pushes them
                      into the slots and sends `ready`
                      engine thread, one call: pool blocks for the staged ones past the pool's
@@ -192,15 +193,17 @@ class KVTier:
         far = hint is not None and bool(hint.address) and hint.store_id != self.store_id
         stub = self._far_store(hint.address) if far else self._store()
         began = time.perf_counter()
-        try:
-            reply = await stub.Lookup(pb.LookupRequest(block_hashes=hashes), timeout=self.timeout_s,
-                                      metadata=self.metadata)
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.UNAVAILABLE and not far:
-                await self._find_again()
-            self._failed(f"lookup: {e.code().name}")
-            return None
-        held_there = min(reply.num_blocks, len(hashes))
+        if hint is not None:  # the router's index of the store (its event stream) stands for a lookup
+            held_there = min(hint.num_blocks, len(hashes))
+        else:
+            try:
+                reply = await stub.Lookup(pb.LookupRequest(block_hashes=hashes), timeout=self.timeout_s,
+                                          metadata=self.metadata)
+            except grpc.RpcError as e:
+                await self._unavailable(e, far)
+                self._failed(f"lookup: {e.code().name}")
+                return None
+            held_there = min(reply.num_blocks, len(hashes))
         if held_there - start < self.min_blocks:
             return None
         slots = self.staging.take(held_there - start)
@@ -221,6 +224,7 @@ class KVTier:
                                           timeout=self.timeout_s, metadata=self.metadata)
                 error = answer.error
             except grpc.RpcError as e:
+                await self._unavailable(e, far)
                 error = f"fetch: {e.code().name}"
             event, held = await self._outcome(fid, done, error)
         except BaseException:  # the call was cancelled (or a bug): its slots back, now or on the fence
@@ -306,6 +310,11 @@ class KVTier:
             self._far_channels.append(channel)
             stub = self._far[address] = pb_grpc.KVStoreStub(channel)
         return stub
+
+    async def _unavailable(self, e: grpc.RpcError, far: bool) -> None:
+        """A call to the host's store that found nobody: look for the store again."""
+        if e.code() == grpc.StatusCode.UNAVAILABLE and not far:
+            await self._find_again()
 
     async def _find_again(self) -> None:
         """The store did not answer: look for the host's store again (at most every 5 s); a new

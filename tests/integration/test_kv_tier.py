@@ -99,6 +99,32 @@ def test_an_evicted_prefix_comes_back_from_the_store_with_the_tokens_of_a_recomp
     asyncio.run(run())
 
 
+def test_the_routers_hint_stands_for_the_lookup_and_a_stale_one_costs_only_the_fetch(tiny_llama_dir: str) -> None:
+    """A worker routed with a hint (the router's index of the store: 10 blocks) fetches them
+    with no lookup; a hint the store no longer backs fails the fetch, and the prompt is
+    computed with the tokens of a recompute, nothing held after."""
+    prompt, other = random_prompts([41, 38], 512, seed=3)
+    want, want_other = reference_tokens(tiny_llama_dir, [prompt, other])
+
+    async def run() -> None:
+        async with served_store(tiny_llama_dir, 4096, 2) as (store, (a, b)):
+            await a.generate(prompt)  # computed, then offered
+            await wait_for(lambda: asyncio.sleep(0, store.lookup(a.engine.hasher.hash_prompt(prompt)[:10]) == 10))
+            lookups = store.stats.num_lookups
+            hint = pb.StoreHint(store_id=b.tier.store_id, num_blocks=10, pool_blocks=0)
+            assert await b.generate(prompt, hint=hint) == (10, want, 40)
+            assert store.stats.num_lookups == lookups and store.stats.num_fetched == 10  # one call: the fetch
+            stale = pb.StoreHint(store_id=b.tier.store_id, num_blocks=9, pool_blocks=0)  # blocks it never held
+            assert await b.generate(other, hint=stale) == (0, want_other, 0)
+            assert b.tier.counters.num_fetch_failures == 1 and store.stats.num_fetch_failures == 1
+            for w in (a, b):
+                await w.settled()
+            store.check()
+            assert store.receiver.num_reservations() == 0
+
+    asyncio.run(run())
+
+
 def test_a_full_store_evicts_a_conversations_later_blocks_before_its_first(tiny_llama_dir: str) -> None:
     """A store of 12 blocks, a 9-block conversation and then a 6-block one: the second needs
     3 slots, taken from the first's tail; the first's leading blocks are still a hit."""

@@ -62,14 +62,16 @@ class TierWorker:
             if out.finished:
                 self._done[out.request_id].set()
 
-    async def generate(self, prompt: list[int], tenant: str = "", max_tokens: int = 6) -> tuple[int, list[int], int]:
-        """(blocks fetched from the store, greedy tokens, prompt tokens served from the pool's cache)."""
+    async def generate(self, prompt: list[int], tenant: str = "", max_tokens: int = 6,
+                       hint: Any = None) -> tuple[int, list[int], int]:
+        """(blocks fetched from the store, greedy tokens, prompt tokens served from the pool's
+        cache); `hint`: the router's StoreHint, where one routes the request."""
         self._next += 1
         rid = f"q{self._next}"
         self._done[rid], self._tokens[rid], self._cached[rid] = threading.Event(), [], 0
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         before = self.tier.counters.num_fetched_blocks
-        await self.tier.admit(prompt, tenant, lambda e: e.add_request(prompt, params, rid, 0, tenant))
+        await self.tier.admit(prompt, tenant, lambda e: e.add_request(prompt, params, rid, 0, tenant), hint)
         fetched = self.tier.counters.num_fetched_blocks - before
         assert await asyncio.to_thread(self._done[rid].wait, 60), f"{rid} did not finish"
         return fetched, self._tokens[rid], self._cached[rid]
