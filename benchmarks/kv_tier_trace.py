@@ -15,7 +15,8 @@ fetch's round trips take; `--size small` (12 layers) is closer to what a fetch s
 
 One JSON line per arm (tier off, tier on): prompt tokens, tokens served from a cache (the
 pool's or the store's), prefill tokens computed, TTFT p50 / p99, and with the tier the
-store's fetched blocks; then the ratios of the tier arm to the arm without it.
+store's fetched blocks and what each worker measured of fetching against computing (what
+routers price its hits by); then the ratios of the tier arm to the arm without it.
 """
 from __future__ import annotations
 
@@ -72,15 +73,35 @@ def arm(model_dir: str, trace: Path, n: int, pool_blocks: int, store_mib: int, c
         router=RouterConfig(port=0, routing=RoutingConfig(mode="colocated")))
     with LocalCluster(config) as cluster:
         result = asyncio.run(run(cluster.address, items, concurrency=concurrency))
-        stores = []
+        stores, speeds = [], {}
         if store_mib:
             from kvstore.host import read_stores
 
             stores = read_stores(cluster.redis_url, config.namespace)
+            speeds = tier_speeds(cluster.redis_url, config.namespace)
     return {"bench": "kv_tier_trace", "tier": bool(store_mib), "requests": len(items),
             "pool_blocks": pool_blocks, "store_mib": store_mib, "concurrency": concurrency, **replay_row(result),
             "store_fetched_blocks": sum(s.get("num_fetched", 0) for s in stores),
-            "store_evicted_blocks": sum(s.get("num_evicted", 0) for s in stores)}
+            "store_evicted_blocks": sum(s.get("num_evicted", 0) for s in stores), "tier_speeds": speeds}
+
+
+def tier_speeds(redis_url: str, namespace: str) -> dict:
+    """Each worker's measured fetch line (ms: fixed, per block) and time to compute a block
+    (ms), as its last heartbeat gives them to routers, and the share a 10-block hit is priced
+    at (router/policy.py)."""
+    from control.reader import read_cluster
+    from router.policy import store_hit
+
+    beats, _, _ = asyncio.run(read_cluster(redis_url, namespace))
+    out = {}
+    for w, hb in sorted(beats.items()):
+        s = hb.tier_speed
+        bs = hb.facts.block_size
+        out[w] = {"fetch_ms": [round(x * 1e3, 3) for x in s.fetch],
+                  "far_fetch_ms": [round(x * 1e3, 3) for x in s.far_fetch],
+                  "block_compute_ms": round(s.token_s * bs * 1e3, 3),
+                  "share_10_blocks": round(store_hit(10, s.fetch, s.token_s, bs, 0.1, "").fetch_cost, 3)}
+    return out
 
 
 def replay_row(result: Any) -> dict:
