@@ -25,6 +25,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -112,7 +113,9 @@ class FetchTimes:
     def observe(self, far: bool, num_blocks: int, seconds: float) -> None:
         fit = self._fits[far]
         fit.add(num_blocks, seconds)
-        self.lines[far] = fit.line()
+        line = fit.line()
+        if line is not None and all(math.isfinite(x) for x in line):  # a heartbeat carries no other
+            self.lines[far] = (max(line[0], 0.0), line[1])  # the slope is never negative; the intercept may fit so
 
 
 class KVTier:

@@ -34,3 +34,17 @@ def test_recent_samples_weigh_more_and_the_slope_is_never_negative() -> None:
     h = LinearFit(decay=1.0, floor=0.5)
     h.add(3, 0.0)
     assert h(3) == 0.5
+
+
+def test_the_tiers_fetch_line_never_has_a_negative_part() -> None:
+    """Fetches of 1 block in 1 ms and of 10 in 19 ms fit -1 ms + 2 ms a block: the heartbeat
+    (whose times are never negative) gets a fixed part of 0."""
+    from kvstore.tier import FetchTimes
+
+    times = FetchTimes()
+    assert times.lines == [None, None]
+    times.observe(False, 1, 0.001)
+    assert times.lines[0] == (pytest.approx(0.001), 0.0)  # one size: its mean, no slope yet
+    times.observe(False, 10, 0.019)
+    a, b = times.lines[0]  # type: ignore[misc]
+    assert a == 0.0 and b == pytest.approx(0.002, rel=1e-3) and times.lines[1] is None
