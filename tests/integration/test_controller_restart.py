@@ -1,7 +1,8 @@
 """The controller is not a single point of failure: kill -9 of its process (real Ray, a real
 redis-server, gRPC on loopback) leaves every worker and router serving; Ray restarts it, and
-the new one adopts the running actors by name (no duplicates), finishes what the dead one
-had begun (a drain, a launch) and supervises again. The tests share one cluster and run in order."""
+the new one adopts the running actors by name (no duplicates; the node's KV store too),
+finishes what the dead one had begun (a drain, a launch) and supervises again. The tests
+share one cluster and run in order."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -19,6 +20,7 @@ from cluster import named_actors
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster
 from kvfabric.region import segments_of
+from kvstore.host import read_stores
 from proto import generate_pb2 as pb
 from router.policy import RoutingConfig
 from tests.integration.cluster_checks import decode_pids, generate, greedy, tokens, wait_for
@@ -39,7 +41,7 @@ def model_dir(smollm2_dir: str) -> str:
 def cluster(model_dir: str):  # type: ignore[no-untyped-def]
     config = ClusterConfig(
         worker=WorkerConfig(model_dir=model_dir, block_size=16, kv_cache_bytes=96 * 2**20, kv_lease_s=3.0),
-        num_prefill=1, num_decode=1, num_routers=2, namespace="ctl-restart",
+        num_prefill=1, num_decode=1, num_routers=2, namespace="ctl-restart", kv_store_mib=16,
         router=RouterConfig(port=0, routing=RoutingConfig(mode="disaggregated")),
         worker_num_cpus=0.25, supervise_interval_s=0.5, drain_timeout_s=30.0)
     with LocalCluster(config) as c:
@@ -109,6 +111,7 @@ def at_rest(cluster: LocalCluster, prefill: int, decode: int) -> bool:
 def test_requests_streaming_through_a_controller_kill_finish_exactly(cluster: LocalCluster, stub,  # type: ignore[no-untyped-def]
                                                                      model_dir: str) -> None:
     before = {w["worker_id"]: w["pid"] for w in cluster.workers()}
+    store = wait_for("the node's KV store registered", lambda: read_stores(cluster.redis_url, "ctl-restart"), 60)
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 500) for _ in range(20 + i)] for i in range(6)]
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
@@ -123,6 +126,10 @@ def test_requests_streaming_through_a_controller_kill_finish_exactly(cluster: Lo
         assert got == greedy(model_dir, p, LONG)
     assert {w["worker_id"]: w["pid"] for w in cluster.workers()} == before  # adopted, not relaunched
     wait_for("the pools at rest", lambda: at_rest(cluster, 1, 1), 30)
+    # the node's store adopted too: the same one serving, no second started
+    after = read_stores(cluster.redis_url, "ctl-restart")
+    assert [(e["store_id"], e["address"]) for e in after] == [(e["store_id"], e["address"]) for e in store]
+    assert sum(n.startswith("kvstore-") for n in named_actors.list_names("ctl-restart")) == 1
 
 
 def test_the_restarted_controller_replaces_a_killed_worker_and_scales(cluster: LocalCluster, stub,  # type: ignore[no-untyped-def]
@@ -141,7 +148,8 @@ def test_a_controller_killed_in_the_middle_of_a_drain_finishes_it(cluster: Local
     rng = random.Random(12)
     prompts = [[rng.randrange(3, 500) for _ in range(24 + i)] for i in range(6)]
     pids = decode_pids(cluster)
-    assert len(pids) == 2 and all(len(segments_of({pid})) == 1 for pid in pids.values())
+    # each decode worker's shared memory: its KV pool and its KV tier's staging area
+    assert len(pids) == 2 and all(len(segments_of({pid})) == 2 for pid in pids.values())
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(generate, stub, p, LONG) for p in prompts]
         wait_for("requests running on both decode workers (the drained one has some to finish)",
@@ -154,7 +162,7 @@ def test_a_controller_killed_in_the_middle_of_a_drain_finishes_it(cluster: Local
         assert tokens(got) == greedy(model_dir, p, LONG)
     wait_for("the pool back at 1 decode worker", lambda: at_rest(cluster, 1, 1), 60)
     [(kept, kept_pid)] = decode_pids(cluster).items()
-    assert len(segments_of({kept_pid})) == 1  # the one decode worker's KV pool; the drained one's is gone
+    assert len(segments_of({kept_pid})) == 2  # the one decode worker's pool and staging; the drained one's are gone
     assert segments_of({pid for w, pid in pids.items() if w != kept}) == set()
     assert cluster.controller_status()["num_drains"] >= 1
 
@@ -166,6 +174,7 @@ def test_a_controller_killed_in_the_middle_of_a_launch_adopts_the_new_worker(clu
     kill9_controller(cluster)
     wait_for("the pool at 2 decode workers", lambda: at_rest(cluster, 1, 2), 120)
     pids = decode_pids(cluster)
-    assert len(pids) == 2 and all(len(segments_of({pid})) == 1 for pid in pids.values())
+    # each decode worker's shared memory: its KV pool and its KV tier's staging area
+    assert len(pids) == 2 and all(len(segments_of({pid})) == 2 for pid in pids.values())
     prompt = list(range(7, 50))
     assert tokens(generate(stub, prompt, 8)) == greedy(model_dir, prompt, 8)
