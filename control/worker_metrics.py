@@ -38,7 +38,7 @@ class WorkerMetrics(Collector):
         """A decode worker's open kvfabric reservations (set by the decode worker)."""
         self._reservations: int | None = None
         self.read_tier: Callable[[], object] | None = None
-        """The worker's KV tier counters (kvstore/tier.py `TierCounters`), when it has a tier."""
+        """The worker's KV tier counters (kvstore/tier_meters.py `TierCounters`), when it has a tier."""
         labels = ["model_name", "role", "transport"]
         r, p = self.registry, PREFIX
         self.transfer_bytes = Counter(p + "kv_transfer_bytes", "KV bytes pushed to decode workers.", labels, registry=r)

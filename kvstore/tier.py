@@ -25,7 +25,6 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -37,7 +36,6 @@ import grpc
 from control.auth import TOKEN_METADATA
 from control.heartbeat import TierSpeed
 from engine.block_pool import KVEvent
-from engine.fit import LinearFit
 from engine.llm_engine import LLMEngine
 from engine.types import BlockHash, RequestId
 from kvfabric import (
@@ -52,6 +50,7 @@ from kvstore.host import StoreEntry, find_store
 from kvstore.host_copy import HostCopies
 from kvstore.offload import Offloads
 from kvstore.staging import Staging
+from kvstore.tier_meters import FetchTimes, TierCounters
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from proto.convert import ticket_to_pb
@@ -65,9 +64,6 @@ HOST_ROWS = 32
 """Host rows (pinned) a device pool's offloads go through (kvstore/host_copy.py): 64 MiB of
 Llama-3-8B's bfloat16 blocks of 16 tokens."""
 
-FETCH_DECAY = 0.95
-"""Per fetch: about the last twenty count (a store's speed changes with its load and its spill)."""
-
 RESOLVE_EVERY_S = 5.0
 """Least time between two searches for a store that went away."""
 
@@ -75,47 +71,6 @@ T = TypeVar("T")
 
 EngineCall = Callable[[Callable[[LLMEngine], Any]], "concurrent.futures.Future[Any]"]
 """Runs a function on the engine thread (EngineLoop.call)."""
-
-
-@dataclass
-class TierCounters:
-    num_fetches: int = 0
-    num_fetched_blocks: int = 0
-    """Blocks that landed in the pool from the store."""
-    num_far_fetched_blocks: int = 0
-    """Of those, blocks fetched from another host's store (the router's hint), over tcp."""
-    num_skipped_lookups: int = 0
-    """Prompts the router said no store held: not looked up."""
-    num_fetch_failures: int = 0
-    """Fetches that fell back to computing (store down, evicted, refused, timed out)."""
-    num_staging_full: int = 0
-    """Fetches skipped: every staging slot was waiting for the engine."""
-    num_offered_blocks: int = 0
-    num_offloaded_blocks: int = 0
-    """Blocks pushed into the store."""
-    num_offload_failures: int = 0
-    num_offload_skipped: int = 0
-    """Blocks not offered because the lane was behind (`max_offload_blocks` held already)."""
-
-
-class FetchTimes:
-    """How long this worker's fetches took, from the lookup to the blocks in staging, against
-    their blocks (a + b·blocks seconds): from its host's store and, apart, from other hosts'.
-    Heartbeats carry the lines to routers, which weigh a hit's fetch against computing its
-    tokens (router/policy.py `fetch_share`). Each line is swapped whole (read from the
-    heartbeat's thread)."""
-
-    def __init__(self) -> None:
-        self._fits = (LinearFit(FETCH_DECAY), LinearFit(FETCH_DECAY))
-        self.lines: list[tuple[float, float] | None] = [None, None]
-        """[its host's store, other hosts'] (None: no fetch landed from there yet)."""
-
-    def observe(self, far: bool, num_blocks: int, seconds: float) -> None:
-        fit = self._fits[far]
-        fit.add(num_blocks, seconds)
-        line = fit.line()
-        if line is not None and all(math.isfinite(x) for x in line):  # a heartbeat carries no other
-            self.lines[far] = (max(line[0], 0.0), line[1])  # the slope is never negative; the intercept may fit so
 
 
 class KVTier:

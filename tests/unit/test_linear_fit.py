@@ -39,7 +39,7 @@ def test_recent_samples_weigh_more_and_the_slope_is_never_negative() -> None:
 def test_the_tiers_fetch_line_never_has_a_negative_part() -> None:
     """Fetches of 1 block in 1 ms and of 10 in 19 ms fit -1 ms + 2 ms a block: the heartbeat
     (whose times are never negative) gets a fixed part of 0."""
-    from kvstore.tier import FetchTimes
+    from kvstore.tier_meters import FetchTimes
 
     times = FetchTimes()
     assert times.lines == [None, None]
