@@ -69,10 +69,14 @@ def add_parser(sub: Any) -> None:
     f.add_argument("--admission-charge", choices=("expected", "max"), default=AdmissionConfig.charge_output,
                    help="what the router's admission charges for a request's output (serve's flag)")
     f.add_argument("--autoscale", action="store_true", help="pools from 1 worker each, up to --num-gpus in all")
-    f.add_argument("--startup-s", type=float, default=FleetConfig.startup_s, help="a scaled-up worker serves this long after launch")
+    f.add_argument("--startup-s", type=float, default=FleetConfig.startup_s,
+                   help="a scaled-up worker serves this long after launch")
     f.add_argument("--kv-store-gib", type=float, default=0.0,
                    help="each node's shared KV store in host memory (the tier: a prefix its workers' pools evicted "
                         "is fetched over PCIe instead of computed); 0: none")
+    f.add_argument("--kv-store-disk-gib", type=float, default=0.0,
+                   help="each node store's spill on an SSD: what its memory evicts, read back at NVMe speed "
+                        "before a fetch (with --kv-store-gib)")
     o = s.add_argument_group("output")
     o.add_argument("--ttft-slo-ms", type=float, default=AutoscaleConfig.ttft_slo_ms)
     o.add_argument("--itl-slo-ms", type=float, default=AutoscaleConfig.itl_slo_ms)
@@ -111,6 +115,7 @@ def configs(args: argparse.Namespace, hw: Roofline, items: list[Item]) -> list[t
     base = FleetConfig(num_blocks=hw.kv_capacity_tokens() // 16, max_model_len=args.max_model_len,
                        gpus_per_worker=args.tp, startup_s=args.startup_s, seed=args.seed,
                        kv_store_blocks=int(args.kv_store_gib * 2**30 // (16 * hw.model.kv_bytes_per_token)),
+                       kv_store_disk_blocks=int(args.kv_store_disk_gib * 2**30 // (16 * hw.model.kv_bytes_per_token)),
                        admission=AdmissionConfig(charge_output=args.admission_charge),
                        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                                  max_num_seqs=args.max_num_seqs))

@@ -81,6 +81,9 @@ class GPU:
     link_latency_s: float = 20e-6
     host_bytes_per_s: float = 50e9
     """Host memory to the GPU (PCIe 5 x16): a fetch from the node's KV store."""
+    ssd_bytes_per_s: float = 6e9
+    """A node's NVMe reads (one PCIe 4 SSD): what the node's KV store spilled is read back
+    before a fetch pushes it."""
 
 
 H100_SXM = GPU("h100-sxm", peak_flops=989e12, hbm_bytes_per_s=3.35e12, memory_bytes=80e9, nvlink_bytes_per_s=450e9)
@@ -164,6 +167,10 @@ class Roofline:
     def store_s(self, num_tokens: int) -> float:
         """Fetching `num_tokens` tokens of KV from the node's KV store (host memory) into the pool."""
         return self.rpc_s + num_tokens * self.model.kv_bytes_per_token / self.gpu.host_bytes_per_s
+
+    def disk_s(self, num_tokens: int) -> float:
+        """Reading `num_tokens` tokens of KV back from the node store's spill file (SSD)."""
+        return num_tokens * self.model.kv_bytes_per_token / self.gpu.ssd_bytes_per_s
 
     def kv_capacity_tokens(self, memory_utilization: float = 0.9) -> int:
         """Tokens of KV one worker holds: its GPUs' memory share less the weights."""

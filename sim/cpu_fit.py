@@ -131,6 +131,10 @@ class CpuCost:
         """A fetch from the host's store: its round trips, as a transfer's (a shm copy on one host)."""
         return self.transfer_base_s
 
+    def disk_s(self, num_tokens: int) -> float:
+        """A spill's read back: not calibrated on this host (its page cache serves it)."""
+        return 0.0
+
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)) + "\n")
 

@@ -88,8 +88,8 @@ class Fleet:
         self.pools = PoolControl(self)
         """Heartbeats, the autoscaler and drains (sim/fleet_pools.py)."""
         self.transfers = FleetTransfers(self)
-        self.tier = SimStores(config.kv_store_blocks, config.block_size, hardware,
-                              config.routing.store_fetch_cost) if config.kv_store_blocks else None
+        self.tier = SimStores(config.kv_store_blocks, config.block_size, hardware, config.routing.store_fetch_cost,
+                              config.kv_store_disk_blocks) if config.kv_store_blocks else None
         """Each node's shared KV store (None: no tier)."""
         """Reservations, pushes and leases of remote prefills (sim/fleet_kv.py)."""
         self.stats = {"num_local_prefill": 0, "num_remote_prefill": 0, "num_kv_waits": 0, "num_steps": 0,
@@ -146,6 +146,8 @@ class Fleet:
         if self.tier is not None:
             self.stats["num_store_fetched_blocks"] = self.tier.num_fetched_blocks
             self.stats["num_store_evicted_blocks"] = self.tier.num_evicted_blocks
+            self.stats["num_store_spilled_blocks"] = self.tier.num_spilled_blocks
+            self.stats["num_store_unspilled_blocks"] = self.tier.num_unspilled_blocks
         return FleetResult(Run(outcomes, end - min((o.sent_s for o in outcomes), default=0.0)), gpu_s,
                            self.pools.actions, self.pools.pool_sizes, self.config, dict(self.stats))
 

@@ -7,11 +7,13 @@
         holds past the pool's run (unless fetching them is no faster than computing) are
         held, cached and released in the pool (the engine's own KVCacheManager.hold_new /
         cache_held, as KVTier does), so the request finds them as a prefix hit; the fetch's
-        time (`Hardware.store_s`) is added to its first step
+        time (`Hardware.store_s`, and `disk_s` for its spilled blocks) is added to its first step
     routing -> `stored`: each worker's node store's leading blocks, for the real policy, at the
         price a router gives a worker's measured fetches (the hardware's fetch against prefill)
 
-A store's capacity is counted in blocks; its spill and its events' delay are not modelled.
+A store's capacity is counted in blocks, in memory and in its spill (an SSD, as kvstore/disk.py):
+what memory evicts is spilled while the spill has room, and a fetch reads its spilled blocks
+back (`Hardware.disk_s`) before the push. Its events' delay is not modelled.
 """
 from __future__ import annotations
 
@@ -25,34 +27,59 @@ from sim.fleet_types import Hardware, Worker
 
 
 class SimStores:
-    def __init__(self, capacity_blocks: int, block_size: int, hardware: Hardware, prior: float) -> None:
+    def __init__(self, capacity_blocks: int, block_size: int, hardware: Hardware, prior: float,
+                 disk_blocks: int = 0) -> None:
         """`prior`: a fetch's cost as a share of computing where the hardware gives no time
-        (RoutingConfig.store_fetch_cost)."""
-        if capacity_blocks <= 0:
-            raise ValueError(f"a store holds at least one block, got {capacity_blocks}")
+        (RoutingConfig.store_fetch_cost); `disk_blocks`: each store's spill (0: none)."""
+        if capacity_blocks <= 0 or disk_blocks < 0:
+            raise ValueError(f"a store holds at least one block in memory and none or more on disk, got "
+                             f"{capacity_blocks} and {disk_blocks}")
         self.capacity, self.block_size, self.hw, self.prior = capacity_blocks, block_size, hardware, prior
+        self.disk_capacity = disk_blocks
         self.stores: dict[int, OrderedDict[BlockHash, None]] = {}
+        """Node -> the blocks its store holds in memory, least recently used first."""
+        self.disks: dict[int, OrderedDict[BlockHash, None]] = {}
+        """Node -> those its memory evicted into the spill, least recently spilled first."""
         self.num_fetched_blocks = 0
         self.num_evicted_blocks = 0
+        """Dropped from the store (from memory without a spill, else from the spill)."""
+        self.num_spilled_blocks = 0
+        self.num_unspilled_blocks = 0
+        """Read back from the spill by a fetch."""
         self._ids = itertools.count()
-        self._shares: dict[int, float] = {}
-        """A hit's fetch cost by its blocks (the hardware's times are fixed)."""
+        self._shares: dict[tuple[int, int], float] = {}
+        """A hit's fetch cost by its blocks and how many of them are spilled (the hardware's
+        times are fixed)."""
 
     def offer(self, node: int, hashes: Sequence[BlockHash]) -> None:
         store = self.stores.setdefault(node, OrderedDict())
+        disk = self.disks.setdefault(node, OrderedDict())
         for h in reversed(hashes):  # the chain's first block most recently used
+            disk.pop(h, None)  # back in memory (a fetch reads a spilled block back first)
             store[h] = None
             store.move_to_end(h)
         while len(store) > self.capacity:
-            store.popitem(last=False)
+            h, _ = store.popitem(last=False)
+            if self.disk_capacity:
+                disk[h] = None
+                self.num_spilled_blocks += 1
+            else:
+                self.num_evicted_blocks += 1
+        while len(disk) > self.disk_capacity:
+            disk.popitem(last=False)
             self.num_evicted_blocks += 1
 
-    def held(self, node: int, hashes: Sequence[BlockHash]) -> int:
-        store = self.stores.get(node)
-        n = 0
-        while store is not None and n < len(hashes) and hashes[n] in store:
+    def held(self, node: int, hashes: Sequence[BlockHash]) -> tuple[int, int]:
+        """The leading blocks the node's store holds, and how many of those are spilled."""
+        store, disk = self.stores.get(node), self.disks.get(node, {})
+        n = spilled = 0
+        for h in hashes if store is not None else ():
+            if h not in store:
+                if h not in disk:
+                    break
+                spilled += 1
             n += 1
-        return n
+        return n, spilled
 
     def stored(self, hashes: Sequence[BlockHash], workers: dict[str, Worker], ids: list[str]) -> dict[str, StoreHit]:
         """Each worker's own node's store (a fetch from another node's is not modelled), priced
@@ -60,33 +87,41 @@ class SimStores:
         same tokens (router/policy.py `fetch_share`)."""
         hits = {}
         for w in ids:
-            n = self.held(workers[w].node, hashes)
-            hits[w] = StoreHit(n, self.share(n), f"node-{workers[w].node}")
+            n, spilled = self.held(workers[w].node, hashes)
+            hits[w] = StoreHit(n, self.share(n, spilled), f"node-{workers[w].node}")
         return hits
 
-    def share(self, num_blocks: int) -> float:
-        """A hit of `num_blocks`: its fetch's cost as a share of computing them (at most 1)."""
-        share = self._shares.get(num_blocks)
+    def share(self, num_blocks: int, num_spilled: int = 0) -> float:
+        """A hit of `num_blocks` (`num_spilled` of them in the spill): its fetch's cost as a
+        share of computing them (at most 1)."""
+        share = self._shares.get((num_blocks, num_spilled))
         if share is None:
             tokens = num_blocks * self.block_size  # computed, against only the next token with them cached
             compute_s = self.hw.step_s([(tokens + 1, 0)], 1) - self.hw.step_s([(1, tokens)], 1)
-            share = self._shares[num_blocks] = fetch_share(self.hw.store_s(tokens), compute_s, self.prior)
+            share = self._shares[num_blocks, num_spilled] = fetch_share(self.fetch_s(num_blocks, num_spilled),
+                                                                        compute_s, self.prior)
         return share
+
+    def fetch_s(self, num_blocks: int, num_spilled: int) -> float:
+        """A fetch's time: the spilled blocks read back from the SSD, then all pushed."""
+        return self.hw.store_s(num_blocks * self.block_size) + \
+            (self.hw.disk_s(num_spilled * self.block_size) if num_spilled else 0.0)
 
     def before_add(self, w: Worker, request_id: str, hashes: Sequence[BlockHash], num_prompt_tokens: int) -> int:
         """The store's blocks past the pool's run cached in `w`'s pool; returns how many."""
         limit = min(len(hashes), (num_prompt_tokens - 1) // self.block_size)
-        in_store = self.held(w.node, hashes[:limit])
+        in_store, _ = self.held(w.node, hashes[:limit])
         in_pool = len(w.engine.pool.lookup_run(hashes[:in_store]))
         n = in_store - in_pool
-        if n <= 0 or self.share(self.held(w.node, hashes)) >= 1.0:  # as the router's hint: no fetch that saves nothing
+        if n <= 0 or self.share(*self.held(w.node, hashes)) >= 1.0:  # as the router's hint: no fetch that saves nothing
             return 0
         fid = RequestId(f"sim-fetch-{next(self._ids)}")
         if w.engine.kv.hold_new(fid, n) is None:
             return 0
         w.engine.kv.cache_held(fid, list(hashes[in_pool:in_store]), hashes[in_pool - 1] if in_pool else None)
-        self.offer(w.node, hashes[:in_store])  # a fetch touches what it read
-        w.engine.extra_s[request_id] = w.engine.extra_s.get(request_id, 0.0) + \
-            self.hw.store_s(n * self.block_size)
+        _, spilled = self.held(w.node, hashes[in_pool:in_store])  # those past the pool's: what the fetch reads
+        self.offer(w.node, hashes[:in_store])  # a fetch touches what it read (and reads the spilled back)
+        w.engine.extra_s[request_id] = w.engine.extra_s.get(request_id, 0.0) + self.fetch_s(n, spilled)
         self.num_fetched_blocks += n
+        self.num_unspilled_blocks += spilled
         return n

@@ -33,6 +33,9 @@ class Hardware(Protocol):
     def store_s(self, num_tokens: int) -> float:
         """Fetching `num_tokens` tokens of KV from the node's KV store into a worker's pool."""
 
+    def disk_s(self, num_tokens: int) -> float:
+        """Reading `num_tokens` tokens of KV back from the store's spill (an SSD) first."""
+
     @property
     def rpc_s(self) -> float:
         """From a request's arrival to its work starting on a worker (the router's hops)."""
@@ -91,6 +94,8 @@ class FleetConfig:
     seed: int = 0
     kv_store_blocks: int = 0
     """Each node's shared KV store, in blocks (sim/fleet_tier.py); 0: no tier."""
+    kv_store_disk_blocks: int = 0
+    """Each node store's spill (an SSD), in blocks: what its memory evicts goes there."""
 
     def gpus(self, role: Role) -> int:
         """GPUs one worker of `role` spans (its tensor-parallel degree)."""

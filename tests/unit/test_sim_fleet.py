@@ -34,6 +34,9 @@ class Linear:
     def store_s(self, num_tokens: int) -> float:
         return 0.0005
 
+    def disk_s(self, num_tokens: int) -> float:
+        return 1e-5 * num_tokens
+
     rpc_s = 0.0
     delivery_s = ()
     hops_s = ()
@@ -322,6 +325,30 @@ def test_the_node_store_serves_a_prefix_the_pool_evicted_and_its_fetch_is_priced
             u = w.engine.pool.check_invariants()
             assert u.num_in_use == 0 and not w.engine.kv.num_held
 
+
+
+def test_a_prefix_the_stores_memory_evicted_comes_back_from_its_spill_at_the_ssds_price() -> None:
+    """The evicted prompt of the test above with a store of 6 blocks in memory and 200 on disk:
+    each later prompt's 6 blocks push the one before into the spill. The last turn's fetch
+    reads its 6 blocks back (96 tokens at 10 µs: 0.96 ms) before the push (0.5 ms): TTFT
+    1.4 + 0.5 + 0.96 ms. Without a spill they are gone and computed."""
+    first = list(range(3, 103))
+    items = [Item(first, 1, 0.0), *(Item(list(range(1000 * i, 1000 * i + 100)), 1, 0.05 * i) for i in range(1, 6)),
+             Item(first, 1, 0.5)]
+    for disk, cached, ttft in ((0, 0, 0.011), (200, 96, 0.00286)):
+        cfg = FleetConfig(num_prefill=0, num_decode=1, num_blocks=20, max_model_len=4096,
+                          routing=RoutingConfig(mode="colocated"), kv_store_blocks=6, kv_store_disk_blocks=disk)
+        fleet = Fleet(cfg, Linear(), items)
+        result = fleet.run()
+        last = result.run.outcomes[-1]
+        assert last.code == "OK" and last.num_cached == cached and last.ttft_s == pytest.approx(ttft)
+        stats = result.stats
+        if disk:  # 5 prompts' blocks spilled, then the one the fetch put back in memory pushed out
+            assert (stats["num_store_spilled_blocks"], stats["num_store_unspilled_blocks"],
+                    stats["num_store_evicted_blocks"]) == (36, 6, 0)
+        else:
+            assert stats["num_store_evicted_blocks"] == 36 and stats["num_store_fetched_blocks"] == 0  # the last computed too
+    assert fleet.tier is not None and fleet.tier.share(6, 6) == pytest.approx((0.0005 + 0.00096) / 0.0096)
 
 class SlowStore(Linear):
     """A store that takes 20 ms a fetch: computing 6 blocks (96 tokens) takes 9.6 ms."""
