@@ -98,7 +98,7 @@ class TierSpeed(msgspec.Struct, frozen=True):
     token_s: float = 0.0
     """Seconds its engine takes per prompt token it computes (engine/step_model.py PrefillCost)."""
     fetch: list[float] = msgspec.field(default_factory=list)
-    """[a, b]: a fetch of n blocks from its host's store took a + b·n seconds (kvstore/tier.py)."""
+    """[a, b]: a fetch of n blocks from its host's store took a + b·n seconds (kvstore/tier_meters.py)."""
     far_fetch: list[float] = msgspec.field(default_factory=list)
     """The same from other hosts' stores (over tcp)."""
 
