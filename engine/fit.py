@@ -50,6 +50,10 @@ class DecayedFit:
         """The samples' weighted mean y (0 before any)."""
         return self._v[0] / self._m[0][0] if self._m[0][0] > 0 else 0.0
 
+    def mean_x(self, i: int) -> float:
+        """The samples' weighted mean of load x[i] (0 before any)."""
+        return self._m[0][i] / self._m[0][0] if self._m[0][0] > 0 else 0.0
+
     def solve(self) -> list[float] | None:
         w = max(self._m[0][0], 1e-30)
         free = [0] + [i for i in range(1, len(self._v))
@@ -112,6 +116,11 @@ class LinearFit:
     def slope(self) -> float:
         coef = self._line()
         return 0.0 if coef is None else coef[1]
+
+    def ratio(self) -> float:
+        """The samples' weighted mean y over their weighted mean x (0 while x is 0)."""
+        x = self._fit.mean_x(1)
+        return self._fit.mean() / x if x > 0 else 0.0
 
     def line(self) -> tuple[float, float] | None:
         """(a, b): y = a + b·x; b 0 while the slope is unknown (a: the mean); None before any sample."""

@@ -366,11 +366,12 @@ class LLMEngine:
         if shadows:  # a prefill worker sends every choice's first token; the decode worker forks
             self.forks.drawn(requests, shadows, sampled)
         outputs = self._apply(out, sampled, verified, started)
+        tokens = sum(s.num_new_tokens for s in out.scheduled)
         if self.config.step_floor is not None:  # an emulated accelerator: the step lasts its stated time
-            floor = self.config.step_floor.seconds(sum(s.num_new_tokens for s in out.scheduled), len(out.scheduled))
+            floor = self.config.step_floor.seconds(tokens, len(out.scheduled))
             time.sleep(max(started + floor - time.perf_counter(), 0.0))
-        if (tokens := sum(s.num_new_tokens for s in out.scheduled)) > sum(1 + s.num_spec_tokens for s in out.scheduled):
-            self.prefill_cost.observe(tokens, time.perf_counter() - started)  # a prompt's chunk in it
+        if tokens > sum(1 + s.num_spec_tokens for s in out.scheduled):  # a prompt's chunk in it
+            self.prefill_cost.observe(tokens, time.perf_counter() - started)
         return outputs
 
     def _apply(self, out: SchedulerOutput, sampled: Mapping[RequestId, tuple[int, float | Logprob | None]],

@@ -52,17 +52,14 @@ class PrefillCost:
 
     def __init__(self) -> None:
         self._fit = LinearFit(PREFILL_DECAY)
-        self._seconds = self._tokens = 0.0
         self.token_s = 0.0
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         if num_tokens <= 0:
             return
         self._fit.add(num_tokens, seconds)
-        self._seconds = self._seconds * PREFILL_DECAY + seconds
-        self._tokens = self._tokens * PREFILL_DECAY + num_tokens
         slope = self._fit.slope()
-        self.token_s = slope if slope > 0 else self._seconds / self._tokens
+        self.token_s = slope if slope > 0 else self._fit.ratio()
 
 
 Row = tuple[float, float, float]

@@ -48,3 +48,11 @@ def test_the_tiers_fetch_line_never_has_a_negative_part() -> None:
     times.observe(False, 10, 0.019)
     a, b = times.lines[0]  # type: ignore[misc]
     assert a == 0.0 and b == pytest.approx(0.002, rel=1e-3) and times.lines[1] is None
+
+
+def test_the_ratio_is_the_samples_y_over_their_x() -> None:
+    f = LinearFit(decay=1.0)
+    assert f.ratio() == 0.0
+    for x, y in ((2, 1.0), (6, 1.0)):
+        f.add(x, y)
+    assert f.ratio() == pytest.approx(2.0 / 8.0)
