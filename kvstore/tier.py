@@ -151,24 +151,39 @@ class KVTier:
         far = hint is not None and bool(hint.address) and hint.store_id != self.store_id
         stub = self._far_store(hint.address) if far else self._store()
         began = time.perf_counter()
-        if hint is not None:  # the router's index of the store (its event stream) stands for a lookup
-            held_there = min(hint.num_blocks, len(hashes))
-        else:
-            try:
-                reply = await stub.Lookup(pb.LookupRequest(block_hashes=hashes), timeout=self.timeout_s,
-                                          metadata=self.metadata)
-            except grpc.RpcError as e:
-                await self._unavailable(e, far)
-                self._failed(f"lookup: {e.code().name}")
-                return None
-            held_there = min(reply.num_blocks, len(hashes))
-        if held_there - start < self.min_blocks:
+        held_there = await self._held(stub, hashes, hint, far)
+        if held_there is None or held_there - start < self.min_blocks:
             return None
         slots = self.staging.take(held_there - start)
         if slots is None:
             self.counters.num_staging_full += 1
             return None
         fid = RequestId(f"kvstore-fetch-{next(self._ids)}")
+        if not await self._pull(stub, far, fid, slots, hashes[start:held_there]):
+            return None
+        self.times.observe(far, len(slots), time.perf_counter() - began)
+        if far:
+            self.counters.num_far_fetched_blocks += len(slots)
+        return _Landing(fid, hashes[:held_there], start, slots)
+
+    async def _held(self, stub: pb_grpc.KVStoreStub, hashes: list[BlockHash], hint: Any, far: bool) -> int | None:
+        """How many of the prompt's leading blocks the store holds: the router's index of it
+        (its event stream, in the hint) stands for a lookup; None: the lookup failed."""
+        if hint is not None:
+            return min(hint.num_blocks, len(hashes))
+        try:
+            reply = await stub.Lookup(pb.LookupRequest(block_hashes=hashes), timeout=self.timeout_s,
+                                      metadata=self.metadata)
+        except grpc.RpcError as e:
+            await self._unavailable(e, far)
+            self._failed(f"lookup: {e.code().name}")
+            return None
+        return min(reply.num_blocks, len(hashes))
+
+    async def _pull(self, stub: pb_grpc.KVStoreStub, far: bool, fid: RequestId, slots: list[int],
+                    hashes: list[BlockHash]) -> bool:
+        """The store pushes the blocks of `hashes` into the staging `slots`; whether they
+        arrived (if not, the slots go back: now, or on the store writer's fence)."""
         done: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
             self._fetches[fid] = done
@@ -177,8 +192,7 @@ class KVTier:
         try:
             ticket = self.receiver.expect(fid, slots, 0)
             try:
-                answer = await stub.Fetch(pb.FetchRequest(ticket=ticket_to_pb(ticket),
-                                                          block_hashes=hashes[start:held_there]),
+                answer = await stub.Fetch(pb.FetchRequest(ticket=ticket_to_pb(ticket), block_hashes=hashes),
                                           timeout=self.timeout_s, metadata=self.metadata)
                 error = answer.error
             except grpc.RpcError as e:
@@ -191,16 +205,12 @@ class KVTier:
             if not self.receiver.cancel(fid, "the request ended"):
                 self._unstage(fid)
             raise
-        landed = isinstance(event, KVArrived)
-        if not landed:
-            self._failed(error or f"fetch: {type(event).__name__ if event else 'no answer'}")
-            if not held:  # else the slots go back on the writer's fence (the events thread)
-                self._unstage(fid)
-            return None
-        self.times.observe(far, len(slots), time.perf_counter() - began)
-        if far:
-            self.counters.num_far_fetched_blocks += len(slots)
-        return _Landing(fid, hashes[:held_there], start, slots)
+        if isinstance(event, KVArrived):
+            return True
+        self._failed(error or f"fetch: {type(event).__name__ if event else 'no answer'}")
+        if not held:  # else the slots go back on the writer's fence (the events thread)
+            self._unstage(fid)
+        return False
 
     async def _outcome(self, fid: str, done: concurrent.futures.Future[Any], error: str) -> tuple[Any, bool]:
         """The fetch's receiver event (None: none came) and whether its slots stay held until
