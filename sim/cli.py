@@ -109,13 +109,16 @@ def default_split(hw: Roofline, items: list[Item], num_workers: int, chunk: int)
 
 
 def configs(args: argparse.Namespace, hw: Roofline, items: list[Item]) -> list[tuple[str, FleetConfig]]:
+    def store_blocks(gib: float) -> int:
+        return int(gib * 2**30 // (FleetConfig.block_size * hw.model.kv_bytes_per_token))
+
     workers = args.num_gpus // args.tp
     if workers < 1 or (args.mode != "colocated" and workers < 2):
         raise SystemExit(f"--num-gpus {args.num_gpus} at --tp {args.tp} is too few workers for --mode {args.mode}")
     base = FleetConfig(num_blocks=hw.kv_capacity_tokens() // 16, max_model_len=args.max_model_len,
                        gpus_per_worker=args.tp, startup_s=args.startup_s, seed=args.seed,
-                       kv_store_blocks=int(args.kv_store_gib * 2**30 // (16 * hw.model.kv_bytes_per_token)),
-                       kv_store_disk_blocks=int(args.kv_store_disk_gib * 2**30 // (16 * hw.model.kv_bytes_per_token)),
+                       kv_store_blocks=store_blocks(args.kv_store_gib),
+                       kv_store_disk_blocks=store_blocks(args.kv_store_disk_gib),
                        admission=AdmissionConfig(charge_output=args.admission_charge),
                        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                                  max_num_seqs=args.max_num_seqs))

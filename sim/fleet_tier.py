@@ -104,24 +104,24 @@ class SimStores:
 
     def fetch_s(self, num_blocks: int, num_spilled: int) -> float:
         """A fetch's time: the spilled blocks read back from the SSD, then all pushed."""
-        return self.hw.store_s(num_blocks * self.block_size) + \
-            (self.hw.disk_s(num_spilled * self.block_size) if num_spilled else 0.0)
+        return self.hw.store_s(num_blocks * self.block_size) + self.hw.disk_s(num_spilled * self.block_size)
 
     def before_add(self, w: Worker, request_id: str, hashes: Sequence[BlockHash], num_prompt_tokens: int) -> int:
         """The store's blocks past the pool's run cached in `w`'s pool; returns how many."""
         limit = min(len(hashes), (num_prompt_tokens - 1) // self.block_size)
-        in_store, _ = self.held(w.node, hashes[:limit])
+        in_store, spilled = self.held(w.node, hashes[:limit])
         in_pool = len(w.engine.pool.lookup_run(hashes[:in_store]))
         n = in_store - in_pool
-        if n <= 0 or self.share(*self.held(w.node, hashes)) >= 1.0:  # as the router's hint: no fetch that saves nothing
+        if n <= 0 or self.share(in_store, spilled) >= 1.0:  # as the router's hint: no fetch that saves nothing
             return 0
         fid = RequestId(f"sim-fetch-{next(self._ids)}")
         if w.engine.kv.hold_new(fid, n) is None:
             return 0
         w.engine.kv.cache_held(fid, list(hashes[in_pool:in_store]), hashes[in_pool - 1] if in_pool else None)
-        _, spilled = self.held(w.node, hashes[in_pool:in_store])  # those past the pool's: what the fetch reads
+        disk = self.disks.get(w.node, {})
+        read_back = sum(h in disk for h in hashes[in_pool:in_store])  # of those the fetch reads, the spilled
         self.offer(w.node, hashes[:in_store])  # a fetch touches what it read (and reads the spilled back)
-        w.engine.extra_s[request_id] = w.engine.extra_s.get(request_id, 0.0) + self.fetch_s(n, spilled)
+        w.engine.extra_s[request_id] = w.engine.extra_s.get(request_id, 0.0) + self.fetch_s(n, read_back)
         self.num_fetched_blocks += n
-        self.num_unspilled_blocks += spilled
+        self.num_unspilled_blocks += read_back
         return n
