@@ -78,17 +78,17 @@ def arm(model_dir: str, trace: Path, n: int, pool_blocks: int, store_mib: int, c
             from kvstore.host import read_stores
 
             stores = read_stores(cluster.redis_url, config.namespace)
-            speeds = tier_speeds(cluster.redis_url, config.namespace)
+            speeds = tier_speeds(cluster.redis_url, config.namespace, config.router.routing.store_fetch_cost)
     return {"bench": "kv_tier_trace", "tier": bool(store_mib), "requests": len(items),
             "pool_blocks": pool_blocks, "store_mib": store_mib, "concurrency": concurrency, **replay_row(result),
             "store_fetched_blocks": sum(s.get("num_fetched", 0) for s in stores),
             "store_evicted_blocks": sum(s.get("num_evicted", 0) for s in stores), "tier_speeds": speeds}
 
 
-def tier_speeds(redis_url: str, namespace: str) -> dict:
+def tier_speeds(redis_url: str, namespace: str, prior: float) -> dict:
     """Each worker's measured fetch line (ms: fixed, per block) and time to compute a block
     (ms), as its last heartbeat gives them to routers, and the share a 10-block hit is priced
-    at (router/policy.py)."""
+    at (router/policy.py; `prior`: the cluster's cost until a worker has measured both)."""
     from control.reader import read_cluster
     from router.policy import store_hit
 
@@ -100,7 +100,7 @@ def tier_speeds(redis_url: str, namespace: str) -> dict:
         out[w] = {"fetch_ms": [round(x * 1e3, 3) for x in s.fetch],
                   "far_fetch_ms": [round(x * 1e3, 3) for x in s.far_fetch],
                   "block_compute_ms": round(s.token_s * bs * 1e3, 3),
-                  "share_10_blocks": round(store_hit(10, s.fetch, s.token_s, bs, 0.1, "").fetch_cost, 3)}
+                  "share_10_blocks": round(store_hit(10, s.fetch, s.token_s, bs, prior, "").fetch_cost, 3)}
     return out
 
 
