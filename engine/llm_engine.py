@@ -370,7 +370,7 @@ class LLMEngine:
         if self.config.step_floor is not None:  # an emulated accelerator: the step lasts its stated time
             floor = self.config.step_floor.seconds(tokens, len(out.scheduled))
             time.sleep(max(started + floor - time.perf_counter(), 0.0))
-        if tokens > sum(1 + s.num_spec_tokens for s in out.scheduled):  # a prompt's chunk in it
+        if not out.decodes_only:  # a prompt's chunk in it
             self.prefill_cost.observe(tokens, time.perf_counter() - started)
         return outputs
 
@@ -384,7 +384,7 @@ class LLMEngine:
         updated = self.scheduler.update_after_step(out, sampled, verified)
         for r in updated:
             self.stop_if_complete(r, len(r.output_token_ids) - num_outputs[r.request_id])
-        if all(s.num_new_tokens - s.num_spec_tokens == 1 for s in out.scheduled) and any(not r.is_finished for r in updated):
+        if out.decodes_only and any(not r.is_finished for r in updated):
             # decodes, some verifying proposals: a sample of the step model (plain decodes) and
             # of the speculator's step cost (rows, KV read), taken at the next step
             self._decode_step = (len(out.scheduled), sum(s.num_new_tokens for s in out.scheduled), kv_tokens, started)

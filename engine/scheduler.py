@@ -46,6 +46,11 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[RequestId] = field(default_factory=list)
 
+    @property
+    def decodes_only(self) -> bool:
+        """Every request computes one token past its proposals: no prompt's chunk in the step."""
+        return all(s.num_new_tokens - s.num_spec_tokens == 1 for s in self.scheduled)
+
 
 class Scheduler:
     def __init__(
