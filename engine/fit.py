@@ -131,7 +131,5 @@ class LinearFit:
 
     def __call__(self, x: float) -> float:
         """The fitted y at x (the samples' mean before x spreads; `floor` before any sample)."""
-        if not self.ready:
-            return self.floor
-        coef = self._line()
-        return max(self._fit.mean() if coef is None else coef[0] + coef[1] * x, self.floor)
+        line = self.line()
+        return self.floor if line is None else max(line[0] + line[1] * x, self.floor)
