@@ -38,15 +38,34 @@ def show_status(args: argparse.Namespace, cluster_redis: Callable[[argparse.Name
                           "controller": controller, "kv_stores": stores}, default=str))
         return 0
     if controller is not None:
-        live = controller["workers"]
-        for role in ("prefill", "decode"):
-            states = sorted(f"{w} {s}" for w, s in live.items() if w.startswith(role))
-            print(f"{role} pool: target {controller['targets'][role]}, {sum(1 for s in states if s.endswith(' serving'))}"
-                  f" serving" + (f" ({', '.join(states)})" if states else ""))
-        if controller.get("decision"):
-            print(f"autoscaler: {controller['decision']}")
-        for action in controller.get("actions", [])[-3:]:
-            print(f"  {action}")
+        print_pools(controller)
+    print_workers(beats)
+    print_routers(routers)
+    print_stores(stores)
+    print_tier_speeds(beats)
+    if controller is None:
+        print("controller: not reporting (its state expired): the cluster is down or starting; `serve`'s console "
+              "says which")
+    if not beats and not routers:
+        print("no workers or routers are reporting (is the cluster running?)")
+    return 0
+
+
+def print_pools(controller: dict) -> None:
+    """Each pool's target and serving workers, the autoscaler's decision and last actions."""
+    live = controller["workers"]
+    for role in ("prefill", "decode"):
+        states = sorted(f"{w} {s}" for w, s in live.items() if w.startswith(role))
+        print(f"{role} pool: target {controller['targets'][role]}, {sum(1 for s in states if s.endswith(' serving'))}"
+              f" serving" + (f" ({', '.join(states)})" if states else ""))
+    if controller.get("decision"):
+        print(f"autoscaler: {controller['decision']}")
+    for action in controller.get("actions", [])[-3:]:
+        print(f"  {action}")
+
+
+def print_workers(beats: dict) -> None:
+    """One row per worker: its state, queue, KV use, prefix hits and speculation."""
     print(f"{'worker':<12}{'role':<9}{'state':<10}{'address':<22}{'running':>8}{'waiting':>8}{'queued tok':>11}"
           f"{'KV used':>16}{'prefix hit':>11}{'spec accepted':>22}")
     for w, hb in sorted(beats.items()):
@@ -58,6 +77,10 @@ def show_status(args: argparse.Namespace, cluster_redis: Callable[[argparse.Name
                 f"({b.spec_num_accepted_tokens / b.spec_num_draft_tokens:.0%})" if b.spec_num_draft_tokens else "-")
         print(f"{w:<12}{hb.role:<9}{hb.state:<10}{hb.address:<22}{b.num_running:>8}{b.num_waiting:>8}"
               f"{b.queued_prefill_tokens:>11}{kv:>16}{hit:>11.0%}{spec:>22}")
+
+
+def print_routers(routers: dict) -> None:
+    """One line per router: admission, KV charged against its budget, outcomes, its feed."""
     for rid, s in sorted(routers.items()):
         hit = s["num_cached_tokens"] / s["num_prompt_tokens"] if s["num_prompt_tokens"] else 0.0
         print(f"{rid} on {s['address']}: {s['num_admitted']} running, {s['num_queued']} queued "
@@ -67,14 +90,6 @@ def show_status(args: argparse.Namespace, cluster_redis: Callable[[argparse.Name
               f"{s.get('num_retries', 0)} retried, prefix hit rate {hit:.0%}, "
               f"Redis feed {'up' if s['redis_healthy'] else 'DOWN'}"
               + (f", workers down: {', '.join(s['down_workers'])}" if s.get("down_workers") else ""))
-    print_stores(stores)
-    print_tier_speeds(beats)
-    if controller is None:
-        print("controller: not reporting (its state expired): the cluster is down or starting; `serve`'s console "
-              "says which")
-    if not beats and not routers:
-        print("no workers or routers are reporting (is the cluster running?)")
-    return 0
 
 
 def print_tier_speeds(beats: dict) -> None:
