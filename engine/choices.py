@@ -16,7 +16,7 @@ decode worker forks with them, so the KV is pushed once.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,6 +39,17 @@ def parent_of(request_id: str) -> tuple[str, int]:
     """(the request's id, the choice) of a choice's id; (the id, 0) for a request's own."""
     parent, sep, index = request_id.rpartition("#")
     return (parent, int(index)) if sep and index.isdigit() else (request_id, 0)
+
+
+def check_id(request_id: str, n: int, in_use: Container[str]) -> None:
+    """Raises InvalidRequestError unless `request_id` and the ids of its `n` choices are all
+    free: a request may not take a choice's form of id (`X#1`, which another request's fork
+    would overwrite), nor fork into ids other requests hold."""
+    if parent_of(request_id)[1] != 0:
+        raise InvalidRequestError(f"request id {request_id!r} has the form of a choice's id (ID#N); use another")
+    taken = [rid for rid in (choice_id(request_id, i) for i in range(n)) if rid in in_use]
+    if taken:
+        raise InvalidRequestError(f"request id {taken[0]!r} is already in use")
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:

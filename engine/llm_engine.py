@@ -39,7 +39,7 @@ from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.tp_followers import Channel
 from engine.output_builder import OutputBuilder
-from engine.choices import Forks, choice_id, first_rows
+from engine.choices import Forks, check_id, choice_id, first_rows
 from engine.request import MAX_CHOICES, FinishReason, Logprob, Request, SamplingParams
 from engine.roles import Role, role_for
 from engine.sampler import Sampler
@@ -292,13 +292,15 @@ class LLMEngine:
         request_id: str | None, priority: int, tenant: str, tenant_weight: float = 1.0,
     ) -> Request:
         params = params or SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
+        check_id(request_id, params.n, self.scheduler.requests)
         token_ids = self._tokenize(prompt)
         vocab = self.model_config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         request = Request(
-            request_id=RequestId(request_id or uuid.uuid4().hex),
+            request_id=RequestId(request_id),
             prompt_token_ids=token_ids,
             params=params,
             arrival_time=self.clock(),

@@ -43,6 +43,9 @@ BlockHashMemo = dict[tuple[str, int], list[bytes]]
 @dataclass
 class Prepared:
     request_id: str
+    """The router's own id for the request, unique in the cluster: what workers, admission and
+    logs know it by. Never a client's: a client's id could name another's request or a choice
+    of one (`X#1`), on a worker that holds them in one namespace."""
     token_ids: list[int]
     params: SamplingParams
     priority: int
@@ -55,6 +58,13 @@ class Prepared:
     block_hashes: BlockHashMemo = dataclasses.field(default_factory=dict, compare=False)
     """The prompt's block hashes per (model id, block size), computed once: at admission
     (cached prefix) and reused by the first try's routing."""
+    client_id: str = ""
+    """The id the client gave (its `request_id`; "" for none): only shown back to it, in its responses."""
+
+    @property
+    def shown_id(self) -> str:
+        """The id the client's responses carry: its own, or the router's when it gave none."""
+        return self.client_id or self.request_id
 
     def attempt(self, n: int, sent: list[int]) -> Attempt:
         """Try `n` (0 first): a later one re-prefills the prompt plus the tokens `sent` and asks for the rest."""

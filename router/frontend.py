@@ -148,7 +148,8 @@ class Frontend:
                                 f"prompt needs {need} KV blocks; the largest decode worker holds {max_decode_blocks}")
         if params.stop and self.tokenizer is None:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "stop strings need a model with a tokenizer")
-        return Prepared(request.request_id or uuid.uuid4().hex, token_ids, params, request.priority, request.tenant)
+        return Prepared(uuid.uuid4().hex, token_ids, params, request.priority, request.tenant,
+                        client_id=request.request_id)
 
     def _tokenize(self, request: pb.GenerateRequest) -> list[int]:
         which = request.WhichOneof("prompt")
@@ -254,7 +255,7 @@ class Responses:
         if done and self.detok is not None:
             text += self.detok.flush()
         params = self.prep.params
-        response = pb.GenerateResponse(request_id=self.prep.request_id, token_ids=sent, text=text,
+        response = pb.GenerateResponse(request_id=self.prep.shown_id, token_ids=sent, text=text,
                                        logprobs=logprobs[:len(sent)] if params.logprobs else [],
                                        top_logprobs=list(top)[:len(sent)] if params.top_logprobs else [],
                                        finish_reason=finish_to_pb(reason))
@@ -267,7 +268,7 @@ class Responses:
     def final(self, reason: int) -> pb.GenerateResponse:
         prep, progress, ms = self.prep, self.progress, 1e3
         return pb.GenerateResponse(
-            request_id=prep.request_id, finish_reason=reason,
+            request_id=prep.shown_id, finish_reason=reason,
             usage=pb.Usage(prompt_tokens=len(prep.token_ids), cached_tokens=progress.num_cached_tokens,
                            completion_tokens=progress.num_sent),
             timing=pb.Timing(queue_ms=(progress.admitted - progress.arrived) * ms,

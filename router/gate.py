@@ -28,9 +28,6 @@ class AdmissionGate:
         self.refusals: Counter[str] = Counter()
         """Requests refused, by reason (`Refused.kind`, and `timeout` for a wait that ran out)."""
 
-    def waiting(self, request_id: str) -> bool:
-        return request_id in self._waiters
-
     async def admit(self, prep: Prepared, deadline: Deadline, cost: int, new_tokens: int = 0,
                     max_new_tokens: int = 0) -> None:
         """Admits the request (`cost` tokens of the budget, `new_tokens` of them output, of at

@@ -53,7 +53,10 @@ class Generation(pb_grpc.GenerationServicer):
         self.api_keys = api_keys
         """The keys a gRPC `Generate` call shows, checked here (`KeyCheck` checks other methods'),
         with the tenant a key names, which replaces the request's."""
-        self._active: set[str] = set()
+        self._named: set[tuple[str, str]] = set()
+        """(tenant, the client's request_id) of the requests running or queued that the client
+        named: a second one of the same name from the same tenant is refused. Another tenant's
+        names are neither visible nor in the way (the workers know requests by the router's ids)."""
         self.itl = ItlWindow(on_gap=metrics.observe_itl if metrics else None)
         self.stats = {"num_requests": 0, "num_refused": 0, "num_invalid": 0, "num_prompt_tokens": 0,
                       "num_cached_tokens": 0}
@@ -113,6 +116,22 @@ class Generation(pb_grpc.GenerationServicer):
 
     async def _generate(self, request: pb.GenerateRequest, progress: Progress, timeout_s: float | None,
                         route: str) -> AsyncIterator[pb.GenerateResponse]:
+        name = (request.tenant, request.request_id)
+        if request.request_id and name in self._named:
+            self.stats["num_invalid"] += 1
+            raise RequestFailed(grpc.StatusCode.ALREADY_EXISTS, f"request id {request.request_id!r} is already running; "
+                                "use a new id")
+        if request.request_id:
+            self._named.add(name)
+        try:
+            async for response in self._serve(request, progress, timeout_s, route):
+                yield response
+        finally:
+            if request.request_id:
+                self._named.discard(name)
+
+    async def _serve(self, request: pb.GenerateRequest, progress: Progress, timeout_s: float | None,
+                              route: str) -> AsyncIterator[pb.GenerateResponse]:
         try:
             prep = progress.prep = dataclasses.replace(await self._prepare(request), route=route)
         except RequestFailed as e:
@@ -127,7 +146,6 @@ class Generation(pb_grpc.GenerationServicer):
             tracing.end(admit, splitserve__refused=e.message)
             self.stats["num_refused"] += 1
             raise
-        self._active.add(prep.request_id)
         try:
             progress.admitted = time.perf_counter()
             out = Choices(prep, progress, [self.frontend.detokenizer(prep) for _ in range(prep.params.n)], self.itl)
@@ -150,7 +168,6 @@ class Generation(pb_grpc.GenerationServicer):
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "the request was cut off inside the router; retry",
                                 1.0) from None
         finally:
-            self._active.discard(prep.request_id)
             self.gate.release(prep.request_id)
 
     @staticmethod
@@ -160,6 +177,7 @@ class Generation(pb_grpc.GenerationServicer):
             return
         prep, route = progress.prep, progress.route
         tracing.end(progress.span, splitserve__request_id=prep.request_id if prep else None,
+                    splitserve__client_request_id=prep.client_id or None if prep else None,
                     splitserve__tenant=prep.tenant if prep else None, splitserve__priority=prep.priority if prep else None,
                     gen_ai__usage__input_tokens=len(prep.token_ids) if prep else None,
                     gen_ai__usage__output_tokens=progress.num_sent, splitserve__cached_tokens=progress.num_cached_tokens,
@@ -183,9 +201,6 @@ class Generation(pb_grpc.GenerationServicer):
         return dataclasses.replace(prep, tenant_weight=self.gate.queue.weight(prep.tenant)), cost
 
     async def _prepare(self, request: pb.GenerateRequest) -> Prepared:
-        rid = request.request_id
-        if rid and (rid in self._active or self.gate.waiting(rid)):
-            raise RequestFailed(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already running; use a new id")
         prepare = functools.partial(self.frontend.prepare, request, self.members.facts, self.members.max_decode_blocks())
         return await self.off_loop.run(prepare) if heavy(request) else prepare()
 

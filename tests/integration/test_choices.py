@@ -87,3 +87,25 @@ def test_a_choice_without_a_block_for_its_copy_recomputes_and_draws_the_same(tin
 def test_n_is_bounded() -> None:
     with pytest.raises(InvalidRequestError, match=r"n must be in \[1, 16\]"):
         SamplingParams(n=17)
+
+
+def test_a_request_id_cannot_take_or_be_taken_by_a_choice(tiny_llama_dir: str) -> None:
+    """`a#1` then `a` with n=2 once killed the engine loop (KeyError in the scheduler's `del` at
+    the fork, which overwrote `a#1`); both orders are now refused up front and the engine runs on."""
+    [prompt] = random_prompts([9], 512, seed=4)
+    e = make_engine(tiny_llama_dir, budget=16)
+    with pytest.raises(InvalidRequestError, match=r"request id 'a#1' has the form of a choice's id"):
+        e.add_request(prompt, SamplingParams(max_tokens=3), request_id="a#1")
+    e.add_request(prompt, SamplingParams(max_tokens=3, n=2), request_id="b")
+    e.add_request(prompt, SamplingParams(max_tokens=3), request_id="c")
+    with pytest.raises(InvalidRequestError, match=r"request id 'c' is already in use"):
+        e.add_request(prompt, SamplingParams(max_tokens=3, n=2), request_id="c")
+    e.add_request(prompt, SamplingParams(max_tokens=3), request_id="d#x")  # not a choice's form: free to use
+    with pytest.raises(InvalidRequestError, match=r"request id 'd#x#1' has the form"):
+        e.add_request(prompt, SamplingParams(max_tokens=3), request_id="d#x#1")
+    done: dict[str, list[int]] = {}
+    while e.has_unfinished():
+        for o in e.step():
+            done.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert sorted(done) == ["b", "b#1", "c", "d#x"] and all(len(t) == 3 for t in done.values())
+    assert e.check_invariants().num_in_use == 0

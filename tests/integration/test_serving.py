@@ -193,6 +193,37 @@ def test_bad_requests_are_invalid_argument(stub, prompt, sampling, message) -> N
     assert message in e.value.details()
 
 
+def _named(prompt: list[int], request_id: str, tenant: str = "", **sampling) -> pb.GenerateRequest:  # type: ignore[no-untyped-def]
+    req = pb.GenerateRequest(request_id=request_id, tenant=tenant, sampling=pb.SamplingParams(**sampling))
+    req.token_ids.ids.extend(prompt)
+    return req
+
+
+def test_client_request_ids_never_meet_a_workers_ids(stub, tiny_llama_dir: str) -> None:  # type: ignore[no-untyped-def]
+    """`a#1` beside `a` with n=2 once overwrote a choice on the worker and killed its engine loop.
+    Client ids are now only shown back: each caller gets its own tokens under its own id; a name
+    is refused (ALREADY_EXISTS) only beside a running request of the same tenant."""
+    [prompt] = prompts(8, 1, 20)
+    # 20 + 2 x 400 tokens of the 1,000-token budget: "a" runs for a while, and the others fit beside it
+    first = stub.Generate(_named(prompt, "a", n=2, max_tokens=400, ignore_eos=True), timeout=120)
+    head = next(first)  # "a" runs (its choices forked) while the others come
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(_named(prompt, "a", max_tokens=2), timeout=60))
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "'a' is already running" in e.value.details()
+    mine = list(stub.Generate(_named(prompt, "a#1", max_tokens=5, ignore_eos=True), timeout=60))
+    assert {r.request_id for r in mine} == {"a#1"} and {r.choice for r in mine} == {0}
+    other = list(stub.Generate(_named(prompt, "a", tenant="t2", max_tokens=3, ignore_eos=True), timeout=60))
+    assert {r.request_id for r in other} == {"a"} and len(tokens_of(other)) == 3
+    assert tokens_of(mine) == make_engine(tiny_llama_dir, block_size=16).generate(
+        [prompt], SamplingParams(max_tokens=5, ignore_eos=True))[0].token_ids
+    rest = [head, *first]
+    assert {r.request_id for r in rest} == {"a"}
+    per_choice = {c: [t for r in rest if r.choice == c for t in r.token_ids] for c in (0, 1)}
+    assert {c: len(t) for c, t in per_choice.items()} == {0: 400, 1: 400}
+    again = list(stub.Generate(_named(prompt, "a", max_tokens=2, ignore_eos=True), timeout=60))  # the name is free again
+    assert len(tokens_of(again)) == 2
+
+
 def test_overload_is_refused_early_with_retry_hint(stub) -> None:  # type: ignore[no-untyped-def]
     # Each request costs 10 + 400 tokens of the router's 1000-token budget: 2 run, 3 queue, the rest are refused.
     def one(i: int):  # type: ignore[no-untyped-def]

@@ -115,7 +115,7 @@ def test_a_cancellation_from_below_ends_the_call_with_a_status() -> None:
     context = Context()
 
     async def call() -> None:
-        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7]), sampling=pb.SamplingParams(max_tokens=2))
+        request = pb.GenerateRequest(request_id="r", token_ids=pb.TokenIds(ids=[5, 6, 7]), sampling=pb.SamplingParams(max_tokens=2))
         with pytest.raises(Aborted):
             async for _ in service.Generate(request, context):  # type: ignore[arg-type]
                 pass
@@ -123,4 +123,4 @@ def test_a_cancellation_from_below_ends_the_call_with_a_status() -> None:
     asyncio.run(call())
     assert context.status == (grpc.StatusCode.UNAVAILABLE, "the request was cut off inside the router; retry")
     assert context.trailers == (("retry-after-ms", "1000"),)
-    assert gate.queue.num_admitted == 0 and not service._active  # released
+    assert gate.queue.num_admitted == 0 and not service._named  # released
