@@ -23,7 +23,7 @@ import grpc
 
 from router.api_keys import ApiKeys, KeyCheck
 from router.frontend import Frontend
-from tests.integration.test_http_hostile import DEADLINES, Served, closed_within, raw
+from tests.integration.test_http_hostile import DEADLINES, FLOODS, Served, _refusal_s, closed_within, raw
 
 KEY = "sk-bench-0123456789"
 
@@ -118,6 +118,22 @@ def ref_schema(served: Served, model: str) -> Callable[[], None]:
     return run
 
 
+def floods(served: Served, config: dict) -> None:
+    """Each of the test suite's floods (a list or map far past its limit): the refusal's time
+    after the body's last byte, and the loop's worst stall meanwhile; one JSON line each."""
+    facts = served.members.facts
+    served.members.facts = facts.__class__(**{**_facts(served), "max_model_len": 64})
+    for path, body, _ in FLOODS:
+        data = json.dumps(body, separators=(",", ":")).encode().replace(b"\\\\u006f", b"\\u006f")
+        served.lateness = []
+        took, answer = _refusal_s(served.port, path, data)
+        lat = max(served.lateness, default=0.0)
+        print(json.dumps({"case": f"flood {path} {next(iter(body.keys() - {'prompt'}), 'prompt')}",
+                          "body_bytes": len(data), "status": int(answer[9:12]), "refused_ms": round(took * 1e3, 2),
+                          "stall_max_ms": round(lat * 1e3, 2), "config": config}), flush=True)
+    served.members.facts = facts
+
+
 def wrong_keys(served: Served) -> Callable[[], None]:
     return lambda: [served.call("GET", "/v1/models") for _ in range(1000)] and None
 
@@ -180,6 +196,7 @@ def main() -> None:
                              ("slowloris_200", slowloris(served)), ("idle_connections_10000", idle_flood(served)),
                              ("ref_schema_60kb", ref_schema(served, model))):
             print(json.dumps({"case": name, **lateness(served, attack), "config": config}), flush=True)
+        floods(served, config)
         served.members.facts = served.members.facts.__class__(**{**_facts(served), "max_model_len": 64})
         plain = statistics.median(http_request_cost(served, args.requests // 5, None) for _ in range(5))
     finally:

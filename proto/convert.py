@@ -1,7 +1,8 @@
 """Hand-written: conversions between the proto messages and the engine's dataclasses (one place)."""
 from __future__ import annotations
 
-from engine.request import Constraint, FinishReason, PromptLogprob, SamplingParams, TopLogprobs
+from engine.request import (MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, Constraint, FinishReason,
+                            PromptLogprob, SamplingParams, TopLogprobs)
 from engine.types import InvalidRequestError
 from kvfabric.address import FabricAddress, Ticket
 from kvfabric.config import TRANSPORTS
@@ -17,7 +18,14 @@ _FINISH_FROM_PB = {code: name for name, code in _FINISH_NAMES.items()}
 
 
 def sampling_from_pb(s: pb.SamplingParams, keep_stop_strings: bool = True) -> SamplingParams:
-    """Unset fields take SamplingParams' defaults; bad values raise InvalidRequestError."""
+    """Unset fields take SamplingParams' defaults; bad values raise InvalidRequestError (lists
+    past the engine's limits before they are converted: a million logit_bias entries cost
+    seconds to sort and check, their count nothing)."""
+    for name, what, limit in (("stop", "stop strings", MAX_STOP_STRINGS),
+                              ("stop_token_ids", "stop_token_ids", MAX_STOP_TOKEN_IDS),
+                              ("logit_bias", "logit_bias tokens", MAX_LOGIT_BIAS)):
+        if len(getattr(s, name)) > limit:
+            raise InvalidRequestError(f"at most {limit} {what}, got {len(getattr(s, name))}")
     d = SamplingParams()
     return SamplingParams(
         max_tokens=s.max_tokens if s.HasField("max_tokens") else d.max_tokens,

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import functools
 import statistics
+import threading
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from tokenizers import Tokenizer
 from control.heartbeat import ModelFacts
 from engine.detokenizer import IncrementalDetokenizer
 from engine.structured import Grammars
+from engine.request import SamplingParams
 from engine.types import InvalidRequestError
 from proto import generate_pb2 as pb
 from proto.convert import finish_to_pb, sampling_from_pb
@@ -57,6 +59,10 @@ def check_vocabulary(token_ids: list[int], vocab_size: int, what: str = "token i
 
 OFF_LOOP_CHARS = 16384
 """Text (a prompt, a conversation) longer than this is rendered and tokenized off the event loop."""
+CHECKED_SAMPLINGS = 64
+CHECKED_SAMPLING_BYTES = 256 << 10
+"""Sampling messages whose verdict the router keeps (`Frontend._sampling`), each of at most
+so many bytes (a valid one is well under: 16 stop strings, 1,024 biases, a 64 KiB constraint)."""
 OFF_LOOP_CONSTRAINT_CHARS = 1024
 """A constraint longer than this is checked off the event loop (a schema's check grows with it)."""
 
@@ -75,6 +81,8 @@ class Frontend:
         self.grammars = Grammars(None, 0, [])
         """Constraints are compiled here first (syntax, schema, limits; no masks), so a bad one
         is refused before any work; the workers compile them again against the tokenizer."""
+        self._checked: OrderedDict[bytes, SamplingParams | InvalidRequestError] = OrderedDict()
+        self._lock = threading.Lock()  # prepare runs on the loop and on OffLoop's threads
 
     def chat_token_ids(self, messages: list[dict[str, Any]], max_model_len: int, add_generation_prompt: bool = True,
                        template_kwargs: dict[str, Any] | None = None) -> list[int]:
@@ -130,9 +138,7 @@ class Frontend:
         facts = serving_facts(facts)
         try:
             _check_fields(request, facts)
-            params = sampling_from_pb(request.sampling)
-            if params.constraint is not None:
-                self.grammars.check(params.constraint)
+            params = self._sampling(request.sampling)
             token_ids = self._tokenize(request)
             check_vocabulary(token_ids, facts.vocab_size)
             check_vocabulary([t for t, _ in params.logit_bias], facts.vocab_size, "logit_bias token ids")
@@ -150,6 +156,31 @@ class Frontend:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "stop strings need a model with a tokenizer")
         return Prepared(uuid.uuid4().hex, token_ids, params, request.priority, request.tenant,
                         client_id=request.request_id)
+
+    def _sampling(self, sampling: pb.SamplingParams) -> SamplingParams:
+        """The request's sampling, converted and its constraint checked once for all the
+        prompts that share it (a completion's up to 128): the verdict is kept, keyed by the
+        message's bytes, for the last CHECKED_SAMPLINGS kinds seen."""
+        key = sampling.SerializeToString(deterministic=True)
+        with self._lock:
+            verdict = self._checked.get(key)
+            if verdict is not None:
+                self._checked.move_to_end(key)
+        if verdict is None:
+            try:
+                verdict = sampling_from_pb(sampling)
+                if verdict.constraint is not None:
+                    self.grammars.check(verdict.constraint)
+            except InvalidRequestError as e:
+                verdict = e
+            with self._lock:
+                if len(key) <= CHECKED_SAMPLING_BYTES:
+                    self._checked[key] = verdict
+                while len(self._checked) > CHECKED_SAMPLINGS:
+                    self._checked.popitem(last=False)
+        if isinstance(verdict, InvalidRequestError):
+            raise InvalidRequestError(str(verdict))
+        return verdict
 
     def _tokenize(self, request: pb.GenerateRequest) -> list[int]:
         which = request.WhichOneof("prompt")
@@ -185,6 +216,9 @@ def _check_fields(request: pb.GenerateRequest, facts: ModelFacts) -> None:
     if request.WhichOneof("prompt") == "text" and len(request.text) > MAX_TEXT_CHARS_PER_TOKEN * facts.max_model_len:
         raise InvalidRequestError(f"prompt text has {len(request.text)} characters; the model's context is "
                                   f"{facts.max_model_len} tokens")
+    if len(request.token_ids.ids) >= facts.max_model_len:  # before the ids are copied and checked one by one
+        raise InvalidRequestError(f"prompt has {len(request.token_ids.ids)} tokens; the model's context is "
+                                  f"{facts.max_model_len} tokens, so the prompt must be shorter than that")
 
 
 def runs_to_the_end(prep: Prepared) -> bool:

@@ -39,7 +39,7 @@ from router.frontend import (MAX_TEXT_CHARS_PER_TOKEN, NOT_SERVING, OFF_LOOP_CHA
 from router.members import Members
 from router.openai_output import Output, best, merged, new_id, sum_usage
 from router.openai_protocol import (BadRequest, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                                    messages_as_dicts, parse, prompts_of, to_generate)
+                                    messages_as_dicts, parse, prompts_of, to_generate, with_prompt)
 from router.servicer import Generation
 from router.reasoning import ReasoningParser
 from router.reasoning import parser_for_template as reasoning_for_template
@@ -49,6 +49,8 @@ logger = logging.getLogger(__name__)
 
 TOKENIZE_MAX_MODEL_LEN = 1 << 17
 """/tokenize before any worker reported the model's context: the text limit as for this context."""
+OFF_LOOP_TOKENS = 4096
+"""/detokenize of more tokens than this runs off the event loop."""
 
 
 class ModelNotFound(Exception):
@@ -140,11 +142,11 @@ class OpenAIServer:
 
     # -- generation ------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = parse(CompletionRequest, await self.bodies.read(request))
+        req = parse(CompletionRequest, self._prescanned(await self.bodies.read(request)))
         model = self._check_model(req.model)
         rid = new_id("completion")
         prompts = prompts_of(req.prompt)
-        constraint = constraint_of(req)
+        base = to_generate(req, req.request_id or rid, [], None, constraint_of(req))  # once, whatever the prompts
         parts = []
         choices = max(req.n, req.best_of or 1)  # best_of: that many drawn, the n likeliest returned
         for i, prompt in enumerate(prompts):
@@ -152,7 +154,7 @@ class OpenAIServer:
             if req.echo or req.prompt_logprobs is not None:  # the prompt's tokens are returned: tokenized here
                 prompt_ids, text = await self._prompt(prompt)
             request_id = (req.request_id or rid) + (f"-{i}" if len(prompts) > 1 else "")
-            generate = to_generate(req, request_id, prompt_ids if prompt_ids is not None else prompt, None, constraint)
+            generate = with_prompt(base, request_id, prompt_ids if prompt_ids is not None else prompt)
             parts.append((generate, [Output(
                 "completion", rid, model, req.logprobs is not None, self._token_text,
                 return_token_ids=req.return_token_ids, prompt_ids=prompt_ids, echo=text if req.echo else None,
@@ -172,8 +174,7 @@ class OpenAIServer:
             raise BadRequest(str(e), "prompt") from None
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await self.bodies.read(request)
-        self.limits.prescan(body)
+        body = self._prescanned(await self.bodies.read(request))
         req = parse(ChatRequest, body)
         self.limits.check(req)
         model = self._check_model(req.model)
@@ -330,8 +331,7 @@ class OpenAIServer:
         return web.json_response({"version": _version()}, dumps=dumps)
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        body = await self.bodies.read(request)
-        self.limits.prescan(body)
+        body = self._prescanned(await self.bodies.read(request))
         req = parse(TokenizeRequest, body)
         self.limits.check(req)
         self._check_model(req.model)
@@ -360,16 +360,21 @@ class OpenAIServer:
                                   "tokens": ids}, dumps=dumps)
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        req = parse(DetokenizeRequest, await self.bodies.read(request))
+        req = parse(DetokenizeRequest, self._prescanned(await self.bodies.read(request)))  # tokens: at most the context
         self._check_model(req.model)
         try:
             check_vocabulary(req.tokens, self.members.facts.vocab_size if self.members.facts else 1 << 32)
+            decode = functools.partial(self.frontend.decode, req.tokens)
+            text = await self.off_loop.run(decode) if len(req.tokens) > OFF_LOOP_TOKENS else decode()
         except InvalidRequestError as e:
             raise BadRequest(str(e), "tokens") from None
-        try:
-            return web.json_response({"prompt": self.frontend.decode(req.tokens)}, dumps=dumps)
-        except InvalidRequestError as e:
-            raise BadRequest(str(e)) from None
+        return web.json_response({"prompt": text}, dumps=dumps)
+
+    def _prescanned(self, body: bytes) -> bytes:
+        """The body, once its lists and maps are within their limits (router/request_limits.py)."""
+        facts = self.members.facts
+        self.limits.prescan(body, facts.max_model_len if facts else TOKENIZE_MAX_MODEL_LEN)
+        return body
 
     def _check_model(self, model: str | None) -> str:
         name = self.model_name

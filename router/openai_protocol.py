@@ -276,11 +276,24 @@ def to_generate(req: CompletionRequest | ChatRequest, request_id: str, prompt: s
         sampling.constraint.kind, sampling.constraint.value = constraint
     out = pb.GenerateRequest(request_id=request_id, sampling=sampling, tenant=req.user or "",
                              priority=_within(req.priority, "priority", -INT32_MAX, INT32_MAX))
+    _set_prompt(out, prompt)
+    return out
+
+
+def with_prompt(base: pb.GenerateRequest, request_id: str, prompt: str | list[int]) -> pb.GenerateRequest:
+    """`base` (to_generate's, converted once) for another of a request's prompts."""
+    out = pb.GenerateRequest()
+    out.CopyFrom(base)
+    out.request_id = request_id
+    _set_prompt(out, prompt)
+    return out
+
+
+def _set_prompt(out: pb.GenerateRequest, prompt: str | list[int]) -> None:
     if isinstance(prompt, str):
         out.text = prompt
-    else:
+    elif prompt:
         out.token_ids.ids.extend(_token_ids(prompt, "prompt"))
-    return out
 
 
 def _refuse_unsupported(req: CompletionRequest | ChatRequest) -> None:

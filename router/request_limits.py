@@ -1,11 +1,15 @@
 """How much one OpenAI request may ask the router to parse, render and tokenize.
 
-    body bytes --prescan (one C scan, before any parse: a flood of messages is refused in
-               milliseconds, not after seconds of validation)--> parse
-    request    --check (messages, tools, names, chat_template_kwargs)--> render, tokenize
+    body bytes --prescan (router/json_shape.py, before any parse: every list and map counted
+               against its limit, a flood refused a few KiB into it)--> parse
+    request    --check (names, chat_template_kwargs)--> render, tokenize
 
-Each limit is a flag (`serve` / `router`); a request past one is a 400 naming the field and
-the flag. The text itself is bounded by the model's context (router/frontend.py). Torch-free.
+Lists and maps: messages (and a message's parts) and tools by their flags, token id lists
+(a prompt, /detokenize's tokens) by the model's context, stop strings, stop token ids and
+logit_bias by the engine's own limits (engine/request.py), a completion's prompts by
+MAX_PROMPTS, anything else by `max_items`. A request past one is a 400 naming the field (and
+the flag, where one sets it). The text itself is bounded by the model's context
+(router/frontend.py). Torch-free.
 """
 from __future__ import annotations
 
@@ -14,7 +18,16 @@ from typing import Any
 
 import orjson
 
-from router.openai_protocol import BadRequest, ChatRequest, Message, TokenizeRequest
+from engine.request import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from router.json_shape import Shape, TooMany
+from router.openai_protocol import MAX_PROMPTS, BadRequest, ChatRequest, Message, TokenizeRequest
+
+FLAGS = {("messages",): "--max-messages", ("messages", "*", "content"): "--max-messages",
+         ("tools",): "--max-tools", ("messages", "*", "tool_calls"): "--max-tools"}
+NOUNS = {("messages",): "messages", ("messages", "*", "content"): "content parts", ("tools",): "tools",
+         ("messages", "*", "tool_calls"): "tool calls", ("stop",): "stop strings", ("logit_bias",): "tokens",
+         ("prompt",): "prompts"}
+TOKEN_LISTS = (("prompt",), ("prompt", "*"), ("tokens",), ("stop_token_ids",))
 
 
 @dataclass(frozen=True)
@@ -27,25 +40,41 @@ class RequestLimits:
     """A message's `name`, a function's name, a tool call's id: OpenAI's 64 characters."""
     max_template_kwargs_bytes: int = 16384
     """chat_template_kwargs, as JSON (--max-template-kwargs-bytes)."""
+    max_items: int = 4096
+    """Any other list or map of a request (a schema's properties, guided_choice's options...)."""
+    max_depth: int = 64
+    """Lists and maps inside one another, the body's own object counted."""
 
     def __post_init__(self) -> None:
-        for name in ("max_messages", "max_tools", "max_name_chars", "max_template_kwargs_bytes"):
+        for name in ("max_messages", "max_tools", "max_name_chars", "max_template_kwargs_bytes", "max_items",
+                     "max_depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
-    def prescan(self, body: bytes) -> None:
-        """Refuses a body that holds more messages than allowed, before it is parsed: every
-        message has a "role" key, so counting the key bounds them (a string value "role"
-        counts too, so the count can only be over, never under)."""
-        if body.count(b'"role"') > self.max_messages:
-            raise BadRequest(f"the request holds more than {self.max_messages} messages (--max-messages)", "messages")
+    def prescan(self, body: bytes, max_model_len: int) -> None:
+        """Refuses a body with a list or map past its limit, before it is parsed (token id
+        lists are bounded by the model's context, `max_model_len`)."""
+        try:
+            self.shape(max_model_len).check(body)
+        except TooMany as e:
+            where = ".".join(e.path)
+            flag = f" ({FLAGS[e.path]})" if e.path in FLAGS else ""
+            noun = "token ids" if e.what == "numbers" and e.path in TOKEN_LISTS else \
+                NOUNS.get(e.path, e.what) if e.what != "numbers" else e.what
+            raise BadRequest(f"{where or 'the body'} holds more than {e.limit} {noun}{flag}",
+                             e.path[0] if e.path else None) from None
+
+    def shape(self, max_model_len: int) -> Shape:
+        tokens = max_model_len  # a prompt of as many is refused later, with its own message
+        return Shape({("messages",): self.max_messages, ("messages", "*", "content"): self.max_messages,
+                      ("messages", "*", "tool_calls"): self.max_tools, ("tools",): self.max_tools,
+                      ("stop",): MAX_STOP_STRINGS, ("logit_bias",): MAX_LOGIT_BIAS, ("prompt",): MAX_PROMPTS},
+                     {**dict.fromkeys(TOKEN_LISTS, tokens), ("stop_token_ids",): MAX_STOP_TOKEN_IDS},
+                     self.max_items, self.max_depth)
 
     def check(self, req: ChatRequest | TokenizeRequest) -> None:
-        messages = req.messages or []
-        if len(messages) > self.max_messages:
-            raise BadRequest(f"the request holds {len(messages)} messages; at most {self.max_messages} "
-                             "(--max-messages)", "messages")
-        for i, m in enumerate(messages):
+        """What the prescan cannot count: names' lengths, chat_template_kwargs' size."""
+        for i, m in enumerate(req.messages or []):
             self._check_message(i, m)
         if isinstance(req, ChatRequest):
             self._check_tools(req.tools or [])
@@ -61,8 +90,6 @@ class RequestLimits:
                                  "messages")
 
     def _check_tools(self, tools: list[dict[str, Any]]) -> None:
-        if len(tools) > self.max_tools:
-            raise BadRequest(f"the request holds {len(tools)} tools; at most {self.max_tools} (--max-tools)", "tools")
         for i, tool in enumerate(tools):
             function = tool.get("function")
             name = function.get("name") if isinstance(function, dict) else None

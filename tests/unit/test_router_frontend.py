@@ -94,3 +94,37 @@ def test_a_prompt_under_a_sliding_window_needs_only_its_window_s_blocks_on_a_dec
 def test_logit_bias_outside_the_vocabulary_is_refused_by_name() -> None:
     with pytest.raises(RequestFailed, match=r"logit_bias token ids \[1000\] are outside the model's vocabulary"):
         prepare(sampling=pb.SamplingParams(logit_bias={1000: 1.0, 5: 2.0}))
+
+
+def test_the_prompts_of_one_request_convert_and_check_their_sampling_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A completion of 128 prompts once converted and checked its sampling (a 1,000-entry
+    logit_bias, a schema) 128 times on the event loop; the verdict is now kept for the rest."""
+    import router.frontend as frontend_module
+
+    calls = []
+    real = frontend_module.sampling_from_pb
+    monkeypatch.setattr(frontend_module, "sampling_from_pb", lambda s: calls.append(1) or real(s))
+    front = Frontend(None)
+    sampling = pb.SamplingParams(logit_bias={i: 1.0 for i in range(1000)}, stop_token_ids=[1, 2],
+                                 constraint=pb.Constraint(kind="json_schema", value='{"type": "object"}'))
+    preps = [front.prepare(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, i + 3]), sampling=sampling), FACTS, 64)
+             for i in range(128)]
+    assert len(calls) == 1 and len({p.request_id for p in preps}) == 128
+    assert preps[0].params is preps[127].params and len(preps[0].params.logit_bias) == 1000
+    bad = pb.SamplingParams(constraint=pb.Constraint(kind="json_schema", value="{not json"))
+    for _ in range(3):  # a refusal is kept as well: the same message, no second check
+        with pytest.raises(RequestFailed, match="the JSON schema is not JSON"):
+            front.prepare(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5]), sampling=bad), FACTS, 64)
+    assert len(calls) == 2
+
+
+def test_lists_past_the_engines_limits_are_refused_before_they_are_converted() -> None:
+    import time
+
+    sampling = pb.SamplingParams(logit_bias={i: 1.0 for i in range(300_000)})
+    t0 = time.perf_counter()
+    with pytest.raises(RequestFailed, match="at most 1024 logit_bias tokens, got 300000"):
+        prepare(sampling=sampling)
+    with pytest.raises(RequestFailed, match="prompt has 100000 tokens; the model's context is 512"):
+        prepare(ids=[5] * 100_000)
+    assert time.perf_counter() - t0 < 1.0  # counted, not converted (converting took seconds)
