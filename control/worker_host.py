@@ -57,14 +57,36 @@ def engine_died(worker_id: str) -> Callable[[BaseException], None]:
     return die
 
 
+class NoRoom(Exception):
+    """The worker has no room for the request now (KV blocks): elsewhere, or later."""
+
+
+class NotHere(Exception):
+    """The worker cannot serve the request as it was routed (a decode worker that takes no
+    pushed KV asked to take a prompt's): another worker can."""
+
+
+class Stalled(Exception):
+    """The request's next event did not come within the worker's idle bound."""
+
+
 def status_for(e: BaseException) -> tuple[grpc.StatusCode, str]:
-    """A worker-side failure of one request as (status code, message for the router)."""
+    """A worker-side failure of one request as (status code, message for the router). Every
+    status here is answered by a live worker; the router's `failure_for` (router/clients.py)
+    marks a worker down only for UNAVAILABLE (it is stopping) and for the channel's own
+    failures."""
     if isinstance(e, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(e)
     if isinstance(e, FabricError):
         return grpc.StatusCode.ABORTED, f"KV transfer failed: {e}"
     if isinstance(e, EngineStopped):
         return grpc.StatusCode.UNAVAILABLE, str(e) or "the worker is stopping"
+    if isinstance(e, NoRoom):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
+    if isinstance(e, NotHere):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(e)
+    if isinstance(e, Stalled):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(e)
     return grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
 
 
@@ -78,7 +100,7 @@ async def next_event(events: asyncio.Queue[T], context: grpc.aio.ServicerContext
     try:
         return await asyncio.wait_for(events.get(), STREAM_IDLE_TIMEOUT_S)
     except TimeoutError:
-        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{what}: nothing for {STREAM_IDLE_TIMEOUT_S:.0f} s")
+        await context.abort(*status_for(Stalled(f"{what}: nothing for {STREAM_IDLE_TIMEOUT_S:.0f} s")))
         raise  # abort raises; this line is for the type checker
 
 

@@ -28,8 +28,8 @@ from control import tracing
 from control.auth import cluster_token
 from control.heartbeat import ModelFacts
 from control.worker_config import WorkerConfig, on_this_node
-from control.worker_host import (HostedWorker, WorkerHost, engine_died, engine_load_reader, next_event,
-                                 status_for)
+from control.worker_host import (HostedWorker, NoRoom, NotHere, WorkerHost, engine_died, engine_load_reader,
+                                 next_event, status_for)
 from decode_worker.kv_receive import Landed, RemoteFailure, RemoteKV
 from engine.choices import parent_of
 from engine.engine_loop import EngineLoop, freeze_startup_heap
@@ -126,7 +126,7 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
         if (refusal := self.host.refusal(rid, self._requests)) is not None:
             await context.abort(*refusal)
         if self.remote.refusal is not None and not request.local_prefill:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.remote.refusal)
+            await context.abort(*status_for(NotHere(f"{self.worker_id} takes no pushed KV: {self.remote.refusal}")))
         state = self._requests[rid] = _Decode(rid, max(request.sampling.n, 1))
         parent = tracing.extract(context.invocation_metadata())
         span = tracing.child("decode.stream", parent, tracing.SpanKind.SERVER, splitserve__request_id=rid) \
@@ -213,8 +213,8 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
         except Exception as e:  # noqa: BLE001 - every failure becomes the call's status
             await context.abort(*status_for(e))
         if ticket is None:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"{self.worker_id} has no free KV blocks for a {len(prompt)}-token prompt now")
+            await context.abort(*status_for(NoRoom(f"{self.worker_id} has no free KV blocks for a {len(prompt)}-token "
+                                                   "prompt now")))
         return pb.Reserved(ticket=ticket_to_pb(ticket),
                            num_cached_tokens=ticket.num_skip_blocks * self.config.block_size)
 

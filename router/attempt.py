@@ -16,6 +16,10 @@ from engine.request import SamplingParams
 from proto import generate_pb2 as pb
 
 
+CUT_OFF = "the request was cut off inside the router; retry"
+"""A request cancelled from below (a bug, not the client): UNAVAILABLE with this message."""
+
+
 class RequestFailed(Exception):
     """Ends a Generate stream with `code`; `retry_after_s` becomes trailing metadata."""
 

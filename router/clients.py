@@ -48,6 +48,11 @@ class Streams(Protocol):
         ...
 
 
+ALIVE_CODES = frozenset({grpc.StatusCode.ABORTED, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INTERNAL,
+                         grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED})
+"""Statuses a worker answers a request's call with while it serves on: another try goes elsewhere, the worker stays."""
+
+
 def failure_for(worker_id: str, code: grpc.StatusCode, details: str) -> RequestFailed:
     """The one map from a worker's status to what the router does with the request."""
     what = f"{worker_id}: {details}"
@@ -55,11 +60,12 @@ def failure_for(worker_id: str, code: grpc.StatusCode, details: str) -> RequestF
         return RequestFailed(code, what)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # no room there now: elsewhere, or later
         return WorkerFailed(worker_id, code, what, down=False, retry_after_s=1.0)
-    # ABORTED: the request's KV transfer failed; INTERNAL/UNKNOWN: a fault there hit this
-    # request; DEADLINE_EXCEEDED: the request stalled there (the worker's own idle bound,
-    # control/worker_host.py); the worker itself still serves. Anything else: it is gone or unreachable.
-    down = code not in (grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
-                        grpc.StatusCode.DEADLINE_EXCEEDED)
+    # The worker answered and still serves (control/worker_host.py's `status_for`): ABORTED,
+    # the request's KV transfer failed; FAILED_PRECONDITION, it cannot serve the request as
+    # routed; INTERNAL/UNKNOWN, a fault there hit this request; DEADLINE_EXCEEDED, the request
+    # stalled there (the worker's idle bound). Anything else (UNAVAILABLE: it is stopping, or
+    # the channel's own failures): it is gone or unreachable.
+    down = code not in ALIVE_CODES
     return WorkerFailed(worker_id, grpc.StatusCode.UNAVAILABLE, what, down=down, retry_after_s=1.0 if down else None)
 
 

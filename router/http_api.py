@@ -27,7 +27,7 @@ import grpc
 from aiohttp import web
 
 from engine.types import InvalidRequestError
-from router.attempt import RequestFailed
+from router.attempt import CUT_OFF, RequestFailed
 from router.constraints import AutoToolOutput, ToolCallOutput, constraint_of, tool_plan
 from router.http_guard import HttpGuard, identity
 from router.http_connections import BodyReader, ConnectionGuard, HttpDeadlines
@@ -271,9 +271,13 @@ class OpenAIServer:
             try:
                 async for r in responses:
                     await queue.put((i, r))
-            except RequestFailed as e:
-                await queue.put((i, e))
-            await queue.put((i, None))
+            except Exception as e:  # noqa: BLE001 - a RequestFailed, or a fault below: the client is told
+                queue.put_nowait((i, e))
+            except asyncio.CancelledError:  # cancelled from below (this stream's own end cancels no pump it reads)
+                queue.put_nowait((i, RequestFailed(grpc.StatusCode.UNAVAILABLE, CUT_OFF)))
+                raise
+            finally:
+                queue.put_nowait((i, None))  # however it ends, the stream below is done
 
         for i, first in enumerate(firsts):
             queue.put_nowait((i, first))
@@ -285,7 +289,7 @@ class OpenAIServer:
                 if r is None:
                     running -= 1
                     continue
-                if isinstance(r, RequestFailed):
+                if isinstance(r, BaseException):
                     raise r
                 out = routed[i][r.choice]
                 out.add(r)
@@ -298,12 +302,16 @@ class OpenAIServer:
                 if len(outs) > 1:
                     usage["usage"] = sum_usage([o.usage for o in outs if o.usage is not None])
                 await resp.write(sse(usage))
-        except RequestFailed as e:  # mid-stream: an error event, then [DONE]
-            status = HTTP_STATUS.get(e.code, 500)
-            await resp.write(sse({"error": {"message": e.message, "type": ERROR_TYPES.get(status, "internal_error"),
-                                             "param": None, "code": status}}))
         except ConnectionResetError:  # the client went away: closing the streams cancels the requests
             return resp
+        except Exception as e:  # noqa: BLE001 - mid-stream: an error event, then [DONE], whatever failed
+            if not isinstance(e, RequestFailed):  # a fault of ours (a conversion, a bug below): logged
+                logger.exception("%s %s failed mid-stream", request.method, request.path)
+                e = RequestFailed(grpc.StatusCode.INTERNAL, "internal error in the router (logged); retry")
+            status = HTTP_STATUS.get(e.code, 500)
+            with contextlib.suppress(ConnectionResetError):
+                await resp.write(sse({"error": {"message": e.message, "type": ERROR_TYPES.get(status, "internal_error"),
+                                                 "param": None, "code": status}}))
         finally:
             for t in tasks:
                 t.cancel()

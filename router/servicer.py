@@ -24,7 +24,7 @@ from proto import generate_pb2_grpc as pb_grpc
 from proto.convert import finish_name_from_pb
 from control import tracing
 from router.api_keys import ApiKeys, Unauthenticated, authorization
-from router.attempt import Deadline, Prepared, Progress, RequestFailed
+from router.attempt import CUT_OFF, Deadline, Prepared, Progress, RequestFailed
 from router.flow import RequestFlow
 from router.choices import Choices
 from router.frontend import Frontend, ItlWindow, heavy, output_tokens, runs_to_the_end
@@ -165,8 +165,7 @@ class Generation(pb_grpc.GenerationServicer):
                 raise  # the client went away, or the server is stopping
             # a cancellation from below (a bug): the client gets a status now, not silence until its deadline
             logger.exception("request %s: cancelled inside the router", prep.request_id)
-            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "the request was cut off inside the router; retry",
-                                1.0) from None
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, CUT_OFF, 1.0) from None
         finally:
             self.gate.release(prep.request_id)
 

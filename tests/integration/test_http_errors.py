@@ -114,3 +114,86 @@ def test_a_worker_status_is_read_as_the_worker_meant_it(code: grpc.StatusCode, d
 
     failure = failure_for("decode-0", code, "decode-0: nothing for 120 s")
     assert isinstance(failure, WorkerFailed) and failure.down is down
+
+
+class Recorded(Generation):
+    """`Generation` that also records how each stream ended: closed (its request cancelled,
+    which frees its blocks on every worker) or run to its end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open = 0
+
+    async def stream(self, request: pb.GenerateRequest, headers: Any, timeout_s: Any,
+                     route: str = "") -> AsyncIterator[pb.GenerateResponse]:
+        self.open += 1
+        try:
+            async for r in super().stream(request, headers, timeout_s, route):
+                yield r
+        finally:
+            self.open -= 1
+
+
+def choice_token(i: int, text: str, choice: int) -> pb.GenerateResponse:
+    return pb.GenerateResponse(request_id="r", token_ids=[i], text=text, choice=choice)
+
+
+WHERE = ["first", "midway", "usage"]
+
+
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_fault_mid_stream_ends_it_with_an_error_event_then_done(monkeypatch: pytest.MonkeyPatch, path: str, n: int,
+                                                                  where: str) -> None:
+    """A fault that is not a RequestFailed (a bug, a conversion error) once ended the pump
+    without its end marker: status 200, some chunks, then nothing until the client's timeout.
+    Now, at the first chunk, mid-way or at the usage chunk: an error event in OpenAI's shape,
+    then [DONE]; a whole answer is a 500; and every stream below is closed."""
+    from router.openai_output import Output
+
+    generation = Recorded()
+    tokens = [choice_token(5 + c, "ab"[c], c) for c in range(n)]
+    if where == "first":  # a response the output cannot place: a conversion error on the first chunk
+        generation.script = ([choice_token(5, "a", n + 3)], None)
+    elif where == "midway":
+        generation.script = (tokens, RuntimeError("a bug below, after the first tokens"))
+    else:
+        generation.script = ([pb.GenerateResponse(request_id="r", token_ids=[5 + c], text="ab"[c], choice=c,
+                                                  finish_reason=pb.FINISH_REASON_LENGTH,
+                                                  usage=pb.Usage(prompt_tokens=2, completion_tokens=1))
+                               for c in range(n)], None)
+        real = Output.chunk
+        monkeypatch.setattr(Output, "chunk", lambda self, r, *a: real(self, r, *a) if r is not None
+                            else (_ for _ in ()).throw(ValueError("no usage")))
+    body = {"model": "m", "max_tokens": 4, "n": n, "stream_options": {"include_usage": True},
+            **({"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]})}
+
+    async def scenario() -> None:
+        server = OpenAIServer(generation, Frontend(None), Members(), None, 1 << 20)  # type: ignore[arg-type]
+        server.frontend.chat_token_ids = lambda *a, **k: [5, 6]  # type: ignore[method-assign]
+        port = await server.start("127.0.0.1", 0, False)
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http:
+                async with http.post(f"http://127.0.0.1:{port}{path}", json={**body, "stream": True}) as r:
+                    assert r.status == 200
+                    events = [line[len(b"data: "):] for line in (await r.read()).split(b"\n\n") if line]
+                assert events[-1] == b"[DONE]" and generation.open == 0
+                error = json.loads(events[-2])
+                assert error == {"error": {"message": "internal error in the router (logged); retry",
+                                           "type": "internal_error", "param": None, "code": 500}}
+                assert all("error" not in json.loads(e) for e in events[:-2])
+                if where == "usage":  # every choice's tokens went out before the usage chunk failed
+                    assert sum(b'"finish_reason":"length"' in e for e in events) == n
+                body.pop("stream_options")
+                async with http.post(f"http://127.0.0.1:{port}{path}", json=body) as r:
+                    answer = await r.json()
+                if where == "usage":  # a whole answer has no usage chunk: it succeeds
+                    assert r.status == 200 and len(answer["choices"]) == n
+                else:
+                    assert (r.status, answer["error"]["code"]) == (500, "internal")
+                assert generation.open == 0
+        finally:
+            await server.stop()
+
+    asyncio.run(scenario())

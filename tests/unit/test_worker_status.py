@@ -6,7 +6,11 @@ import grpc
 
 from control.heartbeat import ModelFacts
 from control.worker_config import WorkerConfig
-from control.worker_host import WorkerHost, status_for
+import pytest
+
+from control.worker_host import NoRoom, NotHere, Stalled, WorkerHost, status_for
+from router.attempt import WorkerFailed
+from router.clients import failure_for
 from engine.types import EngineStopped, InvalidRequestError
 from kvfabric.errors import PeerUnavailable
 
@@ -16,6 +20,21 @@ def test_each_failure_maps_to_the_status_the_router_acts_on() -> None:
     assert status_for(PeerUnavailable("reset")) == (grpc.StatusCode.ABORTED, "KV transfer failed: reset")
     assert status_for(EngineStopped()) == (grpc.StatusCode.UNAVAILABLE, "the worker is stopping")
     assert status_for(KeyError("x")) == (grpc.StatusCode.INTERNAL, "KeyError: 'x'")
+    assert status_for(NoRoom("full")) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
+    assert status_for(NotHere("no pushed KV")) == (grpc.StatusCode.FAILED_PRECONDITION, "no pushed KV")
+    assert status_for(Stalled("idle")) == (grpc.StatusCode.DEADLINE_EXCEEDED, "idle")
+
+
+@pytest.mark.parametrize("failure", [InvalidRequestError("bad"), PeerUnavailable("reset"), KeyError("x"),
+                                     NoRoom("full"), NotHere("no pushed KV"), Stalled("idle")])
+def test_a_worker_that_answers_with_a_status_is_not_taken_for_gone(failure: Exception) -> None:
+    """A decode worker that takes no pushed KV once answered FAILED_PRECONDITION, which the
+    router's map did not know: it marked the worker down. Only a stopping worker is down."""
+    code, message = status_for(failure)
+    seen = failure_for("decode-0", code, message)
+    assert not isinstance(seen, WorkerFailed) or not seen.down
+    stopping = failure_for("decode-0", *status_for(EngineStopped()))
+    assert isinstance(stopping, WorkerFailed) and stopping.down
 
 
 def test_a_new_call_is_refused_for_a_bad_id_and_while_the_worker_does_not_serve() -> None:
