@@ -162,7 +162,7 @@ def test_serve_refuses_a_bad_model_or_a_taken_port_before_starting_anything(tmp_
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        r = run(["serve", "--port", str(port)], {"SPLITSERVE_CACHE": str(tmp_path / "cache")})
+        r = run(["serve", "--port", str(port), "--http-port", "0"], {"SPLITSERVE_CACHE": str(tmp_path / "cache")})
     assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr
     assert ray_sessions() == before  # no Ray, no workers were started
 

@@ -45,7 +45,7 @@ def test_plain_process_workers_serve_through_a_plain_process_router(tiny_llama_d
             proc, addresses[role] = start(["worker", role, "--worker-id", wid, *common], redis.url)
             procs.append(proc)
         decode_address = addresses["decode"]
-        router, address = start(["router", "--namespace", "plain", "--port", "0",
+        router, address = start(["router", "--namespace", "plain", "--port", "0", "--http-port", "0",
                                  "--mode", "disaggregated", "--tokenizer", tiny_llama_dir], redis.url)
         procs.append(router)
         prompt = [random.Random(5).randrange(3, 500) for _ in range(40)]

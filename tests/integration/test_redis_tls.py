@@ -84,7 +84,8 @@ def test_a_cluster_runs_on_a_tls_redis_with_a_password(tls_redis: tuple[int, Pat
             proc, _ = start_serving([*CLI, "worker", role, "--worker-id", f"{role}-tls", "--model", tiny_llama_dir,
                                      "--kv-cache-mib", "8", *common], "tls-secret", tmp_path / f"{role}.log")
             procs.append(proc)
-        router, address = start_serving([*CLI, "router", "--port", "0", "--mode", "disaggregated", *common],
+        router, address = start_serving([*CLI, "router", "--port", "0", "--http-port", "0", "--mode", "disaggregated",
+                                         *common],
                                         "tls-secret", tmp_path / "router.log")
         procs.append(router)
         prompt = list(range(7, 60))

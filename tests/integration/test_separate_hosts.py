@@ -74,7 +74,8 @@ def test_kv_crosses_between_separate_hosts_over_tcp(cluster_hosts: Hosts, tiny_l
     p_addr = cluster_hosts.worker("p", "prefill", "prefill-far", f"{SUBNET}.1.1")
     assert d_addr.startswith(f"{SUBNET}.2.2:") and p_addr.startswith(f"{SUBNET}.1.2:")  # advertised, not 0.0.0.0
     address = cluster_hosts.start("router", ["router", "--redis-url", cluster_hosts.redis_url("127.0.0.1"),
-                                             "--namespace", "hosts", "--port", "0", "--mode", "disaggregated"])
+                                             "--namespace", "hosts", "--port", "0", "--http-port", "0",
+                                             "--mode", "disaggregated"])
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (40, 150)]
     with grpc.insecure_channel(address) as channel:
@@ -107,7 +108,8 @@ def test_a_worker_fetches_a_prefix_from_another_hosts_kv_store_over_tcp(cluster_
 
     near = worker("p", "decode-p")
     address = cluster_hosts.start("router", ["router", "--redis-url", cluster_hosts.redis_url("127.0.0.1"),
-                                             "--namespace", "hosts", "--port", "0", "--mode", "colocated"])
+                                             "--namespace", "hosts", "--port", "0", "--http-port", "0",
+                                             "--mode", "colocated"])
     prompt = [random.Random(8).randrange(3, 500) for _ in range(170)]  # 10 full blocks of 16
     token = [("x-splitserve-token", cluster_token(b"hosts-test-secret"))]
     with grpc.insecure_channel(address) as channel, grpc.insecure_channel(stores["p"]) as store_p:
@@ -153,7 +155,7 @@ def test_a_link_cut_mid_transfer_frees_the_reservation_and_the_router_retries(
     metrics_port = free_port()
     address = cluster_hosts.start("router", [
         "router", "--redis-url", cluster_hosts.redis_url("127.0.0.1"), "--namespace", "hosts", "--port", "0",
-        "--mode", "disaggregated", "--metrics-port", str(metrics_port)])
+        "--http-port", "0", "--mode", "disaggregated", "--metrics-port", str(metrics_port)])
     rng = random.Random(5)
     prefix = [rng.randrange(3, 500) for _ in range(256)]
     prompt = prefix + [rng.randrange(3, 500) for _ in range(1200)]  # 75 new blocks on top of the cached 16
