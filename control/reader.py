@@ -7,6 +7,7 @@ Keys under one namespace `ns` (msgpack values, never pickle):
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Callable
@@ -47,7 +48,8 @@ class RegistryReader:
             return {}
         values = await self.client.mget(keys)
         beats = [b for k, v in zip(keys, values, strict=True) if v is not None
-                 and (b := self._parse(k, v, Heartbeat.from_wire)) is not None]
+                 and (b := self._parse(k, v, functools.partial(_beat_of, _text(k)[len(hb_key(self.ns, "")):])))
+                 is not None]
         return {b.worker_id: b for b in beats}
 
     async def read_events(self, cursor: StreamCursor, worker_ids: list[str], block_ms: int) -> list[tuple[str, KVEvent]]:
@@ -122,3 +124,18 @@ async def read_cluster(redis_url: str, namespace: str) -> ClusterState:
         return await reader.heartbeats(), await reader.router_stats(), msgpack.unpackb(raw) if raw else None
     finally:
         await reader.close()
+
+
+def _text(key: object) -> str:
+    return key.decode("utf-8", "replace") if isinstance(key, bytes) else str(key)
+
+
+def _beat_of(worker_id: str, data: object) -> Heartbeat:
+    """A heartbeat stored under its worker's own key: one naming another worker (written to
+    shadow it, or to outvote the real workers' model facts) is a bad entry."""
+    beat = Heartbeat.from_wire(data)
+    if beat.worker_id != worker_id:
+        raise BadEntry(f"the heartbeat under {worker_id!r} names worker {beat.worker_id[:100]!r}")
+    if not beat.worker_id.isprintable():
+        raise BadEntry(f"worker id {beat.worker_id[:100]!r} is not printable")
+    return beat

@@ -13,6 +13,7 @@ client maps back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -105,14 +106,33 @@ async def next_event(events: asyncio.Queue[T], context: grpc.aio.ServicerContext
 
 
 def engine_load_reader(loop: Any) -> LoadReader:
-    """A `LoadReader` over an `EngineLoop` (`loop.call(fn)` runs `fn(engine)` on its thread):
-    reads `engine.load()` there, waiting at most 2 s."""
+    """A `LoadReader` over an `EngineLoop` (`loop.call(fn)` runs `fn(engine)` on its thread)
+    that never waits for the engine: each read asks the engine thread for its load (unless a
+    request is still pending) and returns the newest load it has answered, None before the
+    first. A heartbeat read on the publisher's thread once waited up to 2 s for an engine
+    busy in a step; on a loaded machine the beats then came later than their TTL, and
+    routers took the busy worker for gone (it left and rejoined, and its calls were cut)."""
+    pending: list[Any] = []
+    latest: list[EngineLoad] = []
+
+    def collect() -> None:
+        if pending and pending[0].done():
+            fut = pending.pop()
+            if not fut.cancelled() and fut.exception() is None:
+                latest[:] = [fut.result()]
+
     def read() -> EngineLoad | None:
-        fut = loop.call(lambda engine: engine.load())
-        try:
-            return fut.result(timeout=2.0)  # type: ignore[no-any-return]
-        except Exception:  # noqa: BLE001 - busy or stopped: skip this beat
-            return None
+        collect()
+        if not pending:
+            try:
+                pending.append(loop.call(lambda engine: engine.load()))
+            except Exception:  # noqa: BLE001 - stopped: the last load stands
+                pass
+        if pending and not latest:  # the first load: worth a short wait (the worker's first beat)
+            with contextlib.suppress(Exception):
+                pending[0].result(timeout=2.0)
+            collect()
+        return latest[0] if latest else None
     return read
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from control.auth import TOKEN_METADATA
 from proto import generate_pb2 as pb
@@ -140,6 +141,10 @@ class WorkerClients:
         await self.streams.close()
 
 
+HEALTH_TIMEOUT_S = 1.0
+"""A health check's bound (`GrpcStreams.serving`)."""
+
+
 class GrpcStreams:
     """gRPC channels to workers, one per address, opened on first use."""
 
@@ -158,6 +163,24 @@ class GrpcStreams:
         else:
             call = pb_grpc.DecodeWorkerStub(channel).Decode(request, metadata=metadata or None)
         return call  # type: ignore[no-any-return]
+
+    async def serving(self, address: str, role: str, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
+        """Whether the worker at `address` answers its health check SERVING within `timeout_s`
+        (on its calls' channel when one is open: the path its calls take)."""
+        channel = self._channels.get(address)
+        own = channel is None
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address)
+        service = pb.DESCRIPTOR.services_by_name["PrefillWorker" if role == "prefill" else "DecodeWorker"].full_name
+        try:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError:
+            return False
+        finally:
+            if own:
+                await _close(channel)
 
     async def forget(self, address: str) -> None:
         """A worker left: its channel closes (its calls are cancelled; bounded wait)."""

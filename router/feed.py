@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 
 import redis
 
+from control.heartbeat import Heartbeat
 from control.reader import RegistryReader, StreamCursor
 from router.kv_index import KVIndex
 from router.loads import LoadBook
@@ -24,13 +25,26 @@ from router.members import Members
 logger = logging.getLogger(__name__)
 
 
+MAX_SILENT_S = 30.0
+"""Longest a member whose heartbeat expired is kept because it still answers its health check."""
+
+
 class RegistryFeed:
     def __init__(self, reader: RegistryReader, members: Members, index: KVIndex, loads: LoadBook,
                  load_refresh_s: float, index_poll_ms: int, on_left: Callable[[str], Awaitable[None]] | None = None,
-                 retry_s: float = 1.0, stores: KVIndex | None = None) -> None:
+                 retry_s: float = 1.0, stores: KVIndex | None = None,
+                 confirm: Callable[[str, str], Awaitable[bool]] | None = None, max_silent_s: float = MAX_SILENT_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """`on_left(address)`: a worker left (its connections can close); `stores`: what each
-        host's KV store holds, by store id (None: not read)."""
+        host's KV store holds, by store id (None: not read); `confirm(address, role)`: whether a
+        worker whose heartbeat expired still serves there (its health check): it stays a
+        member, on its last heartbeat, for up to `max_silent_s` (None: it leaves at once)."""
         self.reader, self.members, self.index, self.loads = reader, members, index, loads
+        self.confirm, self.max_silent_s, self.clock = confirm, max_silent_s, clock
+        self._last: dict[str, tuple[Heartbeat, float]] = {}
+        """Each member's newest heartbeat and when it was read."""
+        self.num_silent_kept = 0
+        """Refreshes that kept a member with no heartbeat because it still served (a late beat)."""
         self.stores = stores
         self._store_ids: set[str] = set()
         self.load_refresh_s, self.index_poll_ms, self.retry_s = load_refresh_s, index_poll_ms, retry_s
@@ -43,6 +57,7 @@ class RegistryFeed:
     async def refresh(self) -> None:
         """Reads the heartbeats once into the members table and the load book."""
         beats = await self.reader.heartbeats()
+        beats.update(await self._silent_but_serving(beats))
         before = set(self.members.ids())
         for member in self.members.update(beats):
             self.index.forget_worker(member.worker_id)
@@ -64,6 +79,24 @@ class RegistryFeed:
         self.loads.num_blocks = self.members.num_blocks()
         self.loads.set_heartbeats({w: b for w, b in beats.items() if w in self.members})
         self.num_refreshes += 1
+
+    async def _silent_but_serving(self, beats: dict[str, Heartbeat]) -> dict[str, Heartbeat]:
+        """The serving members whose heartbeat expired but that answer their health check
+        SERVING (on a busy machine a beat can come late), on their last heartbeat."""
+        now = self.clock()
+        for w, hb in beats.items():
+            self._last[w] = (hb, now)
+        silent = {w: hb for w, (hb, at) in self._last.items() if w not in beats and w in self.members
+                  and hb.state == "serving" and now - at <= self.max_silent_s}
+        self._last = {w: v for w, v in self._last.items() if w in beats or w in silent}
+        if not silent or self.confirm is None:
+            return {}
+        alive = await asyncio.gather(*(self.confirm(hb.address, hb.role) for hb in silent.values()))
+        kept = {w: hb for (w, hb), ok in zip(silent.items(), alive, strict=True) if ok}
+        for w in kept:
+            self.num_silent_kept += 1
+            logger.info("router: worker %s's heartbeat is late (%.1f s) but it serves: kept", w, now - self._last[w][1])
+        return kept
 
     async def catch_up(self, timeout_s: float) -> int:
         """Membership, then the members' KV event streams replayed into the index until a read

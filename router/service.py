@@ -88,7 +88,8 @@ class RouterService:
             self.gate.queue.on_wait_estimate = self.metrics.observe_wait_estimate
         self.metrics_address = ""
         self.feed = RegistryFeed(self.reader, self.members, self.index, self.loads, config.load_refresh_s,
-                                 config.index_poll_ms, self.streams.forget, stores=self.stores)
+                                 config.index_poll_ms, self.streams.forget, stores=self.stores,
+                                 confirm=self.streams.serving)
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.address = ""
@@ -163,6 +164,7 @@ class RouterService:
                 "tenant_tokens": q.tenant_tokens(), "refusals": dict(self.gate.refusals),
                 "forecast_scale": q.forecast.model_scale,
                 "redis_healthy": self.feed.healthy, "members": self.members.ids(),
+                "late_heartbeats_kept": self.feed.num_silent_kept,
                 "serving": {role: self.members.serving(role) for role in ("prefill", "decode")},
                 "down_workers": self.flow.down_workers(), "index_gaps": self.index.num_gaps,
                 "index_blocks": {w: self.index.num_blocks(w) for w in self.members.ids()},

@@ -49,3 +49,33 @@ def test_a_new_call_is_refused_for_a_bad_id_and_while_the_worker_does_not_serve(
     host.state = "draining"
     assert host.refusal("r2", {}) == (grpc.StatusCode.UNAVAILABLE, "decode-0 is draining: try another worker")
     assert host.num_late_calls == 1
+
+
+def test_the_heartbeats_load_never_waits_for_a_busy_engine() -> None:
+    """The publisher once waited up to 2 s per beat for the engine thread; on a busy machine
+    beats then outlived their TTL. Now a read asks, and returns the newest answer it has."""
+    import concurrent.futures
+    import time
+
+    from control.worker_host import engine_load_reader
+    from engine.types import EngineLoad
+
+    class Loop:
+        def __init__(self) -> None:
+            self.asked: list[concurrent.futures.Future] = []
+
+        def call(self, fn: object) -> concurrent.futures.Future:
+            self.asked.append(concurrent.futures.Future())
+            return self.asked[-1]
+
+    loop = Loop()
+    read = engine_load_reader(loop)
+    load = EngineLoad(**{**{f: 0 for f in EngineLoad.__dataclass_fields__}, "num_total_blocks": 8})
+    t0 = time.monotonic()
+    assert read() is None and len(loop.asked) == 1  # the first beat waits (bounded) for the first load
+    loop.asked[0].set_result(load)
+    assert read() is load and len(loop.asked) == 2  # answered: the newest load, and the next asked for
+    t0 = time.monotonic()
+    for _ in range(5):  # the engine is busy: nothing answers, nothing waits, the last load stands
+        assert read() is load
+    assert time.monotonic() - t0 < 0.1 and len(loop.asked) == 2

@@ -1,0 +1,102 @@
+"""Busy workers are not taken for gone: real Ray workers, a real redis-server, gRPC on loopback.
+
+Routers once dropped a worker whose heartbeat came later than its TTL (a machine busy with
+other work), cancelling its calls in flight, and took it back seconds later. Here the
+workers' heartbeat writes are refused by Redis itself (an ACL on the `default` user: SET
+and PEXPIRE denied, reads allowed), so every heartbeat expires while the workers serve:
+the router keeps them (their health checks answer SERVING), a request in flight and new
+ones complete; a worker whose process is gone is dropped, as before.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import redis
+
+from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
+from cluster.local import LocalCluster
+from control.heartbeat import hb_key
+from proto import generate_pb2 as pb
+from proto import generate_pb2_grpc as pb_grpc
+from router.policy import RoutingConfig
+from tests.integration.cluster_checks import wait_for
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_dir: str):  # type: ignore[no-untyped-def]
+    config = ClusterConfig(
+        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20),
+        num_prefill=1, num_decode=2,
+        router=RouterConfig(port=0, routing=RoutingConfig(mode="disaggregated")),
+        worker_num_cpus=0.5, replace_dead_workers=False)
+    with LocalCluster(config) as c:
+        yield c
+
+
+@contextlib.contextmanager
+def heartbeats_refused(cluster: LocalCluster) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(cluster.redis_url)
+    client.execute_command("ACL", "SETUSER", "default", "-set", "-pexpire")
+    try:
+        yield client
+    finally:
+        client.execute_command("ACL", "SETUSER", "default", "+set", "+pexpire")
+        client.close()
+
+
+def generate(stub: pb_grpc.GenerationStub, prompt: list[int], max_tokens: int) -> list[pb.GenerateResponse]:
+    return list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
+        max_tokens=max_tokens, ignore_eos=True)), timeout=120))
+
+
+def test_a_heartbeat_under_another_workers_key_is_skipped_and_counted(cluster: LocalCluster) -> None:
+    """Heartbeats were keyed by the payload's worker id: anyone writing Redis could shadow a
+    worker under a key of their own. Now a heartbeat counts only under its own worker's key."""
+    wait_for("the router to see decode-0", lambda: "decode-0" in cluster.router_stats()[0]["members"], 60)
+    client = redis.Redis.from_url(cluster.redis_url)
+    ns = cluster.config.namespace
+    try:
+        real = client.get(hb_key(ns, "decode-0"))
+        before = cluster.router_stats()[0]["bad_registry_entries"]
+        client.set(hb_key(ns, "decode-7"), real, px=20_000)  # decode-0's own bytes, under another key
+        wait_for("the router to count the forged heartbeat",
+                 lambda: cluster.router_stats()[0]["bad_registry_entries"] > before, 10)
+        stats = cluster.router_stats()[0]
+        assert "decode-7" not in stats["members"] and "decode-0" in stats["members"]
+    finally:
+        client.delete(hb_key(ns, "decode-7"))
+        client.close()
+
+
+def test_workers_whose_heartbeats_expire_while_they_serve_keep_their_requests(cluster: LocalCluster) -> None:
+    everyone = ["decode-0", "decode-1", "prefill-0"]
+    wait_for("the router to see every worker", lambda: cluster.router_stats()[0]["members"] == everyone, 60)
+    with grpc.insecure_channel(cluster.address) as channel, \
+            concurrent.futures.ThreadPoolExecutor(4) as pool:
+        stub = pb_grpc.GenerationStub(channel)
+        with heartbeats_refused(cluster) as client:
+            running = [pool.submit(generate, stub, list(range(3 + i, 40 + i)), 1500) for i in range(2)]
+            ns_keys = client.keys("*hb*")
+            wait_for("every heartbeat to expire", lambda: not client.keys("*hb*"), 30)
+            assert ns_keys  # they were there, and expired: the workers could not renew them
+            time.sleep(2.0)  # a few of the router's refreshes with no heartbeat at all
+            stats = cluster.router_stats()[0]
+            assert stats["members"] == everyone and stats["late_heartbeats_kept"] > 0
+            assert stats["serving"] == {"prefill": ["prefill-0"], "decode": ["decode-0", "decode-1"]}
+            assert len([t for r in generate(stub, list(range(50, 90)), 8) for t in r.token_ids]) == 8
+            for f in running:  # no call cut: each streamed all its tokens, on one route
+                responses = f.result(timeout=120)
+                assert sum(len(r.token_ids) for r in responses) == 1500
+            assert cluster.router_stats()[0]["num_retries"] == 0
+            cluster.kill_worker("decode-1")  # its process is gone: no health check answers
+            wait_for("the router to drop the dead worker",
+                     lambda: cluster.router_stats()[0]["members"] == ["decode-0", "prefill-0"], 30)
+        wait_for("the heartbeats to come back", lambda: cluster.router_stats()[0]["late_heartbeats_kept"] > 0
+                 and len(redis.Redis.from_url(cluster.redis_url).keys("*hb*")) == 2, 30)
