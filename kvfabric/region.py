@@ -13,7 +13,7 @@ import mmap
 import os
 import secrets
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -146,11 +146,12 @@ def segments_of(pids: set[int]) -> set[str]:
     return {path.name for path, pid in _segments() if pid in pids}
 
 
-def sweep_dead_segments() -> list[str]:
-    """Unlink segments whose creating process is gone (killed before it could clean up)."""
+def sweep_dead_segments(only: Container[str] | None = None) -> list[str]:
+    """Unlink segments whose creating process is gone (killed before it could clean up); with
+    `only`, just those of these names."""
     removed = []
     for path, pid in _segments():
-        if not Path(f"/proc/{pid}").exists():
+        if (only is None or path.name in only) and not Path(f"/proc/{pid}").exists():
             _unlink(path)
             removed.append(path.name)
     return removed

@@ -6,12 +6,16 @@ import json
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+import pytest
 
 CLI = [sys.executable, "-m", "cluster.cli"]
 
@@ -114,13 +118,15 @@ def _wait_for_line(proc: subprocess.Popen, needle: str, timeout_s: float) -> str
     raise AssertionError(f"no {needle!r} within {timeout_s} s; output so far:\n{''.join(seen)}")
 
 
-def ray_sessions() -> set[Path]:
-    """The Ray sessions started on this machine so far (each Ray start makes one)."""
-    return set(Path("/tmp/ray").glob("session_2*"))
+def ray_sessions(root: Path) -> list[Path]:
+    """The Ray sessions started under `root` (Ray's temp dir, RAY_TMPDIR: each start makes one)."""
+    return sorted(root.glob("ray/session_2*"))
 
 
-def test_serve_refuses_a_bad_model_or_a_taken_port_before_starting_anything(tmp_path: Path) -> None:
-    before = ray_sessions()
+def test_serve_refuses_a_bad_model_or_a_taken_port_before_starting_anything(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    ray_root = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))  # short: Ray's socket paths have a length limit
+    monkeypatch.setenv("RAY_TMPDIR", str(ray_root))  # these commands' Ray, if any started, and no other's
     r = run(["serve", "--model", str(tmp_path / "nowhere")])
     assert r.returncode == 2 and "error: --model" in r.stderr and "config.json not found" in r.stderr
     assert "Traceback" not in r.stderr
@@ -164,7 +170,8 @@ def test_serve_refuses_a_bad_model_or_a_taken_port_before_starting_anything(tmp_
         port = taken.getsockname()[1]
         r = run(["serve", "--port", str(port), "--http-port", "0"], {"SPLITSERVE_CACHE": str(tmp_path / "cache")})
     assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr
-    assert ray_sessions() == before  # no Ray, no workers were started
+    assert ray_sessions(ray_root) == []  # no Ray, no workers were started
+    shutil.rmtree(ray_root, ignore_errors=True)
 
 
 def test_serve_says_when_its_cluster_can_no_longer_be_supervised(tmp_path: Path) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import socket
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,7 +24,7 @@ TOLERANCE = 1e-4
 """On a token's log-probability: the same sums in another order (float32)."""
 
 
-def _rank(rank: int, world: int, port: int, model_dir: str, prompts: list[list[int]], out: str) -> None:
+def _rank(rank: int, world: int, rendezvous: str, model_dir: str, prompts: list[list[int]], out: str) -> None:
     """Rank 0 runs the engine (it alone has the requests); the others follow its steps."""
     import torch
     import torch.distributed as dist
@@ -34,7 +33,7 @@ def _rank(rank: int, world: int, port: int, model_dir: str, prompts: list[list[i
     from engine.tp_followers import follow
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         config = replace(make_engine_config(model_dir), tensor_parallel=TensorParallel(rank, world))
         if rank:
@@ -63,12 +62,11 @@ def make_engine_config(model_dir: str) -> EngineConfig:
 
 
 def run_ranks(world: int, model_dir: str, prompts: list[list[int]], tmp_path: Path) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    rendezvous = tmp_path / f"rendezvous-{world}"  # a file, not a port picked, closed and hoped free
     ctx = multiprocessing.get_context("spawn")
     outs = [str(tmp_path / f"rank{r}-of-{world}.json") for r in range(world)]
-    procs = [ctx.Process(target=_rank, args=(r, world, port, model_dir, prompts, outs[r])) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, str(rendezvous), model_dir, prompts, outs[r]))
+             for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -80,7 +78,8 @@ def run_ranks(world: int, model_dir: str, prompts: list[list[int]], tmp_path: Pa
 @pytest.mark.parametrize("arch,world", [("llama", 2), ("llama", 4), ("qwen2", 2), ("gemma3", 2), ("phi3", 2),
                                         ("qwen2_moe", 2), ("mixtral", 2)])
 def test_a_split_model_gives_the_whole_models_tokens(arch: str, world: int, tmp_path: Path,
-                                                     request: pytest.FixtureRequest) -> None:
+                                                     request: pytest.FixtureRequest,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """llama: KV heads split (2 ranks) and replicated (4 ranks, 2 KV heads); qwen2: q/k/v
     biases; gemma3: one KV head, sandwich norms, GeGLU, soft-capped logits; phi3: fused q/k/v
     and gate/up tensors; qwen2_moe: experts and a gated shared expert split, a dense layer;
@@ -91,7 +90,7 @@ def test_a_split_model_gives_the_whole_models_tokens(arch: str, world: int, tmp_
         from engine.tiny_model import make_tiny_model
 
         model_dir = str(make_tiny_model(tmp_path / arch, arch=arch, seed=0))
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))  # for this test's ranks alone
     whole = LLMEngine(make_engine_config(model_dir))
     prompts = random_prompts([5, 23, 40], whole.model_config.vocab_size, seed=3)
     want = whole.generate(prompts, PARAMS)
