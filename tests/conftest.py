@@ -1,10 +1,19 @@
 """Fixtures shared by every test layer: tiny checkpoints and an injectable clock."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 torch.set_num_threads(2)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """$SPLITSERVE_TEST_ORDER=reverse runs the tests in the reverse order, modules and the tests
+    in each: every test must pass alone and in any order, and this shows it."""
+    if os.environ.get("SPLITSERVE_TEST_ORDER") == "reverse":
+        items.reverse()
 
 
 class FakeClock:

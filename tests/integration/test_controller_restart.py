@@ -110,6 +110,8 @@ def at_rest(cluster: LocalCluster, prefill: int, decode: int) -> bool:
 
 def test_requests_streaming_through_a_controller_kill_finish_exactly(cluster: LocalCluster, stub,  # type: ignore[no-untyped-def]
                                                                      model_dir: str) -> None:
+    cluster.scale("decode", 1)  # whatever ran before: the pools at 1 and 1
+    wait_for("the pools at rest", lambda: at_rest(cluster, 1, 1), 120)
     before = {w["worker_id"]: w["pid"] for w in cluster.workers()}
     store = wait_for("the node's KV store registered", lambda: read_stores(cluster.redis_url, "ctl-restart"), 60)
     rng = random.Random(11)
@@ -134,8 +136,10 @@ def test_requests_streaming_through_a_controller_kill_finish_exactly(cluster: Lo
 
 def test_the_restarted_controller_replaces_a_killed_worker_and_scales(cluster: LocalCluster, stub,  # type: ignore[no-untyped-def]
                                                                       model_dir: str) -> None:
-    cluster.kill_worker("decode-0")
-    wait_for("decode-0 replaced", lambda: [w for w in serving(cluster, "decode") if w != "decode-0"], 120)
+    cluster.scale("decode", 1)  # whatever ran before: one decode worker, to kill
+    [victim] = wait_for("one decode worker", lambda: at_rest(cluster, 1, 1) and serving(cluster, "decode"), 120)
+    cluster.kill_worker(victim)
+    wait_for(f"{victim} replaced", lambda: [w for w in serving(cluster, "decode") if w != victim], 120)
     wait_for("the pools at rest", lambda: at_rest(cluster, 1, 1), 30)
     cluster.scale("decode", 2)
     wait_for("two decode workers", lambda: at_rest(cluster, 1, 2), 120)
@@ -147,6 +151,8 @@ def test_a_controller_killed_in_the_middle_of_a_drain_finishes_it(cluster: Local
                                                                   model_dir: str) -> None:
     rng = random.Random(12)
     prompts = [[rng.randrange(3, 500) for _ in range(24 + i)] for i in range(6)]
+    cluster.scale("decode", 2)  # whatever ran before: two decode workers, one to drain
+    wait_for("two decode workers", lambda: at_rest(cluster, 1, 2), 120)
     pids = decode_pids(cluster)
     # each decode worker's shared memory: its KV pool and its KV tier's staging area
     assert len(pids) == 2 and all(len(segments_of({pid})) == 2 for pid in pids.values())

@@ -38,6 +38,22 @@ def serving(cluster: LocalCluster, role: str) -> list[str]:
     return sorted(w for w, s in cluster.controller_status()["workers"].items() if w.startswith(role) and s == "serving")
 
 
+def at_size(cluster: LocalCluster, role: str, n: int) -> list[str]:
+    """The pool of `role` scaled to `n` and every router seeing exactly those serving (each test
+    sets the size it needs: the module's tests pass alone and in any order)."""
+    cluster.scale(role, n)
+
+    def settled() -> list[str] | None:  # n serving, and none starting or draining
+        workers = serving(cluster, role)
+        states = cluster.controller_status()["workers"]
+        return workers if len(workers) == n and all(s == "serving" for s in states.values()) else None
+
+    workers = wait_for(f"{n} serving {role} workers", settled, 120)
+    wait_for("the routers to see them", lambda: all(
+        sorted(s["serving"][role]) == workers for s in cluster.router_stats()), 30)
+    return workers
+
+
 def test_a_decode_worker_added_at_runtime_serves_and_gets_its_cached_prefix(cluster: LocalCluster, stub,  # type: ignore[no-untyped-def]
                                                                             tiny_llama_dir: str) -> None:
     cluster.scale("decode", 2)
@@ -66,8 +82,10 @@ def test_a_decode_worker_added_at_runtime_serves_and_gets_its_cached_prefix(clus
 def test_scale_down_while_requests_stream_fails_nothing(cluster: LocalCluster, stub, tiny_llama_dir: str) -> None:  # type: ignore[no-untyped-def]
     rng = random.Random(4)
     prompts = [[rng.randrange(3, 500) for _ in range(24 + i)] for i in range(6)]
+    at_size(cluster, "decode", 2)  # whatever ran before: two decode workers, one to drain
     pids = decode_pids(cluster)
     assert len(pids) == 2 and all(len(segments_of({pid})) == 1 for pid in pids.values())
+    drains_before = len(cluster.controller_status()["drains"])
     streaming = [threading.Event() for _ in prompts]
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(generate, stub, p, 300, e) for p, e in zip(prompts, streaming, strict=True)]
@@ -77,17 +95,18 @@ def test_scale_down_while_requests_stream_fails_nothing(cluster: LocalCluster, s
         results = [f.result() for f in futures]
     for p, got in zip(prompts, results, strict=True):
         assert tokens(got) == greedy(tiny_llama_dir, p, 300)  # one unbroken stream each, wherever it ended
-    [drain] = wait_for("the drain to finish", lambda: cluster.controller_status()["drains"], 60)
+    [drain] = wait_for("the drain to finish", lambda: cluster.controller_status()["drains"][drains_before:], 60)
     assert drain["late_calls"] == 0  # routers were told before: nothing new reached the draining worker
     assert len(serving(cluster, "decode")) == 1
     [kept] = serving(cluster, "decode")
     assert segments_of({pid for w, pid in pids.items() if w != kept}) == set()  # its KV pool is gone
     assert len(segments_of({pids[kept]})) == 1
-    assert all(not r.get("dead") and r["usage"]["num_in_use"] == 0 for r in cluster.check_idle())
+    live = [r for r in cluster.check_idle() if not r.get("dead")]  # (workers killed by other tests are dead)
+    assert kept in {r["worker_id"] for r in live} and all(r["usage"]["num_in_use"] == 0 for r in live)
 
 
 def test_a_killed_decode_worker_is_replaced_and_serves(cluster: LocalCluster, stub, tiny_llama_dir: str) -> None:  # type: ignore[no-untyped-def]
-    [victim] = serving(cluster, "decode")
+    [victim] = at_size(cluster, "decode", 1)
     started = time.monotonic()
     cluster.kill_worker(victim)
     [replacement] = wait_for("a replacement", lambda: [w for w in serving(cluster, "decode") if w != victim])
@@ -103,7 +122,7 @@ def test_a_killed_prefill_worker_under_load_is_replaced_and_no_request_is_lost(c
                                                                                  tiny_llama_dir: str) -> None:
     rng = random.Random(6)
     prompts = [[rng.randrange(3, 500) for _ in range(200 + 10 * i)] for i in range(8)]
-    [victim] = serving(cluster, "prefill")
+    [victim] = at_size(cluster, "prefill", 1)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(generate, stub, p, 24) for p in prompts]
         next(concurrent.futures.as_completed(futures, timeout=120))  # it served; the rest run or wait

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import os
 import random
+import signal
 import time
 
 import grpc
@@ -278,13 +280,20 @@ def test_health_service_reports_serving(cluster: LocalCluster) -> None:
 
 
 def test_redis_away_means_load_only_routing(stub, cluster: LocalCluster) -> None:  # type: ignore[no-untyped-def]
-    """Last in the module: stops the cluster's Redis server, and keeps it away."""
+    """Stops the cluster's Redis server for a while, then starts it again (on the same port:
+    the tests after this one find the cluster as it was)."""
     assert cluster.redis is not None
     cluster.supervise_redis = False
-    cluster.redis.stop()
-    wait_for("the router to see Redis away", lambda: not cluster.router_stats()[0]["redis_healthy"], 30)
-    for p in prompts(6, 2, 40) + [[7, 8]]:
-        got = generate(stub, p, max_tokens=6, ignore_eos=True)
-        assert len(tokens_of(got)) == 6
-    (stats,) = cluster.router_stats()
-    assert stats["redis_healthy"] is False
+    os.kill(cluster.redis.pid, signal.SIGTERM)  # the server goes; its config stays, to start it again
+    try:
+        wait_for("the router to see Redis away", lambda: not cluster.router_stats()[0]["redis_healthy"], 30)
+        for p in prompts(6, 2, 40) + [[7, 8]]:
+            got = generate(stub, p, max_tokens=6, ignore_eos=True)
+            assert len(tokens_of(got)) == 6
+        (stats,) = cluster.router_stats()
+        assert stats["redis_healthy"] is False
+    finally:
+        cluster.redis.restart()
+        cluster.supervise_redis = True
+    wait_for("the router to see Redis back", lambda: cluster.router_stats()[0]["redis_healthy"], 30)
+    wait_for("every worker back in the registry", lambda: len(cluster.router_stats()[0]["members"]) == 4, 30)
