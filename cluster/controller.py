@@ -48,6 +48,7 @@ from cluster.controller_metrics import ControllerMetrics
 from cluster.controller_recovery import StateStore
 from cluster.controller_state import ROLES, History, Saved, Worker
 from cluster.kv_stores import KVStores
+from cluster.processes import redacted
 from cluster.ray_calls import await_ref
 from cluster.router_pool import RouterPool
 from control.autoscaler import AutoscaleState, Decision, decide
@@ -148,7 +149,7 @@ class Controller:
                      "prefill": [w.info for w in self._live("prefill")], "decode": [w.info for w in self._live("decode")],
                      "mode": c.router.routing.mode, "redis_url": self.redis_url}
         await self._supervise_from_now()
-        logger.info("cluster up: %s", self.info)
+        logger.info("cluster up: %s", {**self.info, "redis_url": redacted(self.redis_url)})  # no password in logs
         return self.info
 
     async def _supervise_from_now(self) -> None:

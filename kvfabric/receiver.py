@@ -36,8 +36,8 @@ from kvfabric.errors import FabricError, PeerUnavailable, ProtocolError, Reserva
 from kvfabric.layout import FabricLayout, HeadMap
 from kvfabric.region import BlockRegion, ShmSegment
 from kvfabric.reservations import FabricEvent, ReservationTable
-from kvfabric.wire import (Abort, Conn, Data, Hello, Idle, NcclData, Open, Ready, ReceiverMessage, Renew, RevokeAck,
-                           parse)
+from kvfabric.wire import (MAX_HELLO_BYTES, Abort, Conn, Data, Hello, Idle, NcclData, Open, Ready, ReceiverMessage,
+                           Renew, RevokeAck, parse)
 
 logger = logging.getLogger(__name__)
 
@@ -243,7 +243,7 @@ class FabricReceiver:
                 self._cond.notify_all()
 
     def _handshake(self, conn: Conn) -> tuple[str, NcclLink | None, HeadMap]:
-        msg = conn.recv(deadline=time.monotonic() + self.config.hello_timeout_s)
+        msg = conn.recv(deadline=time.monotonic() + self.config.hello_timeout_s, max_bytes=MAX_HELLO_BYTES)
         if msg["t"] != "hello":
             raise ProtocolError(f"expected hello, got {msg['t']!r:.40}")
         hello: Hello = parse(msg, Hello)

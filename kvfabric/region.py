@@ -12,6 +12,7 @@ import ctypes
 import mmap
 import os
 import secrets
+import stat
 import weakref
 from collections.abc import Callable, Container
 from pathlib import Path
@@ -109,10 +110,11 @@ class ShmSegment:
         """Map a receiver's segment; raises OSError/ValueError if it is not the one announced."""
         if "/" in name or not name.startswith("splitserve-kv-"):
             raise ValueError(f"not a kvfabric segment name: {name!r}")
-        fd = os.open(_SHM_DIR / name, os.O_RDWR)
-        if os.fstat(fd).st_size != _HEADER_BYTES + nbytes:
+        fd = os.open(_SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW)  # a link planted under the name is refused
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != _HEADER_BYTES + nbytes:
             os.close(fd)
-            raise ValueError(f"segment {name} has the wrong size")
+            raise ValueError(f"segment {name} is not a file of the announced size")
         seg = cls(name, nonce, fd, nbytes, owner=False)
         if bytes(seg.mmap[: len(_MAGIC) + 32]) != _MAGIC + nonce.encode():
             seg.close()

@@ -22,6 +22,8 @@ import msgspec
 from kvfabric.errors import PeerUnavailable, ProtocolError
 
 MAX_HEADER_BYTES = 1 << 20
+MAX_HELLO_BYTES = 64 << 10
+"""A hello's most bytes: read (and decoded) before the sender has proved anything, so small."""
 _MAX_IOV = 512  # buffers per sendmsg/recvmsg_into call (Linux allows 1024)
 _LEN = struct.Struct(">I")
 _SOCKET_BUFFER_BYTES = 4 << 20
@@ -158,14 +160,14 @@ class Conn:
                 raise PeerUnavailable(f"send failed: {e}") from e
 
     # -- receiving -----------------------------------------------------------------------
-    def recv(self, deadline: float | None = None) -> dict[str, Any]:
-        """The next header. Raises Idle when none started in time, PeerUnavailable on EOF;
-        with a `deadline` (time.monotonic()), ProtocolError when the whole header has not
-        arrived by then, however it trickles in."""
+    def recv(self, deadline: float | None = None, max_bytes: int = MAX_HEADER_BYTES) -> dict[str, Any]:
+        """The next header, of at most `max_bytes`. Raises Idle when none started in time,
+        PeerUnavailable on EOF; with a `deadline` (time.monotonic()), ProtocolError when the
+        whole header has not arrived by then, however it trickles in."""
         self._read_into(memoryview(self._hdr), idle_ok=deadline is None, deadline=deadline)
         (n,) = _LEN.unpack(self._hdr)
-        if not 0 < n <= MAX_HEADER_BYTES:
-            raise ProtocolError(f"header length {n} outside (0, {MAX_HEADER_BYTES}]")
+        if not 0 < n <= max_bytes:
+            raise ProtocolError(f"header length {n} outside (0, {max_bytes}]")
         body = bytearray(n)
         self._read_into(memoryview(body), idle_ok=False, deadline=deadline)
         try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -24,6 +25,8 @@ from typing import Any
 import grpc
 
 from control.auth import check_private
+
+logger = logging.getLogger(__name__)
 
 ENV = "SPLITSERVE_API_KEY"
 KEY_PATTERN = re.compile(r"[\x21-\x7e]{8,512}")
@@ -68,6 +71,9 @@ class ApiKeys:
                                  "without spaces")
             if tenant and not TENANT_PATTERN.fullmatch(tenant):
                 raise ValueError(f"an API key's tenant must match {TENANT_PATTERN.pattern}, got {tenant[:40]!r}")
+            if tenant:  # said, not silent: a key with a colon in it reads as KEY:TENANT
+                logger.info("API key %d (of those given) is the %d characters before its last colon, for tenant %r",
+                            i + 1, len(key), tenant)
             out.append((_digest(key), tenant or None))
         return cls(tuple(out))
 

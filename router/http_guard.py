@@ -39,7 +39,7 @@ class HttpGuard:
         """Loopback binds answer loopback names only (and any `allowed_hosts`); wider binds
         the `allowed_hosts` when given, else any name."""
         allowed = tuple(h.lower() for h in allowed_hosts)
-        if _is_loopback(host):
+        if is_loopback(host):
             return cls(api_keys, open_paths, (*LOOPBACK_NAMES, *allowed))
         return cls(api_keys, open_paths, allowed or None)
 
@@ -74,7 +74,7 @@ def _host_name(host: str) -> str:
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     if host in LOOPBACK_NAMES:
         return True
     try:

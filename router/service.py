@@ -35,7 +35,7 @@ from router.frontend import Frontend
 from router.gate import AdmissionGate
 from router.api_keys import KeyCheck
 from router.http_api import OpenAIServer
-from router.http_guard import HttpGuard
+from router.http_guard import HttpGuard, is_loopback
 from router.kv_index import KVIndex
 from router.loads import LoadBook
 from router.members import Members
@@ -98,6 +98,9 @@ class RouterService:
         """Serves gRPC on `port` and the HTTP API on `http_port` (default: the configured ones; 0
         picks a free one) and returns gRPC's host:port (`http_address` has the other)."""
         port = self.config.port if port is None else port
+        if not self.config.api_keys and not is_loopback(self.config.host):
+            logger.warning("router %s: serving on %s without API keys: anyone who reaches this address may call it "
+                           "(set --api-key or --api-key-file, or bind loopback)", self.router_id, self.config.host)
         server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.config.share_port)),
                                           ("grpc.max_receive_message_length", self.config.max_request_bytes)],
                                  interceptors=[KeyCheck(self.config.api_keys, frozenset({f"/{SERVICE_NAME}/Generate"}))]

@@ -3,6 +3,7 @@ hello, a hello trickled a byte at a time, a connection whose thread cannot start
 the receiver goes on accepting real peers, and every thread it started returns."""
 from __future__ import annotations
 
+import contextlib
 import resource
 import socket
 import threading
@@ -108,3 +109,21 @@ def test_the_accept_loop_survives_a_thread_that_cannot_start(receiver: FabricRec
     assert closed_by_peer(doomed, 5.0) and receiver.num_accept_errors == 1
     connect(receiver).close()  # the next connection is served
     wait_for(lambda: receiver_threads() == [])
+
+
+def test_a_hello_larger_than_a_hello_is_refused_before_it_is_read(receiver: FabricReceiver) -> None:
+    """Before its hello proves the cluster secret, a sender gets at most MAX_HELLO_BYTES read
+    and decoded (a header may be 1 MiB once it has): a valid hello padded to 1 MiB, answered
+    once, is now closed on its length, unanswered."""
+    sock = socket.create_connection((receiver.address.host, receiver.address.port), timeout=5)
+    failed = receiver.num_hellos_failed
+    sock.sendall(frame({"t": "hello", "layout": LAYOUT.to_wire(), "transport": "tcp", "host_id": "x",
+                        "pad": "y" * ((1 << 20) - 4096)}))
+    got = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(65536):
+            got += chunk
+    sock.close()
+    assert got == b""  # no hello_ok, no hello_err: nothing read past its length
+    wait_for(lambda: receiver.num_hellos_failed == failed + 1)
+    connect(receiver).close()  # a real hello still gets through

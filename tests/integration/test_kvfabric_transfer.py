@@ -22,7 +22,7 @@ from kvfabric import (
     BlockRegion, BlocksFenced, FabricEvent, FabricReceiver, FabricSender, HandshakeError, KVArrived,
     PeerUnavailable, ReceiverConfig, SenderConfig, ShmSegment, Ticket, TransferFailed,
 )
-from kvfabric.region import sweep_dead_segments
+from kvfabric.region import ShmSegment, sweep_dead_segments
 from tests.integration.cluster_checks import wait_threads
 from tests.integration.fabric_peer import LAYOUT, Peer, receiver_main, sender_main, source_blocks
 
@@ -333,3 +333,18 @@ def test_a_sender_that_aborts_fails_the_transfer_and_frees_the_blocks(rx: Rx, tr
         assert rx.pool.usage().num_in_use == 0 and len(rx.receiver.table) == 0
     finally:
         sender.stop()
+
+
+def test_a_segment_name_that_is_a_link_is_refused() -> None:
+    """A sender maps the segment a receiver names; a link planted under a segment's name (to
+    another file) once was followed. Now only the file itself opens."""
+    seg = ShmSegment.create(4096)
+    link = f"splitserve-kv-link-{os.getpid()}"
+    os.symlink(f"/dev/shm/{seg.name}", f"/dev/shm/{link}")
+    try:
+        with pytest.raises(OSError):
+            ShmSegment.open(link, seg.nonce, 4096)
+        ShmSegment.open(seg.name, seg.nonce, 4096).close()  # the segment itself opens
+    finally:
+        os.unlink(f"/dev/shm/{link}")
+        seg.close()
