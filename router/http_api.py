@@ -78,7 +78,8 @@ class OpenAIServer:
         self.deadlines = deadlines or HttpDeadlines()
         d = self.deadlines
         self.connections = ConnectionGuard(d.max_connections, d.max_idle_connections, d.header_timeout_s)
-        self.bodies = BodyReader(max_request_bytes, d.max_body_bytes_in_flight, d.body_timeout_s)
+        self.bodies = BodyReader(max_request_bytes, d.max_body_bytes_in_flight, d.body_timeout_s,
+                                 d.max_body_bytes_per_client)
         self.served_model_name = served_model_name
         self.max_request_bytes = max_request_bytes
         self.created = int(time.time())

@@ -43,12 +43,17 @@ class HttpDeadlines:
     max_body_bytes_in_flight: int = 256 << 20
     """Request bodies being read at once, in bytes (each counted at its Content-Length, or the
     largest body where it has none): past it a new one is told 503 with a retry hint."""
+    max_body_bytes_per_client: int = 64 << 20
+    """Of those, the most one client address may hold: 16 slow clients declaring 16 MiB each
+    once held the whole budget; past it that client is told 429 with a retry hint."""
 
     def __post_init__(self) -> None:
         if min(self.header_timeout_s, self.body_timeout_s) <= 0:
             raise ValueError("HTTP timeouts must be positive")
-        if self.max_connections < 1 or self.max_idle_connections < 1 or self.max_body_bytes_in_flight < 1:
-            raise ValueError("max_connections, max_idle_connections and max_body_bytes_in_flight must be at least 1")
+        if min(self.max_connections, self.max_idle_connections, self.max_body_bytes_in_flight,
+               self.max_body_bytes_per_client) < 1:
+            raise ValueError("max_connections, max_idle_connections, max_body_bytes_in_flight and "
+                             "max_body_bytes_per_client must be at least 1")
 
 
 _BUSY = b'{"error": {"message": "the server holds too many connections; retry", "type": ' \
@@ -139,23 +144,37 @@ class ConnectionGuard:
 class BodyReader:
     """Request bodies, read within their deadline and within a budget of bytes in flight."""
 
-    def __init__(self, max_request_bytes: int, max_in_flight: int, timeout_s: float) -> None:
+    def __init__(self, max_request_bytes: int, max_in_flight: int, timeout_s: float,
+                 max_per_client: int | None = None) -> None:
         self.max_request_bytes, self.max_in_flight, self.timeout_s = max_request_bytes, max_in_flight, timeout_s
+        self.max_per_client = max_in_flight if max_per_client is None else max_per_client
         self.num_bytes = 0
         """Bytes of bodies being read now (each counted at its Content-Length)."""
+        self._by_client: dict[str, int] = {}
+        """Of those, by client address (an entry while it reads)."""
 
     async def read(self, request: web.Request) -> bytes:
         size = request.content_length
         if size is not None and size > self.max_request_bytes:
             raise web.HTTPRequestEntityTooLarge(max_size=self.max_request_bytes, actual_size=size)
         size = size or self.max_request_bytes
+        client = request.remote or ""
+        mine = self._by_client.get(client, 0)
+        if mine + size > self.max_per_client:
+            raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, f"this client is sending {mine} bytes of request "
+                                "bodies already; retry when they have arrived", 1.0)
         if self.num_bytes + size > self.max_in_flight:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"the server is reading {self.num_bytes} bytes of "
                                 "request bodies already; retry", 1.0)
         self.num_bytes += size
+        self._by_client[client] = mine + size
         try:
             return await asyncio.wait_for(request.read(), self.timeout_s)
         except TimeoutError:
             raise web.HTTPRequestTimeout(reason=f"the body did not arrive within {self.timeout_s:g} s") from None
         finally:
             self.num_bytes -= size
+            if (left := self._by_client[client] - size) > 0:
+                self._by_client[client] = left
+            else:
+                del self._by_client[client]

@@ -271,3 +271,38 @@ def test_bodies_past_the_bytes_in_flight_are_told_to_retry(tiny_llama_dir: str) 
         served.answers()
     finally:
         served.close()
+
+
+def test_one_client_holds_at_most_its_share_of_the_bytes_in_flight(tiny_llama_dir: str) -> None:
+    """16 slow clients declaring 16 MiB each once held the whole budget; now one address is
+    told 429 past its share, and another is still read."""
+    served = Served(Frontend(tiny_llama_dir), deadlines=dataclasses.replace(
+        DEADLINES, body_timeout_s=5.0, max_body_bytes_in_flight=256 << 20, max_body_bytes_per_client=16 << 20))
+    try:
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n{" % (8 << 20))
+        slow = [raw(served.port) for _ in range(3)]
+        for s in slow[:2]:
+            s.sendall(head)  # 16 MiB promised from 127.0.0.1, and not sent
+        deadline = time.monotonic() + 20
+        while served.server.bodies.num_bytes < 16 << 20:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        slow[2].sendall(head)
+        answer = closed_within(slow[2], 3.0) or b""
+        assert answer.startswith(b"HTTP/1.1 429") and b"this client is sending" in answer, answer
+        assert b"Retry-After: 1" in answer
+        other = socket.create_connection(("127.0.0.1", served.port), timeout=10, source_address=("127.0.0.2", 0))
+        body = json.dumps({"prompt": [1, 2], "max_tokens": 2}).encode()
+        other.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+        assert (closed_within(other, 10.0) or b"").startswith(b"HTTP/1.1 200")  # another address is served
+        other.close()
+        for s in slow[:2]:
+            s.close()
+        while served.server.bodies.num_bytes:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert served.server.bodies._by_client == {}  # every byte given back, per client too
+    finally:
+        served.close()
