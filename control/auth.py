@@ -23,6 +23,37 @@ def cluster_token(secret: bytes) -> str:
     return hmac.new(secret, b"splitserve internal endpoint v1", hashlib.sha256).hexdigest()
 
 
+SEAL_PREFIX = b"SSR1"
+_SEAL_BYTES = len(SEAL_PREFIX) + 32
+
+
+def registry_key(secret: bytes) -> bytes:
+    """The key that seals a cluster's registry entries: its own derivation of the secret (the
+    internal endpoints' token travels in call metadata; this key never leaves a process)."""
+    return hmac.new(secret, b"splitserve registry v1", hashlib.sha256).digest()
+
+
+def seal(key: bytes, redis_key: str, payload: bytes) -> bytes:
+    """`payload` as stored under `redis_key`: an HMAC of both in front, so an entry written by
+    anyone without the secret, or copied under another key, is told apart."""
+    return SEAL_PREFIX + hmac.new(key, redis_key.encode() + b"\0" + payload, hashlib.sha256).digest() + payload
+
+
+class Unsealed(ValueError):
+    """A registry entry that is not sealed with this cluster's key for its own Redis key."""
+
+
+def unseal(key: bytes | None, redis_key: str, data: bytes) -> bytes:
+    """The payload of a sealed entry; with `key` None (a reader without the secret: `status`)
+    the seal is taken off unchecked. Raises Unsealed."""
+    if not data.startswith(SEAL_PREFIX) or len(data) < _SEAL_BYTES:
+        raise Unsealed("the entry is not sealed with the cluster's secret")
+    payload = data[_SEAL_BYTES:]
+    if key is not None and not hmac.compare_digest(data[:_SEAL_BYTES], seal(key, redis_key, payload)[:_SEAL_BYTES]):
+        raise Unsealed("the entry's seal is not the cluster's (another secret, or another key's entry)")
+    return payload
+
+
 def token_matches(shown: object, token: str) -> bool:
     return isinstance(shown, str) and hmac.compare_digest(shown.encode(), token.encode())
 

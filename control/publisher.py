@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import redis
 
+from control.auth import seal
 from control.heartbeat import Heartbeat, hb_key, kv_key
 from control.kv_events import STREAM_MAXLEN, event_to_bytes
 from engine.block_pool import KVEvent
@@ -28,7 +29,11 @@ class Publisher:
     def __init__(
         self, redis_url: str, namespace: str, worker_id: str, heartbeat: Callable[[], Heartbeat | None],
         interval_s: float = 0.5, ttl_s: float = 3.0, max_buffered_events: int = 100_000,
+        seal_key: bytes | None = None,
     ) -> None:
+        """`seal_key`: the cluster's registry key (`control.auth.registry_key`): heartbeats are
+        sealed with it, and routers read only sealed ones."""
+        self.seal_key = seal_key
         self.client = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
         self.ns, self.worker_id, self.heartbeat = namespace, worker_id, heartbeat
         self.interval_s, self.ttl_s = interval_s, ttl_s
@@ -87,7 +92,9 @@ class Publisher:
                       maxlen=STREAM_MAXLEN, approximate=True)
         hb = self.heartbeat() if beat else None
         if hb is not None:
-            pipe.set(hb_key(self.ns, self.worker_id), hb.to_wire(), px=int(self.ttl_s * 1000))
+            key = hb_key(self.ns, self.worker_id)
+            wire = hb.to_wire() if self.seal_key is None else seal(self.seal_key, key, hb.to_wire())
+            pipe.set(key, wire, px=int(self.ttl_s * 1000))
         elif beat:  # the engine is busy in a long step: the process lives, keep the last beat alive
             pipe.pexpire(hb_key(self.ns, self.worker_id), int(self.ttl_s * 1000))
         pipe.execute()

@@ -7,7 +7,6 @@ Keys under one namespace `ns` (msgpack values, never pickle):
 """
 from __future__ import annotations
 
-import functools
 import json
 import logging
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from typing import Any, TypeVar
 import msgpack
 import redis.asyncio
 
+from control.auth import SEAL_PREFIX, Unsealed, unseal
 from control.heartbeat import BadEntry, Heartbeat, controller_key, hb_key, kv_key, router_key, store_key
 from control.kv_events import event_from_bytes
 from engine.block_pool import KVEvent
@@ -35,9 +35,14 @@ class StreamCursor:
 class RegistryReader:
     """Async reads for routers and `splitserve status`; every call is bounded by the client's timeouts."""
 
-    def __init__(self, redis_url: str, namespace: str, timeout_s: float = 2.0) -> None:
+    def __init__(self, redis_url: str, namespace: str, timeout_s: float = 2.0, seal_key: bytes | None = None) -> None:
+        """`seal_key`: the cluster's registry key (`control.auth.registry_key`): heartbeats and
+        KV store entries count only sealed with it for their own key (anyone who can write the
+        Redis could otherwise steer routing); None, for a reader without the secret (`status`):
+        shown unchecked."""
         self.client = redis.asyncio.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.ns = namespace
+        self.seal_key = seal_key
         self.num_bad_entries = 0
         """Malformed heartbeats and KV events skipped (each key's logged once)."""
         self._warned: set[object] = set()
@@ -47,8 +52,8 @@ class RegistryReader:
         if not keys:
             return {}
         values = await self.client.mget(keys)
-        beats = [b for k, v in zip(keys, values, strict=True) if v is not None
-                 and (b := self._parse(k, v, functools.partial(_beat_of, _text(k)[len(hb_key(self.ns, "")):])))
+        beats = [b for k, v in zip(keys, values, strict=True) if v is not None and (b := self._parse(
+                 k, v, lambda data, k=k: _beat_of(_text(k)[len(hb_key(self.ns, "")):], self._opened(k, data))))
                  is not None]
         return {b.worker_id: b for b in beats}
 
@@ -69,6 +74,17 @@ class RegistryReader:
                     out.append((worker, ev))
         return out
 
+    def _opened(self, key: object, data: object) -> bytes:
+        """An entry's payload: its seal checked (with a key) or taken off (without one)."""
+        if not isinstance(data, bytes):
+            raise BadEntry(f"a registry entry is bytes, not {type(data).__name__}")
+        if self.seal_key is None and not data.startswith(SEAL_PREFIX):
+            return data
+        try:
+            return unseal(self.seal_key, _text(key), data)
+        except Unsealed as e:
+            raise BadEntry(str(e)) from None
+
     def _parse(self, key: object, data: object, parse: Callable[[object], T]) -> T | None:
         try:
             return parse(data)
@@ -84,7 +100,7 @@ class RegistryReader:
         keys = [k async for k in self.client.scan_iter(match=store_key(self.ns, "*"), count=100)]
         values = await self.client.mget(keys) if keys else []
         entries = [e for k, v in zip(keys, values, strict=True) if v is not None
-                   and (e := self._parse(k, v, _store_entry)) is not None]
+                   and (e := self._parse(k, v, lambda data, k=k: _store_entry(self._opened(k, data)))) is not None]
         return dict(entries)
 
     async def set_router_stats(self, router_id: str, stats: dict[str, object], ttl_s: float) -> None:

@@ -26,7 +26,7 @@ import msgspec
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from control import tracing
-from control.auth import TokenCheck, cluster_token
+from control.auth import TokenCheck, cluster_token, registry_key
 from control.heartbeat import Heartbeat, ModelFacts, Role, TierSpeed, WorkerState
 from control.metrics_http import MetricsServer
 from control.publisher import Publisher
@@ -161,7 +161,8 @@ class WorkerHost:
         self.server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self.publisher = Publisher(redis_url, namespace, worker_id, self.heartbeat, config.heartbeat_interval_s,
-                                   config.heartbeat_ttl_s) if redis_url else None
+                                   config.heartbeat_ttl_s, seal_key=registry_key(config.cluster_secret)
+                                   if config.cluster_secret else None) if redis_url else None
 
     @property
     def service_name(self) -> str:

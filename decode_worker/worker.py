@@ -25,7 +25,7 @@ import grpc
 import torch
 
 from control import tracing
-from control.auth import cluster_token
+from control.auth import cluster_token, registry_key
 from control.heartbeat import ModelFacts
 from control.worker_config import WorkerConfig, on_this_node
 from control.worker_host import (HostedWorker, NoRoom, NotHere, WorkerHost, engine_died, engine_load_reader,
@@ -86,7 +86,8 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
         self.loop = EngineLoop(self.engine, self._on_outputs, self._hook, name=f"engine-{worker_id}",
                                on_death=engine_died(worker_id))
         self.tier = start_tier(self.engine, self.loop.call, config.kv_store, redis_url, namespace,
-                               self.remote.receiver.config.token, config.host, config.advertised_host(redis_url))
+                               self.remote.receiver.config.token, config.host, config.advertised_host(redis_url),
+                               registry_key(config.cluster_secret) if config.cluster_secret else None)
         """This host's shared KV tier (kvstore/tier.py), or None."""
         e = self.engine
         facts = ModelFacts(e.model_id, config.block_size, e.model_config.vocab_size, e.max_model_len,

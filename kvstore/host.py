@@ -23,6 +23,7 @@ from typing import Any
 
 import grpc
 
+from control.auth import SEAL_PREFIX, Unsealed, registry_key, seal, unseal
 from control.heartbeat import store_key
 from control.worker_config import NODE_IP, dialable_host
 from kvfabric.address import local_host_id
@@ -73,6 +74,8 @@ class StoreHost:
         self._stop = threading.Event()
         self._registrar: threading.Thread | None = None
         self.store_id = store_id_of(local_host_id())
+        self._seal_key = registry_key(self.config.cluster_secret) if self.config.cluster_secret else None
+        """Its registry entry is sealed with the cluster's key (routers and workers check it)."""
         self.publisher: Any = None
         self.metrics: Any = None
         self.metrics_address = ""
@@ -142,7 +145,9 @@ class StoreHost:
                 self.publisher.publish_events(self.store.take_events())  # never blocks
                 if time.monotonic() >= next_entry:
                     try:  # its address, id and counters: `splitserve status` reads them here
-                        client.set(key, json.dumps(self.info()), px=int(TTL_S * 1000))
+                        entry = json.dumps(self.info()).encode()
+                        client.set(key, seal(self._seal_key, key, entry) if self._seal_key else entry,
+                                   px=int(TTL_S * 1000))
                         next_entry = time.monotonic() + 1.0
                     except redis.RedisError as e:
                         logger.warning("KV store: cannot register in Redis (%s); retrying", e)
@@ -195,21 +200,31 @@ def store_registry(store: Any) -> Any:
 
 
 def read_stores(redis_url: str, namespace: str) -> list[dict[str, Any]]:
-    """Every registered store's entry (`StoreHost.info()`), by store id."""
+    """Every registered store's entry (`StoreHost.info()`), by store id, as shown (seals unchecked)."""
     import redis
 
     client = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
     try:
         keys = list(client.scan_iter(match=store_key(namespace, "*"), count=100))
         values = client.mget(keys) if keys else []
-        return sorted((json.loads(v) for v in values if v), key=lambda e: str(e.get("store_id")))
+        return sorted((json.loads(_opened(None, k, v)) for k, v in zip(keys, values, strict=True) if v),
+                      key=lambda e: str(e.get("store_id")))
     finally:
         client.close()
 
 
-def find_store(redis_url: str | None, namespace: str, timeout_s: float = 10.0) -> StoreEntry | None:
+def _opened(seal_key: bytes | None, key: bytes | str, value: bytes) -> bytes:
+    """An entry's payload: its seal checked with `seal_key`, or taken off unchecked without one."""
+    if seal_key is None and not value.startswith(SEAL_PREFIX):
+        return value
+    return unseal(seal_key, key.decode() if isinstance(key, bytes) else key, value)
+
+
+def find_store(redis_url: str | None, namespace: str, timeout_s: float = 10.0,
+               seal_key: bytes | None = None) -> StoreEntry | None:
     """This host's store from the cluster's Redis (waits up to `timeout_s` for one starting
-    beside this worker); None: there is none."""
+    beside this worker); None: there is none. With `seal_key`, an entry not sealed with it is
+    none (a worker would show the cluster's token to a store anyone can name)."""
     if not redis_url:
         return None
     import redis
@@ -223,8 +238,12 @@ def find_store(redis_url: str | None, namespace: str, timeout_s: float = 10.0) -
             except redis.RedisError:
                 raw = None
             if raw:
-                entry = json.loads(raw)
-                return StoreEntry(str(entry["address"]), str(entry["store_id"]))
+                try:
+                    entry = json.loads(_opened(seal_key, store_key(namespace, local_host_id()), raw))
+                except Unsealed as e:
+                    logger.warning("the KV store entry for this host is refused: %s", e)
+                else:
+                    return StoreEntry(str(entry["address"]), str(entry["store_id"]))
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.2)

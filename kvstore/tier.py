@@ -338,18 +338,20 @@ class KVTier:
 
 
 def start_tier(engine: LLMEngine, call: EngineCall, kv_store: str | None, redis_url: str | None, namespace: str,
-               token: str | None, host: str, advertise_host: str | None) -> KVTier | None:
-    """A worker's tier: `kv_store` "local" (this host's store, from Redis) or HOST:PORT; None
-    when none is configured or none is registered for this host (then it serves without one)."""
+               token: str | None, host: str, advertise_host: str | None,
+               seal_key: bytes | None = None) -> KVTier | None:
+    """A worker's tier: `kv_store` "local" (this host's store, from Redis: its entry must be
+    sealed with `seal_key`, when given) or HOST:PORT; None when none is configured or none is
+    registered for this host (then it serves without one)."""
     if not kv_store:
         return None
     if kv_store == "local":
-        entry = find_store(redis_url, namespace)
+        entry = find_store(redis_url, namespace, seal_key=seal_key)
         if entry is None:
             logger.warning("no KV store is registered for this host: serving without the shared KV tier")
             return None
         return KVTier(engine, call, entry.address, token, host, advertise_host, store_id=entry.store_id,
-                      resolve=lambda: find_store(redis_url, namespace, timeout_s=0))
+                      resolve=lambda: find_store(redis_url, namespace, timeout_s=0, seal_key=seal_key))
     return KVTier(engine, call, kv_store, token, host, advertise_host, store_id=_store_id(kv_store, token))
 
 

@@ -23,7 +23,7 @@ import grpc
 import torch
 
 from control import tracing
-from control.auth import cluster_token
+from control.auth import cluster_token, registry_key
 from control.heartbeat import ModelFacts
 from control.worker_config import WorkerConfig, on_this_node
 from control.worker_host import (HostedWorker, WorkerHost, engine_died, engine_load_reader, next_event,
@@ -98,7 +98,8 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
                                on_death=engine_died(worker_id))
         self.tier = start_tier(self.engine, self.loop.call, config.kv_store, redis_url, namespace,
                                cluster_token(config.cluster_secret) if config.cluster_secret else None, config.host,
-                               config.advertised_host(redis_url))
+                               config.advertised_host(redis_url),
+                               registry_key(config.cluster_secret) if config.cluster_secret else None)
         """This host's shared KV tier (kvstore/tier.py), or None."""
         e = self.engine
         facts = ModelFacts(e.model_id, config.block_size, e.model_config.vocab_size, e.max_model_len,

@@ -22,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from control import tracing
-from control.auth import cluster_token
+from control.auth import cluster_token, registry_key
 from control.metrics_http import MetricsServer
 from control.reader import RegistryReader
 from control.worker_config import NO_SECRET, dialable_host
@@ -56,7 +56,7 @@ class RouterService:
             raise ValueError(NO_SECRET)
         self.router_id, self.config = router_id, config
         tracing.setup("splitserve-router", router_id, config.otlp_endpoint)
-        self.reader = RegistryReader(redis_url, namespace)
+        self.reader = RegistryReader(redis_url, namespace, seal_key=registry_key(config.cluster_secret))
         self.redis_url = redis_url
         self.members = Members(config.worker_networks)
         self.index = KVIndex(time.monotonic)

@@ -151,16 +151,19 @@ def test_keys_come_from_flags_a_private_file_and_the_environment(tmp_path: Path)
 
 def test_heartbeats_that_lie_are_skipped_counted_and_change_no_request(cluster: LocalCluster) -> None:
     """A serving heartbeat with a block size of 0, one with a negative pool, one with a huge
-    vocabulary, and one whose address is a public one, written into the cluster's Redis: the
+    vocabulary, and one whose address is a public one, written into the cluster's Redis
+    (sealed as a worker's own, so the router reads past the seal to the fields): the
     router skips each (the first as incomplete facts, the next two as malformed, the last for
     its address), counts them, and requests go on as before."""
     import msgpack
     import redis
 
+    from control.auth import registry_key, seal, unseal
     from control.heartbeat import Heartbeat, hb_key
 
-    real = Heartbeat.from_wire(redis.Redis.from_url(cluster.redis_url).get(hb_key(cluster.config.namespace,
-                                                                                   "decode-0")))
+    key = registry_key(cluster.config.worker.cluster_secret)  # sealed as a worker's: the lies are in the fields
+    real_key = hb_key(cluster.config.namespace, "decode-0")
+    real = Heartbeat.from_wire(unseal(key, real_key, redis.Redis.from_url(cluster.redis_url).get(real_key)))
     good = msgpack.unpackb(real.to_wire())
     lies = {"zero": {**good, "facts": {**good["facts"], "block_size": 0}},
             "negative": {**good, "facts": {**good["facts"], "num_total_blocks": -5}},
@@ -169,8 +172,9 @@ def test_heartbeats_that_lie_are_skipped_counted_and_change_no_request(cluster: 
     client = redis.Redis.from_url(cluster.redis_url)
     try:
         for name, fields in lies.items():
-            client.set(hb_key(cluster.config.namespace, f"decode-{name}"),
-                       msgpack.packb({**fields, "worker_id": f"decode-{name}", "incarnation": name}), px=60_000)
+            lie_key = hb_key(cluster.config.namespace, f"decode-{name}")
+            client.set(lie_key, seal(key, lie_key, msgpack.packb({**fields, "worker_id": f"decode-{name}",
+                                                                  "incarnation": name})), px=60_000)
         deadline = time.monotonic() + 10
         while True:
             [stats] = cluster.router_stats()

@@ -20,6 +20,7 @@ import redis
 
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster
+from control.auth import registry_key
 from control.heartbeat import hb_key
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
@@ -72,6 +73,38 @@ def test_a_heartbeat_under_another_workers_key_is_skipped_and_counted(cluster: L
         assert "decode-7" not in stats["members"] and "decode-0" in stats["members"]
     finally:
         client.delete(hb_key(ns, "decode-7"))
+        client.close()
+
+
+def test_a_heartbeat_or_store_entry_without_the_clusters_seal_is_skipped_and_counted(cluster: LocalCluster) -> None:
+    """Anyone who can write the cluster's Redis once could add workers (a majority of fake ones
+    outvoted the real workers' model facts) and name a KV store (workers showed it the cluster
+    token). Entries are sealed with the cluster's secret now; one without the seal is skipped."""
+    from control.heartbeat import store_key
+    from kvfabric.address import local_host_id
+    from kvstore.host import find_store
+    from tests.unit.helpers import heartbeat
+
+    wait_for("the router to see decode-0", lambda: "decode-0" in cluster.router_stats()[0]["members"], 60)
+    client = redis.Redis.from_url(cluster.redis_url)
+    ns = cluster.config.namespace
+    forged = [f"decode-{i}" for i in range(10, 15)]
+    try:
+        before = cluster.router_stats()[0]["bad_registry_entries"]
+        for w in forged:  # five decode workers of another model, at an address of their choice
+            client.set(hb_key(ns, w), heartbeat(w, "decode", address="127.0.0.1:1", model_id="evil", block_size=16,
+                                                vocab_size=512, max_model_len=64, num_total_blocks=64).to_wire(),
+                       px=20_000)
+        wait_for("the router to count the forged heartbeats",
+                 lambda: cluster.router_stats()[0]["bad_registry_entries"] >= before + 5, 10)
+        stats = cluster.router_stats()[0]
+        assert not set(forged) & set(stats["members"]) and "decode-0" in stats["members"]
+        client.set(store_key(ns, local_host_id()), b'{"store_id": "evil", "address": "127.0.0.1:1"}', px=20_000)
+        assert find_store(cluster.redis_url, ns, timeout_s=0, seal_key=registry_key(
+            cluster.config.worker.cluster_secret)) is None  # a worker does not take it
+        assert not set(forged) & set(cluster.router_stats()[0]["serving"]["decode"])
+    finally:
+        client.delete(*(hb_key(ns, w) for w in forged), store_key(ns, local_host_id()))
         client.close()
 
 

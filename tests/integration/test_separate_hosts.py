@@ -26,6 +26,7 @@ from benchmarks.separate_hosts import SUBNET, Hosts, kill_all_in, namespaces, ra
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster, free_port
 from control.auth import cluster_token
+from control.auth import unseal
 from control.heartbeat import Heartbeat, TierSpeed, hb_key
 from control.worker_config import NODE_IP
 from proto import generate_pb2 as pb
@@ -129,7 +130,7 @@ def test_a_worker_fetches_a_prefix_from_another_hosts_kv_store_over_tcp(cluster_
     client = redis_client.Redis.from_url(cluster_hosts.redis_url("127.0.0.1"), socket_timeout=5)
 
     def speed() -> TierSpeed:
-        return Heartbeat.from_wire(client.get(hb_key("hosts", "decode-d"))).tier_speed
+        return Heartbeat.from_wire(unseal(None, "", client.get(hb_key("hosts", "decode-d")))).tier_speed
     wait_for("d's heartbeat timing its fetch from p's store", lambda: len(speed().far_fetch) == 2, 30)
     assert speed().far_fetch[0] > 0 and not speed().fetch and speed().token_s > 0
 
