@@ -223,6 +223,9 @@ def _scale(args: argparse.Namespace) -> int:
     if args.n < (1 if args.role == "decode" else 0):
         print(f"error: a cluster needs at least {1 if args.role == 'decode' else 0} {args.role} workers", file=sys.stderr)
         return 2
+    if args.n > 256:  # the controller's MAX_MANUAL_TARGET
+        print(f"error: at most 256 {args.role} workers per pool, got {args.n}", file=sys.stderr)
+        return 2
     try:
         client = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
         client.set(target_key(namespace, args.role), args.n, ex=60)

@@ -66,6 +66,10 @@ from prefill_worker.worker import PrefillWorker
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 300.0
+MAX_MANUAL_TARGET = 256
+"""The largest pool `splitserve scale` may ask for (a target read from Redis past it is refused)."""
+
+
 class Controller:
     def __init__(self, config: ClusterConfig, redis_url: str) -> None:
         if not config.worker.cluster_secret:  # a restart must hand its workers and routers the same one
@@ -246,10 +250,16 @@ class Controller:
     async def _read_manual_targets(self) -> None:
         for role in ROLES:
             value = await self.reader.client.getdel(target_key(self.config.namespace, role))
-            if value is not None:
-                n = max(int(value), 1 if role == "decode" else 0)
-                self._act(f"{role} target {self.targets[role]} -> {n} (splitserve scale)")
-                self.targets[role] = n
+            if value is None:
+                continue
+            text = value.decode("ascii", "replace")[:20] if isinstance(value, bytes) else str(value)[:20]
+            if not text.isdigit() or int(text) > MAX_MANUAL_TARGET:  # whoever wrote it, not a pool size we run
+                logger.warning("controller: %s target %r from Redis refused (an integer up to %d)", role, text,
+                               MAX_MANUAL_TARGET)
+                continue
+            n = max(int(text), 1 if role == "decode" else 0)
+            self._act(f"{role} target {self.targets[role]} -> {n} (splitserve scale)")
+            self.targets[role] = n
 
     async def _check_liveness(self) -> None:
         serving = [w for w in self.workers.values() if w.state == "serving"]

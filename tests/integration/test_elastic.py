@@ -144,3 +144,23 @@ def test_a_worker_that_cannot_be_placed_is_cancelled_and_reported(cluster: Local
     assert status["targets"]["prefill"] == 1 and len(serving(cluster, "prefill")) == 1
     cluster.scale("decode", 2)  # later decisions are not blocked
     wait_for("a second decode worker", lambda: len(serving(cluster, "decode")) == 2)
+
+
+def test_a_pool_target_from_redis_that_is_no_pool_size_is_refused(cluster: LocalCluster) -> None:
+    """The controller once took any value under a target key: a garbage one raised in its loop,
+    a huge one would have launched that many workers. Now both are refused and logged."""
+    import redis
+
+    from control.heartbeat import target_key
+
+    before = cluster.controller_status()["targets"]
+    client = redis.Redis.from_url(cluster.redis_url)
+    try:
+        client.set(target_key(cluster.config.namespace, "decode"), "100000", ex=60)
+        client.set(target_key(cluster.config.namespace, "prefill"), "lots", ex=60)
+        wait_for("the controller to read both", lambda: not client.exists(
+            target_key(cluster.config.namespace, "decode"), target_key(cluster.config.namespace, "prefill")), 30)
+    finally:
+        client.close()
+    status = cluster.controller_status()
+    assert status["targets"] == before and not any("100000" in a for a in status["actions"])
