@@ -106,12 +106,23 @@ async def next_event(events: asyncio.Queue[T], context: grpc.aio.ServicerContext
 
 
 def engine_load_reader(loop: Any) -> LoadReader:
-    """A `LoadReader` over an `EngineLoop` (`loop.call(fn)` runs `fn(engine)` on its thread)
-    that never waits for the engine: each read asks the engine thread for its load (unless a
-    request is still pending) and returns the newest load it has answered, None before the
-    first. A heartbeat read on the publisher's thread once waited up to 2 s for an engine
-    busy in a step; on a loaded machine the beats then came later than their TTL, and
-    routers took the busy worker for gone (it left and rejoined, and its calls were cut)."""
+    """A `LoadReader` over an `EngineLoop` (`loop.call(fn)` runs `fn(engine)` on its thread):
+    reads `engine.load()` there, waiting at most 2 s (a `/metrics` scrape: the load now)."""
+    def read() -> EngineLoad | None:
+        fut = loop.call(lambda engine: engine.load())
+        try:
+            return fut.result(timeout=2.0)  # type: ignore[no-any-return]
+        except Exception:  # noqa: BLE001 - busy or stopped: none this time
+            return None
+    return read
+
+
+def latest_load_reader(loop: Any) -> LoadReader:
+    """A `LoadReader` for heartbeats that never waits for the engine: each read asks the engine
+    thread for its load (unless a request is still pending) and returns the newest load it has
+    answered (the first read waits up to 2 s for one). A beat that waited up to 2 s for an
+    engine busy in a step came later than its TTL on a loaded machine, and routers took the
+    busy worker for gone (it left and rejoined, and its calls were cut)."""
     pending: list[Any] = []
     latest: list[EngineLoad] = []
 
@@ -138,10 +149,13 @@ def engine_load_reader(loop: Any) -> LoadReader:
 
 class WorkerHost:
     def __init__(self, worker_id: str, role: Role, config: WorkerConfig, facts: ModelFacts, read_load: LoadReader,
-                 redis_url: str | None, namespace: str) -> None:
+                 redis_url: str | None, namespace: str, beat_load: LoadReader | None = None) -> None:
+        """`read_load`: the load now (a `/metrics` scrape waits for it); `beat_load`: the newest
+        one without waiting, for heartbeats (`latest_load_reader`; None: `read_load`)."""
         self.worker_id, self.role, self.config, self.facts = worker_id, role, config, facts
         tracing.setup(f"splitserve-{role}", worker_id, config.otlp_endpoint)
         self.read_load = read_load
+        self.beat_load = beat_load or read_load
         self.redis_url = redis_url
         self.incarnation = secrets.token_hex(8)
         self.state: WorkerState = "starting"
@@ -197,7 +211,7 @@ class WorkerHost:
             self.publisher.publish_events(events)
 
     def heartbeat(self) -> Heartbeat | None:
-        load = self.read_load()
+        load = self.beat_load()
         if load is None:
             return None
         store, speed = self.read_tier() or ("", TierSpeed())

@@ -29,7 +29,7 @@ from control.auth import cluster_token, registry_key
 from control.heartbeat import ModelFacts
 from control.worker_config import WorkerConfig, on_this_node
 from control.worker_host import (HostedWorker, NoRoom, NotHere, WorkerHost, engine_died, engine_load_reader,
-                                 next_event, status_for)
+                                 latest_load_reader, next_event, status_for)
 from decode_worker.kv_receive import Landed, RemoteFailure, RemoteKV
 from engine.choices import parent_of
 from engine.engine_loop import EngineLoop, freeze_startup_heap
@@ -92,7 +92,8 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
         e = self.engine
         facts = ModelFacts(e.model_id, config.block_size, e.model_config.vocab_size, e.max_model_len,
                            e.kv_pool.num_blocks, e.model_config.kv_window)
-        self.host = WorkerHost(worker_id, "decode", config, facts, engine_load_reader(self.loop), redis_url, namespace)
+        self.host = WorkerHost(worker_id, "decode", config, facts, engine_load_reader(self.loop), redis_url, namespace,
+                               beat_load=latest_load_reader(self.loop))
         self.host.read_step_model = lambda: self.engine.step_model.latest  # a tuple swapped whole: read from here
         self.host.step_profile = profile
         if self.tier is not None:

@@ -26,8 +26,8 @@ from control import tracing
 from control.auth import cluster_token, registry_key
 from control.heartbeat import ModelFacts
 from control.worker_config import WorkerConfig, on_this_node
-from control.worker_host import (HostedWorker, WorkerHost, engine_died, engine_load_reader, next_event,
-                                 status_for)
+from control.worker_host import (HostedWorker, WorkerHost, engine_died, engine_load_reader, latest_load_reader,
+                                 next_event, status_for)
 from engine.engine_loop import EngineLoop, freeze_startup_heap
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.request import FinishReason
@@ -104,7 +104,8 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
         e = self.engine
         facts = ModelFacts(e.model_id, config.block_size, e.model_config.vocab_size, e.max_model_len,
                            e.kv_pool.num_blocks, e.model_config.kv_window)
-        self.host = WorkerHost(worker_id, "prefill", config, facts, engine_load_reader(self.loop), redis_url, namespace)
+        self.host = WorkerHost(worker_id, "prefill", config, facts, engine_load_reader(self.loop), redis_url, namespace,
+                               beat_load=latest_load_reader(self.loop))
         if self.host.metrics is not None:
             self.host.metrics.block_bytes = self.pusher.layout.block_bytes
         if self.tier is not None:

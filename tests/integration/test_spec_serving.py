@@ -80,6 +80,12 @@ def test_greedy_tokens_through_the_speculating_decode_pool_equal_the_monolithic_
 def test_a_drain_of_a_speculating_decode_worker_changes_no_token(  # type: ignore[no-untyped-def]
         cluster: LocalCluster, stub, tiny_llama_dir: str) -> None:
     prompts = [copying_prompt(10 + i) for i in range(4)]
+    cluster.scale("decode", 2)  # whatever ran before: two decode workers, one to drain
+    wait_for("two decode workers", lambda: len(serving_decode(cluster)) == 2, 120)
+    both = set(serving_decode(cluster))
+    wait_for("the routers see both", lambda: all(both <= set(s["serving"]["decode"]) for s in cluster.router_stats()),
+             10)
+    drains = len(cluster.controller_status()["drains"])
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(generate, stub, p, 400) for p in prompts]
         wait_for("every request streaming", lambda: cluster.router_stats()[0]["num_admitted"] == len(prompts), 30)
@@ -87,7 +93,7 @@ def test_a_drain_of_a_speculating_decode_worker_changes_no_token(  # type: ignor
         results = [f.result() for f in futures]
     for p, got in zip(prompts, results, strict=True):
         assert tokens(got) == greedy(tiny_llama_dir, p, 400)
-    wait_for("the drain to finish", lambda: cluster.controller_status()["drains"], 60)
+    wait_for("the drain to finish", lambda: cluster.controller_status()["drains"][drains:], 60)
     assert len(serving_decode(cluster)) == 1
     wait_for("every block back", lambda: not cluster.holdings(), 20)
 

@@ -57,7 +57,7 @@ def test_the_heartbeats_load_never_waits_for_a_busy_engine() -> None:
     import concurrent.futures
     import time
 
-    from control.worker_host import engine_load_reader
+    from control.worker_host import latest_load_reader
     from engine.types import EngineLoad
 
     class Loop:
@@ -69,7 +69,7 @@ def test_the_heartbeats_load_never_waits_for_a_busy_engine() -> None:
             return self.asked[-1]
 
     loop = Loop()
-    read = engine_load_reader(loop)
+    read = latest_load_reader(loop)
     load = EngineLoad(**{**{f: 0 for f in EngineLoad.__dataclass_fields__}, "num_total_blocks": 8})
     t0 = time.monotonic()
     assert read() is None and len(loop.asked) == 1  # the first beat waits (bounded) for the first load
