@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import msgpack
 import redis.asyncio
 
-from control.auth import SEAL_PREFIX, Unsealed, unseal
+from control.auth import Unsealed, opened
 from control.heartbeat import BadEntry, Heartbeat, controller_key, hb_key, kv_key, router_key, store_key
 from control.kv_events import event_from_bytes
 from engine.block_pool import KVEvent
@@ -78,10 +78,8 @@ class RegistryReader:
         """An entry's payload: its seal checked (with a key) or taken off (without one)."""
         if not isinstance(data, bytes):
             raise BadEntry(f"a registry entry is bytes, not {type(data).__name__}")
-        if self.seal_key is None and not data.startswith(SEAL_PREFIX):
-            return data
         try:
-            return unseal(self.seal_key, _text(key), data)
+            return opened(self.seal_key, _text(key), data)
         except Unsealed as e:
             raise BadEntry(str(e)) from None
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 
-from control.auth import SEAL_PREFIX, Unsealed, registry_key, seal, unseal
+from control.auth import Unsealed, opened, registry_key, seal
 from control.heartbeat import store_key
 from control.worker_config import NODE_IP, dialable_host
 from kvfabric.address import local_host_id
@@ -207,17 +207,10 @@ def read_stores(redis_url: str, namespace: str) -> list[dict[str, Any]]:
     try:
         keys = list(client.scan_iter(match=store_key(namespace, "*"), count=100))
         values = client.mget(keys) if keys else []
-        return sorted((json.loads(_opened(None, k, v)) for k, v in zip(keys, values, strict=True) if v),
+        return sorted((json.loads(opened(None, "", v)) for v in values if v),
                       key=lambda e: str(e.get("store_id")))
     finally:
         client.close()
-
-
-def _opened(seal_key: bytes | None, key: bytes | str, value: bytes) -> bytes:
-    """An entry's payload: its seal checked with `seal_key`, or taken off unchecked without one."""
-    if seal_key is None and not value.startswith(SEAL_PREFIX):
-        return value
-    return unseal(seal_key, key.decode() if isinstance(key, bytes) else key, value)
 
 
 def find_store(redis_url: str | None, namespace: str, timeout_s: float = 10.0,
@@ -239,7 +232,7 @@ def find_store(redis_url: str | None, namespace: str, timeout_s: float = 10.0,
                 raw = None
             if raw:
                 try:
-                    entry = json.loads(_opened(seal_key, store_key(namespace, local_host_id()), raw))
+                    entry = json.loads(opened(seal_key, store_key(namespace, local_host_id()), raw))
                 except Unsealed as e:
                     logger.warning("the KV store entry for this host is refused: %s", e)
                 else:

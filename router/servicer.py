@@ -113,6 +113,7 @@ class Generation(pb_grpc.GenerationServicer):
             raise
         finally:
             self._end_trace(progress)
+            _access(request, progress, route)
 
     async def _generate(self, request: pb.GenerateRequest, progress: Progress, timeout_s: float | None,
                         route: str) -> AsyncIterator[pb.GenerateResponse]:
@@ -213,6 +214,18 @@ class Generation(pb_grpc.GenerationServicer):
                 ttft_s=progress.first_token - progress.arrived if progress.first_token else None,
                 num_prompt=len(prep.token_ids), num_output=progress.num_sent, num_cached=progress.num_cached_tokens,
                 reason=finish_name_from_pb(progress.finish_reason) or "unknown")
+
+
+access_log = logging.getLogger("splitserve.access")
+"""One line per request as it ends (who, what, how it ended); its own logger, to route or silence."""
+
+
+def _access(request: pb.GenerateRequest, progress: Progress, route: str) -> None:
+    prep = progress.prep
+    access_log.info("request %s client_id=%r tenant=%r route=%s status=%d prompt=%d output=%d cached=%d %.3fs",
+                    prep.request_id if prep else "-", request.request_id[:128], request.tenant[:128], route,
+                    progress.status, len(prep.token_ids) if prep else 0, progress.num_sent, progress.num_cached_tokens,
+                    time.perf_counter() - progress.arrived)
 
 
 async def _fail(context: grpc.aio.ServicerContext, e: RequestFailed) -> None:

@@ -124,3 +124,27 @@ def test_a_cancellation_from_below_ends_the_call_with_a_status() -> None:
     assert context.status == (grpc.StatusCode.UNAVAILABLE, "the request was cut off inside the router; retry")
     assert context.trailers == (("retry-after-ms", "1000"),)
     assert gate.queue.num_admitted == 0 and not service._named  # released
+
+
+def test_each_request_ends_with_one_access_line(caplog: pytest.LogCaptureFixture) -> None:
+    """Who asked (the client's id, the tenant), by which door, and how it ended: one line a
+    request, on the `splitserve.access` logger."""
+    members = Members(("*",))
+    members.update({"d0": heartbeat("d0", "decode", address="d0", model_id="m", block_size=16, vocab_size=1000,
+                                    max_model_len=512, num_total_blocks=64)})
+    service = Generation(Frontend(None), AdmissionGate(AdmissionConfig(), time.monotonic), CancelledFlow(),  # type: ignore[arg-type]
+                         members)
+
+    async def call(request_id: str) -> None:
+        request = pb.GenerateRequest(request_id=request_id, tenant="gold", token_ids=pb.TokenIds(ids=[5, 6, 7]),
+                                     sampling=pb.SamplingParams(max_tokens=2))
+        with pytest.raises(Aborted):
+            async for _ in service.Generate(request, Context()):  # type: ignore[arg-type]
+                pass
+
+    with caplog.at_level("INFO", logger="splitserve.access"):
+        asyncio.run(call("mine"))
+        asyncio.run(call("forged\nrequest x status=0"))
+    first, second = [r.getMessage() for r in caplog.records if r.name == "splitserve.access"]
+    assert "client_id='mine' tenant='gold' route=generate status=14 prompt=3 output=0" in first
+    assert "status=3 prompt=0" in second and "\n" not in second  # refused; its newline forges no line
