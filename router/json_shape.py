@@ -144,7 +144,7 @@ class _Text:
         end = text.find(b"]", pos)
         if end < 0 or any(text.find(c, pos, end) >= 0 for c in (b"[", b"{", b'"')):
             return None
-        empty = not text[pos:min(end, pos + 64)].strip() and end - pos <= 64
+        empty = end - pos <= 64 and not text[pos:end].strip()  # (a long list is never all blanks)
         return end, 0 if empty else text.count(b",", pos, end) + 1
 
 

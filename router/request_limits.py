@@ -59,8 +59,10 @@ class RequestLimits:
         except TooMany as e:
             where = ".".join(e.path)
             flag = f" ({FLAGS[e.path]})" if e.path in FLAGS else ""
-            noun = "token ids" if e.what == "numbers" and e.path in TOKEN_LISTS else \
-                NOUNS.get(e.path, e.what) if e.what != "numbers" else e.what
+            if e.what == "numbers":  # a flat list of numbers: token ids where a token list is
+                noun = "token ids" if e.path in TOKEN_LISTS else "numbers"
+            else:
+                noun = NOUNS.get(e.path, e.what)
             raise BadRequest(f"{where or 'the body'} holds more than {e.limit} {noun}{flag}",
                              e.path[0] if e.path else None) from None
 

@@ -246,21 +246,28 @@ def test_ten_thousand_idle_connections_are_capped_and_a_real_client_is_served(se
     served.answers()
 
 
+def _third_body_past_two_held(served: Served) -> tuple[list[socket.socket], bytes]:
+    """Two connections each declare an 8 MiB body and send one byte of it; once the server
+    holds both, a third declares another: its connections, and what the third was told."""
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n{" % (8 << 20))
+    slow = [raw(served.port) for _ in range(3)]
+    for s in slow[:2]:
+        s.sendall(head)
+    deadline = time.monotonic() + 20
+    while served.server.bodies.num_bytes < 16 << 20:  # both bodies being read (a loaded machine is slow)
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    slow[2].sendall(head)
+    return slow, closed_within(slow[2], 3.0) or b""
+
+
 def test_bodies_past_the_bytes_in_flight_are_told_to_retry(tiny_llama_dir: str) -> None:
     served = Served(Frontend(tiny_llama_dir), deadlines=dataclasses.replace(DEADLINES, body_timeout_s=5.0,
                                                                             max_body_bytes_in_flight=20 << 20))
     try:
-        head = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-                b"Content-Length: %d\r\n\r\n{" % (8 << 20))
-        slow = [raw(served.port) for _ in range(3)]
-        for s in slow[:2]:
-            s.sendall(head)  # 16 MiB of the 20 promised, and not sent
+        slow, answer = _third_body_past_two_held(served)  # 16 MiB of the 20 held, and not sent
         deadline = time.monotonic() + 20
-        while served.server.bodies.num_bytes < 16 << 20:  # both bodies being read (a loaded machine is slow)
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        slow[2].sendall(head)
-        answer = closed_within(slow[2], 3.0) or b""
         assert answer.startswith(b"HTTP/1.1 503") and b"request bodies already; retry" in answer, answer
         assert b"Retry-After: 1" in answer
         for s in slow[:2]:
@@ -279,17 +286,8 @@ def test_one_client_holds_at_most_its_share_of_the_bytes_in_flight(tiny_llama_di
     served = Served(Frontend(tiny_llama_dir), deadlines=dataclasses.replace(
         DEADLINES, body_timeout_s=5.0, max_body_bytes_in_flight=256 << 20, max_body_bytes_per_client=16 << 20))
     try:
-        head = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-                b"Content-Length: %d\r\n\r\n{" % (8 << 20))
-        slow = [raw(served.port) for _ in range(3)]
-        for s in slow[:2]:
-            s.sendall(head)  # 16 MiB promised from 127.0.0.1, and not sent
+        slow, answer = _third_body_past_two_held(served)  # 16 MiB held from 127.0.0.1
         deadline = time.monotonic() + 20
-        while served.server.bodies.num_bytes < 16 << 20:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        slow[2].sendall(head)
-        answer = closed_within(slow[2], 3.0) or b""
         assert answer.startswith(b"HTTP/1.1 429") and b"this client is sending" in answer, answer
         assert b"Retry-After: 1" in answer
         other = socket.create_connection(("127.0.0.1", served.port), timeout=10, source_address=("127.0.0.2", 0))
