@@ -29,8 +29,8 @@ from cluster.make_model import add_parser as add_make_model_parser
 from cluster.metrics_targets import add_observe_flags
 from cluster.metrics_targets import add_parser as add_metrics_targets_parser
 from cluster.metrics_targets import metrics_port as _metrics_port
-from cluster.processes import (add_device_flags, add_http_flags, add_speculative_flags, cluster_secret, http_fields,
-                               placement, redacted, speculative_config, worker_host)
+from cluster.processes import (add_device_flags, add_http_flags, add_internal_tls_flag, add_speculative_flags,
+                               cluster_secret, http_fields, placement, redacted, speculative_config, worker_host)
 from cluster.processes import add_parsers as add_process_parsers
 from cluster.status import show_status
 from control.autoscaler import AutoscaleConfig
@@ -114,7 +114,8 @@ def _serve_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
                             block_size=args.block_size, kv_cache_bytes=mib * 2**20 if mib else None,
                             gpu_memory_utilization=utilization, host=worker_host(args),
                             advertise_host=args.advertise_host, cluster_secret=cluster_secret(),
-                            otlp_endpoint=args.otlp_endpoint, speculative=speculative_config(args)),
+                            otlp_endpoint=args.otlp_endpoint, speculative=speculative_config(args),
+                            internal_tls=args.internal_tls),
         num_prefill=args.num_prefill, num_decode=args.num_decode, num_routers=args.num_routers,
         controller_max_restarts=args.controller_max_restarts, gpus_per_worker=gpus, autoscale=_autoscale_config(args),
         decode_tp=args.decode_tp, prefill_tp=args.prefill_tp, kv_store_mib=args.kv_store_mib,
@@ -302,6 +303,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     s.add_argument("--port", type=int, default=RouterConfig.port, help="router port (0: a free one, printed when ready)")
     s.add_argument("--host", default=RouterConfig.host, help="interface to serve on (0.0.0.0 for other machines)")
     add_http_flags(s)
+    add_internal_tls_flag(s)
     add_observe_flags(s)
     s.add_argument("--redis-url", help="use this Redis instead of starting one (redis://host:port/db)")
     s.add_argument("--redis-host", default=ClusterConfig.redis_host, help="interface the embedded Redis binds: on a Ray "

@@ -133,6 +133,12 @@ def add_http_flags(p: argparse.ArgumentParser, default_port: int = 8000) -> None
 REDIS_URL_ENV = "SPLITSERVE_REDIS_URL"
 
 
+def add_internal_tls_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-internal-tls", dest="internal_tls", action="store_false",
+                   help="plain gRPC and kvfabric tcp between the cluster's members (default: mutual TLS with "
+                        "certificates made from the cluster secret); only on a network you trust, on every member")
+
+
 def add_redis_url_flag(p: argparse.ArgumentParser) -> None:
     """A plain process's Redis: --redis-url, else $SPLITSERVE_REDIS_URL (where a password
     belongs: argv is visible to every user of the machine in `ps`)."""
@@ -236,7 +242,7 @@ def _worker(args: argparse.Namespace) -> int:
                               model_id=args.model_id, advertise_host=args.advertise_host,
                               cluster_secret=required_secret(), otlp_endpoint=args.otlp_endpoint,
                               speculative=speculative_config(args), tensor_parallel=args.tensor_parallel,
-                              kv_store=args.kv_store)
+                              kv_store=args.kv_store, internal_tls=args.internal_tls)
         if args.tensor_parallel > 1 and args.role == "prefill" and device.startswith("cuda"):
             raise ValueError("--tensor-parallel splits prefill workers on CPU only: on GPUs a split worker's ranks "
                              "keep their KV pools private, so its pushes could not carry every KV head")
@@ -272,7 +278,8 @@ def _kv_store(args: argparse.Namespace) -> int:
             raise ValueError("--kv-store-direct-io is how the spill file is read and written: it needs --kv-store-dir")
         config = StoreConfig(model_path(args.model), args.kv_store_mib << 20, args.block_size, args.dtype,
                              args.model_id, args.host, args.advertise_host, args.port, required_secret(),
-                             args.kv_store_dir, int(args.kv_store_disk_gib * 2**30), args.kv_store_direct_io)
+                             args.kv_store_dir, int(args.kv_store_disk_gib * 2**30), args.kv_store_direct_io,
+                             args.internal_tls)
         redis_url = redis_url_of(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -298,7 +305,7 @@ def _router(args: argparse.Namespace) -> int:
         config = RouterConfig(host=args.host, port=args.port, metrics_port=_metrics_port(args),
                               otlp_endpoint=args.otlp_endpoint, **http_fields(args), tokenizer_dir=args.tokenizer,
                               routing=RoutingConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens),
-                              cluster_secret=required_secret())
+                              cluster_secret=required_secret(), internal_tls=args.internal_tls)
         redis_url = redis_url_of(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -335,6 +342,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     add_speculative_flags(w)
     w.add_argument("--kv-store", help="this host's shared KV tier: `local` (the store `splitserve kv-store` "
                                       "registered for this host) or HOST:PORT (default: none)")
+    add_internal_tls_flag(w)
     w.set_defaults(func=_worker)
 
     k = sub.add_parser("kv-store", help="run this host's shared KV tier (a store of prefix blocks) as a plain process")
@@ -352,6 +360,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     k.add_argument("--kv-store-dir", help="a directory (an SSD) for the blocks memory evicts")
     k.add_argument("--kv-store-disk-gib", type=float, default=0.0, help="how much of --kv-store-dir to fill")
     k.add_argument("--kv-store-direct-io", action="store_true", help="the spill file with O_DIRECT (no page cache)")
+    add_internal_tls_flag(k)
     k.set_defaults(func=_kv_store)
 
     r = sub.add_parser("router", help="run one router replica as a plain process (no Ray)")
@@ -365,4 +374,5 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     r.add_argument("--tokenizer", help="directory with the model's tokenizer.json (default: token-id prompts only)")
     r.add_argument("--mode", choices=("disaggregated", "colocated", "auto"), default="auto")
     r.add_argument("--local-prefill-tokens", type=int, default=256)
+    add_internal_tls_flag(r)
     r.set_defaults(func=_router)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 from engine.config import CacheConfig, DType, EngineConfig, Role, SchedulerConfig, SpeculativeConfig, StepFloor
+from control.tls import MemberTLS, tls_of
 from kvfabric.address import route_address
 from kvfabric.config import TRANSPORTS
 
@@ -41,6 +42,10 @@ class WorkerConfig:
     """Key of the block hashes: the same on every worker and router of a cluster, known to
     nobody else. There is no built-in one: a local cluster generates it (`Controller`), plain
     processes read it from $SPLITSERVE_CLUSTER_SECRET_FILE or $SPLITSERVE_CLUSTER_SECRET."""
+    internal_tls: bool = True
+    """Mutual TLS on every connection between members (gRPC between routers, workers and KV
+    stores; kvfabric tcp), with certificates each member makes from the cluster secret
+    (control/tls.py). Off only on a network you trust, and on every member alike."""
     num_threads: int = 1
     """torch CPU threads per worker (workers share the machine's cores)."""
     host: str = "127.0.0.1"
@@ -85,6 +90,11 @@ class WorkerConfig:
     """This host's shared KV tier (kvstore/): "local" finds it in the cluster's Redis (the store
     started on this host, `serve --kv-store-mib`), HOST:PORT names it; None: none. The worker
     offers the blocks its pool caches and fetches a prompt's blocks from it before computing."""
+
+    @property
+    def tls(self) -> MemberTLS | None:
+        """This worker's TLS identity in its cluster (None: internal TLS off, or no secret)."""
+        return tls_of(self.cluster_secret, self.internal_tls)
 
     def advertised_host(self, redis_url: str | None) -> str:
         """Where peers reach this worker (see `advertise_host`)."""

@@ -27,6 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from control import tracing
 from control.auth import TokenCheck, cluster_token, registry_key
+from control.tls import add_member_port
 from control.heartbeat import Heartbeat, ModelFacts, Role, TierSpeed, WorkerState
 from control.metrics_http import MetricsServer
 from control.publisher import Publisher
@@ -188,7 +189,7 @@ class WorkerHost:
                                       if self.config.cluster_secret else None)
         add_servicer(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
-        port = self.server.add_insecure_port(f"{self.config.host}:0")
+        port = add_member_port(self.server, f"{self.config.host}:0", self.config.tls)
         await self.server.start()
         host = self.config.advertised_host(self.redis_url)
         self.address = f"{host}:{port}"

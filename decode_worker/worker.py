@@ -27,6 +27,7 @@ import torch
 from control import tracing
 from control.auth import cluster_token, registry_key
 from control.heartbeat import ModelFacts
+from control.tls import server_context
 from control.worker_config import WorkerConfig, on_this_node
 from control.worker_host import (HostedWorker, NoRoom, NotHere, WorkerHost, engine_died, engine_load_reader,
                                  latest_load_reader, next_event, status_for)
@@ -82,11 +83,13 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
         profile = profile_decode(self.engine, config.step_profile_s) if config.step_profile_s > 0 else ()
         self.remote = RemoteKV(self.engine, self.allocator, ReceiverConfig(
             host=config.host, advertise_host=config.advertised_host(redis_url), lease_s=config.kv_lease_s,
-            token=cluster_token(config.cluster_secret) if config.cluster_secret else None))
+            token=cluster_token(config.cluster_secret) if config.cluster_secret else None,
+            tls=server_context(config.tls)))
         self.loop = EngineLoop(self.engine, self._on_outputs, self._hook, name=f"engine-{worker_id}",
                                on_death=engine_died(worker_id))
         self.tier = start_tier(self.engine, self.loop.call, config.kv_store, redis_url, namespace,
-                               self.remote.receiver.config.token, config.host, config.advertised_host(redis_url),
+                               self.remote.receiver.config.token, config.tls, config.host,
+                               config.advertised_host(redis_url),
                                registry_key(config.cluster_secret) if config.cluster_secret else None)
         """This host's shared KV tier (kvstore/tier.py), or None."""
         e = self.engine

@@ -1,6 +1,7 @@
 """The settings of kvfabric's two ends (every field documented, units in names, validated)."""
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass, field
 
 TRANSPORTS = ("shm", "tcp", "cuda_ipc", "nccl")
@@ -20,7 +21,10 @@ class SenderConfig:
     transport: str | None = None
     """Force "shm" or "tcp"; None picks the best one the pair supports."""
     token: str | None = field(default=None, repr=False)
-    """Shown in the hello to receivers that require one (`ReceiverConfig.token`)."""
+    """The cluster's token: the hello proves it for the receiver's challenge (the token itself
+    never travels), and the receiver must prove it back (`ReceiverConfig.token`)."""
+    tls: ssl.SSLContext | None = field(default=None, repr=False)
+    """A client context: tcp connections under TLS (control/tls.py); None: plain."""
 
     def __post_init__(self) -> None:
         for f in ("io_timeout_s", "ack_timeout_s", "renew_interval_s"):
@@ -43,8 +47,11 @@ class ReceiverConfig:
     advertise_host: str | None = None
     """Host senders should dial (defaults to `host`)."""
     token: str | None = field(default=None, repr=False)
-    """When set, a sender's hello must show it (the cluster's proof of its secret), else the
-    handshake is refused before any reservation can be opened or byte written."""
+    """When set, a sender's hello must prove it for this connection's challenge (kvfabric/wire.py
+    `prove`), else the handshake is refused before any reservation can be opened or byte written."""
+    tls: ssl.SSLContext | None = field(default=None, repr=False)
+    """A server context: connections to the tcp listener must speak TLS with a certificate it
+    trusts (control/tls.py); None: plain. The same-host Unix socket stays plain."""
     hello_timeout_s: float = 5.0
     """A connection's whole hello must arrive within this of its accept, however it trickles."""
     max_pending_hellos: int = 64

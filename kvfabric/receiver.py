@@ -14,7 +14,6 @@ from whichever of its ranks holds them (`HeadMap`, computed alike on both sides)
 """
 from __future__ import annotations
 
-import hmac
 import itertools
 import logging
 import secrets
@@ -37,7 +36,7 @@ from kvfabric.layout import FabricLayout, HeadMap
 from kvfabric.region import BlockRegion, ShmSegment
 from kvfabric.reservations import FabricEvent, ReservationTable
 from kvfabric.wire import (MAX_HELLO_BYTES, Abort, Conn, Data, Hello, Idle, NcclData, Open, Ready, ReceiverMessage,
-                           Renew, RevokeAck, parse)
+                           Renew, RevokeAck, new_nonce, parse, prove, proven)
 
 logger = logging.getLogger(__name__)
 
@@ -243,11 +242,18 @@ class FabricReceiver:
                 self._cond.notify_all()
 
     def _handshake(self, conn: Conn) -> tuple[str, NcclLink | None, HeadMap]:
-        msg = conn.recv(deadline=time.monotonic() + self.config.hello_timeout_s, max_bytes=MAX_HELLO_BYTES)
+        """TLS (a tcp connection, when configured), a challenge, the sender's hello answering it,
+        and our hello_ok answering the sender's nonce; all within `hello_timeout_s` of the accept."""
+        deadline = time.monotonic() + self.config.hello_timeout_s
+        conn.start_tls(self.config.tls, server_side=True, timeout_s=self.config.hello_timeout_s)
+        nonce = new_nonce()
+        conn.send({"t": "challenge", "nonce": nonce})
+        msg = conn.recv(deadline=deadline, max_bytes=MAX_HELLO_BYTES)
         if msg["t"] != "hello":
             raise ProtocolError(f"expected hello, got {msg['t']!r:.40}")
         hello: Hello = parse(msg, Hello)
-        if self.config.token is not None and not hmac.compare_digest(hello.token.encode(), self.config.token.encode()):
+        token = self.config.token
+        if token is not None and not proven(token, "sender", nonce, hello.nonce, hello.proof):
             conn.send({"t": "hello_err", "field": "token", "error": "the sender did not prove the cluster secret"})
             raise ProtocolError("handshake refused: the sender did not prove the cluster secret")
         theirs = FabricLayout.from_wire(hello.layout)
@@ -276,7 +282,10 @@ class FabricReceiver:
             text = "nccl cannot join two processes on one GPU (NCCL refuses it): use cuda_ipc"
             conn.send({"t": "hello_err", "field": "transport", "error": text})
             raise ProtocolError(f"handshake refused: {text}")
-        conn.send({"t": "hello_ok", "receiver_id": self.address.receiver_id, "layout": self.layout.to_wire()})
+        ok = {"t": "hello_ok", "receiver_id": self.address.receiver_id, "layout": self.layout.to_wire()}
+        if token is not None:
+            ok["proof"] = prove(token, "receiver", nonce, hello.nonce)
+        conn.send(ok)
         link = None
         if transport == "nccl":  # rank 1; joins the sender's rank 0 (bounded by NCCL's own init)
             assert isinstance(self.region, DeviceRegion)

@@ -16,7 +16,6 @@ serialises calls with its own lock.
 """
 from __future__ import annotations
 
-import itertools
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -117,7 +116,6 @@ class ReservationTable:
         self._by_request: dict[str, int] = {}
         self._events: list[FabricEvent] = []
         self._revocations: list[Revocation] = []
-        self._ids = itertools.count(secrets.randbits(62))
 
     # -- owner side ----------------------------------------------------------------------
     def add(self, request_id: str, block_ids: list[int], num_skip_blocks: int) -> Reservation:
@@ -125,10 +123,18 @@ class ReservationTable:
             raise ValueError(f"request {request_id} already has a reservation")
         if not 0 <= num_skip_blocks <= len(block_ids):
             raise ValueError(f"num_skip_blocks {num_skip_blocks} outside [0, {len(block_ids)}]")
-        res = Reservation(next(self._ids), request_id, list(block_ids), num_skip_blocks, self.clock() + self.lease_s)
+        res = Reservation(self._new_id(), request_id, list(block_ids), num_skip_blocks, self.clock() + self.lease_s)
         self._by_id[res.reservation_id] = res
         self._by_request[request_id] = res.reservation_id
         return res
+
+    def _new_id(self) -> int:
+        """A random id, unused here: one reservation's id tells nothing of another's (a sender
+        that learned one cannot guess the next)."""
+        rid = secrets.randbits(62)
+        while rid in self._by_id:
+            rid = secrets.randbits(62)
+        return rid
 
     def cancel(self, request_id: str, reason: str = "aborted") -> bool | None:
         """Owner abort. None: nothing active; else whether the blocks must be held until fenced."""

@@ -22,6 +22,7 @@ import ctypes
 import logging
 import socket
 import threading
+import time
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,11 +33,11 @@ from kvfabric.address import ONE_SIDED, FabricAddress, Ticket, local_host_id, ro
 from kvfabric.config import SenderConfig
 from kvfabric.cuda import (CopyInFlight, DeviceRegion, IpcMapping, NcclLink, gpu_identity, nccl_payload, nccl_unique_id,
                            when_done)
-from kvfabric.errors import FabricError, HandshakeError, PeerUnavailable, ReservationRevoked
+from kvfabric.errors import FabricError, HandshakeError, PeerUnavailable, ProtocolError, ReservationRevoked
 from kvfabric.layout import FabricLayout, HeadMap, Run, coalesce, merge_spans
 from kvfabric.pools import pick_transport
 from kvfabric.region import BlockRegion, CopyBytes, ShmSegment
-from kvfabric.wire import Conn, Idle, dial
+from kvfabric.wire import MAX_HELLO_BYTES, Challenge, Conn, Idle, dial, new_nonce, parse, prove, proven, start_tls
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +147,9 @@ class _Peer:
         try:
             a = self.address
             local = a.local_name if self.transport in ONE_SIDED and a.host_id == local_host_id() else None
-            self.conn = Conn(dial(a.host, a.port, local, self.config.io_timeout_s), self.config.io_timeout_s)
+            sock = start_tls(dial(a.host, a.port, local, self.config.io_timeout_s), self.config.tls, False,
+                             self.config.io_timeout_s)
+            self.conn = Conn(sock, self.config.io_timeout_s)
             self._handshake()
         except BaseException:
             self.close()
@@ -181,10 +184,18 @@ class _Peer:
             return "tcp", []
 
     def _handshake(self) -> None:
+        deadline = time.monotonic() + self.config.ack_timeout_s
+        try:
+            challenge: Challenge = parse(self.conn.recv(deadline=deadline, max_bytes=MAX_HELLO_BYTES), Challenge)
+        except (Idle, ProtocolError) as e:
+            raise HandshakeError(f"receiver {self.address.receiver_id} sent no challenge ({e}): is TLS on at one "
+                                 "end only? (--no-internal-tls must be alike on every member)", "tls") from None
+        nonce = new_nonce()
         hello = {"t": "hello", "layout": self.sender.layout.to_wire(), "transport": self.transport,
-                 "host_id": local_host_id()}
-        if self.config.token is not None:
-            hello["token"] = self.config.token
+                 "host_id": local_host_id(), "nonce": nonce}
+        token = self.config.token
+        if token is not None:
+            hello["proof"] = prove(token, "sender", challenge.nonce, nonce)
         if self.gpu is not None:
             hello["gpu"] = self.gpu
         if self.transport == "nccl":
@@ -199,6 +210,8 @@ class _Peer:
             raise HandshakeError(f"kvfabric handshake refused: {reply['error']}", reply.get("field"))
         if reply["t"] != "hello_ok":
             raise HandshakeError(f"unexpected handshake reply {reply['t']!r}")
+        if token is not None and not proven(token, "receiver", challenge.nonce, nonce, reply.get("proof")):
+            raise HandshakeError(f"receiver {self.address.receiver_id} did not prove the cluster secret", "token")
         try:
             theirs = FabricLayout.from_wire(reply["layout"])
             self.map = HeadMap.between(self.sender.layout, theirs)

@@ -9,7 +9,11 @@ for the next header, which the caller's loop may repeat.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -113,14 +117,54 @@ ReceiverMessage = Open | Renew | Ready | RevokeAck | Abort | Data | NcclData
 """What a sender may send a receiver after the handshake."""
 
 
+class Challenge(msgspec.Struct, frozen=True, tag_field="t", tag="challenge"):
+    """The receiver's first words on a connection: a fresh nonce the sender's hello must answer."""
+
+    nonce: Annotated[str, msgspec.Meta(max_length=64)]
+
+
 class Hello(msgspec.Struct, frozen=True, tag_field="t", tag="hello"):
     layout: dict[str, Any]
     transport: str
     host_id: str = ""
-    token: str = ""
+    nonce: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    """The sender's own nonce, which the receiver's hello_ok answers (each side proves itself)."""
+    proof: str = ""
+    """`prove(token, "sender", the challenge's nonce, nonce)`: the cluster secret shown for this
+    connection alone (a recorded hello proves nothing on another)."""
     gpu: str | None = None
     nccl_uid: bytes | list[int] | None = None
     nccl_uid_bytes: bool = False
+
+
+def new_nonce() -> str:
+    return secrets.token_hex(32)
+
+
+def prove(token: str, side: str, receiver_nonce: str, sender_nonce: str) -> str:
+    """One side's proof that it holds the cluster's token on the connection of these two
+    nonces (an HMAC keyed by the token: the token itself never travels)."""
+    text = f"kvfabric v2 {side} {receiver_nonce} {sender_nonce}".encode()
+    return hmac.new(token.encode(), text, hashlib.sha256).hexdigest()
+
+
+def proven(token: str, side: str, receiver_nonce: str, sender_nonce: str, shown: object) -> bool:
+    return isinstance(shown, str) and hmac.compare_digest(shown.encode(),
+                                                          prove(token, side, receiver_nonce, sender_nonce).encode())
+
+
+def start_tls(sock: socket.socket, context: ssl.SSLContext | None, server_side: bool,
+              timeout_s: float) -> socket.socket:
+    """`sock` under TLS when `context` (a TCP connection's; a Unix socket stays on its host and
+    is returned as it is), the handshake bounded by `timeout_s`. Raises PeerUnavailable."""
+    if context is None or sock.family == socket.AF_UNIX:
+        return sock
+    sock.settimeout(timeout_s)
+    try:
+        return context.wrap_socket(sock, server_side=server_side)
+    except (ssl.SSLError, OSError) as e:
+        sock.close()
+        raise PeerUnavailable(f"TLS handshake failed: {e}") from e
 
 
 def parse(msg: dict[str, Any], kind: Any) -> Any:
@@ -140,10 +184,18 @@ class Conn:
     def __init__(self, sock: socket.socket, io_timeout_s: float) -> None:
         tune(sock, io_timeout_s)
         self.sock = sock
+        self.tls = isinstance(sock, ssl.SSLSocket)
+        """TLS carries no scatter/gather: each buffer goes on its own."""
         self.io_timeout_s = io_timeout_s
         self._send_lock = threading.Lock()
         self._hdr = bytearray(_LEN.size)
         self.closed = False
+
+    def start_tls(self, context: ssl.SSLContext | None, server_side: bool, timeout_s: float) -> None:
+        """Continue under TLS (`start_tls`); before anything else is sent or received."""
+        self.sock = start_tls(self.sock, context, server_side, timeout_s)
+        self.sock.settimeout(self.io_timeout_s)
+        self.tls = isinstance(self.sock, ssl.SSLSocket)
 
     # -- sending -------------------------------------------------------------------------
     def send(self, msg: dict[str, Any], payload: Sequence[memoryview] = ()) -> None:
@@ -152,7 +204,10 @@ class Conn:
         bufs = [memoryview(_LEN.pack(len(body)) + body), *payload]
         with self._send_lock:
             try:
-                while bufs:
+                if self.tls:
+                    for buf in bufs:
+                        self.sock.sendall(buf)
+                while bufs and not self.tls:
                     sent = self.sock.sendmsg(bufs[:_MAX_IOV])
                     bufs = _advance(bufs, sent)
             except (TimeoutError, OSError) as e:
@@ -183,7 +238,7 @@ class Conn:
         total, got = sum(len(v) for v in views), 0
         while views:
             try:
-                n = self.sock.recvmsg_into(views[:_MAX_IOV])[0]
+                n = self.sock.recv_into(views[0]) if self.tls else self.sock.recvmsg_into(views[:_MAX_IOV])[0]
             except TimeoutError:
                 raise ProtocolError(f"peer stalled mid-frame ({got} of {total} payload bytes)") from None
             except OSError as e:

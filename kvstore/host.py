@@ -25,6 +25,7 @@ import grpc
 
 from control.auth import Unsealed, opened, registry_key, seal
 from control.heartbeat import store_key
+from control.tls import tls_of
 from control.worker_config import NODE_IP, dialable_host
 from kvfabric.address import local_host_id
 
@@ -63,6 +64,8 @@ class StoreConfig:
     disk_bytes: int = 0
     disk_direct: bool = False
     """The spill file with O_DIRECT: no page cache between the store and the disk."""
+    internal_tls: bool = True
+    """As the workers' (`WorkerConfig.internal_tls`): mutual TLS with them."""
 
 
 class StoreHost:
@@ -94,9 +97,10 @@ class StoreHost:
             host = ray.util.get_node_ip_address()
         advertised = c.advertise_host or dialable_host(host, self.redis_url)
         layout = store_layout(c.model_dir, c.model_id or "", c.block_size, c.dtype)
+        tls = tls_of(c.cluster_secret, c.internal_tls)
         self.store = open_store(layout, c.capacity_bytes, host, advertised, c.cluster_secret, store_id=self.store_id,
-                                disk_dir=c.disk_dir, disk_bytes=c.disk_bytes, disk_direct=c.disk_direct)
-        self.server, port = await serve(self.store, host, c.port, c.cluster_secret)
+                                disk_dir=c.disk_dir, disk_bytes=c.disk_bytes, disk_direct=c.disk_direct, tls=tls)
+        self.server, port = await serve(self.store, host, c.port, c.cluster_secret, tls)
         self.address = f"{advertised}:{port}"
         from control.metrics_http import MetricsServer
 

@@ -24,6 +24,7 @@ import grpc
 from engine.block_pool import KVEvent
 from engine.llm_engine import LLMEngine
 from engine.types import BlockHash, RequestId
+from control.tls import MemberTLS, client_context, member_channel_sync
 from kvfabric import FabricError, FabricSender, SenderConfig
 from kvfabric.pools import WorkerPools
 from kvstore.host_copy import HostCopies
@@ -37,13 +38,14 @@ logger = logging.getLogger(__name__)
 class Offloads:
     def __init__(self, call: Callable[[Callable[[LLMEngine], Any]], Any], pools: WorkerPools,
                  host: HostCopies | None, counters: Any, address: Callable[[], str], token: str | None,
-                 metadata: tuple[tuple[str, str], ...], timeout_s: float, max_blocks: int) -> None:
+                 tls: MemberTLS | None, metadata: tuple[tuple[str, str], ...], timeout_s: float, max_blocks: int) -> None:
         """`call`: runs a function on the engine thread; `counters`: the tier's (offered,
         offloaded, failures, skipped); `address`: the store's gRPC address now (it changes when
         the tier finds a restarted store)."""
         self.call, self.pools, self.host, self.counters, self.address = call, pools, host, counters, address
-        self.metadata, self.timeout_s, self.max_blocks = metadata, timeout_s, max_blocks
-        self.sender = FabricSender(pools.layout, [host.region] if host else pools.regions, SenderConfig(token=token))
+        self.metadata, self.timeout_s, self.max_blocks, self.tls = metadata, timeout_s, max_blocks, tls
+        self.sender = FabricSender(pools.layout, [host.region] if host else pools.regions,
+                                   SenderConfig(token=token, tls=client_context(tls)))
         self.held = 0
         """Engine thread: blocks held for offloads now."""
         self._ids = itertools.count(1)
@@ -74,7 +76,7 @@ class Offloads:
 
     def _lane(self) -> None:
         address = self.address()
-        channel = grpc.insecure_channel(address)
+        channel = member_channel_sync(address, self.tls)
         stub = pb_grpc.KVStoreStub(channel)
         try:
             while (item := self._queue.get()) is not None:
@@ -82,7 +84,7 @@ class Offloads:
                 if address != self.address():  # the store moved (KVTier._find_again)
                     channel.close()
                     address = self.address()
-                    channel = grpc.insecure_channel(address)
+                    channel = member_channel_sync(address, self.tls)
                     stub = pb_grpc.KVStoreStub(channel)
                 try:
                     self._offload(stub, hashes, blocks)

@@ -16,6 +16,7 @@ import logging
 import grpc
 
 from control.auth import TokenCheck, cluster_token
+from control.tls import MemberTLS, add_member_port, client_context, server_context
 from kvfabric import FabricLayout, ReceiverConfig, SenderConfig
 from kvfabric.region import CopyBytes
 from kvstore.disk import DiskTier, slot_bytes
@@ -77,18 +78,21 @@ def store_layout(model_dir: str, model_id: str, block_size: int, dtype: str) -> 
                         mc.head_dim, itemsize)
 
 
-async def serve(store: KVStore, host: str, port: int, secret: bytes | None) -> tuple[grpc.aio.Server, int]:
-    """The store's service on host:port (0: a free one); returns the server and its port."""
+async def serve(store: KVStore, host: str, port: int, secret: bytes | None,
+                tls: MemberTLS | None = None) -> tuple[grpc.aio.Server, int]:
+    """The store's service on host:port (0: a free one), under mutual TLS when `tls`; returns
+    the server and its port."""
     server = grpc.aio.server(interceptors=[TokenCheck(cluster_token(secret))] if secret else None)
     pb_grpc.add_KVStoreServicer_to_server(StoreService(store), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_member_port(server, f"{host}:{port}", tls)
     await server.start()
     return server, bound
 
 
 def open_store(layout: FabricLayout, capacity_bytes: int, host: str, advertise_host: str | None,
                secret: bytes | None, copy: CopyBytes = ctypes.memmove, store_id: str = "",
-               disk_dir: str | None = None, disk_bytes: int = 0, disk_direct: bool = False) -> KVStore:
+               disk_dir: str | None = None, disk_bytes: int = 0, disk_direct: bool = False,
+               tls: MemberTLS | None = None) -> KVStore:
     """A store of `capacity_bytes` of blocks, its kvfabric listener on `host`; with `disk_dir`,
     up to `disk_bytes` more of them spilled into a file there (kvstore/disk.py), with O_DIRECT
     where `disk_direct`."""
@@ -98,5 +102,6 @@ def open_store(layout: FabricLayout, capacity_bytes: int, host: str, advertise_h
         raise ValueError(f"a KV store of {capacity_bytes} bytes holds no {layout.block_bytes}-byte block")
     disk = DiskTier(disk_dir, disk_bytes // slot_bytes(layout.block_bytes, disk_direct), layout.block_bytes,
                     disk_direct) if disk_dir else None
-    return KVStore(layout, num_blocks, ReceiverConfig(host=host, advertise_host=advertise_host, token=token),
-                   SenderConfig(token=token), copy, store_id, disk)
+    return KVStore(layout, num_blocks, ReceiverConfig(host=host, advertise_host=advertise_host, token=token,
+                                                      tls=server_context(tls)),
+                   SenderConfig(token=token, tls=client_context(tls)), copy, store_id, disk)

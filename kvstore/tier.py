@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 import grpc
 
 from control.auth import TOKEN_METADATA
+from control.tls import MemberTLS, member_channel, member_channel_sync, server_context
 from control.heartbeat import TierSpeed
 from engine.block_pool import KVEvent
 from engine.llm_engine import LLMEngine
@@ -75,7 +76,7 @@ EngineCall = Callable[[Callable[[LLMEngine], Any]], "concurrent.futures.Future[A
 
 class KVTier:
     def __init__(self, engine: LLMEngine, call: EngineCall, address: str, token: str | None = None,
-                 host: str = "127.0.0.1", advertise_host: str | None = None, timeout_s: float = 5.0,
+                 tls: MemberTLS | None = None, host: str = "127.0.0.1", advertise_host: str | None = None, timeout_s: float = 5.0,
                  min_blocks: int = 1, max_offload_blocks: int = 4096, store_id: str = "",
                  resolve: Callable[[], StoreEntry | None] | None = None, staging_blocks: int = 1024,
                  through_host: bool | None = None) -> None:
@@ -84,12 +85,14 @@ class KVTier:
         went away (a restarted store listens elsewhere); `staging_blocks`: how many fetched
         blocks may wait for the engine at once (more: a fetch is skipped); `through_host`: the
         pool's blocks cross host rows of their own (kvstore/host_copy.py) both ways, as a GPU
-        pool's must (None: where the pool is on a GPU)."""
+        pool's must (None: where the pool is on a GPU); `tls`: the worker's identity for mutual TLS
+        with the store (None: plain)."""
         self.engine, self.call, self.address, self.store_id = engine, call, address, store_id
         self.resolve = resolve
         self._resolved_at = 0.0
         self.timeout_s, self.min_blocks = timeout_s, min_blocks
         self.metadata = ((TOKEN_METADATA, token),) if token else ()
+        self.tls = tls
         self.pools = worker_pools(engine.model_id, engine.kv_pool, engine.model_config.num_kv_heads, engine.kv_shards,
                                   engine.follower_pools)
         self.staging = Staging(self.pools, staging_blocks)
@@ -101,7 +104,7 @@ class KVTier:
         self.host = HostCopies(engine.kv_pool.tensor, HOST_ROWS) if through_host else None
         """A device pool's way to and from host memory (None: the pool is host memory)."""
         self.receiver = FabricReceiver(self.staging.layout, self.staging.region, ReceiverConfig(
-            host=host, advertise_host=advertise_host, token=token), shm=self.staging.segment)
+            host=host, advertise_host=advertise_host, token=token, tls=server_context(tls)), shm=self.staging.segment)
         self.counters = TierCounters()
         self.times = FetchTimes()
         self._ids = itertools.count(1)
@@ -115,7 +118,7 @@ class KVTier:
         self._far: dict[str, pb_grpc.KVStoreStub] = {}
         self._far_channels: list[grpc.aio.Channel] = []
         self._stop = threading.Event()
-        self.offloads = Offloads(call, self.pools, self.host, self.counters, lambda: self.address, token,
+        self.offloads = Offloads(call, self.pools, self.host, self.counters, lambda: self.address, token, tls,
                                  self.metadata, timeout_s, max_offload_blocks)
         self._events = threading.Thread(target=self._receiver_events, name="kvtier-events", daemon=True)
         self._events.start()
@@ -266,7 +269,7 @@ class KVTier:
 
     def _store(self) -> pb_grpc.KVStoreStub:
         if self._stub is None:  # on the worker's event loop, where its calls run
-            self._aio_channel = grpc.aio.insecure_channel(self.address)
+            self._aio_channel = member_channel(self.address, self.tls)
             self._stub = pb_grpc.KVStoreStub(self._aio_channel)
         return self._stub
 
@@ -274,7 +277,7 @@ class KVTier:
         """Another host's store (the router's hint): one channel each, kept (a few hosts' stores)."""
         stub = self._far.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(address)
+            channel = member_channel(address, self.tls)
             self._far_channels.append(channel)
             stub = self._far[address] = pb_grpc.KVStoreStub(channel)
         return stub
@@ -338,7 +341,7 @@ class KVTier:
 
 
 def start_tier(engine: LLMEngine, call: EngineCall, kv_store: str | None, redis_url: str | None, namespace: str,
-               token: str | None, host: str, advertise_host: str | None,
+               token: str | None, tls: MemberTLS | None, host: str, advertise_host: str | None,
                seal_key: bytes | None = None) -> KVTier | None:
     """A worker's tier: `kv_store` "local" (this host's store, from Redis: its entry must be
     sealed with `seal_key`, when given) or HOST:PORT; None when none is configured or none is
@@ -350,15 +353,16 @@ def start_tier(engine: LLMEngine, call: EngineCall, kv_store: str | None, redis_
         if entry is None:
             logger.warning("no KV store is registered for this host: serving without the shared KV tier")
             return None
-        return KVTier(engine, call, entry.address, token, host, advertise_host, store_id=entry.store_id,
+        return KVTier(engine, call, entry.address, token, tls, host, advertise_host, store_id=entry.store_id,
                       resolve=lambda: find_store(redis_url, namespace, timeout_s=0, seal_key=seal_key))
-    return KVTier(engine, call, kv_store, token, host, advertise_host, store_id=_store_id(kv_store, token))
+    return KVTier(engine, call, kv_store, token, tls, host, advertise_host,
+                  store_id=_store_id(kv_store, token, tls))
 
 
-def _store_id(address: str, token: str | None) -> str:
+def _store_id(address: str, token: str | None, tls: MemberTLS | None) -> str:
     """A store named by address: its id, from its Stats (empty when it does not answer now)."""
     try:
-        with grpc.insecure_channel(address) as channel:
+        with member_channel_sync(address, tls) as channel:
             metadata = ((TOKEN_METADATA, token),) if token else ()
             return str(pb_grpc.KVStoreStub(channel).Stats(pb.StatsRequest(), timeout=5, metadata=metadata).store_id)
     except grpc.RpcError as e:

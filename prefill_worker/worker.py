@@ -25,6 +25,7 @@ import torch
 from control import tracing
 from control.auth import cluster_token, registry_key
 from control.heartbeat import ModelFacts
+from control.tls import client_context
 from control.worker_config import WorkerConfig, on_this_node
 from control.worker_host import (HostedWorker, WorkerHost, engine_died, engine_load_reader, latest_load_reader,
                                  next_event, status_for)
@@ -89,7 +90,8 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
         try:
             self.pusher = KVPusher(self.engine, SenderConfig(
                 renew_interval_s=config.kv_lease_s / 4, transport=config.kv_transport,
-                token=cluster_token(config.cluster_secret) if config.cluster_secret else None), self._push_ended)
+                token=cluster_token(config.cluster_secret) if config.cluster_secret else None,
+                tls=client_context(config.tls)), self._push_ended)
         except BaseException:
             self._stop_ranks()
             raise
@@ -97,7 +99,8 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
         self.loop = EngineLoop(self.engine, self._on_outputs, self._hook, name=f"engine-{worker_id}",
                                on_death=engine_died(worker_id))
         self.tier = start_tier(self.engine, self.loop.call, config.kv_store, redis_url, namespace,
-                               cluster_token(config.cluster_secret) if config.cluster_secret else None, config.host,
+                               cluster_token(config.cluster_secret) if config.cluster_secret else None, config.tls,
+                               config.host,
                                config.advertised_host(redis_url),
                                registry_key(config.cluster_secret) if config.cluster_secret else None)
         """This host's shared KV tier (kvstore/tier.py), or None."""

@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from control.auth import TOKEN_METADATA
+from control.tls import MemberTLS, member_channel
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from router.attempt import Deadline, RequestFailed, WorkerFailed
@@ -148,15 +149,17 @@ HEALTH_TIMEOUT_S = 1.0
 class GrpcStreams:
     """gRPC channels to workers, one per address, opened on first use."""
 
-    def __init__(self, token: str | None = None) -> None:
-        """`token`: the cluster's proof of its secret, shown on every call (`control.auth`)."""
+    def __init__(self, token: str | None = None, tls: MemberTLS | None = None) -> None:
+        """`token`: the cluster's proof of its secret, shown on every call (`control.auth`);
+        `tls`: this router's identity for mutual TLS with workers (`control.tls`), None: plain."""
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._tls = tls
         self._metadata: Metadata = ((TOKEN_METADATA, token),) if token else ()
 
     def open(self, address: str, request: WorkerRequest, metadata: Metadata = ()) -> RawStream:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+            channel = self._channels[address] = member_channel(address, self._tls)
         metadata = self._metadata + metadata
         if isinstance(request, pb.PrefillRequest):
             call = pb_grpc.PrefillWorkerStub(channel).Prefill(request, metadata=metadata or None)
@@ -170,7 +173,7 @@ class GrpcStreams:
         channel = self._channels.get(address)
         own = channel is None
         if channel is None:
-            channel = grpc.aio.insecure_channel(address)
+            channel = member_channel(address, self._tls)
         service = pb.DESCRIPTOR.services_by_name["PrefillWorker" if role == "prefill" else "DecodeWorker"].full_name
         try:
             reply = await health_pb2_grpc.HealthStub(channel).Check(

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from control.tls import MemberTLS, tls_of
 from router.admission import AdmissionConfig
 from router.api_keys import ApiKeys
 from router.members import WorkerNetworks
@@ -105,6 +106,15 @@ class RouterConfig:
     cluster_secret: bytes | None = field(default=None, repr=False)
     """Key of the block hashes: the workers' `cluster_secret`, so the KV index matches them
     (required to serve; there is no built-in one)."""
+    internal_tls: bool = True
+    """Mutual TLS on every connection between members (gRPC between routers, workers and KV
+    stores; kvfabric tcp), with certificates each member makes from the cluster secret
+    (control/tls.py). Off only on a network you trust, and on every member alike."""
+
+    @property
+    def tls(self) -> MemberTLS | None:
+        """This router's TLS identity in its cluster (None: internal TLS off, or no secret)."""
+        return tls_of(self.cluster_secret, self.internal_tls)
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:

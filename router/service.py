@@ -63,7 +63,7 @@ class RouterService:
         self.stores = KVIndex(time.monotonic)
         """What each host's KV store holds (kvstore/), by store id."""
         self.loads = LoadBook({})
-        self.streams = GrpcStreams(cluster_token(config.cluster_secret))
+        self.streams = GrpcStreams(cluster_token(config.cluster_secret), config.tls)
         self.flow = RequestFlow(config, self.members, WorkerClients(self.streams, self.members.address), self.index,
                                 self.loads, stores=self.stores)
         self.gate = AdmissionGate(config.admission, time.monotonic)

@@ -18,6 +18,7 @@ import pytest
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster
 from control.auth import TOKEN_METADATA, cluster_token
+from control.tls import member_channel_sync
 from engine.request import SamplingParams
 from kvstore.host import find_store
 from proto import generate_pb2 as pb
@@ -51,7 +52,8 @@ def test_an_evicted_conversation_is_served_from_the_nodes_store(tiny_llama_dir: 
         entry = find_store(cluster.redis_url, config.namespace, timeout_s=0)
         assert entry is not None
         store = entry.address
-        with grpc.insecure_channel(cluster.address) as channel, grpc.insecure_channel(store) as store_channel:
+        with grpc.insecure_channel(cluster.address) as channel, \
+                member_channel_sync(store, cluster.config.worker.tls) as store_channel:
             stub, stats = pb_grpc.GenerationStub(channel), pb_grpc.KVStoreStub(store_channel)
 
             def generate(p: list[int]) -> tuple[list[int], int]:

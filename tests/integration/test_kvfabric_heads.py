@@ -139,6 +139,7 @@ def test_a_device_pool_refuses_a_split_it_would_have_to_move_head_by_head() -> N
     try:
         a = receiver.address
         conn = Conn(dial(a.host, a.port, None, 5), 5)
+        assert conn.recv()["t"] == "challenge"
         conn.send({"t": "hello", "layout": layout(2).to_wire(), "transport": "nccl", "host_id": "another-host"})
         reply = conn.recv()
         assert reply["t"] == "hello_err" and reply["field"] == "shards"

@@ -15,7 +15,7 @@ import pytest
 
 from kvfabric import BlockRegion, FabricReceiver, ReceiverConfig
 from tests.integration.fabric_peer import LAYOUT
-from tests.integration.test_kvfabric_wire import connect, frame
+from tests.integration.test_kvfabric_wire import connect, frame, read
 
 HELLO_TIMEOUT_S = 1.0
 
@@ -41,9 +41,14 @@ def wait_for(condition, timeout_s: float = 10.0) -> None:  # type: ignore[no-unt
 
 
 def closed_by_peer(sock: socket.socket, timeout_s: float) -> bool:
-    sock.settimeout(timeout_s)
+    """Whether the receiver closes `sock` within `timeout_s` (its challenge read on the way)."""
+    deadline = time.monotonic() + timeout_s
     try:
-        return sock.recv(1) == b""
+        while (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
+            if sock.recv(4096) == b"":
+                return True
+        return False
     except ConnectionResetError:
         return True
     except TimeoutError:
@@ -117,6 +122,7 @@ def test_a_hello_larger_than_a_hello_is_refused_before_it_is_read(receiver: Fabr
     once, is now closed on its length, unanswered."""
     sock = socket.create_connection((receiver.address.host, receiver.address.port), timeout=5)
     failed = receiver.num_hellos_failed
+    assert read(sock)["t"] == "challenge"
     sock.sendall(frame({"t": "hello", "layout": LAYOUT.to_wire(), "transport": "tcp", "host_id": "x",
                         "pad": "y" * ((1 << 20) - 4096)}))
     got = b""

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from kvfabric import BlockRegion, FabricReceiver, ReceiverConfig, TransferFailed
+from kvfabric.wire import prove
 from tests.integration.fabric_peer import LAYOUT
 
 BB = LAYOUT.block_bytes
@@ -40,6 +41,7 @@ def read(sock: socket.socket) -> dict:
 
 def connect(receiver: FabricReceiver) -> socket.socket:
     sock = socket.create_connection((receiver.address.host, receiver.address.port), timeout=5)
+    assert read(sock)["t"] == "challenge"
     sock.sendall(frame({"t": "hello", "layout": LAYOUT.to_wire(), "transport": "tcp", "host_id": "x"}))
     assert read(sock)["t"] == "hello_ok"
     return sock
@@ -147,23 +149,40 @@ def test_a_late_open_after_expiry_is_refused_before_any_byte_moves() -> None:
         receiver.close()
 
 
-def test_a_receiver_with_a_token_refuses_a_sender_that_does_not_show_it() -> None:
+def test_a_receiver_with_a_token_refuses_a_sender_that_does_not_prove_it_on_this_connection() -> None:
+    """The hello answers the connection's own challenge (an HMAC keyed by the token, which never
+    travels): no proof, the token itself, a wrong key's proof, and a hello recorded from an
+    earlier connection (a replay) are each refused before a reservation can be opened; the
+    right proof is let in, and the receiver proves the token back for the sender's nonce."""
     region = BlockRegion(np.zeros((4, BB), np.uint8))
     receiver = FabricReceiver(LAYOUT, region, ReceiverConfig(lease_s=5, io_timeout_s=1, token="t0ken"))
+
+    def dial() -> tuple[socket.socket, str]:
+        sock = socket.create_connection((receiver.address.host, receiver.address.port), timeout=5)
+        challenge = read(sock)
+        assert challenge["t"] == "challenge" and len(challenge["nonce"]) == 64
+        return sock, challenge["nonce"]
+
     try:
-        hello = {"t": "hello", "layout": LAYOUT.to_wire(), "transport": "tcp", "host_id": "x"}
-        for shown in ({}, {"token": "wrong"}):
-            sock = socket.create_connection((receiver.address.host, receiver.address.port), timeout=5)
+        hello = {"t": "hello", "layout": LAYOUT.to_wire(), "transport": "tcp", "host_id": "x", "nonce": "n" * 64}
+        sock, first_nonce = dial()
+        recorded = {**hello, "proof": prove("t0ken", "sender", first_nonce, "n" * 64)}
+        sock.close()  # a connection an eavesdropper watched
+        for shown in ({}, {"proof": "t0ken"}, {"token": "t0ken"},
+                      {"proof": prove("wrong", "sender", "?", "n" * 64)}, recorded):
+            sock, nonce = dial()
+            assert nonce != first_nonce
             sock.sendall(frame({**hello, **shown}))
             reply = read(sock)
-            assert reply["t"] == "hello_err" and reply["field"] == "token"
+            assert reply["t"] == "hello_err" and reply["field"] == "token", shown
             assert reply["error"] == "the sender did not prove the cluster secret"
             assert sock.recv(1) == b""  # closed: no reservation can be opened, no byte written
             sock.close()
         ticket = receiver.expect("ok", [1], 0)
-        sock = socket.create_connection((receiver.address.host, receiver.address.port), timeout=5)
-        sock.sendall(frame({**hello, "token": "t0ken"}))
-        assert read(sock)["t"] == "hello_ok"
+        sock, nonce = dial()
+        sock.sendall(frame({**hello, "proof": prove("t0ken", "sender", nonce, "n" * 64)}))
+        ok = read(sock)
+        assert ok["t"] == "hello_ok" and ok["proof"] == prove("t0ken", "receiver", nonce, "n" * 64)
         sock.sendall(frame({"t": "open", "rid": ticket.reservation_id}))
         assert read(sock) == {"t": "open_ok", "rid": ticket.reservation_id}
         sock.close()

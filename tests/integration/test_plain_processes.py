@@ -17,6 +17,7 @@ import pytest
 from benchmarks.separate_hosts import start_serving
 from cluster.local import EmbeddedRedis
 from control.auth import cluster_token
+from control.tls import member_channel_sync, member_tls
 from engine.request import SamplingParams
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
@@ -58,23 +59,30 @@ def test_plain_process_workers_serve_through_a_plain_process_router(tiny_llama_d
             got = list(stub.Generate(request, timeout=60))
         assert [t for r in got for t in r.token_ids] == want
         assert (got[-1].route.prefill_worker, got[-1].route.decode_worker) == ("prefill-a", "decode-a")
-        with grpc.insecure_channel(store_address) as channel:  # the prompt's 2 full blocks reached the store
+        member = member_tls(b"plain-test-secret")  # as a member of this cluster
+        with member_channel_sync(store_address, member) as channel:  # the prompt's 2 full blocks reached the store
             stats = pb_grpc.KVStoreStub(channel)
             token = [("x-splitserve-token", cluster_token(b"plain-test-secret"))]
             deadline = time.monotonic() + 30
             while stats.Stats(pb.StatsRequest(), metadata=token, timeout=10).num_stored < 2:
                 assert time.monotonic() < deadline, "the workers offered the store nothing"
                 time.sleep(0.2)
-        with grpc.insecure_channel(decode_address) as channel:  # straight to the worker, without the secret
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        intruder = pb.DecodeRequest(request_id="intruder", prompt_token_ids=prompt)
+        # without a certificate of the cluster's CA (plain, or another secret's): no connection at all
+        for channel in (grpc.insecure_channel(decode_address),
+                        member_channel_sync(decode_address, member_tls(b"another-secret"))):
+            with channel, pytest.raises(grpc.RpcError) as e:
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        with member_channel_sync(decode_address, member) as channel:  # TLS, but calls still need the token
             for metadata in (None, (("x-splitserve-token", "guess"),)):
                 with pytest.raises(grpc.RpcError) as e:
-                    list(pb_grpc.DecodeWorkerStub(channel).Decode(pb.DecodeRequest(
-                        request_id="intruder", prompt_token_ids=prompt), metadata=metadata, timeout=10))
+                    list(pb_grpc.DecodeWorkerStub(channel).Decode(intruder, metadata=metadata, timeout=10))
                 assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
                 assert "only its cluster's routers may call it" in e.value.details()
-            from grpc_health.v1 import health_pb2, health_pb2_grpc
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
-            assert health.status == health_pb2.HealthCheckResponse.SERVING  # health checks stay open
+            assert health.status == health_pb2.HealthCheckResponse.SERVING  # health checks need no token
     finally:
         for proc in reversed(procs):
             proc.send_signal(signal.SIGTERM)

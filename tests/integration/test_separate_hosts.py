@@ -26,6 +26,7 @@ from benchmarks.separate_hosts import SUBNET, Hosts, kill_all_in, namespaces, ra
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster, free_port
 from control.auth import cluster_token
+from control.tls import member_channel_sync, member_tls
 from control.auth import unseal
 from control.heartbeat import Heartbeat, TierSpeed, hb_key
 from control.worker_config import NODE_IP
@@ -113,7 +114,8 @@ def test_a_worker_fetches_a_prefix_from_another_hosts_kv_store_over_tcp(cluster_
                                              "--mode", "colocated"])
     prompt = [random.Random(8).randrange(3, 500) for _ in range(170)]  # 10 full blocks of 16
     token = [("x-splitserve-token", cluster_token(b"hosts-test-secret"))]
-    with grpc.insecure_channel(address) as channel, grpc.insecure_channel(stores["p"]) as store_p:
+    with grpc.insecure_channel(address) as channel, \
+            member_channel_sync(stores["p"], member_tls(b"hosts-test-secret")) as store_p:
         stub, stats_p = pb_grpc.GenerationStub(channel), pb_grpc.KVStoreStub(store_p)
         first = generate(stub, prompt, 6)
         assert first[-1].route.decode_worker == "decode-p" and first[-1].usage.cached_tokens == 0

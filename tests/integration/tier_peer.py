@@ -45,7 +45,7 @@ class TierWorker:
         if redis is None:
             self.tier = KVTier(self.engine, self.loop.call, store_address, timeout_s=10, through_host=through_host)
         else:
-            tier = start_tier(self.engine, self.loop.call, "local", redis[0], redis[1], None, "127.0.0.1", None)
+            tier = start_tier(self.engine, self.loop.call, "local", redis[0], redis[1], None, None, "127.0.0.1", None)
             assert tier is not None, "no store registered for this host"
             self.tier = tier
         self.loop.start()

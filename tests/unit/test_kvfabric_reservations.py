@@ -168,3 +168,14 @@ def test_a_writer_that_abandons_frees_the_blocks_at_once(table: ReservationTable
     assert table.take_events() == [
         TransferFailed("a", res.reservation_id, "sender aborted: prefill failed", blocks_held=False)]
     assert table.take_revocations() == [] and len(table) == 0  # nothing to tell the writer
+
+
+def test_reservation_ids_are_random_and_one_tells_nothing_of_the_next() -> None:
+    """Ids are drawn at random (62 bits), not counted: a sender that learned one reservation's
+    id (its own) cannot name its neighbour's."""
+    table = ReservationTable(lambda: 0.0, lease_s=10)
+    ids = [table.add(f"r{i}", [i], 0).reservation_id for i in range(200)]
+    assert len(set(ids)) == 200 and all(0 <= r < 2**62 for r in ids)
+    steps = {b - a for a, b in zip(ids, ids[1:])}
+    assert len(steps) > 190  # no common stride
+    assert not any(r + 1 in set(ids) for r in ids)
