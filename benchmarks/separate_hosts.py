@@ -160,10 +160,13 @@ class Hosts:
                 proc.kill()
 
 
-def scrape(address: str, ns: str | None = None) -> dict[str, float]:
-    """`address`'s /metrics (from inside namespace `ns` when given): sample name with its role,
-    state and transport labels ("splitserve:x,role=decode") -> value."""
-    code = f"import urllib.request; print(urllib.request.urlopen('http://{address}/metrics', timeout=3).read().decode())"
+def scrape(address: str, ns: str | None = None, token: str | None = None) -> dict[str, float]:
+    """`address`'s /metrics (from inside namespace `ns` when given; showing the cluster's
+    scrape `token`, which a listener bound beyond loopback asks for): sample name with its
+    role, state and transport labels ("splitserve:x,role=decode") -> value."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    code = ("import urllib.request; print(urllib.request.urlopen(urllib.request.Request("
+            f"'http://{address}/metrics', headers={headers!r}), timeout=3).read().decode())")
     cmd = ["ip", "netns", "exec", ns, sys.executable, "-c", code] if ns else [sys.executable, "-c", code]
     text = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=15).stdout
     kept = ("role", "state", "transport")

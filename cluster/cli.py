@@ -33,7 +33,9 @@ from cluster.processes import (add_device_flags, add_http_flags, add_internal_tl
                                cluster_secret, http_fields, placement, redacted, speculative_config, worker_host)
 from cluster.processes import add_parsers as add_process_parsers
 from cluster.status import show_status
+from control.auth import metrics_token
 from control.autoscaler import AutoscaleConfig
+from control.redis_url import readable
 from router.admission_config import AdmissionConfig
 from router.policy import RoutingConfig
 from sim.cli import add_parser as add_simulate_parser
@@ -70,7 +72,8 @@ def _serve(args: argparse.Namespace) -> int:
     daemon.record()
     try:
         info = cluster.start()
-        _write_state(info["address"], cluster.redis_url, args.namespace)
+        _write_state(info["address"], cluster.redis_url, args.namespace,
+                     metrics_token(cluster.config.worker.cluster_secret))
         http = f", OpenAI API on http://{info['http_address']}/v1" if info.get("http_address") else ""
         print(f"{daemon.READY_MARK}{_model_name(config)} on {info['address']}{http} "
               f"({args.num_prefill} prefill, {args.num_decode} decode on {config.worker.device} "
@@ -147,13 +150,26 @@ def _model_name(config) -> str:  # type: ignore[no-untyped-def]
     return config.router.served_model_name or Path(config.router.tokenizer_dir).name
 
 
-def _write_state(address: str, redis_url: str, namespace: str) -> None:
-    """Where `generate`, `status` and `scale` find the running cluster (0600: the URL holds the Redis password)."""
+def _write_state(address: str, redis_url: str, namespace: str, scrape_token: str) -> None:
+    """Where `generate`, `status`, `scale` and `metrics-targets` find the running cluster (0600:
+    the URL holds the Redis password, and the scrape token is /metrics' bearer token)."""
     path = _state_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.touch()
     path.chmod(0o600)
-    path.write_text(json.dumps({"address": address, "redis_url": redis_url, "namespace": namespace}))
+    path.write_text(json.dumps({"address": address, "redis_url": redis_url, "namespace": namespace,
+                                "metrics_token": scrape_token}))
+
+
+def _scrape_token() -> str | None:
+    """The /metrics bearer token: of the cluster secret in the environment, else of the
+    cluster `splitserve serve` started last (None: neither)."""
+    secret = cluster_secret()
+    if secret:
+        return metrics_token(secret)
+    if _state_file().is_file():
+        return json.loads(_state_file().read_text()).get("metrics_token")
+    return None
 
 
 def _preflight(config) -> None:  # type: ignore[no-untyped-def]
@@ -228,7 +244,7 @@ def _scale(args: argparse.Namespace) -> int:
         print(f"error: at most 256 {args.role} workers per pool, got {args.n}", file=sys.stderr)
         return 2
     try:
-        client = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        client = redis.Redis.from_url(readable(redis_url), socket_timeout=2.0, socket_connect_timeout=2.0)
         client.set(target_key(namespace, args.role), args.n, ex=60)
     except redis.RedisError as e:
         print(f"error: cannot reach {redacted(redis_url)}: {e}", file=sys.stderr)
@@ -411,7 +427,7 @@ def _add_client_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignor
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=lambda a: show_status(a, _cluster_redis))
     daemon.add_stop_parser(sub)
-    add_metrics_targets_parser(sub, _cluster_redis)
+    add_metrics_targets_parser(sub, _cluster_redis, _scrape_token)
     add_bench_parser(sub)
     add_simulate_parser(sub)
 

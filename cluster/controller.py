@@ -52,7 +52,7 @@ from cluster.processes import redacted
 from cluster.ray_calls import await_ref
 from cluster.router_pool import RouterPool
 from control.autoscaler import AutoscaleState, Decision, decide
-from control.auth import registry_key
+from control.auth import metrics_token, registry_key
 from control.heartbeat import Heartbeat, Role, controller_key, hb_key, kv_key, target_key
 from control.metrics_http import MetricsServer
 from control.pool_gauge import PoolGauge, removal_cost
@@ -92,7 +92,8 @@ class Controller:
         self.reader = RegistryReader(redis_url, config.namespace, seal_key=registry_key(config.worker.cluster_secret))
         self.store = StateStore(self.reader.client, config.namespace)
         self._beats: dict[str, Heartbeat] = {}
-        self.metrics = MetricsServer(ControllerMetrics(self._metrics_books).registry)
+        self.metrics = MetricsServer(ControllerMetrics(self._metrics_books).registry,
+                                     token=metrics_token(config.worker.cluster_secret))
         self.metrics_address = ""
         with warnings.catch_warnings():  # Ray warns about its own use of a deprecated call here
             warnings.simplefilter("ignore", DeprecationWarning)

@@ -28,6 +28,9 @@ from cluster import named_actors
 from cluster.config import ClusterConfig
 from cluster.controller import START_TIMEOUT_S, Controller
 from control.heartbeat import target_key
+from control.redis_url import readable, with_ca
+from control.auth import is_loopback
+from control.tls import MemberTLS, tls_of
 from control.worker_config import route_address
 from kvfabric.region import sweep_dead_segments
 
@@ -62,9 +65,11 @@ class EmbeddedRedis:
     the server in a 0600 config file, never on a command line); `url` carries it. It binds
     `host`: loopback by default; on a Ray cluster's head, the head's private address (or
     0.0.0.0, and then `url` names this machine's address on its default route), so workers
-    on other nodes reach it."""
+    on other nodes reach it. With `tls` (a cluster member's identity, control/tls.py) it
+    speaks only TLS, with that certificate, and `url` (rediss://) carries the cluster's CA
+    (control/redis_url.py): the password never crosses a network in clear."""
 
-    def __init__(self, port: int | None = None, host: str = "127.0.0.1") -> None:
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1", tls: MemberTLS | None = None) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server not found: install it (Debian: apt-get install redis-server; "
@@ -75,13 +80,16 @@ class EmbeddedRedis:
         self._password = secrets.token_urlsafe(24)
         conf = Path(self._dir) / "redis.conf"
         conf.touch(mode=0o600)
-        conf.write_text(f"requirepass {self._password}\n")
+        conf.write_text(f"requirepass {self._password}\n" + (self._tls_conf(tls) if tls else ""))
         self._conf = str(conf)
+        self.tls = tls
         self.host = host
         dial = route_address(DEFAULT_ROUTE_PROBE) if host in ("0.0.0.0", "::", "") else host
         for attempt in (1, 2, 3):
             self.port = port or free_port(host)
             self.url = f"redis://:{self._password}@{dial}:{self.port}/0"
+            if tls:
+                self.url = with_ca("rediss" + self.url[len("redis"):], tls.ca_pem)
             try:
                 self._spawn()
                 return
@@ -91,9 +99,21 @@ class EmbeddedRedis:
                     self.stop()
                     raise
 
+    def _tls_conf(self, tls: MemberTLS) -> str:
+        """TLS only (no plain port), with the member's certificate; clients show the password."""
+        files = {}
+        for name, pem in (("ca", tls.ca_pem), ("cert", tls.cert_pem), ("key", tls.key_pem)):
+            path = Path(self._dir) / f"{name}.pem"
+            path.touch(mode=0o600)
+            path.write_bytes(pem)
+            files[name] = path
+        return (f"tls-cert-file {files['cert']}\ntls-key-file {files['key']}\ntls-ca-cert-file {files['ca']}\n"
+                "tls-auth-clients no\ntls-protocols TLSv1.3\n")
+
     def _spawn(self) -> None:
+        ports = ["--port", "0", "--tls-port", str(self.port)] if self.tls else ["--port", str(self.port)]
         self._proc = subprocess.Popen(
-            [self._binary, self._conf, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
+            [self._binary, self._conf, *ports, "--bind", self.host, "--save", "", "--appendonly", "no",
              "--dir", self._dir, "--loglevel", "warning", "--logfile", self._log],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # no pipe that nobody drains
         self._wait_ready(timeout_s=10.0)
@@ -119,7 +139,7 @@ class EmbeddedRedis:
                 time.sleep(0.5)
 
     def _wait_ready(self, timeout_s: float) -> None:
-        client = redis.Redis.from_url(self.url, socket_timeout=0.5, socket_connect_timeout=0.5)
+        client = redis.Redis.from_url(readable(self.url), socket_timeout=0.5, socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout_s
         while True:
             if self._proc.poll() is not None:
@@ -182,8 +202,15 @@ class LocalCluster:
         return str(self.info["address"])
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> dict[str, Any]:
+        c = self.config
+        if not c.worker.cluster_secret:  # made here, once (the controller restarts with the same config)
+            c = self.config = dataclasses.replace(c, worker=dataclasses.replace(
+                c.worker, cluster_secret=secrets.token_bytes(32)))
         if self.embedded_redis:
-            self.redis = EmbeddedRedis(host=self.config.redis_host)
+            # reached beyond loopback (a Ray cluster's head), it speaks TLS as the members do
+            wide = not is_loopback(c.redis_host)
+            self.redis = EmbeddedRedis(host=c.redis_host, tls=tls_of(c.worker.cluster_secret,
+                                                                      c.worker.internal_tls and wide))
             self._watcher = threading.Thread(target=self._watch_redis, name="redis-watch", daemon=True)
             self._watcher.start()
         try:
@@ -199,11 +226,8 @@ class LocalCluster:
     def _create_controller(self) -> Any:
         """On this (the head) node, as its routers (`address` is served where `serve` runs);
         named, owned by this process, restarted by Ray up to `controller_max_restarts` times
-        with the same config (so the cluster secret is made here, once)."""
+        with the same config (its cluster secret made in `start`)."""
         c = self.config
-        if not c.worker.cluster_secret:
-            c = self.config = dataclasses.replace(c, worker=dataclasses.replace(
-                c.worker, cluster_secret=secrets.token_bytes(32)))
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         if named_actors.find(named_actors.CONTROLLER, c.namespace) is not None:
             raise RuntimeError(f"a splitserve cluster of namespace {c.namespace!r} already runs on this Ray "
@@ -289,7 +313,7 @@ class LocalCluster:
 
     def scale(self, role: str, n: int) -> None:
         """As `splitserve scale` does: the target goes through Redis; the controller takes it on its next tick."""
-        client = redis.Redis.from_url(self.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        client = redis.Redis.from_url(readable(self.redis_url), socket_timeout=2.0, socket_connect_timeout=2.0)
         try:
             client.set(target_key(self.config.namespace, role), n, ex=60)
         finally:

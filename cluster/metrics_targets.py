@@ -73,13 +73,33 @@ def metrics_port(args: argparse.Namespace) -> int | None:
     return None if args.metrics_port == -1 else args.metrics_port
 
 
-def add_parser(sub: Any, cluster_redis: Any) -> None:
+def write_credentials(path: str, token: str) -> None:
+    """The scrape token for Prometheus' `authorization: {credentials_file: PATH}` (mode 600)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, 0o600)
+        f.write(token + "\n")
+
+
+def add_parser(sub: Any, cluster_redis: Any, scrape_token: Any) -> None:
     p = sub.add_parser("metrics-targets", help="print the cluster's /metrics endpoints as Prometheus file_sd JSON")
     p.add_argument("--redis-url", help="default: the cluster last started by `splitserve serve`")
     p.add_argument("--namespace", default="splitserve")
     p.add_argument("--output", "-o", help="write the JSON to this file (atomically) instead of stdout")
+    p.add_argument("--credentials-file", metavar="FILE",
+                   help="also write the bearer token /metrics listeners bound beyond loopback ask for (mode 600; "
+                        "from the cluster secret in the environment, or of the cluster `serve` started last)")
 
     def func(args: argparse.Namespace) -> int:
         redis_url, args.namespace = cluster_redis(args)
-        return 2 if redis_url is None else run(args, redis_url)
+        if redis_url is None:
+            return 2
+        if args.credentials_file:
+            token = scrape_token()
+            if token is None:
+                print("error: --credentials-file: no cluster secret in the environment "
+                      "(SPLITSERVE_CLUSTER_SECRET_FILE) and no cluster started by `splitserve serve`", file=sys.stderr)
+                return 2
+            write_credentials(args.credentials_file, token)
+        return run(args, redis_url)
     p.set_defaults(func=func)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 from pathlib import Path
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -21,6 +22,24 @@ _OPEN_PREFIX = "/grpc.health."
 
 def cluster_token(secret: bytes) -> str:
     return hmac.new(secret, b"splitserve internal endpoint v1", hashlib.sha256).hexdigest()
+
+
+def metrics_token(secret: bytes) -> str:
+    """The bearer token a `/metrics` listener bound beyond loopback asks its scraper for
+    (`splitserve metrics-targets --credentials-file` writes it for Prometheus)."""
+    return hmac.new(secret, b"splitserve metrics v1", hashlib.sha256).hexdigest()
+
+
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def is_loopback(host: str) -> bool:
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 SEAL_PREFIX = b"SSR1"

@@ -18,6 +18,7 @@ import redis
 from control.auth import seal
 from control.heartbeat import Heartbeat, hb_key, kv_key
 from control.kv_events import STREAM_MAXLEN, event_to_bytes
+from control.redis_url import readable
 from engine.block_pool import KVEvent
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ class Publisher:
         """`seal_key`: the cluster's registry key (`control.auth.registry_key`): heartbeats are
         sealed with it, and routers read only sealed ones."""
         self.seal_key = seal_key
-        self.client = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self.client = redis.Redis.from_url(readable(redis_url), socket_timeout=2.0, socket_connect_timeout=2.0)
         self.ns, self.worker_id, self.heartbeat = namespace, worker_id, heartbeat
         self.interval_s, self.ttl_s = interval_s, ttl_s
         self._events: deque[KVEvent] = deque(maxlen=max_buffered_events)

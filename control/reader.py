@@ -19,6 +19,7 @@ import redis.asyncio
 from control.auth import Unsealed, opened
 from control.heartbeat import BadEntry, Heartbeat, controller_key, hb_key, kv_key, router_key, store_key
 from control.kv_events import event_from_bytes
+from control.redis_url import readable
 from engine.block_pool import KVEvent
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,8 @@ class RegistryReader:
         KV store entries count only sealed with it for their own key (anyone who can write the
         Redis could otherwise steer routing); None, for a reader without the secret (`status`):
         shown unchecked."""
-        self.client = redis.asyncio.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.client = redis.asyncio.Redis.from_url(readable(redis_url), socket_timeout=timeout_s,
+                                                   socket_connect_timeout=timeout_s)
         self.ns = namespace
         self.seal_key = seal_key
         self.num_bad_entries = 0

@@ -26,7 +26,7 @@ import msgspec
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from control import tracing
-from control.auth import TokenCheck, cluster_token, registry_key
+from control.auth import TokenCheck, cluster_token, metrics_token, registry_key
 from control.tls import add_member_port
 from control.heartbeat import Heartbeat, ModelFacts, Role, TierSpeed, WorkerState
 from control.metrics_http import MetricsServer
@@ -164,7 +164,9 @@ class WorkerHost:
         """Calls that arrived after draining began (refused UNAVAILABLE; the router tries elsewhere)."""
         self.address = ""
         self.metrics = WorkerMetrics(role, facts.model_id, read_load) if config.serve_metrics else None
-        self._metrics_server = MetricsServer(self.metrics.registry, self.metrics.refresh) if self.metrics else None
+        self._metrics_server = MetricsServer(
+            self.metrics.registry, self.metrics.refresh,
+            metrics_token(config.cluster_secret) if config.cluster_secret else None) if self.metrics else None
         self.metrics_address = ""
         self.read_step_model: Callable[[], tuple[float, float, float] | None] = lambda: None
         """Decode workers: the engine's step model (engine/step_model.py), for the heartbeat."""

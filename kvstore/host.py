@@ -23,8 +23,9 @@ from typing import Any
 
 import grpc
 
-from control.auth import Unsealed, opened, registry_key, seal
+from control.auth import Unsealed, metrics_token, opened, registry_key, seal
 from control.heartbeat import store_key
+from control.redis_url import readable
 from control.tls import tls_of
 from control.worker_config import NODE_IP, dialable_host
 from kvfabric.address import local_host_id
@@ -104,7 +105,8 @@ class StoreHost:
         self.address = f"{advertised}:{port}"
         from control.metrics_http import MetricsServer
 
-        self.metrics = MetricsServer(store_registry(self.store))
+        self.metrics = MetricsServer(store_registry(self.store),
+                                     token=metrics_token(c.cluster_secret) if c.cluster_secret else None)
         self.metrics_address = f"{advertised}:{await self.metrics.start(host)}"
         if self.redis_url:
             from control.publisher import Publisher
@@ -141,7 +143,7 @@ class StoreHost:
     def _register(self) -> None:
         import redis
 
-        client = redis.Redis.from_url(self.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        client = redis.Redis.from_url(readable(self.redis_url), socket_timeout=2.0, socket_connect_timeout=2.0)
         key = store_key(self.namespace, local_host_id())
         next_entry = 0.0
         try:
@@ -207,7 +209,7 @@ def read_stores(redis_url: str, namespace: str) -> list[dict[str, Any]]:
     """Every registered store's entry (`StoreHost.info()`), by store id, as shown (seals unchecked)."""
     import redis
 
-    client = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    client = redis.Redis.from_url(readable(redis_url), socket_timeout=2.0, socket_connect_timeout=2.0)
     try:
         keys = list(client.scan_iter(match=store_key(namespace, "*"), count=100))
         values = client.mget(keys) if keys else []
@@ -226,7 +228,7 @@ def find_store(redis_url: str | None, namespace: str, timeout_s: float = 10.0,
         return None
     import redis
 
-    client = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    client = redis.Redis.from_url(readable(redis_url), socket_timeout=2.0, socket_connect_timeout=2.0)
     deadline = time.monotonic() + timeout_s
     try:
         while True:

@@ -13,17 +13,16 @@ request as `request[IDENTITY]`. Torch-free.
 """
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
 
+from control.auth import LOOPBACK_NAMES, is_loopback
 from router.api_keys import ApiKeys, Identity, Unauthenticated
 from router.http_errors import error
 
 IDENTITY = "splitserve.identity"
-LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
 @dataclass(frozen=True)
@@ -72,12 +71,3 @@ def _host_name(host: str) -> str:
     if host.startswith("["):
         return host[1:host.find("]")] if "]" in host else host
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
-
-
-def is_loopback(host: str) -> bool:
-    if host in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

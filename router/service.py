@@ -22,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from control import tracing
-from control.auth import cluster_token, registry_key
+from control.auth import cluster_token, is_loopback, metrics_token, registry_key
 from control.metrics_http import MetricsServer
 from control.reader import RegistryReader
 from control.worker_config import NO_SECRET, dialable_host
@@ -35,7 +35,7 @@ from router.frontend import Frontend
 from router.gate import AdmissionGate
 from router.api_keys import KeyCheck
 from router.http_api import OpenAIServer
-from router.http_guard import HttpGuard, is_loopback
+from router.http_guard import HttpGuard
 from router.kv_index import KVIndex
 from router.loads import LoadBook
 from router.members import Members
@@ -84,7 +84,7 @@ class RouterService:
             self.metrics.watch(RouterBooks(stats=lambda: {**self.generation.stats, **self.flow.stats},
                                            refusals=lambda: dict(self.gate.refusals), admission=self._admission_books,
                                            workers=self.members.roles_and_states))
-            self.metrics_server = MetricsServer(self.metrics.registry)
+            self.metrics_server = MetricsServer(self.metrics.registry, token=metrics_token(config.cluster_secret))
             self.gate.queue.on_wait_estimate = self.metrics.observe_wait_estimate
         self.metrics_address = ""
         self.feed = RegistryFeed(self.reader, self.members, self.index, self.loads, config.load_refresh_s,

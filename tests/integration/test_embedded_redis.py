@@ -82,3 +82,28 @@ def test_bound_to_every_interface_its_url_names_the_machines_address_and_still_n
         anonymous.close()
     finally:
         server.stop()
+
+
+def test_with_a_members_identity_it_speaks_only_tls_of_the_cluster_ca() -> None:
+    """As a cluster's Redis reached beyond loopback: `rediss://` carrying the cluster CA, which
+    any process given the URL verifies the server with (no secret needed); a plain client, a
+    TLS client trusting only the system's CAs, and one trusting another cluster's CA all fail
+    before a password is sent."""
+    from control.redis_url import CA_PARAM, readable, with_ca
+    from control.tls import member_tls
+
+    server = EmbeddedRedis(host="0.0.0.0", tls=member_tls(b"redis-tls-test-secret"))
+    try:
+        assert server.url.startswith("rediss://") and f"{CA_PARAM}=" in server.url
+        client = redis.Redis.from_url(readable(server.url), socket_timeout=2)
+        assert client.ping() and client.set("k", b"v") and client.get("k") == b"v"
+        client.close()
+        bare = server.url.split("?")[0]
+        other_ca = with_ca(bare, member_tls(b"another-cluster-secret").ca_pem)
+        for url in ("redis" + bare[len("rediss"):], bare, readable(other_ca)):
+            stranger = redis.Redis.from_url(url, socket_timeout=2)
+            with pytest.raises(redis.ConnectionError):
+                stranger.ping()
+            stranger.close()
+    finally:
+        server.stop()

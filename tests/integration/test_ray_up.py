@@ -98,7 +98,7 @@ def test_ray_up_serves_across_hosts_and_ray_down_leaves_nothing(launched: tuple[
     assert any("PrefillWorker" in p for p in hosts.processes("p"))
     assert not any("DecodeWorker" in p for p in hosts.processes("p"))
     assert any("DecodeWorker" in p for p in hosts.processes("d"))
-    pushed = scrape(beats["prefill-0"].metrics_address)
+    pushed = scrape(beats["prefill-0"].metrics_address, token=serve_state(hosts)["metrics_token"])
     assert pushed.get("splitserve:kv_transfer_blocks_total,role=prefill,transport=tcp", 0) >= 300 // 16
 
     ray_cli("exec", str(config), "splitserve scale decode 2", timeout_s=within(120))

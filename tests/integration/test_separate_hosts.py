@@ -25,7 +25,7 @@ import redis as redis_client
 from benchmarks.separate_hosts import SUBNET, Hosts, kill_all_in, namespaces, ray_node, scrape, sh, unavailable
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster, free_port
-from control.auth import cluster_token
+from control.auth import cluster_token, metrics_token
 from control.tls import member_channel_sync, member_tls
 from control.auth import unseal
 from control.heartbeat import Heartbeat, TierSpeed, hb_key
@@ -149,6 +149,8 @@ def served_on(stub: pb_grpc.GenerationStub, prompt: list[int], worker_id: str) -
 
 LEASE_S = 10.0
 """kvfabric's default reservation lease (`ReceiverConfig.lease_s`)."""
+SCRAPE = metrics_token(b"hosts-test-secret")
+"""The /metrics bearer token of the plain-process clusters here (workers bind beyond loopback)."""
 
 
 def test_a_link_cut_mid_transfer_frees_the_reservation_and_the_router_retries(
@@ -175,8 +177,9 @@ def test_a_link_cut_mid_transfer_frees_the_reservation_and_the_router_retries(
     assert got[-1].route.decode_worker == "decode-near"  # type: ignore[index]
     assert scrape(router)["splitserve:retries_total"] >= 1
     sh("ip", "link", "set", hosts["d_link"], "up")
-    wait_for("decode-far idle again", lambda: all(scrape(far).get(f"splitserve:{k},role=decode") == 0 for k in (
-        "kv_reservations", "kv_cache_usage_perc", "num_requests_running", "num_requests_waiting")), 30)
+    idle = ("kv_reservations", "kv_cache_usage_perc", "num_requests_running", "num_requests_waiting")
+    wait_for("decode-far idle again",
+             lambda: all(scrape(far, token=SCRAPE).get(f"splitserve:{k},role=decode") == 0 for k in idle), 30)
 
 
 def cut_mid_transfer(stub: pb_grpc.GenerationStub, hosts: dict[str, str], far: str,
@@ -198,12 +201,12 @@ def cut_mid_transfer(stub: pb_grpc.GenerationStub, hosts: dict[str, str], far: s
     client = threading.Thread(target=call, daemon=True)
     client.start()
     wait_for("a reservation on the far decode worker",
-             lambda: scrape(far).get("splitserve:kv_reservations,role=decode") == 1, 30)
+             lambda: scrape(far, token=SCRAPE).get("splitserve:kv_reservations,role=decode") == 1, 30)
     sent = link_tx_bytes(hosts["d_link"])  # no scrape from here to the cut: what crosses now is the push
     wait_for("KV blocks crossing the link", lambda: link_tx_bytes(hosts["d_link"]) - sent >= 2 * TINY_BLOCK_BYTES, 30)
     sh("ip", "link", "set", hosts["d_link"], "down")  # mid-transfer: no FIN, no RST, just silence
     cut_at = time.monotonic()
-    wait_for("the far decode worker freeing the reservation", lambda: scrape(far, hosts["d"]).get(
+    wait_for("the far decode worker freeing the reservation", lambda: scrape(far, hosts["d"], SCRAPE).get(
         "splitserve:kv_reservations,role=decode") == 0, LEASE_S + 10)
     assert time.monotonic() - cut_at <= LEASE_S + 3  # the lease, plus a scrape's latency
     client.join(timeout=120)
@@ -291,7 +294,8 @@ def _serve_on_two_ray_hosts(hosts: dict[str, str], head: Any, tiny_llama_dir: st
                 assert tokens(got) == greedy(tiny_llama_dir, prompt, 8)
                 assert (got[-1].route.prefill_worker, got[-1].route.decode_worker) == ("prefill-0", "decode-0")
         beats = {w["worker_id"]: w for w in cluster.workers()}
-        pushed = scrape(beats["prefill-0"]["metrics_address"])
+        pushed = scrape(beats["prefill-0"]["metrics_address"],
+                        token=metrics_token(cluster.config.worker.cluster_secret))
         assert pushed["splitserve:kv_transfer_blocks_total,role=prefill,transport=tcp"] == 4 + 11
         assert_idle(cluster)
 
