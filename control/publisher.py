@@ -32,8 +32,8 @@ class Publisher:
         interval_s: float = 0.5, ttl_s: float = 3.0, max_buffered_events: int = 100_000,
         seal_key: bytes | None = None,
     ) -> None:
-        """`seal_key`: the cluster's registry key (`control.auth.registry_key`): heartbeats are
-        sealed with it, and routers read only sealed ones."""
+        """`seal_key`: the cluster's registry key (`control.auth.registry_key`): heartbeats and
+        KV events are sealed with it, and routers read only sealed ones."""
         self.seal_key = seal_key
         self.client = redis.Redis.from_url(readable(redis_url), socket_timeout=2.0, socket_connect_timeout=2.0)
         self.ns, self.worker_id, self.heartbeat = namespace, worker_id, heartbeat
@@ -88,8 +88,10 @@ class Publisher:
     def _flush(self, beat: bool) -> None:
         batch = list(self._events)[:1000]
         pipe = self.client.pipeline(transaction=False)
+        stream = kv_key(self.ns, self.worker_id)
         for ev in batch:
-            pipe.xadd(kv_key(self.ns, self.worker_id), {"e": event_to_bytes(ev)},
+            data = event_to_bytes(ev)
+            pipe.xadd(stream, {"e": data if self.seal_key is None else seal(self.seal_key, stream, data)},
                       maxlen=STREAM_MAXLEN, approximate=True)
         hb = self.heartbeat() if beat else None
         if hb is not None:

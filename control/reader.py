@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import msgpack
 import redis.asyncio
 
-from control.auth import Unsealed, opened
+from control.auth import Unsealed, opened, seal
 from control.heartbeat import BadEntry, Heartbeat, controller_key, hb_key, kv_key, router_key, store_key
 from control.kv_events import event_from_bytes
 from control.redis_url import readable
@@ -71,7 +71,8 @@ class RegistryReader:
             worker = (stream.decode() if isinstance(stream, bytes) else stream)[prefix:]
             for entry_id, data in entries:
                 cursor.last_ids[worker] = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                ev = self._parse(stream, data.get(b"e"), event_from_bytes)
+                ev = self._parse(stream, data.get(b"e"),
+                                 lambda d, s=stream: event_from_bytes(self._opened(s, d)))  # type: ignore[misc]
                 if ev is not None:
                     out.append((worker, ev))
         return out
@@ -104,16 +105,32 @@ class RegistryReader:
         return dict(entries)
 
     async def set_router_stats(self, router_id: str, stats: dict[str, object], ttl_s: float) -> None:
-        await self.client.set(router_key(self.ns, router_id), msgpack.packb(stats), px=int(ttl_s * 1000))
+        """A router's stats, sealed with the key this reader was given (if any)."""
+        key, data = router_key(self.ns, router_id), msgpack.packb(stats)
+        await self.client.set(key, data if self.seal_key is None else seal(self.seal_key, key, data),
+                              px=int(ttl_s * 1000))
 
     async def router_stats(self) -> dict[str, dict[str, object]]:
+        """Routers' stats by router id: with a key, only those it sealed (others are skipped and counted)."""
         keys = [k async for k in self.client.scan_iter(match=router_key(self.ns, "*"), count=100)]
         values = await self.client.mget(keys) if keys else []
         prefix = len(router_key(self.ns, ""))
-        return {k.decode()[prefix:]: msgpack.unpackb(v) for k, v in zip(keys, values, strict=True) if v is not None}
+        stats = ((_text(k)[prefix:], self._parse(k, v, lambda data, k=k: _router_stats(self._opened(k, data))))
+                 for k, v in zip(keys, values, strict=True) if v is not None)
+        return {r: s for r, s in stats if s is not None}
 
     async def close(self) -> None:
         await self.client.aclose()
+
+
+def _router_stats(data: bytes) -> dict[str, object]:
+    try:
+        stats = msgpack.unpackb(data)
+    except Exception:  # noqa: BLE001 - msgpack raises several unrelated types
+        stats = None
+    if not isinstance(stats, dict):
+        raise BadEntry("a router's stats are a msgpack map")
+    return stats
 
 
 def _store_entry(data: object) -> tuple[str, str]:

@@ -111,7 +111,8 @@ class StoreHost:
         if self.redis_url:
             from control.publisher import Publisher
 
-            self.publisher = Publisher(self.redis_url, self.namespace, self.store_id, lambda: None)
+            self.publisher = Publisher(self.redis_url, self.namespace, self.store_id, lambda: None,
+                                       seal_key=self._seal_key)
             self.publisher.start()
             self._registrar = threading.Thread(target=self._register, name="kvstore-registrar", daemon=True)
             self._registrar.start()

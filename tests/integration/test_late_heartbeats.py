@@ -108,6 +108,46 @@ def test_a_heartbeat_or_store_entry_without_the_clusters_seal_is_skipped_and_cou
         client.close()
 
 
+def test_forged_kv_events_and_router_stats_are_skipped_and_counted(cluster: LocalCluster) -> None:
+    """The real writers seal what they write (a worker's KV events, a router's stats); a reader
+    with the cluster's key reads those and skips, and counts, an event or stats someone else
+    wrote; a reader without the key (`splitserve status`) still reads them."""
+    import asyncio
+
+    import msgpack
+
+    from control.heartbeat import kv_key, router_key
+    from control.kv_events import event_to_bytes
+    from control.reader import RegistryReader, StreamCursor
+    from engine.block_pool import KVEvent
+
+    wait_for("the router to see decode-0", lambda: "decode-0" in cluster.router_stats()[0]["members"], 60)
+    with grpc.insecure_channel(cluster.address) as channel:  # blocks cached: KV events in the workers' streams
+        generate(pb_grpc.GenerationStub(channel), list(range(3, 40)), 2)
+    client = redis.Redis.from_url(cluster.redis_url)
+    ns, key = cluster.config.namespace, registry_key(cluster.config.worker.cluster_secret)
+    forged_event = KVEvent(999_999, "stored", [b"\x0b\xad" * 8], None)
+    try:
+        client.xadd(kv_key(ns, "decode-0"), {"e": event_to_bytes(forged_event)})
+        client.set(router_key(ns, "router-evil"), msgpack.packb({"itl_p50_ms": 1e6}), px=20_000)
+
+        async def read(seal_key: bytes | None) -> tuple[list, dict, int]:
+            reader = RegistryReader(cluster.redis_url, ns, seal_key=seal_key)
+            try:
+                events = await reader.read_events(StreamCursor(), ["decode-0", "prefill-0"], block_ms=100)
+                return events, await reader.router_stats(), reader.num_bad_entries
+            finally:
+                await reader.close()
+        events, routers, bad = asyncio.run(read(key))
+        assert events and forged_event not in [e for _, e in events]
+        assert set(routers) == {"router-0"} and bad == 2
+        events, routers, _ = asyncio.run(read(None))  # no key: everything, seals taken off
+        assert forged_event in [e for _, e in events] and set(routers) == {"router-0", "router-evil"}
+    finally:
+        client.delete(router_key(ns, "router-evil"))
+        client.close()
+
+
 def test_workers_whose_heartbeats_expire_while_they_serve_keep_their_requests(cluster: LocalCluster) -> None:
     everyone = ["decode-0", "decode-1", "prefill-0"]
     wait_for("the router to see every worker", lambda: cluster.router_stats()[0]["members"] == everyone, 60)
