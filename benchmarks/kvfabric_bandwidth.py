@@ -16,7 +16,9 @@ measured in the same run on the same bytes:
 - tcp: a raw long-lived loopback socket to another process (`recv_into` a buffer).
   With `--cross-host` (root; iproute2) the receiver and the raw socket's far end run in a
   network namespace of their own behind a veth pair, so both cross a host boundary as KV
-  between two machines would (the namespace is removed at the end).
+  between two machines would (the namespace is removed at the end). With `--tls`, the
+  fabric's tcp runs under the mutual TLS a cluster's members speak (control/tls.py), against
+  the same plain raw socket: its fraction of the limit is TLS's cost.
 Transfers and limit measurements alternate, best of --reps for each, and each starts with
 cold caches (a scratch buffer twice the last-level cache is written first): otherwise the
 limit's destination, rewritten every rep, stays cached while the decode pool's blocks do
@@ -52,6 +54,7 @@ from kvfabric import (  # noqa: E402
     BlockRegion, FabricLayout, FabricReceiver, FabricSender, KVArrived, ReceiverConfig, SenderConfig, ShmSegment,
     Ticket,
 )
+from control.tls import client_context, member_tls, server_context  # noqa: E402
 from engine import native  # noqa: E402
 from kvfabric.address import FabricAddress  # noqa: E402
 from kvfabric.layout import coalesce  # noqa: E402
@@ -100,16 +103,19 @@ def cross_host() -> Iterator[tuple[str, str, str]]:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
+TLS_SECRET = b"kvfabric-bandwidth-tls"
+
+
 def receiver_child(pipe: Connection, layout_wire: dict, num_blocks: int, netns: str | None = None,
-                   host: str = "127.0.0.1") -> None:
+                   host: str = "127.0.0.1", tls: bool = False) -> None:
     enter_netns(netns)
     layout = FabricLayout.from_wire(layout_wire)
     seg = ShmSegment.create(num_blocks * layout.block_bytes)
     region = BlockRegion(seg.data.reshape(num_blocks, layout.block_bytes))
     region.array[:] = 0  # fault the pages in, as a long-running decode pool would have
     # perf_counter is CLOCK_MONOTONIC: comparable with the sender's on the same host
-    receiver = FabricReceiver(layout, region, ReceiverConfig(host=host, lease_s=30), clock=time.perf_counter,
-                              shm=seg)
+    receiver = FabricReceiver(layout, region, ReceiverConfig(host=host, lease_s=30, tls=server_context(
+        member_tls(TLS_SECRET)) if tls else None), clock=time.perf_counter, shm=seg)
     pipe.send(receiver.address.to_wire())
     arrived: dict[str, float] = {}
     while True:
@@ -180,19 +186,21 @@ def memcpy_s(src: np.ndarray, dst: np.ndarray) -> float:
 
 class Bench:
     def __init__(self, layout: FabricLayout, num_blocks: int, copy: CopyBytes,
-                 hosts: tuple[str, str, str] | None = None) -> None:
-        """`hosts`: (namespace, this side's address, its address) to put the far ends across a veth."""
+                 hosts: tuple[str, str, str] | None = None, tls: bool = False) -> None:
+        """`hosts`: (namespace, this side's address, its address) to put the far ends across a
+        veth; `tls`: the fabric's tcp under the members' mutual TLS."""
         self.layout, self.num_blocks = layout, num_blocks
         netns, near, far = hosts if hosts is not None else (None, "127.0.0.1", "127.0.0.1")
         ctx = mp.get_context("spawn")
         self.pipe, child = ctx.Pipe()
-        self.child = ctx.Process(target=receiver_child, args=(child, layout.to_wire(), num_blocks, netns, far),
+        self.child = ctx.Process(target=receiver_child, args=(child, layout.to_wire(), num_blocks, netns, far, tls),
                                  daemon=True)
         self.child.start()
         self.address = FabricAddress.from_wire(self.pipe.recv())
         rng = np.random.default_rng(0)
         self.src = rng.integers(0, 256, (num_blocks, layout.block_bytes), dtype=np.uint8)
-        self.senders = {t: FabricSender(layout, BlockRegion(self.src), SenderConfig(transport=t), copy)
+        tls_context = client_context(member_tls(TLS_SECRET)) if tls else None
+        self.senders = {t: FabricSender(layout, BlockRegion(self.src), SenderConfig(transport=t, tls=tls_context), copy)
                         for t in ("shm", "tcp")}
         self.n = 0
         self.memcpy_dst = np.ones_like(self.src)  # private memory: numpy asks for transparent huge pages
@@ -257,6 +265,7 @@ def main() -> None:
     ap.add_argument("--latency-iters", type=int, default=300)
     ap.add_argument("--cross-host", action="store_true",
                     help="receiver and raw socket in a network namespace behind a veth (root; use with --transports tcp)")
+    ap.add_argument("--tls", action="store_true", help="the fabric's tcp under the cluster members' mutual TLS")
     ap.add_argument("--copy", choices=("stream", "memmove"), default="stream",
                     help="how shm pushes copy: the engine's copy_stream (as the prefill worker) or memmove")
     args = ap.parse_args()
@@ -272,7 +281,7 @@ def main() -> None:
 
 def run_shape(layout: FabricLayout, shape: str, counts: list[int], copy: CopyBytes, hosts: tuple[str, str, str] | None,
               args: argparse.Namespace) -> None:
-    bench = Bench(layout, max(counts), copy, hosts)
+    bench = Bench(layout, max(counts), copy, hosts, args.tls)
     try:
         for transport in args.transports.split(","):
             for n in counts:
@@ -306,7 +315,8 @@ def run_case(bench: Bench, transport: str, shape: str, n: int, contiguous: bool,
         latency_cold = statistics.median(
             bench.cold().transfer_s(transport, [0], [0]) for _ in range(args.latency_iters)) * 1e6
     print(json.dumps({
-        "bench": "kvfabric_bandwidth", "transport": transport, "cross_host": args.cross_host, "copy": args.copy if transport == "shm" else None,
+        "bench": "kvfabric_bandwidth", "transport": transport, "tls": args.tls and transport == "tcp",
+        "cross_host": args.cross_host, "copy": args.copy if transport == "shm" else None,
         "shape": shape, "block_bytes": layout.block_bytes,
         "blocks": n, "contiguous": contiguous, "reps": args.reps, "gb_per_s": round(gb_per_s, 3),
         "limit_gb_per_s": round(limit, 3), "fraction_of_limit": round(gb_per_s / limit, 3),

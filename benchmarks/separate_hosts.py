@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import itertools
 import json
 import os
@@ -43,7 +44,36 @@ def unavailable() -> str | None:
 def namespaces(names: tuple[str, ...] = ("p", "d")) -> Iterator[dict[str, str]]:
     """One namespace per name, the i-th (from 1) at 10.77.i.2: by default `p` at 10.77.1.2 and
     `d` at 10.77.2.2; this machine is .1 on each link and routes between them. Yields each
-    name's namespace, and under "NAME_link" this side's veth of its link."""
+    name's namespace, and under "NAME_link" this side's veth of its link. One set at a time on
+    a machine (they share the subnet and the forwarding switch): another waits its turn."""
+    with _one_set_at_a_time():
+        yield from _namespaces(names)
+
+
+HOSTS_LOCK = Path("/run/lock/splitserve-test-hosts.lock")
+HOSTS_LOCK_WAIT_S = 900.0
+
+
+@contextlib.contextmanager
+def _one_set_at_a_time() -> Iterator[None]:
+    HOSTS_LOCK.parent.mkdir(parents=True, exist_ok=True)
+    with HOSTS_LOCK.open("a") as lock:
+        deadline = time.monotonic() + HOSTS_LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another set of test hosts held {HOSTS_LOCK} for {HOSTS_LOCK_WAIT_S:.0f} s")
+                time.sleep(0.5)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _namespaces(names: tuple[str, ...]) -> Iterator[dict[str, str]]:
     tag = f"ss{os.getpid() % 100000}{next(TAGS)}"
     made: list[str] = []
     forward = Path("/proc/sys/net/ipv4/ip_forward")

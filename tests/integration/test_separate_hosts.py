@@ -183,7 +183,7 @@ def test_a_link_cut_mid_transfer_frees_the_reservation_and_the_router_retries(
 
 
 def cut_mid_transfer(stub: pb_grpc.GenerationStub, hosts: dict[str, str], far: str,
-                     prompt: list[int]) -> list[pb.GenerateResponse]:
+                     prompt: list[int], token: str = SCRAPE) -> list[pb.GenerateResponse]:
     """Sends `prompt` (routed to the decode worker on host `d`, whose /metrics is at `far`)
     over a link slowed to 400 kbit/s, cuts that link once the worker holds the transfer's
     reservation and its first KV bytes are on the wire (the link's own byte count: 75 blocks
@@ -201,12 +201,12 @@ def cut_mid_transfer(stub: pb_grpc.GenerationStub, hosts: dict[str, str], far: s
     client = threading.Thread(target=call, daemon=True)
     client.start()
     wait_for("a reservation on the far decode worker",
-             lambda: scrape(far, token=SCRAPE).get("splitserve:kv_reservations,role=decode") == 1, 30)
+             lambda: scrape(far, token=token).get("splitserve:kv_reservations,role=decode") == 1, 30)
     sent = link_tx_bytes(hosts["d_link"])  # no scrape from here to the cut: what crosses now is the push
     wait_for("KV blocks crossing the link", lambda: link_tx_bytes(hosts["d_link"]) - sent >= 2 * TINY_BLOCK_BYTES, 30)
     sh("ip", "link", "set", hosts["d_link"], "down")  # mid-transfer: no FIN, no RST, just silence
     cut_at = time.monotonic()
-    wait_for("the far decode worker freeing the reservation", lambda: scrape(far, hosts["d"], SCRAPE).get(
+    wait_for("the far decode worker freeing the reservation", lambda: scrape(far, hosts["d"], token).get(
         "splitserve:kv_reservations,role=decode") == 0, LEASE_S + 10)
     assert time.monotonic() - cut_at <= LEASE_S + 3  # the lease, plus a scrape's latency
     client.join(timeout=120)
@@ -345,7 +345,8 @@ def _retry_after_a_cut_on_ray_hosts(hosts: dict[str, str], head: Any, tiny_llama
         workers = {w["worker_id"]: w for w in cluster.workers()}
         assert workers["decode-0"]["address"].startswith(f"{SUBNET}.2.2:")
         assert workers["decode-1"]["address"].startswith(f"{SUBNET}.3.2:")
-        got = cut_mid_transfer(stub, hosts, workers["decode-0"]["metrics_address"], prompt)
+        got = cut_mid_transfer(stub, hosts, workers["decode-0"]["metrics_address"], prompt,
+                               metrics_token(cluster.config.worker.cluster_secret))
         assert tokens(got) == greedy(tiny_llama_dir, prompt, 6)
         assert got[-1].route.decode_worker == "decode-1"
         assert cluster.router_stats()[0]["num_retries"] >= 1
