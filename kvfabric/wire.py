@@ -207,9 +207,10 @@ class Conn:
                 if self.tls:
                     for buf in bufs:
                         self.sock.sendall(buf)
-                while bufs and not self.tls:
-                    sent = self.sock.sendmsg(bufs[:_MAX_IOV])
-                    bufs = _advance(bufs, sent)
+                else:
+                    while bufs:
+                        sent = self.sock.sendmsg(bufs[:_MAX_IOV])
+                        bufs = _advance(bufs, sent)
             except (TimeoutError, OSError) as e:
                 self.close()
                 raise PeerUnavailable(f"send failed: {e}") from e
