@@ -79,28 +79,8 @@ class FabricReceiver:
         listeners = [x for x in (self._listener, self._local) if x is not None]
         for x in listeners:
             x.settimeout(0.2)
-        region = self.region
-        on_device = isinstance(region, DeviceRegion)
-        if on_device:
-            transports: tuple[str, ...] = ("cuda_ipc", "nccl") if cuda_ipc_handle else ("nccl",)
-        else:
-            transports = ("shm", "tcp") if shm is not None else ("tcp",)
-        self.address = FabricAddress(
-            host=self.config.advertise_host or self.config.host,
-            port=self._listener.getsockname()[1],
-            host_id=local_host_id(),
-            receiver_id=receiver_id,
-            device="cuda" if on_device else "cpu",
-            transports=transports,
-            shm_name=shm.name if shm else None,
-            shm_nonce=shm.nonce if shm else None,
-            shm_bytes=shm.nbytes if shm else 0,
-            cuda_ipc_handle=cuda_ipc_handle if on_device else None,
-            gpu=_gpu_of(region),
-            pool_blocks=region.num_blocks,
-            local_name=local_name,
-            shm_ranks=tuple((seg.name, seg.nonce, seg.nbytes) for seg in shm_ranks) if shm else (),
-        )
+        self.address = _offered_address(self.config, self._listener.getsockname()[1], receiver_id, self.region,
+                                        shm, shm_ranks, cuda_ipc_handle, local_name)
         self._accept_threads = [
             threading.Thread(target=self._accept_loop, args=(x,), name="kvfabric-accept", daemon=True)
             for x in listeners]
@@ -432,6 +412,34 @@ def _crc32(arrays: list) -> int:
         crc = zlib.crc32(a, crc)
     return crc
 
+
+
+def _offered_address(config: ReceiverConfig, port: int, receiver_id: str, region: BlockRegion | DeviceRegion,
+                     shm: ShmSegment | None, shm_ranks: Sequence[ShmSegment], cuda_ipc_handle: bytes | None,
+                     local_name: str | None) -> FabricAddress:
+    """What senders are told of a receiver: where to dial, and the transports its pool allows
+    (a device pool: cuda_ipc when exported, and nccl; a host pool: shm when shared, and tcp)."""
+    on_device = isinstance(region, DeviceRegion)
+    if on_device:
+        transports: tuple[str, ...] = ("cuda_ipc", "nccl") if cuda_ipc_handle else ("nccl",)
+    else:
+        transports = ("shm", "tcp") if shm is not None else ("tcp",)
+    return FabricAddress(
+        host=config.advertise_host or config.host,
+        port=port,
+        host_id=local_host_id(),
+        receiver_id=receiver_id,
+        device="cuda" if on_device else "cpu",
+        transports=transports,
+        shm_name=shm.name if shm else None,
+        shm_nonce=shm.nonce if shm else None,
+        shm_bytes=shm.nbytes if shm else 0,
+        cuda_ipc_handle=cuda_ipc_handle if on_device else None,
+        gpu=_gpu_of(region),
+        pool_blocks=region.num_blocks,
+        local_name=local_name,
+        shm_ranks=tuple((seg.name, seg.nonce, seg.nbytes) for seg in shm_ranks) if shm else (),
+    )
 
 def _local_listener(receiver_id: str) -> tuple[socket.socket | None, str | None]:
     """A Unix socket in the abstract namespace (Linux; nothing to unlink), or none."""
