@@ -30,7 +30,8 @@ from cluster.metrics_targets import add_observe_flags
 from cluster.metrics_targets import add_parser as add_metrics_targets_parser
 from cluster.metrics_targets import metrics_port as _metrics_port
 from cluster.processes import (add_device_flags, add_http_flags, add_internal_tls_flag, add_speculative_flags,
-                               cluster_secret, http_fields, placement, redacted, speculative_config, worker_host)
+                               cluster_secret, given_tls_of, http_fields, placement, redacted, speculative_config,
+                               worker_host)
 from cluster.processes import add_parsers as add_process_parsers
 from cluster.status import show_status
 from control.auth import metrics_token
@@ -118,7 +119,7 @@ def _serve_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
                             gpu_memory_utilization=utilization, host=worker_host(args),
                             advertise_host=args.advertise_host, cluster_secret=cluster_secret(),
                             otlp_endpoint=args.otlp_endpoint, speculative=speculative_config(args),
-                            internal_tls=args.internal_tls),
+                            internal_tls=args.internal_tls, given_tls=given_tls_of(args)),
         num_prefill=args.num_prefill, num_decode=args.num_decode, num_routers=args.num_routers,
         controller_max_restarts=args.controller_max_restarts, gpus_per_worker=gpus, autoscale=_autoscale_config(args),
         decode_tp=args.decode_tp, prefill_tp=args.prefill_tp, kv_store_mib=args.kv_store_mib,

@@ -170,7 +170,8 @@ class Controller:
         c = self.config
         return dataclasses.replace(c.router, share_port=c.num_routers > 1,
                                    tokenizer_dir=c.router.tokenizer_dir or str(resolve_model_dir(c.worker.model_dir)),
-                                   cluster_secret=c.worker.cluster_secret, internal_tls=c.worker.internal_tls)
+                                   cluster_secret=c.worker.cluster_secret, internal_tls=c.worker.internal_tls,
+                                   given_tls=c.worker.given_tls)
 
     def _store_config(self) -> StoreConfig | None:
         c, w = self.config, self.config.worker
@@ -179,7 +180,7 @@ class Controller:
         return StoreConfig(w.model_dir, c.kv_store_mib << 20, w.block_size, w.dtype, w.model_id,
                            w.host, w.advertise_host, cluster_secret=w.cluster_secret, disk_dir=c.kv_store_dir,
                            disk_bytes=int(c.kv_store_disk_gib * 2**30), disk_direct=c.kv_store_direct_io,
-                           internal_tls=w.internal_tls)
+                           internal_tls=w.internal_tls, given_tls=w.given_tls)
 
     def _worker_options(self, role: Role) -> dict[str, Any]:
         c = self.config

@@ -210,7 +210,8 @@ class LocalCluster:
             # reached beyond loopback (a Ray cluster's head), it speaks TLS as the members do
             wide = not is_loopback(c.redis_host)
             self.redis = EmbeddedRedis(host=c.redis_host, tls=tls_of(c.worker.cluster_secret,
-                                                                      c.worker.internal_tls and wide))
+                                                                      c.worker.internal_tls and wide,
+                                                                      c.worker.given_tls))
             self._watcher = threading.Thread(target=self._watch_redis, name="redis-watch", daemon=True)
             self._watcher.start()
         try:

@@ -13,6 +13,7 @@ from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.metrics_targets import add_observe_flags
 from cluster.metrics_targets import metrics_port as _metrics_port
 from control.auth import check_private
+from control.tls import SERVER_NAME, MemberTLS, given_tls
 from control.worker_config import NO_SECRET
 from engine.config import SpeculativeConfig
 from engine.kv_sizing import DEFAULT_CPU_KV_FRACTION
@@ -137,6 +138,24 @@ def add_internal_tls_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-internal-tls", dest="internal_tls", action="store_false",
                    help="plain gRPC and kvfabric tcp between the cluster's members (default: mutual TLS with "
                         "certificates made from the cluster secret); only on a network you trust, on every member")
+    p.add_argument("--tls-ca", metavar="PEM", help="your own PKI for the members' TLS: the CA (bundle) they trust; "
+                                                   "with --tls-cert and --tls-key, on every member")
+    p.add_argument("--tls-cert", metavar="PEM", help=f"this member's certificate (naming DNS:{SERVER_NAME})")
+    p.add_argument("--tls-key", metavar="PEM", help="its private key (unencrypted; readable by this user only)")
+
+
+def given_tls_of(args: argparse.Namespace) -> MemberTLS | None:
+    """The certificate --tls-ca/--tls-cert/--tls-key give (all three or none), checked; None:
+    members make theirs from the cluster secret. Raises ValueError."""
+    files = (args.tls_ca, args.tls_cert, args.tls_key)
+    if not any(files):
+        return None
+    if not all(files):
+        raise ValueError("--tls-ca, --tls-cert and --tls-key go together (the CA members trust, this member's "
+                         "certificate, its key)")
+    if not args.internal_tls:
+        raise ValueError("--tls-ca/--tls-cert/--tls-key are for the members' TLS, which --no-internal-tls turns off")
+    return given_tls(*files)
 
 
 def add_redis_url_flag(p: argparse.ArgumentParser) -> None:
@@ -242,7 +261,8 @@ def _worker(args: argparse.Namespace) -> int:
                               model_id=args.model_id, advertise_host=args.advertise_host,
                               cluster_secret=required_secret(), otlp_endpoint=args.otlp_endpoint,
                               speculative=speculative_config(args), tensor_parallel=args.tensor_parallel,
-                              kv_store=args.kv_store, internal_tls=args.internal_tls)
+                              kv_store=args.kv_store, internal_tls=args.internal_tls,
+                              given_tls=given_tls_of(args))
         if args.tensor_parallel > 1 and args.role == "prefill" and device.startswith("cuda"):
             raise ValueError("--tensor-parallel splits prefill workers on CPU only: on GPUs a split worker's ranks "
                              "keep their KV pools private, so its pushes could not carry every KV head")
@@ -279,7 +299,7 @@ def _kv_store(args: argparse.Namespace) -> int:
         config = StoreConfig(model_path(args.model), args.kv_store_mib << 20, args.block_size, args.dtype,
                              args.model_id, args.host, args.advertise_host, args.port, required_secret(),
                              args.kv_store_dir, int(args.kv_store_disk_gib * 2**30), args.kv_store_direct_io,
-                             args.internal_tls)
+                             args.internal_tls, given_tls_of(args))
         redis_url = redis_url_of(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -305,7 +325,8 @@ def _router(args: argparse.Namespace) -> int:
         config = RouterConfig(host=args.host, port=args.port, metrics_port=_metrics_port(args),
                               otlp_endpoint=args.otlp_endpoint, **http_fields(args), tokenizer_dir=args.tokenizer,
                               routing=RoutingConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens),
-                              cluster_secret=required_secret(), internal_tls=args.internal_tls)
+                              cluster_secret=required_secret(), internal_tls=args.internal_tls,
+                              given_tls=given_tls_of(args))
         redis_url = redis_url_of(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

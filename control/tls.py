@@ -6,6 +6,9 @@ certificate for a fresh key of its own. Members trust that CA alone and present 
 both ways, under one fixed name (`SERVER_NAME`) so that addresses do not matter. Nothing but
 the secret is handed out: whoever holds it can join, as before; whoever does not can neither
 serve nor call a member, and nothing sent can be read or replayed.
+
+A deployment with its own PKI gives each member a certificate instead (`given_tls`: a CA
+bundle, a certificate naming `SERVER_NAME`, its key); members then trust that CA.
 """
 from __future__ import annotations
 
@@ -110,6 +113,78 @@ def member_tls(secret: bytes) -> MemberTLS:
                      key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
 
 
+def given_tls(ca_file: str, cert_file: str, key_file: str) -> MemberTLS:
+    """A member's identity from the deployment's own PKI: PEM files of the CA (a bundle may
+    hold several), this member's certificate (a chain may follow it) and its unencrypted
+    key. Checked here, at start, so that a wrong file is an error naming it, not a refused
+    handshake later: the certificate must name `SERVER_NAME` (every member checks that name,
+    not an address), be valid now, be issued by one of the CA's certificates (or the chain
+    after it) and belong to the key. Raises ValueError."""
+    try:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import serialization
+    except ImportError as e:
+        raise RuntimeError(NO_CRYPTOGRAPHY) from e
+    from pathlib import Path
+
+    from control.auth import check_private
+
+    check_private(Path(key_file), "--tls-key")  # as ssh insists of a private key
+    pems = {}
+    for flag, path in (("--tls-ca", ca_file), ("--tls-cert", cert_file), ("--tls-key", key_file)):
+        try:
+            pems[flag] = open(path, "rb").read()
+        except OSError as e:
+            raise ValueError(f"{flag} {path}: {e.strerror or e}") from None
+
+    def certificates(flag: str, path: str) -> list[Any]:
+        try:
+            return list(x509.load_pem_x509_certificates(pems[flag]))
+        except ValueError:
+            raise ValueError(f"{flag} {path} holds no PEM certificate") from None
+
+    cas, chain = certificates("--tls-ca", ca_file), certificates("--tls-cert", cert_file)
+    leaf = chain[0]
+    try:
+        names = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+            x509.DNSName)
+    except x509.ExtensionNotFound:
+        names = []
+    if SERVER_NAME not in names:
+        raise ValueError(f"--tls-cert {cert_file} does not name {SERVER_NAME} (its DNS names: "
+                         f"{', '.join(names) or 'none'}): members check that name, not an address; issue it with "
+                         f"subjectAltName DNS:{SERVER_NAME}")
+    now = datetime.datetime.now(datetime.timezone.utc)
+    if not leaf.not_valid_before_utc <= now <= leaf.not_valid_after_utc:
+        raise ValueError(f"--tls-cert {cert_file} is valid from {leaf.not_valid_before_utc:%Y-%m-%d %H:%M} to "
+                         f"{leaf.not_valid_after_utc:%Y-%m-%d %H:%M} UTC, not now")
+    if not any(_issued_by(leaf, issuer) for issuer in [*cas, *chain[1:]]):
+        raise ValueError(f"--tls-cert {cert_file} was not issued by a certificate of --tls-ca {ca_file} (nor by "
+                         "one following it in its own file)")
+    try:
+        key = serialization.load_pem_private_key(pems["--tls-key"], password=None)
+    except TypeError:
+        raise ValueError(f"--tls-key {key_file} is encrypted: give the key without a passphrase, in a file only "
+                         "the member's user can read") from None
+    except ValueError:
+        raise ValueError(f"--tls-key {key_file} holds no PEM private key") from None
+    public = serialization.PublicFormat.SubjectPublicKeyInfo
+    if (key.public_key().public_bytes(serialization.Encoding.DER, public)
+            != leaf.public_key().public_bytes(serialization.Encoding.DER, public)):
+        raise ValueError(f"--tls-key {key_file} is not the key of --tls-cert {cert_file}")
+    return MemberTLS(pems["--tls-ca"], pems["--tls-cert"], pems["--tls-key"])
+
+
+def _issued_by(cert: Any, issuer: Any) -> bool:
+    from cryptography.exceptions import InvalidSignature
+
+    try:
+        cert.verify_directly_issued_by(issuer)  # the issuer's name and its signature
+        return True
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+
+
 CHANNEL_OPTIONS = (("grpc.ssl_target_name_override", SERVER_NAME),)
 
 
@@ -142,6 +217,9 @@ def client_context(tls: MemberTLS | None) -> ssl.SSLContext | None:
     return tls.ssl_context(server=False) if tls else None
 
 
-def tls_of(secret: bytes | None, enabled: bool) -> MemberTLS | None:
-    """A member's identity when internal TLS is on and it has the cluster secret; else None."""
-    return member_tls(secret) if enabled and secret else None
+def tls_of(secret: bytes | None, enabled: bool, given: MemberTLS | None = None) -> MemberTLS | None:
+    """A member's identity when internal TLS is on: the one the deployment `given` it, else the
+    one made from the cluster secret; None when off, or with neither."""
+    if not enabled:
+        return None
+    return given or (member_tls(secret) if secret else None)

@@ -46,6 +46,10 @@ class WorkerConfig:
     """Mutual TLS on every connection between members (gRPC between routers, workers and KV
     stores; kvfabric tcp), with certificates each member makes from the cluster secret
     (control/tls.py). Off only on a network you trust, and on every member alike."""
+    given_tls: MemberTLS | None = field(default=None, repr=False)
+    """The certificate the deployment's own PKI gave this member (`control.tls.given_tls`,
+    flags --tls-ca/--tls-cert/--tls-key) in place of the one made from the secret; every
+    member of a cluster then trusts that CA."""
     num_threads: int = 1
     """torch CPU threads per worker (workers share the machine's cores)."""
     host: str = "127.0.0.1"
@@ -94,7 +98,7 @@ class WorkerConfig:
     @property
     def tls(self) -> MemberTLS | None:
         """This worker's TLS identity in its cluster (None: internal TLS off, or no secret)."""
-        return tls_of(self.cluster_secret, self.internal_tls)
+        return tls_of(self.cluster_secret, self.internal_tls, self.given_tls)
 
     def advertised_host(self, redis_url: str | None) -> str:
         """Where peers reach this worker (see `advertise_host`)."""

@@ -26,7 +26,7 @@ import grpc
 from control.auth import Unsealed, metrics_token, opened, registry_key, seal
 from control.heartbeat import store_key
 from control.redis_url import readable
-from control.tls import tls_of
+from control.tls import MemberTLS, tls_of
 from control.worker_config import NODE_IP, dialable_host
 from kvfabric.address import local_host_id
 
@@ -67,6 +67,8 @@ class StoreConfig:
     """The spill file with O_DIRECT: no page cache between the store and the disk."""
     internal_tls: bool = True
     """As the workers' (`WorkerConfig.internal_tls`): mutual TLS with them."""
+    given_tls: MemberTLS | None = field(default=None, repr=False)
+    """As the workers' (`WorkerConfig.given_tls`)."""
 
 
 class StoreHost:
@@ -98,7 +100,7 @@ class StoreHost:
             host = ray.util.get_node_ip_address()
         advertised = c.advertise_host or dialable_host(host, self.redis_url)
         layout = store_layout(c.model_dir, c.model_id or "", c.block_size, c.dtype)
-        tls = tls_of(c.cluster_secret, c.internal_tls)
+        tls = tls_of(c.cluster_secret, c.internal_tls, c.given_tls)
         self.store = open_store(layout, c.capacity_bytes, host, advertised, c.cluster_secret, store_id=self.store_id,
                                 disk_dir=c.disk_dir, disk_bytes=c.disk_bytes, disk_direct=c.disk_direct, tls=tls)
         self.server, port = await serve(self.store, host, c.port, c.cluster_secret, tls)

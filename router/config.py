@@ -110,11 +110,13 @@ class RouterConfig:
     """Mutual TLS on every connection between members (gRPC between routers, workers and KV
     stores; kvfabric tcp), with certificates each member makes from the cluster secret
     (control/tls.py). Off only on a network you trust, and on every member alike."""
+    given_tls: MemberTLS | None = field(default=None, repr=False)
+    """As the workers' (`WorkerConfig.given_tls`): a certificate of the deployment's own PKI."""
 
     @property
     def tls(self) -> MemberTLS | None:
         """This router's TLS identity in its cluster (None: internal TLS off, or no secret)."""
-        return tls_of(self.cluster_secret, self.internal_tls)
+        return tls_of(self.cluster_secret, self.internal_tls, self.given_tls)
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:

@@ -107,3 +107,22 @@ def test_with_a_members_identity_it_speaks_only_tls_of_the_cluster_ca() -> None:
             stranger.close()
     finally:
         server.stop()
+
+
+def test_with_the_deployments_own_certificate_its_url_carries_that_ca_bundle(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`serve --tls-ca/--tls-cert/--tls-key` on a Ray head: the embedded Redis serves the given
+    certificate, and its URL carries the given CA bundle whole (any of its CAs verifies)."""
+    from control.redis_url import readable
+    from control.tls import given_tls
+    from tests.pki import make_ca
+
+    old, ca = make_ca("old"), make_ca("current")
+    bundle = tmp_path / "bundle.pem"
+    bundle.write_bytes(old.write(tmp_path / "old.pem").read_bytes() + ca.write(tmp_path / "ca.pem").read_bytes())
+    server = EmbeddedRedis(host="0.0.0.0", tls=given_tls(str(bundle), *map(str, ca.issue(tmp_path, "head"))))
+    try:
+        client = redis.Redis.from_url(readable(server.url), socket_timeout=2)
+        assert client.ping()
+        client.close()
+    finally:
+        server.stop()

@@ -93,3 +93,33 @@ def test_a_plain_client_gets_no_challenge_from_a_tls_listener(receiver: FabricRe
         pass
     sock.close()
     assert b"challenge" not in got
+
+
+def test_with_the_deployments_own_certificates(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Given certificates (`given_tls`, a CA of the deployment's own): blocks cross between
+    two members holding leaves of that CA; a sender whose certificate the cluster secret made
+    is refused, as it is of another CA now."""
+    from control.tls import given_tls
+    from tests.pki import make_ca
+
+    ca = make_ca()
+    ca_file = str(ca.write(tmp_path / "ca.pem"))
+    mine, theirs = (given_tls(ca_file, *map(str, ca.issue(tmp_path, name))) for name in ("decode", "prefill"))
+    region = BlockRegion(np.zeros((8, BB), np.uint8))
+    r = FabricReceiver(LAYOUT, region, ReceiverConfig(io_timeout_s=5, hello_timeout_s=3, token=TOKEN,
+                                                      tls=server_context(mine)))
+    good, stranger = sender(client_context(theirs)), sender(client_context(member_tls(SECRET)))
+    try:
+        transfer = good.open(r.expect("r", [4], 0))
+        transfer.push([2], 0)
+        transfer.finish(first_token_id=7, num_tokens=16)
+        assert isinstance(r.poll(timeout_s=10)[0], KVArrived)
+        assert np.array_equal(region.array[4], source_blocks(4, BB, seed=3)[2])
+        ticket = r.expect("s", [1], 0)
+        with pytest.raises((HandshakeError, PeerUnavailable)):
+            stranger.open(ticket)
+        assert r.table.get(ticket.reservation_id).writer is None
+    finally:
+        good.close()
+        stranger.close()
+        r.close()

@@ -89,3 +89,55 @@ def test_plain_process_workers_serve_through_a_plain_process_router(tiny_llama_d
         codes = [proc.wait(timeout=60) for proc in reversed(procs)]
         redis.stop()
     assert codes == [0, 0, 0, 0]
+
+
+def test_members_with_the_deployments_own_certificates(tiny_llama_dir: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """--tls-ca/--tls-cert/--tls-key: each member shows its own leaf of the deployment's CA
+    (naming splitserve-cluster), and they serve each other as with the made ones; a member
+    whose certificate the cluster secret made is now a stranger."""
+    from control.tls import given_tls
+    from tests.pki import make_ca
+
+    ca = make_ca()
+    ca_file = str(ca.write(tmp_path / "ca.pem"))
+
+    def pki(name: str) -> list[str]:
+        cert, key = ca.issue(tmp_path, name)
+        return ["--tls-ca", ca_file, "--tls-cert", str(cert), "--tls-key", str(key)]
+
+    redis = EmbeddedRedis()
+    procs: list[subprocess.Popen] = []
+    try:
+        common = ["--namespace", "given", "--model", tiny_llama_dir, "--kv-cache-mib", "8"]
+        addresses = {}
+        for role in ("decode", "prefill"):
+            proc, addresses[role] = start(["worker", role, "--worker-id", f"{role}-g", *common, *pki(role)], redis.url)
+            procs.append(proc)
+        router, address = start(["router", "--namespace", "given", "--port", "0", "--mode", "disaggregated",
+                                 *pki("router")], redis.url)
+        procs.append(router)
+        prompt = [random.Random(6).randrange(3, 500) for _ in range(40)]
+        want = make_engine(tiny_llama_dir, block_size=16).generate(
+            [prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+        with grpc.insecure_channel(address) as channel:  # the router's own door: no member certificate needed
+            got = list(pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(max_tokens=8, ignore_eos=True)),
+                timeout=60))
+        assert [t for r in got for t in r.token_ids] == want
+        assert (got[-1].route.prefill_worker, got[-1].route.decode_worker) == ("prefill-g", "decode-g")
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        check = health_pb2.HealthCheckRequest()
+        with member_channel_sync(addresses["decode"], member_tls(b"plain-test-secret")) as channel, \
+                pytest.raises(grpc.RpcError) as e:
+            health_pb2_grpc.HealthStub(channel).Check(check, timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        leaf = given_tls(ca_file, *pki("operator")[3::2])
+        with member_channel_sync(addresses["decode"], leaf) as channel:
+            assert health_pb2_grpc.HealthStub(channel).Check(check, timeout=10).status == \
+                health_pb2.HealthCheckResponse.SERVING
+    finally:
+        for proc in reversed(procs):
+            proc.send_signal(signal.SIGTERM)
+        codes = [proc.wait(timeout=60) for proc in reversed(procs)]
+        redis.stop()
+    assert codes == [0, 0, 0]
