@@ -18,7 +18,7 @@ import pytest
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster
 from control.auth import TOKEN_METADATA, cluster_token
-from control.tls import member_channel_sync
+from control.tls import given_tls, member_channel_sync, member_tls
 from engine.request import SamplingParams
 from kvstore.host import find_store
 from proto import generate_pb2 as pb
@@ -26,6 +26,7 @@ from proto import generate_pb2_grpc as pb_grpc
 from router.policy import RoutingConfig
 from tests.integration.cluster_checks import assert_idle
 from tests.integration.reference import make_engine, random_prompts
+from tests.pki import make_ca
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -38,10 +39,17 @@ def scrape(address: str) -> str:
 
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
-def test_an_evicted_conversation_is_served_from_the_nodes_store(tiny_llama_dir: str, mode: str) -> None:
+def test_an_evicted_conversation_is_served_from_the_nodes_store(tiny_llama_dir: str, mode: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Disaggregated, the members show certificates of a deployment's own CA (`serve --tls-ca
+    --tls-cert --tls-key`): the controller hands them to the routers, workers and store."""
     block_bytes = make_engine(tiny_llama_dir, block_size=16, num_blocks=8).layout.block_bytes
+    given = None
+    if mode == "disaggregated":
+        ca = make_ca()
+        given = given_tls(str(ca.write(tmp_path / "ca.pem")), *map(str, ca.issue(tmp_path, "members")))
     config = ClusterConfig(
-        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=POOL_BLOCKS * block_bytes),
+        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=POOL_BLOCKS * block_bytes,
+                            given_tls=given),
         num_prefill=1 if mode == "disaggregated" else 0, num_decode=1, kv_store_mib=16, worker_num_cpus=0.5,
         router=RouterConfig(port=0, routing=RoutingConfig(mode=mode)))
     prompt, *others = random_prompts([170, 170, 170, 170], 512, seed=6)  # 10 full blocks each, 24 in a pool
@@ -76,6 +84,11 @@ def test_an_evicted_conversation_is_served_from_the_nodes_store(tiny_llama_dir: 
             with pytest.raises(grpc.RpcError) as refused:  # the store serves its cluster only
                 stats.Stats(pb.StatsRequest())
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        if given is not None:  # the certificate the secret would make is a stranger's here
+            with member_channel_sync(store, member_tls(cluster.config.worker.cluster_secret)) as channel, \
+                    pytest.raises(grpc.RpcError) as refused:
+                pb_grpc.KVStoreStub(channel).Stats(pb.StatsRequest(), metadata=[token], timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         # what an operator sees: the store in `status`, its /metrics and the workers' among the targets
         cli = [sys.executable, "-m", "cluster.cli"]
         fetcher = "prefill" if mode == "disaggregated" else "decode"
