@@ -112,7 +112,8 @@ def _serve_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from cluster.default_model import model_path
 
     device, dtype, mib, utilization, gpus = placement(args, args.num_prefill + args.num_decode)
-    model = model_path(args.model)
+    http, admission, autoscale = http_fields(args), _admission_config(args), _autoscale_config(args)
+    model = model_path(args.model)  # the flags' own errors first: a GGUF model is converted below (seconds)
     return ClusterConfig(
         worker=WorkerConfig(model_dir=model, dtype=dtype, device=device,
                             block_size=args.block_size, kv_cache_bytes=mib * 2**20 if mib else None,
@@ -121,13 +122,13 @@ def _serve_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
                             otlp_endpoint=args.otlp_endpoint, speculative=speculative_config(args),
                             internal_tls=args.internal_tls, given_tls=given_tls_of(args)),
         num_prefill=args.num_prefill, num_decode=args.num_decode, num_routers=args.num_routers,
-        controller_max_restarts=args.controller_max_restarts, gpus_per_worker=gpus, autoscale=_autoscale_config(args),
+        controller_max_restarts=args.controller_max_restarts, gpus_per_worker=gpus, autoscale=autoscale,
         decode_tp=args.decode_tp, prefill_tp=args.prefill_tp, kv_store_mib=args.kv_store_mib,
         kv_store_dir=args.kv_store_dir, kv_store_disk_gib=args.kv_store_disk_gib,
         kv_store_direct_io=args.kv_store_direct_io,
         router=RouterConfig(host=args.host, port=args.port, metrics_port=_metrics_port(args),
-                            otlp_endpoint=args.otlp_endpoint, tokenizer_dir=_model_dir(model), **http_fields(args),
-                            admission=_admission_config(args),
+                            otlp_endpoint=args.otlp_endpoint, tokenizer_dir=_model_dir(model), **http,
+                            admission=admission,
                             routing=RoutingConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens)),
         redis_url=args.redis_url or "", redis_host=args.redis_host, namespace=args.namespace,
         ray_address=args.ray_address,

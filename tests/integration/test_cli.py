@@ -1,4 +1,5 @@
-"""The `splitserve` command line as a user runs it (a real subprocess)."""
+"""The `splitserve` command line as a user runs it (a real subprocess; the refusals before
+anything starts, many commands of one test, through `main` in the test's process)."""
 from __future__ import annotations
 
 import hashlib
@@ -123,54 +124,79 @@ def ray_sessions(root: Path) -> list[Path]:
     return sorted(root.glob("ray/session_2*"))
 
 
-def test_serve_refuses_a_bad_model_or_a_taken_port_before_starting_anything(tmp_path: Path,
-                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def in_process(args: list[str], env: dict[str, str | None], capsys: pytest.CaptureFixture[str],
+               monkeypatch: pytest.MonkeyPatch) -> subprocess.CompletedProcess:
+    """`splitserve ARGS` through `cluster.cli.main` in this process (no interpreter and torch
+    import per command), its environment changed by `env` (None: unset) for the call only; an
+    exception escaping `main` is what a user would see as a traceback, and fails the test."""
+    from cluster.cli import main
+
+    with monkeypatch.context() as m:
+        for name, value in env.items():
+            if value is None:
+                m.delenv(name, raising=False)
+            else:
+                m.setenv(name, value)
+        capsys.readouterr()
+        code = main(args)
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
+def test_serve_refuses_a_bad_model_or_a_taken_port_before_starting_anything(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import ray
+
     ray_root = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))  # short: Ray's socket paths have a length limit
     monkeypatch.setenv("RAY_TMPDIR", str(ray_root))  # these commands' Ray, if any started, and no other's
-    r = run(["serve", "--model", str(tmp_path / "nowhere")])
+    cache = {"SPLITSERVE_CACHE": str(tmp_path / "cache")}
+    r = run(["serve", "--model", str(tmp_path / "nowhere")])  # as a user runs it: a process of its own
     assert r.returncode == 2 and "error: --model" in r.stderr and "config.json not found" in r.stderr
     assert "Traceback" not in r.stderr
+
+    def cli(args: list[str], env: dict[str, str | None] | None = None) -> subprocess.CompletedProcess:
+        return in_process(args, env or {}, capsys, monkeypatch)
+
     (tmp_path / "broken.gguf").write_bytes(b"GGUF not really")
-    r = run(["serve", "--model", str(tmp_path / "broken.gguf")], {"SPLITSERVE_CACHE": str(tmp_path / "cache")})
-    assert r.returncode == 2 and "broken.gguf is not a readable GGUF file" in r.stderr and "Traceback" not in r.stderr
-    r = run(["serve", "--model", "tiny", "--chat-template", str(tmp_path / "none.jinja")],
-            {"SPLITSERVE_CACHE": str(tmp_path / "cache")})
+    r = cli(["serve", "--model", str(tmp_path / "broken.gguf")], cache)
+    assert r.returncode == 2 and "broken.gguf is not a readable GGUF file" in r.stderr
+    r = cli(["serve", "--model", "tiny", "--chat-template", str(tmp_path / "none.jinja")], cache)
     assert r.returncode == 2 and "error: --chat-template: cannot read the chat template" in r.stderr
-    r = run(["serve", "--tenant-weight", "gold"])
+    with pytest.raises(SystemExit) as usage:  # argparse's own usage error
+        cli(["serve", "--tenant-weight"])
+    assert usage.value.code == 2
+    r = cli(["serve", "--tenant-weight", "gold"], cache)
     assert r.returncode == 2 and "error: --tenant-weight takes TENANT=NUMBER, got 'gold'" in r.stderr
-    r = run(["status", "--redis-url", "redis://127.0.0.1:1/0"])
-    assert r.returncode == 1 and "Redis at redis://127.0.0.1:1/0 is away" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "cache" / "gguf").exists()  # said before converting the default model (~25 s)
+    r = cli(["status", "--redis-url", "redis://127.0.0.1:1/0"])
+    assert r.returncode == 1 and "Redis at redis://127.0.0.1:1/0 is away" in r.stderr
+    no_secret = {"SPLITSERVE_CLUSTER_SECRET": None, "SPLITSERVE_CLUSTER_SECRET_FILE": None}
     for command in (["worker", "decode"], ["router"]):  # a plain process never falls back to a built-in secret
-        r = subprocess.run(CLI + [*command, "--redis-url", "redis://127.0.0.1:1/0"], capture_output=True, text=True,
-                           timeout=120, check=False, env={k: v for k, v in os.environ.items()
-                                                          if not k.startswith("SPLITSERVE_CLUSTER_SECRET")})
+        r = cli([*command, "--redis-url", "redis://127.0.0.1:1/0"], no_secret)
         assert r.returncode == 2 and "no cluster secret: set SPLITSERVE_CLUSTER_SECRET_FILE" in r.stderr, r.stderr
-        r = subprocess.run(CLI + command, capture_output=True, text=True, timeout=120, check=False,
-                           env={**{k: v for k, v in os.environ.items() if k != "SPLITSERVE_REDIS_URL"},
-                                "SPLITSERVE_CLUSTER_SECRET": "x"})
+        r = cli(command, {"SPLITSERVE_REDIS_URL": None, "SPLITSERVE_CLUSTER_SECRET": "x"})
         assert r.returncode == 2 and "no Redis: pass --redis-url or set $SPLITSERVE_REDIS_URL" in r.stderr, r.stderr
     secret_file = tmp_path / "secret"
     secret_file.write_text("s3cret")
     secret_file.chmod(0o644)
-    r = subprocess.run(CLI + ["router"], capture_output=True, text=True, timeout=120, check=False,
-                       env={**os.environ, "SPLITSERVE_CLUSTER_SECRET_FILE": str(secret_file)})
+    r = cli(["router"], {"SPLITSERVE_CLUSTER_SECRET_FILE": str(secret_file)})
     assert r.returncode == 2 and "is readable by others (mode 644); chmod 600 it" in r.stderr, r.stderr
     key_file = tmp_path / "keys"
     key_file.write_text("sk-0123456789\n")
     key_file.chmod(0o640)
-    r = run(["serve", "--api-key-file", str(key_file)])
+    r = cli(["serve", "--api-key-file", str(key_file)])
     assert r.returncode == 2 and "--api-key-file" in r.stderr and "chmod 600" in r.stderr, r.stderr
-    r = run(["serve", "--kv-overcommit", "0"])
-    assert r.returncode == 2 and "kv_overcommit" in r.stderr and "Traceback" not in r.stderr
+    r = cli(["serve", "--kv-overcommit", "0"])
+    assert r.returncode == 2 and "kv_overcommit" in r.stderr
     import socket
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        r = run(["serve", "--port", str(port), "--http-port", "0"], {"SPLITSERVE_CACHE": str(tmp_path / "cache")})
-    assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr
-    assert ray_sessions(ray_root) == []  # no Ray, no workers were started
+        r = cli(["serve", "--model", "tiny", "--port", str(port), "--http-port", "0"], cache)
+    assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr
+    assert ray_sessions(ray_root) == [] and not ray.is_initialized()  # no Ray, no workers were started
     shutil.rmtree(ray_root, ignore_errors=True)
 
 

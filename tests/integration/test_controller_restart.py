@@ -19,6 +19,7 @@ import redis
 from cluster import named_actors
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster
+from engine.config import StepFloor
 from kvfabric.region import segments_of
 from kvstore.host import read_stores
 from proto import generate_pb2 as pb
@@ -28,19 +29,22 @@ from tests.integration.cluster_checks import decode_pids, generate, greedy, toke
 pytestmark = pytest.mark.timeout(600)
 
 LONG = 64
-"""Tokens per request: six of them stream for seconds."""
+"""Tokens per request: six of them stream for seconds (`FLOOR`)."""
+FLOOR = StepFloor(base_s=0.08)
+"""Each engine step takes at least this long: the tiny model's requests stream for ~5 s, as a
+real model's would, without the CPU a real model burns."""
 
 
 @pytest.fixture(scope="module")
-def model_dir(smollm2_dir: str) -> str:
-    """The default model: slow enough on CPU that requests stream for seconds."""
-    return smollm2_dir
+def model_dir(tiny_llama_dir: str) -> str:
+    return tiny_llama_dir
 
 
 @pytest.fixture(scope="module")
 def cluster(model_dir: str):  # type: ignore[no-untyped-def]
     config = ClusterConfig(
-        worker=WorkerConfig(model_dir=model_dir, block_size=16, kv_cache_bytes=96 * 2**20, kv_lease_s=3.0),
+        worker=WorkerConfig(model_dir=model_dir, block_size=16, kv_cache_bytes=16 * 2**20, kv_lease_s=3.0,
+                            step_floor=FLOOR),
         num_prefill=1, num_decode=1, num_routers=2, namespace="ctl-restart", kv_store_mib=16,
         router=RouterConfig(port=0, routing=RoutingConfig(mode="disaggregated")),
         worker_num_cpus=0.25, supervise_interval_s=0.5, drain_timeout_s=30.0)
