@@ -63,7 +63,7 @@ def one_and_one(model_dir: str) -> ClusterConfig:
     """1 prefill + 1 decode worker on the tiny model, mode auto (prompts with fewer than 8
     uncached tokens are prefilled on the decode worker), a router on a free port."""
     return ClusterConfig(
-        worker=WorkerConfig(model_dir=model_dir, block_size=16, kv_cache_bytes=8 * 2**20),
+        worker=WorkerConfig(model_dir=model_dir, block_size=16, kv_cache_bytes=8 * 2**20, step_profile_s=0),
         num_prefill=1, num_decode=1, worker_num_cpus=0.5,
         router=RouterConfig(port=0, routing=RoutingConfig(mode="auto", local_prefill_tokens=8)))
 

@@ -43,7 +43,8 @@ def model_dir(tiny_llama_dir: str) -> str:
 @pytest.fixture(scope="module")
 def cluster(model_dir: str):  # type: ignore[no-untyped-def]
     config = ClusterConfig(
-        worker=WorkerConfig(model_dir=model_dir, block_size=16, kv_cache_bytes=16 * 2**20, kv_lease_s=3.0,
+        worker=WorkerConfig(model_dir=model_dir, block_size=16, kv_cache_bytes=16 * 2**20, step_profile_s=0,
+                            kv_lease_s=3.0,
                             step_floor=FLOOR),
         num_prefill=1, num_decode=1, num_routers=2, namespace="ctl-restart", kv_store_mib=16,
         router=RouterConfig(port=0, routing=RoutingConfig(mode="disaggregated")),

@@ -25,7 +25,8 @@ PLACE_TIMEOUT_S = 15.0
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir: str):  # type: ignore[no-untyped-def]
     config = ClusterConfig(
-        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, kv_lease_s=3.0),
+        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, step_profile_s=0,
+                            kv_lease_s=3.0),
         num_prefill=1, num_decode=1, num_routers=2,  # the kernel spreads the clients' connections over both
         router=RouterConfig(port=0, routing=RoutingConfig(mode="auto", local_prefill_tokens=8)),
         worker_num_cpus=0.25, supervise_interval_s=0.5, drain_timeout_s=20.0, place_timeout_s=PLACE_TIMEOUT_S,

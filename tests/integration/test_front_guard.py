@@ -38,7 +38,7 @@ def cluster(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> It
     key_file.chmod(0o600)
     keys = api_keys.load([OPEN_KEY], str(key_file), environ={})
     config = ClusterConfig(
-        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20),
+        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, step_profile_s=0),
         num_prefill=0, num_decode=1, worker_num_cpus=0.5,
         router=RouterConfig(port=0, http_port=0, api_keys=keys, routing=RoutingConfig(mode="colocated"),
                             admission=AdmissionConfig(tenant_quota_tokens={"acme": 1})))

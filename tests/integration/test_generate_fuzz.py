@@ -79,7 +79,8 @@ def requests(draw: st.DrawFn) -> tuple[pb.GenerateRequest, float | None]:
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir: str) -> Iterator[LocalCluster]:
     config = ClusterConfig(
-        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, kv_lease_s=5.0),
+        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, step_profile_s=0,
+                            kv_lease_s=5.0),
         num_prefill=1, num_decode=1, worker_num_cpus=0.5,
         router=RouterConfig(port=0, routing=RoutingConfig(mode="auto", local_prefill_tokens=8)))
     with LocalCluster(config) as c:

@@ -103,7 +103,7 @@ def generate_exact(stub: pb_grpc.GenerationStub, model_dir: str, prompt: list[in
 def test_ray_adds_a_decode_node_for_a_scale_up_and_removes_it_after(autoscaling_ray: Cluster,
                                                                    tiny_llama_dir: str) -> None:
     config = ClusterConfig(
-        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20),
+        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, step_profile_s=0),
         num_prefill=1, num_decode=1, worker_num_cpus=0.25, ray_address=autoscaling_ray.address,
         role_resources={"prefill": {"prefill": 1}, "decode": {"decode": 1}}, supervise_interval_s=0.5,
         drain_timeout_s=10.0, place_timeout_s=120.0,

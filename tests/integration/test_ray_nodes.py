@@ -44,7 +44,7 @@ def nodes() -> Iterator[dict[str, str]]:
 def test_workers_land_on_their_node_type_and_greedy_output_is_exact(nodes: dict[str, str],
                                                                     tiny_llama_dir: str) -> None:
     config = ClusterConfig(
-        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20),
+        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, step_profile_s=0),
         num_prefill=2, num_decode=2, worker_num_cpus=0.25, ray_address=nodes["address"],
         role_resources={"prefill": {"prefill": 1}, "decode": {"decode": 1}},
         router=RouterConfig(port=0, routing=RoutingConfig(mode="disaggregated")))

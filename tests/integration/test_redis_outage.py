@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(300)
 
 def test_a_killed_embedded_redis_is_restarted_and_serving_never_stops(tiny_llama_dir: str) -> None:
     config = ClusterConfig(
-        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20),
+        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, step_profile_s=0),
         num_prefill=1, num_decode=1, worker_num_cpus=0.5,
         router=RouterConfig(port=0, routing=RoutingConfig(mode="auto", local_prefill_tokens=8)))
     cluster = LocalCluster(config)

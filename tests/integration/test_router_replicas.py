@@ -34,7 +34,7 @@ NUM_CHANNELS = 16
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir: str):  # type: ignore[no-untyped-def]
     config = ClusterConfig(
-        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20),
+        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, step_profile_s=0),
         num_prefill=1, num_decode=2, num_routers=2,
         router=RouterConfig(port=0, http_port=0, routing=RoutingConfig(mode="auto", local_prefill_tokens=8)),
         worker_num_cpus=0.5)

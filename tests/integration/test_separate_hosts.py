@@ -278,7 +278,8 @@ def _serve_on_two_ray_hosts(hosts: dict[str, str], head: Any, tiny_llama_dir: st
     for i, (name, role) in enumerate((("p", "prefill"), ("d", "decode")), start=1):
         join(hosts[name], head.address, f"{SUBNET}.{i}.2", {role: 2}, tmp_path / f"ray-{name}.log", 1 + i)
     config = ClusterConfig(
-        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, host=NODE_IP),
+        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, step_profile_s=0,
+                            host=NODE_IP),
         num_prefill=1, num_decode=1, worker_num_cpus=0.25, ray_address=head.address, redis_host="0.0.0.0",
         role_resources={"prefill": {"prefill": 1}, "decode": {"decode": 1}},
         router=RouterConfig(port=0, routing=RoutingConfig(mode="disaggregated")))
@@ -328,7 +329,8 @@ def _retry_after_a_cut_on_ray_hosts(hosts: dict[str, str], head: Any, tiny_llama
     join(hosts["p"], head.address, f"{SUBNET}.1.2", {"prefill": 1}, tmp_path / "ray-p.log", 2)
     join(hosts["d"], head.address, f"{SUBNET}.2.2", {"decode": 1}, tmp_path / "ray-d.log", 3)
     config = ClusterConfig(
-        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, host=NODE_IP),
+        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, step_profile_s=0,
+                            host=NODE_IP),
         num_prefill=1, num_decode=1, worker_num_cpus=0.25, ray_address=head.address, redis_host="0.0.0.0",
         role_resources={"prefill": {"prefill": 1}, "decode": {"decode": 1}}, supervise_interval_s=0.5,
         router=RouterConfig(port=0, routing=RoutingConfig(mode="disaggregated")))

@@ -35,7 +35,8 @@ MAX_TOKENS_BUDGET = 1000
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir: str):  # type: ignore[no-untyped-def]
     config = ClusterConfig(
-        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, kv_lease_s=5.0),
+        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, step_profile_s=0,
+                            kv_lease_s=5.0),
         num_prefill=2, num_decode=2,
         router=RouterConfig(port=0, routing=RoutingConfig(mode="auto", local_prefill_tokens=8),
                             # the worst case charged: the overload test counts requests by their max_tokens

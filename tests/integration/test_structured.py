@@ -58,7 +58,8 @@ CONSTRAINTS = {"json_schema": json.dumps(SCHEMA), "json_object": "", "regex": RE
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir: str):  # type: ignore[no-untyped-def]
     config = ClusterConfig(
-        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, kv_lease_s=3.0),
+        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, step_profile_s=0,
+                            kv_lease_s=3.0),
         num_prefill=1, num_decode=2,
         router=RouterConfig(port=0, http_port=0, tokenizer_dir=tiny_llama_dir,
                             routing=RoutingConfig(mode="auto", local_prefill_tokens=LOCAL_PREFILL_TOKENS)),

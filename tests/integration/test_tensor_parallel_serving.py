@@ -42,7 +42,7 @@ def spawned_ranks(parent: int | None = None) -> set[int]:
 def test_split_decode_workers_serve_the_whole_models_tokens_and_survive_a_lost_rank(tiny_llama_dir: str) -> None:
     before = spawned_ranks()
     config = ClusterConfig(
-        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20),
+        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, step_profile_s=0),
         num_prefill=0, num_decode=2, decode_tp=2, worker_num_cpus=0.25,
         router=RouterConfig(port=0, routing=RoutingConfig(mode="colocated")))
     prompts = random_prompts([9, 30, 70], 512, seed=4)
@@ -90,7 +90,7 @@ def test_a_split_prefill_worker_pushes_every_ranks_heads_to_a_whole_decode_worke
     pool; the tokens are the whole model's, and nothing is held afterwards."""
     before = spawned_ranks()
     config = ClusterConfig(
-        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20),
+        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, step_profile_s=0),
         num_prefill=1, num_decode=1, prefill_tp=2, worker_num_cpus=0.25,
         router=RouterConfig(port=0, routing=RoutingConfig(mode="disaggregated")))
     prompts = random_prompts([9, 30, 70], 512, seed=5)

@@ -32,7 +32,8 @@ LEASE_S = 2.0
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir: str):  # type: ignore[no-untyped-def]
     config = ClusterConfig(
-        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, kv_lease_s=LEASE_S),
+        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, step_profile_s=0,
+                            kv_lease_s=LEASE_S),
         num_prefill=2, num_decode=2,
         router=RouterConfig(port=0, routing=RoutingConfig(mode="auto", local_prefill_tokens=8),
                             worker_down_s=600.0),
@@ -123,7 +124,8 @@ def lone_decode(tiny_llama_dir: str):  # type: ignore[no-untyped-def]
     """A cluster of its own (1 prefill + 1 decode worker), so the module's shared one keeps its
     decode workers, whatever order the tests run in."""
     config = ClusterConfig(
-        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, kv_lease_s=LEASE_S),
+        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, step_profile_s=0,
+                            kv_lease_s=LEASE_S),
         num_prefill=1, num_decode=1, namespace="lone-decode",
         router=RouterConfig(port=0, routing=RoutingConfig(mode="auto", local_prefill_tokens=8), worker_down_s=600.0),
         worker_num_cpus=0.5, replace_dead_workers=False)
