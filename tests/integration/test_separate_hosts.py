@@ -133,7 +133,9 @@ def test_a_worker_fetches_a_prefix_from_another_hosts_kv_store_over_tcp(cluster_
 
     def speed() -> TierSpeed:
         return Heartbeat.from_wire(unseal(None, "", client.get(hb_key("hosts", "decode-d")))).tier_speed
-    wait_for("d's heartbeat timing its fetch from p's store", lambda: len(speed().far_fetch) == 2, 30)
+    # (its own compute speed, token_s, may reach the heartbeat a beat after the fetch's time)
+    wait_for("d's heartbeat timing its fetch from p's store and its compute",
+             lambda: len((s := speed()).far_fetch) == 2 and s.token_s > 0, 30)
     assert speed().far_fetch[0] > 0 and not speed().fetch and speed().token_s > 0
 
 
