@@ -133,7 +133,7 @@ def given_tls(ca_file: str, cert_file: str, key_file: str) -> MemberTLS:
     pems = {}
     for flag, path in (("--tls-ca", ca_file), ("--tls-cert", cert_file), ("--tls-key", key_file)):
         try:
-            pems[flag] = open(path, "rb").read()
+            pems[flag] = Path(path).read_bytes()  # (closed at once, unlike a bare open())
         except OSError as e:
             raise ValueError(f"{flag} {path}: {e.strerror or e}") from None
 
