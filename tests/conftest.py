@@ -10,7 +10,7 @@ torch.set_num_threads(2)
 
 
 SLOW_FIRST = ("test_cli", "test_api", "test_sim_validate", "test_ray_up", "test_controller_restart",
-              "test_choices_logprobs", "test_separate_hosts", "test_disaggregated_kv", "test_elastic",
+              "test_separate_hosts", "test_disaggregated_kv", "test_elastic",
               "test_admission_expected", "test_admission_preemption", "test_tensor_parallel_serving")
 """The modules that take longest (CI's durations), started first: the suite's workers (xdist,
 a module each at a time) then end close together instead of one waiting on a long module

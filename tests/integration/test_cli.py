@@ -44,10 +44,15 @@ STARTUP_BUDGET_S = 90
 """The README's `serve` must be ready within this long on a 2-core CI machine (about 15 s seen here)."""
 
 
-def test_readme_serve_then_generate_and_status(tmp_path: Path) -> None:
+def test_readme_serve_then_generate_and_status(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
     """As a new user: `serve` (converting the default model's GGUF on first use), a chat request
-    over HTTP, `generate`, `status`, Ctrl-C."""
+    over HTTP, `generate`, `status`, Ctrl-C. The first `generate` and `status` run as a user runs
+    them, a process each; the commands repeated after them (the polls) through `main` here."""
     env = {**os.environ, "SPLITSERVE_CACHE": str(tmp_path / "cache")}
+
+    def cli(args: list[str]) -> subprocess.CompletedProcess:
+        return in_process(args, {"SPLITSERVE_CACHE": env["SPLITSERVE_CACHE"]}, capsys, monkeypatch)
     serve = subprocess.Popen(CLI + ["serve", "--port", "0", "--http-port", "0"], env=env, text=True,  # 0: free ports
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -67,23 +72,25 @@ def test_readme_serve_then_generate_and_status(tmp_path: Path) -> None:
         assert r.returncode == 0, r.stderr
         assert r.stdout.startswith("Once upon a time")
         assert "8 tokens, finish FINISH_REASON_LENGTH" in r.stderr
-        again = run(["generate", "Once upon a time", "--max-tokens", "8", *target], env)
+        again = cli(["generate", "Once upon a time", "--max-tokens", "8", *target])
         assert again.stdout == r.stdout  # greedy: the same text
-        bad = run(["generate", "hi", "--top-p", "0", *target], env)
+        bad = cli(["generate", "hi", "--top-p", "0", *target])
         assert bad.returncode == 1 and "INVALID_ARGUMENT: top_p must be in (0, 1]" in bad.stderr
+        st = run(["status"], env)
         deadline = time.monotonic() + 10
-        while "router-0" not in (st := run(["status"], env)).stdout and time.monotonic() < deadline:
+        while "router-0" not in st.stdout and time.monotonic() < deadline:
             time.sleep(0.5)  # the router reports its stats once a second
+            st = cli(["status"])
         assert st.returncode == 0, st.stderr
         assert "decode-0" in st.stdout and "prefill-0" in st.stdout
         for worker, role in (("decode-0", "decode"), ("prefill-0", "prefill")):  # state, from their heartbeats
             assert re.search(rf"^{worker}\s+{role}\s+serving\s+127\.0\.0\.1:\d+", st.stdout, re.M), st.stdout
         assert "decode pool: target 1, 1 serving (decode-0 serving)" in st.stdout
         assert re.search(r"KV tokens charged 0 / used 0 of a budget of [1-9]\d*", st.stdout), st.stdout
-        sc = run(["scale", "decode", "2"], env)
+        sc = cli(["scale", "decode", "2"])
         assert sc.returncode == 0 and "decode target set to 2" in sc.stdout, sc.stderr
         deadline = time.monotonic() + 60
-        while "decode pool: target 2, 2 serving" not in (st := run(["status"], env)).stdout:
+        while "decode pool: target 2, 2 serving" not in (st := cli(["status"])).stdout:
             assert time.monotonic() < deadline, st.stdout
             time.sleep(0.5)
         assert "decode target 1 -> 2 (splitserve scale)" in st.stdout
@@ -200,11 +207,16 @@ def test_serve_refuses_a_bad_model_or_a_taken_port_before_starting_anything(
     shutil.rmtree(ray_root, ignore_errors=True)
 
 
-def test_serve_says_when_its_cluster_can_no_longer_be_supervised(tmp_path: Path) -> None:
+def test_serve_says_when_its_cluster_can_no_longer_be_supervised(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """kill -9 of the controller: Ray restarts it (a new pid in `status`) and the cluster serves
     throughout; killed past its restarts, `serve` says so on its console within seconds, `status`
-    says the controller is not reporting, requests are still served, and Ctrl-C still stops."""
+    says the controller is not reporting, requests are still served, and Ctrl-C still stops.
+    (`serve` a process of its own; the polling commands through `main` here.)"""
     env = {**os.environ, "SPLITSERVE_CACHE": str(tmp_path / "cache")}
+
+    def cli(args: list[str]) -> subprocess.CompletedProcess:
+        return in_process(args, {"SPLITSERVE_CACHE": env["SPLITSERVE_CACHE"]}, capsys, monkeypatch)
     serve = subprocess.Popen(CLI + ["serve", "--model", "tiny", "--port", "0", "--http-port", "0",
                                     "--controller-max-restarts", "1"], env=env, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -212,7 +224,7 @@ def test_serve_says_when_its_cluster_can_no_longer_be_supervised(tmp_path: Path)
     def controller_pid(other_than: int | None) -> int:
         deadline = time.monotonic() + 30
         while True:
-            st = json.loads(run(["status", "--json"], env).stdout)
+            st = json.loads(cli(["status", "--json"]).stdout)
             if st.get("controller") and st["controller"]["pid"] != other_than:
                 return int(st["controller"]["pid"])
             assert time.monotonic() < deadline, st
@@ -224,12 +236,12 @@ def test_serve_says_when_its_cluster_can_no_longer_be_supervised(tmp_path: Path)
         first = controller_pid(None)
         os.kill(first, signal.SIGKILL)
         second = controller_pid(first)  # restarted by Ray
-        assert run(["generate", "hello", "--max-tokens", "4", *target], env).returncode == 0
+        assert cli(["generate", "hello", "--max-tokens", "4", *target]).returncode == 0
         os.kill(second, signal.SIGKILL)
         line = _wait_for_line(serve, "the cluster is unsupervised", 30)
         assert "past its 1 restart(s)" in line and "`serve` starts it again" in line
         deadline = time.monotonic() + 30  # its state in Redis expires (10 s)
-        while "controller: not reporting" not in (text := run(["status"], env).stdout):
+        while "controller: not reporting" not in (text := cli(["status"]).stdout):
             assert time.monotonic() < deadline, text
             time.sleep(1.0)
         r = run(["generate", "hello", "--max-tokens", "4", *target], env)  # the workers and router serve on
@@ -239,14 +251,19 @@ def test_serve_says_when_its_cluster_can_no_longer_be_supervised(tmp_path: Path)
     assert serve.returncode == 0
 
 
-def test_serve_detached_returns_once_serving_and_stop_stops_it(tmp_path: Path) -> None:
+def test_serve_detached_returns_once_serving_and_stop_stops_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
     """`serve --detach` (what `ray up`'s start commands run) returns once serving, with its
     output in the cache directory's log; a second one is refused; `stop` stops it the way
-    Ctrl-C does and waits; one that cannot start says why and returns 1."""
+    Ctrl-C does and waits; one that cannot start says why and returns 1. (The serves a process
+    each, as `ray up` runs them; the other commands through `main` here.)"""
     from cluster.daemon import alive
 
     env = {"SPLITSERVE_CACHE": str(tmp_path / "cache")}
-    nothing = run(["stop"], env)
+
+    def cli(args: list[str]) -> subprocess.CompletedProcess:
+        return in_process(args, dict(env), capsys, monkeypatch)
+    nothing = cli(["stop"])
     assert nothing.returncode == 0 and "no serve runs here" in nothing.stdout
     r = run(["serve", "--detach", "--model", "tiny", "--port", "0", "--http-port", "-1"], env)
     assert r.returncode == 0, r.stderr
@@ -254,11 +271,11 @@ def test_serve_detached_returns_once_serving_and_stop_stops_it(tmp_path: Path) -
     assert found and found[3] == str(tmp_path / "cache" / "serve.log"), r.stdout
     pid = int(found[2])
     assert (tmp_path / "cache" / "serve.pid").read_text().strip() == str(pid)
-    g = run(["generate", "hi", "--max-tokens", "4", "--ignore-eos", "--target", f"127.0.0.1:{found[1]}"], env)
+    g = cli(["generate", "hi", "--max-tokens", "4", "--ignore-eos", "--target", f"127.0.0.1:{found[1]}"])
     assert g.returncode == 0 and "4 tokens" in g.stderr, g.stderr
     twice = run(["serve", "--detach", "--model", "tiny", "--port", "0", "--http-port", "-1"], env)
     assert twice.returncode == 1 and f"already runs here (pid {pid})" in twice.stderr
-    stopped = run(["stop"], env)
+    stopped = cli(["stop"])
     assert stopped.returncode == 0 and "splitserve: stopped in" in stopped.stdout, stopped.stderr
     assert not alive(pid) and not (tmp_path / "cache" / "serve.pid").exists()
     assert "splitserve: stopped" in (tmp_path / "cache" / "serve.log").read_text()

@@ -1,6 +1,7 @@
 """The OpenAI HTTP API end to end, with the official `openai` client: answers equal to
 transformers, streaming, stop strings, the side endpoints, errors in OpenAI's shape, overload,
-disconnects, metrics shared with gRPC, structured output and tool calls."""
+disconnects, metrics shared with gRPC, structured output and tool calls; and the sampling
+answers of sampling_answers.py (log-probabilities, choices, seeds), on the same cluster."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -18,6 +19,11 @@ from cluster.local import LocalCluster
 from proto import generate_pb2 as pb
 from tests.integration.cluster_checks import assert_idle
 from tests.integration.openai_api.calls import MODEL, QUESTION, grpc_generate, post
+from tests.integration.openai_api.sampling_answers import (  # noqa: F401 (collected here, on this module's cluster)
+    test_best_of_returns_the_n_likeliest_of_its_choices, test_completions_equal_the_grpc_path,
+    test_n_choices_are_seed_plus_i_alone_and_count_the_prompt_once, test_prompt_and_output_logprobs_equal_transformers,
+    test_sampling_controls_over_http_equal_the_grpc_path, test_seeded_sampling_equals_the_grpc_path_and_repeats,
+    test_several_prompts_in_one_completions_request_are_choices_by_index)
 from tests.integration.test_metrics import scrape, total
 
 pytestmark = pytest.mark.timeout(900)
@@ -158,13 +164,13 @@ def test_overload_is_429_with_retry_after(base: str, cluster: LocalCluster) -> N
             return 0, {}, {"error": repr(e)}
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(one, i) for i in range(4)]
-        done, waiting = [], []
-        try:
-            for f in futures:
-                try:
-                    done.append(f.result(timeout=10))
-                except concurrent.futures.TimeoutError:
-                    waiting.append(f)  # the queued one: it waits for the long request
+        try:  # the refused come back at once (and any that fitted, once run): all but the queued one
+            deadline = time.monotonic() + 60
+            while sum(f.done() for f in futures) < 3 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(1.0)  # time for a fourth answer, were the queued one not held in the queue
+            done = [f.result() for f in futures if f.done()]
+            waiting = [f for f in futures if not f.done()]  # the queued one: it waits for the long request
         finally:
             hold.close()  # the long request's client goes away: the queued one is admitted and runs
         assert len(waiting) == 1, done  # max_queued_per_priority 1

@@ -1,6 +1,8 @@
 """The OpenAI API's sampling answers, with the official `openai` client: prompt and output
 log-probabilities against transformers, completions equal to the gRPC path, several prompts,
-n choices, best_of, the sampling controls, seeded sampling."""
+n choices, best_of, the sampling controls, seeded sampling. Collected in test_api.py, on its
+module's cluster (a cluster of the embedded model and the transformers reference cost tens of
+seconds each to start: one of each serves both files)."""
 from __future__ import annotations
 
 import openai
@@ -9,8 +11,6 @@ import torch
 
 from proto import generate_pb2 as pb
 from tests.integration.openai_api.calls import MODEL, QUESTION, grpc_generate, post
-
-pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.mark.parametrize("stream", [False, True])
