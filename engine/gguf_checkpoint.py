@@ -17,6 +17,7 @@ transformers, so the router (torch-free) never calls it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -24,6 +25,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from engine.types import UnsupportedModelError
 
@@ -156,15 +158,31 @@ def _convert(file: Path, out: Path) -> None:
 
 @contextlib.contextmanager
 def _one_reader(file: Path) -> Iterator[None]:
-    """While converting, every `gguf.GGUFReader(file)` (transformers makes one for the config,
-    the tokenizer and the weights; `check_supported` and `_fill_config` one each) is one reader: parsing the
-    file's metadata (a vocabulary of ~50K strings, element by element in Python) takes seconds,
-    and the reader is read-only (a memory map). Other files get their own, as before."""
+    """While converting, the metadata of `file` is parsed once. Every `gguf.GGUFReader(file)`
+    (transformers makes one for the config, the tokenizer and the weights; `check_supported`
+    and `_fill_config` one each) is one reader, read-only, over a plain array view of its memory
+    map (a memory map's own slicing runs Python code per slice: millions of slices for a
+    vocabulary). transformers' parse of each metadata value (`_gguf_parse_value`, run over every
+    field for each of its three reads) is kept per value of that reader: a value is an int, a
+    float, a bool or a str. And the tensor name map of an architecture, asked for once per module
+    of the model (hundreds of times) and only read (`get_name`), is made once per (architecture,
+    layers). Other files get their own readers and parses, as before. Gemma 3's 262K-token
+    vocabulary converts in well under half the time this way, the embedded model's too."""
     import gguf
+    import numpy as np
 
-    made = gguf.GGUFReader
+    class PlainReader(gguf.GGUFReader):  # type: ignore[misc]
+        @property  # type: ignore[override]
+        def data(self) -> np.ndarray:
+            return self._plain
+
+        @data.setter
+        def data(self, mapped: np.ndarray) -> None:
+            self._plain = mapped.view(np.ndarray)  # its base keeps the map open
+
+    made, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     try:
-        shared = made(file)
+        shared = PlainReader(file)
     except (ValueError, OSError) as e:
         raise UnsupportedModelError(f"{file} is not a readable GGUF file: {e}") from None
     key = os.path.realpath(file)
@@ -174,11 +192,31 @@ def _one_reader(file: Path) -> Iterator[None]:
             return shared
         return made(path, *args, **kwargs)
 
-    gguf.GGUFReader = reader
+    try:
+        from transformers import modeling_gguf_pytorch_utils as hf_gguf
+    except ImportError:
+        hf_gguf = None
+    parse = getattr(hf_gguf, "_gguf_parse_value", None)
+    # the shared reader's value arrays live as long as it does: their ids name them
+    ours = {id(part) for field in shared.fields.values() for part in field.parts}
+    parsed: dict[int, Any] = {}
+
+    def parse_once(value, types):  # type: ignore[no-untyped-def]
+        if id(value) not in ours:
+            return parse(value, types)
+        if (got := parsed.get(id(value), parsed)) is parsed:
+            got = parsed[id(value)] = parse(value, types)
+        return got
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(name_map)
+    if parse is not None:
+        hf_gguf._gguf_parse_value = parse_once
     try:
         yield
     finally:
-        gguf.GGUFReader = made
+        gguf.GGUFReader, gguf.get_tensor_name_map = made, name_map
+        if parse is not None:
+            hf_gguf._gguf_parse_value = parse
 
 
 def _fill_config(config, file: Path) -> None:  # type: ignore[no-untyped-def]
