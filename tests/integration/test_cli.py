@@ -30,13 +30,16 @@ def _digest(d: Path) -> dict[str, str]:
     return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(d.iterdir())}
 
 
-def test_make_tiny_model_is_deterministic(tmp_path: Path) -> None:
-    for name in ("a", "b"):
-        r = run(["make-tiny-model", str(tmp_path / name), "--arch", "qwen2", "--seed", "3"])
-        assert r.returncode == 0, r.stderr
+def test_make_tiny_model_is_deterministic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """The same checkpoint from a process of its own and from `main` here; another seed, another."""
+    r = run(["make-tiny-model", str(tmp_path / "a"), "--arch", "qwen2", "--seed", "3"])
+    assert r.returncode == 0, r.stderr
+    r = in_process(["make-tiny-model", str(tmp_path / "b"), "--arch", "qwen2", "--seed", "3"], {}, capsys, monkeypatch)
+    assert r.returncode == 0, r.stderr
     assert _digest(tmp_path / "a") == _digest(tmp_path / "b")
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= set(_digest(tmp_path / "a"))
-    r = run(["make-tiny-model", str(tmp_path / "c"), "--arch", "qwen2", "--seed", "4"])
+    r = in_process(["make-tiny-model", str(tmp_path / "c"), "--arch", "qwen2", "--seed", "4"], {}, capsys, monkeypatch)
     assert _digest(tmp_path / "c")["model.safetensors"] != _digest(tmp_path / "a")["model.safetensors"]
 
 

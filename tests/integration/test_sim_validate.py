@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from pathlib import Path
 
 import pytest
 
@@ -17,12 +16,23 @@ from engine.config import StepFloor
 from engine.tiny_model import make_tiny_model
 from router.policy import RoutingConfig
 from sim.arrivals import Shape, arrival_times, timed
+from sim.cpu_fit import CpuCost
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(make_tiny_model(tmp_path_factory.mktemp("sim") / "tiny", arch="llama", seed=0))
+
+
+@pytest.fixture(scope="module")
+def fitted(model: str) -> CpuCost:
+    """The CPU engine fitted once for the module (a profile of 256 requests in a process of its own)."""
+    return fit_engine(model)
 
 
 @pytest.mark.timeout(300)
-def test_the_fleet_and_the_real_cluster_agree_roughly_on_a_small_workload(tmp_path: Path) -> None:
-    model = str(make_tiny_model(tmp_path / "tiny", arch="llama", seed=0))
-    engine = fit_engine(model)
+def test_the_fleet_and_the_real_cluster_agree_roughly_on_a_small_workload(model: str, fitted: CpuCost) -> None:
+    engine = fitted
     assert engine.engine_s([(512, 0)]) > engine.engine_s([(1, 512)]) > 0  # a prefill chunk costs more than a decode
     items = timed(synthetic(24, 256, 24, 0.0, 0, 0, 500, seed=5), arrival_times(24, Shape(rate=4.0), seed=5))
     arm = Arm("disaggregated 1P:1D", 1, 1, RoutingConfig(mode="disaggregated"))
@@ -39,14 +49,13 @@ def test_the_fleet_and_the_real_cluster_agree_roughly_on_a_small_workload(tmp_pa
 
 
 @pytest.mark.timeout(300)
-def test_held_engines_step_at_their_floor_and_the_pools_are_read_alike(tmp_path: Path) -> None:
+def test_held_engines_step_at_their_floor_and_the_pools_are_read_alike(model: str, fitted: CpuCost) -> None:
     """Engines held to a StepFloor (an emulated accelerator), real and simulated: decode tokens
     come at the floor's pace in both (the median gap), and the pools' worker-seconds (read
     from the controller while the real run goes) agree with the Fleet's."""
-    model = str(make_tiny_model(tmp_path / "tiny", arch="llama", seed=0))
     floor = StepFloor(base_s=0.02, token_s=0.0, seq_s=0.005)
     arm = Arm("held 1P:1D", 1, 1, RoutingConfig(mode="disaggregated"), step_floor=floor)
-    cost = dataclasses.replace(fit_engine(model), floor=floor)
+    cost = dataclasses.replace(fitted, floor=floor)
     items = timed(synthetic(24, 64, 16, 0.0, 0, 0, 500, seed=6), arrival_times(24, Shape(rate=3.0), seed=6))
     (real, real_pools), (simulated, sim_pools) = real_pooled_run(model, arm, items), sim_pooled_run(model, arm, items, cost)
     assert [o.code for o in real.outcomes] == ["OK"] * 24 == [o.code for o in simulated.outcomes]
