@@ -9,12 +9,16 @@ import torch
 torch.set_num_threads(2)
 
 
-SLOW_FIRST = ("test_cli", "test_api", "test_sim_validate", "test_ray_up", "test_controller_restart",
-              "test_separate_hosts", "test_disaggregated_kv", "test_elastic",
-              "test_admission_expected", "test_admission_preemption", "test_tensor_parallel_serving")
-"""The modules that take longest (CI's durations), started first: the suite's workers (xdist,
-a module each at a time) then end close together instead of one waiting on a long module
-picked last."""
+SLOW_FIRST = ("test_ray_up", "test_api", "test_cli", "test_separate_hosts", "test_kv_tier_serving",
+              "test_disaggregated_kv", "test_spec_serving", "test_elastic", "test_sim_validate",
+              "test_triton_kernels", "test_controller_restart", "test_parity_transformers", "test_tensor_parallel",
+              "test_tensor_parallel_serving", "test_serving", "test_admission_preemption", "test_gpu_start_path",
+              "test_worker_failure", "test_ray_autoscaler", "test_admission_expected", "test_router_replicas",
+              "test_tensor_parallel_kv", "test_ray_nodes", "test_structured", "test_real_gemma3")
+"""The modules that take longest (a run's per-module durations), longest first: the suite's
+workers (xdist, a module each at a time, in this order: `--no-loadscope-reorder` in addopts;
+xdist's own order is by test count, which ran the one-test `ray up` module, the longest, last
+and alone) then end close together instead of one waiting on a long module picked last."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
