@@ -24,6 +24,23 @@ def _no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ray, "init", _refuse, raising=False)
 
 
+@pytest.fixture(autouse=True)
+def _two_threads_for_the_kernels(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """The native kernels split their work over torch's thread count: their tests run on two
+    threads (the suite's processes run on one, tests/conftest.py), so the splits are checked."""
+    if "kernels" not in request.fixturenames:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def kernels():  # type: ignore[no-untyped-def]
     """engine.native's kernels. Skips without a C compiler; fails, not skips, when one is on
