@@ -113,8 +113,8 @@ def test_members_with_the_deployments_own_certificates(tiny_llama_dir: str, tmp_
         for role in ("decode", "prefill"):
             proc, addresses[role] = start(["worker", role, "--worker-id", f"{role}-g", *common, *pki(role)], redis.url)
             procs.append(proc)
-        router, address = start(["router", "--namespace", "given", "--port", "0", "--mode", "disaggregated",
-                                 *pki("router")], redis.url)
+        router, address = start(["router", "--namespace", "given", "--port", "0", "--http-port", "0",
+                                 "--mode", "disaggregated", *pki("router")], redis.url)  # free ports only
         procs.append(router)
         prompt = [random.Random(6).randrange(3, 500) for _ in range(40)]
         want = make_engine(tiny_llama_dir, block_size=16).generate(

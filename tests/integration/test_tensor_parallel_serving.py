@@ -39,8 +39,13 @@ def spawned_ranks(parent: int | None = None) -> set[int]:
     return out
 
 
+def ranks_of(cluster: LocalCluster) -> set[int]:
+    """The child ranks of `cluster`'s live workers (not another test's: split workers of another
+    cluster may run beside this one)."""
+    return set().union(*(spawned_ranks(w["pid"]) for w in cluster.workers() if w.get("pid") and not w.get("dead")))
+
+
 def test_split_decode_workers_serve_the_whole_models_tokens_and_survive_a_lost_rank(tiny_llama_dir: str) -> None:
-    before = spawned_ranks()
     config = ClusterConfig(
         worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, step_profile_s=0),
         num_prefill=0, num_decode=2, decode_tp=2, worker_num_cpus=0.25,
@@ -50,7 +55,9 @@ def test_split_decode_workers_serve_the_whole_models_tokens_and_survive_a_lost_r
     want = engine.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
     long = engine.generate([prompts[0]], SamplingParams(max_tokens=600, ignore_eos=True))[0].token_ids
     with LocalCluster(config) as cluster:
-        assert len(spawned_ranks() - before) == 2  # each worker's one child rank
+        decode = [w for w in cluster.workers() if w.get("role") == "decode"]
+        assert [len(spawned_ranks(w["pid"])) for w in decode] == [1, 1]  # each worker's one child rank
+        ours = ranks_of(cluster)
         with grpc.insecure_channel(cluster.address) as channel:
             stub = pb_grpc.GenerationStub(channel)
             for prompt, w in zip(prompts, want, strict=True):
@@ -77,9 +84,10 @@ def test_split_decode_workers_serve_the_whole_models_tokens_and_survive_a_lost_r
                 break
             assert time.monotonic() < deadline, serving
             time.sleep(1)
+        ours |= ranks_of(cluster)  # the replacement's rank too
         assert_idle(cluster)
     deadline = time.monotonic() + 30
-    while spawned_ranks() - before:
+    while ours & spawned_ranks():
         assert time.monotonic() < deadline, "the child rank outlived its worker"
         time.sleep(0.5)
 
@@ -88,7 +96,6 @@ def test_a_split_prefill_worker_pushes_every_ranks_heads_to_a_whole_decode_worke
     """`serve --prefill-tp 2 --mode disaggregated`: each prompt is prefilled by a worker split
     in two, whose ranks push their KV heads from their own pools into the decode worker's one
     pool; the tokens are the whole model's, and nothing is held afterwards."""
-    before = spawned_ranks()
     config = ClusterConfig(
         worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, step_profile_s=0),
         num_prefill=1, num_decode=1, prefill_tp=2, worker_num_cpus=0.25,
@@ -98,7 +105,8 @@ def test_a_split_prefill_worker_pushes_every_ranks_heads_to_a_whole_decode_worke
     want = engine.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
     with LocalCluster(config) as cluster:
         [prefill] = [w for w in cluster.workers() if w.get("role") == "prefill"]
-        assert len(spawned_ranks(prefill["pid"])) == 1  # the prefill worker's one child rank
+        ours = spawned_ranks(prefill["pid"])
+        assert len(ours) == 1  # the prefill worker's one child rank
         with grpc.insecure_channel(cluster.address) as channel:
             stub = pb_grpc.GenerationStub(channel)
             for prompt, w in zip(prompts, want, strict=True):
@@ -109,6 +117,6 @@ def test_a_split_prefill_worker_pushes_every_ranks_heads_to_a_whole_decode_worke
                 assert not got[-1].route.local_prefill and got[-1].route.prefill_worker == prefill["worker_id"]
         assert_idle(cluster)
     deadline = time.monotonic() + 30
-    while spawned_ranks() - before:
+    while ours & spawned_ranks():
         assert time.monotonic() < deadline, "the child rank outlived its worker"
         time.sleep(0.5)
