@@ -192,21 +192,20 @@ def _one_reader(file: Path) -> Iterator[None]:
             return shared
         return made(path, *args, **kwargs)
 
-    try:
-        from transformers import modeling_gguf_pytorch_utils as hf_gguf
-    except ImportError:
-        hf_gguf = None
-    parse = getattr(hf_gguf, "_gguf_parse_value", None)
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    parse = getattr(hf_gguf, "_gguf_parse_value", None)  # private: kept only where this version has it
     # the shared reader's value arrays live as long as it does: their ids name them
-    ours = {id(part) for field in shared.fields.values() for part in field.parts}
+    ours = {id(part) for field in shared.fields.values() for part in field.parts} if parse is not None else set()
     parsed: dict[int, Any] = {}
 
     def parse_once(value, types):  # type: ignore[no-untyped-def]
-        if id(value) not in ours:
+        key = id(value)
+        if key not in ours:
             return parse(value, types)
-        if (got := parsed.get(id(value), parsed)) is parsed:
-            got = parsed[id(value)] = parse(value, types)
-        return got
+        if key not in parsed:
+            parsed[key] = parse(value, types)
+        return parsed[key]
 
     gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(name_map)
     if parse is not None:
