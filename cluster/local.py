@@ -39,15 +39,20 @@ logger = logging.getLogger(__name__)
 DEFAULT_ROUTE_PROBE = "192.0.2.1"
 """An address (TEST-NET-1, never dialled) whose route names the interface of the default route."""
 REDIS_WATCH_INTERVAL_S = 0.5
+"""How often the local cluster checks its embedded redis-server is alive."""
 PROBE_TIMEOUT_S = 5.0
 """How long `problem()` waits for the controller's answer (no answer is busy, not dead)."""
-"""How often the local cluster checks its embedded redis-server is alive."""
 LOCAL_HEADROOM_WORKERS = 4
 """Workers a local cluster can add beyond its initial pools (splitserve scale)."""
 LOCAL_NODE_ATTEMPTS, LOCAL_NODE_RETRY_S = 3, 10.0
 """Tries at starting Ray's local node, and the pause between: on a loaded 2-core machine its
 raylet sometimes misses Ray's 30 s start window, twice in a row right after another node
 shut down (seen in this suite), and starts a minute later."""
+
+NODE_SYSTEM_CONFIG = {"prestart_worker_first_driver": False}
+"""Ray starts one idle worker process per CPU when the first driver connects, for tasks to
+come; every actor of ours asks for its own runtime env (named_actors.SERVING_ENV), which an
+idle worker never has, so each went unused: about 0.6 CPU-seconds and 100 MB each per start."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -267,7 +272,7 @@ class LocalCluster:
             try:
                 ray.init(address="local", num_cpus=num_cpus, resources=self._role_resources(),
                          include_dashboard=False, logging_level=logging.WARNING, configure_logging=False,
-                         log_to_driver=True)
+                         log_to_driver=True, _system_config=NODE_SYSTEM_CONFIG)
                 self._owns_ray = True
                 return
             except Exception as e:  # Ray raises a bare Exception for this

@@ -210,19 +210,22 @@ def test_serve_refuses_a_bad_model_or_a_taken_port_before_starting_anything(
     shutil.rmtree(ray_root, ignore_errors=True)
 
 
-def test_serve_says_when_its_cluster_can_no_longer_be_supervised(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    """kill -9 of the controller: Ray restarts it (a new pid in `status`) and the cluster serves
-    throughout; killed past its restarts, `serve` says so on its console within seconds, `status`
-    says the controller is not reporting, requests are still served, and Ctrl-C still stops.
-    (`serve` a process of its own; the polling commands through `main` here.)"""
-    env = {**os.environ, "SPLITSERVE_CACHE": str(tmp_path / "cache")}
+def test_serve_detached_outlives_its_controller_and_stop_stops_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """`serve --detach` (what `ray up`'s start commands run) returns once serving, with its
+    output in the cache directory's log; a second one is refused. kill -9 of the controller:
+    Ray restarts it (a new pid in `status`) and the cluster serves throughout; killed past its
+    restarts, `serve` says so in its output within seconds, `status` says the controller is not
+    reporting, requests are still served. `stop` still stops it, the way Ctrl-C does, and
+    waits; one that cannot start says why and returns 1. (The serves a process each, as `ray
+    up` runs them; the other commands through `main` here.)"""
+    from cluster.daemon import alive
+
+    env = {"SPLITSERVE_CACHE": str(tmp_path / "cache")}
+    log = tmp_path / "cache" / "serve.log"
 
     def cli(args: list[str]) -> subprocess.CompletedProcess:
-        return in_process(args, {"SPLITSERVE_CACHE": env["SPLITSERVE_CACHE"]}, capsys, monkeypatch)
-    serve = subprocess.Popen(CLI + ["serve", "--model", "tiny", "--port", "0", "--http-port", "0",
-                                    "--controller-max-restarts", "1"], env=env, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        return in_process(args, dict(env), capsys, monkeypatch)
 
     def controller_pid(other_than: int | None) -> int:
         deadline = time.monotonic() + 30
@@ -232,50 +235,36 @@ def test_serve_says_when_its_cluster_can_no_longer_be_supervised(tmp_path: Path,
                 return int(st["controller"]["pid"])
             assert time.monotonic() < deadline, st
             time.sleep(0.5)
-
-    try:
-        ready = _wait_for_line(serve, "ready in", STARTUP_BUDGET_S)
-        target = ["--target", re.search(r" on (127\.0\.0\.1:\d+), ", ready)[1]]  # type: ignore[index]
-        first = controller_pid(None)
-        os.kill(first, signal.SIGKILL)
-        second = controller_pid(first)  # restarted by Ray
-        assert cli(["generate", "hello", "--max-tokens", "4", *target]).returncode == 0
-        os.kill(second, signal.SIGKILL)
-        line = _wait_for_line(serve, "the cluster is unsupervised", 30)
-        assert "past its 1 restart(s)" in line and "`serve` starts it again" in line
-        deadline = time.monotonic() + 30  # its state in Redis expires (10 s)
-        while "controller: not reporting" not in (text := cli(["status"]).stdout):
-            assert time.monotonic() < deadline, text
-            time.sleep(1.0)
-        r = run(["generate", "hello", "--max-tokens", "4", *target], env)  # the workers and router serve on
-        assert r.returncode == 0, r.stderr
-    finally:
-        _ctrl_c(serve)
-    assert serve.returncode == 0
-
-
-def test_serve_detached_returns_once_serving_and_stop_stops_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                              capsys: pytest.CaptureFixture[str]) -> None:
-    """`serve --detach` (what `ray up`'s start commands run) returns once serving, with its
-    output in the cache directory's log; a second one is refused; `stop` stops it the way
-    Ctrl-C does and waits; one that cannot start says why and returns 1. (The serves a process
-    each, as `ray up` runs them; the other commands through `main` here.)"""
-    from cluster.daemon import alive
-
-    env = {"SPLITSERVE_CACHE": str(tmp_path / "cache")}
-
-    def cli(args: list[str]) -> subprocess.CompletedProcess:
-        return in_process(args, dict(env), capsys, monkeypatch)
     nothing = cli(["stop"])
     assert nothing.returncode == 0 and "no serve runs here" in nothing.stdout
-    r = run(["serve", "--detach", "--model", "tiny", "--port", "0", "--http-port", "-1"], env)
+    r = run(["serve", "--detach", "--model", "tiny", "--port", "0", "--http-port", "-1",
+             "--controller-max-restarts", "1"], env)
     assert r.returncode == 0, r.stderr
     found = re.search(r"on 127\.0\.0\.1:(\d+).*\nsplitserve: running detached \(pid (\d+)\); log (\S+);", r.stdout)
-    assert found and found[3] == str(tmp_path / "cache" / "serve.log"), r.stdout
+    assert found and found[3] == str(log), r.stdout
     pid = int(found[2])
     assert (tmp_path / "cache" / "serve.pid").read_text().strip() == str(pid)
-    g = cli(["generate", "hi", "--max-tokens", "4", "--ignore-eos", "--target", f"127.0.0.1:{found[1]}"])
+    target = ["--target", f"127.0.0.1:{found[1]}"]
+    g = cli(["generate", "hi", "--max-tokens", "4", "--ignore-eos", *target])
     assert g.returncode == 0 and "4 tokens" in g.stderr, g.stderr
+
+    first = controller_pid(None)
+    os.kill(first, signal.SIGKILL)
+    second = controller_pid(first)  # restarted by Ray
+    assert cli(["generate", "hello", "--max-tokens", "4", *target]).returncode == 0
+    os.kill(second, signal.SIGKILL)
+    wait_s = time.monotonic() + 30
+    while "the cluster is unsupervised" not in (said := log.read_text()):
+        assert time.monotonic() < wait_s, said[-3000:]
+        time.sleep(0.5)
+    line = next(x for x in said.splitlines() if "the cluster is unsupervised" in x)
+    assert "past its 1 restart(s)" in line and "`serve` starts it again" in line
+    deadline = time.monotonic() + 30  # its state in Redis expires (10 s)
+    while "controller: not reporting" not in (text := cli(["status"]).stdout):
+        assert time.monotonic() < deadline, text
+        time.sleep(1.0)
+    g = run(["generate", "hello", "--max-tokens", "4", *target], env)  # the workers and router serve on
+    assert g.returncode == 0, g.stderr
     twice = run(["serve", "--detach", "--model", "tiny", "--port", "0", "--http-port", "-1"], env)
     assert twice.returncode == 1 and f"already runs here (pid {pid})" in twice.stderr
     stopped = cli(["stop"])

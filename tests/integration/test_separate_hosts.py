@@ -257,76 +257,34 @@ def join(ns: str, gcs_address: str, node_ip: str, resources: dict[str, float], l
 
 
 @pytest.mark.timeout(RAY_HOSTS_TIMEOUT_S)
-def test_ray_worker_nodes_on_separate_hosts_serve_with_kv_over_tcp(hosts: dict[str, str], tiny_llama_dir: str,
-                                                                   tmp_path: Path) -> None:
+def test_on_ray_nodes_kv_crosses_over_tcp_and_a_link_cut_mid_transfer_makes_the_router_retry(
+        three_hosts: dict[str, str], tiny_llama_dir: str, tmp_path: Path) -> None:
     """A Ray head here and a Ray worker node on each test host (`ray start` inside the
     namespace), each offering its role's resource: splitserve joins the cluster, its workers
     land on those nodes and bind their node's IP (serve's default with --ray-address), the
-    routers stay on the head, and the KV crosses
-    between the hosts over tcp with exact greedy tokens."""
-    if ray.is_initialized():
-        ray.shutdown()
-    head = ray_head(num_cpus=1)
-    try:
-        with ray_logs_on_failure(head):
-            _serve_on_two_ray_hosts(hosts, head, tiny_llama_dir, tmp_path)
-    finally:
-        ray.shutdown()
-        head.shutdown()  # the worker nodes' processes go with their namespaces
-
-
-def _serve_on_two_ray_hosts(hosts: dict[str, str], head: Any, tiny_llama_dir: str, tmp_path: Path) -> None:
-    ray.init(address=head.address)
-    for i, (name, role) in enumerate((("p", "prefill"), ("d", "decode")), start=1):
-        join(hosts[name], head.address, f"{SUBNET}.{i}.2", {role: 2}, tmp_path / f"ray-{name}.log", 1 + i)
-    config = ClusterConfig(
-        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=8 * 2**20, step_profile_s=0,
-                            host=NODE_IP),
-        num_prefill=1, num_decode=1, worker_num_cpus=0.25, ray_address=head.address, redis_host="0.0.0.0",
-        role_resources={"prefill": {"prefill": 1}, "decode": {"decode": 1}},
-        router=RouterConfig(port=0, routing=RoutingConfig(mode="disaggregated")))
-    with LocalCluster(config) as cluster:
-        placed = {w["worker_id"]: w["address"] for w in cluster.workers()}
-        assert placed["prefill-0"].startswith(f"{SUBNET}.1.2:") and placed["decode-0"].startswith(f"{SUBNET}.2.2:")
-        rng = random.Random(11)
-        prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (50, 170)]
-        with grpc.insecure_channel(cluster.address) as channel:  # the router is on the head: reachable here
-            stub = pb_grpc.GenerationStub(channel)
-            for prompt in prompts:
-                got = generate(stub, prompt, 8)
-                assert tokens(got) == greedy(tiny_llama_dir, prompt, 8)
-                assert (got[-1].route.prefill_worker, got[-1].route.decode_worker) == ("prefill-0", "decode-0")
-        beats = {w["worker_id"]: w for w in cluster.workers()}
-        pushed = scrape(beats["prefill-0"]["metrics_address"],
-                        token=metrics_token(cluster.config.worker.cluster_secret))
-        assert pushed["splitserve:kv_transfer_blocks_total,role=prefill,transport=tcp"] == 4 + 11
-        assert_idle(cluster)
-
-
-@pytest.mark.timeout(RAY_HOSTS_TIMEOUT_S)
-def test_on_ray_nodes_a_link_cut_mid_transfer_frees_the_reservation_and_the_router_retries(
-        three_hosts: dict[str, str], tiny_llama_dir: str, tmp_path: Path) -> None:
-    """The link cut again, with the workers in Ray worker nodes on the test hosts: decode-0 on
-    host `d` holds the prompt's cached prefix, decode-1 runs on host `e`; the `d` link goes
-    down mid-transfer, decode-0's reservation goes within its lease, and the router retries
-    on decode-1 with exact tokens. (decode-1's node was once one `ray.cluster_utils` added on
-    this machine: its raylet, started by this process, was SIGKILLed 1.4 s after decode-1 was
-    placed on it, once in 20 runs with simulations busy beside, with no OOM, no crash report
-    and nothing in its log; the failure this test had in CI, "decode-1 serving ... not within
-    90 s", is that. Each host's node is now a `ray start` of its own, as on real hosts.)"""
+    routers stay on the head, and the KV crosses between the hosts over tcp with exact greedy
+    tokens. Then the link cut again, on those nodes: decode-0 on host `d` holds the prompt's
+    cached prefix, decode-1 runs on host `e`; the `d` link goes down mid-transfer, decode-0's
+    reservation goes within its lease, and the router retries on decode-1 with exact tokens.
+    (One cluster of Ray nodes for both parts: each start of one takes a minute of a loaded
+    2-core machine. decode-1's node was once one `ray.cluster_utils` added on this machine:
+    its raylet, started by this process, was SIGKILLed 1.4 s after decode-1 was placed on it,
+    once in 20 runs with simulations busy beside, with no OOM, no crash report and nothing in
+    its log; the failure this test had in CI, "decode-1 serving ... not within 90 s", is that.
+    Each host's node is now a `ray start` of its own, as on real hosts.)"""
     hosts = three_hosts
     if ray.is_initialized():
         ray.shutdown()
     head = ray_head(num_cpus=1)
     try:
         with ray_logs_on_failure(head):
-            _retry_after_a_cut_on_ray_hosts(hosts, head, tiny_llama_dir, tmp_path)
+            _serve_and_cut_on_ray_hosts(hosts, head, tiny_llama_dir, tmp_path)
     finally:
         ray.shutdown()
         head.shutdown()  # the test hosts' Ray processes go with their namespaces
 
 
-def _retry_after_a_cut_on_ray_hosts(hosts: dict[str, str], head: Any, tiny_llama_dir: str, tmp_path: Path) -> None:
+def _serve_and_cut_on_ray_hosts(hosts: dict[str, str], head: Any, tiny_llama_dir: str, tmp_path: Path) -> None:
     ray.init(address=head.address)
     join(hosts["p"], head.address, f"{SUBNET}.1.2", {"prefill": 1}, tmp_path / "ray-p.log", 2)
     join(hosts["d"], head.address, f"{SUBNET}.2.2", {"decode": 1}, tmp_path / "ray-d.log", 3)
@@ -340,7 +298,18 @@ def _retry_after_a_cut_on_ray_hosts(hosts: dict[str, str], head: Any, tiny_llama
     prefix = [rng.randrange(3, 500) for _ in range(256)]
     prompt = prefix + [rng.randrange(3, 500) for _ in range(1200)]
     with LocalCluster(config) as cluster, grpc.insecure_channel(cluster.address) as channel:
-        stub = pb_grpc.GenerationStub(channel)
+        placed = {w["worker_id"]: w["address"] for w in cluster.workers()}
+        assert placed["prefill-0"].startswith(f"{SUBNET}.1.2:") and placed["decode-0"].startswith(f"{SUBNET}.2.2:")
+        stub = pb_grpc.GenerationStub(channel)  # the router is on the head: reachable here
+        for n in (50, 170):
+            first = [rng.randrange(3, 500) for _ in range(n)]
+            got = generate(stub, first, 8)
+            assert tokens(got) == greedy(tiny_llama_dir, first, 8)
+            assert (got[-1].route.prefill_worker, got[-1].route.decode_worker) == ("prefill-0", "decode-0")
+        beats = {w["worker_id"]: w for w in cluster.workers()}
+        pushed = scrape(beats["prefill-0"]["metrics_address"], token=metrics_token(cluster.config.worker.cluster_secret))
+        assert pushed["splitserve:kv_transfer_blocks_total,role=prefill,transport=tcp"] == 4 + 11
+        assert_idle(cluster)
         assert generate(stub, prefix, 2)[-1].route.decode_worker == "decode-0"  # it caches the prefix
         join(hosts["e"], head.address, f"{SUBNET}.3.2", {"decode": 1}, tmp_path / "ray-e.log", 4)
         cluster.scale("decode", 2)
