@@ -21,12 +21,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from engine.types import RequestId
 from kvfabric import BlocksFenced, FabricError, FabricReceiver, KVArrived, ReceiverConfig, Ticket
 from kvfabric.pools import KVAllocator, exports, worker_pools
+
+if TYPE_CHECKING:  # annotations only: the module loads without torch (decode_worker/worker.py says why)
+    from engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 

@@ -21,8 +21,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 
+from typing import TYPE_CHECKING
+
 import grpc
-import torch
 
 from control import tracing
 from control.auth import cluster_token, registry_key
@@ -32,19 +33,18 @@ from control.worker_config import WorkerConfig, on_this_node
 from control.worker_host import (HostedWorker, NoRoom, NotHere, WorkerHost, engine_died, engine_load_reader,
                                  latest_load_reader, next_event, status_for)
 from decode_worker.kv_receive import Landed, RemoteFailure, RemoteKV
-from engine.choices import parent_of
-from engine.engine_loop import EngineLoop, freeze_startup_heap
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.outputs import RequestOutput
 from engine.step_profile import profile_decode
-from engine.types import RequestId
-from engine.tp_ranks import TensorRanks
+from engine.types import RequestId, parent_of
 from kvfabric import ReceiverConfig
 from kvfabric.errors import FabricError
 from kvfabric.pools import kv_allocator, rank_allocator
-from kvstore.tier import start_tier
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from proto.convert import finish_to_pb, prompt_logprobs_to_pb, sampling_from_pb, ticket_to_pb, top_logprobs_to_pb
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,15 @@ class _Decode:
 
 class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
     def __init__(self, worker_id: str, config: WorkerConfig, redis_url: str | None, namespace: str) -> None:
+        # torch and the engine load here, in the worker's process: the controller imports this
+        # module for the class alone (to create the actor) and runs without them
+        import torch
+
+        from engine.engine_loop import EngineLoop, freeze_startup_heap
+        from engine.llm_engine import LLMEngine
+        from engine.tp_ranks import TensorRanks
+        from kvstore.tier import start_tier
+
         torch.set_num_threads(config.num_threads)
         self.worker_id = worker_id
         self.config = config = on_this_node(config)

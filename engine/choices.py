@@ -23,22 +23,11 @@ import torch
 
 from engine.request import Logprob, Request, RequestStatus, SamplingParams
 from engine.scheduler import ScheduledRequest, SchedulerOutput
-from engine.types import InvalidRequestError, RequestId
+from engine.types import InvalidRequestError, RequestId, choice_id, parent_of
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
     from engine.outputs import RequestOutput
-
-
-def choice_id(request_id: str, index: int) -> RequestId:
-    """The id of choice `index` of a request (0: the request's own)."""
-    return RequestId(request_id if index == 0 else f"{request_id}#{index}")
-
-
-def parent_of(request_id: str) -> tuple[str, int]:
-    """(the request's id, the choice) of a choice's id; (the id, 0) for a request's own."""
-    parent, sep, index = request_id.rpartition("#")
-    return (parent, int(index)) if sep and index.isdigit() else (request_id, 0)
 
 
 def check_id(request_id: str, n: int, in_use: Container[str]) -> None:

@@ -39,7 +39,7 @@ from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.tp_followers import Channel
 from engine.output_builder import OutputBuilder
-from engine.choices import Forks, check_id, choice_id, first_rows
+from engine.choices import Forks, check_id, first_rows
 from engine.request import MAX_CHOICES, FinishReason, Logprob, Request, SamplingParams
 from engine.roles import Role, role_for
 from engine.sampler import Sampler
@@ -50,7 +50,7 @@ from engine.speculator import Speculator
 from engine.step_model import PrefillCost, StepModel
 from engine.structured import Grammars
 from engine.outputs import Completion, KVHandoff, RemoteBlocks, RequestOutput
-from engine.types import EngineLoad, InvalidRequestError, RequestId
+from engine.types import EngineLoad, InvalidRequestError, RequestId, choice_id
 
 logger = logging.getLogger(__name__)
 

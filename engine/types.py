@@ -9,6 +9,17 @@ BlockId = NewType("BlockId", int)
 BlockHash = NewType("BlockHash", bytes)
 
 
+
+def choice_id(request_id: str, index: int) -> RequestId:
+    """The id of choice `index` of a request (0: the request's own; engine/choices.py)."""
+    return RequestId(request_id if index == 0 else f"{request_id}#{index}")
+
+
+def parent_of(request_id: str) -> tuple[str, int]:
+    """(the request's id, the choice) of a choice's id; (the id, 0) for a request's own."""
+    parent, sep, index = request_id.rpartition("#")
+    return (parent, int(index)) if sep and index.isdigit() else (request_id, 0)
+
 class EngineError(Exception):
     """Base class of errors raised by the engine."""
 

@@ -19,8 +19,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 
+from typing import TYPE_CHECKING
+
 import grpc
-import torch
 
 from control import tracing
 from control.auth import cluster_token, registry_key
@@ -29,21 +30,22 @@ from control.tls import client_context
 from control.worker_config import WorkerConfig, on_this_node
 from control.worker_host import (HostedWorker, WorkerHost, engine_died, engine_load_reader, latest_load_reader,
                                  next_event, status_for)
-from engine.engine_loop import EngineLoop, freeze_startup_heap
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.outputs import RequestOutput
 from engine.request import FinishReason
-from engine.tp_ranks import TensorRanks
 from engine.types import InvalidRequestError, RequestId
 from kvfabric import SenderConfig
 from kvfabric.errors import FabricError
 from kvfabric.pools import rank_allocator
-from kvstore.tier import start_tier
-from prefill_worker.kv_push import KVPusher, PushDone
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from proto.convert import finish_to_pb, prompt_logprobs_to_pb, sampling_from_pb, ticket_from_pb, top_logprobs_to_pb
 
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+    from prefill_worker.kv_push import PushDone
+
 logger = logging.getLogger(__name__)
+
 
 @dataclass
 class HandoffTotals:
@@ -76,6 +78,16 @@ class _Prefill:
 
 class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
     def __init__(self, worker_id: str, config: WorkerConfig, redis_url: str | None, namespace: str) -> None:
+        # torch and the engine load here, in the worker's process: the controller imports this
+        # module for the class alone (to create the actor) and runs without them
+        import torch
+
+        from engine.engine_loop import EngineLoop, freeze_startup_heap
+        from engine.llm_engine import LLMEngine
+        from engine.tp_ranks import TensorRanks
+        from kvstore.tier import start_tier
+        from prefill_worker.kv_push import KVPusher
+
         torch.set_num_threads(config.num_threads)
         self.worker_id = worker_id
         self.config = config = on_this_node(config)

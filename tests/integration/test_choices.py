@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.choices import choice_id, choice_params
+from engine.choices import choice_params
 from engine.request import InvalidRequestError, RequestStatus, SamplingParams
+from engine.types import choice_id
 from tests.integration.reference import make_engine, random_prompts
 from tests.integration.test_engine_roles import CollectingHandoff
 

@@ -12,9 +12,10 @@ from collections.abc import Iterator
 import pytest
 
 from decode_worker.kv_receive import RemoteFailure, RemoteKV
-from engine.choices import choice_id, choice_params
+from engine.choices import choice_params
 from engine.model_config import ModelConfig
 from engine.request import FinishReason, SamplingParams
+from engine.types import choice_id
 from kvfabric import ShmKVAllocator
 from tests.integration.fabric_peer import Peer
 from tests.integration.prefill_peer import prefill_main

@@ -1,5 +1,6 @@
-"""The package boundaries the design holds: the router process loads no torch; the roles
-import neither each other nor `cluster`; the control plane below them is torch-free."""
+"""The package boundaries the design holds: the router process loads no torch, nor does the
+controller's or the command line's (only a worker's process computes); the roles import
+neither each other nor `cluster`; the control plane below them is torch-free."""
 from __future__ import annotations
 
 import ast
@@ -17,6 +18,17 @@ def test_the_router_process_imports_no_torch() -> None:
     code = ("import sys, router.service, control.reader, control.worker_host; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'engine.model', "
             "'engine.llm_engine', 'prefill_worker', 'decode_worker', 'cluster'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_controller_and_the_command_line_import_no_torch() -> None:
+    """The controller imports both worker classes to create their actors: their modules load
+    torch and the engine only when a worker is made (each cluster start once paid ~2.6
+    CPU-seconds and ~180 MB for it in the controller, and again in `serve`'s process)."""
+    code = ("import sys, cluster.controller, cluster.local, cluster.cli; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'engine.model', "
+            "'engine.llm_engine', 'engine.engine_loop', 'kvstore.tier'))))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
 
