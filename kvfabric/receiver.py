@@ -24,7 +24,7 @@ import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import NoReturn
 
 import numpy as np
 
@@ -35,8 +35,9 @@ from kvfabric.errors import FabricError, PeerUnavailable, ProtocolError, Reserva
 from kvfabric.layout import FabricLayout, HeadMap
 from kvfabric.region import BlockRegion, ShmSegment
 from kvfabric.reservations import FabricEvent, ReservationTable
-from kvfabric.wire import (MAX_HELLO_BYTES, Abort, Conn, Data, Hello, Idle, NcclData, Open, Ready, ReceiverMessage,
-                           Renew, RevokeAck, new_nonce, parse, prove, proven)
+from kvfabric.wire import (MAX_HELLO_BYTES, Abort, Challenge, Conn, Data, Hello, HelloErr, HelloOk, Idle, Message,
+                           NcclData, Open, OpenErr, OpenOk, Ready, ReadyAck, ReceiverMessage, Renew, Revoke, RevokeAck,
+                           new_nonce, prove, proven)
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +194,7 @@ class FabricReceiver:
             greeted, one_sided = True, transport in ONE_SIDED
             while not self._closed:
                 try:
-                    msg = parse(conn.recv(), ReceiverMessage)
+                    msg = conn.recv(ReceiverMessage)
                 except Idle:
                     continue
                 if isinstance(msg, Data):
@@ -227,45 +228,31 @@ class FabricReceiver:
         deadline = time.monotonic() + self.config.hello_timeout_s
         conn.start_tls(self.config.tls, server_side=True, timeout_s=self.config.hello_timeout_s)
         nonce = new_nonce()
-        conn.send({"t": "challenge", "nonce": nonce})
-        msg = conn.recv(deadline=deadline, max_bytes=MAX_HELLO_BYTES)
-        if msg["t"] != "hello":
-            raise ProtocolError(f"expected hello, got {msg['t']!r:.40}")
-        hello: Hello = parse(msg, Hello)
+        conn.send(Challenge(nonce))
+        hello: Hello = conn.recv(Hello, deadline=deadline, max_bytes=MAX_HELLO_BYTES)
         token = self.config.token
         if token is not None and not proven(token, "sender", nonce, hello.nonce, hello.proof):
-            conn.send({"t": "hello_err", "field": "token", "error": "the sender did not prove the cluster secret"})
-            raise ProtocolError("handshake refused: the sender did not prove the cluster secret")
+            refuse(conn, "token", "the sender did not prove the cluster secret")
         theirs = FabricLayout.from_wire(hello.layout)
         field = self.layout.first_mismatch(theirs)
         transport = hello.transport
         if field is not None:
             value = (lambda lay: lay.total_kv_heads) if field == "num_kv_heads" else (lambda lay: getattr(lay, field))
-            text = f"{field} differs: sender {value(theirs)!r}, receiver {value(self.layout)!r}"
-            conn.send({"t": "hello_err", "field": field, "error": text})
-            raise ProtocolError(f"handshake refused: {text}")
+            refuse(conn, field, f"{field} differs: sender {value(theirs)!r}, receiver {value(self.layout)!r}")
         try:
             heads = HeadMap.between(theirs, self.layout)
         except ValueError as e:
-            conn.send({"t": "hello_err", "field": "model_kv_heads", "error": str(e)})
-            raise ProtocolError(f"handshake refused: {e}") from None
+            refuse(conn, "model_kv_heads", str(e))
         if isinstance(self.region, DeviceRegion) and not heads.whole_blocks:
-            text = (f"GPU pools move whole blocks between workers of one tensor-parallel degree; the sender splits "
-                    f"the KV heads {theirs.world} ways, this receiver {self.layout.world}")
-            conn.send({"t": "hello_err", "field": "shards", "error": text})
-            raise ProtocolError(f"handshake refused: {text}")
+            refuse(conn, "shards", f"GPU pools move whole blocks between workers of one tensor-parallel degree; the "
+                                   f"sender splits the KV heads {theirs.world} ways, this receiver {self.layout.world}")
         if transport not in self.address.transports:
-            text = f"transport {transport!r} not offered (receiver offers {list(self.address.transports)})"
-            conn.send({"t": "hello_err", "field": "transport", "error": text})
-            raise ProtocolError(f"handshake refused: {text}")
+            refuse(conn, "transport", f"transport {transport!r} not offered (receiver offers "
+                                      f"{list(self.address.transports)})")
         if transport == "nccl" and hello.host_id == self.address.host_id and hello.gpu == self.address.gpu:
-            text = "nccl cannot join two processes on one GPU (NCCL refuses it): use cuda_ipc"
-            conn.send({"t": "hello_err", "field": "transport", "error": text})
-            raise ProtocolError(f"handshake refused: {text}")
-        ok = {"t": "hello_ok", "receiver_id": self.address.receiver_id, "layout": self.layout.to_wire()}
-        if token is not None:
-            ok["proof"] = prove(token, "receiver", nonce, hello.nonce)
-        conn.send(ok)
+            refuse(conn, "transport", "nccl cannot join two processes on one GPU (NCCL refuses it): use cuda_ipc")
+        conn.send(HelloOk(self.address.receiver_id, self.layout.to_wire(),
+                          prove(token, "receiver", nonce, hello.nonce) if token is not None else ""))
         link = None
         if transport == "nccl":  # rank 1; joins the sender's rank 0 (bounded by NCCL's own init)
             assert isinstance(self.region, DeviceRegion)
@@ -275,14 +262,14 @@ class FabricReceiver:
         return transport, link, heads
 
     def _dispatch(self, writer: int, conn: Conn, msg: Open | Renew | Ready | RevokeAck | Abort, one_sided: bool) -> None:
-        reply: dict[str, Any] | None = None
+        reply: Message | None = None
         with self._cond:
             if isinstance(msg, Open):
                 try:
                     self.table.bind(msg.rid, writer, one_sided, msg.trace)
-                    reply = {"t": "open_ok", "rid": msg.rid}
+                    reply = OpenOk(msg.rid)
                 except ReservationRevoked as e:
-                    reply = {"t": "open_err", "rid": msg.rid, "error": str(e)}
+                    reply = OpenErr(msg.rid, str(e))
             elif isinstance(msg, Renew):
                 for r in msg.rids:
                     self.table.renew(r, writer)
@@ -290,7 +277,7 @@ class FabricReceiver:
                 if msg.runs:  # one-sided copies reported with the ready
                     self._record_written(msg.rid, writer, msg.runs)
                 error = self.table.ready(msg.rid, writer, msg.first_token_id, msg.num_tokens, msg.choice_token_ids)
-                reply = {"t": "ready_ack", "rid": msg.rid, "error": error}
+                reply = ReadyAck(msg.rid, error)
             elif isinstance(msg, RevokeAck):
                 self.table.fence(msg.rid, writer)
             else:
@@ -388,9 +375,15 @@ class FabricReceiver:
             if conn is None:
                 continue
             try:
-                conn.send({"t": "revoke", "rid": rev.reservation_id, "reason": rev.reason})
+                conn.send(Revoke(rev.reservation_id, rev.reason))
             except PeerUnavailable:
                 conn.close()  # its serving thread sees the close and reports the writer gone
+
+
+def refuse(conn: Conn, field: str, error: str) -> NoReturn:
+    """Ends a handshake: the sender is told which field and why (`hello_err`), and so is this log."""
+    conn.send(HelloErr(field, error))
+    raise ProtocolError(f"handshake refused: {error}")
 
 
 def _rank_regions(layout: FabricLayout, region: BlockRegion | DeviceRegion | Sequence[BlockRegion]) -> list:

@@ -37,21 +37,23 @@ from kvfabric.errors import FabricError, HandshakeError, PeerUnavailable, Protoc
 from kvfabric.layout import FabricLayout, HeadMap, Run, coalesce, merge_spans
 from kvfabric.pools import pick_transport
 from kvfabric.region import BlockRegion, CopyBytes, ShmSegment
-from kvfabric.wire import MAX_HELLO_BYTES, Challenge, Conn, Idle, dial, new_nonce, parse, prove, proven, start_tls
+from kvfabric.wire import (MAX_HELLO_BYTES, Abort, Challenge, Conn, Data, Hello, HelloErr, HelloReply, Idle, Message,
+                           NcclData, Open, OpenErr, OpenOk, Ready, ReadyAck, Renew, Revoke, RevokeAck, SenderMessage,
+                           dial, new_nonce, prove, proven, start_tls)
 
 logger = logging.getLogger(__name__)
 
 
-_REPLY_TO = {"open_ok": "open", "open_err": "open", "ready_ack": "ready"}
-"""Which request each reply answers; a pending request is keyed by (type, reservation id)."""
+_REPLY_TO: dict[type, type] = {OpenOk: Open, OpenErr: Open, ReadyAck: Ready}
+"""Which request each reply answers; a pending request is keyed by (its type, reservation id)."""
 
 
 class _Pending:
-    """One awaited reply (open_ok / ready_ack)."""
+    """One awaited reply (open_ok / open_err / ready_ack)."""
 
     def __init__(self) -> None:
         self.done = threading.Event()
-        self.reply: dict[str, Any] | None = None
+        self.reply: OpenOk | OpenErr | ReadyAck | None = None
 
 
 class Transfer:
@@ -97,13 +99,13 @@ class Transfer:
             self._check_usable()
             self.done = True
         try:
-            reply = self.peer.request({"t": "ready", "rid": self.ticket.reservation_id, "runs": self.unreported,
-                                       "first_token_id": first_token_id, "num_tokens": num_tokens,
-                                       "choice_token_ids": list(choice_token_ids)})
+            reply = self.peer.request(Ready(self.ticket.reservation_id, first_token_id, num_tokens,
+                                            [(i, n) for i, n in self.unreported], list(choice_token_ids)))
         finally:
             self.peer.forget(self)
-        if reply.get("error"):
-            raise ReservationRevoked(f"request {self.request_id}: receiver refused ready: {reply['error']}")
+        assert isinstance(reply, ReadyAck)
+        if reply.error:
+            raise ReservationRevoked(f"request {self.request_id}: receiver refused ready: {reply.error}")
 
     def abort(self, reason: str = "aborted by sender") -> None:
         """Give up; the receiver frees the blocks. Safe to call in any state."""
@@ -113,7 +115,7 @@ class Transfer:
             self.done = True
         self.peer.forget(self)
         if not self.revoked:
-            msg = {"t": "abort", "rid": self.ticket.reservation_id, "reason": reason}
+            msg = Abort(self.ticket.reservation_id, reason)
             self.peer.after_copies(self, lambda: self.peer.send_quietly(msg))
 
     def _check_usable(self) -> None:
@@ -186,34 +188,28 @@ class _Peer:
     def _handshake(self) -> None:
         deadline = time.monotonic() + self.config.ack_timeout_s
         try:
-            challenge: Challenge = parse(self.conn.recv(deadline=deadline, max_bytes=MAX_HELLO_BYTES), Challenge)
+            challenge: Challenge = self.conn.recv(Challenge, deadline=deadline, max_bytes=MAX_HELLO_BYTES)
         except (Idle, ProtocolError) as e:
             raise HandshakeError(f"receiver {self.address.receiver_id} sent no challenge ({e}): is TLS on at one "
                                  "end only? (--no-internal-tls must be alike on every member)", "tls") from None
         nonce = new_nonce()
-        hello = {"t": "hello", "layout": self.sender.layout.to_wire(), "transport": self.transport,
-                 "host_id": local_host_id(), "nonce": nonce}
         token = self.config.token
-        if token is not None:
-            hello["proof"] = prove(token, "sender", challenge.nonce, nonce)
-        if self.gpu is not None:
-            hello["gpu"] = self.gpu
-        if self.transport == "nccl":
-            uid, uid_is_bytes = nccl_unique_id()
-            hello["nccl_uid"], hello["nccl_uid_bytes"] = uid, uid_is_bytes
-        self.conn.send(hello)
+        uid, uid_is_bytes = nccl_unique_id() if self.transport == "nccl" else (None, False)
+        self.conn.send(Hello(self.sender.layout.to_wire(), self.transport, local_host_id(), nonce,
+                             prove(token, "sender", challenge.nonce, nonce) if token is not None else "",
+                             self.gpu, uid, uid_is_bytes))
         try:
-            reply = self.conn.recv()
+            reply = self.conn.recv(HelloReply)
         except Idle:
             raise PeerUnavailable(f"receiver {self.address.receiver_id} did not answer the handshake") from None
-        if reply["t"] == "hello_err":
-            raise HandshakeError(f"kvfabric handshake refused: {reply['error']}", reply.get("field"))
-        if reply["t"] != "hello_ok":
-            raise HandshakeError(f"unexpected handshake reply {reply['t']!r}")
-        if token is not None and not proven(token, "receiver", challenge.nonce, nonce, reply.get("proof")):
+        except ProtocolError as e:
+            raise HandshakeError(f"unexpected handshake reply from receiver {self.address.receiver_id}: {e}") from None
+        if isinstance(reply, HelloErr):
+            raise HandshakeError(f"kvfabric handshake refused: {reply.error}", reply.field)
+        if token is not None and not proven(token, "receiver", challenge.nonce, nonce, reply.proof):
             raise HandshakeError(f"receiver {self.address.receiver_id} did not prove the cluster secret", "token")
         try:
-            theirs = FabricLayout.from_wire(reply["layout"])
+            theirs = FabricLayout.from_wire(reply.layout)
             self.map = HeadMap.between(self.sender.layout, theirs)
         except (KeyError, TypeError, ValueError) as e:
             raise HandshakeError(f"the receiver's split of the KV heads cannot be filled from ours: {e}",
@@ -236,13 +232,13 @@ class _Peer:
         with self._lock:
             self.transfers[ticket.reservation_id] = transfer
         try:
-            reply = self.request({"t": "open", "rid": ticket.reservation_id, **({"trace": trace} if trace else {})})
+            reply = self.request(Open(ticket.reservation_id, trace))
         except BaseException:
             self.forget(transfer)
             raise
-        if reply["t"] != "open_ok":
+        if isinstance(reply, OpenErr):
             self.forget(transfer)
-            raise ReservationRevoked(f"request {ticket.request_id}: {reply.get('error')}")
+            raise ReservationRevoked(f"request {ticket.request_id}: {reply.error}")
         return transfer
 
     def write(self, transfer: Transfer, runs: list[Run], after: Any = None) -> None:
@@ -270,13 +266,13 @@ class _Peer:
             return
         data = [np.ascontiguousarray(self.map.source(p, self.sender.regions[p.src_rank].blocks(r.src_block, r.num_blocks)))
                 for p in self.map.pieces for r in runs]  # a frame: each piece's runs in turn
-        header = {"t": "data", "rid": rid, "runs": spans, "nbytes": sum(d.nbytes for d in data)}
+        crc = None
         if self.config.checksum:
             crc = 0
             for d in data:
                 crc = zlib.crc32(d, crc)
-            header["crc32"] = crc
-        self.conn.send(header, [memoryview(d).cast("B") for d in data])
+        self.conn.send(Data(rid, [(r.index, r.num_blocks) for r in runs], sum(d.nbytes for d in data), crc),
+                       [memoryview(d).cast("B") for d in data])
 
     def _write_device(self, transfer: Transfer, src: DeviceRegion, runs: list[Run], spans: list[list[int]],
                       after: Any = None) -> None:
@@ -289,12 +285,12 @@ class _Peer:
         bb = self.sender.layout.block_bytes
         sends = nccl_payload([src.block_ptr(r.src_block, r.num_blocks) for r in runs], [r.num_blocks * bb for r in runs])
         with self._frame_lock:  # header and payload of one frame stay together
-            self.conn.send({"t": "nccl_data", "rid": rid, "runs": spans, "nbytes": sum(n for _, n in sends)})
+            self.conn.send(NcclData(rid, [(r.index, r.num_blocks) for r in runs]))
             self.link.exchange(1, sends, [], timeout_s, after)
 
-    def request(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def request(self, msg: Open | Ready) -> OpenOk | OpenErr | ReadyAck:
         """Send and wait (bounded) for the reply that names the same reservation."""
-        key = (msg["t"], msg["rid"])
+        key = (type(msg), msg.rid)
         pending = _Pending()
         with self._lock:
             if self.dead is not None:
@@ -303,7 +299,7 @@ class _Peer:
         try:
             self.conn.send(msg)
             if not pending.done.wait(self.config.ack_timeout_s):
-                raise PeerUnavailable(f"receiver {self.address.receiver_id} did not answer {msg['t']} "
+                raise PeerUnavailable(f"receiver {self.address.receiver_id} did not answer {type(msg).__name__} "
                                       f"within {self.config.ack_timeout_s:g} s")
         finally:
             with self._lock:
@@ -312,7 +308,7 @@ class _Peer:
             raise PeerUnavailable(f"receiver unavailable: {self.dead}")
         return pending.reply
 
-    def send_quietly(self, msg: dict[str, Any]) -> None:
+    def send_quietly(self, msg: Message) -> None:
         try:
             self.conn.send(msg)
         except PeerUnavailable:
@@ -335,7 +331,7 @@ class _Peer:
         with self._lock:
             rids = list(self.transfers)
         if rids and self.dead is None:
-            self.send_quietly({"t": "renew", "rids": rids})
+            self.send_quietly(Renew(rids))
 
     # -- the reader thread -------------------------------------------------------------------
     def _read_loop(self) -> None:
@@ -343,34 +339,32 @@ class _Peer:
         try:
             while self.dead is None:
                 try:
-                    msg = self.conn.recv()
+                    msg = self.conn.recv(SenderMessage)
                 except Idle:
                     continue
                 self._handle(msg)
-        except (FabricError, KeyError, TypeError) as e:
+        except FabricError as e:
             reason = str(e)
         finally:
             self._die(reason)
 
-    def _handle(self, msg: dict[str, Any]) -> None:
-        t, rid = msg["t"], msg.get("rid")
-        if t in _REPLY_TO:
-            with self._lock:
-                pending = self._pending.get((_REPLY_TO[t], rid))
-            if pending is not None:
-                pending.reply = msg
-                pending.done.set()
-        elif t == "revoke":
+    def _handle(self, msg: SenderMessage) -> None:
+        rid = msg.rid
+        if isinstance(msg, Revoke):
             with self._lock:
                 transfer = self.transfers.pop(rid, None)
             if transfer is not None:
                 with transfer.lock:  # waits out a copy in progress: after this, no byte moves
-                    transfer.revoked = msg.get("reason", "revoked")
-                self.after_copies(transfer, lambda: self.send_quietly({"t": "revoke_ack", "rid": rid}))
+                    transfer.revoked = msg.reason
+                self.after_copies(transfer, lambda: self.send_quietly(RevokeAck(rid)))
             else:
-                self.conn.send({"t": "revoke_ack", "rid": rid})
-        else:
-            logger.warning("kvfabric: ignoring unknown message %r from receiver", t)
+                self.conn.send(RevokeAck(rid))
+            return
+        with self._lock:
+            pending = self._pending.get((_REPLY_TO[type(msg)], rid))
+        if pending is not None:
+            pending.reply = msg
+            pending.done.set()
 
     def _die(self, reason: str) -> None:
         with self._lock:

@@ -1,9 +1,10 @@
 """Framing on a stream socket: [u32 big-endian header length][msgpack map][optional payload].
 
-A header is a msgpack map with a type `t` (what a sender may send a receiver is typed
-here: `ReceiverMessage`, `Hello`, checked by `parse`); a data header carries `nbytes` and the raw
-payload follows it, received with `recv_into` straight into destination memory. No
-pickle ever. Sends are serialised by a lock so a frame is never interleaved; every
+A header is a msgpack map with a type `t`: every message either side sends is a msgspec
+Struct here, tagged by `t` (a receiver reads `Hello` then `ReceiverMessage`s; a sender reads
+`Challenge`, `HelloReply` then `SenderMessage`s), encoded by `Conn.send` and decoded, every
+field checked, by `Conn.recv` (`decode`); a data header carries `nbytes` and the raw payload
+follows it, received with `recv_into` straight into destination memory. No pickle ever. Sends are serialised by a lock so a frame is never interleaved; every
 blocking call is bounded by the socket's timeout (`io_timeout_s`), except waiting idle
 for the next header, which the caller's loop may repeat.
 """
@@ -20,7 +21,6 @@ import time
 from collections.abc import Sequence
 from typing import Annotated, Any
 
-import msgpack
 import msgspec
 
 from kvfabric.errors import PeerUnavailable, ProtocolError
@@ -67,17 +67,24 @@ Runs = Annotated[list[tuple[int, int]], msgspec.Meta(max_length=MAX_RUNS)]
 MAX_CHOICE_TOKENS = 15
 """First tokens of a request's other choices a `ready` carries (engine/request.py MAX_CHOICES - 1)."""
 
-class Open(msgspec.Struct, frozen=True, tag_field="t", tag="open"):
+
+class Message(msgspec.Struct, frozen=True, tag_field="t", omit_defaults=True):
+    """A header: a map whose `t` names its type (each subclass's tag); fields left at their
+    default are not sent."""
+
+
+# -- sender -> receiver -------------------------------------------------------------------
+class Open(Message, tag="open"):
     rid: int
     trace: str = ""
     """The sender's W3C traceparent (empty: none)."""
 
 
-class Renew(msgspec.Struct, frozen=True, tag_field="t", tag="renew"):
+class Renew(Message, tag="renew"):
     rids: Annotated[list[int], msgspec.Meta(max_length=MAX_RUNS)]
 
 
-class Ready(msgspec.Struct, frozen=True, tag_field="t", tag="ready"):
+class Ready(Message, tag="ready"):
     rid: int
     first_token_id: int
     num_tokens: int
@@ -88,16 +95,16 @@ class Ready(msgspec.Struct, frozen=True, tag_field="t", tag="ready"):
     """A request of n choices: the other choices' first tokens (engine/choices.py)."""
 
 
-class RevokeAck(msgspec.Struct, frozen=True, tag_field="t", tag="revoke_ack"):
+class RevokeAck(Message, tag="revoke_ack"):
     rid: int
 
 
-class Abort(msgspec.Struct, frozen=True, tag_field="t", tag="abort"):
+class Abort(Message, tag="abort"):
     rid: int
     reason: str = ""
 
 
-class Data(msgspec.Struct, frozen=True, tag_field="t", tag="data"):
+class Data(Message, tag="data"):
     """tcp: the header of a frame whose `nbytes` of payload follow it."""
 
     rid: int
@@ -106,7 +113,7 @@ class Data(msgspec.Struct, frozen=True, tag_field="t", tag="data"):
     crc32: int | None = None
 
 
-class NcclData(msgspec.Struct, frozen=True, tag_field="t", tag="nccl_data"):
+class NcclData(Message, tag="nccl_data"):
     """nccl: the runs that arrive as grouped NCCL receives."""
 
     rid: int
@@ -117,13 +124,7 @@ ReceiverMessage = Open | Renew | Ready | RevokeAck | Abort | Data | NcclData
 """What a sender may send a receiver after the handshake."""
 
 
-class Challenge(msgspec.Struct, frozen=True, tag_field="t", tag="challenge"):
-    """The receiver's first words on a connection: a fresh nonce the sender's hello must answer."""
-
-    nonce: Annotated[str, msgspec.Meta(max_length=64)]
-
-
-class Hello(msgspec.Struct, frozen=True, tag_field="t", tag="hello"):
+class Hello(Message, tag="hello"):
     layout: dict[str, Any]
     transport: str
     host_id: str = ""
@@ -135,6 +136,57 @@ class Hello(msgspec.Struct, frozen=True, tag_field="t", tag="hello"):
     gpu: str | None = None
     nccl_uid: bytes | list[int] | None = None
     nccl_uid_bytes: bool = False
+
+
+# -- receiver -> sender -------------------------------------------------------------------
+class Challenge(Message, tag="challenge"):
+    """The receiver's first words on a connection: a fresh nonce the sender's hello must answer."""
+
+    nonce: Annotated[str, msgspec.Meta(max_length=64)]
+
+
+class HelloOk(Message, tag="hello_ok"):
+    receiver_id: str
+    layout: dict[str, Any]
+    """The receiver's layout (`FabricLayout.to_wire`): its split of the KV heads."""
+    proof: str = ""
+    """`prove(token, "receiver", the challenge's nonce, the hello's nonce)`."""
+
+
+class HelloErr(Message, tag="hello_err"):
+    """The hello refused: which field, and why (the sender raises HandshakeError with both)."""
+
+    field: str
+    error: str
+
+
+HelloReply = HelloOk | HelloErr
+
+
+class OpenOk(Message, tag="open_ok"):
+    rid: int
+
+
+class OpenErr(Message, tag="open_err"):
+    rid: int
+    error: str
+
+
+class ReadyAck(Message, tag="ready_ack"):
+    rid: int
+    error: str | None
+    """None: the reservation took the ready; else why it refused it (sent either way)."""
+
+
+class Revoke(Message, tag="revoke"):
+    """Stop writing this reservation; the receiver frees its blocks once the `revoke_ack` comes."""
+
+    rid: int
+    reason: str = "revoked"
+
+
+SenderMessage = OpenOk | OpenErr | ReadyAck | Revoke
+"""What a receiver may send a sender after the handshake."""
 
 
 def new_nonce() -> str:
@@ -167,13 +219,26 @@ def start_tls(sock: socket.socket, context: ssl.SSLContext | None, server_side: 
         raise PeerUnavailable(f"TLS handshake failed: {e}") from e
 
 
-def parse(msg: dict[str, Any], kind: Any) -> Any:
-    """`msg` as the typed message `kind` (a Struct or a union of them) says, every field
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODERS: dict[Any, msgspec.msgpack.Decoder] = {}
+
+
+def encode(msg: Message) -> bytes:
+    return _ENCODER.encode(msg)
+
+
+def decode(body: bytes | bytearray | memoryview, kind: Any) -> Any:
+    """`body` as the typed message `kind` (a Message or a union of them) says, every field
     checked; else a ProtocolError naming the bad field (the connection ends, nothing else)."""
+    decoder = _DECODERS.get(kind)
+    if decoder is None:
+        decoder = _DECODERS[kind] = msgspec.msgpack.Decoder(kind)
     try:
-        return msgspec.convert(msg, kind)
+        return decoder.decode(body)
     except msgspec.ValidationError as e:
-        raise ProtocolError(f"{msg.get('t')!r:.40} message: {e}") from None
+        raise ProtocolError(f"malformed message: {e}") from None
+    except msgspec.DecodeError as e:
+        raise ProtocolError(f"undecodable header: {e}") from None
 
 
 class Idle(Exception):
@@ -198,9 +263,9 @@ class Conn:
         self.tls = isinstance(self.sock, ssl.SSLSocket)
 
     # -- sending -------------------------------------------------------------------------
-    def send(self, msg: dict[str, Any], payload: Sequence[memoryview] = ()) -> None:
+    def send(self, msg: Message, payload: Sequence[memoryview] = ()) -> None:
         """One frame: the header, then the payload buffers back to back (gathered, no copy)."""
-        body = msgpack.packb(msg)
+        body = encode(msg)
         bufs = [memoryview(_LEN.pack(len(body)) + body), *payload]
         with self._send_lock:
             try:
@@ -216,23 +281,18 @@ class Conn:
                 raise PeerUnavailable(f"send failed: {e}") from e
 
     # -- receiving -----------------------------------------------------------------------
-    def recv(self, deadline: float | None = None, max_bytes: int = MAX_HEADER_BYTES) -> dict[str, Any]:
-        """The next header, of at most `max_bytes`. Raises Idle when none started in time,
-        PeerUnavailable on EOF; with a `deadline` (time.monotonic()), ProtocolError when the
-        whole header has not arrived by then, however it trickles in."""
+    def recv(self, kind: Any, deadline: float | None = None, max_bytes: int = MAX_HEADER_BYTES) -> Any:
+        """The next header, of at most `max_bytes`, as the message `kind` (`decode`). Raises
+        Idle when none started in time, PeerUnavailable on EOF; with a `deadline`
+        (time.monotonic()), ProtocolError when the whole header has not arrived by then,
+        however it trickles in."""
         self._read_into(memoryview(self._hdr), idle_ok=deadline is None, deadline=deadline)
         (n,) = _LEN.unpack(self._hdr)
         if not 0 < n <= max_bytes:
             raise ProtocolError(f"header length {n} outside (0, {max_bytes}]")
         body = bytearray(n)
         self._read_into(memoryview(body), idle_ok=False, deadline=deadline)
-        try:
-            msg = msgpack.unpackb(body, raw=False)
-        except Exception as e:  # msgpack raises several unrelated types
-            raise ProtocolError(f"undecodable header: {e}") from e
-        if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
-            raise ProtocolError("a header must be a map with a string 't'")
-        return msg
+        return decode(body, kind)
 
     def recv_into(self, views: list[memoryview]) -> None:
         """Exactly fill `views` in order (scattered, no copy); a short stream is a ProtocolError."""

@@ -132,18 +132,18 @@ def test_a_device_pool_refuses_a_split_it_would_have_to_move_head_by_head() -> N
     """GPU pools move whole blocks between equal degrees only: a receiver over a device pool
     (a stand-in region: nothing is copied) answers a TP-2 sender's hello with the reason."""
     from kvfabric.cuda import DeviceRegion
-    from kvfabric.wire import Conn, dial
+    from kvfabric.wire import Challenge, Conn, Hello, HelloErr, HelloReply, dial
 
     whole = layout(1)
     receiver = FabricReceiver(whole, DeviceRegion(1 << 32, NUM_DST, whole.block_bytes, 0), ReceiverConfig())
     try:
         a = receiver.address
         conn = Conn(dial(a.host, a.port, None, 5), 5)
-        assert conn.recv()["t"] == "challenge"
-        conn.send({"t": "hello", "layout": layout(2).to_wire(), "transport": "nccl", "host_id": "another-host"})
-        reply = conn.recv()
-        assert reply["t"] == "hello_err" and reply["field"] == "shards"
-        assert "GPU pools move whole blocks between workers of one tensor-parallel degree" in reply["error"]
+        assert isinstance(conn.recv(Challenge), Challenge)
+        conn.send(Hello(layout(2).to_wire(), "nccl", host_id="another-host"))
+        reply = conn.recv(HelloReply)
+        assert isinstance(reply, HelloErr) and reply.field == "shards"
+        assert "GPU pools move whole blocks between workers of one tensor-parallel degree" in reply.error
         conn.close()
     finally:
         receiver.close()

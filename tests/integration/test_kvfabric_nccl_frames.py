@@ -15,7 +15,7 @@ import pytest
 from kvfabric import FabricReceiver, ReceiverConfig, coalesce
 from kvfabric.cuda import DeviceRegion
 from kvfabric.sender import _Peer
-from kvfabric.wire import NcclData, parse
+from kvfabric.wire import Message, NcclData, Revoke, RevokeAck
 from tests.integration.fabric_peer import LAYOUT
 
 BB = LAYOUT.block_bytes
@@ -41,13 +41,13 @@ class CountingLink:
 
 class SentHeaders:
     def __init__(self) -> None:
-        self.headers: list[dict] = []
+        self.headers: list[Message] = []
 
-    def send(self, msg: dict, payload: object = None) -> None:
+    def send(self, msg: Message, payload: object = None) -> None:
         self.headers.append(msg)
 
 
-def sender_frame(link: CountingLink, src_ids: list[int], dst_ids: list[int]) -> dict:
+def sender_frame(link: CountingLink, src_ids: list[int], dst_ids: list[int]) -> NcclData:
     """What the real sender posts for one push over nccl: its header and (on the link) its sends."""
     peer = object.__new__(_Peer)  # the transfer-writing part of a peer, without a connection
     peer.ipc, peer.link, peer.conn = None, link, SentHeaders()
@@ -72,7 +72,7 @@ def test_a_dropped_multi_run_frame_posts_exactly_the_receives_the_sender_sent(re
     link = CountingLink()
     header = sender_frame(link, [3, 4, 9, 10, 11, 20], [0, 1, 2, 3, 4, 5])  # three runs on the sender's side
     assert link.sends == [[2 * BB, 3 * BB, 1 * BB]]
-    receiver._receive_nccl_frame(1, None, link, parse(header, NcclData))  # no such reservation here: dropped
+    receiver._receive_nccl_frame(1, None, link, header)  # no such reservation here: dropped
     assert link.recvs == link.sends
 
 
@@ -82,8 +82,7 @@ def test_a_kept_multi_run_frame_receives_run_by_run_into_its_blocks(receiver: Fa
         receiver.table.bind(ticket.reservation_id, 1, one_sided=False)
     link = CountingLink()
     header = sender_frame(link, [3, 4, 9, 10, 11, 20], [10, 11, 12, 13, 14, 15])
-    header["rid"] = ticket.reservation_id
-    receiver._receive_nccl_frame(1, None, link, parse(header, NcclData))
+    receiver._receive_nccl_frame(1, None, link, NcclData(ticket.reservation_id, header.runs))
     assert link.recvs == link.sends == [[2 * BB, 3 * BB, 1 * BB]]
     assert receiver.table.get(ticket.reservation_id).missing_indices() == []
 
@@ -109,7 +108,7 @@ def test_after_a_timed_out_gpu_copy_the_revoke_is_acked_only_once_the_copy_ended
     transfer.lock, transfer.revoked, transfer.in_flight = threading.Lock(), None, Stream()
     transfer.ticket = type("K", (), {"reservation_id": 7, "request_id": "r"})()
     peer.transfers = {7: transfer}
-    peer._handle({"t": "revoke", "rid": 7, "reason": "lease expired"})
+    peer._handle(Revoke(7, "lease expired"))
     assert transfer.revoked == "lease expired"
     deadline = time.monotonic() + 2
     while transfer.in_flight.polls < 5 and time.monotonic() < deadline:  # the fence thread waits on the copy
@@ -120,4 +119,4 @@ def test_after_a_timed_out_gpu_copy_the_revoke_is_acked_only_once_the_copy_ended
     deadline = time.monotonic() + 2
     while not peer.conn.headers and time.monotonic() < deadline:
         time.sleep(0.005)
-    assert peer.conn.headers == [{"t": "revoke_ack", "rid": 7}]
+    assert peer.conn.headers == [RevokeAck(7)]

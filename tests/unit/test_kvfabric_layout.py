@@ -76,21 +76,34 @@ def test_the_cpu_fabric_imports_neither_torch_nor_cupy() -> None:
     assert out.split() == ["False", "False"]
 
 
-def test_a_senders_messages_are_typed_and_a_bad_field_is_named() -> None:
+def test_the_messages_are_typed_both_ways_and_a_bad_field_is_named() -> None:
+    import msgpack
     import pytest
 
     from kvfabric.errors import ProtocolError
-    from kvfabric.wire import Data, Hello, Ready, ReceiverMessage, parse
+    from kvfabric.wire import (Data, Hello, HelloOk, HelloReply, OpenErr, Ready, ReadyAck, ReceiverMessage, Revoke,
+                               SenderMessage, decode, encode)
 
+    def parse(msg: dict, kind: object) -> object:
+        return decode(msgpack.packb(msg), kind)
     assert parse({"t": "data", "rid": 5, "runs": [[2, 3]], "nbytes": 96}, ReceiverMessage) == Data(5, [(2, 3)], 96)
     assert parse({"t": "ready", "rid": 5, "first_token_id": 7, "num_tokens": 40, "new": 1}, ReceiverMessage) == \
         Ready(5, 7, 40)  # a newer sender's extra field is ignored
+    # the receiver's replies: maps of the same form, defaults left out
+    assert msgpack.unpackb(encode(ReadyAck(5, None))) == {"t": "ready_ack", "rid": 5, "error": None}
+    assert msgpack.unpackb(encode(HelloOk("r", {}))) == {"t": "hello_ok", "receiver_id": "r", "layout": {}}
+    assert msgpack.unpackb(encode(Revoke(5, "lease expired"))) == {"t": "revoke", "rid": 5, "reason": "lease expired"}
+    assert parse({"t": "open_err", "rid": 5, "error": "expired"}, SenderMessage) == OpenErr(5, "expired")
+    assert parse({"t": "hello_ok", "receiver_id": "r", "layout": {"a": 1}}, HelloReply) == HelloOk("r", {"a": 1})
+    with pytest.raises(ProtocolError, match="undecodable header"):
+        decode(b"\xc1", ReceiverMessage)
     for bad, named in (({"t": "data", "rid": "5", "runs": [], "nbytes": 0}, "$.rid"),
                        ({"t": "ready", "rid": True, "first_token_id": 7, "num_tokens": 40}, "$.rid"),
                        ({"t": "data", "rid": 5, "runs": [[1, 2, 3]], "nbytes": 0}, "$.runs[0]"),
                        ({"t": "renew", "rids": list(range((1 << 16) + 1))}, "$.rids"),
                        ({"t": "open"}, "rid"),
                        ({"t": "hello", "layout": {}, "transport": 4}, "$.transport"),
-                       ({"t": "launch", "rid": 1}, "$.t")):
+                       ({"t": "launch", "rid": 1}, "$.t"),
+                       ({"t": "ready_ack", "rid": 1, "error": 3}, "$.error")):
         with pytest.raises(ProtocolError, match=named.replace("[", r"\[").replace("$", r"\$")):
-            parse(bad, Hello if bad["t"] == "hello" else ReceiverMessage)
+            parse(bad, Hello if bad["t"] == "hello" else SenderMessage if bad["t"] == "ready_ack" else ReceiverMessage)
