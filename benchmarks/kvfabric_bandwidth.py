@@ -14,9 +14,15 @@ measured in the same run on the same bytes:
   (`memcpy_private_gb_per_s`), which is faster when numpy gets transparent huge pages
   and when source and destination fit in the last-level cache together;
 - tcp: a raw long-lived loopback socket to another process (`recv_into` a buffer).
-  With `--cross-host` (root; iproute2) the receiver and the raw socket's far end run in a
+  With `--hosts cross` (root; iproute2) the receiver and the raw socket's far end run in a
   network namespace of their own behind a veth pair, so both cross a host boundary as KV
-  between two machines would (the namespace is removed at the end). With `--tls`, the
+  between two machines would (the namespace is removed at the end); `--hosts same,cross`
+  runs both in one invocation.
+- nixl: NIXL's one-sided writes (UCX) into the receiver's registered pool, against memcpy on
+  one host and against the raw socket across hosts. UCX sees through a network namespace
+  (same machine: it would use shared memory or CMA), so across hosts both ends run with
+  UCX_TLS=tcp,self (unless set): what it moves over the veth, as between two machines
+  without an RDMA NIC. With `--tls`, the
   fabric's tcp runs under the mutual TLS a cluster's members speak (control/tls.py), against
   the same plain raw socket: its fraction of the limit is TLS's cost.
 Transfers and limit measurements alternate, best of --reps for each, and each starts with
@@ -69,16 +75,23 @@ SHAPES = {
 }
 
 
-CLONE_NEWNET = 0x40000000
+CLONE_NEWNET, CLONE_NEWNS = 0x40000000, 0x00020000
+MS_REC, MS_SLAVE, MNT_DETACH = 0x4000, 0x80000, 2
 
 
 def enter_netns(name: str | None) -> None:
-    """Moves this (still single-threaded) process into network namespace `name`."""
+    """Moves this (still single-threaded) process into network namespace `name`, with a /sys
+    of that namespace as `ip netns exec` gives (UCX lists network devices from /sys/class/net:
+    the old one names this machine's, and NIXL's agent then advertises loopback alone)."""
     if name is None:
         return
+    libc = ctypes.CDLL(None, use_errno=True)
     with open(f"/run/netns/{name}") as f:
-        if ctypes.CDLL(None, use_errno=True).setns(f.fileno(), CLONE_NEWNET) != 0:
+        if libc.setns(f.fileno(), CLONE_NEWNET) != 0:
             raise OSError(ctypes.get_errno(), f"setns into {name} failed")
+    if (libc.unshare(CLONE_NEWNS) != 0 or libc.mount(b"", b"/", None, MS_REC | MS_SLAVE, None) != 0
+            or libc.umount2(b"/sys", MNT_DETACH) != 0 or libc.mount(b"sysfs", b"/sys", b"sysfs", 0, None) != 0):
+        raise OSError(ctypes.get_errno(), f"a /sys of namespace {name} could not be mounted")
 
 
 @contextlib.contextmanager
@@ -107,7 +120,7 @@ TLS_SECRET = b"kvfabric-bandwidth-tls"
 
 
 def receiver_child(pipe: Connection, layout_wire: dict, num_blocks: int, netns: str | None = None,
-                   host: str = "127.0.0.1", tls: bool = False) -> None:
+                   host: str = "127.0.0.1", tls: bool = False, nixl: bool = False) -> None:
     enter_netns(netns)
     layout = FabricLayout.from_wire(layout_wire)
     seg = ShmSegment.create(num_blocks * layout.block_bytes)
@@ -115,7 +128,7 @@ def receiver_child(pipe: Connection, layout_wire: dict, num_blocks: int, netns: 
     region.array[:] = 0  # fault the pages in, as a long-running decode pool would have
     # perf_counter is CLOCK_MONOTONIC: comparable with the sender's on the same host
     receiver = FabricReceiver(layout, region, ReceiverConfig(host=host, lease_s=30, tls=server_context(
-        member_tls(TLS_SECRET)) if tls else None), clock=time.perf_counter, shm=seg)
+        member_tls(TLS_SECRET)) if tls else None, nixl=nixl), clock=time.perf_counter, shm=seg)
     pipe.send(receiver.address.to_wire())
     arrived: dict[str, float] = {}
     while True:
@@ -186,22 +199,22 @@ def memcpy_s(src: np.ndarray, dst: np.ndarray) -> float:
 
 class Bench:
     def __init__(self, layout: FabricLayout, num_blocks: int, copy: CopyBytes,
-                 hosts: tuple[str, str, str] | None = None, tls: bool = False) -> None:
+                 hosts: tuple[str, str, str] | None = None, tls: bool = False, transports: tuple[str, ...] = ()) -> None:
         """`hosts`: (namespace, this side's address, its address) to put the far ends across a
         veth; `tls`: the fabric's tcp under the members' mutual TLS."""
-        self.layout, self.num_blocks = layout, num_blocks
+        self.layout, self.num_blocks, self.cross = layout, num_blocks, hosts is not None
         netns, near, far = hosts if hosts is not None else (None, "127.0.0.1", "127.0.0.1")
         ctx = mp.get_context("spawn")
         self.pipe, child = ctx.Pipe()
-        self.child = ctx.Process(target=receiver_child, args=(child, layout.to_wire(), num_blocks, netns, far, tls),
-                                 daemon=True)
+        self.child = ctx.Process(target=receiver_child, args=(child, layout.to_wire(), num_blocks, netns, far, tls,
+                                                              "nixl" in transports), daemon=True)
         self.child.start()
         self.address = FabricAddress.from_wire(self.pipe.recv())
         rng = np.random.default_rng(0)
         self.src = rng.integers(0, 256, (num_blocks, layout.block_bytes), dtype=np.uint8)
         tls_context = client_context(member_tls(TLS_SECRET)) if tls else None
         self.senders = {t: FabricSender(layout, BlockRegion(self.src), SenderConfig(transport=t, tls=tls_context), copy)
-                        for t in ("shm", "tcp")}
+                        for t in ("shm", "tcp", *(("nixl",) if "nixl" in transports else ()))}
         self.n = 0
         self.memcpy_dst = np.ones_like(self.src)  # private memory: numpy asks for transparent huge pages
         self.shm_scratch = ShmSegment.create(self.src.nbytes)  # the medium itself: tmpfs pages, as the pool
@@ -227,7 +240,7 @@ class Bench:
         return time.perf_counter() - t0
 
     def limit_s(self, transport: str, n: int) -> float:
-        if transport == "shm":
+        if transport == "shm" or (transport == "nixl" and not self.cross):
             return memcpy_s(self.src[:n], self.shm_dst)
         return self.raw.send_s(self.src[:n])
 
@@ -260,11 +273,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="small,llama3_8b")
     ap.add_argument("--blocks", default="1,4,16,64,256")
-    ap.add_argument("--transports", default="shm,tcp")
+    ap.add_argument("--transports", default="shm,tcp,nixl")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--latency-iters", type=int, default=300)
-    ap.add_argument("--cross-host", action="store_true",
-                    help="receiver and raw socket in a network namespace behind a veth (root; use with --transports tcp)")
+    ap.add_argument("--hosts", default="same",
+                    help="same, cross (the receiver and the raw socket's far end in a network namespace behind a "
+                         "veth; root), or same,cross: both in one run (shm only runs on the same host)")
     ap.add_argument("--tls", action="store_true", help="the fabric's tcp under the cluster members' mutual TLS")
     ap.add_argument("--copy", choices=("stream", "memmove"), default="stream",
                     help="how shm pushes copy: the engine's copy_stream (as the prefill worker) or memmove")
@@ -274,16 +288,35 @@ def main() -> None:
         sys.exit("--copy stream needs the engine's native kernels (a C compiler); use --copy memmove")
     copy = kernels.copy_stream if kernels is not None else ctypes.memmove
     counts = [int(x) for x in args.blocks.split(",")]
-    with cross_host() if args.cross_host else contextlib.nullcontext() as hosts:
-        for shape in args.shapes.split(","):
-            run_shape(SHAPES[shape], shape, counts, copy, hosts, args)
+    for where in args.hosts.split(","):
+        if where not in ("same", "cross"):
+            sys.exit(f"--hosts: same or cross, not {where!r}")
+        with cross_host() if where == "cross" else contextlib.nullcontext() as hosts, \
+                ucx_over_the_network(where == "cross"):
+            for shape in args.shapes.split(","):
+                run_shape(SHAPES[shape], shape, counts, copy, hosts, args)
+
+
+@contextlib.contextmanager
+def ucx_over_the_network(cross: bool) -> Iterator[None]:
+    """UCX_TLS=tcp,self while `cross` (unless set): the agents made meanwhile (this process's,
+    and the receiver child's, which inherits it) move bytes over the veth, not around it."""
+    if not cross or "UCX_TLS" in os.environ:
+        yield
+        return
+    os.environ["UCX_TLS"] = "tcp,self"
+    try:
+        yield
+    finally:
+        del os.environ["UCX_TLS"]
 
 
 def run_shape(layout: FabricLayout, shape: str, counts: list[int], copy: CopyBytes, hosts: tuple[str, str, str] | None,
               args: argparse.Namespace) -> None:
-    bench = Bench(layout, max(counts), copy, hosts, args.tls)
+    transports = tuple(t for t in args.transports.split(",") if hosts is None or t != "shm")
+    bench = Bench(layout, max(counts), copy, hosts, args.tls, transports)
     try:
-        for transport in args.transports.split(","):
+        for transport in transports:
             for n in counts:
                 for contiguous in (True, False) if n > 1 else (True,):
                     run_case(bench, transport, shape, n, contiguous, args)
@@ -316,7 +349,8 @@ def run_case(bench: Bench, transport: str, shape: str, n: int, contiguous: bool,
             bench.cold().transfer_s(transport, [0], [0]) for _ in range(args.latency_iters)) * 1e6
     print(json.dumps({
         "bench": "kvfabric_bandwidth", "transport": transport, "tls": args.tls and transport == "tcp",
-        "cross_host": args.cross_host, "copy": args.copy if transport == "shm" else None,
+        "cross_host": bench.cross, "copy": args.copy if transport == "shm" else None,
+        "limit": "memcpy" if transport == "shm" or (transport == "nixl" and not bench.cross) else "raw_socket",
         "shape": shape, "block_bytes": layout.block_bytes,
         "blocks": n, "contiguous": contiguous, "reps": args.reps, "gb_per_s": round(gb_per_s, 3),
         "limit_gb_per_s": round(limit, 3), "fraction_of_limit": round(gb_per_s / limit, 3),

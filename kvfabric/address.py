@@ -24,7 +24,7 @@ def local_host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-ONE_SIDED = frozenset({"shm", "cuda_ipc"})
+ONE_SIDED = frozenset({"shm", "cuda_ipc", "nixl"})
 """Transports where the sender writes straight into the receiver's pool."""
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 import ssl
 from dataclasses import dataclass, field
 
-TRANSPORTS = ("shm", "tcp", "cuda_ipc", "nccl")
-"""shm / cuda_ipc: one host (the sender writes into the receiver's pool); tcp / nccl: any two hosts."""
+TRANSPORTS = ("shm", "tcp", "cuda_ipc", "nccl", "nixl")
+"""shm / cuda_ipc: one host (the sender writes into the receiver's pool); tcp / nccl: any two
+hosts; nixl: any two hosts, host or device pools (the sender writes into the receiver's
+registered pool through NIXL, kvfabric/nixl.py), where the receiver offers it."""
 
 
 @dataclass(frozen=True)
@@ -19,7 +21,7 @@ class SenderConfig:
     checksum: bool = False
     """tcp: send a CRC32 per frame; the receiver fails the transfer on mismatch."""
     transport: str | None = None
-    """Force "shm" or "tcp"; None picks the best one the pair supports."""
+    """Force one of `TRANSPORTS`; None picks the best one the pair supports (`pick_transport`)."""
     token: str | None = field(default=None, repr=False)
     """The cluster's token: the hello proves it for the receiver's challenge (the token itself
     never travels), and the receiver must prove it back (`ReceiverConfig.token`)."""
@@ -54,6 +56,9 @@ class ReceiverConfig:
     trusts (control/tls.py); None: plain. The same-host Unix socket stays plain."""
     hello_timeout_s: float = 5.0
     """A connection's whole hello must arrive within this of its accept, however it trickles."""
+    nixl: bool = False
+    """Offer `nixl` too: a NIXL agent with this receiver's pools registered (kvfabric/nixl.py).
+    Where NIXL cannot load or start, the receiver offers what it would without, and says so once."""
     max_pending_hellos: int = 64
     """Connections accepted whose hello has not arrived, at most: past it the longest waiting
     one is closed (a flood of silent connections churns through the slots, while a real

@@ -99,17 +99,33 @@ def exports(allocator: KVAllocator | None) -> dict[str, Any]:
     return {}
 
 
+NIXL_FIRST: dict[tuple[str, bool], bool] = {("cpu", True): False, ("cpu", False): False,
+                                           ("cuda", True): False, ("cuda", False): False}
+"""(device kind, same host) -> whether a receiver's `nixl` is taken before the other transports
+when it offers it and no transport is forced (benchmarks/kvfabric_bandwidth.py; the README's
+KV transport section has the numbers)."""
+
+
 def pick_transport(src_device: str, dst_device: str, same_host: bool, offered: tuple[str, ...],
-                   forced: str | None = None, same_gpu: bool = False) -> str:
+                   forced: str | None = None, same_gpu: bool = False, nixl_here: bool = False) -> str:
     """The transport from a pool on `src_device` to a receiver on `dst_device` offering `offered`
-    (`same_gpu`: both pools on one GPU, where NCCL cannot join the two processes)."""
+    (`same_gpu`: both pools on one GPU, where NCCL cannot join the two processes; `nixl_here`:
+    this process can load NIXL)."""
     src, dst = device_kind(src_device), device_kind(dst_device)
     if src != dst:
         raise HandshakeError(f"a {src} KV pool cannot push to a receiver whose pool is on {dst}: run both "
                              "workers on the same kind of device", "device")
     local, remote = ("cuda_ipc", "nccl") if src == "cuda" else ("shm", "tcp")
+    if forced == "nixl" or (forced is None and nixl_here and "nixl" in offered and NIXL_FIRST[(src, same_host)]):
+        if "nixl" not in offered:
+            raise HandshakeError(f"nixl needs a receiver offering it (it offers {list(offered)}: is NIXL installed "
+                                 "where it runs?)", "transport")
+        if not nixl_here:
+            raise HandshakeError("nixl needs NIXL here: pip install nixl-cu12 (or nixl-cu13)", "transport")
+        return "nixl"
     if forced is not None and forced not in (local, remote):
-        raise HandshakeError(f"transport {forced!r} cannot move {src} pools (use {local} or {remote})", "transport")
+        raise HandshakeError(f"transport {forced!r} cannot move {src} pools (use {local}, {remote} or nixl)",
+                             "transport")
     if forced == local or (forced is None and same_host and local in offered):
         if not same_host or local not in offered:
             raise HandshakeError(f"{local} needs the receiver on this host offering it (it offers {list(offered)})",

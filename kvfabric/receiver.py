@@ -33,6 +33,7 @@ from kvfabric.config import ReceiverConfig
 from kvfabric.cuda import DeviceRegion, NcclLink, gpu_identity, nccl_payload
 from kvfabric.errors import FabricError, PeerUnavailable, ProtocolError, ReservationRevoked
 from kvfabric.layout import FabricLayout, HeadMap
+from kvfabric.nixl import Agent, NixlUnavailable
 from kvfabric.region import BlockRegion, ShmSegment
 from kvfabric.reservations import FabricEvent, ReservationTable
 from kvfabric.wire import (MAX_HELLO_BYTES, Abort, Challenge, Conn, Data, Hello, HelloErr, HelloOk, Idle, Message,
@@ -61,6 +62,8 @@ class FabricReceiver:
             raise ValueError(f"{len(shm_ranks)} shared pools for the {layout.world - 1} further ranks")
         self.layout, self.regions, self.config = layout, regions, config or ReceiverConfig()
         self.region = regions[0]
+        self.nixl = _nixl_agent(regions) if self.config.nixl else None
+        """The NIXL agent this receiver's pools are registered with, when it offers `nixl`."""
         self.table = ReservationTable(clock, self.config.lease_s)
         self._cond = threading.Condition()
         self._conns: dict[int, Conn] = {}
@@ -81,7 +84,7 @@ class FabricReceiver:
         for x in listeners:
             x.settimeout(0.2)
         self.address = _offered_address(self.config, self._listener.getsockname()[1], receiver_id, self.region,
-                                        shm, shm_ranks, cuda_ipc_handle, local_name)
+                                        shm, shm_ranks, cuda_ipc_handle, local_name, self.nixl is not None)
         self._accept_threads = [
             threading.Thread(target=self._accept_loop, args=(x,), name="kvfabric-accept", daemon=True)
             for x in listeners]
@@ -136,6 +139,8 @@ class FabricReceiver:
             conn.close()
         for t in self._accept_threads:
             t.join(timeout=2)
+        if self.nixl is not None:
+            self.nixl.close()
 
     # -- connections ---------------------------------------------------------------------
     def _accept_loop(self, listener: socket.socket) -> None:
@@ -251,8 +256,10 @@ class FabricReceiver:
                                       f"{list(self.address.transports)})")
         if transport == "nccl" and hello.host_id == self.address.host_id and hello.gpu == self.address.gpu:
             refuse(conn, "transport", "nccl cannot join two processes on one GPU (NCCL refuses it): use cuda_ipc")
+        nixl = self.nixl if transport == "nixl" else None
         conn.send(HelloOk(self.address.receiver_id, self.layout.to_wire(),
-                          prove(token, "receiver", nonce, hello.nonce) if token is not None else ""))
+                          prove(token, "receiver", nonce, hello.nonce) if token is not None else "",
+                          nixl.metadata() if nixl else b"", nixl.pools if nixl else []))
         link = None
         if transport == "nccl":  # rank 1; joins the sender's rank 0 (bounded by NCCL's own init)
             assert isinstance(self.region, DeviceRegion)
@@ -407,16 +414,35 @@ def _crc32(arrays: list) -> int:
 
 
 
+def _nixl_agent(regions: Sequence[BlockRegion | DeviceRegion]) -> Agent | None:
+    """A NIXL agent with the pools registered; None (said once per process) where NIXL cannot
+    load or start: the receiver then offers the other transports alone."""
+    global _nixl_said
+    try:
+        return Agent("rx", regions)
+    except NixlUnavailable as e:
+        if not _nixl_said:
+            _nixl_said = True
+            logger.warning("kvfabric: %s; receivers here offer no nixl", e)
+        return None
+
+
+_nixl_said = False
+
+
 def _offered_address(config: ReceiverConfig, port: int, receiver_id: str, region: BlockRegion | DeviceRegion,
                      shm: ShmSegment | None, shm_ranks: Sequence[ShmSegment], cuda_ipc_handle: bytes | None,
-                     local_name: str | None) -> FabricAddress:
+                     local_name: str | None, nixl: bool = False) -> FabricAddress:
     """What senders are told of a receiver: where to dial, and the transports its pool allows
-    (a device pool: cuda_ipc when exported, and nccl; a host pool: shm when shared, and tcp)."""
+    (a device pool: cuda_ipc when exported, and nccl; a host pool: shm when shared, and tcp;
+    either: nixl when registered with a NIXL agent)."""
     on_device = isinstance(region, DeviceRegion)
     if on_device:
         transports: tuple[str, ...] = ("cuda_ipc", "nccl") if cuda_ipc_handle else ("nccl",)
     else:
         transports = ("shm", "tcp") if shm is not None else ("tcp",)
+    if nixl:
+        transports += ("nixl",)
     return FabricAddress(
         host=config.advertise_host or config.host,
         port=port,

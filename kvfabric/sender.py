@@ -35,6 +35,8 @@ from kvfabric.cuda import (CopyInFlight, DeviceRegion, IpcMapping, NcclLink, gpu
                            when_done)
 from kvfabric.errors import FabricError, HandshakeError, PeerUnavailable, ProtocolError, ReservationRevoked
 from kvfabric.layout import FabricLayout, HeadMap, Run, coalesce, merge_spans
+from kvfabric.nixl import Agent, NixlLink, Posted
+from kvfabric.nixl import unavailable as nixl_unavailable
 from kvfabric.pools import pick_transport
 from kvfabric.region import BlockRegion, CopyBytes, ShmSegment
 from kvfabric.wire import (MAX_HELLO_BYTES, Abort, Challenge, Conn, Data, Hello, HelloErr, HelloReply, Idle, Message,
@@ -69,6 +71,9 @@ class Transfer:
         self.in_flight: Any = None
         """A device copy whose wait timed out: until its stream is done, the receiver hears
         neither our abort nor our revoke ack, so its blocks stay fenced."""
+        self.posted = Posted()
+        """nixl: writes posted and not yet seen complete (settled before `ready`, an abort or a
+        revoke ack)."""
 
     @property
     def request_id(self) -> str:
@@ -98,6 +103,12 @@ class Transfer:
         with self.lock:
             self._check_usable()
             self.done = True
+            if self.peer.nixl is not None:  # the writes complete before the ready that reports them
+                try:
+                    self.peer.nixl.settle(self.posted, self.peer.config.io_timeout_s)
+                except BaseException:
+                    self.peer.forget(self)
+                    raise
         try:
             reply = self.peer.request(Ready(self.ticket.reservation_id, first_token_id, num_tokens,
                                             [(i, n) for i, n in self.unreported], list(choice_token_ids)))
@@ -135,6 +146,7 @@ class _Peer:
         self.config = sender.config
         self.ipc: IpcMapping | None = None
         self.link: NcclLink | None = None
+        self.nixl: NixlLink | None = None
         self._frame_lock = threading.Lock()
         self.map: HeadMap | None = None
         """The receiver's ranks' heads from ours (from its hello_ok)."""
@@ -166,7 +178,7 @@ class _Peer:
         self.gpu = gpu_identity(src.device) if isinstance(src, DeviceRegion) else None
         same_gpu = same_host and self.gpu is not None and self.gpu == a.gpu
         transport = pick_transport("cuda" if isinstance(src, DeviceRegion) else "cpu", a.device, same_host, offered,
-                                   forced, same_gpu)
+                                   forced, same_gpu, nixl_here="nixl" in offered and nixl_unavailable() is None)
         if transport == "cuda_ipc":
             assert isinstance(src, DeviceRegion) and a.cuda_ipc_handle is not None
             self.ipc = IpcMapping(a.cuda_ipc_handle, a.pool_blocks, self.sender.layout.block_bytes, src.device)
@@ -221,6 +233,10 @@ class _Peer:
         if len(self.shm) not in (0, theirs.world):
             raise HandshakeError(f"the receiver offers {len(self.shm)} shared pools for {theirs.world} ranks", "shards")
         self.dsts = [BlockRegion(seg.data.reshape(-1, theirs.block_bytes)) for seg in self.shm]
+        if self.transport == "nixl":
+            if not reply.nixl_agent:
+                raise HandshakeError(f"receiver {self.address.receiver_id} chose nixl but sent no NIXL agent", "transport")
+            self.nixl = NixlLink(self.sender.nixl_agent(), reply.nixl_agent, reply.nixl_pools, self.map)
         if self.transport == "nccl":
             src = self.sender.region
             assert isinstance(src, DeviceRegion)
@@ -245,6 +261,10 @@ class _Peer:
         """Called with the transfer's lock held: shm copies (reported at `ready`), tcp sends one frame."""
         rid, src = transfer.ticket.reservation_id, self.sender.region
         spans = [[r.index, r.num_blocks] for r in runs]
+        if self.nixl is not None:  # one-sided: posted now, settled before `ready`, reported in it
+            self.nixl.post(transfer.posted, runs)
+            merge_spans(transfer.unreported, spans)
+            return
         if isinstance(src, DeviceRegion):
             try:
                 self._write_device(transfer, src, runs, spans, after)
@@ -315,7 +335,16 @@ class _Peer:
             pass
 
     def after_copies(self, transfer: Transfer, fn: Callable[[], None]) -> None:
-        """Runs `fn` now, or once a device copy of the transfer that timed out has finished."""
+        """Runs `fn` now, or once a device copy of the transfer that timed out has finished; nixl:
+        once the transfer's posted writes completed (one that cannot: the connection is closed,
+        so the receiver holds the blocks until it sees the writer gone)."""
+        if self.nixl is not None:
+            try:
+                self.nixl.settle(transfer.posted, self.config.io_timeout_s)
+            except FabricError as e:
+                logger.warning("request %s: %s; closing the connection", transfer.request_id, e)
+                self.close(str(e))
+                return
         if transfer.in_flight is None:
             fn()
         else:
@@ -395,6 +424,14 @@ class _Peer:
         if self.link is not None:
             self.link.close()
             self.link = None
+        if self.nixl is not None:
+            for t in transfers:
+                try:
+                    self.nixl.settle(t.posted, self.config.io_timeout_s)
+                except FabricError:
+                    pass  # released: nothing more of it is ours to wait for
+            self.nixl.close()
+            self.nixl = None
 
 
 class FabricSender:
@@ -414,6 +451,7 @@ class FabricSender:
         self.layout, self.config, self.copy = layout, config or SenderConfig(), copy
         self._peers: dict[str, _Peer] = {}
         self._lock = threading.Lock()
+        self._nixl: Agent | None = None
         self._stop = threading.Event()
         self._renewer = threading.Thread(target=self._renew_loop, name="kvfabric-renew", daemon=True)
         self._renewer.start()
@@ -422,6 +460,13 @@ class FabricSender:
         """Bind a reservation (connecting to its receiver first if needed); `trace`: a W3C
         traceparent the receiver hands on with the arrival (`KVArrived.trace`)."""
         return self._peer(ticket.address).open(ticket, trace)
+
+    def nixl_agent(self) -> Agent:
+        """This sender's NIXL agent, made (and its pools registered) on first use."""
+        with self._lock:
+            if self._nixl is None:
+                self._nixl = Agent("tx", self.regions)
+            return self._nixl
 
     def _peer(self, address: FabricAddress) -> _Peer:
         with self._lock:
@@ -452,3 +497,6 @@ class FabricSender:
             peers, self._peers = list(self._peers.values()), {}
         for p in peers:
             p.close()
+        if self._nixl is not None:
+            self._nixl.close()
+            self._nixl = None

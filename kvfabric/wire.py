@@ -64,6 +64,8 @@ Runs = Annotated[list[tuple[int, int]], msgspec.Meta(max_length=MAX_RUNS)]
 """Block runs (position in the reservation, number of blocks)."""
 
 
+MAX_NIXL_METADATA = 1 << 19
+"""A NIXL agent's metadata, at most (its UCX worker address and memory keys: a few KiB)."""
 MAX_CHOICE_TOKENS = 15
 """First tokens of a request's other choices a `ready` carries (engine/request.py MAX_CHOICES - 1)."""
 
@@ -151,6 +153,11 @@ class HelloOk(Message, tag="hello_ok"):
     """The receiver's layout (`FabricLayout.to_wire`): its split of the KV heads."""
     proof: str = ""
     """`prove(token, "receiver", the challenge's nonce, the hello's nonce)`."""
+    nixl_agent: Annotated[bytes, msgspec.Meta(max_length=MAX_NIXL_METADATA)] = b""
+    """nixl: the receiver's NIXL agent metadata (kvfabric/nixl.py `Agent.metadata`)."""
+    nixl_pools: Annotated[list[tuple[int, int, int]], msgspec.Meta(max_length=256)] = msgspec.field(
+        default_factory=list)
+    """nixl: each receiver rank's registered pool (base address, bytes, device)."""
 
 
 class HelloErr(Message, tag="hello_err"):

@@ -1,4 +1,4 @@
-"""Prefill engine (child process) -> kvfabric -> decode engine (this process), for shm and tcp.
+"""Prefill engine (child process) -> kvfabric -> decode engine (this process), for shm, tcp and nixl.
 
 Greedy tokens must equal transformers (and so the monolithic engine) for concurrent
 prompts; blocks are pushed chunk by chunk while prefill goes on; the decode side's cached
@@ -16,7 +16,9 @@ from engine.choices import choice_params
 from engine.model_config import ModelConfig
 from engine.request import FinishReason, SamplingParams
 from engine.types import choice_id
-from kvfabric import ShmKVAllocator
+from kvfabric import ReceiverConfig, ShmKVAllocator
+from kvfabric.address import ONE_SIDED
+from kvfabric.nixl import unavailable as nixl_unavailable
 from tests.integration.fabric_peer import Peer
 from tests.integration.prefill_peer import prefill_main
 from tests.integration.reference import hf_greedy, make_engine, random_prompts
@@ -25,8 +27,10 @@ MAX_TOKENS = 8
 PARAMS = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-@pytest.fixture(params=["shm", "tcp"])
+@pytest.fixture(params=["shm", "tcp", "nixl"])
 def transport(request: pytest.FixtureRequest) -> str:
+    if request.param == "nixl" and (why := nixl_unavailable()) is not None:
+        pytest.skip(why)
     return request.param
 
 
@@ -38,10 +42,10 @@ def prefill(tiny_llama_dir: str, transport: str) -> Iterator[Peer]:
 
 
 @pytest.fixture
-def decode(tiny_llama_dir: str) -> Iterator[RemoteKV]:
+def decode(tiny_llama_dir: str, transport: str) -> Iterator[RemoteKV]:
     allocator = ShmKVAllocator()
     engine = make_engine(tiny_llama_dir, role="decode", allocator=allocator)
-    remote = RemoteKV(engine, allocator)
+    remote = RemoteKV(engine, allocator, ReceiverConfig(nixl=transport == "nixl"))
     yield remote
     remote.close()
 
@@ -123,7 +127,7 @@ def test_abort_during_prefill_frees_both_sides(prefill: Peer, decode: RemoteKV, 
     ticket = decode.reserve(prompt, PARAMS, request_id="y")
     assert prefill.call("attach", [ticket.to_wire()]) == {"y": None}
     assert decode.abort("y")  # the client went away after the prefill worker opened the transfer
-    if transport == "shm":  # one-sided: quarantined until the prefill side acknowledges
+    if transport in ONE_SIDED:  # quarantined until the prefill side acknowledges
         # The prefill process may acknowledge the revocation at once (the receiver then holds
         # nothing), but the engine gets the blocks back only when pump() sees the fence.
         assert decode.receiver.held_block_ids() in (list(ticket.block_ids), [])

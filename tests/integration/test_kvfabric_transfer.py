@@ -1,4 +1,4 @@
-"""kvfabric across two real processes, for shm and tcp: bytes, chunking, concurrency,
+"""kvfabric across two real processes, for shm, tcp and nixl: bytes, chunking, concurrency,
 no write after free, killed peers, and no leaked block on either side.
 
 The receiver runs in the test process over a shared-memory pool whose blocks are
@@ -22,6 +22,8 @@ from kvfabric import (
     BlockRegion, BlocksFenced, FabricEvent, FabricReceiver, FabricSender, HandshakeError, KVArrived,
     PeerUnavailable, ReceiverConfig, SenderConfig, ShmSegment, Ticket, TransferFailed,
 )
+from kvfabric.address import ONE_SIDED
+from kvfabric.nixl import unavailable as nixl_unavailable
 from kvfabric.region import ShmSegment, sweep_dead_segments
 from tests.integration.cluster_checks import wait_threads
 from tests.integration.fabric_peer import LAYOUT, Peer, receiver_main, sender_main, source_blocks
@@ -36,12 +38,12 @@ class Rx:
     Its leases run on a clock the test moves (`advance`): a lease expires when the test says,
     however slow the machine is."""
 
-    def __init__(self, num_blocks: int, lease_s: float) -> None:
+    def __init__(self, num_blocks: int, lease_s: float, nixl: bool = False) -> None:
         self.seg = ShmSegment.create(num_blocks * BB)
         self.region = BlockRegion(self.seg.data.reshape(num_blocks, BB))
         self.pool = BlockPool(num_blocks, enable_caching=False)
         self.now = 0.0
-        self.receiver = FabricReceiver(LAYOUT, self.region, ReceiverConfig(lease_s=lease_s, io_timeout_s=5),
+        self.receiver = FabricReceiver(LAYOUT, self.region, ReceiverConfig(lease_s=lease_s, io_timeout_s=5, nixl=nixl),
                                        lambda: self.now, shm=self.seg)
         self.tables: dict[str, list[int]] = {}
         self.held: dict[str, list[int]] = {}
@@ -102,16 +104,18 @@ class Rx:
         self.seg.close()
 
 
+@pytest.fixture(params=["shm", "tcp", "nixl"])
+def transport(request: pytest.FixtureRequest) -> str:
+    if request.param == "nixl" and (why := nixl_unavailable()) is not None:
+        pytest.skip(why)
+    return request.param
+
+
 @pytest.fixture
-def rx() -> Iterator[Rx]:
-    r = Rx(NUM_DST, lease_s=1.0)
+def rx(transport: str) -> Iterator[Rx]:
+    r = Rx(NUM_DST, lease_s=1.0, nixl=transport == "nixl")
     yield r
     r.close()
-
-
-@pytest.fixture(params=["shm", "tcp"])
-def transport(request: pytest.FixtureRequest) -> str:
-    return request.param
 
 
 def start_sender(transport: str, seed: int = 1, **config: object) -> Peer:
@@ -169,7 +173,7 @@ def test_random_block_sets_arrive_byte_identical_in_chunks_and_concurrently(rx: 
 
 
 def test_lease_is_renewed_during_a_long_prefill(transport: str) -> None:
-    rx = Rx(8, lease_s=0.6)
+    rx = Rx(8, lease_s=0.6, nixl=transport == "nixl")
     sender = start_sender(transport, renew_interval_s=0.1)
     try:
         ticket = rx.reserve("long", 2)
@@ -190,7 +194,7 @@ def test_lease_is_renewed_during_a_long_prefill(transport: str) -> None:
 
 def test_no_write_after_free_a_stalled_sender_cannot_touch_reassigned_blocks(transport: str) -> None:
     """A's lease expires while its sender sleeps; A's blocks go to B; the late push changes nothing."""
-    rx = Rx(4, lease_s=0.3)
+    rx = Rx(4, lease_s=0.3, nixl=transport == "nixl")
     sender = start_sender(transport, renew_interval_s=60)  # no renewals: the stall is real
     try:
         a = rx.reserve("A", 4)
@@ -200,9 +204,9 @@ def test_no_write_after_free_a_stalled_sender_cannot_touch_reassigned_blocks(tra
             rx.received(a, 2)
         sender.send("push", "A", [2, 3], 2, 1.5)  # the child sleeps 1.5 s, then tries to write
         rx.advance(0.3)  # meanwhile A's lease runs out
-        events = rx.pump(until=2 if transport == "shm" else 1, timeout_s=5)
+        events = rx.pump(until=2 if transport in ONE_SIDED else 1, timeout_s=5)
         assert isinstance(events[0], TransferFailed) and events[0].reason == "lease of 0.3 s expired"
-        if transport == "shm":  # one-sided: quarantined until the sender acknowledged the revocation
+        if transport in ONE_SIDED:  # quarantined until the sender acknowledged the revocation
             assert events[0].blocks_held and events[1] == BlocksFenced("A", a.reservation_id)
         b = rx.reserve("B", 4)
         assert b is not None and sorted(b.block_ids) == sorted(a.block_ids)  # the very same blocks
@@ -264,25 +268,29 @@ def test_a_killed_sender_fails_its_transfers_and_frees_the_blocks(rx: Rx, transp
         sender.stop()
 
 
-def test_a_sender_that_dies_before_connecting_is_cleaned_up_by_the_lease(rx: Rx) -> None:
-    rx.reserve("ghost", 2)
-    rx.advance(0.9)
-    assert rx.pump(until=1, timeout_s=0.1) == []
-    rx.advance(0.1)
-    [ev] = rx.pump(until=1, timeout_s=2)
-    assert isinstance(ev, TransferFailed) and ev.reason == "lease of 1 s expired" and not ev.blocks_held
-    assert rx.pool.usage().num_in_use == 0
+def test_a_sender_that_dies_before_connecting_is_cleaned_up_by_the_lease() -> None:
+    rx = Rx(NUM_DST, lease_s=1.0)
+    try:
+        rx.reserve("ghost", 2)
+        rx.advance(0.9)
+        assert rx.pump(until=1, timeout_s=0.1) == []
+        rx.advance(0.1)
+        [ev] = rx.pump(until=1, timeout_s=2)
+        assert isinstance(ev, TransferFailed) and ev.reason == "lease of 1 s expired" and not ev.blocks_held
+        assert rx.pool.usage().num_in_use == 0
+    finally:
+        rx.close()
 
 
 def test_a_killed_receiver_gives_the_sender_peer_unavailable_quickly(transport: str) -> None:
-    receiver = Peer(receiver_main, LAYOUT.to_wire(), 16, {"lease_s": 5.0})
+    receiver = Peer(receiver_main, LAYOUT.to_wire(), 16, {"lease_s": 5.0, "nixl": transport == "nixl"})
     src = BlockRegion(source_blocks(8, BB, seed=3))
     sender = FabricSender(LAYOUT, src, SenderConfig(transport=transport, ack_timeout_s=2))
     try:
         ticket = Ticket.from_wire(receiver.call("expect", "x", [1, 2, 3], 0))
         transfer = sender.open(ticket)
-        # same host: one-sided shm talks over the receiver's Unix socket, tcp over TCP
-        assert transfer.peer.conn.sock.family == (socket.AF_UNIX if transport == "shm" else socket.AF_INET)
+        # same host: one-sided transports talk over the receiver's Unix socket, tcp over TCP
+        assert transfer.peer.conn.sock.family == (socket.AF_UNIX if transport in ONE_SIDED else socket.AF_INET)
         transfer.push([4], 0)
         receiver.kill()
         t0 = time.monotonic()
