@@ -144,11 +144,16 @@ class Hosts:
     on them or here (stopped at the end, Redis last)."""
 
     def __init__(self, hosts: dict[str, str], model_dir: str, tmp_path: Path, kv_cache_mib: int = 8,
-                 private_shm: bool = True) -> None:
+                 private_shm: bool = True, kv_transport: str | None = None) -> None:
+        """`kv_transport`: the workers' --kv-transport; nixl runs every process with UCX_TLS=tcp,self:
+        UCX sees through a network namespace (one machine: it would use shared memory or CMA, and
+        a cut link would stop nothing), so its bytes cross the veth as between two machines."""
         self.hosts, self.tmp_path, self.port, self.private_shm = hosts, tmp_path, free_port(), private_shm
         self.names = [name for name in hosts if not name.endswith("_link")]
         """The hosts, in the order `namespaces` numbered their links."""
-        self.common = ["--namespace", "hosts", "--model", model_dir, "--kv-cache-mib", str(kv_cache_mib)]
+        self.common = ["--namespace", "hosts", "--model", model_dir, "--kv-cache-mib", str(kv_cache_mib),
+                       *(["--kv-transport", kv_transport] if kv_transport else [])]
+        self.env = {"UCX_TLS": "tcp,self"} if kv_transport == "nixl" else {}
         bind = " ".join(["127.0.0.1", *(f"{SUBNET}.{i}.1" for i in range(1, len(self.names) + 1))])
         self.procs: list[subprocess.Popen] = [subprocess.Popen(
             [shutil.which("redis-server") or "redis-server", "--port", str(self.port), "--bind", bind,
@@ -162,7 +167,8 @@ class Hosts:
         """Starts `cluster.cli argv` (on a test host when `name` is one) and returns its address."""
         cmd = (on_host(self.hosts[name], argv, self.private_shm) if name in self.hosts
                else [sys.executable, "-m", "cluster.cli", *argv])
-        proc, address = start_serving(cmd, "hosts-test-secret", self.tmp_path / f"{argv[0]}-{len(self.procs)}.log")
+        proc, address = start_serving(cmd, "hosts-test-secret", self.tmp_path / f"{argv[0]}-{len(self.procs)}.log",
+                                      self.env)
         self.procs.append(proc)
         return address
 

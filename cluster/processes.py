@@ -15,6 +15,7 @@ from cluster.metrics_targets import metrics_port as _metrics_port
 from control.auth import check_private
 from control.tls import SERVER_NAME, MemberTLS, given_tls
 from control.worker_config import NO_SECRET
+from kvfabric.config import TRANSPORTS
 from engine.config import SpeculativeConfig
 from engine.kv_sizing import DEFAULT_CPU_KV_FRACTION
 from router.reasoning import REASONING_PARSERS
@@ -56,6 +57,10 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
                         "as requests use them)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="share of its GPU a worker may use in all (default 0.9 x its GPU share)")
+    p.add_argument("--kv-transport", choices=TRANSPORTS, default=None,
+                   help="how prefill workers push KV to decode workers (default: per pair, shm or cuda_ipc on one "
+                        "host, tcp or nccl across hosts); nixl: through NIXL (UCX; RDMA where the NIC has it), "
+                        "decode workers then register their pools with it")
 
 
 def add_speculative_flags(p: argparse.ArgumentParser) -> None:
@@ -261,7 +266,7 @@ def _worker(args: argparse.Namespace) -> int:
                               model_id=args.model_id, advertise_host=args.advertise_host,
                               cluster_secret=required_secret(), otlp_endpoint=args.otlp_endpoint,
                               speculative=speculative_config(args), tensor_parallel=args.tensor_parallel,
-                              kv_store=args.kv_store, internal_tls=args.internal_tls,
+                              kv_store=args.kv_store, internal_tls=args.internal_tls, kv_transport=args.kv_transport,
                               given_tls=given_tls_of(args))
         if args.tensor_parallel > 1 and args.role == "prefill" and device.startswith("cuda"):
             raise ValueError("--tensor-parallel splits prefill workers on CPU only: on GPUs a split worker's ranks "

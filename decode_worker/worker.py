@@ -38,7 +38,7 @@ from engine.step_profile import profile_decode
 from engine.types import RequestId, parent_of
 from kvfabric import ReceiverConfig
 from kvfabric.errors import FabricError
-from kvfabric.pools import kv_allocator, rank_allocator
+from kvfabric.pools import kv_allocator, offers_nixl, rank_allocator
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from proto.convert import finish_to_pb, prompt_logprobs_to_pb, sampling_from_pb, ticket_to_pb, top_logprobs_to_pb
@@ -93,7 +93,7 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
         self.remote = RemoteKV(self.engine, self.allocator, ReceiverConfig(
             host=config.host, advertise_host=config.advertised_host(redis_url), lease_s=config.kv_lease_s,
             token=cluster_token(config.cluster_secret) if config.cluster_secret else None,
-            tls=server_context(config.tls)))
+            tls=server_context(config.tls), nixl=offers_nixl(config.device, config.kv_transport)))
         self.loop = EngineLoop(self.engine, self._on_outputs, self._hook, name=f"engine-{worker_id}",
                                on_death=engine_died(worker_id))
         self.tier = start_tier(self.engine, self.loop.call, config.kv_store, redis_url, namespace,

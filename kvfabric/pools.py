@@ -106,6 +106,12 @@ when it offers it and no transport is forced (benchmarks/kvfabric_bandwidth.py; 
 KV transport section has the numbers)."""
 
 
+def offers_nixl(device: str, transport: str | None) -> bool:
+    """Whether a receiver of a worker on `device` registers its pool with NIXL: when the
+    cluster's transport is nixl, or when the defaults take nixl in some case (`NIXL_FIRST`)."""
+    return transport == "nixl" or any(NIXL_FIRST[(device_kind(device), same)] for same in (True, False))
+
+
 def pick_transport(src_device: str, dst_device: str, same_host: bool, offered: tuple[str, ...],
                    forced: str | None = None, same_gpu: bool = False, nixl_here: bool = False) -> str:
     """The transport from a pool on `src_device` to a receiver on `dst_device` offering `offered`

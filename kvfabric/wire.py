@@ -31,11 +31,23 @@ MAX_HELLO_BYTES = 64 << 10
 _MAX_IOV = 512  # buffers per sendmsg/recvmsg_into call (Linux allows 1024)
 _LEN = struct.Struct(">I")
 _SOCKET_BUFFER_BYTES = 4 << 20
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 4, 1, 3
+"""A TCP connection silent this long is probed; unanswered probes end it (about 7 s), as does
+data unacknowledged as long (TCP_USER_TIMEOUT): a peer behind a cut link is known gone in
+bounded time, so the reservations of a one-sided writer (nixl across hosts) are fenced and
+freed rather than held while the connection idles."""
 
 
 def tune(sock: socket.socket, io_timeout_s: float) -> None:
     if sock.family != socket.AF_UNIX:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if hasattr(socket, "TCP_KEEPIDLE"):  # Linux
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT,
+                            1000 * (KEEPALIVE_IDLE_S + KEEPALIVE_INTERVAL_S * KEEPALIVE_PROBES))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER_BYTES)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER_BYTES)
     sock.settimeout(io_timeout_s)

@@ -30,6 +30,7 @@ from control.tls import member_channel_sync, member_tls
 from control.auth import unseal
 from control.heartbeat import Heartbeat, TierSpeed, hb_key
 from control.worker_config import NODE_IP
+from kvfabric.nixl import unavailable as nixl_unavailable
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from router.policy import RoutingConfig
@@ -63,8 +64,16 @@ def three_hosts() -> Iterator[dict[str, str]]:
 
 
 @pytest.fixture
-def cluster_hosts(hosts: dict[str, str], tiny_llama_dir: str, tmp_path: Path) -> Iterator[Hosts]:
-    made = Hosts(hosts, tiny_llama_dir, tmp_path)
+def transport() -> str:
+    """The workers' --kv-transport (a test parametrizes it to run over others)."""
+    return "tcp"
+
+
+@pytest.fixture
+def cluster_hosts(hosts: dict[str, str], tiny_llama_dir: str, tmp_path: Path, transport: str) -> Iterator[Hosts]:
+    if transport == "nixl" and (why := nixl_unavailable()) is not None:
+        pytest.skip(why)
+    made = Hosts(hosts, tiny_llama_dir, tmp_path, kv_transport=None if transport == "tcp" else transport)
     try:
         yield made
     finally:
@@ -155,8 +164,12 @@ SCRAPE = metrics_token(b"hosts-test-secret")
 """The /metrics bearer token of the plain-process clusters here (workers bind beyond loopback)."""
 
 
+@pytest.mark.parametrize("transport", ["tcp", "nixl"])
 def test_a_link_cut_mid_transfer_frees_the_reservation_and_the_router_retries(
-        cluster_hosts: Hosts, hosts: dict[str, str], tiny_llama_dir: str) -> None:
+        cluster_hosts: Hosts, hosts: dict[str, str], tiny_llama_dir: str, transport: str) -> None:
+    """(nixl: the writes are one-sided, so the far worker holds the reservation's blocks until
+    its writer is fenced; the cut link ends the control connection within the keepalive's
+    bound, kvfabric/wire.py, and that fences it.)"""
     cluster_hosts.worker("d", "decode", "decode-far", f"{SUBNET}.2.1")
     cluster_hosts.worker("p", "prefill", "prefill-far", f"{SUBNET}.1.1")
     metrics_port = free_port()
@@ -178,6 +191,8 @@ def test_a_link_cut_mid_transfer_frees_the_reservation_and_the_router_retries(
     assert tokens(got) == greedy(tiny_llama_dir, prompt, 6)
     assert got[-1].route.decode_worker == "decode-near"  # type: ignore[index]
     assert scrape(router)["splitserve:retries_total"] >= 1
+    pushed = scrape(cluster_hosts.metrics_address("prefill-far"), token=SCRAPE)
+    assert pushed[f"splitserve:kv_transfer_blocks_total,role=prefill,transport={transport}"] >= 16  # the prefix's
     sh("ip", "link", "set", hosts["d_link"], "up")
     idle = ("kv_reservations", "kv_cache_usage_perc", "num_requests_running", "num_requests_waiting")
     wait_for("decode-far idle again",

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from kvfabric.errors import HandshakeError
-from kvfabric.pools import device_kind, gpu_extra, kv_allocator, pick_transport
+from kvfabric.pools import NIXL_FIRST, device_kind, gpu_extra, kv_allocator, offers_nixl, pick_transport
 from kvfabric.region import ShmKVAllocator
 
 CPU_OFFER = ("shm", "tcp")
@@ -53,6 +53,27 @@ def test_nccl_is_never_chosen_between_two_processes_on_one_gpu() -> None:
         with pytest.raises(HandshakeError, match="nccl cannot join two processes on one GPU") as e:
             pick_transport("cuda", "cuda", True, offered, forced, same_gpu=True)
         assert e.value.field == "transport"
+
+
+def test_nixl_is_taken_where_forced_or_first_by_the_measured_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forced, nixl needs the receiver to offer it and NIXL here; otherwise each case's default
+    (`NIXL_FIRST`, from benchmarks/kvfabric_bandwidth.py) decides, and no offer changes the rest."""
+    offer = (*CPU_OFFER, "nixl")
+    assert pick_transport("cpu", "cpu", False, offer, forced="nixl", nixl_here=True) == "nixl"
+    assert pick_transport("cuda", "cuda", True, (*GPU_OFFER, "nixl"), forced="nixl", nixl_here=True) == "nixl"
+    with pytest.raises(HandshakeError, match="nixl needs a receiver offering it") as e:
+        pick_transport("cpu", "cpu", False, CPU_OFFER, forced="nixl", nixl_here=True)
+    assert e.value.field == "transport"
+    with pytest.raises(HandshakeError, match="nixl needs NIXL here: pip install nixl-cu12"):
+        pick_transport("cpu", "cpu", False, offer, forced="nixl", nixl_here=False)
+    for same_host, other in ((True, "shm"), (False, "tcp")):
+        monkeypatch.setitem(NIXL_FIRST, ("cpu", same_host), True)
+        assert pick_transport("cpu", "cpu", same_host, offer, nixl_here=True) == "nixl"
+        assert pick_transport("cpu", "cpu", same_host, offer, nixl_here=False) == other  # NIXL not loadable here
+        assert pick_transport("cpu", "cpu", same_host, CPU_OFFER, nixl_here=True) == other  # not offered
+        monkeypatch.setitem(NIXL_FIRST, ("cpu", same_host), False)
+        assert pick_transport("cpu", "cpu", same_host, offer, nixl_here=True) == other
+    assert not offers_nixl("cpu", None) and offers_nixl("cpu", "nixl")  # the defaults take nixl nowhere (yet)
 
 
 def test_cpu_pools_come_from_shared_memory_and_other_devices_are_refused() -> None:
