@@ -98,6 +98,7 @@ def enter_netns(name: str | None) -> None:
 def cross_host() -> Iterator[tuple[str, str, str]]:
     """A network namespace behind a veth pair: (its name, this side's address, its address)."""
     ns, outside = f"kvbw{os.getpid() % 100000}", f"kvbw{os.getpid() % 100000}o"
+    VETH_NAMES[:] = [outside, f"{outside[:-1]}i"]
 
     def sh(*cmd: str) -> None:
         subprocess.run(cmd, check=True, capture_output=True)
@@ -116,6 +117,8 @@ def cross_host() -> Iterator[tuple[str, str, str]]:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
+VETH_NAMES: list[str] = []
+"""The veth pair's two ends while `cross_host` runs (this side's, the namespace's)."""
 TLS_SECRET = b"kvfabric-bandwidth-tls"
 
 
@@ -292,23 +295,25 @@ def main() -> None:
         if where not in ("same", "cross"):
             sys.exit(f"--hosts: same or cross, not {where!r}")
         with cross_host() if where == "cross" else contextlib.nullcontext() as hosts, \
-                ucx_over_the_network(where == "cross"):
+                ucx_over_the_network(hosts):
             for shape in args.shapes.split(","):
                 run_shape(SHAPES[shape], shape, counts, copy, hosts, args)
 
 
 @contextlib.contextmanager
-def ucx_over_the_network(cross: bool) -> Iterator[None]:
-    """UCX_TLS=tcp,self while `cross` (unless set): the agents made meanwhile (this process's,
-    and the receiver child's, which inherits it) move bytes over the veth, not around it."""
-    if not cross or "UCX_TLS" in os.environ:
-        yield
-        return
-    os.environ["UCX_TLS"] = "tcp,self"
+def ucx_over_the_network(hosts: tuple[str, str, str] | None) -> Iterator[None]:
+    """Across `hosts`: UCX over TCP on the veth alone (UCX_TLS, UCX_NET_DEVICES: both ends of
+    the pair; each side has one of them), unless set. The agents made meanwhile (this
+    process's, and the receiver child's, which inherits it) move bytes over the veth, not
+    around it, and never from another interface whose address the namespace cannot answer."""
+    wanted = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": ",".join(VETH_NAMES)} if hosts is not None else {}
+    added = {k: v for k, v in wanted.items() if k not in os.environ}
+    os.environ.update(added)
     try:
         yield
     finally:
-        del os.environ["UCX_TLS"]
+        for k in added:
+            del os.environ[k]
 
 
 def run_shape(layout: FabricLayout, shape: str, counts: list[int], copy: CopyBytes, hosts: tuple[str, str, str] | None,

@@ -5,8 +5,10 @@ memory on CPU (same-host senders copy straight into it), a dedicated cudaMalloc 
 (exported as a CUDA IPC handle). `pool_region(tensor)` sees a pool as blocks of bytes
 for kvfabric, `exports(allocator)` is what a receiver offers senders. `pick_transport`
 is the rule: same host -> `shm` (CPU) or `cuda_ipc` (GPU, also across two GPUs of one
-host); other hosts -> `tcp` (CPU) or `nccl` (GPU), never nccl within one GPU. `require_cupy` gives one clear error
-at start-up when a GPU pool cannot use the GPU transports.
+host); other hosts -> `tcp` (CPU) or `nccl` (GPU), never nccl within one GPU; `nixl` where
+forced or where the measured defaults take it (`NIXL_FIRST`) and the receiver offers it
+(`offers_nixl`). `require_cupy` gives one clear error at start-up when a GPU pool cannot use
+the GPU transports.
 """
 from __future__ import annotations
 
