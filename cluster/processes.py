@@ -16,6 +16,7 @@ from control.auth import check_private
 from control.tls import SERVER_NAME, MemberTLS, given_tls
 from control.worker_config import NO_SECRET
 from kvfabric.config import TRANSPORTS
+from kvfabric.nixl import unavailable as nixl_unavailable
 from engine.config import SpeculativeConfig
 from engine.kv_sizing import DEFAULT_CPU_KV_FRACTION
 from router.reasoning import REASONING_PARSERS
@@ -304,7 +305,9 @@ def _kv_store(args: argparse.Namespace) -> int:
         config = StoreConfig(model_path(args.model), args.kv_store_mib << 20, args.block_size, args.dtype,
                              args.model_id, args.host, args.advertise_host, args.port, required_secret(),
                              args.kv_store_dir, int(args.kv_store_disk_gib * 2**30), args.kv_store_direct_io,
-                             args.internal_tls, given_tls_of(args))
+                             args.internal_tls, given_tls_of(args), args.kv_transport)
+        if args.kv_transport == "nixl" and (why := nixl_unavailable()) is not None:
+            raise ValueError(f"--kv-transport nixl: {why}")
         redis_url = redis_url_of(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -386,6 +389,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     k.add_argument("--kv-store-dir", help="a directory (an SSD) for the blocks memory evicts")
     k.add_argument("--kv-store-disk-gib", type=float, default=0.0, help="how much of --kv-store-dir to fill")
     k.add_argument("--kv-store-direct-io", action="store_true", help="the spill file with O_DIRECT (no page cache)")
+    k.add_argument("--kv-transport", choices=("shm", "tcp", "nixl"), default=None,
+                   help="as the workers' --kv-transport: nixl moves offloads and fetches through NIXL")
     add_internal_tls_flag(k)
     k.set_defaults(func=_kv_store)
 

@@ -99,7 +99,8 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
         self.tier = start_tier(self.engine, self.loop.call, config.kv_store, redis_url, namespace,
                                self.remote.receiver.config.token, config.tls, config.host,
                                config.advertised_host(redis_url),
-                               registry_key(config.cluster_secret) if config.cluster_secret else None)
+                               registry_key(config.cluster_secret) if config.cluster_secret else None,
+                               kv_transport=config.kv_transport)
         """This host's shared KV tier (kvstore/tier.py), or None."""
         e = self.engine
         facts = ModelFacts(e.model_id, config.block_size, e.model_config.vocab_size, e.max_model_len,

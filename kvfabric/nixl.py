@@ -172,9 +172,17 @@ class NixlLink:
                                   "two (see UCX's message above)") from e
         self._closed = False
 
-    def post(self, posted: Posted, runs: Sequence[Run]) -> None:
-        """Posts the writes of `runs` (every piece of heads) and returns at once."""
+    def post(self, posted: Posted, runs: Sequence[Run], after: Any = None, timeout_s: float = 10.0) -> None:
+        """Posts the writes of `runs` (every piece of heads) and returns at once; device pools:
+        once `after` (the CUDA event of the step that wrote the blocks) has happened, waited
+        for here up to `timeout_s` (NIXL reads the memory as soon as a write is posted)."""
         nixl = self.agent.agent
+        if after is not None:
+            deadline = time.monotonic() + timeout_s
+            while not after.done:
+                if time.monotonic() > deadline:
+                    raise PeerUnavailable(f"the step's CUDA event did not complete within {timeout_s:g} s")
+                time.sleep(POLL_S)
         for piece in self.heads.pieces:
             src = self._descs(self.agent.pools[piece.src_rank], self.heads.sender, piece.src_head, piece, runs, "src")
             dst = self._descs(self.remote_pools[piece.dst_rank], self.heads.receiver, piece.dst_head, piece, runs,

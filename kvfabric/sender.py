@@ -262,7 +262,7 @@ class _Peer:
         rid, src = transfer.ticket.reservation_id, self.sender.region
         spans = [[r.index, r.num_blocks] for r in runs]
         if self.nixl is not None:  # one-sided: posted now, settled before `ready`, reported in it
-            self.nixl.post(transfer.posted, runs)
+            self.nixl.post(transfer.posted, runs, after, self.config.io_timeout_s)
             merge_spans(transfer.unreported, spans)
             return
         if isinstance(src, DeviceRegion):

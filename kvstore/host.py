@@ -69,6 +69,8 @@ class StoreConfig:
     """As the workers' (`WorkerConfig.internal_tls`): mutual TLS with them."""
     given_tls: MemberTLS | None = field(default=None, repr=False)
     """As the workers' (`WorkerConfig.given_tls`)."""
+    kv_transport: str | None = None
+    """As the workers' (`WorkerConfig.kv_transport`): nixl offers and pushes over NIXL too."""
 
 
 class StoreHost:
@@ -102,7 +104,8 @@ class StoreHost:
         layout = store_layout(c.model_dir, c.model_id or "", c.block_size, c.dtype)
         tls = tls_of(c.cluster_secret, c.internal_tls, c.given_tls)
         self.store = open_store(layout, c.capacity_bytes, host, advertised, c.cluster_secret, store_id=self.store_id,
-                                disk_dir=c.disk_dir, disk_bytes=c.disk_bytes, disk_direct=c.disk_direct, tls=tls)
+                                disk_dir=c.disk_dir, disk_bytes=c.disk_bytes, disk_direct=c.disk_direct, tls=tls,
+                                kv_transport=c.kv_transport)
         self.server, port = await serve(self.store, host, c.port, c.cluster_secret, tls)
         self.address = f"{advertised}:{port}"
         from control.metrics_http import MetricsServer

@@ -38,14 +38,15 @@ logger = logging.getLogger(__name__)
 class Offloads:
     def __init__(self, call: Callable[[Callable[[LLMEngine], Any]], Any], pools: WorkerPools,
                  host: HostCopies | None, counters: Any, address: Callable[[], str], token: str | None,
-                 tls: MemberTLS | None, metadata: tuple[tuple[str, str], ...], timeout_s: float, max_blocks: int) -> None:
+                 tls: MemberTLS | None, transport: str | None, metadata: tuple[tuple[str, str], ...], timeout_s: float,
+                 max_blocks: int) -> None:
         """`call`: runs a function on the engine thread; `counters`: the tier's (offered,
         offloaded, failures, skipped); `address`: the store's gRPC address now (it changes when
         the tier finds a restarted store)."""
         self.call, self.pools, self.host, self.counters, self.address = call, pools, host, counters, address
         self.metadata, self.timeout_s, self.max_blocks, self.tls = metadata, timeout_s, max_blocks, tls
         self.sender = FabricSender(pools.layout, [host.region] if host else pools.regions,
-                                   SenderConfig(token=token, tls=client_context(tls)))
+                                   SenderConfig(token=token, tls=client_context(tls), transport=transport))
         self.held = 0
         """Engine thread: blocks held for offloads now."""
         self._ids = itertools.count(1)

@@ -18,6 +18,7 @@ import grpc
 from control.auth import TokenCheck, cluster_token
 from control.tls import MemberTLS, add_member_port, client_context, server_context
 from kvfabric import FabricLayout, ReceiverConfig, SenderConfig
+from kvfabric.pools import offers_nixl
 from kvfabric.region import CopyBytes
 from kvstore.disk import DiskTier, slot_bytes
 from kvstore.store import KVStore
@@ -92,10 +93,10 @@ async def serve(store: KVStore, host: str, port: int, secret: bytes | None,
 def open_store(layout: FabricLayout, capacity_bytes: int, host: str, advertise_host: str | None,
                secret: bytes | None, copy: CopyBytes = ctypes.memmove, store_id: str = "",
                disk_dir: str | None = None, disk_bytes: int = 0, disk_direct: bool = False,
-               tls: MemberTLS | None = None) -> KVStore:
+               tls: MemberTLS | None = None, kv_transport: str | None = None) -> KVStore:
     """A store of `capacity_bytes` of blocks, its kvfabric listener on `host`; with `disk_dir`,
     up to `disk_bytes` more of them spilled into a file there (kvstore/disk.py), with O_DIRECT
-    where `disk_direct`."""
+    where `disk_direct`; `kv_transport`: the workers' (nixl: offers and pushes over NIXL too)."""
     token = cluster_token(secret) if secret else None
     num_blocks = capacity_bytes // layout.block_bytes
     if num_blocks < 1:
@@ -103,5 +104,5 @@ def open_store(layout: FabricLayout, capacity_bytes: int, host: str, advertise_h
     disk = DiskTier(disk_dir, disk_bytes // slot_bytes(layout.block_bytes, disk_direct), layout.block_bytes,
                     disk_direct) if disk_dir else None
     return KVStore(layout, num_blocks, ReceiverConfig(host=host, advertise_host=advertise_host, token=token,
-                                                      tls=server_context(tls)),
-                   SenderConfig(token=token, tls=client_context(tls)), copy, store_id, disk)
+                                                      tls=server_context(tls), nixl=offers_nixl("cpu", kv_transport)),
+                   SenderConfig(token=token, tls=client_context(tls), transport=kv_transport), copy, store_id, disk)

@@ -46,7 +46,7 @@ from kvfabric import (
     ReceiverConfig,
     TransferFailed,
 )
-from kvfabric.pools import worker_pools
+from kvfabric.pools import offers_nixl, worker_pools
 from kvstore.host import StoreEntry, find_store
 from kvstore.host_copy import HostCopies
 from kvstore.offload import Offloads
@@ -79,14 +79,15 @@ class KVTier:
                  tls: MemberTLS | None = None, host: str = "127.0.0.1", advertise_host: str | None = None, timeout_s: float = 5.0,
                  min_blocks: int = 1, max_offload_blocks: int = 4096, store_id: str = "",
                  resolve: Callable[[], StoreEntry | None] | None = None, staging_blocks: int = 1024,
-                 through_host: bool | None = None) -> None:
+                 through_host: bool | None = None, kv_transport: str | None = None) -> None:
         """`address`: the store's gRPC host:port; `store_id`: its KV event stream's id
         (heartbeats name it, routers index it); `resolve`: finds the host's store again after it
         went away (a restarted store listens elsewhere); `staging_blocks`: how many fetched
         blocks may wait for the engine at once (more: a fetch is skipped); `through_host`: the
         pool's blocks cross host rows of their own (kvstore/host_copy.py) both ways, as a GPU
         pool's must (None: where the pool is on a GPU); `tls`: the worker's identity for mutual TLS
-        with the store (None: plain)."""
+        with the store (None: plain); `kv_transport`: the worker's (nixl: fetches land and
+        offloads leave through NIXL)."""
         self.engine, self.call, self.address, self.store_id = engine, call, address, store_id
         self.resolve = resolve
         self._resolved_at = 0.0
@@ -104,7 +105,8 @@ class KVTier:
         self.host = HostCopies(engine.kv_pool.tensor, HOST_ROWS) if through_host else None
         """A device pool's way to and from host memory (None: the pool is host memory)."""
         self.receiver = FabricReceiver(self.staging.layout, self.staging.region, ReceiverConfig(
-            host=host, advertise_host=advertise_host, token=token, tls=server_context(tls)), shm=self.staging.segment)
+            host=host, advertise_host=advertise_host, token=token, tls=server_context(tls),
+            nixl=offers_nixl("cpu", kv_transport)), shm=self.staging.segment)
         self.counters = TierCounters()
         self.times = FetchTimes()
         self._ids = itertools.count(1)
@@ -118,7 +120,7 @@ class KVTier:
         self._far: dict[str, pb_grpc.KVStoreStub] = {}
         self._far_channels: list[grpc.aio.Channel] = []
         self._stop = threading.Event()
-        self.offloads = Offloads(call, self.pools, self.host, self.counters, lambda: self.address, token, tls,
+        self.offloads = Offloads(call, self.pools, self.host, self.counters, lambda: self.address, token, tls, kv_transport,
                                  self.metadata, timeout_s, max_offload_blocks)
         self._events = threading.Thread(target=self._receiver_events, name="kvtier-events", daemon=True)
         self._events.start()
@@ -342,7 +344,7 @@ class KVTier:
 
 def start_tier(engine: LLMEngine, call: EngineCall, kv_store: str | None, redis_url: str | None, namespace: str,
                token: str | None, tls: MemberTLS | None, host: str, advertise_host: str | None,
-               seal_key: bytes | None = None) -> KVTier | None:
+               seal_key: bytes | None = None, kv_transport: str | None = None) -> KVTier | None:
     """A worker's tier: `kv_store` "local" (this host's store, from Redis: its entry must be
     sealed with `seal_key`, when given) or HOST:PORT; None when none is configured or none is
     registered for this host (then it serves without one)."""
@@ -354,9 +356,10 @@ def start_tier(engine: LLMEngine, call: EngineCall, kv_store: str | None, redis_
             logger.warning("no KV store is registered for this host: serving without the shared KV tier")
             return None
         return KVTier(engine, call, entry.address, token, tls, host, advertise_host, store_id=entry.store_id,
-                      resolve=lambda: find_store(redis_url, namespace, timeout_s=0, seal_key=seal_key))
+                      resolve=lambda: find_store(redis_url, namespace, timeout_s=0, seal_key=seal_key),
+                      kv_transport=kv_transport)
     return KVTier(engine, call, kv_store, token, tls, host, advertise_host,
-                  store_id=_store_id(kv_store, token, tls))
+                  store_id=_store_id(kv_store, token, tls), kv_transport=kv_transport)
 
 
 def _store_id(address: str, token: str | None, tls: MemberTLS | None) -> str:

@@ -114,7 +114,8 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
                                cluster_token(config.cluster_secret) if config.cluster_secret else None, config.tls,
                                config.host,
                                config.advertised_host(redis_url),
-                               registry_key(config.cluster_secret) if config.cluster_secret else None)
+                               registry_key(config.cluster_secret) if config.cluster_secret else None,
+                               kv_transport=config.kv_transport)
         """This host's shared KV tier (kvstore/tier.py), or None."""
         e = self.engine
         facts = ModelFacts(e.model_id, config.block_size, e.model_config.vocab_size, e.max_model_len,

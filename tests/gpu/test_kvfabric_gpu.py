@@ -1,6 +1,7 @@
 """kvfabric's GPU transports: cuda_ipc between two processes on one GPU (and two senders into one
 pool at once, and a push that must wait for the stream that wrote its blocks), nccl to itself,
-and nccl between two processes on two GPUs. Need CUDA and CuPy (the `gpu` extra)."""
+nccl between two processes on two GPUs, and nixl between two processes on one GPU (device
+memory registered with NIXL: needs NIXL's wheel too). Need CUDA and CuPy (the `gpu` extra)."""
 from __future__ import annotations
 
 import contextlib
@@ -25,11 +26,11 @@ def _needs_cupy() -> None:
     pytest.importorskip("cupy")
 
 
-def receiver_child(pipe: Connection, device: int, use_ipc: bool, lease_s: float = 30.0) -> None:
+def receiver_child(pipe: Connection, device: int, use_ipc: bool, lease_s: float = 30.0, nixl: bool = False) -> None:
     torch.cuda.set_device(device)
     allocator = CudaIpcKVAllocator()
     pool = allocator.allocate((NUM_BLOCKS, LAYOUT.block_bytes // 2), torch.bfloat16, f"cuda:{device}")
-    receiver = FabricReceiver(LAYOUT, DeviceRegion.from_tensor(pool), ReceiverConfig(lease_s=lease_s),
+    receiver = FabricReceiver(LAYOUT, DeviceRegion.from_tensor(pool), ReceiverConfig(lease_s=lease_s, nixl=nixl),
                               cuda_ipc_handle=allocator.ipc_handle if use_ipc else None)
     pipe.send(receiver.address.to_wire())
     while True:
@@ -56,7 +57,8 @@ def run_pair(transport: str, sender_device: int, receiver_device: int, written_l
     that stream's event, not for the host (a copy that ignored it would read zeros)."""
     ctx = mp.get_context("spawn")
     pipe, child = ctx.Pipe()
-    proc = ctx.Process(target=receiver_child, args=(child, receiver_device, transport == "cuda_ipc"), daemon=True)
+    proc = ctx.Process(target=receiver_child, args=(child, receiver_device, transport == "cuda_ipc", 30.0,
+                                                   transport == "nixl"), daemon=True)
     proc.start()
     try:
         assert pipe.poll(120)
@@ -96,6 +98,17 @@ def test_cuda_ipc_between_two_processes_on_one_gpu() -> None:
 
 def test_a_cuda_ipc_push_waits_for_the_event_of_the_stream_that_wrote_its_blocks() -> None:
     run_pair("cuda_ipc", 0, 0, written_late=True)
+
+
+@pytest.mark.parametrize("written_late", [False, True])
+def test_nixl_between_two_processes_on_one_gpu(written_late: bool) -> None:
+    """Device memory registered with NIXL on both sides (VRAM), written one-sided; a write
+    posted only once the stream that wrote its blocks got there."""
+    from kvfabric.nixl import unavailable
+
+    if (why := unavailable()) is not None:
+        pytest.skip(why)
+    run_pair("nixl", 0, 0, written_late=written_late)
 
 
 def test_nccl_send_to_self() -> None:

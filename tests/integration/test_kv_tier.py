@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from engine.request import SamplingParams
+from kvfabric.nixl import unavailable as nixl_unavailable
 from kvstore.service import open_store, serve, store_layout
 from kvstore.store import KVStore
 from proto import generate_pb2 as pb
@@ -41,16 +42,17 @@ def reference_tokens(model_dir: str, prompts: list[list[int]]) -> list[list[int]
 
 @contextlib.asynccontextmanager
 async def served_store(model_dir: str, capacity_blocks: int, num_workers: int, pool_blocks: int = 40,
-                       disk_dir: str | None = None, disk_blocks: int = 0,
-                       device: str = "cpu") -> AsyncIterator[tuple[KVStore, tuple]]:
+                       disk_dir: str | None = None, disk_blocks: int = 0, device: str = "cpu",
+                       kv_transport: str | None = None) -> AsyncIterator[tuple[KVStore, tuple]]:
     """A store of `capacity_blocks` (and `disk_blocks` spilled in `disk_dir`) serving here, and
-    `num_workers` workers of `pool_blocks` on `device` using it; all closed after."""
+    `num_workers` workers of `pool_blocks` on `device` using it; all closed after. `kv_transport`:
+    the store's and the workers' (nixl: offloads and fetches through NIXL)."""
     layout = store_layout(model_dir, make_engine(model_dir, num_blocks=8).model_id, BLOCK, "float32")
     store = open_store(layout, capacity_blocks * layout.block_bytes, "127.0.0.1", None, None, disk_dir=disk_dir,
-                       disk_bytes=disk_blocks * layout.block_bytes)
+                       disk_bytes=disk_blocks * layout.block_bytes, kv_transport=kv_transport)
     server, port = await serve(store, "127.0.0.1", 0, None)
-    workers = tuple(TierWorker(model_dir, f"127.0.0.1:{port}", num_blocks=pool_blocks, device=device)
-                    for _ in range(num_workers))
+    workers = tuple(TierWorker(model_dir, f"127.0.0.1:{port}", num_blocks=pool_blocks, device=device,
+                               kv_transport=kv_transport) for _ in range(num_workers))
     try:
         yield store, workers
     finally:
@@ -67,12 +69,16 @@ async def wait_for(check, timeout_s: float = 20.0) -> None:
         await asyncio.sleep(0.05)
 
 
-def test_an_evicted_prefix_comes_back_from_the_store_with_the_tokens_of_a_recompute(tiny_llama_dir: str) -> None:
+@pytest.mark.parametrize("kv_transport", [None, "nixl"])
+def test_an_evicted_prefix_comes_back_from_the_store_with_the_tokens_of_a_recompute(tiny_llama_dir: str,
+                                                                                   kv_transport: str | None) -> None:
+    if kv_transport == "nixl" and (why := nixl_unavailable()) is not None:
+        pytest.skip(why)
     prompt, *others = random_prompts([41, 38, 38, 38, 38], 512, seed=3)
     want, *_ = reference_tokens(tiny_llama_dir, [prompt])
 
     async def run() -> None:
-        async with served_store(tiny_llama_dir, 4096, 2) as (store, (a, b)):
+        async with served_store(tiny_llama_dir, 4096, 2, kv_transport=kv_transport) as (store, (a, b)):
             assert await a.generate(prompt) == (0, want, 0)  # the store is empty: computed, then offered
             await wait_for(lambda: asyncio.sleep(0, store.lookup(a.engine.hasher.hash_prompt(prompt)[:10]) == 10))
             for other in others:  # 40 blocks of pool: these evict the first prompt's blocks
@@ -95,6 +101,9 @@ def test_an_evicted_prefix_comes_back_from_the_store_with_the_tokens_of_a_recomp
             assert stats.bytes_out == 20 * store.layout.block_bytes
             store.check()
             assert store.receiver.num_reservations() == 0
+            if kv_transport == "nixl":  # offloads into the store and fetches out of it, both through NIXL
+                assert {p.transport for p in a.tier.offloads.sender._peers.values()} == {"nixl"}
+                assert {p.transport for p in store.sender._peers.values()} == {"nixl"}
 
     asyncio.run(run())
 

@@ -27,7 +27,7 @@ class TierWorker:
 
     def __init__(self, model_dir: str, store_address: str, num_blocks: int = 40,
                  redis: tuple[str, str] | None = None, tp: int = 1, through_host: bool | None = None,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", kv_transport: str | None = None) -> None:
         """`redis`: (url, namespace) to find the host's store there as a worker configured
         with `kv_store="local"` does (`start_tier`), `store_address` unused; `tp`: the
         worker's tensor-parallel degree (its ranks children of this process: one split worker
@@ -43,7 +43,8 @@ class TierWorker:
         self._cached: dict[str, int] = {}
         self.loop = EngineLoop(self.engine, self._on_outputs, self._hook, name="tier-test-engine")
         if redis is None:
-            self.tier = KVTier(self.engine, self.loop.call, store_address, timeout_s=10, through_host=through_host)
+            self.tier = KVTier(self.engine, self.loop.call, store_address, timeout_s=10, through_host=through_host,
+                               kv_transport=kv_transport)
         else:
             tier = start_tier(self.engine, self.loop.call, "local", redis[0], redis[1], None, None, "127.0.0.1", None)
             assert tier is not None, "no store registered for this host"
