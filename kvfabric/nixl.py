@@ -116,13 +116,20 @@ class Agent:
         """Remote agents added, and how many links use each."""
         self.closed = False
 
+    def live(self) -> Any:
+        """The NIXL agent; PeerUnavailable once closed."""
+        agent = self.agent
+        if agent is None:
+            raise PeerUnavailable(f"NIXL agent {self.name} is closed")
+        return agent
+
     def metadata(self) -> bytes:
         """What a peer adds to reach this agent's registered memory (`add_remote`)."""
-        return bytes(self.agent.get_agent_metadata())
+        return bytes(self.live().get_agent_metadata())
 
     def add_remote(self, metadata: bytes) -> str:
         with _lock:
-            name = self.agent.add_remote_agent(metadata)
+            name = self.live().add_remote_agent(metadata)
             name = name.decode() if isinstance(name, bytes) else str(name)
             self._remotes[name] = self._remotes.get(name, 0) + 1
             return name
@@ -134,20 +141,25 @@ class Agent:
                 self._remotes[name] = left
                 return
             self._remotes.pop(name, None)
-            if not self.closed:
+            if self.agent is not None:
                 try:
                     self.agent.remove_remote_agent(name)
                 except Exception as e:  # noqa: BLE001 - best effort at teardown
                     logger.debug("kvfabric: NIXL remove_remote_agent(%s): %s", name, e)
 
     def close(self) -> None:
-        if self.closed:
+        """Deregisters the pools and ends the agent (its UCX worker and progress thread) now,
+        not whenever the last reference happens to be collected."""
+        with _lock:
+            agent, self.agent = self.agent, None
+            self.closed = True
+        if agent is None:
             return
-        self.closed = True
         try:
-            self.agent.deregister_memory(self._registered)
+            agent.deregister_memory(self._registered)
         except Exception as e:  # noqa: BLE001 - best effort at teardown
             logger.debug("kvfabric: NIXL deregister_memory: %s", e)
+        del agent
 
 
 class Posted:
@@ -176,7 +188,7 @@ class NixlLink:
         """Posts the writes of `runs` (every piece of heads) and returns at once; device pools:
         once `after` (the CUDA event of the step that wrote the blocks) has happened, waited
         for here up to `timeout_s` (NIXL reads the memory as soon as a write is posted)."""
-        nixl = self.agent.agent
+        nixl = self.agent.live()
         if after is not None:
             deadline = time.monotonic() + timeout_s
             while not after.done:
@@ -221,7 +233,9 @@ class NixlLink:
     def settle(self, posted: Posted, timeout_s: float) -> None:
         """Waits until every posted write completed; PeerUnavailable when one failed or did not
         complete within `timeout_s` (those are released: NIXL cancels what is still queued)."""
-        nixl = self.agent.agent
+        if not posted.handles:
+            return
+        nixl = self.agent.live()
         deadline = time.monotonic() + timeout_s
         try:
             while posted.handles:
