@@ -150,8 +150,9 @@ def run_pytest(c: Check, timeout_s: float) -> None:
     log = c.out / "pytest_gpu.log"
     try:
         # a test that hangs is ended at 90 s with its traceback, not the whole phase
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfEs", "--tb=short", "--timeout", "90",
-                            "-p", "no:cacheprovider", "tests/gpu"],
+        # in this process, without the suite's addopts (`-n 2`: the device image has no pytest-xdist)
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-rfEs", "--tb=short",
+                            "--timeout", "90", "-p", "no:cacheprovider", "tests/gpu"],
                            cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
         text, rc = r.stdout + r.stderr, r.returncode
     except subprocess.TimeoutExpired as e:

@@ -13,6 +13,9 @@ same core count; arms run one after the other in this process):
             engine-thread time spent in kvfabric per request
   prefix    cache-aware vs round-robin routing (2 prefill + 2 decode) on a shared-prefix
             workload: TTFT p50 ratio and prefix hit rates
+  transport 1 prefill + 1 decode on two separate hosts (root, iproute2: network namespaces),
+            one --long-len-token prompt at a time (default 4,096), the KV over tcp vs over
+            nixl (UCX over the veth): TTFT p50 ratio nixl / tcp and each arm's hand-off time
 
 overhead --cross-host (root, iproute2): each arm's two workers run as plain processes on
 two separate hosts (network namespaces, `separate_hosts.py`), the router here, so the KV
@@ -114,7 +117,7 @@ def mixed_items(n: int, long_len: int, long_every: int, decode_output_len: int, 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--scenario", choices=("mixed", "overhead", "long_prompt", "prefix"), required=True)
+    p.add_argument("--scenario", choices=("mixed", "overhead", "long_prompt", "prefix", "transport"), required=True)
     p.add_argument("--size", choices=("tiny", "small"), default="tiny")
     p.add_argument("--num-requests", type=int, default=48)
     p.add_argument("--rate", type=float, default=4.0)
@@ -140,12 +143,19 @@ def main() -> int:
     p.add_argument("--cross-host", action="store_true", help="overhead: each arm's workers on two separate hosts")
     p.add_argument("--per-request-dir", default=None, help="write each arm's requests there, one JSON line each")
     args = p.parse_args()
-    long_prompt = args.scenario == "long_prompt"
+    long_prompt = args.scenario in ("long_prompt", "transport")
     args.long_len = args.long_len or (4096 if long_prompt else 768)
     args.kv_cache_mib = args.kv_cache_mib or (256 if long_prompt else 64)
     model_dir = str(make_tiny_model(Path(tempfile.mkdtemp()) / "m", arch="llama", size=args.size, seed=0))
     if args.scenario == "prefix":
         ratios = _prefix(args, model_dir)
+    elif args.scenario == "transport":
+        items, warm = long_prompts(args.num_requests, args.long_len, args.seed), long_prompts(2, args.long_len, 99)
+        arms = {t: run_cross_host_arm(t, args, model_dir, items, "disaggregated", warm, kv_transport=t)
+                for t in ("tcp", "nixl")}
+        ratios = {"ttft_p50_nixl_over_tcp": _ratio(arms["nixl"]["ttft_p50_ms"], arms["tcp"]["ttft_p50_ms"]),
+                  "ttft_p50_ms": {t: a["ttft_p50_ms"] for t, a in arms.items()},
+                  "handoff_ms": {t: a.get("handoff_ms") for t, a in arms.items()}}
     elif args.scenario == "mixed":
         items = mixed_items(args.num_requests, args.long_len, args.long_every, args.decode_output_len, args.seed)
         d, c = _disagg_vs_coloc(args, model_dir, items, args.rate, None, args.disagg_mode, WARM)
@@ -189,11 +199,12 @@ def _overhead(d: dict[str, object], c: dict[str, object]) -> dict[str, object]:
 
 
 def run_cross_host_arm(name: str, args: argparse.Namespace, model_dir: str, items: list[Item], mode: str,
-                       warm: list[Item]) -> dict[str, object]:
+                       warm: list[Item], kv_transport: str | None = None) -> dict[str, object]:
     """One request at a time through a router here to two workers on separate hosts: prefill
-    on host p and decode on host d (disaggregated), or a decode worker on each (colocated)."""
+    on host p and decode on host d (disaggregated), or a decode worker on each (colocated);
+    `kv_transport`: the workers' --kv-transport."""
     with namespaces() as hosts, tempfile.TemporaryDirectory() as tmp:
-        h = Hosts(hosts, model_dir, Path(tmp), args.kv_cache_mib)
+        h = Hosts(hosts, model_dir, Path(tmp), args.kv_cache_mib, kv_transport=kv_transport)
         try:
             started = time.perf_counter()
             first = "prefill" if mode != "colocated" else "decode"
@@ -219,6 +230,7 @@ def run_cross_host_arm(name: str, args: argparse.Namespace, model_dir: str, item
         finally:
             h.stop()
     print(json.dumps({"benchmark": "serving_compare", "arm": name, "cross_host": True, "mode": mode,
+                      "kv_transport": kv_transport,
                       "startup_s": round(startup_s, 1), "results": result}), flush=True)
     return result
 

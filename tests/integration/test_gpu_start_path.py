@@ -91,7 +91,11 @@ def test_the_workers_start_and_hand_off_with_the_gpu_kernels() -> None:
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)}
-    test = "tests/integration/test_disaggregated_kv.py::test_disaggregated_greedy_equals_transformers_with_chunked_pushes"
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{test}[shm]"], cwd=root,
+    # two requests of 19 and 18 tokens at a 16-token budget: pushes after a chunk, a cached prefix
+    # not sent again, and the tokens of transformers (half the interpreted work of the five-prompt test)
+    test = "tests/integration/test_disaggregated_kv.py::test_cached_prefix_on_decode_is_not_sent_again"
+    # in one process (the suite's addopts would start two xdist workers for this one test)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider",
+                        f"{test}[shm]"], cwd=root,
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "1 passed" in r.stdout, (r.stdout + r.stderr)[-4000:]
