@@ -177,6 +177,7 @@ class NixlLink:
             raise FabricError(f"the receiver names {len(remote_pools)} NIXL pools for {heads.receiver.world} ranks")
         self.agent, self.heads = agent, heads
         self.remote_pools = [tuple(int(x) for x in p) for p in remote_pools]
+        self._lock = threading.Lock()
         try:
             self.remote = agent.add_remote(remote_metadata)
         except Exception as e:  # noqa: BLE001 - nixlBind's own errors: UCX found no way to the receiver
@@ -188,6 +189,8 @@ class NixlLink:
         """Posts the writes of `runs` (every piece of heads) and returns at once; device pools:
         once `after` (the CUDA event of the step that wrote the blocks) has happened, waited
         for here up to `timeout_s` (NIXL reads the memory as soon as a write is posted)."""
+        if self._closed:
+            raise PeerUnavailable(f"the NIXL link to {self.remote} is closed")
         nixl = self.agent.live()
         if after is not None:
             deadline = time.monotonic() + timeout_s
@@ -263,6 +266,9 @@ class NixlLink:
             raise
 
     def close(self) -> None:
-        if not self._closed:
+        """Idempotent, from any thread: later posts are PeerUnavailable."""
+        with self._lock:
+            if self._closed:
+                return
             self._closed = True
-            self.agent.drop_remote(self.remote)
+        self.agent.drop_remote(self.remote)

@@ -147,6 +147,8 @@ class _Peer:
         self.ipc: IpcMapping | None = None
         self.link: NcclLink | None = None
         self.nixl: NixlLink | None = None
+        """Set once, at the handshake; closed with the peer (it refuses posts after), never unset:
+        a push lane and the reader thread may both be looking at it."""
         self._frame_lock = threading.Lock()
         self.map: HeadMap | None = None
         """The receiver's ranks' heads from ours (from its hello_ok)."""
@@ -431,7 +433,6 @@ class _Peer:
                 except FabricError:
                     pass  # released: nothing more of it is ours to wait for
             self.nixl.close()
-            self.nixl = None
 
 
 class FabricSender:
