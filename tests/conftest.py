@@ -29,10 +29,25 @@ xdist's own order is by test count, which ran the one-test `ray up` module, the 
 and alone) then end close together instead of one waiting on a long module picked last."""
 
 
+NIXL_APART = "SPLITSERVE_TEST_NIXL"
+"""The tests parametrized over the nixl transport (their NIXL agents live in the test's own
+process) run in a pytest process of their own, with this set to 1
+(tests/integration/test_nixl_apart.py): in the full suite an xdist worker that had hosted
+NIXL agents died later, in unrelated tests (twice at the same point; root cause not found,
+issue 66). Elsewhere they are skipped, saying where they run."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The slowest modules first (`SLOW_FIRST`), the rest in their order. $SPLITSERVE_TEST_ORDER=
     reverse runs the tests in the reverse order, modules and the tests in each: every test must
-    pass alone and in any order, and this shows it."""
+    pass alone and in any order, and this shows it. The nixl-transport tests: `NIXL_APART`."""
+    if os.environ.get(NIXL_APART) != "1":
+        apart = pytest.mark.skip(reason=f"runs in a process of its own: tests/integration/test_nixl_apart.py "
+                                        f"({NIXL_APART}=1 runs it here)")
+        for item in items:
+            params = getattr(item, "callspec", None)
+            if params is not None and "nixl" in params.params.values():
+                item.add_marker(apart)
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: in-module order kept
     if os.environ.get("SPLITSERVE_TEST_ORDER") == "reverse":

@@ -103,7 +103,7 @@ def test_after_a_timed_out_gpu_copy_the_revoke_is_acked_only_once_the_copy_ended
     from kvfabric.sender import Transfer
 
     peer = object.__new__(_Peer)
-    peer.conn, peer.dead, peer._lock = SentHeaders(), None, threading.Lock()
+    peer.conn, peer.dead, peer._lock, peer.nixl = SentHeaders(), None, threading.Lock(), None
     transfer = object.__new__(Transfer)
     transfer.lock, transfer.revoked, transfer.in_flight = threading.Lock(), None, Stream()
     transfer.ticket = type("K", (), {"reservation_id": 7, "request_id": "r"})()

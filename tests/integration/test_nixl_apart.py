@@ -1,0 +1,31 @@
+"""The tests parametrized over the nixl transport, in a pytest process of their own
+(tests/conftest.py `NIXL_APART`): transfers, the disaggregated hand-off, TP head re-sharding,
+the KV tier's offload and fetch, and the link cut across namespaces, each over NIXL. Their
+NIXL agents run in that process, never in a worker of the main suite."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvfabric.nixl import unavailable
+
+ROOT = Path(__file__).resolve().parents[2]
+MODULES = ("test_kvfabric_transfer", "test_disaggregated_kv", "test_tensor_parallel_kv", "test_kv_tier",
+           "test_separate_hosts")
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def test_the_nixl_variants_pass_in_a_process_of_their_own() -> None:
+    if (why := unavailable()) is not None:
+        pytest.skip(why)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider", "-k", "nixl",
+                        "-rfEs", *(f"tests/integration/{m}.py" for m in MODULES)], cwd=ROOT,
+                       env={**os.environ, "SPLITSERVE_TEST_NIXL": "1"}, capture_output=True, text=True, timeout=840)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and " passed" in out and "failed" not in out, out[-6000:]
+    assert "skipped" not in out.splitlines()[-1] or os.geteuid() != 0, out[-3000:]  # as root, the namespaces' too
