@@ -17,7 +17,7 @@ import torch  # noqa: E402 (after the thread count is set)
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
-SLOW_FIRST = ("test_ray_up", "test_api", "test_cli", "test_separate_hosts", "test_kv_tier_serving",
+SLOW_FIRST = ("test_ray_up", "test_api", "test_cli", "test_separate_hosts", "test_nixl_apart", "test_kv_tier_serving",
               "test_disaggregated_kv", "test_spec_serving", "test_elastic", "test_sim_validate",
               "test_triton_kernels", "test_controller_restart", "test_parity_transformers", "test_tensor_parallel",
               "test_tensor_parallel_serving", "test_serving", "test_admission_preemption", "test_gpu_start_path",
