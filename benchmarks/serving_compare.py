@@ -42,6 +42,7 @@ from separate_hosts import SUBNET, Hosts, namespaces, scrape  # noqa: E402
 
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig  # noqa: E402
 from cluster.local import LocalCluster, free_port  # noqa: E402
+from control.auth import metrics_token  # noqa: E402
 from engine.tiny_model import make_tiny_model  # noqa: E402
 from router.admission import AdmissionConfig  # noqa: E402
 from router.policy import RoutingConfig  # noqa: E402
@@ -222,7 +223,7 @@ def run_cross_host_arm(name: str, args: argparse.Namespace, model_dir: str, item
             asyncio.run(run_load(address, warm, None, 1))
             result = asyncio.run(run_load(address, items, None, 1))
             if first == "prefill":
-                m = scrape(h.metrics_address("prefill-p"))
+                m = scrape(h.metrics_address("prefill-p"), token=metrics_token(b"hosts-test-secret"))  # Hosts' secret
                 count, total = (sum(v for k, v in m.items() if k.startswith(f"splitserve:kv_transfer_seconds_{part},"))
                                 for part in ("count", "sum"))
                 result["handoff_ms"] = round(total / count * 1e3, 3) if count else None
