@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -34,7 +35,9 @@ NIXL_APART = "SPLITSERVE_TEST_NIXL"
 process) run in a pytest process of their own, with this set to 1
 (tests/integration/test_nixl_apart.py): in the full suite an xdist worker that had hosted
 NIXL agents died later, in unrelated tests (twice at the same point; root cause not found,
-issue 66). Elsewhere they are skipped, saying where they run."""
+issue 66). Elsewhere they are skipped, saying where they run, and no test of the main suite may
+load NIXL at all (`pytest_runtest_teardown`): its wheel bundles its own gRPC and protobuf
+libraries, and a worker holding them segfaulted later when grpc_tools' protoc was imported."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -52,6 +55,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: in-module order kept
     if os.environ.get("SPLITSERVE_TEST_ORDER") == "reverse":
         items.reverse()
+
+
+_nixl_found: list[str] = []
+
+
+@pytest.hookimpl(trylast=True)  # after the test's own teardown
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    """Outside the nixl process (`NIXL_APART`), the test after which NIXL is loaded fails, once."""
+    if os.environ.get(NIXL_APART) != "1" and not _nixl_found:
+        from kvfabric.nixl import MODULES
+
+        _nixl_found.extend(name for name in MODULES if name in sys.modules)
+        assert not _nixl_found, (f"{item.nodeid} loaded NIXL ({', '.join(_nixl_found)}) in a process of the main "
+                                 "suite: test it under tests/integration/test_nixl_apart.py")
 
 
 class FakeClock:
