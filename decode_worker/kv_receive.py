@@ -3,9 +3,10 @@
 Data flow: `reserve()` asks the engine for destination blocks (its cached prefix is
 reused, so only missing blocks travel) and puts them under a kvfabric lease -> `Ticket`
 for the router to hand to a prefill worker. `pump()` applies the receiver's events to
-the engine: `KVArrived` -> `remote_kv_ready` (the request joins the continuous batch
-with its first token) -> `Landed`; `TransferFailed` -> the request ends, its blocks freed or, when
-a one-sided writer may still write, held; `BlocksFenced` -> held blocks are freed.
+the engine through its connector (engine/kv_connector.py): `KVArrived` -> `landed` (the
+request joins the continuous batch with its first token) -> `Landed`; `TransferFailed` ->
+`end` (its blocks freed or, when a one-sided writer may still write, quarantined);
+`BlocksFenced` -> `fenced` (the quarantined blocks freed).
 Events are matched to the reservation a request holds now: an arrival or failure of a
 reservation its request no longer holds (aborted after the sender's `ready`, perhaps
 reserved again under the same id) changes nothing.
@@ -13,7 +14,7 @@ The engine's pool comes from `kvfabric.pools.kv_allocator`: shared memory on CPU
 senders on this host copy straight into it, others use `tcp`), an IPC-exportable
 cudaMalloc on GPU (`cuda_ipc` on this host, `nccl` across hosts). A tensor-parallel
 engine's followers keep their heads in pools of their own, in shared memory on CPU: the
-receiver offers them all (`kvfabric.pools.worker_pools`), so each rank's heads land in its
+receiver offers them all (`kvfabric.pools.memory_pools`), so each rank's heads land in its
 own pool, from whichever prefill rank holds them.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from engine.types import RequestId
 from kvfabric import BlocksFenced, FabricError, FabricReceiver, KVArrived, ReceiverConfig, Ticket
-from kvfabric.pools import KVAllocator, exports, worker_pools
+from kvfabric.pools import KVAllocator, exports, memory_pools, worker_pools
 
 if TYPE_CHECKING:  # annotations only: the module loads without torch (decode_worker/worker.py says why)
     from engine.llm_engine import LLMEngine
@@ -59,15 +60,17 @@ class RemoteKV:
         """`allocator`: the one the engine's pool came from (`kvfabric.pools.kv_allocator`; None: a
         CPU pool not in shared memory, tcp only)."""
         self.engine = engine
+        self.connector = engine.connector
+        """The only way to the engine's blocks (engine/kv_connector.py)."""
+        memory = self.connector.memory
         self.refusal: str | None = None
         """Why this worker takes no pushed KV (a split worker whose ranks' pools it cannot map)."""
         try:
-            self.pools = worker_pools(engine.model_id, engine.kv_pool, engine.model_config.num_kv_heads,
-                                      engine.kv_shards, engine.follower_pools)
+            self.pools = memory_pools(memory)
         except FabricError as e:  # it prefills its own prompts; no sender passes the handshake of rank 0's heads
             self.refusal = str(e)
-            self.pools = worker_pools(engine.model_id, engine.kv_pool)
-        self.block_size = engine.kv_pool.layout.block_size
+            self.pools = worker_pools(memory.model_id, memory.pool)
+        self.block_size = memory.block_size
         offered = exports(allocator)
         if "shm" in offered:
             offered["shm_ranks"] = self.pools.segments
@@ -80,7 +83,7 @@ class RemoteKV:
         priority: int = 0, tenant: str = "", tenant_weight: float = 1.0,
     ) -> Ticket | None:
         """Destination blocks under a lease, or None when the pool cannot hold the prompt now."""
-        res = self.engine.add_remote_request(prompt, params, request_id, priority, tenant, tenant_weight)
+        res = self.connector.reserve(prompt, params, request_id, priority, tenant, tenant_weight)
         if res is None:
             return None
         ticket = self.receiver.expect(res.request_id, [int(b) for b in res.block_ids], res.num_skip_blocks)
@@ -93,17 +96,17 @@ class RemoteKV:
         for ev in self.receiver.poll(timeout_s):
             rid = RequestId(ev.request_id)
             if isinstance(ev, BlocksFenced):
-                self.engine.release_handoff(rid)
+                self.connector.fenced(rid)
             elif self._reservations.get(rid) != ev.reservation_id:
                 logger.debug("%s of reservation %d for %s, which no longer holds it: dropped",
                              type(ev).__name__, ev.reservation_id, rid)
             elif isinstance(ev, KVArrived):
                 del self._reservations[rid]
-                for out in self.engine.remote_kv_ready(rid, ev.first_token_id, ev.choice_token_ids):
+                for out in self.connector.landed(rid, ev.first_token_id, ev.choice_token_ids):
                     results.append(Landed(rid, out, ev.arrived_at - ev.opened_at, ev.trace))
             else:
                 del self._reservations[rid]
-                self.engine.abort(rid, hold_blocks=ev.blocks_held)
+                self.connector.end(rid, writer_may_write=ev.blocks_held)
                 results.append(RemoteFailure(rid, ev.reason))
         return results
 
@@ -111,7 +114,7 @@ class RemoteKV:
         """End a request in any state; blocks a sender may still write stay held until fenced."""
         self._reservations.pop(request_id, None)
         held = self.receiver.cancel(request_id)
-        return self.engine.abort(request_id, hold_blocks=bool(held))
+        return self.connector.end(request_id, writer_may_write=bool(held))
 
     def close(self) -> None:
         self.receiver.close()

@@ -104,7 +104,7 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
         """This host's shared KV tier (kvstore/tier.py), or None."""
         e = self.engine
         facts = ModelFacts(e.model_id, config.block_size, e.model_config.vocab_size, e.max_model_len,
-                           e.kv_pool.num_blocks, e.model_config.kv_window)
+                           e.connector.memory.num_blocks, e.model_config.kv_window)
         self.host = WorkerHost(worker_id, "decode", config, facts, engine_load_reader(self.loop), redis_url, namespace,
                                beat_load=latest_load_reader(self.loop))
         self.host.read_step_model = lambda: self.engine.step_model.latest  # a tuple swapped whole: read from here

@@ -1,13 +1,14 @@
-"""LLMEngine: add_request / abort / step, and the hooks for the prefill and decode roles.
+"""LLMEngine: add_request / abort / step; KV that moves in or out goes through its connector.
 
 One step reads top-down: propose (speculative decoding, engine/speculator.py) -> schedule
 -> run the model (engine/model_runner.py, which owns the device buffers) -> sample (and
 verify proposals) -> update requests -> the role's turn -> outputs (engine/output_builder.py).
 The parts beside the core: the role (engine/roles.py: role `prefill` finishes a request at
 its first token and hands its blocks to the caller's `KVHandoff`; they stay held in the KV
-cache manager until `release_handoff`), a decode worker's reservations for prompts whose
-KV arrives from elsewhere (`add_remote_request`, then `remote_kv_ready`), and the pool's
-size from a profiled forward on GPUs (engine/kv_profile.py).
+cache manager until the connector's `give_back`), the connector (engine/kv_connector.py: the
+one seam through which the P/D hand-off and the KV tier borrow blocks, reserve them for KV
+computed elsewhere and hear what landed or failed), and the pool's size from a profiled
+forward on GPUs (engine/kv_profile.py).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from engine.draft_proposer import DraftProposer
 from engine.hashing import BlockHasher
 from engine.gguf_checkpoint import resolve_model_dir
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_connector import KVConnector
 from engine.kv_pool import KVAllocator, KVLayout, KVPool
 from engine.kv_profile import profiled_pool_bytes
 from engine.kv_sizing import DEFAULT_CPU_KV_BYTES, num_blocks_for
@@ -49,7 +51,7 @@ from engine.spec_verify import Verified
 from engine.speculator import Speculator
 from engine.step_model import PrefillCost, StepModel
 from engine.structured import Grammars
-from engine.outputs import Completion, KVHandoff, RemoteBlocks, RequestOutput
+from engine.outputs import Completion, KVHandoff, RequestOutput
 from engine.types import EngineLoad, InvalidRequestError, RequestId, choice_id
 
 logger = logging.getLogger(__name__)
@@ -115,6 +117,8 @@ class LLMEngine:
         self.speculator = self._speculator(dtype, kernels)
         self.forks = Forks(self)
         """Requests of n choices forked into them (engine/choices.py)."""
+        self.connector = KVConnector(self)
+        """The seam for KV that moves in or out: the P/D hand-off and the KV tier (engine/kv_connector.py)."""
         capture_graphs(self.runner.decode, config.device, graphs)
 
     def release_followers(self) -> None:
@@ -232,42 +236,11 @@ class LLMEngine:
         self.scheduler.add_request(request)
         return request.request_id
 
-    def add_remote_request(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-        tenant: str = "",
-        tenant_weight: float = 1.0,
-    ) -> RemoteBlocks | None:
-        """Decode role: reserve blocks for a prompt computed elsewhere; None if the pool is full."""
-        request = self._new_request(prompt, params, request_id, priority, tenant, tenant_weight)
-        if not self.scheduler.add_remote_request(request):
-            self.outputs.forget(request.request_id)
-            return None
-        return RemoteBlocks(request.request_id, list(request.block_ids), request.num_cached_tokens,
-                            request.num_cached_blocks)
-
-    def remote_kv_ready(self, request_id: RequestId, first_token_id: int,
-                        choice_tokens: Sequence[int] = ()) -> list[RequestOutput]:
-        """Decode role: the reserved blocks hold the prompt's KV; the first token came with it,
-        and with n choices the others' first tokens (`choice_tokens`): it forks into them here."""
-        request = self.scheduler.requests.get(request_id)
-        if request is None:
-            raise InvalidRequestError(f"unknown request {request_id}")
-        return self.forks.landed(request, first_token_id, choice_tokens)
-
-    def abort(self, request_id: str, hold_blocks: bool = False) -> bool:
+    def abort(self, request_id: str) -> bool:
         """Ends the request in any state and frees its blocks (also handed-off ones), except
-        while a transfer uses them (`begin_transfer`): then they are held until `release_handoff`.
-
-        `hold_blocks` begins such a transfer here: the transfer layer's quarantine, while a
-        one-sided writer may still write the blocks.
-        """
+        while a transfer borrowed them (the connector's `lend`, or its quarantine of a failed
+        transfer): then they are held until the connector's `give_back`."""
         rid = RequestId(request_id)
-        if hold_blocks:
-            self.kv.begin_transfer(rid)
         for i in range(1, MAX_CHOICES):  # its other choices, forked from it (engine/choices.py)
             if self.scheduler.abort(choice_id(rid, i)):
                 self.outputs.forget(choice_id(rid, i))
@@ -276,16 +249,6 @@ class LLMEngine:
         self.outputs.forget(rid)
         self.overlap.drain_if_idle()  # its last request gone, a step in flight lands now (its held blocks back)
         return aborted or released
-
-    def begin_transfer(self, request_id: str) -> None:
-        """The transfer layer will use the request's blocks (a push lane reads them) until
-        `release_handoff`; the request may end or be preempted meanwhile: they stay held."""
-        self.kv.begin_transfer(RequestId(request_id))
-
-    def release_handoff(self, request_id: str) -> bool:
-        """The transfer layer is done with the request's blocks (a prefill push's PushDone, a
-        quarantine's fence): those held go back to the pool."""
-        return self.kv.end_transfer(RequestId(request_id))
 
     def _new_request(
         self, prompt: str | Sequence[int], params: SamplingParams | None,

@@ -2,12 +2,12 @@
 branches on the role inside `step`):
 
 - `PrefillRole`: a request ends at its first token; its blocks are held for the transfer
-  layer (`KVCacheManager.hold`, released by `LLMEngine.release_handoff` once pushed) and
+  layer (`KVCacheManager.hold`, given back through the engine's connector once pushed) and
   given to the `KVHandoff`, which also hears after every step that advanced a request
   (a chunk's blocks are ready to push while the next chunk computes);
 - `Role` (both, decode): nothing after a step. A decode worker's reservations for KV
-  computed elsewhere go through the scheduler (`LLMEngine.add_remote_request`,
-  `remote_kv_ready`), outside the step.
+  computed elsewhere go through the connector (engine/kv_connector.py: `reserve`,
+  `landed`), outside the step.
 """
 from __future__ import annotations
 

@@ -88,9 +88,9 @@ def _point(engine: LLMEngine, rng: random.Random, n: int, ctx: int, steps: int) 
     params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
     ids = []
     for _ in range(n):
-        reservation = engine.add_remote_request([rng.randrange(vocab) for _ in range(ctx)], params)
+        reservation = engine.connector.reserve([rng.randrange(vocab) for _ in range(ctx)], params)
         assert reservation is not None, "the profile sized its requests to the pool"
-        engine.remote_kv_ready(reservation.request_id, 0)
+        engine.connector.landed(reservation.request_id, 0)
         ids.append(reservation.request_id)
     times = []
     for i in range(steps):  # step i reads ctx + 1 + i tokens per request

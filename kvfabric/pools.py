@@ -24,6 +24,8 @@ from kvfabric.region import BlockRegion, ShmKVAllocator, ShmSegment
 if TYPE_CHECKING:
     import torch
 
+    from engine.kv_connector import KVMemory
+
 KVAllocator = ShmKVAllocator | CudaIpcKVAllocator
 
 
@@ -84,6 +86,11 @@ def worker_pools(model_id: str, pool: Any, model_kv_heads: int = 0, shards: Sequ
         raise
     regions = [pool_region(pool.tensor), *(BlockRegion(s.data.reshape(-1, layout.block_bytes)) for s in segments)]
     return WorkerPools(layout, regions, segments)
+
+
+def memory_pools(memory: KVMemory) -> WorkerPools:
+    """An engine's pools as its connector describes them (engine/kv_connector.py)."""
+    return worker_pools(memory.model_id, memory.pool, memory.num_kv_heads, memory.shards, memory.followers)
 
 
 def rank_allocator(device: str) -> type[ShmKVAllocator] | None:

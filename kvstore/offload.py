@@ -63,13 +63,11 @@ class Offloads:
                 self.counters.num_offload_skipped += len(ev.block_hashes)
                 continue
             hid = RequestId(f"kvstore-offload-{next(self._ids)}")
-            blocks = e.kv.hold_cached(hid, ev.block_hashes)
-            if not blocks:
-                e.kv.release(hid)
+            lent = e.connector.lend_cached(hid, ev.block_hashes)
+            if not lent:
                 continue
-            hashes = [e.block_pool.block_hash(b) for b in blocks]
-            self.held += len(blocks)
-            self._queue.put((hid, hashes, [int(b) for b in blocks]))  # type: ignore[arg-type]
+            self.held += len(lent)
+            self._queue.put((hid, [h for _, h in lent], [int(b) for b, _ in lent]))
 
     def close(self) -> None:
         self._queue.put(None)
@@ -121,6 +119,6 @@ class Offloads:
 
     def _unholder(self, hid: RequestId, n: int) -> Callable[[LLMEngine], None]:
         def unhold(e: LLMEngine) -> None:
-            e.kv.release(hid)
+            e.connector.give_back(hid)
             self.held -= n
         return unhold

@@ -46,7 +46,7 @@ from kvfabric import (
     ReceiverConfig,
     TransferFailed,
 )
-from kvfabric.pools import offers_nixl, worker_pools
+from kvfabric.pools import memory_pools, offers_nixl
 from kvstore.host import StoreEntry, find_store
 from kvstore.host_copy import HostCopies
 from kvstore.offload import Offloads
@@ -94,15 +94,15 @@ class KVTier:
         self.timeout_s, self.min_blocks = timeout_s, min_blocks
         self.metadata = ((TOKEN_METADATA, token),) if token else ()
         self.tls = tls
-        self.pools = worker_pools(engine.model_id, engine.kv_pool, engine.model_config.num_kv_heads, engine.kv_shards,
-                                  engine.follower_pools)
+        memory = engine.connector.memory
+        self.pools = memory_pools(memory)
         self.staging = Staging(self.pools, staging_blocks)
         """Where fetched blocks land before the engine copies them into its pool."""
         if through_host is None:
-            through_host = engine.kv_pool.tensor.device.type == "cuda"
+            through_host = memory.on_gpu
         if through_host and self.pools.layout.world > 1:
             raise ValueError("a split worker's pools on GPUs stay private to their ranks: run it without the KV tier")
-        self.host = HostCopies(engine.kv_pool.tensor, HOST_ROWS) if through_host else None
+        self.host = HostCopies(memory.pool.tensor, HOST_ROWS) if through_host else None
         """A device pool's way to and from host memory (None: the pool is host memory)."""
         self.receiver = FabricReceiver(self.staging.layout, self.staging.region, ReceiverConfig(
             host=host, advertise_host=advertise_host, token=token, tls=server_context(tls),
@@ -251,11 +251,11 @@ class KVTier:
         """Engine thread: the staged blocks past the pool's run now, in fresh pool blocks,
         cached under their hashes; the slots back. Returns the blocks that landed."""
         try:
-            run = len(e.block_pool.lookup_run(landing.hashes))
+            run = e.connector.cached_run(landing.hashes)
             if run < landing.start or run >= len(landing.hashes):  # a gap before them (evicted meanwhile), or nothing new
                 return 0
-            fid = RequestId(landing.fid)
-            blocks = e.kv.hold_new(fid, len(landing.hashes) - run)
+            fid = landing.fid
+            blocks = e.connector.lend_new(fid, len(landing.hashes) - run)
             if blocks is None:
                 return 0
             slots, block_ids = landing.slots[run - landing.start:], [int(b) for b in blocks]
@@ -263,7 +263,7 @@ class KVTier:
                 self.host.upload(self.staging.region.array[slots], block_ids)
             else:
                 self.staging.copy_into(self.pools, slots, block_ids)
-            e.kv.cache_held(fid, landing.hashes[run:], landing.hashes[run - 1] if run else None)
+            e.connector.publish(fid, landing.hashes[run:], landing.hashes[run - 1] if run else None)
             self.counters.num_fetched_blocks += len(blocks)
             return len(blocks)
         finally:

@@ -12,13 +12,13 @@ recorded after the step that wrote them, which the copy or NCCL stream waits on 
 reading) and never waits on the network: chunk i's copy runs on the lane while chunk i+1 computes, and one slow or
 stalled decode worker stalls only its own lane. Source blocks stay the engine's: full
 blocks are immutable, and they are not freed while a lane may read them: `attach` takes
-the engine's transfer reference on the request (`LLMEngine.begin_transfer`), so whenever
+a loan of the request's blocks from the engine's connector (`KVConnector.lend`), so whenever
 it ends before its PushDone (handed off at its first token, finished there by EOS or
-max_tokens 1, aborted, preempted) its blocks are held, and only `release_handoff` on the
-PushDone gives them back. `on_done` runs on the lane thread; the worker hands it to its
-engine thread, which calls `release_handoff` for every hand-off, whatever its end.
+max_tokens 1, aborted, preempted) its blocks are held, and only `give_back` on the PushDone
+returns them. `on_done` runs on the lane thread; the worker hands it to its engine thread,
+which settles every hand-off (`settle`: `give_back`), whatever its end.
 A tensor-parallel engine's followers keep their heads in pools of their own, mapped here
-(`kvfabric.pools.worker_pools`): each push copies every rank's heads from its pool straight
+(`kvfabric.pools.memory_pools`): each push copies every rank's heads from its pool straight
 into the decode ranks' that need them (their forwards ended within the step that wrote them:
 each rank's last layer joins rank 0's collectives).
 """
@@ -38,7 +38,7 @@ from engine.request import Request
 from engine.types import BlockId
 from kvfabric import FabricError, FabricLayout, FabricSender, SenderConfig, Ticket, Transfer
 from kvfabric.cuda import DeviceRegion, record_event
-from kvfabric.pools import require_cupy, worker_pools
+from kvfabric.pools import memory_pools, require_cupy
 
 logger = logging.getLogger(__name__)
 
@@ -187,10 +187,11 @@ class KVPusher:
     def __init__(self, engine: LLMEngine, config: SenderConfig | None = None,
                  on_done: Callable[[PushDone], None] | None = None) -> None:
         """`on_done` is called on a lane thread when a hand-off ends (default: kept for `take_done`)."""
-        self.pools = worker_pools(engine.model_id, engine.kv_pool, engine.model_config.num_kv_heads, engine.kv_shards,
-                                  engine.follower_pools)
+        self.connector = engine.connector
+        memory = self.connector.memory
+        self.pools = memory_pools(memory)
         self.layout: FabricLayout = self.pools.layout
-        self.block_size = engine.kv_pool.layout.block_size
+        self.block_size = memory.block_size
         kernels = engine.model.kernels  # the native CPU kernels' streaming copy moves shm pushes; else memmove
         copy = kernels.copy_stream if isinstance(kernels, NativeKernels) else ctypes.memmove
         region = self.pools.regions[0]
@@ -211,10 +212,10 @@ class KVPusher:
     def attach(self, ticket: Ticket, trace: str = "") -> Handoff:
         """Queues the transfer's opening for a request about to be added to the engine
         (`trace`: a W3C traceparent for the receiver); its blocks are the transfer's until
-        the engine's `release_handoff`, which the PushDone's owner calls."""
+        connector's `give_back`, which `settle` calls for the PushDone."""
         if ticket.request_id in self._handoffs:
             raise ValueError(f"request {ticket.request_id} already has a transfer on this worker")
-        self._engine.begin_transfer(ticket.request_id)
+        self.connector.lend(ticket.request_id)
         started = time.perf_counter()
         handoff = Handoff(ticket, ticket.num_skip_blocks, trace)
         self._handoffs[ticket.request_id] = handoff
@@ -241,7 +242,7 @@ class KVPusher:
 
     def cancel(self, request_id: str, reason: str = "aborted") -> bool:
         """Ends the request's hand-off (its `on_done` follows from the lane); True when one
-        was open. Its blocks stay the transfer's until that PushDone's `release_handoff`."""
+        was open. Its blocks stay the transfer's until that PushDone's `settle`."""
         handoff = self._handoffs.pop(request_id, None)
         if handoff is None:
             return False
@@ -259,7 +260,7 @@ class KVPusher:
         self._handoffs.pop(done.request_id, None)
         if done.error is not None:
             self._engine.abort(done.request_id)
-        self._engine.release_handoff(done.request_id)
+        self.connector.give_back(done.request_id)
 
     # -- lane threads ----------------------------------------------------------------------
     def end(self, handoff: Handoff, error: str | None) -> None:

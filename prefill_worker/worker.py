@@ -119,7 +119,7 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
         """This host's shared KV tier (kvstore/tier.py), or None."""
         e = self.engine
         facts = ModelFacts(e.model_id, config.block_size, e.model_config.vocab_size, e.max_model_len,
-                           e.kv_pool.num_blocks, e.model_config.kv_window)
+                           e.connector.memory.num_blocks, e.model_config.kv_window)
         self.host = WorkerHost(worker_id, "prefill", config, facts, engine_load_reader(self.loop), redis_url, namespace,
                                beat_load=latest_load_reader(self.loop))
         if self.host.metrics is not None:

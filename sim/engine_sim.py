@@ -8,7 +8,9 @@
         its next token (a deterministic id per request and position: the prefix cache sees
         outputs as it would real ones) -> update_after_step -> what got a token and what ended
     role prefill: a request ends at its first token and its blocks are held for the transfer
-        (`release_handoff` frees them): the engine's own PrefillRole and KV manager
+        (the connector's `give_back` frees them): the engine's own PrefillRole and KV manager
+    connector: the engine's own KV loans (engine/kv_connector.py `KVLoans`), through which the
+        fleet's hand-offs and KV tier borrow and return blocks, as a worker's do
     role decode: `add_remote` reserves blocks for a prompt computed elsewhere (the scheduler's
         remote-KV admission, cached prefix reused), `remote_ready` joins it to the batch
 
@@ -25,6 +27,7 @@ from engine.block_pool import BlockPool
 from engine.config import SchedulerConfig
 from engine.hashing import BlockHasher
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_connector import KVLoans
 from engine.request import Request, SamplingParams
 from engine.roles import role_for
 from engine.scheduler import Scheduler
@@ -60,6 +63,7 @@ class SimEngine:
         self.pool = BlockPool(num_blocks, True, protected_fraction)
         self.kv = KVCacheManager(self.pool, BlockHasher(secret, model_id, block_size), kv_window)
         self.scheduler = Scheduler(scheduler or SchedulerConfig(), self.kv, max_model_len, lambda: self.now)
+        self.connector = KVLoans(lambda: self.kv)
         self._role = role_for(role)
         self.busy_s = 0.0
         """Virtual seconds spent in steps (the worker's busy time)."""
@@ -89,9 +93,6 @@ class SimEngine:
         self.num_cached_tokens += r.num_cached_tokens
         self.scheduler.remote_kv_ready(RequestId(request_id), first_token)
         return r.is_finished
-
-    def release_handoff(self, request_id: str) -> None:
-        self.kv.end_transfer(RequestId(request_id))
 
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort(RequestId(request_id))

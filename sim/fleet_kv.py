@@ -59,7 +59,7 @@ class FleetTransfers:
         assert f.decision is not None
         d = fleet.workers[f.decision.decode_worker]
         if f.item.max_tokens <= 1:
-            p.engine.release_handoff(f.rid)
+            p.engine.connector.give_back(f.rid)
             fleet.finish(f, "OK")
             return
         n = len(f.item.prompt)
@@ -69,7 +69,7 @@ class FleetTransfers:
 
     def _landed(self, f: Flight, p: Worker, d: Worker, first_token: int) -> None:
         fleet = self.fleet
-        p.engine.release_handoff(f.rid)
+        p.engine.connector.give_back(f.rid)
         self.pushing.pop(f.rid, None)
         fleet.pools.stop_if_drained(p)
         if f.done or d.table is None or f.reservation_id is None:

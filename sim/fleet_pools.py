@@ -82,7 +82,7 @@ class PoolControl:
 
     def stop_if_drained(self, w: Worker) -> None:
         f = self.fleet
-        if w.state == "draining" and not w.busy and not w.engine.has_work and not w.engine.kv.num_held \
+        if w.state == "draining" and not w.busy and not w.engine.has_work and not w.engine.connector.num_lent \
                 and not w.engine.scheduler.requests:
             w.state, w.stopped_at = "stopped", f.now
             f.loads.num_blocks.pop(w.worker_id, None)

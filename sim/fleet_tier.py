@@ -5,8 +5,8 @@
         used go)
     a prompt about to be prefilled on a worker -> `before_add`: the blocks its node's store
         holds past the pool's run (unless fetching them is no faster than computing) are
-        held, cached and released in the pool (the engine's own KVCacheManager.hold_new /
-        cache_held, as KVTier does), so the request finds them as a prefix hit; the fetch's
+        borrowed, filled and published in the pool (the engine's connector: `lend_new`,
+        `publish`, as KVTier does), so the request finds them as a prefix hit; the fetch's
         time (`Hardware.store_s`, and `disk_s` for its spilled blocks) is added to its first step
     routing -> `stored`: each worker's node store's leading blocks, for the real policy, at the
         price a router gives a worker's measured fetches (the hardware's fetch against prefill)
@@ -21,7 +21,7 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from engine.types import BlockHash, RequestId
+from engine.types import BlockHash
 from router.policy import StoreHit, fetch_share
 from sim.fleet_types import Hardware, Worker
 
@@ -110,14 +110,14 @@ class SimStores:
         """The store's blocks past the pool's run cached in `w`'s pool; returns how many."""
         limit = min(len(hashes), (num_prompt_tokens - 1) // self.block_size)
         in_store, spilled = self.held(w.node, hashes[:limit])
-        in_pool = len(w.engine.pool.lookup_run(hashes[:in_store]))
+        in_pool = w.engine.connector.cached_run(hashes[:in_store])
         n = in_store - in_pool
         if n <= 0 or self.share(in_store, spilled) >= 1.0:  # as the router's hint: no fetch that saves nothing
             return 0
-        fid = RequestId(f"sim-fetch-{next(self._ids)}")
-        if w.engine.kv.hold_new(fid, n) is None:
+        fid = f"sim-fetch-{next(self._ids)}"
+        if w.engine.connector.lend_new(fid, n) is None:
             return 0
-        w.engine.kv.cache_held(fid, list(hashes[in_pool:in_store]), hashes[in_pool - 1] if in_pool else None)
+        w.engine.connector.publish(fid, list(hashes[in_pool:in_store]), hashes[in_pool - 1] if in_pool else None)
         disk = self.disks.get(w.node, {})
         read_back = sum(h in disk for h in hashes[in_pool:in_store])  # of those the fetch reads, the spilled
         self.offer(w.node, hashes[:in_store])  # a fetch touches what it read (and reads the spilled back)

@@ -49,13 +49,13 @@ def test_the_decode_worker_forks_what_one_prefill_pushed(tiny_llama_dir: str) ->
         outs += prefill.step()
     [out] = outs
     assert len(out.choice_tokens) == 3  # the other choices' first tokens, drawn on the prefill worker
-    res = decode.add_remote_request(prompt, PARAMS, request_id=rid)
+    res = decode.connector.reserve(prompt, PARAMS, request_id=rid)
     src, first = handoff.finished[rid]
     assert res is not None and len(res.block_ids) == len(src) == 5  # one reservation, one push
     decode.kv_pool.tensor[res.block_ids] = prefill.kv_pool.tensor[src]
-    prefill.release_handoff(rid)
+    prefill.connector.give_back(rid)
     tokens = {}
-    for o in decode.remote_kv_ready(rid, first, [t for t, _ in out.choice_tokens]):
+    for o in decode.connector.landed(rid, first, [t for t, _ in out.choice_tokens]):
         tokens[o.request_id] = list(o.new_token_ids)
     assert decode.block_pool.usage().num_in_use == 5 + 3  # 4 full blocks shared, the partial one copied
     while decode.has_unfinished():
@@ -64,8 +64,8 @@ def test_the_decode_worker_forks_what_one_prefill_pushed(tiny_llama_dir: str) ->
     assert [tokens[choice_id(rid, i)] for i in range(4)] == _alone(tiny_llama_dir, prompt, PARAMS)
     assert decode.check_invariants().num_in_use == 0 and prefill.check_invariants().num_in_use == 0
     with pytest.raises(InvalidRequestError, match="has 4 choices; 2 first tokens came"):
-        decode.add_remote_request(prompt, PARAMS, request_id="other")
-        decode.remote_kv_ready("other", first, [1])
+        decode.connector.reserve(prompt, PARAMS, request_id="other")
+        decode.connector.landed("other", first, [1])
 
 
 def test_a_choice_without_a_block_for_its_copy_recomputes_and_draws_the_same(tiny_llama_dir: str) -> None:

@@ -33,13 +33,13 @@ def _disaggregated(model_dir: str, prompts: list[list[int]], prefill, decode, ha
     tokens = {}
     for rid, prompt in zip(rids, prompts, strict=True):
         src_blocks, first = handoff.finished[rid]
-        res = decode.add_remote_request(prompt, params, request_id=rid)
+        res = decode.connector.reserve(prompt, params, request_id=rid)
         assert res is not None and len(res.block_ids) == len(src_blocks)
         start = res.num_skip_blocks  # cached on D, or before its first query's window: not sent
         decode.kv_pool.tensor[res.block_ids[start:]] = prefill.kv_pool.tensor[src_blocks[start:]]
-        prefill.release_handoff(rid)
+        prefill.connector.give_back(rid)
         tokens[rid] = [first]
-        decode.remote_kv_ready(rid, first)
+        decode.connector.landed(rid, first)
     while decode.has_unfinished():
         for out in decode.step():
             tokens[out.request_id] += out.new_token_ids
@@ -67,7 +67,7 @@ def test_decode_reuses_its_cached_prefix_so_only_missing_blocks_travel(tiny_llam
     prefill = make_engine(tiny_llama_dir, role="prefill", handoff=handoff)
     decode = make_engine(tiny_llama_dir, role="decode")
     _disaggregated(tiny_llama_dir, [first], prefill, decode, handoff)
-    res = decode.add_remote_request(second, PARAMS, request_id="probe")
+    res = decode.connector.reserve(second, PARAMS, request_id="probe")
     assert res is not None and res.num_cached_tokens == 12  # three full blocks of the stem
     decode.abort("probe")
     out = _disaggregated(tiny_llama_dir, [second], prefill, decode, handoff)
@@ -82,8 +82,8 @@ def test_handed_off_blocks_stay_in_use_until_released(tiny_llama_dir: str) -> No
     while prefill.has_unfinished():
         prefill.step()
     assert prefill.check_invariants().num_in_use == 3
-    assert prefill.release_handoff(rid)
-    assert not prefill.release_handoff(rid)
+    assert prefill.connector.give_back(rid)
+    assert not prefill.connector.give_back(rid)
     assert prefill.check_invariants().num_in_use == 0
 
 
@@ -94,7 +94,7 @@ def test_abort_frees_a_reservation_and_a_handoff(tiny_llama_dir: str) -> None:
     rid = prefill.add_request(list(range(3, 12)), PARAMS)
     while prefill.has_unfinished():
         prefill.step()
-    assert decode.add_remote_request(list(range(3, 12)), PARAMS, request_id=rid) is not None
+    assert decode.connector.reserve(list(range(3, 12)), PARAMS, request_id=rid) is not None
     assert prefill.abort(rid) and decode.abort(rid)
     assert prefill.check_invariants().num_in_use == 0
     assert decode.check_invariants().num_in_use == 0
@@ -102,8 +102,8 @@ def test_abort_frees_a_reservation_and_a_handoff(tiny_llama_dir: str) -> None:
 
 def test_reservation_refused_when_decode_pool_is_full(tiny_llama_dir: str) -> None:
     decode = make_engine(tiny_llama_dir, role="decode", num_blocks=4)
-    assert decode.add_remote_request(list(range(3, 15)), PARAMS, request_id="a") is not None
-    assert decode.add_remote_request(list(range(20, 30)), PARAMS, request_id="b") is None
+    assert decode.connector.reserve(list(range(3, 15)), PARAMS, request_id="a") is not None
+    assert decode.connector.reserve(list(range(20, 30)), PARAMS, request_id="b") is None
     assert decode.check_invariants().num_in_use == 3
 
 

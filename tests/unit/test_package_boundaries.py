@@ -52,3 +52,23 @@ def test_a_role_imports_neither_another_role_nor_cluster(role: str) -> None:
 
 def test_the_control_plane_imports_no_role_and_no_torch() -> None:
     assert imported_packages("control") & {*ROLES, "cluster", "torch"} == set()
+
+
+ENGINE_INSIDES = ("kv", "kv_pool", "block_pool", "kv_shards", "follower_pools")
+"""An engine's pool, block pool, cache manager and ranks' pools: only engine/ touches them."""
+
+
+@pytest.mark.parametrize("package", [*ROLES, "kvstore", "kvfabric", "control"])
+def test_kv_movers_reach_the_engines_blocks_only_through_its_connector(package: str) -> None:
+    """The P/D hand-off and the KV tier borrow, reserve and return blocks through
+    `LLMEngine.connector` (engine/kv_connector.py), never by the engine's own attributes."""
+    reached = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in ENGINE_INSIDES and isinstance(node.value, ast.Name) \
+                    and node.value.id in ("e", "engine", "self.engine"):
+                reached.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value.id}.{node.attr}")
+            if isinstance(node, ast.Attribute) and node.attr in ENGINE_INSIDES and isinstance(node.value, ast.Attribute) \
+                    and node.value.attr in ("engine", "_engine"):
+                reached.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.value.attr}.{node.attr}")
+    assert reached == []

@@ -62,17 +62,17 @@ def test_the_decode_side_continues_from_the_prefill_workers_first_token(tiny_lla
     first = p.generate([PROMPT], SamplingParams(max_tokens=1, constraint=REGEX))[0].token_ids[0]
     d = engine(tiny_llama_dir, role="decode")
     params = SamplingParams(max_tokens=20, constraint=REGEX)
-    reservation = d.add_remote_request(PROMPT, params, request_id="r")
+    reservation = d.connector.reserve(PROMPT, params, request_id="r")
     assert reservation is not None
-    outs = d.remote_kv_ready(reservation.request_id, first)  # (the KV is not really there: the mask still holds)
+    outs = d.connector.landed(reservation.request_id, first)  # (the KV is not really there: the mask still holds)
     while d.has_unfinished():
         outs += d.step()
     tokens = [t for o in outs for t in o.new_token_ids]
     assert tokens[0] == first and re.fullmatch(REGEX.value, d.tokenizer.decode(tokens))  # type: ignore[union-attr]
-    bad = d.add_remote_request(PROMPT, params, request_id="bad")
+    bad = d.connector.reserve(PROMPT, params, request_id="bad")
     assert bad is not None
     with pytest.raises(InvalidRequestError, match="do not follow the constraint"):
-        d.remote_kv_ready(bad.request_id, 7)  # a first token the constraint forbids is refused
+        d.connector.landed(bad.request_id, 7)  # a first token the constraint forbids is refused
 
 
 def test_under_speculation_proposals_are_cut_and_the_output_is_the_same(tiny_llama_dir: str) -> None:
