@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from engine.types import RequestId
-from kvfabric import BlocksFenced, FabricError, FabricReceiver, KVArrived, ReceiverConfig, Ticket
+from kvfabric import FabricError, FabricReceiver, KVArrived, ReceiverConfig, Ticket, TransferFailed, settle
 from kvfabric.pools import KVAllocator, exports, memory_pools, worker_pools
 
 if TYPE_CHECKING:  # annotations only: the module loads without torch (decode_worker/worker.py says why)
@@ -77,6 +77,8 @@ class RemoteKV:
         self.receiver = FabricReceiver(self.pools.layout, self.pools.regions, config, engine.clock, **offered)
         self._reservations: dict[str, int] = {}
         """Request id -> the reservation it holds now, until it lands, fails or is aborted."""
+        self._results: list[Landed | RemoteFailure] = []
+        """What the events `pump` is settling gave, until it returns them."""
 
     def reserve(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None,
@@ -91,24 +93,40 @@ class RemoteKV:
         return ticket
 
     def pump(self, timeout_s: float = 0.0) -> list[Landed | RemoteFailure]:
-        """Apply transfer events to the engine; returns arrivals and failures."""
-        results: list[Landed | RemoteFailure] = []
-        for ev in self.receiver.poll(timeout_s):
-            rid = RequestId(ev.request_id)
-            if isinstance(ev, BlocksFenced):
-                self.connector.fenced(rid)
-            elif self._reservations.get(rid) != ev.reservation_id:
-                logger.debug("%s of reservation %d for %s, which no longer holds it: dropped",
-                             type(ev).__name__, ev.reservation_id, rid)
-            elif isinstance(ev, KVArrived):
-                del self._reservations[rid]
-                for out in self.connector.landed(rid, ev.first_token_id, ev.choice_token_ids):
-                    results.append(Landed(rid, out, ev.arrived_at - ev.opened_at, ev.trace))
-            else:
-                del self._reservations[rid]
-                self.connector.end(rid, writer_may_write=ev.blocks_held)
-                results.append(RemoteFailure(rid, ev.reason))
+        """Apply transfer events to the engine (`kvfabric.settle`); returns arrivals and failures."""
+        settle(self.receiver.poll(timeout_s), self)
+        results, self._results = self._results, []
         return results
+
+    # -- kvfabric.EventOwner: the receiver's events, on the engine thread ---------------------
+    def arrived(self, ev: KVArrived) -> None:
+        if self._current(ev):
+            rid = RequestId(ev.request_id)
+            for out in self.connector.landed(rid, ev.first_token_id, ev.choice_token_ids):
+                self._results.append(Landed(rid, out, ev.arrived_at - ev.opened_at, ev.trace))
+
+    def failed(self, ev: TransferFailed) -> None:
+        if self._current(ev):
+            self.connector.end(ev.request_id)
+            self._results.append(RemoteFailure(ev.request_id, ev.reason))
+
+    def quarantined(self, ev: TransferFailed) -> None:
+        if self._current(ev):
+            self.connector.end(ev.request_id, writer_may_write=True)
+            self._results.append(RemoteFailure(ev.request_id, ev.reason))
+
+    def fenced(self, request_id: str) -> None:
+        self.connector.fenced(request_id)
+
+    def _current(self, ev: KVArrived | TransferFailed) -> bool:
+        """Whether the event is of the reservation its request holds now (its last word on it);
+        else it changes nothing (aborted after the sender's `ready`, perhaps reserved again)."""
+        if self._reservations.get(ev.request_id) != ev.reservation_id:
+            logger.debug("%s of reservation %d for %s, which no longer holds it: dropped",
+                         type(ev).__name__, ev.reservation_id, ev.request_id)
+            return False
+        del self._reservations[ev.request_id]
+        return True
 
     def abort(self, request_id: str) -> bool:
         """End a request in any state; blocks a sender may still write stay held until fenced."""

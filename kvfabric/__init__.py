@@ -9,12 +9,12 @@ from kvfabric.errors import FabricError, HandshakeError, PeerUnavailable, Protoc
 from kvfabric.layout import FabricLayout, Run, coalesce
 from kvfabric.receiver import FabricReceiver
 from kvfabric.region import BlockRegion, ShmKVAllocator, ShmSegment
-from kvfabric.reservations import BlocksFenced, FabricEvent, KVArrived, TransferFailed
+from kvfabric.reservations import BlocksFenced, EventOwner, FabricEvent, KVArrived, TransferFailed, settle
 from kvfabric.sender import FabricSender, Transfer
 
 __all__ = [
-    "BlockRegion", "BlocksFenced", "FabricAddress", "FabricError", "FabricEvent", "FabricLayout",
+    "BlockRegion", "BlocksFenced", "EventOwner", "FabricAddress", "FabricError", "FabricEvent", "FabricLayout",
     "FabricReceiver", "FabricSender", "HandshakeError", "KVArrived", "PeerUnavailable", "ProtocolError",
     "ReceiverConfig", "ReservationRevoked", "Run", "SenderConfig", "ShmKVAllocator", "ShmSegment",
-    "Ticket", "Transfer", "TransferFailed", "coalesce",
+    "Ticket", "Transfer", "TransferFailed", "coalesce", "settle",
 ]

@@ -20,6 +20,7 @@ import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Protocol
 
 from kvfabric.errors import ReservationRevoked
 
@@ -95,6 +96,36 @@ class BlocksFenced:
 
 
 FabricEvent = KVArrived | TransferFailed | BlocksFenced
+
+
+class EventOwner(Protocol):
+    """What a receiver's owner (a decode worker's hand-off, the KV store, the KV tier) does with
+    each event; `settle` applies the quarantine rule once for all of them."""
+
+    def arrived(self, ev: KVArrived) -> None:
+        """The blocks hold the KV: they are the request's now."""
+
+    def failed(self, ev: TransferFailed) -> None:
+        """No writer can write the blocks any more: they are free now."""
+
+    def quarantined(self, ev: TransferFailed) -> None:
+        """A writer may still write the blocks: keep them out of use until `fenced`."""
+
+    def fenced(self, request_id: str) -> None:
+        """The writer of a quarantined transfer can write no more: its blocks are free now."""
+
+
+def settle(events: Sequence[FabricEvent], owner: EventOwner) -> None:
+    """Each of a receiver's events to its owner, in order."""
+    for ev in events:
+        if isinstance(ev, BlocksFenced):
+            owner.fenced(ev.request_id)
+        elif isinstance(ev, KVArrived):
+            owner.arrived(ev)
+        elif ev.blocks_held:
+            owner.quarantined(ev)
+        else:
+            owner.failed(ev)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,6 @@ from engine.block_pool import KVEvent, KVEventKind
 from engine.types import BlockHash
 from kvfabric import (
     BlockRegion,
-    BlocksFenced,
     FabricError,
     FabricLayout,
     FabricReceiver,
@@ -41,6 +40,7 @@ from kvfabric import (
     ShmSegment,
     Ticket,
     TransferFailed,
+    settle,
 )
 from kvfabric.region import CopyBytes
 from kvstore.disk import DiskTier
@@ -285,23 +285,32 @@ class KVStore:
             except Exception:  # noqa: BLE001  (closed under us)
                 return
             with self._lock:
-                for ev in events:
-                    if isinstance(ev, BlocksFenced):
-                        self._free.extend(sorted(self._quarantine.pop(ev.request_id, []), reverse=True))
-                        continue
-                    slots, hashes = self._incoming.pop(ev.request_id)
-                    self._arriving.difference_update(hashes)
-                    if isinstance(ev, KVArrived):
-                        for h, slot in zip(hashes, slots, strict=True):
-                            self._index[h] = slot
-                        self._touch(hashes)
-                        self._emit("stored", hashes)
-                        self.stats.num_stored += len(slots)
-                        self.stats.bytes_in += len(slots) * self.layout.block_bytes
-                    elif isinstance(ev, TransferFailed) and ev.blocks_held:
-                        self._quarantine[ev.request_id] = slots
-                    else:
-                        self._free.extend(sorted(slots, reverse=True))
+                settle(events, self)
+
+    # -- kvfabric.EventOwner: the receiver's events, under the lock ----------------------------
+    def arrived(self, ev: KVArrived) -> None:
+        slots, hashes = self._landed(ev.request_id)
+        for h, slot in zip(hashes, slots, strict=True):
+            self._index[h] = slot
+        self._touch(hashes)
+        self._emit("stored", hashes)
+        self.stats.num_stored += len(slots)
+        self.stats.bytes_in += len(slots) * self.layout.block_bytes
+
+    def failed(self, ev: TransferFailed) -> None:
+        self._free.extend(sorted(self._landed(ev.request_id)[0], reverse=True))
+
+    def quarantined(self, ev: TransferFailed) -> None:
+        self._quarantine[ev.request_id] = self._landed(ev.request_id)[0]
+
+    def fenced(self, request_id: str) -> None:
+        self._free.extend(sorted(self._quarantine.pop(request_id, []), reverse=True))
+
+    def _landed(self, request_id: str) -> tuple[list[int], list[bytes]]:
+        """An offer's slots and hashes, no longer arriving."""
+        slots, hashes = self._incoming.pop(request_id)
+        self._arriving.difference_update(hashes)
+        return slots, hashes
 
 
 def _check_hashes(hashes: Sequence[bytes]) -> None:

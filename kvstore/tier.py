@@ -39,13 +39,7 @@ from control.heartbeat import TierSpeed
 from engine.block_pool import KVEvent
 from engine.llm_engine import LLMEngine
 from engine.types import BlockHash, RequestId
-from kvfabric import (
-    BlocksFenced,
-    FabricReceiver,
-    KVArrived,
-    ReceiverConfig,
-    TransferFailed,
-)
+from kvfabric import FabricReceiver, KVArrived, ReceiverConfig, TransferFailed, settle
 from kvfabric.pools import memory_pools, offers_nixl
 from kvstore.host import StoreEntry, find_store
 from kvstore.host_copy import HostCopies
@@ -321,14 +315,27 @@ class KVTier:
                 events = self.receiver.poll(0.2)
             except Exception:  # noqa: BLE001  (closed under us)
                 return
-            for ev in events:
-                if isinstance(ev, BlocksFenced):  # a failed fetch's writer can no longer write: its slots back
-                    self._unstage(ev.request_id)
-                    continue
-                with self._lock:
-                    done = self._fetches.pop(ev.request_id, None)
-                if done is not None and not done.done():
-                    done.set_result(ev)
+            settle(events, self)
+
+    # kvfabric.EventOwner: a fetch's event answers its `_pull`, which gives back the slots of
+    # one that failed; a quarantined fetch's slots come back when its writer is fenced
+    def arrived(self, ev: KVArrived) -> None:
+        self._answer(ev)
+
+    def failed(self, ev: TransferFailed) -> None:
+        self._answer(ev)
+
+    def quarantined(self, ev: TransferFailed) -> None:
+        self._answer(ev)
+
+    def fenced(self, request_id: str) -> None:
+        self._unstage(request_id)
+
+    def _answer(self, ev: KVArrived | TransferFailed) -> None:
+        with self._lock:
+            done = self._fetches.pop(ev.request_id, None)
+        if done is not None and not done.done():
+            done.set_result(ev)
 
     async def close(self) -> None:
         self._stop.set()

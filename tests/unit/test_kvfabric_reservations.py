@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from kvfabric.errors import ReservationRevoked
-from kvfabric.reservations import BlocksFenced, KVArrived, ReservationTable, State, TransferFailed
+from kvfabric.reservations import BlocksFenced, KVArrived, ReservationTable, State, TransferFailed, settle
 from tests.conftest import FakeClock
 
 LEASE_S = 5.0
@@ -179,3 +179,43 @@ def test_reservation_ids_are_random_and_one_tells_nothing_of_the_next() -> None:
     steps = {b - a for a, b in zip(ids, ids[1:])}
     assert len(steps) > 190  # no common stride
     assert not any(r + 1 in set(ids) for r in ids)
+
+
+class Owner:
+    """Records what `settle` asks of a receiver's owner."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    def arrived(self, ev: KVArrived) -> None:
+        self.calls.append(("arrived", ev.request_id))
+
+    def failed(self, ev: TransferFailed) -> None:
+        self.calls.append(("failed", ev.request_id))
+
+    def quarantined(self, ev: TransferFailed) -> None:
+        self.calls.append(("quarantined", ev.request_id))
+
+    def fenced(self, request_id: str) -> None:
+        self.calls.append(("fenced", request_id))
+
+
+def test_settle_frees_a_failed_transfers_blocks_at_once_or_after_its_writer_is_fenced(table: ReservationTable,
+                                                                                        clock: FakeClock) -> None:
+    """The quarantine rule, once for every owner (decode hand-off, KV store, KV tier): an
+    unbound reservation that fails frees its blocks; a bound one-sided writer's are quarantined
+    until the fence, and nothing is freed twice."""
+    idle, bound, done = table.add("idle", [1], 0), table.add("bound", [2, 3], 0), table.add("done", [4], 0)
+    table.bind(bound.reservation_id, SHM, one_sided=True)
+    table.bind(done.reservation_id, SHM, one_sided=True)
+    assert table.record_written(done.reservation_id, SHM, [(0, 1)])
+    assert table.ready(done.reservation_id, SHM, first_token_id=5, num_tokens=4) is None
+    clock.advance(LEASE_S + 1)
+    table.expire()
+    owner = Owner()
+    settle(table.take_events(), owner)
+    assert sorted(owner.calls) == [("arrived", "done"), ("failed", "idle"), ("quarantined", "bound")]
+    table.fence(bound.reservation_id, SHM)
+    owner.calls.clear()
+    settle(table.take_events(), owner)
+    assert owner.calls == [("fenced", "bound")] and table.held_block_ids() == []
