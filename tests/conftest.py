@@ -57,6 +57,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items.reverse()
 
 
+def skip_without_nixl(transport: str | None) -> None:
+    """A nixl-transport test skips, saying why, where this process cannot load NIXL."""
+    if transport == "nixl":
+        from kvfabric.nixl import unavailable
+
+        if (why := unavailable()) is not None:
+            pytest.skip(why)
+
+
 _nixl_found: list[str] = []
 
 

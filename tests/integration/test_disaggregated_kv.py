@@ -18,7 +18,7 @@ from engine.request import FinishReason, SamplingParams
 from engine.types import choice_id
 from kvfabric import ReceiverConfig, ShmKVAllocator
 from kvfabric.address import ONE_SIDED
-from kvfabric.nixl import unavailable as nixl_unavailable
+from tests.conftest import skip_without_nixl
 from tests.integration.fabric_peer import Peer
 from tests.integration.prefill_peer import prefill_main
 from tests.integration.reference import hf_greedy, make_engine, random_prompts
@@ -29,8 +29,7 @@ PARAMS = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
 
 @pytest.fixture(params=["shm", "tcp", "nixl"])
 def transport(request: pytest.FixtureRequest) -> str:
-    if request.param == "nixl" and (why := nixl_unavailable()) is not None:
-        pytest.skip(why)
+    skip_without_nixl(request.param)
     return request.param
 
 

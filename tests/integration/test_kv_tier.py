@@ -20,11 +20,11 @@ from collections.abc import AsyncIterator
 import pytest
 
 from engine.request import SamplingParams
-from kvfabric.nixl import unavailable as nixl_unavailable
 from kvstore.service import open_store, serve, store_layout
 from kvstore.store import KVStore
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
+from tests.conftest import skip_without_nixl
 from tests.integration.fabric_peer import Peer
 from tests.integration.reference import make_engine, random_prompts
 from tests.integration.tier_peer import TierWorker, cached_run, store_main
@@ -72,8 +72,7 @@ async def wait_for(check, timeout_s: float = 20.0) -> None:
 @pytest.mark.parametrize("kv_transport", [None, "nixl"])
 def test_an_evicted_prefix_comes_back_from_the_store_with_the_tokens_of_a_recompute(tiny_llama_dir: str,
                                                                                    kv_transport: str | None) -> None:
-    if kv_transport == "nixl" and (why := nixl_unavailable()) is not None:
-        pytest.skip(why)
+    skip_without_nixl(kv_transport)
     prompt, *others = random_prompts([41, 38, 38, 38, 38], 512, seed=3)
     want, *_ = reference_tokens(tiny_llama_dir, [prompt])
 

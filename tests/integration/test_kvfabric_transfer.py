@@ -23,8 +23,8 @@ from kvfabric import (
     PeerUnavailable, ReceiverConfig, SenderConfig, ShmSegment, Ticket, TransferFailed,
 )
 from kvfabric.address import ONE_SIDED
-from kvfabric.nixl import unavailable as nixl_unavailable
 from kvfabric.region import ShmSegment, sweep_dead_segments
+from tests.conftest import skip_without_nixl
 from tests.integration.cluster_checks import wait_threads
 from tests.integration.fabric_peer import LAYOUT, Peer, receiver_main, sender_main, source_blocks
 
@@ -106,8 +106,7 @@ class Rx:
 
 @pytest.fixture(params=["shm", "tcp", "nixl"])
 def transport(request: pytest.FixtureRequest) -> str:
-    if request.param == "nixl" and (why := nixl_unavailable()) is not None:
-        pytest.skip(why)
+    skip_without_nixl(request.param)
     return request.param
 
 

@@ -30,10 +30,10 @@ from control.tls import member_channel_sync, member_tls
 from control.auth import unseal
 from control.heartbeat import Heartbeat, TierSpeed, hb_key
 from control.worker_config import NODE_IP
-from kvfabric.nixl import unavailable as nixl_unavailable
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from router.policy import RoutingConfig
+from tests.conftest import skip_without_nixl
 from tests.integration.cluster_checks import assert_idle, generate, greedy, ray_head, tokens, wait_for
 
 pytestmark = pytest.mark.timeout(400)
@@ -71,8 +71,7 @@ def transport() -> str:
 
 @pytest.fixture
 def cluster_hosts(hosts: dict[str, str], tiny_llama_dir: str, tmp_path: Path, transport: str) -> Iterator[Hosts]:
-    if transport == "nixl" and (why := nixl_unavailable()) is not None:
-        pytest.skip(why)
+    skip_without_nixl(transport)
     made = Hosts(hosts, tiny_llama_dir, tmp_path, kv_transport=None if transport == "tcp" else transport)
     try:
         yield made

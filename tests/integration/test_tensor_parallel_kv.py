@@ -17,8 +17,8 @@ from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
 from engine.tp_ranks import TensorRanks
 from kvfabric import ReceiverConfig, ShmKVAllocator
-from kvfabric.nixl import unavailable as nixl_unavailable
 from kvfabric.pools import rank_allocator
+from tests.conftest import skip_without_nixl
 from tests.integration.fabric_peer import Peer
 from tests.integration.prefill_peer import prefill_main
 from tests.integration.reference import engine_config, make_engine, random_prompts
@@ -36,8 +36,7 @@ def test_prefill_and_decode_at_different_degrees_give_the_whole_models_tokens(
     tiny_llama_dir: str, p: int, d: int, transport: str,
 ) -> None:
     """(nixl at 2 -> 4: each piece narrower than a block, written one row of it at a time.)"""
-    if transport == "nixl" and (why := nixl_unavailable()) is not None:
-        pytest.skip(why)
+    skip_without_nixl(transport)
     prompts = random_prompts([5, 16, 23, 41], 512, seed=p * 10 + d)
     reference = make_engine(tiny_llama_dir)
     want = {f"r{i}": c.token_ids for i, c in enumerate(reference.generate(prompts, PARAMS))}
