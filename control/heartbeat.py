@@ -93,7 +93,7 @@ class ModelFacts(msgspec.Struct, frozen=True):
 
 class TierSpeed(msgspec.Struct, frozen=True):
     """What a worker with a KV tier measured of fetching blocks against computing them: routers
-    price a store's hit with it (router/policy.py `fetch_share`). Unmeasured: 0 or empty."""
+    price a store's hit with it (`fetch_share`). Unmeasured: 0 or empty."""
 
     token_s: float = 0.0
     """Seconds its engine takes per prompt token it computes (engine/step_model.py PrefillCost)."""
@@ -107,6 +107,23 @@ class TierSpeed(msgspec.Struct, frozen=True):
             raise ValueError("heartbeat field tier_speed holds a negative or infinite time")
         if len(self.fetch) not in (0, 2) or len(self.far_fetch) not in (0, 2):
             raise ValueError("heartbeat field tier_speed's fetch lines are not [a, b] seconds")
+
+
+FETCH_PROBE_S = 10.0
+"""A worker priced out of fetching (its measured fetch no faster than computing) is still let
+fetch once this often (routers tell it to, and its tier lets it): its measurement then follows
+a store, or a load, that changed, and one slow first fetch (a new connection) cannot price it
+out for good."""
+
+
+def fetch_share(fetch_s: float, compute_s: float, prior: float) -> float:
+    """What fetching a store's blocks costs as a share of computing their tokens, from the two
+    times (seconds); `prior` where either is unknown (<= 0). At most 1: a fetch slower than
+    computing saves nothing. Routers price hits by it (router/policy.py `store_hit`), and a
+    worker's tier checks its hinted fetches by it with its newest measurements."""
+    if fetch_s <= 0 or compute_s <= 0:
+        return prior
+    return min(fetch_s / compute_s, 1.0)
 
 
 def _idle() -> EngineLoad:

@@ -104,6 +104,8 @@ class WorkerMetrics(Collector):
                     ("kv_tier_far_fetched_blocks", "Of those, blocks fetched from another host's store.",
                      "num_far_fetched_blocks"),
                     ("kv_tier_fetch_failures", "Fetches that fell back to computing.", "num_fetch_failures"),
+                    ("kv_tier_fetches_priced_out", "Fetches skipped: measured no faster than computing.",
+                     "num_fetches_priced_out"),
                     ("kv_tier_offloaded_blocks", "Cached blocks written into the host's KV store.",
                      "num_offloaded_blocks"),
                     ("kv_tier_offload_failures", "Offloads that failed.", "num_offload_failures"),

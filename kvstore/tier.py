@@ -45,7 +45,7 @@ from kvstore.host import StoreEntry, find_store
 from kvstore.host_copy import HostCopies
 from kvstore.offload import Offloads
 from kvstore.staging import Staging
-from kvstore.tier_meters import FetchTimes, TierCounters
+from kvstore.tier_meters import FetchGate, FetchTimes, TierCounters
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from proto.convert import ticket_to_pb
@@ -103,6 +103,7 @@ class KVTier:
             nixl=offers_nixl("cpu", kv_transport)), shm=self.staging.segment)
         self.counters = TierCounters()
         self.times = FetchTimes()
+        self.gate = FetchGate(self.times, lambda: engine.prefill_cost.token_s, memory.block_size)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._fetches: dict[str, concurrent.futures.Future[Any]] = {}
@@ -152,6 +153,9 @@ class KVTier:
         began = time.perf_counter()
         held_there = await self._held(stub, hashes, hint, far)
         if held_there is None or held_there - start < self.min_blocks:
+            return None
+        if not self.gate.pays(far, held_there - start):
+            self.counters.num_fetches_priced_out += 1
             return None
         slots = self.staging.take(held_there - start)
         if slots is None:

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from control.heartbeat import ModelFacts
+from control.heartbeat import FETCH_PROBE_S, ModelFacts
 from engine.hashing import BlockHasher
 from proto import generate_pb2 as pb
 from proto.convert import finish_name_from_pb, sampling_to_pb
@@ -42,10 +42,6 @@ PEEK_AFTER_TRANSFER_ERROR_S = 1.0
 """After a failed KV transfer, how long to watch the decode call for the decode worker's death."""
 KV_RECHECK_S = 0.1
 """A request waiting for KV room routes again at least this often (heartbeats move too)."""
-FETCH_PROBE_S = 10.0
-"""A worker priced out of fetching (its measured fetch no faster than computing) is still let
-fetch once this often: its measurement then follows a store, or a load, that changed, and
-one slow first fetch (a new connection) cannot price it out for good."""
 
 
 class RequestFlow:

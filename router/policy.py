@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from control.heartbeat import fetch_share
 from engine.kv_cache_manager import held_blocks
 
 Mode = Literal["disaggregated", "colocated", "auto"]
@@ -91,15 +92,6 @@ class StoreHit:
     @property
     def saved(self) -> float:
         return self.num_blocks * (1.0 - self.fetch_cost)
-
-
-def fetch_share(fetch_s: float, compute_s: float, prior: float) -> float:
-    """What fetching a store's blocks costs as a share of computing their tokens, from the two
-    times (seconds); `prior` where either is unknown (<= 0). At most 1: a fetch slower than
-    computing saves nothing."""
-    if fetch_s <= 0 or compute_s <= 0:
-        return prior
-    return min(fetch_s / compute_s, 1.0)
 
 
 def store_hit(num_blocks: int, fetch_line: Sequence[float], token_s: float, block_size: int, prior: float,
