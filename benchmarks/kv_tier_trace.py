@@ -2,7 +2,7 @@
 pools small enough to evict a conversation between its turns, so without the tier each turn
 prefills the whole conversation again; with it, the turn fetches what the node's store kept.
 
-    ./dev python -m benchmarks.kv_tier_trace [--size tiny|small] [--conversations 24] [--turns 5]
+    ./dev python -m benchmarks.kv_tier_trace [--size tiny|small|default] [--conversations 24] [--turns 5]
         [--pool-blocks 48] [--store-mib 64] [--concurrency 2] [--write-trace FILE]
 
 The trace is Mooncake's format (`timestamp`, `input_length`, `output_length`, `hash_ids` of
@@ -11,7 +11,9 @@ the previous turn's plus the new user message and the previous answer, the conve
 interleaved (a turn every few seconds of each); a few share a system prompt. Each 512-token
 block becomes one 16-token block of the model (bench/workload.py `from_trace`), so the
 prefix structure is kept exactly. The tiny model prefills a turn in about as long as a
-fetch's round trips take; `--size small` (12 layers) is closer to what a fetch saves.
+fetch's round trips take; `--size small` (12 layers) is closer to what a fetch saves, and
+`--size default` is the embedded default model (SmolLM2-135M-Instruct), whose prefill costs
+what a real model's does.
 
 One JSON line per arm (tier off, tier on): prompt tokens, tokens served from a cache (the
 pool's or the store's), prefill tokens computed, TTFT p50 / p99, and with the tier the
@@ -129,7 +131,7 @@ def ratios(off: dict, on: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", choices=("tiny", "small"), default="tiny")
+    ap.add_argument("--size", choices=("tiny", "small", "default"), default="tiny")
     ap.add_argument("--conversations", type=int, default=24)
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--pool-blocks", type=int, default=48, help="each worker's KV pool, in 16-token blocks")
@@ -144,7 +146,13 @@ def main() -> None:
     from engine.tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = str(make_tiny_model(Path(tmp) / args.size, arch="llama", size=args.size, seed=0))
+        if args.size == "default":
+            from cluster.default_model import model_path
+            from engine.gguf_checkpoint import resolve_model_dir
+
+            model_dir = str(resolve_model_dir(model_path(None)))
+        else:
+            model_dir = str(make_tiny_model(Path(tmp) / args.size, arch="llama", size=args.size, seed=0))
         trace = Path(tmp) / "conversations.jsonl"
         trace.write_text("".join(json.dumps(r) + "\n" for r in records))
         rows = [arm(model_dir, trace, len(records), args.pool_blocks, mib, args.concurrency)
