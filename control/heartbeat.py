@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
@@ -119,11 +120,34 @@ out for good."""
 def fetch_share(fetch_s: float, compute_s: float, prior: float) -> float:
     """What fetching a store's blocks costs as a share of computing their tokens, from the two
     times (seconds); `prior` where either is unknown (<= 0). At most 1: a fetch slower than
-    computing saves nothing. Routers price hits by it (router/policy.py `store_hit`), and a
-    worker's tier checks its hinted fetches by it with its newest measurements."""
+    computing saves nothing."""
     if fetch_s <= 0 or compute_s <= 0:
         return prior
     return min(fetch_s / compute_s, 1.0)
+
+
+def hit_share(num_blocks: int, fetch_line: Sequence[float], token_s: float, block_size: int, prior: float) -> float:
+    """`fetch_share` of a store's hit of `num_blocks` for one worker: its measured fetch line (a +
+    b·blocks seconds; empty: none yet) against its seconds per computed token (0: not measured).
+    Routers price hits by it (router/policy.py `store_hit`), and a worker's tier its hinted
+    fetches, with its newest measurements (kvstore/tier_meters.py `FetchGate`)."""
+    fetch_s = fetch_line[0] + fetch_line[1] * num_blocks if len(fetch_line) == 2 and num_blocks else 0.0
+    return fetch_share(fetch_s, num_blocks * block_size * token_s, prior)
+
+
+class Probes:
+    """Per key (a worker, a store), when a fetch priced out is let through again: once every
+    `FETCH_PROBE_S` (`due`)."""
+
+    def __init__(self) -> None:
+        self._at: dict[object, float] = {}
+
+    def due(self, key: object, now: float) -> bool:
+        if now < self._at.get(key, 0.0):
+            return False
+        self._at = {k: t for k, t in self._at.items() if t > now}  # only the pending ones kept
+        self._at[key] = now + FETCH_PROBE_S
+        return True
 
 
 def _idle() -> EngineLoad:

@@ -106,13 +106,14 @@ class RemoteKV:
                 self._results.append(Landed(rid, out, ev.arrived_at - ev.opened_at, ev.trace))
 
     def failed(self, ev: TransferFailed) -> None:
-        if self._current(ev):
-            self.connector.end(ev.request_id)
-            self._results.append(RemoteFailure(ev.request_id, ev.reason))
+        self._ended(ev, writer_may_write=False)
 
     def quarantined(self, ev: TransferFailed) -> None:
+        self._ended(ev, writer_may_write=True)
+
+    def _ended(self, ev: TransferFailed, writer_may_write: bool) -> None:
         if self._current(ev):
-            self.connector.end(ev.request_id, writer_may_write=True)
+            self.connector.end(ev.request_id, writer_may_write)
             self._results.append(RemoteFailure(ev.request_id, ev.reason))
 
     def fenced(self, request_id: str) -> None:

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from control.heartbeat import FETCH_PROBE_S, fetch_share
+from control.heartbeat import Probes, hit_share
 from engine.fit import LinearFit
 
 FETCH_DECAY = 0.95
@@ -60,24 +60,16 @@ class FetchTimes:
 class FetchGate:
     """Whether a fetch a router hinted goes ahead: the router priced the hit with the times the
     worker's last heartbeat carried; the gate prices it again with the worker's newest (a fetch
-    no faster than computing, `fetch_share` 1, is skipped). Unmeasured it fetches, to measure,
+    no faster than computing, `hit_share` 1, is skipped). Unmeasured it fetches, to measure,
     and a fetch priced out still goes once every `FETCH_PROBE_S`, as the router lets it."""
 
     def __init__(self, times: FetchTimes, token_s: Callable[[], float], block_size: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """`token_s`: the engine's seconds per computed prompt token now (0: not measured)."""
         self.times, self.token_s, self.block_size, self.clock = times, token_s, block_size, clock
-        self._probe_at = [0.0, 0.0]
-        """[its host's store, other hosts']: when a fetch priced out is let through again."""
+        self._probes = Probes()
+        """By store (its host's, other hosts'): when a fetch priced out is let through again."""
 
     def pays(self, far: bool, num_blocks: int) -> bool:
-        line, token_s = self.times.lines[far], self.token_s()
-        if line is None or token_s <= 0:
-            return True
-        if fetch_share(line[0] + line[1] * num_blocks, num_blocks * self.block_size * token_s, 0.0) < 1.0:
-            return True
-        now = self.clock()
-        if now < self._probe_at[far]:
-            return False
-        self._probe_at[far] = now + FETCH_PROBE_S
-        return True
+        share = hit_share(num_blocks, self.times.lines[far] or (), self.token_s(), self.block_size, prior=0.0)
+        return share < 1.0 or self._probes.due(far, self.clock())

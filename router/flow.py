@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from control.heartbeat import FETCH_PROBE_S, ModelFacts
+from control.heartbeat import ModelFacts, Probes
 from engine.hashing import BlockHasher
 from proto import generate_pb2 as pb
 from proto.convert import finish_name_from_pb, sampling_to_pb
@@ -57,8 +57,8 @@ class RequestFlow:
         self._down: dict[str, float] = {}
         """Worker id -> until when (router clock) it gets no new requests."""
         self._turn = 0
-        self._probes: dict[str, float] = {}
-        """Worker id -> when it may next fetch where its measurements price the fetch out."""
+        self._probes = Probes()
+        """By worker id: when it may next fetch where its measurements price the fetch out."""
         self._room = asyncio.Event()
         """Set (and replaced) whenever a booking ends: KV may be free for a request waiting for it."""
         self.stats = {"num_local_prefill": 0, "num_remote_prefill": 0, "num_retries": 0, "num_busy_waits": 0,
@@ -331,12 +331,7 @@ class RequestFlow:
         measurement)."""
         if hit.saved > 0 or hit.num_blocks <= pool:
             return True
-        now = self.clock()
-        if now < self._probes.get(worker_id, 0.0):
-            return False
-        self._probes = {w: t for w, t in self._probes.items() if t > now}  # only the pending ones kept
-        self._probes[worker_id] = now + FETCH_PROBE_S
-        return True
+        return self._probes.due(worker_id, self.clock())
 
     def _route(self, attempt: Attempt, avoid: set[str]) -> tuple[RouteDecision, list[bytes], int]:
         """Workers that failed this request are avoided; ones that are down too, unless no decode

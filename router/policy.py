@@ -13,9 +13,9 @@ Per docs/architecture.md, lowest cost wins and ties are broken at random:
 A worker's cached prefix counts its pool's leading blocks whole and, past them, those a KV
 store holds (kvstore/) at `1 - fetch_cost` each: its own host's or another host's over the
 network, whichever saves more: a pool hit is free, a store hit costs a copy, a remote one a
-transfer, a miss a forward pass. A hit's `fetch_cost` is `fetch_share`: the fetch's time for
-its blocks as the worker measured its fetches, over the time the worker takes to compute
-their tokens; until it has measured both, `store_fetch_cost` / `remote_store_fetch_cost`.
+transfer, a miss a forward pass. A hit's `fetch_cost` is `hit_share` (control/heartbeat.py):
+the fetch's time for its blocks as the worker measured its fetches, over the time the worker
+takes to compute their tokens; until it has measured both, `store_fetch_cost` / `remote_store_fetch_cost`.
 A fetch slower than computing saves nothing and is not made. What is booked on a worker
 (its blocks) is its pool's hit only: blocks fetched from a store take room as computed ones do.
 """
@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from control.heartbeat import fetch_share
+from control.heartbeat import hit_share
 from engine.kv_cache_manager import held_blocks
 
 Mode = Literal["disaggregated", "colocated", "auto"]
@@ -98,8 +98,7 @@ def store_hit(num_blocks: int, fetch_line: Sequence[float], token_s: float, bloc
               store_id: str) -> StoreHit:
     """A store's hit of `num_blocks` priced for one worker: its measured fetch line (a + b·blocks
     seconds; empty: none yet) against its seconds per computed token (0: not measured)."""
-    fetch_s = fetch_line[0] + fetch_line[1] * num_blocks if len(fetch_line) == 2 and num_blocks else 0.0
-    return StoreHit(num_blocks, fetch_share(fetch_s, num_blocks * block_size * token_s, prior), store_id)
+    return StoreHit(num_blocks, hit_share(num_blocks, fetch_line, token_s, block_size, prior), store_id)
 
 
 @dataclass(frozen=True)

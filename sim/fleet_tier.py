@@ -21,8 +21,9 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from control.heartbeat import fetch_share
 from engine.types import BlockHash
-from router.policy import StoreHit, fetch_share
+from router.policy import StoreHit
 from sim.fleet_types import Hardware, Worker
 
 
@@ -84,7 +85,7 @@ class SimStores:
     def stored(self, hashes: Sequence[BlockHash], workers: dict[str, Worker], ids: list[str]) -> dict[str, StoreHit]:
         """Each worker's own node's store (a fetch from another node's is not modelled), priced
         as a router prices a worker's measured fetches: the fetch's time against computing the
-        same tokens (router/policy.py `fetch_share`)."""
+        same tokens (control/heartbeat.py `fetch_share`)."""
         hits = {}
         for w in ids:
             n, spilled = self.held(workers[w].node, hashes)

@@ -4,13 +4,13 @@ import random
 
 import pytest
 
+from control.heartbeat import fetch_share
 from router.policy import (
     RoutingConfig,
     StoreHit,
     WorkerLoad,
     choose_round_robin,
     choose_route,
-    fetch_share,
     store_hit,
 )
 

@@ -4,9 +4,8 @@ computing is not made (0 blocks: the worker does not look), except once every
 `FETCH_PROBE_S`, so that a fresh measurement can price it back in."""
 from __future__ import annotations
 
-from control.heartbeat import TierSpeed
+from control.heartbeat import FETCH_PROBE_S, TierSpeed
 from engine.block_pool import KVEvent
-from router.flow import FETCH_PROBE_S
 from router.kv_index import KVIndex
 from router.policy import RouteDecision
 from tests.unit.helpers import heartbeat
