@@ -73,20 +73,32 @@ STARTUP_TIMEOUTS = ("timed out during startup", "Timed out waiting for file")
 
 
 def ray_head(**head_node_args: Any) -> Any:
-    """A `ray.cluster_utils.Cluster` with its head node. Ray gives a raylet a fixed 30 s to
-    register with its GCS, which a loaded CI machine can miss (seen twice in one day, each
-    time as "The current node timed out during startup"), and its GCS a fixed wait to write
-    its port (missed once: "Timed out waiting for file .../gcs_server_port_..."); such a start
-    is tried again, three times in all, after killing what the failed one left (this
-    process's new Ray children)."""
-    import psutil
+    """A `ray.cluster_utils.Cluster` with its head node, started as `ray_started` starts a node."""
     from ray.cluster_utils import Cluster
+
+    return ray_started(lambda: Cluster(initialize_head=True,
+                                       head_node_args={"include_dashboard": False, **head_node_args}))
+
+
+def ray_node(cluster: Any, **node_args: Any) -> Any:
+    """One more node of `cluster` (`ray_head`'s), started as `ray_started` starts a node."""
+    return ray_started(lambda: cluster.add_node(**node_args))
+
+
+def ray_started(start: Callable[[], Any]) -> Any:
+    """`start()`, a Ray node's start. Ray gives a raylet a fixed 30 s to register with its GCS,
+    which a loaded CI machine can miss (seen twice in one day, each time as "The current node
+    timed out during startup", once more for a second node of test_ray_nodes), and its GCS a
+    fixed wait to write its port (missed once: "Timed out waiting for file
+    .../gcs_server_port_..."); such a start is tried again, three times in all, after killing
+    what the failed one left (this process's new Ray children)."""
+    import psutil
 
     me = psutil.Process()
     for attempt in range(3):
         before = {p.pid for p in me.children(recursive=True)}
         try:
-            return Cluster(initialize_head=True, head_node_args={"include_dashboard": False, **head_node_args})
+            return start()
         except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this
             if not any(m in str(e) for m in STARTUP_TIMEOUTS) or attempt == 2:
                 raise

@@ -6,8 +6,6 @@ the others follow its steps (engine/tp_followers.py)."""
 from __future__ import annotations
 
 import json
-import multiprocessing
-import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,6 +14,7 @@ import pytest
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
+from tests.integration.fabric_peer import child_context
 from tests.integration.reference import random_prompts
 
 pytestmark = pytest.mark.timeout(600)
@@ -63,7 +62,7 @@ def make_engine_config(model_dir: str) -> EngineConfig:
 
 def run_ranks(world: int, model_dir: str, prompts: list[list[int]], tmp_path: Path) -> list[dict]:
     rendezvous = tmp_path / f"rendezvous-{world}"  # a file, not a port picked, closed and hoped free
-    ctx = multiprocessing.get_context("spawn")
+    ctx = child_context()  # forks of a server that has imported torch and the engine
     outs = [str(tmp_path / f"rank{r}-of-{world}.json") for r in range(world)]
     procs = [ctx.Process(target=_rank, args=(r, world, str(rendezvous), model_dir, prompts, outs[r]))
              for r in range(world)]
@@ -78,8 +77,7 @@ def run_ranks(world: int, model_dir: str, prompts: list[list[int]], tmp_path: Pa
 @pytest.mark.parametrize("arch,world", [("llama", 2), ("llama", 4), ("qwen2", 2), ("gemma3", 2), ("phi3", 2),
                                         ("qwen2_moe", 2), ("mixtral", 2)])
 def test_a_split_model_gives_the_whole_models_tokens(arch: str, world: int, tmp_path: Path,
-                                                     request: pytest.FixtureRequest,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+                                                     request: pytest.FixtureRequest) -> None:
     """llama: KV heads split (2 ranks) and replicated (4 ranks, 2 KV heads); qwen2: q/k/v
     biases; gemma3: one KV head, sandwich norms, GeGLU, soft-capped logits; phi3: fused q/k/v
     and gate/up tensors; qwen2_moe: experts and a gated shared expert split, a dense layer;
@@ -90,7 +88,6 @@ def test_a_split_model_gives_the_whole_models_tokens(arch: str, world: int, tmp_
         from engine.tiny_model import make_tiny_model
 
         model_dir = str(make_tiny_model(tmp_path / arch, arch=arch, seed=0))
-    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))  # for this test's ranks alone
     whole = LLMEngine(make_engine_config(model_dir))
     prompts = random_prompts([5, 23, 40], whole.model_config.vocab_size, seed=3)
     want = whole.generate(prompts, PARAMS)
