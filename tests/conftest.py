@@ -18,16 +18,23 @@ import torch  # noqa: E402 (after the thread count is set)
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
-SLOW_FIRST = ("test_ray_up", "test_api", "test_cli", "test_separate_hosts", "test_nixl_apart", "test_kv_tier_serving",
-              "test_disaggregated_kv", "test_spec_serving", "test_elastic", "test_sim_validate",
-              "test_triton_kernels", "test_controller_restart", "test_parity_transformers", "test_tensor_parallel",
-              "test_tensor_parallel_serving", "test_serving", "test_admission_preemption", "test_gpu_start_path",
-              "test_worker_failure", "test_ray_autoscaler", "test_admission_expected", "test_router_replicas",
-              "test_tensor_parallel_kv", "test_ray_nodes", "test_structured", "test_real_gemma3")
-"""The modules that take longest (a run's per-module durations), longest first: the suite's
-workers (xdist, a module each at a time, in this order: `--no-loadscope-reorder` in addopts;
-xdist's own order is by test count, which ran the one-test `ray up` module, the longest, last
-and alone) then end close together instead of one waiting on a long module picked last."""
+SLOW_FIRST = ("test_ray_up", "test_separate_hosts", "test_cli", "test_nixl_apart", "test_triton_kernels", "test_elastic",
+              "test_ray_autoscaler", "test_ray_nodes",
+              # the modules sharing a Ray node (`SHARES_RAY_NODE`), together
+              "test_api", "test_sim_validate", "test_tensor_parallel_serving", "test_worker_failure",
+              "test_controller_restart", "test_tracing", "test_kv_tier_serving", "test_admission_expected",
+              "test_router_replicas", "test_spec_serving", "test_late_heartbeats", "test_metrics",
+              "test_admission_preemption", "test_serving", "test_generate_fuzz", "test_autoscale_live",
+              "test_structured", "test_abort_storm", "test_bench", "test_front_guard", "test_openai_tools",
+              "test_redis_outage",
+              "test_disaggregated_kv", "test_tensor_parallel_kv", "test_gpu_start_path", "test_plain_processes",
+              "test_real_gemma3", "test_parity_transformers", "test_tensor_parallel")
+"""The modules that take longest (a run's per-module durations), longest first, but for the
+modules that share a Ray node (tests/integration/conftest.py `ray_node`), which come together:
+the suite's workers (xdist, a module each at a time, in this order: `--no-loadscope-reorder`
+in addopts; xdist's own order is by test count, which ran the one-test `ray up` module, the
+longest, last and alone) then end close together instead of one waiting on a long module
+picked last, and each starts the shared node about once."""
 
 
 NIXL_APART = "SPLITSERVE_TEST_NIXL"

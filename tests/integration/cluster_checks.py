@@ -2,14 +2,17 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import ray
+
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
-from cluster.local import LocalCluster
+from cluster.local import NODE_SYSTEM_CONFIG, LocalCluster
 from engine.request import SamplingParams
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
@@ -108,6 +111,47 @@ def ray_started(start: Callable[[], Any]) -> Any:
                         p.kill()
             time.sleep(2.0)
     raise AssertionError("unreachable")
+
+
+SHARED_NODE_CPUS = 32
+"""The shared node's CPUs: Ray's bookkeeping only (a test's workers run one torch thread
+each), room for any of the sharing modules' pools (LocalCluster's own node offers its pools
+plus headroom)."""
+
+_shared: list[str] = []
+"""The GCS address of this process's shared Ray node while it runs."""
+
+
+def join_shared_node() -> None:
+    """This test process's Ray node for the clusters of the modules that share one
+    (`SHARES_RAY_NODE`, tests/integration/conftest.py): started by the first such module and
+    kept for the next, where each module's LocalCluster started and stopped a node of its own
+    (about 4 s and 5 CPU-seconds a start, on a 2-core machine where the suite is CPU-bound).
+    A cluster on it is stopped as on its own node (LocalCluster.stop: every actor of its
+    namespace, its Redis, its KV segments); only the node stays."""
+    if ray.is_initialized():
+        if _shared and ray.get_runtime_context().gcs_address == _shared[0]:
+            return
+        ray.shutdown()  # a node this process joined or started some other way
+    _shared.clear()
+
+    def start() -> None:
+        try:
+            ray.init(address="local", num_cpus=SHARED_NODE_CPUS, include_dashboard=False,
+                     logging_level=logging.WARNING, configure_logging=False, log_to_driver=True,
+                     _system_config=NODE_SYSTEM_CONFIG)
+        except BaseException:
+            ray.shutdown()  # the driver's half of a failed start, before another try
+            raise
+    ray_started(start)
+    _shared.append(ray.get_runtime_context().gcs_address)
+
+
+def leave_shared_node() -> None:
+    """No shared node up in this process (a module that starts its own, or none)."""
+    if _shared and ray.is_initialized() and ray.get_runtime_context().gcs_address == _shared[0]:
+        ray.shutdown()
+    _shared.clear()
 
 
 def decode_pids(cluster: LocalCluster) -> dict[str, int]:

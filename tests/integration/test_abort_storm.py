@@ -14,6 +14,8 @@ from cluster.local import LocalCluster
 from kvfabric.region import segments_of
 from tests.integration.cluster_checks import assert_idle
 
+SHARES_RAY_NODE = True  # its clusters run on the test process's shared Ray node (tests/integration/conftest.py)
+
 pytestmark = pytest.mark.timeout(600)
 
 

@@ -17,6 +17,8 @@ from proto import generate_pb2_grpc as pb_grpc
 from router.policy import RoutingConfig
 from tests.integration.cluster_checks import assert_idle, greedy, wait_for
 
+SHARES_RAY_NODE = True  # its clusters run on the test process's shared Ray node (tests/integration/conftest.py)
+
 pytestmark = pytest.mark.timeout(900)
 
 POOL_TOKENS = 1200

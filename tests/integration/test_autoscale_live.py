@@ -21,6 +21,8 @@ from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from router.policy import RoutingConfig
 
+SHARES_RAY_NODE = True  # its clusters run on the test process's shared Ray node (tests/integration/conftest.py)
+
 pytestmark = pytest.mark.timeout(600)
 
 

@@ -21,6 +21,8 @@ from PIL import Image
 from cluster.local import LocalCluster
 from tests.integration.cluster_checks import one_and_one
 
+SHARES_RAY_NODE = True  # its clusters run on the test process's shared Ray node (tests/integration/conftest.py)
+
 pytestmark = pytest.mark.timeout(600)
 
 

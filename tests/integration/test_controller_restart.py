@@ -26,6 +26,8 @@ from proto import generate_pb2 as pb
 from router.policy import RoutingConfig
 from tests.integration.cluster_checks import decode_pids, generate, greedy, tokens, wait_for
 
+SHARES_RAY_NODE = True  # its clusters run on the test process's shared Ray node (tests/integration/conftest.py)
+
 pytestmark = pytest.mark.timeout(600)
 
 LONG = 64

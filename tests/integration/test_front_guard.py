@@ -26,6 +26,8 @@ from router.admission import AdmissionConfig
 from router.policy import RoutingConfig
 from tests.integration.cluster_checks import assert_idle
 
+SHARES_RAY_NODE = True  # its clusters run on the test process's shared Ray node (tests/integration/conftest.py)
+
 pytestmark = pytest.mark.timeout(600)
 
 OPEN_KEY, ACME_KEY = "sk-open-0123456789", "sk-acme-0123456789"

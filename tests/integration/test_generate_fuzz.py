@@ -28,6 +28,8 @@ from router.policy import RoutingConfig
 from tests.integration.cluster_checks import assert_idle
 from tests.integration.reference import make_engine
 
+SHARES_RAY_NODE = True  # its clusters run on the test process's shared Ray node (tests/integration/conftest.py)
+
 pytestmark = pytest.mark.timeout(900)
 
 CALLER_FAULTS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS}

@@ -28,6 +28,8 @@ from tests.integration.cluster_checks import assert_idle
 from tests.integration.reference import make_engine, random_prompts
 from tests.pki import make_ca
 
+SHARES_RAY_NODE = True  # its clusters run on the test process's shared Ray node (tests/integration/conftest.py)
+
 pytestmark = pytest.mark.timeout(600)
 
 POOL_BLOCKS = 24

@@ -27,6 +27,8 @@ from proto import generate_pb2_grpc as pb_grpc
 from router.policy import RoutingConfig
 from tests.integration.cluster_checks import wait_for
 
+SHARES_RAY_NODE = True  # its clusters run on the test process's shared Ray node (tests/integration/conftest.py)
+
 pytestmark = pytest.mark.timeout(300)
 
 

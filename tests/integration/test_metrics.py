@@ -24,6 +24,8 @@ from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from tests.integration.cluster_checks import assert_idle, one_and_one
 
+SHARES_RAY_NODE = True  # its clusters run on the test process's shared Ray node (tests/integration/conftest.py)
+
 pytestmark = pytest.mark.timeout(600)
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

@@ -19,6 +19,8 @@ from router.policy import RoutingConfig
 from tests.integration.cluster_checks import assert_idle
 from tests.integration.scripted_model import ANSWER, THOUGHT, make_scripted_model
 
+SHARES_RAY_NODE = True  # its clusters run on the test process's shared Ray node (tests/integration/conftest.py)
+
 pytestmark = pytest.mark.timeout(600)
 
 MODEL = "scripted"

@@ -25,6 +25,8 @@ from router.service import RouterService
 from tests.integration.cluster_checks import wait_threads
 from tests.integration.reference import make_engine
 
+SHARES_RAY_NODE = True  # its clusters run on the test process's shared Ray node (tests/integration/conftest.py)
+
 pytestmark = pytest.mark.timeout(600)
 
 NUM_CHANNELS = 16

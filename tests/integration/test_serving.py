@@ -27,6 +27,8 @@ from router.policy import RoutingConfig
 from tests.integration.cluster_checks import assert_idle, wait_for
 from tests.integration.reference import hf_greedy, make_engine
 
+SHARES_RAY_NODE = True  # its clusters run on the test process's shared Ray node (tests/integration/conftest.py)
+
 pytestmark = pytest.mark.timeout(900)
 
 MAX_TOKENS_BUDGET = 1000

@@ -18,6 +18,8 @@ from router.policy import RoutingConfig
 from sim.arrivals import Shape, arrival_times, timed
 from sim.cpu_fit import CpuCost
 
+SHARES_RAY_NODE = True  # its clusters run on the test process's shared Ray node (tests/integration/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> str:

@@ -25,6 +25,8 @@ from router.policy import RoutingConfig
 from tests.integration.cluster_checks import wait_for
 from tests.integration.reference import make_engine
 
+SHARES_RAY_NODE = True  # its clusters run on the test process's shared Ray node (tests/integration/conftest.py)
+
 pytestmark = pytest.mark.timeout(600)
 
 LOCAL_PREFILL_TOKENS = 16

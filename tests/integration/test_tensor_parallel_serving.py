@@ -21,6 +21,8 @@ from router.policy import RoutingConfig
 from tests.integration.cluster_checks import assert_idle
 from tests.integration.reference import make_engine, random_prompts
 
+SHARES_RAY_NODE = True  # its clusters run on the test process's shared Ray node (tests/integration/conftest.py)
+
 pytestmark = pytest.mark.timeout(600)
 
 

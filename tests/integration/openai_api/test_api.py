@@ -26,6 +26,8 @@ from tests.integration.openai_api.sampling_answers import (  # noqa: F401 (colle
     test_several_prompts_in_one_completions_request_are_choices_by_index)
 from tests.integration.test_metrics import scrape, total
 
+SHARES_RAY_NODE = True  # its clusters run on the test process's shared Ray node (tests/integration/conftest.py)
+
 pytestmark = pytest.mark.timeout(900)
 
 
