@@ -18,23 +18,31 @@ import torch  # noqa: E402 (after the thread count is set)
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
-SLOW_FIRST = ("test_ray_up", "test_separate_hosts", "test_cli", "test_nixl_apart", "test_triton_kernels", "test_elastic",
+SLOW_FIRST = ("test_ray_up", "test_cli", "test_triton_kernels", "test_elastic", "test_separate_hosts",
               "test_ray_autoscaler", "test_ray_nodes",
-              # the modules sharing a Ray node (`SHARES_RAY_NODE`), together
+              # the modules sharing a Ray node (`SHARES_RAY_NODE`), together but for test_nixl_apart
               "test_api", "test_sim_validate", "test_tensor_parallel_serving", "test_worker_failure",
-              "test_controller_restart", "test_tracing", "test_kv_tier_serving", "test_admission_expected",
-              "test_router_replicas", "test_spec_serving", "test_late_heartbeats", "test_metrics",
-              "test_admission_preemption", "test_serving", "test_generate_fuzz", "test_autoscale_live",
-              "test_structured", "test_abort_storm", "test_bench", "test_front_guard", "test_openai_tools",
-              "test_redis_outage",
-              "test_disaggregated_kv", "test_tensor_parallel_kv", "test_gpu_start_path", "test_plain_processes",
-              "test_real_gemma3", "test_parity_transformers", "test_tensor_parallel")
-"""The modules that take longest (a run's per-module durations), longest first, but for the
-modules that share a Ray node (tests/integration/conftest.py `ray_node`), which come together:
-the suite's workers (xdist, a module each at a time, in this order: `--no-loadscope-reorder`
-in addopts; xdist's own order is by test count, which ran the one-test `ray up` module, the
+              "test_nixl_apart",
+              "test_controller_restart", "test_spec_serving", "test_admission_expected", "test_router_replicas",
+              "test_kv_tier_serving", "test_structured", "test_admission_preemption", "test_abort_storm",
+              "test_late_heartbeats", "test_serving", "test_autoscale_live", "test_bench", "test_metrics",
+              "test_generate_fuzz", "test_redis_outage", "test_front_guard", "test_tracing", "test_openai_tools",
+              "test_tensor_parallel_kv", "test_gpu_start_path", "test_plain_processes", "test_real_gemma3",
+              "test_disaggregated_kv", "test_parity_transformers", "test_tensor_parallel")
+"""The modules that take longest (a run's per-module durations), about longest first: the
+suite's workers (xdist, a module each at a time, in this order: `--no-loadscope-reorder` in
+addopts; xdist's own order is by test count, which ran the one-test `ray up` module, the
 longest, last and alone) then end close together instead of one waiting on a long module
-picked last, and each starts the shared node about once."""
+picked last. Two rules bend it:
+- The modules that share a Ray node (tests/integration/conftest.py `ray_node`) come together,
+  so each worker starts the shared node about once.
+- The three that make test hosts (test_ray_up, test_separate_hosts, and test_nixl_apart's
+  link cut) hold a machine-wide lock while they do (benchmarks/separate_hosts.py
+  `namespaces`): they come far enough apart that none waits for another (first in the
+  order, the first two ran at once and test_separate_hosts waited 140 s for `ray up`). A
+  worker is handed its next module when two tests of its current one are left, so the
+  one-test ray_up's worker takes test_triton_kernels with it, and test_separate_hosts
+  starts after test_cli and test_elastic, past ray_up's end."""
 
 
 NIXL_APART = "SPLITSERVE_TEST_NIXL"
