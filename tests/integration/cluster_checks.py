@@ -83,7 +83,7 @@ def ray_head(**head_node_args: Any) -> Any:
                                        head_node_args={"include_dashboard": False, **head_node_args}))
 
 
-def ray_node(cluster: Any, **node_args: Any) -> Any:
+def ray_added_node(cluster: Any, **node_args: Any) -> Any:
     """One more node of `cluster` (`ray_head`'s), started as `ray_started` starts a node."""
     return ray_started(lambda: cluster.add_node(**node_args))
 

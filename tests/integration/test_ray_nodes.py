@@ -18,7 +18,7 @@ from engine.request import SamplingParams
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from router.policy import RoutingConfig
-from tests.integration.cluster_checks import assert_idle, ray_head, ray_node
+from tests.integration.cluster_checks import assert_idle, ray_head, ray_added_node
 from tests.integration.reference import make_engine
 
 pytestmark = pytest.mark.timeout(600)
@@ -31,8 +31,8 @@ def nodes() -> Iterator[dict[str, str]]:
         ray.shutdown()
     cluster = ray_head(num_cpus=2)
     try:
-        prefill = ray_node(cluster, num_cpus=1, resources={"prefill": 2})
-        decode = ray_node(cluster, num_cpus=1, resources={"decode": 2})
+        prefill = ray_added_node(cluster, num_cpus=1, resources={"prefill": 2})
+        decode = ray_added_node(cluster, num_cpus=1, resources={"decode": 2})
         cluster.wait_for_nodes()
         yield {"address": cluster.address, "prefill": prefill.node_id, "decode": decode.node_id,
                "head": cluster.head_node.node_id}
