@@ -32,7 +32,7 @@ profile over every batch size they may run, engine/step_profile.py, or else a + 
 time per token at each worker's share of the replay's requests and of their KV, and the
 router's own samples give only its scale (what the router sees beyond the workers' steps):
 the median, over the last `SCALE_SAMPLES` finished requests, of what each measured over
-what the current model says at its load. Recomputed whenever the model changes, the scale
+what the current model says at its load (of those it describes: `SCALE_RANGE`). Recomputed whenever the model changes, the scale
 is there from the first model a worker reports, and one slow request does not move it.
 
 A second term was tried and measured worse: t ≈ α·model + β·requests streaming (each token
@@ -72,6 +72,17 @@ FIRST_TOKEN_DECAY = 0.97
 """First-token samples (one per request): about the last 30 count."""
 SCALE_SAMPLES = 32
 """Finished requests the step model's scale is taken from."""
+SCALE_RANGE = (1 / 8, 8.0)
+"""A finished request's time per token over the step model's at its load, outside this range,
+says the model does not describe that load, and the sample does not set the scale. The router
+sees each token one worker step after the last, plus its own relaying, so the ratio is near 1
+(2-4 with hundreds of client threads on the same cores). A line fitted on a few steps can
+say a step at a load it has not seen takes almost nothing (a negative intercept makes one
+request's step ~0): 5 ms measured over that gave a scale of ~50,000, which the busier replay
+load turned into 200 s a token and a queued request refused as 80,000 s from admission."""
+MIN_STEP_S = 1e-5
+"""A step model's time under this (no decode step is that short) is read as no answer: the
+line was extrapolated past its steps."""
 
 
 @dataclass
@@ -143,22 +154,30 @@ class WaitForecast:
             self._rescale()
 
     def _rescale(self) -> None:
-        self._model_scale = (statistics.median(t / self._model_s(n, kv, 1) for n, kv, t in self._samples)
-                             if self.step_model is not None and self._samples else None)
+        low, high = SCALE_RANGE
+        ratios = [t / model for n, kv, t in self._samples
+                  if (model := self._model_s(n, kv, 1)) is not None and low <= t / model <= high]
+        self._model_scale = statistics.median(ratios) if ratios else None
 
     @property
     def model_scale(self) -> float | None:
-        """What the router measures per token over what the decode workers' model says."""
+        """What the router measures per token over what the decode workers' model says (None:
+        no model, or no finished request it describes)."""
         return self._model_scale
 
-    def _model_s(self, num_streaming: float, kv_tokens: float, num_workers: int) -> float:
-        assert self.step_model is not None
-        return max(self.step_model.seconds(num_streaming / num_workers, kv_tokens / num_workers), 1e-6)
+    def _model_s(self, num_streaming: float, kv_tokens: float, num_workers: int) -> float | None:
+        """The step model's time at this load; None without one, or where it says under `MIN_STEP_S`."""
+        if self.step_model is None:
+            return None
+        seconds = self.step_model.seconds(num_streaming / num_workers, kv_tokens / num_workers)
+        return seconds if seconds >= MIN_STEP_S else None
 
     def per_token_s(self, num_streaming: float, kv_tokens: float) -> float:
-        """The forecast time per output token with these requests streaming and KV tokens held."""
-        if self._model_scale is not None:
-            return self._model_scale * self._model_s(num_streaming, kv_tokens, self.num_decode_workers)
+        """The forecast time per output token with these requests streaming and KV tokens held:
+        the step model's at this load times the scale, or else the router's own fit."""
+        if self._model_scale is not None and \
+                (model := self._model_s(num_streaming, kv_tokens, self.num_decode_workers)) is not None:
+            return self._model_scale * model
         return self.token_s(num_streaming)
 
     @property

@@ -244,3 +244,30 @@ def test_the_scale_comes_from_requests_that_finished_before_the_model_and_ignore
     assert f.per_token_s(57, 0) == pytest.approx(2 * 0.57)
     f.set_step_model(StepShape((0.0, 0.005, 0.0)), 1)  # a faster model: the same samples, measured against it
     assert f.per_token_s(57, 0) == pytest.approx(4 * 0.285)
+
+
+def test_a_model_that_says_a_step_takes_nothing_at_a_load_does_not_set_the_scale(clock: FakeClock) -> None:
+    f = WaitForecast(clock)
+    calibrate(f, clock, first_s=0.1, token_s=0.005)  # alone: 5 ms a token
+    # a line fitted on steps of 2-4 requests: one request's step is 2 µs, two requests' 10 ms
+    f.set_step_model(StepShape((-0.009998, 0.01, 0.0)), 1)
+    assert f.model_scale is None  # 5 ms over 2 µs (2,500) is no scale: the router's own fit answers
+    assert f.per_token_s(2, 0) == pytest.approx(0.005)
+    f.set_step_model(StepShape((-0.05, 0.01, 0.0)), 1)  # under zero at one and two requests
+    assert f.model_scale is None and f.per_token_s(2, 0) == pytest.approx(0.005)
+    calibrate(f, clock, first_s=0.1, token_s=0.02)
+    f.set_step_model(StepShape((0.0, 0.01, 0.0)), 1)  # a model that describes one request: it scales
+    assert f.model_scale == pytest.approx(1.25)  # the median of 5 ms and 20 ms over its 10 ms
+    assert f.per_token_s(4, 0) == pytest.approx(1.25 * 0.04)
+
+
+def test_a_queued_request_is_not_refused_for_a_model_that_goes_to_zero_at_its_load(clock: FakeClock) -> None:
+    config = AdmissionConfig(max_inflight_tokens=1000, max_queued_per_priority=3, max_queue_wait_s=600.0)
+    q = AdmissionQueue(config, clock)
+    calibrate(q.forecast, clock, first_s=0.05, token_s=0.005)
+    assert q.offer("a", 0, 410, None, new_tokens=400) is True
+    assert q.offer("b", 0, 410, None, new_tokens=400) is True
+    assert q.offer("c", 0, 410, None, new_tokens=400) is False  # queued behind them
+    q.forecast.set_step_model(StepShape((-0.009998, 0.01, 0.0)), 1)
+    assert q.revise() == []  # ~2 s of decode ahead of it, not thousands
+    assert 0 < q.queued_admission_times()["c"] - clock() < 10
