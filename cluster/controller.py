@@ -145,6 +145,7 @@ class Controller:
         left = named_actors.stop_all(c.namespace, keep=(named_actors.CONTROLLER,))
         if left:  # its controller is gone (ours has the name now): a serve that was killed
             self._act(f"stopped {len(left)} actor(s) an earlier cluster of namespace {c.namespace!r} left: {left}")
+        self.routers.prepare(c.num_routers)  # their processes start beside the workers'
         await self.stores.ensure()  # before the workers, which look for their node's store as they start
         await asyncio.gather(*(self._launch(role, START_TIMEOUT_S) for role in ROLES for _ in range(self.targets[role])))
         short = {r: self.targets[r] - len(self._live(r)) for r in ROLES if len(self._live(r)) < self.targets[r]}
