@@ -31,7 +31,7 @@ QUESTIONS = ["What is the capital of France?", "Name a fruit.", "What color is t
 @pytest.fixture(scope="module")
 def cluster(smollm2_gguf: str, smollm2_dir: str):  # type: ignore[no-untyped-def]
     config = ClusterConfig(  # the defaults but the ports (and a small share of the 2 cores each)
-        worker=WorkerConfig(model_dir=smollm2_gguf), num_prefill=1, num_decode=1, worker_num_cpus=0.5,
+        worker=WorkerConfig(model_dir=smollm2_gguf, step_profile_s=0), num_prefill=1, num_decode=1, worker_num_cpus=0.5,
         router=RouterConfig(port=0, http_port=0, served_model_name=MODEL, tokenizer_dir=smollm2_dir,
                             routing=RoutingConfig(mode="disaggregated")))
     with LocalCluster(config) as c:

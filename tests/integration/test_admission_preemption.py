@@ -28,7 +28,7 @@ POOL_TOKENS = 1200
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir: str):  # type: ignore[no-untyped-def]
     config = ClusterConfig(
-        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=POOL_TOKENS * 512),
+        worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=POOL_TOKENS * 512, step_profile_s=0),
         num_prefill=1, num_decode=1, worker_num_cpus=0.5,
         router=RouterConfig(port=0, routing=RoutingConfig(mode="disaggregated")))
     with LocalCluster(config) as c:

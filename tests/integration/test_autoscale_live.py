@@ -31,7 +31,7 @@ def test_a_load_ramp_grows_prefill_and_it_shrinks_after(tiny_llama_dir: str) -> 
                                 up_delay_s=1.0, down_delay_s=4.0, cooldown_s=2.0)
     config = ClusterConfig(
         worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=16 * 2**20,
-                            max_num_batched_tokens=256),
+                            max_num_batched_tokens=256, step_profile_s=0),
         num_prefill=1, num_decode=1, worker_num_cpus=0.25, supervise_interval_s=0.5, drain_timeout_s=10.0,
         router=RouterConfig(port=0, routing=RoutingConfig(mode="disaggregated")), autoscale=autoscale)
     cluster = LocalCluster(config)

@@ -51,7 +51,7 @@ def test_an_evicted_conversation_is_served_from_the_nodes_store(tiny_llama_dir: 
         given = given_tls(str(ca.write(tmp_path / "ca.pem")), *map(str, ca.issue(tmp_path, "members")))
     config = ClusterConfig(
         worker=WorkerConfig(model_dir=tiny_llama_dir, block_size=16, kv_cache_bytes=POOL_BLOCKS * block_bytes,
-                            given_tls=given),
+                            given_tls=given, step_profile_s=0),
         num_prefill=1 if mode == "disaggregated" else 0, num_decode=1, kv_store_mib=16, worker_num_cpus=0.5,
         router=RouterConfig(port=0, routing=RoutingConfig(mode=mode)))
     prompt, *others = random_prompts([170, 170, 170, 170], 512, seed=6)  # 10 full blocks each, 24 in a pool

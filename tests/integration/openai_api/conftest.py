@@ -21,7 +21,7 @@ from tests.integration.openai_api.calls import MODEL
 @pytest.fixture(scope="module")
 def cluster(smollm2_gguf: str, smollm2_dir: str):  # type: ignore[no-untyped-def]
     config = ClusterConfig(
-        worker=WorkerConfig(model_dir=smollm2_gguf, block_size=16, kv_cache_bytes=64 * 2**20),
+        worker=WorkerConfig(model_dir=smollm2_gguf, block_size=16, kv_cache_bytes=64 * 2**20, step_profile_s=0),
         num_prefill=1, num_decode=1, worker_num_cpus=0.5,
         router=RouterConfig(port=0, http_port=0, served_model_name=MODEL, tokenizer_dir=smollm2_dir,
                             routing=RoutingConfig(mode="disaggregated"),
