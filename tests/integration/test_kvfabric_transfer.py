@@ -11,6 +11,7 @@ import os
 import random
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -23,7 +24,7 @@ from kvfabric import (
     PeerUnavailable, ReceiverConfig, SenderConfig, ShmSegment, Ticket, TransferFailed,
 )
 from kvfabric.address import ONE_SIDED
-from kvfabric.region import ShmSegment, sweep_dead_segments
+from kvfabric.region import sweep_dead_segments
 from tests.conftest import skip_without_nixl
 from tests.integration.cluster_checks import wait_threads
 from tests.integration.fabric_peer import LAYOUT, Peer, receiver_main, sender_main, source_blocks
@@ -355,3 +356,50 @@ def test_a_segment_name_that_is_a_link_is_refused() -> None:
     finally:
         os.unlink(f"/dev/shm/{link}")
         seg.close()
+
+
+class StepEvent:
+    """As cupy's CUDA event of the step that writes a push's blocks: `done` once that step
+    ended (here: a thread writes the blocks, then sets it), never when `delay_s` is None."""
+
+    def __init__(self, blocks: np.ndarray, delay_s: float | None) -> None:
+        self._ended = False
+        if delay_s is not None:
+            def step() -> None:
+                time.sleep(delay_s)
+                blocks[:] = np.arange(blocks.size, dtype=np.uint64).reshape(blocks.shape).astype(np.uint8)
+                self._ended = True
+            threading.Thread(target=step, daemon=True).start()
+
+    @property
+    def done(self) -> bool:
+        return self._ended
+
+
+@pytest.mark.parametrize("transport", ["nixl"])
+def test_a_nixl_post_from_a_device_pool_waits_for_the_steps_event(transport: str) -> None:
+    """NIXL reads a write's source as soon as the write is posted, so `NixlLink.post` of blocks
+    a GPU step is still writing first waits for that step's CUDA event. On CPU the event is
+    injected: the write is posted only once the step has ended, and the bytes that land are
+    the step's; an event that never completes fails the post within its timeout, nothing posted."""
+    skip_without_nixl(transport)
+    from kvfabric.layout import HeadMap, Run
+    from kvfabric.nixl import Agent, NixlLink, Posted, pools_of
+
+    src, dst = np.zeros((4, BB), np.uint8), np.zeros((4, BB), np.uint8)
+    receiver, sender = Agent("receiver", [BlockRegion(dst)]), Agent("sender", [BlockRegion(src)])
+    link = NixlLink(sender, receiver.metadata(), pools_of([BlockRegion(dst)]), HeadMap.between(LAYOUT, LAYOUT))
+    try:
+        posted, began = Posted(), time.monotonic()
+        link.post(posted, [Run(0, 0, 1, 3)], StepEvent(src, delay_s=0.3), timeout_s=10.0)
+        assert time.monotonic() - began >= 0.3  # posted after the step, not beside it
+        link.settle(posted, timeout_s=10.0)
+        assert src[0].any() and (dst[1:4] == src[0:3]).all() and not dst[0].any()
+        never, began = Posted(), time.monotonic()
+        with pytest.raises(PeerUnavailable, match="CUDA event did not complete within 0.3 s"):
+            link.post(never, [Run(0, 3, 0, 1)], StepEvent(src, delay_s=None), timeout_s=0.3)
+        assert 0.3 <= time.monotonic() - began < 5 and never.handles == [] and not dst[0].any()
+    finally:
+        link.close()
+        sender.close()
+        receiver.close()
