@@ -9,10 +9,11 @@
         outputs as it would real ones) -> update_after_step -> what got a token and what ended
     role prefill: a request ends at its first token and its blocks are held for the transfer
         (the connector's `give_back` frees them): the engine's own PrefillRole and KV manager
-    connector: the engine's own KV loans (engine/kv_connector.py `KVLoans`), through which the
-        fleet's hand-offs and KV tier borrow and return blocks, as a worker's do
-    role decode: `add_remote` reserves blocks for a prompt computed elsewhere (the scheduler's
-        remote-KV admission, cached prefix reused), `remote_ready` joins it to the batch
+    connector: the engine's seam (`SimConnector`, as engine/kv_connector.py's `KVConnector` is
+        an LLMEngine's): its KV loans, through which the fleet's hand-offs and KV tier borrow
+        and return blocks as a worker's do, and the decode side of a hand-off: `reserve` holds
+        blocks for a prompt computed elsewhere (the scheduler's remote-KV admission, cached
+        prefix reused), `landed` joins it to the batch, `end` ends it in any state
 
 Nothing here decides anything: scheduling, admission to the batch, block accounting and
 eviction are the engine's own code; only the forward pass is a number.
@@ -28,6 +29,7 @@ from engine.config import SchedulerConfig
 from engine.hashing import BlockHasher
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_connector import KVLoans
+from engine.outputs import RemoteBlocks
 from engine.request import Request, SamplingParams
 from engine.roles import role_for
 from engine.scheduler import Scheduler
@@ -63,7 +65,7 @@ class SimEngine:
         self.pool = BlockPool(num_blocks, True, protected_fraction)
         self.kv = KVCacheManager(self.pool, BlockHasher(secret, model_id, block_size), kv_window)
         self.scheduler = Scheduler(scheduler or SchedulerConfig(), self.kv, max_model_len, lambda: self.now)
-        self.connector = KVLoans(lambda: self.kv)
+        self.connector = SimConnector(self)
         self._role = role_for(role)
         self.busy_s = 0.0
         """Virtual seconds spent in steps (the worker's busy time)."""
@@ -76,23 +78,6 @@ class SimEngine:
                     arrival_time=self.now, priority=priority, tenant=tenant, block_hashes=list(block_hashes or ()))
         self.scheduler.add_request(r)
         return r
-
-    def add_remote(self, request_id: str, prompt: list[int], max_tokens: int,
-                   block_hashes: list[BlockHash] | None = None) -> Request | None:
-        """Decode role: blocks reserved for a prompt whose KV comes from a prefill worker (its
-        cached prefix reused: `num_cached_tokens`); None when the pool cannot hold it."""
-        r = Request(RequestId(request_id), prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                    arrival_time=self.now, block_hashes=list(block_hashes or ()))
-        return r if self.scheduler.add_remote_request(r) else None
-
-    def remote_ready(self, request_id: str, first_token: int) -> bool:
-        """The KV landed with the first token; True when that token already ends the request
-        (its context is full)."""
-        r = self.scheduler.requests[RequestId(request_id)]
-        self.num_prompt_tokens += r.num_prompt_tokens
-        self.num_cached_tokens += r.num_cached_tokens
-        self.scheduler.remote_kv_ready(RequestId(request_id), first_token)
-        return r.is_finished
 
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort(RequestId(request_id))
@@ -135,3 +120,40 @@ class SimEngine:
         """The token a request gets at its next position: fixed by its id and the position."""
         key = f"{request.request_id}:{request.num_tokens}".encode()
         return zlib.crc32(key) % self.vocab_size
+
+
+class SimConnector(KVLoans):
+    """A SimEngine's seam, as `KVConnector` is an LLMEngine's: its loans, and the decode side of
+    a hand-off over the engine's own scheduler. Runs on the fleet's event loop, the engine's."""
+
+    def __init__(self, engine: SimEngine) -> None:
+        super().__init__(lambda: engine.kv)
+        self._engine = engine
+
+    def reserve(self, request_id: str, prompt: list[int], max_tokens: int,
+                block_hashes: list[BlockHash] | None = None) -> RemoteBlocks | None:
+        """Blocks reserved for a prompt whose KV comes from a prefill worker (its cached prefix
+        reused); None when the pool cannot hold it. `block_hashes`: as `SimEngine.add`."""
+        e = self._engine
+        r = Request(RequestId(request_id), prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                    arrival_time=e.now, block_hashes=list(block_hashes or ()))
+        if not e.scheduler.add_remote_request(r):
+            return None
+        return RemoteBlocks(r.request_id, list(r.block_ids), r.num_cached_tokens, r.num_cached_blocks)
+
+    def landed(self, request_id: str, first_token: int) -> bool:
+        """The KV landed with the first token; True when that token already ends the request
+        (its context is full)."""
+        e = self._engine
+        r = e.scheduler.requests[RequestId(request_id)]
+        e.num_prompt_tokens += r.num_prompt_tokens
+        e.num_cached_tokens += r.num_cached_tokens
+        e.scheduler.remote_kv_ready(RequestId(request_id), first_token)
+        return r.is_finished
+
+    def end(self, request_id: str, writer_may_write: bool = False) -> bool:
+        """The request ends in any state; with `writer_may_write` its blocks stay lent until
+        `fenced`, as `KVConnector.end`."""
+        if writer_may_write:
+            self.lend(request_id)
+        return self._engine.abort(request_id)

@@ -335,7 +335,7 @@ class Fleet:
             d = self.workers[f.decision.decode_worker]
             if d.table is not None:
                 d.table.cancel(f.rid)
-            d.engine.abort(f.rid)
+            d.engine.connector.end(f.rid)  # (the fleet's writers stop with the flight: no fence to wait for)
             self.pools.stop_if_drained(d)
             if f.decision.prefill_worker is not None:
                 self.workers[f.decision.prefill_worker].engine.abort(f.rid)

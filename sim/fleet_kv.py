@@ -30,7 +30,7 @@ class FleetTransfers:
         fleet = self.fleet
         n = len(f.item.prompt)
         assert f.booking is not None
-        request = d.engine.add_remote(f.rid, f.item.prompt, f.item.max_tokens, f.hashes)
+        request = d.engine.connector.reserve(f.rid, f.item.prompt, f.item.max_tokens, f.hashes)
         if request is None:  # the load book's view was stale: wait for room as the router does
             f.booking.end()
             f.booking = None
@@ -39,7 +39,7 @@ class FleetTransfers:
         fleet.stats["num_remote_prefill"] += 1
         fleet.index.predict(p, f.hashes)
         assert d.table is not None
-        res = d.table.add(f.rid, list(request.block_ids), request.num_cached_blocks)
+        res = d.table.add(f.rid, list(request.block_ids), request.num_skip_blocks)
         d.table.bind(res.reservation_id, writer=_writer(p), one_sided=True)
         f.reservation_id = res.reservation_id
         self.pushing[f.rid] = f
@@ -81,7 +81,7 @@ class FleetTransfers:
             d.table.ready(res.reservation_id, _writer(p.worker_id), first_token, len(f.item.prompt))
         for event in d.table.take_events():
             if isinstance(event, KVArrived) and event.request_id == f.rid:
-                if d.engine.remote_ready(f.rid, first_token):
+                if d.engine.connector.landed(f.rid, first_token):
                     fleet.finish(f, "OK")
                 fleet.wake(d)
             elif event.request_id == f.rid:
