@@ -1,8 +1,10 @@
 """Fixtures shared by every test layer: tiny checkpoints and an injectable clock."""
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 
 import pytest
 
@@ -93,6 +95,23 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
         _nixl_found.extend(name for name in MODULES if name in sys.modules)
         assert not _nixl_found, (f"{item.nodeid} loaded NIXL ({', '.join(_nixl_found)}) in a process of the main "
                                  "suite: test it under tests/integration/test_nixl_apart.py")
+
+
+TIMELINE = "SPLITSERVE_TEST_TIMELINE"
+"""A file: every test appends one JSON line to it (its xdist worker, id, and wall-clock start
+and end, setup to teardown), so a run shows where its time went, worker by worker and module
+by module (benchmarks/suite_timeline.py reads it)."""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    began = time.time()
+    yield
+    if path := os.environ.get(TIMELINE):
+        line = {"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "test": item.nodeid,
+                "start": round(began, 3), "end": round(time.time(), 3)}
+        with open(path, "a") as f:  # one short append per test: the workers' lines do not interleave
+            f.write(json.dumps(line) + "\n")
 
 
 class FakeClock:
