@@ -108,7 +108,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     began = time.time()
     yield
     if path := os.environ.get(TIMELINE):
-        line = {"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "test": item.nodeid,
+        worker = getattr(item.config, "workerinput", {}).get("workerid", "main")  # (a pytest a test runs: main)
+        line = {"worker": worker, "test": item.nodeid,
                 "start": round(began, 3), "end": round(time.time(), 3)}
         with open(path, "a") as f:  # one short append per test: the workers' lines do not interleave
             f.write(json.dumps(line) + "\n")
