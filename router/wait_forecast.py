@@ -72,14 +72,15 @@ FIRST_TOKEN_DECAY = 0.97
 """First-token samples (one per request): about the last 30 count."""
 SCALE_SAMPLES = 32
 """Finished requests the step model's scale is taken from."""
-SCALE_RANGE = (1 / 8, 8.0)
+SCALE_RANGE = (1 / 16, 16.0)
 """A finished request's time per token over the step model's at its load, outside this range,
 says the model does not describe that load, and the sample does not set the scale. The router
-sees each token one worker step after the last, plus its own relaying, so the ratio is near 1
-(2-4 with hundreds of client threads on the same cores). A line fitted on a few steps can
-say a step at a load it has not seen takes almost nothing (a negative intercept makes one
-request's step ~0): 5 ms measured over that gave a scale of ~50,000, which the busier replay
-load turned into 200 s a token and a queued request refused as 80,000 s from admission."""
+sees each token a worker's whole loop after the last (its step, sampling, sending) plus its
+own relaying: 4.9-5.4 times an idle start-up profile's forward in benchmarks/admission_burst.py
+here, more on a busier machine. A line fitted on a few steps can say a step at a load it has
+not seen takes almost nothing (a negative intercept makes one request's step ~0): 5 ms
+measured over that gave a scale of ~50,000, which the busier replay load turned into 200 s a
+token and a queued request refused as 80,000 s from admission."""
 MIN_STEP_S = 1e-5
 """A step model's time under this (no decode step is that short) is read as no answer: the
 line was extrapolated past its steps."""

@@ -255,6 +255,8 @@ def test_a_model_that_says_a_step_takes_nothing_at_a_load_does_not_set_the_scale
     assert f.per_token_s(2, 0) == pytest.approx(0.005)
     f.set_step_model(StepShape((-0.05, 0.01, 0.0)), 1)  # under zero at one and two requests
     assert f.model_scale is None and f.per_token_s(2, 0) == pytest.approx(0.005)
+    f.set_step_model(StepShape((-0.0099, 0.01, 0.0)), 1)  # 0.1 ms at one request: 50 times under what was seen
+    assert f.model_scale is None and f.per_token_s(2, 0) == pytest.approx(0.005)
     calibrate(f, clock, first_s=0.1, token_s=0.02)
     f.set_step_model(StepShape((0.0, 0.01, 0.0)), 1)  # a model that describes one request: it scales
     assert f.model_scale == pytest.approx(1.25)  # the median of 5 ms and 20 ms over its 10 ms
