@@ -70,8 +70,10 @@ class KVLoans:
     seam; the simulator's engine (sim/engine_sim.py) plugs in here too. Every method runs on
     the engine's thread, as the engine's own verbs do."""
 
-    def __init__(self, kv: Callable[[], KVCacheManager]) -> None:
+    def __init__(self, kv: Callable[[], KVCacheManager], abort: Callable[[str], bool]) -> None:
+        """`abort`: the engine's own, for `end`."""
         self._kv = kv
+        self._abort = abort
 
     # -- KV that leaves: a prefill's push -------------------------------------------------------
     def lend(self, request_id: str) -> None:
@@ -110,6 +112,14 @@ class KVLoans:
         when any were held."""
         return self._kv().end_transfer(RequestId(holder))
 
+    def end(self, request_id: str, writer_may_write: bool = False) -> bool:
+        """The request ends in any state (its transfer failed, or it was aborted). While a
+        one-sided writer may still write its blocks (`writer_may_write`), they stay quarantined
+        until `fenced`; else they are free now. True when it or its held blocks were here."""
+        if writer_may_write:
+            self.lend(request_id)
+        return self._abort(request_id)
+
     def fenced(self, request_id: str) -> bool:
         """The writer of a failed transfer can write no more: its quarantined blocks back."""
         return self.give_back(request_id)
@@ -125,7 +135,7 @@ class KVConnector(KVLoans):
     decode side of the hand-off. Every method runs on the engine's thread."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        super().__init__(lambda: engine.kv)
+        super().__init__(lambda: engine.kv, engine.abort)
         self._engine = engine
 
     @property
@@ -155,11 +165,3 @@ class KVConnector(KVLoans):
         if request is None:
             raise InvalidRequestError(f"unknown request {request_id}")
         return e.forks.landed(request, first_token_id, choice_tokens)
-
-    def end(self, request_id: str, writer_may_write: bool = False) -> bool:
-        """The request ends in any state (its transfer failed, or it was aborted). While a
-        one-sided writer may still write its blocks (`writer_may_write`), they stay quarantined
-        until `fenced`; else they are free now. True when it or its held blocks were here."""
-        if writer_may_write:
-            self.lend(request_id)
-        return self._engine.abort(request_id)

@@ -31,9 +31,10 @@ profile over every batch size they may run, engine/step_profile.py, or else a + 
 + c·KV tokens fitted on the decode steps they ran, engine/step_model.py), it gives the
 time per token at each worker's share of the replay's requests and of their KV, and the
 router's own samples give only its scale (what the router sees beyond the workers' steps):
-the median, over the last `SCALE_SAMPLES` finished requests, of what each measured over
-what the current model says at its load (of those it describes: `SCALE_RANGE`). Recomputed whenever the model changes, the scale
-is there from the first model a worker reports, and one slow request does not move it.
+the median, over the last `SCALE_SAMPLES` finished requests (those the model describes:
+`SCALE_RANGE`), of what each measured over what the current model says at its load.
+Recomputed whenever the model changes, the scale is there from the first model a worker
+reports, and one slow request does not move it.
 
 A second term was tried and measured worse: t ≈ α·model + β·requests streaming (each token
 is a response the worker sends, the router relays and the client reads, a cost per request

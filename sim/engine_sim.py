@@ -74,10 +74,15 @@ class SimEngine:
             block_hashes: list[BlockHash] | None = None) -> Request:
         """`block_hashes`: the prompt's, when the router hashed it already under the same key
         (the engine's own hashing gives the same list; this only saves computing it twice)."""
-        r = Request(RequestId(request_id), prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                    arrival_time=self.now, priority=priority, tenant=tenant, block_hashes=list(block_hashes or ()))
+        r = self.request(request_id, prompt, max_tokens, block_hashes, priority, tenant)
         self.scheduler.add_request(r)
         return r
+
+    def request(self, request_id: str, prompt: list[int], max_tokens: int,
+                block_hashes: list[BlockHash] | None = None, priority: int = 0, tenant: str = "") -> Request:
+        """A request arriving now that generates `max_tokens` (ignore_eos)."""
+        return Request(RequestId(request_id), prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                       arrival_time=self.now, priority=priority, tenant=tenant, block_hashes=list(block_hashes or ()))
 
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort(RequestId(request_id))
@@ -123,11 +128,11 @@ class SimEngine:
 
 
 class SimConnector(KVLoans):
-    """A SimEngine's seam, as `KVConnector` is an LLMEngine's: its loans, and the decode side of
-    a hand-off over the engine's own scheduler. Runs on the fleet's event loop, the engine's."""
+    """A SimEngine's seam, as `KVConnector` is an LLMEngine's: its loans and `end`, and the decode
+    side of a hand-off over the engine's own scheduler. Runs on the fleet's event loop, the engine's."""
 
     def __init__(self, engine: SimEngine) -> None:
-        super().__init__(lambda: engine.kv)
+        super().__init__(lambda: engine.kv, engine.abort)
         self._engine = engine
 
     def reserve(self, request_id: str, prompt: list[int], max_tokens: int,
@@ -135,8 +140,7 @@ class SimConnector(KVLoans):
         """Blocks reserved for a prompt whose KV comes from a prefill worker (its cached prefix
         reused); None when the pool cannot hold it. `block_hashes`: as `SimEngine.add`."""
         e = self._engine
-        r = Request(RequestId(request_id), prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                    arrival_time=e.now, block_hashes=list(block_hashes or ()))
+        r = e.request(request_id, prompt, max_tokens, block_hashes)
         if not e.scheduler.add_remote_request(r):
             return None
         return RemoteBlocks(r.request_id, list(r.block_ids), r.num_cached_tokens, r.num_cached_blocks)
@@ -150,10 +154,3 @@ class SimConnector(KVLoans):
         e.num_cached_tokens += r.num_cached_tokens
         e.scheduler.remote_kv_ready(RequestId(request_id), first_token)
         return r.is_finished
-
-    def end(self, request_id: str, writer_may_write: bool = False) -> bool:
-        """The request ends in any state; with `writer_may_write` its blocks stay lent until
-        `fenced`, as `KVConnector.end`."""
-        if writer_may_write:
-            self.lend(request_id)
-        return self._engine.abort(request_id)

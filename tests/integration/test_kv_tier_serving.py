@@ -91,22 +91,27 @@ def test_an_evicted_conversation_is_served_from_the_nodes_store(tiny_llama_dir: 
                     pytest.raises(grpc.RpcError) as refused:
                 pb_grpc.KVStoreStub(channel).Stats(pb.StatsRequest(), metadata=[token], timeout=10)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-        # what an operator sees: the store in `status`, its /metrics and the workers' among the targets
-        cli = [sys.executable, "-m", "cluster.cli"]
-        fetcher = "prefill" if mode == "disaggregated" else "decode"
-        line = rf"{entry.store_id} on {re.escape(store)}: \d+/\d+ blocks held, \d+ stored .* 10 fetched"
-        # and the fetching worker's line: its fetch timed (what routers now price its hits by)
-        timed = (rf"{fetcher}-0 fetches from {entry.store_id}: [\d.]+ ms \+ [\d.]+ ms a block from its host's store; "
-                 rf"computes a block in [\d.]+ ms")
-        deadline = time.monotonic() + 20  # the store's entry and the heartbeats are rewritten every second
-        while not (re.search(line, status := subprocess.run([*cli, "status", "--redis-url", cluster.redis_url],
-                                                            capture_output=True, text=True, timeout=60,
-                                                            check=True).stdout) and re.search(timed, status)):
-            assert time.monotonic() < deadline, status
-            time.sleep(0.5)
-        targets = json.loads(subprocess.run([*cli, "metrics-targets", "--redis-url", cluster.redis_url],
-                                            capture_output=True, text=True, timeout=60, check=True).stdout)
-        by_role = {t["labels"]["role"]: t["targets"][0] for t in targets}
-        assert "splitserve:kv_store_fetched_blocks_total 10.0" in scrape(by_role["kv_store"])
-        assert re.search(r'splitserve:kv_tier_fetched_blocks_total\{[^}]*\} 10.0', scrape(by_role[fetcher]))
+        operator_sees_the_store(cluster, entry, "prefill" if mode == "disaggregated" else "decode")
         assert_idle(cluster)
+
+
+def operator_sees_the_store(cluster: LocalCluster, entry, fetcher: str) -> None:  # type: ignore[no-untyped-def]
+    """What an operator sees after 10 blocks were fetched: the store in `status`, its /metrics
+    and the fetching worker's among the targets."""
+    store = entry.address
+    cli = [sys.executable, "-m", "cluster.cli"]
+    line = rf"{entry.store_id} on {re.escape(store)}: \d+/\d+ blocks held, \d+ stored .* 10 fetched"
+    # and the fetching worker's line: its fetch timed (what routers now price its hits by)
+    timed = (rf"{fetcher}-0 fetches from {entry.store_id}: [\d.]+ ms \+ [\d.]+ ms a block from its host's store; "
+             rf"computes a block in [\d.]+ ms")
+    deadline = time.monotonic() + 20  # the store's entry and the heartbeats are rewritten every second
+    while not (re.search(line, status := subprocess.run([*cli, "status", "--redis-url", cluster.redis_url],
+                                                        capture_output=True, text=True, timeout=60,
+                                                        check=True).stdout) and re.search(timed, status)):
+        assert time.monotonic() < deadline, status
+        time.sleep(0.5)
+    targets = json.loads(subprocess.run([*cli, "metrics-targets", "--redis-url", cluster.redis_url],
+                                        capture_output=True, text=True, timeout=60, check=True).stdout)
+    by_role = {t["labels"]["role"]: t["targets"][0] for t in targets}
+    assert "splitserve:kv_store_fetched_blocks_total 10.0" in scrape(by_role["kv_store"])
+    assert re.search(r'splitserve:kv_tier_fetched_blocks_total\{[^}]*\} 10.0', scrape(by_role[fetcher]))
