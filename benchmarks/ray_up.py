@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.load_gen import run_load, synthetic  # noqa: E402
-from benchmarks.ssh_hosts import onprem_file, ray_cli, ray_down_quietly, ssh_hosts, unavailable  # noqa: E402
+from benchmarks.ssh_hosts import checkout, onprem_file, ray_cli, ray_down_quietly, ssh_hosts, unavailable  # noqa: E402
 
 SMOLLM2_VOCAB = 49152
 COLOCATED = {
@@ -36,6 +36,7 @@ COLOCATED = {
 
 def run_arm(name: str, args: argparse.Namespace, items: list, warm: list, root: Path) -> dict[str, object]:
     cluster = f"splitserve-bench-{os.getpid()}-{name}"
+    source = checkout(root / name / "checkout")
     with ssh_hosts(("h", "p", "d"), root / name) as hosts:
         for host in ("h", "p", "d"):
             hosts.preinstall(host)
@@ -43,21 +44,21 @@ def run_arm(name: str, args: argparse.Namespace, items: list, warm: list, root: 
         config.write_text(onprem_file(hosts, cluster, COLOCATED if name == "colocated" else {}))
         try:
             started = time.monotonic()
-            up_s, _ = ray_cli("up", "-y", str(config), timeout_s=900)
+            up_s, _ = ray_cli("up", "-y", str(config), timeout_s=900, cwd=source)
             target = f"{hosts.address('h')}:50051"
             asyncio.run(run_load(target, warm[:1], None, 1))
             first_token_s = time.monotonic() - started
             asyncio.run(run_load(target, warm, None, 1))
             result = asyncio.run(run_load(target, items, None, 1))
             down_started = time.monotonic()
-            ray_cli("down", "-y", str(config), timeout_s=300)
+            ray_cli("down", "-y", str(config), timeout_s=300, cwd=source)
             while hosts.left_running():
                 if time.monotonic() - down_started > 300:
                     raise RuntimeError(f"left 300 s after ray down: {hosts.left_running()}")
                 time.sleep(0.5)
             gone_s = time.monotonic() - down_started
         finally:
-            ray_down_quietly(config, cluster)
+            ray_down_quietly(config, cluster, source)
     line = {"benchmark": "ray_up", "arm": name, "ray_up_s": round(up_s, 1),
             "ray_up_to_first_token_s": round(first_token_s, 1), "ray_down_to_nothing_left_s": round(gone_s, 1),
             "results": result}

@@ -83,6 +83,7 @@ def _namespaces(names: tuple[str, ...]) -> Iterator[dict[str, str]]:
             ns, outside, inside = f"{tag}{name}", f"{tag}{name}o", f"{tag}{name}i"
             sh("ip", "netns", "add", ns)
             made.append(ns)
+            name_service(ns, tag, names)
             sh("ip", "link", "add", outside, "type", "veth", "peer", "name", inside)
             sh("ip", "link", "set", inside, "netns", ns)
             sh("ip", "addr", "add", f"{SUBNET}.{i}.1/24", "dev", outside)
@@ -99,6 +100,24 @@ def _namespaces(names: tuple[str, ...]) -> Iterator[dict[str, str]]:
         for ns in made:  # the veth first: a namespace something still references would keep it, and its address
             subprocess.run(["ip", "link", "del", f"{ns}o"], check=False, capture_output=True)
             subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
+            shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
+
+
+NETNS_ETC = Path("/etc/netns")
+"""Where `ip netns exec` finds a namespace's own files for /etc (bind-mounted over them)."""
+
+
+def name_service(ns: str, tag: str, names: tuple[str, ...]) -> None:
+    """Host `ns`'s /etc/hosts and /etc/resolv.conf, as a real host has them: its hostname and its
+    peers' (plain and tagged, as `on_host` and the SSH hosts name them) resolve to their
+    addresses, and a name nothing knows fails at once. With the machine's resolver, every lookup
+    from a namespace waited out the DNS timeouts (10-20 s: its server is not reachable from
+    there), as Ray's autoscaler and `getent hosts` did."""
+    etc = NETNS_ETC / ns
+    etc.mkdir(parents=True, exist_ok=True)
+    peers = "".join(f"{SUBNET}.{i}.2 {name} {tag}{name}\n" for i, name in enumerate(names, start=1))
+    (etc / "hosts").write_text(Path("/etc/hosts").read_text().rstrip("\n") + "\n" + peers)
+    (etc / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
 
 
 def kill_all_in(ns: str) -> None:

@@ -170,6 +170,10 @@ class SshHosts:
         ray.write_text(f"#!/root/{env}/bin/python\nimport sys\nfrom ray.scripts.scripts import main\n"
                        "sys.exit(main())\n")
         ray.chmod(0o755)
+        # Ray's autoscaler looks at the cluster every AUTOSCALER_UPDATE_INTERVAL_S (5 s by
+        # default): ticks it waited out were ~10 s of a `ray up` here, and the test checks none
+        # of Ray's timing. (Ray runs every command in a login shell, which reads ~/.bashrc.)
+        (home / ".bashrc").write_text("export AUTOSCALER_UPDATE_INTERVAL_S=1\n")
         pip = home / ".config" / "pip"
         pip.mkdir(parents=True, exist_ok=True)
         # (pip reads a `no-` option's value inverted: false here means --no-build-isolation)
@@ -201,11 +205,27 @@ def onprem_file(hosts: SshHosts, cluster_name: str, swaps: dict[str, str] | None
     return text
 
 
-def ray_cli(*args: str, timeout_s: float) -> tuple[float, str]:
-    """`ray ARGS` from the repository root (the file mounts `.`): its seconds and output;
+def checkout(dest: Path) -> Path:
+    """A copy at `dest` of what `git` sees of this checkout (tracked files and untracked ones
+    it does not ignore: what the cluster file's rsync sends), for `ray_cli` to run from. From
+    the checkout itself `ray up` reads every file under `.`, the 2.8 GB `.venv` included, to
+    hash the file mount (~7 s of CPU). Without git, the checkout itself."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, check=False)
+    if listed.returncode != 0:
+        return REPO
+    for name in filter(None, listed.stdout.decode().split("\0")):
+        if (REPO / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, dest / name)
+    return dest
+
+
+def ray_cli(*args: str, timeout_s: float, cwd: Path = REPO) -> tuple[float, str]:
+    """`ray ARGS` from `cwd` (the file mounts `.`; `checkout`): its seconds and output;
     AssertionError with the output's end when it fails."""
     started = time.monotonic()
-    done = subprocess.run([str(RAY), *args], cwd=REPO, capture_output=True,
+    done = subprocess.run([str(RAY), *args], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout_s)
     took = time.monotonic() - started
     if done.returncode != 0:
@@ -213,10 +233,10 @@ def ray_cli(*args: str, timeout_s: float) -> tuple[float, str]:
     return took, done.stdout + done.stderr
 
 
-def ray_down_quietly(config: Path, cluster_name: str) -> None:
+def ray_down_quietly(config: Path, cluster_name: str, cwd: Path = REPO) -> None:
     """`ray down` whatever state the cluster is in, and the launcher's own record of it."""
     with contextlib.suppress(subprocess.TimeoutExpired):
-        subprocess.run([str(RAY), "down", "-y", str(config)], cwd=REPO,
+        subprocess.run([str(RAY), "down", "-y", str(config)], cwd=cwd,
                        capture_output=True, timeout=240)
     for leftover in Path("/tmp/ray").glob(f"cluster-{cluster_name}.*"):
         leftover.unlink()

@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 from benchmarks.separate_hosts import scrape
-from benchmarks.ssh_hosts import SshHosts, onprem_file, ray_cli, ray_down_quietly, ssh_hosts, unavailable
+from benchmarks.ssh_hosts import SshHosts, checkout, onprem_file, ray_cli, ray_down_quietly, ssh_hosts, unavailable
 from control.reader import RegistryReader
 from proto import generate_pb2_grpc as pb_grpc
 from tests.integration.cluster_checks import generate, greedy, tokens, wait_for
@@ -37,19 +37,21 @@ NAMES = ("h", "p", "d")
 
 
 @pytest.fixture
-def launched(tmp_path: Path) -> Iterator[tuple[SshHosts, Path]]:
+def launched(tmp_path: Path) -> Iterator[tuple[SshHosts, Path, Path]]:
+    """The hosts, the cluster file, and the copy of this checkout `ray` runs from."""
     if (why := unavailable()) is not None:
         pytest.skip(why)
     name = f"splitserve-test-{os.getpid()}"
     config = tmp_path / "onprem.yaml"
+    source = checkout(tmp_path / "checkout")
     with ssh_hosts(NAMES, tmp_path / "hosts") as hosts:
         for host in NAMES:
             hosts.preinstall(host)
         config.write_text(onprem_file(hosts, name))
         try:
-            yield hosts, config
+            yield hosts, config, source
         finally:
-            ray_down_quietly(config, name)
+            ray_down_quietly(config, name, source)
 
 
 def serve_state(hosts: SshHosts) -> dict[str, str]:
@@ -69,9 +71,9 @@ def heartbeats(hosts: SshHosts) -> dict:
     return asyncio.run(read())
 
 
-def test_ray_up_serves_across_hosts_and_ray_down_leaves_nothing(launched: tuple[SshHosts, Path],
+def test_ray_up_serves_across_hosts_and_ray_down_leaves_nothing(launched: tuple[SshHosts, Path, Path],
                                                                smollm2_dir: str) -> None:
-    hosts, config = launched
+    hosts, config, source = launched
     started = time.monotonic()
 
     def within(cap_s: float) -> float:
@@ -79,7 +81,7 @@ def test_ray_up_serves_across_hosts_and_ray_down_leaves_nothing(launched: tuple[
         left = started + TEST_BUDGET_S - time.monotonic()
         assert left > 0, f"the test's steps took over {TEST_BUDGET_S:.0f} s"
         return min(cap_s, left)
-    up_s, out = ray_cli("up", "-y", str(config), timeout_s=within(420))
+    up_s, out = ray_cli("up", "-y", str(config), timeout_s=within(420), cwd=source)
     assert "splitserve: serving" in out, out[-3000:]
     target = f"{hosts.address('h')}:50051"
     rng = random.Random(7)
@@ -101,12 +103,12 @@ def test_ray_up_serves_across_hosts_and_ray_down_leaves_nothing(launched: tuple[
     pushed = scrape(beats["prefill-0"].metrics_address, token=serve_state(hosts)["metrics_token"])
     assert pushed.get("splitserve:kv_transfer_blocks_total,role=prefill,transport=tcp", 0) >= 300 // 16
 
-    ray_cli("exec", str(config), "splitserve scale decode 2", timeout_s=within(120))
+    ray_cli("exec", str(config), "splitserve scale decode 2", timeout_s=within(120), cwd=source)
     wait_for("decode-1 serving on the decode host", lambda: (
         b := heartbeats(hosts).get("decode-1")) is not None and b.state == "serving", within(180))
     assert heartbeats(hosts)["decode-1"].address.startswith(hosts.address("d") + ":")
 
-    down_s, out = ray_cli("down", "-y", str(config), timeout_s=within(300))
+    down_s, out = ray_cli("down", "-y", str(config), timeout_s=within(300), cwd=source)
     assert "splitserve: stopped" in out, out[-3000:]
     down_at, wait_s = time.monotonic(), within(120)
     while left := hosts.left_running():
