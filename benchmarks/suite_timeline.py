@@ -4,8 +4,10 @@
     ./dev python benchmarks/suite_timeline.py /tmp/t.jsonl [--top 30]
 
 Prints one JSON line: the run's wall time, each xdist worker's busy time and how long it sat
-idle at the end while another still ran, and the modules by wall time (first test's start to
-last test's end) with the worker that ran them and when it began them."""
+idle at the end while another still ran, and the modules by busy time (their tests' durations
+added up) with the worker that ran them, when it began them, and the CPU-seconds of the test
+process and of the processes it ran and waited for (not a cluster's Ray workers: on a CPU-bound
+machine busy time well over those is the clusters' processes, or waiting)."""
 from __future__ import annotations
 
 import argparse
@@ -24,15 +26,18 @@ def summary(lines: list[dict], top: int) -> dict:
         w["busy_s"] += t["end"] - t["start"]
         w["last_end"] = max(w["last_end"], t["end"])
         name = t["test"].split("::", 1)[0]
-        m = modules.setdefault(name, {"module": name, "worker": t["worker"], "start": t["start"], "end": t["end"],
-                                      "tests": 0})
-        m["start"], m["end"], m["tests"] = min(m["start"], t["start"]), max(m["end"], t["end"]), m["tests"] + 1
-    slowest = sorted(modules.values(), key=lambda m: m["end"] - m["start"], reverse=True)[:top]
+        m = modules.setdefault(name, {"module": name, "worker": t["worker"], "start": t["start"], "tests": 0,
+                                      "busy_s": 0.0, "cpu_s": 0.0, "children_cpu_s": 0.0})
+        m["start"], m["tests"], m["busy_s"] = min(m["start"], t["start"]), m["tests"] + 1, m["busy_s"] + t["end"] - t["start"]
+        m["cpu_s"] += t.get("cpu_s", 0.0)  # (a timeline written before the CPU was recorded: 0)
+        m["children_cpu_s"] += t.get("children_cpu_s", 0.0)
+    slowest = sorted(modules.values(), key=lambda m: m["busy_s"], reverse=True)[:top]
     return {
         "wall_s": round(end - begin, 1),
         "workers": {k: {"busy_s": round(v["busy_s"], 1), "idle_at_end_s": round(end - v["last_end"], 1)}
                     for k, v in sorted(workers.items())},
-        "modules": [{"module": m["module"], "wall_s": round(m["end"] - m["start"], 1), "tests": m["tests"],
+        "modules": [{"module": m["module"], "busy_s": round(m["busy_s"], 1), "tests": m["tests"],
+                     "cpu_s": round(m["cpu_s"], 1), "children_cpu_s": round(m["children_cpu_s"], 1),
                      "worker": m["worker"], "began_at_s": round(m["start"] - begin, 1)} for m in slowest],
     }
 

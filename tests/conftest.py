@@ -98,19 +98,26 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
 
 
 TIMELINE = "SPLITSERVE_TEST_TIMELINE"
-"""A file: every test appends one JSON line to it (its xdist worker, id, and wall-clock start
-and end, setup to teardown), so a run shows where its time went, worker by worker and module
-by module (benchmarks/suite_timeline.py reads it)."""
+"""A file: every test appends one JSON line to it (its xdist worker, id, wall-clock start and
+end, setup to teardown, and the CPU-seconds of the test process itself and of the processes it
+ran and waited for: a cluster's Ray workers are neither), so a run shows where its time went,
+worker by worker and module by module (benchmarks/suite_timeline.py reads it)."""
+
+
+def _cpu_s() -> tuple[float, float]:
+    t = os.times()
+    return t.user + t.system, t.children_user + t.children_system
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
-    began = time.time()
+    began, (own, children) = time.time(), _cpu_s()
     yield
     if path := os.environ.get(TIMELINE):
         worker = getattr(item.config, "workerinput", {}).get("workerid", "main")  # (a pytest a test runs: main)
-        line = {"worker": worker, "test": item.nodeid,
-                "start": round(began, 3), "end": round(time.time(), 3)}
+        own_end, children_end = _cpu_s()
+        line = {"worker": worker, "test": item.nodeid, "start": round(began, 3), "end": round(time.time(), 3),
+                "cpu_s": round(own_end - own, 2), "children_cpu_s": round(children_end - children, 2)}
         with open(path, "a") as f:  # one short append per test: the workers' lines do not interleave
             f.write(json.dumps(line) + "\n")
 
