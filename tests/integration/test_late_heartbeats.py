@@ -134,9 +134,16 @@ def test_forged_kv_events_and_router_stats_are_skipped_and_counted(cluster: Loca
         client.set(router_key(ns, "router-evil"), msgpack.packb({"itl_p50_ms": 1e6}), px=20_000)
 
         async def read(seal_key: bytes | None) -> tuple[list, dict, int]:
+            """Every event in the streams (a read returns at most 1,000 a stream: the module's
+            other tests, run before this one, may have left more) and the routers' stats."""
             reader = RegistryReader(cluster.redis_url, ns, seal_key=seal_key)
+            cursor, events = StreamCursor(), []
             try:
-                events = await reader.read_events(StreamCursor(), ["decode-0", "prefill-0"], block_ms=100)
+                while True:
+                    before = dict(cursor.last_ids)
+                    events += await reader.read_events(cursor, ["decode-0", "prefill-0"], block_ms=100)
+                    if cursor.last_ids == before:
+                        break
                 return events, await reader.router_stats(), reader.num_bad_entries
             finally:
                 await reader.close()
