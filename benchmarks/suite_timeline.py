@@ -28,7 +28,8 @@ def summary(lines: list[dict], top: int) -> dict:
         name = t["test"].split("::", 1)[0]
         m = modules.setdefault(name, {"module": name, "worker": t["worker"], "start": t["start"], "tests": 0,
                                       "busy_s": 0.0, "cpu_s": 0.0, "children_cpu_s": 0.0})
-        m["start"], m["tests"], m["busy_s"] = min(m["start"], t["start"]), m["tests"] + 1, m["busy_s"] + t["end"] - t["start"]
+        m["start"], m["tests"] = min(m["start"], t["start"]), m["tests"] + 1
+        m["busy_s"] += t["end"] - t["start"]
         m["cpu_s"] += t.get("cpu_s", 0.0)  # (a timeline written before the CPU was recorded: 0)
         m["children_cpu_s"] += t.get("children_cpu_s", 0.0)
     slowest = sorted(modules.values(), key=lambda m: m["busy_s"], reverse=True)[:top]

@@ -14,7 +14,8 @@ def test_modules_add_up_their_tests_busy_and_cpu_time_and_workers_their_idle_tai
     ]
     got = summary(lines, top=5)
     assert got["wall_s"] == 12.0
-    assert got["workers"] == {"gw0": {"busy_s": 12.0, "idle_at_end_s": 0.0}, "gw1": {"busy_s": 7.0, "idle_at_end_s": 5.0}}
+    assert got["workers"] == {"gw0": {"busy_s": 12.0, "idle_at_end_s": 0.0},
+                              "gw1": {"busy_s": 7.0, "idle_at_end_s": 5.0}}
     assert got["modules"] == [
         {"module": "tests/a.py", "busy_s": 13.0, "tests": 2, "cpu_s": 3.5, "children_cpu_s": 1.5, "worker": "gw0",
          "began_at_s": 0.0},
