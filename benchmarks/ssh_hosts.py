@@ -180,9 +180,26 @@ class SshHosts:
         (pip / "pip.conf").write_text("[global]\nno-index = true\ndisable-pip-version-check = true\n"
                                       "[install]\nno-build-isolation = false\n")
 
+    def seed_conversion(self, name: str, converted: Path) -> None:
+        """Puts `converted`, a GGUF file's directory in this machine's cache
+        (engine/gguf_checkpoint.py), into host `name`'s cache as that host's own first use would
+        leave it (hard links; copies across file systems): the hosts see this environment's GGUF
+        files at the same paths, so their cache keys are the same."""
+        target = self.dir(name, "home") / ".cache" / "splitserve" / "gguf" / converted.parent.name / converted.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(converted, target, copy_function=_link_or_copy)
+
     def stop(self) -> None:
         for name in self.names:
             kill_all_in(self.netns[name])
+
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 REPO = Path(__file__).resolve().parents[1]

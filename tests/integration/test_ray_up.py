@@ -37,8 +37,11 @@ NAMES = ("h", "p", "d")
 
 
 @pytest.fixture
-def launched(tmp_path: Path) -> Iterator[tuple[SshHosts, Path, Path]]:
-    """The hosts, the cluster file, and the copy of this checkout `ray` runs from."""
+def launched(tmp_path: Path, smollm2_dir: str) -> Iterator[tuple[SshHosts, Path, Path]]:
+    """The hosts, the cluster file, and the copy of this checkout `ray` runs from. Each host
+    has served the default model before: its GGUF conversion is in the host's cache (a first
+    use converts it on every host that loads it, ~13 CPU-s each; test_cli's README test
+    checks a first use)."""
     if (why := unavailable()) is not None:
         pytest.skip(why)
     name = f"splitserve-test-{os.getpid()}"
@@ -47,6 +50,7 @@ def launched(tmp_path: Path) -> Iterator[tuple[SshHosts, Path, Path]]:
     with ssh_hosts(NAMES, tmp_path / "hosts") as hosts:
         for host in NAMES:
             hosts.preinstall(host)
+            hosts.seed_conversion(host, Path(smollm2_dir))
         config.write_text(onprem_file(hosts, name))
         try:
             yield hosts, config, source
