@@ -32,6 +32,12 @@ TEST_BUDGET_S = 540.0
 `ray down` of whatever is left (`ray_down_quietly`, at most 240 s) fits beside it in the
 module's timeout, so a slow step fails with its own message, never the timeout's."""
 
+RAY_START_TIMEOUTS = ("The current node timed out during startup", "Failed to get node info")
+"""What `ray start` says when the node's raylet did not register with the GCS within Ray's
+fixed 30 s (ray/_private/node.py) or the GCS did not answer in time: on a machine loaded by
+other work (a second cluster and the suite beside it) the head's once failed so. `ray up`
+is run once more (it stops and starts Ray on every host again); any other failure fails."""
+
 NAMES = ("h", "p", "d")
 """The head, the prefill host and the decode host (10.77.1.2, .2.2, .3.2)."""
 
@@ -85,7 +91,13 @@ def test_ray_up_serves_across_hosts_and_ray_down_leaves_nothing(launched: tuple[
         left = started + TEST_BUDGET_S - time.monotonic()
         assert left > 0, f"the test's steps took over {TEST_BUDGET_S:.0f} s"
         return min(cap_s, left)
-    up_s, out = ray_cli("up", "-y", str(config), timeout_s=within(420), cwd=source)
+    try:
+        up_s, out = ray_cli("up", "-y", str(config), timeout_s=within(420), cwd=source)
+    except AssertionError as e:
+        if not any(said in str(e) for said in RAY_START_TIMEOUTS):
+            raise
+        print(f"`ray up` again: a node's `ray start` gave up waiting for its own raylet ({e!s:.300})")
+        up_s, out = ray_cli("up", "-y", str(config), timeout_s=within(420), cwd=source)
     assert "splitserve: serving" in out, out[-3000:]
     target = f"{hosts.address('h')}:50051"
     rng = random.Random(7)
