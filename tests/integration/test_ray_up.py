@@ -32,7 +32,7 @@ TEST_BUDGET_S = 540.0
 `ray down` of whatever is left (`ray_down_quietly`, at most 240 s) fits beside it in the
 module's timeout, so a slow step fails with its own message, never the timeout's."""
 
-RAY_START_TIMEOUTS = ("The current node timed out during startup", "Failed to get node info")
+RAY_START_TIMEOUTS = ("The current node timed out during startup", "Failed to get node info for possible node ids")
 """What `ray start` says when the node's raylet did not register with the GCS within Ray's
 fixed 30 s (ray/_private/node.py) or the GCS did not answer in time: on a machine loaded by
 other work (a second cluster and the suite beside it) the head's once failed so. `ray up`
