@@ -185,17 +185,18 @@ def test_a_link_cut_mid_transfer_frees_the_reservation_and_the_router_retries(
         cluster_hosts.worker("near", "decode", "decode-near", f"{SUBNET}.1.1")  # on this machine, at .1.1
         router = f"127.0.0.1:{metrics_port}"
         wait_for("the router sees both decode workers",
-                 lambda: scrape(router).get("splitserve:pool_workers,role=decode,state=serving") == 2, 30)
+                 lambda: polled_scrape(router).get("splitserve:pool_workers,role=decode,state=serving") == 2, 30)
         got = cut_mid_transfer(stub, hosts, far, prompt)
     assert tokens(got) == greedy(tiny_llama_dir, prompt, 6)
     assert got[-1].route.decode_worker == "decode-near"  # type: ignore[index]
     assert scrape(router)["splitserve:retries_total"] >= 1
     pushed = scrape(cluster_hosts.metrics_address("prefill-far"), token=SCRAPE)
     assert pushed[f"splitserve:kv_transfer_blocks_total,role=prefill,transport={transport}"] >= 16  # the prefix's
+    sh("tc", "qdisc", "del", "dev", hosts["d_link"], "root")  # back at the veth's own rate
     sh("ip", "link", "set", hosts["d_link"], "up")
     idle = ("kv_reservations", "kv_cache_usage_perc", "num_requests_running", "num_requests_waiting")
     wait_for("decode-far idle again",
-             lambda: all(scrape(far, token=SCRAPE).get(f"splitserve:{k},role=decode") == 0 for k in idle), 30)
+             lambda: all(polled_scrape(far, None, SCRAPE).get(f"splitserve:{k},role=decode") == 0 for k in idle), 30)
 
 
 def cut_mid_transfer(stub: pb_grpc.GenerationStub, hosts: dict[str, str], far: str,
@@ -231,11 +232,18 @@ def cut_mid_transfer(stub: pb_grpc.GenerationStub, hosts: dict[str, str], far: s
 
 def reservations(address: str, ns: str | None, token: str) -> float | None:
     """The decode worker's open kvfabric reservations, from its /metrics; None when the scrape
-    failed: polled, it is tried again (once, three xdist workers on 2 cores, one outran its 3 s)."""
+    failed."""
+    return polled_scrape(address, ns, token).get("splitserve:kv_reservations,role=decode")
+
+
+def polled_scrape(address: str, ns: str | None = None, token: str | None = None) -> dict[str, float]:
+    """`scrape`, for a wait's predicate: a failed scrape reads as no samples, and the wait
+    tries again (once, three xdist workers on 2 cores, one outran its 3 s; once, in CI, the
+    first scrape over a link just set up again failed)."""
     try:
-        return scrape(address, ns, token).get("splitserve:kv_reservations,role=decode")
+        return scrape(address, ns, token)
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
-        return None
+        return {}
 
 
 def link_tx_bytes(link: str) -> int:
