@@ -63,7 +63,11 @@ from engine.step_model import StepShape
 from engine.fit import LinearFit
 
 EMA_WEIGHT = 0.2
-"""Weight of the newest finished request in the output-fraction average."""
+"""Weight of the newest finished request in the output-fraction average, once it has
+1 / EMA_WEIGHT samples; before that, their mean (an average started at its prior of 1 and
+moved a fifth of the way per sample still held a third of that prior after five: chats
+charged the prior 256 tokens and stopping after 1-54 (mean 0.08 of the charge) were
+forecast at 0.40 of it, a burst of 64 such chats at five times its real wait, and refused)."""
 MAX_OUTPUT_FRACTION = 16.0
 """A finished request's output over what it was charged counts at most this much: charged
 its expected output, a request may run far past it (its max_tokens bounds it anyway)."""
@@ -140,6 +144,7 @@ class WaitForecast:
         """Admitted requests whose first token has not come yet."""
         self.output_fraction = 1.0
         """Output tokens generated over `new_tokens` (EMA): below 1 when requests stop early."""
+        self._fraction_samples = 0
         self.kv_tokens = 0
         """The admitted requests' prompts and tokens generated so far."""
         self.step_model: StepShape | None = None
@@ -233,7 +238,9 @@ class WaitForecast:
             self._rescale()
         if r is not None and r.num_generated >= 1:
             sample = min(r.num_generated / r.new_tokens, MAX_OUTPUT_FRACTION)
-            self.output_fraction += EMA_WEIGHT * (sample - self.output_fraction)
+            self._fraction_samples += 1
+            weight = max(EMA_WEIGHT, 1 / self._fraction_samples)
+            self.output_fraction += weight * (sample - self.output_fraction)
 
     def _expected(self, new_tokens: int) -> int:
         return max(round(self.output_fraction * new_tokens), 1)

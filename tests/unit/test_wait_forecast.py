@@ -44,7 +44,27 @@ def test_calibration_learns_first_token_time_per_token_and_output_fraction(clock
     f.progress("short", 5)  # four tokens in one response: 0.1 s each
     f.finished("short")
     assert f.token_s(1) == pytest.approx(0.1)
-    assert f.output_fraction == pytest.approx(1.0 + 0.2 * (0.5 - 1.0))
+    assert f.output_fraction == pytest.approx((1.0 + 0.5) / 2)  # the mean of its two samples
+
+
+def test_the_output_fraction_is_the_mean_of_few_samples_then_a_moving_average(clock: FakeClock) -> None:
+    """Chats charged the prior 256 tokens and stopping after a few: the fraction is what they
+    generated, not the prior's 1 still weighing a third after five samples."""
+    f = WaitForecast(clock)
+    for i, n in enumerate((1, 8, 10, 30, 54)):
+        f.admitted(f"r{i}", 300, 256)
+        for k in range(1, n + 1):
+            clock.advance(0.05)
+            f.progress(f"r{i}", k)
+        f.finished(f"r{i}")
+    assert f.output_fraction == pytest.approx((1 + 8 + 10 + 30 + 54) / 5 / 256)
+    before = f.output_fraction
+    f.admitted("r5", 300, 256)
+    for k in range(1, 257):
+        clock.advance(0.05)
+        f.progress("r5", k)
+    f.finished("r5")  # the sixth: a moving average, weight 0.2
+    assert f.output_fraction == pytest.approx(before + 0.2 * (1.0 - before))
 
 
 def test_times_are_fitted_against_load_and_extrapolated_to_a_burst(clock: FakeClock) -> None:
