@@ -7,6 +7,9 @@
 While it runs, a progress bar (sent / done / failed, live TTFT p50) on stderr; at the end a
 table on stdout and, as the last stdout line, the summary as one JSON line with the config.
 A run in which every request failed says so and exits 1.
+
+Every `splitserve` command builds this parser: what the two commands run (the client, rich,
+the plots) is imported when one runs.
 """
 from __future__ import annotations
 
@@ -16,14 +19,11 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-from bench import plots, report
-from bench.runner import Run, run
-from bench.workload import Item, from_trace, synthetic
+if TYPE_CHECKING:
+    from bench.runner import Run
+    from bench.workload import Item
 
 PROGRESS_EVERY_S = 0.2
 """How often the progress bar is redrawn (each redraw reads every outcome so far)."""
@@ -62,6 +62,8 @@ def add_parser(sub: Any) -> None:
 
 
 def _items(args: argparse.Namespace) -> list[Item]:
+    from bench.workload import from_trace, synthetic
+
     if args.trace:
         return from_trace(args.trace, args.num_requests, args.trace_block_tokens, args.max_prompt_tokens,
                           args.vocab, args.trace_time_scale)
@@ -70,6 +72,12 @@ def _items(args: argparse.Namespace) -> list[Item]:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from bench import plots, report
+    from bench.runner import run
+
     if args.rate is None and args.concurrency is None and args.trace is None:
         args.concurrency = 8
     items = _items(args)
@@ -111,6 +119,10 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from bench import plots, report
+
     saved = {}
     for path in args.runs:
         try:

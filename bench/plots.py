@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from bench.runner import Run
+if TYPE_CHECKING:
+    from bench.runner import Run
 
 Records = list[dict[str, Any]]
 

@@ -8,12 +8,13 @@ prints exactly the summary's numbers (the JSON line's), rounded the same way.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
-from bench.runner import Outcome, Run
+if TYPE_CHECKING:
+    from bench.runner import Outcome, Run
 
 QUANTILES = (50, 90, 99)
 

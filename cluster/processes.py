@@ -16,11 +16,10 @@ from control.auth import check_private
 from control.tls import SERVER_NAME, MemberTLS, given_tls
 from control.worker_config import NO_SECRET
 from kvfabric.config import TRANSPORTS
-from kvfabric.nixl import unavailable as nixl_unavailable
 from engine.config import SpeculativeConfig
 from engine.kv_sizing import DEFAULT_CPU_KV_FRACTION
+from router.config import HttpDeadlines
 from router.reasoning import REASONING_PARSERS
-from router.http_connections import HttpDeadlines
 from router.request_limits import RequestLimits
 from router.tool_parsers import PARSERS
 
@@ -306,8 +305,10 @@ def _kv_store(args: argparse.Namespace) -> int:
                              args.model_id, args.host, args.advertise_host, args.port, required_secret(),
                              args.kv_store_dir, int(args.kv_store_disk_gib * 2**30), args.kv_store_direct_io,
                              args.internal_tls, given_tls_of(args), args.kv_transport)
-        if args.kv_transport == "nixl" and (why := nixl_unavailable()) is not None:
-            raise ValueError(f"--kv-transport nixl: {why}")
+        if args.kv_transport == "nixl":
+            from kvfabric.nixl import unavailable  # only then: it loads NIXL (and NumPy)
+            if (why := unavailable()) is not None:
+                raise ValueError(f"--kv-transport nixl: {why}")
         redis_url = redis_url_of(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

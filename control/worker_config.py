@@ -9,7 +9,6 @@ from engine.config import CacheConfig, DType, EngineConfig, Role, SchedulerConfi
 from control.tls import MemberTLS, tls_of
 from kvfabric.address import route_address
 from kvfabric.config import TRANSPORTS
-from kvfabric.nixl import unavailable as nixl_unavailable
 
 
 @dataclass(frozen=True)
@@ -115,8 +114,10 @@ class WorkerConfig:
                              f"({self.heartbeat_interval_s})")
         if self.kv_transport not in (None, *TRANSPORTS):
             raise ValueError(f"kv_transport must be one of {TRANSPORTS} or None, got {self.kv_transport!r}")
-        if self.kv_transport == "nixl" and (why := nixl_unavailable()) is not None:
-            raise ValueError(f"kv_transport nixl: {why}")
+        if self.kv_transport == "nixl":
+            from kvfabric.nixl import unavailable  # only then: it loads NIXL (and NumPy)
+            if (why := unavailable()) is not None:
+                raise ValueError(f"kv_transport nixl: {why}")
         if self.step_profile_s < 0:
             raise ValueError(f"step_profile_s must be >= 0, got {self.step_profile_s}")
         if self.grace_s < 0:

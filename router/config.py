@@ -7,11 +7,38 @@ from control.tls import MemberTLS, tls_of
 from router.admission import AdmissionConfig
 from router.api_keys import ApiKeys
 from router.members import WorkerNetworks
-from router.http_connections import HttpDeadlines
 from router.request_limits import RequestLimits
 from router.policy import RoutingConfig
 from router.reasoning import REASONING_PARSERS
 from router.tool_parsers import PARSERS
+
+
+@dataclass(frozen=True)
+class HttpDeadlines:
+    """How long the HTTP API waits on a client, and how many connections it holds."""
+
+    header_timeout_s: float = 10.0
+    """A connection's request head (or its next one, kept alive) must arrive within this."""
+    body_timeout_s: float = 30.0
+    """A request's body must arrive within this of its head (408 past it, and closed)."""
+    max_connections: int = 4096
+    """Connections one router holds; past it a new one is told 503 and closed."""
+    max_idle_connections: int = 1024
+    """Connections with no request in progress; past it the longest idle one is closed."""
+    max_body_bytes_in_flight: int = 256 << 20
+    """Request bodies being read at once, in bytes (each counted at its Content-Length, or the
+    largest body where it has none): past it a new one is told 503 with a retry hint."""
+    max_body_bytes_per_client: int = 64 << 20
+    """Of those, the most one client address may hold: 16 slow clients declaring 16 MiB each
+    once held the whole budget; past it that client is told 429 with a retry hint."""
+
+    def __post_init__(self) -> None:
+        if min(self.header_timeout_s, self.body_timeout_s) <= 0:
+            raise ValueError("HTTP timeouts must be positive")
+        if min(self.max_connections, self.max_idle_connections, self.max_body_bytes_in_flight,
+               self.max_body_bytes_per_client) < 1:
+            raise ValueError("max_connections, max_idle_connections, max_body_bytes_in_flight and "
+                             "max_body_bytes_per_client must be at least 1")
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ from engine.types import InvalidRequestError
 from router.attempt import CUT_OFF, RequestFailed
 from router.constraints import AutoToolOutput, ToolCallOutput, constraint_of, tool_plan
 from router.http_guard import HttpGuard, identity
-from router.http_connections import BodyReader, ConnectionGuard, HttpDeadlines
+from router.config import HttpDeadlines
+from router.http_connections import BodyReader, ConnectionGuard
 from router.off_loop import OffLoop
 from router.request_limits import RequestLimits
 from router.http_errors import DONE, ERROR_TYPES, HTTP_STATUS, SSE_HEADERS, dumps, error, failed, sse

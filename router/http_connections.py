@@ -10,7 +10,7 @@ clients that send requests.
 A real client sends its request as it connects, so it is idle for milliseconds; a flood of
 silent connections churns through the idle slots. A request's body is read within its own
 deadline (408 past it) and within a budget of body bytes in flight (`BodyReader`); the
-numbers are `HttpDeadlines`. `ConnectionGuard` hooks aiohttp's
+numbers are `HttpDeadlines` (router/config.py). `ConnectionGuard` hooks aiohttp's
 `web.Server.connection_made/connection_lost`, the two calls its protocol makes as a
 connection opens and closes. Torch-free.
 """
@@ -19,41 +19,12 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from aiohttp import web
 
 from router.attempt import RequestFailed
-
-
-@dataclass(frozen=True)
-class HttpDeadlines:
-    """How long the HTTP API waits on a client, and how many connections it holds."""
-
-    header_timeout_s: float = 10.0
-    """A connection's request head (or its next one, kept alive) must arrive within this."""
-    body_timeout_s: float = 30.0
-    """A request's body must arrive within this of its head (408 past it, and closed)."""
-    max_connections: int = 4096
-    """Connections one router holds; past it a new one is told 503 and closed."""
-    max_idle_connections: int = 1024
-    """Connections with no request in progress; past it the longest idle one is closed."""
-    max_body_bytes_in_flight: int = 256 << 20
-    """Request bodies being read at once, in bytes (each counted at its Content-Length, or the
-    largest body where it has none): past it a new one is told 503 with a retry hint."""
-    max_body_bytes_per_client: int = 64 << 20
-    """Of those, the most one client address may hold: 16 slow clients declaring 16 MiB each
-    once held the whole budget; past it that client is told 429 with a retry hint."""
-
-    def __post_init__(self) -> None:
-        if min(self.header_timeout_s, self.body_timeout_s) <= 0:
-            raise ValueError("HTTP timeouts must be positive")
-        if min(self.max_connections, self.max_idle_connections, self.max_body_bytes_in_flight,
-               self.max_body_bytes_per_client) < 1:
-            raise ValueError("max_connections, max_idle_connections, max_body_bytes_in_flight and "
-                             "max_body_bytes_per_client must be at least 1")
 
 
 _BUSY = b'{"error": {"message": "the server holds too many connections; retry", "type": ' \

@@ -19,10 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.request import MAX_CHOICES, MAX_TOP_LOGPROBS
 from proto import generate_pb2 as pb
+from router.request_limits import MAX_PROMPTS, BadRequest  # noqa: F401 - theirs, and this protocol's
 
 INT32_MAX, UINT32_MAX, UINT64_MAX = 2**31 - 1, 2**32 - 1, 2**64 - 1
-MAX_PROMPTS = 128
-"""Prompts in one completions request (each a choice, run at once)."""
 
 
 class _Body(BaseModel):
@@ -150,14 +149,6 @@ class TokenizeRequest(_Request):
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
-
-
-class BadRequest(Exception):
-    """A 400 before any work: `param` names the field at fault."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message, self.param = message, param
 
 
 def parse(kind: type[_Body], body: bytes) -> Any:

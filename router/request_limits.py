@@ -14,13 +14,15 @@ the flag, where one sets it). The text itself is bounded by the model's context
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from engine.request import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from router.json_shape import Shape, TooMany
-from router.openai_protocol import MAX_PROMPTS, BadRequest, ChatRequest, Message, TokenizeRequest
+
+if TYPE_CHECKING:
+    from router.openai_protocol import ChatRequest, Message, TokenizeRequest
 
 FLAGS = {("messages",): "--max-messages", ("messages", "*", "content"): "--max-messages",
          ("tools",): "--max-tools", ("messages", "*", "tool_calls"): "--max-tools"}
@@ -28,6 +30,16 @@ NOUNS = {("messages",): "messages", ("messages", "*", "content"): "content parts
          ("messages", "*", "tool_calls"): "tool calls", ("stop",): "stop strings", ("logit_bias",): "tokens",
          ("prompt",): "prompts"}
 TOKEN_LISTS = (("prompt",), ("prompt", "*"), ("tokens",), ("stop_token_ids",))
+MAX_PROMPTS = 128
+"""Prompts in one completions request (each a choice, run at once)."""
+
+
+class BadRequest(Exception):
+    """A 400 before any work: `param` names the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param = message, param
 
 
 @dataclass(frozen=True)
@@ -76,6 +88,8 @@ class RequestLimits:
 
     def check(self, req: ChatRequest | TokenizeRequest) -> None:
         """What the prescan cannot count: names' lengths, chat_template_kwargs' size."""
+        from router.openai_protocol import ChatRequest  # here: router/config.py's readers have no pydantic
+
         for i, m in enumerate(req.messages or []):
             self._check_message(i, m)
         if isinstance(req, ChatRequest):

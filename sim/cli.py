@@ -27,7 +27,7 @@ from router.admission import AdmissionConfig
 from router.policy import RoutingConfig
 from sim.arrivals import SHAPES, Shape, arrival_times, timed, trace_items
 from sim.cost_model import GPUS, MODELS, Roofline
-from sim.fleet import Fleet, FleetConfig, FleetResult
+from sim.fleet_types import FleetConfig, FleetResult
 
 DECODE_BATCH = 32
 """The decode batch the default split assumes (a decode worker's GPU time per token is its step over this)."""
@@ -169,6 +169,8 @@ def config_dict(cfg: FleetConfig) -> dict[str, Any]:
 
 def _simulate(args: argparse.Namespace) -> int:
     from rich.console import Console
+
+    from sim.fleet import Fleet  # here: every `splitserve` command builds the parser above
 
     hw = Roofline(MODELS[args.model], GPUS[args.gpu], args.tp)
     items = workload(args)

@@ -5,17 +5,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from bench.runner import Outcome, Run
-from bench.workload import Item
 from control.autoscaler import AutoscaleConfig
 from engine.config import SchedulerConfig
-from kvfabric.reservations import ReservationTable
 from router.admission import AdmissionConfig
-from router.loads import Booking
-from router.policy import RouteDecision, RoutingConfig
-from sim.engine_sim import SimEngine
+from router.policy import RoutingConfig
+
+if TYPE_CHECKING:
+    from bench.runner import Outcome, Run
+    from bench.workload import Item
+    from kvfabric.reservations import ReservationTable
+    from router.loads import Booking
+    from router.policy import RouteDecision
+    from sim.engine_sim import SimEngine
 
 Role = Literal["prefill", "decode"]
 

@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
+from router.config import HttpDeadlines
 from router.frontend import Frontend
 from router.http_api import OpenAIServer
 from router.http_guard import HttpGuard
-from router.http_connections import HttpDeadlines
 from router.request_limits import RequestLimits
 from tests.integration.test_http_errors import Generation, Members, token
 
