@@ -81,8 +81,8 @@ def test_readme_serve_then_generate_and_status(tmp_path: Path, monkeypatch: pyte
         assert bad.returncode == 1 and "INVALID_ARGUMENT: top_p must be in (0, 1]" in bad.stderr
         st = run(["status"], env)
         deadline = time.monotonic() + 10
-        while "router-0" not in st.stdout and time.monotonic() < deadline:
-            time.sleep(0.5)  # the router reports its stats once a second
+        while "3 done, 0 refused, 1 invalid" not in st.stdout and time.monotonic() < deadline:
+            time.sleep(0.5)  # the router reports its stats once a second: until then, an older count
             st = cli(["status"])
         assert st.returncode == 0, st.stderr
         assert "decode-0" in st.stdout and "prefill-0" in st.stdout
