@@ -53,8 +53,6 @@ def _state_file() -> Path:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from cluster.local import LocalCluster
-
     if args.detach:
         argv = list(args.argv)
         argv.remove("serve")
@@ -66,6 +64,8 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from cluster.local import LocalCluster  # here: a refusal above need not load Ray
+
     cluster = LocalCluster(config, embedded_redis=not args.redis_url)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
