@@ -128,6 +128,9 @@ def test_forged_kv_events_and_router_stats_are_skipped_and_counted(cluster: Loca
         generate(pb_grpc.GenerationStub(channel), list(range(3, 40)), 2)
     client = redis.Redis.from_url(cluster.redis_url)
     ns, key = cluster.config.namespace, registry_key(cluster.config.worker.cluster_secret)
+    # the router writes its stats about once a second: a module's first test may get here
+    # before the first (run first, in reverse order beside another cluster, it once did)
+    wait_for("router-0's stats in Redis", lambda: client.exists(router_key(ns, "router-0")), 30)
     forged_event = KVEvent(999_999, "stored", [b"\x0b\xad" * 8], None)
     try:
         client.xadd(kv_key(ns, "decode-0"), {"e": event_to_bytes(forged_event)})
