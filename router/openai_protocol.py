@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.request import MAX_CHOICES, MAX_TOP_LOGPROBS
 from proto import generate_pb2 as pb
-from router.request_limits import MAX_PROMPTS, BadRequest  # noqa: F401 - theirs, and this protocol's
+from router.request_limits import MAX_PROMPTS, BadRequest
 
 INT32_MAX, UINT32_MAX, UINT64_MAX = 2**31 - 1, 2**32 - 1, 2**64 - 1
 
