@@ -33,7 +33,7 @@ from kvfabric.config import ReceiverConfig
 from kvfabric.cuda import DeviceRegion, NcclLink, gpu_identity, nccl_payload
 from kvfabric.errors import FabricError, PeerUnavailable, ProtocolError, ReservationRevoked
 from kvfabric.layout import FabricLayout, HeadMap
-from kvfabric.nixl import Agent, NixlUnavailable
+from kvfabric.nixl import Agent, NixlUnavailable, Pacer
 from kvfabric.region import BlockRegion, ShmSegment
 from kvfabric.reservations import FabricEvent, ReservationTable
 from kvfabric.wire import (MAX_HELLO_BYTES, Abort, Challenge, Conn, Data, Hello, HelloErr, HelloOk, Idle, Message,
@@ -190,6 +190,9 @@ class FabricReceiver:
         reason = "sender disconnected"
         link = None
         greeted = False
+        pacer = None
+        moving: set[int] = set()
+        """nixl: the transfers opened and not yet ready, aborted or fenced (progressed fast)."""
         try:
             try:
                 transport, link, heads = self._handshake(conn)
@@ -197,6 +200,9 @@ class FabricReceiver:
                 with self._cond:
                     self._pending.pop(writer, None)
             greeted, one_sided = True, transport in ONE_SIDED
+            if transport == "nixl" and self.nixl is not None:
+                pacer = self.nixl.pacer
+                pacer.attach()  # the sender's agent wires up to ours now
             while not self._closed:
                 try:
                     msg = conn.recv(ReceiverMessage)
@@ -209,7 +215,9 @@ class FabricReceiver:
                         raise ProtocolError("an nccl_data frame on a connection that is not nccl")
                     self._receive_nccl_frame(writer, conn, link, msg)
                 else:
-                    self._dispatch(writer, conn, msg, one_sided)
+                    reply = self._dispatch(writer, conn, msg, one_sided)
+                    if pacer is not None:
+                        _pace(pacer, moving, msg, reply)
                 self._send_revocations()
         except (FabricError, ValueError, KeyError, TypeError) as e:
             reason = f"sender connection ended: {e}"
@@ -222,6 +230,9 @@ class FabricReceiver:
             conn.close()
             if link is not None:
                 link.close()
+            if pacer is not None:
+                pacer.end(len(moving))
+                pacer.detach()
             self._conns.pop(writer, None)
             with self._cond:
                 self.table.writer_gone(writer, reason)
@@ -268,7 +279,9 @@ class FabricReceiver:
             link = NcclLink(hello.nccl_uid, hello.nccl_uid_bytes, 2, 1, self.region.device, self.config.io_timeout_s)
         return transport, link, heads
 
-    def _dispatch(self, writer: int, conn: Conn, msg: Open | Renew | Ready | RevokeAck | Abort, one_sided: bool) -> None:
+    def _dispatch(self, writer: int, conn: Conn, msg: Open | Renew | Ready | RevokeAck | Abort,
+                  one_sided: bool) -> Message | None:
+        """Answers a sender's message; returns the reply sent (None: none)."""
         reply: Message | None = None
         with self._cond:
             if isinstance(msg, Open):
@@ -292,6 +305,7 @@ class FabricReceiver:
             self._cond.notify_all()
         if reply is not None:
             conn.send(reply)
+        return reply
 
     def _record_written(self, rid: int, writer: int, runs: list[tuple[int, int]]) -> None:
         try:
@@ -412,6 +426,17 @@ def _crc32(arrays: list) -> int:
         crc = zlib.crc32(a, crc)
     return crc
 
+
+
+def _pace(pacer: Pacer, moving: set[int], msg: Message, reply: Message | None) -> None:
+    """A nixl sender's transfer is progressed fast here from its open until its ready, abort or
+    revocation's acknowledgement (UCX over TCP lands the bytes only as this agent progresses)."""
+    if isinstance(reply, OpenOk):
+        moving.add(msg.rid)  # type: ignore[union-attr]
+        pacer.begin()
+    elif isinstance(msg, (Ready, Abort, RevokeAck)) and msg.rid in moving:
+        moving.discard(msg.rid)
+        pacer.end()
 
 
 def _nixl_agent(regions: Sequence[BlockRegion | DeviceRegion]) -> Agent | None:
