@@ -27,7 +27,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -196,7 +196,7 @@ class Pacer:
     `WARM_S` of an `attach` (a peer connecting); every `IDLE_S` while peers are attached;
     asleep without peers. A progress call that raises is logged once and paced on."""
 
-    def __init__(self, name: str, progress: Any) -> None:
+    def __init__(self, name: str, progress: Callable[[], None]) -> None:
         self._progress = progress
         self._cond = threading.Condition()
         self._busy = 0

@@ -81,42 +81,76 @@ def heartbeats(hosts: SshHosts) -> dict:
     return asyncio.run(read())
 
 
-def test_ray_up_serves_across_hosts_and_ray_down_leaves_nothing(launched: tuple[SshHosts, Path, Path],
-                                                               smollm2_dir: str) -> None:
-    hosts, config, source = launched
-    started = time.monotonic()
+class Budget:
+    """The test's steps together may take `TEST_BUDGET_S` from now: each step's timeout is its
+    cap, or less when the budget has less left."""
 
-    def within(cap_s: float) -> float:
-        """A step's timeout: `cap_s`, or less when the test's budget has less left."""
-        left = started + TEST_BUDGET_S - time.monotonic()
-        assert left > 0, f"the test's steps took over {TEST_BUDGET_S:.0f} s"
+    def __init__(self, total_s: float) -> None:
+        self.started, self.total_s = time.monotonic(), total_s
+
+    def within(self, cap_s: float) -> float:
+        left = self.started + self.total_s - time.monotonic()
+        assert left > 0, f"the test's steps took over {self.total_s:.0f} s"
         return min(cap_s, left)
+
+
+def ray_up(config: Path, source: Path, budget: Budget) -> str:
+    """`ray up`'s output, run once more when a node's `ray start` gave up on its own raylet."""
     try:
-        up_s, out = ray_cli("up", "-y", str(config), timeout_s=within(420), cwd=source)
+        return ray_cli("up", "-y", str(config), timeout_s=budget.within(420), cwd=source)[1]
     except AssertionError as e:
         if not any(said in str(e) for said in RAY_START_TIMEOUTS):
             raise
         print(f"`ray up` again: a node's `ray start` gave up waiting for its own raylet ({e!s:.300})")
-        up_s, out = ray_cli("up", "-y", str(config), timeout_s=within(420), cwd=source)
-    assert "splitserve: serving" in out, out[-3000:]
-    target = f"{hosts.address('h')}:50051"
+        return ray_cli("up", "-y", str(config), timeout_s=budget.within(420), cwd=source)[1]
+
+
+def prompts_past_local_prefill(hosts: SshHosts, smollm2_dir: str) -> tuple[list[tuple[str, str]], float]:
+    """(prefill worker, decode worker) of each 300-token prompt sent, and when the first one's
+    answer ended. A prompt past auto mode's 256 local-prefill tokens goes through the prefill
+    worker, unless the router reads its heartbeat as late at that moment (the machine is busy
+    with the hosts' set-up): then the decode worker prefills it, and a fresh prompt (not cached
+    on the decode worker) tries the hand-off again, three times at most. Each one's greedy
+    tokens are exact."""
     rng = random.Random(7)
-    routes = []
-    with grpc.insecure_channel(target) as channel:
-        # A prompt past auto mode's 256 local-prefill tokens goes through the prefill worker,
-        # unless the router reads its heartbeat as late at that moment (the machine is busy
-        # with the hosts' set-up): then the decode worker prefills it, and a fresh prompt (not
-        # cached on the decode worker) tries the hand-off again, three times at most.
+    routes: list[tuple[str, str]] = []
+    first_at = 0.0
+    with grpc.insecure_channel(f"{hosts.address('h')}:50051") as channel:
         for _ in range(3):
             prompt = [rng.randrange(100, 40000) for _ in range(300)]
             got = generate(pb_grpc.GenerationStub(channel), prompt, 8)
-            if not routes:
-                first_token_s = time.monotonic() - started  # `ray up` returns once serving; then one request
+            first_at = first_at or time.monotonic()
             routes.append((got[-1].route.prefill_worker, got[-1].route.decode_worker))
             assert tokens(got) == greedy(smollm2_dir, prompt, 8)
             if routes[-1][0]:
                 break
             time.sleep(1.0)
+    return routes, first_at
+
+
+def ray_down_leaves_nothing(hosts: SshHosts, config: Path, source: Path, budget: Budget) -> tuple[float, float]:
+    """`ray down`; then no process of the cluster and no shared memory left on any host.
+    Returns how long `ray down` took and how long until nothing was left."""
+    down_s, out = ray_cli("down", "-y", str(config), timeout_s=budget.within(300), cwd=source)
+    assert "splitserve: stopped" in out, out[-3000:]
+    down_at, wait_s = time.monotonic(), budget.within(120)
+    while left := hosts.left_running():
+        assert time.monotonic() - down_at < wait_s, \
+            f"left running {wait_s:.0f} s after `ray down`: {left}; it said:\n{out[-4000:]}"
+        time.sleep(0.5)
+    gone_s = down_s + time.monotonic() - down_at
+    for h in NAMES:
+        assert list(hosts.dir(h, "shm").iterdir()) == [], f"shared memory left on host {h}"
+    return down_s, gone_s
+
+
+def test_ray_up_serves_across_hosts_and_ray_down_leaves_nothing(launched: tuple[SshHosts, Path, Path],
+                                                               smollm2_dir: str) -> None:
+    hosts, config, source = launched
+    budget = Budget(TEST_BUDGET_S)
+    out = ray_up(config, source, budget)
+    assert "splitserve: serving" in out, out[-3000:]
+    routes, first_at = prompts_past_local_prefill(hosts, smollm2_dir)
     with urllib.request.urlopen(f"http://{hosts.address('h')}:8000/v1/models", timeout=30) as models:
         assert [m["id"] for m in json.loads(models.read())["data"]] == ["SmolLM2-135M-Instruct.Q4_1"]
     assert routes[-1] == ("prefill-0", "decode-0"), routes
@@ -130,20 +164,11 @@ def test_ray_up_serves_across_hosts_and_ray_down_leaves_nothing(launched: tuple[
     pushed = scrape(beats["prefill-0"].metrics_address, token=serve_state(hosts)["metrics_token"])
     assert pushed.get("splitserve:kv_transfer_blocks_total,role=prefill,transport=tcp", 0) >= 300 // 16
 
-    ray_cli("exec", str(config), "splitserve scale decode 2", timeout_s=within(120), cwd=source)
+    ray_cli("exec", str(config), "splitserve scale decode 2", timeout_s=budget.within(120), cwd=source)
     wait_for("decode-1 serving on the decode host", lambda: (
-        b := heartbeats(hosts).get("decode-1")) is not None and b.state == "serving", within(180))
+        b := heartbeats(hosts).get("decode-1")) is not None and b.state == "serving", budget.within(180))
     assert heartbeats(hosts)["decode-1"].address.startswith(hosts.address("d") + ":")
 
-    down_s, out = ray_cli("down", "-y", str(config), timeout_s=within(300), cwd=source)
-    assert "splitserve: stopped" in out, out[-3000:]
-    down_at, wait_s = time.monotonic(), within(120)
-    while left := hosts.left_running():
-        assert time.monotonic() - down_at < wait_s, \
-            f"left running {wait_s:.0f} s after `ray down`: {left}; it said:\n{out[-4000:]}"
-        time.sleep(0.5)
-    gone_s = down_s + time.monotonic() - down_at
-    for h in NAMES:
-        assert list(hosts.dir(h, "shm").iterdir()) == [], f"shared memory left on host {h}"
-    print(json.dumps({"ray_up_to_first_token_s": round(first_token_s, 1), "ray_down_s": round(down_s, 1),
-                      "ray_down_to_nothing_left_s": round(gone_s, 1)}))
+    down_s, gone_s = ray_down_leaves_nothing(hosts, config, source, budget)
+    print(json.dumps({"ray_up_to_first_token_s": round(first_at - budget.started, 1),  # `ray up`, then a request
+                      "ray_down_s": round(down_s, 1), "ray_down_to_nothing_left_s": round(gone_s, 1)}))
