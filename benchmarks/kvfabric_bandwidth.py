@@ -18,8 +18,12 @@ measured in the same run on the same bytes:
   network namespace of their own behind a veth pair, so both cross a host boundary as KV
   between two machines would (the namespace is removed at the end); `--hosts same,cross`
   runs both in one invocation.
-- nixl: NIXL's one-sided writes (UCX) into the receiver's registered pool, against memcpy on
-  one host and against the raw socket across hosts. UCX sees through a network namespace
+- nixl: NIXL's one-sided writes (UCX) into the receiver's registered pool, which is private
+  memory on huge pages (as a worker's pool is when the cluster's transport is nixl), against
+  memcpy into such memory on one host and against the raw socket across hosts. On one host
+  also against the kernel's own cross-process copy (`cma_gb_per_s`: process_vm_writev, which
+  UCX's CMA transport calls): past glibc's threshold for non-temporal stores (hundreds of MB)
+  memcpy runs faster than any copy the kernel makes. UCX sees through a network namespace
   (same machine: it would use shared memory or CMA), so across hosts both ends run with
   UCX_TLS=tcp,self (unless set): what it moves over the veth, as between two machines
   without an RDMA NIC. With `--tls`, the
@@ -40,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -62,7 +67,7 @@ from kvfabric import (  # noqa: E402
 )
 from control.tls import client_context, member_tls, server_context  # noqa: E402
 from engine import native  # noqa: E402
-from kvfabric.address import FabricAddress  # noqa: E402
+from engine.kv_pool import host_pages  # noqa: E402
 from kvfabric.layout import coalesce  # noqa: E402
 from kvfabric.region import CopyBytes  # noqa: E402
 from kvfabric.wire import tune  # noqa: E402
@@ -124,26 +129,35 @@ TLS_SECRET = b"kvfabric-bandwidth-tls"
 
 def receiver_child(pipe: Connection, layout_wire: dict, num_blocks: int, netns: str | None = None,
                    host: str = "127.0.0.1", tls: bool = False, nixl: bool = False) -> None:
+    """A receiver over a shared-memory pool (shm, tcp) and, for nixl, one over a private pool
+    (`kv_allocator(device, "nixl")`'s: a worker serving nixl keeps its pool there)."""
     enter_netns(netns)
     layout = FabricLayout.from_wire(layout_wire)
     seg = ShmSegment.create(num_blocks * layout.block_bytes)
-    region = BlockRegion(seg.data.reshape(num_blocks, layout.block_bytes))
-    region.array[:] = 0  # fault the pages in, as a long-running decode pool would have
-    # perf_counter is CLOCK_MONOTONIC: comparable with the sender's on the same host
-    receiver = FabricReceiver(layout, region, ReceiverConfig(host=host, lease_s=30, tls=server_context(
-        member_tls(TLS_SECRET)) if tls else None, nixl=nixl), clock=time.perf_counter, shm=seg)
-    pipe.send(receiver.address.to_wire())
+    pools = {"shared": BlockRegion(seg.data.reshape(num_blocks, layout.block_bytes))}
+    if nixl:
+        pools["private"] = BlockRegion(host_pages(num_blocks * layout.block_bytes).numpy().reshape(num_blocks, -1))
+    config = ReceiverConfig(host=host, lease_s=30, tls=server_context(member_tls(TLS_SECRET)) if tls else None)
+    receivers = {}
+    for kind, region in pools.items():
+        region.array[:] = 0  # fault the pages in, as a long-running decode pool would have
+        # perf_counter is CLOCK_MONOTONIC: comparable with the sender's on the same host
+        receivers[kind] = FabricReceiver(layout, region, dataclasses.replace(config, nixl=kind == "private"),
+                                         clock=time.perf_counter, **({"shm": seg} if kind == "shared" else {}))
+    pipe.send(pools["private"].array.ctypes.data if nixl else None)  # ready; where a CMA write lands
     arrived: dict[str, float] = {}
     while True:
         cmd = pipe.recv()
         if cmd is None:
-            receiver.close()
-            region = None
+            for r in receivers.values():
+                r.close()
+            pools.clear()
             seg.close()  # a multiprocessing child skips atexit: unlink here
             return
         if cmd[0] == "expect":
-            pipe.send(receiver.expect(cmd[1], cmd[2], 0).to_wire())
+            pipe.send(receivers[cmd[3]].expect(cmd[1], cmd[2], 0).to_wire())
             continue
+        receiver = receivers[cmd[2]]
         while cmd[1] not in arrived:  # "arrival": when the receiver saw the transfer complete
             arrived.update((e.request_id, e.arrived_at) for e in receiver.poll(timeout_s=5) if isinstance(e, KVArrived))
         pipe.send(arrived.pop(cmd[1]))
@@ -194,6 +208,13 @@ def last_level_cache_bytes() -> int:
         return 32 << 20
 
 
+class IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+LIBC = ctypes.CDLL(None, use_errno=True)
+
+
 def memcpy_s(src: np.ndarray, dst: np.ndarray) -> float:
     t0 = time.perf_counter()
     np.copyto(dst[: len(src)], src)
@@ -212,14 +233,16 @@ class Bench:
         self.child = ctx.Process(target=receiver_child, args=(child, layout.to_wire(), num_blocks, netns, far, tls,
                                                               "nixl" in transports), daemon=True)
         self.child.start()
-        self.address = FabricAddress.from_wire(self.pipe.recv())
+        self.private_pool = self.pipe.recv()
+        """The child's private pool's address (nixl), for the kernel's own cross-process copy."""
         rng = np.random.default_rng(0)
         self.src = rng.integers(0, 256, (num_blocks, layout.block_bytes), dtype=np.uint8)
         tls_context = client_context(member_tls(TLS_SECRET)) if tls else None
         self.senders = {t: FabricSender(layout, BlockRegion(self.src), SenderConfig(transport=t, tls=tls_context), copy)
                         for t in ("shm", "tcp", *(("nixl",) if "nixl" in transports else ()))}
         self.n = 0
-        self.memcpy_dst = np.ones_like(self.src)  # private memory: numpy asks for transparent huge pages
+        self.memcpy_dst = host_pages(self.src.nbytes).numpy().reshape(self.src.shape)  # as a nixl pool's
+        self.memcpy_dst[:] = 1
         self.shm_scratch = ShmSegment.create(self.src.nbytes)  # the medium itself: tmpfs pages, as the pool
         self.shm_dst = self.shm_scratch.data.reshape(self.src.shape)
         self.shm_dst[:] = 1
@@ -243,23 +266,42 @@ class Bench:
         return time.perf_counter() - t0
 
     def limit_s(self, transport: str, n: int) -> float:
-        if transport == "shm" or (transport == "nixl" and not self.cross):
+        if transport == "shm":
             return memcpy_s(self.src[:n], self.shm_dst)
+        if transport == "nixl" and not self.cross:  # into memory of the kind the nixl pool is
+            return memcpy_s(self.src[:n], self.memcpy_dst)
         return self.raw.send_s(self.src[:n])
 
-    def ticket(self, block_ids: list[int]) -> Ticket:
+    def cma_s(self, n: int) -> float:
+        """The kernel's cross-process copy (process_vm_writev, what UCX's CMA does on one host)
+        of `n` blocks into the receiver's private pool."""
+        nbytes = n * self.layout.block_bytes
+        local = IoVec(self.src.ctypes.data, nbytes)
+        remote = IoVec(self.private_pool, nbytes)
+        t0 = time.perf_counter()
+        done = LIBC.process_vm_writev(self.child.pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        took = time.perf_counter() - t0
+        if done != nbytes:
+            raise OSError(ctypes.get_errno(), "process_vm_writev")
+        return took
+
+    @staticmethod
+    def pool_of(transport: str) -> str:
+        return "private" if transport == "nixl" else "shared"
+
+    def ticket(self, transport: str, block_ids: list[int]) -> Ticket:
         self.n += 1
-        self.pipe.send(("expect", f"b{self.n}", block_ids))
+        self.pipe.send(("expect", f"b{self.n}", block_ids, self.pool_of(transport)))
         return Ticket.from_wire(self.pipe.recv())
 
     def transfer_s(self, transport: str, src_ids: list[int], dst_ids: list[int]) -> float:
         """From the start of the push until the receiver recorded completion (its KVArrived)."""
-        ticket = self.ticket(dst_ids)
+        ticket = self.ticket(transport, dst_ids)
         transfer = self.senders[transport].open(ticket)
         t0 = time.perf_counter()
         transfer.push(src_ids, 0)
         transfer.finish(1, len(dst_ids) * self.layout.block_size)
-        self.pipe.send(("arrival", ticket.request_id))
+        self.pipe.send(("arrival", ticket.request_id, self.pool_of(transport)))
         return self.pipe.recv() - t0
 
     def close(self) -> None:
@@ -291,9 +333,16 @@ def main() -> None:
         sys.exit("--copy stream needs the engine's native kernels (a C compiler); use --copy memmove")
     copy = kernels.copy_stream if kernels is not None else ctypes.memmove
     counts = [int(x) for x in args.blocks.split(",")]
-    for where in args.hosts.split(","):
-        if where not in ("same", "cross"):
-            sys.exit(f"--hosts: same or cross, not {where!r}")
+    wheres = args.hosts.split(",")
+    if any(where not in ("same", "cross") for where in wheres):
+        sys.exit(f"--hosts: same or cross, not {args.hosts!r}")
+    if len(wheres) > 1 and "nixl" in args.transports.split(","):
+        # UCX reads the host's network devices once per process: an agent made after the veth
+        # appeared still finds no route over it. Each placement runs in a process of its own.
+        for where in wheres:
+            subprocess.run([sys.executable, __file__, *sys.argv[1:], "--hosts", where], check=True)
+        return
+    for where in wheres:
         with cross_host() if where == "cross" else contextlib.nullcontext() as hosts, \
                 ucx_over_the_network(hosts):
             for shape in args.shapes.split(","):
@@ -335,10 +384,13 @@ def run_case(bench: Bench, transport: str, shape: str, n: int, contiguous: bool,
     src_ids = list(range(n)) if contiguous else [int(x) for x in rng.permutation(bench.num_blocks)[:n]]
     dst_ids = list(range(n)) if contiguous else [int(x) for x in rng.permutation(bench.num_blocks)[:n]]
     bench.transfer_s(transport, src_ids, dst_ids)  # warm: connection, mapping
-    best, best_limit, best_private, best_pattern = (float("inf"),) * 4
+    best, best_limit, best_private, best_pattern, best_cma = (float("inf"),) * 5
+    cma = transport == "nixl" and not bench.cross
     for _ in range(args.reps):  # interleaved, so all see the same machine noise
         best = min(best, bench.cold().transfer_s(transport, src_ids, dst_ids))
         best_limit = min(best_limit, bench.cold().limit_s(transport, n))
+        if cma:
+            best_cma = min(best_cma, bench.cold().cma_s(n))
         if transport == "shm":
             best_private = min(best_private, memcpy_s(bench.src[:n], bench.cold().memcpy_dst))
             if not contiguous:
@@ -363,6 +415,8 @@ def run_case(bench: Bench, transport: str, shape: str, n: int, contiguous: bool,
         "push_latency_cold_us": None if latency_cold is None else round(latency_cold, 1),
         **({"memcpy_private_gb_per_s": round(private, 3), "fraction_of_private_memcpy": round(gb_per_s / private, 3)}
            if transport == "shm" else {}),
+        **({"cma_gb_per_s": round(n * layout.block_bytes / best_cma / 1e9, 3),
+            "fraction_of_cma": round(best_cma / best, 3)} if cma else {}),
         **({"same_pattern_memcpy_gb_per_s": round(pattern, 3), "fraction_of_same_pattern": round(gb_per_s / pattern, 3)}
            if transport == "shm" and not contiguous else {}),
     }), flush=True)

@@ -28,10 +28,11 @@ from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from engine.types import RequestId
 from kvfabric import FabricError, FabricReceiver, KVArrived, ReceiverConfig, Ticket, TransferFailed, settle
-from kvfabric.pools import KVAllocator, exports, memory_pools, worker_pools
+from kvfabric.pools import exports, memory_pools, worker_pools
 
 if TYPE_CHECKING:  # annotations only: the module loads without torch (decode_worker/worker.py says why)
     from engine.llm_engine import LLMEngine
+    from kvfabric.pools import KVAllocator
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +58,8 @@ class Landed:
 
 class RemoteKV:
     def __init__(self, engine: LLMEngine, allocator: KVAllocator | None, config: ReceiverConfig | None = None) -> None:
-        """`allocator`: the one the engine's pool came from (`kvfabric.pools.kv_allocator`; None: a
-        CPU pool not in shared memory, tcp only)."""
+        """`allocator`: the one the engine's pool came from (`kvfabric.pools.kv_allocator`; one
+        without an export, or None: a CPU pool not in shared memory, tcp and nixl only)."""
         self.engine = engine
         self.connector = engine.connector
         """The only way to the engine's blocks (engine/kv_connector.py)."""

@@ -11,7 +11,7 @@ the second on, since the router already sent the first) and steps the continuous
 abort) aborts the request and frees its blocks (or quarantines them until a one-sided
 writer is fenced). The KV pool comes from `kvfabric.pools.kv_allocator` (shared memory
 on CPU, IPC-exportable device memory on GPU), so same-host prefill workers copy straight
-into it.
+into it; with the cluster's transport nixl, private huge pages on CPU, which NIXL writes.
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
         torch.set_num_threads(config.num_threads)
         self.worker_id = worker_id
         self.config = config = on_this_node(config)
-        self.allocator = kv_allocator(config.device)
+        self.allocator = kv_allocator(config.device, config.kv_transport)
         self.ranks = TensorRanks(config.tensor_parallel, rank_allocator(config.device)) \
             if config.tensor_parallel > 1 else None
         """The model's other ranks (child processes) when it is split (engine/tp_ranks.py)."""

@@ -1,8 +1,9 @@
 """KV pools by device, in one place, and which transport a pair of pools uses.
 
-`kv_allocator(device)` is the engine `KVAllocator` a worker's pool comes from: shared
-memory on CPU (same-host senders copy straight into it), a dedicated cudaMalloc on GPU
-(exported as a CUDA IPC handle). `pool_region(tensor)` sees a pool as blocks of bytes
+`kv_allocator(device, transport)` is the engine `KVAllocator` a worker's pool comes from:
+shared memory on CPU (same-host senders copy straight into it), private huge pages on CPU
+when the cluster's transport is nixl (NIXL writes into them at 0.82-0.87 of memcpy, into
+shared memory at 0.66-0.69), a dedicated cudaMalloc on GPU (exported as a CUDA IPC handle). `pool_region(tensor)` sees a pool as blocks of bytes
 for kvfabric, `exports(allocator)` is what a receiver offers senders. `pick_transport`
 is the rule: same host -> `shm` (CPU) or `cuda_ipc` (GPU, also across two GPUs of one
 host); other hosts -> `tcp` (CPU) or `nccl` (GPU), never nccl within one GPU; `nixl` where
@@ -25,8 +26,9 @@ if TYPE_CHECKING:
     import torch
 
     from engine.kv_connector import KVMemory
+    from engine.kv_pool import TensorAllocator
 
-KVAllocator = ShmKVAllocator | CudaIpcKVAllocator
+    KVAllocator = ShmKVAllocator | CudaIpcKVAllocator | TensorAllocator
 
 
 def device_kind(device: str) -> str:
@@ -37,10 +39,15 @@ def device_kind(device: str) -> str:
     return kind
 
 
-def kv_allocator(device: str) -> KVAllocator:
+def kv_allocator(device: str, transport: str | None = None) -> KVAllocator:
+    """A receiving worker's pool allocator; `transport`: the cluster's (None: chosen per pair)."""
     if device_kind(device) == "cuda":
         require_cupy()
         return CudaIpcKVAllocator()
+    if transport == "nixl":  # no shm sender: the pool in private memory (huge pages), registered with NIXL
+        from engine.kv_pool import TensorAllocator
+
+        return TensorAllocator()
     return ShmKVAllocator()
 
 

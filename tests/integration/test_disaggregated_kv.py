@@ -18,6 +18,7 @@ from engine.request import FinishReason, SamplingParams
 from engine.types import choice_id
 from kvfabric import ReceiverConfig, ShmKVAllocator
 from kvfabric.address import ONE_SIDED
+from kvfabric.pools import kv_allocator
 from tests.conftest import skip_without_nixl
 from tests.integration.fabric_peer import Peer
 from tests.integration.prefill_peer import prefill_main
@@ -42,9 +43,10 @@ def prefill(tiny_llama_dir: str, transport: str) -> Iterator[Peer]:
 
 @pytest.fixture
 def decode(tiny_llama_dir: str, transport: str) -> Iterator[RemoteKV]:
-    allocator = ShmKVAllocator()
+    allocator = kv_allocator("cpu", transport)  # as a decode worker's: private huge pages for nixl, else shm
     engine = make_engine(tiny_llama_dir, role="decode", allocator=allocator)
     remote = RemoteKV(engine, allocator, ReceiverConfig(nixl=transport == "nixl"))
+    assert ("shm" in remote.receiver.address.transports) == (transport != "nixl")
     yield remote
     remote.close()
 

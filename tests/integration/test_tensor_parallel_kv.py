@@ -16,8 +16,8 @@ from decode_worker.kv_receive import RemoteKV
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
 from engine.tp_ranks import TensorRanks
-from kvfabric import ReceiverConfig, ShmKVAllocator
-from kvfabric.pools import rank_allocator
+from kvfabric import ReceiverConfig
+from kvfabric.pools import kv_allocator, rank_allocator
 from tests.conftest import skip_without_nixl
 from tests.integration.fabric_peer import Peer
 from tests.integration.prefill_peer import prefill_main
@@ -43,7 +43,7 @@ def test_prefill_and_decode_at_different_degrees_give_the_whole_models_tokens(
     prefill = Peer(prefill_main, tiny_llama_dir, transport, 16, "cpu", 512, p, daemon=False)
     ranks = TensorRanks(d, rank_allocator("cpu")) if d > 1 else None
     config = engine_config(tiny_llama_dir, role="decode")
-    allocator = ShmKVAllocator()
+    allocator = kv_allocator("cpu", transport)
     remote = None
     try:
         engine = LLMEngine(ranks.start(config) if ranks else config, allocator=allocator)

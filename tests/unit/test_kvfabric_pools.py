@@ -1,10 +1,12 @@
 """Which transport a pair of KV pools uses, and the one place pools are allocated by device."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvfabric.errors import HandshakeError
-from kvfabric.pools import NIXL_FIRST, device_kind, gpu_extra, kv_allocator, offers_nixl, pick_transport
+from kvfabric.pools import NIXL_FIRST, device_kind, exports, gpu_extra, kv_allocator, offers_nixl, pick_transport
 from kvfabric.region import ShmKVAllocator
 
 CPU_OFFER = ("shm", "tcp")
@@ -78,6 +80,7 @@ def test_nixl_is_taken_where_forced_or_first_by_the_measured_defaults(monkeypatc
 
 def test_cpu_pools_come_from_shared_memory_and_other_devices_are_refused() -> None:
     assert isinstance(kv_allocator("cpu"), ShmKVAllocator)
+    assert isinstance(kv_allocator("cpu", "tcp"), ShmKVAllocator)
     assert device_kind("cuda:3") == "cuda"
     with pytest.raises(ValueError, match="cpu or cuda devices, not 'mps'"):
         kv_allocator("mps")
@@ -102,3 +105,26 @@ def test_a_missing_cupy_is_one_error_naming_the_extra_to_install(monkeypatch: py
         require_cupy("13.0")
     with pytest.raises(FabricError, match="not installed"):
         kv_allocator("cuda")
+
+
+def test_a_nixl_clusters_cpu_pool_is_private_memory_on_huge_page_boundaries() -> None:
+    """With the transport nixl no sender maps the pool: it lives in this process's own memory,
+    starting on a 2 MiB boundary and advised for huge pages (NIXL's CMA writes pin each
+    destination page), zero-filled, offering no shared-memory export."""
+    import torch
+
+    from engine.kv_pool import HUGE_PAGE_BYTES, TensorAllocator
+
+    allocator = kv_allocator("cpu", "nixl")
+    assert isinstance(allocator, TensorAllocator) and exports(allocator) == {}
+    pool = allocator.allocate((3, 2, HUGE_PAGE_BYTES // 4), torch.float16, "cpu")
+    assert pool.shape == (3, 2, HUGE_PAGE_BYTES // 4) and pool.is_contiguous()
+    assert pool.data_ptr() % HUGE_PAGE_BYTES == 0 and not pool.any()
+    pool.fill_(1.5)
+    start = pool.data_ptr()
+    mapping = next(line for line in Path("/proc/self/maps").read_text().splitlines()
+                   if int(line.split("-")[0], 16) <= start < int(line.split()[0].split("-")[1], 16))
+    assert mapping.split()[1] == "rw-p"  # private: no other process writes it but through NIXL
+    small = allocator.allocate((5,), torch.int32, "cpu")  # under one huge page: plain pages, still zeroed
+    assert small.tolist() == [0] * 5
+    allocator.close()
