@@ -181,7 +181,8 @@ class Controller:
         return StoreConfig(w.model_dir, c.kv_store_mib << 20, w.block_size, w.dtype, w.model_id,
                            w.host, w.advertise_host, cluster_secret=w.cluster_secret, disk_dir=c.kv_store_dir,
                            disk_bytes=int(c.kv_store_disk_gib * 2**30), disk_direct=c.kv_store_direct_io,
-                           internal_tls=w.internal_tls, given_tls=w.given_tls, kv_transport=w.kv_transport)
+                           internal_tls=w.internal_tls, given_tls=w.given_tls, kv_transport=w.kv_transport,
+                           quantization=w.quantization)
 
     def _worker_options(self, role: Role) -> dict[str, Any]:
         c = self.config

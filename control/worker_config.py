@@ -19,6 +19,9 @@ class WorkerConfig:
     """Local checkpoint directory or GGUF file, readable at this path on every node (each
     node converts a GGUF file into its own cache once)."""
     dtype: DType = "float32"
+    quantization: str | None = None
+    """"fp8": the projections quantized to FP8 at load (`EngineConfig.quantization`); None: as
+    the checkpoint is."""
     device: str = "cpu"
     block_size: int = 16
     """Tokens per KV block; must be the same on every worker."""
@@ -133,7 +136,7 @@ class WorkerConfig:
         if not self.cluster_secret:
             raise ValueError(NO_SECRET)
         return EngineConfig(
-            model_dir=self.model_dir, dtype=self.dtype, device=self.device, role=role,
+            model_dir=self.model_dir, dtype=self.dtype, quantization=self.quantization, device=self.device, role=role,
             max_model_len=self.max_model_len, model_id=self.model_id, detokenize=False,
             cache=CacheConfig(block_size=self.block_size, kv_cache_bytes=self.kv_cache_bytes,
                               gpu_memory_utilization=self.gpu_memory_utilization,

@@ -6,6 +6,8 @@ import secrets
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
+from engine.quant_config import QUANTIZATIONS
+
 if TYPE_CHECKING:
     from engine.tensor_parallel import TensorParallel
 
@@ -178,6 +180,10 @@ class EngineConfig:
     one), converted once into the cache (`engine.gguf_checkpoint`)."""
     dtype: DType = "float32"
     device: str = "cpu"
+    quantization: str | None = None
+    """"fp8": a 16/32-bit checkpoint's projections quantized to FP8 as they load (per-channel
+    weight scales, per-token input scales; engine/fp8.py); None: as the checkpoint is (an FP8
+    checkpoint is served in FP8 either way)."""
     role: Role = "both"
     """prefill: stop after the first token and hand blocks off; decode: accept remote KV."""
     max_model_len: int | None = None
@@ -228,6 +234,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.role not in ("both", "prefill", "decode"):
             raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
         if self.tensor_parallel is not None and self.speculative.enabled:

@@ -38,6 +38,7 @@ from engine.kv_profile import profiled_pool_bytes
 from engine.kv_sizing import DEFAULT_CPU_KV_BYTES, num_blocks_for
 from engine.model import LlamaForCausalLM
 from engine.model_config import ModelConfig
+from engine.quant_config import kv_model_id
 from engine.model_runner import ModelRunner
 from engine.tp_followers import Channel
 from engine.output_builder import OutputBuilder
@@ -78,7 +79,7 @@ class LLMEngine:
         self.clock = clock
         self.role: Role = role_for(config.role, handoff)
         model_dir = resolve_model_dir(config.model_dir)  # a GGUF file: its converted directory
-        self.model_config = ModelConfig.from_dir(model_dir)
+        self.model_config = ModelConfig.from_dir(model_dir, config.quantization)
         mc = self.model_config
         dtype = _DTYPES[config.dtype]
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
@@ -92,7 +93,10 @@ class LLMEngine:
         kernels = select_kernels(config.device, config.native_kernels)
         self.model = LlamaForCausalLM.load(model_dir, mc, dtype, config.device, config.prepack_weights, kernels,
                                            config.tensor_parallel)
-        self.model_id = config.model_id or model_dir.resolve().name
+        self.model_id = kv_model_id(config.model_id or model_dir.resolve().name, mc.fp8)
+        """The name the model and its KV are known by (block hashes, kvfabric, the routers):
+        the configured one or the directory's, marked "+fp8" when quantized at load (that KV
+        is not the checkpoint's)."""
         self.hasher = BlockHasher(config.cache.cluster_secret, self.model_id, config.cache.block_size)
         local = self.model.config  # its heads on this rank (all of them without tensor parallelism)
         self.layout = KVLayout(mc.num_layers, config.cache.block_size, local.num_kv_heads, mc.head_dim, dtype)

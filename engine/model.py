@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.attention import ATTENTION_WORKSPACE_BYTES, AttentionMetadata, PagedGroup, paged_attention
+from engine.fp8 import Fp8Weight, channel_scale, quantize_weight
 from engine.kv_pool import KVPool
 from engine.linear import Linear
 from engine.model_config import ModelConfig
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from engine.gpu_kernels import Kernels
     from engine.tensor_parallel import TensorParallel
 from engine.rope import RotaryTable, apply_rotary
+from engine.types import UnsupportedModelError
 from engine.weights import CheckpointReader
 
 PROMPT_LOGIT_ROWS = 256
@@ -100,20 +102,55 @@ class LlamaForCausalLM:
         model.tp = tp
         model.kernels = kernels if kernels is not None and kernels.supports(dtype, device) else None
         ckpt = CheckpointReader(model_dir)
-        if tp is None:
-            get = lambda name: ckpt.get(name, dtype, device)  # noqa: E731
-        else:
-            get = lambda name: tp.shard(name, ckpt.get(name, dtype, device), config)  # noqa: E731
+        share = (lambda name, t: t) if tp is None else (lambda name, t: tp.shard(name, t, config))  # noqa: E731
+        get = lambda name: share(name, ckpt.get(name, dtype, device))  # noqa: E731
         opt = lambda name: get(name) if ckpt.has(name) else None  # noqa: E731
+        fp8 = config.fp8
+        if fp8 is not None and config.moe is not None:
+            raise UnsupportedModelError("FP8 weights in a mixture of experts are not supported yet (the experts' "
+                                        "grouped GEMMs have no FP8 form): serve its 16-bit checkpoint")
+
+        def projection(name: str) -> tuple[torch.Tensor, Fp8Weight | None]:
+            """A projection's weight (this rank's share) and, where it is FP8, its scales: the
+            checkpoint's, or made here from the whole weight (`--quantization fp8`)."""
+            key = name + ".weight"
+            if fp8 is None or not (ckpt.is_fp8(key) or fp8.at_load and fp8.covers(name)):
+                return get(key), None
+            if ckpt.is_fp8(key):
+                values = ckpt.get(key, dtype, device)  # e4m3 values: exact in any of our dtypes
+                q = Fp8Weight(values, channel_scale(ckpt.get(name + ".weight_scale", torch.float32, device),
+                                                    values.shape[0]))
+                if fp8.inputs == "static":
+                    q.input_scale = float(ckpt.get(name + ".input_scale", torch.float32, device).max())
+            else:
+                q = quantize_weight(ckpt.get(key, torch.float32, device))
+                q.values = q.values.to(dtype)
+            full = q.values.shape
+            q.values = share(key, q.values)
+            if tp is not None:  # the scales of the rows this rank holds
+                q.scale = share(key, q.scale[:, None].expand(full))[:, 0].contiguous()
+            return q.values, q
 
         def fused(names: list[str], swiglu: bool = False, stored: str | None = None) -> Linear:
             """One Linear over the projections `names`, or over `stored` where the checkpoint
-            holds them fused already (Phi-3's qkv_proj and gate_up_proj, in the same order)."""
+            holds them fused already (Phi-3's qkv_proj and gate_up_proj, in the same order).
+            FP8 ones keep each row's scale; a static input scale is the largest of theirs, as
+            vLLM fuses them."""
             if stored is not None and ckpt.has(stored + ".weight"):
                 names = [stored]
             biases = [opt(n + ".bias") for n in names]
             bias = torch.cat(biases) if all(b is not None for b in biases) else None
-            return Linear(torch.cat([get(n + ".weight") for n in names]), bias, prepack, model.kernels, swiglu)
+            parts = [projection(n) for n in names]
+            weight = torch.cat([w for w, _ in parts])
+            scales = [q for _, q in parts if q is not None]
+            if not scales:
+                return Linear(weight, bias, prepack, model.kernels, swiglu)
+            if len(scales) != len(parts):
+                raise UnsupportedModelError(f"of the projections {names} some are FP8, some not")
+            statics = [q.input_scale for q in scales if q.input_scale is not None]
+            q = Fp8Weight(weight, torch.cat([q.scale for q in scales]), max(statics) if statics else None)
+            assert fp8 is not None
+            return Linear(weight, bias, prepack, model.kernels, swiglu, q, fp8.inputs, fp8.scale_ub)
 
         def norm(name: str) -> torch.Tensor:
             """A norm's weight; Gemma's w is applied as 1 + w, added here in float32 as it adds it."""
@@ -122,7 +159,7 @@ class LlamaForCausalLM:
         model.embed = get("model.embed_tokens.weight")
         model.norm = norm("model.norm.weight")
         model.tied = config.tie_word_embeddings or not ckpt.has("lm_head.weight")
-        model.lm_head = Linear(model.embed if model.tied else get("lm_head.weight"), None, prepack, model.kernels)
+        model.lm_head = Linear(model.embed, None, prepack, model.kernels) if model.tied else fused(["lm_head"])
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
@@ -166,6 +203,8 @@ class LlamaForCausalLM:
         if self.kernels is None or self.dtype != torch.bfloat16 or not self.config.llama_layers or self.tp:
             return None  # (decode_layers runs Llama's layer, and only it, whole)
         if any(x.tiles is None for x in self.linears()[:-1]):  # decode_layers runs the native matmul only
+            return None
+        if any(x.fp8 is not None for x in self.linears()):  # and no FP8 scales
             return None
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         assert all(x.gate_up is not None and x.down is not None for x in self.layers)

@@ -14,12 +14,14 @@ Anything else is refused with an error that names the field.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.quant_config import QUANTIZATIONS, Fp8Scheme
 from engine.types import UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -116,6 +118,9 @@ class ModelConfig:
     """The rope of the sliding-window layers, where it is not `rope` (Gemma 3's local base)."""
     attn_softcap: float = 0.0
     """Attention scores s become attn_softcap * tanh(s / attn_softcap) (Gemma 2); 0: not."""
+    fp8: Fp8Scheme | None = None
+    """The projections' FP8 scheme (engine/quant_config.py): the checkpoint's, or
+    `--quantization fp8`'s; None: they are in the model's dtype."""
 
     @property
     def kv_window(self) -> int:
@@ -133,14 +138,21 @@ class ModelConfig:
                     or self.local_rope is not None or self.attn_softcap)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+    def from_dir(cls, model_dir: str | Path, quantization: str | None = None) -> ModelConfig:
+        """`quantization`: "fp8" quantizes a 16/32-bit checkpoint's projections at load (an FP8
+        checkpoint is served as it is)."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise UnsupportedModelError(f"{path} not found: a model directory needs config.json")
         raw = json.loads(path.read_text())
         gen_path = Path(model_dir) / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-        return cls.from_dict(raw, gen)
+        config = cls.from_dict(raw, gen)
+        if quantization is not None and quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+        if quantization == "fp8" and config.fp8 is None:
+            config = dataclasses.replace(config, fp8=Fp8Scheme.loading())
+        return config
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
@@ -184,6 +196,7 @@ class ModelConfig:
             final_logit_softcap=raw.get("final_logit_softcapping") if gemma else None,
             local_rope=local_rope,
             attn_softcap=float(raw.get("attn_logit_softcapping") or 0.0) if arch == "Gemma2ForCausalLM" else 0.0,
+            fp8=Fp8Scheme.of(raw["quantization_config"]) if raw.get("quantization_config") else None,
         )
 
 
@@ -267,11 +280,6 @@ def _check_supported_fields(raw: dict[str, Any], arch: str) -> None:
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(f"config field 'hidden_act' is {act!r}; only 'silu' is supported")
-    quant = raw.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-        raise UnsupportedModelError(f"config field 'quantization_config' is set ({method}): quantized checkpoints "
-                                    "are not supported (a GGUF file of the model is)")
     if raw.get("pretraining_tp", 1) != 1:
         raise UnsupportedModelError("config field 'pretraining_tp' must be 1")
     if (raw.get("num_attention_heads") or 0) % (raw.get("num_key_value_heads") or 1):

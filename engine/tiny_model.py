@@ -286,3 +286,74 @@ def make_draft_model(target_dir: str | Path, out_dir: str | Path, num_layers: in
         if (src / name).is_file():
             shutil.copy(src / name, out / name)
     return out
+
+
+def _compressed_tensors(weights: str, inputs: dict | None) -> dict:
+    """llm-compressor's quantization_config: FP8 `weights` ("tensor" or "channel") and
+    `inputs` (a strategy and whether dynamic; None: weights only)."""
+    fp8 = {"num_bits": 8, "type": "float", "symmetric": True}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"],
+                                          "weights": {**fp8, "strategy": weights, "dynamic": False},
+                                          "input_activations": None if inputs is None else {**fp8, **inputs}}}}
+
+
+FP8_CONFIGS = {
+    "fp8-static": {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]},
+    "fbgemm": {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0, "modules_to_not_convert": ["lm_head"]},
+    "ct-channel-dynamic": _compressed_tensors("channel", {"strategy": "token", "dynamic": True}),
+    "ct-channel-static": _compressed_tensors("channel", {"strategy": "tensor", "dynamic": False}),
+    "ct-weights-only": _compressed_tensors("tensor", None),
+}
+"""The quantization_configs `make_fp8_model` writes, as AutoFP8 (fp8, per-tensor weights and
+a static input scale), Meta's Llama 3.1 FP8 (fbgemm_fp8) and llm-compressor (compressed-tensors
+FP8-dynamic, FP8 with per-channel weights and a static input scale, and weights only) write them."""
+FP8_INPUT_SCALE = 8.0 / 448.0
+"""The static input scale written: inputs saturate at +-8 (a tiny model's normalised ones
+stay within a few units)."""
+
+
+def make_fp8_model(src_dir: str | Path, out_dir: str | Path, kind: str, dequantized_dir: str | Path | None = None
+                   ) -> Path:
+    """Write `src_dir`'s checkpoint with its projections (every `*_proj.weight`, not the LM
+    head) in FP8 as Hugging Face lays them out: e4m3 `weight`, float32 `weight_scale` (a
+    scalar per tensor, [out, 1] per channel), a scalar `input_scale` where static; and,
+    with `dequantized_dir`, the same model with those weights dequantized (float32, no
+    quantization_config): the reference. `kind`: a key of FP8_CONFIGS."""
+    from engine.fp8 import E4M3_MAX, quantize_weight, to_e4m3
+    from engine.quant_config import Fp8Scheme
+    from engine.weights import CheckpointReader
+
+    quant = FP8_CONFIGS[kind]
+    scheme = Fp8Scheme.of(quant)
+    src = Path(src_dir)
+    cfg = json.loads((src / "config.json").read_text())
+    ckpt = CheckpointReader(src)
+    fp8: dict[str, torch.Tensor] = {}
+    plain: dict[str, torch.Tensor] = {}
+    for name in sorted(ckpt.names()):
+        w = ckpt.get(name, torch.float32, "cpu").contiguous()
+        if not name.endswith("_proj.weight") or ".experts." in name:
+            fp8[name] = plain[name] = w
+            continue
+        if scheme.weights == "tensor":
+            scale = (w.abs().max() / E4M3_MAX).reshape(())
+            values = to_e4m3(w / scale)
+            fp8[name[:-len("weight")] + "weight_scale"] = scale
+        else:
+            q = quantize_weight(w)
+            values, scale = q.values, q.scale
+            fp8[name[:-len("weight")] + "weight_scale"] = scale[:, None].contiguous()
+        fp8[name] = values
+        if scheme.inputs == "static":
+            fp8[name[:-len("weight")] + "input_scale"] = torch.tensor(FP8_INPUT_SCALE)
+        plain[name] = values.float() * (scale if scale.dim() == 0 else scale[:, None])
+    for out, weights, config in ((Path(out_dir), fp8, {**cfg, "quantization_config": quant}),
+                                 *(((Path(dequantized_dir), plain, cfg),) if dequantized_dir else ())):
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for name in TOKENIZER_FILES:
+            if (src / name).is_file():
+                shutil.copy(src / name, out / name)
+    return Path(out_dir)

@@ -88,7 +88,7 @@ def follow(config: EngineConfig, allocator: Callable[[], Any] | None = None) -> 
     tp = config.tensor_parallel
     assert tp is not None and tp.rank > 0, "follow() runs the ranks after the first"
     model_dir = resolve_model_dir(config.model_dir)
-    full = ModelConfig.from_dir(model_dir)
+    full = ModelConfig.from_dir(model_dir, config.quantization)
     dtype = _DTYPES[config.dtype]
     model = LlamaForCausalLM.load(str(model_dir), full, dtype, config.device, config.prepack_weights,
                                   select_kernels(config.device, config.native_kernels), tp)

@@ -35,6 +35,13 @@ class CheckpointReader:
         return name in self._file_of
 
     def get(self, name: str, dtype: torch.dtype, device: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name).to(device=device, dtype=dtype)  # type: ignore[attr-defined]
+
+    def is_fp8(self, name: str) -> bool:
+        """Whether the tensor is stored as FP8 e4m3 (without reading it)."""
+        return self.has(name) and self._handle(name).get_slice(name).get_dtype() == "F8_E4M3"  # type: ignore[attr-defined]
+
+    def _handle(self, name: str) -> object:
         if name not in self._file_of:
             raise UnsupportedModelError(f"checkpoint has no tensor named {name!r}")
         file = self._file_of[name]
@@ -42,4 +49,4 @@ class CheckpointReader:
         if handle is None:
             handle = safe_open(self.model_dir / file, framework="pt")
             self._handles[file] = handle
-        return handle.get_tensor(name).to(device=device, dtype=dtype)  # type: ignore[attr-defined]
+        return handle

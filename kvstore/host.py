@@ -56,6 +56,8 @@ class StoreConfig:
     dtype: str = "float32"
     model_id: str | None = None
     """As the workers' (`WorkerConfig.model_id`): the name their block hashes are keyed with."""
+    quantization: str | None = None
+    """As the workers' (`WorkerConfig.quantization`): their KV is named apart when it is fp8."""
     host: str = "127.0.0.1"
     advertise_host: str | None = None
     port: int = 0
@@ -101,7 +103,7 @@ class StoreHost:
 
             host = ray.util.get_node_ip_address()
         advertised = c.advertise_host or dialable_host(host, self.redis_url)
-        layout = store_layout(c.model_dir, c.model_id or "", c.block_size, c.dtype)
+        layout = store_layout(c.model_dir, c.model_id or "", c.block_size, c.dtype, c.quantization)
         tls = tls_of(c.cluster_secret, c.internal_tls, c.given_tls)
         self.store = open_store(layout, c.capacity_bytes, host, advertised, c.cluster_secret, store_id=self.store_id,
                                 disk_dir=c.disk_dir, disk_bytes=c.disk_bytes, disk_direct=c.disk_direct, tls=tls,

@@ -67,16 +67,19 @@ class StoreService(pb_grpc.KVStoreServicer):
                              store_id=self.store.store_id)
 
 
-def store_layout(model_dir: str, model_id: str, block_size: int, dtype: str) -> FabricLayout:
-    """The layout a model's workers push (one rank: every KV head) for a store of its blocks."""
+def store_layout(model_dir: str, model_id: str, block_size: int, dtype: str,
+                 quantization: str | None = None) -> FabricLayout:
+    """The layout a model's workers push (one rank: every KV head) for a store of its blocks,
+    under the name their engines give their KV (`engine.quant_config.kv_model_id`)."""
     from engine.gguf_checkpoint import resolve_model_dir
     from engine.model_config import ModelConfig
+    from engine.quant_config import kv_model_id
 
     path = resolve_model_dir(model_dir)
-    mc = ModelConfig.from_dir(path)
+    mc = ModelConfig.from_dir(path, quantization)
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
-    return FabricLayout(model_id or path.resolve().name, dtype, mc.num_layers, block_size, mc.num_kv_heads,
-                        mc.head_dim, itemsize)
+    return FabricLayout(kv_model_id(model_id or path.resolve().name, mc.fp8), dtype, mc.num_layers, block_size,
+                        mc.num_kv_heads, mc.head_dim, itemsize)
 
 
 async def serve(store: KVStore, host: str, port: int, secret: bytes | None,
