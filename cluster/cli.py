@@ -115,7 +115,8 @@ def _serve_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     http, admission, autoscale = http_fields(args), _admission_config(args), _autoscale_config(args)
     model = model_path(args.model)  # the flags' own errors first: a GGUF model is converted below (seconds)
     return ClusterConfig(
-        worker=WorkerConfig(model_dir=model, dtype=dtype, quantization=args.quantization, device=device,
+        worker=WorkerConfig(model_dir=model, dtype=dtype, quantization=args.quantization,
+                            kv_cache_dtype=args.kv_cache_dtype, device=device,
                             block_size=args.block_size, kv_cache_bytes=mib * 2**20 if mib else None,
                             gpu_memory_utilization=utilization, host=worker_host(args),
                             advertise_host=args.advertise_host, cluster_secret=cluster_secret(),

@@ -182,7 +182,7 @@ class Controller:
                            w.host, w.advertise_host, cluster_secret=w.cluster_secret, disk_dir=c.kv_store_dir,
                            disk_bytes=int(c.kv_store_disk_gib * 2**30), disk_direct=c.kv_store_direct_io,
                            internal_tls=w.internal_tls, given_tls=w.given_tls, kv_transport=w.kv_transport,
-                           quantization=w.quantization)
+                           quantization=w.quantization, kv_cache_dtype=w.kv_cache_dtype)
 
     def _worker_options(self, role: Role) -> dict[str, Any]:
         c = self.config

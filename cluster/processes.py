@@ -18,7 +18,7 @@ from control.worker_config import NO_SECRET
 from kvfabric.config import TRANSPORTS
 from engine.config import SpeculativeConfig
 from engine.kv_sizing import DEFAULT_CPU_KV_FRACTION
-from engine.quant_config import QUANTIZATIONS
+from engine.quant_config import KV_CACHE_DTYPES, QUANTIZATIONS
 from router.config import HttpDeadlines
 from router.reasoning import REASONING_PARSERS
 from router.request_limits import RequestLimits
@@ -52,6 +52,9 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                    help="fp8: quantize the checkpoint's projections to FP8 as they load (per-channel weight "
                         "scales, per-token input scales); an FP8 checkpoint is served in FP8 without it")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="fp8: KV pools hold e4m3 (half a bfloat16 pool's bytes per token: twice the tokens, half "
+                        "the bytes every hand-off moves); auto: the model's dtype")
     p.add_argument("--kv-cache-mib", type=int, default=None,
                    help="KV pool per worker (default: sized from GPU memory on cuda; on cpu, a part of "
                         "--cpu-kv-fraction)")
@@ -265,7 +268,7 @@ def _worker(args: argparse.Namespace) -> int:
     try:
         device, dtype, mib, utilization, _ = placement(args, 1)
         config = WorkerConfig(model_dir=model_path(args.model), dtype=dtype, quantization=args.quantization,
-                              device=device,
+                              kv_cache_dtype=args.kv_cache_dtype, device=device,
                               block_size=args.block_size, kv_cache_bytes=mib * 2**20 if mib else None,
                               gpu_memory_utilization=utilization, host=args.host, num_threads=args.num_threads,
                               model_id=args.model_id, advertise_host=args.advertise_host,
@@ -309,7 +312,8 @@ def _kv_store(args: argparse.Namespace) -> int:
         config = StoreConfig(model_path(args.model), args.kv_store_mib << 20, args.block_size, args.dtype,
                              args.model_id, args.host, args.advertise_host, args.port, required_secret(),
                              args.kv_store_dir, int(args.kv_store_disk_gib * 2**30), args.kv_store_direct_io,
-                             args.internal_tls, given_tls_of(args), args.kv_transport, args.quantization)
+                             args.internal_tls, given_tls_of(args), args.kv_transport, args.quantization,
+                             args.kv_cache_dtype)
         if args.kv_transport == "nixl":
             from kvfabric.nixl import unavailable  # only then: it loads NIXL (and NumPy)
             if (why := unavailable()) is not None:
@@ -388,6 +392,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     k.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="the workers' KV dtype")
     k.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help="as the workers' --quantization")
+    k.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="as the workers' --kv-cache-dtype")
     k.add_argument("--block-size", type=int, default=WorkerConfig.block_size)
     k.add_argument("--kv-store-mib", type=int, default=1024, help="host memory for blocks")
     k.add_argument("--host", default="127.0.0.1", help="interface for the store's gRPC and kvfabric listeners")

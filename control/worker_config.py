@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 from engine.config import CacheConfig, DType, EngineConfig, Role, SchedulerConfig, SpeculativeConfig, StepFloor
+from engine.quant_config import KV_CACHE_DTYPES
 from control.tls import MemberTLS, tls_of
 from kvfabric.address import route_address
 from kvfabric.config import TRANSPORTS
@@ -22,6 +23,8 @@ class WorkerConfig:
     quantization: str | None = None
     """"fp8": the projections quantized to FP8 at load (`EngineConfig.quantization`); None: as
     the checkpoint is."""
+    kv_cache_dtype: str = "auto"
+    """"fp8": the KV pool in e4m3 (`CacheConfig.kv_cache_dtype`); "auto": the model's dtype."""
     device: str = "cpu"
     block_size: int = 16
     """Tokens per KV block; must be the same on every worker."""
@@ -127,6 +130,11 @@ class WorkerConfig:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         if self.tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be at least 1, got {self.tensor_parallel}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "fp8" and self.device.startswith("cuda"):
+            raise ValueError("--kv-cache-dtype fp8 runs on CPU workers for now: the Triton kernels do not read FP8 "
+                             "KV yet")
         if self.kv_store and self.device.startswith("cuda"):
             raise ValueError("the shared KV tier moves host-memory pools (CPU workers) for now: a GPU worker "
                              "runs without --kv-store")
@@ -140,7 +148,8 @@ class WorkerConfig:
             max_model_len=self.max_model_len, model_id=self.model_id, detokenize=False,
             cache=CacheConfig(block_size=self.block_size, kv_cache_bytes=self.kv_cache_bytes,
                               gpu_memory_utilization=self.gpu_memory_utilization,
-                              protected_fraction=self.protected_fraction, cluster_secret=self.cluster_secret),
+                              protected_fraction=self.protected_fraction, cluster_secret=self.cluster_secret,
+                              kv_cache_dtype=self.kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs, fair_burst_tokens=self.fair_burst_tokens),
             speculative=self.speculative, step_floor=self.step_floor,

@@ -131,13 +131,17 @@ def paged_attention(
     num_heads, head_dim]. With `kernels`, short-query groups run the native kernel straight
     over the pool (no gather). With `workspace_bytes`, the torch forms attend in pieces under it.
     A `softcap` (Gemma 2) caps each score s at softcap * tanh(s / softcap): the torch forms
-    then score explicitly (`_capped_attention`), as SDPA cannot.
+    then score explicitly (`_capped_attention`), as SDPA cannot. Over an FP8 pool every form
+    reads K and V as the pool gives them back (a first chunk's own too: `KVPool.rounded`),
+    the torch forms for now.
     """
     out = torch.empty_like(q)
+    if pool.fp8:
+        kernels = None
     for g in meta.groups:
         if isinstance(g, CausalGroup):
-            out[g.token_index] = _causal_self_attention(q[g.token_index], k[g.token_index], v[g.token_index], scale,
-                                                        window, softcap)
+            kg, vg = pool.rounded(layer, k[g.token_index], v[g.token_index])
+            out[g.token_index] = _causal_self_attention(q[g.token_index], kg, vg, scale, window, softcap)
             continue
         if kernels is not None and g.max_query_len <= SHORT_QUERY_MAX_LEN:
             kernels.paged_attention(q, pool.tensor, layer, g.block_table, g.token_index, g.rows, g.ctx_lens, scale, out,
@@ -172,13 +176,13 @@ def _gathered_attention(q: torch.Tensor, pool: KVPool, layer: int, g: PagedGroup
     pieces = _pieces(g, num_heads, pool, q.element_size(), workspace_bytes)
     mask = g.mask_for(window)
     if len(pieces) == 1:
-        kc, vc = pool.gather(layer, g.block_table)  # [batch, ctx, kv_heads, head_dim]
+        kc, vc = pool.gather(layer, g.block_table, q.dtype)  # [batch, ctx, kv_heads, head_dim]
         o = attend(qv, kc, vc, mask, scale)
     else:
         o = qv.new_empty(qv.shape)
-        gathered = pool.gather(layer, g.block_table) if g.batch == 1 else None  # query runs share it
+        gathered = pool.gather(layer, g.block_table, q.dtype) if g.batch == 1 else None  # query runs share it
         for rows, queries in pieces:
-            kc, vc = gathered or pool.gather(layer, g.block_table[rows])
+            kc, vc = gathered or pool.gather(layer, g.block_table[rows], q.dtype)
             o[rows, queries] = attend(qv[rows, queries], kc, vc, mask[rows, :, queries], scale)
     return o.reshape(g.batch * g.max_query_len, num_heads, head_dim)
 
@@ -192,7 +196,7 @@ def _chunk_over_context(q: torch.Tensor, pool: KVPool, layer: int, g: PagedGroup
     prompt in 2,048-token chunks at 1.45x the GEMM floor, 62 ms of it in that kernel)."""
     n = q.shape[0]
     ctx = g.max_context_len
-    kc, vc = pool.gather(layer, g.block_table)  # [1, keys, kv_heads, head_dim]
+    kc, vc = pool.gather(layer, g.block_table, q.dtype)  # [1, keys, kv_heads, head_dim]
     qh = q.transpose(0, 1)[None]  # [1, heads, n, head_dim]
     kh, vh = kc[:, :ctx].transpose(1, 2), vc[:, :ctx].transpose(1, 2)  # [1, kv_heads, ctx, head_dim]
     past, past_lse = attention_with_lse(qh, kh[:, :, :ctx - n], vh[:, :, :ctx - n], False, scale)

@@ -6,7 +6,7 @@ import secrets
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
-from engine.quant_config import QUANTIZATIONS
+from engine.quant_config import KV_CACHE_DTYPES, QUANTIZATIONS
 
 if TYPE_CHECKING:
     from engine.tensor_parallel import TensorParallel
@@ -39,8 +39,14 @@ class CacheConfig:
     cluster_secret: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
     """Key of the block hashes; one cluster's workers and routers share it, nobody else knows
     it. By default a random one: a standalone engine's hashes never leave its process."""
+    kv_cache_dtype: str = "auto"
+    """"auto": the pool holds K and V in the model's dtype; "fp8": in e4m3, one byte each,
+    divided by a per-layer scale for K and one for V (the checkpoint's `k_scale` / `v_scale`,
+    else 1.0) and multiplied back as attention reads them (engine/kv_pool.py)."""
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks <= 0:
@@ -234,6 +240,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.cache.kv_cache_dtype == "fp8" and self.device.startswith("cuda"):
+            raise ValueError("kv_cache_dtype fp8 runs on CPU for now: the Triton kernels do not read FP8 KV yet")
         if self.quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.role not in ("both", "prefill", "decode"):

@@ -4,6 +4,11 @@ Layout: [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim], 
 block (all layers' K and V for block_size tokens) is one contiguous region and runs of
 adjacent block ids are one contiguous range: what kvfabric copies. The memory comes from
 a `KVAllocator` (plain tensor here; shared memory or CUDA IPC-exportable memory later).
+
+An FP8 pool (`KVLayout.dtype` e4m3) holds K / k_scale and V / v_scale rounded to e4m3, one
+byte each, with one scale per layer for K and one for V (`KVPool.scales`); `write` divides
+and rounds, `gather` multiplies back into the reader's dtype. Half a bfloat16 pool's bytes
+per block: twice the tokens in the same memory, half the bytes every hand-off moves.
 """
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from engine.fp8 import E4M3, to_e4m3
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,11 @@ class KVLayout:
         for d in self.block_shape:
             n *= d
         return n * self.dtype.itemsize
+
+
+def kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """What a pool stores: the model's dtype ("auto"), or e4m3 ("fp8")."""
+    return E4M3 if kv_cache_dtype == "fp8" else model_dtype
 
 
 class KVAllocator(Protocol):
@@ -80,24 +92,45 @@ def host_pages(nbytes: int) -> torch.Tensor:
 
 class KVPool:
     def __init__(
-        self, layout: KVLayout, num_blocks: int, device: str, allocator: KVAllocator | None = None
+        self, layout: KVLayout, num_blocks: int, device: str, allocator: KVAllocator | None = None,
+        scales: torch.Tensor | None = None,
     ) -> None:
+        """`scales`: an FP8 pool's [num_layers, 2] float32 K and V scales (None: all 1.0)."""
         self.layout = layout
         self.num_blocks = num_blocks
         shape = (num_blocks, *layout.block_shape)
         self.tensor = (allocator or TensorAllocator()).allocate(shape, layout.dtype, device)
         if tuple(self.tensor.shape) != shape or not self.tensor.is_contiguous():
             raise ValueError(f"allocator returned {tuple(self.tensor.shape)}, wanted contiguous {shape}")
+        self.fp8 = layout.dtype == E4M3
+        self.scales = None
+        """FP8: [num_layers, 2] float32, what K and V were divided by before rounding to e4m3."""
+        if self.fp8:
+            self.scales = (scales if scales is not None else torch.ones(layout.num_layers, 2)).float().to(device)
+            if tuple(self.scales.shape) != (layout.num_layers, 2):
+                raise ValueError(f"KV scales of shape {tuple(self.scales.shape)} for {layout.num_layers} layers")
 
     def write(
         self, layer: int, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor,
         k: torch.Tensor, v: torch.Tensor,
     ) -> None:
         """Store K and V ([num_tokens, num_kv_heads, head_dim]) of one layer at token slots."""
-        self.tensor[slot_blocks, layer, :, slot_offsets] = torch.stack((k, v), dim=1)
+        kv = torch.stack((k, v), dim=1)
+        if self.scales is not None:
+            kv = to_e4m3(kv.float() / self.scales[layer].view(1, 2, 1, 1))
+        self.tensor[slot_blocks, layer, :, slot_offsets] = kv
 
-    def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer for a padded block table [batch, max_blocks].
+    def rounded(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as this pool gives them back (FP8: through e4m3 and the scales)."""
+        if self.scales is None:
+            return k, v
+        ks, vs = self.scales[layer].tolist()
+        return ((to_e4m3(k.float() / ks).float() * ks).to(k.dtype), (to_e4m3(v.float() / vs).float() * vs).to(v.dtype))
+
+    def gather(self, layer: int, block_table: torch.Tensor,
+               dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer for a padded block table [batch, max_blocks], in `dtype` (FP8:
+        the reader's; None: the pool's).
 
         Returns two contiguous [batch, max_blocks * block_size, num_kv_heads, head_dim]
         tensors. One layer's K (or V) of one block is a contiguous run, so each is one
@@ -107,6 +140,10 @@ class KVPool:
         lay = self.layout
         flat = block_table.reshape(-1)
         shape = (b, nb * lay.block_size, lay.num_kv_heads, lay.head_dim)
-        k = torch.index_select(self.tensor[:, layer, 0].reshape(self.num_blocks, -1), 0, flat)
-        v = torch.index_select(self.tensor[:, layer, 1].reshape(self.num_blocks, -1), 0, flat)
-        return k.view(shape), v.view(shape)
+        k = torch.index_select(self.tensor[:, layer, 0].reshape(self.num_blocks, -1), 0, flat).view(shape)
+        v = torch.index_select(self.tensor[:, layer, 1].reshape(self.num_blocks, -1), 0, flat).view(shape)
+        if self.scales is not None:
+            ks, vs = self.scales[layer].tolist()
+            out = dtype or torch.float32
+            return (k.float() * ks).to(out), (v.float() * vs).to(out)
+        return k, v

@@ -33,7 +33,7 @@ from engine.hashing import BlockHasher
 from engine.gguf_checkpoint import resolve_model_dir
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_connector import KVConnector
-from engine.kv_pool import KVAllocator, KVLayout, KVPool
+from engine.kv_pool import KVAllocator, KVLayout, KVPool, kv_dtype
 from engine.kv_profile import profiled_pool_bytes
 from engine.kv_sizing import DEFAULT_CPU_KV_BYTES, num_blocks_for
 from engine.model import LlamaForCausalLM
@@ -93,13 +93,14 @@ class LLMEngine:
         kernels = select_kernels(config.device, config.native_kernels)
         self.model = LlamaForCausalLM.load(model_dir, mc, dtype, config.device, config.prepack_weights, kernels,
                                            config.tensor_parallel)
-        self.model_id = kv_model_id(config.model_id or model_dir.resolve().name, mc.fp8)
+        self.model_id = kv_model_id(config.model_id or model_dir.resolve().name, mc.fp8, config.cache.kv_cache_dtype)
         """The name the model and its KV are known by (block hashes, kvfabric, the routers):
         the configured one or the directory's, marked "+fp8" when quantized at load (that KV
-        is not the checkpoint's)."""
+        is not the checkpoint's) and "+kv-fp8" when its KV is FP8."""
         self.hasher = BlockHasher(config.cache.cluster_secret, self.model_id, config.cache.block_size)
         local = self.model.config  # its heads on this rank (all of them without tensor parallelism)
-        self.layout = KVLayout(mc.num_layers, config.cache.block_size, local.num_kv_heads, mc.head_dim, dtype)
+        self.layout = KVLayout(mc.num_layers, config.cache.block_size, local.num_kv_heads, mc.head_dim,
+                               kv_dtype(config.cache.kv_cache_dtype, dtype))
         self.sampler = Sampler(config.seed, config.device)
         tok_path = model_dir / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.is_file() else None
@@ -155,7 +156,7 @@ class LLMEngine:
         """The pool and everything that counts its blocks: block pool, cache manager, scheduler, runner.
         `provisional`: the profile's own small pool, of which no operator need hear."""
         config = self.config
-        self.kv_pool = KVPool(self.layout, num_blocks, config.device, allocator)
+        self.kv_pool = KVPool(self.layout, num_blocks, config.device, allocator, self.model.kv_scales)
         self.block_pool = BlockPool(num_blocks, config.cache.enable_prefix_caching, config.cache.protected_fraction)
         self.kv = KVCacheManager(self.block_pool, self.hasher, self.model_config.kv_window)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.clock)

@@ -90,6 +90,9 @@ class LlamaForCausalLM:
         """The layers' weight pointers for `NativeKernels.decode_layers`, where it can run them."""
         self.tp: TensorParallel | None = None
         """This process's rank of a tensor-parallel model; None: the whole model is here."""
+        self.kv_scales = torch.ones(config.num_layers, 2)
+        """[num_layers, 2]: what an FP8 KV pool divides K and V by (the checkpoint's `k_scale` and
+        `v_scale` where it has them, as compressed-tensors' FP8 KV writes them; else 1.0)."""
 
     @classmethod
     def load(
@@ -183,6 +186,9 @@ class LlamaForCausalLM:
         for first, then in zip(order, order[1:]):
             first.runs_before(then)
         model.native_layers = model._native_layers()
+        model.kv_scales = torch.tensor([[float(ckpt.get(p + name, torch.float32, "cpu").max())
+                                         if ckpt.has(p + name) else 1.0 for name in ("k_scale", "v_scale")]
+                                        for p in (f"model.layers.{i}.self_attn." for i in range(config.num_layers))])
         return model
 
     def use_kernels(self, kernels: Kernels | None) -> None:
@@ -249,7 +255,7 @@ class LlamaForCausalLM:
         if self.embed_scale != 1.0:
             h *= self.embed_scale
         group = meta.groups[0] if len(meta.groups) == 1 else None
-        if self.native_layers is not None and isinstance(group, PagedGroup) and group.in_order:  # a decode batch
+        if self.native_layers is not None and isinstance(group, PagedGroup) and group.in_order and not pool.fp8:
             assert self.kernels is not None
             cfg, gate_up = self.config, self.layers[0].gate_up
             assert gate_up is not None
@@ -303,7 +309,7 @@ class LlamaForCausalLM:
         if layer.q_norm is not None and layer.k_norm is not None:  # in place: the rotation reads qkv
             qk[:, :h] = rms_norm(qk[:, :h], layer.q_norm, cfg.rms_norm_eps)
             qk[:, h:] = rms_norm(qk[:, h:], layer.k_norm, cfg.rms_norm_eps)
-        if self.kernels is not None:  # q and k rotated in place, k and v stored: one pass
+        if self.kernels is not None and not pool.fp8:  # q and k rotated in place, k and v stored: one pass
             self.kernels.rotary_store(qkv, h, kvh, cos, sin, pool.tensor, i, meta.slot_blocks, meta.slot_offsets)
         else:
             qk = apply_rotary(qk, cos, sin)  # q and k in one pass

@@ -27,6 +27,8 @@ from engine.types import UnsupportedModelError
 
 QUANTIZATIONS = ("fp8",)
 """What `--quantization` takes."""
+KV_CACHE_DTYPES = ("auto", "fp8")
+"""What `--kv-cache-dtype` takes."""
 INPUTS = ("dynamic", "static", "weights_only")
 
 
@@ -130,7 +132,9 @@ class Fp8Scheme:
         return True
 
 
-def kv_model_id(model_id: str, scheme: Fp8Scheme | None) -> str:
-    """The name a model's KV is known by (block hashes, kvfabric's layout): a checkpoint
-    quantized at load computes other KV than the checkpoint as it is, so it is named apart."""
-    return model_id + "+fp8" if scheme is not None and scheme.at_load else model_id
+def kv_model_id(model_id: str, scheme: Fp8Scheme | None, kv_cache_dtype: str = "auto") -> str:
+    """The name a model's KV is known by (block hashes, kvfabric's layout, the KV store): a
+    checkpoint quantized at load computes other KV than the checkpoint as it is, and FP8 KV
+    is not the 16-bit KV, so each is named apart ("+fp8", "+kv-fp8")."""
+    return (model_id + ("+fp8" if scheme is not None and scheme.at_load else "")
+            + ("+kv-fp8" if kv_cache_dtype == "fp8" else ""))

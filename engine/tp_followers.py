@@ -78,7 +78,7 @@ def follow(config: EngineConfig, allocator: Callable[[], Any] | None = None) -> 
     process maps the pool by: the worker's kvfabric); None: a pool of its own, exported as {}.
     Returns the number of forwards run."""
     from engine.gguf_checkpoint import resolve_model_dir
-    from engine.kv_pool import KVLayout, KVPool
+    from engine.kv_pool import KVLayout, KVPool, kv_dtype
     from engine.llm_engine import _DTYPES
     from engine.model import LlamaForCausalLM
     from engine.model_config import ModelConfig
@@ -93,7 +93,8 @@ def follow(config: EngineConfig, allocator: Callable[[], Any] | None = None) -> 
     model = LlamaForCausalLM.load(str(model_dir), full, dtype, config.device, config.prepack_weights,
                                   select_kernels(config.device, config.native_kernels), tp)
     local = model.config
-    layout = KVLayout(full.num_layers, config.cache.block_size, local.num_kv_heads, full.head_dim, dtype)
+    layout = KVLayout(full.num_layers, config.cache.block_size, local.num_kv_heads, full.head_dim,
+                      kv_dtype(config.cache.kv_cache_dtype, dtype))
     channel, pool, steps, memory = Channel(tp), None, 0, None
     while True:
         msg = channel.recv()
@@ -105,7 +106,7 @@ def follow(config: EngineConfig, allocator: Callable[[], Any] | None = None) -> 
             if memory is not None:
                 memory.close()
             memory = allocator() if allocator is not None and msg.get("export") else None
-            pool = KVPool(layout, int(msg["num_blocks"]), config.device, memory)
+            pool = KVPool(layout, int(msg["num_blocks"]), config.device, memory, model.kv_scales)
             if msg.get("export"):
                 channel.gather(memory.export() if memory is not None else {})
         elif op == "forward":

@@ -56,8 +56,6 @@ class StoreConfig:
     dtype: str = "float32"
     model_id: str | None = None
     """As the workers' (`WorkerConfig.model_id`): the name their block hashes are keyed with."""
-    quantization: str | None = None
-    """As the workers' (`WorkerConfig.quantization`): their KV is named apart when it is fp8."""
     host: str = "127.0.0.1"
     advertise_host: str | None = None
     port: int = 0
@@ -73,6 +71,10 @@ class StoreConfig:
     """As the workers' (`WorkerConfig.given_tls`)."""
     kv_transport: str | None = None
     """As the workers' (`WorkerConfig.kv_transport`): nixl offers and pushes over NIXL too."""
+    quantization: str | None = None
+    """As the workers' (`WorkerConfig.quantization`): their KV is named apart when it is fp8."""
+    kv_cache_dtype: str = "auto"
+    """As the workers' (`WorkerConfig.kv_cache_dtype`): fp8 blocks are half the bytes, named apart."""
 
 
 class StoreHost:
@@ -103,7 +105,7 @@ class StoreHost:
 
             host = ray.util.get_node_ip_address()
         advertised = c.advertise_host or dialable_host(host, self.redis_url)
-        layout = store_layout(c.model_dir, c.model_id or "", c.block_size, c.dtype, c.quantization)
+        layout = store_layout(c.model_dir, c.model_id or "", c.block_size, c.dtype, c.quantization, c.kv_cache_dtype)
         tls = tls_of(c.cluster_secret, c.internal_tls, c.given_tls)
         self.store = open_store(layout, c.capacity_bytes, host, advertised, c.cluster_secret, store_id=self.store_id,
                                 disk_dir=c.disk_dir, disk_bytes=c.disk_bytes, disk_direct=c.disk_direct, tls=tls,

@@ -68,18 +68,21 @@ class StoreService(pb_grpc.KVStoreServicer):
 
 
 def store_layout(model_dir: str, model_id: str, block_size: int, dtype: str,
-                 quantization: str | None = None) -> FabricLayout:
+                 quantization: str | None = None, kv_cache_dtype: str = "auto") -> FabricLayout:
     """The layout a model's workers push (one rank: every KV head) for a store of its blocks,
-    under the name their engines give their KV (`engine.quant_config.kv_model_id`)."""
+    under the name their engines give their KV (`engine.quant_config.kv_model_id`); `dtype`:
+    the workers' model dtype, which their pools hold unless `kv_cache_dtype` is fp8."""
     from engine.gguf_checkpoint import resolve_model_dir
     from engine.model_config import ModelConfig
     from engine.quant_config import kv_model_id
 
     path = resolve_model_dir(model_dir)
     mc = ModelConfig.from_dir(path, quantization)
-    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
-    return FabricLayout(kv_model_id(model_id or path.resolve().name, mc.fp8), dtype, mc.num_layers, block_size,
-                        mc.num_kv_heads, mc.head_dim, itemsize)
+    if kv_cache_dtype == "fp8":
+        dtype = "float8_e4m3fn"
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}[dtype]
+    return FabricLayout(kv_model_id(model_id or path.resolve().name, mc.fp8, kv_cache_dtype), dtype, mc.num_layers,
+                        block_size, mc.num_kv_heads, mc.head_dim, itemsize)
 
 
 async def serve(store: KVStore, host: str, port: int, secret: bytes | None,

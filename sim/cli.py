@@ -55,6 +55,10 @@ def add_parser(sub: Any) -> None:
     f = s.add_argument_group("fleet")
     f.add_argument("--model", choices=sorted(MODELS), default="llama-3-8b")
     f.add_argument("--gpu", choices=sorted(GPUS), default="h100-sxm")
+    f.add_argument("--quantization", choices=("fp8",), default=None,
+                   help="fp8: the projections' weights at one byte, on FP8 tensor cores (serve's flag)")
+    f.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="fp8: KV at one byte per element: twice the tokens per GPU, half the bytes moved")
     f.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per worker")
     f.add_argument("--prefill-tp", type=int, help="a prefill worker's degree where it differs from --tp "
                                                   "(disaggregated; needs --prefill and --decode)")
@@ -172,7 +176,8 @@ def _simulate(args: argparse.Namespace) -> int:
 
     from sim.fleet import Fleet  # here: every `splitserve` command builds the parser above
 
-    hw = Roofline(MODELS[args.model], GPUS[args.gpu], args.tp)
+    model = MODELS[args.model].in_fp8(args.quantization == "fp8", args.kv_cache_dtype == "fp8")
+    hw = Roofline(model, GPUS[args.gpu], args.tp)
     items = workload(args)
     console = Console(stderr=True)
     runs = {}

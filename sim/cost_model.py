@@ -20,6 +20,7 @@ sizes, not the datasheet.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
@@ -37,6 +38,11 @@ class ModelShape:
     vocab: int
     dtype_bytes: int = 2
     tied_embeddings: bool = False
+    linear_bytes: int = 0
+    """Bytes per weight of the layers' projections (1: FP8, `--quantization fp8`; 0: dtype_bytes);
+    the embeddings and the LM head stay in the dtype, as the engine leaves them."""
+    kv_dtype_bytes: int = 0
+    """Bytes per KV element (1: `--kv-cache-dtype fp8`; 0: dtype_bytes)."""
 
     @property
     def layer_params(self) -> int:
@@ -54,11 +60,17 @@ class ModelShape:
     def weight_bytes(self) -> int:
         """All weights in memory (the embedding table too, unless tied to the head)."""
         embed = 0 if self.tied_embeddings else self.vocab * self.hidden
-        return (self.matmul_params + embed) * self.dtype_bytes
+        layers = self.num_layers * self.layer_params * (self.linear_bytes or self.dtype_bytes)
+        return layers + (self.vocab * self.hidden + embed) * self.dtype_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * (self.kv_dtype_bytes or self.dtype_bytes)
+
+    def in_fp8(self, weights: bool, kv: bool) -> ModelShape:
+        """The model with its projections' weights and/or its KV at one byte."""
+        return dataclasses.replace(self, linear_bytes=1 if weights else self.linear_bytes,
+                                   kv_dtype_bytes=1 if kv else self.kv_dtype_bytes)
 
 
 LLAMA3_8B = ModelShape("llama-3-8b", 32, 4096, 32, 8, 128, 14336, 128256)
@@ -99,6 +111,8 @@ class _StepConstants(NamedTuple):
     kv_bytes_per_token: int
     weight_bytes: int
     flops_per_s: float
+    linear_flops_per_s: float
+    """The projections' rate: FP8 weights run on FP8 tensor cores, twice bfloat16's on Hopper."""
     bytes_per_s: float
     overhead_s: float
 
@@ -134,17 +148,18 @@ class Roofline:
             kv_tokens += ctx + n
             attention += k.attention_flops * n * (ctx + (n + 1) / 2)
         sampled = len(chunks) if num_sampled is None else num_sampled
-        linear = k.linear_flops_per_token * tokens + k.head_flops_per_sample * sampled
-        compute_s = (linear + attention) / k.flops_per_s
+        compute_s = (k.linear_flops_per_token * tokens / k.linear_flops_per_s
+                     + (k.head_flops_per_sample * sampled + attention) / k.flops_per_s)
         memory_s = (k.weight_bytes + kv_tokens * k.kv_bytes_per_token) / k.bytes_per_s
         return k.overhead_s + max(compute_s, memory_s) + self.allreduce_s(tokens)
 
     @cached_property
     def _constants(self) -> _StepConstants:
         m, g = self.model, self.gpu
+        flops = self.tp * g.peak_flops * g.compute_efficiency
         return _StepConstants(2 * m.num_layers * m.layer_params, 2 * m.vocab * m.hidden,
                               4 * m.num_layers * m.num_heads * m.head_dim, m.kv_bytes_per_token, m.weight_bytes,
-                              self.tp * g.peak_flops * g.compute_efficiency,
+                              flops, flops * (2 if m.linear_bytes == 1 else 1),
                               self.tp * g.hbm_bytes_per_s * g.bandwidth_efficiency, g.step_overhead_s)
 
     def allreduce_s(self, tokens: int) -> float:

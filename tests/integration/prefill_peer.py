@@ -17,11 +17,12 @@ from tests.integration.reference import engine_config
 
 
 def prefill_main(pipe: Connection, model_dir: str, transport: str, budget: int, device: str = "cpu",
-                 num_blocks: int = 512, world: int = 1) -> None:
+                 num_blocks: int = 512, world: int = 1, kv_cache_dtype: str = "auto") -> None:
     torch.set_num_threads(1)
     if device.startswith("cuda"):  # the GPU tests compare bytes: no TF32 in either engine
         torch.backends.cuda.matmul.allow_tf32 = False
-    config = engine_config(model_dir, role="prefill", budget=budget, device=device, num_blocks=num_blocks)
+    config = engine_config(model_dir, role="prefill", budget=budget, device=device, num_blocks=num_blocks,
+                           kv_cache_dtype=kv_cache_dtype)
     ranks = TensorRanks(world, rank_allocator(device)) if world > 1 else None
     if ranks is not None:
         config = ranks.start(config)
@@ -66,7 +67,7 @@ def prefill_main(pipe: Connection, model_dir: str, transport: str, budget: int, 
                     blocks = engine.kv.held(d.request_id)  # the pushed blocks as the pool holds them, the GPU done
                     if device.startswith("cuda"):
                         torch.cuda.synchronize()
-                    pool_bytes[d.request_id] = engine.kv_pool.tensor[blocks].cpu().numpy().tobytes()
+                    pool_bytes[d.request_id] = engine.kv_pool.tensor[blocks].cpu().view(torch.uint8).numpy().tobytes()
                 pusher.settle(d)
                 pushed[d.request_id] = d.num_blocks
                 done.append((d.request_id, firsts.get(d.request_id) if d.error is None else None, d.error,

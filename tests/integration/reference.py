@@ -46,20 +46,22 @@ def hf_logits(model_dir: str, token_ids: list[int], dtype: torch.dtype = torch.f
 
 def engine_config(model_dir: str, *, block_size: int = 4, num_blocks: int = 512, budget: int = 64,
                   chunked: bool = True, caching: bool = True, max_seqs: int = 64, role: str = "both",
-                  dtype: str = "float32", seed: int = 0, device: str = "cpu") -> EngineConfig:
+                  dtype: str = "float32", seed: int = 0, device: str = "cpu", kv_cache_dtype: str = "auto") -> EngineConfig:
     return EngineConfig(
         model_dir=model_dir, dtype=dtype, role=role, seed=seed, device=device,
-        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching),
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching,
+                          kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
                                   max_num_seqs=max_seqs))
 
 
 def make_engine(model_dir: str, *, block_size: int = 4, num_blocks: int = 512, budget: int = 64,
                 chunked: bool = True, caching: bool = True, max_seqs: int = 64, role: str = "both",
-                dtype: str = "float32", seed: int = 0, device: str = "cpu", **kw) -> LLMEngine:
+                dtype: str = "float32", seed: int = 0, device: str = "cpu", kv_cache_dtype: str = "auto",
+                **kw) -> LLMEngine:
     return LLMEngine(engine_config(model_dir, block_size=block_size, num_blocks=num_blocks, budget=budget,
                                    chunked=chunked, caching=caching, max_seqs=max_seqs, role=role, dtype=dtype,
-                                   seed=seed, device=device), **kw)
+                                   seed=seed, device=device, kv_cache_dtype=kv_cache_dtype), **kw)
 
 
 def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:

@@ -204,3 +204,47 @@ def test_n_choices_cross_kvfabric_once_and_fork_on_the_decode_worker(tiny_llama_
     alone = [make_engine(tiny_llama_dir).generate([prompt], choice_params(params, i))[0].token_ids for i in range(4)]
     assert [tokens[choice_id("n4", i)] for i in range(4)] == alone
     assert decode.engine.check_invariants().num_in_use == 0
+
+
+def test_fp8_kv_crosses_at_half_the_bytes_with_the_monolithic_tokens_and_a_16_bit_decode_is_refused(
+    tiny_llama_dir: str, transport: str,
+) -> None:
+    """FP8 KV as the pools hold it (e4m3 bytes, the scales the model's, the same on both
+    sides): the decode engine continues with the tokens the monolithic FP8 engine gives, from
+    blocks half a bfloat16 pool's bytes; a decode worker whose pool is bfloat16 is refused at
+    the hello, by name."""
+    prompts = random_prompts([5, 23, 41], 512, seed=21)
+    want = {f"k{i}": c.token_ids for i, c in enumerate(
+        make_engine(tiny_llama_dir, kv_cache_dtype="fp8").generate(prompts, PARAMS))}
+    peer = Peer(prefill_main, tiny_llama_dir, transport, 16, "cpu", 512, 1, "fp8")
+    allocator = kv_allocator("cpu", transport)
+    engine = make_engine(tiny_llama_dir, role="decode", allocator=allocator, kv_cache_dtype="fp8")
+    remote = RemoteKV(engine, allocator, ReceiverConfig(nixl=transport == "nixl"))
+    try:
+        assert remote.receiver.layout.dtype == "float8_e4m3fn" and remote.receiver.layout.dtype_bytes == 1
+        tickets = [remote.reserve(p, PARAMS, request_id=f"k{i}") for i, p in enumerate(prompts)]
+        assert set(peer.call("attach", [t.to_wire() for t in tickets]).values()) == {None}
+        reply = peer.call("prefill", [(p, t.request_id, MAX_TOKENS) for p, t in zip(prompts, tickets)], timeout_s=60)
+        assert all(error is None for _, _, error, _ in reply["done"]) and reply["in_use"] == 0
+        tokens: dict[str, list[int]] = {rid: [] for rid in want}
+        assert run_decode(remote, tokens, len(prompts)) == []
+        assert tokens == want
+        bf16_block = engine.layout.num_layers * 2 * engine.layout.block_size * engine.layout.num_kv_heads \
+            * engine.layout.head_dim * 2
+        for t in tickets:  # what crossed: the pushed blocks' bytes, e4m3 (half of bfloat16's)
+            assert len(reply["pool_bytes"][t.request_id]) == len(t.block_ids) * bf16_block // 2
+        assert engine.check_invariants().num_in_use == 0 and remote.receiver.held_block_ids() == []
+    finally:
+        remote.close()
+    allocator = kv_allocator("cpu", transport)
+    remote = RemoteKV(make_engine(tiny_llama_dir, role="decode", allocator=allocator, dtype="bfloat16"), allocator,
+                      ReceiverConfig(nixl=transport == "nixl"))  # a 16-bit pool
+    try:
+        ticket = remote.reserve(prompts[0], PARAMS, request_id="k16")
+        [error] = peer.call("attach", [ticket.to_wire()]).values()
+        assert error is not None and "differs" in error and "kv-fp8" in error, error
+        remote.abort("k16")
+        assert remote.engine.check_invariants().num_in_use == 0
+    finally:
+        peer.stop()
+        remote.close()

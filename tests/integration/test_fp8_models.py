@@ -180,13 +180,23 @@ def test_the_quantization_flag_reaches_the_workers_and_the_store_and_experts_are
     from engine.tiny_model import make_tiny_model
     from engine.types import UnsupportedModelError
 
+    from cluster.controller import Controller
+    from control.worker_config import WorkerConfig
+
     args = build_parser().parse_args(["serve", "--model", tiny_llama_dir, "--device", "cpu", "--quantization", "fp8",
-                                      "--kv-store-mib", "64"])
+                                      "--kv-cache-dtype", "fp8", "--kv-store-mib", "64"])
     config = _serve_config(args)
     worker = dataclasses.replace(config.worker, cluster_secret=b"s")  # serve's controller makes the secret
-    assert worker.quantization == "fp8" and worker.engine_config("decode").quantization == "fp8"
-    assert build_parser().parse_args(["kv-store", "--quantization", "fp8"]).quantization == "fp8"
-    assert build_parser().parse_args(["worker", "decode", "--quantization", "fp8"]).quantization == "fp8"
+    engine = worker.engine_config("decode")
+    assert (engine.quantization, engine.cache.kv_cache_dtype) == ("fp8", "fp8")
+    store = Controller._store_config(type("C", (), {"config": config})())  # what serve's store is started with
+    assert (store.quantization, store.kv_cache_dtype) == ("fp8", "fp8")
+    kv_store = build_parser().parse_args(["kv-store", "--quantization", "fp8", "--kv-cache-dtype", "fp8"])
+    assert (kv_store.quantization, kv_store.kv_cache_dtype) == ("fp8", "fp8")
+    plain = build_parser().parse_args(["worker", "decode", "--quantization", "fp8", "--kv-cache-dtype", "fp8"])
+    assert (plain.quantization, plain.kv_cache_dtype) == ("fp8", "fp8")
+    with pytest.raises(ValueError, match="kv-cache-dtype fp8 runs on CPU workers"):
+        WorkerConfig(model_dir=tiny_llama_dir, device="cuda", kv_cache_dtype="fp8")
     with pytest.raises(SystemExit):  # argparse names the choices
         build_parser().parse_args(["serve", "--quantization", "int4"])
     moe = make_tiny_model(tmp_path / "mixtral", "mixtral")

@@ -35,24 +35,26 @@ MAX_TOKENS = 6
 BLOCK = 4
 
 
-def reference_tokens(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
-    engine = make_engine(model_dir, caching=False)
+def reference_tokens(model_dir: str, prompts: list[list[int]], kv_cache_dtype: str = "auto") -> list[list[int]]:
+    engine = make_engine(model_dir, caching=False, kv_cache_dtype=kv_cache_dtype)
     return [c.token_ids for c in engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))]
 
 
 @contextlib.asynccontextmanager
 async def served_store(model_dir: str, capacity_blocks: int, num_workers: int, pool_blocks: int = 40,
                        disk_dir: str | None = None, disk_blocks: int = 0, device: str = "cpu",
-                       kv_transport: str | None = None) -> AsyncIterator[tuple[KVStore, tuple]]:
+                       kv_transport: str | None = None, kv_cache_dtype: str = "auto"
+                       ) -> AsyncIterator[tuple[KVStore, tuple]]:
     """A store of `capacity_blocks` (and `disk_blocks` spilled in `disk_dir`) serving here, and
     `num_workers` workers of `pool_blocks` on `device` using it; all closed after. `kv_transport`:
-    the store's and the workers' (nixl: offloads and fetches through NIXL)."""
-    layout = store_layout(model_dir, make_engine(model_dir, num_blocks=8).model_id, BLOCK, "float32")
+    the store's and the workers' (nixl: offloads and fetches through NIXL); `kv_cache_dtype`: theirs."""
+    layout = store_layout(model_dir, make_engine(model_dir, num_blocks=8).model_id, BLOCK, "float32",
+                          kv_cache_dtype=kv_cache_dtype)
     store = open_store(layout, capacity_blocks * layout.block_bytes, "127.0.0.1", None, None, disk_dir=disk_dir,
                        disk_bytes=disk_blocks * layout.block_bytes, kv_transport=kv_transport)
     server, port = await serve(store, "127.0.0.1", 0, None)
     workers = tuple(TierWorker(model_dir, f"127.0.0.1:{port}", num_blocks=pool_blocks, device=device,
-                               kv_transport=kv_transport) for _ in range(num_workers))
+                               kv_transport=kv_transport, kv_cache_dtype=kv_cache_dtype) for _ in range(num_workers))
     try:
         yield store, workers
     finally:
@@ -69,15 +71,19 @@ async def wait_for(check, timeout_s: float = 20.0) -> None:
         await asyncio.sleep(0.05)
 
 
-@pytest.mark.parametrize("kv_transport", [None, "nixl"])
-def test_an_evicted_prefix_comes_back_from_the_store_with_the_tokens_of_a_recompute(tiny_llama_dir: str,
-                                                                                   kv_transport: str | None) -> None:
+@pytest.mark.parametrize("kv_transport,kv_cache_dtype", [(None, "auto"), ("nixl", "auto"), (None, "fp8")])
+def test_an_evicted_prefix_comes_back_from_the_store_with_the_tokens_of_a_recompute(
+        tiny_llama_dir: str, kv_transport: str | None, kv_cache_dtype: str) -> None:
+    """(fp8: the pools' e4m3 blocks, half the bytes, stored and fetched back as they are.)"""
     skip_without_nixl(kv_transport)
     prompt, *others = random_prompts([41, 38, 38, 38, 38], 512, seed=3)
-    want, *_ = reference_tokens(tiny_llama_dir, [prompt])
+    want, *_ = reference_tokens(tiny_llama_dir, [prompt], kv_cache_dtype)
 
     async def run() -> None:
-        async with served_store(tiny_llama_dir, 4096, 2, kv_transport=kv_transport) as (store, (a, b)):
+        async with served_store(tiny_llama_dir, 4096, 2, kv_transport=kv_transport,
+                                kv_cache_dtype=kv_cache_dtype) as (store, (a, b)):
+            if kv_cache_dtype == "fp8":
+                assert store.layout.dtype_bytes == 1 and store.layout.model_id.endswith("+kv-fp8")
             assert await a.generate(prompt) == (0, want, 0)  # the store is empty: computed, then offered
             await wait_for(lambda: asyncio.sleep(0, store.lookup(a.engine.hasher.hash_prompt(prompt)[:10]) == 10))
             for other in others:  # 40 blocks of pool: these evict the first prompt's blocks

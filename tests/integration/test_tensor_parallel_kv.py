@@ -30,19 +30,20 @@ MAX_TOKENS = 8
 PARAMS = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-@pytest.mark.parametrize("p,d,transport", [(2, 1, "shm"), (1, 2, "tcp"), (2, 4, "shm"), (2, 2, "tcp"),
-                                             (2, 4, "nixl")])
+@pytest.mark.parametrize("p,d,transport,kv", [(2, 1, "shm", "auto"), (1, 2, "tcp", "auto"), (2, 4, "shm", "auto"),
+                                                (2, 2, "tcp", "auto"), (2, 4, "nixl", "auto"), (2, 4, "shm", "fp8")])
 def test_prefill_and_decode_at_different_degrees_give_the_whole_models_tokens(
-    tiny_llama_dir: str, p: int, d: int, transport: str,
+    tiny_llama_dir: str, p: int, d: int, transport: str, kv: str,
 ) -> None:
-    """(nixl at 2 -> 4: each piece narrower than a block, written one row of it at a time.)"""
+    """(nixl at 2 -> 4: each piece narrower than a block, written one row of it at a time;
+    fp8: every rank's pool in e4m3, re-sharded byte for byte.)"""
     skip_without_nixl(transport)
     prompts = random_prompts([5, 16, 23, 41], 512, seed=p * 10 + d)
-    reference = make_engine(tiny_llama_dir)
+    reference = make_engine(tiny_llama_dir, kv_cache_dtype=kv)
     want = {f"r{i}": c.token_ids for i, c in enumerate(reference.generate(prompts, PARAMS))}
-    prefill = Peer(prefill_main, tiny_llama_dir, transport, 16, "cpu", 512, p, daemon=False)
+    prefill = Peer(prefill_main, tiny_llama_dir, transport, 16, "cpu", 512, p, kv, daemon=False)
     ranks = TensorRanks(d, rank_allocator("cpu")) if d > 1 else None
-    config = engine_config(tiny_llama_dir, role="decode")
+    config = engine_config(tiny_llama_dir, role="decode", kv_cache_dtype=kv)
     allocator = kv_allocator("cpu", transport)
     remote = None
     try:

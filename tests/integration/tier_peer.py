@@ -27,13 +27,13 @@ class TierWorker:
 
     def __init__(self, model_dir: str, store_address: str, num_blocks: int = 40,
                  redis: tuple[str, str] | None = None, tp: int = 1, through_host: bool | None = None,
-                 device: str = "cpu", kv_transport: str | None = None) -> None:
+                 device: str = "cpu", kv_transport: str | None = None, kv_cache_dtype: str = "auto") -> None:
         """`redis`: (url, namespace) to find the host's store there as a worker configured
         with `kv_store="local"` does (`start_tier`), `store_address` unused; `tp`: the
         worker's tensor-parallel degree (its ranks children of this process: one split worker
         a process); `through_host`: the tier moves the pool's blocks through host rows of its
         own, as it does a GPU pool's (None: where the pool is on a GPU)."""
-        config = engine_config(model_dir, num_blocks=num_blocks, budget=64, device=device)
+        config = engine_config(model_dir, num_blocks=num_blocks, budget=64, device=device, kv_cache_dtype=kv_cache_dtype)
         config = replace(config, cache=replace(config.cache, cluster_secret=SECRET))  # the cluster's: hashes agree
         self.ranks = TensorRanks(tp, rank_allocator("cpu")) if tp > 1 else None
         # a private pool (each rank's in shared memory when split): fetched blocks land through the tier's staging

@@ -76,3 +76,26 @@ def test_a_shared_prefix_hits_the_real_prefix_cache_and_runs_are_deterministic()
     seen, left = run()
     assert seen[2] == [(3, 16)]  # the second request computes only its 3 uncached tokens
     assert left == 0 and run() == (seen, left)
+
+
+def test_fp8_prices_the_bytes_it_saves_and_the_tensor_cores_it_runs_on() -> None:
+    """FP8 weights: the projections at one byte (the embeddings and head stay 16-bit) on FP8
+    tensor cores at twice the rate; FP8 KV: one byte per element, twice the tokens per GPU
+    and half the bytes a hand-off or a store fetch moves."""
+    from sim.cost_model import H100_SXM, LLAMA3_8B, Roofline
+
+    base, w8, kv8 = (Roofline(LLAMA3_8B.in_fp8(w, k), H100_SXM) for w, k in ((False, False), (True, False),
+                                                                           (False, True)))
+    m = LLAMA3_8B
+    head_and_embed = 2 * m.vocab * m.hidden * 2
+    assert w8.model.weight_bytes == m.num_layers * m.layer_params + head_and_embed
+    assert base.model.weight_bytes == 2 * m.num_layers * m.layer_params + head_and_embed
+    assert kv8.model.kv_bytes_per_token * 2 == base.model.kv_bytes_per_token
+    assert kv8.transfer_s(4096, False) - H100_SXM.link_latency_s == pytest.approx(
+        (base.transfer_s(4096, False) - H100_SXM.link_latency_s) / 2)
+    free = 0.9 * H100_SXM.memory_bytes - m.weight_bytes
+    assert kv8.kv_capacity_tokens() == int(free // (m.kv_bytes_per_token // 2))
+    decode = [(1, 2048)] * 32  # memory-bound: the weights' bytes
+    assert w8.step_s(decode) < 0.8 * base.step_s(decode)
+    prefill = [(8192, 0)]  # compute-bound: the projections at twice the rate
+    assert w8.step_s(prefill) < 0.6 * base.step_s(prefill)
