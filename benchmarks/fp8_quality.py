@@ -5,8 +5,9 @@ over a few thousand tokens of ordinary text) under FP8 against the same model un
 
 Arms: `fp8` (`--quantization fp8`: per-channel weights, per-token inputs, as vLLM's
 `--quantization fp8` does), `fp8-weights` (the projections' weights in FP8, per tensor, the
-inputs left in --dtype: what the inputs' quantization costs on top), and `float32` (the model
-in float32: the yardstick of a 16-bit dtype's own rounding). The text: --text, else the
+inputs left in --dtype: what the inputs' quantization costs on top), `kv-fp8`
+(`--kv-cache-dtype fp8`: the KV in e4m3, scale 1), `both` (`fp8` and `kv-fp8`), and `float32`
+(the model in float32: the yardstick of a 16-bit dtype's own rounding). The text: --text, else the
 GPL-3 licence Debian ships (plain English prose), else this project's README.
 
 One JSON line per arm. Not part of the test suite.
@@ -31,14 +32,15 @@ from engine.request import SamplingParams  # noqa: E402
 from engine.tiny_model import make_fp8_model  # noqa: E402
 
 TEXTS = (Path("/usr/share/common-licenses/GPL-3"), Path(__file__).resolve().parent.parent / "README.md")
-ARMS = ("fp8", "fp8-weights", "float32")
+ARMS = ("fp8", "fp8-weights", "kv-fp8", "both", "float32")
 
 
-def per_token(model_dir: str, dtype: str, tokens: list[int], quantization: str | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token(model_dir: str, dtype: str, tokens: list[int], quantization: str | None = None,
+              kv_cache_dtype: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's log-probability after the ones before it, and the likeliest token there."""
     config = EngineConfig(model_dir=model_dir, dtype=dtype, quantization=quantization,
-                          cache=CacheConfig(block_size=16, num_blocks=len(tokens) // 16 + 8),
+                          cache=CacheConfig(block_size=16, num_blocks=len(tokens) // 16 + 8,
+                                            kv_cache_dtype=kv_cache_dtype),
                           scheduler=SchedulerConfig(max_num_batched_tokens=512), max_model_len=len(tokens) + 16)
     engine = LLMEngine(config)
     [out] = engine.generate([tokens], SamplingParams(max_tokens=1, ignore_eos=True, prompt_logprobs=1))
@@ -75,6 +77,10 @@ def main() -> None:
             elif arm == "fp8-weights":
                 lp, top = per_token(str(make_fp8_model(model_dir, Path(tmp) / "w8", "ct-weights-only")), args.dtype,
                                     tokens)
+            elif arm == "kv-fp8":
+                lp, top = per_token(model_dir, args.dtype, tokens, kv_cache_dtype="fp8")
+            elif arm == "both":
+                lp, top = per_token(model_dir, args.dtype, tokens, "fp8", "fp8")
             elif arm == "float32":
                 lp, top = per_token(model_dir, "float32", tokens)
             else:

@@ -179,12 +179,13 @@ def floors(c: Check) -> dict[str, float]:
     return f
 
 
-def build_engine(c: Check, model_dir: str, dtype: str) -> LLMEngine:
+def build_engine(c: Check, model_dir: str, dtype: str, quantization: str | None = None,
+                 check: str = "kv_sizing") -> LLMEngine:
     free0 = torch.cuda.mem_get_info()[0] if c.device == "cuda" else 0
     began = time.monotonic()
     cache = CacheConfig(block_size=16) if c.device == "cuda" else CacheConfig(block_size=16, kv_cache_bytes=64 * 2**20)
     engine = LLMEngine(EngineConfig(model_dir=model_dir, device=c.device, dtype=dtype, cache=cache,  # type: ignore[arg-type]
-                                    scheduler=SchedulerConfig(), detokenize=False))
+                                    scheduler=SchedulerConfig(), detokenize=False, quantization=quantization))
     pool = engine.kv_pool.num_blocks * engine.layout.block_bytes
     decode = engine.runner.decode
     fields: dict[str, Any] = {"ready_s": round(time.monotonic() - began, 1), "pool_gib": round(pool / 2**30, 3),
@@ -198,7 +199,7 @@ def build_engine(c: Check, model_dir: str, dtype: str) -> LLMEngine:
         fields.update(free_before_gib=round(free0 / 2**30, 2), free_after_gib=round(free1 / 2**30, 2),
                       total_gib=round(total / 2**30, 2), pool_over_total=round(pool / total, 3),
                       torch_reserved_gib=round(torch.cuda.memory_reserved() / 2**30, 2))
-    c.emit("kv_sizing", **fields)
+    c.emit(check, **fields)
     return engine
 
 
@@ -212,7 +213,7 @@ def kv_bytes_per_token(engine: LLMEngine) -> int:
     return engine.layout.block_bytes // engine.layout.block_size
 
 
-def prefill(c: Check, engine: LLMEngine, fl: dict[str, float], lengths: list[int]) -> None:
+def prefill(c: Check, engine: LLMEngine, fl: dict[str, float], lengths: list[int], check: str = "prefill") -> None:
     m, cfg = engine.model, engine.model_config
     matmul_params = sum(x.in_features * x.out_features for x in m.linears())
     for n in lengths:
@@ -223,7 +224,7 @@ def prefill(c: Check, engine: LLMEngine, fl: dict[str, float], lengths: list[int
                 engine.generate([[3 + r, *prompt[1:]]], SamplingParams(max_tokens=1, ignore_eos=True))
         attention = 2 * cfg.num_layers * n * n * cfg.num_heads * cfg.head_dim  # causal: half of QK^T and PV
         floor_s = (2 * matmul_params * n + attention) / (fl["gemm_tflops"] * 1e12)
-        c.emit("prefill", tokens=n, chunk_tokens=engine.config.scheduler.max_num_batched_tokens,
+        c.emit(check, tokens=n, chunk_tokens=engine.config.scheduler.max_num_batched_tokens,
                seconds=round(box["s"], 4), tokens_per_s=round(n / box["s"]), floor_s=round(floor_s, 4),
                over_floor=round(box["s"] / floor_s, 2))
     if c.device == "cuda":
@@ -343,11 +344,15 @@ def main() -> None:
     engine = c.phase("kv_sizing", 60, lambda: build_engine(c, model_dir, "bfloat16"))
     if engine is not None:
         vocab = engine.model_config.vocab_size
-        ours = engine_phases(c, engine, fl, model_dir, set(args.skip), cuda)
-        del engine  # its pool given back before transformers loads the model
+        ours, bf16_steps = engine_phases(c, engine, fl, model_dir, set(args.skip), cuda)
+        del engine  # its pool given back before the FP8 engine and transformers load the model
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
+        if "fp8" not in args.skip:
+            from benchmarks.gpu_check_fp8 import fp8_phases
+
+            fp8_phases(c, model_dir, fl, bf16_steps, cuda)
         if "transformers" not in args.skip:
             transformers_phase(c, model_dir, vocab, ours, cuda)
     if cuda and "fabric" not in args.skip:
@@ -374,15 +379,22 @@ def generate_shape(cuda: bool) -> tuple[int, int, int]:
     return (32, 512, 64) if cuda else (4, 64, 8)
 
 
+def decode_shape(cuda: bool) -> tuple[list[int], list[int], int]:
+    """The decode phase's batches, contexts and timed steps."""
+    return ([1, 8, 32, 128], [512, 4096], 10) if cuda else ([1, 8], [64, 256], 3)
+
+
 def engine_phases(c: Check, engine: LLMEngine, fl: dict[str, float], model_dir: str, skip: set[str],
-                  cuda: bool) -> float | None:
-    """The phases that run on the sized engine. Returns its generate tokens/s."""
+                  cuda: bool) -> tuple[float | None, dict[tuple[str, int, int], float]]:
+    """The phases that run on the sized engine. Returns its generate tokens/s and its decode
+    steps' seconds by (arm, batch, context)."""
     from benchmarks.gpu_check_decode import attention_splits, decode_steps, launches
     from benchmarks.gpu_check_prefill import prefill_attention
 
-    batches, contexts, steps = ([1, 8, 32, 128], [512, 4096], 10) if cuda else ([1, 8], [64, 256], 3)
+    batches, contexts, steps = decode_shape(cuda)
+    steps_s: dict[tuple[str, int, int], float] = {}
     if "decode" not in skip:
-        c.phase("decode", 60, lambda: decode_steps(c, engine, fl, batches, contexts, steps))
+        steps_s = c.phase("decode", 60, lambda: decode_steps(c, engine, fl, batches, contexts, steps)) or {}
     if cuda and "launches" not in skip:
         c.phase("launches", 20, lambda: launches(c, engine, 32, 512))
     if cuda and "attention_splits" not in skip:
@@ -395,7 +407,7 @@ def engine_phases(c: Check, engine: LLMEngine, fl: dict[str, float], model_dir: 
     ours = c.phase("engine_generate", 30, lambda: engine_vs_transformers(c, engine, model_dir, vocab, *shape))
     if "worst_step" not in skip:
         c.phase("worst_step", 60, lambda: worst_step(c, engine))
-    return ours
+    return ours, steps_s
 
 
 def transformers_phase(c: Check, model_dir: str, vocab: int, ours: float | None, cuda: bool) -> None:

@@ -62,15 +62,17 @@ def decode_arms(engine: LLMEngine, cuda: bool) -> dict[str, Callable[[], None]]:
 
 
 def decode_steps(c: Check, engine: LLMEngine, fl: dict[str, float], batches: list[int], contexts: list[int],
-                 steps: int) -> None:
+                 steps: int, check: str = "decode") -> dict[tuple[str, int, int], float]:
+    """Emits `check` lines; returns each (arm, batch, context)'s step seconds."""
     m = engine.model
+    measured: dict[tuple[str, int, int], float] = {}
     arms = decode_arms(engine, c.device == "cuda")
     weight_read = m.weight_bytes - (0 if m.tied else m.embed.numel() * m.embed.element_size())
     per_token = kv_bytes_per_token(engine)
     for ctx in contexts:
         for b in batches:
             if c.left_s() < 20:
-                c.emit("decode", batch=b, context=ctx, skipped="budget")
+                c.emit(check, batch=b, context=ctx, skipped="budget")
                 continue
             ids, shared = decoding(engine, b, ctx, seed=b + ctx)
             done = 0
@@ -90,13 +92,15 @@ def decode_steps(c: Check, engine: LLMEngine, fl: dict[str, float], batches: lis
                 unique = ctx + b * (mean_ctx - ctx) if shared else b * mean_ctx  # tokens whose KV must come from memory
                 kv_read = unique * per_token
                 floor_s = (weight_read + kv_read) / (fl["copy_gb_per_s"] * 1e9)
-                c.emit("decode", attention=name, batch=b, context=ctx, shared_prefix=shared, step_ms=round(step_s * 1e3, 3),
+                measured[(name, b, ctx)] = step_s
+                c.emit(check, attention=name, batch=b, context=ctx, shared_prefix=shared, step_ms=round(step_s * 1e3, 3),
                        wall_ms=round(wall * 1e3, 3), floor_ms=round(floor_s * 1e3, 3),
                        over_floor=round(step_s / floor_s, 2), tokens_per_s=round(b / step_s),
                        weight_read_gib=round(weight_read / 2**30, 3), kv_read_gib=round(kv_read / 2**30, 3))
             list(arms.values())[-1]()  # the engine as built
             for rid in ids:
                 engine.abort(rid)
+    return measured
 
 
 def replayed(device: str, fn: Callable[[], None]) -> Callable[[], None]:

@@ -22,8 +22,12 @@ def test_the_gpu_check_runs_every_engine_phase_on_the_cpu(tmp_path: Path) -> Non
     errors = [x for x in lines if "error" in x or "skipped" in x]
     assert not errors, errors
     checks = [x["check"] for x in lines]
-    for check in ("preflight", "floors", "kv_sizing", "decode", "prefill", "worst_step", "engine_vs_transformers", "end"):
+    for check in ("preflight", "floors", "kv_sizing", "decode", "prefill", "worst_step", "engine_vs_transformers",
+                  "fp8_floors", "fp8_kv_sizing", "fp8_decode", "fp8_vs_bf16", "fp8_prefill", "end"):
         assert check in checks, check
+    fp8 = [x for x in lines if x["check"] == "fp8_vs_bf16"]  # the FP8 engine's steps beside the bfloat16 one's
+    assert [(x["batch"], x["context"]) for x in fp8] == [(1, 64), (8, 64), (1, 256), (8, 256)]
+    assert all(x["bf16_ms"] > 0 and x["fp8_ms"] > 0 for x in fp8)
     decode = [x for x in lines if x["check"] == "decode"]
     assert [(x["attention"], x["batch"], x["context"]) for x in decode] == \
         [("native", 1, 64), ("native", 8, 64), ("native", 1, 256), ("native", 8, 256)]

@@ -1,6 +1,7 @@
 """FP8 weights: the checkpoint schemes read from config.json (and those refused, by name), the
 e4m3 quantizers, and an FP8 projection against a float64 reference of its formula,
-y = (x_q @ w_q.T) * x_scale * w_scale (+ bias), through every matmul form we have."""
+y = (x_q @ w_q.T) * x_scale * w_scale (+ bias), through every matmul form we have (the GPU's
+`torch._scaled_mm` call included: torch runs it on CPU too)."""
 from __future__ import annotations
 
 import pytest
@@ -114,7 +115,7 @@ def reference(x: torch.Tensor, q: Fp8Weight, inputs: str, bias: torch.Tensor | N
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("form", ["plain", "onednn", "native"])
+@pytest.mark.parametrize("form", ["plain", "onednn", "native", "scaled_mm"])
 @pytest.mark.parametrize("inputs", ["dynamic", "static", "weights_only"])
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_an_fp8_projection_computes_its_formula_in_every_matmul_form(dtype: torch.dtype, form: str, inputs: str,
@@ -132,6 +133,10 @@ def test_an_fp8_projection_computes_its_formula_in_every_matmul_form(dtype: torc
                                                                                      q.input_scale), inputs)
     if form == "native":
         assert lin.tiles is not None
+    if form == "scaled_mm":  # the GPU's call, as a CUDA device takes it (torch's CPU runs it too)
+        if inputs == "weights_only" or dtype != torch.bfloat16:
+            pytest.skip("the GPU path: FP8 inputs, bfloat16 out")
+        lin.w8 = q.values
     want = reference(x, q, inputs, bias, swiglu)
     got = lin(x).double()
     assert got.shape == want.shape

@@ -1,0 +1,55 @@
+"""FP8 weights on a GPU (for the next GPU machine): an FP8 projection runs `torch._scaled_mm`
+on e4m3 tensor cores and gives the float64 reference of its formula, (x_q @ w_q.T) * x_scale
+* w_scale, within bfloat16's rounding; an engine with `quantization="fp8"` captures its
+decode steps into CUDA graphs and they give the eager steps' tokens and log-probabilities,
+and tokens the CPU's upcast reference of the same FP8 checkpoint mostly agrees with."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.fp8 import E4M3, Fp8Weight, quantize_weight
+from engine.linear import Linear
+from engine.request import SamplingParams
+from tests.integration.reference import random_prompts
+from tests.unit.test_fp8 import reference
+
+
+@pytest.mark.parametrize("inputs", ["dynamic", "static"])
+@pytest.mark.parametrize("rows", [1, 7, 128])
+def test_an_fp8_projection_runs_scaled_mm_and_computes_its_formula(inputs: str, rows: int) -> None:
+    g = torch.Generator().manual_seed(3)
+    out, inp = 256, 512
+    q = quantize_weight(torch.randn(out, inp, generator=g) * 0.05)
+    q.input_scale = 0.02 if inputs == "static" else None
+    bias = torch.randn(out, generator=g).to(torch.bfloat16)
+    x = (torch.randn(rows, inp, generator=g) * 2).to(torch.bfloat16)
+    lin = Linear(q.values.to(torch.bfloat16).cuda(), bias.cuda(), True, None, False,
+                 Fp8Weight(q.values.cuda(), q.scale.cuda(), q.input_scale), inputs)
+    assert lin.w8 is not None and lin.w8.dtype == E4M3 and lin.nbytes == out * inp + out * 2  # one byte a weight
+    got = lin(x.cuda()).double().cpu()
+    torch.testing.assert_close(got, reference(x, q, inputs, bias, False), rtol=2.0**-6, atol=2.0**-6)
+
+
+def test_an_fp8_engine_captures_its_decode_steps_and_the_graphs_give_the_eager_tokens(tiny_llama_dir: str) -> None:
+    import dataclasses
+
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    config = EngineConfig(model_dir=tiny_llama_dir, device="cuda", dtype="bfloat16", quantization="fp8",
+                          cache=CacheConfig(block_size=16, num_blocks=256),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8))
+    graphs = LLMEngine(config)
+    assert graphs.runner.decode is not None and graphs.runner.decode.graphs  # captured at start, FP8 inside
+    assert graphs.model.layers[0].qkv.w8 is not None
+    eager = LLMEngine(dataclasses.replace(config, decode_graphs=False))
+    prompts = random_prompts([5, 17, 33, 40], 512, seed=4)
+    params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=True)
+    a, b = graphs.generate(prompts, params), eager.generate(prompts, params)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    assert max(abs(x - y) for p, q in zip(a, b) for x, y in zip(p.logprobs, q.logprobs)) < 1e-3
+    cpu = LLMEngine(dataclasses.replace(config, device="cpu", decode_graphs=True)).generate(prompts, params)
+    first = [c.token_ids[0] for c in cpu]  # the upcast reference's first tokens (later ones may part at near-ties)
+    assert sum(f == c.token_ids[0] for f, c in zip(first, a)) >= 3
