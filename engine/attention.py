@@ -132,12 +132,13 @@ def paged_attention(
     over the pool (no gather). With `workspace_bytes`, the torch forms attend in pieces under it.
     A `softcap` (Gemma 2) caps each score s at softcap * tanh(s / softcap): the torch forms
     then score explicitly (`_capped_attention`), as SDPA cannot. Over an FP8 pool every form
-    reads K and V as the pool gives them back (a first chunk's own too: `KVPool.rounded`),
-    the torch forms for now.
+    reads K and V as the pool gives them back (a first chunk's own too: `KVPool.rounded`): the
+    torch forms, and the Triton decode kernel (the native one does not read e4m3 yet).
     """
     out = torch.empty_like(q)
-    if pool.fp8:
+    if pool.fp8 and not getattr(kernels, "reads_fp8_kv", False):
         kernels = None
+    fp8_scales = pool.host_scales[layer] if pool.fp8 else ()
     for g in meta.groups:
         if isinstance(g, CausalGroup):
             kg, vg = pool.rounded(layer, k[g.token_index], v[g.token_index])
@@ -145,7 +146,7 @@ def paged_attention(
             continue
         if kernels is not None and g.max_query_len <= SHORT_QUERY_MAX_LEN:
             kernels.paged_attention(q, pool.tensor, layer, g.block_table, g.token_index, g.rows, g.ctx_lens, scale, out,
-                                    window, softcap)
+                                    window, softcap, *fp8_scales)
             continue
         if q.is_cuda and g.batch == 1 and g.max_context_len and g.max_query_len > SHORT_QUERY_MAX_LEN and not (
                 window or softcap):

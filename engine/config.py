@@ -240,8 +240,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.cache.kv_cache_dtype == "fp8" and self.device.startswith("cuda"):
-            raise ValueError("kv_cache_dtype fp8 runs on CPU for now: the Triton kernels do not read FP8 KV yet")
         if self.quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.role not in ("both", "prefill", "decode"):

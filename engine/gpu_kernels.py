@@ -23,6 +23,9 @@ Kernels = Union["native.NativeKernels", "GpuKernels"]
 
 
 class GpuKernels:
+    reads_fp8_kv = True
+    """`paged_attention` reads an e4m3 pool (its layer's scales given); the native kernels do not yet."""
+
     def __init__(self, device_type: str, num_sms: int, version: str) -> None:
         self.device_type = device_type
         self.num_sms = num_sms
@@ -38,13 +41,15 @@ class GpuKernels:
 
     def paged_attention(self, q: torch.Tensor, pool: torch.Tensor, layer: int, block_table: torch.Tensor,
                         token_index: torch.Tensor, rows: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
-                        out: torch.Tensor, window: int = 0, softcap: float = 0.0) -> None:
+                        out: torch.Tensor, window: int = 0, softcap: float = 0.0, k_scale: float = 1.0,
+                        v_scale: float = 1.0) -> None:
         """As `NativeKernels.paged_attention`; a ctx_len of 0 gives zeros. The splits follow the
-        table's width, so a CUDA graph, which reads it whole, captures one number of them."""
+        table's width, so a CUDA graph, which reads it whole, captures one number of them. An
+        FP8 pool's layer scales: `k_scale`, `v_scale`."""
         splits = triton_attention.num_splits(
             token_index.numel(), pool.shape[4], block_table.shape[1] * pool.shape[3], self.num_sms)
         triton_attention.paged_decode(q, pool, layer, block_table, token_index, rows, ctx_lens, scale, out, splits,
-                                      window, softcap)
+                                      window, softcap, k_scale, v_scale)
 
     def add_rms_norm(self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> torch.Tensor:

@@ -105,10 +105,13 @@ class KVPool:
         self.fp8 = layout.dtype == E4M3
         self.scales = None
         """FP8: [num_layers, 2] float32, what K and V were divided by before rounding to e4m3."""
+        self.host_scales: list[tuple[float, float]] = []
+        """The same as Python floats, read without a device sync (a CUDA graph captures none)."""
         if self.fp8:
             self.scales = (scales if scales is not None else torch.ones(layout.num_layers, 2)).float().to(device)
             if tuple(self.scales.shape) != (layout.num_layers, 2):
                 raise ValueError(f"KV scales of shape {tuple(self.scales.shape)} for {layout.num_layers} layers")
+            self.host_scales = [(float(k), float(v)) for k, v in self.scales.cpu().tolist()]
 
     def write(
         self, layer: int, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor,
@@ -124,7 +127,7 @@ class KVPool:
         """K and V as this pool gives them back (FP8: through e4m3 and the scales)."""
         if self.scales is None:
             return k, v
-        ks, vs = self.scales[layer].tolist()
+        ks, vs = self.host_scales[layer]
         return ((to_e4m3(k.float() / ks).float() * ks).to(k.dtype), (to_e4m3(v.float() / vs).float() * vs).to(v.dtype))
 
     def gather(self, layer: int, block_table: torch.Tensor,
@@ -143,7 +146,7 @@ class KVPool:
         k = torch.index_select(self.tensor[:, layer, 0].reshape(self.num_blocks, -1), 0, flat).view(shape)
         v = torch.index_select(self.tensor[:, layer, 1].reshape(self.num_blocks, -1), 0, flat).view(shape)
         if self.scales is not None:
-            ks, vs = self.scales[layer].tolist()
+            ks, vs = self.host_scales[layer]
             out = dtype or torch.float32
             return (k.float() * ks).to(out), (v.float() * vs).to(out)
         return k, v

@@ -17,7 +17,8 @@ A batch of one over a long context is thus spread over many programs (`num_split
 so the grid covers the GPU's multiprocessors twice), where one program per (token, KV head)
 left 124 of an H100's 132 idle. A split with no keys (a short context, or a padded row of a
 CUDA graph's bucket, ctx_len 0) leaves m = -inf, l = 0 and is weighed 0; a row with no keys
-at all gets zeros.
+at all gets zeros. An FP8 pool (e4m3) is read as it is and widened to q's dtype in registers,
+its layer's K scale folded into the score scale and its V scale into the output.
 
 Optional: nothing here imports Triton until a kernel is launched (`load()` returns None
 without it), and the torch forms in engine/attention.py stay the reference. Checked on CPU
@@ -46,12 +47,14 @@ def num_splits(num_tokens: int, kv_heads: int, max_context: int, num_sms: int) -
 
 def paged_decode(q: torch.Tensor, pool: torch.Tensor, layer: int, block_table: torch.Tensor,
                  token_index: torch.Tensor, rows: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
-                 out: torch.Tensor, splits: int, window: int = 0, softcap: float = 0.0) -> None:
+                 out: torch.Tensor, splits: int, window: int = 0, softcap: float = 0.0, k_scale: float = 1.0,
+                 v_scale: float = 1.0) -> None:
     """q, out: [num_tokens, heads, head_dim] (head_dim contiguous); pool: [blocks, layers, 2,
     block_size, kv_heads, head_dim] contiguous; block_table [rows, max_blocks]; token_index,
     rows, ctx_lens [n] int64 (a ctx_len of 0 gives zeros). With a `window`, each query attends
     to the last `window` of its keys (the table entries before those are not read); with a
-    `softcap`, scores s become softcap * tanh(s / softcap)."""
+    `softcap`, scores s become softcap * tanh(s / softcap). An e4m3 pool holds K / k_scale and
+    V / v_scale (engine/kv_pool.py)."""
     import triton
 
     heads, head_dim = q.shape[1], q.shape[2]
@@ -74,12 +77,13 @@ def paged_decode(q: torch.Tensor, pool: torch.Tensor, layer: int, block_table: t
     kernels = _kernels()
     kernels.partial[(n, kv_heads, splits)](
         q, pool, block_table, token_index, rows, ctx_lens, m, l_sum, acc, out,
-        layer, scale, window, softcap if softcap > 0 else 1.0,
+        layer, scale * k_scale, v_scale, window, softcap if softcap > 0 else 1.0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3), pool.stride(4),
         block_table.stride(0),
         SPLITS=splits, GROUP=group, GROUP_P2=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, HEAD_DIM_P2=d_p2, TILE=TILE, IEEE=q.dtype == torch.float32, SOFTCAP=softcap > 0,
+        KV_FP8=pool.dtype == torch.float8_e4m3fn,
     )
     if splits == 1:
         return
@@ -95,13 +99,13 @@ def _partial() -> Any:
 
     @triton.jit
     def partial(q_ptr, pool_ptr, table_ptr, tokens_ptr, rows_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
-                layer, scale, window, softcap,
+                layer, scale, v_scale, window, softcap,
                 q_st, q_sh, o_st, o_sh,
                 p_sb, p_sl, p_skv, p_st, p_sh,
                 t_sr,
                 SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr,
-                SOFTCAP: tl.constexpr):
+                SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr):
         i = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -135,6 +139,8 @@ def _partial() -> Any:
             where = base + block[:, None] * p_sb + (pos % BLOCK_SIZE)[:, None] * p_st + d[None, :]
             kv_mask = ok[:, None] & d_ok[None, :]
             k = tl.load(where, mask=kv_mask, other=0.0)  # [T, D]
+            if KV_FP8:  # e4m3 widened in registers (the K scale is in `scale`)
+                k = k.to(q.dtype)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -148,11 +154,15 @@ def _partial() -> Any:
             alpha = tl.exp(m - m_new)
             l_sum = l_sum * alpha + tl.sum(p, axis=1)
             v = tl.load(where + p_skv, mask=kv_mask, other=0.0)
+            if KV_FP8:
+                v = v.to(q.dtype)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
+        if KV_FP8:  # the V scale, once
+            acc = acc * v_scale
         if SPLITS == 1:  # the whole context: normalise and write the output (no keys: zeros)
             o = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
             tl.store(out_ptr + token * o_st + heads[:, None] * o_sh + d[None, :], o.to(out_ptr.dtype.element_ty),

@@ -53,3 +53,27 @@ def test_an_fp8_engine_captures_its_decode_steps_and_the_graphs_give_the_eager_t
     cpu = LLMEngine(dataclasses.replace(config, device="cpu", decode_graphs=True)).generate(prompts, params)
     first = [c.token_ids[0] for c in cpu]  # the upcast reference's first tokens (later ones may part at near-ties)
     assert sum(f == c.token_ids[0] for f, c in zip(first, a)) >= 3
+
+
+def test_fp8_kv_on_the_gpu_graphs_gives_the_eager_tokens_and_the_cpus_log_probabilities(tiny_llama_dir: str) -> None:
+    """An e4m3 pool on the GPU: K and V stored through the torch form, decode read by the
+    Triton kernel inside the CUDA graphs; the same tokens eagerly, and log-probabilities
+    within float32's noise of the CPU's torch forms over the same FP8 pool."""
+    import dataclasses
+
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    config = EngineConfig(model_dir=tiny_llama_dir, device="cuda", dtype="float32",
+                          cache=CacheConfig(block_size=16, num_blocks=256, kv_cache_dtype="fp8"),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8))
+    graphs = LLMEngine(config)
+    assert graphs.kv_pool.tensor.dtype == torch.float8_e4m3fn and graphs.runner.decode.graphs
+    prompts = random_prompts([5, 17, 33, 40], 512, seed=5)
+    params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=True)
+    a = graphs.generate(prompts, params)
+    b = LLMEngine(dataclasses.replace(config, decode_graphs=False)).generate(prompts, params)
+    cpu = LLMEngine(dataclasses.replace(config, device="cpu")).generate(prompts, params)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b] == [c.token_ids for c in cpu]
+    assert max(abs(x - y) for p, q in zip(a, cpu) for x, y in zip(p.logprobs, q.logprobs)) < 1e-3

@@ -104,5 +104,3 @@ def test_a_pool_of_the_same_bytes_holds_twice_the_tokens(tiny_llama_dir: str) ->
     assert blocks("float32", "fp8") == 4 * blocks("float32", "auto")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         CacheConfig(kv_cache_dtype="int8")
-    with pytest.raises(ValueError, match="Triton kernels do not read FP8 KV"):
-        EngineConfig(model_dir=tiny_llama_dir, device="cuda", cache=CacheConfig(kv_cache_dtype="fp8"))

@@ -195,7 +195,7 @@ def test_the_quantization_flag_reaches_the_workers_and_the_store_and_experts_are
     assert (kv_store.quantization, kv_store.kv_cache_dtype) == ("fp8", "fp8")
     plain = build_parser().parse_args(["worker", "decode", "--quantization", "fp8", "--kv-cache-dtype", "fp8"])
     assert (plain.quantization, plain.kv_cache_dtype) == ("fp8", "fp8")
-    with pytest.raises(ValueError, match="kv-cache-dtype fp8 runs on CPU workers"):
+    with pytest.raises(ValueError, match="kv-cache-dtype fp8 serves on CPU workers"):
         WorkerConfig(model_dir=tiny_llama_dir, device="cuda", kv_cache_dtype="fp8")
     with pytest.raises(SystemExit):  # argparse names the choices
         build_parser().parse_args(["serve", "--quantization", "int4"])

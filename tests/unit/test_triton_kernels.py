@@ -74,6 +74,25 @@ for window in (1, 16, 50):
     triton_attention.paged_decode(q * 4, pool.tensor, 1, windowed, torch.arange(4), torch.arange(4), ctx_lens, 0.3,
                                   out, 3, window, 2.0)
     torch.testing.assert_close(out, capped, atol=1e-5, rtol=1e-5)
+# an FP8 pool: e4m3 K / k_scale and V / v_scale, widened in the kernel; the reference reads the
+# same values multiplied back, in float32
+fp8 = KVPool(KVLayout(3, 16, 2, 32, torch.float8_e4m3fn), 40, "cpu", scales=torch.tensor([[1.0, 1.0], [0.02, 0.05],
+                                                                                           [1.0, 1.0]]))
+g = torch.Generator().manual_seed(8)
+fp8.tensor.copy_((torch.randn(fp8.tensor.shape, generator=g) * 3).clamp(-448, 448).to(torch.float8_e4m3fn))
+wide = KVPool(KVLayout(3, 16, 2, 32, torch.float32), 40, "cpu")
+wide.tensor.copy_(fp8.tensor.float())
+wide.tensor[:, 1, 0] *= 0.02
+wide.tensor[:, 1, 1] *= 0.05
+table = torch.randperm(40, generator=g)[:36].view(3, 12).contiguous()
+ctx_lens = torch.tensor([1, 70, 190])
+q = torch.randn(3, 4, 32, generator=g)
+want = reference(q, wide, 1, table, range(3), ctx_lens, 0.3)
+for splits in (1, 3):
+    out = torch.full((3, 4, 32), float("nan"))
+    triton_attention.paged_decode(q, fp8.tensor, 1, table, torch.arange(3), torch.arange(3), ctx_lens, 0.3, out,
+                                  splits, k_scale=0.02, v_scale=0.05)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 assert triton_attention.num_splits(1, 8, 4096, 132) == 33 and triton_attention.num_splits(128, 8, 4096, 132) == 1
 assert triton_attention.num_splits(1, 8, 100, 132) == 2  # no more splits than tiles
 print("ok")
@@ -213,10 +232,11 @@ from engine.request import SamplingParams
 from engine.tiny_model import make_tiny_model
 
 # llama; gemma2 (a window of 8 passed within a decode, soft-capped scores, Gemma's norms);
-# qwen2_moe (the grouped-GEMM experts inside the buckets)
-for arch in ("llama", "gemma2", "qwen2_moe"):
+# qwen2_moe (the grouped-GEMM experts inside the buckets); llama over an FP8 pool (K and V
+# stored through the torch form, read by the Triton kernel)
+for arch, kv in (("llama", "auto"), ("gemma2", "auto"), ("qwen2_moe", "auto"), ("llama", "fp8")):
     model = str(make_tiny_model(Path(tempfile.mkdtemp()) / arch, arch=arch, seed=0))
-    cache = CacheConfig(block_size=4, num_blocks=256)
+    cache = CacheConfig(block_size=4, num_blocks=256, kv_cache_dtype=kv)
     sched = SchedulerConfig(max_num_seqs=6)
     graphed = LLMEngine(EngineConfig(model_dir=model, cache=cache, scheduler=sched, max_model_len=96, overlap=True),
                         graphs=EagerGraph)
