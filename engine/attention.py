@@ -133,7 +133,7 @@ def paged_attention(
     A `softcap` (Gemma 2) caps each score s at softcap * tanh(s / softcap): the torch forms
     then score explicitly (`_capped_attention`), as SDPA cannot. Over an FP8 pool every form
     reads K and V as the pool gives them back (a first chunk's own too: `KVPool.rounded`): the
-    torch forms, and the Triton decode kernel (the native one does not read e4m3 yet).
+    torch forms, the native decode kernel and the Triton one.
     """
     out = torch.empty_like(q)
     if pool.fp8 and not getattr(kernels, "reads_fp8_kv", False):

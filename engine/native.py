@@ -46,7 +46,7 @@ class _AttnArgs(ctypes.Structure):
         "out_token_stride", "block_stride", "layer_offset", "v_offset", "table_stride", "table_rows", "num_blocks",
         "num_tokens",
     )] + [("scale", ctypes.c_float), ("num_threads", ctypes.c_int32), ("window", ctypes.c_int64),
-                                                                     ("softcap", ctypes.c_float)]
+          ("softcap", ctypes.c_float), ("v_scale", ctypes.c_float)]
 
 
 _LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias", "down",
@@ -72,9 +72,14 @@ class _ForwardArgs(ctypes.Structure):
 class NativeKernels:
     """The compiled library; one method per kernel."""
 
+    reads_fp8_kv = True
+    """`paged_attention` reads an e4m3 pool (its layer's scales given)."""
+
     def __init__(self, lib: ctypes.CDLL) -> None:
         ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
         self._attn = _bind(lib, "paged_attention", [ctypes.POINTER(_AttnArgs)] + [ptr] * 7, ctypes.c_int)
+        self._attn_e4m3 = _bind(lib, "paged_attention_e4m3", [ctypes.POINTER(_AttnArgs)] + [ptr] * 7, ctypes.c_int)
+        """Over an e4m3 pool, by q's dtype."""
         self._norm = _bind(lib, "add_rms_norm", [ptr] * 4 + [i64, i64, ctypes.c_float, i32], None)
         self._silu_mul = _bind(lib, "silu_mul", [ptr, i64, i64, ptr, i32], None)
         self._rotary = _bind(lib, "rotary_store", [ptr] + [i64] * 5 + [ptr] * 2 + [i64] + [ptr] + [i64] * 5
@@ -99,7 +104,7 @@ class NativeKernels:
     def paged_attention(
         self, q: torch.Tensor, pool: torch.Tensor, layer: int, block_table: torch.Tensor,
         token_index: torch.Tensor, rows: torch.Tensor, ctx_lens: torch.Tensor, scale: float, out: torch.Tensor,
-        window: int = 0, softcap: float = 0.0,
+        window: int = 0, softcap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0,
     ) -> None:
         """Writes out[token_index[i]] = attention of q[token_index[i]] over keys 0 .. ctx_lens[i] - 1
         of block-table row rows[i], for one layer of the pool; with a `window` (a sliding window
@@ -110,12 +115,14 @@ class NativeKernels:
         strided); pool: [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
         contiguous; block_table: [batch, max_blocks] int64 contiguous; token_index, rows,
         ctx_lens: [n] int64 contiguous. Indices are range-checked in C before any work
-        (ValueError); every ctx_len must be in 1 .. max_blocks * block_size.
+        (ValueError); every ctx_len must be in 1 .. max_blocks * block_size. An e4m3 pool (FP8
+        KV) holds K / k_scale and V / v_scale (engine/kv_pool.py).
         """
-        args = _attention_args(q, pool, layer, block_table, token_index, rows, ctx_lens, scale, out)
-        args.window, args.softcap = window, softcap
+        fp8 = pool.dtype == torch.float8_e4m3fn
+        args = _attention_args(q, pool, layer, block_table, token_index, rows, ctx_lens, scale * k_scale, out)
+        args.window, args.softcap, args.v_scale = window, softcap, v_scale
         ptrs = [q, pool, block_table, token_index, rows, ctx_lens, out]
-        status = self._attn[q.dtype](ctypes.byref(args), *(t.data_ptr() for t in ptrs))
+        status = (self._attn_e4m3 if fp8 else self._attn)[q.dtype](ctypes.byref(args), *(t.data_ptr() for t in ptrs))
         if status == -3:
             raise ValueError("paged_attention: a context length, block-table row, token or block id is out of range")
         if status == -2:
@@ -280,7 +287,8 @@ def _attention_args(
     for name, t in (("q", q), ("out", out)):
         if t.stride(2) != 1 or t.stride(1) != d:
             raise ValueError(f"{name} must have dense heads, got strides {t.stride()}")
-    if d2 != d or heads % kvh or q.dtype != pool.dtype or out.dtype != q.dtype or not pool.is_contiguous():
+    pool_ok = pool.dtype in (q.dtype, torch.float8_e4m3fn)
+    if d2 != d or heads % kvh or not pool_ok or out.dtype != q.dtype or not pool.is_contiguous():
         raise ValueError(f"q {tuple(q.shape)} {q.dtype} does not match pool {tuple(pool.shape)} {pool.dtype}")
     index = [block_table, token_index, rows, ctx_lens]
     if any(t.dtype != torch.int64 or not t.is_contiguous() for t in index):
@@ -290,7 +298,7 @@ def _attention_args(
         q_token_stride=q.stride(0), out_token_stride=out.stride(0), block_stride=pool.stride(0),
         layer_offset=layer * pool.stride(1), v_offset=pool.stride(2), table_stride=block_table.shape[1],
         table_rows=block_table.shape[0], num_blocks=nb, num_tokens=min(q.shape[0], out.shape[0]),
-        scale=scale, num_threads=torch.get_num_threads(),
+        scale=scale, num_threads=torch.get_num_threads(), v_scale=1.0,
     )
 
 

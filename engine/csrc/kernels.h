@@ -21,6 +21,7 @@ typedef struct {
     int32_t num_threads;
     int64_t window;           /* keys a query attends to, its own last (sliding window); 0: all */
     float softcap;            /* scores become softcap * tanh(score / softcap) (Gemma 2); 0: not */
+    float v_scale;            /* an e4m3 pool's V scale, applied to the output (its K scale is in `scale`) */
 } attn_args;
 
 int paged_attention_bf16(const attn_args *a, const uint16_t *q, const uint16_t *pool, const int64_t *table,

@@ -13,6 +13,10 @@
  * otherwise widened once into L1 for the group's heads; V rows widened in registers and
  * summed into 4 heads' accumulators at once where head_dim is a multiple of 64.
  * Tasks run on the caller's OpenMP pool (torch's libgomp, loaded first, is shared).
+ *
+ * An FP8 pool (e4m3 bytes, `paged_attention_e4m3_f32` / `_e4m3_bf16` for float32 or bfloat16
+ * q and out) is widened through a 256-entry table as it is read; its layer's K scale comes
+ * folded into `scale` and its V scale is applied to the output (`v_scale`).
  */
 #include <math.h>
 #include <stdint.h>
@@ -28,6 +32,22 @@
 #define LOAD_bf16(p, i) bf16_to_f32((p)[i])
 #define STORE_f32(x) (x)
 #define STORE_bf16(x) f32_to_bf16(x)
+#define LOAD_e4m3_f32 LOAD_f32
+#define LOAD_e4m3_bf16 LOAD_bf16
+#define STORE_e4m3_f32 STORE_f32
+#define STORE_e4m3_bf16 STORE_bf16
+
+/* e4m3 (fn: no infinities, 0x7f / 0xff NaN) -> float32, every byte's value; filled when the
+ * library loads, before any call can read it. */
+static float E4M3_TO_F32[256];
+__attribute__((constructor)) static void e4m3_table_fill(void) {
+    for (int b = 0; b < 256; b++) {
+        const int sign = b >> 7, exp = (b >> 3) & 15, man = b & 7;
+        float v = exp == 0 ? ldexpf((float)man, -9) : ldexpf(1.f + man / 8.f, exp - 7);
+        if (exp == 15 && man == 7) v = NAN;
+        E4M3_TO_F32[b] = sign ? -v : v;
+    }
+}
 
 /* float32 kernels of the inner loops: K and V rows are converted once per KV head into
  * `row`, then shared by that head's group of query heads. With AVX-512 and head_dim a
@@ -68,6 +88,21 @@ static inline void axpy(float *restrict acc, float w, const float *restrict x, i
 
 static inline void row_f32(float *restrict row, const float *restrict x, int64_t d) { memcpy(row, x, sizeof(float) * d); }
 
+static inline void row_e4m3(float *restrict row, const uint8_t *restrict x, int64_t d) {
+#if defined(__AVX512F__)
+    if (VEC_OK(d)) {
+        for (int64_t i = 0; i < d; i += 16) {
+            const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(x + i)));
+            _mm512_storeu_ps(row + i, _mm512_i32gather_ps(idx, E4M3_TO_F32, 4));
+        }
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < d; i++) row[i] = E4M3_TO_F32[x[i]];
+}
+#define row_e4m3_f32 row_e4m3
+#define row_e4m3_bf16 row_e4m3
+
 static inline void row_bf16(float *restrict row, const uint16_t *restrict x, int64_t d) {
 #if defined(__AVX512F__)
     if (VEC_OK(d)) {
@@ -89,6 +124,8 @@ static inline void rows16_##NAME(float *restrict row, const T *src, int64_t stri
 }
 DEFINE_ROWS16(f32, float)
 DEFINE_ROWS16(bf16, uint16_t)
+DEFINE_ROWS16(e4m3_f32, uint8_t)
+DEFINE_ROWS16(e4m3_bf16, uint8_t)
 
 #if defined(__AVX512F__)
 /* r[i] = the sum of v[i]'s 16 lanes: a transposing add tree, 45 ops for 16 sums. */
@@ -129,6 +166,11 @@ static inline void pv16(float *restrict acc, const float *restrict w, const floa
 #define CHUNK16(d) ((d) % 16 == 0)
 
 static inline __m512 load16_f32(const float *x) { return _mm512_loadu_ps(x); }
+static inline __m512 load16_e4m3(const uint8_t *x) {
+    return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)x)), E4M3_TO_F32, 4);
+}
+#define load16_e4m3_f32 load16_e4m3
+#define load16_e4m3_bf16 load16_e4m3
 static inline __m512 load16_bf16(const uint16_t *x) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
 }
@@ -173,6 +215,8 @@ static void pv_group_##NAME(float *acc, int64_t acc_stride, const float *w, int6
 }
 DEFINE_PV_GROUP(f32, float)
 DEFINE_PV_GROUP(bf16, uint16_t)
+DEFINE_PV_GROUP(e4m3_f32, uint8_t)
+DEFINE_PV_GROUP(e4m3_bf16, uint8_t)
 #define CHUNK64(d) ((d) % 64 == 0)
 
 #if defined(__AVX512BF16__)
@@ -198,14 +242,20 @@ static inline void qk16_dp(const uint16_t *qh, const uint16_t *k, int64_t k_stri
 #define qk16_dp(qh, k, ks, d, scale, out, m) ((void)0)
 #endif
 #define QK_DP_f32(d, bs) 0
+#define QK_DP_e4m3_f32(d, bs) 0
+#define QK_DP_e4m3_bf16(d, bs) 0
 #else
 #define CHUNK16(d) 0
 #define CHUNK64(d) 0
 #define QK_DP_bf16(d, bs) 0
 #define QK_DP_f32(d, bs) 0
+#define QK_DP_e4m3_f32(d, bs) 0
+#define QK_DP_e4m3_bf16(d, bs) 0
 #define qk16_dp(qh, k, ks, d, scale, out, m) ((void)0)
 #define pv_group_f32(acc, as, w, ws, v, vs, n, d, grp) ((void)0)
 #define pv_group_bf16(acc, as, w, ws, v, vs, n, d, grp) ((void)0)
+#define pv_group_e4m3_f32(acc, as, w, ws, v, vs, n, d, grp) ((void)0)
+#define pv_group_e4m3_bf16(acc, as, w, ws, v, vs, n, d, grp) ((void)0)
 #define qk16(qh, rows, d, out) ((void)0)
 #define pv16(acc, w, rows, d) ((void)0)
 #endif
@@ -259,8 +309,8 @@ static inline void softmax_row(float *s, int64_t n, float *max_out, float *sum_o
  * exp(score - m) l, and acc = sum of exp(score - m) * v, in part[h * (d + 2) ...]:
  * acc[0 .. d-1], m, l. scores: scratch of heads * (b1 - b0) * block_size floats; qf: heads * d;
  * row: 16 * d (K or V rows converted to float32). */
-#define DEFINE_TASK(NAME, T)                                                                  \
-static void task_##NAME(const attn_args *a, const T *q, const T *pool, const int64_t *blocks, \
+#define DEFINE_TASK(NAME, TQ, T)                                                              \
+static void task_##NAME(const attn_args *a, const TQ *q, const T *pool, const int64_t *blocks, \
                         int64_t b0, int64_t b1, int64_t ctx, int64_t skip, float *part, float *scores, \
                         float *qf, float *row) {                                              \
     const int64_t d = a->head_dim, bs = a->block_size, kvh = a->num_kv_heads;                 \
@@ -343,7 +393,7 @@ static void task_##NAME(const attn_args *a, const T *q, const T *pool, const int
 }                                                                                             \
                                                                                               \
 /* out = the splits' partials combined: sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s. */   \
-static void combine_##NAME(const attn_args *a, const float *parts, int64_t splits, T *out) {  \
+static void combine_##NAME(const attn_args *a, const float *parts, int64_t splits, TQ *out) { \
     const int64_t d = a->head_dim, w = a->num_heads * (d + 2);                               \
     for (int64_t h = 0; h < a->num_heads; h++) {                                              \
         float big = -INFINITY, l = 0.f, acc[512];                                             \
@@ -359,13 +409,15 @@ static void combine_##NAME(const attn_args *a, const float *parts, int64_t split
             l += f * p[d + 1];                                                                \
             for (int64_t i = 0; i < d; i++) acc[i] += f * p[i];                               \
         }                                                                                     \
-        const float inv = 1.f / l;                                                            \
+        const float inv = a->v_scale / l;                                                     \
         for (int64_t i = 0; i < d; i++) out[h * d + i] = STORE_##NAME(acc[i] * inv);          \
     }                                                                                         \
 }
 
-DEFINE_TASK(f32, float)
-DEFINE_TASK(bf16, uint16_t)
+DEFINE_TASK(f32, float, float)
+DEFINE_TASK(bf16, uint16_t, uint16_t)
+DEFINE_TASK(e4m3_f32, float, uint8_t)
+DEFINE_TASK(e4m3_bf16, uint16_t, uint8_t)
 
 /* q, out: token i's heads at q + token_index[i] * q_token_stride (same for out).
  * rows[i]: its block-table row; ctx_lens[i]: keys it attends to (positions 0 .. ctx-1),
@@ -374,10 +426,10 @@ DEFINE_TASK(bf16, uint16_t)
  * is then incomplete); -2 for a head_dim over 512, -3 for an index out of range (a
  * context longer than its table row, a row, token or block id outside its tensor): nothing
  * is read or written then. */
-#define DEFINE_ENTRY(NAME, T)                                                                 \
-int paged_attention_##NAME(const attn_args *a, const T *q, const T *pool, const int64_t *table, \
+#define DEFINE_ENTRY(NAME, TQ, T)                                                             \
+int paged_attention_##NAME(const attn_args *a, const TQ *q, const T *pool, const int64_t *table, \
                            const int64_t *token_index, const int64_t *rows,                  \
-                           const int64_t *ctx_lens, T *out) {                                 \
+                           const int64_t *ctx_lens, TQ *out) {                                \
     const int64_t nq = a->num_queries, bs = a->block_size, d = a->head_dim, heads = a->num_heads; \
     if (nq == 0) return 0;                                                                    \
     if (d > 512) return -2;                                                                   \
@@ -429,5 +481,7 @@ int paged_attention_##NAME(const attn_args *a, const T *q, const T *pool, const 
     return failed ? -1 : 0;                                                                   \
 }
 
-DEFINE_ENTRY(f32, float)
-DEFINE_ENTRY(bf16, uint16_t)
+DEFINE_ENTRY(f32, float, float)
+DEFINE_ENTRY(bf16, uint16_t, uint16_t)
+DEFINE_ENTRY(e4m3_f32, float, uint8_t)
+DEFINE_ENTRY(e4m3_bf16, uint16_t, uint8_t)

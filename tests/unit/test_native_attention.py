@@ -68,6 +68,34 @@ def test_kernel_matches_the_reference(kernels, dtype, heads, kv_heads, head_dim,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 8), (8, 1, 32), (10, 2, 64), (8, 2, 128)])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_an_fp8_pool_is_read_as_its_values_times_its_layers_scales(kernels, dtype, heads, kv_heads, head_dim,
+                                                                   block_size):
+    """e4m3 K and V widened through the kernel's table (16 at a time where head_dim allows, V
+    summed in registers where it is a multiple of 64), the K scale folded into the score
+    scale, the V scale on the output: the reference over the values multiplied back."""
+    layout = KVLayout(3, block_size, kv_heads, head_dim, torch.float8_e4m3fn)
+    pool = KVPool(layout, 40, "cpu", scales=torch.tensor([[1.0, 1.0], [1.0, 1.0], [0.02, 0.05]]))
+    g = torch.Generator().manual_seed(heads + head_dim + block_size)
+    pool.tensor.copy_((torch.randn(pool.tensor.shape, generator=g) * 4).to(torch.float8_e4m3fn))
+    pool.tensor[0, 2, 0, 0, 0, :4] = torch.tensor([0.0, 2.0**-9, -(2.0**-7), 448.0]).to(torch.float8_e4m3fn)
+    wide = KVPool(KVLayout(3, block_size, kv_heads, head_dim, torch.float32), 40, "cpu")
+    wide.tensor.copy_(pool.tensor.float() * pool.scales.view(1, 3, 2, 1, 1, 1))  # subnormals, zero, the largest
+    per_row = 48 // block_size + 1
+    table = torch.randperm(40, generator=g)[: 3 * per_row].view(3, per_row).contiguous()
+    table[0, 0] = 0  # the block holding the edge values
+    rows, ctx_lens = torch.tensor([0, 1, 2]), torch.tensor([5, 18, 48])
+    q = torch.randn(3, heads, head_dim, generator=g).to(dtype)
+    out = torch.full((3, heads, head_dim), float("nan"), dtype=dtype)
+    kernels.paged_attention(q, pool.tensor, 2, table, torch.arange(3), rows, ctx_lens, 0.3, out, k_scale=0.02,
+                            v_scale=0.05)
+    want = reference(q, wide, 2, table, rows, ctx_lens, 0.3)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("window", [1, 5, 16, 30])
 def test_a_sliding_window_attends_to_the_last_keys_only(kernels, dtype, block_size, window):
