@@ -202,3 +202,27 @@ def test_the_quantization_flag_reaches_the_workers_and_the_store_and_experts_are
     moe = make_tiny_model(tmp_path / "mixtral", "mixtral")
     with pytest.raises(UnsupportedModelError, match="FP8 weights in a mixture of experts"):
         LLMEngine(dataclasses.replace(engine_config(str(moe)), quantization="fp8"))
+
+
+def test_fp8_weights_and_kv_together_keep_speculation_exact_and_constraints_followed(tiny_llama_dir: str) -> None:
+    """Both FP8 at once: ngram speculation gives the tokens one-at-a-time decoding gives (each
+    token's input quantized on its own row, each KV element rounded on its own), and every
+    kind of constraint holds (the grammar masks the FP8 model's logits as any other's)."""
+    from engine.config import SpeculativeConfig
+    from engine.request import Constraint
+    from tests.integration.test_structured import CONSTRAINTS, valid
+
+    config = dataclasses.replace(engine_config(tiny_llama_dir, block_size=16, kv_cache_dtype="fp8"),
+                                 quantization="fp8")
+    plain = LLMEngine(config)
+    assert plain.kv_pool.fp8 and plain.model.layers[0].qkv.fp8 is not None
+    assert plain.model_id.endswith("+fp8+kv-fp8")
+    prompts = [[7, 8, 9, 10] * 6 + [7, 8], [5, 6] * 12]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    spec = LLMEngine(dataclasses.replace(config, speculative=SpeculativeConfig(method="ngram", priced=False)))
+    assert [c.token_ids for c in spec.generate(prompts, params)] == [c.token_ids for c in plain.generate(prompts, params)]
+    assert spec.speculator.counters.num_accepted_tokens > 0
+    for kind in ("json_schema", "regex", "choice", "grammar"):
+        out = plain.generate([[5, 17, 33, 4]], SamplingParams(max_tokens=120, constraint=Constraint(
+            kind, CONSTRAINTS[kind])))[0]
+        assert valid(kind, out.text), (kind, out.text)
