@@ -180,10 +180,11 @@ def floors(c: Check) -> dict[str, float]:
 
 
 def build_engine(c: Check, model_dir: str, dtype: str, quantization: str | None = None,
-                 check: str = "kv_sizing") -> LLMEngine:
+                 check: str = "kv_sizing", kv_cache_dtype: str = "auto") -> LLMEngine:
     free0 = torch.cuda.mem_get_info()[0] if c.device == "cuda" else 0
     began = time.monotonic()
-    cache = CacheConfig(block_size=16) if c.device == "cuda" else CacheConfig(block_size=16, kv_cache_bytes=64 * 2**20)
+    cache = CacheConfig(block_size=16, kv_cache_dtype=kv_cache_dtype,
+                        kv_cache_bytes=None if c.device == "cuda" else 64 * 2**20)
     engine = LLMEngine(EngineConfig(model_dir=model_dir, device=c.device, dtype=dtype, cache=cache,  # type: ignore[arg-type]
                                     scheduler=SchedulerConfig(), detokenize=False, quantization=quantization))
     pool = engine.kv_pool.num_blocks * engine.layout.block_bytes

@@ -93,7 +93,8 @@ def decode_steps(c: Check, engine: LLMEngine, fl: dict[str, float], batches: lis
                 kv_read = unique * per_token
                 floor_s = (weight_read + kv_read) / (fl["copy_gb_per_s"] * 1e9)
                 measured[(name, b, ctx)] = step_s
-                c.emit(check, attention=name, batch=b, context=ctx, shared_prefix=shared, step_ms=round(step_s * 1e3, 3),
+                c.emit(check, attention=name, batch=b, context=ctx, shared_prefix=shared,
+                       step_ms=round(step_s * 1e3, 3),
                        wall_ms=round(wall * 1e3, 3), floor_ms=round(floor_s * 1e3, 3),
                        over_floor=round(step_s / floor_s, 2), tokens_per_s=round(b / step_s),
                        weight_read_gib=round(weight_read / 2**30, 3), kv_read_gib=round(kv_read / 2**30, 3))

@@ -3,7 +3,9 @@ gone): the FP8 GEMM's rate (`torch._scaled_mm`, per-row and per-column scales, a
 engine's FP8 projections call it), then an engine of the same checkpoint with
 `--quantization fp8`: its decode steps against the FP8 floor (the projections' weights at
 one byte) and as a ratio to the bfloat16 engine's steps of the same run, and its prefill
-against the FP8 GEMM floor. On CPU the same phases run briefly (the script is checked
+against the FP8 GEMM floor; last, with the time left, one with FP8 KV as well
+(`--kv-cache-dtype fp8`: the Triton decode kernel over an e4m3 pool, its KV bytes halved in
+the floor), at the longer context. On CPU the same phases run briefly (the script is checked
 there; `_scaled_mm` is a GPU's, so the floor is the bfloat16 GEMM's)."""
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ def fp8_gemm_tflops(c: Check) -> dict[str, Any]:
         w8 = w.values.to(E4M3)
         xq, xs = quantize_input(x)
         ws = w.scale[None, :]
-        gemm_s = best_s(c.device, lambda: torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16))
+        gemm_s = best_s(c.device, lambda: torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=ws,
+                                                           out_dtype=torch.bfloat16))
         quant_s = best_s(c.device, lambda: quantize_input(x))
     else:
         wv = w.values.to(torch.bfloat16)
@@ -56,6 +59,21 @@ def fp8_phases(c: Check, model_dir: str, fl: dict[str, float], bf16_steps: dict[
         fl8 = {**fl, "gemm_tflops": gemm["fp8_gemm_tflops"]}
         c.phase("fp8_prefill", 30, lambda: prefill(c, engine, fl8, [2048, 8192] if cuda else [256], "fp8_prefill"))
     engine = None  # its pool given back before the next phase
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    both = c.phase("fp8_kv_sizing_both", 60, lambda: build_engine(c, model_dir, "bfloat16", "fp8", "fp8_kv_sizing_both",
+                                                                 kv_cache_dtype="fp8"))
+    if both is None:
+        return
+    got = c.phase("fp8_kv_decode", 40, lambda: decode_steps(c, both, fl, batches[::2], contexts[-1:], steps,
+                                                            "fp8_kv_decode")) or {}
+    for key, s in got.items():
+        if key in bf16_steps:
+            c.emit("fp8_kv_vs_bf16", attention=key[0], batch=key[1], context=key[2],
+                   bf16_ms=round(bf16_steps[key] * 1e3, 3), fp8_ms=round(s * 1e3, 3),
+                   speedup=round(bf16_steps[key] / s, 2))
+    both = None
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()

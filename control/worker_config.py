@@ -134,7 +134,8 @@ class WorkerConfig:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_dtype == "fp8" and self.device.startswith("cuda"):
             raise ValueError("--kv-cache-dtype fp8 serves on CPU workers for now: on GPUs the engine reads FP8 KV "
-                             "through the Triton decode kernel, which has not run on a GPU yet (tests/gpu has the check)")
+                             "through the Triton decode kernel, which has not run on a GPU yet (tests/gpu has the "
+                             "check)")
         if self.kv_store and self.device.startswith("cuda"):
             raise ValueError("the shared KV tier moves host-memory pools (CPU workers) for now: a GPU worker "
                              "runs without --kv-store")

@@ -43,7 +43,8 @@ class Linear:
         self.scale_ub = scale_ub
         self.w8: torch.Tensor | None = None
         """GPU: the FP8 weight as e4m3 [out, in], for `torch._scaled_mm`."""
-        if fp8 is not None and fp8_inputs != "weights_only" and weight.device.type == "cuda" and _scaled_mm_fits(weight):
+        on_gpu = weight.device.type == "cuda"
+        if fp8 is not None and fp8_inputs != "weights_only" and on_gpu and _scaled_mm_fits(weight):
             self.w8 = weight.to(E4M3)
         if fp8 is not None and fp8_inputs == "weights_only":  # 16-bit inputs: the weight dequantized once
             weight = (weight.float() * fp8.scale[:, None]).to(weight.dtype)

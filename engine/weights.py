@@ -39,7 +39,8 @@ class CheckpointReader:
 
     def is_fp8(self, name: str) -> bool:
         """Whether the tensor is stored as FP8 e4m3 (without reading it)."""
-        return self.has(name) and self._handle(name).get_slice(name).get_dtype() == "F8_E4M3"  # type: ignore[attr-defined]
+        handle = self._handle(name) if self.has(name) else None
+        return handle is not None and handle.get_slice(name).get_dtype() == "F8_E4M3"  # type: ignore[attr-defined]
 
     def _handle(self, name: str) -> object:
         if name not in self._file_of:

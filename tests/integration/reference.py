@@ -46,7 +46,8 @@ def hf_logits(model_dir: str, token_ids: list[int], dtype: torch.dtype = torch.f
 
 def engine_config(model_dir: str, *, block_size: int = 4, num_blocks: int = 512, budget: int = 64,
                   chunked: bool = True, caching: bool = True, max_seqs: int = 64, role: str = "both",
-                  dtype: str = "float32", seed: int = 0, device: str = "cpu", kv_cache_dtype: str = "auto") -> EngineConfig:
+                  dtype: str = "float32", seed: int = 0, device: str = "cpu",
+                  kv_cache_dtype: str = "auto") -> EngineConfig:
     return EngineConfig(
         model_dir=model_dir, dtype=dtype, role=role, seed=seed, device=device,
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching,

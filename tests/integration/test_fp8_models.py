@@ -167,7 +167,8 @@ def test_speculation_over_fp8_weights_keeps_the_greedy_tokens_and_the_store_name
     config = dataclasses.replace(engine_config(tiny_llama_dir), quantization="fp8")
     plain = LLMEngine(config)
     spec = LLMEngine(dataclasses.replace(config, speculative=SpeculativeConfig(method="ngram", priced=False)))
-    assert [c.token_ids for c in spec.generate(prompts, params)] == [c.token_ids for c in plain.generate(prompts, params)]
+    assert ([c.token_ids for c in spec.generate(prompts, params)]
+            == [c.token_ids for c in plain.generate(prompts, params)])
     assert spec.speculator.counters.num_accepted_tokens > 0
     layout = store_layout(tiny_llama_dir, "", 4, "float32", "fp8")
     assert layout.model_id == plain.model_id == Path(tiny_llama_dir).resolve().name + "+fp8"
@@ -220,7 +221,8 @@ def test_fp8_weights_and_kv_together_keep_speculation_exact_and_constraints_foll
     prompts = [[7, 8, 9, 10] * 6 + [7, 8], [5, 6] * 12]
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     spec = LLMEngine(dataclasses.replace(config, speculative=SpeculativeConfig(method="ngram", priced=False)))
-    assert [c.token_ids for c in spec.generate(prompts, params)] == [c.token_ids for c in plain.generate(prompts, params)]
+    assert ([c.token_ids for c in spec.generate(prompts, params)]
+            == [c.token_ids for c in plain.generate(prompts, params)])
     assert spec.speculator.counters.num_accepted_tokens > 0
     for kind in ("json_schema", "regex", "choice", "grammar"):
         out = plain.generate([[5, 17, 33, 4]], SamplingParams(max_tokens=120, constraint=Constraint(

@@ -23,7 +23,8 @@ def test_the_gpu_check_runs_every_engine_phase_on_the_cpu(tmp_path: Path) -> Non
     assert not errors, errors
     checks = [x["check"] for x in lines]
     for check in ("preflight", "floors", "kv_sizing", "decode", "prefill", "worst_step", "engine_vs_transformers",
-                  "fp8_floors", "fp8_kv_sizing", "fp8_decode", "fp8_vs_bf16", "fp8_prefill", "end"):
+                  "fp8_floors", "fp8_kv_sizing", "fp8_decode", "fp8_vs_bf16", "fp8_prefill", "fp8_kv_sizing_both",
+                  "fp8_kv_decode", "fp8_kv_vs_bf16", "end"):
         assert check in checks, check
     fp8 = [x for x in lines if x["check"] == "fp8_vs_bf16"]  # the FP8 engine's steps beside the bfloat16 one's
     assert [(x["batch"], x["context"]) for x in fp8] == [(1, 64), (8, 64), (1, 256), (8, 256)]

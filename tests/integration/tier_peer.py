@@ -33,7 +33,8 @@ class TierWorker:
         worker's tensor-parallel degree (its ranks children of this process: one split worker
         a process); `through_host`: the tier moves the pool's blocks through host rows of its
         own, as it does a GPU pool's (None: where the pool is on a GPU)."""
-        config = engine_config(model_dir, num_blocks=num_blocks, budget=64, device=device, kv_cache_dtype=kv_cache_dtype)
+        config = engine_config(model_dir, num_blocks=num_blocks, budget=64, device=device,
+                               kv_cache_dtype=kv_cache_dtype)
         config = replace(config, cache=replace(config.cache, cluster_secret=SECRET))  # the cluster's: hashes agree
         self.ranks = TensorRanks(tp, rank_allocator("cpu")) if tp > 1 else None
         # a private pool (each rank's in shared memory when split): fetched blocks land through the tier's staging
