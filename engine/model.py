@@ -109,9 +109,6 @@ class LlamaForCausalLM:
         get = lambda name: share(name, ckpt.get(name, dtype, device))  # noqa: E731
         opt = lambda name: get(name) if ckpt.has(name) else None  # noqa: E731
         fp8 = config.fp8
-        if fp8 is not None and config.moe is not None:
-            raise UnsupportedModelError("FP8 weights in a mixture of experts are not supported yet (the experts' "
-                                        "grouped GEMMs have no FP8 form): serve its 16-bit checkpoint")
 
         def projection(name: str) -> tuple[torch.Tensor, Fp8Weight | None]:
             """A projection's weight (this rank's share) and, where it is FP8, its scales: the
@@ -167,6 +164,9 @@ class LlamaForCausalLM:
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
             moe = config.moe is not None and i in config.moe.layers
+            if moe and config.moe is not None and ckpt.is_fp8(f"{p}{config.moe.checkpoint_names[0]}.gate.weight"):
+                raise UnsupportedModelError("an FP8 router (the experts' gate) is not supported: FP8 checkpoints "
+                                            "leave it in the model's dtype")
             model.layers.append(LayerWeights(
                 input_norm=norm(p + "input_layernorm.weight"),
                 qkv=fused([a + f"{n}_proj" for n in "qkv"], stored=a + "qkv_proj"),
@@ -176,7 +176,9 @@ class LlamaForCausalLM:
                 gate_up=None if moe else fused([m + "gate_proj", m + "up_proj"], swiglu=config.hidden_act == "silu",
                                                stored=m + "gate_up_proj"),
                 down=None if moe else fused([m + "down_proj"]),
-                moe=MoEWeights.load(get, ckpt.has, p, config.moe) if moe and config.moe is not None else None,
+                moe=MoEWeights.load(get, ckpt.has, p, config.moe, projection if fp8 is not None else None,
+                                    fp8.inputs if fp8 is not None else "dynamic", fp8.scale_ub if fp8 else None)
+                if moe and config.moe is not None else None,
                 q_norm=norm(a + "q_norm.weight") if config.qk_norm else None,
                 k_norm=norm(a + "k_norm.weight") if config.qk_norm else None,
                 attn_out_norm=norm(p + "post_attention_layernorm.weight") if config.sandwich_norms else None,
@@ -327,7 +329,7 @@ class LlamaForCausalLM:
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         if layer.moe is not None:
             assert self.config.moe is not None
-            if self.kernels is not None:  # grouped GEMMs on GPUs (engine/triton_moe.py)
+            if self.kernels is not None and layer.moe.fp8 is None:  # grouped GEMMs on GPUs (engine/triton_moe.py)
                 return self._summed(self.kernels.moe(x, layer.moe, self.config.moe))
             return self._summed(moe_forward(x, layer.moe, self.config.moe))
         assert layer.gate_up is not None and layer.down is not None

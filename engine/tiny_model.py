@@ -315,8 +315,9 @@ stay within a few units)."""
 
 def make_fp8_model(src_dir: str | Path, out_dir: str | Path, kind: str, dequantized_dir: str | Path | None = None
                    ) -> Path:
-    """Write `src_dir`'s checkpoint with its projections (every `*_proj.weight`, not the LM
-    head) in FP8 as Hugging Face lays them out: e4m3 `weight`, float32 `weight_scale` (a
+    """Write `src_dir`'s checkpoint with its projections (every `*_proj.weight` and every
+    expert's weight; not the LM head, the routers or the shared expert's gate) in FP8 as
+    Hugging Face lays them out: e4m3 `weight`, float32 `weight_scale` (a
     scalar per tensor, [out, 1] per channel), a scalar `input_scale` where static; and,
     with `dequantized_dir`, the same model with those weights dequantized (float32, no
     quantization_config): the reference. `kind`: a key of FP8_CONFIGS."""
@@ -333,7 +334,7 @@ def make_fp8_model(src_dir: str | Path, out_dir: str | Path, kind: str, dequanti
     plain: dict[str, torch.Tensor] = {}
     for name in sorted(ckpt.names()):
         w = ckpt.get(name, torch.float32, "cpu").contiguous()
-        if not name.endswith("_proj.weight") or ".experts." in name:
+        if not name.endswith(".weight") or not (name.endswith("_proj.weight") or ".experts." in name):
             fp8[name] = plain[name] = w
             continue
         if scheme.weights == "tensor":

@@ -5,10 +5,10 @@ shared memory on CPU (same-host senders copy straight into it), private huge pag
 when the cluster's transport is nixl (NIXL writes into them at 0.82-0.87 of memcpy, into
 shared memory at 0.66-0.69), a dedicated cudaMalloc on GPU (exported as a CUDA IPC handle).
 `pool_region(tensor)` sees a pool as blocks of bytes for kvfabric, `exports(allocator)` is
-what a receiver offers senders. `pick_transport` is the rule: same host -> `shm` (CPU) or `cuda_ipc` (GPU, also across two GPUs of one
-host); other hosts -> `tcp` (CPU) or `nccl` (GPU), never nccl within one GPU; `nixl` where
-forced or where the measured defaults take it (`NIXL_FIRST`) and the receiver offers it
-(`offers_nixl`). `require_cupy` gives one clear error at start-up when a GPU pool cannot use
+what a receiver offers senders. `pick_transport` is the rule: same host -> `shm` (CPU) or
+`cuda_ipc` (GPU, also across two GPUs of one host); other hosts -> `tcp` (CPU) or `nccl`
+(GPU), never nccl within one GPU; `nixl` where forced or where the measured defaults take it
+(`NIXL_FIRST`) and the receiver offers it (`offers_nixl`). `require_cupy` gives one clear error at start-up when a GPU pool cannot use
 the GPU transports.
 """
 from __future__ import annotations

@@ -175,11 +175,8 @@ def test_speculation_over_fp8_weights_keeps_the_greedy_tokens_and_the_store_name
     assert store_layout(tiny_llama_dir, "", 4, "float32").model_id == Path(tiny_llama_dir).resolve().name
 
 
-def test_the_quantization_flag_reaches_the_workers_and_the_store_and_experts_are_refused(
-        tiny_llama_dir: str, tmp_path: Path) -> None:
+def test_the_quantization_flags_reach_the_workers_and_the_store(tiny_llama_dir: str) -> None:
     from cluster.cli import _serve_config, build_parser
-    from engine.tiny_model import make_tiny_model
-    from engine.types import UnsupportedModelError
 
     from cluster.controller import Controller
     from control.worker_config import WorkerConfig
@@ -200,9 +197,6 @@ def test_the_quantization_flag_reaches_the_workers_and_the_store_and_experts_are
         WorkerConfig(model_dir=tiny_llama_dir, device="cuda", kv_cache_dtype="fp8")
     with pytest.raises(SystemExit):  # argparse names the choices
         build_parser().parse_args(["serve", "--quantization", "int4"])
-    moe = make_tiny_model(tmp_path / "mixtral", "mixtral")
-    with pytest.raises(UnsupportedModelError, match="FP8 weights in a mixture of experts"):
-        LLMEngine(dataclasses.replace(engine_config(str(moe)), quantization="fp8"))
 
 
 def test_fp8_weights_and_kv_together_keep_speculation_exact_and_constraints_followed(tiny_llama_dir: str) -> None:
@@ -228,3 +222,57 @@ def test_fp8_weights_and_kv_together_keep_speculation_exact_and_constraints_foll
         out = plain.generate([[5, 17, 33, 4]], SamplingParams(max_tokens=120, constraint=Constraint(
             kind, CONSTRAINTS[kind])))[0]
         assert valid(kind, out.text), (kind, out.text)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_fp8_experts_give_the_log_probabilities_of_their_weights_dequantized_whole_and_split(
+        arch: str, tmp_path: Path) -> None:
+    """Each expert's projections (and Qwen2-MoE's shared expert) FP8, the routers not: the
+    torch form quantizes each expert's input rows and scales its products, on one rank or
+    split across two (their scales follow their rows); `--quantization fp8` quantizes the
+    experts as it loads them, as llm-compressor's FP8-dynamic checkpoint of them holds."""
+    from engine.tiny_model import make_tiny_model
+
+    src = make_tiny_model(tmp_path / arch, arch)
+    static = str(make_fp8_model(src, tmp_path / "static", "ct-channel-static", tmp_path / "static-dq"))
+    engine = make_engine(static)
+    moe = next(layer.moe for layer in engine.model.layers if layer.moe is not None)
+    assert moe.fp8 is not None and moe.fp8.gate_up_input is not None and moe.router.dtype == torch.float32
+    assert (moe.fp8.shared_gate_up is not None) == (arch == "qwen2_moe")
+    prompts = random_prompts([40, 64, 33], 512, seed=9)
+    delta = (prompt_logprobs(engine, prompts) - prompt_logprobs(make_engine(str(tmp_path / "static-dq")),
+                                                                prompts)).abs()
+    # (a token near a routing tie may take another expert than the reference: a larger move, 0.45 here)
+    assert float(delta.mean()) < 0.05 and float(delta.max()) < 1.0, (float(delta.mean()), float(delta.max()))
+    assert float(delta.mean()) > 1e-4
+    dynamic = make_fp8_model(src, tmp_path / "dynamic", "ct-channel-dynamic")
+    at_load = LLMEngine(dataclasses.replace(engine_config(str(src)), quantization="fp8"))
+    assert float((prompt_logprobs(at_load, prompts) - prompt_logprobs(make_engine(str(dynamic)), prompts)
+                  ).abs().max()) < 1e-5
+    whole = LLMEngine(make_engine_config(static)).generate(prompts, TP_PARAMS)
+    rank0, _ = run_ranks(2, static, prompts, tmp_path)
+    assert rank0["tokens"] == [c.token_ids for c in whole]
+    for got, want in zip(rank0["logprobs"], (c.logprobs for c in whole)):
+        assert max(abs(a - b) for a, b in zip(got, want)) < TP_TOLERANCE
+
+
+def test_quantizing_stacked_experts_at_load_gives_what_quantizing_them_apart_gives(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A converted GGUF holds a mixture's experts stacked (`experts.gate_up_proj`); quantized
+    as they load, per expert and output row, they give the numbers of the same experts
+    quantized one by one from the checkpoint they were written from."""
+    from engine.gguf_checkpoint import resolve_model_dir
+    from engine.tiny_model import make_tiny_model
+    from tests.gguf_writer import write_gguf
+
+    monkeypatch.setenv("SPLITSERVE_CACHE", str(tmp_path / "cache"))
+    source = make_tiny_model(tmp_path / "qwen3_moe", "qwen3_moe")
+    converted = resolve_model_dir(write_gguf(source, tmp_path / "qwen3_moe.gguf"))
+    from engine.weights import CheckpointReader
+
+    assert CheckpointReader(converted).has("model.layers.0.mlp.experts.gate_up_proj")
+    prompts = random_prompts([23, 40], 512, seed=10)
+    stacked, apart = (LLMEngine(dataclasses.replace(engine_config(str(d)), quantization="fp8"))
+                      for d in (converted, source))
+    assert next(layer.moe for layer in stacked.model.layers if layer.moe is not None).fp8 is not None
+    assert float((prompt_logprobs(stacked, prompts) - prompt_logprobs(apart, prompts)).abs().max()) < 1e-4
