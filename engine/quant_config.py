@@ -132,6 +132,18 @@ class Fp8Scheme:
         return True
 
 
+KV_ID_MARKS = ("+kv-fp8", "+fp8")
+"""What `kv_model_id` appends, last first."""
+
+
+def served_name(kv_id: str) -> str:
+    """The model's name for clients: its KV's name without the marks of how it is quantized
+    (a client asks for the model, not for its bytes; vLLM keeps the name under --quantization)."""
+    for mark in KV_ID_MARKS:
+        kv_id = kv_id.removesuffix(mark)
+    return kv_id
+
+
 def kv_model_id(model_id: str, scheme: Fp8Scheme | None, kv_cache_dtype: str = "auto") -> str:
     """The name a model's KV is known by (block hashes, kvfabric's layout, the KV store): a
     checkpoint quantized at load computes other KV than the checkpoint as it is, and FP8 KV

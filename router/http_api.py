@@ -26,6 +26,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
+from engine.quant_config import served_name
 from engine.types import InvalidRequestError
 from router.attempt import CUT_OFF, RequestFailed
 from router.constraints import AutoToolOutput, ToolCallOutput, constraint_of, tool_plan
@@ -116,7 +117,7 @@ class OpenAIServer:
     @property
     def model_name(self) -> str | None:
         facts = self.members.facts
-        return self.served_model_name or (facts.model_id if facts else None)
+        return self.served_model_name or (served_name(facts.model_id) if facts else None)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -328,7 +329,7 @@ class OpenAIServer:
         name, facts = self.model_name, self.members.facts
         data = [] if name is None else [{
             "id": name, "object": "model", "created": self.created, "owned_by": "splitserve",
-            "root": facts.model_id if facts else name, "parent": None,
+            "root": served_name(facts.model_id) if facts else name, "parent": None,
             "max_model_len": facts.max_model_len if facts else None}]
         return web.json_response({"object": "list", "data": data}, dumps=dumps)
 

@@ -10,7 +10,7 @@ import torch
 from engine.fp8 import E4M3, E4M3_MAX, Fp8Weight, channel_scale, dequantize, quantize_input, quantize_weight, to_e4m3
 from engine.linear import Linear
 from engine.native import load as load_native
-from engine.quant_config import Fp8Scheme, kv_model_id
+from engine.quant_config import Fp8Scheme, kv_model_id, served_name
 from engine.types import UnsupportedModelError
 
 CT_FP8 = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
@@ -69,6 +69,8 @@ def test_ignored_modules_match_by_name_suffix_or_pattern() -> None:
     assert scheme.covers("model.layers.3.mlp.gate_proj") and scheme.covers("model.layers.0.self_attn.q_proj")
     assert kv_model_id("m", Fp8Scheme.loading()) == "m+fp8"  # quantized here: not the checkpoint's KV
     assert kv_model_id("m", scheme) == "m" and kv_model_id("m", None) == "m"
+    assert kv_model_id("m", Fp8Scheme.loading(), "fp8") == "m+fp8+kv-fp8"
+    assert served_name("m+fp8+kv-fp8") == served_name("m+kv-fp8") == served_name("m") == "m"  # clients ask for "m"
 
 
 def test_quantized_values_are_e4m3_and_within_a_sixteenth() -> None:
