@@ -333,7 +333,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     s.add_argument("--controller-max-restarts", type=int, default=ClusterConfig.controller_max_restarts,
                    help="times Ray restarts a controller that died (workers and routers serve on meanwhile)")
     s.add_argument("--autoscale", action="store_true",
-                   help="scale prefill on queue time and decode on KV pressure, within the --min/--max bounds")
+                   help="scale prefill on queue time and decode on KV pressure, within --min-prefill/--max-prefill "
+                        "and --min-decode/--max-decode")
     s.add_argument("--min-prefill", type=int, default=0, help="--autoscale: (0 lets mode auto drop the prefill pool)")
     s.add_argument("--max-prefill", type=int, default=AutoscaleConfig.prefill_max)
     s.add_argument("--min-decode", type=int, default=AutoscaleConfig.decode_min)

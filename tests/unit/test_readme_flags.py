@@ -1,6 +1,6 @@
-"""Every command-line flag the README shows exists: each `--flag` in it is an option of a
-`splitserve` command (cluster/cli.py's parser, subcommands included), of `./dev` or of a
-benchmark, or one of `ELSEWHERE` (another program's)."""
+"""Every command-line flag the README and the docs pages show exists: each `--flag` in them
+is an option of a `splitserve` command (cluster/cli.py's parser, subcommands included), of
+`./dev` or of a benchmark, or one of `ELSEWHERE` (another program's)."""
 from __future__ import annotations
 
 import argparse
@@ -35,7 +35,8 @@ def script_flags() -> set[str]:
     return found
 
 
-def test_every_flag_the_readme_shows_exists() -> None:
-    shown = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*[a-z0-9])", (ROOT / "README.md").read_text()))
+def test_every_flag_the_readme_and_the_docs_show_exists() -> None:
     known = options(build_parser()) | script_flags() | ELSEWHERE
-    assert shown - known == set()
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        shown = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*[a-z0-9])", page.read_text()))
+        assert shown - known == set(), page.name
