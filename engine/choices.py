@@ -23,6 +23,7 @@ import torch
 
 from engine.request import Logprob, Request, RequestStatus, SamplingParams
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.tp_followers import CopyOp
 from engine.types import InvalidRequestError, RequestId, choice_id, parent_of
 
 if TYPE_CHECKING:
@@ -141,7 +142,7 @@ class Forks:
         if isinstance(copy, tuple):
             e.kv_pool.tensor[copy[1]].copy_(e.kv_pool.tensor[copy[0]])
             if e.followers is not None:  # every tensor-parallel rank copies its own heads' block
-                e.followers.send({"op": "copy", "src": copy[0], "dst": copy[1]})
+                e.followers.send(CopyOp(copy[0], copy[1]))
         if copy is False:
             child.status, child.num_computed_tokens, child.output_token_ids = RequestStatus.PREEMPTED, 0, []
             e.scheduler.waiting.append(child)

@@ -40,7 +40,7 @@ from engine.model import LlamaForCausalLM
 from engine.model_config import ModelConfig
 from engine.quant_config import kv_model_id
 from engine.model_runner import ModelRunner
-from engine.tp_followers import Channel
+from engine.tp_followers import Channel, PoolOp, StopOp
 from engine.output_builder import OutputBuilder
 from engine.choices import Forks, check_id, first_rows
 from engine.request import MAX_CHOICES, FinishReason, Logprob, Request, SamplingParams
@@ -129,7 +129,7 @@ class LLMEngine:
     def release_followers(self) -> None:
         """A tensor-parallel leader's last word: the other ranks stop following (they return)."""
         if self.followers is not None:
-            self.followers.send({"op": "stop"})
+            self.followers.send(StopOp())
             self.followers = None
 
     @property
@@ -163,7 +163,7 @@ class LLMEngine:
         leads = self.followers
         decode = None if provisional or leads else decode_buffers(config, self.model, self.kv_pool, self.max_model_len)
         if leads is not None:
-            leads.send({"op": "pool", "num_blocks": num_blocks, "export": not provisional})
+            leads.send(PoolOp(num_blocks, not provisional))
             if not provisional:
                 self.follower_pools = leads.gather({})[1:]
         self.runner = ModelRunner(self.model, self.kv_pool, config.device, decode, leads.send if leads else None)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -22,6 +21,7 @@ from engine.model import LlamaForCausalLM
 from engine.prompt_logprobs import PromptRows
 from engine.request import Request
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.tp_followers import ForwardOp
 
 
 @dataclass
@@ -61,10 +61,9 @@ class StepPlan:
     sampled: list[Request]
     prompt_rows: PromptRows | None = None
 
-    def wire(self) -> dict[str, Any]:
+    def wire(self) -> ForwardOp:
         rows = self.prompt_rows
-        return {"op": "forward", "lists": self.lists, "groups": [list(g) for g in self.groups],
-                "prompt_index": rows.index if rows is not None else None}
+        return ForwardOp(self.lists, [list(g) for g in self.groups], rows.index if rows is not None else None)
 
 
 def batch_tensors(lists: list[list[int]], groups: list[tuple[int, ...]], block_size: int, device: str
@@ -89,7 +88,7 @@ def batch_tensors(lists: list[list[int]], groups: list[tuple[int, ...]], block_s
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, pool: KVPool, device: str, decode: DecodeGraphs | None = None,
-                 followers: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 followers: Callable[[ForwardOp], None] | None = None) -> None:
         self.model = model
         self.pool = pool
         self.device = device

@@ -6,9 +6,10 @@ request and the block accounting), the others follow its steps.
     rank r: `follow` --recv--> the same forward on its share of the model and its KV pool
                               (the same block ids: rank 0's accounting holds for every rank)
 
-What the leader sends is the scheduled batch, never activations: a pool of a given size
-(at start), a step's plan, a block copy (a request forked into choices), the end. The one
-answer comes at the pool: each follower's pool in memory the worker can map (`gather`: a
+What the leader sends is the scheduled batch, never activations, as one of four typed
+messages (`Op`, msgspec Structs: a follower decodes each against its type): a pool of a
+given size (`PoolOp`, at start), a step's plan (`ForwardOp`), a block copy (`CopyOp`, a
+request forked into choices), the end (`StopOp`). The one answer comes at the pool: each follower's pool in memory the worker can map (`gather`: a
 shared-memory segment on CPU, from the allocator its `TensorRanks` gave it), so kvfabric
 pushes and receives every rank's heads straight from and into the rank's own pool. A
 follower keeps no requests; its pool's blocks are written by the forwards it runs in the
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgpack
+import msgspec
 import torch
 
 from engine.config import EngineConfig
@@ -32,30 +34,60 @@ from engine.tensor_parallel import TensorParallel
 logger = logging.getLogger(__name__)
 
 
+class PoolOp(msgspec.Struct, tag="pool"):
+    """A pool of `num_blocks` (the ranks' block ids are rank 0's); `export`: each rank answers
+    with how another process maps it (`Channel.gather`)."""
+
+    num_blocks: int
+    export: bool
+
+
+class ForwardOp(msgspec.Struct, tag="forward"):
+    """A step's plan as index lists (engine/model_runner.py `StepPlan`)."""
+
+    lists: list[list[int]]
+    groups: list[list[int]]
+    prompt_index: list[int] | None = None
+
+
+class CopyOp(msgspec.Struct, tag="copy"):
+    """Block `src` copied into block `dst` (a prompt forked into choices)."""
+
+    src: int
+    dst: int
+
+
+class StopOp(msgspec.Struct, tag="stop"):
+    """The leader is done: the follower returns."""
+
+
+Op = PoolOp | ForwardOp | CopyOp | StopOp
+_decode_op = msgspec.msgpack.Decoder(Op).decode
+_encode_op = msgspec.msgpack.Encoder().encode
+
+
 class Channel:
     """Messages from rank 0 to every rank of the group: a length, then the msgpack bytes."""
 
     def __init__(self, tp: TensorParallel) -> None:
         self.tp = tp
 
-    def send(self, msg: dict[str, Any]) -> None:
+    def send(self, op: Op) -> None:
         import torch.distributed as dist
 
-        payload = msgpack.packb(msg)
+        payload = _encode_op(op)
         dist.broadcast(torch.tensor([len(payload)], dtype=torch.long), 0, group=self.tp.group)
         dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), 0, group=self.tp.group)
 
-    def recv(self) -> dict[str, Any]:
+    def recv(self) -> Op:
+        """The leader's next message (msgspec.ValidationError: not one of `Op`)."""
         import torch.distributed as dist
 
         size = torch.zeros(1, dtype=torch.long)
         dist.broadcast(size, 0, group=self.tp.group)
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
         dist.broadcast(payload, 0, group=self.tp.group)
-        msg = msgpack.unpackb(payload.numpy().tobytes())
-        if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
-            raise ValueError("a tensor-parallel message is a map with a string 'op'")
-        return msg
+        return _decode_op(payload.numpy().tobytes())
 
     def gather(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
         """Every rank's map, in rank order (a collective: each rank calls it once)."""
@@ -97,31 +129,28 @@ def follow(config: EngineConfig, allocator: Callable[[], Any] | None = None) -> 
                       kv_dtype(config.cache.kv_cache_dtype, dtype))
     channel, pool, steps, memory = Channel(tp), None, 0, None
     while True:
-        msg = channel.recv()
-        op = msg["op"]
-        if op == "stop":
+        op = channel.recv()
+        if isinstance(op, StopOp):
             return steps
-        if op == "pool":
+        if isinstance(op, PoolOp):
             pool = None
             if memory is not None:
                 memory.close()
-            memory = allocator() if allocator is not None and msg.get("export") else None
-            pool = KVPool(layout, int(msg["num_blocks"]), config.device, memory, model.kv_scales)
-            if msg.get("export"):
+            memory = allocator() if allocator is not None and op.export else None
+            pool = KVPool(layout, op.num_blocks, config.device, memory, model.kv_scales)
+            if op.export:
                 channel.gather(memory.export() if memory is not None else {})
-        elif op == "forward":
+        elif isinstance(op, ForwardOp):
             assert pool is not None, "a step before the pool"
-            ids, pos, meta, logits = batch_tensors(msg["lists"], [tuple(g) for g in msg["groups"]],
-                                                   layout.block_size, config.device)
-            index = msg["prompt_index"]
+            ids, pos, meta, logits = batch_tensors(op.lists, [tuple(g) for g in op.groups], layout.block_size,
+                                                   config.device)
+            index = op.prompt_index
             prompt = (torch.tensor(index, dtype=torch.long, device=config.device), _drop) if index else None
             model.forward(ids, pos, pool, meta, logits, prompt)
             steps += 1
-        elif op == "copy":
-            assert pool is not None
-            pool.tensor[msg["dst"]].copy_(pool.tensor[msg["src"]])
         else:
-            raise ValueError(f"unknown tensor-parallel op {op!r}")
+            assert pool is not None
+            pool.tensor[op.dst].copy_(pool.tensor[op.src])
 
 
 def _drop(offset: int, logits: torch.Tensor) -> None:
