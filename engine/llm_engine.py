@@ -36,7 +36,7 @@ from engine.kv_connector import KVConnector
 from engine.kv_pool import KVAllocator, KVLayout, KVPool, kv_dtype
 from engine.kv_profile import profiled_pool_bytes
 from engine.kv_sizing import DEFAULT_CPU_KV_BYTES, num_blocks_for
-from engine.model import LlamaForCausalLM
+from engine.model import DTYPES, LlamaForCausalLM
 from engine.model_config import ModelConfig
 from engine.quant_config import kv_model_id
 from engine.model_runner import ModelRunner
@@ -57,7 +57,6 @@ from engine.types import EngineLoad, InvalidRequestError, RequestId, choice_id
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class LLMEngine:
@@ -81,7 +80,7 @@ class LLMEngine:
         model_dir = resolve_model_dir(config.model_dir)  # a GGUF file: its converted directory
         self.model_config = ModelConfig.from_dir(model_dir, config.quantization)
         mc = self.model_config
-        dtype = _DTYPES[config.dtype]
+        dtype = DTYPES[config.dtype]
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         cuda = config.device.startswith("cuda")
         self.memory = memory if memory is not None else CudaMemory(config.device) if cuda else None

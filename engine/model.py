@@ -38,6 +38,8 @@ from engine.rope import RotaryTable, apply_rotary
 from engine.types import UnsupportedModelError
 from engine.weights import CheckpointReader
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The model dtypes by their config names (`EngineConfig.dtype`)."""
 PROMPT_LOGIT_ROWS = 256
 """Prompt positions whose logits are made at once for prompt log-probabilities (256 x a 128K
 vocabulary is 128 MiB of float32)."""

@@ -111,8 +111,7 @@ def follow(config: EngineConfig, allocator: Callable[[], Any] | None = None) -> 
     Returns the number of forwards run."""
     from engine.gguf_checkpoint import resolve_model_dir
     from engine.kv_pool import KVLayout, KVPool, kv_dtype
-    from engine.llm_engine import _DTYPES
-    from engine.model import LlamaForCausalLM
+    from engine.model import DTYPES, LlamaForCausalLM
     from engine.model_config import ModelConfig
     from engine.model_runner import batch_tensors
     from engine.gpu_kernels import select_kernels
@@ -121,7 +120,7 @@ def follow(config: EngineConfig, allocator: Callable[[], Any] | None = None) -> 
     assert tp is not None and tp.rank > 0, "follow() runs the ranks after the first"
     model_dir = resolve_model_dir(config.model_dir)
     full = ModelConfig.from_dir(model_dir, config.quantization)
-    dtype = _DTYPES[config.dtype]
+    dtype = DTYPES[config.dtype]
     model = LlamaForCausalLM.load(str(model_dir), full, dtype, config.device, config.prepack_weights,
                                   select_kernels(config.device, config.native_kernels), tp)
     local = model.config
