@@ -72,9 +72,6 @@ class KVIndex:
         self._last_event_id.pop(worker_id, None)
         self._predicted.pop(worker_id, None)
 
-    def last_event_id(self, worker_id: WorkerId) -> int | None:
-        return self._last_event_id.get(worker_id)
-
     def predict(self, worker_id: WorkerId, block_hashes: Sequence[BlockHash]) -> None:
         """The router just sent these blocks' prompt to `worker_id`: count them as cached there for a while."""
         expiry = self.clock() + self.predicted_ttl_s

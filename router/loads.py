@@ -89,9 +89,6 @@ class LoadBook:
             queued = max(queued, hb.load.queued_prefill_tokens)
         return WorkerLoad(worker_id, active, queued, max(free, 0), total)
 
-    def own_active(self, worker_id: str) -> int:
-        return self._own.get(worker_id, _Own()).num_active
-
 
 @dataclass
 class Booking:
