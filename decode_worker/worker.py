@@ -54,7 +54,7 @@ Item = RequestOutput | Landed | RemoteFailure
 @dataclass
 class _Decode:
     """One request on this worker, on the asyncio side: what the engine thread sends it (its
-    n choices' outputs too, engine/choices.py)."""
+    n choices' outputs too, engine/forks.py)."""
 
     request_id: str
     n: int = 1

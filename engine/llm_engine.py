@@ -42,7 +42,7 @@ from engine.quant_config import kv_model_id
 from engine.model_runner import ModelRunner
 from engine.tp_followers import Channel, PoolOp, StopOp
 from engine.output_builder import OutputBuilder
-from engine.choices import Forks, check_id, first_rows
+from engine.forks import Forks, check_id, first_rows
 from engine.request import MAX_CHOICES, FinishReason, Logprob, Request, SamplingParams
 from engine.roles import Role, role_for
 from engine.sampler import Sampler
@@ -120,7 +120,7 @@ class LLMEngine:
         self._reset_state()  # a profiled forward's requests and counts are not the worker's
         self.speculator = self._speculator(dtype, kernels)
         self.forks = Forks(self)
-        """Requests of n choices forked into them (engine/choices.py)."""
+        """Requests of n choices forked into them (engine/forks.py)."""
         self.connector = KVConnector(self)
         """The seam for KV that moves in or out: the P/D hand-off and the KV tier (engine/kv_connector.py)."""
         capture_graphs(self.runner.decode, config.device, graphs)
@@ -245,7 +245,7 @@ class LLMEngine:
         while a transfer borrowed them (the connector's `lend`, or its quarantine of a failed
         transfer): then they are held until the connector's `give_back`."""
         rid = RequestId(request_id)
-        for i in range(1, MAX_CHOICES):  # its other choices, forked from it (engine/choices.py)
+        for i in range(1, MAX_CHOICES):  # its other choices, forked from it (engine/forks.py)
             if self.scheduler.abort(choice_id(rid, i)):
                 self.outputs.forget(choice_id(rid, i))
         aborted = self.scheduler.abort(rid)
@@ -325,7 +325,7 @@ class LLMEngine:
         """A step run and sampled here and now."""
         requests, logits = self.runner.execute(out)
         shadows: list[Request] = []
-        if rows := first_rows(requests):  # requests of n choices at their first token (engine/choices.py)
+        if rows := first_rows(requests):  # requests of n choices at their first token (engine/forks.py)
             requests, logits, shadows = self.forks.in_step(out, requests, logits, rows)
         if any(r.matcher is not None for r in requests):
             num_spec = {s.request.request_id: s.num_spec_tokens for s in out.scheduled if s.num_spec_tokens}

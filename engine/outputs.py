@@ -25,10 +25,10 @@ class RequestOutput:
     prompt_logprobs: list[PromptLogprob] | None = None
     """With prompt_logprobs, on the request's first output: its prompt tokens' (from the second)."""
     choice_index: int = 0
-    """Which of its request's n choices (engine/choices.py)."""
+    """Which of its request's n choices (engine/forks.py)."""
     choice_tokens: list[tuple[int, float | Logprob | None]] = field(default_factory=list)
     """A prefill worker's first output of a request of n choices: the other choices' first
-    tokens (engine/choices.py), which the decode worker forks with."""
+    tokens (engine/forks.py), which the decode worker forks with."""
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0

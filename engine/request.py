@@ -140,7 +140,7 @@ class SamplingParams:
     retry re-prefills them): the frequency and presence penalties count them as output."""
     n: int = 1
     """Choices: the prompt is computed once, and at its first token the request forks into n
-    sequences sharing its blocks (engine/choices.py); choice i draws as a request of seed
+    sequences sharing its blocks (engine/forks.py); choice i draws as a request of seed
     `seed + i` would (unseeded: from the engine's stream)."""
 
     def __post_init__(self) -> None:

@@ -106,7 +106,7 @@ class Ready(Message, tag="ready"):
     """One-sided: the runs copied since the last report."""
     choice_token_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_CHOICE_TOKENS)] = msgspec.field(
         default_factory=list)
-    """A request of n choices: the other choices' first tokens (engine/choices.py)."""
+    """A request of n choices: the other choices' first tokens (engine/forks.py)."""
 
 
 class RevokeAck(Message, tag="revoke_ack"):

@@ -4,7 +4,7 @@
                    holder of their own (KVCacheManager.hold_cached, off the engine's requests;
                    the pool's eviction order is not changed) and queued
     the lane       Offer(hashes) -> the blocks the store wants, pushed over kvfabric (a device
-                   pool's through host rows, kvstore/host_copy.py) -> `ready`
+                   pool's through host rows, kvstore/pinned_rows.py) -> `ready`
                    -> the hold released on the engine thread, whatever happened
 
 At most `max_blocks` blocks are held for offloads at once; past that, newly cached blocks are
@@ -27,7 +27,7 @@ from engine.types import BlockHash, RequestId
 from control.tls import MemberTLS, client_context, member_channel_sync
 from kvfabric import FabricError, FabricSender, SenderConfig
 from kvfabric.pools import WorkerPools
-from kvstore.host_copy import HostCopies
+from kvstore.pinned_rows import HostCopies
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from proto.convert import ticket_from_pb

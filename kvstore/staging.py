@@ -9,7 +9,7 @@ that wanted them is added.
 
 A fetch never holds pool blocks while it waits on the network: the engine allocates them
 only when they are filled, in the call that adds the request. A device pool's landing
-copies the staged rows in through kvstore/host_copy.py instead (one rank, whole blocks).
+copies the staged rows in through kvstore/pinned_rows.py instead (one rank, whole blocks).
 """
 from __future__ import annotations
 

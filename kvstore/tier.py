@@ -42,7 +42,7 @@ from engine.types import BlockHash, RequestId
 from kvfabric import FabricReceiver, KVArrived, ReceiverConfig, TransferFailed, settle
 from kvfabric.pools import memory_pools, offers_nixl
 from kvstore.host import StoreEntry, find_store
-from kvstore.host_copy import HostCopies
+from kvstore.pinned_rows import HostCopies
 from kvstore.offload import Offloads
 from kvstore.staging import Staging
 from kvstore.tier_meters import FetchGate, FetchTimes, TierCounters
@@ -56,7 +56,7 @@ LONG_PROMPT_TOKENS = 4096
 """A prompt longer than this is hashed on a worker thread (hashing takes about 0.3 ms per 4k tokens)."""
 
 HOST_ROWS = 32
-"""Host rows (pinned) a device pool's offloads go through (kvstore/host_copy.py): 64 MiB of
+"""Host rows (pinned) a device pool's offloads go through (kvstore/pinned_rows.py): 64 MiB of
 Llama-3-8B's bfloat16 blocks of 16 tokens."""
 
 RESOLVE_EVERY_S = 5.0
@@ -78,7 +78,7 @@ class KVTier:
         (heartbeats name it, routers index it); `resolve`: finds the host's store again after it
         went away (a restarted store listens elsewhere); `staging_blocks`: how many fetched
         blocks may wait for the engine at once (more: a fetch is skipped); `through_host`: the
-        pool's blocks cross host rows of their own (kvstore/host_copy.py) both ways, as a GPU
+        pool's blocks cross host rows of their own (kvstore/pinned_rows.py) both ways, as a GPU
         pool's must (None: where the pool is on a GPU); `tls`: the worker's identity for mutual TLS
         with the store (None: plain); `kv_transport`: the worker's (nixl: fetches land and
         offloads leave through NIXL)."""

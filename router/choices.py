@@ -1,4 +1,4 @@
-"""The output side of a request of n choices (`SamplingParams.n`; engine/choices.py forks them):
+"""The output side of a request of n choices (`SamplingParams.n`; engine/forks.py forks them):
 one `Responses` a choice, each with its own detokenizer and stop strings.
 
 Every choice's responses carry its index (`GenerateResponse.choice`); each choice's last one

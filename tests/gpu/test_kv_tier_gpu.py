@@ -1,6 +1,6 @@
 """The shared KV tier with GPU workers' pools: blocks go out to the host's store through pinned
 host rows (a copy stream of their own) and come back from staging into the device pool
-(kvstore/host_copy.py). A prefix evicted from a pool comes back from the store with the tokens
+(kvstore/pinned_rows.py). A prefix evicted from a pool comes back from the store with the tokens
 the worker computed for it, on the worker that offloaded it and on another GPU worker, and
 nothing stays held. The CPU suite runs the same copies on host tensors
 (tests/integration/test_kv_tier.py, through_host)."""

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from decode_worker.kv_receive import RemoteFailure, RemoteKV
-from engine.choices import choice_params
+from engine.forks import choice_params
 from engine.model_config import ModelConfig
 from engine.request import FinishReason, SamplingParams
 from engine.types import choice_id

@@ -387,7 +387,7 @@ def test_a_split_worker_offloads_and_fetches_its_ranks_heads(tiny_llama_dir: str
 
 def test_a_pool_the_tier_reaches_through_host_rows_offloads_and_fetches_whole_blocks(tiny_llama_dir: str,
                                                                                     monkeypatch) -> None:
-    """The path a GPU worker's tier takes (kvstore/host_copy.py), on host tensors: its offloads
+    """The path a GPU worker's tier takes (kvstore/pinned_rows.py), on host tensors: its offloads
     are copied out of the pool into host rows, 3 at a time here (a 10-block offload in 4 turns),
     and pushed from there; its fetches are copied from staging into the pool by one indexed
     copy. A worker that reads its pool directly fetches what it offloaded, and the other way
