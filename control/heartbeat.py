@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -43,6 +43,26 @@ def target_key(ns: str, role: str) -> str:
 def store_key(ns: str, host_id: str) -> str:
     """A host's KV store's entry (kvstore/host.py): its address, store id and counters, as JSON."""
     return f"{ns}:kvstore:{host_id}"
+
+
+class StoreEntry(msgspec.Struct, frozen=True):
+    """Where a host's KV store is, as its registry entry says (kvstore/host.py writes the entry
+    as JSON, with its counters beside these for `status`): read by routers and by the workers
+    of its host, through `store_entry` alone."""
+
+    address: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    store_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+
+
+_decode_store_entry = msgspec.json.Decoder(StoreEntry).decode
+
+
+def store_entry(data: bytes | str) -> StoreEntry:
+    """A store's registry entry read; ValueError saying what is wrong with it."""
+    try:
+        return _decode_store_entry(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ValueError(f"a KV store's entry is JSON with its address and store_id: {e}") from None
 
 
 def controller_key(ns: str) -> str:

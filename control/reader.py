@@ -7,7 +7,6 @@ Keys under one namespace `ns` (msgpack values, never pickle):
 """
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,7 +16,8 @@ import msgpack
 import redis.asyncio
 
 from control.auth import Unsealed, opened, seal
-from control.heartbeat import BadEntry, Heartbeat, controller_key, hb_key, kv_key, router_key, store_key
+from control.heartbeat import (BadEntry, Heartbeat, controller_key, hb_key, kv_key, router_key, store_entry,
+                               store_key)
 from control.kv_events import event_from_bytes
 from control.redis_url import readable
 from engine.block_pool import KVEvent
@@ -134,15 +134,14 @@ def _router_stats(data: bytes) -> dict[str, object]:
 
 
 def _store_entry(data: object) -> tuple[str, str]:
-    """A KV store's entry (kvstore/host.py `info()`, JSON): (store id, address); BadEntry else."""
+    """A KV store's entry (control/heartbeat.py `store_entry`): (store id, address); BadEntry else."""
+    if not isinstance(data, (bytes, str)):
+        raise BadEntry("a KV store's entry is JSON text")
     try:
-        entry = json.loads(data)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        entry = None
-    if not isinstance(entry, dict) or not isinstance(entry.get("store_id"), str) \
-            or not isinstance(entry.get("address"), str):
-        raise BadEntry("a KV store's entry is a JSON map with its store_id and address")
-    return entry["store_id"], entry["address"]
+        entry = store_entry(data)
+    except ValueError as e:
+        raise BadEntry(str(e)) from None
+    return entry.store_id, entry.address
 
 
 ClusterState = tuple[dict[str, Heartbeat], dict[str, dict[str, Any]], dict[str, Any] | None]

@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 
 from control.auth import Unsealed, metrics_token, opened, registry_key, seal
-from control.heartbeat import store_key
+from control.heartbeat import StoreEntry, store_entry, store_key
 from control.redis_url import readable
 from control.tls import MemberTLS, tls_of
 from control.worker_config import NODE_IP, dialable_host
@@ -39,12 +39,6 @@ TTL_S = 5.0
 def store_id_of(host_id: str) -> str:
     """The member id a host's store publishes its KV events under (the same after a restart)."""
     return "kvstore-" + hashlib.blake2b(host_id.encode(), digest_size=6).hexdigest()
-
-
-@dataclass(frozen=True)
-class StoreEntry:
-    address: str
-    store_id: str
 
 
 @dataclass(frozen=True)
@@ -248,11 +242,9 @@ def find_store(redis_url: str | None, namespace: str, timeout_s: float = 10.0,
                 raw = None
             if raw:
                 try:
-                    entry = json.loads(opened(seal_key, store_key(namespace, local_host_id()), raw))
-                except Unsealed as e:
+                    return store_entry(opened(seal_key, store_key(namespace, local_host_id()), raw))
+                except (Unsealed, ValueError) as e:
                     logger.warning("the KV store entry for this host is refused: %s", e)
-                else:
-                    return StoreEntry(str(entry["address"]), str(entry["store_id"]))
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.2)

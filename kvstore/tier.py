@@ -35,13 +35,13 @@ import grpc
 
 from control.auth import TOKEN_METADATA
 from control.tls import MemberTLS, member_channel, member_channel_sync, server_context
-from control.heartbeat import TierSpeed
+from control.heartbeat import StoreEntry, TierSpeed
 from engine.block_pool import KVEvent
 from engine.llm_engine import LLMEngine
 from engine.types import BlockHash, RequestId
 from kvfabric import FabricReceiver, KVArrived, ReceiverConfig, TransferFailed, settle
 from kvfabric.pools import memory_pools, offers_nixl
-from kvstore.host import StoreEntry, find_store
+from kvstore.host import find_store
 from kvstore.pinned_rows import HostCopies
 from kvstore.offload import Offloads
 from kvstore.staging import Staging

@@ -4,6 +4,7 @@ never anything else, so one malformed entry costs that entry and never the reade
 from __future__ import annotations
 
 import msgpack
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -91,3 +92,21 @@ def test_a_heartbeat_with_a_wrong_type_anywhere_is_a_bad_entry_naming_it() -> No
             assert where in str(e), e
         else:
             raise AssertionError(f"accepted {bad}")
+
+
+def test_a_store_entry_is_read_through_its_one_typed_definition() -> None:
+    """kvstore/host.py writes its entry as JSON with counters beside the two fields readers
+    need; routers (control/reader.py) and workers (kvstore/host.py find_store) read it through
+    `store_entry` alone: the counters ignored, a missing, empty or mistyped field refused."""
+    import json
+
+    from control.heartbeat import StoreEntry, store_entry
+
+    full = {"address": "10.0.0.5:4010", "store_id": "kvstore-ab12", "host_id": "h", "num_blocks": 3,
+            "num_offered": 9}
+    assert store_entry(json.dumps(full)) == StoreEntry("10.0.0.5:4010", "kvstore-ab12")
+    for bad in ({"store_id": "s"}, {"address": "", "store_id": "s"}, {"address": 4, "store_id": "s"}, [1], "x"):
+        with pytest.raises(ValueError, match="address and store_id"):
+            store_entry(json.dumps(bad))
+    with pytest.raises(ValueError, match="address and store_id"):
+        store_entry(b"{not json")
