@@ -17,6 +17,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -35,6 +36,17 @@ from proto.convert import ticket_from_pb
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Offer:
+    """Blocks the engine thread lent for one offload, queued for the lane."""
+
+    holder: RequestId
+    """The id they are held under (given back when the lane is done with them)."""
+    hashes: list[BlockHash]
+    blocks: list[int]
+    """The pool's block ids, in the order of `hashes`."""
+
+
 class Offloads:
     def __init__(self, call: Callable[[Callable[[LLMEngine], Any]], Any], pools: WorkerPools,
                  host: HostCopies | None, counters: Any, address: Callable[[], str], token: str | None,
@@ -50,7 +62,7 @@ class Offloads:
         self.held = 0
         """Engine thread: blocks held for offloads now."""
         self._ids = itertools.count(1)
-        self._queue: queue.SimpleQueue[tuple[RequestId, list[BlockHash], list[int]] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Offer | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._lane, name="kvtier-offload", daemon=True)
         self._thread.start()
 
@@ -67,7 +79,7 @@ class Offloads:
             if not lent:
                 continue
             self.held += len(lent)
-            self._queue.put((hid, [h for _, h in lent], [int(b) for b, _ in lent]))
+            self._queue.put(Offer(hid, [h for _, h in lent], [int(b) for b, _ in lent]))
 
     def close(self) -> None:
         self._queue.put(None)
@@ -78,20 +90,19 @@ class Offloads:
         channel = member_channel_sync(address, self.tls)
         stub = pb_grpc.KVStoreStub(channel)
         try:
-            while (item := self._queue.get()) is not None:
-                hid, hashes, blocks = item
+            while (offer := self._queue.get()) is not None:
                 if address != self.address():  # the store moved (KVTier._find_again)
                     channel.close()
                     address = self.address()
                     channel = member_channel_sync(address, self.tls)
                     stub = pb_grpc.KVStoreStub(channel)
                 try:
-                    self._offload(stub, hashes, blocks)
+                    self._offload(stub, offer.hashes, offer.blocks)
                 except (grpc.RpcError, FabricError, ValueError) as e:
                     self.counters.num_offload_failures += 1
-                    logger.debug("kv store %s: offload of %d blocks failed: %s", address, len(blocks), e)
+                    logger.debug("kv store %s: offload of %d blocks failed: %s", address, len(offer.blocks), e)
                 finally:
-                    self.call(self._unholder(hid, len(blocks)))
+                    self.call(self._unholder(offer.holder, len(offer.blocks)))
         finally:
             channel.close()
 
