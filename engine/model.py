@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.attention import ATTENTION_WORKSPACE_BYTES, AttentionMetadata, PagedGroup, paged_attention
-from engine.fp8 import Fp8Weight, channel_scale, quantize_weight
 from engine.kv_pool import KVPool
 from engine.linear import Linear
 from engine.model_config import ModelConfig
+from engine.model_reader import ModelReader
 from engine.moe import MoEWeights, moe_forward
 from engine.native import NativeLayer
 from engine.native import NativeKernels
@@ -35,8 +35,6 @@ if TYPE_CHECKING:
     from engine.gpu_kernels import Kernels
     from engine.tensor_parallel import TensorParallel
 from engine.rope import RotaryTable, apply_rotary
-from engine.types import UnsupportedModelError
-from engine.weights import CheckpointReader
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """The model dtypes by their config names (`EngineConfig.dtype`)."""
@@ -106,93 +104,35 @@ class LlamaForCausalLM:
         model = cls(tp.local_config(config) if tp is not None else config, dtype, device)
         model.tp = tp
         model.kernels = kernels if kernels is not None and kernels.supports(dtype, device) else None
-        ckpt = CheckpointReader(model_dir)
-        share = (lambda name, t: t) if tp is None else (lambda name, t: tp.shard(name, t, config))  # noqa: E731
-        get = lambda name: share(name, ckpt.get(name, dtype, device))  # noqa: E731
-        opt = lambda name: get(name) if ckpt.has(name) else None  # noqa: E731
-        fp8 = config.fp8
-
-        def projection(name: str) -> tuple[torch.Tensor, Fp8Weight | None]:
-            """A projection's weight (this rank's share) and, where it is FP8, its scales: the
-            checkpoint's, or made here from the whole weight (`--quantization fp8`)."""
-            key = name + ".weight"
-            if fp8 is None or not (ckpt.is_fp8(key) or fp8.at_load and fp8.covers(name)):
-                return get(key), None
-            if ckpt.is_fp8(key):
-                values = ckpt.get(key, dtype, device)  # e4m3 values: exact in any of our dtypes
-                q = Fp8Weight(values, channel_scale(ckpt.get(name + ".weight_scale", torch.float32, device),
-                                                    values.shape[0]))
-                if fp8.inputs == "static":
-                    q.input_scale = float(ckpt.get(name + ".input_scale", torch.float32, device).max())
-            else:
-                q = quantize_weight(ckpt.get(key, torch.float32, device))
-                q.values = q.values.to(dtype)
-            full = q.values.shape
-            q.values = share(key, q.values)
-            if tp is not None:  # the scales of the rows this rank holds
-                q.scale = share(key, q.scale[:, None].expand(full))[:, 0].contiguous()
-            return q.values, q
-
-        def fused(names: list[str], swiglu: bool = False, stored: str | None = None) -> Linear:
-            """One Linear over the projections `names`, or over `stored` where the checkpoint
-            holds them fused already (Phi-3's qkv_proj and gate_up_proj, in the same order).
-            FP8 ones keep each row's scale; a static input scale is the largest of theirs, as
-            vLLM fuses them."""
-            if stored is not None and ckpt.has(stored + ".weight"):
-                names = [stored]
-            biases = [opt(n + ".bias") for n in names]
-            bias = torch.cat(biases) if all(b is not None for b in biases) else None
-            parts = [projection(n) for n in names]
-            weight = torch.cat([w for w, _ in parts])
-            scales = [q for _, q in parts if q is not None]
-            if not scales:
-                return Linear(weight, bias, prepack, model.kernels, swiglu)
-            if len(scales) != len(parts):
-                raise UnsupportedModelError(f"of the projections {names} some are FP8, some not")
-            statics = [q.input_scale for q in scales if q.input_scale is not None]
-            q = Fp8Weight(weight, torch.cat([q.scale for q in scales]), max(statics) if statics else None)
-            assert fp8 is not None
-            return Linear(weight, bias, prepack, model.kernels, swiglu, q, fp8.inputs, fp8.scale_ub)
-
-        def norm(name: str) -> torch.Tensor:
-            """A norm's weight; Gemma's w is applied as 1 + w, added here in float32 as it adds it."""
-            return (ckpt.get(name, torch.float32, device) + 1.0).to(dtype) if config.norm_offset else get(name)
-
-        model.embed = get("model.embed_tokens.weight")
-        model.norm = norm("model.norm.weight")
-        model.tied = config.tie_word_embeddings or not ckpt.has("lm_head.weight")
-        model.lm_head = Linear(model.embed, None, prepack, model.kernels) if model.tied else fused(["lm_head"])
+        r = ModelReader(model_dir, config, dtype, device, prepack, model.kernels, tp)
+        model.embed = r.get("model.embed_tokens.weight")
+        model.norm = r.norm("model.norm.weight")
+        model.tied = config.tie_word_embeddings or not r.has("lm_head.weight")
+        model.lm_head = Linear(model.embed, None, prepack, model.kernels) if model.tied else r.linear(["lm_head"])
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
             moe = config.moe is not None and i in config.moe.layers
-            if moe and config.moe is not None and ckpt.is_fp8(f"{p}{config.moe.checkpoint_names[0]}.gate.weight"):
-                raise UnsupportedModelError("an FP8 router (the experts' gate) is not supported: FP8 checkpoints "
-                                            "leave it in the model's dtype")
             model.layers.append(LayerWeights(
-                input_norm=norm(p + "input_layernorm.weight"),
-                qkv=fused([a + f"{n}_proj" for n in "qkv"], stored=a + "qkv_proj"),
-                o=fused([a + "o_proj"]),
-                post_norm=norm(p + ("pre_feedforward_layernorm" if config.sandwich_norms else "post_attention_layernorm")
-                               + ".weight"),
-                gate_up=None if moe else fused([m + "gate_proj", m + "up_proj"], swiglu=config.hidden_act == "silu",
-                                               stored=m + "gate_up_proj"),
-                down=None if moe else fused([m + "down_proj"]),
-                moe=MoEWeights.load(get, ckpt.has, p, config.moe, projection if fp8 is not None else None,
-                                    fp8.inputs if fp8 is not None else "dynamic", fp8.scale_ub if fp8 else None)
-                if moe and config.moe is not None else None,
-                q_norm=norm(a + "q_norm.weight") if config.qk_norm else None,
-                k_norm=norm(a + "k_norm.weight") if config.qk_norm else None,
-                attn_out_norm=norm(p + "post_attention_layernorm.weight") if config.sandwich_norms else None,
-                mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if config.sandwich_norms else None,
+                input_norm=r.norm(p + "input_layernorm.weight"),
+                qkv=r.linear([a + f"{n}_proj" for n in "qkv"], stored=a + "qkv_proj"),
+                o=r.linear([a + "o_proj"]),
+                post_norm=r.norm(p + ("pre_feedforward_layernorm" if config.sandwich_norms
+                                      else "post_attention_layernorm") + ".weight"),
+                gate_up=None if moe else r.linear([m + "gate_proj", m + "up_proj"],
+                                                  swiglu=config.hidden_act == "silu", stored=m + "gate_up_proj"),
+                down=None if moe else r.linear([m + "down_proj"]),
+                moe=r.experts(p) if moe else None,
+                q_norm=r.norm(a + "q_norm.weight") if config.qk_norm else None,
+                k_norm=r.norm(a + "k_norm.weight") if config.qk_norm else None,
+                attn_out_norm=r.norm(p + "post_attention_layernorm.weight") if config.sandwich_norms else None,
+                mlp_out_norm=r.norm(p + "post_feedforward_layernorm.weight") if config.sandwich_norms else None,
             ))
         order = model.linears()
         for first, then in zip(order, order[1:]):
             first.runs_before(then)
         model.native_layers = model._native_layers()
-        model.kv_scales = torch.tensor([[float(ckpt.get(p + name, torch.float32, "cpu").max())
-                                         if ckpt.has(p + name) else 1.0 for name in ("k_scale", "v_scale")]
-                                        for p in (f"model.layers.{i}.self_attn." for i in range(config.num_layers))])
+        model.kv_scales = r.kv_scales()
         return model
 
     def use_kernels(self, kernels: Kernels | None) -> None:
