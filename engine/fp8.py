@@ -13,6 +13,7 @@ The schemes (which projections, which scales) are engine/quant_config.py's.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,18 @@ def quantize_input(x: torch.Tensor, static: float | None = None,
             amax = amax.clamp(max=ub)
         scale = (amax / E4M3_MAX).clamp(min=MIN_SCALE)
     return to_e4m3(xf / scale), scale
+
+
+def fp8_product(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor], w_scale: torch.Tensor,
+                inputs: str = "dynamic", static: float | None = None, ub: float | None = None) -> torch.Tensor:
+    """(x_q @ w_q.T) * x_scale * w_scale in x's dtype, `product` the matmul over the weight's
+    e4m3 values (upcast: exact) and `w_scale` their scale per output row: x quantized first as
+    `inputs` says (dynamic per token, `static`, or weights_only: x as it is). The upcast form
+    of an FP8 projection (engine/linear.py) and of an FP8 expert (engine/moe.py)."""
+    if inputs == "weights_only":
+        return (product(x).float() * w_scale).to(x.dtype)
+    xq, x_scale = quantize_input(x, static if inputs == "static" else None, ub)
+    return (product(xq.to(x.dtype)).float() * x_scale * w_scale).to(x.dtype)
 
 
 def channel_scale(scale: torch.Tensor, out_features: int) -> torch.Tensor:

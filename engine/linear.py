@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.fp8 import E4M3, Fp8Weight, quantize_input
+from engine.fp8 import E4M3, Fp8Weight, fp8_product, quantize_input
 from engine.native import NativeKernels, swiglu_order
 
 
@@ -92,12 +92,13 @@ class Linear:
         """(x_q @ w_q.T) * x_scale * w_scale (+ bias), then SwiGLU where fused."""
         fp8 = self.fp8
         assert fp8 is not None
-        static = fp8.input_scale if self.fp8_inputs == "static" else None
-        xq, x_scale = quantize_input(x, static, self.scale_ub)
         if self.w8 is not None:  # tensor cores: float32 accumulation, scaled on the way out
+            static = fp8.input_scale if self.fp8_inputs == "static" else None
+            xq, x_scale = quantize_input(x, static, self.scale_ub)
             y = torch._scaled_mm(xq, self.w8.t(), scale_a=x_scale, scale_b=fp8.scale[None, :], out_dtype=x.dtype)
         else:  # the same e4m3 values, upcast (exact), through the matmul: the GPU's reference
-            y = (self._product(xq.to(x.dtype), None).float() * x_scale * fp8.scale[None, :]).to(x.dtype)
+            y = fp8_product(x, lambda v: self._product(v, None), fp8.scale, self.fp8_inputs, fp8.input_scale,
+                            self.scale_ub)
         if self.bias is not None:
             y = y + self.bias
         return self._silu_mul(y) if self.swiglu else y

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.fp8 import Fp8Weight, quantize_input, quantize_weight
+from engine.fp8 import Fp8Weight, fp8_product, quantize_weight
 from engine.model_config import MoEConfig
 
 Projection = Callable[[str], tuple[torch.Tensor, Fp8Weight | None]]
@@ -57,16 +57,6 @@ class Fp8Experts:
     def nbytes(self) -> int:
         return sum(t.numel() * 4 for t in (self.gate_up, self.down, self.gate_up_input, self.down_input,
                                            self.shared_gate_up, self.shared_down) if t is not None)
-
-
-def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, inputs: str, static: float | None = None,
-               ub: float | None = None) -> torch.Tensor:
-    """x @ (values * scale).T with x quantized to e4m3 first (unless weights_only), the
-    product scaled after: an FP8 `Linear`'s numbers, for one expert's stacked weight."""
-    if inputs == "weights_only":
-        return (F.linear(x, values).float() * scale).to(x.dtype)
-    xq, xs = quantize_input(x, static if inputs == "static" else None, ub)
-    return (F.linear(xq.to(values.dtype), values).float() * xs * scale).to(x.dtype)
 
 
 @dataclass
@@ -197,8 +187,10 @@ def moe_forward(x: torch.Tensor, w: MoEWeights, config: MoEConfig) -> torch.Tens
         else:
             static = (float(q.gate_up_input[e]), float(q.down_input[e])) if q.gate_up_input is not None and \
                 q.down_input is not None else (None, None)
-            gate, up = fp8_linear(x[rows], w.gate_up[e], q.gate_up[e], q.inputs, static[0], q.scale_ub).chunk(2, -1)
-            y = fp8_linear(F.silu(gate) * up, w.down[e], q.down[e], q.inputs, static[1], q.scale_ub)
+            gate, up = fp8_product(x[rows], lambda v: F.linear(v, w.gate_up[e]), q.gate_up[e], q.inputs, static[0],
+                                   q.scale_ub).chunk(2, -1)
+            y = fp8_product(F.silu(gate) * up, lambda v: F.linear(v, w.down[e]), q.down[e], q.inputs, static[1],
+                            q.scale_ub)
         out.index_add_(0, rows, y * scale[start:start + n, None])
         start += n
     add_shared_expert(out, x, w)
@@ -210,9 +202,10 @@ def add_shared_expert(out: torch.Tensor, x: torch.Tensor, w: MoEWeights) -> None
     if w.shared_gate_up is not None and w.shared_down is not None and w.shared_gate is not None:
         q = w.fp8
         if q is not None and q.shared_gate_up is not None and q.shared_down is not None:
-            gate, up = fp8_linear(x, w.shared_gate_up, q.shared_gate_up, q.inputs, q.shared_inputs[0],
-                                  q.scale_ub).chunk(2, dim=-1)
-            y = fp8_linear(F.silu(gate) * up, w.shared_down, q.shared_down, q.inputs, q.shared_inputs[1], q.scale_ub)
+            gate, up = fp8_product(x, lambda v: F.linear(v, w.shared_gate_up), q.shared_gate_up, q.inputs,
+                                   q.shared_inputs[0], q.scale_ub).chunk(2, dim=-1)
+            y = fp8_product(F.silu(gate) * up, lambda v: F.linear(v, w.shared_down), q.shared_down, q.inputs,
+                            q.shared_inputs[1], q.scale_ub)
         else:
             gate, up = F.linear(x, w.shared_gate_up).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, w.shared_down)
