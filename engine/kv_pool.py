@@ -46,6 +46,11 @@ def kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     return E4M3 if kv_cache_dtype == "fp8" else model_dtype
 
 
+def _through_e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x as an FP8 pool with this scale gives it back."""
+    return (to_e4m3(x.float() / scale).float() * scale).to(x.dtype)
+
+
 class KVAllocator(Protocol):
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
         """Return a tensor of `shape`; contents may be uninitialised."""
@@ -128,7 +133,7 @@ class KVPool:
         if self.scales is None:
             return k, v
         ks, vs = self.host_scales[layer]
-        return ((to_e4m3(k.float() / ks).float() * ks).to(k.dtype), (to_e4m3(v.float() / vs).float() * vs).to(v.dtype))
+        return _through_e4m3(k, ks), _through_e4m3(v, vs)
 
     def gather(self, layer: int, block_table: torch.Tensor,
                dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,8 +14,8 @@ Schemes (`Fp8Scheme.of`, from config.json's `quantization_config`):
   Integer, grouped and block strategies are refused by name.
 `--quantization fp8` (`Fp8Scheme.at_load`) quantizes a 16- or 32-bit checkpoint's
 projections as it loads them: per-channel weight scales, dynamic per-token input; the
-embeddings and the LM head stay as they are, as vLLM leaves them.
-Mixtures of experts are refused in FP8 for now (their grouped GEMMs have no FP8 form yet).
+embeddings and the LM head stay as they are, as vLLM leaves them. A mixture's experts in FP8
+run the torch form (engine/moe.py); its router stays in the model's dtype.
 """
 from __future__ import annotations
 
