@@ -22,7 +22,7 @@ from collections.abc import Callable
 import grpc
 
 from router.api_keys import ApiKeys, KeyCheck
-from router.frontend import Frontend
+from router.frontend import Frontend, ask_of
 from tests.integration.test_http_hostile import DEADLINES, FLOODS, Served, _refusal_s, closed_within, raw
 
 KEY = "sk-bench-0123456789"
@@ -113,7 +113,7 @@ def ref_schema(served: Served, model: str) -> Callable[[], None]:
         for i in range(3):  # a new schema each time (a refused or compiled one is cached)
             request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7]), sampling=pb.SamplingParams(
                 max_tokens=2, constraint=pb.Constraint(kind="json_schema", value=schema.replace("p0", f"p0{i}"))))
-            asyncio.run_coroutine_threadsafe(service._prepare(request), served.loop).result(60)
+            asyncio.run_coroutine_threadsafe(service.prepare(ask_of(request)), served.loop).result(60)
         service.off_loop.close()
     return run
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +42,25 @@ class WorkerFailed(RequestFailed):
 
 
 BlockHashMemo = dict[tuple[str, int], list[bytes]]
+
+
+@dataclass(frozen=True)
+class Ask:
+    """A request as a door hands it in (`Generation.stream`), in the router's one form: the
+    gRPC door converts its message once (`router/frontend.py ask_of`), the HTTP door builds it
+    from the JSON body (router/openai_protocol.py); `Frontend.prepare` then checks and
+    tokenizes it into `Prepared`."""
+
+    prompt: str | Sequence[int]
+    """Text (tokenized by the router), or token ids (a gRPC message's own list: copied once
+    its length is checked)."""
+    params: SamplingParams
+    client_id: str = ""
+    """The client's `request_id` ("" for none)."""
+    tenant: str = ""
+    priority: int = 0
+    route: str = "generate"
+    """How it came (`Prepared.route`)."""
 
 
 @dataclass

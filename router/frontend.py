@@ -1,4 +1,4 @@
-"""The router's text side: a `GenerateRequest` in, `Prepared` out; tokens in, `GenerateResponse`s out.
+"""The router's text side: an `Ask` in, `Prepared` out; tokens in, `GenerateResponse`s out.
 
 The only place a request is tokenized and its output detokenized (workers send token
 ids only, whichever worker computed them, so a retried request's text stays one
@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import functools
 import statistics
-import threading
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,11 +22,10 @@ from tokenizers import Tokenizer
 from control.heartbeat import ModelFacts
 from engine.detokenizer import IncrementalDetokenizer
 from engine.structured import Grammars
-from engine.request import SamplingParams
 from engine.types import InvalidRequestError
 from proto import generate_pb2 as pb
 from proto.convert import finish_to_pb, sampling_from_pb
-from router.attempt import Prepared, Progress, RequestFailed
+from router.attempt import Ask, Prepared, Progress, RequestFailed
 from router.chat_template import ChatTemplate, ChatTemplateError
 from router.policy import blocks_for
 
@@ -59,18 +57,27 @@ def check_vocabulary(token_ids: list[int], vocab_size: int, what: str = "token i
 
 OFF_LOOP_CHARS = 16384
 """Text (a prompt, a conversation) longer than this is rendered and tokenized off the event loop."""
-CHECKED_SAMPLINGS = 64
-CHECKED_SAMPLING_BYTES = 256 << 10
-"""Sampling messages whose verdict the router keeps (`Frontend._sampling`), each of at most
-so many bytes (a valid one is well under: 16 stop strings, 1,024 biases, a 64 KiB constraint)."""
 OFF_LOOP_CONSTRAINT_CHARS = 1024
 """A constraint longer than this is checked off the event loop (a schema's check grows with it)."""
 
 
-def heavy(request: pb.GenerateRequest) -> bool:
-    """Whether preparing the request may take long enough to stall the event loop's other streams."""
-    return (request.WhichOneof("prompt") == "text" and len(request.text) > OFF_LOOP_CHARS) or \
-        len(request.sampling.constraint.value) > OFF_LOOP_CONSTRAINT_CHARS
+def ask_of(request: pb.GenerateRequest) -> Ask:
+    """The gRPC door's message in the router's form, its sampling converted once (the engine's
+    limits checked); raises RequestFailed (INVALID_ARGUMENT)."""
+    try:
+        params = sampling_from_pb(request.sampling)
+    except InvalidRequestError as e:
+        raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+    prompt = request.text if request.WhichOneof("prompt") == "text" else request.token_ids.ids
+    return Ask(prompt, params, request.request_id, request.tenant, request.priority)
+
+
+def slow_to_prepare(ask: Ask) -> bool:
+    """Whether preparing the request (tokenizing, checking its constraint) may take long
+    enough to stall the event loop's other streams."""
+    constraint = ask.params.constraint
+    return (isinstance(ask.prompt, str) and len(ask.prompt) > OFF_LOOP_CHARS) or \
+        (constraint is not None and len(constraint.value) > OFF_LOOP_CONSTRAINT_CHARS)
 
 
 class Frontend:
@@ -80,9 +87,8 @@ class Frontend:
         self.chat_template = ChatTemplate.load(tokenizer_dir, chat_template_file)
         self.grammars = Grammars(None, 0, [])
         """Constraints are compiled here first (syntax, schema, limits; no masks), so a bad one
-        is refused before any work; the workers compile them again against the tokenizer."""
-        self._checked: OrderedDict[bytes, SamplingParams | InvalidRequestError] = OrderedDict()
-        self._lock = threading.Lock()  # prepare runs on the loop and on OffLoop's threads
+        is refused before any work (its verdict kept: the same one again costs nothing); the
+        workers compile them again against the tokenizer."""
 
     def chat_token_ids(self, messages: list[dict[str, Any]], max_model_len: int, add_generation_prompt: bool = True,
                        template_kwargs: dict[str, Any] | None = None) -> list[int]:
@@ -133,13 +139,15 @@ class Frontend:
             raise InvalidRequestError("this model has no tokenizer")
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
-    def prepare(self, request: pb.GenerateRequest, facts: ModelFacts | None, max_decode_blocks: int) -> Prepared:
-        """Validates and tokenizes; raises RequestFailed with the status the client gets."""
+    def prepare(self, ask: Ask, facts: ModelFacts | None, max_decode_blocks: int) -> Prepared:
+        """Checks and tokenizes; raises RequestFailed with the status the client gets."""
         facts = serving_facts(facts)
+        params = ask.params
         try:
-            _check_fields(request, facts)
-            params = self._sampling(request.sampling)
-            token_ids = self._tokenize(request)
+            _check_fields(ask, facts)
+            if params.constraint is not None:
+                self.grammars.check(params.constraint)
+            token_ids = self._tokenize(ask.prompt)
             check_vocabulary(token_ids, facts.vocab_size)
             check_vocabulary([t for t, _ in params.logit_bias], facts.vocab_size, "logit_bias token ids")
         except InvalidRequestError as e:
@@ -154,44 +162,16 @@ class Frontend:
                                 f"prompt needs {need} KV blocks; the largest decode worker holds {max_decode_blocks}")
         if params.stop and self.tokenizer is None:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "stop strings need a model with a tokenizer")
-        return Prepared(uuid.uuid4().hex, token_ids, params, request.priority, request.tenant,
-                        client_id=request.request_id)
+        return Prepared(uuid.uuid4().hex, token_ids, params, ask.priority, ask.tenant, route=ask.route,
+                        client_id=ask.client_id)
 
-    def _sampling(self, sampling: pb.SamplingParams) -> SamplingParams:
-        """The request's sampling, converted and its constraint checked once for all the
-        prompts that share it (a completion's up to 128): the verdict is kept, keyed by the
-        message's bytes, for the last CHECKED_SAMPLINGS kinds seen."""
-        key = sampling.SerializeToString(deterministic=True)
-        with self._lock:
-            verdict = self._checked.get(key)
-            if verdict is not None:
-                self._checked.move_to_end(key)
-        if verdict is None:
-            try:
-                verdict = sampling_from_pb(sampling)
-                if verdict.constraint is not None:
-                    self.grammars.check(verdict.constraint)
-            except InvalidRequestError as e:
-                verdict = e
-            with self._lock:
-                if len(key) <= CHECKED_SAMPLING_BYTES:
-                    self._checked[key] = verdict
-                while len(self._checked) > CHECKED_SAMPLINGS:
-                    self._checked.popitem(last=False)
-        if isinstance(verdict, InvalidRequestError):
-            raise InvalidRequestError(str(verdict))
-        return verdict
-
-    def _tokenize(self, request: pb.GenerateRequest) -> list[int]:
-        which = request.WhichOneof("prompt")
-        if which == "token_ids":
-            ids = list(request.token_ids.ids)
-        elif which == "text":
+    def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer: send the prompt as token_ids")
-            ids = self._encode(request.text)
+            ids = self._encode(prompt)
         else:
-            ids = []
+            ids = list(prompt)
         if not ids:
             raise InvalidRequestError("prompt is empty: send text or token_ids with at least one token")
         return ids
@@ -203,21 +183,20 @@ class Frontend:
                                       self.special_token_ids)
 
 
-def _check_fields(request: pb.GenerateRequest, facts: ModelFacts) -> None:
+def _check_fields(ask: Ask, facts: ModelFacts) -> None:
     """Limits on the fields the model does not check itself (each error says what to change)."""
-    for name in ("request_id", "tenant"):
-        value = getattr(request, name)
+    for name, value in (("request_id", ask.client_id), ("tenant", ask.tenant)):
         if len(value) > MAX_ID_CHARS or not value.isprintable():
             raise InvalidRequestError(f"{name} must be at most {MAX_ID_CHARS} printable characters "
                                       f"(got {len(value)} characters)")
-    if not MIN_PRIORITY <= request.priority <= MAX_PRIORITY:
+    if not MIN_PRIORITY <= ask.priority <= MAX_PRIORITY:
         raise InvalidRequestError(f"priority must be in [{MIN_PRIORITY}, {MAX_PRIORITY}] (lower is more important), "
-                                  f"got {request.priority}")
-    if request.WhichOneof("prompt") == "text" and len(request.text) > MAX_TEXT_CHARS_PER_TOKEN * facts.max_model_len:
-        raise InvalidRequestError(f"prompt text has {len(request.text)} characters; the model's context is "
+                                  f"got {ask.priority}")
+    if isinstance(ask.prompt, str) and len(ask.prompt) > MAX_TEXT_CHARS_PER_TOKEN * facts.max_model_len:
+        raise InvalidRequestError(f"prompt text has {len(ask.prompt)} characters; the model's context is "
                                   f"{facts.max_model_len} tokens")
-    if len(request.token_ids.ids) >= facts.max_model_len:  # before the ids are copied and checked one by one
-        raise InvalidRequestError(f"prompt has {len(request.token_ids.ids)} tokens; the model's context is "
+    if not isinstance(ask.prompt, str) and len(ask.prompt) >= facts.max_model_len:  # before the ids are copied
+        raise InvalidRequestError(f"prompt has {len(ask.prompt)} tokens; the model's context is "
                                   f"{facts.max_model_len} tokens, so the prompt must be shorter than that")
 
 

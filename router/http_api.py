@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API of a router replica, on the router's own event loop.
 
     HTTP request --(aiohttp, same loop as grpc.aio)--> body (size-capped) --(openai_protocol)-->
-    pb.GenerateRequest --(Generation.stream: frontend -> gate -> flow, as gRPC)-->
+    Ask --(Generation.stream: frontend -> gate -> flow, as for gRPC)-->
     responses --> one JSON body, or server-sent events ending with `data: [DONE]`
 
 aiohttp (not uvicorn): its `AppRunner` serves on the running loop with no signal handlers of
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -28,7 +29,7 @@ from aiohttp import web
 
 from engine.quant_config import served_name
 from engine.types import InvalidRequestError
-from router.attempt import CUT_OFF, RequestFailed
+from router.attempt import CUT_OFF, Ask, RequestFailed
 from router.constraints import AutoToolOutput, ToolCallOutput, constraint_of, tool_plan
 from router.http_guard import HttpGuard, identity
 from router.config import HttpDeadlines
@@ -41,7 +42,7 @@ from router.frontend import (MAX_TEXT_CHARS_PER_TOKEN, NOT_SERVING, OFF_LOOP_CHA
 from router.members import Members
 from router.openai_output import Output, best, merged, new_id, sum_usage
 from router.openai_protocol import (BadRequest, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                                    messages_as_dicts, parse, prompts_of, to_generate, with_prompt)
+                                    ask_of, messages_as_dicts, parse, prompts_of, sampling_of)
 from router.servicer import Generation
 from router.reasoning import ReasoningParser
 from router.reasoning import parser_for_template as reasoning_for_template
@@ -149,7 +150,7 @@ class OpenAIServer:
         model = self._check_model(req.model)
         rid = new_id("completion")
         prompts = prompts_of(req.prompt)
-        base = to_generate(req, req.request_id or rid, [], None, constraint_of(req))  # once, whatever the prompts
+        params = sampling_of(req, None, constraint_of(req))  # once, whatever the prompts
         parts = []
         choices = max(req.n, req.best_of or 1)  # best_of: that many drawn, the n likeliest returned
         for i, prompt in enumerate(prompts):
@@ -157,8 +158,8 @@ class OpenAIServer:
             if req.echo or req.prompt_logprobs is not None:  # the prompt's tokens are returned: tokenized here
                 prompt_ids, text = await self._prompt(prompt)
             request_id = (req.request_id or rid) + (f"-{i}" if len(prompts) > 1 else "")
-            generate = with_prompt(base, request_id, prompt_ids if prompt_ids is not None else prompt)
-            parts.append((generate, [Output(
+            ask = ask_of(req, request_id, prompt_ids if prompt_ids is not None else prompt, params, "completion")
+            parts.append((ask, [Output(
                 "completion", rid, model, req.logprobs is not None, self._token_text,
                 return_token_ids=req.return_token_ids, prompt_ids=prompt_ids, echo=text if req.echo else None,
                 hide=req.echo and req.max_tokens == 0, prompt_logprobs=req.prompt_logprobs, num_top=req.logprobs or 0,
@@ -199,9 +200,8 @@ class OpenAIServer:
         pool = self.members.max_decode_blocks() * facts.block_size if not facts.kv_window else facts.max_model_len
         room = min(facts.max_model_len, pool) - len(prompt_ids) - 1
         rid = new_id("chat")
-        generate = to_generate(req, req.request_id or rid, prompt_ids, max(room, 1),
-                               plan.constraint if plan and plan.constraint else constraint)
-        constrained = generate.sampling.HasField("constraint")
+        params = sampling_of(req, max(room, 1), plan.constraint if plan and plan.constraint else constraint)
+        constrained = params.constraint is not None
         fields: dict[str, Any] = {"return_token_ids": req.return_token_ids,
                                   "reasoning": None if constrained else self.reasoning,
                                   "prompt_ids": prompt_ids if req.prompt_logprobs is not None else None,
@@ -209,7 +209,7 @@ class OpenAIServer:
         markers = [*(fields["reasoning"].special_tokens if fields["reasoning"] else ()),
                    *(plan.parser.special_tokens if plan and plan.parser else ())]
         if self.frontend.special_tokens.intersection(markers):  # the parsers read them: the text keeps them
-            generate.sampling.skip_special_tokens = False
+            params = dataclasses.replace(params, skip_special_tokens=False)
         if plan is not None and plan.mode == "auto":
             kind, fields = AutoToolOutput, {**fields, "plan": plan}
         elif plan is not None and plan.constraint is not None:
@@ -217,19 +217,19 @@ class OpenAIServer:
         else:
             kind = Output
         outs = [kind("chat", rid, model, req.logprobs, self._token_text, index=c, **fields) for c in range(req.n)]
-        return await self._run(request, req.stream, req.stream_options, [(generate, outs)])
+        ask = ask_of(req, req.request_id or rid, prompt_ids, params, "chat")
+        return await self._run(request, req.stream, req.stream_options, [(ask, outs)])
 
-    async def _run(self, request: web.Request, stream: bool, options: Any, parts: list[tuple[Any, list[Output]]],
+    async def _run(self, request: web.Request, stream: bool, options: Any, parts: list[tuple[Ask, list[Output]]],
                    keep: int | None = None) -> web.StreamResponse:
-        """Runs each part, a GenerateRequest with its choices' outputs (a completion's several
-        prompts, each of n choices), at once: one JSON body, or one event stream interleaving
-        them; a response goes to its part's output of its `choice`."""
+        """Runs each part, a request with its choices' outputs (a completion's several prompts,
+        each of n choices), at once: one JSON body, or one event stream interleaving them; a
+        response goes to its part's output of its `choice`."""
         headers = [(k.lower(), v) for k, v in request.headers.items() if k.lower() != "authorization"]
         who = identity(request)
         if who is not None and who.tenant is not None:  # the key's tenant, whatever the body says
-            for g, _ in parts:
-                g.tenant = who.tenant
-        streams = [self.generation.stream(g, headers, None, route=outs[0].kind) for g, outs in parts]
+            parts = [(dataclasses.replace(ask, tenant=who.tenant), outs) for ask, outs in parts]
+        streams = [self.generation.stream(ask, headers, None) for ask, _ in parts]
         try:
             firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
             for f in firsts:  # a refusal before the first token is an HTTP error

@@ -1,14 +1,14 @@
-"""The OpenAI API's request and response shapes, and their mapping onto `GenerateRequest`.
+"""The OpenAI API's request and response shapes, and their mapping onto the router's `Ask`.
 
-    JSON body --(pydantic, strict types, unknown fields ignored)--> CompletionRequest | ChatRequest
-              --(to_generate)--> pb.GenerateRequest (the gRPC path's message: the same
-                 checks and messages follow in `Frontend.prepare`)
+    JSON body --(pydantic, strict types, unknown fields refused by name)--> CompletionRequest | ChatRequest
+              --(sampling_of, once a request; ask_of, once a prompt)--> Ask (the router's one form:
+                 the gRPC door's message converts to it too; `Frontend.prepare` checks the rest)
     pb.GenerateResponse stream --(Output, router/openai_output.py)--> OpenAI JSON: whole, or as chunks
 
 Only what this module can know without the model is checked here: types, fields the
-engine does not implement (`n` > 1, top logprobs, echo...), and integer ranges the proto
-cannot hold. Value ranges the engine owns (temperature, top_p, top_k,
-max_tokens, stop strings) are checked once, by the engine's `SamplingParams`.
+engine does not implement, and integer ranges the workers' messages cannot hold. Value
+ranges the engine owns (temperature, top_p, top_k, max_tokens, stop strings) are checked
+once, by the engine's `SamplingParams`.
 """
 from __future__ import annotations
 
@@ -17,8 +17,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.request import MAX_CHOICES, MAX_TOP_LOGPROBS
-from proto import generate_pb2 as pb
+import grpc
+
+from engine.request import MAX_CHOICES, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, Constraint, SamplingParams
+from engine.types import InvalidRequestError
+from router.attempt import Ask, RequestFailed
 from router.request_limits import MAX_PROMPTS, BadRequest
 
 INT32_MAX, UINT32_MAX, UINT64_MAX = 2**31 - 1, 2**32 - 1, 2**64 - 1
@@ -218,73 +221,63 @@ def _arguments(text: str, index: int) -> dict[str, Any]:
     return value
 
 
-def to_generate(req: CompletionRequest | ChatRequest, request_id: str, prompt: str | list[int],
-                max_tokens_default: int | None, constraint: tuple[str, str] | None = None) -> pb.GenerateRequest:
-    """The gRPC message for this request's `prompt` (a chat's rendered token ids, or one of a
-    completion's prompts: `prompts_of`); max_tokens from the request, else `max_tokens_default`;
-    `constraint` (kind, value) its structured output (router/constraints.py)."""
+def sampling_of(req: CompletionRequest | ChatRequest, max_tokens_default: int | None,
+                constraint: tuple[str, str] | None = None) -> SamplingParams:
+    """The request's sampling in the engine's form, built once for all its prompts: max_tokens
+    from the request, else `max_tokens_default` (None: the engine's default); `constraint`
+    (kind, value) its structured output (router/constraints.py). Raises BadRequest naming the
+    field, or RequestFailed (INVALID_ARGUMENT) with the engine's reason for a value it refuses."""
     _refuse_unsupported(req)
     max_tokens = req.max_tokens
+    max_name = "max_tokens"
     if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
-        max_tokens = req.max_completion_tokens
+        max_tokens, max_name = req.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens = max_tokens_default
-    choices = max(req.n, (req.best_of or 1) if isinstance(req, CompletionRequest) else 1)
-    sampling = pb.SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
-                                 ignore_eos=req.ignore_eos, n=choices if choices > 1 else 0)
     if max_tokens == 0 and isinstance(req, CompletionRequest) and req.echo:
         max_tokens = 1  # the prompt scored, nothing generated: one token drawn, not returned (Output.hide)
-    if max_tokens is not None:
-        sampling.max_tokens = _within(max_tokens, "max_completion_tokens" if isinstance(req, ChatRequest)
-                                      and req.max_completion_tokens is not None else "max_tokens", -INT32_MAX, INT32_MAX)
-    if req.top_p is not None:
-        sampling.top_p = req.top_p
-    if req.top_k is not None:
-        sampling.top_k = 0 if req.top_k == -1 else _within(req.top_k, "top_k", -INT32_MAX, INT32_MAX)  # -1: off (vLLM)
-    if req.seed is not None:
-        sampling.seed = _within(req.seed, "seed", 0, UINT64_MAX)
-    sampling.stop.extend([req.stop] if isinstance(req.stop, str) else req.stop or [])
-    sampling.stop_token_ids.extend(_token_ids(req.stop_token_ids or [], "stop_token_ids"))
+    choices = max(req.n, (req.best_of or 1) if isinstance(req, CompletionRequest) else 1)
     if isinstance(req, ChatRequest):
-        sampling.logprobs, sampling.top_logprobs = req.logprobs, req.top_logprobs or 0
+        logprobs, top_logprobs = req.logprobs, req.top_logprobs or 0
     else:  # best_of ranks its choices by their log-probabilities: it needs them
-        sampling.logprobs, sampling.top_logprobs = req.logprobs is not None or choices > req.n, req.logprobs or 0
+        logprobs, top_logprobs = req.logprobs is not None or choices > req.n, req.logprobs or 0
     prompt_logprobs = req.prompt_logprobs
     if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
         prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)  # the echoed prompt's logprobs
-    if prompt_logprobs is not None:
-        sampling.prompt_logprobs = _within(prompt_logprobs, "prompt_logprobs", 0, UINT32_MAX)
-    if not req.skip_special_tokens:
-        sampling.skip_special_tokens = False
-    sampling.presence_penalty, sampling.frequency_penalty = req.presence_penalty, req.frequency_penalty
-    if req.repetition_penalty is not None:
-        sampling.repetition_penalty = req.repetition_penalty
-    if req.min_p is not None:
-        sampling.min_p = req.min_p
-    sampling.logit_bias.update(_logit_bias(req.logit_bias or {}))
-    sampling.min_tokens = _within(req.min_tokens, "min_tokens", 0, UINT32_MAX)
-    if constraint is not None:
-        sampling.constraint.kind, sampling.constraint.value = constraint
-    out = pb.GenerateRequest(request_id=request_id, sampling=sampling, tenant=req.user or "",
-                             priority=_within(req.priority, "priority", -INT32_MAX, INT32_MAX))
-    _set_prompt(out, prompt)
-    return out
+    bias = _logit_bias(req.logit_bias or {})
+    fields: dict[str, Any] = {} if max_tokens is None else {
+        "max_tokens": _within(max_tokens, max_name, -INT32_MAX, INT32_MAX)}
+    try:
+        if len(bias) > MAX_LOGIT_BIAS:  # counted before it is sorted
+            raise InvalidRequestError(f"at most {MAX_LOGIT_BIAS} logit_bias tokens, got {len(bias)}")
+        return SamplingParams(
+            **fields, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k in (None, -1) else _within(req.top_k, "top_k", -INT32_MAX, INT32_MAX),  # -1: off
+            seed=None if req.seed is None else _within(req.seed, "seed", 0, UINT64_MAX),
+            stop=tuple([req.stop] if isinstance(req.stop, str) else req.stop or ()),
+            stop_token_ids=tuple(_token_ids(req.stop_token_ids or [], "stop_token_ids")),
+            ignore_eos=req.ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs,
+            prompt_logprobs=None if prompt_logprobs is None else _within(prompt_logprobs, "prompt_logprobs", 0,
+                                                                         UINT32_MAX),
+            skip_special_tokens=req.skip_special_tokens, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            min_p=req.min_p or 0.0, logit_bias=tuple(sorted(bias.items())),
+            min_tokens=_within(req.min_tokens, "min_tokens", 0, UINT32_MAX),
+            constraint=None if constraint is None else Constraint(*constraint), n=choices)
+    except InvalidRequestError as e:
+        raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
 
-def with_prompt(base: pb.GenerateRequest, request_id: str, prompt: str | list[int]) -> pb.GenerateRequest:
-    """`base` (to_generate's, converted once) for another of a request's prompts."""
-    out = pb.GenerateRequest()
-    out.CopyFrom(base)
-    out.request_id = request_id
-    _set_prompt(out, prompt)
-    return out
-
-
-def _set_prompt(out: pb.GenerateRequest, prompt: str | list[int]) -> None:
-    if isinstance(prompt, str):
-        out.text = prompt
-    elif prompt:
-        out.token_ids.ids.extend(_token_ids(prompt, "prompt"))
+def ask_of(req: CompletionRequest | ChatRequest, client_id: str, prompt: str | list[int], params: SamplingParams,
+           route: str) -> Ask:
+    """The router's request for `prompt` (a chat's rendered token ids, or one of a completion's
+    prompts: `prompts_of`) with `params` (`sampling_of`)."""
+    if not isinstance(prompt, str):
+        _token_ids(prompt, "prompt")
+    return Ask(prompt, params, client_id, req.user or "", _within(req.priority, "priority", -INT32_MAX, INT32_MAX),
+               route)
 
 
 def _refuse_unsupported(req: CompletionRequest | ChatRequest) -> None:

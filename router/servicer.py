@@ -1,6 +1,7 @@
 """Generation: the public `Generate` stream, a thin servicer over the router's parts.
 
-proto in -> `Frontend.prepare` (validate, tokenize) -> `AdmissionGate.admit` (may wait,
+proto in -> `ask_of` (the router's form, `Ask`; the HTTP door builds its own) -> `Frontend.prepare`
+(validate, tokenize) -> `AdmissionGate.admit` (may wait,
 or refuse early with a retry-after hint) -> `RequestFlow.run` (workers, retries) ->
 responses out. A `RequestFailed` from any of them ends the stream with its status
 code and message (and `retry-after-ms` trailing metadata when it has a hint); the
@@ -24,10 +25,10 @@ from proto import generate_pb2_grpc as pb_grpc
 from proto.convert import finish_name_from_pb
 from control import tracing
 from router.api_keys import ApiKeys, Unauthenticated, authorization
-from router.attempt import CUT_OFF, Deadline, Prepared, Progress, RequestFailed
+from router.attempt import CUT_OFF, Ask, Deadline, Prepared, Progress, RequestFailed
 from router.flow import RequestFlow
 from router.choices import Choices
-from router.frontend import Frontend, ItlWindow, heavy, output_tokens, runs_to_the_end
+from router.frontend import Frontend, ItlWindow, ask_of, output_tokens, runs_to_the_end, slow_to_prepare
 from router.admission import admission_cost
 from router.gate import AdmissionGate
 from router.metrics import RouterMetrics
@@ -90,51 +91,57 @@ class Generation(pb_grpc.GenerationServicer):
                     raise RequestFailed(grpc.StatusCode.UNAUTHENTICATED, str(e)) from None
                 if who.tenant is not None:
                     request.tenant = who.tenant
-            async for response in self.stream(request, context.invocation_metadata(), context.time_remaining()):
+            try:
+                ask = ask_of(request)
+            except RequestFailed:
+                self.stats["num_invalid"] += 1
+                _access(request.request_id, request.tenant, "generate",
+                        Progress(time.perf_counter(), status=grpc.StatusCode.INVALID_ARGUMENT.value[0]))
+                raise
+            async for response in self.stream(ask, context.invocation_metadata(), context.time_remaining()):
                 yield response
         except RequestFailed as e:
             await _fail(context, e)
 
-    async def stream(self, request: pb.GenerateRequest, trace_metadata: Iterable[tuple[str, Any]] | None,
-                     timeout_s: float | None, route: str = "generate") -> AsyncIterator[pb.GenerateResponse]:
-        """One request, whatever protocol it came in by (gRPC here, OpenAI HTTP in router/http_api.py):
+    async def stream(self, ask: Ask, trace_metadata: Iterable[tuple[str, Any]] | None,
+                     timeout_s: float | None) -> AsyncIterator[pb.GenerateResponse]:
+        """One request, whatever door it came in by (gRPC here, OpenAI HTTP in router/http_api.py):
         its responses, or RequestFailed with the status it ends with. `trace_metadata` carries the
         caller's `traceparent`; `timeout_s` is its deadline from now (None: the router's default,
-        `default_timeout_s`); `route` how it came (`Prepared.route`)."""
+        `default_timeout_s`)."""
         if timeout_s is None:
             timeout_s = self.default_timeout_s
         progress = Progress(time.perf_counter(), span=tracing.child(
             "router.generate", tracing.extract(trace_metadata), tracing.SpanKind.SERVER))
         try:
-            async for response in self._generate(request, progress, timeout_s, route):
+            async for response in self._generate(ask, progress, timeout_s):
                 yield response
         except RequestFailed as e:
             progress.status = e.code.value[0]
             raise
         finally:
             self._end_trace(progress)
-            _access(request, progress, route)
+            _access(ask.client_id, ask.tenant, ask.route, progress)
 
-    async def _generate(self, request: pb.GenerateRequest, progress: Progress, timeout_s: float | None,
-                        route: str) -> AsyncIterator[pb.GenerateResponse]:
-        name = (request.tenant, request.request_id)
-        if request.request_id and name in self._named:
+    async def _generate(self, ask: Ask, progress: Progress, timeout_s: float | None
+                        ) -> AsyncIterator[pb.GenerateResponse]:
+        name = (ask.tenant, ask.client_id)
+        if ask.client_id and name in self._named:
             self.stats["num_invalid"] += 1
-            raise RequestFailed(grpc.StatusCode.ALREADY_EXISTS, f"request id {request.request_id!r} is already running; "
+            raise RequestFailed(grpc.StatusCode.ALREADY_EXISTS, f"request id {ask.client_id!r} is already running; "
                                 "use a new id")
-        if request.request_id:
+        if ask.client_id:
             self._named.add(name)
         try:
-            async for response in self._serve(request, progress, timeout_s, route):
+            async for response in self._serve(ask, progress, timeout_s):
                 yield response
         finally:
-            if request.request_id:
+            if ask.client_id:
                 self._named.discard(name)
 
-    async def _serve(self, request: pb.GenerateRequest, progress: Progress, timeout_s: float | None,
-                              route: str) -> AsyncIterator[pb.GenerateResponse]:
+    async def _serve(self, ask: Ask, progress: Progress, timeout_s: float | None) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            prep = progress.prep = dataclasses.replace(await self._prepare(request), route=route)
+            prep = progress.prep = await self.prepare(ask)
         except RequestFailed as e:
             self.stats["num_invalid" if e.code == grpc.StatusCode.INVALID_ARGUMENT else "num_refused"] += 1
             raise
@@ -200,9 +207,10 @@ class Generation(pb_grpc.GenerationServicer):
         await self.gate.admit(prep, deadline, cost, output, limit)
         return dataclasses.replace(prep, tenant_weight=self.gate.queue.weight(prep.tenant)), cost
 
-    async def _prepare(self, request: pb.GenerateRequest) -> Prepared:
-        prepare = functools.partial(self.frontend.prepare, request, self.members.facts, self.members.max_decode_blocks())
-        return await self.off_loop.run(prepare) if heavy(request) else prepare()
+    async def prepare(self, ask: Ask) -> Prepared:
+        """`Frontend.prepare`, off the event loop where it may take long."""
+        prepare = functools.partial(self.frontend.prepare, ask, self.members.facts, self.members.max_decode_blocks())
+        return await self.off_loop.run(prepare) if slow_to_prepare(ask) else prepare()
 
     def _count(self, prep: Prepared, progress: Progress) -> None:
         self.stats["num_requests"] += 1
@@ -220,10 +228,10 @@ access_log = logging.getLogger("splitserve.access")
 """One line per request as it ends (who, what, how it ended); its own logger, to route or silence."""
 
 
-def _access(request: pb.GenerateRequest, progress: Progress, route: str) -> None:
+def _access(client_id: str, tenant: str, route: str, progress: Progress) -> None:
     prep = progress.prep
     access_log.info("request %s client_id=%r tenant=%r route=%s status=%d prompt=%d output=%d cached=%d %.3fs",
-                    prep.request_id if prep else "-", request.request_id[:128], request.tenant[:128], route,
+                    prep.request_id if prep else "-", client_id[:128], tenant[:128], route,
                     progress.status, len(prep.token_ids) if prep else 0, progress.num_sent, progress.num_cached_tokens,
                     time.perf_counter() - progress.arrived)
 

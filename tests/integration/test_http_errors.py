@@ -16,7 +16,7 @@ import pytest
 
 from control.heartbeat import ModelFacts
 from proto import generate_pb2 as pb
-from router.attempt import RequestFailed
+from router.attempt import Ask, RequestFailed
 from router.frontend import NOT_SERVING, Frontend
 from router.http_api import OpenAIServer
 
@@ -41,8 +41,7 @@ class Generation:
     def __init__(self) -> None:
         self.script: tuple[list[pb.GenerateResponse], BaseException | None] = ([], None)
 
-    async def stream(self, request: pb.GenerateRequest, headers: Any, timeout_s: Any,
-                     route: str = "") -> AsyncIterator[pb.GenerateResponse]:
+    async def stream(self, ask: Ask, headers: Any, timeout_s: Any) -> AsyncIterator[pb.GenerateResponse]:
         responses, error = self.script
         for r in responses:
             yield r
@@ -124,11 +123,10 @@ class Recorded(Generation):
         super().__init__()
         self.open = 0
 
-    async def stream(self, request: pb.GenerateRequest, headers: Any, timeout_s: Any,
-                     route: str = "") -> AsyncIterator[pb.GenerateResponse]:
+    async def stream(self, ask: Ask, headers: Any, timeout_s: Any) -> AsyncIterator[pb.GenerateResponse]:
         self.open += 1
         try:
-            async for r in super().stream(request, headers, timeout_s, route):
+            async for r in super().stream(ask, headers, timeout_s):
                 yield r
         finally:
             self.open -= 1

@@ -1,5 +1,5 @@
 """The OpenAI request shapes: types checked strictly, unsupported fields refused by name, the
-mapping onto GenerateRequest, and the response and chunk shapes."""
+mapping onto the router's `Ask`, and the response and chunk shapes."""
 from __future__ import annotations
 
 import json
@@ -9,15 +9,23 @@ import pytest
 from proto import generate_pb2 as pb
 from router.constraints import AutoToolOutput, ToolCallOutput, ToolPlan, constraint_of, tool_plan
 from router.openai_output import Output
-from router.openai_protocol import (BadRequest, ChatRequest, CompletionRequest, messages_as_dicts, parse, prompts_of,
-                                    to_generate)
+from router.attempt import Ask
+from router.openai_protocol import (BadRequest, ChatRequest, CompletionRequest, ask_of, messages_as_dicts, parse,
+                                    prompts_of, sampling_of)
+
+
+def to_ask(req: ChatRequest | CompletionRequest, client_id: str, prompt: str | list[int],
+           max_tokens_default: int | None, constraint: tuple[str, str] | None = None) -> Ask:
+    """What the HTTP door hands the router for one prompt of `req`."""
+    route = "chat" if isinstance(req, ChatRequest) else "completion"
+    return ask_of(req, client_id, prompt, sampling_of(req, max_tokens_default, constraint), route)
 
 
 def bad(kind, body: dict | bytes) -> BadRequest:  # type: ignore[no-untyped-def]
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     with pytest.raises(BadRequest) as e:
         req = parse(kind, raw)
-        to_generate(req, "r", [1] if kind is ChatRequest else prompts_of(req.prompt)[0], None, constraint_of(req))
+        to_ask(req, "r", [1] if kind is ChatRequest else prompts_of(req.prompt)[0], None, constraint_of(req))
         if kind is ChatRequest:
             messages_as_dicts(req.messages)
             tool_plan(req, None)
@@ -89,19 +97,19 @@ def test_bad_requests_name_the_field(kind, body, param, message) -> None:  # typ
     assert e.param == param and message in e.message, (e.param, e.message)
 
 
-def test_a_completion_maps_onto_generate_request() -> None:
+def test_a_completion_maps_onto_the_router_s_request() -> None:
     req = parse(CompletionRequest, json.dumps({
         "model": "m", "prompt": "Hello", "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": -1, "seed": 3,
         "stop": "\n", "stop_token_ids": [2], "ignore_eos": True, "user": "acme", "priority": -2, "logprobs": 0,
         "store": True, "frequency_penalty": 0}).encode())
-    g = to_generate(req, "cmpl-1", prompts_of(req.prompt)[0], None)
-    assert g.text == "Hello" and g.request_id == "cmpl-1" and g.tenant == "acme" and g.priority == -2
-    s = g.sampling
-    assert (s.max_tokens, round(s.temperature, 3), round(s.top_p, 3), s.top_k, s.seed) == (7, 0.5, 0.9, 0, 3)
-    assert list(s.stop) == ["\n"] and list(s.stop_token_ids) == [2] and s.ignore_eos and s.logprobs
+    g = to_ask(req, "cmpl-1", prompts_of(req.prompt)[0], None)
+    assert (g.prompt, g.client_id, g.tenant, g.priority, g.route) == ("Hello", "cmpl-1", "acme", -2, "completion")
+    s = g.params
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed) == (7, 0.5, 0.9, 0, 3)
+    assert s.stop == ("\n",) and s.stop_token_ids == (2,) and s.ignore_eos and s.logprobs
     [one] = prompts_of(parse(CompletionRequest, b'{"prompt": [[5, 6, 7]]}').prompt)
-    ids = to_generate(parse(CompletionRequest, b'{"prompt": [[5, 6, 7]]}'), "r", one, None)
-    assert list(ids.token_ids.ids) == [5, 6, 7] and ids.sampling.max_tokens == 16 and ids.sampling.temperature == 1.0
+    ids = to_ask(parse(CompletionRequest, b'{"prompt": [[5, 6, 7]]}'), "r", one, None)
+    assert ids.prompt == [5, 6, 7] and ids.params.max_tokens == 16 and ids.params.temperature == 1.0
 
 
 def test_a_chat_request_takes_the_rendered_prompt_and_max_completion_tokens() -> None:
@@ -110,9 +118,9 @@ def test_a_chat_request_takes_the_rendered_prompt_and_max_completion_tokens() ->
                                                                           {"type": "text", "text": "b"}]}],
         "max_tokens": 5, "max_completion_tokens": 9}).encode())
     assert messages_as_dicts(req.messages) == [{"role": "system", "content": "s"}, {"role": "user", "content": "a\nb"}]
-    g = to_generate(req, "chatcmpl-1", [1, 2, 3], 100)
-    assert list(g.token_ids.ids) == [1, 2, 3] and g.sampling.max_tokens == 9
-    assert to_generate(parse(ChatRequest, b'{"messages": [{"role": "user"}]}'), "r", [1], 100).sampling.max_tokens == 100
+    g = to_ask(req, "chatcmpl-1", [1, 2, 3], 100)
+    assert g.prompt == [1, 2, 3] and g.params.max_tokens == 9 and g.route == "chat"
+    assert to_ask(parse(ChatRequest, b'{"messages": [{"role": "user"}]}'), "r", [1], 100).params.max_tokens == 100
 
 
 def _responses() -> list[pb.GenerateResponse]:
@@ -166,8 +174,8 @@ def test_completion_output_with_logprobs_and_token_ids() -> None:
 ])
 def test_each_way_of_asking_for_structured_output_maps_onto_one_constraint(fields, kind, value) -> None:  # type: ignore[no-untyped-def]
     req = parse(ChatRequest, json.dumps({"messages": [{"role": "user", "content": "x"}], **fields}).encode())
-    c = to_generate(req, "chat-1", [1, 2], 16, constraint_of(req)).sampling.constraint
-    assert (c.kind, c.value) == (kind, value)
+    c = to_ask(req, "chat-1", [1, 2], 16, constraint_of(req)).params.constraint
+    assert ((c.kind, c.value) if c is not None else ("", "")) == (kind, value)
 
 
 def tool_output(plan: ToolPlan, texts: list[str], kind: type = ToolCallOutput,
@@ -271,15 +279,15 @@ def test_tool_messages_and_an_assistant_s_calls_reach_the_template_as_transforme
         {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}]
 
 
-def test_the_sampling_controls_map_onto_the_grpc_fields() -> None:
+def test_the_sampling_controls_map_onto_the_engine_s_sampling() -> None:
     req = parse(CompletionRequest, json.dumps({"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -0.25,
                                                "repetition_penalty": 1.2, "min_p": 0.05, "min_tokens": 3,
                                                "logit_bias": {"7": -100, "42": 2.5}}).encode())
-    s = to_generate(req, "r", "x", None).sampling
-    assert (s.presence_penalty, s.frequency_penalty, s.min_p, s.min_tokens) == (0.5, -0.25, pytest.approx(0.05), 3)
-    assert s.repetition_penalty == pytest.approx(1.2) and dict(s.logit_bias) == {7: -100.0, 42: 2.5}
-    plain = to_generate(parse(CompletionRequest, b'{"prompt": "x"}'), "r", "x", None).sampling
-    assert not plain.HasField("repetition_penalty") and not plain.logit_bias and plain.min_tokens == 0
+    s = to_ask(req, "r", "x", None).params
+    assert (s.presence_penalty, s.frequency_penalty, s.min_p, s.min_tokens) == (0.5, -0.25, 0.05, 3)
+    assert s.repetition_penalty == 1.2 and s.logit_bias == ((7, -100.0), (42, 2.5))
+    plain = to_ask(parse(CompletionRequest, b'{"prompt": "x"}'), "r", "x", None).params
+    assert plain.repetition_penalty == 1.0 and not plain.logit_bias and plain.min_tokens == 0
 
 
 def test_echo_with_logprobs_and_max_tokens_0_is_the_shape_lm_eval_scores() -> None:
@@ -288,7 +296,7 @@ def test_echo_with_logprobs_and_max_tokens_0_is_the_shape_lm_eval_scores() -> No
     token_logprobs[ctxlen:] and checks each against max(top_logprobs[i].values())."""
     req = parse(CompletionRequest, json.dumps({"prompt": [5, 6, 7], "echo": True, "logprobs": 1,
                                                "max_tokens": 0, "temperature": 0}).encode())
-    s = to_generate(req, "r", [5, 6, 7], None).sampling
+    s = to_ask(req, "r", [5, 6, 7], None).params
     assert (s.max_tokens, s.logprobs, s.top_logprobs, s.prompt_logprobs) == (1, True, 1, 1)
     out = Output("completion", "cmpl-1", "m", include_logprobs=True, token_text=lambda t: f"<{t}>",
                  prompt_ids=[5, 6, 7], echo="<5><6><7>", hide=True, num_top=1)
@@ -336,7 +344,7 @@ def test_an_unknown_field_is_refused_by_name_and_openai_s_own_no_op_fields_are_i
                                          "modalities": ["text"]}).encode())
     assert len(req.messages) == 2  # fields OpenAI's responses carry, sent back with a conversation
     with pytest.raises(BadRequest, match="modalities"):
-        to_generate(parse(ChatRequest, json.dumps({"messages": [{"role": "user", "content": "x"}],
+        to_ask(parse(ChatRequest, json.dumps({"messages": [{"role": "user", "content": "x"}],
                                                    "modalities": ["text", "audio"]}).encode()), "r", [1], 4)
     with pytest.raises(BadRequest, match="unknown field 'suffixes'"):
         parse(CompletionRequest, b'{"prompt": "x", "suffixes": 1}')

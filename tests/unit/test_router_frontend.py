@@ -13,7 +13,7 @@ from control.heartbeat import ModelFacts
 from proto import generate_pb2 as pb
 from router.attempt import RequestFailed
 from router.admission import admission_cost
-from router.frontend import Frontend, output_tokens, runs_to_the_end
+from router.frontend import Frontend, ask_of, output_tokens, runs_to_the_end
 from router.policy import blocks_for
 
 FACTS = ModelFacts("m", 16, 1000, 512, 64)
@@ -21,7 +21,7 @@ FACTS = ModelFacts("m", 16, 1000, 512, 64)
 
 def prepare(**fields: object) -> object:
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=fields.pop("ids", [5, 6, 7])), **fields)  # type: ignore[arg-type]
-    return Frontend(None).prepare(request, FACTS, 64)
+    return Frontend(None).prepare(ask_of(request), FACTS, 64)
 
 
 @pytest.mark.parametrize(("fields", "message"), [
@@ -48,8 +48,7 @@ def test_bad_fields_are_invalid_argument_with_a_message_that_says_what_to_change
 
 def test_too_many_stop_strings_are_refused() -> None:
     with pytest.raises(RequestFailed, match="at most 16 stop strings"):
-        Frontend(None).prepare(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5]),
-                                                  sampling=pb.SamplingParams(stop=["x"] * 17)), FACTS, 64)
+        prepare(ids=[5], sampling=pb.SamplingParams(stop=["x"] * 17))
 
 
 def test_a_huge_max_tokens_costs_only_what_the_context_allows() -> None:
@@ -70,13 +69,13 @@ def test_only_a_request_that_nothing_can_stop_early_is_charged_its_max_tokens_as
 
 
 def test_long_text_and_long_constraints_are_prepared_off_the_event_loop() -> None:
-    from router.frontend import OFF_LOOP_CHARS, OFF_LOOP_CONSTRAINT_CHARS, heavy
+    from router.frontend import OFF_LOOP_CHARS, OFF_LOOP_CONSTRAINT_CHARS, slow_to_prepare
 
-    assert not heavy(pb.GenerateRequest(text="x" * OFF_LOOP_CHARS))
-    assert heavy(pb.GenerateRequest(text="x" * (OFF_LOOP_CHARS + 1)))
-    assert not heavy(pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(OFF_LOOP_CHARS + 1)))))
+    assert not slow_to_prepare(ask_of(pb.GenerateRequest(text="x" * OFF_LOOP_CHARS)))
+    assert slow_to_prepare(ask_of(pb.GenerateRequest(text="x" * (OFF_LOOP_CHARS + 1))))
+    assert not slow_to_prepare(ask_of(pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(OFF_LOOP_CHARS + 1))))))
     schema = pb.SamplingParams(constraint=pb.Constraint(kind="json_schema", value="{" + " " * OFF_LOOP_CONSTRAINT_CHARS + "}"))
-    assert heavy(pb.GenerateRequest(text="hi", sampling=schema))
+    assert slow_to_prepare(ask_of(pb.GenerateRequest(text="hi", sampling=schema)))
 
 
 def test_a_prompt_under_a_sliding_window_needs_only_its_window_s_blocks_on_a_decode_worker() -> None:
@@ -86,8 +85,8 @@ def test_a_prompt_under_a_sliding_window_needs_only_its_window_s_blocks_on_a_dec
     windowed = ModelFacts("m", 16, 1000, 4096, 64, kv_window=32)
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 200))
     with pytest.raises(RequestFailed, match="prompt needs 13 KV blocks; the largest decode worker holds 8"):
-        Frontend(None).prepare(request, ModelFacts("m", 16, 1000, 4096, 64), 8)
-    assert len(Frontend(None).prepare(request, windowed, 8).token_ids) == 200
+        Frontend(None).prepare(ask_of(request), ModelFacts("m", 16, 1000, 4096, 64), 8)
+    assert len(Frontend(None).prepare(ask_of(request), windowed, 8).token_ids) == 200
     assert blocks_for(200, 16) == 13 and blocks_for(200, 16, 32) == 3
 
 
@@ -96,26 +95,25 @@ def test_logit_bias_outside_the_vocabulary_is_refused_by_name() -> None:
         prepare(sampling=pb.SamplingParams(logit_bias={1000: 1.0, 5: 2.0}))
 
 
-def test_the_prompts_of_one_request_convert_and_check_their_sampling_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A completion of 128 prompts once converted and checked its sampling (a 1,000-entry
-    logit_bias, a schema) 128 times on the event loop; the verdict is now kept for the rest."""
-    import router.frontend as frontend_module
-
-    calls = []
-    real = frontend_module.sampling_from_pb
-    monkeypatch.setattr(frontend_module, "sampling_from_pb", lambda s: calls.append(1) or real(s))
+def test_a_constraint_is_compiled_once_by_the_router_and_a_refusal_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router compiles a constraint once (syntax, schema, limits) whatever the requests
+    that send it; the refusal of a bad one is kept too: sending it again costs nothing."""
     front = Frontend(None)
-    sampling = pb.SamplingParams(logit_bias={i: 1.0 for i in range(1000)}, stop_token_ids=[1, 2],
-                                 constraint=pb.Constraint(kind="json_schema", value='{"type": "object"}'))
-    preps = [front.prepare(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, i + 3]), sampling=sampling), FACTS, 64)
-             for i in range(128)]
-    assert len(calls) == 1 and len({p.request_id for p in preps}) == 128
-    assert preps[0].params is preps[127].params and len(preps[0].params.logit_bias) == 1000
+    calls = []
+    real = front.grammars._compile
+    monkeypatch.setattr(front.grammars, "_compile", lambda c: calls.append(c.kind) or real(c))
+
+    def ask(sampling: pb.SamplingParams, i: int = 0) -> object:
+        return ask_of(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, i + 3]), sampling=sampling))
+
+    good = pb.SamplingParams(constraint=pb.Constraint(kind="json_schema", value='{"type": "object"}'))
+    preps = [front.prepare(ask(good, i), FACTS, 64) for i in range(4)]  # type: ignore[arg-type]
+    assert len({p.request_id for p in preps}) == 4 and calls == ["json_schema"]
     bad = pb.SamplingParams(constraint=pb.Constraint(kind="json_schema", value="{not json"))
-    for _ in range(3):  # a refusal is kept as well: the same message, no second check
+    for _ in range(3):
         with pytest.raises(RequestFailed, match="the JSON schema is not JSON"):
-            front.prepare(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5]), sampling=bad), FACTS, 64)
-    assert len(calls) == 2
+            front.prepare(ask(bad), FACTS, 64)  # type: ignore[arg-type]
+    assert calls == ["json_schema"] * 2
 
 
 def test_lists_past_the_engines_limits_are_refused_before_they_are_converted() -> None:
