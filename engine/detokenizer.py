@@ -6,6 +6,8 @@ sequence. Stop strings are searched only in the tail that the new text can compl
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tokenizers import Tokenizer
 
 _CONTEXT_TOKENS = 5
@@ -46,6 +48,21 @@ class IncrementalDetokenizer:
         delta = full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return self._append_text(delta)
+
+    def extend(self, token_ids: Sequence[int], num_text: int | None = None) -> tuple[str, int, bool]:
+        """Appends tokens in order until one completes a stop string: the text they add, how many
+        were taken (all, or up to the one that stopped), and whether one stopped. Only the first
+        `num_text` (None: all) become text; the rest are taken without (the stop token that ends
+        an output)."""
+        text = ""
+        for i, token_id in enumerate(token_ids):
+            if num_text is not None and i >= num_text:
+                break
+            piece, stopped = self.append(token_id)
+            text += piece
+            if stopped:
+                return text, i + 1, True
+        return text, len(token_ids), False
 
     def _append_text(self, delta: str) -> tuple[str, bool]:
         """Text may be emitted only once no stop string can still start inside it."""

@@ -1,6 +1,7 @@
 """DecayedFit: the one least-squares fit of the project (pure). The engine's step model and
 the speculator's step cost fit decode steps with it, the start-up profile draws its lines,
-and `LinearFit` (y ≈ a + b·x over recent samples) is it on one load: the routers' wait
+the simulator fits a CPU engine's step cost with it (sim/cpu_fit.py: no decay, each sample
+weighted), and `LinearFit` (y ≈ a + b·x over recent samples) is it on one load: the routers' wait
 forecast, the engine's prefill cost per token and the KV tier's fetch times.
 
 LinearFit: the newest sample weighs 1 and each older one `decay` times less than the next,
@@ -9,6 +10,8 @@ never faster). Until the samples' x values spread (variance under `MIN_X_VARIANC
 slope is unknown and the fit is their weighted mean; a value is never below `floor`.
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 RIDGE = 1e-9
 """Added to the normalised normal equations' diagonal: a solvable system whatever the samples."""
@@ -29,12 +32,13 @@ class DecayedFit:
         self._v = [0.0] * n
         """Weighted sums of x·y."""
 
-    def add(self, x: tuple[float, ...], y: float) -> None:
+    def add(self, x: Sequence[float], y: float, weight: float = 1.0) -> None:
+        """A sample; `weight` scales it on top of the decay (a batch fit's own weights)."""
         d = self.decay
         for i in range(len(x)):
-            self._v[i] = self._v[i] * d + x[i] * y
+            self._v[i] = self._v[i] * d + weight * x[i] * y
             for j in range(len(x)):
-                self._m[i][j] = self._m[i][j] * d + x[i] * x[j]
+                self._m[i][j] = self._m[i][j] * d + weight * x[i] * x[j]
 
     def observe(self, x: tuple[float, ...], y: float) -> list[float] | None:
         """Adds a sample; returns the coefficients now."""

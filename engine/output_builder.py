@@ -33,31 +33,32 @@ class OutputBuilder:
     def forget(self, request_id: RequestId) -> None:
         self._detok.pop(request_id, None)
 
+    def turn(self, request: Request, scheduler: Scheduler, role: Role, num_new: int = 1) -> None:
+        """What a step does for a request that got `num_new` tokens, text aside (the simulator's
+        engine does just this): its first token counts its prompt and cache hits into the totals
+        (once a prompt: choice 0), and, if it goes on, the role takes its turn."""
+        if len(request.output_token_ids) == num_new and request.choice_index == 0:
+            self.num_prompt_tokens += request.num_prompt_tokens
+            self.num_cached_tokens += request.num_cached_tokens
+        if not request.is_finished:
+            role.after_token(request, request.output_token_ids[-1], scheduler, scheduler.kv)
+
     def output(self, request: Request, scheduler: Scheduler, role: Role, num_new: int = 1) -> RequestOutput:
         """The request's `num_new` last tokens (more than one: accepted proposals), detokenized."""
         rid = request.request_id
         tokens = request.output_token_ids[-num_new:]
-        if len(request.output_token_ids) == num_new and request.choice_index == 0:  # a prompt counts once
-            self.num_prompt_tokens += request.num_prompt_tokens
-            self.num_cached_tokens += request.num_cached_tokens
         text, stopped = "", False
         detok = self._detok.get(rid)
         if detok is not None:
-            for i, token in enumerate(tokens):
-                piece, stopped = detok.append(token)
-                text += piece
-                if stopped and i + 1 < len(tokens):
-                    drop = len(tokens) - i - 1
-                    del request.output_token_ids[-drop:]
-                    del request.output_logprobs[len(request.output_logprobs) - drop:]
-                    del request.output_top_logprobs[len(request.output_top_logprobs) - drop:]
-                    tokens = tokens[: i + 1]
-                if stopped:
-                    break
+            text, kept, stopped = detok.extend(tokens)
+            if (drop := len(tokens) - kept) > 0:  # a stop string among accepted tokens: the rest go
+                del request.output_token_ids[-drop:]
+                del request.output_logprobs[len(request.output_logprobs) - drop:]
+                del request.output_top_logprobs[len(request.output_top_logprobs) - drop:]
+                tokens = tokens[:kept]
         if stopped:
             scheduler.finish(request, FinishReason.STOP)
-        elif not request.is_finished:
-            role.after_token(request, tokens[-1], scheduler, scheduler.kv)
+        self.turn(request, scheduler, role, len(tokens))
         if request.is_finished and detok is not None and not stopped:
             text += detok.flush()
         out = RequestOutput(

@@ -13,8 +13,7 @@ _FINISH_TO_PB = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.ABORT: pb.FINISH_REASON_ABORT,
 }
-_FINISH_NAMES = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
-_FINISH_FROM_PB = {code: name for name, code in _FINISH_NAMES.items()}
+_FINISH_FROM_PB = {code: reason for reason, code in _FINISH_TO_PB.items()}
 
 
 def sampling_from_pb(s: pb.SamplingParams, keep_stop_strings: bool = True) -> SamplingParams:
@@ -89,17 +88,13 @@ def prompt_logprobs_to_pb(entries: list[PromptLogprob] | None) -> pb.PromptLogpr
                              top=top_logprobs_to_pb([e.top for e in entries]))
 
 
-def finish_name_from_pb(code: int) -> str | None:
-    """"stop" | "length" | "abort", or None for FINISH_REASON_UNSPECIFIED (not finished)."""
+def finish_from_pb(code: int) -> FinishReason | None:
+    """STOP, LENGTH or ABORT; None for FINISH_REASON_UNSPECIFIED (not finished)."""
     return _FINISH_FROM_PB.get(code)
 
 
-def finish_to_pb(reason: FinishReason | str | None) -> int:
-    if reason is None:
-        return pb.FINISH_REASON_UNSPECIFIED
-    if isinstance(reason, str):
-        return _FINISH_NAMES[reason]
-    return _FINISH_TO_PB[reason]
+def finish_to_pb(reason: FinishReason | None) -> int:
+    return pb.FINISH_REASON_UNSPECIFIED if reason is None else _FINISH_TO_PB[reason]
 
 
 def ticket_to_pb(t: Ticket) -> pb.KVTicket:

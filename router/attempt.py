@@ -12,8 +12,8 @@ from typing import Any
 import grpc
 
 from control import tracing
-from engine.request import SamplingParams
-from proto import generate_pb2 as pb
+from engine.request import FinishReason, SamplingParams
+from router.reply import Route
 
 
 CUT_OFF = "the request was cut off inside the router; retry"
@@ -129,12 +129,12 @@ class Progress:
     """First token sent to the KV arriving on the decode worker (remote prefill)."""
     transfer_window_ms: float = 0.0
     num_cached_tokens: int = 0
-    route: pb.Route | None = None
+    route: Route | None = None
     """Where the current try runs."""
     token_ids: list[int] = dataclasses.field(default_factory=list)
     """Sent to the client so far."""
-    finish_reason: int = 0
-    """The last response's (pb.FinishReason; 0 while unfinished)."""
+    finish_reason: FinishReason | None = None
+    """The last reply's (None while unfinished)."""
     status: int = 0
     """The gRPC status code the request ended with (0: OK)."""
     span: Any = tracing.NO_SPAN

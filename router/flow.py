@@ -25,7 +25,7 @@ import grpc
 from control.heartbeat import ModelFacts, Probes
 from engine.hashing import BlockHasher
 from proto import generate_pb2 as pb
-from proto.convert import finish_name_from_pb, sampling_to_pb
+from proto.convert import finish_from_pb, sampling_to_pb
 from control import tracing
 from router.attempt import Attempt, BlockHashMemo, Deadline, Prepared, Progress, RequestFailed, WorkerFailed
 from router.clients import WorkerCall, WorkerClients, WorkerEvent
@@ -34,7 +34,8 @@ from router.choices import Choices
 from router.kv_index import KVIndex
 from router.loads import Booking, LoadBook, book_route
 from router.members import Members
-from router.policy import RouteDecision, StoreHit, route, store_hit
+from router.policy import RouteDecision, StoreHit, route, store_hit, tells_fetch
+from router.reply import Reply, Route
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class RequestFlow:
         return min(best * facts.block_size, max(len(prep.token_ids) - 1, 0))
 
     async def run(self, prep: Prepared, deadline: Deadline, progress: Progress,
-                  out: Choices) -> AsyncIterator[pb.GenerateResponse]:
+                  out: Choices) -> AsyncIterator[Reply]:
         """The request's responses; when a worker fails under it, tries again on others."""
         avoid: set[str] = set()
         for n in range(self.config.max_attempts):
@@ -109,7 +110,7 @@ class RequestFlow:
 
     # -- one try -------------------------------------------------------------------------------
     async def _run(self, attempt: Attempt, deadline: Deadline, progress: Progress, out: Choices,
-                   avoid: set[str]) -> AsyncIterator[pb.GenerateResponse]:
+                   avoid: set[str]) -> AsyncIterator[Reply]:
         await self._await_decode_worker(avoid, deadline)
         route = tracing.child("router.route", progress.span)
         decision, hashes, block_size = await self._route_with_room(attempt, avoid, deadline)
@@ -118,8 +119,7 @@ class RequestFlow:
                     splitserve__decode_cached_blocks=decision.num_decode_cached_blocks,
                     splitserve__prefill_cached_blocks=decision.num_prefill_cached_blocks)
         progress.routed = progress.routed or time.perf_counter()
-        progress.route = pb.Route(decode_worker=decision.decode_worker, prefill_worker=decision.prefill_worker or "",
-                                  local_prefill=decision.local_prefill)
+        progress.route = Route(decision.decode_worker, decision.prefill_worker or "", decision.local_prefill)
         hint = self._store_hint(hashes, decision)  # before the booking predicts the prompt's blocks there
         booking = self._book(attempt, decision, hashes, block_size)
         d, p = booking.decode, booking.prefill
@@ -138,7 +138,7 @@ class RequestFlow:
                 first_at = time.perf_counter()
                 self._first_prefilled(progress, prefill.num_cached_tokens)
                 for response in out.tokens(0, [prefill.token_id], list(prefill.logprobs),
-                                           finish_name_from_pb(prefill.finish_reason), prefill.top_logprobs,
+                                           finish_from_pb(prefill.finish_reason), prefill.top_logprobs,
                                            prefill.prompt_logprobs if prefill.HasField("prompt_logprobs") else None):
                     yield response
                 lps = list(prefill.choice_logprobs)
@@ -246,7 +246,7 @@ class RequestFlow:
             raise failure
 
     async def _decode_tokens(self, progress: Progress, out: Choices, decode: WorkerCall,
-                             booking: Booking) -> AsyncIterator[pb.GenerateResponse]:
+                             booking: Booking) -> AsyncIterator[Reply]:
         while True:
             ev = await self._next(decode, self.config.decode_idle_timeout_s)
             if ev.WhichOneof("event") != "tokens":  # type: ignore[union-attr]
@@ -256,7 +256,7 @@ class RequestFlow:
                 booking.prefilled()
                 self._first_prefilled(progress, tokens.num_cached_tokens)
             for response in out.tokens(tokens.choice, list(tokens.token_ids), list(tokens.logprobs),
-                                       finish_name_from_pb(tokens.finish_reason), tokens.top_logprobs,
+                                       finish_from_pb(tokens.finish_reason), tokens.top_logprobs,
                                        tokens.prompt_logprobs if tokens.HasField("prompt_logprobs") else None):
                 yield response
             if out.finished:
@@ -313,7 +313,7 @@ class RequestFlow:
     def _store_hint(self, hashes: list[bytes], decision: RouteDecision) -> pb.StoreHint | None:
         """Where the worker that prefills finds the prompt's blocks: its own host's store (no
         address), another host's, or nowhere (0 blocks: it need not ask; also where fetching is
-        no faster than computing, `_fetches`), and what its pool held when it was chosen; None:
+        no faster than computing, `tells_fetch`), and what its pool held when it was chosen; None:
         the router has no view of the worker's store."""
         worker_id = decision.prefill_worker or decision.decode_worker
         hit = self._stored(hashes, [worker_id]).get(worker_id)
@@ -321,17 +321,9 @@ class RequestFlow:
             return None
         far = hit.store_id != self.members.store_of(worker_id)
         pool = decision.num_prefill_cached_blocks if decision.prefill_worker else decision.num_decode_cached_blocks
-        told = hit.num_blocks if self._fetches(worker_id, hit, pool) else 0
+        told = hit.num_blocks if tells_fetch(hit, pool, lambda: self._probes.due(worker_id, self.clock())) else 0
         return pb.StoreHint(address=self.members.store_addresses.get(hit.store_id, "") if far else "",
                             store_id=hit.store_id, num_blocks=told, pool_blocks=pool)
-
-    def _fetches(self, worker_id: str, hit: StoreHit, pool: int) -> bool:
-        """Whether the worker is told where the hit's blocks are: unless its measurements price
-        fetching the ones past its pool's out, and then once every `FETCH_PROBE_S` (a fresh
-        measurement)."""
-        if hit.saved > 0 or hit.num_blocks <= pool:
-            return True
-        return self._probes.due(worker_id, self.clock())
 
     def _route(self, attempt: Attempt, avoid: set[str]) -> tuple[RouteDecision, list[bytes], int]:
         """Workers that failed this request are avoided; ones that are down too, unless no decode

@@ -1,4 +1,4 @@
-"""The router's text side: an `Ask` in, `Prepared` out; tokens in, `GenerateResponse`s out.
+"""The router's text side: an `Ask` in, `Prepared` out; tokens in, `Reply`s out.
 
 The only place a request is tokenized and its output detokenized (workers send token
 ids only, whichever worker computed them, so a retried request's text stays one
@@ -21,13 +21,15 @@ from tokenizers import Tokenizer
 
 from control.heartbeat import ModelFacts
 from engine.detokenizer import IncrementalDetokenizer
+from engine.request import FinishReason
 from engine.structured import Grammars
 from engine.types import InvalidRequestError
 from proto import generate_pb2 as pb
-from proto.convert import finish_to_pb, sampling_from_pb
+from proto.convert import sampling_from_pb
 from router.attempt import Ask, Prepared, Progress, RequestFailed
 from router.chat_template import ChatTemplate, ChatTemplateError
 from router.policy import blocks_for
+from router.reply import Reply, Timing, Usage
 
 
 MAX_ID_CHARS = 128
@@ -238,11 +240,10 @@ class Responses:
         self.prep, self.progress, self.detok, self.itl = prep, progress, detok, itl
         self._last_at = 0.0
 
-    def tokens(self, token_ids: list[int], logprobs: list[float], reason: str | None,
-               top: Sequence[pb.TopLogprobs] = (), prompt: pb.PromptLogprobs | None = None
-               ) -> tuple[pb.GenerateResponse, bool]:
-        """A response with these new tokens (cut at a stop string), their alternatives `top`,
-        and on the first the prompt's log-probabilities; True when it is the last."""
+    def tokens(self, token_ids: list[int], logprobs: list[float], reason: FinishReason | None,
+               top: Sequence[pb.TopLogprobs] = (), prompt: pb.PromptLogprobs | None = None) -> tuple[Reply, bool]:
+        """A reply with these new tokens (cut at a stop string), their alternatives `top`, and
+        on the first the prompt's log-probabilities; True when it is the last."""
         progress = self.progress
         now = time.perf_counter()
         if progress.num_sent == 0 and token_ids:
@@ -251,41 +252,34 @@ class Responses:
             self.itl.observe(now - self._last_at, len(token_ids))
         if token_ids:
             self._last_at = now
-        text, sent = "", []
-        # the stop token that ends the output (EOS, a stop token id) is never text, special or not
-        shown = len(token_ids) - (reason == "stop" and self.detok is not None and bool(token_ids)
-                                  and self.detok.ends_output(token_ids[-1], self.prep.params.stop_token_ids))
-        for i, t in enumerate(token_ids):
-            sent.append(t)
-            if self.detok is not None and i < shown:
-                delta, stopped = self.detok.append(t)
-                text += delta
-                if stopped:
-                    reason = "stop"
-                    break
+        text, sent = "", list(token_ids)
+        if self.detok is not None:
+            # the stop token that ends the output (EOS, a stop token id) is never text, special or not
+            shown = len(token_ids) - (reason is FinishReason.STOP and bool(token_ids)
+                                      and self.detok.ends_output(token_ids[-1], self.prep.params.stop_token_ids))
+            text, kept, stopped = self.detok.extend(token_ids, shown)
+            if stopped:
+                sent, reason = sent[:kept], FinishReason.STOP
         progress.token_ids += sent
         done = reason is not None
         if done and self.detok is not None:
             text += self.detok.flush()
         params = self.prep.params
-        response = pb.GenerateResponse(request_id=self.prep.shown_id, token_ids=sent, text=text,
-                                       logprobs=logprobs[:len(sent)] if params.logprobs else [],
-                                       top_logprobs=list(top)[:len(sent)] if params.top_logprobs else [],
-                                       finish_reason=finish_to_pb(reason))
-        if prompt is not None and params.prompt_logprobs is not None and progress.num_sent == len(sent):
-            response.prompt_logprobs.CopyFrom(prompt)
-        if sent and progress.num_sent == len(sent) and progress.route is not None:
-            response.route.CopyFrom(progress.route)
-        return response, done
+        first = progress.num_sent == len(sent)
+        reply = Reply(self.prep.shown_id, sent, text, logprobs[:len(sent)] if params.logprobs else [],
+                      list(top)[:len(sent)] if params.top_logprobs else [], reason,
+                      prompt_logprobs=prompt if prompt is not None and params.prompt_logprobs is not None and first
+                      else None, route=progress.route if sent and first else None)
+        return reply, done
 
-    def final(self, reason: int) -> pb.GenerateResponse:
-        prep, progress, ms = self.prep, self.progress, 1e3
-        return pb.GenerateResponse(
-            request_id=prep.shown_id, finish_reason=reason,
-            usage=pb.Usage(prompt_tokens=len(prep.token_ids), cached_tokens=progress.num_cached_tokens,
-                           completion_tokens=progress.num_sent),
-            timing=pb.Timing(queue_ms=(progress.admitted - progress.arrived) * ms,
-                             prefill_ms=(progress.first_token - progress.routed) * ms,
-                             transfer_ms=progress.transfer_ms, transfer_window_ms=progress.transfer_window_ms,
-                             ttft_ms=(progress.first_token - progress.arrived) * ms),
-            route=progress.route)
+    def final(self, reason: FinishReason | None) -> Reply:
+        prep, progress = self.prep, self.progress
+        return Reply(prep.shown_id, finish_reason=reason, route=progress.route, timing=self.timing(),
+                     usage=Usage(len(prep.token_ids), progress.num_cached_tokens, progress.num_sent))
+
+    def timing(self) -> Timing:
+        progress, ms = self.progress, 1e3
+        return Timing(queue_ms=(progress.admitted - progress.arrived) * ms,
+                      prefill_ms=(progress.first_token - progress.routed) * ms, transfer_ms=progress.transfer_ms,
+                      transfer_window_ms=progress.transfer_window_ms,
+                      ttft_ms=(progress.first_token - progress.arrived) * ms)

@@ -1,4 +1,4 @@
-"""OpenAI's answer shapes, built in the router from the responses of `Generation.stream`:
+"""OpenAI's answer shapes, built in the router from the `Reply`s of `Generation.stream`:
 one choice's whole answer or stream chunks (`Output`; tool calls: router/constraints.py),
 several choices merged into one answer (`merged`, usage summed with the prompt counted once)."""
 from __future__ import annotations
@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from proto import generate_pb2 as pb
-from proto.convert import finish_name_from_pb
 from router.reasoning import ReasoningParser, ReasoningStream
+from router.reply import Reply
 
 
 @dataclass
 class Output:
-    """One request's answer as OpenAI writes it, built from the router's responses. A chat
+    """One request's answer as OpenAI writes it, built from the router's replies. A chat
     answer's text goes through the reasoning parser where there is one (`reasoning_content`
     beside the content); subclasses shape the content (tool calls: router/constraints.py)
     through `_message`, `_delta` and `_finish_reason`."""
@@ -56,17 +56,16 @@ class Output:
     def object(self) -> str:
         return "text_completion" if self.kind == "completion" else "chat.completion"
 
-    def add(self, r: pb.GenerateResponse) -> None:
-        if r.HasField("prompt_logprobs"):
+    def add(self, r: Reply) -> None:
+        if r.prompt_logprobs is not None:
             self.prompt = r.prompt_logprobs
         if not self.hide:
             self.text.append(r.text)
             self.token_ids += r.token_ids
             self.logprobs += r.logprobs
             self.top += r.top_logprobs
-        if r.HasField("usage"):  # the last response: finish reason and usage
-            self.finish_reason = finish_name_from_pb(r.finish_reason)
-            u = r.usage
+        if (u := r.usage) is not None:  # the last reply: finish reason and usage
+            self.finish_reason = r.finish_reason.value if r.finish_reason is not None else None
             completion = 0 if self.hide else u.completion_tokens
             self.usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": completion,
                           "total_tokens": u.prompt_tokens + completion,
@@ -91,15 +90,15 @@ class Output:
         return {"id": self.request_id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": [choice], "usage": self.usage}
 
-    def chunk(self, r: pb.GenerateResponse | None, first: bool = False) -> dict[str, Any] | None:
-        """The stream chunk for `r` after `add(r)`: its text, or at the last response the finish
+    def chunk(self, r: Reply | None, first: bool = False) -> dict[str, Any] | None:
+        """The stream chunk for `r` after `add(r)`: its text, or at the last reply the finish
         reason alone; None when it carries nothing to send. `r` None: the usage chunk."""
         out = {"id": self.request_id, "object": self.object + ("" if self.kind == "completion" else ".chunk"),
                "created": self.created, "model": self.model, "choices": []}
         if r is None:
             out["usage"] = self.usage
             return out
-        last = r.HasField("usage")
+        last = r.last
         ids, text = ([], "") if self.hide else (list(r.token_ids), r.text)
         logprobs = self._logprobs(ids, list(r.logprobs), list(r.top_logprobs), first)
         choice: dict[str, Any] = {"index": self.index, "logprobs": logprobs,

@@ -101,6 +101,14 @@ def store_hit(num_blocks: int, fetch_line: Sequence[float], token_s: float, bloc
     return StoreHit(num_blocks, hit_share(num_blocks, fetch_line, token_s, block_size, prior), store_id)
 
 
+def tells_fetch(hit: StoreHit, pool_blocks: int, probe_due: Callable[[], bool]) -> bool:
+    """Whether the worker that prefills is told where a store's hit is (and so fetches the
+    blocks past the `pool_blocks` its pool holds): when fetching them saves computing, or the
+    pool holds them all; else only when `probe_due()` (`Probes`: once every FETCH_PROBE_S, a
+    fresh measurement). The routers' rule (router/flow.py) and the simulator's."""
+    return hit.saved > 0 or hit.num_blocks <= pool_blocks or probe_due()
+
+
 @dataclass(frozen=True)
 class RouteDecision:
     decode_worker: str

@@ -1,9 +1,9 @@
 """Generation: the public `Generate` stream, a thin servicer over the router's parts.
 
-proto in -> `ask_of` (the router's form, `Ask`; the HTTP door builds its own) -> `Frontend.prepare`
-(validate, tokenize) -> `AdmissionGate.admit` (may wait,
-or refuse early with a retry-after hint) -> `RequestFlow.run` (workers, retries) ->
-responses out. A `RequestFailed` from any of them ends the stream with its status
+proto in -> `ask_of` (the router's one form, `Ask`; the HTTP door builds its own) ->
+`Frontend.prepare` (validate, tokenize) -> `AdmissionGate.admit` (may wait, or refuse early
+with a retry-after hint) -> `RequestFlow.run` (workers, retries) -> `Reply`s ->
+`reply_to_pb` -> proto out. A `RequestFailed` from any of them ends the stream with its status
 code and message (and `retry-after-ms` trailing metadata when it has a hint); the
 client going away cancels the flow, which cancels its worker calls.
 """
@@ -20,9 +20,9 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from engine.request import FinishReason
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
-from proto.convert import finish_name_from_pb
 from control import tracing
 from router.api_keys import ApiKeys, Unauthenticated, authorization
 from router.attempt import CUT_OFF, Ask, Deadline, Prepared, Progress, RequestFailed
@@ -32,6 +32,7 @@ from router.frontend import Frontend, ItlWindow, ask_of, output_tokens, runs_to_
 from router.admission import admission_cost
 from router.gate import AdmissionGate
 from router.metrics import RouterMetrics
+from router.reply import Reply, reply_to_pb
 from router.off_loop import OffLoop
 from router.members import Members
 
@@ -98,15 +99,15 @@ class Generation(pb_grpc.GenerationServicer):
                 _access(request.request_id, request.tenant, "generate",
                         Progress(time.perf_counter(), status=grpc.StatusCode.INVALID_ARGUMENT.value[0]))
                 raise
-            async for response in self.stream(ask, context.invocation_metadata(), context.time_remaining()):
-                yield response
+            async for reply in self.stream(ask, context.invocation_metadata(), context.time_remaining()):
+                yield reply_to_pb(reply)
         except RequestFailed as e:
             await _fail(context, e)
 
     async def stream(self, ask: Ask, trace_metadata: Iterable[tuple[str, Any]] | None,
-                     timeout_s: float | None) -> AsyncIterator[pb.GenerateResponse]:
+                     timeout_s: float | None) -> AsyncIterator[Reply]:
         """One request, whatever door it came in by (gRPC here, OpenAI HTTP in router/http_api.py):
-        its responses, or RequestFailed with the status it ends with. `trace_metadata` carries the
+        its replies, or RequestFailed with the status it ends with. `trace_metadata` carries the
         caller's `traceparent`; `timeout_s` is its deadline from now (None: the router's default,
         `default_timeout_s`)."""
         if timeout_s is None:
@@ -114,8 +115,8 @@ class Generation(pb_grpc.GenerationServicer):
         progress = Progress(time.perf_counter(), span=tracing.child(
             "router.generate", tracing.extract(trace_metadata), tracing.SpanKind.SERVER))
         try:
-            async for response in self._generate(ask, progress, timeout_s):
-                yield response
+            async for reply in self._generate(ask, progress, timeout_s):
+                yield reply
         except RequestFailed as e:
             progress.status = e.code.value[0]
             raise
@@ -124,7 +125,7 @@ class Generation(pb_grpc.GenerationServicer):
             _access(ask.client_id, ask.tenant, ask.route, progress)
 
     async def _generate(self, ask: Ask, progress: Progress, timeout_s: float | None
-                        ) -> AsyncIterator[pb.GenerateResponse]:
+                        ) -> AsyncIterator[Reply]:
         name = (ask.tenant, ask.client_id)
         if ask.client_id and name in self._named:
             self.stats["num_invalid"] += 1
@@ -133,13 +134,13 @@ class Generation(pb_grpc.GenerationServicer):
         if ask.client_id:
             self._named.add(name)
         try:
-            async for response in self._serve(ask, progress, timeout_s):
-                yield response
+            async for reply in self._serve(ask, progress, timeout_s):
+                yield reply
         finally:
             if ask.client_id:
                 self._named.discard(name)
 
-    async def _serve(self, ask: Ask, progress: Progress, timeout_s: float | None) -> AsyncIterator[pb.GenerateResponse]:
+    async def _serve(self, ask: Ask, progress: Progress, timeout_s: float | None) -> AsyncIterator[Reply]:
         try:
             prep = progress.prep = await self.prepare(ask)
         except RequestFailed as e:
@@ -158,14 +159,14 @@ class Generation(pb_grpc.GenerationServicer):
             progress.admitted = time.perf_counter()
             out = Choices(prep, progress, [self.frontend.detokenizer(prep) for _ in range(prep.params.n)], self.itl)
             observed = False
-            async for response in self.flow.run(prep, deadline, progress, out):
+            async for reply in self.flow.run(prep, deadline, progress, out):
                 self.gate.progress(prep.request_id, progress.num_sent)
                 if not observed and progress.first_token:
                     observed = True
                     self.gate.observe_ttft(progress.first_token - progress.admitted, cost)
-                progress.finish_reason = response.finish_reason or progress.finish_reason
-                yield response
-            if finish_name_from_pb(progress.finish_reason) in ("stop", "length") and not runs_to_the_end(prep):
+                progress.finish_reason = reply.finish_reason or progress.finish_reason
+                yield reply
+            if progress.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and not runs_to_the_end(prep):
                 self.gate.ended(prep, progress.num_sent)  # a length it chose: a sample of what is expected
             self._count(prep, progress)
         except asyncio.CancelledError:
@@ -190,7 +191,7 @@ class Generation(pb_grpc.GenerationServicer):
                     gen_ai__usage__output_tokens=progress.num_sent, splitserve__cached_tokens=progress.num_cached_tokens,
                     splitserve__decode_worker=route.decode_worker if route else None,
                     splitserve__prefill_worker=(route.prefill_worker or "local") if route else None,
-                    gen_ai__response__finish_reasons=[finish_name_from_pb(progress.finish_reason) or "none"],
+                    gen_ai__response__finish_reasons=[reason.value if (reason := progress.finish_reason) else "none"],
                     rpc__grpc__status_code=progress.status)
 
     async def _admit(self, prep: Prepared, deadline: Deadline) -> tuple[Prepared, int]:
@@ -221,7 +222,7 @@ class Generation(pb_grpc.GenerationServicer):
                 queue_s=progress.admitted - progress.arrived, e2e_s=time.perf_counter() - progress.arrived,
                 ttft_s=progress.first_token - progress.arrived if progress.first_token else None,
                 num_prompt=len(prep.token_ids), num_output=progress.num_sent, num_cached=progress.num_cached_tokens,
-                reason=finish_name_from_pb(progress.finish_reason) or "unknown")
+                reason=progress.finish_reason.value if progress.finish_reason else "unknown")
 
 
 access_log = logging.getLogger("splitserve.access")

@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine.config import SHORT_QUERY_MAX_LEN, StepFloor
+from engine.fit import DecayedFit
 
 FEATURES = ("step", "tokens", "causal_pairs", "paged_pairs", "paged_kv", "decode_kv", "sampled", "new_shape")
 Chunks = Sequence[tuple[int, int]]
@@ -231,27 +232,18 @@ def _profile_here(model_dir: str, num_requests: int, chunk_tokens: int, max_prom
 
 
 def fit(samples: Sequence[Sample]) -> tuple[float, ...]:
-    """Least squares over FEATURES, coefficients >= 0 (the most negative dropped and refitted).
-    Steps that compute prompt tokens and pure decode steps weigh the same in all, however many
-    of each the profile ran (decode steps outnumber them five to one, and a fit that follows
-    them misses prefill)."""
-    import numpy as np
-
-    y = np.array([t for *_, t in samples])
-    x = np.array([features(c, s, new) for c, s, new, _ in samples]) / y[:, None]  # relative error: small steps count
-    prefill = np.array([any(n > 1 for n, _ in c) for c, *_ in samples])
-    weight = np.sqrt(np.where(prefill, 1 / max(prefill.sum(), 1), 1 / max((~prefill).sum(), 1)))
-    x, y = x * weight[:, None], weight
-    scale = np.maximum(x.max(axis=0), 1e-12)
-    free = list(range(len(FEATURES)))
-    while True:
-        coef, *_ = np.linalg.lstsq(x[:, free] / scale[free], y, rcond=None)
-        if (coef >= 0).all() or len(free) == 1:
-            out = [0.0] * len(FEATURES)
-            for i, c in zip(free, coef, strict=True):
-                out[i] = max(float(c / scale[i]), 0.0)
-            return tuple(out)
-        free.pop(int(np.argmin(coef)))
+    """Least squares over FEATURES of each step's relative error (small steps count), every
+    coefficient >= 0: the project's one fit (engine/fit.py DecayedFit), all samples alike
+    (no decay). Steps that compute prompt tokens and pure decode steps weigh the same in all,
+    however many of each the profile ran (decode steps outnumber them five to one, and a fit
+    that follows them misses prefill)."""
+    num_prefill = sum(any(n > 1 for n, _ in c) for c, *_ in samples)
+    share = {True: 1 / max(num_prefill, 1), False: 1 / max(len(samples) - num_prefill, 1)}
+    lsq = DecayedFit((0.0,) * len(FEATURES), decay=1.0)
+    for chunks, sampled, new, seconds in samples:
+        lsq.add(features(chunks, sampled, new), seconds, share[any(n > 1 for n, _ in chunks)] / seconds ** 2)
+    coef = lsq.solve() or [0.0] * len(FEATURES)
+    return tuple(max(c, 0.0) for c in coef)
 
 
 if __name__ == "__main__":  # profile_engine's child: arguments as one JSON list, samples as one JSON line

@@ -28,6 +28,7 @@ from engine.block_pool import BlockPool
 from engine.config import SchedulerConfig
 from engine.hashing import BlockHasher
 from engine.kv_cache_manager import KVCacheManager
+from engine.output_builder import OutputBuilder
 from engine.kv_connector import KVLoans
 from engine.outputs import RemoteBlocks
 from engine.request import Request, SamplingParams
@@ -57,8 +58,8 @@ class SimEngine:
                  kv_window: int = 0) -> None:
         self.cost, self.vocab_size, self.role = cost, vocab_size, role
         self.block_size = block_size
-        self.num_prompt_tokens = 0
-        self.num_cached_tokens = 0
+        self.outputs = OutputBuilder(None, detokenize=False)
+        """The engine's step tail (`turn`): prompt and cache-hit totals, the role's turn."""
         self.extra_s: dict[str, float] = {}
         """Seconds a request adds to the first step it is scheduled in (the caller prices them)."""
         self.now = 0.0
@@ -89,7 +90,7 @@ class SimEngine:
 
     def load(self) -> EngineLoad:
         """As LLMEngine.load, for heartbeats."""
-        return self.scheduler.load(self.num_prompt_tokens, self.num_cached_tokens)
+        return self.scheduler.load(self.outputs.num_prompt_tokens, self.outputs.num_cached_tokens)
 
     @property
     def has_work(self) -> bool:
@@ -112,12 +113,9 @@ class SimEngine:
         updated = self.scheduler.update_after_step(out, sampled)
         first = {}
         for r in updated:
-            if len(r.output_token_ids) == 1:  # its first token: counted as LLMEngine counts it
-                self.num_prompt_tokens += r.num_prompt_tokens
-                self.num_cached_tokens += r.num_cached_tokens
+            if len(r.output_token_ids) == 1:
                 first[r.request_id] = (r.output_token_ids[0], r.num_cached_tokens)
-            if not r.is_finished:
-                self._role.after_token(r, r.output_token_ids[-1], self.scheduler, self.kv)
+            self.outputs.turn(r, self.scheduler, self._role)  # as LLMEngine's step ends, text aside
         return StepResult(duration, {r.request_id: len(r.output_token_ids) for r in updated},
                           [r.request_id for r in updated if r.is_finished], len(out.preempted_ids), first)
 
@@ -150,7 +148,6 @@ class SimConnector(KVLoans):
         (its context is full)."""
         e = self._engine
         r = e.scheduler.requests[RequestId(request_id)]
-        e.num_prompt_tokens += r.num_prompt_tokens
-        e.num_cached_tokens += r.num_cached_tokens
         e.scheduler.remote_kv_ready(RequestId(request_id), first_token)
+        e.outputs.turn(r, e.scheduler, e._role)
         return r.is_finished

@@ -88,10 +88,10 @@ class Fleet:
         self.pools = PoolControl(self)
         """Heartbeats, the autoscaler and drains (sim/fleet_pools.py)."""
         self.transfers = FleetTransfers(self)
-        self.tier = SimStores(config.kv_store_blocks, config.block_size, hardware, config.routing.store_fetch_cost,
-                              config.kv_store_disk_blocks) if config.kv_store_blocks else None
-        """Each node's shared KV store (None: no tier)."""
         """Reservations, pushes and leases of remote prefills (sim/fleet_kv.py)."""
+        self.tier = SimStores(config.kv_store_blocks, config.block_size, hardware, config.routing.store_fetch_cost,
+                              clock, config.kv_store_disk_blocks) if config.kv_store_blocks else None
+        """Each node's shared KV store (None: no tier)."""
         self.stats = {"num_local_prefill": 0, "num_remote_prefill": 0, "num_kv_waits": 0, "num_steps": 0,
                       "num_preemptions": 0}
         self._turn = 0

@@ -19,19 +19,20 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from control.heartbeat import fetch_share
+from control.heartbeat import Probes, fetch_share
 from engine.types import BlockHash
-from router.policy import StoreHit
+from router.policy import StoreHit, tells_fetch
 from sim.fleet_types import Hardware, Worker
 
 
 class SimStores:
     def __init__(self, capacity_blocks: int, block_size: int, hardware: Hardware, prior: float,
-                 disk_blocks: int = 0) -> None:
+                 clock: Callable[[], float], disk_blocks: int = 0) -> None:
         """`prior`: a fetch's cost as a share of computing where the hardware gives no time
-        (RoutingConfig.store_fetch_cost); `disk_blocks`: each store's spill (0: none)."""
+        (RoutingConfig.store_fetch_cost); `clock`: the simulation's; `disk_blocks`: each
+        store's spill (0: none)."""
         if capacity_blocks <= 0 or disk_blocks < 0:
             raise ValueError(f"a store holds at least one block in memory and none or more on disk, got "
                              f"{capacity_blocks} and {disk_blocks}")
@@ -47,6 +48,9 @@ class SimStores:
         self.num_spilled_blocks = 0
         self.num_unspilled_blocks = 0
         """Read back from the spill by a fetch."""
+        self.clock = clock
+        self._probes = Probes()
+        """When a worker priced out of fetching is told of a hit again (as the router's are)."""
         self._ids = itertools.count()
         self._shares: dict[tuple[int, int], float] = {}
         """A hit's fetch cost by its blocks and how many of them are spilled (the hardware's
@@ -113,7 +117,8 @@ class SimStores:
         in_store, spilled = self.held(w.node, hashes[:limit])
         in_pool = w.engine.connector.cached_run(hashes[:in_store])
         n = in_store - in_pool
-        if n <= 0 or self.share(in_store, spilled) >= 1.0:  # as the router's hint: no fetch that saves nothing
+        hit = StoreHit(in_store, self.share(in_store, spilled))
+        if n <= 0 or not tells_fetch(hit, in_pool, lambda: self._probes.due(w.worker_id, self.clock())):
             return 0
         fid = f"sim-fetch-{next(self._ids)}"
         if w.engine.connector.lend_new(fid, n) is None:

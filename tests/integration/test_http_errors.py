@@ -15,10 +15,11 @@ import grpc
 import pytest
 
 from control.heartbeat import ModelFacts
-from proto import generate_pb2 as pb
+from engine.request import FinishReason
 from router.attempt import Ask, RequestFailed
 from router.frontend import NOT_SERVING, Frontend
 from router.http_api import OpenAIServer
+from router.reply import Reply, Usage
 
 FACTS = ModelFacts(model_id="m", block_size=16, vocab_size=1000, max_model_len=64, num_total_blocks=64)
 
@@ -39,9 +40,9 @@ class Generation:
     """Answers every request with `script`: responses to yield, and an exception to end with."""
 
     def __init__(self) -> None:
-        self.script: tuple[list[pb.GenerateResponse], BaseException | None] = ([], None)
+        self.script: tuple[list[Reply], BaseException | None] = ([], None)
 
-    async def stream(self, ask: Ask, headers: Any, timeout_s: Any) -> AsyncIterator[pb.GenerateResponse]:
+    async def stream(self, ask: Ask, headers: Any, timeout_s: Any) -> AsyncIterator[Reply]:
         responses, error = self.script
         for r in responses:
             yield r
@@ -49,8 +50,8 @@ class Generation:
             raise error
 
 
-def token(i: int, text: str) -> pb.GenerateResponse:
-    return pb.GenerateResponse(request_id="r", token_ids=[i], text=text)
+def token(i: int, text: str) -> Reply:
+    return Reply("r", token_ids=[i], text=text)
 
 
 def test_the_fronts_errors_over_http() -> None:
@@ -123,7 +124,7 @@ class Recorded(Generation):
         super().__init__()
         self.open = 0
 
-    async def stream(self, ask: Ask, headers: Any, timeout_s: Any) -> AsyncIterator[pb.GenerateResponse]:
+    async def stream(self, ask: Ask, headers: Any, timeout_s: Any) -> AsyncIterator[Reply]:
         self.open += 1
         try:
             async for r in super().stream(ask, headers, timeout_s):
@@ -132,8 +133,8 @@ class Recorded(Generation):
             self.open -= 1
 
 
-def choice_token(i: int, text: str, choice: int) -> pb.GenerateResponse:
-    return pb.GenerateResponse(request_id="r", token_ids=[i], text=text, choice=choice)
+def choice_token(i: int, text: str, choice: int) -> Reply:
+    return Reply("r", token_ids=[i], text=text, choice=choice)
 
 
 WHERE = ["first", "midway", "usage"]
@@ -157,10 +158,9 @@ def test_a_fault_mid_stream_ends_it_with_an_error_event_then_done(monkeypatch: p
     elif where == "midway":
         generation.script = (tokens, RuntimeError("a bug below, after the first tokens"))
     else:
-        generation.script = ([pb.GenerateResponse(request_id="r", token_ids=[5 + c], text="ab"[c], choice=c,
-                                                  finish_reason=pb.FINISH_REASON_LENGTH,
-                                                  usage=pb.Usage(prompt_tokens=2, completion_tokens=1))
-                               for c in range(n)], None)
+        generation.script = ([Reply("r", token_ids=[5 + c], text="ab"[c], choice=c, finish_reason=FinishReason.LENGTH,
+                                    usage=Usage(prompt_tokens=2, cached_tokens=0, completion_tokens=1))
+                              for c in range(n)], None)
         real = Output.chunk
         monkeypatch.setattr(Output, "chunk", lambda self, r, *a: real(self, r, *a) if r is not None
                             else (_ for _ in ()).throw(ValueError("no usage")))

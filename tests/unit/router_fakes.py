@@ -22,6 +22,7 @@ from router.clients import WorkerClients, WorkerRequest
 from router.config import RouterConfig
 from router.flow import RequestFlow
 from router.choices import Choices
+from router.reply import Reply
 from router.kv_index import KVIndex
 from router.loads import LoadBook
 from router.members import Members
@@ -152,7 +153,7 @@ def make_flow(scripts: dict[str, Callable[[WorkerRequest], Script]],
                        seed=0), streams
 
 
-async def run(flow: RequestFlow, deadline_s: float | None = None) -> tuple[list[int], list[pb.GenerateResponse]]:
+async def run(flow: RequestFlow, deadline_s: float | None = None) -> tuple[list[int], list[Reply]]:
     prep = Prepared("r1", PROMPT, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), 0, "")
     progress = Progress(time.perf_counter())
     deadline = Deadline(None if deadline_s is None else time.monotonic() + deadline_s)

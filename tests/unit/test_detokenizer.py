@@ -52,3 +52,17 @@ def test_an_output_ends_at_a_stop_token_or_a_special_one_only_when_specials_are_
     assert not kept.ends_output(word, ())
     skipped = IncrementalDetokenizer(TOK, [], (), special_ids=frozenset({EOS_ID}))
     assert not skipped.ends_output(EOS_ID, ()) and not skipped.ends_output(word, (word,))  # their text is empty
+
+
+def test_extend_takes_tokens_up_to_the_one_that_completes_a_stop_string() -> None:
+    """The one loop the engine's output and the router's replies share: the tokens after the
+    one that stopped are not taken; tokens past `num_text` are taken without text."""
+    ids = TOK.encode("abc STOP def").ids
+    d = IncrementalDetokenizer(TOK, TOK.encode("Prompt:").ids, ("STOP",))
+    text, kept, stopped = d.extend(ids)
+    one = IncrementalDetokenizer(TOK, TOK.encode("Prompt:").ids, ("STOP",))
+    at = next(i for i in range(len(ids)) if one.append(ids[i])[1])  # the token that completes "STOP"
+    assert (text, kept, stopped) == ("abc ", at + 1, True) and kept < len(ids)
+    plain = IncrementalDetokenizer(TOK, TOK.encode("Prompt:").ids, ())
+    text, kept, stopped = plain.extend(ids, num_text=len(ids) - 1)
+    assert (kept, stopped) == (len(ids), False) and text + plain.flush() == TOK.decode(ids[:-1])

@@ -6,9 +6,11 @@ import json
 
 import pytest
 
+from engine.request import FinishReason
 from proto import generate_pb2 as pb
 from router.constraints import AutoToolOutput, ToolCallOutput, ToolPlan, constraint_of, tool_plan
 from router.openai_output import Output
+from router.reply import Reply, Usage
 from router.attempt import Ask
 from router.openai_protocol import (BadRequest, ChatRequest, CompletionRequest, ask_of, messages_as_dicts, parse,
                                     prompts_of, sampling_of)
@@ -123,12 +125,12 @@ def test_a_chat_request_takes_the_rendered_prompt_and_max_completion_tokens() ->
     assert to_ask(parse(ChatRequest, b'{"messages": [{"role": "user"}]}'), "r", [1], 100).params.max_tokens == 100
 
 
-def _responses() -> list[pb.GenerateResponse]:
-    return [pb.GenerateResponse(token_ids=[10], text="Hi", logprobs=[-0.5]),
-            pb.GenerateResponse(token_ids=[11], text="", logprobs=[-1.0]),  # half a character: no chunk
-            pb.GenerateResponse(token_ids=[12], text=" there", logprobs=[-0.25], finish_reason=pb.FINISH_REASON_STOP),
-            pb.GenerateResponse(finish_reason=pb.FINISH_REASON_STOP,
-                                usage=pb.Usage(prompt_tokens=4, cached_tokens=2, completion_tokens=3))]
+def _responses() -> list[Reply]:
+    return [Reply("r", token_ids=[10], text="Hi", logprobs=[-0.5]),
+            Reply("r", token_ids=[11], text="", logprobs=[-1.0]),  # half a character: no chunk
+            Reply("r", token_ids=[12], text=" there", logprobs=[-0.25], finish_reason=FinishReason.STOP),
+            Reply("r", finish_reason=FinishReason.STOP, usage=Usage(prompt_tokens=4, cached_tokens=2,
+                                                                    completion_tokens=3))]
 
 
 def test_chat_output_whole_and_as_chunks() -> None:
@@ -179,15 +181,14 @@ def test_each_way_of_asking_for_structured_output_maps_onto_one_constraint(field
 
 
 def tool_output(plan: ToolPlan, texts: list[str], kind: type = ToolCallOutput,
-                finish: int = pb.FINISH_REASON_STOP) -> tuple[dict, list[dict]]:
+                finish: FinishReason = FinishReason.STOP) -> tuple[dict, list[dict]]:
     """The whole answer and the stream chunks of a tool call whose text came as `texts`."""
     whole, streamed = (kind("chat", "chatcmpl-1", "m", False, plan=plan) for _ in range(2))
     chunks = []
     for i, t in enumerate(texts):
         last = i == len(texts) - 1
-        r = pb.GenerateResponse(text=t, token_ids=[i], finish_reason=finish if last else 0)
-        if last:
-            r.usage.completion_tokens = len(texts)
+        r = Reply("r", text=t, token_ids=[i], finish_reason=finish if last else None,
+                  usage=Usage(0, 0, len(texts)) if last else None)
         whole.add(r)
         streamed.add(r)
         if (c := streamed.chunk(r, i == 0)) is not None:
@@ -254,7 +255,7 @@ def test_auto_reads_content_and_parallel_calls_out_of_the_model_s_text_whole_and
     assert all(c["id"].startswith("call_") for c in calls.values())
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     # cut by max_tokens, the calls so far are sent and the finish reason stays length
-    cut, _ = tool_output(plan, texts[:5], AutoToolOutput, pb.FINISH_REASON_LENGTH)
+    cut, _ = tool_output(plan, texts[:5], AutoToolOutput, FinishReason.LENGTH)
     assert cut["choices"][0]["finish_reason"] == "length"
     # an answer without calls is content
     plain, _ = tool_output(plan, ["Paris", " is the capital."], AutoToolOutput)
@@ -300,11 +301,11 @@ def test_echo_with_logprobs_and_max_tokens_0_is_the_shape_lm_eval_scores() -> No
     assert (s.max_tokens, s.logprobs, s.top_logprobs, s.prompt_logprobs) == (1, True, 1, 1)
     out = Output("completion", "cmpl-1", "m", include_logprobs=True, token_text=lambda t: f"<{t}>",
                  prompt_ids=[5, 6, 7], echo="<5><6><7>", hide=True, num_top=1)
-    r = pb.GenerateResponse(token_ids=[9], text="<9>", logprobs=[-0.1], top_logprobs=[pb.TopLogprobs(
-        token_ids=[9], logprobs=[-0.1])], finish_reason=pb.FINISH_REASON_LENGTH, prompt_logprobs=pb.PromptLogprobs(
+    r = Reply("r", token_ids=[9], text="<9>", logprobs=[-0.1], top_logprobs=[pb.TopLogprobs(
+        token_ids=[9], logprobs=[-0.1])], finish_reason=FinishReason.LENGTH, prompt_logprobs=pb.PromptLogprobs(
         logprobs=[-2.0, -0.5], ranks=[3, 1], top=[pb.TopLogprobs(token_ids=[8], logprobs=[-1.0]),
                                                   pb.TopLogprobs(token_ids=[7], logprobs=[-0.5])]))
-    r.usage.prompt_tokens, r.usage.completion_tokens = 3, 1
+    r.usage = Usage(prompt_tokens=3, cached_tokens=0, completion_tokens=1)
     out.add(r)
     choice = out.whole()["choices"][0]
     assert choice["text"] == "<5><6><7>"  # the prompt, and nothing generated
@@ -319,11 +320,11 @@ def test_echo_with_logprobs_and_max_tokens_0_is_the_shape_lm_eval_scores() -> No
 def test_chat_top_logprobs_and_vllm_prompt_logprobs() -> None:
     out = Output("chat", "chatcmpl-1", "m", include_logprobs=True, token_text=lambda t: f"<{t}>",
                  prompt_ids=[1, 2], prompt_logprobs=1)
-    r = pb.GenerateResponse(token_ids=[4], text="<4>", logprobs=[-0.3], finish_reason=pb.FINISH_REASON_STOP,
+    r = Reply("r", token_ids=[4], text="<4>", logprobs=[-0.3], finish_reason=FinishReason.STOP,
                             top_logprobs=[pb.TopLogprobs(token_ids=[4, 5], logprobs=[-0.3, -1.5])],
                             prompt_logprobs=pb.PromptLogprobs(logprobs=[-4.0], ranks=[7], top=[pb.TopLogprobs(
                                 token_ids=[3], logprobs=[-0.2])]))
-    r.usage.prompt_tokens, r.usage.completion_tokens = 2, 1
+    r.usage = Usage(prompt_tokens=2, cached_tokens=0, completion_tokens=1)
     out.add(r)
     choice = out.whole()["choices"][0]
     [entry] = choice["logprobs"]["content"]

@@ -13,12 +13,13 @@ from collections.abc import Callable
 import grpc
 import pytest
 
-from engine.request import SamplingParams
+from engine.request import FinishReason, SamplingParams
 from proto import generate_pb2 as pb
 from router.attempt import Deadline, Prepared, Progress, RequestFailed
 from router.clients import WorkerRequest
 from router.flow import RequestFlow
 from router.choices import Choices
+from router.reply import Reply
 from tests.unit.router_fakes import (
     EXPECTED, HANG, MAX_TOKENS, PROMPT, Script, arrived, assert_settled, first, first_call_then, good_decode,
     good_prefill, make_flow, reserved, rpc_error, run,
@@ -31,7 +32,7 @@ def test_remote_prefill_streams_the_first_token_from_p_and_the_rest_from_d() -> 
     got, responses = asyncio.run(run(flow))
     assert got == EXPECTED
     assert responses[0].token_ids == [100] and responses[0].route.prefill_worker in ("p0", "p1")
-    assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert responses[-1].finish_reason is FinishReason.LENGTH
     assert [type(r).__name__ for _, r, _ in streams.calls] == ["DecodeRequest", "PrefillRequest"]
     assert streams.calls[1][1].ticket == pb.KVTicket(request_id="r1", reservation_id=7)  # D's reservation goes to P
     assert flow.stats == {"num_local_prefill": 0, "num_remote_prefill": 1, "num_retries": 0, "num_busy_waits": 0,
@@ -58,7 +59,7 @@ def test_every_call_of_every_try_carries_the_tenant_and_its_weight() -> None:
     prep = Prepared("r1", PROMPT, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), 2, "gold", tenant_weight=3.0)
     progress = Progress(time.perf_counter())
 
-    async def go() -> list[pb.GenerateResponse]:
+    async def go() -> list[Reply]:
         return [r async for r in flow.run(prep, Deadline(None), progress, Choices(prep, progress, [None]))]
     asyncio.run(go())
     assert len(streams.calls) == 4  # a retry after the prefill failure
@@ -120,7 +121,7 @@ def test_a_request_past_its_deadline_ends_with_deadline_exceeded_and_frees_every
 def test_a_client_cancel_cancels_both_worker_calls_and_settles_the_booking() -> None:
     flow, streams = make_flow({"p0": lambda req: [first(100), HANG], "d0": lambda req: [reserved(), HANG]})
 
-    async def cancel_after_first() -> list[pb.GenerateResponse]:
+    async def cancel_after_first() -> list[Reply]:
         prep = Prepared("r1", PROMPT, SamplingParams(max_tokens=MAX_TOKENS), 0, "")
         progress = Progress(time.perf_counter())
         got = []
