@@ -101,6 +101,10 @@ class ConnectionGuard:
     def num_idle(self) -> int:
         return len(self._idle)
 
+    def counts(self) -> dict[str, int]:
+        """For the router's metrics: connections idle now, and those closed so far by why."""
+        return {"num_idle": self.num_idle, "num_evicted": self.num_evicted, "num_timed_out": self.num_timed_out}
+
     def _expire(self, transport: Any) -> None:
         if self._idle.pop(transport, None) is not None:
             self.num_timed_out += 1

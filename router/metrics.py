@@ -11,8 +11,9 @@ Observed on the request path (histograms and counters, a lock each): TTFT, inter
 latency (one observation per token after the first), end-to-end latency, admission wait,
 prompt/generation/cached tokens, finished requests by reason. Read at scrape time from
 the router's own books (`RouterBooks`, on the event loop): routing decisions, refusals by
-reason, retries, busy waits, admitted/queued requests and tokens, and the workers this
-router sees by role and state.
+reason, retries, busy waits, admitted/queued requests and tokens, the longest forecast
+admission wait, the HTTP door's idle and closed connections, and the workers this router
+sees by role and state.
 """
 from __future__ import annotations
 
@@ -40,10 +41,14 @@ class RouterBooks:
     stats: Callable[[], dict[str, int]]
     """Flow and servicer counters: num_local_prefill, num_remote_prefill, num_retries, ..."""
     refusals: Callable[[], dict[str, int]]
-    admission: Callable[[], dict[str, int]]
-    """num_admitted, num_queued, inflight_tokens (charged), used_tokens, budget_tokens."""
+    admission: Callable[[], dict[str, float]]
+    """num_admitted, num_queued, inflight_tokens (charged), used_tokens, budget_tokens,
+    forecast_wait_s."""
     workers: Callable[[], list[tuple[str, str]]]
     """(role, state) of each worker this router sees."""
+    connections: Callable[[], dict[str, int]] = dict
+    """The HTTP door's connections (router/http_connections.py): num_idle, num_evicted,
+    num_timed_out ({}: no HTTP door)."""
 
 
 class RouterMetrics:
@@ -134,8 +139,20 @@ class _BooksCollector(Collector):
                                 "they hold past it."),
                                ("admission_used_tokens", "used_tokens",
                                 "Tokens the admitted requests really hold: uncached prompt and output so far."),
-                               ("admission_budget_tokens", "budget_tokens", "The admission token budget now.")):
+                               ("admission_budget_tokens", "budget_tokens", "The admission token budget now."),
+                               ("admission_forecast_wait_seconds", "forecast_wait_s",
+                                "The longest a queued request is forecast to wait for admission from now (0: none "
+                                "queued, or no forecast yet).")):
             yield _gauge(p + name, doc, m, admission.get(key, 0))
+        if connections := self.books.connections():
+            yield _gauge(p + "http_idle_connections", "HTTP connections open with no request in flight.", m,
+                         connections["num_idle"])
+            closed = CounterMetricFamily(p + "http_connections_closed", "HTTP connections the router closed: "
+                                         "evicted (the idle cap) or timed out (no request head in time).",
+                                         labels=["model_name", "reason"])
+            closed.add_metric([m, "evicted"], connections["num_evicted"])
+            closed.add_metric([m, "timed_out"], connections["num_timed_out"])
+            yield closed
         pool = GaugeMetricFamily(p + "pool_workers", "Workers this router sees, by role and state.",
                                  labels=["model_name", "role", "state"])
         seen: dict[tuple[str, str], int] = {}

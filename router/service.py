@@ -83,7 +83,8 @@ class RouterService:
         if self.metrics is not None:
             self.metrics.watch(RouterBooks(stats=lambda: {**self.generation.stats, **self.flow.stats},
                                            refusals=lambda: dict(self.gate.refusals), admission=self._admission_books,
-                                           workers=self.members.roles_and_states))
+                                           workers=self.members.roles_and_states,
+                                           connections=self.http.connections.counts if self.http else dict))
             self.metrics_server = MetricsServer(self.metrics.registry, token=metrics_token(config.cluster_secret))
             self.gate.queue.on_wait_estimate = self.metrics.observe_wait_estimate
         self.metrics_address = ""
@@ -153,10 +154,12 @@ class RouterService:
         """The controller is about to drain this worker: route nothing new to it."""
         self.members.drain(worker_id)
 
-    def _admission_books(self) -> dict[str, int]:
+    def _admission_books(self) -> dict[str, float]:
         q = self.gate.queue
+        now = q.clock()
         return {"num_admitted": q.num_admitted, "num_queued": q.num_queued, "inflight_tokens": q.charged_tokens,
-                "used_tokens": q.used_tokens, "budget_tokens": q.budget_tokens}
+                "used_tokens": q.used_tokens, "budget_tokens": q.budget_tokens,
+                "forecast_wait_s": max((at - now for at in q.queued_admission_times().values()), default=0.0)}
 
     async def stats(self) -> dict[str, object]:
         q = self.gate.queue

@@ -110,6 +110,7 @@ def test_scraped_counts_equal_what_was_sent(cluster: LocalCluster) -> None:
     assert delta("router", "splitserve:routing_decisions_total", kind="local_prefill") == 1
     assert total(after["router"], "splitserve:pool_workers", role="decode", state="serving") == 1
     assert total(after["router"], "splitserve:router_requests_admitted") == 0
+    assert total(after["router"], "splitserve:admission_forecast_wait_seconds") == 0  # nothing queued
     for name in ("splitserve:admission_inflight_tokens", "splitserve:admission_used_tokens"):  # charged, used
         assert any(n == name for n, _ in after["router"]) and total(after["router"], name) == 0
 

@@ -31,7 +31,8 @@ def exported() -> dict[str, set[str]]:
     """Family name -> the sample names it renders (with _total, _bucket, ...)."""
     router = RouterMetrics(lambda: "m")
     router.watch(RouterBooks(stats=lambda: {"num_remote_prefill": 2}, refusals=lambda: {"wait": 1},
-                             admission=lambda: {"num_admitted": 1}, workers=lambda: [("decode", "serving")]))
+                             admission=lambda: {"num_admitted": 1}, workers=lambda: [("decode", "serving")],
+                             connections=lambda: {"num_idle": 1, "num_evicted": 0, "num_timed_out": 0}))
     router.finished(queue_s=0.1, ttft_s=0.2, e2e_s=0.5, num_prompt=10, num_output=3, num_cached=4, reason="length")
     router.observe_itl(0.02, 2)
     worker = WorkerMetrics("prefill", "m", lambda: EngineLoad(10, 4, 2, 1, 1, 5, 100, 40, 3, 6, 24, 10, (5, 3, 2, 0)),
@@ -52,6 +53,24 @@ def test_vllm_names_are_kept_with_our_prefix() -> None:
     names = exported()
     assert {n.removeprefix("splitserve:") for n in names} >= VLLM_NAMES
     assert all(n.startswith("splitserve:") for n in names)
+
+
+def test_the_router_exports_its_admission_forecast_and_its_http_connections() -> None:
+    """Read at scrape time: the longest forecast admission wait, the HTTP door's idle
+    connections and those it closed by why (absent where the router serves no HTTP)."""
+    router = RouterMetrics(lambda: "m")
+    books = {"num_idle": 3, "num_evicted": 7, "num_timed_out": 2}
+    router.watch(RouterBooks(stats=dict, refusals=dict, admission=lambda: {"num_queued": 2, "forecast_wait_s": 1.5},
+                             workers=list, connections=lambda: books))
+    samples = {(s.name, s.labels.get("reason")): s.value
+               for f in text_string_to_metric_families(generate_latest(router.registry).decode()) for s in f.samples}
+    assert samples["splitserve:admission_forecast_wait_seconds", None] == 1.5
+    assert samples["splitserve:http_idle_connections", None] == 3
+    assert samples["splitserve:http_connections_closed_total", "evicted"] == 7
+    assert samples["splitserve:http_connections_closed_total", "timed_out"] == 2
+    grpc_only = RouterMetrics(lambda: "m")
+    grpc_only.watch(RouterBooks(stats=dict, refusals=dict, admission=dict, workers=list))
+    assert "http_idle_connections" not in generate_latest(grpc_only.registry).decode()
 
 
 def test_worker_gauges_read_the_engine() -> None:
