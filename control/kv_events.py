@@ -27,7 +27,7 @@ class WireEvent(msgspec.Struct, frozen=True, omit_defaults=True):
     """One entry's payload, typed: msgspec decodes and checks it in one step."""
 
     id: Annotated[int, msgspec.Meta(ge=0)]
-    kind: Literal["stored", "removed", "cleared"]
+    kind: Literal["stored", "removed"]
     hashes: Annotated[list[Hash], msgspec.Meta(max_length=MAX_HASHES_PER_EVENT)] = msgspec.field(default_factory=list)
     parent: Hash | None = None
 

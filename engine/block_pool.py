@@ -7,7 +7,7 @@ Data flow (all CPU, plain Python):
   _protected          -> cached ref_cnt-0 blocks that were hit again after they were
                          stored (a shared prefix), least recently freed first
   _cached             -> block hash -> block id, for full blocks whose KV is computed
-  _events             -> KV events (stored / removed / cleared) for the router's index
+  _events             -> KV events (stored / removed) for the router's index
 
 Allocation pops from the front of probation, then of protected, and evicts the
 block's hash if it had one. A block with no hash joins probation at the front (it
@@ -32,7 +32,7 @@ from engine.types import BlockHash, BlockId, InvariantError
 _is_block = partial(is_not, None)
 """A lookup's result is a block id (0 is one, so not `bool`)."""
 
-KVEventKind = Literal["stored", "removed", "cleared"]
+KVEventKind = Literal["stored", "removed"]
 
 
 @dataclass(frozen=True)
@@ -97,10 +97,6 @@ class BlockPool:
     def lookup_run(self, block_hashes: Iterable[BlockHash]) -> list[BlockId]:
         """The cached blocks of the leading run of `block_hashes` (up to the first miss)."""
         return list(takewhile(_is_block, map(self._cached.get, block_hashes)))
-
-    def free_queue(self) -> list[BlockId]:
-        """Free blocks in eviction order (first is evicted first)."""
-        return [*self._free, *self._protected]
 
     # -- ownership -----------------------------------------------------------------
     def allocate(self, num_blocks: int) -> list[BlockId] | None:
@@ -201,18 +197,6 @@ class BlockPool:
             self._num_hashed_in_use += held
         if stored:
             self._emit("stored", stored, parent_block_hash)
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash; refused (False) while any block is in use."""
-        if self.num_free_blocks != self.num_blocks:
-            return False
-        self._cached.clear()
-        self._hash = [None] * self.num_blocks
-        self._reused = [False] * self.num_blocks
-        self._free.update(self._protected)
-        self._protected.clear()
-        self._emit("cleared", [])
-        return True
 
     # -- events and checks ---------------------------------------------------------
     def take_events(self) -> list[KVEvent]:

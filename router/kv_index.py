@@ -1,7 +1,7 @@
 """The router's in-memory KV index: which worker holds which cached block (torch-free).
 
-Data flow: each worker appends its block pool's `KVEvent`s (`stored` / `removed` /
-`cleared`, numbered per worker without gaps) to a Redis stream; the router's
+Data flow: each worker appends its block pool's `KVEvent`s (`stored` / `removed`,
+numbered per worker without gaps) to a Redis stream; the router's
 `RegistryFeed` replays them into `apply()`. At routing time the router adds short-lived
 *predicted* entries for the worker it chose, so a burst of requests sharing a prefix
 lands together before that worker's events arrive; the worker's own `stored` or
@@ -56,15 +56,12 @@ class KVIndex:
         if event.kind == "stored":
             self._blocks.setdefault(worker_id, set()).update(event.block_hashes)
             self.retract(worker_id, event.block_hashes)
-        elif event.kind == "removed":
+        else:  # removed
             self._blocks.get(worker_id, set()).difference_update(event.block_hashes)
             self.retract(worker_id, event.block_hashes)
-        else:
-            self.clear_worker(worker_id)
-            self._predicted.pop(worker_id, None)
 
     def clear_worker(self, worker_id: WorkerId) -> None:
-        """Forget what a worker holds (cleared, gap, or the worker left)."""
+        """Forget what a worker holds (a gap in its events, or the worker left)."""
         self._blocks.pop(worker_id, None)
 
     def forget_worker(self, worker_id: WorkerId) -> None:

@@ -23,12 +23,12 @@ def test_freed_blocks_without_a_hash_are_taken_first() -> None:
     pool = BlockPool(6)
     a = pool.allocate(3)
     pool.free(reversed(a))  # a request frees its tail first; nothing cached, so each goes to the front
-    assert pool.free_queue() == [0, 1, 2, 3, 4, 5]
     b = pool.allocate(2)
+    assert b == [0, 1]
     pool.cache_blocks(b, [h(1), h(2)], None)
     pool.free(reversed(b))
-    assert pool.free_queue() == [2, 3, 4, 5, 1, 0]  # cached blocks wait behind the empty ones
-    assert pool.allocate(4) == [2, 3, 4, 5] and pool.lookup(h(1)) == 0
+    assert pool.allocate(4) == [2, 3, 4, 5] and pool.lookup(h(1)) == 0  # cached blocks wait behind the empty ones
+    assert pool.allocate(2) == [1, 0] and pool.lookup(h(1)) is None
 
 
 def test_a_reused_prefix_outlives_one_off_blocks() -> None:
@@ -39,7 +39,6 @@ def test_a_reused_prefix_outlives_one_off_blocks() -> None:
     pool.free(reversed(prefix))
     pool.touch(prefix)  # a second request hits the prefix
     pool.free(reversed(prefix))
-    assert pool.free_queue()[-2:] == [1, 0]
     for i in range(10):  # one-off prompts, each caching a block never asked for again
         b = pool.allocate(1)
         pool.cache_blocks(b, [h(10 + i)], None)
@@ -51,18 +50,22 @@ def test_a_reused_prefix_outlives_one_off_blocks() -> None:
 
 
 def test_protected_is_capped_and_its_oldest_drop_back() -> None:
-    pool = BlockPool(8, protected_fraction=0.25)
-    blocks = pool.allocate(3)
-    pool.cache_blocks(blocks, [h(1), h(2), h(3)], None)
-    pool.free(blocks)
-    pool.touch(blocks)
-    pool.free(blocks)  # 0, 1, 2 protected in that order: 0 drops back to probation's tail
-    assert pool.free_queue() == [3, 4, 5, 6, 7, 0, 1, 2]
+    """The eviction order is what `allocate` takes, front first."""
+    def hit_three() -> BlockPool:
+        pool = BlockPool(8, protected_fraction=0.25)
+        blocks = pool.allocate(3)
+        pool.cache_blocks(blocks, [h(1), h(2), h(3)], None)
+        pool.free(blocks)
+        pool.touch(blocks)
+        pool.free(blocks)  # 0, 1, 2 protected in that order: 0 drops back to probation's tail
+        return pool
+
+    assert hit_three().allocate(8) == [3, 4, 5, 6, 7, 0, 1, 2]
+    pool = hit_three()
     pool.touch([0])
     pool.free([0])  # hit again: protected once more, pushing out 1
-    assert pool.free_queue() == [3, 4, 5, 6, 7, 1, 2, 0]
     assert pool.check_invariants().num_cached == 3
-    assert pool.reset_prefix_cache() and pool.check_invariants().num_cached == 0
+    assert pool.allocate(8) == [3, 4, 5, 6, 7, 1, 2, 0]
 
 
 def test_eviction_order_is_lru_and_emits_removed() -> None:
@@ -86,12 +89,12 @@ def test_touch_revives_a_cached_free_block() -> None:
     pool.free(b)
     assert pool.lookup(h(9)) == 0 and pool.ref_cnt(0) == 0
     pool.touch([0])
-    assert pool.ref_cnt(0) == 1 and 0 not in pool.free_queue()
+    assert pool.ref_cnt(0) == 1 and pool.check_invariants().num_in_use == 1
     pool.touch([0])
     pool.free([0])
     pool.free([0])
-    assert pool.free_queue()[-1] == 0
     pool.check_invariants()
+    assert pool.allocate(3) == [1, 2, 0]  # back in the free queue, behind the empty blocks
 
 
 def test_events_are_numbered_without_gaps_and_carry_parents() -> None:
@@ -104,9 +107,8 @@ def test_events_are_numbered_without_gaps_and_carry_parents() -> None:
     assert [e.event_id for e in events] == [0, 1]
     assert events[1].parent_block_hash == h(2)
     pool.free(b + c)
-    assert pool.reset_prefix_cache()
-    assert [(e.event_id, e.kind) for e in pool.take_events()] == [(2, "cleared")]
-    assert pool.check_invariants().num_cached == 0
+    assert pool.allocate(4) is not None  # the three cached blocks evicted, in the order they were freed
+    assert [(e.event_id, e.kind, e.block_hashes) for e in pool.take_events()] == [(2, "removed", [h(1), h(2), h(3)])]
 
 
 def test_duplicate_hash_keeps_first_block() -> None:
@@ -116,12 +118,6 @@ def test_duplicate_hash_keeps_first_block() -> None:
     pool.cache_blocks(b, [h(5)], None)
     assert pool.lookup(h(5)) == a[0] and pool.block_hash(b[0]) is None
     assert len(pool.take_events()) == 1
-
-
-def test_reset_refused_while_blocks_in_use() -> None:
-    pool = BlockPool(2)
-    pool.allocate(1)
-    assert not pool.reset_prefix_cache()
 
 
 def test_double_free_is_a_bug() -> None:

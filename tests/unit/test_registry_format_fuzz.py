@@ -46,7 +46,7 @@ def test_any_msgpack_is_a_kv_event_or_a_bad_entry(value: object) -> None:
         ev = event_from_bytes(msgpack.packb(value))
     except BadEntry:
         return
-    assert ev.kind in ("stored", "removed", "cleared") and ev.event_id >= 0
+    assert ev.kind in ("stored", "removed") and ev.event_id >= 0
     assert all(isinstance(h, bytes) and h for h in ev.block_hashes)
 
 
@@ -63,7 +63,7 @@ def test_any_bytes_are_a_heartbeat_or_a_bad_entry(data: bytes) -> None:
 
 
 @FUZZ
-@given(st.integers(0, 2**62), st.sampled_from(["stored", "removed", "cleared"]),
+@given(st.integers(0, 2**62), st.sampled_from(["stored", "removed"]),
        st.lists(st.binary(min_size=1, max_size=32), max_size=20), st.none() | st.binary(min_size=1, max_size=32))
 def test_valid_events_round_trip(event_id: int, kind: str, hashes: list[bytes], parent: bytes | None) -> None:
     ev = KVEvent(event_id, kind, [BlockHash(h) for h in hashes], BlockHash(parent) if parent else None)  # type: ignore[arg-type]

@@ -22,14 +22,12 @@ def test_overlap_counts_leading_blocks_only(clock) -> None:
     assert idx.overlap([h(1), h(2), h(3)], ["d0", "d1", "d2"]) == {"d0": 3, "d1": 1, "d2": 0}
 
 
-def test_removed_and_cleared(clock) -> None:
+def test_removed(clock) -> None:
     idx = KVIndex(clock)
     idx.apply("d0", stored(0, 1, 2))
     idx.apply("d0", KVEvent(1, "removed", [h(2)]))
     assert idx.overlap([h(1), h(2)], ["d0"]) == {"d0": 1}
-    idx.apply("d0", KVEvent(2, "cleared"))
-    assert idx.overlap([h(1)], ["d0"]) == {"d0": 0}
-    assert idx.num_blocks("d0") == 0
+    assert idx.num_blocks("d0") == 1
 
 
 def test_event_gap_drops_the_workers_entries(clock) -> None:
@@ -91,9 +89,6 @@ def test_the_workers_own_events_replace_its_predictions(clock) -> None:
     assert idx.predicted("d0") == {h(3): clock() + 60.0}
     idx.apply("d0", KVEvent(1, "removed", [h(2)]))
     assert idx.overlap([h(1), h(2), h(3)], ["d0"]) == {"d0": 1}  # evicted: no longer counted for 60 s
-    idx.predict("d0", [h(4)])
-    idx.apply("d0", KVEvent(2, "cleared"))
-    assert idx.overlap([h(3)], ["d0"]) == {"d0": 0} and idx.overlap([h(4)], ["d0"]) == {"d0": 0}
 
 
 def test_forget_worker_and_wire_round_trip(clock) -> None:
