@@ -37,7 +37,6 @@ import time
 import warnings
 from typing import Any
 
-import msgpack
 import ray
 import redis
 import redis.asyncio
@@ -57,6 +56,7 @@ from control.heartbeat import Heartbeat, Role, controller_key, hb_key, kv_key, t
 from control.metrics_http import MetricsServer
 from control.pool_gauge import PoolGauge, removal_cost
 from control.reader import RegistryReader
+from control.router_stats import ControllerStatus, RouterStats, to_wire
 from control.worker_config import dialable_host
 from decode_worker.worker import DecodeWorker
 from engine.gguf_checkpoint import resolve_model_dir
@@ -357,7 +357,7 @@ class Controller:
 
     async def _publish(self) -> None:
         try:
-            await self.reader.client.set(controller_key(self.config.namespace), msgpack.packb(await self.status()),
+            await self.reader.client.set(controller_key(self.config.namespace), to_wire(await self.status()),
                                          px=10_000)
         except (redis.RedisError, OSError, TimeoutError):
             pass
@@ -374,14 +374,14 @@ class Controller:
         live = [w for w in self.workers.values() if w.state == "serving"]
         return [*await asyncio.gather(*(one(w) for w in live)), *({"worker_id": w, "dead": True} for w in self.history.dead)]
 
-    async def status(self) -> dict[str, Any]:
+    async def status(self) -> ControllerStatus:
         """What `splitserve status` shows (published to Redis every tick)."""
-        h = self.history.to_wire()
-        return {"targets": dict(self.targets), "workers": {w.worker_id: w.state for w in self.workers.values()},
-                "dead": h["dead"], "drains": h["drains"], "num_drains": h["num_drains"], "actions": h["actions"],
-                "decision": self.decision.reason if self.decision else None,
-                "autoscale": self.config.autoscale is not None, "metrics_address": self.metrics_address,
-                "pid": os.getpid()}
+        h = self.history
+        return ControllerStatus(targets=dict(self.targets), workers={w.worker_id: w.state for w in self.workers.values()},
+                                dead=list(h.dead), drains=list(h.drains), num_drains=h.num_drains,
+                                actions=list(h.actions), decision=self.decision.reason if self.decision else None,
+                                autoscale=self.config.autoscale is not None, metrics_address=self.metrics_address,
+                                pid=os.getpid())
 
     def _metrics_books(self) -> dict[str, Any]:
         return {"targets": dict(self.targets), "workers": [(w.role, w.state) for w in self.workers.values()],
@@ -398,7 +398,7 @@ class Controller:
             raise KeyError(f"no worker {worker_id!r}")
         ray.kill(w.actor, no_restart=True)
 
-    async def router_stats(self) -> list[dict[str, Any]]:
+    async def router_stats(self) -> list[RouterStats]:
         return await self.routers.stats()
 
     async def shutdown(self) -> None:

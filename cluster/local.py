@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import ray
 import redis
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -296,7 +297,8 @@ class LocalCluster:
         return ray.get(self.controller.check_idle.remote(), timeout=60)
 
     def router_stats(self) -> list[dict[str, Any]]:
-        return ray.get(self.controller.router_stats.remote(), timeout=60)
+        """Each router replica's `RouterStats`, as a dict."""
+        return [msgspec.to_builtins(s) for s in ray.get(self.controller.router_stats.remote(), timeout=60)]
 
     def holdings(self) -> list[str]:
         """What the cluster still holds for requests, one line each; [] when idle: every live
@@ -326,7 +328,8 @@ class LocalCluster:
             client.close()
 
     def controller_status(self) -> dict[str, Any]:
-        return ray.get(self.controller.status.remote(), timeout=60)
+        """The controller's `ControllerStatus`, as a dict."""
+        return msgspec.to_builtins(ray.get(self.controller.status.remote(), timeout=60))
 
     def workers(self) -> list[dict[str, Any]]:
         """Each worker's info (worker_id, role, address, pid, ...) and state."""

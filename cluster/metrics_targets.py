@@ -21,14 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from control.heartbeat import Heartbeat
+from control.router_stats import ControllerStatus, RouterStats
 
 
-def file_sd(beats: dict[str, Heartbeat], routers: dict[str, dict[str, Any]], namespace: str,
-            controller: dict[str, Any] | None = None, stores: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:  # type: ignore[assignment]
+def file_sd(beats: dict[str, Heartbeat], routers: dict[str, RouterStats], namespace: str,
+            controller: ControllerStatus | None = None, stores: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:  # type: ignore[assignment]
     """One target group per process that serves `/metrics`, sorted by role then id."""
     groups = [(b.role, w, b.metrics_address) for w, b in beats.items()] + \
-             [("router", r, str(s.get("metrics_address", ""))) for r, s in routers.items()] + \
-             [("controller", "controller", str((controller or {}).get("metrics_address", "")))] + \
+             [("router", r, s.metrics_address) for r, s in routers.items()] + \
+             [("controller", "controller", controller.metrics_address if controller else "")] + \
              [("kv_store", str(e.get("store_id", "")), str(e.get("metrics_address", ""))) for e in stores]
     return [{"targets": [address], "labels": {"role": role, "instance_id": name, "splitserve_namespace": namespace}}
             for role, name, address in sorted(groups) if address]

@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster import named_actors
 from cluster.ray_calls import await_ref
+from control.router_stats import RouterStats
 from router.config import RouterConfig
 from router.service import RouterService
 
@@ -115,7 +116,7 @@ class RouterPool:
         self.actors[router_id] = actor
         self.act(f"{router_id} serving again on {address}")
 
-    async def stats(self) -> list[dict[str, Any]]:
+    async def stats(self) -> list[RouterStats]:
         """Each live replica's stats (one that just died, not yet replaced, is left out)."""
         results = await asyncio.gather(*(await_ref(r.stats.remote()) for r in self.actors.values()),
                                        return_exceptions=True)

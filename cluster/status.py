@@ -9,6 +9,7 @@ from collections.abc import Callable
 import msgspec
 
 from cluster.processes import redacted
+from control.router_stats import ControllerStatus, RouterStats
 
 
 def show_status(args: argparse.Namespace, cluster_redis: Callable[[argparse.Namespace], tuple[str | None, str]]) -> int:
@@ -34,8 +35,9 @@ def show_status(args: argparse.Namespace, cluster_redis: Callable[[argparse.Name
     except Exception:  # noqa: BLE001 - the stores' entries are extra: status goes on without them
         stores = []
     if args.json:
-        print(json.dumps({"workers": {w: msgspec.to_builtins(b) for w, b in beats.items()}, "routers": routers,
-                          "controller": controller, "kv_stores": stores}, default=str))
+        print(json.dumps({"workers": {w: msgspec.to_builtins(b) for w, b in beats.items()},
+                          "routers": msgspec.to_builtins(routers), "controller": msgspec.to_builtins(controller),
+                          "kv_stores": stores}, default=str))
         return 0
     if controller is not None:
         print_pools(controller)
@@ -51,16 +53,16 @@ def show_status(args: argparse.Namespace, cluster_redis: Callable[[argparse.Name
     return 0
 
 
-def print_pools(controller: dict) -> None:
+def print_pools(controller: ControllerStatus) -> None:
     """Each pool's target and serving workers, the autoscaler's decision and last actions."""
-    live = controller["workers"]
     for role in ("prefill", "decode"):
-        states = sorted(f"{w} {s}" for w, s in live.items() if w.startswith(role))
-        print(f"{role} pool: target {controller['targets'][role]}, {sum(1 for s in states if s.endswith(' serving'))}"
-              f" serving" + (f" ({', '.join(states)})" if states else ""))
-    if controller.get("decision"):
-        print(f"autoscaler: {controller['decision']}")
-    for action in controller.get("actions", [])[-3:]:
+        states = sorted(f"{w} {s}" for w, s in controller.workers.items() if w.startswith(role))
+        print(f"{role} pool: target {controller.targets.get(role, 0)}, "
+              f"{sum(1 for s in states if s.endswith(' serving'))} serving"
+              + (f" ({', '.join(states)})" if states else ""))
+    if controller.decision:
+        print(f"autoscaler: {controller.decision}")
+    for action in controller.actions[-3:]:
         print(f"  {action}")
 
 
@@ -79,17 +81,15 @@ def print_workers(beats: dict) -> None:
               f"{b.queued_prefill_tokens:>11}{kv:>16}{hit:>11.0%}{spec:>22}")
 
 
-def print_routers(routers: dict) -> None:
+def print_routers(routers: dict[str, RouterStats]) -> None:
     """One line per router: admission, KV charged against its budget, outcomes, its feed."""
     for rid, s in sorted(routers.items()):
-        hit = s["num_cached_tokens"] / s["num_prompt_tokens"] if s["num_prompt_tokens"] else 0.0
-        print(f"{rid} on {s['address']}: {s['num_admitted']} running, {s['num_queued']} queued "
-              f"{s['queued_by_priority']}, KV tokens charged {s.get('inflight_tokens', 0)} / used "
-              f"{s.get('used_tokens', 0)} of a budget of {s.get('budget_tokens', 0)}, {s['num_requests']} done, {s['num_refused']} refused, "
-              f"{s.get('num_invalid', 0)} invalid, "
-              f"{s.get('num_retries', 0)} retried, prefix hit rate {hit:.0%}, "
-              f"Redis feed {'up' if s['redis_healthy'] else 'DOWN'}"
-              + (f", workers down: {', '.join(s['down_workers'])}" if s.get("down_workers") else ""))
+        hit = s.num_cached_tokens / s.num_prompt_tokens if s.num_prompt_tokens else 0.0
+        print(f"{rid} on {s.address}: {s.num_admitted} running, {s.num_queued} queued {s.queued_by_priority}, "
+              f"KV tokens charged {s.inflight_tokens:.0f} / used {s.used_tokens:.0f} of a budget of "
+              f"{s.budget_tokens:.0f}, {s.num_requests} done, {s.num_refused} refused, {s.num_invalid} invalid, "
+              f"{s.num_retries} retried, prefix hit rate {hit:.0%}, Redis feed {'up' if s.redis_healthy else 'DOWN'}"
+              + (f", workers down: {', '.join(s.down_workers)}" if s.down_workers else ""))
 
 
 def print_tier_speeds(beats: dict) -> None:

@@ -2,6 +2,7 @@
 
   heartbeat.py      `Heartbeat`: a worker's address, state, incarnation, model facts and load
   kv_events.py      the KV event wire format (msgpack of engine `KVEvent`s)
+  router_stats.py   `RouterStats` and `ControllerStatus`: what routers and the controller publish
   publisher.py      a worker's Redis writer thread (heartbeats, KV event stream)
   reader.py         async reads for routers and `splitserve status`
   worker_config.py  `WorkerConfig`: what both worker roles read

@@ -11,10 +11,11 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import Any
+
 
 from control.autoscaler import PoolMetrics, Snapshot
 from control.heartbeat import Heartbeat
+from control.router_stats import RouterStats
 
 
 class PoolGauge:
@@ -24,15 +25,13 @@ class PoolGauge:
         """Per pool: (time, cumulative uncached prompt tokens, last measured tokens/s)."""
 
     def snapshot(self, members: list[tuple[str, str, str]], beats: dict[str, Heartbeat],
-                 routers: dict[str, dict[str, Any]]) -> Snapshot:
+                 routers: dict[str, RouterStats]) -> Snapshot:
         """`members`: (worker id, role, state) of each worker the controller runs."""
-        itls = [float(s["itl_p50_ms"]) for s in routers.values() if s.get("itl_p50_ms") is not None]
-        admitted = [float(s["inflight_tokens"]) / float(s["budget_tokens"]) for s in routers.values()
-                    if float(s.get("budget_tokens") or 0) > 0 and s.get("inflight_tokens") is not None]
+        itls = [s.itl_p50_ms for s in routers.values() if s.itl_p50_ms is not None]
+        admitted = [s.inflight_tokens / s.budget_tokens for s in routers.values() if s.budget_tokens > 0]
         decode = dataclasses.replace(self._pool("decode", members, beats), itl_ms=max(itls) if itls else None,
                                      admitted_fraction=max(admitted, default=0.0))
-        return Snapshot(self._pool("prefill", members, beats), decode,
-                        sum(int(s.get("num_queued", 0)) for s in routers.values()))
+        return Snapshot(self._pool("prefill", members, beats), decode, sum(s.num_queued for s in routers.values()))
 
     def _pool(self, role: str, members: list[tuple[str, str, str]], beats: dict[str, Heartbeat]) -> PoolMetrics:
         mine = {worker_id: state for worker_id, r, state in members if r == role}

@@ -3,22 +3,24 @@
 Keys under one namespace `ns` (msgpack values, never pickle):
   {ns}:hb:{worker_id}      a worker's `Heartbeat`; expires after its TTL, so a missing key is a gone worker
   {ns}:kv:{worker_id}      Redis Stream of the worker's KV events (field `e`: `event_to_bytes`)
-  {ns}:router:{router_id}  a router's stats (queues, prefix hit rate); expires like a heartbeat
+  {ns}:router:{router_id}  a router's `RouterStats` (queues, prefix hit rate); expires like a heartbeat
+  {ns}:controller          the controller's `ControllerStatus` (control/router_stats.py)
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
-import msgpack
 import redis.asyncio
 
 from control.auth import Unsealed, opened, seal
 from control.heartbeat import (BadEntry, Heartbeat, controller_key, hb_key, kv_key, router_key, store_entry,
                                store_key)
 from control.kv_events import event_from_bytes
+from control.router_stats import (ControllerStatus, RouterStats, controller_status_from_wire, router_stats_from_wire,
+                                  to_wire)
 from control.redis_url import readable
 from engine.block_pool import KVEvent
 
@@ -104,33 +106,23 @@ class RegistryReader:
                    and (e := self._parse(k, v, lambda data, k=k: _store_entry(self._opened(k, data)))) is not None]
         return dict(entries)
 
-    async def set_router_stats(self, router_id: str, stats: dict[str, object], ttl_s: float) -> None:
+    async def set_router_stats(self, router_id: str, stats: RouterStats, ttl_s: float) -> None:
         """A router's stats, sealed with the key this reader was given (if any)."""
-        key, data = router_key(self.ns, router_id), msgpack.packb(stats)
+        key, data = router_key(self.ns, router_id), to_wire(stats)
         await self.client.set(key, data if self.seal_key is None else seal(self.seal_key, key, data),
                               px=int(ttl_s * 1000))
 
-    async def router_stats(self) -> dict[str, dict[str, object]]:
+    async def router_stats(self) -> dict[str, RouterStats]:
         """Routers' stats by router id: with a key, only those it sealed (others are skipped and counted)."""
         keys = [k async for k in self.client.scan_iter(match=router_key(self.ns, "*"), count=100)]
         values = await self.client.mget(keys) if keys else []
         prefix = len(router_key(self.ns, ""))
-        stats = ((_text(k)[prefix:], self._parse(k, v, lambda data, k=k: _router_stats(self._opened(k, data))))
+        stats = ((_text(k)[prefix:], self._parse(k, v, lambda data, k=k: router_stats_from_wire(self._opened(k, data))))
                  for k, v in zip(keys, values, strict=True) if v is not None)
         return {r: s for r, s in stats if s is not None}
 
     async def close(self) -> None:
         await self.client.aclose()
-
-
-def _router_stats(data: bytes) -> dict[str, object]:
-    try:
-        stats = msgpack.unpackb(data)
-    except Exception:  # noqa: BLE001 - msgpack raises several unrelated types
-        stats = None
-    if not isinstance(stats, dict):
-        raise BadEntry("a router's stats are a msgpack map")
-    return stats
 
 
 def _store_entry(data: object) -> tuple[str, str]:
@@ -144,7 +136,7 @@ def _store_entry(data: object) -> tuple[str, str]:
     return entry.store_id, entry.address
 
 
-ClusterState = tuple[dict[str, Heartbeat], dict[str, dict[str, Any]], dict[str, Any] | None]
+ClusterState = tuple[dict[str, Heartbeat], dict[str, RouterStats], ControllerStatus | None]
 """Heartbeats by worker, router stats by router, and the controller's status (None: none)."""
 
 
@@ -153,7 +145,12 @@ async def read_cluster(redis_url: str, namespace: str) -> ClusterState:
     reader = RegistryReader(redis_url, namespace)
     try:
         raw = await reader.client.get(controller_key(namespace))
-        return await reader.heartbeats(), await reader.router_stats(), msgpack.unpackb(raw) if raw else None
+        try:
+            controller = controller_status_from_wire(raw) if raw else None
+        except BadEntry as e:
+            logger.warning("registry: the controller's status is malformed: %s", e)
+            controller = None
+        return await reader.heartbeats(), await reader.router_stats(), controller
     finally:
         await reader.close()
 

@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from control import tracing
 from control.auth import cluster_token, is_loopback, metrics_token, registry_key
+from control.router_stats import RouterStats
 from control.metrics_http import MetricsServer
 from control.reader import RegistryReader
 from control.worker_config import NO_SECRET, dialable_host
@@ -161,26 +162,24 @@ class RouterService:
                 "used_tokens": q.used_tokens, "budget_tokens": q.budget_tokens,
                 "forecast_wait_s": max((at - now for at in q.queued_admission_times().values()), default=0.0)}
 
-    async def stats(self) -> dict[str, object]:
+    async def stats(self) -> RouterStats:
+        """This replica's books (`splitserve status`, the autoscaler's gauge), published every second."""
         q = self.gate.queue
-        return {"router_id": self.router_id, "address": self.address, "http_address": self.http_address,
-                "metrics_address": self.metrics_address,
-                **self.generation.stats, **self.flow.stats, **self._admission_books(),
-                "queued_by_priority": {str(k): v for k, v in q.queued_by_priority().items()},
-                "tenant_tokens": q.tenant_tokens(), "refusals": dict(self.gate.refusals),
-                "forecast_scale": q.forecast.model_scale,
-                "redis_healthy": self.feed.healthy, "members": self.members.ids(),
-                "late_heartbeats_kept": self.feed.num_silent_kept,
-                "serving": {role: self.members.serving(role) for role in ("prefill", "decode")},
-                "down_workers": self.flow.down_workers(), "index_gaps": self.index.num_gaps,
-                "index_blocks": {w: self.index.num_blocks(w) for w in self.members.ids()},
-                "store_blocks": {s: self.stores.num_blocks(s) for s in self.members.stores()},
-                "active": {w: self.flow.loads.load(w).num_active for w in self.members.ids()},
-                "heartbeat_at": {w: b.sent_at for w, b in self.flow.loads.heartbeats.items()},
-                "index_events": self.feed.num_events, "itl_p50_ms": self.generation.itl.p50_ms(), "rss_mib": _rss_mib(),
-                "bad_registry_entries": self.reader.num_bad_entries,
-                "refused_addresses": self.members.num_refused_addresses,
-                "pid": os.getpid()}
+        return RouterStats(
+            router_id=self.router_id, address=self.address, http_address=self.http_address,
+            metrics_address=self.metrics_address, pid=os.getpid(),
+            **self.generation.stats, **self.flow.stats, **self._admission_books(),
+            queued_by_priority={str(k): v for k, v in q.queued_by_priority().items()},
+            tenant_tokens=q.tenant_tokens(), refusals=dict(self.gate.refusals), forecast_scale=q.forecast.model_scale,
+            itl_p50_ms=self.generation.itl.p50_ms(), redis_healthy=self.feed.healthy, members=self.members.ids(),
+            serving={role: self.members.serving(role) for role in ("prefill", "decode")},
+            down_workers=self.flow.down_workers(), late_heartbeats_kept=self.feed.num_silent_kept,
+            bad_registry_entries=self.reader.num_bad_entries, refused_addresses=self.members.num_refused_addresses,
+            heartbeat_at={w: b.sent_at for w, b in self.flow.loads.heartbeats.items()},
+            active={w: self.flow.loads.load(w).num_active for w in self.members.ids()},
+            index_events=self.feed.num_events, index_gaps=self.index.num_gaps,
+            index_blocks={w: self.index.num_blocks(w) for w in self.members.ids()},
+            store_blocks={s: self.stores.num_blocks(s) for s in self.members.stores()}, rss_mib=_rss_mib())
 
     async def _tick(self) -> None:
         n = 0

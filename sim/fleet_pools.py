@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from control.autoscaler import AutoscaleState, decide
 from control.heartbeat import Heartbeat, ModelFacts
 from control.pool_gauge import PoolGauge, removal_cost
+from control.router_stats import RouterStats
 from sim.fleet_types import Role, Worker
 
 if TYPE_CHECKING:
@@ -53,9 +54,9 @@ class PoolControl:
         assert c.autoscale is not None
         members = [(w.worker_id, w.role, w.state) for w in f.workers.values() if w.stopped_at is None]
         beats = {w: f.loads.heartbeats[w] for w, _, _ in members if w in f.loads.heartbeats}
-        snapshot = self.gauge.snapshot(members, beats, {"sim": {
-            "itl_p50_ms": f.itl.p50_ms(), "num_queued": f.queue.num_queued,
-            "inflight_tokens": f.queue.inflight_tokens, "budget_tokens": f.queue.budget_tokens}})
+        snapshot = self.gauge.snapshot(members, beats, {"sim": RouterStats(
+            router_id="sim", address="", itl_p50_ms=f.itl.p50_ms(), num_queued=f.queue.num_queued,
+            inflight_tokens=f.queue.inflight_tokens, budget_tokens=f.queue.budget_tokens)})
         decision = decide(snapshot, self.scale_state, f.now, c.autoscale)
         self.scale_state = decision.state
         if "->" in decision.reason:

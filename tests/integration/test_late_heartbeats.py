@@ -134,7 +134,8 @@ def test_forged_kv_events_and_router_stats_are_skipped_and_counted(cluster: Loca
     forged_event = KVEvent(999_999, "stored", [b"\x0b\xad" * 8], None)
     try:
         client.xadd(kv_key(ns, "decode-0"), {"e": event_to_bytes(forged_event)})
-        client.set(router_key(ns, "router-evil"), msgpack.packb({"itl_p50_ms": 1e6}), px=20_000)
+        client.set(router_key(ns, "router-evil"), msgpack.packb({"router_id": "router-evil", "address": "10.6.6.6:1",
+                                                                 "itl_p50_ms": 1e6}), px=20_000)  # well-formed
 
         async def read(seal_key: bytes | None) -> tuple[list, dict, int]:
             """Every event in the streams (a read returns at most 1,000 a stream: the module's

@@ -8,6 +8,7 @@ from cluster.controller_state import autoscale_in, autoscale_out, next_ids, plan
 from control.autoscaler import AutoscaleState
 from control.heartbeat import Heartbeat
 from control.pool_gauge import PoolGauge
+from control.router_stats import RouterStats
 from tests.unit.helpers import heartbeat
 
 
@@ -70,8 +71,10 @@ def test_the_gauge_counts_states_measures_the_prefill_rate_and_keeps_it_while_id
     beats = {"prefill-0": beat("prefill-0", "prefill", 1000, queued_prefill_tokens=300),
              "decode-0": beat("decode-0", "decode", 0, num_total_blocks=100, num_free_blocks=60,
                               num_cached_blocks=10)}
-    routers = {"router-0": {"itl_p50_ms": 20.0, "num_queued": 2, "inflight_tokens": 450, "budget_tokens": 1000},
-               "router-1": {"itl_p50_ms": 35.0, "num_queued": 1, "inflight_tokens": 900, "budget_tokens": 1000}}
+    routers = {"router-0": RouterStats(router_id="router-0", address="a:1", itl_p50_ms=20.0, num_queued=2,
+                                       inflight_tokens=450, budget_tokens=1000),
+               "router-1": RouterStats(router_id="router-1", address="a:2", itl_p50_ms=35.0, num_queued=1,
+                                       inflight_tokens=900, budget_tokens=1000)}
     first = gauge.snapshot(members, beats, routers)
     assert (first.prefill.num_serving, first.prefill.num_starting, first.prefill.queued_prefill_tokens) == (1, 1, 300)
     assert (first.decode.num_serving, first.decode.num_draining, first.decode.num_used_blocks,

@@ -4,12 +4,15 @@ never anything else, so one malformed entry costs that entry and never the reade
 from __future__ import annotations
 
 import msgpack
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from control.heartbeat import BadEntry, Heartbeat, ModelFacts
 from control.kv_events import event_from_bytes, event_to_bytes
+from control.router_stats import (ControllerStatus, RouterStats, controller_status_from_wire, router_stats_from_wire,
+                                  to_wire)
 from engine.block_pool import KVEvent
 from engine.types import BlockHash, EngineLoad
 
@@ -110,3 +113,29 @@ def test_a_store_entry_is_read_through_its_one_typed_definition() -> None:
             store_entry(json.dumps(bad))
     with pytest.raises(ValueError, match="address and store_id"):
         store_entry(b"{not json")
+
+
+@FUZZ
+@given(st.binary(max_size=300) | structures.map(msgpack.packb) | near_valid.map(msgpack.packb))
+def test_any_bytes_are_router_stats_or_a_controller_status_or_a_bad_entry(data: bytes) -> None:
+    for parse in (router_stats_from_wire, controller_status_from_wire):
+        parses_or_bad(parse, data)
+
+
+def test_router_stats_and_the_controller_status_are_typed_on_the_wire() -> None:
+    """A router's stats round-trip; a field of the wrong type is a BadEntry naming it (it was
+    a loose map read with float() and .get()); a newer version's fields are ignored."""
+    stats = RouterStats(router_id="router-0", address="10.0.0.1:50051", num_requests=3, inflight_tokens=450,
+                        budget_tokens=1000, serving={"decode": ["decode-0"]}, itl_p50_ms=21.5)
+    assert router_stats_from_wire(to_wire(stats)) == stats
+    with pytest.raises(BadEntry, match=r"a router's stats: Expected `float \| null`, got `str` - at `\$.itl_p50_ms`"):
+        router_stats_from_wire(msgpack.packb({"router_id": "r", "address": "a", "itl_p50_ms": "fast"}))
+    with pytest.raises(BadEntry, match="missing required field `router_id`"):
+        router_stats_from_wire(msgpack.packb({"itl_p50_ms": 1e6}))
+    newer = msgpack.packb({**msgspec.to_builtins(stats), "num_something_new": 7})
+    assert router_stats_from_wire(newer) == stats
+    status = ControllerStatus(targets={"prefill": 1, "decode": 2}, workers={"decode-0": "serving"},
+                              drains=[{"worker_id": "decode-1", "requests": 2}], pid=7)
+    assert controller_status_from_wire(to_wire(status)) == status
+    with pytest.raises(BadEntry, match="the controller's status"):
+        controller_status_from_wire(msgpack.packb({"targets": {"decode": "two"}, "workers": {}}))
