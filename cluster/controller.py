@@ -377,8 +377,8 @@ class Controller:
     async def status(self) -> ControllerStatus:
         """What `splitserve status` shows (published to Redis every tick)."""
         h = self.history
-        return ControllerStatus(targets=dict(self.targets), workers={w.worker_id: w.state for w in self.workers.values()},
-                                dead=list(h.dead), drains=list(h.drains), num_drains=h.num_drains,
+        return ControllerStatus(targets=dict(self.targets),
+                                workers={w.worker_id: w.state for w in self.workers.values()}, dead=list(h.dead), drains=list(h.drains), num_drains=h.num_drains,
                                 actions=list(h.actions), decision=self.decision.reason if self.decision else None,
                                 autoscale=self.config.autoscale is not None, metrics_address=self.metrics_address,
                                 pid=os.getpid())

@@ -25,7 +25,8 @@ from control.router_stats import ControllerStatus, RouterStats
 
 
 def file_sd(beats: dict[str, Heartbeat], routers: dict[str, RouterStats], namespace: str,
-            controller: ControllerStatus | None = None, stores: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:  # type: ignore[assignment]
+            controller: ControllerStatus | None = None,
+            stores: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:  # type: ignore[assignment]
     """One target group per process that serves `/metrics`, sorted by role then id."""
     groups = [(b.role, w, b.metrics_address) for w, b in beats.items()] + \
              [("router", r, s.metrics_address) for r, s in routers.items()] + \
