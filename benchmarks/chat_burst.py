@@ -46,7 +46,7 @@ def chat(client: Any, model: str, question: str) -> tuple[bool, float | None, in
 def arm(charge: str, args: argparse.Namespace) -> dict[str, Any]:
     import openai
 
-    from bench.report import pct
+    from loadgen.report import pct
     from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
     from cluster.default_model import model_path
     from cluster.local import LocalCluster

@@ -1,7 +1,7 @@
 """What the OpenAI HTTP front costs against gRPC, on one cluster in one run.
 
 One local cluster as `serve` starts it (1 prefill + 1 decode, the default model,
-SmolLM2-135M-Instruct from its GGUF file, CPU). The same workload (`bench.workload`,
+SmolLM2-135M-Instruct from its GGUF file, CPU). The same workload (`loadgen.workload`,
 token-id prompts, ignore_eos) goes to the router's gRPC `Generate` and to its
 `/v1/completions` (streamed, `return_token_ids` so the client counts tokens per chunk) in
 alternating rounds, each round with fresh prompts (no arm hits the other's prefix cache).
@@ -31,9 +31,9 @@ from typing import Any
 import aiohttp
 import grpc
 
-from bench import report, runner
-from bench.runner import Outcome, run
-from bench.workload import Item, synthetic
+from loadgen import report, runner
+from loadgen.runner import Outcome, run
+from loadgen.workload import WorkloadRequest, synthetic
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.default_model import model_path
 from cluster.local import LocalCluster
@@ -49,10 +49,11 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def items_of(n: int, args: argparse.Namespace, seed: int) -> list[Item]:
+def items_of(n: int, args: argparse.Namespace, seed: int) -> list[WorkloadRequest]:
     """n prompts of exactly --prompt-len random tokens, each asking for exactly --output-len."""
     rng = random.Random(seed)
-    return [Item([rng.randrange(3, 49152) for _ in range(args.prompt_len)], args.output_len) for _ in range(n)]
+    return [WorkloadRequest([rng.randrange(3, 49152) for _ in range(args.prompt_len)], args.output_len)
+            for _ in range(n)]
 
 
 def idle_cpu_per_s(pid: int, seconds: float = 5.0) -> float:

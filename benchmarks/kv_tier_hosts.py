@@ -50,8 +50,8 @@ def serving(made: Hosts, n: int, timeout_s: float = 120.0) -> None:
 
 def arm(model_dir: str, trace: Path, n: int, num_hosts: int, pool_mib: int, store_mib: int, concurrency: int,
         tmp: Path) -> dict:
-    from bench.runner import run
-    from bench.workload import from_trace
+    from loadgen.runner import run
+    from loadgen.workload import from_trace
 
     items = [type(it)(it.prompt, min(it.max_tokens, 4), None) for it in from_trace(trace, n, BLOCK, 4096, 500, 0.0)]
     names = ("p", "d")[:num_hosts]

@@ -9,7 +9,7 @@ The trace is Mooncake's format (`timestamp`, `input_length`, `output_length`, `h
 512-token blocks), a synthetic conversation trace with its structure: each turn's blocks are
 the previous turn's plus the new user message and the previous answer, the conversations
 interleaved (a turn every few seconds of each); a few share a system prompt. Each 512-token
-block becomes one 16-token block of the model (bench/workload.py `from_trace`), so the
+block becomes one 16-token block of the model (loadgen/workload.py `from_trace`), so the
 prefix structure is kept exactly. The tiny model prefills a turn in about as long as a
 fetch's round trips take; `--size small` (12 layers) is closer to what a fetch saves, and
 `--size default` is the embedded default model (SmolLM2-135M-Instruct), whose prefill costs
@@ -58,8 +58,8 @@ def conversation_trace(conversations: int, turns: int, seed: int = 0) -> list[di
 
 
 def arm(model_dir: str, trace: Path, n: int, pool_blocks: int, store_mib: int, concurrency: int) -> dict:
-    from bench.runner import run
-    from bench.workload import from_trace
+    from loadgen.runner import run
+    from loadgen.workload import from_trace
     from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
     from cluster.local import LocalCluster
     from router.policy import RoutingConfig
@@ -108,8 +108,8 @@ def tier_speeds(redis_url: str, namespace: str, prior: float) -> dict:
 
 def replay_row(result: Any) -> dict:
     """A replay's requests served, prompt tokens, those served from a cache, the hit rate, the
-    prefill tokens computed, TTFT p50/p99 and the wall time (bench.runner's `Run`)."""
-    from bench.report import pct
+    prefill tokens computed, TTFT p50/p99 and the wall time (loadgen.runner's `Run`)."""
+    from loadgen.report import pct
 
     ok = [o for o in result.outcomes if o.ok]
     prompt = sum(o.num_prompt for o in ok)

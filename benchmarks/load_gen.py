@@ -1,4 +1,4 @@
-"""What the benchmark scripts (serving_compare.py) run a workload with: `bench.runner` sends
+"""What the benchmark scripts (serving_compare.py) run a workload with: `loadgen.runner` sends
 it, and `summarize` gives one flat dict (TTFT / ITL / end-to-end percentiles, throughput,
 transfer time, prefix hit rate) whose keys their JSON lines keep. For a person at a terminal
 the command is `splitserve bench` (progress, table, goodput against SLOs, plots).
@@ -9,16 +9,17 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from bench.report import pct
-from bench.runner import Outcome, run
-from bench.workload import Item, synthetic
+from loadgen.report import pct
+from loadgen.runner import Outcome, run
+from loadgen.workload import WorkloadRequest, synthetic
 
-__all__ = ["Item", "run_load", "summarize", "synthetic"]
+__all__ = ["WorkloadRequest", "run_load", "summarize", "synthetic"]
 
 
-async def run_load(target: str, items: list[Item], rate: float | None, concurrency: int | None,
+async def run_load(target: str, items: list[WorkloadRequest], rate: float | None, concurrency: int | None,
                    seed: int = 0, timeout_s: float = 300.0, per_request: Path | None = None) -> dict[str, object]:
-    """Runs the workload (`bench.runner`); `per_request`: also write one JSON line per request there (in send order)."""
+    """Runs the workload (`loadgen.runner`); `per_request`: also write one JSON line per request there (in send
+    order)."""
     result = await run(target, items, rate, concurrency, seed, timeout_s)
     if per_request is not None:
         with per_request.open("w") as f:

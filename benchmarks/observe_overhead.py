@@ -2,7 +2,7 @@
 default), with metrics on and every span exported to a local OTLP receiver, and off once more.
 
 Each arm starts its own local cluster (1 prefill + 1 decode, tiny llama, CPU), warms it up,
-then runs the same closed-loop workload (`bench.runner`); the arms alternate for
+then runs the same closed-loop workload (`loadgen.runner`); the arms alternate for
 --rounds rounds and each arm's rounds are pooled. Printed: one JSON line per arm and round,
 then the ratios against "off" (throughput and TTFT p50; targets: metrics <= 1 % cost,
 tracing <= 3 %), with the spans the receiver got. "off_again" against "off" is the noise
@@ -33,9 +33,9 @@ from typing import Any
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from bench import report
-from bench.runner import Run, run
-from bench.workload import synthetic
+from loadgen import report
+from loadgen.runner import Run, run
+from loadgen.workload import synthetic
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster
 from engine.tiny_model import make_tiny_model

@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import report
-from bench.runner import run
-from bench.workload import Item, synthetic
+from loadgen import report
+from loadgen.runner import run
+from loadgen.workload import WorkloadRequest, synthetic
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.default_model import model_path
 from cluster.local import LocalCluster
@@ -78,7 +78,7 @@ def aiperf(binary: str, url: str, tokenizer: str, load: dict[str, Any], args: ar
 
 def splitserve_bench(target: str, load: dict[str, Any], args: argparse.Namespace, seed: int) -> dict[str, Any]:
     rng = random.Random(seed)  # prompts of exactly --input-tokens, answers of exactly --output-tokens
-    items = [Item([rng.randrange(3, 49152) for _ in range(args.input_tokens)], args.output_tokens)
+    items = [WorkloadRequest([rng.randrange(3, 49152) for _ in range(args.input_tokens)], args.output_tokens)
              for _ in range(args.num_requests)]
     cpu = time.process_time()
     result = asyncio.run(run(target, items, rate=load.get("rate"), concurrency=load.get("concurrency")))

@@ -35,7 +35,7 @@ from typing import Any
 
 import grpc
 
-from bench.report import pct
+from loadgen.report import pct
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 
@@ -128,7 +128,7 @@ async def closed_loop(target: str, concurrency: int, seconds: float, prompt_toke
 
 
 def pct_ms(values: list[float], q: int) -> float | None:
-    """bench/report.py's percentile (nearest rank, as every tool here reports), in ms."""
+    """loadgen/report.py's percentile (nearest rank, as every tool here reports), in ms."""
     x = pct(values, q)
     return None if x is None else round(x * 1e3, 1)
 

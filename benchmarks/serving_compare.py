@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from load_gen import Item, run_load, synthetic  # noqa: E402
+from load_gen import WorkloadRequest, run_load, synthetic  # noqa: E402
 from separate_hosts import SUBNET, Hosts, namespaces, scrape  # noqa: E402
 
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig  # noqa: E402
@@ -58,8 +58,8 @@ def arm(args: argparse.Namespace, model_dir: str, num_prefill: int, num_decode: 
         worker_num_cpus=0.5)
 
 
-def run_arm(name: str, config: ClusterConfig, items: list[Item], rate: float | None, concurrency: int | None,
-            warmup: list[Item], per_request_dir: str | None = None) -> dict[str, object]:
+def run_arm(name: str, config: ClusterConfig, items: list[WorkloadRequest], rate: float | None, concurrency: int | None,
+            warmup: list[WorkloadRequest], per_request_dir: str | None = None) -> dict[str, object]:
     """Runs the workload on a fresh cluster; the result has `handoffs`: the prefill workers'
     hand-off costs per request (ms), warm-up included."""
     cluster = LocalCluster(config)
@@ -98,17 +98,17 @@ WARM = synthetic(4, 64, 4, 0.0, 0, 0, 512, 99)
 """Requests each arm serves before the measured ones (connections, kernels, first allocations)."""
 
 
-def long_prompts(n: int, length: int, seed: int) -> list[Item]:
+def long_prompts(n: int, length: int, seed: int) -> list[WorkloadRequest]:
     rng = random.Random(seed)
-    return [Item([rng.randrange(3, 500) for _ in range(length)], 4) for _ in range(n)]
+    return [WorkloadRequest([rng.randrange(3, 500) for _ in range(length)], 4) for _ in range(n)]
 
 
-def mixed_items(n: int, long_len: int, long_every: int, decode_output_len: int, seed: int) -> list[Item]:
+def mixed_items(n: int, long_len: int, long_every: int, decode_output_len: int, seed: int) -> list[WorkloadRequest]:
     """n short-prompt requests that decode decode_output_len tokens (mean), with one long prompt
     (long_len mean, 4 output tokens) after every long_every of them."""
     decoders = synthetic(n, 32, decode_output_len, 0.0, 0, 0, 512, seed)
     longs = synthetic(n // long_every, long_len, 4, 0.0, 0, 0, 512, seed + 1)
-    out: list[Item] = []
+    out: list[WorkloadRequest] = []
     for i, d in enumerate(decoders):
         out.append(d)
         if i % long_every == long_every - 1 and longs:
@@ -178,8 +178,9 @@ def main() -> int:
     return 0
 
 
-def _disagg_vs_coloc(args: argparse.Namespace, model_dir: str, items: list[Item], rate: float | None,
-                     concurrency: int | None, mode: str, warm: list[Item]) -> tuple[dict[str, object], dict[str, object]]:
+def _disagg_vs_coloc(args: argparse.Namespace, model_dir: str, items: list[WorkloadRequest], rate: float | None,
+                     concurrency: int | None, mode: str,
+                     warm: list[WorkloadRequest]) -> tuple[dict[str, object], dict[str, object]]:
     """1 prefill + 1 decode (in `mode`) against 2 decode workers, colocated: the two arms' results."""
     disagg = run_arm("disaggregated", arm(args, model_dir, 1, 1, RoutingConfig(mode=mode)), items, rate, concurrency,  # type: ignore[arg-type]
                      warm, args.per_request_dir)
@@ -199,8 +200,8 @@ def _overhead(d: dict[str, object], c: dict[str, object]) -> dict[str, object]:
             "within_bound": overhead <= bound, "engine_kvfabric_ms_per_request": h.get("engine_kvfabric_ms")}
 
 
-def run_cross_host_arm(name: str, args: argparse.Namespace, model_dir: str, items: list[Item], mode: str,
-                       warm: list[Item], kv_transport: str | None = None) -> dict[str, object]:
+def run_cross_host_arm(name: str, args: argparse.Namespace, model_dir: str, items: list[WorkloadRequest], mode: str,
+                       warm: list[WorkloadRequest], kv_transport: str | None = None) -> dict[str, object]:
     """One request at a time through a router here to two workers on separate hosts: prefill
     on host p and decode on host d (disaggregated), or a decode worker on each (colocated);
     `kv_transport`: the workers' --kv-transport."""
@@ -236,8 +237,8 @@ def run_cross_host_arm(name: str, args: argparse.Namespace, model_dir: str, item
     return result
 
 
-def _overhead_across_hosts(args: argparse.Namespace, model_dir: str, items: list[Item], mode: str,
-                           warm: list[Item]) -> dict[str, object]:
+def _overhead_across_hosts(args: argparse.Namespace, model_dir: str, items: list[WorkloadRequest], mode: str,
+                           warm: list[WorkloadRequest]) -> dict[str, object]:
     d = run_cross_host_arm("disaggregated", args, model_dir, items, mode, warm)
     c = run_cross_host_arm("colocated", args, model_dir, items, "colocated", warm)
     overhead = float(d["ttft_p50_ms"]) - float(c["ttft_p50_ms"])  # type: ignore[arg-type]

@@ -16,7 +16,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from bench import plots
+from loadgen import plots
 from sim import cli
 from sim.cost_model import Roofline
 from sim.fleet import Fleet

@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench import report
-from bench.runner import Run
+from loadgen import report
+from loadgen.runner import Run
 from router.policy import RoutingConfig
 from sim.arrivals import trace_items
 from sim.cost_model import H100_SXM, LLAMA3_8B, Roofline

@@ -31,8 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import report
-from bench.workload import Item, synthetic
+from loadgen import report
+from loadgen.workload import WorkloadRequest, synthetic
 from benchmarks.sim_validation import (Arm, calibrate, compare, fit_engine, measure_startup, real_pooled_run, real_run,
                           sim_pooled_run, within)
 from control.autoscaler import AutoscaleConfig
@@ -62,10 +62,10 @@ SCALED = dataclasses.replace(FLOORED, name="autoscaled 1P:1-3D", autoscale=Autos
     up_delay_s=2.0, down_delay_s=10.0, cooldown_s=5.0))
 
 
-def workloads(n: int, seed: int) -> dict[str, tuple[list[Item], list[Arm]]]:
+def workloads(n: int, seed: int) -> dict[str, tuple[list[WorkloadRequest], list[Arm]]]:
     rng = random.Random(seed)
-    mixed = [Item([rng.randrange(3, VOCAB) for _ in range(1024)], 8) if rng.random() < 0.25 else
-             Item([rng.randrange(3, VOCAB) for _ in range(64)], 48) for _ in range(n)]
+    mixed = [WorkloadRequest([rng.randrange(3, VOCAB) for _ in range(1024)], 8) if rng.random() < 0.25 else
+             WorkloadRequest([rng.randrange(3, VOCAB) for _ in range(64)], 48) for _ in range(n)]
     return {
         "overhead": (timed(synthetic(n, 128, 32, 0.0, 0, 0, VOCAB, seed), arrival_times(n, Shape(rate=2.0), seed)),
                      [PD]),
@@ -92,7 +92,7 @@ def main() -> None:
     began = time.perf_counter()
     engine = fit_engine(model)
     rng = random.Random(args.seed + 9)
-    calibration = [Item([rng.randrange(3, VOCAB) for _ in range(128)], 32) for _ in range(24)]
+    calibration = [WorkloadRequest([rng.randrange(3, VOCAB) for _ in range(128)], 32) for _ in range(24)]
     costs = calibrate(model, engine, calibration, PD, COLOCATED)
     costs[AWARE.name] = costs[ROUND_ROBIN.name] = costs[PD.name]
     startup_s = 0.0

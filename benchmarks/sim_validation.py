@@ -34,9 +34,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from bench import report
-from bench.runner import Run, run
-from bench.workload import Item
+from loadgen import report
+from loadgen.runner import Run, run
+from loadgen.workload import WorkloadRequest
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster
 from control.autoscaler import AutoscaleConfig
@@ -115,16 +115,16 @@ def fresh_cluster(model_dir: str, arm: Arm) -> Iterator[LocalCluster]:
     (kernels, channels) spent on a few requests of its own."""
     time.sleep(SETTLE_S)
     with LocalCluster(cluster_config(model_dir, arm)) as cluster:
-        asyncio.run(run(cluster.address, [Item([7 + i] * 24, 4) for i in range(4)], concurrency=1))
+        asyncio.run(run(cluster.address, [WorkloadRequest([7 + i] * 24, 4) for i in range(4)], concurrency=1))
         yield cluster
 
 
-def real_run(model_dir: str, arm: Arm, items: list[Item], concurrency: int | None = None) -> Run:
+def real_run(model_dir: str, arm: Arm, items: list[WorkloadRequest], concurrency: int | None = None) -> Run:
     with fresh_cluster(model_dir, arm) as cluster:
         return asyncio.run(run(cluster.address, items, concurrency=concurrency, timeout_s=600))
 
 
-def real_pooled_run(model_dir: str, arm: Arm, items: list[Item], concurrency: int | None = None,
+def real_pooled_run(model_dir: str, arm: Arm, items: list[WorkloadRequest], concurrency: int | None = None,
                     poll_s: float = 0.25) -> tuple[Run, Pools]:
     """As `real_run`, the pools read from the controller every `poll_s` meanwhile."""
     with fresh_cluster(model_dir, arm) as cluster:
@@ -168,11 +168,11 @@ def measure_startup(model_dir: str, arm: Arm, timeout_s: float = 120.0) -> float
         return time.monotonic() - began
 
 
-def sim_run(model_dir: str, arm: Arm, items: list[Item], cost: CpuCost) -> Run:
+def sim_run(model_dir: str, arm: Arm, items: list[WorkloadRequest], cost: CpuCost) -> Run:
     return sim_pooled_run(model_dir, arm, items, cost)[0]
 
 
-def sim_pooled_run(model_dir: str, arm: Arm, items: list[Item], cost: CpuCost,
+def sim_pooled_run(model_dir: str, arm: Arm, items: list[WorkloadRequest], cost: CpuCost,
                    startup_s: float = 0.0) -> tuple[Run, Pools]:
     timed = items if items[0].at_s is not None else [dataclasses.replace(i, at_s=0.0) for i in items]
     result = Fleet(fleet_config(model_dir, arm, startup_s), cost, timed).run()
@@ -184,7 +184,7 @@ def fit_engine(model_dir: str) -> CpuCost:
     return CpuCost(fit(profile_engine(model_dir)))
 
 
-def calibrate(model_dir: str, engine: CpuCost, items: list[Item], pd: Arm, colocated: Arm,
+def calibrate(model_dir: str, engine: CpuCost, items: list[WorkloadRequest], pd: Arm, colocated: Arm,
               rate: float = 2.0) -> dict[str, CpuCost]:
     """The serving terms of `engine` for each arm, from short real runs of `items` (prompts
     alike, outputs of several tokens): closed loops at 1 and 8 for the per-step and

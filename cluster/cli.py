@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.cli import add_parser as add_bench_parser
+from loadgen.cli import add_parser as add_bench_parser
 from cluster import daemon
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.default_model import TINY

@@ -302,10 +302,10 @@ class LLMEngine:
             out = self.scheduler.schedule()
             if not out.scheduled:
                 return []
-            if not self.overlap.takes(out):
+            if not self.overlap.accepts(out):
                 return self._run(out, started)
             self.overlap.start(out.scheduled)
-        out, sampled = self.overlap.land()  # the next step, where there is one, runs meanwhile
+        out, sampled = self.overlap.collect()  # the next step, where there is one, runs meanwhile
         outputs = self._apply(out, sampled, {}, started)
         self.overlap.drain_if_idle()
         return outputs

@@ -73,8 +73,8 @@ class Overlap:
         self.num_wasted_rows = 0
         """Rows launched ahead, and of those the ones whose request had ended when they landed."""
 
-    def takes(self, out: SchedulerOutput) -> bool:
-        """A step of decodes alone, none constrained or reading its tokens, through the decode buffers."""
+    def accepts(self, out: SchedulerOutput) -> bool:
+        """Whether this step runs overlapped: a step of decodes alone, none constrained or reading its tokens, through the decode buffers."""
         decode = self.runner.decode
         return self.enabled and decode is not None and decode.takes(out.scheduled) and \
             all(s.request.matcher is None and not s.request.params.reads_history for s in out.scheduled)
@@ -86,7 +86,7 @@ class Overlap:
         self.current = self._launch(scheduled, positions, [-1] * len(scheduled), ahead=0)
         self.scheduler.in_flight = frozenset(s.request.request_id for s in scheduled)
 
-    def land(self) -> tuple[SchedulerOutput, dict[RequestId, tuple[int, float | Logprob | None]]]:
+    def collect(self) -> tuple[SchedulerOutput, dict[RequestId, tuple[int, float | Logprob | None]]]:
         """The next step launched where it can be, then the flight's rows whose requests go on,
         and their tokens."""
         flight = self.current

@@ -1,5 +1,5 @@
 """When a simulated run's requests arrive (pure, seeded): the prompts are bench's own
-(bench/workload.py: synthetic, with shared prefixes, or a Mooncake trace), the times come
+(loadgen/workload.py: synthetic, with shared prefixes, or a Mooncake trace), the times come
 from here.
 
   poisson   a constant rate
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from bench.workload import Item, from_trace
+from loadgen.workload import WorkloadRequest, from_trace
 
 SHAPES = ("poisson", "ramp", "sinusoid", "burst")
 
@@ -84,12 +84,12 @@ def _bursts(n: int, shape: Shape, rng: random.Random) -> list[float]:
     return times
 
 
-def timed(items: list[Item], times: list[float]) -> list[Item]:
+def timed(items: list[WorkloadRequest], times: list[float]) -> list[WorkloadRequest]:
     return [replace(item, at_s=t) for item, t in zip(items, times, strict=True)]
 
 
 def trace_items(path: Path, n: int, block_tokens: int, max_prompt_tokens: int, vocab: int,
-                time_scale: float) -> list[Item]:
+                time_scale: float) -> list[WorkloadRequest]:
     """`n` requests of a Mooncake-format trace at its own times (scaled), the file repeated end
     to end (each pass starts where the last one ended, one mean gap later) if it has fewer."""
     one = from_trace(path, n, block_tokens, max_prompt_tokens, vocab, time_scale)

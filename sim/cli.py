@@ -19,8 +19,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench import plots, report
-from bench.workload import Item, synthetic
+from loadgen import plots, report
+from loadgen.workload import WorkloadRequest, synthetic
 from control.autoscaler import AutoscaleConfig
 from engine.config import SchedulerConfig
 from router.admission import AdmissionConfig
@@ -89,7 +89,7 @@ def add_parser(sub: Any) -> None:
     s.set_defaults(func=_simulate)
 
 
-def workload(args: argparse.Namespace) -> list[Item]:
+def workload(args: argparse.Namespace) -> list[WorkloadRequest]:
     if args.trace:
         n = args.num_requests or sum(1 for _ in args.trace.open())
         return trace_items(args.trace, n, args.trace_block_tokens, args.max_model_len - 1, 128256,
@@ -101,7 +101,7 @@ def workload(args: argparse.Namespace) -> list[Item]:
     return timed(items, arrival_times(n, shape, args.seed))
 
 
-def default_split(hw: Roofline, items: list[Item], num_workers: int, chunk: int) -> tuple[int, int]:
+def default_split(hw: Roofline, items: list[WorkloadRequest], num_workers: int, chunk: int) -> tuple[int, int]:
     """Prefill workers in proportion to the prefill share of the workload's GPU time."""
     prefill_s = sum(sum(hw.step_s([(min(chunk, len(i.prompt) - s), s)]) for s in range(0, len(i.prompt), chunk))
                     for i in items[:500])
@@ -112,7 +112,7 @@ def default_split(hw: Roofline, items: list[Item], num_workers: int, chunk: int)
     return min(max(p, 1), num_workers - 1), num_workers - min(max(p, 1), num_workers - 1)
 
 
-def configs(args: argparse.Namespace, hw: Roofline, items: list[Item]) -> list[tuple[str, FleetConfig]]:
+def configs(args: argparse.Namespace, hw: Roofline, items: list[WorkloadRequest]) -> list[tuple[str, FleetConfig]]:
     def store_blocks(gib: float) -> int:
         return int(gib * 2**30 // (FleetConfig.block_size * hw.model.kv_bytes_per_token))
 

@@ -28,8 +28,8 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from bench.runner import Outcome, Run
-from bench.workload import Item
+from loadgen.runner import Outcome, Run
+from loadgen.workload import WorkloadRequest
 from engine.hashing import BlockHasher
 from engine.kv_cache_manager import window_tokens
 from engine.step_model import StepShape
@@ -57,7 +57,7 @@ PROMPT_MEMO = 8192
 
 
 class Fleet:
-    def __init__(self, config: FleetConfig, hardware: Hardware, items: list[Item],
+    def __init__(self, config: FleetConfig, hardware: Hardware, items: list[WorkloadRequest],
                  prefill_hardware: Hardware | None = None) -> None:
         """`prefill_hardware`: what a prefill worker's steps cost where its tensor-parallel
         degree differs from a decode worker's (`FleetConfig.prefill_gpus_per_worker`)."""
@@ -211,7 +211,7 @@ class Fleet:
         self.pools.stop_if_drained(w)
 
     # -- requests ------------------------------------------------------------------------
-    def _arrive(self, i: int, item: Item) -> None:
+    def _arrive(self, i: int, item: WorkloadRequest) -> None:
         c = self.config
         rid = f"r{i}"
         outcome = Outcome(sent_s=item.at_s or 0.0, num_prompt=len(item.prompt))

@@ -13,8 +13,8 @@ from router.admission import AdmissionConfig
 from router.policy import RoutingConfig
 
 if TYPE_CHECKING:
-    from bench.runner import Outcome, Run
-    from bench.workload import Item
+    from loadgen.runner import Outcome, Run
+    from loadgen.workload import WorkloadRequest
     from kvfabric.reservations import ReservationTable
     from router.loads import Booking
     from router.policy import RouteDecision
@@ -136,7 +136,7 @@ class Flight:
     """One request in the fleet, as the router follows it."""
 
     rid: str
-    item: Item
+    item: WorkloadRequest
     outcome: Outcome
     hashes: list[bytes]
     cost_tokens: int

@@ -9,8 +9,8 @@ import statistics
 
 import pytest
 
-from bench import report
-from bench.workload import synthetic
+from loadgen import report
+from loadgen.workload import synthetic
 from benchmarks.sim_validation import Arm, compare, fit_engine, real_pooled_run, real_run, sim_pooled_run, sim_run
 from engine.config import StepFloor
 from engine.tiny_model import make_tiny_model

@@ -1,8 +1,8 @@
-"""`bench.report`: nearest-rank percentiles and DistServe goodput on hand-made outcomes."""
+"""`loadgen.report`: nearest-rank percentiles and DistServe goodput on hand-made outcomes."""
 from __future__ import annotations
 
-from bench.report import pct, summarize
-from bench.runner import Outcome, Run
+from loadgen.report import pct, summarize
+from loadgen.runner import Outcome, Run
 
 
 def test_nearest_rank_percentiles() -> None:
@@ -29,11 +29,11 @@ def test_goodput_counts_requests_that_met_both_slos_and_failures_meet_none() -> 
 
 
 def test_every_tool_reports_the_same_percentile() -> None:
-    """bench/report.py's nearest rank is the one percentile: the load generator, the overload
+    """loadgen/report.py's nearest rank is the one percentile: the load generator, the overload
     and chat benchmarks use it, so their p99s compare with `splitserve bench`'s."""
     import benchmarks.load_gen
     import benchmarks.overload
-    from bench.report import pct
+    from loadgen.report import pct
 
     assert benchmarks.load_gen.pct is pct and benchmarks.overload.pct is pct
     assert pct([0.1, 0.2, 0.3, 0.4], 50) == 0.2 and pct([0.1, 0.2, 0.3, 0.4], 99) == 0.4

@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("proto", "router", "prefill_worker", "decode_worker", "control", "engine", "kvfabric", "kvstore", "cluster",
-            "sim", "bench")
+            "sim", "loadgen")
 
 
 def package_graph() -> dict[str, set[str]]:
@@ -44,11 +44,11 @@ def test_the_roles_and_the_layers_below_them_import_what_the_design_says() -> No
     graph = package_graph()
     roles = {"router", "prefill_worker", "decode_worker"}
     for role in roles:
-        assert not graph[role] & (roles | {"cluster", "sim", "bench"}), (role, sorted(graph[role]))
+        assert not graph[role] & (roles | {"cluster", "sim", "loadgen"}), (role, sorted(graph[role]))
     for below in ("engine", "kvfabric", "control", "proto"):
-        assert not graph[below] & (roles | {"cluster", "sim", "bench"}), (below, sorted(graph[below]))
+        assert not graph[below] & (roles | {"cluster", "sim", "loadgen"}), (below, sorted(graph[below]))
     assert "kvfabric" not in graph["engine"] and not graph["kvfabric"] - {"engine"}, (graph["engine"], graph["kvfabric"])
-    assert not graph["kvstore"] & (roles | {"cluster", "sim", "bench"}), sorted(graph["kvstore"])
+    assert not graph["kvstore"] & (roles | {"cluster", "sim", "loadgen"}), sorted(graph["kvstore"])
     assert "kvstore" not in graph["engine"] | graph["kvfabric"] | graph["control"], "a layer below the tier imports it"
     assert [p for p in PACKAGES if "cluster" in graph[p]] == []
 

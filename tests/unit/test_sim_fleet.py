@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import report
-from bench.workload import Item, synthetic
+from loadgen import report
+from loadgen.workload import WorkloadRequest, synthetic
 from control.autoscaler import AutoscaleConfig
 from engine.config import SchedulerConfig
 from router.admission import AdmissionConfig
@@ -50,7 +50,7 @@ def one_each(**kw: object) -> FleetConfig:
 
 def test_a_scripted_pair_through_prefill_transfer_and_decode_has_exact_times() -> None:
     prompt = list(range(3, 103))  # 100 tokens: six full blocks of 16 and four more
-    items = [Item(prompt, 4, 0.0), Item(prompt, 3, 0.005)]
+    items = [WorkloadRequest(prompt, 4, 0.0), WorkloadRequest(prompt, 3, 0.005)]
     result = Fleet(one_each(), Linear(), items).run()
     a, b = result.run.outcomes
     # a: prefill of 100 tokens 0 -> 11 ms (first token); its last chunk moves 11 -> 13 ms; on D
@@ -70,7 +70,8 @@ def test_colocated_prefills_on_the_decode_worker_and_interleaves_its_decodes() -
     prompt = list(range(3, 103))
     cfg = FleetConfig(num_prefill=0, num_decode=1, num_blocks=1000, max_model_len=4096,
                       routing=RoutingConfig(mode="colocated"))
-    a, b = Fleet(cfg, Linear(), [Item(prompt, 3, 0.0), Item(list(range(200, 300)), 2, 0.0105)]).run().run.outcomes
+    items = [WorkloadRequest(prompt, 3, 0.0), WorkloadRequest(list(range(200, 300)), 2, 0.0105)]
+    a, b = Fleet(cfg, Linear(), items).run().run.outcomes
     # a: prefill 0 -> 11 ms; b (arrived meanwhile) prefills in a's first decode step (101 tokens,
     # 11.1 ms): a's second token waits for b's whole prompt, the interference P/D removes
     assert a.ttft_s == pytest.approx(0.011) and a.itls_s == pytest.approx([0.0111, 0.0012])
@@ -107,7 +108,7 @@ def test_cache_aware_routing_finds_shared_prefixes_round_robin_spreads_them() ->
 
 
 def test_an_overload_is_refused_at_arrival_by_the_routers_own_admission() -> None:
-    items = [Item(list(range(3 + i, 1003 + i)), 200, 0.0) for i in range(40)]
+    items = [WorkloadRequest(list(range(3 + i, 1003 + i)), 200, 0.0) for i in range(40)]
     cfg = dataclasses.replace(one_each(), admission=AdmissionConfig(max_inflight_tokens=6000, max_queue_wait_s=0.5))
     outcomes = Fleet(cfg, Linear(), items).run().run.outcomes
     refused = [o for o in outcomes if o.code == "RESOURCE_EXHAUSTED"]
@@ -117,9 +118,10 @@ def test_an_overload_is_refused_at_arrival_by_the_routers_own_admission() -> Non
 
 def test_the_autoscaler_grows_a_pool_under_load_and_shrinks_it_after() -> None:
     rng = random.Random(3)
-    busy = [Item([rng.randrange(3, 32000) for _ in range(2000)], 4, 0.05 * i)
+    busy = [WorkloadRequest([rng.randrange(3, 32000) for _ in range(2000)], 4, 0.05 * i)
             for i in range(600)]  # 20 distinct prefill-heavy requests/s for 30 s
-    quiet = [Item([rng.randrange(3, 32000) for _ in range(100)], 4, 30 + 2.0 * i) for i in range(60)]  # then one every 2 s
+    quiet = [WorkloadRequest([rng.randrange(3, 32000) for _ in range(100)], 4, 30 + 2.0 * i)
+             for i in range(60)]  # then one every 2 s
     cfg = dataclasses.replace(one_each(startup_s=5.0), scheduler=SchedulerConfig(max_num_batched_tokens=512),
                               autoscale=AutoscaleConfig(prefill_max=4, decode_max=2, up_delay_s=2.0,
                                                         down_delay_s=10.0, cooldown_s=5.0))
@@ -162,7 +164,7 @@ def test_delivery_patterns_move_what_the_client_sees_not_the_engines() -> None:
     class Jittery(Linear):
         delivery_s = ((0.0, 0.005, -0.001), (0.0, 0.0))
 
-    items = [Item(list(range(3 + 200 * i, 103 + 200 * i)), 20, 0.01 * i) for i in range(6)]
+    items = [WorkloadRequest(list(range(3 + 200 * i, 103 + 200 * i)), 20, 0.01 * i) for i in range(6)]
     plain = Fleet(one_each(), Linear(), items).run()
     jittered = Fleet(one_each(), Jittery(), items).run()
     assert plain.stats["num_steps"] == jittered.stats["num_steps"]  # the same steps at the same times
@@ -184,7 +186,7 @@ def test_a_stream_replays_its_pattern_cyclically_from_a_phase_of_its_own() -> No
     class Patterned(Linear):
         delivery_s = ((0.0, 0.002, -0.0005),)
 
-    items = [Item(list(range(3, 19)), 8, 1.0 * i) for i in range(12)]  # far apart: each stream alone
+    items = [WorkloadRequest(list(range(3, 19)), 8, 1.0 * i) for i in range(12)]  # far apart: each stream alone
     plain = Fleet(one_each(), Linear(), items).run().run.outcomes
     patterned = Fleet(one_each(), Patterned(), items).run().run.outcomes
     # by phase: offsets (0, 2, -0.5), (0, -2.5, -2), (0, 0.5, 2.5) ms, seen against steps at 0, 1.1, 2.2 ... ms
@@ -205,7 +207,7 @@ def test_hop_samples_are_drawn_per_request_grow_with_the_prompt_and_end_at_the_c
         hop_token_s = 0.0001  # 1.6 ms more for each 16-token prompt
         delivery_s = ((0.0, 0.010),)  # every other later token seen 10 ms past its step; the first is in the hops
 
-    items = [Item(list(range(3, 19)), 2, i * 1.0) for i in range(40)]  # one block, far apart: no queueing
+    items = [WorkloadRequest(list(range(3, 19)), 2, i * 1.0) for i in range(40)]  # one block, far apart: no queueing
     plain = Fleet(one_each(), Linear(), items).run()
     hopped = Fleet(one_each(), Hops(), items).run()
     extra = sorted({round(b.ttft_s - a.ttft_s, 9) for a, b in zip(plain.run.outcomes, hopped.run.outcomes, strict=True)})
@@ -276,7 +278,7 @@ def test_a_prefill_workers_push_costs_its_first_step_for_every_token_the_decode_
     class Pushing(Linear):
         push_token_s = 1e-5
 
-    [a] = Fleet(one_each(), Pushing(), [Item(list(range(3, 103)), 2, 0.0)]).run().run.outcomes
+    [a] = Fleet(one_each(), Pushing(), [WorkloadRequest(list(range(3, 103)), 2, 0.0)]).run().run.outcomes
     assert a.ttft_s == pytest.approx(0.011 + 100 * 1e-5)  # the prefill, and 100 tokens pushed beside it
 
 
@@ -291,7 +293,7 @@ def test_prefill_and_decode_at_different_degrees_are_priced_and_counted_apart() 
     """P at TP 2 (its steps priced by its own cost, its GPUs counted twice) beside D at TP 1:
     the same run's first token comes in half the prefill time; GPU-seconds count 3 GPUs."""
     prompt = list(range(3, 103))
-    items = [Item(prompt, 4, 0.0)]
+    items = [WorkloadRequest(prompt, 4, 0.0)]
     same = Fleet(one_each(), Linear(), items).run()
     cfg = one_each(prefill_gpus_per_worker=2, prefill_num_blocks=2000)
     split = Fleet(cfg, Linear(), items, prefill_hardware=Split()).run()
@@ -309,8 +311,9 @@ def test_the_node_store_serves_a_prefix_the_pool_evicted_and_its_fetch_is_priced
     fetch's 0.5 ms in its first step: 4 tokens computed, 1.4 ms + 0.5 ms); without, it is computed
     whole (11 ms). Every block comes back."""
     first = list(range(3, 103))
-    items = [Item(first, 1, 0.0), *(Item(list(range(1000 * i, 1000 * i + 100)), 1, 0.05 * i) for i in range(1, 6)),
-             Item(first, 1, 0.5)]
+    items = [WorkloadRequest(first, 1, 0.0),
+             *(WorkloadRequest(list(range(1000 * i, 1000 * i + 100)), 1, 0.05 * i) for i in range(1, 6)),
+             WorkloadRequest(first, 1, 0.5)]
     for blocks, cached, ttft in ((0, 0, 0.011), (200, 96, 0.0019)):
         cfg = FleetConfig(num_prefill=0 if mode == "colocated" else 1, num_decode=1, num_blocks=20,
                           max_model_len=4096, routing=RoutingConfig(mode=mode), kv_store_blocks=blocks)
@@ -333,8 +336,9 @@ def test_a_prefix_the_stores_memory_evicted_comes_back_from_its_spill_at_the_ssd
     reads its 6 blocks back (96 tokens at 10 µs: 0.96 ms) before the push (0.5 ms): TTFT
     1.4 + 0.5 + 0.96 ms. Without a spill they are gone and computed."""
     first = list(range(3, 103))
-    items = [Item(first, 1, 0.0), *(Item(list(range(1000 * i, 1000 * i + 100)), 1, 0.05 * i) for i in range(1, 6)),
-             Item(first, 1, 0.5)]
+    items = [WorkloadRequest(first, 1, 0.0),
+             *(WorkloadRequest(list(range(1000 * i, 1000 * i + 100)), 1, 0.05 * i) for i in range(1, 6)),
+             WorkloadRequest(first, 1, 0.5)]
     for disk, cached, ttft in ((0, 0, 0.011), (200, 96, 0.00286)):
         cfg = FleetConfig(num_prefill=0, num_decode=1, num_blocks=20, max_model_len=4096,
                           routing=RoutingConfig(mode="colocated"), kv_store_blocks=6, kv_store_disk_blocks=disk)
@@ -364,10 +368,13 @@ def test_a_store_slower_than_computing_is_not_credited_and_fetched_from_only_as_
     FETCH_PROBE_S (a fresh measurement): the first hit is fetched (21.4 ms, against 11 ms
     computing), the next one within 10 s computed."""
     first, second = list(range(3, 103)), list(range(203, 303))
-    evict = lambda start, at: [Item(list(range(1000 * i, 1000 * i + 100)), 1, at + 0.05 * (i - start))  # noqa: E731
-                               for i in range(start, start + 5)]
-    items = [Item(first, 1, 0.0), Item(second, 1, 0.05), *evict(1, 0.1), Item(first, 1, 0.5), *evict(6, 0.55),
-             Item(second, 1, 1.0)]
+
+    def evict(start: int, at: float) -> list[WorkloadRequest]:
+        return [WorkloadRequest(list(range(1000 * i, 1000 * i + 100)), 1, at + 0.05 * (i - start))
+                for i in range(start, start + 5)]
+
+    items = [WorkloadRequest(first, 1, 0.0), WorkloadRequest(second, 1, 0.05), *evict(1, 0.1),
+             WorkloadRequest(first, 1, 0.5), *evict(6, 0.55), WorkloadRequest(second, 1, 1.0)]
     cfg = FleetConfig(num_prefill=0, num_decode=1, num_blocks=20, max_model_len=4096,
                       routing=RoutingConfig(mode="colocated"), kv_store_blocks=200)
     fleet = Fleet(cfg, SlowStore(), items)

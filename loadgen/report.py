@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from bench.runner import Outcome, Run
+    from loadgen.runner import Outcome, Run
 
 QUANTILES = (50, 90, 99)
 

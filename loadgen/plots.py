@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from bench.runner import Run
+    from loadgen.runner import Run
 
 Records = list[dict[str, Any]]
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import grpc
 
-from bench.workload import Item
+from loadgen.workload import WorkloadRequest
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 
@@ -62,7 +62,8 @@ class Run:
     elapsed_s: float = 0.0
 
 
-async def one_grpc(stub: pb_grpc.GenerationStub, item: Item, timeout_s: float, start: float, out: Outcome) -> None:
+async def one_grpc(stub: pb_grpc.GenerationStub, item: WorkloadRequest, timeout_s: float, start: float,
+                   out: Outcome) -> None:
     req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=item.prompt),
                              sampling=pb.SamplingParams(max_tokens=item.max_tokens, ignore_eos=True))
     last = final = None
@@ -88,7 +89,7 @@ async def one_grpc(stub: pb_grpc.GenerationStub, item: Item, timeout_s: float, s
                                                  else " local")
 
 
-async def one_http(session: aiohttp.ClientSession, url: str, item: Item, timeout_s: float, start: float,
+async def one_http(session: aiohttp.ClientSession, url: str, item: WorkloadRequest, timeout_s: float, start: float,
                     out: Outcome) -> None:
     """The same request as `one_grpc`, as a streamed OpenAI completion (token ids in, token ids per chunk out)."""
     body = {"prompt": item.prompt, "max_tokens": item.max_tokens, "ignore_eos": True, "temperature": 0,
@@ -125,7 +126,7 @@ async def one_http(session: aiohttp.ClientSession, url: str, item: Item, timeout
         out.num_cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
 
-async def run(target: str, items: list[Item], rate: float | None = None, concurrency: int | None = None,
+async def run(target: str, items: list[WorkloadRequest], rate: float | None = None, concurrency: int | None = None,
               seed: int = 0, timeout_s: float = 300.0, on_change: Callable[[Run], None] | None = None) -> Run:
     """Runs the workload; with neither `rate` nor `concurrency`, items need their own times."""
     result = Run()
@@ -141,7 +142,7 @@ async def run(target: str, items: list[Item], rate: float | None = None, concurr
             stub = pb_grpc.GenerationStub(await stack.enter_async_context(grpc.aio.insecure_channel(target)))
         start = time.perf_counter()
 
-        async def send(item: Item) -> None:
+        async def send(item: WorkloadRequest) -> None:
             out = Outcome(sent_s=time.perf_counter() - start)
             result.outcomes.append(out)
             notify()

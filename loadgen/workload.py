@@ -18,7 +18,7 @@ TRACE_BLOCK_TOKENS_ORIG = 512
 
 
 @dataclass(frozen=True)
-class Item:
+class WorkloadRequest:
     prompt: list[int]
     max_tokens: int
     at_s: float | None = None
@@ -26,7 +26,7 @@ class Item:
 
 
 def synthetic(n: int, prompt_len: int, output_len: int, shared_fraction: float, num_prefixes: int,
-              prefix_len: int, vocab: int, seed: int) -> list[Item]:
+              prefix_len: int, vocab: int, seed: int) -> list[WorkloadRequest]:
     rng = random.Random(seed)
     prefixes = [[rng.randrange(3, vocab) for _ in range(prefix_len)] for _ in range(num_prefixes)]
     items = []
@@ -34,12 +34,12 @@ def synthetic(n: int, prompt_len: int, output_len: int, shared_fraction: float, 
         plen = max(1, int(prompt_len * rng.uniform(0.5, 1.5)))
         head = rng.choice(prefixes) if prefixes and rng.random() < shared_fraction else []
         tail = [rng.randrange(3, vocab) for _ in range(max(plen - len(head), 1))]
-        items.append(Item(head + tail, max(1, int(output_len * rng.uniform(0.5, 1.5)))))
+        items.append(WorkloadRequest(head + tail, max(1, int(output_len * rng.uniform(0.5, 1.5)))))
     return items
 
 
 def from_trace(path: Path, limit: int, block_tokens: int, max_prompt_tokens: int, vocab: int,
-               time_scale: float) -> list[Item]:
+               time_scale: float) -> list[WorkloadRequest]:
     scale = block_tokens / TRACE_BLOCK_TOKENS_ORIG
     items = []
     blocks: dict[int, list[int]] = {}
@@ -52,5 +52,6 @@ def from_trace(path: Path, limit: int, block_tokens: int, max_prompt_tokens: int
                 blocks[h] = [r.randrange(3, vocab) for _ in range(block_tokens)]
             prompt += blocks[h]
         prompt = prompt[:max(1, min(int(rec["input_length"] * scale), max_prompt_tokens))]
-        items.append(Item(prompt, max(1, int(rec["output_length"] * scale)), rec["timestamp"] / 1000 * time_scale))
+        items.append(WorkloadRequest(prompt, max(1, int(rec["output_length"] * scale)),
+                                     rec["timestamp"] / 1000 * time_scale))
     return items

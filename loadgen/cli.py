@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from bench.runner import Run
-    from bench.workload import Item
+    from loadgen.runner import Run
+    from loadgen.workload import WorkloadRequest
 
 PROGRESS_EVERY_S = 0.2
 """How often the progress bar is redrawn (each redraw reads every outcome so far)."""
@@ -61,8 +61,8 @@ def add_parser(sub: Any) -> None:
     c.set_defaults(func=_compare)
 
 
-def _items(args: argparse.Namespace) -> list[Item]:
-    from bench.workload import from_trace, synthetic
+def _items(args: argparse.Namespace) -> list[WorkloadRequest]:
+    from loadgen.workload import from_trace, synthetic
 
     if args.trace:
         return from_trace(args.trace, args.num_requests, args.trace_block_tokens, args.max_prompt_tokens,
@@ -75,8 +75,8 @@ def _bench(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from bench import plots, report
-    from bench.runner import run
+    from loadgen import plots, report
+    from loadgen.runner import run
 
     if args.rate is None and args.concurrency is None and args.trace is None:
         args.concurrency = 8
@@ -121,7 +121,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from bench import plots, report
+    from loadgen import plots, report
 
     saved = {}
     for path in args.runs:
