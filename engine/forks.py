@@ -16,19 +16,14 @@ decode worker forks with them, so the KV is pushed once.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Container, Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Container, Mapping, Sequence
 
 import torch
 
+from engine.kv_cache_manager import KVCacheManager
 from engine.request import Logprob, Request, RequestStatus, SamplingParams
-from engine.scheduler import ScheduledRequest, SchedulerOutput
-from engine.tp_followers import CopyOp
+from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.types import InvalidRequestError, RequestId, choice_id, parent_of
-
-if TYPE_CHECKING:
-    from engine.llm_engine import LLMEngine
-    from engine.outputs import RequestOutput
 
 
 def check_id(request_id: str, n: int, in_use: Container[str]) -> None:
@@ -74,17 +69,20 @@ def repeat_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
 
 class Forks:
     """Forks an engine's requests of n choices: in the step that draws their first token, or
-    (a decode worker) as their KV and first tokens land."""
+    (a decode worker) as their KV and first tokens land. It touches the engine through what
+    it is given: the scheduler and KV cache manager, how a block's KV is copied (every
+    tensor-parallel rank's heads), and how a request starts (its constraint, its detokenizer)."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+    def __init__(self, scheduler: Scheduler, kv: KVCacheManager, copy_block: Callable[[int, int], None],
+                 start: Callable[[Request], None], shadows: bool) -> None:
+        """`shadows`: a prefill worker's choices are drawn, not run (`in_step`)."""
+        self.scheduler, self.kv, self.copy_block, self.start, self.shadows = scheduler, kv, copy_block, start, shadows
 
     def in_step(self, out: SchedulerOutput, requests: list[Request], logits: torch.Tensor, rows: list[int]
                 ) -> tuple[list[Request], torch.Tensor, list[Request]]:
         """Each request at `rows` forks into its n choices, which draw from its logits row. On a
         prefill worker the other choices are shadows, drawn and not run (returned last); else
         they join the step as running requests sharing the parent's blocks."""
-        e = self.engine
         steps = {s.request.request_id: s for s in out.scheduled}
         drawn: list[Request] = []  # the children this step samples, in order
         parent_rows: list[int] = []  # and the row each draws from
@@ -92,11 +90,11 @@ class Forks:
         for row in rows:
             parent = requests[row]
             for child in children(parent):
-                if e.config.role == "prefill":
+                if self.shadows:
                     shadows.append(child)
                 else:
                     s = steps[parent.request_id]
-                    copy = e.kv.fork(parent, child, parent.num_computed_tokens + s.num_new_tokens)
+                    copy = self.kv.fork(parent, child, parent.num_computed_tokens + s.num_new_tokens)
                     self._admit(child, copy, running=True)
                     if copy is False:
                         continue  # preempted: it draws when it recomputes
@@ -113,43 +111,34 @@ class Forks:
             if r.choice_index == 0 and r.params.n > 1 and not r.output_token_ids:
                 r.choice_tokens = [sampled[s.request_id] for s in shadows if parent_of(s.request_id)[0] == r.request_id]
 
-    def landed(self, request: Request, first_token_id: int, choice_tokens: Sequence[int]) -> list[RequestOutput]:
+    def landed(self, request: Request, first_token_id: int, choice_tokens: Sequence[int]) -> list[Request]:
         """A decode worker's request whose prompt's KV and first tokens arrived: it forks into
-        its choices, each with its first token; their outputs."""
-        e = self.engine
+        its choices, each with its first token; those that have it (a choice without a block
+        for its copy recomputes its prompt and first token, the same if seeded)."""
         if len(choice_tokens) != request.params.n - 1:
             raise InvalidRequestError(f"request {request.request_id} has {request.params.n} choices; "
                                       f"{len(choice_tokens) + 1} first tokens came")
         kids = children(request)
-        copies = [e.kv.fork(request, child, request.num_prompt_tokens) for child in kids]
-        e.scheduler.remote_kv_ready(request.request_id, first_token_id)
-        outputs = []
-        for r, token, copy in [(request, first_token_id, None), *zip(kids, choice_tokens, copies, strict=True)]:
-            if r is not request:
-                self._admit(r, copy, running=False)
-                if copy is False:
-                    continue  # it recomputes its prompt and first token (the same, if seeded)
-                e.scheduler.landed(r, token)
-            e.stop_if_complete(r, 1)  # a constrained request's matcher takes the first token
-            outputs.append(e.outputs.output(r, e.scheduler, e.role))
-        return outputs
+        copies = [self.kv.fork(request, child, request.num_prompt_tokens) for child in kids]
+        self.scheduler.remote_kv_ready(request.request_id, first_token_id)
+        got = [request]
+        for r, token, copy in zip(kids, choice_tokens, copies, strict=True):
+            self._admit(r, copy, running=False)
+            if copy is not False:
+                self.scheduler.landed(r, token)
+                got.append(r)
+        return got
 
     def _admit(self, child: Request, copy: tuple[int, int] | None | bool, running: bool) -> None:
         """A forked choice into the scheduler: with its blocks (running in this step, or left
         for `Scheduler.landed` to queue), or, without a block for its copy, preempted to
         recompute (it draws the same tokens then, if seeded)."""
-        e = self.engine
         if isinstance(copy, tuple):
-            e.kv_pool.tensor[copy[1]].copy_(e.kv_pool.tensor[copy[0]])
-            if e.followers is not None:  # every tensor-parallel rank copies its own heads' block
-                e.followers.send(CopyOp(copy[0], copy[1]))
+            self.copy_block(*copy)
         if copy is False:
             child.status, child.num_computed_tokens, child.output_token_ids = RequestStatus.PREEMPTED, 0, []
-            e.scheduler.waiting.append(child)
+            self.scheduler.waiting.append(child)
         elif running:
-            e.scheduler.running.append(child)
-        e.scheduler.requests[child.request_id] = child
-        if child.params.constraint is not None:
-            e.constrainer.start(child)
-        if e.tokenizer is not None and e.config.detokenize:
-            e.outputs.start(child)
+            self.scheduler.running.append(child)
+        self.scheduler.requests[child.request_id] = child
+        self.start(child)

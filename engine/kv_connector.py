@@ -164,4 +164,8 @@ class KVConnector(KVLoans):
         request = e.scheduler.requests.get(request_id)
         if request is None:
             raise InvalidRequestError(f"unknown request {request_id}")
-        return e.forks.landed(request, first_token_id, choice_tokens)
+        outputs = []
+        for r in e.forks.landed(request, first_token_id, choice_tokens):
+            e.stop_if_complete(r, 1)  # a constrained request's matcher takes the first token
+            outputs.append(e.outputs.output(r, e.scheduler, e.role))
+        return outputs

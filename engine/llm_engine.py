@@ -40,7 +40,7 @@ from engine.model import DTYPES, LlamaForCausalLM
 from engine.model_config import ModelConfig
 from engine.quant_config import kv_model_id
 from engine.model_runner import ModelRunner
-from engine.tp_followers import Channel, PoolOp, StopOp
+from engine.tp_followers import Channel, CopyOp, PoolOp, StopOp
 from engine.output_builder import OutputBuilder
 from engine.forks import Forks, check_id, first_rows
 from engine.request import MAX_CHOICES, FinishReason, Logprob, Request, SamplingParams
@@ -119,7 +119,7 @@ class LLMEngine:
         self._attach_pool(self._pool_blocks(), allocator)
         self._reset_state()  # a profiled forward's requests and counts are not the worker's
         self.speculator = self._speculator(dtype, kernels)
-        self.forks = Forks(self)
+        self.forks = Forks(self.scheduler, self.kv, self._copy_block, self._start, shadows=config.role == "prefill")
         """Requests of n choices forked into them (engine/forks.py)."""
         self.connector = KVConnector(self)
         """The seam for KV that moves in or out: the P/D hand-off and the KV tier (engine/kv_connector.py)."""
@@ -276,14 +276,25 @@ class LLMEngine:
             tenant_weight=tenant_weight,
             eos_token_ids=frozenset(self.model_config.eos_token_ids),
         )
-        if params.constraint is not None:
+        if params.stop and (self.tokenizer is None or not self.config.detokenize):
+            raise InvalidRequestError("stop strings need a tokenizer.json in the model directory"
+                                      if self.tokenizer is None else "stop strings need detokenize=True")
+        self._start(request)
+        return request
+
+    def _start(self, request: Request) -> None:
+        """A new request's constraint and detokenizer (a forked choice's too: engine/forks.py)."""
+        if request.params.constraint is not None:
             self.constrainer.start(request)
         if self.tokenizer is not None and self.config.detokenize:
             self.outputs.start(request)
-        elif params.stop:
-            raise InvalidRequestError("stop strings need a tokenizer.json in the model directory"
-                                      if self.tokenizer is None else "stop strings need detokenize=True")
-        return request
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        """A block's KV into another (a forked choice's copy of the partial last block), on
+        every tensor-parallel rank (each its own heads)."""
+        self.kv_pool.tensor[dst].copy_(self.kv_pool.tensor[src])
+        if self.followers is not None:
+            self.followers.send(CopyOp(src, dst))
 
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         if not isinstance(prompt, str):

@@ -50,15 +50,18 @@ def batch_sizes(max_num_seqs: int) -> list[int]:
 def profile_decode(engine: LLMEngine, budget_s: float, seed: int = 0) -> tuple[Row, ...]:
     """(requests, KV tokens, seconds) per point, in order of batch size; the larger batches
     are left out where the next point would run past `budget_s` or the pool cannot hold it."""
+    from engine.forks import Forks  # torch: imported where an engine runs (this module's readers need none)
+
     bs = engine.config.cache.block_size
     num_blocks = engine.kv_pool.num_blocks
     steps = TIMED_STEPS + 1
     short = bs // 2
-    saved = engine.block_pool, engine.kv, engine.scheduler, engine.speculator
+    saved = engine.block_pool, engine.kv, engine.scheduler, engine.speculator, engine.forks
     engine.block_pool = BlockPool(num_blocks, enable_caching=False)
     engine.kv = KVCacheManager(engine.block_pool, engine.hasher)
     engine.scheduler = Scheduler(engine.config.scheduler, engine.kv, engine.max_model_len, engine.clock)
     engine.speculator = None
+    engine.forks = Forks(engine.scheduler, engine.kv, engine._copy_block, engine._start, shadows=False)
     rng = random.Random(seed)
     rows: list[Row] = []
     began, last_point_s = time.perf_counter(), 0.0
@@ -76,7 +79,7 @@ def profile_decode(engine: LLMEngine, budget_s: float, seed: int = 0) -> tuple[R
                 rows.append(_point(engine, rng, n, ctx, steps))
             last_point_s = time.perf_counter() - point_began
     finally:
-        engine.block_pool, engine.kv, engine.scheduler, engine.speculator = saved
+        engine.block_pool, engine.kv, engine.scheduler, engine.speculator, engine.forks = saved
         engine._reset_state()
     logger.info("decode steps profiled in %.2f s: %s", time.perf_counter() - began,
                 ", ".join(f"{n:.0f}x{kv / n:.0f} {s * 1e3:.2f} ms" for n, kv, s in rows))

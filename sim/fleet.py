@@ -3,11 +3,11 @@
     arrivals --> router: AdmissionQueue (admission, its wait forecast, revision), KVIndex +
                  LoadBook + choose_route / choose_round_robin (router/) --> a worker:
     SimEngine (the real Scheduler, KVCacheManager, BlockPool; sim/engine_sim.py) per worker
-    P/D (sim/fleet_kv.py): the decode worker reserves blocks (remote-KV admission, a call
+    P/D: the decode worker reserves blocks (remote-KV admission, a call
          into its engine loop, run between two of its steps) under a kvfabric lease
          (kvfabric/reservations.py ReservationTable: bind, renew, ready, expire); the prefill
          worker's first token ends its part; the KV lands a transfer time later
-    autoscaler (sim/fleet_pools.py): PoolGauge (control/pool_gauge.py) -> decide
+    autoscaler: PoolGauge (control/pool_gauge.py) -> decide
          (control/autoscaler.py) -> the controller's launch (a worker serves `startup_s`
          later) or drain (the cheapest one by `removal_cost`, stopped once its requests are done)
 
@@ -30,26 +30,32 @@ from typing import Any
 
 from loadgen.runner import Outcome, Run
 from loadgen.workload import WorkloadRequest
+from control.autoscaler import AutoscaleState, decide
+from control.heartbeat import Heartbeat, ModelFacts
+from control.pool_gauge import PoolGauge, removal_cost
+from control.router_stats import RouterStats
 from engine.hashing import BlockHasher
 from engine.kv_cache_manager import window_tokens
 from engine.step_model import StepShape
 from engine.step_profile import LONG_CONTEXT, batch_sizes
 from engine.types import BlockHash
-from kvfabric.reservations import ReservationTable
+from kvfabric.reservations import KVArrived, ReservationTable
 from router.admission import AdmissionQueue, Refused, admission_cost
 from router.frontend import ItlWindow
 from router.kv_index import KVIndex
 from router.loads import LoadBook, book_route
 from router.policy import RouteDecision, route
 from sim.engine_sim import SimEngine, StepResult
-from sim.fleet_kv import FleetTransfers
-from sim.fleet_pools import AUTOSCALE_TICK_S, VOCAB, PoolControl
 from sim.fleet_tier import SimStores
 from sim.fleet_types import Flight, FleetConfig, FleetResult, Hardware, Role, Worker
 
 __all__ = ["Fleet", "FleetConfig", "FleetResult", "Hardware"]
 TICK_S = 0.1
 """The router's timer (admission revision and expiry, lease renewal), as the real one."""
+AUTOSCALE_TICK_S = 1.0
+"""The controller's autoscaler tick."""
+VOCAB = 128256
+"""The vocabulary the workers' heartbeats report."""
 PROGRESS_EVERY = 20000
 """Events between two calls of `Fleet.on_progress`."""
 PROMPT_MEMO = 8192
@@ -85,10 +91,14 @@ class Fleet:
         self.flights: dict[str, Flight] = {}
         self.waiting_room: list[Flight] = []
         """Routed requests no decode worker had KV room for (retried as bookings end)."""
-        self.pools = PoolControl(self)
-        """Heartbeats, the autoscaler and drains (sim/fleet_pools.py)."""
-        self.transfers = FleetTransfers(self)
-        """Reservations, pushes and leases of remote prefills (sim/fleet_kv.py)."""
+        self.pushing: dict[str, Flight] = {}
+        """Remote prefills whose KV has not landed: their prefill worker renews the lease."""
+        self.gauge = PoolGauge(clock)
+        self.scale_state = AutoscaleState()
+        self.actions: list[tuple[float, str]] = []
+        """(time, the autoscaler's reason) for each decision that changed a target."""
+        self.pool_sizes: list[tuple[float, int, int]] = []
+        """(time, prefill workers, decode workers) serving or draining, at each change."""
         self.tier = SimStores(config.kv_store_blocks, config.block_size, hardware, config.routing.store_fetch_cost,
                               clock, config.kv_store_disk_blocks) if config.kv_store_blocks else None
         """Each node's shared KV store (None: no tier)."""
@@ -100,7 +110,7 @@ class Fleet:
             (float(n), float(n * (ctx + 1)), hardware.step_s([(1, ctx)] * n, n))
             for n in batch_sizes(config.scheduler.max_num_seqs) for ctx in (8, long)))
         """What each decode worker's start-up profile (engine/step_profile.py) reports, priced."""
-        self._timers = {self._tick, self.pools.heartbeats, self.pools.autoscale}
+        self._timers = {self._tick, self._heartbeats, self._autoscale}
         self._num_work = 0
         """Events other than timers in the heap: none left, and no request can move."""
         self._items = items
@@ -109,7 +119,7 @@ class Fleet:
         """Requests not yet finished."""
         for role in _interleaved(config.num_prefill, config.num_decode):
             self.launch(role, ready_at=0.0)
-        self.pools.record_sizes()
+        self._record_sizes()
 
     def clock(self) -> float:
         return self.now
@@ -125,9 +135,9 @@ class Fleet:
             hop = (self.hops.choice(hops) if hops else self.hw.rpc_s) + per_token * len(item.prompt)
             self.at((item.at_s or 0.0) + hop, self._arrive, i, item)
         self.at(TICK_S, self._tick)
-        self.at(0.0, self.pools.heartbeats)
+        self.at(0.0, self._heartbeats)
         if self.config.autoscale is not None:
-            self.at(AUTOSCALE_TICK_S, self.pools.autoscale)
+            self.at(AUTOSCALE_TICK_S, self._autoscale)
         for n in itertools.count():
             if not (self._events and self.num_left):
                 break
@@ -149,7 +159,7 @@ class Fleet:
             self.stats["num_store_spilled_blocks"] = self.tier.num_spilled_blocks
             self.stats["num_store_unspilled_blocks"] = self.tier.num_unspilled_blocks
         return FleetResult(Run(outcomes, end - min((o.sent_s for o in outcomes), default=0.0)), gpu_s,
-                           self.pools.actions, self.pools.pool_sizes, self.config, dict(self.stats))
+                           self.actions, self.pool_sizes, self.config, dict(self.stats))
 
     # -- workers -------------------------------------------------------------------------
     def launch(self, role: Role, ready_at: float) -> Worker:
@@ -170,7 +180,7 @@ class Fleet:
     def _ready(self, w: Worker) -> None:
         if w.state == "starting":
             w.state = "serving"
-            self.pools.record_sizes()
+            self._record_sizes()
             self._retry_room()
 
     def serving(self, role: Role) -> list[str]:
@@ -208,7 +218,7 @@ class Fleet:
         for fn, *args in calls:
             fn(*args)
         self.wake(w)
-        self.pools.stop_if_drained(w)
+        self._stop_if_drained(w)
 
     # -- requests ------------------------------------------------------------------------
     def _arrive(self, i: int, item: WorkloadRequest) -> None:
@@ -277,9 +287,9 @@ class Fleet:
             self.wake(d)
             return True
         if d.busy:  # the reservation is a call into D's engine loop, which runs calls between steps
-            d.calls.append((self.transfers.reserve, f, d, p))
+            d.calls.append((self._reserve, f, d, p))
             return True
-        return self.transfers.reserve(f, d, p)
+        return self._reserve(f, d, p)
 
     def _route(self, f: Flight, overlap: dict[str, int] | None = None) -> RouteDecision | None:
         c = self.config
@@ -311,7 +321,7 @@ class Fleet:
             for rid in self.queue.observe_ttft(self.now - f.admitted_at, f.cost_tokens):
                 self._admitted(self.flights[rid])
             if w.role == "prefill":
-                self.transfers.push(f, w, first[0])
+                self._push(f, w, first[0])
         elif o.ttft_s is not None:
             gap = seen - f.last_seen
             o.itls_s.append(gap)
@@ -330,13 +340,13 @@ class Fleet:
         if code == "OK":
             self.queue.lengths.observe("", "generate", f.outcome.num_out)
         admitted = self.queue.release(f.rid)
-        self.transfers.pushing.pop(f.rid, None)
+        self.pushing.pop(f.rid, None)
         if f.decision is not None:
             d = self.workers[f.decision.decode_worker]
             if d.table is not None:
                 d.table.cancel(f.rid)
             d.engine.connector.end(f.rid)  # (the fleet's writers stop with the flight: no fence to wait for)
-            self.pools.stop_if_drained(d)
+            self._stop_if_drained(d)
             if f.decision.prefill_worker is not None:
                 self.workers[f.decision.prefill_worker].engine.abort(f.rid)
         for rid in admitted:
@@ -371,9 +381,147 @@ class Fleet:
         for f in expired:  # no decode worker had room within kv_wait_s
             if not f.done:
                 self.fail(f, "RESOURCE_EXHAUSTED")
-        self.transfers.leases()
+        self._leases()
         if self.num_left:
             self.at(self.now + TICK_S, self._tick)
+
+    # -- P/D: the decode worker reserves, the prefill worker computes and pushes ----------------
+    def _reserve(self, f: Flight, d: Worker, p: str) -> bool:
+        """D reserves the prompt's blocks under a lease, then P computes it."""
+        if f.done:
+            return True
+        n = len(f.item.prompt)
+        assert f.booking is not None
+        request = d.engine.connector.reserve(f.rid, f.item.prompt, f.item.max_tokens, f.hashes)
+        if request is None:  # the load book's view was stale: wait for room as the router does
+            f.booking.end()
+            f.booking = None
+            self.waiting_room.append(f)
+            return False
+        self.stats["num_remote_prefill"] += 1
+        self.index.predict(p, f.hashes)
+        assert d.table is not None
+        res = d.table.add(f.rid, list(request.block_ids), request.num_skip_blocks)
+        d.table.bind(res.reservation_id, writer=_writer(p), one_sided=True)
+        f.reservation_id = res.reservation_id
+        self.pushing[f.rid] = f
+        pw = self.workers[p]
+        if self.tier is not None:
+            self.tier.before_add(pw, f.rid, f.hashes, n)
+        pw.engine.add(f.rid, f.item.prompt, 1, block_hashes=f.hashes)
+        if self.hw.push_token_s:  # the push of every block D lacks shares P's cores with its prefill
+            pw.engine.extra_s[f.rid] = self.hw.push_token_s * (n - request.num_cached_tokens)
+        self.wake(pw)
+        return True
+
+    def _push(self, f: Flight, p: Worker, first_token: int) -> None:
+        """The first token is out; the blocks of the last chunk still go to D (the earlier ones
+        went while later chunks computed)."""
+        assert f.decision is not None
+        d = self.workers[f.decision.decode_worker]
+        if f.item.max_tokens <= 1:
+            p.engine.connector.give_back(f.rid)
+            self.finish(f, "OK")
+            return
+        n = len(f.item.prompt)
+        last_chunk = min(n - f.outcome.num_cached, p.engine.scheduler.config.max_num_batched_tokens)
+        t = self.hw.transfer_s(max(last_chunk, 1), same_node=d.node == p.node)
+        self.at(self.now + t, self._landed, f, p, d, first_token)
+
+    def _landed(self, f: Flight, p: Worker, d: Worker, first_token: int) -> None:
+        p.engine.connector.give_back(f.rid)
+        self.pushing.pop(f.rid, None)
+        self._stop_if_drained(p)
+        if f.done or d.table is None or f.reservation_id is None:
+            return
+        res = d.table.get(f.reservation_id)
+        if res is not None:
+            d.table.record_written(res.reservation_id, _writer(p.worker_id),
+                                   [(res.num_skip_blocks, len(res.block_ids) - res.num_skip_blocks)])
+            d.table.ready(res.reservation_id, _writer(p.worker_id), first_token, len(f.item.prompt))
+        for event in d.table.take_events():
+            if isinstance(event, KVArrived) and event.request_id == f.rid:
+                if d.engine.connector.landed(f.rid, first_token):
+                    self.finish(f, "OK")
+                self.wake(d)
+            elif event.request_id == f.rid:
+                self.fail(f, "UNAVAILABLE")
+
+    def _leases(self) -> None:
+        """The router's timer: the push lanes renew their leases; a lease that ran out fails its stream."""
+        for f in list(self.pushing.values()):
+            assert f.decision is not None and f.decision.prefill_worker is not None and f.reservation_id is not None
+            table = self.workers[f.decision.decode_worker].table
+            assert table is not None
+            table.renew(f.reservation_id, _writer(f.decision.prefill_worker))
+        for w in self.workers.values():
+            if w.table is not None and len(w.table):
+                w.table.expire()
+                for event in w.table.take_events():  # a lease ran out: the router sees the stream fail
+                    if (f := self.flights.get(event.request_id)) is not None and not f.done:
+                        self.fail(f, "UNAVAILABLE")
+
+    # -- the control plane: heartbeats, the autoscaler, drains ---------------------------------
+    def _heartbeats(self) -> None:
+        self.loads.set_heartbeats({w.worker_id: self._beat(w) for w in self.workers.values() if w.stopped_at is None})
+        if self.num_left:
+            self.at(self.now + self.config.heartbeat_s, self._heartbeats)
+
+    def _beat(self, w: Worker) -> Heartbeat:
+        load = w.engine.load()
+        if w.beat is not None and w.beat[0] == (load, w.state):
+            return w.beat[1]  # type: ignore[no-any-return]
+        c = self.config
+        facts = ModelFacts("sim", c.block_size, VOCAB, c.max_model_len, load.num_total_blocks, c.kv_window)
+        beat = Heartbeat(w.worker_id, w.role, state=w.state, facts=facts, load=load)  # type: ignore[arg-type]
+        w.beat = ((load, w.state), beat)
+        return beat
+
+    def _autoscale(self) -> None:
+        c = self.config
+        assert c.autoscale is not None
+        members = [(w.worker_id, w.role, w.state) for w in self.workers.values() if w.stopped_at is None]
+        beats = {w: self.loads.heartbeats[w] for w, _, _ in members if w in self.loads.heartbeats}
+        snapshot = self.gauge.snapshot(members, beats, {"sim": RouterStats(
+            router_id="sim", address="", itl_p50_ms=self.itl.p50_ms(), num_queued=self.queue.num_queued,
+            inflight_tokens=self.queue.inflight_tokens, budget_tokens=self.queue.budget_tokens)})
+        decision = decide(snapshot, self.scale_state, self.now, c.autoscale)
+        self.scale_state = decision.state
+        if "->" in decision.reason:
+            self.actions.append((self.now, decision.reason))
+        for role in ("prefill", "decode"):
+            self._reconcile(role, decision.target(role))  # type: ignore[arg-type]
+        self.itl.samples.clear()  # the next tick measures its own window
+        if self.num_left:
+            self.at(self.now + AUTOSCALE_TICK_S, self._autoscale)
+
+    def _reconcile(self, role: Role, target: int) -> None:
+        """As the controller: launch up to the target; over it, drain the cheapest serving worker."""
+        live = [w for w in self.workers.values() if w.role == role and w.state in ("starting", "serving")]
+        for _ in range(target - len(live)):
+            self.launch(role, ready_at=self.now + self.config.startup_s)
+        draining = any(w.role == role and w.state == "draining" for w in self.workers.values())
+        serving = [w for w in live if w.state == "serving"]
+        if len(live) > target and not draining and serving:
+            w = min(serving, key=lambda w: removal_cost(w.worker_id, self.loads.heartbeats.get(w.worker_id)))
+            w.state = "draining"
+            self._stop_if_drained(w)
+        self._record_sizes()
+
+    def _stop_if_drained(self, w: Worker) -> None:
+        if w.state == "draining" and not w.busy and not w.engine.has_work and not w.engine.connector.num_lent \
+                and not w.engine.scheduler.requests:
+            w.state, w.stopped_at = "stopped", self.now
+            self.loads.num_blocks.pop(w.worker_id, None)
+            self.index.forget_worker(w.worker_id)
+            self._record_sizes()
+
+    def _record_sizes(self) -> None:
+        workers = self.workers.values()
+        sizes = tuple(sum(w.role == r and w.state in ("serving", "draining") for w in workers)
+                      for r in ("prefill", "decode"))
+        if not self.pool_sizes or self.pool_sizes[-1][1:] != sizes:
+            self.pool_sizes.append((self.now, *sizes))
 
 
 def _interleaved(num_prefill: int, num_decode: int) -> list[Role]:
@@ -381,3 +529,8 @@ def _interleaved(num_prefill: int, num_decode: int) -> list[Role]:
     order = sorted([((i + 0.5) / num_prefill, "prefill") for i in range(num_prefill)]
                    + [((i + 0.5) / num_decode, "decode") for i in range(num_decode)])
     return [role for _, role in order]  # type: ignore[misc]
+
+
+def _writer(worker_id: str) -> int:
+    """A prefill worker's writer id in reservation tables (any stable int per worker)."""
+    return hash(worker_id) & 0x7FFFFFFF
