@@ -118,7 +118,7 @@ def main() -> None:
     import tempfile
 
     from cluster.local import LocalCluster
-    from engine.tiny_model import make_tiny_model
+    from engine.model.tiny_model import make_tiny_model
     from kvfabric.region import segments_of
 
     model = args.model or str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny", arch="llama", seed=0))

@@ -38,7 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster
 from control.reader import RegistryReader
-from engine.tiny_model import make_tiny_model
+from engine.model.tiny_model import make_tiny_model
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from router.admission import AdmissionConfig

@@ -57,7 +57,7 @@ def references(model_dir: str, n: int, seed: int) -> list[tuple[list[int], list[
     """(prompt, greedy tokens of the monolithic engine) pairs."""
     from engine.config import CacheConfig, EngineConfig
     from engine.llm_engine import LLMEngine
-    from engine.request import SamplingParams
+    from engine.core.request import SamplingParams
 
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(20, 200))] for _ in range(n)]
@@ -201,7 +201,7 @@ def main() -> None:
 
     from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
     from cluster.local import LocalCluster
-    from engine.tiny_model import make_tiny_model
+    from engine.model.tiny_model import make_tiny_model
 
     model = args.model or str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny", arch="llama", seed=0))
     refs = references(model, 40, seed=0)

@@ -50,7 +50,7 @@ def arm(charge: str, args: argparse.Namespace) -> dict[str, Any]:
     from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
     from cluster.default_model import model_path
     from cluster.local import LocalCluster
-    from engine.gguf_checkpoint import resolve_model_dir
+    from engine.checkpoints.gguf_checkpoint import resolve_model_dir
     from router.admission import AdmissionConfig
 
     gguf = model_path(None)

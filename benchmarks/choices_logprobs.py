@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig  # noqa: E402
 from cluster.default_model import model_path  # noqa: E402
 from cluster.local import LocalCluster  # noqa: E402
-from engine.gguf_checkpoint import resolve_model_dir  # noqa: E402
+from engine.checkpoints.gguf_checkpoint import resolve_model_dir  # noqa: E402
 from proto import generate_pb2 as pb  # noqa: E402
 from proto import generate_pb2_grpc as pb_grpc  # noqa: E402
 from router.policy import RoutingConfig  # noqa: E402

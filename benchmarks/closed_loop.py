@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.llm_engine import LLMEngine
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 
 
 @dataclass

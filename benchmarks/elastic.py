@@ -27,7 +27,7 @@ import grpc
 
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster
-from engine.tiny_model import make_tiny_model
+from engine.model.tiny_model import make_tiny_model
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from router.policy import RoutingConfig

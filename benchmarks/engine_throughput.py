@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from cluster.default_model import default_model_dir  # noqa: E402
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
+from engine.core.request import SamplingParams  # noqa: E402
 
 TRACE = ROOT / "benchmarks" / "traces" / "mooncake_synthetic_trace.jsonl"
 
@@ -104,7 +104,7 @@ def run_hf_batched(hf, work, batch: int) -> float:
 def gemm_gflops(engine: LLMEngine, dtype: torch.dtype, size: int = 2048, repeats: int = 3) -> float:
     """Peak-ish matmul rate: a square GEMM with a prepacked weight, as the engine runs them
     (its native kernel where it has one, else oneDNN)."""
-    from engine.linear import Linear
+    from engine.model.linear import Linear
 
     a = torch.randn(size, size, dtype=dtype)
     lin = Linear(torch.randn(size, size, dtype=dtype), None, prepack=True, kernels=engine.model.kernels)

@@ -26,10 +26,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from engine.gguf_checkpoint import resolve_model_dir  # noqa: E402
+from engine.checkpoints.gguf_checkpoint import resolve_model_dir  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
-from engine.tiny_model import make_fp8_model  # noqa: E402
+from engine.core.request import SamplingParams  # noqa: E402
+from engine.model.tiny_model import make_fp8_model  # noqa: E402
 
 TEXTS = (Path("/usr/share/common-licenses/GPL-3"), Path(__file__).resolve().parent.parent / "README.md")
 ARMS = ("fp8", "fp8-weights", "kv-fp8", "both", "float32")

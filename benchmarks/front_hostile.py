@@ -185,7 +185,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1000)
     args = ap.parse_args()
     from cluster import default_model
-    from engine.gguf_checkpoint import resolve_model_dir
+    from engine.checkpoints.gguf_checkpoint import resolve_model_dir
 
     model = str(resolve_model_dir(default_model.model_path(args.model)))
     config = {"model": model, "deadlines": DEADLINES.__dict__}

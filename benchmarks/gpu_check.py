@@ -16,7 +16,7 @@ One JSON line per figure in DIR/gpu_check.jsonl (also printed), each naming the 
   and the floor counts each KV byte once), timed with CUDA events,
   against (weights read + KV read) / copy bandwidth, on the same requests in four arms: the
   torch forms (the baseline), the Triton kernels eagerly, the kernels through the CUDA
-  graphs, the graphs overlapped with the host's work (engine/overlap.py, the default); each
+  graphs, the graphs overlapped with the host's work (engine/model/overlap.py, the default); each
   arm warmed at each shape before it is timed;
 - launches: per decode step (batch 32, context 512) under the torch profiler, the host calls
   that launch GPU work, the GPU's busy time against the host's time, and the kernels that
@@ -63,7 +63,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
+from engine.core.request import SamplingParams  # noqa: E402
 
 
 class Check:
@@ -366,7 +366,7 @@ def main() -> None:
 def tiny_model(c: Check, size: str, cuda: bool) -> str:
     """A checkpoint of random weights in `size`'s shapes, drawn on the GPU where there is one
     (a minute less than on the host)."""
-    from engine.tiny_model import make_tiny_model
+    from engine.model.tiny_model import make_tiny_model
 
     began = time.monotonic()
     model_dir = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="gpu-check-")) / size, size=size,

@@ -12,7 +12,7 @@ import torch
 
 from benchmarks.gpu_check import Check, best_s, kv_bytes_per_token, timed, token_ids, top_kernels
 from engine.llm_engine import LLMEngine
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 
 
 def decoding(engine: LLMEngine, batch: int, context: int, seed: int) -> tuple[list[str], bool]:
@@ -38,7 +38,7 @@ def decoding(engine: LLMEngine, batch: int, context: int, seed: int) -> tuple[li
 def decode_arms(engine: LLMEngine, cuda: bool) -> dict[str, Callable[[], None]]:
     """The ways to run a decode step on the same weights and pool: the torch forms (the
     baseline), the Triton kernels eagerly, the kernels through the CUDA graphs with the host
-    waiting for each step, and the graphs overlapped with the host's work (engine/overlap.py)."""
+    waiting for each step, and the graphs overlapped with the host's work (engine/model/overlap.py)."""
     m, runner, overlap = engine.model, engine.runner, engine.overlap
     kernels, graphs, overlaps = m.kernels, runner.decode, overlap.enabled
 
@@ -160,7 +160,7 @@ def attention_splits(c: Check, engine: LLMEngine, fl: dict[str, float],
     the kernels at 512 tokens): its time per layer (each layer's own KV, so the L2 cache serves
     none of it) against its KV bytes at the copy bandwidth, and the number the engine's graphs
     use (`num_splits` over the table's width)."""
-    from engine import triton_attention
+    from engine.kernels import triton_attention
 
     pool = engine.kv_pool.tensor
     num_blocks, layers, _, block_size, kv_heads, head_dim = pool.shape

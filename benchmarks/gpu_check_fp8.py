@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from benchmarks.gpu_check import Check, best_s, build_engine, decode_shape, prefill
-from engine.fp8 import E4M3, quantize_input, quantize_weight
+from engine.model.fp8 import E4M3, quantize_input, quantize_weight
 
 
 def fp8_gemm_tflops(c: Check) -> dict[str, Any]:

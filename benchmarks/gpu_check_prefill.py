@@ -1,6 +1,6 @@
 """gpu_check's prefill attention phase: a later chunk's attention over its context, the
 lower-right causal call (one fused kernel, FlashAttention-2 on an H100) against the engine's
-form (engine/attention.py `_chunk_over_context`: the context unmasked and the chunk square
+form (engine/model/attention.py `_chunk_over_context`: the context unmasked and the chunk square
 causal, merged by log-sum-exp), and a whole prompt's square causal call for scale."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from benchmarks.gpu_check import Check, best_s
-from engine.attention import attention_with_lse
+from engine.model.attention import attention_with_lse
 
 SHAPES = ((2048, 2048), (2048, 6144), (8192, 0))
 """(chunk tokens, earlier context): the second and the last chunk of an 8,192-token prompt

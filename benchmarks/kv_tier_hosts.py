@@ -97,7 +97,7 @@ def main() -> None:
     if (why := unavailable()) is not None:
         raise SystemExit(why)
     records = conversation_trace(args.conversations, args.turns)
-    from engine.tiny_model import make_tiny_model
+    from engine.model.tiny_model import make_tiny_model
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -143,12 +143,12 @@ def main() -> None:
     if args.write_trace:
         Path(args.write_trace).write_text("".join(json.dumps(r) + "\n" for r in records))
         return
-    from engine.tiny_model import make_tiny_model
+    from engine.model.tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.size == "default":
             from cluster.default_model import model_path
-            from engine.gguf_checkpoint import resolve_model_dir
+            from engine.checkpoints.gguf_checkpoint import resolve_model_dir
 
             model_dir = str(resolve_model_dir(model_path(None)))
         else:

@@ -67,7 +67,7 @@ from kvfabric import (  # noqa: E402
 )
 from control.tls import client_context, member_tls, server_context  # noqa: E402
 from engine import native  # noqa: E402
-from engine.kv_pool import host_pages  # noqa: E402
+from engine.model.kv_pool import host_pages  # noqa: E402
 from kvfabric.layout import coalesce  # noqa: E402
 from kvfabric.region import CopyBytes  # noqa: E402
 from kvfabric.wire import tune  # noqa: E402

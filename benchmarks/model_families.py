@@ -1,7 +1,7 @@
 """Each architecture on CPU: the engine against transformers on the same tiny checkpoint and
 prompts, and a mixture of experts against a dense model of the same active parameters.
 
-Per architecture (engine/tiny_model.py: llama, qwen2, qwen3, mistral, gemma2, gemma3, phi3,
+Per architecture (engine/model/tiny_model.py: llama, qwen2, qwen3, mistral, gemma2, gemma3, phi3,
 mixtral, qwen2_moe, qwen3_moe), `--size` small by default: --requests prompts of
 --prompt-tokens, greedy, --max-tokens each, all at once through one LLMEngine, against
 transformers' `generate` on the same prompts one batch at a time (left-padded, as a user of
@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT))
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
-from engine.tiny_model import ARCHS, make_tiny_model  # noqa: E402
+from engine.core.request import SamplingParams  # noqa: E402
+from engine.model.tiny_model import ARCHS, make_tiny_model  # noqa: E402
 
 
 def prompts(n: int, length: int, vocab: int) -> list[list[int]]:

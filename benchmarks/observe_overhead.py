@@ -38,7 +38,7 @@ from loadgen.runner import Run, run
 from loadgen.workload import synthetic
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster
-from engine.tiny_model import make_tiny_model
+from engine.model.tiny_model import make_tiny_model
 from router.policy import RoutingConfig
 
 ARMS = ("off", "metrics", "traced", "off_again")

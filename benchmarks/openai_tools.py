@@ -40,7 +40,7 @@ from loadgen.workload import WorkloadRequest, synthetic
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.default_model import model_path
 from cluster.local import LocalCluster
-from engine.gguf_checkpoint import resolve_model_dir
+from engine.checkpoints.gguf_checkpoint import resolve_model_dir
 from router.policy import RoutingConfig
 
 NAME = "smollm2"

@@ -207,7 +207,7 @@ def main() -> None:
     args = parse_args()
     from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
     from cluster.local import LocalCluster
-    from engine.tiny_model import make_tiny_model
+    from engine.model.tiny_model import make_tiny_model
     from router.admission import AdmissionConfig
 
     model = args.model or str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny", arch="llama", seed=0))

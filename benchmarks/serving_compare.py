@@ -43,7 +43,7 @@ from separate_hosts import SUBNET, Hosts, namespaces, scrape  # noqa: E402
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig  # noqa: E402
 from cluster.local import LocalCluster, free_port  # noqa: E402
 from control.auth import metrics_token  # noqa: E402
-from engine.tiny_model import make_tiny_model  # noqa: E402
+from engine.model.tiny_model import make_tiny_model  # noqa: E402
 from router.admission import AdmissionConfig  # noqa: E402
 from router.policy import RoutingConfig  # noqa: E402
 

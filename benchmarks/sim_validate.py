@@ -37,7 +37,7 @@ from benchmarks.sim_validation import (Arm, calibrate, compare, fit_engine, meas
                           sim_pooled_run, within)
 from control.autoscaler import AutoscaleConfig
 from engine.config import StepFloor
-from engine.tiny_model import make_tiny_model
+from engine.model.tiny_model import make_tiny_model
 from router.policy import RoutingConfig
 from sim.arrivals import Shape, arrival_times, timed, trace_items
 

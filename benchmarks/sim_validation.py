@@ -41,7 +41,7 @@ from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster
 from control.autoscaler import AutoscaleConfig
 from engine.config import SchedulerConfig, StepFloor
-from engine.model_config import ModelConfig
+from engine.model.model_config import ModelConfig
 from router.policy import RoutingConfig
 from sim.arrivals import Shape, arrival_times, timed
 from sim.cpu_fit import CpuCost, delivery_cycle, fit, profile_engine

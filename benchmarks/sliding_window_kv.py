@@ -28,9 +28,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.model_config import ModelConfig  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
-from engine.tiny_model import SLIDING_WINDOW, make_tiny_model  # noqa: E402
+from engine.model.model_config import ModelConfig  # noqa: E402
+from engine.core.request import SamplingParams  # noqa: E402
+from engine.model.tiny_model import SLIDING_WINDOW, make_tiny_model  # noqa: E402
 from tests.integration.reference import make_engine, random_prompts  # noqa: E402
 
 

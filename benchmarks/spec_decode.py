@@ -43,10 +43,10 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.closed_loop import closed_loop  # noqa: E402
 from cluster.default_model import model_path  # noqa: E402
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig  # noqa: E402
-from engine.gguf_checkpoint import resolve_model_dir  # noqa: E402
+from engine.checkpoints.gguf_checkpoint import resolve_model_dir  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
-from engine.tiny_model import make_draft_model  # noqa: E402
+from engine.core.request import SamplingParams  # noqa: E402
+from engine.model.tiny_model import make_draft_model  # noqa: E402
 from router.chat_template import ChatTemplate  # noqa: E402
 
 PARAGRAPH = (

@@ -182,11 +182,11 @@ class SshHosts:
 
     def seed_conversion(self, name: str, converted: Path) -> None:
         """Puts `converted`, a GGUF file's directory in this machine's cache
-        (engine/gguf_checkpoint.py), at the same place in host `name`'s cache (its home's
+        (engine/checkpoints/gguf_checkpoint.py), at the same place in host `name`'s cache (its home's
         default one), as that host's own first use would leave it (hard links; copies across
         file systems): the hosts see this environment's GGUF files at the same paths, so their
         cache keys are the same."""
-        from engine.gguf_checkpoint import cache_root
+        from engine.checkpoints.gguf_checkpoint import cache_root
 
         target = self.dir(name, "home") / ".cache" / "splitserve" / converted.relative_to(cache_root())
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -33,10 +33,10 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.closed_loop import closed_loop  # noqa: E402
 from cluster.default_model import model_path  # noqa: E402
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from engine.gguf_checkpoint import resolve_model_dir  # noqa: E402
+from engine.checkpoints.gguf_checkpoint import resolve_model_dir  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.request import Constraint, SamplingParams  # noqa: E402
-from engine.structured import Grammars  # noqa: E402
+from engine.core.request import Constraint, SamplingParams  # noqa: E402
+from engine.structured.grammars import Grammars  # noqa: E402
 from router.chat_template import ChatTemplate  # noqa: E402
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city", "hobbies"],

@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 
 
 def engine_config(model_dir: str) -> EngineConfig:
@@ -38,8 +38,8 @@ def timed_run(model_dir: str, prompts: list[list[int]], tokens: int, tp: tuple[i
     if tp is not None:
         import torch.distributed as dist
 
-        from engine.tensor_parallel import TensorParallel
-        from engine.tp_followers import follow
+        from engine.parallel.tensor_parallel import TensorParallel
+        from engine.parallel.tp_followers import follow
 
         rank, world, port = tp
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -96,11 +96,11 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=32)
     args = ap.parse_args()
-    from engine.tiny_model import make_tiny_model
+    from engine.model.tiny_model import make_tiny_model
     from tests.integration.reference import random_prompts
 
     model_dir = str(make_tiny_model(Path(tempfile.mkdtemp()) / "m", "llama", args.size))
-    from engine.model_config import ModelConfig
+    from engine.model.model_config import ModelConfig
 
     vocab = ModelConfig.from_dir(model_dir).vocab_size
     prompts = random_prompts([args.prompt_tokens] * args.batch, vocab, seed=1)

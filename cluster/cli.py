@@ -47,7 +47,7 @@ WATCH_INTERVAL_S = 3.0
 
 
 def _state_file() -> Path:
-    from engine.gguf_checkpoint import cache_root
+    from engine.checkpoints.gguf_checkpoint import cache_root
 
     return cache_root() / "serve.json"
 
@@ -141,7 +141,7 @@ def _serve_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 def _model_dir(model: str) -> str:
     """The directory the router reads the tokenizer and chat template from: `model`, or for a
     GGUF file its converted directory (converted here, once, before any worker starts)."""
-    from engine.gguf_checkpoint import resolve_model_dir
+    from engine.checkpoints.gguf_checkpoint import resolve_model_dir
     from engine.types import EngineError
 
     try:
@@ -180,7 +180,7 @@ def _preflight(config) -> None:  # type: ignore[no-untyped-def]
     """What would otherwise fail only after Ray and the workers start: the model and the port."""
     import socket
 
-    from engine.model_config import ModelConfig
+    from engine.model.model_config import ModelConfig
     from engine.types import EngineError
     from router.chat_template import ChatTemplate, ChatTemplateError
 

@@ -26,7 +26,7 @@ class ClusterConfig:
     """Ray CPUs each worker actor asks for on CPU (GPU workers ask for one CPU and `gpus_per_worker`)."""
     gpus_per_worker: float = 1.0
     """Ray GPUs each worker actor asks for when the workers run on cuda; a fraction lets
-    workers share a GPU (see `engine.devices.default_gpus_per_worker`)."""
+    workers share a GPU (see `engine.model.devices.default_gpus_per_worker`)."""
     replace_dead_workers: bool = True
     """The controller replaces a worker whose actor died (a new id, a fresh KV pool); off, a
     dead worker lowers its pool's target instead."""
@@ -51,7 +51,7 @@ class ClusterConfig:
     can no longer be supervised."""
     decode_tp: int = 1
     """Tensor-parallel degree of each decode worker: its model split across this many
-    processes (GPUs), Ray giving it as many GPUs (engine/tensor_parallel.py)."""
+    processes (GPUs), Ray giving it as many GPUs (engine/parallel/tensor_parallel.py)."""
     prefill_tp: int = 1
     """The same for each prefill worker. Degrees may differ: each rank of a prefill worker
     pushes its KV heads into the decode ranks that hold them (kvfabric's `HeadMap`); on GPUs

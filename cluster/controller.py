@@ -59,7 +59,7 @@ from control.reader import RegistryReader
 from control.router_stats import ControllerStatus, RouterStats, to_wire
 from control.worker_config import dialable_host
 from decode_worker.worker import DecodeWorker
-from engine.gguf_checkpoint import resolve_model_dir
+from engine.checkpoints.gguf_checkpoint import resolve_model_dir
 from kvstore.host import StoreConfig
 from prefill_worker.worker import PrefillWorker
 

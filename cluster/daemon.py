@@ -23,7 +23,7 @@ STOPPED_MARK = "splitserve: stopped"
 
 
 def _root() -> Path:
-    from engine.gguf_checkpoint import cache_root
+    from engine.checkpoints.gguf_checkpoint import cache_root
 
     return cache_root()
 

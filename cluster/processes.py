@@ -17,8 +17,8 @@ from control.tls import SERVER_NAME, MemberTLS, given_tls
 from control.worker_config import NO_SECRET
 from kvfabric.config import TRANSPORTS
 from engine.config import SpeculativeConfig
-from engine.kv_sizing import DEFAULT_CPU_KV_FRACTION
-from engine.quant_config import KV_CACHE_DTYPES, QUANTIZATIONS
+from engine.model.kv_sizing import DEFAULT_CPU_KV_FRACTION
+from engine.checkpoints.quant_config import KV_CACHE_DTYPES, QUANTIZATIONS
 from router.config import HttpDeadlines
 from router.reasoning import REASONING_PARSERS
 from router.request_limits import RequestLimits
@@ -32,8 +32,8 @@ def placement(args: argparse.Namespace, num_local_workers: int) -> tuple[str, st
     --cpu-kv-fraction of this host's available memory."""
     import torch
 
-    from engine.devices import default_dtype, default_gpus_per_worker, resolve_device
-    from engine.kv_sizing import available_memory_bytes, cpu_kv_bytes
+    from engine.model.devices import default_dtype, default_gpus_per_worker, resolve_device
+    from engine.model.kv_sizing import available_memory_bytes, cpu_kv_bytes
 
     num_gpus = torch.cuda.device_count()
     device = resolve_device(args.device, num_gpus)
@@ -71,7 +71,7 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_speculative_flags(p: argparse.ArgumentParser) -> None:
-    """Speculative decoding on the decode workers (engine/spec_decode.py)."""
+    """Speculative decoding on the decode workers (engine/spec/spec_decode.py)."""
     g = p.add_argument_group("speculative decoding (decode workers)")
     g.add_argument("--speculative", default="off", metavar="ngram|draft:DIR|off",
                    help="propose tokens ahead and verify them in one forward: ngram (prompt lookup), or a "

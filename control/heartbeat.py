@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from engine.kv_cache_manager import window_tokens
+from engine.core.kv_cache_manager import window_tokens
 from engine.types import EngineLoad
 
 Role = Literal["prefill", "decode"]
@@ -117,7 +117,7 @@ class TierSpeed(msgspec.Struct, frozen=True):
     price a store's hit with it (`fetch_share`). Unmeasured: 0 or empty."""
 
     token_s: float = 0.0
-    """Seconds its engine takes per prompt token it computes (engine/step_model.py PrefillCost)."""
+    """Seconds its engine takes per prompt token it computes (engine/core/step_model.py PrefillCost)."""
     fetch: list[float] = msgspec.field(default_factory=list)
     """[a, b]: a fetch of n blocks from its host's store took a + b·n seconds (kvstore/tier_meters.py)."""
     far_fetch: list[float] = msgspec.field(default_factory=list)
@@ -191,7 +191,7 @@ class Heartbeat(msgspec.Struct, frozen=True):
     """Wall-clock time of the report (s since the epoch)."""
     step_model: list[float] = msgspec.field(default_factory=list)
     """A decode worker's decode step time, [a, b, c]: a + b·requests + c·KV tokens seconds
-    (engine/step_model.py); routers forecast admission waits with it. Empty until measured."""
+    (engine/core/step_model.py); routers forecast admission waits with it. Empty until measured."""
     step_profile: list[float] = msgspec.field(default_factory=list)
     """A decode worker's start-up profile of its decode steps (engine/step_profile.py), flat
     (requests, KV tokens, seconds) triples; routers prefer it to `step_model`. Empty: none run."""

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from control.heartbeat import BadEntry
-from engine.block_pool import KVEvent
+from engine.core.block_pool import KVEvent
 from engine.types import BlockHash
 
 STREAM_MAXLEN = 100_000

@@ -19,7 +19,7 @@ from control.auth import seal
 from control.heartbeat import Heartbeat, hb_key, kv_key
 from control.kv_events import STREAM_MAXLEN, event_to_bytes
 from control.redis_url import readable
-from engine.block_pool import KVEvent
+from engine.core.block_pool import KVEvent
 
 logger = logging.getLogger(__name__)
 

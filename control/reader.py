@@ -22,7 +22,7 @@ from control.kv_events import event_from_bytes
 from control.router_stats import (ControllerStatus, RouterStats, controller_status_from_wire, router_stats_from_wire,
                                   to_wire)
 from control.redis_url import readable
-from engine.block_pool import KVEvent
+from engine.core.block_pool import KVEvent
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 from engine.config import CacheConfig, DType, EngineConfig, Role, SchedulerConfig, SpeculativeConfig, StepFloor
-from engine.quant_config import KV_CACHE_DTYPES
+from engine.checkpoints.quant_config import KV_CACHE_DTYPES
 from control.tls import MemberTLS, tls_of
 from kvfabric.address import route_address
 from kvfabric.config import TRANSPORTS
@@ -90,8 +90,8 @@ class WorkerConfig:
     """Hold each engine step to at least this long (an emulated accelerator, `StepFloor`):
     for measuring the control plane on a few cores, never for serving."""
     tensor_parallel: int = 1
-    """Processes (GPUs) one worker's model is split across (engine/tensor_parallel.py): the
-    worker and tensor_parallel - 1 child ranks (engine/tp_ranks.py). On CPU the child ranks'
+    """Processes (GPUs) one worker's model is split across (engine/parallel/tensor_parallel.py): the
+    worker and tensor_parallel - 1 child ranks (engine/parallel/tp_ranks.py). On CPU the child ranks'
     KV pools are in shared memory the worker maps, so KV moves between workers of any two
     degrees; on GPUs they stay private (a split decode worker prefills its own prompts, a
     prefill worker runs whole)."""

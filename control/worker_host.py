@@ -33,7 +33,7 @@ from control.metrics_http import MetricsServer
 from control.publisher import Publisher
 from control.worker_config import WorkerConfig
 from control.worker_metrics import WorkerMetrics
-from engine.block_pool import KVEvent
+from engine.core.block_pool import KVEvent
 from engine.types import EngineLoad, EngineStopped, InvalidRequestError
 from kvfabric.errors import FabricError
 
@@ -169,7 +169,7 @@ class WorkerHost:
             metrics_token(config.cluster_secret) if config.cluster_secret else None) if self.metrics else None
         self.metrics_address = ""
         self.read_step_model: Callable[[], tuple[float, float, float] | None] = lambda: None
-        """Decode workers: the engine's step model (engine/step_model.py), for the heartbeat."""
+        """Decode workers: the engine's step model (engine/core/step_model.py), for the heartbeat."""
         self.step_profile: tuple[tuple[float, float, float], ...] = ()
         """Decode workers: their start-up profile of decode steps (engine/step_profile.py)."""
         self.read_tier: Callable[[], tuple[str, TierSpeed] | None] = lambda: None

@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.outputs import RequestOutput
-from engine.request import SamplingParams
+from engine.core.outputs import RequestOutput
+from engine.core.request import SamplingParams
 from engine.types import RequestId
 from kvfabric import FabricError, FabricReceiver, KVArrived, ReceiverConfig, Ticket, TransferFailed, settle
 from kvfabric.pools import exports, memory_pools, worker_pools

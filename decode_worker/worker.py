@@ -33,7 +33,7 @@ from control.worker_config import WorkerConfig, on_this_node
 from control.worker_host import (HostedWorker, NoRoom, NotHere, WorkerHost, engine_died, engine_load_reader,
                                  latest_load_reader, next_event, status_for)
 from decode_worker.kv_receive import Landed, RemoteFailure, RemoteKV
-from engine.outputs import RequestOutput
+from engine.core.outputs import RequestOutput
 from engine.step_profile import profile_decode
 from engine.types import RequestId, parent_of
 from kvfabric import ReceiverConfig
@@ -54,7 +54,7 @@ Item = RequestOutput | Landed | RemoteFailure
 @dataclass
 class _Decode:
     """One request on this worker, on the asyncio side: what the engine thread sends it (its
-    n choices' outputs too, engine/forks.py)."""
+    n choices' outputs too, engine/core/forks.py)."""
 
     request_id: str
     n: int = 1
@@ -75,7 +75,7 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
 
         from engine.engine_loop import EngineLoop, freeze_startup_heap
         from engine.llm_engine import LLMEngine
-        from engine.tp_ranks import TensorRanks
+        from engine.parallel.tp_ranks import TensorRanks
         from kvstore.tier import start_tier
 
         torch.set_num_threads(config.num_threads)
@@ -84,7 +84,7 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
         self.allocator = kv_allocator(config.device, config.kv_transport)
         self.ranks = TensorRanks(config.tensor_parallel, rank_allocator(config.device)) \
             if config.tensor_parallel > 1 else None
-        """The model's other ranks (child processes) when it is split (engine/tp_ranks.py)."""
+        """The model's other ranks (child processes) when it is split (engine/parallel/tp_ranks.py)."""
         engine_config = config.engine_config("decode")
         if self.ranks is not None:
             engine_config = self.ranks.start(engine_config)

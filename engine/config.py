@@ -6,10 +6,10 @@ import secrets
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
-from engine.quant_config import KV_CACHE_DTYPES, QUANTIZATIONS
+from engine.checkpoints.quant_config import KV_CACHE_DTYPES, QUANTIZATIONS
 
 if TYPE_CHECKING:
-    from engine.tensor_parallel import TensorParallel
+    from engine.parallel.tensor_parallel import TensorParallel
 
 Role = Literal["both", "prefill", "decode"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -17,7 +17,7 @@ DType = Literal["float32", "bfloat16", "float16"]
 SHORT_QUERY_MAX_LEN = 8
 """Paged attention groups whose longest query is at most this many tokens (decodes, and
 speculative verification: a request's last token and its proposals) take the native kernel
-when there is one, else `_all_pairs_attention` in 16-bit dtypes (engine/attention.py). Here,
+when there is one, else `_all_pairs_attention` in 16-bit dtypes (engine/model/attention.py). Here,
 torch-free, so the simulator's CPU fit prices the same split."""
 
 
@@ -29,7 +29,7 @@ class CacheConfig:
     """Blocks in the pool; None sizes the pool from `kv_cache_bytes`."""
     kv_cache_bytes: int | None = None
     """Pool size in bytes when `num_blocks` is None. None: on a GPU, sized from memory
-    (`gpu_memory_utilization`, see engine/kv_sizing.py); on CPU 256 MiB."""
+    (`gpu_memory_utilization`, see engine/model/kv_sizing.py); on CPU 256 MiB."""
     gpu_memory_utilization: float = 0.9
     """Share of the GPU's memory this engine may use in all (weights, activations, KV pool)."""
     enable_prefix_caching: bool = True
@@ -42,7 +42,7 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     """"auto": the pool holds K and V in the model's dtype; "fp8": in e4m3, one byte each,
     divided by a per-layer scale for K and one for V (the checkpoint's `k_scale` / `v_scale`,
-    else 1.0) and multiplied back as attention reads them (engine/kv_pool.py)."""
+    else 1.0) and multiplied back as attention reads them (engine/model/kv_pool.py)."""
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -89,7 +89,7 @@ class SchedulerConfig:
     fair_burst_tokens: int = 32768
     """Within a class, a tenant with nothing queued may start this many tokens of work (times
     its weight) ahead of a backlogged tenant's queue, so a light tenant's short burst is not
-    interleaved with a heavy tenant's backlog (`engine.fair_order`); 0: strict start-time
+    interleaved with a heavy tenant's backlog (`engine.core.fair_order`); 0: strict start-time
     fair queuing."""
 
     def __post_init__(self) -> None:
@@ -114,7 +114,7 @@ SpecMethod = Literal["off", "ngram", "draft"]
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding on a decode-capable engine (engine/spec_decode.py)."""
+    """Speculative decoding on a decode-capable engine (engine/spec/spec_decode.py)."""
 
     method: SpecMethod = "off"
     """ngram: prompt lookup (no model); draft: a smaller checkpoint (`draft_model_dir`) with
@@ -134,7 +134,7 @@ class SpeculativeConfig:
     for a while (`backoff_steps`, doubling each time it fails again)."""
     backoff_steps: int = 16
     priced: bool = True
-    """Proposals priced by the step's measured cost (engine/spec_decode.py: made where their
+    """Proposals priced by the step's measured cost (engine/spec/spec_decode.py: made where their
     expected kept tokens pay for the rows and the step they add); False: every decoding
     request proposes its share of `max_batched_tokens`, as many as its acceptance says."""
 
@@ -183,12 +183,12 @@ class StepFloor:
 class EngineConfig:
     model_dir: str
     """Local Hugging Face-format checkpoint directory, or a GGUF file (or a directory holding
-    one), converted once into the cache (`engine.gguf_checkpoint`)."""
+    one), converted once into the cache (`engine.checkpoints.gguf_checkpoint`)."""
     dtype: DType = "float32"
     device: str = "cpu"
     quantization: str | None = None
     """"fp8": a 16/32-bit checkpoint's projections quantized to FP8 as they load (per-channel
-    weight scales, per-token input scales; engine/fp8.py); None: as the checkpoint is (an FP8
+    weight scales, per-token input scales; engine/model/fp8.py); None: as the checkpoint is (an FP8
     checkpoint is served in FP8 either way)."""
     role: Role = "both"
     """prefill: stop after the first token and hand blocks off; decode: accept remote KV."""
@@ -199,22 +199,22 @@ class EngineConfig:
     seed: int = 0
     """Seeds the sampler for requests without their own seed."""
     prepack_weights: bool = True
-    """On CPU, lay linear weights out once for oneDNN (see engine/linear.py); False keeps
+    """On CPU, lay linear weights out once for oneDNN (see engine/model/linear.py); False keeps
     plain tensors and `F.linear`. Ignored on other devices."""
     native_kernels: bool = True
-    """On CPU, C kernels (engine/native.py, compiled at first use with the C compiler on
+    """On CPU, C kernels (engine/kernels/native.py, compiled at first use with the C compiler on
     PATH) run decode attention over the paged pool, add + RMSNorm, SwiGLU, rotary + KV
     store, and bfloat16 matmuls where the CPU has AVX-512 BF16; False, or no compiler,
-    keeps the torch forms (engine/attention.py, oneDNN linears). On GPUs, decode attention
-    runs the Triton kernel (engine/triton_attention.py) where Triton imports; False keeps
+    keeps the torch forms (engine/model/attention.py, oneDNN linears). On GPUs, decode attention
+    runs the Triton kernel (engine/kernels/triton_attention.py) where Triton imports; False keeps
     the torch forms there too."""
     decode_graphs: bool = True
-    """Steps of decodes alone run through persistent buffers (engine/decode_graphs.py): on
+    """Steps of decodes alone run through persistent buffers (engine/model/decode_graphs.py): on
     GPUs with the Triton kernels, one CUDA graph per batch-size bucket (1, 2, 4, ... up to
     `max_num_seqs`), captured at start; on CPU the same buffers, eagerly. False: every step
     builds its tensors and runs eagerly (vLLM's `enforce_eager`)."""
     overlap: bool | None = None
-    """Decode steps overlapped with the host's work (engine/overlap.py): the next step is
+    """Decode steps overlapped with the host's work (engine/model/overlap.py): the next step is
     launched, its input tokens still on the device, while the host lands the one before;
     a request that stops has one row computed for nothing. None: on GPUs, off on CPU (where
     nothing runs asynchronously). Off beside speculative decoding and a step floor."""
@@ -227,7 +227,7 @@ class EngineConfig:
     step_floor: StepFloor | None = None
     """Hold every step to at least this long (`StepFloor`); None: steps take what they take."""
     tensor_parallel: TensorParallel | None = None
-    """This process's rank of a model split across processes (engine/tensor_parallel.py; its
+    """This process's rank of a model split across processes (engine/parallel/tensor_parallel.py; its
     process group set up by the caller); None: the whole model in this process."""
 
     @property

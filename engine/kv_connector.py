@@ -26,14 +26,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engine.block_pool import BlockHash, BlockId
-from engine.kv_cache_manager import KVCacheManager
-from engine.outputs import RemoteBlocks, RequestOutput
-from engine.request import SamplingParams
+from engine.core.block_pool import BlockHash, BlockId
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.outputs import RemoteBlocks, RequestOutput
+from engine.core.request import SamplingParams
 from engine.types import InvalidRequestError, RequestId
 
 if TYPE_CHECKING:  # annotations only: the simulator's engine loads this without torch
-    from engine.kv_pool import KVPool
+    from engine.model.kv_pool import KVPool
     from engine.llm_engine import LLMEngine
 
 

@@ -1,14 +1,14 @@
 """LLMEngine: add_request / abort / step; KV that moves in or out goes through its connector.
 
-One step reads top-down: propose (speculative decoding, engine/speculator.py) -> schedule
--> run the model (engine/model_runner.py, which owns the device buffers) -> sample (and
-verify proposals) -> update requests -> the role's turn -> outputs (engine/output_builder.py).
-The parts beside the core: the role (engine/roles.py: role `prefill` finishes a request at
+One step reads top-down: propose (speculative decoding, engine/spec/speculator.py) -> schedule
+-> run the model (engine/model/model_runner.py, which owns the device buffers) -> sample (and
+verify proposals) -> update requests -> the role's turn -> outputs (engine/core/output_builder.py).
+The parts beside the core: the role (engine/core/roles.py: role `prefill` finishes a request at
 its first token and hands its blocks to the caller's `KVHandoff`; they stay held in the KV
 cache manager until the connector's `give_back`), the connector (engine/kv_connector.py: the
 one seam through which the P/D hand-off and the KV tier borrow blocks, reserve them for KV
 computed elsewhere and hear what landed or failed), and the pool's size from a profiled
-forward on GPUs (engine/kv_profile.py).
+forward on GPUs (engine/model/kv_profile.py).
 """
 from __future__ import annotations
 
@@ -22,37 +22,37 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from engine.decode_graphs import Graph, capture_graphs, decode_buffers
-from engine.gpu_kernels import Kernels, select_kernels
-from engine.block_pool import BlockPool, KVEvent, PoolUsage
+from engine.model.decode_graphs import Graph, capture_graphs, decode_buffers
+from engine.kernels.gpu_kernels import Kernels, select_kernels
+from engine.core.block_pool import BlockPool, KVEvent, PoolUsage
 from engine.config import EngineConfig
-from engine.constrainer import Constrainer
-from engine.device_memory import CudaMemory, DeviceMemory
-from engine.draft_proposer import DraftProposer
-from engine.hashing import BlockHasher
-from engine.gguf_checkpoint import resolve_model_dir
-from engine.kv_cache_manager import KVCacheManager
+from engine.structured.constrainer import Constrainer
+from engine.model.device_memory import CudaMemory, DeviceMemory
+from engine.spec.draft_proposer import DraftProposer
+from engine.core.hashing import BlockHasher
+from engine.checkpoints.gguf_checkpoint import resolve_model_dir
+from engine.core.kv_cache_manager import KVCacheManager
 from engine.kv_connector import KVConnector
-from engine.kv_pool import KVAllocator, KVLayout, KVPool, kv_dtype
-from engine.kv_profile import profiled_pool_bytes
-from engine.kv_sizing import DEFAULT_CPU_KV_BYTES, num_blocks_for
-from engine.model import DTYPES, LlamaForCausalLM
-from engine.model_config import ModelConfig
-from engine.quant_config import kv_model_id
-from engine.model_runner import ModelRunner
-from engine.tp_followers import Channel, CopyOp, PoolOp, StopOp
-from engine.output_builder import OutputBuilder
-from engine.forks import Forks, check_id, first_rows
-from engine.request import MAX_CHOICES, FinishReason, Logprob, Request, SamplingParams
-from engine.roles import Role, role_for
-from engine.sampler import Sampler
-from engine.overlap import Overlap
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.spec_verify import Verified
-from engine.speculator import Speculator
-from engine.step_model import PrefillCost, StepModel
-from engine.structured import Grammars
-from engine.outputs import Completion, KVHandoff, RequestOutput
+from engine.model.kv_pool import KVAllocator, KVLayout, KVPool, kv_dtype
+from engine.model.kv_profile import profiled_pool_bytes
+from engine.model.kv_sizing import DEFAULT_CPU_KV_BYTES, num_blocks_for
+from engine.model.decoder import DTYPES, LlamaForCausalLM
+from engine.model.model_config import ModelConfig
+from engine.checkpoints.quant_config import kv_model_id
+from engine.model.model_runner import ModelRunner
+from engine.parallel.tp_followers import Channel, CopyOp, PoolOp, StopOp
+from engine.core.output_builder import OutputBuilder
+from engine.core.forks import Forks, check_id, first_rows
+from engine.core.request import MAX_CHOICES, FinishReason, Logprob, Request, SamplingParams
+from engine.core.roles import Role, role_for
+from engine.model.sampler import Sampler
+from engine.model.overlap import Overlap
+from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.spec.spec_verify import Verified
+from engine.spec.speculator import Speculator
+from engine.core.step_model import PrefillCost, StepModel
+from engine.structured.grammars import Grammars
+from engine.core.outputs import Completion, KVHandoff, RequestOutput
 from engine.types import EngineLoad, InvalidRequestError, RequestId, choice_id
 
 logger = logging.getLogger(__name__)
@@ -69,10 +69,10 @@ class LLMEngine:
         memory: DeviceMemory | None = None,
         graphs: Callable[[], Graph] | None = None,
     ) -> None:
-        """`memory`: how the device answers for its memory (engine/device_memory.py): on a GPU
+        """`memory`: how the device answers for its memory (engine/model/device_memory.py): on a GPU
         `CudaMemory` unless given; given on CPU (a test's `StatedMemory`), the pool is sized by
         the same profile as on a GPU. `graphs`: what each decode bucket is captured into
-        (engine/decode_graphs.py); None: CUDA graphs on GPUs with the Triton kernels, none on CPU
+        (engine/model/decode_graphs.py); None: CUDA graphs on GPUs with the Triton kernels, none on CPU
         (a test's `EagerGraph` runs the bucketed path there)."""
         self.config = config
         self.clock = clock
@@ -109,7 +109,7 @@ class LLMEngine:
         """Proposes and verifies tokens ahead (None: off, or a prefill worker, which stops at the
         first). Set before any step runs: sizing the pool on a GPU runs one (`_profile_kv_bytes`)."""
         self.followers: Channel | None = None if config.tensor_parallel is None else Channel(config.tensor_parallel)
-        """Rank 0 of a tensor-parallel model: the other ranks follow its steps (engine/tp_followers.py)."""
+        """Rank 0 of a tensor-parallel model: the other ranks follow its steps (engine/parallel/tp_followers.py)."""
         tp = config.tensor_parallel
         self.kv_shards: tuple[int, ...] = tp.kv_shards(mc) if tp is not None else (0,)
         """The first of the model's KV heads in each rank's pool (rank 0's is `kv_pool`)."""
@@ -120,7 +120,7 @@ class LLMEngine:
         self._reset_state()  # a profiled forward's requests and counts are not the worker's
         self.speculator = self._speculator(dtype, kernels)
         self.forks = Forks(self.scheduler, self.kv, self._copy_block, self._start, shadows=config.role == "prefill")
-        """Requests of n choices forked into them (engine/forks.py)."""
+        """Requests of n choices forked into them (engine/core/forks.py)."""
         self.connector = KVConnector(self)
         """The seam for KV that moves in or out: the P/D hand-off and the KV tier (engine/kv_connector.py)."""
         capture_graphs(self.runner.decode, config.device, graphs)
@@ -133,7 +133,7 @@ class LLMEngine:
 
     @property
     def constrainer(self) -> Constrainer:
-        """Structured output (engine/constrainer.py), built at the first constrained request."""
+        """Structured output (engine/structured/constrainer.py), built at the first constrained request."""
         if self._constrainer is None:
             mc = self.model_config
             self._constrainer = Constrainer(Grammars.for_model(self._model_dir, mc.vocab_size, mc.eos_token_ids))
@@ -182,7 +182,7 @@ class LLMEngine:
         return num_blocks_for(self._profile_kv_bytes(), self.layout.block_bytes)
 
     def _profile_kv_bytes(self) -> int:
-        """GPU: one forward at the largest step on a provisional pool (engine/kv_profile.py)."""
+        """GPU: one forward at the largest step on a provisional pool (engine/model/kv_profile.py)."""
         assert self.memory is not None  # _pool_blocks profiles only with one
         num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len - 1)
         profile_blocks = -(-(num_tokens + 1) // self.layout.block_size) + 2  # and a window's null block
@@ -245,7 +245,7 @@ class LLMEngine:
         while a transfer borrowed them (the connector's `lend`, or its quarantine of a failed
         transfer): then they are held until the connector's `give_back`."""
         rid = RequestId(request_id)
-        for i in range(1, MAX_CHOICES):  # its other choices, forked from it (engine/forks.py)
+        for i in range(1, MAX_CHOICES):  # its other choices, forked from it (engine/core/forks.py)
             if self.scheduler.abort(choice_id(rid, i)):
                 self.outputs.forget(choice_id(rid, i))
         aborted = self.scheduler.abort(rid)
@@ -283,7 +283,7 @@ class LLMEngine:
         return request
 
     def _start(self, request: Request) -> None:
-        """A new request's constraint and detokenizer (a forked choice's too: engine/forks.py)."""
+        """A new request's constraint and detokenizer (a forked choice's too: engine/core/forks.py)."""
         if request.params.constraint is not None:
             self.constrainer.start(request)
         if self.tokenizer is not None and self.config.detokenize:
@@ -336,7 +336,7 @@ class LLMEngine:
         """A step run and sampled here and now."""
         requests, logits = self.runner.execute(out)
         shadows: list[Request] = []
-        if rows := first_rows(requests):  # requests of n choices at their first token (engine/forks.py)
+        if rows := first_rows(requests):  # requests of n choices at their first token (engine/core/forks.py)
             requests, logits, shadows = self.forks.in_step(out, requests, logits, rows)
         if any(r.matcher is not None for r in requests):
             num_spec = {s.request.request_id: s.num_spec_tokens for s in out.scheduled if s.num_spec_tokens}

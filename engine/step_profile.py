@@ -1,7 +1,7 @@
 """A decode worker's start-up profile of its decode steps: how long a step takes at batch
 sizes from 1 to the most it may run, at a short and a long context per request.
 
-The online step model (engine/step_model.py) learns only the loads a worker has served, and
+The online step model (engine/core/step_model.py) learns only the loads a worker has served, and
 a router forecasting a burst asks about loads it has not: a line through small batches
 overstates large ones, since a step's time is concave in its batch (the weights are read
 once for all requests). So before it serves, a decode worker runs real engine steps over
@@ -20,11 +20,11 @@ import random
 import time
 from typing import TYPE_CHECKING
 
-from engine.block_pool import BlockPool
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import SamplingParams
-from engine.scheduler import Scheduler
-from engine.step_model import Row
+from engine.core.block_pool import BlockPool
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.core.step_model import Row
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
@@ -50,7 +50,7 @@ def batch_sizes(max_num_seqs: int) -> list[int]:
 def profile_decode(engine: LLMEngine, budget_s: float, seed: int = 0) -> tuple[Row, ...]:
     """(requests, KV tokens, seconds) per point, in order of batch size; the larger batches
     are left out where the next point would run past `budget_s` or the pool cannot hold it."""
-    from engine.forks import Forks  # torch: imported where an engine runs (this module's readers need none)
+    from engine.core.forks import Forks  # torch: imported where an engine runs (this module's readers need none)
 
     bs = engine.config.cache.block_size
     num_blocks = engine.kv_pool.num_blocks

@@ -11,7 +11,7 @@ BlockHash = NewType("BlockHash", bytes)
 
 
 def choice_id(request_id: str, index: int) -> RequestId:
-    """The id of choice `index` of a request (0: the request's own; engine/forks.py)."""
+    """The id of choice `index` of a request (0: the request's own; engine/core/forks.py)."""
     return RequestId(request_id if index == 0 else f"{request_id}#{index}")
 
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     import torch
 
     from engine.kv_connector import KVMemory
-    from engine.kv_pool import TensorAllocator
+    from engine.model.kv_pool import TensorAllocator
 
     KVAllocator = ShmKVAllocator | CudaIpcKVAllocator | TensorAllocator
 
@@ -45,7 +45,7 @@ def kv_allocator(device: str, transport: str | None = None) -> KVAllocator:
         require_cupy()
         return CudaIpcKVAllocator()
     if transport == "nixl":  # no shm sender: the pool in private memory (huge pages), registered with NIXL
-        from engine.kv_pool import TensorAllocator
+        from engine.model.kv_pool import TensorAllocator
 
         return TensorAllocator()
     return ShmKVAllocator()

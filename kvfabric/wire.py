@@ -79,7 +79,7 @@ Runs = Annotated[list[tuple[int, int]], msgspec.Meta(max_length=MAX_RUNS)]
 MAX_NIXL_METADATA = 1 << 19
 """A NIXL agent's metadata, at most (its UCX worker address and memory keys: a few KiB)."""
 MAX_CHOICE_TOKENS = 15
-"""First tokens of a request's other choices a `ready` carries (engine/request.py MAX_CHOICES - 1)."""
+"""First tokens of a request's other choices a `ready` carries (engine/core/request.py MAX_CHOICES - 1)."""
 
 
 class Message(msgspec.Struct, frozen=True, tag_field="t", omit_defaults=True):
@@ -106,7 +106,7 @@ class Ready(Message, tag="ready"):
     """One-sided: the runs copied since the last report."""
     choice_token_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_CHOICE_TOKENS)] = msgspec.field(
         default_factory=list)
-    """A request of n choices: the other choices' first tokens (engine/forks.py)."""
+    """A request of n choices: the other choices' first tokens (engine/core/forks.py)."""
 
 
 class RevokeAck(Message, tag="revoke_ack"):

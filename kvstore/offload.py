@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from engine.block_pool import KVEvent
+from engine.core.block_pool import KVEvent
 from engine.llm_engine import LLMEngine
 from engine.types import BlockHash, RequestId
 from control.tls import MemberTLS, client_context, member_channel_sync

@@ -70,11 +70,11 @@ class StoreService(pb_grpc.KVStoreServicer):
 def store_layout(model_dir: str, model_id: str, block_size: int, dtype: str,
                  quantization: str | None = None, kv_cache_dtype: str = "auto") -> FabricLayout:
     """The layout a model's workers push (one rank: every KV head) for a store of its blocks,
-    under the name their engines give their KV (`engine.quant_config.kv_model_id`); `dtype`:
+    under the name their engines give their KV (`engine.checkpoints.quant_config.kv_model_id`); `dtype`:
     the workers' model dtype, which their pools hold unless `kv_cache_dtype` is fp8."""
-    from engine.gguf_checkpoint import resolve_model_dir
-    from engine.model_config import ModelConfig
-    from engine.quant_config import kv_model_id
+    from engine.checkpoints.gguf_checkpoint import resolve_model_dir
+    from engine.model.model_config import ModelConfig
+    from engine.checkpoints.quant_config import kv_model_id
 
     path = resolve_model_dir(model_dir)
     mc = ModelConfig.from_dir(path, quantization)

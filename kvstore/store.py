@@ -8,7 +8,7 @@ the workers' offloads and read by their fetches, both through kvfabric.
              Fetch(ticket, hashes) -> the slots pinned, pushed into the worker's reservation,
                 `ready` acknowledged, unpinned
 
-Hashes are keyed with the cluster secret and salted per model and tenant (engine/hashing.py),
+Hashes are keyed with the cluster secret and salted per model and tenant (engine/core/hashing.py),
 so a block is found only by the prompt of its own tenant. The store keeps blocks in least
 recently used order, a chain touched last block first: its first blocks, which every longer
 prompt of the conversation needs (a lookup is a leading run), are the last to go. A slot is
@@ -26,7 +26,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.block_pool import KVEvent, KVEventKind
+from engine.core.block_pool import KVEvent, KVEventKind
 from engine.types import BlockHash
 from kvfabric import (
     BlockRegion,

@@ -36,7 +36,7 @@ import grpc
 from control.auth import TOKEN_METADATA
 from control.tls import MemberTLS, member_channel, member_channel_sync, server_context
 from control.heartbeat import StoreEntry, TierSpeed
-from engine.block_pool import KVEvent
+from engine.core.block_pool import KVEvent
 from engine.llm_engine import LLMEngine
 from engine.types import BlockHash, RequestId
 from kvfabric import FabricReceiver, KVArrived, ReceiverConfig, TransferFailed, settle

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from control.heartbeat import Probes, hit_share
-from engine.fit import LinearFit
+from engine.core.fit import LinearFit
 
 FETCH_DECAY = 0.95
 """Per fetch: about the last twenty count (a store's speed changes with its load and its spill)."""

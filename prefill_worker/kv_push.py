@@ -33,8 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.llm_engine import LLMEngine
-from engine.native import NativeKernels
-from engine.request import Request
+from engine.kernels.native import NativeKernels
+from engine.core.request import Request
 from engine.types import BlockId
 from kvfabric import FabricError, FabricLayout, FabricSender, SenderConfig, Ticket, Transfer
 from kvfabric.cuda import DeviceRegion, record_event

@@ -30,8 +30,8 @@ from control.tls import client_context
 from control.worker_config import WorkerConfig, on_this_node
 from control.worker_host import (HostedWorker, WorkerHost, engine_died, engine_load_reader, latest_load_reader,
                                  next_event, status_for)
-from engine.outputs import RequestOutput
-from engine.request import FinishReason
+from engine.core.outputs import RequestOutput
+from engine.core.request import FinishReason
 from engine.types import InvalidRequestError, RequestId
 from kvfabric import SenderConfig
 from kvfabric.errors import FabricError
@@ -84,7 +84,7 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
 
         from engine.engine_loop import EngineLoop, freeze_startup_heap
         from engine.llm_engine import LLMEngine
-        from engine.tp_ranks import TensorRanks
+        from engine.parallel.tp_ranks import TensorRanks
         from kvstore.tier import start_tier
         from prefill_worker.kv_push import KVPusher
 
@@ -93,7 +93,7 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
         self.config = config = on_this_node(config)
         self.ranks = TensorRanks(config.tensor_parallel, rank_allocator(config.device)) \
             if config.tensor_parallel > 1 else None
-        """The model's other ranks (child processes) when it is split (engine/tp_ranks.py): each
+        """The model's other ranks (child processes) when it is split (engine/parallel/tp_ranks.py): each
         pushes its KV heads from its own pool, which this process maps."""
         engine_config = config.engine_config("prefill")
         if self.ranks is not None:

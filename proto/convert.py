@@ -1,7 +1,7 @@
 """Hand-written: conversions between the proto messages and the engine's dataclasses (one place)."""
 from __future__ import annotations
 
-from engine.request import (MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, Constraint, FinishReason,
+from engine.core.request import (MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, Constraint, FinishReason,
                             PromptLogprob, SamplingParams, TopLogprobs)
 from engine.types import InvalidRequestError
 from kvfabric.address import FabricAddress, Ticket

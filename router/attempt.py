@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 
 from control import tracing
-from engine.request import FinishReason, SamplingParams
+from engine.core.request import FinishReason, SamplingParams
 from router.reply import Route
 
 

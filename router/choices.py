@@ -1,4 +1,4 @@
-"""The output side of a request of n choices (`SamplingParams.n`; engine/forks.py forks them):
+"""The output side of a request of n choices (`SamplingParams.n`; engine/core/forks.py forks them):
 one `Responses` a choice, each with its own detokenizer and stop strings.
 
 Every choice's replies carry its index (`Reply.choice`); each choice's last one
@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.request import FinishReason
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.request import FinishReason
 from proto import generate_pb2 as pb
 from router.attempt import Prepared, Progress
 from router.frontend import ItlWindow, Responses

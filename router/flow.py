@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from control.heartbeat import ModelFacts, Probes
-from engine.hashing import BlockHasher
+from engine.core.hashing import BlockHasher
 from proto import generate_pb2 as pb
 from proto.convert import finish_from_pb, sampling_to_pb
 from control import tracing

@@ -20,9 +20,9 @@ import grpc
 from tokenizers import Tokenizer
 
 from control.heartbeat import ModelFacts
-from engine.detokenizer import IncrementalDetokenizer
-from engine.request import FinishReason
-from engine.structured import Grammars
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.request import FinishReason
+from engine.structured.grammars import Grammars
 from engine.types import InvalidRequestError
 from proto import generate_pb2 as pb
 from proto.convert import sampling_from_pb

@@ -15,7 +15,7 @@ from typing import NoReturn
 
 import grpc
 
-from engine.step_model import StepShape
+from engine.core.step_model import StepShape
 from router.admission import AdmissionConfig, AdmissionQueue, Refused
 from router.attempt import Deadline, Prepared, RequestFailed
 

@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from engine.quant_config import served_name
+from engine.checkpoints.quant_config import served_name
 from engine.types import InvalidRequestError
 from router.attempt import CUT_OFF, Ask, RequestFailed
 from router.constraints import AutoToolOutput, ToolCallOutput, constraint_of, tool_plan

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from itertools import takewhile
 
-from engine.block_pool import KVEvent
+from engine.core.block_pool import KVEvent
 from engine.types import BlockHash
 
 logger = logging.getLogger(__name__)

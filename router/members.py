@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from control.heartbeat import Heartbeat, ModelFacts, Role, TierSpeed
-from engine.step_model import Row, StepShape
+from engine.core.step_model import Row, StepShape
 
 logger = logging.getLogger(__name__)
 

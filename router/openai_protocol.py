@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 import grpc
 
-from engine.request import MAX_CHOICES, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, Constraint, SamplingParams
+from engine.core.request import MAX_CHOICES, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, Constraint, SamplingParams
 from engine.types import InvalidRequestError
 from router.attempt import Ask, RequestFailed
 from router.request_limits import MAX_PROMPTS, BadRequest

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from control.heartbeat import hit_share
-from engine.kv_cache_manager import held_blocks
+from engine.core.kv_cache_manager import held_blocks
 
 Mode = Literal["disaggregated", "colocated", "auto"]
 Policy = Literal["cache_aware", "round_robin"]

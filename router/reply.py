@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.request import FinishReason
+from engine.core.request import FinishReason
 from proto import generate_pb2 as pb
 from proto.convert import finish_to_pb
 

@@ -6,7 +6,7 @@
 
 Lists and maps: messages (and a message's parts) and tools by their flags, token id lists
 (a prompt, /detokenize's tokens) by the model's context, stop strings, stop token ids and
-logit_bias by the engine's own limits (engine/request.py), a completion's prompts by
+logit_bias by the engine's own limits (engine/core/request.py), a completion's prompts by
 MAX_PROMPTS, anything else by `max_items`. A request past one is a 400 naming the field (and
 the flag, where one sets it). The text itself is bounded by the model's context
 (router/frontend.py). Torch-free.
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from engine.request import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from engine.core.request import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from router.json_shape import Shape, TooMany
 
 if TYPE_CHECKING:

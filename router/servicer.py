@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from engine.request import FinishReason
+from engine.core.request import FinishReason
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from control import tracing

@@ -28,7 +28,7 @@ request that streamed two tokens finished nothing is calibrated and the forecast
 A line fitted on the small batches seen so far is a poor guide to a burst several times
 larger. Where the decode workers report their step time (`set_step_model`: their start-up
 profile over every batch size they may run, engine/step_profile.py, or else a + b·requests
-+ c·KV tokens fitted on the decode steps they ran, engine/step_model.py), it gives the
++ c·KV tokens fitted on the decode steps they ran, engine/core/step_model.py), it gives the
 time per token at each worker's share of the replay's requests and of their KV, and the
 router's own samples give only its scale (what the router sees beyond the workers' steps):
 the median, over the last `SCALE_SAMPLES` finished requests (those the model describes:
@@ -59,8 +59,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.step_model import StepShape
-from engine.fit import LinearFit
+from engine.core.step_model import StepShape
+from engine.core.fit import LinearFit
 
 EMA_WEIGHT = 0.2
 """Weight of the newest finished request in the output-fraction average, once it has

@@ -16,7 +16,7 @@ real cluster where both can run (benchmarks/sim_validate.py).
         patterns, one replayed per simulated stream: the client's view only, the engines'
         timing is not moved by it)
 
-The features follow the engine's code paths (engine/attention.py):
+The features follow the engine's code paths (engine/model/attention.py):
     step, tokens         per step, and per token through every linear layer
     causal_pairs         a first chunk's causal attention over itself, Σ n(n+1)/2 (SDPA's flash kernel)
     paged_pairs          a later chunk's masked attention over its gathered context, Σ n·(ctx+n)
@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine.config import SHORT_QUERY_MAX_LEN, StepFloor
-from engine.fit import DecayedFit
+from engine.core.fit import DecayedFit
 
 FEATURES = ("step", "tokens", "causal_pairs", "paged_pairs", "paged_kv", "decode_kv", "sampled", "new_shape")
 Chunks = Sequence[tuple[int, int]]
@@ -182,7 +182,7 @@ def _profile_here(model_dir: str, num_requests: int, chunk_tokens: int, max_prom
 
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.llm_engine import LLMEngine
-    from engine.request import SamplingParams
+    from engine.core.request import SamplingParams
 
     torch.set_num_threads(1)
     engine = LLMEngine(EngineConfig(model_dir=model_dir, cache=CacheConfig(kv_cache_bytes=256 * 2**20),
@@ -233,7 +233,7 @@ def _profile_here(model_dir: str, num_requests: int, chunk_tokens: int, max_prom
 
 def fit(samples: Sequence[Sample]) -> tuple[float, ...]:
     """Least squares over FEATURES of each step's relative error (small steps count), every
-    coefficient >= 0: the project's one fit (engine/fit.py DecayedFit), all samples alike
+    coefficient >= 0: the project's one fit (engine/core/fit.py DecayedFit), all samples alike
     (no decay). Steps that compute prompt tokens and pure decode steps weigh the same in all,
     however many of each the profile ran (decode steps outnumber them five to one, and a fit
     that follows them misses prefill)."""

@@ -1,6 +1,6 @@
 """SimEngine: one worker's engine with the model replaced by a cost model, on a virtual clock.
 
-    add(request) -> the real Scheduler (engine/scheduler.py) over the real KVCacheManager and
+    add(request) -> the real Scheduler (engine/core/scheduler.py) over the real KVCacheManager and
         BlockPool (prefix cache with the real chained block hashes, segmented LRU,
         preemption by recompute, chunked prefill, fair order, priorities with aging)
     step(now) -> SchedulerOutput -> the cost model prices it (chunks of new tokens and the
@@ -24,16 +24,16 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from engine.block_pool import BlockPool
+from engine.core.block_pool import BlockPool
 from engine.config import SchedulerConfig
-from engine.hashing import BlockHasher
-from engine.kv_cache_manager import KVCacheManager
-from engine.output_builder import OutputBuilder
+from engine.core.hashing import BlockHasher
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.output_builder import OutputBuilder
 from engine.kv_connector import KVLoans
-from engine.outputs import RemoteBlocks
-from engine.request import Request, SamplingParams
-from engine.roles import role_for
-from engine.scheduler import Scheduler
+from engine.core.outputs import RemoteBlocks
+from engine.core.request import Request, SamplingParams
+from engine.core.roles import role_for
+from engine.core.scheduler import Scheduler
 from engine.types import BlockHash, EngineLoad, RequestId
 
 StepCost = Callable[[Sequence[tuple[int, int]], int], float]

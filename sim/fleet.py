@@ -34,9 +34,9 @@ from control.autoscaler import AutoscaleState, decide
 from control.heartbeat import Heartbeat, ModelFacts
 from control.pool_gauge import PoolGauge, removal_cost
 from control.router_stats import RouterStats
-from engine.hashing import BlockHasher
-from engine.kv_cache_manager import window_tokens
-from engine.step_model import StepShape
+from engine.core.hashing import BlockHasher
+from engine.core.kv_cache_manager import window_tokens
+from engine.core.step_model import StepShape
 from engine.step_profile import LONG_CONTEXT, batch_sizes
 from engine.types import BlockHash
 from kvfabric.reservations import KVArrived, ReservationTable

@@ -149,14 +149,14 @@ def clock() -> FakeClock:
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from engine.tiny_model import make_tiny_model
+    from engine.model.tiny_model import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), arch="llama", seed=0))
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from engine.tiny_model import make_tiny_model
+    from engine.model.tiny_model import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2", seed=0))
 
@@ -164,10 +164,10 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="session", params=["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "mistral",
                                                   "gemma3", "phi3", "gemma2"])
 def tiny_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """Each architecture's tiny checkpoint (engine/tiny_model.py), one per session."""
+    """Each architecture's tiny checkpoint (engine/model/tiny_model.py), one per session."""
     if request.param in ("llama", "qwen2"):
         return str(request.getfixturevalue(f"tiny_{request.param}_dir"))
-    from engine.tiny_model import make_tiny_model
+    from engine.model.tiny_model import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp(f"tiny-{request.param}"), arch=request.param, seed=0))
 
@@ -183,6 +183,6 @@ def smollm2_gguf() -> str:
 @pytest.fixture(scope="session")
 def smollm2_dir(smollm2_gguf: str) -> str:
     """Its converted directory (converted once into the user's cache, as `serve` does)."""
-    from engine.gguf_checkpoint import resolve_model_dir
+    from engine.checkpoints.gguf_checkpoint import resolve_model_dir
 
     return str(resolve_model_dir(smollm2_gguf))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from tests.integration.reference import capture_logits, hf_greedy, hf_logits, random_prompts
 
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.kv_pool import KVLayout, KVPool
+from engine.model.kv_pool import KVLayout, KVPool
 from engine.llm_engine import LLMEngine
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from tests.integration.reference import random_prompts
 from tests.unit.test_native_attention import reference
 
@@ -23,7 +23,7 @@ def engine(model_dir: str, dtype: str, native_kernels: bool = True) -> LLMEngine
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(32, 8, 128, 16), (4, 2, 64, 16), (12, 4, 64, 32)])
 def test_the_triton_kernel_matches_the_reference(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
                                                   block_size: int) -> None:
-    from engine.gpu_kernels import select_kernels
+    from engine.kernels.gpu_kernels import select_kernels
 
     kernels = select_kernels("cuda", True)
     if kernels is None:
@@ -37,7 +37,7 @@ def test_the_triton_kernel_matches_the_reference(dtype: torch.dtype, heads: int,
     q = torch.randn(5, heads, head_dim, generator=g).to(dtype).cuda()
     want = reference(q.cpu(), _cpu(pool), 1, table.cpu(), rows.cpu(), ctx_lens.cpu(), head_dim**-0.5)
     tol = 1e-4 if dtype == torch.float32 else 1e-2
-    from engine import triton_attention
+    from engine.kernels import triton_attention
 
     for splits in (None, 1, 7):  # as chosen for the SMs; one program per (token, KV head); uneven splits
         out = torch.full_like(q, float("nan"))
@@ -53,10 +53,10 @@ def test_the_triton_kernel_matches_the_reference(dtype: torch.dtype, heads: int,
 def test_the_pointwise_kernels_match_their_torch_forms(dtype: torch.dtype) -> None:
     import torch.nn.functional as F
 
-    from engine import triton_pointwise
-    from engine.model import rms_norm
-    from engine.model_config import RopeConfig
-    from engine.rope import RotaryTable, apply_rotary
+    from engine.kernels import triton_pointwise
+    from engine.model.decoder import rms_norm
+    from engine.model.model_config import RopeConfig
+    from engine.model.rope import RotaryTable, apply_rotary
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(7, 4096, generator=g).to(dtype).cuda()
@@ -97,7 +97,7 @@ def test_batched_bfloat16_decode_through_the_graphs_is_as_close_to_float32_as_th
     deviation from float32 is within 1.5x the torch forms'. Tokens are not compared: which
     near-tie of a random model flips first differs between two correct bfloat16 paths (the
     first GPU run: 27 of 32 agreed on 4 tokens, the parity tests against transformers passed)."""
-    from engine.gpu_kernels import GpuKernels
+    from engine.kernels.gpu_kernels import GpuKernels
 
     fast, plain = engine(tiny_llama_dir, "bfloat16"), engine(tiny_llama_dir, "bfloat16", native_kernels=False)
     assert isinstance(fast.model.kernels, GpuKernels) and plain.model.kernels is None
@@ -143,7 +143,7 @@ def deviations_from(ref: LLMEngine, engines: list[LLMEngine]) -> list[list[float
 
 
 def test_overlapped_decode_on_cuda_gives_the_tokens_of_a_waiting_host(tiny_llama_dir: str) -> None:
-    """engine/overlap.py on the GPU (its default there): each decode step launched before the
+    """engine/model/overlap.py on the GPU (its default there): each decode step launched before the
     host has read the last one's tokens, its inputs taken from the device. float32, so the
     tokens do not hang on which bucket a row ran in; greedy and seeded sampled requests, each
     stopping at a stop token (rows computed past a stop are dropped) or at max_tokens."""
@@ -184,7 +184,7 @@ def test_seeded_sampling_on_cuda_repeats_and_depends_on_the_seed(tiny_llama_dir:
 def test_a_later_chunk_over_its_context_matches_the_masked_form(dtype: torch.dtype) -> None:
     """A 2,048-token chunk after 3,000 tokens of context: two fused attentions (the context
     unmasked, the chunk square causal) merged by log-sum-exp, against the masked torch form."""
-    from engine.attention import AttentionMetadata, PagedGroup, _chunk_over_context, paged_attention
+    from engine.model.attention import AttentionMetadata, PagedGroup, _chunk_over_context, paged_attention
 
     pool = KVPool(KVLayout(2, 16, 8, 128, dtype), 400, "cuda")
     pool.tensor.copy_(torch.randn(pool.tensor.shape, generator=torch.Generator().manual_seed(2)).to("cuda") * 0.5)

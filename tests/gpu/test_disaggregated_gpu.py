@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from decode_worker.kv_receive import Landed, RemoteFailure, RemoteKV
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from kvfabric.pools import kv_allocator
 from tests.integration.fabric_peer import Peer
 from tests.integration.prefill_peer import prefill_main

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.fp8 import E4M3, Fp8Weight, quantize_weight
-from engine.linear import Linear
-from engine.request import SamplingParams
+from engine.model.fp8 import E4M3, Fp8Weight, quantize_weight
+from engine.model.linear import Linear
+from engine.core.request import SamplingParams
 from tests.integration.reference import random_prompts
 from tests.unit.test_fp8 import reference
 

@@ -7,7 +7,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 
 
 def test_a_worker_beside_another_sizes_its_pool_from_what_is_free(tiny_llama_dir: str) -> None:

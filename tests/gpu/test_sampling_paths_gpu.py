@@ -10,7 +10,7 @@ import pytest
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from tests.integration.reference import random_prompts
 
 TOLERANCE = 1e-4
@@ -45,7 +45,7 @@ def test_sampling_controls_and_top_alternatives_on_cuda_equal_the_cpu_engine(tin
 
 
 def test_prompt_logprobs_made_in_slices_on_cuda_equal_the_cpu_engine(tiny_llama_dir: str) -> None:
-    """A 600-token prompt: its logits are made 256 rows at a time (engine/prompt_logprobs.py)."""
+    """A 600-token prompt: its logits are made 256 rows at a time (engine/model/prompt_logprobs.py)."""
     prompts = random_prompts([600, 20], 512, seed=22)
     params = SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=4)
     want, got = both(tiny_llama_dir, prompts, params)

@@ -13,7 +13,7 @@ import ray
 
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import NODE_SYSTEM_CONFIG, LocalCluster
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from router.policy import RoutingConfig

@@ -8,8 +8,8 @@ from multiprocessing.connection import Connection
 import torch
 
 from engine.llm_engine import LLMEngine
-from engine.request import SamplingParams
-from engine.tp_ranks import TensorRanks
+from engine.core.request import SamplingParams
+from engine.parallel.tp_ranks import TensorRanks
 from kvfabric import SenderConfig, Ticket
 from kvfabric.pools import rank_allocator
 from prefill_worker.kv_push import KVPusher

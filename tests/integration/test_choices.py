@@ -1,4 +1,4 @@
-"""n choices from one prompt (engine/forks.py): computed once, forked at the first token,
+"""n choices from one prompt (engine/core/forks.py): computed once, forked at the first token,
 each choice drawing as a request of seed + i would; the prompt's full blocks shared, the
 partial last one copied; on a prefill worker the other choices' first tokens are drawn and
 sent, and the decode worker forks with them, so the KV crosses once."""
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.forks import choice_params
-from engine.request import InvalidRequestError, RequestStatus, SamplingParams
+from engine.core.forks import choice_params
+from engine.core.request import InvalidRequestError, RequestStatus, SamplingParams
 from engine.types import choice_id
 from tests.integration.reference import make_engine, random_prompts
 from tests.integration.test_engine_roles import CollectingHandoff

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 import pytest
 
 from decode_worker.kv_receive import RemoteFailure, RemoteKV
-from engine.forks import choice_params
-from engine.model_config import ModelConfig
-from engine.request import FinishReason, SamplingParams
+from engine.core.forks import choice_params
+from engine.model.model_config import ModelConfig
+from engine.core.request import FinishReason, SamplingParams
 from engine.types import choice_id
 from kvfabric import ReceiverConfig, ShmKVAllocator
 from kvfabric.address import ONE_SIDED

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.request import FinishReason, SamplingParams
+from engine.core.request import FinishReason, SamplingParams
 from engine.types import InvalidRequestError
 from tests.integration.reference import capture_logits, hf_greedy, hf_logits, make_engine, random_prompts
 

@@ -6,7 +6,7 @@ decodes from there.
 """
 from __future__ import annotations
 
-from engine.request import FinishReason, SamplingParams
+from engine.core.request import FinishReason, SamplingParams
 from tests.integration.reference import hf_greedy, make_engine, random_prompts
 
 PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)

@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.config import CacheConfig, EngineConfig
-from engine.fp8 import to_e4m3
+from engine.model.fp8 import to_e4m3
 from engine.llm_engine import LLMEngine
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from tests.integration.reference import hf_model, make_engine, random_prompts
 
 K_SCALE, V_SCALE = 0.02, 0.03

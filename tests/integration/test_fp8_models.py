@@ -19,8 +19,8 @@ import torch
 
 from decode_worker.kv_receive import RemoteKV
 from engine.llm_engine import LLMEngine
-from engine.request import SamplingParams
-from engine.tiny_model import FP8_CONFIGS, make_fp8_model
+from engine.core.request import SamplingParams
+from engine.model.tiny_model import FP8_CONFIGS, make_fp8_model
 from kvfabric import ReceiverConfig
 from kvfabric.pools import kv_allocator
 from tests.integration.fabric_peer import Peer
@@ -204,7 +204,7 @@ def test_fp8_weights_and_kv_together_keep_speculation_exact_and_constraints_foll
     token's input quantized on its own row, each KV element rounded on its own), and every
     kind of constraint holds (the grammar masks the FP8 model's logits as any other's)."""
     from engine.config import SpeculativeConfig
-    from engine.request import Constraint
+    from engine.core.request import Constraint
     from tests.integration.test_structured import CONSTRAINTS, valid
 
     config = dataclasses.replace(engine_config(tiny_llama_dir, block_size=16, kv_cache_dtype="fp8"),
@@ -231,7 +231,7 @@ def test_fp8_experts_give_the_log_probabilities_of_their_weights_dequantized_who
     torch form quantizes each expert's input rows and scales its products, on one rank or
     split across two (their scales follow their rows); `--quantization fp8` quantizes the
     experts as it loads them, as llm-compressor's FP8-dynamic checkpoint of them holds."""
-    from engine.tiny_model import make_tiny_model
+    from engine.model.tiny_model import make_tiny_model
 
     src = make_tiny_model(tmp_path / arch, arch)
     static = str(make_fp8_model(src, tmp_path / "static", "ct-channel-static", tmp_path / "static-dq"))
@@ -261,14 +261,14 @@ def test_quantizing_stacked_experts_at_load_gives_what_quantizing_them_apart_giv
     """A converted GGUF holds a mixture's experts stacked (`experts.gate_up_proj`); quantized
     as they load, per expert and output row, they give the numbers of the same experts
     quantized one by one from the checkpoint they were written from."""
-    from engine.gguf_checkpoint import resolve_model_dir
-    from engine.tiny_model import make_tiny_model
+    from engine.checkpoints.gguf_checkpoint import resolve_model_dir
+    from engine.model.tiny_model import make_tiny_model
     from tests.gguf_writer import write_gguf
 
     monkeypatch.setenv("SPLITSERVE_CACHE", str(tmp_path / "cache"))
     source = make_tiny_model(tmp_path / "qwen3_moe", "qwen3_moe")
     converted = resolve_model_dir(write_gguf(source, tmp_path / "qwen3_moe.gguf"))
-    from engine.weights import CheckpointReader
+    from engine.checkpoints.weights import CheckpointReader
 
     assert CheckpointReader(converted).has("model.layers.0.mlp.experts.gate_up_proj")
     prompts = random_prompts([23, 40], 512, seed=10)

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from proto import generate_pb2 as pb
 from router.policy import RoutingConfig
 from tests.integration.cluster_checks import assert_idle

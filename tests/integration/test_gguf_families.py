@@ -11,10 +11,10 @@ from pathlib import Path
 import gguf
 import pytest
 
-from engine import tiny_model
-from engine.gguf_checkpoint import resolve_model_dir
-from engine.model_config import ModelConfig
-from engine.request import SamplingParams
+from engine.model import tiny_model
+from engine.checkpoints.gguf_checkpoint import resolve_model_dir
+from engine.model.model_config import ModelConfig
+from engine.core.request import SamplingParams
 from tests.gguf_writer import write_gguf
 from tests.integration.reference import hf_greedy, make_engine, random_prompts
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import logging
 
-from engine.attention import ATTENTION_WORKSPACE_BYTES
+from engine.model.attention import ATTENTION_WORKSPACE_BYTES
 from engine.config import CacheConfig, EngineConfig, SpeculativeConfig
-from engine.device_memory import StatedMemory
-from engine.gpu_kernels import GpuKernels, select_kernels
+from engine.model.device_memory import StatedMemory
+from engine.kernels.gpu_kernels import GpuKernels, select_kernels
 from engine.llm_engine import LLMEngine
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 
 MIB = 2**20
 

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from control.heartbeat import ModelFacts
-from engine.request import FinishReason
+from engine.core.request import FinishReason
 from router.attempt import Ask, RequestFailed
 from router.frontend import NOT_SERVING, Frontend
 from router.http_api import OpenAIServer

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from kvstore.service import open_store, serve, store_layout
 from kvstore.store import KVStore
 from proto import generate_pb2 as pb

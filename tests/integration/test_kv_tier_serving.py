@@ -19,7 +19,7 @@ from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster
 from control.auth import TOKEN_METADATA, cluster_token
 from control.tls import given_tls, member_channel_sync, member_tls
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from kvstore.host import find_store
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc

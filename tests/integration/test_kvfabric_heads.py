@@ -31,7 +31,7 @@ NUM_SRC, NUM_DST = 24, 32
 
 
 def layout(world: int, heads: int = HEADS) -> FabricLayout:
-    """`heads` KV heads split `world` ways as engine/tensor_parallel.py splits them (replicated
+    """`heads` KV heads split `world` ways as engine/parallel/tensor_parallel.py splits them (replicated
     where ranks outnumber heads)."""
     local = max(heads // world, 1)
     shards = tuple(r * heads // world for r in range(world))

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 from decode_worker.kv_receive import Landed, RemoteFailure, RemoteKV
 from engine.llm_engine import LLMEngine
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from kvfabric import SenderConfig, ShmKVAllocator
 from kvfabric.address import Ticket
 from prefill_worker.kv_push import KVPusher

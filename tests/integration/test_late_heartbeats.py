@@ -121,7 +121,7 @@ def test_forged_kv_events_and_router_stats_are_skipped_and_counted(cluster: Loca
     from control.heartbeat import kv_key, router_key
     from control.kv_events import event_to_bytes
     from control.reader import RegistryReader, StreamCursor
-    from engine.block_pool import KVEvent
+    from engine.core.block_pool import KVEvent
 
     wait_for("the router to see decode-0", lambda: "decode-0" in cluster.router_stats()[0]["members"], 60)
     with grpc.insecure_channel(cluster.address) as channel:  # blocks cached: KV events in the workers' streams

@@ -4,7 +4,7 @@ float32: logits within LOGITS_ATOL_FP32 (1e-4); greedy tokens identical.
 bfloat16 (CPU; its attention takes other code paths than float32): logits within
 LOGITS_ATOL_BF16 (0.05, on logits of magnitude up to about 1.6) of the float32
 reference, and no further from it than 1.5x what transformers' own bfloat16 is.
-Each test runs for every tiny architecture (engine/tiny_model.py): Llama (llama3 rope,
+Each test runs for every tiny architecture (engine/model/tiny_model.py): Llama (llama3 rope,
 untied), Qwen2 (q/k/v bias, tied), Qwen3 (per-head q/k norm, wide heads) and the mixtures
 of experts Mixtral, Qwen2-MoE (shared expert, a dense layer) and Qwen3-MoE.
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model_config import ModelConfig
-from engine.request import SamplingParams
+from engine.model.model_config import ModelConfig
+from engine.core.request import SamplingParams
 from tests.integration.reference import (
     LOGITS_ATOL_BF16, LOGITS_ATOL_FP32, capture_logits, hf_greedy, hf_logits, make_engine, random_prompts,
 )
@@ -169,7 +169,7 @@ ROPE_SCALINGS = {
 def test_scaled_rope_matches_transformers_past_the_pretraining_length(tiny_llama_dir: str, tmp_path, scaling: str) -> None:
     """A 20-token prompt decoded to 60 tokens: past position 32, where dynamic's base starts
     to grow and longrope turns to its long divisors (transformers decodes one token at a time
-    here, as the engine rotates every position; engine/rope.py), and yarn's and longrope's
+    here, as the engine rotates every position; engine/model/rope.py), and yarn's and longrope's
     attention factor scales every position."""
     import json
     import shutil

@@ -18,7 +18,7 @@ from benchmarks.separate_hosts import start_serving
 from cluster.local import EmbeddedRedis
 from control.auth import cluster_token
 from control.tls import member_channel_sync, member_tls
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from tests.integration.reference import make_engine

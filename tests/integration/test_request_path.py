@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from engine.request import FinishReason, SamplingParams
+from engine.core.request import FinishReason, SamplingParams
 from proto import generate_pb2 as pb
 from router.admission import AdmissionConfig
 from router.attempt import Ask, Prepared

@@ -13,7 +13,7 @@ from loadgen import report
 from loadgen.workload import synthetic
 from benchmarks.sim_validation import Arm, compare, fit_engine, real_pooled_run, real_run, sim_pooled_run, sim_run
 from engine.config import StepFloor
-from engine.tiny_model import make_tiny_model
+from engine.model.tiny_model import make_tiny_model
 from router.policy import RoutingConfig
 from sim.arrivals import Shape, arrival_times, timed
 from sim.cpu_fit import CpuCost

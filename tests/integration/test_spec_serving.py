@@ -128,8 +128,8 @@ def test_on_the_embedded_real_model_greedy_tokens_are_identical_with_each_propos
     others' decodes), speculation off, ngram, and a 2-layer draft of the model itself."""
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.llm_engine import LLMEngine
-    from engine.request import SamplingParams
-    from engine.tiny_model import make_draft_model
+    from engine.core.request import SamplingParams
+    from engine.model.tiny_model import make_draft_model
     from router.chat_template import ChatTemplate
 
     template = ChatTemplate.load(smollm2_dir)

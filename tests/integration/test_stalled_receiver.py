@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from decode_worker.kv_receive import Landed, RemoteKV
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from kvfabric import (
     BlockRegion, FabricLayout, FabricReceiver, KVArrived, ReceiverConfig, SenderConfig, ShmKVAllocator, TransferFailed,
 )

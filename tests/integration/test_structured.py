@@ -19,7 +19,7 @@ import pytest
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster
 from engine.llm_engine import LLMEngine
-from engine.request import Constraint, SamplingParams
+from engine.core.request import Constraint, SamplingParams
 from proto import generate_pb2 as pb
 from router.policy import RoutingConfig
 from tests.integration.cluster_checks import wait_for

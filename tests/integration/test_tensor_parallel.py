@@ -2,7 +2,7 @@
 tokens of the whole model in one process, and log-probabilities within 1e-4 (the sums of the
 row-parallel projections run in another order). Each rank is a process of its own over its
 share of the weights and a KV pool of its KV heads: rank 0's engine schedules and samples,
-the others follow its steps (engine/tp_followers.py)."""
+the others follow its steps (engine/parallel/tp_followers.py)."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ import pytest
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from tests.integration.fabric_peer import child_context
 from tests.integration.reference import random_prompts
 
@@ -28,8 +28,8 @@ def _rank(rank: int, world: int, rendezvous: str, model_dir: str, prompts: list[
     import torch
     import torch.distributed as dist
 
-    from engine.tensor_parallel import TensorParallel
-    from engine.tp_followers import follow
+    from engine.parallel.tensor_parallel import TensorParallel
+    from engine.parallel.tp_followers import follow
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
@@ -85,7 +85,7 @@ def test_a_split_model_gives_the_whole_models_tokens(arch: str, world: int, tmp_
     if arch in ("llama", "qwen2"):
         model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     else:
-        from engine.tiny_model import make_tiny_model
+        from engine.model.tiny_model import make_tiny_model
 
         model_dir = str(make_tiny_model(tmp_path / arch, arch=arch, seed=0))
     whole = LLMEngine(make_engine_config(model_dir))

@@ -14,8 +14,8 @@ import pytest
 
 from decode_worker.kv_receive import RemoteKV
 from engine.llm_engine import LLMEngine
-from engine.request import SamplingParams
-from engine.tp_ranks import TensorRanks
+from engine.core.request import SamplingParams
+from engine.parallel.tp_ranks import TensorRanks
 from kvfabric import ReceiverConfig
 from kvfabric.pools import kv_allocator, rank_allocator
 from tests.conftest import skip_without_nixl

@@ -12,8 +12,8 @@ from typing import Any
 
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine, RequestOutput
-from engine.request import SamplingParams
-from engine.tp_ranks import TensorRanks
+from engine.core.request import SamplingParams
+from engine.parallel.tp_ranks import TensorRanks
 from kvfabric.pools import rank_allocator
 from kvstore.tier import KVTier, start_tier
 from tests.integration.reference import engine_config

@@ -43,9 +43,9 @@ def _two_threads_for_the_kernels(request: pytest.FixtureRequest):  # type: ignor
 
 @pytest.fixture(scope="session")
 def kernels():  # type: ignore[no-untyped-def]
-    """engine.native's kernels. Skips without a C compiler; fails, not skips, when one is on
+    """engine.kernels.native's kernels. Skips without a C compiler; fails, not skips, when one is on
     PATH and the build still does not load."""
-    from engine import native
+    from engine.kernels import native
 
     if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler on PATH: the native kernels can't be built here")

@@ -6,12 +6,12 @@ import zlib
 from typing import Any
 
 from control.heartbeat import Heartbeat, ModelFacts
-from engine.block_pool import BlockPool
+from engine.core.block_pool import BlockPool
 from engine.config import SchedulerConfig
-from engine.hashing import BlockHasher
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.core.hashing import BlockHasher
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, SamplingParams
+from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.types import EngineLoad, RequestId
 
 SECRET = b"test-secret"

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import grpc
 
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from proto import generate_pb2 as pb
 from router.attempt import Deadline, Prepared, Progress
 from router.clients import WorkerClients, WorkerRequest

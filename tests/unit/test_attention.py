@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import _all_pairs_attention, _causal_self_attention, _paged_form, _sdpa_attention
-from engine.kv_pool import KVLayout, KVPool
-from engine.linear import Linear
+from engine.model.attention import _all_pairs_attention, _causal_self_attention, _paged_form, _sdpa_attention
+from engine.model.kv_pool import KVLayout, KVPool
+from engine.model.linear import Linear
 
 
 def reference_attention(q, k, v, ctx_lens, query_starts, scale):
@@ -98,7 +98,7 @@ def test_linear_matches_f_linear_prepacked_or_not(dtype, bias):
 def test_a_later_chunk_over_its_context_matches_the_reference(heads, kv_heads, start, n):
     """The GPU's form for one request's later prefill chunk (the lower-right causal mask over
     the context cut to its length; on CPU with the KV heads expanded) against the per-head one."""
-    from engine.attention import PagedGroup, _chunk_over_context
+    from engine.model.attention import PagedGroup, _chunk_over_context
 
     pool = KVPool(KVLayout(2, 4, kv_heads, 16, torch.float32), 20, "cpu")
     pool.tensor.copy_(torch.randn(pool.tensor.shape, generator=torch.Generator().manual_seed(start)))
@@ -119,7 +119,7 @@ def test_a_later_chunk_over_its_context_matches_the_reference(heads, kv_heads, s
 def test_scores_made_in_float32_give_the_fused_kernels_output_and_log_sum_exp(heads, kv_heads, causal):
     """The CUDA fallback of attention_with_lse (for inputs no fused kernel takes) against
     the CPU's fused flash kernel: the same output and log-sum-exp, grouped KV heads included."""
-    from engine.attention import _scores_with_lse, attention_with_lse
+    from engine.model.attention import _scores_with_lse, attention_with_lse
 
     gen = torch.Generator().manual_seed(heads + kv_heads)
     q = torch.randn(1, heads, 7, 16, generator=gen)
@@ -140,7 +140,7 @@ def test_the_first_fused_cuda_kernel_that_takes_a_kv_form_runs_and_its_lse_is_pe
     can_use_*: here `kernel`, and only KV heads repeated per query head), run on the meta
     device, whose forms of the three kernels give CUDA's shapes (cuDNN's log-sum-exp has a
     trailing 1, the memory-efficient one pads to 32 queries)."""
-    from engine.attention import _cuda_fused_with_lse
+    from engine.model.attention import _cuda_fused_with_lse
 
     cuda, tried = torch.backends.cuda, []
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.request import RequestStatus
+from engine.core.request import RequestStatus
 from engine.types import InvalidRequestError, RequestId
 from tests.conftest import FakeClock
 from tests.unit.helpers import fake_step, make_request, make_scheduler

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_pool import BlockPool
+from engine.core.block_pool import BlockPool
 from engine.types import BlockHash, InvariantError
 
 

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.tiny_tokenizer import build_tokenizer
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.model.tiny_tokenizer import build_tokenizer
 
 TOK = build_tokenizer(512)
 
@@ -44,7 +44,7 @@ def test_tokenizer_is_deterministic() -> None:
 
 
 def test_an_output_ends_at_a_stop_token_or_a_special_one_only_when_specials_are_kept() -> None:
-    from engine.tiny_tokenizer import EOS_ID
+    from engine.model.tiny_tokenizer import EOS_ID
 
     word = TOK.encode(" hello").ids[0]
     kept = IncrementalDetokenizer(TOK, [], (), skip_special_tokens=False, special_ids=frozenset({EOS_ID}))

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.devices import default_dtype, default_gpus_per_worker, resolve_device
-from engine.kv_sizing import kv_pool_bytes, num_blocks_for
+from engine.model.devices import default_dtype, default_gpus_per_worker, resolve_device
+from engine.model.kv_sizing import kv_pool_bytes, num_blocks_for
 
 GIB = 2**30
 
@@ -71,7 +71,7 @@ def test_a_worker_advertises_what_peers_can_dial() -> None:
 
 
 def test_cpu_workers_share_a_fraction_of_available_memory_never_under_the_old_default() -> None:
-    from engine.kv_sizing import DEFAULT_CPU_KV_BYTES, cpu_kv_bytes
+    from engine.model.kv_sizing import DEFAULT_CPU_KV_BYTES, cpu_kv_bytes
 
     gib = 2**30
     assert cpu_kv_bytes(20 * gib, 0.2, 2) == 2 * gib  # 1 prefill + 1 decode on a 24 GiB host
@@ -83,10 +83,10 @@ def test_cpu_workers_share_a_fraction_of_available_memory_never_under_the_old_de
 def test_serve_sizes_cpu_pools_from_memory_unless_kv_cache_mib_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
 
-    import engine.kv_sizing
+    import engine.model.kv_sizing
     from cluster.processes import add_device_flags, placement
 
-    monkeypatch.setattr(engine.kv_sizing, "available_memory_bytes", lambda: 10 * 2**30)
+    monkeypatch.setattr(engine.model.kv_sizing, "available_memory_bytes", lambda: 10 * 2**30)
     p = argparse.ArgumentParser()
     add_device_flags(p)
     p.add_argument("--gpus-per-worker", type=float, default=None)
@@ -101,7 +101,7 @@ def test_serve_sizes_cpu_pools_from_memory_unless_kv_cache_mib_is_given(monkeypa
 def test_a_cpu_pool_reads_zero_and_takes_memory_only_where_written() -> None:
     import torch
 
-    from engine.kv_pool import KVLayout, KVPool
+    from engine.model.kv_pool import KVLayout, KVPool
 
     def rss() -> int:
         with open("/proc/self/status") as f:

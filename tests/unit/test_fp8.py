@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.fp8 import E4M3, E4M3_MAX, Fp8Weight, channel_scale, dequantize, quantize_input, quantize_weight, to_e4m3
-from engine.linear import Linear
-from engine.native import load as load_native
-from engine.quant_config import Fp8Scheme, kv_model_id, served_name
+from engine.model.fp8 import (E4M3, E4M3_MAX, Fp8Weight, channel_scale, dequantize, quantize_input, quantize_weight,
+                              to_e4m3)
+from engine.model.linear import Linear
+from engine.kernels.native import load as load_native
+from engine.checkpoints.quant_config import Fp8Scheme, kv_model_id, served_name
 from engine.types import UnsupportedModelError
 
 CT_FP8 = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],

@@ -9,7 +9,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 
 from cluster import default_model
-from engine.gguf_checkpoint import check_supported, gguf_file, resolve_model_dir
+from engine.checkpoints.gguf_checkpoint import check_supported, gguf_file, resolve_model_dir
 from engine.types import UnsupportedModelError
 
 
@@ -62,7 +62,7 @@ def test_a_gguf_file_is_found_in_a_directory_and_a_checkpoint_directory_is_left_
 
 
 def test_the_converted_default_model_is_a_llama_checkpoint_named_after_the_file(smollm2_dir: str) -> None:
-    from engine.model_config import ModelConfig
+    from engine.model.model_config import ModelConfig
 
     d = Path(smollm2_dir)
     assert d.name == "SmolLM2-135M-Instruct.Q4_1" and d.parent.parent.name == "gguf"

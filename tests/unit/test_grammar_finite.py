@@ -1,4 +1,4 @@
-"""Constraints with no finite output (engine/grammar_finite.py): llguidance compiles them
+"""Constraints with no finite output (engine/structured/grammar_finite.py): llguidance compiles them
 without a word; splitserve refuses them by name, and never refuses one that can end."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import llguidance
 import pytest
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from engine.grammar_finite import lark_unending, schema_unending
-from engine.request import Constraint
-from engine.structured import Grammars
+from engine.structured.grammar_finite import lark_unending, schema_unending
+from engine.core.request import Constraint
+from engine.structured.grammars import Grammars
 from engine.types import InvalidRequestError
 
 ENDLESS_LARK = [
@@ -124,7 +124,7 @@ def test_refs_that_spell_one_index_many_ways_are_not_followed_and_the_check_is_l
     """Distinct `$ref` spellings of one node ("00", "+0", "0_0": Python's int reads them all
     as 0) are not RFC 6901 pointers: unresolved (llguidance names them). Canonical ones
     naming one node read it once; a schema past the budget is refused naming it."""
-    from engine.grammar_finite import MAX_REFS, Budget, TooLarge
+    from engine.structured.grammar_finite import MAX_REFS, Budget, TooLarge
 
     selfish = {"type": "object", "properties": {"next": {"$ref": "#/$defs/l/0"}}, "required": ["next"]}
     for spelling in ("00", "+0", "0_0", " 0", "\u0660"):

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from engine.hashing import BlockHasher
+from engine.core.hashing import BlockHasher
 
 H = BlockHasher(b"secret", "model-a", 4)
 
@@ -60,6 +60,6 @@ def test_bad_config_refused() -> None:
 
 
 def test_hashing_does_not_import_torch() -> None:
-    code = "import sys, engine.hashing, engine.scheduler; print('torch' in sys.modules)"
+    code = "import sys, engine.core.hashing, engine.core.scheduler; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

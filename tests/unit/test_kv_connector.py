@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_pool import BlockHash
+from engine.core.block_pool import BlockHash
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
-from engine.request import FinishReason, SamplingParams
+from engine.core.request import FinishReason, SamplingParams
 from engine.types import RequestId
 
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)

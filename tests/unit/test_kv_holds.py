@@ -2,10 +2,10 @@
 one place that knows them (a prefill hand-off, a decode worker's quarantine)."""
 from __future__ import annotations
 
-from engine.block_pool import BlockPool
-from engine.kv_cache_manager import KVCacheManager
-from engine.hashing import BlockHasher
-from engine.roles import PrefillRole, Role, role_for
+from engine.core.block_pool import BlockPool
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.hashing import BlockHasher
+from engine.core.roles import PrefillRole, Role, role_for
 from tests.unit.helpers import SECRET, fake_step, make_request, make_scheduler
 
 

@@ -4,7 +4,7 @@ token at the first one, an abort, a preemption), the blocks stay held, off the p
 the transfer lets go; then, and only then, all of them go back."""
 from __future__ import annotations
 
-from engine.request import FinishReason
+from engine.core.request import FinishReason
 from engine.types import RequestId
 from tests.unit.helpers import make_request, make_scheduler
 

@@ -113,7 +113,7 @@ def test_a_nixl_clusters_cpu_pool_is_private_memory_on_huge_page_boundaries() ->
     destination page), zero-filled, offering no shared-memory export."""
     import torch
 
-    from engine.kv_pool import HUGE_PAGE_BYTES, TensorAllocator
+    from engine.model.kv_pool import HUGE_PAGE_BYTES, TensorAllocator
 
     allocator = kv_allocator("cpu", "nixl")
     assert isinstance(allocator, TensorAllocator) and exports(allocator) == {}

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.fit import LinearFit
+from engine.core.fit import LinearFit
 
 
 def test_a_line_is_recovered_and_extrapolated() -> None:

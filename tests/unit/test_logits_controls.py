@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
 
-from engine.logits_controls import apply_min_p, controlled
-from engine.request import InvalidRequestError, Request, SamplingParams
-from engine.sampler import Sampler
+from engine.model.logits_controls import apply_min_p, controlled
+from engine.core.request import InvalidRequestError, Request, SamplingParams
+from engine.model.sampler import Sampler
 from engine.types import RequestId
 
 VOCAB = 50

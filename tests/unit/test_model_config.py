@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from engine.model_config import ModelConfig
-from engine.tiny_model import model_config
+from engine.model.model_config import ModelConfig
+from engine.model.tiny_model import model_config
 from engine.types import UnsupportedModelError
 
 

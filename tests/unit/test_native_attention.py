@@ -1,4 +1,4 @@
-"""The native kernels (engine/csrc): paged attention against a per-request, per-head loop
+"""The native kernels (engine/kernels/csrc): paged attention against a per-request, per-head loop
 reference, and the fused residual add + RMSNorm against the model's torch version.
 
 Float32 within 1e-5; bfloat16 within the output's own rounding (the kernel accumulates
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, PagedGroup, paged_attention
-from engine.kv_pool import KVLayout, KVPool
+from engine.model.attention import AttentionMetadata, PagedGroup, paged_attention
+from engine.model.kv_pool import KVLayout, KVPool
 
 
 def make_pool(heads_kv: int, head_dim: int, dtype: torch.dtype, num_blocks: int = 40, block_size: int = 4) -> KVPool:
@@ -245,7 +245,7 @@ def test_add_rms_norm_matches_the_model_reference(kernels, dtype, rows, with_del
     """h += delta exactly as torch adds. The norm: float32 within 2e-6; bfloat16 mostly
     bit-identical, and where the float32 sum of squares (added in another order than
     torch's) moves a normalised value across a rounding boundary, within two steps."""
-    from engine.model import rms_norm
+    from engine.model.decoder import rms_norm
 
     g = torch.Generator().manual_seed(rows)
     h = torch.randn(rows, 768, generator=g).to(dtype)
@@ -278,7 +278,7 @@ def test_add_rms_norm_refuses_mismatched_tensors(kernels):
 def test_a_group_over_the_workspace_attends_in_pieces_and_gives_the_same(dtype):
     """A decode batch split into runs of requests, and one request's long chunk split into
     runs of its queries, against the whole group at once (the torch forms, no kernel)."""
-    from engine import attention
+    from engine.model import attention
 
     pool = make_pool(2, 16, dtype)
     decode = PagedGroup(token_index=torch.arange(3), padded_index=torch.arange(3), batch=3, max_query_len=1,

@@ -1,4 +1,4 @@
-"""copy_stream (engine/csrc/copy.c): the bytes of memcpy, for every alignment of source and
+"""copy_stream (engine/kernels/csrc/copy.c): the bytes of memcpy, for every alignment of source and
 destination and every length around the 64-byte lines it streams, and not one byte outside
 [dst, dst + n)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""decode_layers (engine/csrc/forward.c): a bfloat16 decode batch through all layers in one
+"""decode_layers (engine/kernels/csrc/forward.c): a bfloat16 decode batch through all layers in one
 native call gives the same logits, bit for bit, as the model's layer loop over the same
 kernels, and writes the same K and V into the pool. Needs AVX-512 BF16 (the native matmul)."""
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import PagedGroup
+from engine.model.attention import PagedGroup
 from engine.config import CacheConfig, EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.request import SamplingParams
-from engine.tiny_model import make_tiny_model
+from engine.core.request import SamplingParams
+from engine.model.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])

@@ -1,4 +1,4 @@
-"""The native bfloat16 linear kernel (engine/csrc/linear.c) against a float64 reference.
+"""The native bfloat16 linear kernel (engine/kernels/csrc/linear.c) against a float64 reference.
 
 Tolerance: the kernel multiplies bfloat16 pairs exactly, sums in float32 and rounds once,
 so |y - ref| <= half a bfloat16 step of ref (2**-8 relative: 8 significant bits) plus
@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import native
-from engine.linear import Linear
+from engine.kernels import native
+from engine.model.linear import Linear
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +60,9 @@ def test_prefetching_the_next_linear_changes_no_output(linear_kernels, rows, aft
 
 
 def test_the_model_chains_its_linears_in_call_order(linear_kernels, tmp_path):
-    from engine.model import LlamaForCausalLM
-    from engine.model_config import ModelConfig
-    from engine.tiny_model import make_tiny_model
+    from engine.model.decoder import LlamaForCausalLM
+    from engine.model.model_config import ModelConfig
+    from engine.model.tiny_model import make_tiny_model
 
     make_tiny_model(tmp_path, arch="llama", size="tiny", seed=0)
     m = LlamaForCausalLM.load(str(tmp_path), ModelConfig.from_dir(tmp_path), torch.bfloat16, "cpu",

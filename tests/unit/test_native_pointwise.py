@@ -1,6 +1,6 @@
-"""The native per-token kernels (engine/csrc/pointwise.c) against the torch code they replace.
+"""The native per-token kernels (engine/kernels/csrc/pointwise.c) against the torch code they replace.
 
-rotary_store must equal engine/rope.py's apply_rotary followed by KVPool.write bit for
+rotary_store must equal engine/model/rope.py's apply_rotary followed by KVPool.write bit for
 bit, in float32 and bfloat16. silu_mul: float32 within 4 ulp of torch (its exponential
 differs from torch's by up to 2 ulp); bfloat16 the same value except where that moves the
 silu across a rounding boundary (then one step).
@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kv_pool import KVLayout, KVPool
-from engine.model_config import RopeConfig
-from engine.rope import RotaryTable, apply_rotary
+from engine.model.kv_pool import KVLayout, KVPool
+from engine.model.model_config import RopeConfig
+from engine.model.rope import RotaryTable, apply_rotary
 
 DTYPES = [torch.float32, torch.bfloat16]
 

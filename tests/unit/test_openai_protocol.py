@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.request import FinishReason
+from engine.core.request import FinishReason
 from proto import generate_pb2 as pb
 from router.constraints import AutoToolOutput, ToolCallOutput, ToolPlan, constraint_of, tool_plan
 from router.openai_output import Output

@@ -1,4 +1,4 @@
-"""The overlapped decode (engine/overlap.py) on CPU: the same path a GPU worker takes by
+"""The overlapped decode (engine/model/overlap.py) on CPU: the same path a GPU worker takes by
 default, checked for the same tokens as the engine without it, and for the blocks a request
 that ends with a step in flight keeps until that step lands."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 
 
 def _engine(model: str, overlap: bool, max_seqs: int = 8, num_blocks: int = 400) -> LLMEngine:

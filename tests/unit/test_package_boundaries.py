@@ -16,7 +16,7 @@ ROLES = ("router", "prefill_worker", "decode_worker")
 
 def test_the_router_process_imports_no_torch() -> None:
     code = ("import sys, router.service, control.reader, control.worker_host; "
-            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'engine.model', "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'engine.model.decoder', "
             "'engine.llm_engine', 'prefill_worker', 'decode_worker', 'cluster'))))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
@@ -27,7 +27,7 @@ def test_the_controller_and_the_command_line_import_no_torch() -> None:
     torch and the engine only when a worker is made (each cluster start once paid ~2.6
     CPU-seconds and ~180 MB for it in the controller, and again in `serve`'s process)."""
     code = ("import sys, cluster.controller, cluster.local, cluster.cli; "
-            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'engine.model', "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'engine.model.decoder', "
             "'engine.llm_engine', 'engine.engine_loop', 'kvstore.tier'))))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"

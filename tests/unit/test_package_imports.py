@@ -59,5 +59,6 @@ def test_every_package_is_installed() -> None:
     import tomllib
 
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    found = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests", "benchmarks"}
-    assert found == listed == set(PACKAGES), (sorted(found - listed), sorted(listed - found))
+    top = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests", "benchmarks"}
+    found = {".".join(p.parent.relative_to(ROOT).parts) for t in top for p in (ROOT / t).rglob("__init__.py")}
+    assert found == listed and top == set(PACKAGES), (sorted(found - listed), sorted(listed - found))

@@ -1,7 +1,7 @@
 """Finish reasons cross the wire and come back the same enum."""
 from __future__ import annotations
 
-from engine.request import FinishReason
+from engine.core.request import FinishReason
 from proto import generate_pb2 as pb
 from proto.convert import finish_from_pb, finish_to_pb
 

@@ -13,7 +13,7 @@ from control.heartbeat import BadEntry, Heartbeat, ModelFacts
 from control.kv_events import event_from_bytes, event_to_bytes
 from control.router_stats import (ControllerStatus, RouterStats, controller_status_from_wire, router_stats_from_wire,
                                   to_wire)
-from engine.block_pool import KVEvent
+from engine.core.block_pool import KVEvent
 from engine.types import BlockHash, EngineLoad
 
 FUZZ = settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

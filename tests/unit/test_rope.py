@@ -1,4 +1,4 @@
-"""Rope tables (engine/rope.py) against transformers' own frequency functions
+"""Rope tables (engine/model/rope.py) against transformers' own frequency functions
 (modeling_rope_utils), type by type: each position's angles are those transformers gives a
 sequence ending at that position, and the attention factor is its."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ import torch
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.model_config import ModelConfig
-from engine.rope import RotaryTable, position_frequencies
-from engine.tiny_model import model_config
+from engine.model.model_config import ModelConfig
+from engine.model.rope import RotaryTable, position_frequencies
+from engine.model.tiny_model import model_config
 
 SCALINGS = [
     dict(rope_type="linear", factor=2.0),

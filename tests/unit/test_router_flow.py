@@ -13,7 +13,7 @@ from collections.abc import Callable
 import grpc
 import pytest
 
-from engine.request import FinishReason, SamplingParams
+from engine.core.request import FinishReason, SamplingParams
 from proto import generate_pb2 as pb
 from router.attempt import Deadline, Prepared, Progress, RequestFailed
 from router.clients import WorkerRequest
@@ -274,7 +274,7 @@ def test_a_down_mark_outlasts_its_time_while_the_registry_is_away(clock) -> None
 
 
 def test_a_prompt_is_hashed_once_for_admission_and_routing(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.hashing import BlockHasher
+    from engine.core.hashing import BlockHasher
 
     calls: list[int] = []
     real = BlockHasher.hash_prompt

@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from router.admission import AdmissionConfig
 from router.attempt import Deadline, Prepared, RequestFailed
 from router.gate import AdmissionGate

@@ -3,7 +3,7 @@ from __future__ import annotations
 import random
 
 from control.kv_events import event_from_bytes, event_to_bytes
-from engine.block_pool import KVEvent
+from engine.core.block_pool import KVEvent
 from router.kv_index import KVIndex
 
 

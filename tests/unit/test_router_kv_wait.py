@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from router.attempt import Deadline, Prepared, Progress, RequestFailed
 from router.choices import Choices
 from tests.unit.router_fakes import EXPECTED, MAX_TOKENS, PROMPT, assert_settled, good_decode, make_flow

@@ -5,7 +5,7 @@ computing is not made (0 blocks: the worker does not look), except once every
 from __future__ import annotations
 
 from control.heartbeat import FETCH_PROBE_S, TierSpeed
-from engine.block_pool import KVEvent
+from engine.core.block_pool import KVEvent
 from router.kv_index import KVIndex
 from router.policy import RouteDecision
 from tests.unit.helpers import heartbeat

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.request import Request, SamplingParams
-from engine.sampler import Sampler, apply_top_k_top_p
+from engine.core.request import Request, SamplingParams
+from engine.model.sampler import Sampler, apply_top_k_top_p
 from engine.types import InvalidRequestError, RequestId
 
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.request import FinishReason, RequestStatus
+from engine.core.request import FinishReason, RequestStatus
 from engine.types import InvalidRequestError, RequestId
 from tests.unit.helpers import fake_step, make_request, make_scheduler, plan
 
@@ -286,7 +286,7 @@ def test_a_sequence_that_outgrows_its_share_preempts_others_then_fills_the_pool(
 
 
 def test_fair_order_forgets_only_tenants_past_their_credit_and_newcomers_get_none(clock) -> None:
-    from engine.fair_order import STALE_TENANTS, FairOrder
+    from engine.core.fair_order import STALE_TENANTS, FairOrder
 
     fair = FairOrder(burst_tokens=100)
     used = make_request("used", 4, clock, tenant="used")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.request import RequestStatus
+from engine.core.request import RequestStatus
 from tests.unit.helpers import fake_step, make_request, make_scheduler
 
 

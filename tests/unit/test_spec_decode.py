@@ -1,4 +1,4 @@
-"""Speculative decoding in one engine (engine/spec_decode.py, spec_verify.py, speculator.py):
+"""Speculative decoding in one engine (engine/spec/spec_decode.py, spec_verify.py, speculator.py):
 the n-gram proposer, the load-aware policy, exact greedy output and exact blocks."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.llm_engine import LLMEngine
-from engine.request import Request, SamplingParams
-from engine.spec_decode import NgramProposer, SpecPolicy
+from engine.core.request import Request, SamplingParams
+from engine.spec.spec_decode import NgramProposer, SpecPolicy
 from engine.types import RequestId
 
 
@@ -147,8 +147,8 @@ def chi2(counts: list[int], probs: list[float]) -> float:
 def test_rejection_sampling_keeps_the_target_distribution(proposer: str) -> None:
     import torch
 
-    from engine.sampler import Sampler
-    from engine.spec_verify import verify
+    from engine.model.sampler import Sampler
+    from engine.spec.spec_verify import verify
 
     vocab, trials = 6, 8000
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3],
@@ -180,7 +180,7 @@ def test_rejection_sampling_keeps_the_target_distribution(proposer: str) -> None
 
 @pytest.mark.parametrize("draft", ["the target itself", "its first layer"])
 def test_greedy_tokens_are_identical_with_a_draft_model(tiny_llama_dir: str, tmp_path, draft: str) -> None:  # type: ignore[no-untyped-def]
-    from engine.tiny_model import make_draft_model
+    from engine.model.tiny_model import make_draft_model
 
     draft_dir = tiny_llama_dir if draft == "the target itself" else str(make_draft_model(tiny_llama_dir, tmp_path, 1))
 
@@ -257,7 +257,7 @@ def test_make_tiny_model_writes_a_draft_of_a_checkpoint(tiny_llama_dir: str, tmp
 
 
 def test_the_step_cost_learns_what_speculating_at_all_adds() -> None:
-    from engine.spec_cost import SpecCost
+    from engine.spec.spec_cost import SpecCost
 
     cost = SpecCost()
     cost.observe(1, 100, False, 0.012)
@@ -275,7 +275,7 @@ def test_the_step_cost_learns_what_speculating_at_all_adds() -> None:
 
 def test_a_new_request_starts_from_what_the_engines_proposals_kept_lately() -> None:
     """On text where proposals fail, each new request would otherwise pay again to learn it."""
-    from engine.spec_decode import PRIOR_RELAX_STEPS
+    from engine.spec.spec_decode import PRIOR_RELAX_STEPS
 
     policy = SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4, max_batched_tokens=64), 1024)
     cpu = (0.010, 0.002, 0.0, 0.003)  # alone, 2 proposals at 0.5 pay (1.75 in 19 ms > 1 in 12)

@@ -1,4 +1,4 @@
-"""The decode step-time model engines fit and routers forecast with (engine/step_model.py)."""
+"""The decode step-time model engines fit and routers forecast with (engine/core/step_model.py)."""
 from __future__ import annotations
 
 import random
@@ -10,9 +10,9 @@ import pytest
 from control.heartbeat import BadEntry, Heartbeat, TierSpeed
 from engine.config import CacheConfig, EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.request import SamplingParams
-from engine.step_model import PrefillCost, StepModel
-from engine.tiny_model import make_tiny_model
+from engine.core.request import SamplingParams
+from engine.core.step_model import PrefillCost, StepModel
+from engine.model.tiny_model import make_tiny_model
 from router.members import Members
 from tests.unit.helpers import heartbeat
 

@@ -1,5 +1,5 @@
 """A decode worker's start-up profile of its decode steps (engine/step_profile.py) and how
-routers read it (engine/step_model.py `profile_seconds`, `StepShape`)."""
+routers read it (engine/core/step_model.py `profile_seconds`, `StepShape`)."""
 from __future__ import annotations
 
 import random
@@ -10,10 +10,10 @@ import pytest
 from control.heartbeat import BadEntry, Heartbeat
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
-from engine.request import SamplingParams
-from engine.step_model import StepShape, profile_seconds
+from engine.core.request import SamplingParams
+from engine.core.step_model import StepShape, profile_seconds
 from engine.step_profile import batch_sizes, profile_decode
-from engine.tiny_model import make_tiny_model
+from engine.model.tiny_model import make_tiny_model
 from router.members import Members
 from router.wait_forecast import WaitForecast
 from tests.conftest import FakeClock
@@ -33,7 +33,7 @@ def test_profile_is_read_per_batch_size_along_context_and_between_batch_sizes() 
     assert profile_seconds(ROWS, 15, 15 * 60) == pytest.approx(0.00324 + (0.00324 - 0.00106))
     assert profile_seconds(ROWS, 0.5, 10) == pytest.approx(0.00102)  # half a request of 20 tokens: one request of 20
     # a context shorter than any profiled is extrapolated along the line, never below zero
-    # (0 to within the fit's ridge, engine/fit.py)
+    # (0 to within the fit's ridge, engine/core/fit.py)
     assert profile_seconds(((1.0, 10.0, 0.001), (1.0, 110.0, 0.011)), 1, 0) == pytest.approx(0.0, abs=1e-9)
 
 

@@ -1,4 +1,4 @@
-"""Structured output in one engine (engine/structured.py, engine/constrainer.py): the mask is
+"""Structured output in one engine (engine/structured/grammars.py, engine/structured/constrainer.py): the mask is
 llguidance's, applied on the prefill side and the decode side, continued from tokens, under
 speculation; compiled constraints are cached and bounded."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 
 from engine.config import CacheConfig, EngineConfig, SpeculativeConfig
 from engine.llm_engine import LLMEngine
-from engine.request import Constraint, SamplingParams
-from engine.structured import Grammars
+from engine.core.request import Constraint, SamplingParams
+from engine.structured.grammars import Grammars
 from engine.types import InvalidRequestError
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17]

@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from engine.model_config import ModelConfig
-from engine.tensor_parallel import TensorParallel
+from engine.model.model_config import ModelConfig
+from engine.parallel.tensor_parallel import TensorParallel
 from engine.types import UnsupportedModelError
 
 
@@ -59,7 +59,7 @@ def test_shapes_that_do_not_split_are_refused_by_name(tiny_llama_dir: str, chang
 
 
 def test_experts_split_along_their_own_intermediate_size(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from engine.tiny_model import make_tiny_model
+    from engine.model.tiny_model import make_tiny_model
 
     moe = ModelConfig.from_dir(make_tiny_model(tmp_path, "qwen2_moe"))  # experts of 64, a shared one of 128
     assert moe.moe is not None and (moe.moe.intermediate_size, moe.moe.shared_intermediate_size) == (64, 128)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import tiny_model
-from engine.weights import CheckpointReader
+from engine.model import tiny_model
+from engine.checkpoints.weights import CheckpointReader
 
 
 def num_parameters(cfg: dict) -> int:

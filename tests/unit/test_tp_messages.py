@@ -1,4 +1,4 @@
-"""The tensor-parallel leader's messages to its followers are typed (engine/tp_followers.py
+"""The tensor-parallel leader's messages to its followers are typed (engine/parallel/tp_followers.py
 `Op`): each crosses as msgpack and decodes to its own Struct; anything else is refused by
 the decoder, before a follower acts on it."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import msgpack
 import msgspec
 import pytest
 
-from engine.tp_followers import CopyOp, ForwardOp, PoolOp, StopOp, _decode_op, _encode_op
+from engine.parallel.tp_followers import CopyOp, ForwardOp, PoolOp, StopOp, _decode_op, _encode_op
 
 
 @pytest.mark.parametrize("op", [PoolOp(512, True), ForwardOp([[1, 2], [0, 1]], [[], [2, 1, 3, 8, 1]], [0, 1]),

@@ -1,4 +1,4 @@
-"""The Triton kernels (engine/triton_attention.py, engine/triton_pointwise.py) against their
+"""The Triton kernels (engine/kernels/triton_attention.py, engine/kernels/triton_pointwise.py) against their
 torch forms, on the CPU under Triton's interpreter (TRITON_INTERPRET=1, in a process of its
 own: the interpreter is chosen when a kernel is built). Skips where Triton is not installed;
 on a GPU, tests/gpu runs them for real."""
@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 ATTENTION = r"""
 import torch
-from engine import triton_attention
-from engine.kv_pool import KVLayout, KVPool
+from engine.kernels import triton_attention
+from engine.model.kv_pool import KVLayout, KVPool
 from tests.unit.test_native_attention import reference
 
 # bfloat16 is left to tests/gpu: the interpreter's bfloat16 dot reads garbage (NumPy has no bfloat16)
@@ -101,11 +101,11 @@ print("ok")
 POINTWISE = r"""
 import torch
 import torch.nn.functional as F
-from engine import triton_pointwise
-from engine.kv_pool import KVLayout, KVPool
-from engine.model import rms_norm
-from engine.model_config import RopeConfig
-from engine.rope import RotaryTable, apply_rotary
+from engine.kernels import triton_pointwise
+from engine.model.kv_pool import KVLayout, KVPool
+from engine.model.decoder import rms_norm
+from engine.model.model_config import RopeConfig
+from engine.model.rope import RotaryTable, apply_rotary
 
 g = torch.Generator().manual_seed(0)
 for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
@@ -158,8 +158,9 @@ def _interpret(code: str) -> None:
 
 MOE = r"""
 import torch
-from engine import moe, triton_moe
-from engine.model_config import MoEConfig
+from engine.model import moe
+from engine.kernels import triton_moe
+from engine.model.model_config import MoEConfig
 
 # the alignment: each expert's pairs in a run of its own, padded to BLOCK_M; blocks past the last run -1
 experts = torch.tensor([[2, 0], [2, 1], [0, 2]])  # pairs 0..5 -> experts 2 0 2 1 0 2
@@ -191,10 +192,10 @@ for dtype, tol, cases in ((torch.float32, 1e-5, CASES), (torch.float16, 3e-3, CA
 import tempfile
 from pathlib import Path
 from engine.config import CacheConfig, EngineConfig
-from engine.gpu_kernels import GpuKernels
+from engine.kernels.gpu_kernels import GpuKernels
 from engine.llm_engine import LLMEngine
-from engine.request import SamplingParams
-from engine.tiny_model import make_tiny_model
+from engine.core.request import SamplingParams
+from engine.model.tiny_model import make_tiny_model
 
 model = str(make_tiny_model(Path(tempfile.mkdtemp()) / "moe", arch="qwen2_moe", seed=0))
 engine = LLMEngine(EngineConfig(model_dir=model, cache=CacheConfig(block_size=4, num_blocks=64, enable_prefix_caching=False)))
@@ -225,11 +226,11 @@ GRAPHS = r"""
 import tempfile
 from pathlib import Path
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.decode_graphs import EagerGraph
-from engine.gpu_kernels import GpuKernels
+from engine.model.decode_graphs import EagerGraph
+from engine.kernels.gpu_kernels import GpuKernels
 from engine.llm_engine import LLMEngine
-from engine.request import SamplingParams
-from engine.tiny_model import make_tiny_model
+from engine.core.request import SamplingParams
+from engine.model.tiny_model import make_tiny_model
 
 # llama; gemma2 (a window of 8 passed within a decode, soft-capped scores, Gemma's norms);
 # qwen2_moe (the grouped-GEMM experts inside the buckets); llama over an FP8 pool (K and V

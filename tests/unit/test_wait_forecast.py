@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from engine.step_model import StepShape
+from engine.core.step_model import StepShape
 from router.admission import AdmissionConfig, AdmissionQueue, Refused
 from router.wait_forecast import Queued, WaitForecast
 from tests.conftest import FakeClock
