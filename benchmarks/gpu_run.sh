@@ -9,4 +9,4 @@ python3 -m pip install -q --no-deps --no-index --target /tmp/gw .gpuwheels/*.whl
 export PYTHONPATH=$PWD:/tmp/gw
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv > "$out/nvidia-smi.txt" 2>&1 || true
-timeout ${GPU_CHECK_TIMEOUT_S:-540} python3 benchmarks/gpu_check.py --out "$out" "$@"
+timeout ${GPU_CHECK_TIMEOUT_S:-540} python3 benchmarks/gpu/gpu_check.py --out "$out" "$@"

@@ -66,7 +66,7 @@ class ClusterConfig:
     kv_store_disk_gib: float = 0.0
     """How much of `kv_store_dir` a store may fill."""
     kv_store_direct_io: bool = False
-    """The spill file with O_DIRECT (no page cache): benchmarks/kv_tier_fetch.py compares."""
+    """The spill file with O_DIRECT (no page cache): benchmarks/kv/kv_tier_fetch.py compares."""
     num_routers: int = 1
     """Router replicas; more than one share one port (see `RouterConfig.share_port`),
     each with its own admission budget and its own KV index replayed from Redis."""

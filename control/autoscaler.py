@@ -195,7 +195,7 @@ def wanted(pool: str, m: PoolMetrics, c: AutoscaleConfig) -> int:
     with and without a batch slot over those with one), at least one more. One action then
     covers a measured deficit, where one worker per cooldown behind a 30 s start-up left
     pools short for minutes. In the simulator (16 H100s, a 20 rps +-80 % sinusoid of
-    2,048+256-token requests; benchmarks/sim_autoscale.py) SLO attainment went 0.71 -> 0.78
+    2,048+256-token requests; benchmarks/sim/sim_autoscale.py) SLO attainment went 0.71 -> 0.78
     at 8,024 GPU-s against 4,045 (fixed 6P:10D: 1.0, 14,433). The backlog overshoots
     (prefill reached 15 workers at the peak: it holds what piled up during the start-up);
     sizing on the queue's growth with the backlog capped at double measured as one at a

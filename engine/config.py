@@ -165,7 +165,7 @@ class StepFloor:
     (requests scheduled); a step done sooner sleeps the rest. It makes a CPU worker stand for
     an accelerator of that speed whose compute is its own: on a machine of two cores, more
     such workers are more capacity, as more GPUs are. For measuring the control plane
-    (autoscaling, the simulator's validation: benchmarks/sim_validate.py), never for serving."""
+    (autoscaling, the simulator's validation: benchmarks/sim/sim_validate.py), never for serving."""
 
     base_s: float = 0.0
     token_s: float = 0.0

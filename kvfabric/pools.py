@@ -118,7 +118,7 @@ def exports(allocator: KVAllocator | None) -> dict[str, Any]:
 NIXL_FIRST: dict[tuple[str, bool], bool] = {("cpu", True): False, ("cpu", False): False,
                                            ("cuda", True): False, ("cuda", False): False}
 """(device kind, same host) -> whether a receiver's `nixl` is taken before the other transports
-when it offers it and no transport is forced (benchmarks/kvfabric_bandwidth.py; docs/kv.md's
+when it offers it and no transport is forced (benchmarks/kv/kvfabric_bandwidth.py; docs/kv.md's
 KV transport section has the numbers)."""
 
 

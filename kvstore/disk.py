@@ -10,7 +10,7 @@ the store's process ends, however it ends. Buffered I/O by default (pwrite/pread
 cache keeps recently spilled blocks in memory the store does not count as its own, and the
 kernel writes them back at its pace. `direct`: O_DIRECT, the device at every read and
 write, no page cache (slots padded to `ALIGN`, a block whose memory is not aligned goes
-through one aligned bounce buffer); benchmarks/kv_tier_fetch.py reads both ways against `dd`
+through one aligned bounce buffer); benchmarks/kv/kv_tier_fetch.py reads both ways against `dd`
 of the same bytes. Called under the store's lock, off any event loop.
 """
 from __future__ import annotations

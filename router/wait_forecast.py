@@ -42,7 +42,7 @@ no step profile holds), fitted in relative least squares on the same samples. He
 1 D on 2 cores with the router and 200 client threads) that overhead grew from 1 to 16
 requests faster than from 16 to 57 in some runs and slower in others; fitted between the
 warm-up's 1 and 16, the slope overestimated each burst of 57 by 20-30 % (ratio <= 0.7 in 3
-of 6 runs of benchmarks/admission_burst.py), where the single scale erred low by 15-50 % in
+of 6 runs of benchmarks/hostile/admission_burst.py), where the single scale erred low by 15-50 % in
 1 or 2 runs of 6.
 
 So was the worker fitting the rest of its period over the profile (period = profile step +
@@ -81,7 +81,7 @@ SCALE_RANGE = (1 / 16, 16.0)
 """A finished request's time per token over the step model's at its load, outside this range,
 says the model does not describe that load, and the sample does not set the scale. The router
 sees each token a worker's whole loop after the last (its step, sampling, sending) plus its
-own relaying: 4.9-5.4 times an idle start-up profile's forward in benchmarks/admission_burst.py
+own relaying: 4.9-5.4 times an idle start-up profile's forward in benchmarks/hostile/admission_burst.py
 here, more on a busier machine. A line fitted on a few steps can say a step at a load it has
 not seen takes almost nothing (a negative intercept makes one request's step ~0): 5 ms
 measured over that gave a scale of ~50,000, which the busier replay load turned into 200 s a

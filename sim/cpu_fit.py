@@ -1,5 +1,5 @@
 """A cost model fitted to this machine's CPU engine, for validating the simulator against the
-real cluster where both can run (benchmarks/sim_validate.py).
+real cluster where both can run (benchmarks/sim/sim_validate.py).
 
     profile_engine: the real LLMEngine (the model, one torch thread, as a worker runs it, in a
         process of its own) steps a staggered mix of requests (prompts and chunks of many

@@ -46,7 +46,7 @@ picked last. Two rules bend it:
 - The modules that share a Ray node (tests/integration/conftest.py `ray_node`) come together,
   so each worker starts the shared node about once.
 - The three that make test hosts (test_ray_up, test_separate_hosts, and test_nixl_apart's
-  link cut) hold a machine-wide lock while they do (benchmarks/separate_hosts.py
+  link cut) hold a machine-wide lock while they do (benchmarks/serving/separate_hosts.py
   `namespaces`): they come far enough apart that none waits for another (first in the
   order, the first two ran at once and test_separate_hosts waited 140 s for `ray up`). A
   worker is handed its next module when two tests of its current one are left, so the

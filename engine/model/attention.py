@@ -301,7 +301,7 @@ def _causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
 
     The inputs get a batch dimension of 1: given 3-D tensors, torch's CPU SDPA takes its
     math path, not the flash kernel (8x slower for a 2048-token prompt, 2x at 512;
-    `benchmarks/engine_throughput.py` has the prefill numbers). A `window` shorter than the
+    `benchmarks/engine/engine_throughput.py` has the prefill numbers). A `window` shorter than the
     chunk bands the causal mask (token j sees keys j - window + 1 .. j)."""
     n = q.shape[0]
     band = None

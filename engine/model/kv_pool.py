@@ -62,7 +62,7 @@ class TensorAllocator:
     fills with zeros as it is first written (a pool sized from memory costs only what its
     requests have used), aligned to and advised for transparent huge pages: a 2 MiB block is
     then one page, not 512, for the engine's TLB and for a NIXL (CMA) write into it, which
-    pins every destination page (benchmarks/kvfabric_bandwidth.py: 0.82-0.87 of memcpy into
+    pins every destination page (benchmarks/kv/kvfabric_bandwidth.py: 0.82-0.87 of memcpy into
     such a pool, 0.66-0.69 into shared memory, where this kernel gives no huge pages)."""
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:

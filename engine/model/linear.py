@@ -6,7 +6,7 @@ AVX-512 BF16 (engine/kernels/csrc/linear.c: it overlaps the weight stream with c
 weight is reordered into oneDNN's blocked layout, so no step pays for the layout
 conversion that `F.linear` does on every call: decode matmuls run about twice as fast in
 bfloat16 and three times in float32 on this project's machines
-(`benchmarks/engine_throughput.py`). Results equal `F.linear` up to float rounding.
+(`benchmarks/engine/engine_throughput.py`). Results equal `F.linear` up to float rounding.
 Where oneDNN can't take the dtype on this CPU (float16 without AVX-512 FP16) or on
 other devices, the plain weight and `F.linear` are kept.
 

@@ -1,4 +1,4 @@
-"""A short abort storm (benchmarks/abort_storm.py runs the long one): requests through a real
+"""A short abort storm (benchmarks/hostile/abort_storm.py runs the long one): requests through a real
 cluster, each cancelled by its client at a random moment (queued, prefilling, at the first
 token, mid-decode, or never). Afterwards nothing is held anywhere and the workers added no shm
 segment to their KV pools."""
@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from benchmarks.abort_storm import EXPECTED_CODES, storm, storm_cluster, worker_pids
+from benchmarks.hostile.abort_storm import EXPECTED_CODES, storm, storm_cluster, worker_pids
 from cluster.local import LocalCluster
 from kvfabric.region import segments_of
 from tests.integration.cluster_checks import assert_idle

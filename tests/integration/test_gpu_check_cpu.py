@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py is run on a GPU machine rarely and briefly: its CPU parts run here,
+"""benchmarks/gpu/gpu_check.py is run on a GPU machine rarely and briefly: its CPU parts run here,
 so a lease is never spent on a script that breaks before it measures anything."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the check is the GPU run itself")
 def test_the_gpu_check_runs_every_engine_phase_on_the_cpu(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--out", str(tmp_path), "--skip", "pytest"],
+    r = subprocess.run([sys.executable, "benchmarks/gpu/gpu_check.py", "--out", str(tmp_path), "--skip", "pytest"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [json.loads(x) for x in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]

@@ -3,7 +3,7 @@ router's OpenAIServer, its generation scripted) runs on its own thread and event
 this thread attacks it. Each case ends in a clear 4xx or a closed connection, a real request
 is answered meanwhile, and a 1 ms timer on the server's loop shows it never stalled for long
 (the bound asserted is loose, 2 s, against stalls of 13 to 19 s before; the measured numbers,
-tens of milliseconds, are benchmarks/front_hostile.py's)."""
+tens of milliseconds, are benchmarks/hostile/front_hostile.py's)."""
 from __future__ import annotations
 
 import asyncio
@@ -164,7 +164,7 @@ def _refusal_s(port: int, path: str, body: bytes) -> tuple[float, bytes]:
 REFUSAL_BOUND_S = 0.5
 """Loose, for a loaded CI machine: these cost 1-6 s of the loop before (1.0 s for a million stop
 strings, 2.2 s for escaped "role" keys, 6.3 s for a million logit_bias entries); the measured
-times (milliseconds) are benchmarks/front_hostile.py's."""
+times (milliseconds) are benchmarks/hostile/front_hostile.py's."""
 
 FLOODS = [  # (path, body, what the 400 says): each a list or map far past its limit, 4-16 MiB
     ("/v1/completions", {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(1_000_000)}},

@@ -5,7 +5,7 @@ then sends a generated sequence of frames: well-formed, malformed (wrong types, 
 fields, unknown types, absurd sizes and block runs) and raw garbage. Whatever arrives,
 only that connection may end: the receiver keeps serving (a clean transfer on a new
 connection succeeds afterwards), no byte outside the reserved blocks changes, and no
-reservation is left behind. The long coverage-guided run is `benchmarks/fuzz_parsers.py`.
+reservation is left behind. The long coverage-guided run is `benchmarks/hostile/fuzz_parsers.py`.
 """
 from __future__ import annotations
 

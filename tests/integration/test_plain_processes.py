@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 import grpc
 import pytest
 
-from benchmarks.separate_hosts import start_serving
+from benchmarks.serving.separate_hosts import start_serving
 from cluster.local import EmbeddedRedis
 from control.auth import cluster_token
 from control.tls import member_channel_sync, member_tls

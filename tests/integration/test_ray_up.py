@@ -1,6 +1,6 @@
 """`ray up deploy/onprem.yaml` for real: Ray's own cluster launcher, over SSH, onto three test
 hosts (network namespaces with their own addresses, hostnames, process IDs, /tmp, /dev/shm
-and home, each running an sshd; benchmarks/ssh_hosts.py). The hosts reach no package index,
+and home, each running an sshd; benchmarks/serving/ssh_hosts.py). The hosts reach no package index,
 so they come with splitserve's dependencies preinstalled (`SshHosts.preinstall`); the file's
 own setup commands install splitserve from the checkout it mounts. The copy of the file the
 test writes differs from deploy/onprem.yaml only in the hosts' addresses, the SSH user and
@@ -20,8 +20,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from benchmarks.separate_hosts import scrape
-from benchmarks.ssh_hosts import SshHosts, checkout, onprem_file, ray_cli, ray_down_quietly, ssh_hosts, unavailable
+from benchmarks.serving.separate_hosts import scrape
+from benchmarks.serving.ssh_hosts import (SshHosts, checkout, onprem_file, ray_cli, ray_down_quietly, ssh_hosts,
+                                           unavailable)
 from control.reader import RegistryReader
 from proto import generate_pb2_grpc as pb_grpc
 from tests.integration.cluster_checks import generate, greedy, tokens, wait_for

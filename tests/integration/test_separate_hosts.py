@@ -22,7 +22,7 @@ import pytest
 import ray
 import redis as redis_client
 
-from benchmarks.separate_hosts import SUBNET, Hosts, kill_all_in, namespaces, ray_node, scrape, sh, unavailable
+from benchmarks.serving.separate_hosts import SUBNET, Hosts, kill_all_in, namespaces, ray_node, scrape, sh, unavailable
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster, free_port
 from control.auth import cluster_token, metrics_token

@@ -1,6 +1,6 @@
 """The simulator against the real cluster, small: the CPU engine fitted, one workload through
 a real LocalCluster (Ray, gRPC, Redis) and through the Fleet at the same arrival times.
-The full comparison, with the serving overheads calibrated, is benchmarks/sim_validate.py;
+The full comparison, with the serving overheads calibrated, is benchmarks/sim/sim_validate.py;
 here the bounds are generous (the uncalibrated model leaves out the processes' own costs)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from loadgen import report
 from loadgen.workload import synthetic
-from benchmarks.sim_validation import Arm, compare, fit_engine, real_pooled_run, real_run, sim_pooled_run, sim_run
+from benchmarks.sim.sim_validation import Arm, compare, fit_engine, real_pooled_run, real_run, sim_pooled_run, sim_run
 from engine.config import StepFloor
 from engine.model.tiny_model import make_tiny_model
 from router.policy import RoutingConfig
@@ -44,7 +44,7 @@ def test_the_fleet_and_the_real_cluster_agree_roughly_on_a_small_workload(model:
     line = compare(real, simulated, 1.0, 0.05)
     ratios = line["sim_over_real"]
     # uncalibrated, the model leaves out the router's hops (5-9 ms here, measured by
-    # benchmarks/sim_validate.py), more than a 256-token prefill: TTFT is bounded loosely; so
+    # benchmarks/sim/sim_validate.py), more than a 256-token prefill: TTFT is bounded loosely; so
     # is the time per token, whose hops a loaded machine stretches (the suite on three xdist
     # workers on 2 cores: the real p50 6x the model's, 7.5 ms)
     assert 0.05 < ratios["ttft_ms_p50"] < 5 and 0.1 < ratios["itl_ms_p50"] < 5, line

@@ -31,10 +31,11 @@ def test_goodput_counts_requests_that_met_both_slos_and_failures_meet_none() -> 
 def test_every_tool_reports_the_same_percentile() -> None:
     """loadgen/report.py's nearest rank is the one percentile: the load generator, the overload
     and chat benchmarks use it, so their p99s compare with `splitserve bench`'s."""
-    import benchmarks.load_gen
-    import benchmarks.overload
+    import benchmarks.serving.load_gen
+    import benchmarks.hostile.overload
     from loadgen.report import pct
 
-    assert benchmarks.load_gen.pct is pct and benchmarks.overload.pct is pct
+    assert benchmarks.serving.load_gen.pct is pct and benchmarks.hostile.overload.pct is pct
     assert pct([0.1, 0.2, 0.3, 0.4], 50) == 0.2 and pct([0.1, 0.2, 0.3, 0.4], 99) == 0.4
-    assert benchmarks.overload.pct_ms([0.1, 0.2, 0.3, 0.4], 50) == 200.0 and benchmarks.overload.pct_ms([], 99) is None
+    pct_ms = benchmarks.hostile.overload.pct_ms
+    assert pct_ms([0.1, 0.2, 0.3, 0.4], 50) == 200.0 and pct_ms([], 99) is None

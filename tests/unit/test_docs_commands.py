@@ -29,11 +29,12 @@ RUN_BY = {
 """Program -> (the file that runs it, a string that file holds where it does)."""
 
 BY_HAND = {
-    "python benchmarks/engine_throughput.py", "python benchmarks/kvfabric_bandwidth.py",
-    "python benchmarks/observe_overhead.py", "python benchmarks/http_overhead.py",
-    "python benchmarks/serving_compare.py", "python benchmarks/sim_goodput.py", "python benchmarks/sim_speed.py",
-    "python benchmarks/sim_validate.py", "python -m benchmarks.tp_handoff", "python -m benchmarks.kv_tier_trace",
-    "python -m benchmarks.kv_tier_hosts", "python -m benchmarks.kv_tier_fetch",
+    "python benchmarks/engine/engine_throughput.py", "python benchmarks/kv/kvfabric_bandwidth.py",
+    "python benchmarks/serving/observe_overhead.py", "python benchmarks/serving/http_overhead.py",
+    "python benchmarks/serving/serving_compare.py", "python benchmarks/sim/sim_goodput.py",
+    "python benchmarks/sim/sim_speed.py", "python benchmarks/sim/sim_validate.py", "python -m benchmarks.kv.tp_handoff",
+    "python -m benchmarks.kv.kv_tier_trace", "python -m benchmarks.kv.kv_tier_hosts",
+    "python -m benchmarks.kv.kv_tier_fetch",
 }
 """Measurements: each runs for minutes to hours against clusters it starts, and reports JSON
 lines (benchmarks/; docs/benchmarks.md). Their flags are checked by test_readme_flags.py, and

@@ -59,7 +59,7 @@ def test_nccl_is_never_chosen_between_two_processes_on_one_gpu() -> None:
 
 def test_nixl_is_taken_where_forced_or_first_by_the_measured_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     """Forced, nixl needs the receiver to offer it and NIXL here; otherwise each case's default
-    (`NIXL_FIRST`, from benchmarks/kvfabric_bandwidth.py) decides, and no offer changes the rest."""
+    (`NIXL_FIRST`, from benchmarks/kv/kvfabric_bandwidth.py) decides, and no offer changes the rest."""
     offer = (*CPU_OFFER, "nixl")
     assert pick_transport("cpu", "cpu", False, offer, forced="nixl", nixl_here=True) == "nixl"
     assert pick_transport("cuda", "cuda", True, (*GPU_OFFER, "nixl"), forced="nixl", nixl_here=True) == "nixl"

@@ -29,7 +29,7 @@ def options(parser: argparse.ArgumentParser) -> set[str]:
 def script_flags() -> set[str]:
     """Flags defined by scripts the README runs directly (benchmarks/, tools)."""
     found: set[str] = set()
-    for path in [*ROOT.glob("benchmarks/*.py"), *ROOT.glob("benchmarks/*.sh"), ROOT / "dev",
+    for path in [*ROOT.glob("benchmarks/**/*.py"), *ROOT.glob("benchmarks/*.sh"), ROOT / "dev",
                  *ROOT.glob("loadgen/*.py")]:
         found |= set(re.findall(r"""["'](--[a-z][a-z0-9-]*)["']""", path.read_text()))
         found |= set(re.findall(r"\s(--[a-z][a-z0-9-]*)\)", path.read_text()))  # shell `case` arms
