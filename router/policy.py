@@ -1,6 +1,6 @@
 """Cache-aware P/D selection (torch-free, pure: loads and overlaps in, a decision out).
 
-Per docs/architecture.md, lowest cost wins and ties are broken at random:
+Lowest cost wins and ties are broken at random:
 - decode worker D: `active * decode_weight_tokens + queued local prefill tokens
   + kv_pressure_weight_tokens * (used fraction after the request) - overlap credit`,
   where the overlap credit (cached prefix on D, in tokens) is capped at
