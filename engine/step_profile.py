@@ -51,17 +51,21 @@ def profile_decode(engine: LLMEngine, budget_s: float, seed: int = 0) -> tuple[R
     """(requests, KV tokens, seconds) per point, in order of batch size; the larger batches
     are left out where the next point would run past `budget_s` or the pool cannot hold it."""
     from engine.core.forks import Forks  # torch: imported where an engine runs (this module's readers need none)
+    from engine.model.overlap import Overlap
 
     bs = engine.config.cache.block_size
     num_blocks = engine.kv_pool.num_blocks
     steps = TIMED_STEPS + 1
     short = bs // 2
-    saved = engine.block_pool, engine.kv, engine.scheduler, engine.speculator, engine.forks
+    saved = engine.block_pool, engine.kv, engine.scheduler, engine.speculator, engine.forks, engine.overlap
     engine.block_pool = BlockPool(num_blocks, enable_caching=False)
     engine.kv = KVCacheManager(engine.block_pool, engine.hasher)
     engine.scheduler = Scheduler(engine.config.scheduler, engine.kv, engine.max_model_len, engine.clock)
     engine.speculator = None
     engine.forks = Forks(engine.scheduler, engine.kv, engine._copy_block, engine._start, shadows=False)
+    # the scratch requests' overlapped steps (the GPU default) track them in the scratch books, not the real ones
+    engine.overlap = Overlap(engine.runner, engine.sampler, engine.scheduler, engine.kv, saved[5].enabled)
+    engine.overlap.host_copy = saved[5].host_copy
     rng = random.Random(seed)
     rows: list[Row] = []
     began, last_point_s = time.perf_counter(), 0.0
@@ -79,7 +83,8 @@ def profile_decode(engine: LLMEngine, budget_s: float, seed: int = 0) -> tuple[R
                 rows.append(_point(engine, rng, n, ctx, steps))
             last_point_s = time.perf_counter() - point_began
     finally:
-        engine.block_pool, engine.kv, engine.scheduler, engine.speculator, engine.forks = saved
+        engine.overlap.drain_if_idle()
+        engine.block_pool, engine.kv, engine.scheduler, engine.speculator, engine.forks, engine.overlap = saved
         engine._reset_state()
     logger.info("decode steps profiled in %.2f s: %s", time.perf_counter() - began,
                 ", ".join(f"{n:.0f}x{kv / n:.0f} {s * 1e3:.2f} ms" for n, kv, s in rows))

@@ -117,3 +117,23 @@ def test_heartbeats_carry_profiles_and_routers_average_equal_grids() -> None:
     other = Members(("*",))  # different grids (other pool sizes): the first worker's, by id
     other.update({"decode-1": beat("decode-1", flat[:6]), "decode-0": beat("decode-0", flat)})
     assert other.decode_step_model()[0].profile == ROWS  # type: ignore[union-attr]
+
+
+def test_a_profile_of_overlapped_steps_keeps_its_books_apart_from_the_engines(model_dir: str) -> None:
+    """The GPU default runs decode steps overlapped (engine/model/overlap.py): the profile's
+    scratch requests are launched ahead and land in the scratch scheduler and KV books, and
+    the engine's own are as they were (its pool all free, nothing in flight), then it serves."""
+    engine = LLMEngine(EngineConfig(model_dir=model_dir, role="decode", overlap=True,
+                                    cache=CacheConfig(block_size=16, num_blocks=256),
+                                    scheduler=SchedulerConfig(max_num_seqs=4)))
+    real = engine.overlap
+    rows = profile_decode(engine, budget_s=30.0)
+    assert [n for n, _, _ in rows] == [1.0, 1.0, 2.0, 2.0, 4.0, 4.0] and all(s > 0 for _, _, s in rows)
+    assert engine.overlap is real and real.current is None and real.num_guessed_rows == 0
+    assert engine.block_pool.num_free_blocks == 256 and not engine.scheduler.in_flight
+    assert engine.block_pool.check_invariants().num_in_use == 0 and not engine.has_unfinished()
+    prompt = [random.Random(0).randrange(engine.model_config.vocab_size) for _ in range(8)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    [done] = engine.generate([prompt], params)
+    [fresh] = _engine(model_dir).generate([prompt], params)
+    assert done.token_ids == fresh.token_ids
