@@ -45,6 +45,7 @@ from router.openai_protocol import (BadRequest, ChatRequest, CompletionRequest, 
                                     ask_of, messages_as_dicts, parse, prompts_of, sampling_of)
 from router.servicer import Generation
 from router.reasoning import ReasoningParser
+from router.responses_api import ResponseShape, ResponsesRequest
 from router.reasoning import parser_for_template as reasoning_for_template
 from router.tool_parsers import parser_for_template
 
@@ -91,6 +92,7 @@ class OpenAIServer:
         app = web.Application(client_max_size=max_request_bytes,
                               middlewares=[self.connections.middleware, guard.middleware, self._errors])
         app.add_routes([web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
+                        web.post("/v1/responses", self.responses),
                         web.get("/v1/models", self.models), web.get("/health", self.health),
                         web.get("/version", self.version), web.post("/tokenize", self.tokenize),
                         web.post("/detokenize", self.detokenize)])
@@ -180,6 +182,79 @@ class OpenAIServer:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = self._prescanned(await self.bodies.read(request))
         req = parse(ChatRequest, body)
+        ask, outs = await self._chat_part(req, len(body))
+        return await self._run(request, req.stream, req.stream_options, [(ask, outs)])
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's Responses API over the chat path (router/responses_api.py)."""
+        body = self._prescanned(await self.bodies.read(request))
+        req = parse(ResponsesRequest, body)
+        if self.reasoning is not None:
+            raise BadRequest("this model thinks, and the Responses API does not return reasoning items yet: use "
+                             "/v1/chat/completions (its reasoning_content)")
+        chat = req.as_chat()
+        ask, [out] = await self._chat_part(chat, len(body))
+        who = identity(request)
+        ask = dataclasses.replace(ask, route="responses", **({"tenant": who.tenant} if who and who.tenant else {}))
+        shape = ResponseShape(req, self.model_name or "", out)
+        headers = [(k.lower(), v) for k, v in request.headers.items() if k.lower() != "authorization"]
+        replies = self.generation.stream(ask, headers, None)
+        try:
+            try:  # a refusal before the first reply is an HTTP error
+                first = await anext(replies)
+            except StopAsyncIteration:
+                return failed(RequestFailed(grpc.StatusCode.INTERNAL, "the request ended without a response"))
+            except RequestFailed as e:
+                return failed(e)
+            if not req.stream:
+                try:
+                    out.add(first)
+                    async for r in replies:
+                        out.add(r)
+                except RequestFailed as e:
+                    return failed(e)
+                return web.json_response(shape.whole(), dumps=dumps)
+            return await self._response_events(request, shape, out, first, replies)
+        finally:
+            await replies.aclose()
+
+    async def _response_events(self, request: web.Request, shape: ResponseShape, out: Output, first: Any,
+                               replies: AsyncIterator[Any]) -> web.StreamResponse:
+        """The Responses API's events: each typed, the text as deltas, a failure as `error`
+        then `response.failed`."""
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        await resp.prepare(request)
+
+        async def send(events: list[dict[str, Any]]) -> None:
+            for e in events:
+                await resp.write(b"event: " + e["type"].encode() + b"\n" + sse(e))
+
+        try:
+            await send(shape.opening())
+            r = first
+            while True:
+                out.add(r)
+                if r.text:
+                    await send([shape.delta(r.text)])
+                if r.last:
+                    break
+                r = await anext(replies)
+            await send(shape.closing())
+        except ConnectionResetError:  # the client went away: closing the stream cancels the request
+            return resp
+        except Exception as e:  # noqa: BLE001 - mid-stream: the error events, whatever failed
+            if not isinstance(e, RequestFailed):
+                logger.exception("%s %s failed mid-stream", request.method, request.path)
+                e = RequestFailed(grpc.StatusCode.INTERNAL, "internal error in the router (logged); retry")
+            with contextlib.suppress(ConnectionResetError):
+                await send(shape.failed(e.message, e.code.name.lower()))
+        with contextlib.suppress(ConnectionResetError):
+            await resp.write_eof()
+        return resp
+
+    async def _chat_part(self, req: ChatRequest, body_chars: int) -> tuple[Ask, list[Output]]:
+        """A chat request's `Ask` (its conversation rendered and tokenized, off the loop when
+        long) and the outputs its choices fill; the Responses API's requests come here too."""
         self.limits.check(req)
         model = self._check_model(req.model)
         facts = serving_facts(self.members.facts)
@@ -192,7 +267,7 @@ class OpenAIServer:
         render = functools.partial(self.frontend.chat_token_ids, messages, facts.max_model_len,
                                    req.add_generation_prompt, kwargs)
         try:  # a long request (all it holds: messages, names, tools, kwargs) renders and tokenizes off the loop
-            prompt_ids = await self.off_loop.run(render) if len(body) > OFF_LOOP_CHARS else render()
+            prompt_ids = await self.off_loop.run(render) if body_chars > OFF_LOOP_CHARS else render()
         except InvalidRequestError as e:
             raise BadRequest(str(e), "messages") from None
         # no max_tokens: as long as the context and the largest decode worker allow (vLLM's default;
@@ -217,8 +292,7 @@ class OpenAIServer:
         else:
             kind = Output
         outs = [kind("chat", rid, model, req.logprobs, self._token_text, index=c, **fields) for c in range(req.n)]
-        ask = ask_of(req, req.request_id or rid, prompt_ids, params, "chat")
-        return await self._run(request, req.stream, req.stream_options, [(ask, outs)])
+        return ask_of(req, req.request_id or rid, prompt_ids, params, "chat"), outs
 
     async def _run(self, request: web.Request, stream: bool, options: Any, parts: list[tuple[Ask, list[Output]]],
                    keep: int | None = None) -> web.StreamResponse:

@@ -161,10 +161,11 @@ def parse(kind: type[_Body], body: bytes) -> Any:
     except ValidationError as e:
         errors = e.errors(include_url=False)
     else:
-        unknown = sorted(set(req.model_extra or ()) - IGNORED_FIELDS)
+        ignored = getattr(kind, "ignored", IGNORED_FIELDS)  # each API's own list (the Responses API's differs)
+        unknown = sorted(set(req.model_extra or ()) - ignored)
         if unknown:
             raise BadRequest(f"unknown field '{unknown[0]}': this API does not implement it (fields OpenAI's API has "
-                             f"that change nothing here are ignored: {', '.join(sorted(IGNORED_FIELDS))})", unknown[0])
+                             f"that change nothing here are ignored: {', '.join(sorted(ignored))})", unknown[0])
         return req
     err = errors[0]
     if err["type"] == "json_invalid":

@@ -1,7 +1,8 @@
 """The OpenAI HTTP API end to end, with the official `openai` client: answers equal to
 transformers, streaming, stop strings, the side endpoints, errors in OpenAI's shape, overload,
 disconnects, metrics shared with gRPC, structured output and tool calls; and the sampling
-answers of sampling_answers.py (log-probabilities, choices, seeds), on the same cluster."""
+answers of sampling_answers.py (log-probabilities, choices, seeds) and the Responses API's of
+responses_answers.py, on the same cluster."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -19,6 +20,10 @@ from cluster.local import LocalCluster
 from proto import generate_pb2 as pb
 from tests.integration.cluster_checks import assert_idle
 from tests.integration.openai_api.calls import MODEL, QUESTION, grpc_generate, post
+from tests.integration.openai_api.responses_answers import (  # noqa: F401 (collected here, on this module's cluster)
+    test_a_cut_at_max_output_tokens_is_an_incomplete_response, test_a_json_schema_text_format_shapes_the_output,
+    test_a_response_is_the_chat_answer_whole_and_streamed,
+    test_what_the_responses_api_does_not_take_yet_is_refused_by_name)
 from tests.integration.openai_api.sampling_answers import (  # noqa: F401 (collected here, on this module's cluster)
     test_best_of_returns_the_n_likeliest_of_its_choices, test_completions_equal_the_grpc_path,
     test_n_choices_are_seed_plus_i_alone_and_count_the_prompt_once, test_prompt_and_output_logprobs_equal_transformers,
