@@ -57,15 +57,16 @@ def profile_decode(engine: LLMEngine, budget_s: float, seed: int = 0) -> tuple[R
     num_blocks = engine.kv_pool.num_blocks
     steps = TIMED_STEPS + 1
     short = bs // 2
-    saved = engine.block_pool, engine.kv, engine.scheduler, engine.speculator, engine.forks, engine.overlap
+    real_overlap = engine.overlap
+    saved = engine.block_pool, engine.kv, engine.scheduler, engine.speculator, engine.forks, real_overlap
     engine.block_pool = BlockPool(num_blocks, enable_caching=False)
     engine.kv = KVCacheManager(engine.block_pool, engine.hasher)
     engine.scheduler = Scheduler(engine.config.scheduler, engine.kv, engine.max_model_len, engine.clock)
     engine.speculator = None
     engine.forks = Forks(engine.scheduler, engine.kv, engine._copy_block, engine._start, shadows=False)
     # the scratch requests' overlapped steps (the GPU default) track them in the scratch books, not the real ones
-    engine.overlap = Overlap(engine.runner, engine.sampler, engine.scheduler, engine.kv, saved[5].enabled)
-    engine.overlap.host_copy = saved[5].host_copy
+    engine.overlap = Overlap(engine.runner, engine.sampler, engine.scheduler, engine.kv, real_overlap.enabled)
+    engine.overlap.host_copy = real_overlap.host_copy
     rng = random.Random(seed)
     rows: list[Row] = []
     began, last_point_s = time.perf_counter(), 0.0

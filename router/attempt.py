@@ -47,7 +47,7 @@ BlockHashMemo = dict[tuple[str, int], list[bytes]]
 @dataclass(frozen=True)
 class Ask:
     """A request as a door hands it in (`Generation.stream`), in the router's one form: the
-    gRPC door converts its message once (`router/frontend.py ask_of`), the HTTP door builds it
+    gRPC door converts its message once (`router/frontend.py ask_from_pb`), the HTTP door builds it
     from the JSON body (router/openai_protocol.py); `Frontend.prepare` then checks and
     tokenizes it into `Prepared`."""
 

@@ -50,7 +50,8 @@ class Choices:
             self.done[choice] = True
             final = out.final(reply.finish_reason)
             final.choice = choice
-            if choice and final.usage is not None:  # the prompt counts once, on choice 0; the times are the request's
+            if choice:  # the prompt counts once, on choice 0; the times are the request's
+                assert final.usage is not None
                 final.usage = dataclasses.replace(final.usage, prompt_tokens=0, cached_tokens=0)
                 final.timing = self.outs[0].timing()
             sent.append(final)

@@ -63,7 +63,7 @@ OFF_LOOP_CONSTRAINT_CHARS = 1024
 """A constraint longer than this is checked off the event loop (a schema's check grows with it)."""
 
 
-def ask_of(request: pb.GenerateRequest) -> Ask:
+def ask_from_pb(request: pb.GenerateRequest) -> Ask:
     """The gRPC door's message in the router's form, its sampling converted once (the engine's
     limits checked); raises RequestFailed (INVALID_ARGUMENT)."""
     try:

@@ -194,11 +194,8 @@ class OpenAIServer:
                              "/v1/chat/completions (its reasoning_content)")
         chat = req.as_chat()
         ask, [out] = await self._chat_part(chat, len(body))
-        who = identity(request)
-        ask = dataclasses.replace(ask, route="responses", **({"tenant": who.tenant} if who and who.tenant else {}))
         shape = ResponseShape(req, self.model_name or "", out)
-        headers = [(k.lower(), v) for k, v in request.headers.items() if k.lower() != "authorization"]
-        replies = self.generation.stream(ask, headers, None)
+        replies = self._stream_of(request, dataclasses.replace(ask, route="responses"))
         try:
             try:  # a refusal before the first reply is an HTTP error
                 first = await anext(replies)
@@ -299,11 +296,7 @@ class OpenAIServer:
         """Runs each part, a request with its choices' outputs (a completion's several prompts,
         each of n choices), at once: one JSON body, or one event stream interleaving them; a
         response goes to its part's output of its `choice`."""
-        headers = [(k.lower(), v) for k, v in request.headers.items() if k.lower() != "authorization"]
-        who = identity(request)
-        if who is not None and who.tenant is not None:  # the key's tenant, whatever the body says
-            parts = [(dataclasses.replace(ask, tenant=who.tenant), outs) for ask, outs in parts]
-        streams = [self.generation.stream(ask, headers, None) for ask, _ in parts]
+        streams = [self._stream_of(request, ask) for ask, _ in parts]
         try:
             firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
             for f in firsts:  # a refusal before the first token is an HTTP error
@@ -320,6 +313,15 @@ class OpenAIServer:
         finally:
             for s in streams:
                 await s.aclose()
+
+    def _stream_of(self, request: web.Request, ask: Ask) -> AsyncIterator[Any]:
+        """`Generation.stream` of `ask` under the HTTP request's identity (an API key's tenant,
+        whatever the body says) and headers (for tracing; never the key)."""
+        headers = [(k.lower(), v) for k, v in request.headers.items() if k.lower() != "authorization"]
+        who = identity(request)
+        if who is not None and who.tenant is not None:
+            ask = dataclasses.replace(ask, tenant=who.tenant)
+        return self.generation.stream(ask, headers, None)
 
     async def _whole(self, streams: list[AsyncIterator[Any]], firsts: list[Any], routed: list[list[Output]],
                      keep: int | None = None) -> web.Response:

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 import grpc
 
-from engine.core.request import MAX_CHOICES, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, Constraint, SamplingParams
+from engine.core.request import MAX_CHOICES, MAX_TOP_LOGPROBS, Constraint, SamplingParams
 from engine.types import InvalidRequestError
 from router.attempt import Ask, RequestFailed
 from router.request_limits import MAX_PROMPTS, BadRequest
@@ -249,8 +249,6 @@ def sampling_of(req: CompletionRequest | ChatRequest, max_tokens_default: int | 
     fields: dict[str, Any] = {} if max_tokens is None else {
         "max_tokens": _within(max_tokens, max_name, -INT32_MAX, INT32_MAX)}
     try:
-        if len(bias) > MAX_LOGIT_BIAS:  # counted before it is sorted
-            raise InvalidRequestError(f"at most {MAX_LOGIT_BIAS} logit_bias tokens, got {len(bias)}")
         return SamplingParams(
             **fields, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,

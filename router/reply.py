@@ -74,18 +74,16 @@ class Reply:
 
 def reply_to_pb(r: Reply) -> pb.GenerateResponse:
     """The gRPC door's response for a router `Reply` (the one conversion on the way out)."""
-    out = pb.GenerateResponse(request_id=r.request_id, token_ids=r.token_ids, text=r.text, logprobs=r.logprobs,
-                              finish_reason=finish_to_pb(r.finish_reason), top_logprobs=r.top_logprobs,
-                              prompt_logprobs=r.prompt_logprobs, choice=r.choice)
-    if r.usage is not None:
-        u = r.usage
-        out.usage.CopyFrom(pb.Usage(prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens,
-                                    completion_tokens=u.completion_tokens))
-    if r.timing is not None:
-        t = r.timing
-        out.timing.CopyFrom(pb.Timing(queue_ms=t.queue_ms, prefill_ms=t.prefill_ms, transfer_ms=t.transfer_ms,
-                                      transfer_window_ms=t.transfer_window_ms, ttft_ms=t.ttft_ms))
-    if r.route is not None:
-        out.route.CopyFrom(pb.Route(decode_worker=r.route.decode_worker, prefill_worker=r.route.prefill_worker,
-                                    local_prefill=r.route.local_prefill))
-    return out
+    u, t, route = r.usage, r.timing, r.route
+    return pb.GenerateResponse(
+        request_id=r.request_id, token_ids=r.token_ids, text=r.text, logprobs=r.logprobs,
+        finish_reason=finish_to_pb(r.finish_reason), top_logprobs=r.top_logprobs, prompt_logprobs=r.prompt_logprobs,
+        choice=r.choice,
+        usage=None if u is None else pb.Usage(prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens,
+                                              completion_tokens=u.completion_tokens),
+        timing=None if t is None else pb.Timing(queue_ms=t.queue_ms, prefill_ms=t.prefill_ms,
+                                                transfer_ms=t.transfer_ms, transfer_window_ms=t.transfer_window_ms,
+                                                ttft_ms=t.ttft_ms),
+        route=None if route is None else pb.Route(decode_worker=route.decode_worker,
+                                                  prefill_worker=route.prefill_worker,
+                                                  local_prefill=route.local_prefill))

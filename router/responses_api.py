@@ -135,7 +135,8 @@ class ResponseShape:
     def _status(self) -> str:
         return "incomplete" if self.out.finish_reason == "length" else "completed"
 
-    def _message(self, text: str, status: str) -> dict[str, Any]:
+    def _message(self, text: str | None, status: str) -> dict[str, Any]:
+        """The message item (None: no text part yet)."""
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
                 "content": [] if text is None else [{"type": "output_text", "text": text, "annotations": []}]}
 
@@ -149,8 +150,7 @@ class ResponseShape:
         at = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
         return [self.event("response.created", response=self.response("in_progress")),
                 self.event("response.in_progress", response=self.response("in_progress")),
-                self.event("response.output_item.added", output_index=0,
-                           item={**self._message("", "in_progress"), "content": []}),
+                self.event("response.output_item.added", output_index=0, item=self._message(None, "in_progress")),
                 self.event("response.content_part.added", **at,
                            part={"type": "output_text", "text": "", "annotations": []})]
 

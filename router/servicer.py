@@ -1,6 +1,6 @@
 """Generation: the public `Generate` stream, a thin servicer over the router's parts.
 
-proto in -> `ask_of` (the router's one form, `Ask`; the HTTP door builds its own) ->
+proto in -> `ask_from_pb` (the router's one form, `Ask`; the HTTP door builds its own) ->
 `Frontend.prepare` (validate, tokenize) -> `AdmissionGate.admit` (may wait, or refuse early
 with a retry-after hint) -> `RequestFlow.run` (workers, retries) -> `Reply`s ->
 `reply_to_pb` -> proto out. A `RequestFailed` from any of them ends the stream with its status
@@ -28,7 +28,7 @@ from router.api_keys import ApiKeys, Unauthenticated, authorization
 from router.attempt import CUT_OFF, Ask, Deadline, Prepared, Progress, RequestFailed
 from router.flow import RequestFlow
 from router.choices import Choices
-from router.frontend import Frontend, ItlWindow, ask_of, output_tokens, runs_to_the_end, slow_to_prepare
+from router.frontend import Frontend, ItlWindow, ask_from_pb, output_tokens, runs_to_the_end, slow_to_prepare
 from router.admission import admission_cost
 from router.gate import AdmissionGate
 from router.metrics import RouterMetrics
@@ -93,7 +93,7 @@ class Generation(pb_grpc.GenerationServicer):
                 if who.tenant is not None:
                     request.tenant = who.tenant
             try:
-                ask = ask_of(request)
+                ask = ask_from_pb(request)
             except RequestFailed:
                 self.stats["num_invalid"] += 1
                 _access(request.request_id, request.tenant, "generate",

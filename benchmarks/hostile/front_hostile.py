@@ -23,7 +23,7 @@ import grpc
 
 from loadgen.report import pct
 from router.api_keys import ApiKeys, KeyCheck
-from router.frontend import Frontend, ask_of
+from router.frontend import Frontend, ask_from_pb
 from tests.integration.test_http_hostile import DEADLINES, FLOODS, Served, _refusal_s, closed_within, raw
 
 KEY = "sk-bench-0123456789"
@@ -114,7 +114,7 @@ def ref_schema(served: Served, model: str) -> Callable[[], None]:
         for i in range(3):  # a new schema each time (a refused or compiled one is cached)
             request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7]), sampling=pb.SamplingParams(
                 max_tokens=2, constraint=pb.Constraint(kind="json_schema", value=schema.replace("p0", f"p0{i}"))))
-            asyncio.run_coroutine_threadsafe(service.prepare(ask_of(request)), served.loop).result(60)
+            asyncio.run_coroutine_threadsafe(service.prepare(ask_from_pb(request)), served.loop).result(60)
         service.off_loop.close()
     return run
 

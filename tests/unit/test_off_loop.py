@@ -14,7 +14,7 @@ import pytest
 from proto import generate_pb2 as pb
 from router.admission import AdmissionConfig
 from router.attempt import RequestFailed
-from router.frontend import Frontend, ask_of
+from router.frontend import Frontend, ask_from_pb
 from router.gate import AdmissionGate
 from router.members import Members
 from router.off_loop import OffLoop
@@ -73,7 +73,7 @@ def test_a_large_ref_schema_is_prepared_while_the_loop_keeps_its_timer(tiny_llam
         stop = asyncio.Event()
         timer = asyncio.create_task(probe(stop))
         await asyncio.sleep(0.02)
-        prep = await service.prepare(ask_of(request))
+        prep = await service.prepare(ask_from_pb(request))
         assert prep.params.constraint is not None
         stop.set()
         await timer

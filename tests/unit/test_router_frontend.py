@@ -13,7 +13,7 @@ from control.heartbeat import ModelFacts
 from proto import generate_pb2 as pb
 from router.attempt import RequestFailed
 from router.admission import admission_cost
-from router.frontend import Frontend, ask_of, output_tokens, runs_to_the_end
+from router.frontend import Frontend, ask_from_pb, output_tokens, runs_to_the_end
 from router.policy import blocks_for
 
 FACTS = ModelFacts("m", 16, 1000, 512, 64)
@@ -21,7 +21,7 @@ FACTS = ModelFacts("m", 16, 1000, 512, 64)
 
 def prepare(**fields: object) -> object:
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=fields.pop("ids", [5, 6, 7])), **fields)  # type: ignore[arg-type]
-    return Frontend(None).prepare(ask_of(request), FACTS, 64)
+    return Frontend(None).prepare(ask_from_pb(request), FACTS, 64)
 
 
 @pytest.mark.parametrize(("fields", "message"), [
@@ -71,11 +71,12 @@ def test_only_a_request_that_nothing_can_stop_early_is_charged_its_max_tokens_as
 def test_long_text_and_long_constraints_are_prepared_off_the_event_loop() -> None:
     from router.frontend import OFF_LOOP_CHARS, OFF_LOOP_CONSTRAINT_CHARS, slow_to_prepare
 
-    assert not slow_to_prepare(ask_of(pb.GenerateRequest(text="x" * OFF_LOOP_CHARS)))
-    assert slow_to_prepare(ask_of(pb.GenerateRequest(text="x" * (OFF_LOOP_CHARS + 1))))
-    assert not slow_to_prepare(ask_of(pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(OFF_LOOP_CHARS + 1))))))
+    assert not slow_to_prepare(ask_from_pb(pb.GenerateRequest(text="x" * OFF_LOOP_CHARS)))
+    assert slow_to_prepare(ask_from_pb(pb.GenerateRequest(text="x" * (OFF_LOOP_CHARS + 1))))
+    ids = pb.TokenIds(ids=list(range(OFF_LOOP_CHARS + 1)))
+    assert not slow_to_prepare(ask_from_pb(pb.GenerateRequest(token_ids=ids)))
     schema = pb.SamplingParams(constraint=pb.Constraint(kind="json_schema", value="{" + " " * OFF_LOOP_CONSTRAINT_CHARS + "}"))
-    assert slow_to_prepare(ask_of(pb.GenerateRequest(text="hi", sampling=schema)))
+    assert slow_to_prepare(ask_from_pb(pb.GenerateRequest(text="hi", sampling=schema)))
 
 
 def test_a_prompt_under_a_sliding_window_needs_only_its_window_s_blocks_on_a_decode_worker() -> None:
@@ -85,8 +86,8 @@ def test_a_prompt_under_a_sliding_window_needs_only_its_window_s_blocks_on_a_dec
     windowed = ModelFacts("m", 16, 1000, 4096, 64, kv_window=32)
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 200))
     with pytest.raises(RequestFailed, match="prompt needs 13 KV blocks; the largest decode worker holds 8"):
-        Frontend(None).prepare(ask_of(request), ModelFacts("m", 16, 1000, 4096, 64), 8)
-    assert len(Frontend(None).prepare(ask_of(request), windowed, 8).token_ids) == 200
+        Frontend(None).prepare(ask_from_pb(request), ModelFacts("m", 16, 1000, 4096, 64), 8)
+    assert len(Frontend(None).prepare(ask_from_pb(request), windowed, 8).token_ids) == 200
     assert blocks_for(200, 16) == 13 and blocks_for(200, 16, 32) == 3
 
 
@@ -104,7 +105,7 @@ def test_a_constraint_is_compiled_once_by_the_router_and_a_refusal_is_kept(monke
     monkeypatch.setattr(front.grammars, "_compile", lambda c: calls.append(c.kind) or real(c))
 
     def ask(sampling: pb.SamplingParams, i: int = 0) -> object:
-        return ask_of(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, i + 3]), sampling=sampling))
+        return ask_from_pb(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, i + 3]), sampling=sampling))
 
     good = pb.SamplingParams(constraint=pb.Constraint(kind="json_schema", value='{"type": "object"}'))
     preps = [front.prepare(ask(good, i), FACTS, 64) for i in range(4)]  # type: ignore[arg-type]
