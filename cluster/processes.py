@@ -113,6 +113,10 @@ def add_http_flags(p: argparse.ArgumentParser, default_port: int = 8000) -> None
     p.add_argument("--reasoning-parser", choices=[*REASONING_PARSERS, "none"],
                    help="how a thinking model's reasoning is split into reasoning_content (default: as the chat "
                         "template implies: qwen3 or deepseek_r1 where it writes <think>; none: never)")
+    p.add_argument("--responses-ttl-s", type=float, default=RouterConfig.responses_ttl_s,
+                   help="how long the Responses API keeps a stored response, in seconds (default a day)")
+    p.add_argument("--responses-store-mib", type=float, default=RouterConfig.responses_max_bytes / 2**20,
+                   help="MiB of stored responses one tenant (API key) may keep; past it its oldest are dropped")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY[:TENANT]",
                    help="a key callers must show (HTTP 'Authorization: Bearer KEY', gRPC metadata "
                         "'authorization'); with :TENANT its requests are that tenant's (repeatable; argv is "
@@ -195,6 +199,7 @@ def http_fields(args: argparse.Namespace) -> dict:
     return dict(http_port=None if args.http_port < 0 else args.http_port, served_model_name=args.served_model_name,
                 chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
                 reasoning_parser=args.reasoning_parser, api_keys=api_keys.load(args.api_key, args.api_key_file),
+                responses_ttl_s=args.responses_ttl_s, responses_max_bytes=int(args.responses_store_mib * 2**20),
                 allowed_hosts=tuple(args.allowed_host), worker_networks=tuple(args.worker_network),
                 open_paths=tuple(args.open_path) if args.open_path is not None else ("/health",),
                 request_limits=RequestLimits(max_messages=args.max_messages, max_tools=args.max_tools,

@@ -46,6 +46,9 @@ class Unauthenticated(Exception):
 class Identity:
     tenant: str | None
     """The tenant the key names; None: the request's own."""
+    owner: str = ""
+    """Whose stored objects (stored responses) the request sees: the key's tenant, else the key
+    itself (a digest of it)."""
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,7 @@ class ApiKeys:
             tenant = named if same else tenant
         if not found:
             raise Unauthenticated(WRONG)
-        return Identity(tenant)
+        return Identity(tenant, tenant or "key:" + presented.hex()[:32])
 
 
 def _digest(key: str) -> bytes:

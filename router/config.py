@@ -68,6 +68,10 @@ class RouterConfig:
     reasoning_parser: str | None = None
     """How a thinking model's reasoning is split from its answer (`reasoning_content`): qwen3,
     deepseek_r1 (router/reasoning.py) or "none"; None: as the chat template implies."""
+    responses_ttl_s: float = 24 * 3600.0
+    """How long the Responses API keeps a stored response (for `previous_response_id`, GET)."""
+    responses_max_bytes: int = 256 << 20
+    """Bytes of stored responses one tenant (API key) may keep; past it, its oldest are dropped."""
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     prefill_timeout_s: float = 120.0
@@ -152,6 +156,9 @@ class RouterConfig:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} or none, got "
                              f"{self.reasoning_parser!r}")
         WorkerNetworks(self.worker_networks)  # a malformed network is an error here, at start
+        if not self.responses_ttl_s > 0 or self.responses_max_bytes < 1:
+            raise ValueError(f"responses_ttl_s and responses_max_bytes must be positive, got {self.responses_ttl_s}, "
+                             f"{self.responses_max_bytes}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
         if not 0 <= self.port < 65536:

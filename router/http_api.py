@@ -18,9 +18,10 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib import metadata
 from typing import Any
 
@@ -45,6 +46,8 @@ from router.openai_protocol import (BadRequest, ChatRequest, CompletionRequest, 
                                     ask_of, messages_as_dicts, parse, prompts_of, sampling_of)
 from router.servicer import Generation
 from router.reasoning import ReasoningParser
+from router.messages_api import MessageShape, MessagesRequest, anthropic_error
+from router.response_store import ResponseStore, ResponseTooLarge, StoredResponse, StoreUnavailable
 from router.responses_api import ResponseShape, ResponsesRequest
 from router.reasoning import parser_for_template as reasoning_for_template
 from router.tool_parsers import parser_for_template
@@ -61,6 +64,14 @@ class ModelNotFound(Exception):
     """A request names a model this server does not serve (404)."""
 
 
+class NotFound(Exception):
+    """A stored object the request names does not exist for its tenant (404)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
 class OpenAIServer:
     """The HTTP routes of one router replica; `start` serves them on the running loop."""
 
@@ -68,9 +79,12 @@ class OpenAIServer:
                  served_model_name: str | None, max_request_bytes: int, tool_call_parser: str | None = None,
                  reasoning_parser: str | None = None, guard: HttpGuard | None = None,
                  limits: RequestLimits | None = None, deadlines: HttpDeadlines | None = None,
-                 off_loop: OffLoop | None = None) -> None:
+                 off_loop: OffLoop | None = None, store: ResponseStore | None = None) -> None:
         self.generation, self.frontend, self.members = generation, frontend, members
+        self.store = store
+        """Where the Responses API keeps stored responses (None: it stores none)."""
         source = frontend.chat_template.source if frontend.chat_template else None
+        self.thinking_switch = source is not None and "enable_thinking" in source
         self.tool_call_parser = tool_call_parser or parser_for_template(source)
         """Reads `tool_choice: "auto"` calls out of the model's text (None: auto is refused)."""
         name = reasoning_parser or reasoning_for_template(source)
@@ -90,9 +104,12 @@ class OpenAIServer:
         self._runner: web.AppRunner | None = None
         guard = guard or HttpGuard()
         app = web.Application(client_max_size=max_request_bytes,
-                              middlewares=[self.connections.middleware, guard.middleware, self._errors])
+                              middlewares=[self._anthropic_errors, self.connections.middleware, guard.middleware,
+                                           self._errors])
         app.add_routes([web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
-                        web.post("/v1/responses", self.responses),
+                        web.post("/v1/responses", self.responses), web.post("/v1/messages", self.messages),
+                        web.get("/v1/responses/{response_id}", self.stored_response),
+                        web.delete("/v1/responses/{response_id}", self.delete_response),
                         web.get("/v1/models", self.models), web.get("/health", self.health),
                         web.get("/version", self.version), web.post("/tokenize", self.tokenize),
                         web.post("/detokenize", self.detokenize)])
@@ -123,6 +140,24 @@ class OpenAIServer:
         return self.served_model_name or (served_name(facts.model_id) if facts else None)
 
     @web.middleware
+    async def _anthropic_errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """/v1/messages answers its errors, whoever refused (key, connections, body, handler), in
+        Anthropic's shape, with the same status and headers."""
+        response = await handler(request)
+        if request.path != "/v1/messages" or response.status < 400 or not isinstance(response, web.Response) \
+                or response.content_type != "application/json" or not isinstance(response.body, bytes):
+            return response
+        try:
+            message = json.loads(response.body)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            return response
+        converted = web.json_response(anthropic_error(response.status, message), status=response.status, dumps=dumps)
+        for name in ("Retry-After", "WWW-Authenticate"):
+            if name in response.headers:
+                converted.headers[name] = response.headers[name]
+        return converted
+
+    @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """Every error in OpenAI's shape: aiohttp's own (404 path, 405, 413) too; 500 only for our bugs."""
         try:
@@ -133,6 +168,8 @@ class OpenAIServer:
             return failed(e)
         except ModelNotFound as e:
             return error(404, str(e), "model", "model_not_found")
+        except NotFound as e:
+            return error(404, e.message, e.param, "not_found")
         except web.HTTPRequestEntityTooLarge:
             return error(413, f"the request body is larger than {self.max_request_bytes} bytes", code="request_too_large")
         except web.HTTPException as e:
@@ -189,36 +226,91 @@ class OpenAIServer:
         """OpenAI's Responses API over the chat path (router/responses_api.py)."""
         body = self._prescanned(await self.bodies.read(request))
         req = parse(ResponsesRequest, body)
-        if self.reasoning is not None:
-            raise BadRequest("this model thinks, and the Responses API does not return reasoning items yet: use "
-                             "/v1/chat/completions (its reasoning_content)")
-        chat = req.as_chat()
+        tenant = self._tenant(request)
+        conversation = req.conversation()
+        if req.previous_response_id is not None:
+            conversation = (await self._stored(tenant, req.previous_response_id, "previous_response_id")).conversation \
+                + conversation
+        chat = req.as_chat(conversation, self.thinking_switch)
         ask, [out] = await self._chat_part(chat, len(body))
         shape = ResponseShape(req, self.model_name or "", out)
-        replies = self._stream_of(request, dataclasses.replace(ask, route="responses"))
+
+        async def whole() -> dict[str, Any]:
+            shape.whole()
+            await self._keep(tenant, shape, conversation)
+            return shape.response(shape.status())
+
+        async def finish() -> list[dict[str, Any]]:
+            events = shape.closing_items()
+            await self._keep(tenant, shape, conversation)
+            return events + shape.completed()
+
+        return await self._answer(request, dataclasses.replace(ask, route="responses"), out, req.stream, whole,
+                                  shape.opening, shape.feed, finish,
+                                  lambda e: shape.failed(e.message, e.code.name.lower()))
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        """Anthropic's Messages API over the chat path (router/messages_api.py); its errors are
+        put in Anthropic's shape by `_anthropic_errors`."""
+        body = self._prescanned(await self.bodies.read(request))
+        req = parse(MessagesRequest, body)
+        ask, [out] = await self._chat_part(req.as_chat(self.thinking_switch, self.reasoning is not None), len(body))
+
+        def matched() -> str | None:
+            """The stop sequence that ended the answer: the text the tokens decode to, past the
+            text returned (which the engine cut where a stop string began), starts with it."""
+            if not req.stop_sequences or out.finish_reason != "stop":
+                return None
+            text, full = "".join(out.text), self.frontend.decode(out.token_ids)
+            rest = full[len(text):] if full.startswith(text) else ""
+            return next((s for s in req.stop_sequences if rest.startswith(s)), None)
+
+        shape = MessageShape(req, self.model_name or "", out, len(ask.prompt), matched)
+
+        async def whole() -> dict[str, Any]:
+            return shape.whole()
+
+        async def finish() -> list[dict[str, Any]]:
+            return shape.closing()
+
+        return await self._answer(request, dataclasses.replace(ask, route="messages"), out, req.stream, whole,
+                                  shape.opening, shape.feed, finish,
+                                  lambda e: [anthropic_error(HTTP_STATUS.get(e.code, 500), e.message)])
+
+    async def _answer(self, request: web.Request, ask: Ask, out: Output, stream: bool,
+                      whole: Callable[[], Awaitable[dict[str, Any]]], opening: Callable[[], list[dict[str, Any]]],
+                      feed: Callable[[dict[str, Any]], list[dict[str, Any]]],
+                      finish: Callable[[], Awaitable[list[dict[str, Any]]]],
+                      fail: Callable[[RequestFailed], list[dict[str, Any]]]) -> web.StreamResponse:
+        """An agent API's answer of one choice: a refusal before the first reply as an HTTP
+        error; then `whole()` once every reply is in, or the events (`_item_events`)."""
+        replies = self._stream_of(request, ask)
         try:
-            try:  # a refusal before the first reply is an HTTP error
+            try:
                 first = await anext(replies)
             except StopAsyncIteration:
                 return failed(RequestFailed(grpc.StatusCode.INTERNAL, "the request ended without a response"))
             except RequestFailed as e:
                 return failed(e)
-            if not req.stream:
+            if not stream:
                 try:
                     out.add(first)
                     async for r in replies:
                         out.add(r)
                 except RequestFailed as e:
                     return failed(e)
-                return web.json_response(shape.whole(), dumps=dumps)
-            return await self._response_events(request, shape, out, first, replies)
+                return web.json_response(await whole(), dumps=dumps)
+            return await self._item_events(request, out, first, replies, opening(), feed, finish, fail)
         finally:
             await replies.aclose()
 
-    async def _response_events(self, request: web.Request, shape: ResponseShape, out: Output, first: Any,
-                               replies: AsyncIterator[Any]) -> web.StreamResponse:
-        """The Responses API's events: each typed, the text as deltas, a failure as `error`
-        then `response.failed`."""
+    async def _item_events(self, request: web.Request, out: Output, first: Any, replies: AsyncIterator[Any],
+                           opening: list[dict[str, Any]], feed: Callable[[dict[str, Any]], list[dict[str, Any]]],
+                           finish: Callable[[], Awaitable[list[dict[str, Any]]]],
+                           fail: Callable[[RequestFailed], list[dict[str, Any]]]) -> web.StreamResponse:
+        """An agent API's events (Responses, Messages), each typed (`event:` and `data:` lines):
+        `opening`, then each reply's chat delta through `feed`, then `finish`; a failure as
+        `fail` says it, then the stream closes."""
         resp = web.StreamResponse(headers=SSE_HEADERS)
         await resp.prepare(request)
 
@@ -227,16 +319,18 @@ class OpenAIServer:
                 await resp.write(b"event: " + e["type"].encode() + b"\n" + sse(e))
 
         try:
-            await send(shape.opening())
-            r = first
+            await send(opening)
+            r, opened = first, True
             while True:
                 out.add(r)
-                if r.text:
-                    await send([shape.delta(r.text)])
+                chunk = out.chunk(r, opened)
+                opened = False
+                if chunk is not None and chunk["choices"]:
+                    await send(feed(chunk["choices"][0]["delta"]))
                 if r.last:
                     break
                 r = await anext(replies)
-            await send(shape.closing())
+            await send(await finish())
         except ConnectionResetError:  # the client went away: closing the stream cancels the request
             return resp
         except Exception as e:  # noqa: BLE001 - mid-stream: the error events, whatever failed
@@ -244,10 +338,52 @@ class OpenAIServer:
                 logger.exception("%s %s failed mid-stream", request.method, request.path)
                 e = RequestFailed(grpc.StatusCode.INTERNAL, "internal error in the router (logged); retry")
             with contextlib.suppress(ConnectionResetError):
-                await send(shape.failed(e.message, e.code.name.lower()))
+                await send(fail(e))
         with contextlib.suppress(ConnectionResetError):
             await resp.write_eof()
         return resp
+
+    async def _keep(self, tenant: str | None, shape: ResponseShape, conversation: list[dict[str, Any]]) -> None:
+        """Stores a finished response where asked (and a store is there) for its follow-ups; a
+        response that cannot be stored is still returned, with `store: false`."""
+        if not shape.req.store or self.store is None:
+            return
+        shape.stored = True
+        try:
+            await self.store.put(tenant, shape.id, StoredResponse(shape.response(shape.status()),
+                                                                  [*conversation, shape.assistant_turn()]))
+        except (StoreUnavailable, ResponseTooLarge) as e:
+            shape.stored = False
+            logger.warning("response %s not stored: %s", shape.id, e)
+
+    async def _stored(self, tenant: str | None, response_id: str, param: str) -> StoredResponse:
+        if self.store is None:
+            raise BadRequest("this server keeps no stored responses (no response store)", param)
+        try:
+            stored = await self.store.get(tenant, response_id)
+        except StoreUnavailable:
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "the response store (the cluster's Redis) cannot be "
+                                "reached; retry", retry_after_s=1.0) from None
+        if stored is None:
+            raise NotFound(f"no stored response '{response_id}' (never stored, expired, deleted, or another "
+                           "tenant's)", param)
+        return stored
+
+    async def stored_response(self, request: web.Request) -> web.Response:
+        """GET /v1/responses/{id}: a response stored by this request's tenant."""
+        stored = await self._stored(self._tenant(request), request.match_info["response_id"], "response_id")
+        return web.json_response(stored.response, dumps=dumps)
+
+    async def delete_response(self, request: web.Request) -> web.Response:
+        response_id = request.match_info["response_id"]
+        await self._stored(self._tenant(request), response_id, "response_id")
+        assert self.store is not None
+        try:
+            await self.store.delete(self._tenant(request), response_id)
+        except StoreUnavailable:
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "the response store (the cluster's Redis) cannot be "
+                                "reached; retry", retry_after_s=1.0) from None
+        return web.json_response({"id": response_id, "object": "response", "deleted": True}, dumps=dumps)
 
     async def _chat_part(self, req: ChatRequest, body_chars: int) -> tuple[Ask, list[Output]]:
         """A chat request's `Ask` (its conversation rendered and tokenized, off the loop when
@@ -322,6 +458,13 @@ class OpenAIServer:
         if who is not None and who.tenant is not None:
             ask = dataclasses.replace(ask, tenant=who.tenant)
         return self.generation.stream(ask, headers, None)
+
+    @staticmethod
+    def _tenant(request: web.Request) -> str | None:
+        """Whose stored responses the request sees: its API key's tenant, else the key (None: the
+        server has no keys, and one shared store)."""
+        who = identity(request)
+        return who.owner if who is not None else None
 
     async def _whole(self, streams: list[AsyncIterator[Any]], firsts: list[Any], routed: list[list[Output]],
                      keep: int | None = None) -> web.Response:

@@ -8,8 +8,8 @@
     Content-Type  a POST is `application/json` (a web page's form or text/plain POST,
                   which browsers send without asking, is refused)                      -> 415
 
-Each refusal is an error in OpenAI's shape. The key's identity (its tenant) is left on the
-request as `request[IDENTITY]`. Torch-free.
+Each refusal is an error in OpenAI's shape (Anthropic's on /v1/messages: router/http_api.py).
+The key's identity (its tenant) is left on the request as `request[IDENTITY]`. Torch-free.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class HttpGuard:
                          code="misdirected_request")
         if self.api_keys is not None and request.path not in self.open_paths:
             try:
-                request[IDENTITY] = self.api_keys.check(request.headers.get("Authorization"))
+                request[IDENTITY] = self.api_keys.check(_authorization(request))
             except Unauthenticated as e:
                 response = error(401, str(e), code="invalid_api_key")
                 response.headers["WWW-Authenticate"] = "Bearer"
@@ -59,6 +59,15 @@ class HttpGuard:
             return error(415, f"the body must be JSON sent as 'Content-Type: application/json', not "
                               f"{request.content_type[:100]!r}", code="unsupported_media_type")
         return await handler(request)
+
+
+def _authorization(request: web.Request) -> str | None:
+    """The request's `Authorization`; on Anthropic's /v1/messages, `x-api-key: KEY` as Anthropic's
+    clients send it, when there is no `Authorization`."""
+    value = request.headers.get("Authorization")
+    if value is None and request.path == "/v1/messages" and (key := request.headers.get("x-api-key")):
+        return "Bearer " + key
+    return value
 
 
 def identity(request: web.Request) -> Identity | None:

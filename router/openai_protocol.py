@@ -124,6 +124,8 @@ class Message(_Body):
     """An assistant message's calls (its content may then be null)."""
     tool_call_id: str | None = None
     """A tool message: the call it answers."""
+    reasoning_content: str | None = None
+    """vLLM's: an assistant turn's thinking, for templates that render it (Qwen3's, within a tool loop)."""
 
 
 class ChatRequest(_Sampling):
@@ -207,6 +209,8 @@ def messages_as_dicts(messages: list[Message]) -> list[dict[str, Any]]:
                 "name": c.function.name, "arguments": _arguments(c.function.arguments, i)}} for c in m.tool_calls]
         if m.tool_call_id is not None:
             d["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None and m.role == "assistant":
+            d["reasoning_content"] = m.reasoning_content
         out.append(d)
     return out
 

@@ -41,6 +41,7 @@ from router.kv_index import KVIndex
 from router.loads import LoadBook
 from router.members import Members
 from router.metrics import RouterBooks, RouterMetrics
+from router.response_store import ResponseStore
 from router.servicer import Generation
 
 logger = logging.getLogger(__name__)
@@ -77,7 +78,9 @@ class RouterService:
         self.http = OpenAIServer(self.generation, frontend, self.members, config.served_model_name,
                                  config.max_request_bytes, config.tool_call_parser,
                                  config.reasoning_parser, guard, config.request_limits, config.http_deadlines,
-                                 self.generation.off_loop) \
+                                 self.generation.off_loop,
+                                 ResponseStore(redis_url, namespace, config.responses_ttl_s,
+                                               config.responses_max_bytes)) \
             if config.http_port is not None else None
         self.http_address = ""
         self.metrics_server: MetricsServer | None = None
@@ -212,6 +215,8 @@ class RouterService:
         self.generation.off_loop.close()
         with contextlib.suppress(redis.RedisError, OSError):
             await self.reader.close()
+            if self.http is not None and self.http.store is not None:
+                await self.http.store.close()
 
 
 def _rss_mib() -> float:

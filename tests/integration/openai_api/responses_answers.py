@@ -1,7 +1,8 @@
 """OpenAI's Responses API with the official `openai` client (`client.responses`): the same
 answer as chat completions, whole and streamed (the SDK's own accumulator gives the whole
-call's object), a cut at max_output_tokens, a JSON-schema output, and what is not done yet
-refused by name. Collected by test_api.py, on its 1P+1D cluster."""
+call's object), a cut at max_output_tokens, a JSON-schema output, a stored response read
+back, continued and deleted, and what it does not take refused by name (tool loops and
+tenants: tests/integration/test_openai_tools.py). Collected by test_api.py, on its 1P+1D cluster."""
 from __future__ import annotations
 
 import json
@@ -63,15 +64,48 @@ def test_a_json_schema_text_format_shapes_the_output(client: openai.OpenAI) -> N
     assert r.text.format.type == "json_schema"
 
 
-@pytest.mark.parametrize(("body", "param", "message"), [
-    ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools",
-     "unknown field 'tools'"),
-    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id", "unknown field 'previous_response_id'"),
-    ({"input": "hi", "store": True}, "store", "stored responses (and previous_response_id) are not implemented yet"),
-    ({"input": []}, "input", "'input'"),
-    ({"input": [{"role": "tool", "content": "x"}]}, "input", "'input"),
+def test_a_named_function_tool_choice_is_one_call_whole_and_streamed(client: openai.OpenAI) -> None:
+    tool = {"type": "function", "name": "capital", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+        "additionalProperties": False}}
+    args = {"model": MODEL, "input": "Which city is the capital of France?", "tools": [tool], "temperature": 0,
+            "tool_choice": {"type": "function", "name": "capital"}, "max_output_tokens": 40, "store": False}
+    r = client.responses.create(**args)
+    [call] = r.output
+    assert (r.status, call.type, call.name) == ("completed", "function_call", "capital")
+    assert set(json.loads(call.arguments)) == {"city"} and call.call_id.startswith("call_")
+    with client.responses.stream(**args) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert deltas == final.output[0].arguments == call.arguments and final.output[0].name == "capital"
+
+
+@pytest.mark.parametrize(("body", "status", "param", "message"), [
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools", "only function tools"),
+    ({"input": "hi", "reasoning": {"effort": "high"}}, 400, "reasoning", "no thinking switch"),
+    ({"input": "hi", "previous_response_id": "resp_1"}, 404, "previous_response_id", "no stored response 'resp_1'"),
+    ({"input": "hi", "conversation": "conv_1"}, 400, "conversation", "unknown field 'conversation'"),
+    ({"input": []}, 400, "input", "'input'"),
+    ({"input": [{"type": "computer_call_output"}]}, 400, "input", "items of type 'computer_call_output'"),
+    ({"input": [{"role": "tool", "content": "x"}]}, 400, "input", "input[0].role: Input should be 'user'"),
 ])
-def test_what_the_responses_api_does_not_take_yet_is_refused_by_name(base: str, body: dict, param: str,
-                                                                      message: str) -> None:
-    status, _, answer = post(base, "/v1/responses", {"model": MODEL, **body})
-    assert status == 400 and answer["error"]["param"] == param and message in answer["error"]["message"], answer
+def test_what_the_responses_api_does_not_take_is_refused_by_name(base: str, body: dict, status: int, param: str,
+                                                                 message: str) -> None:
+    code, _, answer = post(base, "/v1/responses", {"model": MODEL, **body})
+    assert code == status and answer["error"]["param"] == param and message in answer["error"]["message"], answer
+
+
+def test_a_stored_response_is_read_back_and_deleted(client: openai.OpenAI) -> None:
+    r = client.responses.create(model=MODEL, input=QUESTION[0]["content"], temperature=0, max_output_tokens=8)
+    assert r.store is True
+    again = client.responses.retrieve(r.id)
+    assert (again.id, again.output_text, again.usage) == (r.id, r.output_text, r.usage)
+    follow = client.responses.create(model=MODEL, previous_response_id=r.id, input="And of Italy?", temperature=0,
+                                     max_output_tokens=8, store=False)
+    assert follow.usage.input_tokens > r.usage.input_tokens + r.usage.output_tokens and follow.store is False
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(follow.id)  # store false: never kept

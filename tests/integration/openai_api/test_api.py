@@ -20,10 +20,15 @@ from cluster.local import LocalCluster
 from proto import generate_pb2 as pb
 from tests.integration.cluster_checks import assert_idle
 from tests.integration.openai_api.calls import MODEL, QUESTION, grpc_generate, post
+from tests.integration.openai_api.messages_answers import (  # noqa: F401 (collected here, on this module's cluster)
+    test_a_cut_at_max_tokens_and_a_stop_sequence_say_why_they_stopped,
+    test_a_message_is_the_chat_answer_whole_and_streamed,
+    test_a_named_tool_is_one_tool_use, test_bad_input_is_a_400_in_anthropic_s_shape)
 from tests.integration.openai_api.responses_answers import (  # noqa: F401 (collected here, on this module's cluster)
     test_a_cut_at_max_output_tokens_is_an_incomplete_response, test_a_json_schema_text_format_shapes_the_output,
     test_a_response_is_the_chat_answer_whole_and_streamed,
-    test_what_the_responses_api_does_not_take_yet_is_refused_by_name)
+    test_a_named_function_tool_choice_is_one_call_whole_and_streamed,
+    test_a_stored_response_is_read_back_and_deleted, test_what_the_responses_api_does_not_take_is_refused_by_name)
 from tests.integration.openai_api.sampling_answers import (  # noqa: F401 (collected here, on this module's cluster)
     test_best_of_returns_the_n_likeliest_of_its_choices, test_completions_equal_the_grpc_path,
     test_n_choices_are_seed_plus_i_alone_and_count_the_prompt_once, test_prompt_and_output_logprobs_equal_transformers,
