@@ -195,3 +195,50 @@ def test_a_fault_mid_stream_ends_it_with_an_error_event_then_done(monkeypatch: p
             await server.stop()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("fault", [RuntimeError("a bug below"), RequestFailed(grpc.StatusCode.UNAVAILABLE, "gone")])
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
+def test_a_fault_mid_stream_of_an_agent_api_is_its_error_event_then_the_end(path: str, fault: Exception) -> None:
+    """The Responses API ends a failed stream with `error` then `response.failed`, the
+    Messages API with an `error` event in Anthropic's shape; a whole answer is the error in
+    each API's shape; every stream below is closed."""
+    generation = Recorded()
+    generation.script = ([token(5, "a"), token(6, "b")], fault)
+    body = {"model": "m", "input": "hi"} if path == "/v1/responses" else \
+        {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    status = 500 if isinstance(fault, RuntimeError) else 503
+    message = "internal error in the router (logged); retry" if status == 500 else "gone"
+
+    async def scenario() -> None:
+        server = OpenAIServer(generation, Frontend(None), Members(), None, 1 << 20)  # type: ignore[arg-type]
+        server.frontend.chat_token_ids = lambda *a, **k: [5, 6]  # type: ignore[method-assign]
+        port = await server.start("127.0.0.1", 0, False)
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http:
+                async with http.post(f"http://127.0.0.1:{port}{path}", json={**body, "stream": True}) as r:
+                    assert r.status == 200
+                    events = [dict(line.split(": ", 1) for line in e.split("\n"))
+                              for e in (await r.text()).split("\n\n") if e]
+                kinds = [e["event"] for e in events]
+                if path == "/v1/responses":
+                    assert kinds[-4:] == ["response.output_text.delta", "response.output_text.delta", "error",
+                                          "response.failed"]
+                    assert json.loads(events[-2]["data"])["message"] == message
+                    assert json.loads(events[-1]["data"])["response"]["status"] == "failed"
+                else:
+                    assert kinds[-3:] == ["content_block_delta", "content_block_delta", "error"]
+                    assert json.loads(events[-1]["data"]) == {"type": "error", "error": {
+                        "type": "api_error" if status == 500 else "overloaded_error", "message": message}}
+                assert generation.open == 0
+                async with http.post(f"http://127.0.0.1:{port}{path}", json=body) as r:
+                    answer = await r.json()
+                assert r.status == status and generation.open == 0
+                if path == "/v1/messages":
+                    assert answer["type"] == "error" and answer["error"]["message"] == message
+                else:
+                    assert answer["error"]["message"] == message
+        finally:
+            await server.stop()
+
+    asyncio.run(scenario())

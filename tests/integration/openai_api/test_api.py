@@ -197,15 +197,19 @@ def test_overload_is_429_with_retry_after(base: str, cluster: LocalCluster) -> N
 
 
 def test_a_client_disconnecting_mid_stream_frees_every_block(base: str, cluster: LocalCluster) -> None:
-    for path, body in (("/v1/completions", {"prompt": "Write a poem about rivers.", "max_tokens": 1000}),
-                       ("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 1000})):
+    poem = [{"role": "user", "content": "Write a long poem about rivers."}]
+    for path, body in (("/v1/completions", {"prompt": "Write a poem about rivers.", "max_tokens": 1000,
+                                            "ignore_eos": True}),
+                       ("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 1000, "ignore_eos": True}),
+                       ("/v1/responses", {"input": poem, "max_output_tokens": 1000, "store": False}),
+                       ("/v1/messages", {"messages": poem, "max_tokens": 1000})):
         conn = http.client.HTTPConnection(*cluster.info["http_address"].split(":"), timeout=60)
-        conn.request("POST", path, json.dumps({**body, "stream": True, "ignore_eos": True, "temperature": 0}),
+        conn.request("POST", path, json.dumps({**body, "stream": True, "temperature": 0}),
                      {"Content-Type": "application/json"})
         response = conn.getresponse()
         assert response.status == 200 and response.headers["Content-Type"].startswith("text/event-stream")
         seen = b""
-        while seen.count(b"data: ") < 3:
+        while seen.count(b"data: ") < 6:  # past the agent APIs' opening events: tokens are coming
             seen += response.read1(4096)
         conn.sock.close()  # gone mid-stream, with hundreds of tokens to go
         conn.close()
