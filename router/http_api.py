@@ -45,7 +45,7 @@ from router.openai_output import Output, best, merged, new_id, sum_usage
 from router.openai_protocol import (BadRequest, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                     ask_of, messages_as_dicts, parse, prompts_of, sampling_of)
 from router.servicer import Generation
-from router.reasoning import ReasoningParser
+from router.reasoning import END, ReasoningParser
 from router.messages_api import MessageShape, MessagesRequest, anthropic_error
 from router.response_store import ResponseStore, ResponseTooLarge, StoredResponse, StoreUnavailable
 from router.responses_api import ResponseShape, ResponsesRequest
@@ -237,11 +237,13 @@ class OpenAIServer:
 
         async def whole() -> dict[str, Any]:
             shape.whole()
+            shape.reasoning_tokens = self._reasoning_tokens(out)
             await self._keep(tenant, shape, conversation)
             return shape.response(shape.status())
 
         async def finish() -> list[dict[str, Any]]:
             events = shape.closing_items()
+            shape.reasoning_tokens = self._reasoning_tokens(out)
             await self._keep(tenant, shape, conversation)
             return events + shape.completed()
 
@@ -342,6 +344,19 @@ class OpenAIServer:
         with contextlib.suppress(ConnectionResetError):
             await resp.write_eof()
         return resp
+
+    def _reasoning_tokens(self, out: Output) -> int:
+        """The output tokens up to the end of its think block (all, where it never closed; none
+        without one): the reasoning parser's end marker is one token in the families it reads."""
+        if out.reasoning is None or not out.token_ids:
+            return 0
+        reasoning, _ = out.reasoning.split("".join(out.text))
+        if reasoning is None:
+            return 0
+        end = self.frontend.encode(END, add_special_tokens=False)
+        if len(end) == 1 and end[0] in out.token_ids:
+            return out.token_ids.index(end[0]) + 1
+        return len(out.token_ids) if len(end) == 1 else len(self.frontend.encode(reasoning, add_special_tokens=False))
 
     async def _keep(self, tenant: str | None, shape: ResponseShape, conversation: list[dict[str, Any]]) -> None:
         """Stores a finished response where asked (and a store is there) for its follow-ups; a

@@ -243,6 +243,8 @@ class ResponseShape(ItemStream):
         self.created_at = int(time.time())
         self.seq = 0
         self.stored = False
+        self.reasoning_tokens = 0
+        """Output tokens spent thinking (set by the door, which knows the tokenizer)."""
 
     def response(self, status: str) -> dict[str, Any]:
         """The Response object: `status` in_progress (no output yet), completed, incomplete or failed."""
@@ -252,7 +254,7 @@ class ResponseShape(ItemStream):
             u = out.usage
             usage = {"input_tokens": u["prompt_tokens"],
                      "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
-                     "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                     "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
                      "total_tokens": u["total_tokens"]}
         # the last item of an answer cut at max_output_tokens is incomplete
         output = [] if status == "in_progress" else [

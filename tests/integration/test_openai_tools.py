@@ -185,6 +185,8 @@ def test_a_two_turn_tool_loop_through_the_responses_api(client: openai.OpenAI, s
     assert _items(first) == [*([("reasoning", THOUGHT)] if thinking else []), ("message", "Let me check."),
                              *(("function_call", c) for c in CALLS)]
     assert first.status == "completed" and first.store is False
+    # <think>, the thought and </think>: one token each in the script
+    assert first.usage.output_tokens_details.reasoning_tokens == (3 if thinking else 0)
     calls = [o for o in first.output if o.type == "function_call"]
     assert all(c.call_id.startswith("call_") and c.id.startswith("fc_") for c in calls)
     if stream:  # the SDK's accumulation of the events is the whole call's answer
