@@ -40,6 +40,7 @@ from control.redis_url import readable
 from router.admission_config import AdmissionConfig
 from router.policy import RoutingConfig
 from sim.cli import add_parser as add_simulate_parser
+from sim.plan_cli import add_parser as add_plan_parser
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 WATCH_INTERVAL_S = 3.0
@@ -111,6 +112,8 @@ def _serve_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     secret comes from the environment, or the controller generates one."""
     from cluster.default_model import model_path
 
+    if args.plan:
+        _apply_plan(args)
     device, dtype, mib, utilization, gpus = placement(args, args.num_prefill + args.num_decode)
     http, admission, autoscale = http_fields(args), _admission_config(args), _autoscale_config(args)
     model = model_path(args.model)  # the flags' own errors first: a GGUF model is converted below (seconds)
@@ -122,7 +125,7 @@ def _serve_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
                             advertise_host=args.advertise_host, cluster_secret=cluster_secret(),
                             otlp_endpoint=args.otlp_endpoint, speculative=speculative_config(args),
                             internal_tls=args.internal_tls, given_tls=given_tls_of(args),
-                            kv_transport=args.kv_transport),
+                            kv_transport=args.kv_transport, max_num_batched_tokens=args.max_num_batched_tokens),
         num_prefill=args.num_prefill, num_decode=args.num_decode, num_routers=args.num_routers,
         controller_max_restarts=args.controller_max_restarts, gpus_per_worker=gpus, autoscale=autoscale,
         decode_tp=args.decode_tp, prefill_tp=args.prefill_tp, kv_store_mib=args.kv_store_mib,
@@ -136,6 +139,16 @@ def _serve_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         ray_address=args.ray_address,
         role_resources={role: {name: 1.0} for role, name in (("prefill", args.prefill_resource),
                                                               ("decode", args.decode_resource)) if name})
+
+
+def _apply_plan(args: argparse.Namespace) -> None:
+    """serve --plan: the plan's best fleet in place of the pool flags (a KV tier it chose is
+    --kv-store-mib's to size: the plan's GiB are a GPU node's host memory)."""
+    from sim.plan import read_plan
+
+    c = read_plan(args.plan)
+    args.num_prefill, args.num_decode, args.mode = c.prefill, c.decode, c.mode
+    args.prefill_tp, args.decode_tp, args.max_num_batched_tokens = c.prefill_tp, c.decode_tp, c.max_num_batched_tokens
 
 
 def _model_dir(model: str) -> str:
@@ -342,6 +355,11 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     s.add_argument("--ttft-slo-ms", type=float, default=AutoscaleConfig.ttft_slo_ms, help="--autoscale: the TTFT budget prefill scales on")
     s.add_argument("--itl-slo-ms", type=float, default=AutoscaleConfig.itl_slo_ms, help="--autoscale: the ITL budget decode scales on")
     add_device_flags(s)
+    s.add_argument("--plan", metavar="FILE", help="a plan file of `splitserve plan`: its best fleet's pools, mode, "
+                   "TP degrees and step budget (in place of --num-prefill, --num-decode, --mode, --prefill-tp, "
+                   "--decode-tp, --max-num-batched-tokens)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens one engine step may hold (the prefill chunk; default: from the device's memory)")
     s.add_argument("--decode-tp", type=int, default=ClusterConfig.decode_tp,
                    help="tensor-parallel degree of each decode worker: its model split across this many processes "
                         "(GPUs; there, above 1 needs --mode colocated)")
@@ -435,6 +453,7 @@ def _add_client_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignor
     add_metrics_targets_parser(sub, _cluster_redis, _scrape_token)
     add_bench_parser(sub)
     add_simulate_parser(sub)
+    add_plan_parser(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

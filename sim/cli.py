@@ -36,29 +36,8 @@ DECODE_BATCH = 32
 def add_parser(sub: Any) -> None:
     s = sub.add_parser("simulate", help="a fleet on a virtual clock: splitserve's own router, scheduler, "
                        "block pool and autoscaler, the GPU priced by a cost model")
-    w = s.add_argument_group("workload")
-    w.add_argument("--trace", type=Path, help="Mooncake-format JSONL, replayed at its own times")
-    w.add_argument("--trace-time-scale", type=float, default=1.0, help="multiplies the trace's arrival times")
-    w.add_argument("--trace-block-tokens", type=int, default=512,
-                   help="tokens per trace hash block (512: the trace's own lengths)")
-    w.add_argument("--num-requests", type=int, help="default: the trace's length, or 1000")
-    w.add_argument("--rate", type=float, default=4.0, help="requests/s without --trace")
-    w.add_argument("--arrival", choices=SHAPES, default="poisson")
-    w.add_argument("--rate-to", type=float, help="ramp: the rate at the end")
-    w.add_argument("--amplitude", type=float, default=0.5, help="sinusoid: relative swing; burst: share of a period's requests")
-    w.add_argument("--period-s", type=float, default=600.0, help="sinusoid and burst period")
-    w.add_argument("--prompt-len", type=int, default=2048)
-    w.add_argument("--output-len", type=int, default=256)
-    w.add_argument("--shared-prefix-fraction", type=float, default=0.0)
-    w.add_argument("--num-prefixes", type=int, default=4)
-    w.add_argument("--prefix-len", type=int, default=1024)
-    f = s.add_argument_group("fleet")
-    f.add_argument("--model", choices=sorted(MODELS), default="llama-3-8b")
-    f.add_argument("--gpu", choices=sorted(GPUS), default="h100-sxm")
-    f.add_argument("--quantization", choices=("fp8",), default=None,
-                   help="fp8: the projections' weights at one byte, on FP8 tensor cores (serve's flag)")
-    f.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
-                   help="fp8: KV at one byte per element: twice the tokens per GPU, half the bytes moved")
+    add_workload_flags(s)
+    f = add_hardware_flags(s)
     f.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per worker")
     f.add_argument("--prefill-tp", type=int, help="a prefill worker's degree where it differs from --tp "
                                                   "(disaggregated; needs --prefill and --decode)")
@@ -87,6 +66,39 @@ def add_parser(sub: Any) -> None:
     o.add_argument("--plots", type=Path, metavar="DIR", help="bench's PNGs, one line per configuration")
     o.add_argument("--seed", type=int, default=FleetConfig.seed)
     s.set_defaults(func=_simulate)
+
+
+def add_workload_flags(s: argparse.ArgumentParser) -> None:
+    """The workload's flags (simulate and plan): a trace, or bench's synthetic one."""
+    w = s.add_argument_group("workload")
+    w.add_argument("--trace", type=Path, help="Mooncake-format JSONL, replayed at its own times")
+    w.add_argument("--trace-time-scale", type=float, default=1.0, help="multiplies the trace's arrival times")
+    w.add_argument("--trace-block-tokens", type=int, default=512,
+                   help="tokens per trace hash block (512: the trace's own lengths)")
+    w.add_argument("--num-requests", type=int, help="default: the trace's length, or 1000")
+    w.add_argument("--rate", type=float, default=4.0, help="requests/s without --trace")
+    w.add_argument("--arrival", choices=SHAPES, default="poisson")
+    w.add_argument("--rate-to", type=float, help="ramp: the rate at the end")
+    w.add_argument("--amplitude", type=float, default=0.5,
+                   help="sinusoid: relative swing; burst: share of a period's requests")
+    w.add_argument("--period-s", type=float, default=600.0, help="sinusoid and burst period")
+    w.add_argument("--prompt-len", type=int, default=2048)
+    w.add_argument("--output-len", type=int, default=256)
+    w.add_argument("--shared-prefix-fraction", type=float, default=0.0)
+    w.add_argument("--num-prefixes", type=int, default=4)
+    w.add_argument("--prefix-len", type=int, default=1024)
+
+
+def add_hardware_flags(s: argparse.ArgumentParser) -> Any:
+    """The model and GPU flags (simulate and plan); returns their group, "fleet"."""
+    f = s.add_argument_group("fleet")
+    f.add_argument("--model", choices=sorted(MODELS), default="llama-3-8b")
+    f.add_argument("--gpu", choices=sorted(GPUS), default="h100-sxm")
+    f.add_argument("--quantization", choices=("fp8",), default=None,
+                   help="fp8: the projections' weights at one byte, on FP8 tensor cores (serve's flag)")
+    f.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="fp8: KV at one byte per element: twice the tokens per GPU, half the bytes moved")
+    return f
 
 
 def workload(args: argparse.Namespace) -> list[WorkloadRequest]:

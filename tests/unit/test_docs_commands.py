@@ -20,6 +20,7 @@ RUN_BY = {
     "splitserve kv-store": ("tests/integration/test_plain_processes.py", '["kv-store"'),
     "splitserve metrics-targets": ("tests/integration/test_metrics.py", '"metrics-targets"'),
     "splitserve simulate": ("tests/unit/test_sim_fleet.py", '"simulate"'),
+    "splitserve plan": ("tests/integration/test_plan.py", '["plan"'),
     "python -m cluster.cli_reference": ("tests/unit/test_docs.py", "cli_reference"),
     "python -m proto.regen": ("tests/unit/test_proto_generated.py", "regen"),
     "python -m mkdocs": ("tests/unit/test_docs.py", '"-m", "mkdocs"'),  # its strict build (serve serves that)
@@ -32,6 +33,7 @@ BY_HAND = {
     "python benchmarks/engine/engine_throughput.py", "python benchmarks/kv/kvfabric_bandwidth.py",
     "python benchmarks/serving/observe_overhead.py", "python benchmarks/serving/http_overhead.py",
     "python benchmarks/serving/serving_compare.py", "python benchmarks/serving/router_cpu.py",
+    "python benchmarks/serving/agent_apis.py",
     "python benchmarks/sim/sim_goodput.py",
     "python benchmarks/sim/sim_speed.py", "python benchmarks/sim/sim_validate.py", "python -m benchmarks.kv.tp_handoff",
     "python -m benchmarks.kv.kv_tier_trace", "python -m benchmarks.kv.kv_tier_hosts",

@@ -1,0 +1,145 @@
+"""`splitserve plan`: the search of sim/plan.py from the command line.
+
+  splitserve plan --trace FILE --num-gpus 8 --ttft-slo-ms 2000 --itl-slo-ms 50 --out plan.json
+  splitserve plan --rate 4 --prompt-len 8192 --output-len 128 --num-gpus 64 --model llama-3-70b --tp 4,8
+
+Prints the Pareto front (goodput per GPU against SLO attainment) as a table, names the best
+candidate and how its goodput per GPU compares with the best colocated one, writes the plan
+file (`--out`, for `serve --plan`) and, with `--plot`, the front as a PNG. One JSON line per
+candidate on stdout as it finishes (`{"bench": "plan", ...}`), then the plan itself.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from sim.cost_model import MODELS
+from sim.plan import KEEP, SCREEN_REQUESTS, TARGET_ATTAINMENT, TPS
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x)
+
+
+def add_parser(sub: Any) -> None:
+    from sim.cli import add_hardware_flags, add_workload_flags
+
+    s = sub.add_parser("plan", help="which fleet serves a trace best under its SLOs: colocated or disaggregated, "
+                       "the P:D split, TP per role, step budget, KV tier, searched with the simulator")
+    add_workload_flags(s)
+    f = add_hardware_flags(s)
+    f.add_argument("--num-gpus", type=int, default=8)
+    f.add_argument("--max-model-len", type=int, default=131072)
+    g = s.add_argument_group("search")
+    g.add_argument("--tp", type=_ints, default=None,
+                   help="TP degrees to try per role, comma-separated (default: the two smallest the model fits at)")
+    g.add_argument("--budgets", type=_ints, default=(2048, 8192),
+                   help="step token budgets (max_num_batched_tokens, also the prefill chunk) to try")
+    g.add_argument("--kv-store-gib", type=_floats, default=(0.0,), help="KV-tier sizes per node to try (GiB)")
+    g.add_argument("--modes", default="colocated,disaggregated", help="colocated, disaggregated, or both")
+    g.add_argument("--screen-requests", type=int, default=SCREEN_REQUESTS,
+                   help="every candidate runs on the trace's first this many requests, the best --keep on all of it")
+    g.add_argument("--keep", type=int, default=KEEP, help="candidates that run on the whole trace (and the best "
+                                                          "colocated one)")
+    g.add_argument("--workers", type=int, default=None, help="processes (default: every core)")
+    o = s.add_argument_group("SLOs and output")
+    o.add_argument("--ttft-slo-ms", type=float, default=2000.0)
+    o.add_argument("--itl-slo-ms", type=float, default=50.0)
+    o.add_argument("--target-attainment", type=float, default=TARGET_ATTAINMENT,
+                   help="the share of requests within both SLOs at which a rate counts as served (goodput)")
+    o.add_argument("--out", type=Path, default=Path("plan.json"), help="the plan file (for serve --plan)")
+    o.add_argument("--plot", type=Path, metavar="PNG", help="goodput per GPU against attainment, the front marked")
+    o.add_argument("--seed", type=int, default=0)
+    s.set_defaults(func=_plan)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from sim.cli import workload
+    from sim.plan import Job, Space, auto_tps, candidates, plan_file, prefill_share, staged, trace_rate
+
+    model = MODELS[args.model].in_fp8(args.quantization == "fp8", args.kv_cache_dtype == "fp8")
+    items = workload(args)
+    share = prefill_share(model, args.gpu, items, max(args.budgets))
+    tps = args.tp or auto_tps(model, args.gpu, args.max_model_len, args.num_gpus)
+    space = Space(args.num_gpus, tps, args.budgets, args.kv_store_gib, tuple(args.modes.split(",")))
+    grid = candidates(space, model, args.gpu, args.max_model_len, share)
+    if not grid:
+        raise SystemExit(f"no candidate: {args.model} fits at none of TP {tps or TPS} within {args.num_gpus} GPUs "
+                         f"and a {args.max_model_len}-token context")
+    jobs = [Job(c, args.model, (args.quantization == "fp8", args.kv_cache_dtype == "fp8"), args.gpu,
+                args.max_model_len, args.ttft_slo_ms / 1e3, args.itl_slo_ms / 1e3, args.seed,
+                target=args.target_attainment) for c in grid]
+    console = Console(stderr=True)
+    span = (items[-1].at_s or 0) - (items[0].at_s or 0)
+    console.print(f"plan: {len(items)} requests ({trace_rate(items):.2f}/s) over {span:.0f} s, prefill "
+                  f"{share:.0%} of the work; {len(jobs)} candidates on {args.num_gpus} x {args.gpu}")
+    start = time.monotonic()
+    screened = min(args.screen_requests, len(items))
+    with Progress(console=console, transient=True) as bar:
+        tasks = {"capacity": bar.add_task(f"goodput on the first {screened} requests", total=len(jobs)),
+                 "attainment": bar.add_task(f"the finalists on all {len(items)}", total=min(len(jobs), args.keep + 1))}
+
+        def done(stage: str, result: dict[str, Any]) -> None:
+            print(json.dumps({"bench": "plan", "stage": stage, **result}), flush=True)
+            bar.advance(tasks[stage])
+
+        results, capacities = staged(jobs, items, args.screen_requests, args.keep, args.workers, done)
+    meta = {"model": args.model, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+            "gpu": args.gpu, "num_gpus": args.num_gpus, "ttft_slo_ms": args.ttft_slo_ms,
+            "itl_slo_ms": args.itl_slo_ms, "num_requests": len(items), "prefill_share": round(share, 3),
+            "target_attainment": args.target_attainment, "tps": list(tps), "screen_requests": screened,
+            "search_s": round(time.monotonic() - start, 1)}
+    plan = plan_file(results, meta, capacities)
+    table = Table(title="the Pareto front: goodput per GPU against SLO attainment at the trace's rate")
+    for name in ("candidate", "goodput req/s/GPU", "attainment", "TTFT p99 ms", "ITL p99 ms"):
+        table.add_column(name)
+    for r in plan["front"]:
+        table.add_row(r["label"], f"{r['goodput_per_gpu']:.3f}", f"{r['slo_attainment']:.3f}",
+                      f"{r['ttft_p99_ms'] or 0:.0f}", f"{r['itl_p99_ms'] or 0:.1f}")
+    console.print(table)
+    b, c = plan["best"], plan["best_colocated"]
+    versus = f"; the best colocated, {c['label']}: {c['goodput_per_gpu']:.3f} ({plan['gain_over_colocated']}x)" \
+        if c and plan["gain_over_colocated"] else ""
+    console.print(f"best: {b['label']}: {b['goodput_per_gpu']:.3f} req/s per GPU at attainment "
+                  f"{b['slo_attainment']:.3f}{versus}")
+    args.out.write_text(json.dumps(plan, indent=1))
+    console.print(f"plan written to {args.out} (serve --plan {args.out}); searched in {meta['search_s']} s")
+    if args.plot:
+        _plot(results, plan, args.plot)
+    short = {k: v for k, v in plan.items() if k not in ("front", "goodput_per_gpu")}
+    print(json.dumps({"bench": "plan", "plan": short}), flush=True)
+    return 0
+
+
+def _plot(results: list[dict[str, Any]], plan: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for mode, marker in (("colocated", "s"), ("disaggregated", "o")):
+        rs = [r for r in results if r["candidate"]["mode"] == mode]
+        ax.scatter([r["slo_attainment"] for r in rs], [r["goodput_per_gpu"] for r in rs], marker=marker,
+                   alpha=0.5, label=mode)
+    front = plan["front"]
+    ax.plot([r["slo_attainment"] for r in front], [r["goodput_per_gpu"] for r in front], "k--", label="front")
+    ax.scatter([plan["best"]["slo_attainment"]], [plan["best"]["goodput_per_gpu"]], s=160, facecolors="none",
+               edgecolors="red", label="best")
+    ax.set_xlabel("SLO attainment")
+    ax.set_ylabel("goodput (req/s per GPU)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

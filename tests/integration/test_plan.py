@@ -1,0 +1,64 @@
+"""`splitserve plan` end to end: the pruned search finds the configuration the exhaustive
+search over the same grid finds (the simulator, on a small synthetic trace), and a plan file
+written by the command starts a cluster of its pools (`serve --plan`, the tiny model on CPU)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loadgen.workload import synthetic
+from sim.arrivals import Shape, arrival_times, timed
+from sim.cost_model import LLAMA3_8B
+from sim.plan import Job, Space, best, candidates, prefill_share, staged
+from tests.integration.test_cli import STARTUP_BUDGET_S, _wait_for_line
+
+CLI = [sys.executable, "-m", "cluster.cli"]
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_the_pruned_search_finds_what_the_exhaustive_one_finds() -> None:
+    items = timed(synthetic(80, 3000, 200, 0.3, 4, 1024, 128256, seed=3), arrival_times(80, Shape(rate=12.0), seed=3))
+    share = prefill_share(LLAMA3_8B, "h100-sxm", items, 8192)
+    space = Space(6, tps=(1,), budgets=(8192,))
+
+    def found(spread: float | None) -> tuple[dict, list[dict]]:
+        grid = candidates(space, LLAMA3_8B, "h100-sxm", 8192, share, spread)
+        jobs = [Job(c, "llama-3-8b", (False, False), "h100-sxm", 8192, 1.0, 0.05, 0) for c in grid]
+        results, capacities = staged(jobs, items, screen=len(items), keep=len(jobs), workers=2)
+        return best(results), capacities
+
+    (pruned, few), (exhaustive, every) = found(2.0), found(None)
+    assert (len(few), len(every)) == (5, 6) and pruned["label"] == exhaustive["label"], (pruned, exhaustive)
+    assert pruned["slo_attainment"] >= 0.9 and all(r["goodput_per_gpu"] > 0 for r in every)
+
+
+def test_a_plan_file_starts_a_cluster_of_its_pools(tmp_path: Path) -> None:
+    plan = tmp_path / "plan.json"
+    out = subprocess.run(CLI + ["plan", "--rate", "8", "--num-requests", "60", "--prompt-len", "2000",
+                                "--output-len", "100", "--num-gpus", "2", "--tp", "1", "--budgets", "2048",
+                                "--max-model-len", "8192", "--screen-requests", "60", "--out", str(plan)],
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert {r["label"] for r in lines if r.get("stage") == "capacity"} == {
+        "colocated 2x TP1, budget 2048", "disaggregated 1P(TP1):1D(TP1), budget 2048"}
+    written = json.loads(plan.read_text())
+    chosen = written["best"]["candidate"]
+    assert lines[-1]["plan"]["best"] == written["best"] and "best:" in out.stderr
+    env = {**os.environ, "SPLITSERVE_CACHE": str(tmp_path / "cache")}
+    serve = subprocess.Popen(CLI + ["serve", "--plan", str(plan), "--model", "tiny", "--port", "0", "--http-port",
+                                    "0"], env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        ready = _wait_for_line(serve, "ready in", STARTUP_BUDGET_S)
+        assert f"{chosen['prefill']} prefill, {chosen['decode']} decode on cpu" in ready, ready
+        assert f"mode {chosen['mode']}" in ready, ready
+    finally:
+        serve.send_signal(signal.SIGINT)
+        serve.wait(timeout=60)

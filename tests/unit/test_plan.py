@@ -1,0 +1,68 @@
+"""`splitserve plan` (sim/plan.py): the pruned grid, the front and the best, a plan file
+round-tripping into serve's pools, the capacity bisection (the search itself, on the
+simulator: tests/integration/test_plan.py)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sim.cost_model import LLAMA3_70B, LLAMA3_8B
+from sim.plan import Candidate, Space, best, candidates, capacity, fits, pareto, plan_file, read_plan
+
+
+def test_the_grid_holds_every_degree_that_fits_and_the_splits_near_the_work_s_share() -> None:
+    grid = candidates(Space(8, tps=(1,), budgets=(2048,)), LLAMA3_8B, "h100-sxm", 8192, share=0.5)
+    assert [c for c in grid if c.mode == "colocated"] == [Candidate("colocated", 0, 8, 1, 1, 2048)]
+    assert [(c.prefill, c.decode) for c in grid if c.mode == "disaggregated"] == [(2, 6), (3, 5), (4, 4), (5, 3),
+                                                                                  (6, 2), (7, 1)]
+    few = candidates(Space(8, tps=(1,), budgets=(2048,)), LLAMA3_8B, "h100-sxm", 8192, share=0.05)
+    assert [(c.prefill, c.decode) for c in few if c.mode == "disaggregated"] == [(1, 7), (2, 6), (3, 5)]
+    every = candidates(Space(8, tps=(1,), budgets=(2048,)), LLAMA3_8B, "h100-sxm", 8192, share=0.05, spread=None)
+    assert len([c for c in every if c.mode == "disaggregated"]) == 7
+    # a 70B fits on no single H100 and not on two at a 128k context; TP 2 prefill with TP 4 decode on 8
+    assert not fits(LLAMA3_70B, "h100-sxm", 1, 8192) and fits(LLAMA3_70B, "h100-sxm", 4, 131072)
+    big = candidates(Space(8, tps=(1, 2, 4, 8), budgets=(2048,)), LLAMA3_70B, "h100-sxm", 131072, share=0.5)
+    assert {c.decode_tp for c in big} == {4, 8} and all(c.num_gpus <= 8 for c in big)
+    assert Candidate("disaggregated", 1, 1, 4, 4, 2048) in big and Candidate("colocated", 0, 2, 4, 4, 2048) in big
+
+
+def result(label: str, goodput: float, attainment: float, mode: str = "disaggregated") -> dict:
+    c = Candidate(mode, 0 if mode == "colocated" else 1, 1, 1, 1, 2048)  # type: ignore[arg-type]
+    return {"label": label, "candidate": c.__dict__ | {}, "goodput_per_gpu": goodput, "slo_attainment": attainment}
+
+
+def test_the_front_the_best_and_the_plan_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    rs = [result("a", 1.0, 0.99), result("b", 1.2, 0.90), result("c", 0.9, 0.98), result("d", 1.1, 0.985),
+          result("e", 0.8, 0.995, "colocated"), result("f", 1.05, 0.95, "colocated")]
+    assert [r["label"] for r in pareto(rs)] == ["b", "d", "a", "e"]
+    assert best(rs)["label"] == "d"  # the best goodput within 0.01 of the top attainment (0.995)
+    plan = plan_file(rs, {"num_gpus": 8})
+    assert plan["best"]["label"] == "d" and plan["best_colocated"]["label"] == "e"
+    assert plan["gain_over_colocated"] == round(1.1 / 0.8, 3)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    assert read_plan(path) == Candidate("disaggregated", 1, 1, 1, 1, 2048)
+    path.write_text(json.dumps({"version": 99}))
+    with pytest.raises(ValueError, match="not a plan file of version 1"):
+        read_plan(path)
+
+
+def test_serve_takes_the_plan_s_pools(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from cluster.cli import _apply_plan, build_parser
+
+    rs = [result("a", 1.0, 0.99)]
+    rs[0]["candidate"] = Candidate("disaggregated", 3, 5, 2, 1, 8192).__dict__ | {}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan_file(rs, {})))
+    args = build_parser().parse_args(["serve", "--plan", str(path)])
+    _apply_plan(args)
+    assert (args.num_prefill, args.num_decode, args.mode, args.prefill_tp, args.decode_tp,
+            args.max_num_batched_tokens) == (3, 5, "disaggregated", 2, 1, 8192)
+
+
+def test_capacity_is_the_largest_rate_multiple_that_holds_within_its_precision() -> None:
+    for true in (0.3, 1.0, 1.7, 5.0):
+        got = capacity(lambda m, true=true: m <= true)
+        assert true / 2 ** (1 / 16) <= got <= true
+    assert capacity(lambda m: True) == 64.0 and capacity(lambda m: False) == 0.0
