@@ -219,9 +219,12 @@ def _autoscale_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """serve --autoscale: the policy's bounds and budgets (None without the flag)."""
     if not args.autoscale:
         return None
+    ratio = args.num_prefill / args.num_decode if args.plan and args.num_prefill and not args.independent_pools \
+        else None  # a plan's P:D ratio, kept as the pools scale
     return AutoscaleConfig(prefill_min=args.min_prefill, prefill_max=max(args.max_prefill, args.num_prefill),
                            decode_min=args.min_decode, decode_max=max(args.max_decode, args.num_decode),
-                           ttft_slo_ms=args.ttft_slo_ms, itl_slo_ms=args.itl_slo_ms)
+                           ttft_slo_ms=args.ttft_slo_ms, itl_slo_ms=args.itl_slo_ms, pd_ratio=ratio,
+                           predictive=args.predictive_scaling, startup_s=args.worker_startup_s)
 
 
 def _admission_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -348,6 +351,13 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     s.add_argument("--autoscale", action="store_true",
                    help="scale prefill on queue time and decode on KV pressure, within --min-prefill/--max-prefill "
                         "and --min-decode/--max-decode")
+    s.add_argument("--independent-pools", action="store_true",
+                   help="--autoscale with --plan: each pool scales on its own signals, not at the plan's P:D ratio")
+    s.add_argument("--predictive-scaling", action="store_true",
+                   help="--autoscale: also launch workers for the load forecast --worker-startup-s ahead (a trend of "
+                        "each pool's demand), not only for the load that has arrived")
+    s.add_argument("--worker-startup-s", type=float, default=AutoscaleConfig.startup_s,
+                   help="--predictive-scaling: how long a launched worker takes to serve")
     s.add_argument("--min-prefill", type=int, default=0, help="--autoscale: (0 lets mode auto drop the prefill pool)")
     s.add_argument("--max-prefill", type=int, default=AutoscaleConfig.prefill_max)
     s.add_argument("--min-decode", type=int, default=AutoscaleConfig.decode_min)

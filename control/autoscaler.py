@@ -17,6 +17,16 @@ each at most `max_step`; `cooldown_s` between actions on a pool; nothing
 while a pool has a worker starting or draining (its last action is still pending); pools
 stay within [min, max]. With `prefill_min` 0 (mode auto: decode workers prefill short
 prompts themselves) an idle prefill pool scales to zero and comes back on queued work.
+
+Two more, each off unless configured:
+- `pd_ratio` (a plan's prefill workers per decode worker, `splitserve plan`): when one pool
+  grows, the other grows to keep the ratio; when one shrinks, the other shrinks to it too,
+  unless its own signal wants it larger.
+- `predictive`: each pool's demand (prefill: the prompt tokens arriving per second, served
+  plus queue growth; decode: the KV blocks in use) is forecast `startup_s` ahead by a trend
+  (control/forecast.py), and a pool short for that load launches its workers now, so they
+  serve when the load arrives rather than a start-up after it did. It never shrinks a pool,
+  and a pool does not shrink below what its forecast needs.
 """
 from __future__ import annotations
 
@@ -24,6 +34,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Literal
+
+from control.forecast import Trend, observe
 
 Pool = Literal["prefill", "decode"]
 
@@ -56,6 +68,18 @@ class AutoscaleConfig:
     max_step: int = 8
     """Most workers added or removed in one action (a scale-up is sized to the deficit, a
     scale-down is one worker)."""
+    pd_ratio: float | None = None
+    """Prefill workers per decode worker kept as the pools scale (None: each on its own signals)."""
+    predictive: bool = False
+    """Also launch workers for the load forecast `startup_s` ahead (off by default: see the docs'
+    measurement of it against the reactive policy)."""
+    startup_s: float = 30.0
+    """How long a launched worker takes to serve: how far ahead the forecast looks."""
+    forecast_alpha: float = 0.3
+    forecast_beta: float = 0.1
+    prefill_target_utilization: float = 0.8
+    """Predictive prefill sizes the pool for its forecast at this share of a worker's measured
+    throughput (what one worker prefilled per second while it had a queue)."""
 
     def __post_init__(self) -> None:
         for pool in ("prefill", "decode"):
@@ -74,6 +98,12 @@ class AutoscaleConfig:
             raise ValueError("waiting_up_per_worker must be positive")
         if min(self.up_delay_s, self.down_delay_s, self.cooldown_s) < 0:
             raise ValueError("up_delay_s, down_delay_s and cooldown_s must be >= 0")
+        if self.pd_ratio is not None and not self.pd_ratio > 0:
+            raise ValueError(f"pd_ratio must be positive (prefill workers per decode worker), got {self.pd_ratio}")
+        if not (0 < self.forecast_alpha <= 1 and 0 < self.forecast_beta <= 1 and self.startup_s >= 0
+                and 0 < self.prefill_target_utilization <= 1):
+            raise ValueError("need 0 < forecast_alpha, forecast_beta, prefill_target_utilization <= 1 and "
+                             "startup_s >= 0")
 
 
 @dataclass(frozen=True)
@@ -133,6 +163,12 @@ class AutoscaleState:
     """Pool -> since when its scale-up signal has held."""
     down_since: dict[str, float] = field(default_factory=dict)
     last_action_at: dict[str, float] = field(default_factory=dict)
+    demand: dict[str, Trend] = field(default_factory=dict)
+    """Pool -> its demand's trend (predictive; not kept across a controller's restart)."""
+    queued: tuple[float, int] | None = None
+    """(when, prefill tokens queued) at the last tick: the queue's growth is demand not served."""
+    worker_rate: float = 0.0
+    """The most prompt tokens per second one prefill worker was seen serving with a queue."""
 
 
 @dataclass(frozen=True)
@@ -247,10 +283,79 @@ def decide(snapshot: Snapshot, state: AutoscaleState, now: float, config: Autosc
         up.pop(pool, None)
         down.pop(pool, None)
         reasons.append(f"{pool} {current} -> {targets[pool]}: {figures}")
+    state = dataclasses.replace(state, up_since=up, down_since=down, last_action_at=last)
+    if config.predictive:
+        state = _forecast(snapshot, state, now, config, targets, reasons)
+    if config.pd_ratio is not None:
+        _keep_ratio(snapshot, state, config, targets, reasons)
+    for pool in ("prefill", "decode"):
+        m = getattr(snapshot, pool)
+        if targets[pool] != m.num_serving + m.num_starting:
+            last[pool] = now
     moved = [r for r in reasons if "->" in r]
     reason = "; ".join(moved) if moved else "hold: " + "; ".join(reasons)
-    new_state = dataclasses.replace(state, up_since=up, down_since=down, last_action_at=last)
-    return Decision(targets["prefill"], targets["decode"], reason, new_state)
+    return Decision(targets["prefill"], targets["decode"], reason, dataclasses.replace(state, last_action_at=last))
+
+
+def _forecast(snapshot: Snapshot, state: AutoscaleState, now: float, c: AutoscaleConfig, targets: dict[str, int],
+              reasons: list[str]) -> AutoscaleState:
+    """Predictive: each pool's demand observed into its trend, and a pool short for the
+    forecast `startup_s` ahead raised to it (a step of at most `max_step`; never lowered)."""
+    p, d = snapshot.prefill, snapshot.decode
+    arriving = p.prefill_tokens_per_s
+    if state.queued is not None and now > state.queued[0]:
+        arriving += max(0.0, (p.queued_prefill_tokens - state.queued[1]) / (now - state.queued[0]))
+    worker_rate = state.worker_rate
+    if p.num_serving and p.queued_prefill_tokens and p.prefill_tokens_per_s > 0:
+        worker_rate = max(worker_rate, p.prefill_tokens_per_s / p.num_serving)
+    demand = {"prefill": observe(state.demand.get("prefill"), arriving, now, c.forecast_alpha, c.forecast_beta),
+              "decode": observe(state.demand.get("decode"), float(d.num_used_blocks), now, c.forecast_alpha,
+                                c.forecast_beta)}
+    ahead = now + c.startup_s
+    need = {"prefill": math.ceil(demand["prefill"].at_time(ahead) / (worker_rate * c.prefill_target_utilization))
+            if worker_rate > 0 else 0,
+            "decode": math.ceil(demand["decode"].at_time(ahead) / (c.kv_up * d.num_total_blocks / d.num_serving))
+            if d.num_serving and d.num_total_blocks else 0}
+    for pool, m in (("prefill", p), ("decode", d)):
+        current = m.num_serving + m.num_starting
+        hi = getattr(c, f"{pool}_max")
+        want = min(need[pool], hi, current + c.max_step)
+        if targets[pool] < current and want > targets[pool]:  # no shrinking below the forecast's need
+            reasons[:] = [r for r in reasons if not r.startswith(f"{pool} ")]
+            reasons.append(f"{pool} holds at {current}: its forecast needs {min(need[pool], current)}")
+            targets[pool] = current
+            continue
+        if want > max(targets[pool], current) and not m.num_draining:
+            what = f"{demand[pool].at_time(ahead):.0f} prompt tokens/s" if pool == "prefill" else \
+                f"{demand[pool].at_time(ahead):.0f} KV blocks"
+            reasons[:] = [r for r in reasons if not r.startswith(f"{pool} ")]
+            reasons.append(f"{pool} {current} -> {want}: forecast {what} in {c.startup_s:.0f} s")
+            targets[pool] = want
+    return dataclasses.replace(state, demand=demand, queued=(now, p.queued_prefill_tokens), worker_rate=worker_rate)
+
+
+def _keep_ratio(snapshot: Snapshot, state: AutoscaleState, c: AutoscaleConfig, targets: dict[str, int],
+                reasons: list[str]) -> None:
+    """`pd_ratio`: a pool that moved brings the other to the ratio, in the same direction (a
+    pool shrinks to it only when its own signal does not want it larger, and neither moves
+    while it has a worker starting or draining)."""
+    assert c.pd_ratio is not None
+    current = {pool: getattr(snapshot, pool).num_serving + getattr(snapshot, pool).num_starting
+               for pool in ("prefill", "decode")}
+    for pool, other in (("decode", "prefill"), ("prefill", "decode")):
+        step = targets[pool] - current[pool]
+        m = getattr(snapshot, other)
+        if step == 0 or targets[other] != current[other] or m.num_starting or m.num_draining:
+            continue
+        at = targets[pool] * c.pd_ratio if other == "prefill" else targets[pool] / c.pd_ratio
+        lo, hi = getattr(c, f"{other}_min"), getattr(c, f"{other}_max")
+        want = min(max(round(at), lo, 1 if other == "decode" else 0), hi)
+        if (step > 0 and want > current[other]) or (step < 0 and want < current[other]
+                                                     and other not in state.up_since):
+            targets[other] = want
+            reasons.append(f"{other} {current[other]} -> {want}: keeps the P:D ratio {c.pd_ratio:g} with "
+                           f"{pool} at {targets[pool]}")
+            return
 
 
 def _step(pool: str, signal: int, m: PoolMetrics, up: dict[str, float], down: dict[str, float],

@@ -52,6 +52,9 @@ def add_parser(sub: Any) -> None:
     f.add_argument("--admission-charge", choices=("expected", "max"), default=AdmissionConfig.charge_output,
                    help="what the router's admission charges for a request's output (serve's flag)")
     f.add_argument("--autoscale", action="store_true", help="pools from 1 worker each, up to --num-gpus in all")
+    f.add_argument("--predictive", action="store_true",
+                   help="--autoscale: also launch workers for the load forecast --startup-s ahead (serve's "
+                        "--predictive-scaling)")
     f.add_argument("--startup-s", type=float, default=FleetConfig.startup_s,
                    help="a scaled-up worker serves this long after launch")
     f.add_argument("--kv-store-gib", type=float, default=0.0,
@@ -159,7 +162,8 @@ def configs(args: argparse.Namespace, hw: Roofline, items: list[WorkloadRequest]
         if args.autoscale:
             cfg = dataclasses.replace(cfg, num_prefill=1, num_decode=1, autoscale=AutoscaleConfig(
                 prefill_min=1, prefill_max=workers - 1, decode_min=1, decode_max=workers - 1,
-                ttft_slo_ms=args.ttft_slo_ms, itl_slo_ms=args.itl_slo_ms))
+                ttft_slo_ms=args.ttft_slo_ms, itl_slo_ms=args.itl_slo_ms, predictive=args.predictive,
+                startup_s=args.startup_s))
         out.append((f"disaggregated {cfg.num_prefill}P:{cfg.num_decode}D", cfg))
     if args.mode in ("both", "colocated"):
         cfg = dataclasses.replace(base, num_prefill=0, num_decode=workers,
@@ -167,7 +171,8 @@ def configs(args: argparse.Namespace, hw: Roofline, items: list[WorkloadRequest]
         if args.autoscale:
             cfg = dataclasses.replace(cfg, num_decode=1, autoscale=AutoscaleConfig(
                 prefill_min=0, prefill_max=0, decode_min=1, decode_max=workers,
-                ttft_slo_ms=args.ttft_slo_ms, itl_slo_ms=args.itl_slo_ms))
+                ttft_slo_ms=args.ttft_slo_ms, itl_slo_ms=args.itl_slo_ms, predictive=args.predictive,
+                startup_s=args.startup_s))
         out.append((f"colocated {cfg.num_decode}", cfg))
     return out
 

@@ -3,7 +3,8 @@ Llama-3-8B, a sinusoid of --rate requests/s +-80 % with a 300 s period, 2,048-to
 and 256-token answers. Arms: the fixed split `splitserve simulate` picks for the workload,
 and the autoscaler from 1P:1D (up to 15 workers a pool) with its step capped at
 --old-max-step (1: one worker per action, the policy before scale-ups were sized to the
-deficit) and at its default. One JSON line per arm: bench's summary keys, GPU-seconds,
+deficit) and at its default, and the latter predictive too (launching for the load forecast
+a start-up ahead, control/forecast.py). One JSON line per arm: bench's summary keys, GPU-seconds,
 goodput per GPU-hour, scale actions and the largest pools; with --plots DIR, bench's PNGs
 with every arm.
 
@@ -42,13 +43,16 @@ def main() -> None:
     arms = {f"fixed {fixed_label.split()[-1]}": fixed,
             f"autoscaled, max_step {args.old_max_step}": dataclasses.replace(
                 auto, autoscale=dataclasses.replace(auto.autoscale, max_step=args.old_max_step)),
-            f"autoscaled, sized (max_step {auto.autoscale.max_step})": auto}
+            f"autoscaled, sized (max_step {auto.autoscale.max_step})": auto,
+            "autoscaled, sized and predictive": dataclasses.replace(auto, autoscale=dataclasses.replace(
+                auto.autoscale, predictive=True, startup_s=auto.startup_s))}
     runs = {}
     for label, cfg in arms.items():
         result = Fleet(cfg, hw, items).run()
         s = cli.summary(result, sim_args.ttft_slo_ms / 1e3, sim_args.itl_slo_ms / 1e3)
         print(json.dumps({"bench": "sim_autoscale", "arm": label, **s,
-                          "largest_pools": [max(p for _, p, _ in result.pool_sizes), max(d for _, _, d in result.pool_sizes)],
+                          "largest_pools": [max(p for _, p, _ in result.pool_sizes),
+                                            max(d for _, _, d in result.pool_sizes)],
                           **vars(args), "plots": str(args.plots)}), flush=True)
         runs[label] = plots.records(result.run)
     if args.plots:

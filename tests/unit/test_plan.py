@@ -49,7 +49,7 @@ def test_the_front_the_best_and_the_plan_file(tmp_path) -> None:  # type: ignore
 
 
 def test_serve_takes_the_plan_s_pools(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from cluster.cli import _apply_plan, build_parser
+    from cluster.cli import _apply_plan, _autoscale_config, build_parser
 
     rs = [result("a", 1.0, 0.99)]
     rs[0]["candidate"] = Candidate("disaggregated", 3, 5, 2, 1, 8192).__dict__ | {}
@@ -59,6 +59,13 @@ def test_serve_takes_the_plan_s_pools(tmp_path) -> None:  # type: ignore[no-unty
     _apply_plan(args)
     assert (args.num_prefill, args.num_decode, args.mode, args.prefill_tp, args.decode_tp,
             args.max_num_batched_tokens) == (3, 5, "disaggregated", 2, 1, 8192)
+    scaled = build_parser().parse_args(["serve", "--plan", str(path), "--autoscale", "--predictive-scaling"])
+    _apply_plan(scaled)
+    config = _autoscale_config(scaled)
+    assert config.pd_ratio == 3 / 5 and config.predictive and config.startup_s == 30.0  # the plan's ratio kept
+    apart = build_parser().parse_args(["serve", "--plan", str(path), "--autoscale", "--independent-pools"])
+    _apply_plan(apart)
+    assert _autoscale_config(apart).pd_ratio is None and not _autoscale_config(apart).predictive
 
 
 def test_capacity_is_the_largest_rate_multiple_that_holds_within_its_precision() -> None:
