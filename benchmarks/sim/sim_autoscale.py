@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=18000)
     ap.add_argument("--old-max-step", type=int, default=1)
     ap.add_argument("--plots", type=Path)
+    ap.add_argument("--arms", help="only the arms whose label holds one of these (comma-separated), e.g. predictive")
     args = ap.parse_args()
     parser = argparse.ArgumentParser()
     cli.add_parser(parser.add_subparsers())
@@ -48,7 +49,13 @@ def main() -> None:
                 auto.autoscale, predictive=True, startup_s=auto.startup_s))}
     runs = {}
     for label, cfg in arms.items():
-        result = Fleet(cfg, hw, items).run()
+        if args.arms and not any(a in label for a in args.arms.split(",")):
+            continue
+        try:
+            result = Fleet(cfg, hw, items).run()
+        except RuntimeError as e:  # the simulator's own check: a run that can no longer move
+            print(json.dumps({"bench": "sim_autoscale", "arm": label, "error": str(e)}), flush=True)
+            continue
         s = cli.summary(result, sim_args.ttft_slo_ms / 1e3, sim_args.itl_slo_ms / 1e3)
         print(json.dumps({"bench": "sim_autoscale", "arm": label, **s,
                           "largest_pools": [max(p for _, p, _ in result.pool_sizes),
