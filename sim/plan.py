@@ -56,6 +56,11 @@ KEEP = 6
 TARGET_ATTAINMENT = 0.9
 """The share of requests within both SLOs a fleet must hold for a rate to count as served (DistServe's 90 %)."""
 BISECT_STEPS = 4
+MIN_SPAN_S = 60.0
+"""A rate is tried over at least this long (the requests repeated to fill it)."""
+MAX_EXTEND = 4
+"""...with at most this many times the screen's requests: a higher rate is not tried, and a
+goodput that reaches it is marked `capacity_capped` (a lower bound)."""
 MIN_MULTIPLE, MAX_MULTIPLE = 1 / 64, 64.0
 TPS = (1, 2, 4, 8)
 PLAN_VERSION = 1
@@ -199,6 +204,18 @@ def at_rate(items: Sequence[WorkloadRequest], multiple: float) -> list[WorkloadR
     return [dataclasses.replace(i, at_s=(i.at_s or 0.0) / multiple) for i in items]
 
 
+def repeated(items: Sequence[WorkloadRequest], n: int) -> list[WorkloadRequest]:
+    """The first `n` of the requests played end to end again and again, each pass one mean gap
+    after the last ended (as `sim.arrivals.trace_items` repeats a trace file)."""
+    out, first, last = list(items[:n]), items[0].at_s or 0.0, items[-1].at_s or 0.0
+    step = (last - first) * len(items) / max(len(items) - 1, 1)
+    k = 1
+    while len(out) < n:
+        out += [dataclasses.replace(i, at_s=(i.at_s or 0.0) + k * step) for i in items[:n - len(out)]]
+        k += 1
+    return out
+
+
 def trace_rate(items: Sequence[WorkloadRequest]) -> float:
     span = (items[-1].at_s or 0.0) - (items[0].at_s or 0.0)
     return (len(items) - 1) / span if span > 0 else float(len(items))
@@ -222,10 +239,24 @@ def evaluate(job: Job, items: list[WorkloadRequest] | None = None) -> dict[str, 
 
     out: dict[str, Any] = {"candidate": dataclasses.asdict(c), "label": c.label, "num_gpus": c.num_gpus}
     if job.kind == "capacity":
-        multiple = capacity(lambda m: served(m)["slo_attainment"] >= job.target)
+        span, capped = (items[-1].at_s or 0.0) - (items[0].at_s or 0.0), []
+
+        def holds(m: float) -> bool:
+            """Served at `m` times the rate, over at least MIN_SPAN_S (the requests repeated to
+            fill it: a burst shorter than its requests' own service says nothing of a steady
+            rate); a rate that would take more than MAX_EXTEND times the requests is not tried."""
+            need = math.ceil(len(items) * MIN_SPAN_S * m / span) if span > 0 else len(items)
+            if need > MAX_EXTEND * len(items):
+                capped.append(m)
+                return False
+            run = Fleet(cfg, d_hw, at_rate(repeated(items, max(need, len(items))), m), p_hw).run().run
+            return report.summarize(run, job.ttft_slo_s, job.itl_slo_s)["slo_attainment"] >= job.target
+
+        multiple = capacity(holds)
         rps = multiple * trace_rate(items)
         return {**out, "capacity_multiple": round(multiple, 3), "capacity_rps": round(rps, 3),
-                "goodput_per_gpu": round(rps / c.num_gpus, 4)}
+                "goodput_per_gpu": round(rps / c.num_gpus, 4),
+                "capacity_capped": bool(capped) and multiple * 2 ** (1 / 2 ** BISECT_STEPS) >= min(capped)}
     s = served(1.0)
     return {**out, "slo_attainment": s["slo_attainment"], "goodput_rps": s["goodput_rps"],
             "ttft_p50_ms": s["ttft_ms"].get("p50"), "ttft_p99_ms": s["ttft_ms"].get("p99"),

@@ -105,7 +105,8 @@ def _plan(args: argparse.Namespace) -> int:
     for name in ("candidate", "goodput req/s/GPU", "attainment", "TTFT p99 ms", "ITL p99 ms"):
         table.add_column(name)
     for r in plan["front"]:
-        table.add_row(r["label"], f"{r['goodput_per_gpu']:.3f}", f"{r['slo_attainment']:.3f}",
+        at_least = ">= " if r.get("capacity_capped") else ""  # the highest rate tried held: a lower bound
+        table.add_row(r["label"], f"{at_least}{r['goodput_per_gpu']:.3f}", f"{r['slo_attainment']:.3f}",
                       f"{r['ttft_p99_ms'] or 0:.0f}", f"{r['itl_p99_ms'] or 0:.1f}")
     console.print(table)
     b, c = plan["best"], plan["best_colocated"]

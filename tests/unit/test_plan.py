@@ -8,7 +8,8 @@ import json
 import pytest
 
 from sim.cost_model import LLAMA3_70B, LLAMA3_8B
-from sim.plan import Candidate, Space, best, candidates, capacity, fits, pareto, plan_file, read_plan
+from loadgen.workload import WorkloadRequest
+from sim.plan import Candidate, Space, at_rate, best, candidates, capacity, fits, pareto, plan_file, read_plan, repeated
 
 
 def test_the_grid_holds_every_degree_that_fits_and_the_splits_near_the_work_s_share() -> None:
@@ -73,3 +74,10 @@ def test_capacity_is_the_largest_rate_multiple_that_holds_within_its_precision()
         got = capacity(lambda m, true=true: m <= true)
         assert true / 2 ** (1 / 16) <= got <= true
     assert capacity(lambda m: True) == 64.0 and capacity(lambda m: False) == 0.0
+
+
+def test_requests_repeat_end_to_end_and_scale_in_time() -> None:
+    items = [WorkloadRequest([i], 4, at_s=t) for i, t in enumerate((0.0, 1.0, 3.0))]
+    assert [(r.prompt, r.at_s) for r in repeated(items, 7)] == [
+        ([0], 0.0), ([1], 1.0), ([2], 3.0), ([0], 4.5), ([1], 5.5), ([2], 7.5), ([0], 9.0)]
+    assert [r.at_s for r in at_rate(items, 2.0)] == [0.0, 0.5, 1.5] and repeated(items, 2) == items[:2]
