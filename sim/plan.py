@@ -240,6 +240,7 @@ def evaluate(job: Job, items: list[WorkloadRequest] | None = None) -> dict[str, 
     out: dict[str, Any] = {"candidate": dataclasses.asdict(c), "label": c.label, "num_gpus": c.num_gpus}
     if job.kind == "capacity":
         span, capped = (items[-1].at_s or 0.0) - (items[0].at_s or 0.0), []
+        highest = MAX_EXTEND * span / MIN_SPAN_S  # the highest multiple the screen can try
 
         def holds(m: float) -> bool:
             """Served at `m` times the rate, over at least MIN_SPAN_S (the requests repeated to
@@ -256,7 +257,7 @@ def evaluate(job: Job, items: list[WorkloadRequest] | None = None) -> dict[str, 
         rps = multiple * trace_rate(items)
         return {**out, "capacity_multiple": round(multiple, 3), "capacity_rps": round(rps, 3),
                 "goodput_per_gpu": round(rps / c.num_gpus, 4),
-                "capacity_capped": bool(capped) and multiple * 2 ** (1 / 2 ** BISECT_STEPS) >= min(capped)}
+                "capacity_capped": bool(capped) and multiple * 2 ** (2 / 2 ** BISECT_STEPS) >= highest}
     s = served(1.0)
     return {**out, "slo_attainment": s["slo_attainment"], "goodput_rps": s["goodput_rps"],
             "ttft_p50_ms": s["ttft_ms"].get("p50"), "ttft_p99_ms": s["ttft_ms"].get("p99"),
