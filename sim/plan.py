@@ -188,6 +188,8 @@ class Job:
     seed: int
     kind: Literal["capacity", "attainment"] = "attainment"
     target: float = TARGET_ATTAINMENT
+    min_span_s: float = MIN_SPAN_S
+    """A rate is tried over at least this long (a test's short trace may lower it)."""
 
 
 _ITEMS: list[WorkloadRequest] = []
@@ -240,13 +242,13 @@ def evaluate(job: Job, items: list[WorkloadRequest] | None = None) -> dict[str, 
     out: dict[str, Any] = {"candidate": dataclasses.asdict(c), "label": c.label, "num_gpus": c.num_gpus}
     if job.kind == "capacity":
         span, capped = (items[-1].at_s or 0.0) - (items[0].at_s or 0.0), []
-        highest = MAX_EXTEND * span / MIN_SPAN_S  # the highest multiple the screen can try
+        highest = MAX_EXTEND * span / job.min_span_s  # the highest multiple the screen can try
 
         def holds(m: float) -> bool:
-            """Served at `m` times the rate, over at least MIN_SPAN_S (the requests repeated to
+            """Served at `m` times the rate, over at least `min_span_s` (the requests repeated to
             fill it: a burst shorter than its requests' own service says nothing of a steady
             rate); a rate that would take more than MAX_EXTEND times the requests is not tried."""
-            need = math.ceil(len(items) * MIN_SPAN_S * m / span) if span > 0 else len(items)
+            need = math.ceil(len(items) * job.min_span_s * m / span) if span > 0 else len(items)
             if need > MAX_EXTEND * len(items):
                 capped.append(m)
                 return False
