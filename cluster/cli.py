@@ -348,22 +348,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
                    "namespace: one cluster per namespace on a Ray cluster)")
     s.add_argument("--controller-max-restarts", type=int, default=ClusterConfig.controller_max_restarts,
                    help="times Ray restarts a controller that died (workers and routers serve on meanwhile)")
-    s.add_argument("--autoscale", action="store_true",
-                   help="scale prefill on queue time and decode on KV pressure, within --min-prefill/--max-prefill "
-                        "and --min-decode/--max-decode")
-    s.add_argument("--independent-pools", action="store_true",
-                   help="--autoscale with --plan: each pool scales on its own signals, not at the plan's P:D ratio")
-    s.add_argument("--predictive-scaling", action="store_true",
-                   help="--autoscale: also launch workers for the load forecast --worker-startup-s ahead (a trend of "
-                        "each pool's demand), not only for the load that has arrived")
-    s.add_argument("--worker-startup-s", type=float, default=AutoscaleConfig.startup_s,
-                   help="--predictive-scaling: how long a launched worker takes to serve")
-    s.add_argument("--min-prefill", type=int, default=0, help="--autoscale: (0 lets mode auto drop the prefill pool)")
-    s.add_argument("--max-prefill", type=int, default=AutoscaleConfig.prefill_max)
-    s.add_argument("--min-decode", type=int, default=AutoscaleConfig.decode_min)
-    s.add_argument("--max-decode", type=int, default=AutoscaleConfig.decode_max)
-    s.add_argument("--ttft-slo-ms", type=float, default=AutoscaleConfig.ttft_slo_ms, help="--autoscale: the TTFT budget prefill scales on")
-    s.add_argument("--itl-slo-ms", type=float, default=AutoscaleConfig.itl_slo_ms, help="--autoscale: the ITL budget decode scales on")
+    _add_autoscale_flags(s)
     add_device_flags(s)
     s.add_argument("--plan", metavar="FILE", help="a plan file of `splitserve plan`: its best fleet's pools, mode, "
                    "TP degrees and step budget (in place of --num-prefill, --num-decode, --mode, --prefill-tp, "
@@ -392,6 +377,28 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     _add_ray_flags(s)
     _add_admission_flags(s)
     s.set_defaults(func=_serve)
+
+
+def _add_autoscale_flags(s: argparse.ArgumentParser) -> None:
+    """serve --autoscale: the pools' bounds, the SLOs they scale on, a plan's ratio, the forecast."""
+    s.add_argument("--autoscale", action="store_true",
+                   help="scale prefill on queue time and decode on KV pressure, within --min-prefill/--max-prefill "
+                        "and --min-decode/--max-decode")
+    s.add_argument("--independent-pools", action="store_true",
+                   help="--autoscale with --plan: each pool scales on its own signals, not at the plan's P:D ratio")
+    s.add_argument("--predictive-scaling", action="store_true",
+                   help="--autoscale: also launch workers for the load forecast --worker-startup-s ahead (a trend of "
+                        "each pool's demand), not only for the load that has arrived")
+    s.add_argument("--worker-startup-s", type=float, default=AutoscaleConfig.startup_s,
+                   help="--predictive-scaling: how long a launched worker takes to serve")
+    s.add_argument("--min-prefill", type=int, default=0, help="--autoscale: (0 lets mode auto drop the prefill pool)")
+    s.add_argument("--max-prefill", type=int, default=AutoscaleConfig.prefill_max)
+    s.add_argument("--min-decode", type=int, default=AutoscaleConfig.decode_min)
+    s.add_argument("--max-decode", type=int, default=AutoscaleConfig.decode_max)
+    s.add_argument("--ttft-slo-ms", type=float, default=AutoscaleConfig.ttft_slo_ms,
+                   help="--autoscale: the TTFT budget prefill scales on")
+    s.add_argument("--itl-slo-ms", type=float, default=AutoscaleConfig.itl_slo_ms,
+                   help="--autoscale: the ITL budget decode scales on")
 
 
 def _add_ray_flags(s: argparse.ArgumentParser) -> None:

@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+UNREACHABLE = "the response store (the cluster's Redis) cannot be reached; retry"
+
 
 class NotFound(Exception):
     """A stored object the request names does not exist for its tenant (404)."""
@@ -44,6 +46,11 @@ class NotFound(Exception):
         super().__init__(message)
         self.message, self.param = message, param
 
+
+
+def gone(response_id: str, param: str) -> NotFound:
+    """Not found for this tenant, whyever: another tenant's id reads as one never stored."""
+    return NotFound(f"no stored response '{response_id}' (never stored, expired, deleted, or another tenant's)", param)
 
 
 class AgentRoutes:
@@ -216,11 +223,9 @@ class AgentRoutes:
         try:
             stored = await self.store.get(tenant, response_id)
         except StoreUnavailable:
-            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "the response store (the cluster's Redis) cannot be "
-                                "reached; retry", retry_after_s=1.0) from None
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, UNREACHABLE, retry_after_s=1.0) from None
         if stored is None:
-            raise NotFound(f"no stored response '{response_id}' (never stored, expired, deleted, or another "
-                           "tenant's)", param)
+            raise gone(response_id, param)
         return stored
 
     async def stored_response(self, request: web.Request) -> web.Response:
@@ -229,14 +234,16 @@ class AgentRoutes:
         return web.json_response(stored.response, dumps=dumps)
 
     async def delete_response(self, request: web.Request) -> web.Response:
+        """DELETE /v1/responses/{id}: one Redis call, which says whether the tenant had it."""
         response_id = request.match_info["response_id"]
-        await self._stored(self._tenant(request), response_id, "response_id")
-        assert self.store is not None
+        if self.store is None:
+            raise BadRequest("this server keeps no stored responses (no response store)", "response_id")
         try:
-            await self.store.delete(self._tenant(request), response_id)
+            deleted = await self.store.delete(self._tenant(request), response_id)
         except StoreUnavailable:
-            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "the response store (the cluster's Redis) cannot be "
-                                "reached; retry", retry_after_s=1.0) from None
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, UNREACHABLE, retry_after_s=1.0) from None
+        if not deleted:
+            raise gone(response_id, "response_id")
         return web.json_response({"id": response_id, "object": "response", "deleted": True}, dumps=dumps)
 
     @staticmethod

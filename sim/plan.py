@@ -235,8 +235,8 @@ def evaluate(job: Job, items: list[WorkloadRequest] | None = None) -> dict[str, 
     d_hw = Roofline(model, GPUS[job.gpu], c.decode_tp)
     p_hw = Roofline(model, GPUS[job.gpu], c.prefill_tp) if cfg.prefill_gpus_per_worker else None
 
-    def served(multiple: float) -> dict[str, Any]:
-        run = Fleet(cfg, d_hw, at_rate(items, multiple), p_hw).run().run
+    def served(requests: list[WorkloadRequest], multiple: float) -> dict[str, Any]:
+        run = Fleet(cfg, d_hw, at_rate(requests, multiple), p_hw).run().run
         return report.summarize(run, job.ttft_slo_s, job.itl_slo_s)
 
     out: dict[str, Any] = {"candidate": dataclasses.asdict(c), "label": c.label, "num_gpus": c.num_gpus}
@@ -252,15 +252,14 @@ def evaluate(job: Job, items: list[WorkloadRequest] | None = None) -> dict[str, 
             if need > MAX_EXTEND * len(items):
                 capped.append(m)
                 return False
-            run = Fleet(cfg, d_hw, at_rate(repeated(items, max(need, len(items))), m), p_hw).run().run
-            return report.summarize(run, job.ttft_slo_s, job.itl_slo_s)["slo_attainment"] >= job.target
+            return served(repeated(items, max(need, len(items))), m)["slo_attainment"] >= job.target
 
         multiple = capacity(holds)
         rps = multiple * trace_rate(items)
         return {**out, "capacity_multiple": round(multiple, 3), "capacity_rps": round(rps, 3),
                 "goodput_per_gpu": round(rps / c.num_gpus, 4),
                 "capacity_capped": bool(capped) and multiple * 2 ** (2 / 2 ** BISECT_STEPS) >= highest}
-    s = served(1.0)
+    s = served(items, 1.0)
     return {**out, "slo_attainment": s["slo_attainment"], "goodput_rps": s["goodput_rps"],
             "ttft_p50_ms": s["ttft_ms"].get("p50"), "ttft_p99_ms": s["ttft_ms"].get("p99"),
             "itl_p50_ms": s["itl_ms"].get("p50"), "itl_p99_ms": s["itl_ms"].get("p99"),

@@ -63,23 +63,10 @@ def add_parser(sub: Any) -> None:
 def _plan(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import Progress
-    from rich.table import Table
 
-    from sim.cli import workload
-    from sim.plan import Job, Space, auto_tps, candidates, plan_file, prefill_share, staged, trace_rate
+    from sim.plan import plan_file, staged, trace_rate
 
-    model = MODELS[args.model].in_fp8(args.quantization == "fp8", args.kv_cache_dtype == "fp8")
-    items = workload(args)
-    share = prefill_share(model, args.gpu, items, max(args.budgets))
-    tps = args.tp or auto_tps(model, args.gpu, args.max_model_len, args.num_gpus)
-    space = Space(args.num_gpus, tps, args.budgets, args.kv_store_gib, tuple(args.modes.split(",")))
-    grid = candidates(space, model, args.gpu, args.max_model_len, share)
-    if not grid:
-        raise SystemExit(f"no candidate: {args.model} fits at none of TP {tps or TPS} within {args.num_gpus} GPUs "
-                         f"and a {args.max_model_len}-token context")
-    jobs = [Job(c, args.model, (args.quantization == "fp8", args.kv_cache_dtype == "fp8"), args.gpu,
-                args.max_model_len, args.ttft_slo_ms / 1e3, args.itl_slo_ms / 1e3, args.seed,
-                target=args.target_attainment) for c in grid]
+    items, share, tps, jobs = _jobs(args)
     console = Console(stderr=True)
     span = (items[-1].at_s or 0) - (items[0].at_s or 0)
     console.print(f"plan: {len(items)} requests ({trace_rate(items):.2f}/s) over {span:.0f} s, prefill "
@@ -101,6 +88,39 @@ def _plan(args: argparse.Namespace) -> int:
             "target_attainment": args.target_attainment, "tps": list(tps), "screen_requests": screened,
             "search_s": round(time.monotonic() - start, 1)}
     plan = plan_file(results, meta, capacities)
+    _report(console, plan)
+    args.out.write_text(json.dumps(plan, indent=1))
+    console.print(f"plan written to {args.out} (serve --plan {args.out}); searched in {meta['search_s']} s")
+    if args.plot:
+        _plot(results, plan, args.plot)
+    short = {k: v for k, v in plan.items() if k not in ("front", "goodput_per_gpu")}
+    print(json.dumps({"bench": "plan", "plan": short}), flush=True)
+    return 0
+
+
+def _jobs(args: argparse.Namespace) -> tuple[list[Any], float, tuple[int, ...], list[Any]]:
+    """(the requests, the prefill share of their work, the TP degrees tried, a job per candidate)."""
+    from sim.cli import workload
+    from sim.plan import Job, Space, auto_tps, candidates, prefill_share
+
+    fp8 = (args.quantization == "fp8", args.kv_cache_dtype == "fp8")
+    model = MODELS[args.model].in_fp8(*fp8)
+    items = workload(args)
+    share = prefill_share(model, args.gpu, items, max(args.budgets))
+    tps = args.tp or auto_tps(model, args.gpu, args.max_model_len, args.num_gpus)
+    space = Space(args.num_gpus, tps, args.budgets, args.kv_store_gib, tuple(args.modes.split(",")))
+    grid = candidates(space, model, args.gpu, args.max_model_len, share)
+    if not grid:
+        raise SystemExit(f"no candidate: {args.model} fits at none of TP {tps or TPS} within {args.num_gpus} GPUs "
+                         f"and a {args.max_model_len}-token context")
+    return items, share, tps, [Job(c, args.model, fp8, args.gpu, args.max_model_len, args.ttft_slo_ms / 1e3,
+                                   args.itl_slo_ms / 1e3, args.seed, target=args.target_attainment) for c in grid]
+
+
+def _report(console: Any, plan: dict[str, Any]) -> None:
+    """The front as a table, and the best against the best colocated."""
+    from rich.table import Table
+
     table = Table(title="the Pareto front: goodput per GPU against SLO attainment at the trace's rate")
     for name in ("candidate", "goodput req/s/GPU", "attainment", "TTFT p99 ms", "ITL p99 ms"):
         table.add_column(name)
@@ -114,13 +134,6 @@ def _plan(args: argparse.Namespace) -> int:
         if c and plan["gain_over_colocated"] else ""
     console.print(f"best: {b['label']}: {b['goodput_per_gpu']:.3f} req/s per GPU at attainment "
                   f"{b['slo_attainment']:.3f}{versus}")
-    args.out.write_text(json.dumps(plan, indent=1))
-    console.print(f"plan written to {args.out} (serve --plan {args.out}); searched in {meta['search_s']} s")
-    if args.plot:
-        _plot(results, plan, args.plot)
-    short = {k: v for k, v in plan.items() if k not in ("front", "goodput_per_gpu")}
-    print(json.dumps({"bench": "plan", "plan": short}), flush=True)
-    return 0
 
 
 def _plot(results: list[dict[str, Any]], plan: dict[str, Any], path: Path) -> None:

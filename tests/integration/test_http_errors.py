@@ -5,6 +5,7 @@ context allows, and a failure after the first token as an SSE error event, then 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -133,6 +134,19 @@ class Recorded(Generation):
             self.open -= 1
 
 
+@contextlib.asynccontextmanager
+async def chat_server(generation: Generation) -> AsyncIterator[tuple[int, aiohttp.ClientSession]]:
+    """The HTTP door over `generation` on a free loopback port (every chat renders [5, 6]), and a client."""
+    server = OpenAIServer(generation, Frontend(None), Members(), None, 1 << 20)  # type: ignore[arg-type]
+    server.frontend.chat_token_ids = lambda *a, **k: [5, 6]  # type: ignore[method-assign]
+    port = await server.start("127.0.0.1", 0, False)
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http:
+            yield port, http
+    finally:
+        await server.stop()
+
+
 def choice_token(i: int, text: str, choice: int) -> Reply:
     return Reply("r", token_ids=[i], text=text, choice=choice)
 
@@ -168,31 +182,25 @@ def test_a_fault_mid_stream_ends_it_with_an_error_event_then_done(monkeypatch: p
             **({"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]})}
 
     async def scenario() -> None:
-        server = OpenAIServer(generation, Frontend(None), Members(), None, 1 << 20)  # type: ignore[arg-type]
-        server.frontend.chat_token_ids = lambda *a, **k: [5, 6]  # type: ignore[method-assign]
-        port = await server.start("127.0.0.1", 0, False)
-        try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http:
-                async with http.post(f"http://127.0.0.1:{port}{path}", json={**body, "stream": True}) as r:
-                    assert r.status == 200
-                    events = [line[len(b"data: "):] for line in (await r.read()).split(b"\n\n") if line]
-                assert events[-1] == b"[DONE]" and generation.open == 0
-                error = json.loads(events[-2])
-                assert error == {"error": {"message": "internal error in the router (logged); retry",
-                                           "type": "internal_error", "param": None, "code": 500}}
-                assert all("error" not in json.loads(e) for e in events[:-2])
-                if where == "usage":  # every choice's tokens went out before the usage chunk failed
-                    assert sum(b'"finish_reason":"length"' in e for e in events) == n
-                body.pop("stream_options")
-                async with http.post(f"http://127.0.0.1:{port}{path}", json=body) as r:
-                    answer = await r.json()
-                if where == "usage":  # a whole answer has no usage chunk: it succeeds
-                    assert r.status == 200 and len(answer["choices"]) == n
-                else:
-                    assert (r.status, answer["error"]["code"]) == (500, "internal")
-                assert generation.open == 0
-        finally:
-            await server.stop()
+        async with chat_server(generation) as (port, http):
+            async with http.post(f"http://127.0.0.1:{port}{path}", json={**body, "stream": True}) as r:
+                assert r.status == 200
+                events = [line[len(b"data: "):] for line in (await r.read()).split(b"\n\n") if line]
+            assert events[-1] == b"[DONE]" and generation.open == 0
+            error = json.loads(events[-2])
+            assert error == {"error": {"message": "internal error in the router (logged); retry",
+                                       "type": "internal_error", "param": None, "code": 500}}
+            assert all("error" not in json.loads(e) for e in events[:-2])
+            if where == "usage":  # every choice's tokens went out before the usage chunk failed
+                assert sum(b'"finish_reason":"length"' in e for e in events) == n
+            body.pop("stream_options")
+            async with http.post(f"http://127.0.0.1:{port}{path}", json=body) as r:
+                answer = await r.json()
+            if where == "usage":  # a whole answer has no usage chunk: it succeeds
+                assert r.status == 200 and len(answer["choices"]) == n
+            else:
+                assert (r.status, answer["error"]["code"]) == (500, "internal")
+            assert generation.open == 0
 
     asyncio.run(scenario())
 
@@ -211,34 +219,28 @@ def test_a_fault_mid_stream_of_an_agent_api_is_its_error_event_then_the_end(path
     message = "internal error in the router (logged); retry" if status == 500 else "gone"
 
     async def scenario() -> None:
-        server = OpenAIServer(generation, Frontend(None), Members(), None, 1 << 20)  # type: ignore[arg-type]
-        server.frontend.chat_token_ids = lambda *a, **k: [5, 6]  # type: ignore[method-assign]
-        port = await server.start("127.0.0.1", 0, False)
-        try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http:
-                async with http.post(f"http://127.0.0.1:{port}{path}", json={**body, "stream": True}) as r:
-                    assert r.status == 200
-                    events = [dict(line.split(": ", 1) for line in e.split("\n"))
-                              for e in (await r.text()).split("\n\n") if e]
-                kinds = [e["event"] for e in events]
-                if path == "/v1/responses":
-                    assert kinds[-4:] == ["response.output_text.delta", "response.output_text.delta", "error",
-                                          "response.failed"]
-                    assert json.loads(events[-2]["data"])["message"] == message
-                    assert json.loads(events[-1]["data"])["response"]["status"] == "failed"
-                else:
-                    assert kinds[-3:] == ["content_block_delta", "content_block_delta", "error"]
-                    assert json.loads(events[-1]["data"]) == {"type": "error", "error": {
-                        "type": "api_error" if status == 500 else "overloaded_error", "message": message}}
-                assert generation.open == 0
-                async with http.post(f"http://127.0.0.1:{port}{path}", json=body) as r:
-                    answer = await r.json()
-                assert r.status == status and generation.open == 0
-                if path == "/v1/messages":
-                    assert answer["type"] == "error" and answer["error"]["message"] == message
-                else:
-                    assert answer["error"]["message"] == message
-        finally:
-            await server.stop()
+        async with chat_server(generation) as (port, http):
+            async with http.post(f"http://127.0.0.1:{port}{path}", json={**body, "stream": True}) as r:
+                assert r.status == 200
+                events = [dict(line.split(": ", 1) for line in e.split("\n"))
+                          for e in (await r.text()).split("\n\n") if e]
+            kinds = [e["event"] for e in events]
+            if path == "/v1/responses":
+                assert kinds[-4:] == ["response.output_text.delta", "response.output_text.delta", "error",
+                                      "response.failed"]
+                assert json.loads(events[-2]["data"])["message"] == message
+                assert json.loads(events[-1]["data"])["response"]["status"] == "failed"
+            else:
+                assert kinds[-3:] == ["content_block_delta", "content_block_delta", "error"]
+                assert json.loads(events[-1]["data"]) == {"type": "error", "error": {
+                    "type": "api_error" if status == 500 else "overloaded_error", "message": message}}
+            assert generation.open == 0
+            async with http.post(f"http://127.0.0.1:{port}{path}", json=body) as r:
+                answer = await r.json()
+            assert r.status == status and generation.open == 0
+            if path == "/v1/messages":
+                assert answer["type"] == "error" and answer["error"]["message"] == message
+            else:
+                assert answer["error"]["message"] == message
 
     asyncio.run(scenario())
