@@ -36,6 +36,48 @@ def met_slos(o: Outcome, ttft_slo_s: float, itl_slo_s: float) -> bool:
     return o.ok and o.ttft_s is not None and o.ttft_s <= ttft_slo_s and (tpot is None or tpot <= itl_slo_s)
 
 
+def attainment(good: int, num_requests: int) -> float:
+    """The share of the requests that met both SLOs, as the summary reports it."""
+    return round(good / num_requests, 4) if num_requests else 0.0
+
+
+class SloVerdict:
+    """Whether `num_requests` will reach `target` attainment, known as soon as the outcomes
+    seen so far settle it: met once enough met both SLOs, missed once too many cannot. The
+    verdict is the one `summarize` would give the whole run (`attainment(...) >= target`).
+    A request is counted when it ends, or when its first token comes past the TTFT SLO."""
+
+    def __init__(self, num_requests: int, target: float, ttft_slo_s: float, itl_slo_s: float) -> None:
+        self.ttft_slo_s, self.itl_slo_s = ttft_slo_s, itl_slo_s
+        self.need = next((k for k in range(max(0, math.floor(target * num_requests) - 1), num_requests + 1)
+                          if attainment(k, num_requests) >= target), num_requests + 1)
+        """The fewest requests meeting both SLOs that reach the target."""
+        self.may_miss = num_requests - self.need
+        self.num_met = self.num_missed = 0
+        self._missed: set[int] = set()
+
+    @property
+    def decided(self) -> bool | None:
+        """True: the target is reached whatever the rest do; False: it cannot be; None: not yet."""
+        if self.num_met >= self.need:
+            return True
+        return False if self.num_missed > self.may_miss else None
+
+    def first_token(self, o: Outcome) -> None:
+        if o.ttft_s is not None and o.ttft_s > self.ttft_slo_s and id(o) not in self._missed:
+            self._missed.add(id(o))
+            self.num_missed += 1
+
+    def ended(self, o: Outcome) -> None:
+        if id(o) in self._missed:
+            return
+        if met_slos(o, self.ttft_slo_s, self.itl_slo_s):
+            self.num_met += 1
+        else:
+            self._missed.add(id(o))
+            self.num_missed += 1
+
+
 def summarize(run: Run, ttft_slo_s: float, itl_slo_s: float) -> dict[str, Any]:
     ok = [o for o in run.outcomes if o.ok]
     elapsed = max(run.elapsed_s, 1e-9)
@@ -56,7 +98,7 @@ def summarize(run: Run, ttft_slo_s: float, itl_slo_s: float) -> dict[str, Any]:
         "prompt_tokens_per_s": round(prompt / elapsed, 1),
         "prefix_hit_rate": round(sum(o.num_cached for o in ok) / prompt, 4) if prompt else 0.0,
         "goodput_rps": round(good / elapsed, 3),
-        "slo_attainment": round(good / len(run.outcomes), 4) if run.outcomes else 0.0,
+        "slo_attainment": attainment(good, len(run.outcomes)),
         "ttft_slo_ms": round(ttft_slo_s * 1e3, 1), "itl_slo_ms": round(itl_slo_s * 1e3, 1),
     }
 

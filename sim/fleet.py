@@ -28,6 +28,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+from loadgen.report import SloVerdict
 from loadgen.runner import Outcome, Run
 from loadgen.workload import WorkloadRequest
 from control.autoscaler import AutoscaleState, decide
@@ -59,14 +60,19 @@ VOCAB = 128256
 PROGRESS_EVERY = 20000
 """Events between two calls of `Fleet.on_progress`."""
 PROMPT_MEMO = 8192
-"""Prompts whose hashes the fleet keeps (a replayed trace's distinct prompts: 3,993 in the synthetic one)."""
+"""Prompts whose hashes a process keeps (a replayed trace's distinct prompts: 3,993 in the synthetic one)."""
+_PROMPT_HASHES: dict[tuple[int, int], tuple[list[int], list[BlockHash]]] = {}
+"""(block size, the prompt object's id) -> (the prompt, its hashes): shared by every fleet of the
+process, as a plan's runs of one trace at many rates send the same prompt objects."""
 
 
 class Fleet:
     def __init__(self, config: FleetConfig, hardware: Hardware, items: list[WorkloadRequest],
-                 prefill_hardware: Hardware | None = None) -> None:
+                 prefill_hardware: Hardware | None = None, verdict: SloVerdict | None = None) -> None:
         """`prefill_hardware`: what a prefill worker's steps cost where its tensor-parallel
-        degree differs from a decode worker's (`FleetConfig.prefill_gpus_per_worker`)."""
+        degree differs from a decode worker's (`FleetConfig.prefill_gpus_per_worker`).
+        `verdict`: the run stops as soon as it is decided (`FleetResult.decided`), its outcomes
+        those of the requests so far."""
         self.config, self.hw = config, hardware
         self.prefill_hw = prefill_hardware or hardware
         self.now = 0.0
@@ -80,8 +86,8 @@ class Fleet:
         self.jitter = random.Random(config.seed + 1)
         self.hops = random.Random(config.seed + 2)
         self.hasher = BlockHasher(b"sim", "sim", config.block_size)
-        self._prompt_hashes: dict[int, tuple[list[int], list[BlockHash]]] = {}
         """The workers' key too (SimEngine's defaults), so a prompt's hashes are the same list everywhere."""
+        self.verdict = verdict
         self.itl = ItlWindow()
         self.targets = {"prefill": config.num_prefill, "decode": config.num_decode}
         self.workers: dict[str, Worker] = {}
@@ -139,7 +145,7 @@ class Fleet:
         if self.config.autoscale is not None:
             self.at(AUTOSCALE_TICK_S, self._autoscale)
         for n in itertools.count():
-            if not (self._events and self.num_left):
+            if not (self._events and self.num_left) or (self.verdict is not None and self.verdict.decided is not None):
                 break
             if self.on_progress is not None and not n % PROGRESS_EVERY:
                 self.on_progress(self)
@@ -159,7 +165,8 @@ class Fleet:
             self.stats["num_store_spilled_blocks"] = self.tier.num_spilled_blocks
             self.stats["num_store_unspilled_blocks"] = self.tier.num_unspilled_blocks
         return FleetResult(Run(outcomes, end - min((o.sent_s for o in outcomes), default=0.0)), gpu_s,
-                           self.actions, self.pool_sizes, self.config, dict(self.stats))
+                           self.actions, self.pool_sizes, self.config, dict(self.stats),
+                           self.verdict.decided if self.verdict is not None else None)
 
     # -- workers -------------------------------------------------------------------------
     def launch(self, role: Role, ready_at: float) -> Worker:
@@ -250,15 +257,15 @@ class Fleet:
 
     def _hash_prompt(self, prompt: list[int]) -> list[BlockHash]:
         """The router's hashes of a prompt; a trace replayed end to end sends the same prompt
-        objects again, and their hashes are the same (the last `PROMPT_MEMO` kept)."""
-        memo = self._prompt_hashes.get(id(prompt))
-        if memo is not None and memo[0] is prompt:
-            return memo[1]
-        hashes = self.hasher.hash_prompt(prompt, "")
-        self._prompt_hashes[id(prompt)] = (prompt, hashes)
-        if len(self._prompt_hashes) > PROMPT_MEMO:
-            del self._prompt_hashes[next(iter(self._prompt_hashes))]
-        return hashes
+        objects again, and their hashes are the same (the last `PROMPT_MEMO` used kept)."""
+        key = (self.config.block_size, id(prompt))
+        memo = _PROMPT_HASHES.pop(key, None)
+        if memo is None or memo[0] is not prompt:
+            memo = (prompt, self.hasher.hash_prompt(prompt, ""))
+            if len(_PROMPT_HASHES) >= PROMPT_MEMO:
+                del _PROMPT_HASHES[next(iter(_PROMPT_HASHES))]
+        _PROMPT_HASHES[key] = memo  # the newest last: the oldest used goes first
+        return memo[1]
 
     def _admitted(self, f: Flight, overlap: dict[str, int] | None = None) -> None:
         f.admitted_at = self.now
@@ -316,6 +323,8 @@ class Fleet:
         if o.ttft_s is None and first is not None:  # from P (then the KV moves to D) or from D itself
             o.ttft_s = seen - o.sent_s
             o.num_cached = first[1]
+            if self.verdict is not None:
+                self.verdict.first_token(o)
             assert f.booking is not None and f.admitted_at is not None
             f.booking.prefilled()
             for rid in self.queue.observe_ttft(self.now - f.admitted_at, f.cost_tokens):
@@ -335,6 +344,8 @@ class Fleet:
         f.outcome.code = code
         f.outcome.end_s = max(self.now, f.last_seen)
         self.num_left -= 1
+        if self.verdict is not None:
+            self.verdict.ended(f.outcome)
         if f.booking is not None:
             f.booking.end()
         if code == "OK":

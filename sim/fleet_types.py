@@ -163,3 +163,5 @@ class FleetResult:
     """(time, prefill workers, decode workers) after each change."""
     config: FleetConfig
     stats: dict[str, Any]
+    decided: bool | None = None
+    """The `SloVerdict` the run stopped at (None: it ran to its end, or had none)."""

@@ -23,9 +23,15 @@ Pruning, so that an hour of trace on 8 GPUs is planned in minutes on two cores:
   the pools; the search tries the splits whose prefill share of the GPUs is within a factor
   `SPLIT_SPREAD` of it (at least the three nearest), not all of them;
 - the degrees: by default the two smallest TP degrees the model fits at (`auto_tps`);
-- two stages (`staged`): every candidate's goodput is found on the trace's first
-  `SCREEN_REQUESTS` requests (a bisection: about six runs), and the `KEEP` of the most (and
-  the colocated one of the most) serve the whole trace once, at its rate, for attainment.
+- a rate's run stops as soon as its verdict is settled (`loadgen.report.SloVerdict`: enough
+  requests met both SLOs, or too many missed one), so an overloaded rate costs its first
+  misses, not its whole queue;
+- three stages (`staged`), the first two on the trace's first `SCREEN_REQUESTS` requests:
+  every candidate's rate bracketed within a factor 2 (doubling or halving from the trace's);
+  then, highest brackets first, bisected to 4 % (`BISECT_STEPS`) unless its bracket tops out
+  at or below the `KEEP`-th goodput already found (it cannot be a finalist: `refined`); the
+  `KEEP` of the most (and the colocated one of the most) then serve the whole trace once, at
+  its rate, for attainment.
 """
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -52,7 +58,7 @@ DECODE_BATCH = 32
 SPLIT_SPREAD = 2.0
 ATTAINMENT_SLACK = 0.01
 SCREEN_REQUESTS = 600
-KEEP = 6
+KEEP = 3
 TARGET_ATTAINMENT = 0.9
 """The share of requests within both SLOs a fleet must hold for a rate to count as served (DistServe's 90 %)."""
 BISECT_STEPS = 4
@@ -186,7 +192,12 @@ class Job:
     ttft_slo_s: float
     itl_slo_s: float
     seed: int
-    kind: Literal["capacity", "attainment"] = "attainment"
+    kind: Literal["bracket", "capacity", "attainment"] = "attainment"
+    """`bracket`: the rates within a factor 2 of the highest it holds at (doubling or halving
+    from the trace's); `capacity`: that rate by bisection (within `bracket`, else from scratch)."""
+    bracket: tuple[float, float] | None = None
+    bracket_capped: bool = False
+    """The bracket's stage left a rate untried (MAX_EXTEND): its top may not be a failure."""
     target: float = TARGET_ATTAINMENT
     min_span_s: float = MIN_SPAN_S
     """A rate is tried over at least this long (a test's short trace may lower it)."""
@@ -239,8 +250,17 @@ def evaluate(job: Job, items: list[WorkloadRequest] | None = None) -> dict[str, 
         run = Fleet(cfg, d_hw, at_rate(requests, multiple), p_hw).run().run
         return report.summarize(run, job.ttft_slo_s, job.itl_slo_s)
 
+    def held(requests: list[WorkloadRequest], multiple: float) -> bool:
+        """Whether `target` of the requests meet the SLOs at `multiple` times their rate: the
+        run stops as soon as that is settled (an overloaded rate is refused on its first misses)."""
+        verdict = report.SloVerdict(len(requests), job.target, job.ttft_slo_s, job.itl_slo_s)
+        result = Fleet(cfg, d_hw, at_rate(requests, multiple), p_hw, verdict).run()
+        if result.decided is not None:
+            return result.decided
+        return report.summarize(result.run, job.ttft_slo_s, job.itl_slo_s)["slo_attainment"] >= job.target
+
     out: dict[str, Any] = {"candidate": dataclasses.asdict(c), "label": c.label, "num_gpus": c.num_gpus}
-    if job.kind == "capacity":
+    if job.kind in ("bracket", "capacity"):
         span, capped = (items[-1].at_s or 0.0) - (items[0].at_s or 0.0), []
         highest = MAX_EXTEND * span / job.min_span_s  # the highest multiple the screen can try
 
@@ -252,13 +272,15 @@ def evaluate(job: Job, items: list[WorkloadRequest] | None = None) -> dict[str, 
             if need > MAX_EXTEND * len(items):
                 capped.append(m)
                 return False
-            return served(repeated(items, max(need, len(items))), m)["slo_attainment"] >= job.target
+            return held(repeated(items, max(need, len(items))), m)
 
-        multiple = capacity(holds)
-        rps = multiple * trace_rate(items)
-        return {**out, "capacity_multiple": round(multiple, 3), "capacity_rps": round(rps, 3),
-                "goodput_per_gpu": round(rps / c.num_gpus, 4),
-                "capacity_capped": bool(capped) and multiple * 2 ** (2 / 2 ** BISECT_STEPS) >= highest}
+        if job.kind == "bracket":
+            lo, hi = bracket(holds)
+            return {**out, "bracket": (lo, hi), "bracket_capped": bool(capped),
+                    **_goodput(lo, c, items, bool(capped) and lo * 2 >= highest)}
+        multiple = refine(holds, *(job.bracket or bracket(holds)))
+        capped_now = (bool(capped) or job.bracket_capped) and multiple * 2 ** (2 / 2 ** BISECT_STEPS) >= highest
+        return {**out, **_goodput(multiple, c, items, capped_now)}
     s = served(items, 1.0)
     return {**out, "slo_attainment": s["slo_attainment"], "goodput_rps": s["goodput_rps"],
             "ttft_p50_ms": s["ttft_ms"].get("p50"), "ttft_p99_ms": s["ttft_ms"].get("p99"),
@@ -266,42 +288,81 @@ def evaluate(job: Job, items: list[WorkloadRequest] | None = None) -> dict[str, 
             "num_failed": s["num_failed"]}
 
 
+def _goodput(multiple: float, c: Candidate, items: Sequence[WorkloadRequest], capped: bool) -> dict[str, Any]:
+    rps = multiple * trace_rate(items)
+    return {"capacity_multiple": round(multiple, 3), "capacity_rps": round(rps, 3),
+            "goodput_per_gpu": round(rps / c.num_gpus, 4), "capacity_capped": capped}
+
+
 def capacity(holds: Callable[[float], bool], steps: int = BISECT_STEPS) -> float:
     """The largest rate multiple at which `holds` (found within a factor 2**(1 / 2**steps)):
     doubling or halving from 1 to a bracket, then bisection of its logarithm; 0 where it
     does not hold at MIN_MULTIPLE."""
+    return refine(holds, *bracket(holds), steps)
+
+
+def bracket(holds: Callable[[float], bool]) -> tuple[float, float]:
+    """(lo, hi = 2 lo): it holds at lo and not at hi, by doubling or halving from 1; (MAX_MULTIPLE,
+    MAX_MULTIPLE) where it holds there, (0, MIN_MULTIPLE) where it does not hold at MIN_MULTIPLE."""
     if holds(1.0):
         lo, hi = 1.0, 2.0
         while holds(hi):
             if hi >= MAX_MULTIPLE:
-                return hi
+                return hi, hi
             lo, hi = hi, hi * 2
     else:
         lo, hi = 0.5, 1.0
         while not holds(lo):
             if lo <= MIN_MULTIPLE:
-                return 0.0
+                return 0.0, lo
             lo, hi = lo / 2, lo
+    return lo, hi
+
+
+def refine(holds: Callable[[float], bool], lo: float, hi: float, steps: int = BISECT_STEPS) -> float:
+    """The largest multiple in [lo, hi) at which `holds` (it holds at lo, not at hi), by `steps`
+    bisections of the bracket's logarithm."""
+    if lo <= 0 or lo >= hi:
+        return lo
     for _ in range(steps):
         mid = math.sqrt(lo * hi)
         lo, hi = (mid, hi) if holds(mid) else (lo, mid)
     return lo
 
 
+class _Runner:
+    """Jobs on `workers` processes (in this one where there is one), each answer a future."""
+
+    def __init__(self, items: list[WorkloadRequest], workers: int) -> None:
+        self.items, self.workers = items, workers
+        self.pool = ProcessPoolExecutor(max_workers=workers, initializer=_init, initargs=(items,)) \
+            if workers > 1 else None
+
+    def __enter__(self) -> _Runner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+
+    def submit(self, job: Job) -> Future[dict[str, Any]]:
+        if self.pool is not None:
+            return self.pool.submit(evaluate, job)
+        done: Future[dict[str, Any]] = Future()
+        done.set_result(evaluate(job, self.items))
+        return done
+
+
+def _workers(workers: int | None, num_jobs: int) -> int:
+    return max(1, min(workers or os.cpu_count() or 1, num_jobs))
+
+
 def search(jobs: Sequence[Job], items: list[WorkloadRequest], workers: int | None = None,
            progress: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """Every job's result, in the jobs' order, on `workers` processes (default: every core)."""
-    workers = min(workers or os.cpu_count() or 1, len(jobs))
-    if workers <= 1:
-        out = []
-        for j in jobs:
-            out.append(evaluate(j, items))
-            if progress:
-                progress(out[-1])
-        return out
-    with ProcessPoolExecutor(max_workers=workers, initializer=_init, initargs=(items,)) as pool:
+    with _Runner(items, _workers(workers, len(jobs))) as runner:
         results = []
-        for f in [pool.submit(evaluate, j) for j in jobs]:
+        for f in [runner.submit(j) for j in jobs]:
             results.append(f.result())
             if progress:
                 progress(results[-1])
@@ -320,17 +381,62 @@ def ranked(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(results, key=key, reverse=True)
 
 
+def refined(jobs: Sequence[Job], brackets: Sequence[dict[str, Any]], items: list[WorkloadRequest], keep: int,
+            workers: int | None = None, progress: Callable[[dict[str, Any]], None] | None = None,
+            ) -> list[dict[str, Any]]:
+    """Each candidate's goodput within its bracket, by bisection, highest brackets first; a
+    candidate whose bracket tops out at or below the `keep`-th goodput found (and, colocated,
+    below the best colocated one) cannot be a finalist and keeps its bracket's lower end
+    (`capacity_refined` false). The finalists are those `staged` would pick from every
+    candidate bisected."""
+    rate = trace_rate(items)
+    order = sorted(zip(jobs, brackets), key=lambda jb: -jb[1]["bracket"][1] / jb[0].candidate.num_gpus)
+    found: dict[str, dict[str, Any]] = {}
+
+    def beaten(job: Job, b: dict[str, Any]) -> bool:
+        if b["bracket_capped"]:
+            return False
+        top = b["bracket"][1] * rate / job.candidate.num_gpus  # it did not hold there
+        fine = sorted((r["goodput_per_gpu"] for r in found.values() if r["capacity_refined"]), reverse=True)
+        colocated = [r["goodput_per_gpu"] for r in found.values()
+                     if r["capacity_refined"] and r["candidate"]["mode"] == "colocated"]
+        return len(fine) >= keep and top <= fine[keep - 1] and (
+            job.candidate.mode != "colocated" or bool(colocated) and top <= max(colocated))
+
+    def record(r: dict[str, Any]) -> None:
+        found[r["label"]] = r
+        if progress:
+            progress(r)
+
+    pending: dict[Future[dict[str, Any]], dict[str, Any]] = {}
+    queue = list(reversed(order))
+    with _Runner(items, _workers(workers, len(jobs))) as runner:
+        while queue or pending:
+            while queue and len(pending) < runner.workers:
+                job, b = queue.pop()
+                if beaten(job, b):
+                    record({**b, "capacity_refined": False})
+                    continue
+                pending[runner.submit(dataclasses.replace(job, kind="capacity", bracket=b["bracket"],
+                                                          bracket_capped=b["bracket_capped"]))] = b
+            for f in wait(list(pending), return_when=FIRST_COMPLETED).done if pending else ():
+                record({**pending.pop(f), **f.result(), "capacity_refined": True})
+    return [found[j.candidate.label] for j in jobs]
+
+
 def staged(jobs: Sequence[Job], items: list[WorkloadRequest], screen: int = SCREEN_REQUESTS, keep: int = KEEP,
            workers: int | None = None, progress: Callable[[str, dict[str, Any]], None] | None = None,
            ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(the finalists' results, every candidate's capacity): each candidate's capacity on the
-    trace's first `screen` requests; the `keep` of the most (and the colocated one of the
-    most) then serve the whole trace at its own rate; a finalist's result has both."""
+    """(the finalists' results, every candidate's capacity): each candidate's rate bracketed on
+    the trace's first `screen` requests, then bisected where it can still be a finalist
+    (`refined`); the `keep` of the most goodput (and the colocated one of the most) then serve
+    the whole trace at its own rate; a finalist's result has both."""
     def stage(name: str) -> Callable[[dict[str, Any]], None] | None:
         return (lambda r: progress(name, r)) if progress else None
 
-    capacities = search([dataclasses.replace(j, kind="capacity") for j in jobs], items[:screen], workers,
-                        stage("capacity"))
+    head = items[:screen]
+    brackets = search([dataclasses.replace(j, kind="bracket") for j in jobs], head, workers, stage("bracket"))
+    capacities = refined(jobs, brackets, head, keep, workers, stage("capacity"))
     order = sorted(capacities, key=lambda r: -r["goodput_per_gpu"])
     colocated = [r for r in order if r["candidate"]["mode"] == "colocated"]
     chosen = {r["label"] for r in order[:keep]} | ({colocated[0]["label"]} if colocated else set())

@@ -74,7 +74,8 @@ def _plan(args: argparse.Namespace) -> int:
     start = time.monotonic()
     screened = min(args.screen_requests, len(items))
     with Progress(console=console, transient=True) as bar:
-        tasks = {"capacity": bar.add_task(f"goodput on the first {screened} requests", total=len(jobs)),
+        tasks = {"bracket": bar.add_task(f"goodput within 2x on the first {screened} requests", total=len(jobs)),
+                 "capacity": bar.add_task("goodput within 4 % where it may be a finalist", total=len(jobs)),
                  "attainment": bar.add_task(f"the finalists on all {len(items)}", total=min(len(jobs), args.keep + 1))}
 
         def done(stage: str, result: dict[str, Any]) -> None:

@@ -28,17 +28,26 @@ def test_the_pruned_search_finds_what_the_exhaustive_one_finds() -> None:
     share = prefill_share(LLAMA3_8B, "h100-sxm", items, 8192)
     space = Space(6, tps=(1,), budgets=(8192,))
 
-    def found(spread: float | None) -> tuple[dict, list[dict]]:
+    def found(spread: float | None, keep: int) -> tuple[dict, list[dict]]:
         grid = candidates(space, LLAMA3_8B, "h100-sxm", 8192, share, spread)
         # a rate tried over 2 s of arrivals at least (the trace spans 6.6 s): a short test's floor
         jobs = [Job(c, "llama-3-8b", (False, False), "h100-sxm", 8192, 1.0, 0.05, 0, min_span_s=2.0) for c in grid]
-        results, capacities = staged(jobs, items, screen=len(items), keep=len(jobs), workers=2)
+        results, capacities = staged(jobs, items, screen=len(items), keep=min(keep, len(jobs)), workers=2)
         return best(results), capacities
 
-    (pruned, few), (exhaustive, every) = found(2.0), found(None)
+    # pruned: the splits near the work's share, one finalist (and the best colocated), the
+    # bisection skipped where a bracket tops out below it; exhaustive: every split, every
+    # candidate bisected and served whole
+    (pruned, few), (exhaustive, every) = found(2.0, 1), found(None, 99)
     assert (len(few), len(every)) == (5, 6) and pruned["label"] == exhaustive["label"], (pruned, exhaustive)
     assert pruned["slo_attainment"] >= 0.9 and not any(r["capacity_capped"] for r in every)
     assert len({r["goodput_per_gpu"] for r in every}) > 2  # the candidates' goodputs differ: a real ranking
+    assert all(r["capacity_refined"] for r in every)
+    fine = {r["label"]: r["goodput_per_gpu"] for r in every}
+    for r in few:  # a bisected candidate's goodput is the exhaustive one's; a skipped one's is below it
+        assert r["goodput_per_gpu"] == fine[r["label"]] if r["capacity_refined"] else \
+            r["goodput_per_gpu"] <= fine[r["label"]] < r["bracket"][1] * r["goodput_per_gpu"] / r["bracket"][0]
+    assert not all(r["capacity_refined"] for r in few)  # the pruning skipped some
 
 
 def test_a_plan_file_starts_a_cluster_of_its_pools(tmp_path: Path) -> None:

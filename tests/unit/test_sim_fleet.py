@@ -385,3 +385,25 @@ def test_a_store_slower_than_computing_is_not_credited_and_fetched_from_only_as_
     assert result.stats["num_store_fetched_blocks"] == 6
     assert fleet.tier is not None and fleet.tier.share(6) == 1.0 and Fleet(cfg, Linear(), items).tier.share(6) == \
         pytest.approx(0.0005 / 0.0096)
+
+
+def test_a_run_with_a_verdict_stops_once_it_is_settled_with_the_whole_run_s_answer() -> None:
+    items = timed(synthetic(300, 400, 16, 0.5, 4, 320, 32000, seed=3), arrival_times(300, Shape(rate=1.0), seed=3))
+    for rate, slo_s in ((20.0, 0.2), (400.0, 0.05), (400.0, 10.0)):
+        fast = [dataclasses.replace(i, at_s=(i.at_s or 0.0) / rate) for i in items]
+        whole = report.summarize(Fleet(one_each(), Linear(), fast).run().run, slo_s, 0.01)
+        verdict = report.SloVerdict(len(fast), 0.9, slo_s, 0.01)
+        fleet = Fleet(one_each(), Linear(), fast, verdict=verdict)
+        result = fleet.run()
+        assert result.decided is (whole["slo_attainment"] >= 0.9)
+        num_ended = sum(f.done for f in fleet.flights.values())
+        assert num_ended < len(items)  # settled before the last request: the rest never ran
+        # one event settles it (a step's first tokens, a refusal's cascade may count several)
+        assert verdict.num_met >= verdict.need if result.decided else verdict.num_missed > verdict.may_miss
+
+
+def test_a_verdict_needs_what_the_summary_s_rounded_attainment_needs() -> None:
+    for n in (1, 7, 100, 333, 1000, 4001):
+        for target in (0.9, 0.95, 0.99, 0.5, 1.0):
+            need = report.SloVerdict(n, target, 1.0, 1.0).need
+            assert [report.attainment(k, n) >= target for k in range(n + 1)] == [k >= need for k in range(n + 1)]
