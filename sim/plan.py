@@ -56,6 +56,10 @@ from sim.fleet_types import FleetConfig
 DECODE_BATCH = 32
 """The decode batch a split's work share assumes (a decode token's GPU time is its step over this)."""
 SPLIT_SPREAD = 2.0
+SPLIT_STEP = 1.15
+"""Kept splits differ by at least this factor in prefill workers (8 GPUs keep every one)."""
+UNIT_GPUS = 16
+"""Fleets larger than this are planned as equal units (`unit_gpus`), one simulated."""
 ATTAINMENT_SLACK = 0.01
 SCREEN_REQUESTS = 600
 KEEP = 3
@@ -108,6 +112,34 @@ class Space:
     budgets: tuple[int, ...] = (2048, 8192)
     kv_store_gibs: tuple[float, ...] = (0.0,)
     modes: tuple[str, ...] = ("colocated", "disaggregated")
+    unit_gpus: int | None = None
+    """The fleet as `num_gpus // unit_gpus` equal units of this many GPUs, each serving its share
+    of the trace (`sliced`), one simulated (None: one unit of them all)."""
+
+    @property
+    def replicas(self) -> int:
+        unit = self.unit_gpus or self.num_gpus
+        if unit < 1 or self.num_gpus % unit:
+            raise ValueError(f"{unit} GPUs per unit do not divide {self.num_gpus} GPUs")
+        return self.num_gpus // unit
+
+
+def unit_gpus(num_gpus: int, tps: Sequence[int]) -> int:
+    """The unit a fleet is planned as: all of it up to UNIT_GPUS GPUs; past that the smallest
+    divisor of its GPUs of at least UNIT_GPUS that holds four workers of its widest degree."""
+    if num_gpus <= UNIT_GPUS:
+        return num_gpus
+    floor = max(UNIT_GPUS, 4 * max(tps, default=1))
+    return next((u for u in range(floor, num_gpus + 1) if num_gpus % u == 0), num_gpus)
+
+
+def sliced(items: Sequence[WorkloadRequest], replicas: int, key_tokens: int = 16) -> list[WorkloadRequest]:
+    """The requests one of `replicas` equal units serves, at their own times: those whose
+    prompt's first `key_tokens` fall to unit 0, so a group sharing a prefix stays whole, as a
+    cache-aware router keeps it on the same workers (tuples of ints hash alike in every process)."""
+    if replicas <= 1:
+        return list(items)
+    return [i for i in items if hash(tuple(i.prompt[:key_tokens])) % replicas == 0]
 
 
 def fits(model: ModelShape, gpu: str, tp: int, max_model_len: int) -> bool:
@@ -140,29 +172,46 @@ def candidates(space: Space, model: ModelShape, gpu: str, max_model_len: int, sh
                spread: float | None = SPLIT_SPREAD) -> list[Candidate]:
     """The pruned grid (module docstring): every TP that fits and divides the GPUs; for
     disaggregation, the splits near `share` at each pair of degrees, using all the GPUs a
-    pair can (`spread` None: every split, the exhaustive grid)."""
-    tps = [t for t in space.tps if t <= space.num_gpus and fits(model, gpu, t, max_model_len)]
+    pair can (`spread` None: every split, the exhaustive grid). With units (`Space.unit_gpus`),
+    the grid of one unit, each candidate that unit times the units; the splits kept at least
+    a factor SPLIT_STEP apart in prefill GPUs, from the nearest one out."""
+    num_gpus, replicas = space.num_gpus // space.replicas, space.replicas
+    tps = [t for t in space.tps if t <= num_gpus and fits(model, gpu, t, max_model_len)]
     out: list[Candidate] = []
     for budget in space.budgets:
         for gib in space.kv_store_gibs:
             if "colocated" in space.modes:
-                out += [Candidate("colocated", 0, space.num_gpus // t, t, t, budget, gib)
-                        for t in tps if space.num_gpus % t == 0]
+                out += [Candidate("colocated", 0, num_gpus // t, t, t, budget, gib)
+                        for t in tps if num_gpus % t == 0]
             if "disaggregated" not in space.modes:
                 continue
             for p_tp in tps:
                 for d_tp in tps:
-                    splits = [(p, (space.num_gpus - p * p_tp) // d_tp) for p in range(1, space.num_gpus // p_tp + 1)]
+                    splits = [(p, (num_gpus - p * p_tp) // d_tp) for p in range(1, num_gpus // p_tp + 1)]
                     splits = [(p, d) for p, d in splits if d >= 1]
                     if not splits:
                         continue
                     def distance(pd: tuple[int, int]) -> float:
-                        return abs(math.log(max(pd[0] * p_tp, 1e-9) / max(share * space.num_gpus, 1e-9)))
+                        return abs(math.log(max(pd[0] * p_tp, 1e-9) / max(share * num_gpus, 1e-9)))
                     near = sorted(splits, key=distance)
                     keep = set(near) if spread is None else \
                         {pd for pd in near if distance(pd) <= math.log(spread)} | set(near[:3])
+                    if spread is not None:
+                        keep = _apart(sorted(keep), near[0])
                     out += [Candidate("disaggregated", p, d, p_tp, d_tp, budget, gib) for p, d in sorted(keep)]
-    return sorted(set(out))
+    return sorted({dataclasses.replace(c, prefill=c.prefill * replicas, decode=c.decode * replicas) for c in out})
+
+
+def _apart(splits: list[tuple[int, int]], nearest: tuple[int, int]) -> set[tuple[int, int]]:
+    """The splits (by prefill workers, ascending) at least SPLIT_STEP apart, from `nearest` out."""
+    kept = {nearest}
+    for side in ([pd for pd in reversed(splits) if pd[0] < nearest[0]], [pd for pd in splits if pd[0] > nearest[0]]):
+        last = nearest[0]
+        for pd in side:
+            if max(pd[0], last) / min(pd[0], last) >= SPLIT_STEP:
+                kept.add(pd)
+                last = pd[0]
+    return kept
 
 
 def fleet_config(c: Candidate, model: ModelShape, gpu: str, max_model_len: int, seed: int) -> FleetConfig:
@@ -201,6 +250,8 @@ class Job:
     target: float = TARGET_ATTAINMENT
     min_span_s: float = MIN_SPAN_S
     """A rate is tried over at least this long (a test's short trace may lower it)."""
+    replicas: int = 1
+    """The candidate is this many equal units, one simulated on its share (`sliced`) of the requests."""
 
 
 _ITEMS: list[WorkloadRequest] = []
@@ -242,7 +293,8 @@ def evaluate(job: Job, items: list[WorkloadRequest] | None = None) -> dict[str, 
     items = items if items is not None else _ITEMS
     model = MODELS[job.model].in_fp8(*job.quantization)
     c = job.candidate
-    cfg = fleet_config(c, model, job.gpu, job.max_model_len, job.seed)
+    unit = dataclasses.replace(c, prefill=c.prefill // job.replicas, decode=c.decode // job.replicas)
+    cfg = fleet_config(unit, model, job.gpu, job.max_model_len, job.seed)
     d_hw = Roofline(model, GPUS[job.gpu], c.decode_tp)
     p_hw = Roofline(model, GPUS[job.gpu], c.prefill_tp) if cfg.prefill_gpus_per_worker else None
 
@@ -274,13 +326,15 @@ def evaluate(job: Job, items: list[WorkloadRequest] | None = None) -> dict[str, 
                 return False
             return held(repeated(items, max(need, len(items))), m)
 
+        rate = trace_rate(items) * job.replicas  # the fleet's: its units' together
         if job.kind == "bracket":
             lo, hi = bracket(holds)
             return {**out, "bracket": (lo, hi), "bracket_capped": bool(capped),
-                    **_goodput(lo, c, items, bool(capped) and lo * 2 >= highest)}
+                    "goodput_per_gpu_below": round(hi * rate / c.num_gpus, 4),
+                    **_goodput(lo, c, rate, bool(capped) and lo * 2 >= highest)}
         multiple = refine(holds, *(job.bracket or bracket(holds)))
         capped_now = (bool(capped) or job.bracket_capped) and multiple * 2 ** (2 / 2 ** BISECT_STEPS) >= highest
-        return {**out, **_goodput(multiple, c, items, capped_now)}
+        return {**out, **_goodput(multiple, c, rate, capped_now)}
     s = served(items, 1.0)
     return {**out, "slo_attainment": s["slo_attainment"], "goodput_rps": s["goodput_rps"],
             "ttft_p50_ms": s["ttft_ms"].get("p50"), "ttft_p99_ms": s["ttft_ms"].get("p99"),
@@ -288,8 +342,8 @@ def evaluate(job: Job, items: list[WorkloadRequest] | None = None) -> dict[str, 
             "num_failed": s["num_failed"]}
 
 
-def _goodput(multiple: float, c: Candidate, items: Sequence[WorkloadRequest], capped: bool) -> dict[str, Any]:
-    rps = multiple * trace_rate(items)
+def _goodput(multiple: float, c: Candidate, rate: float, capped: bool) -> dict[str, Any]:
+    rps = multiple * rate
     return {"capacity_multiple": round(multiple, 3), "capacity_rps": round(rps, 3),
             "goodput_per_gpu": round(rps / c.num_gpus, 4), "capacity_capped": capped}
 
@@ -389,14 +443,13 @@ def refined(jobs: Sequence[Job], brackets: Sequence[dict[str, Any]], items: list
     below the best colocated one) cannot be a finalist and keeps its bracket's lower end
     (`capacity_refined` false). The finalists are those `staged` would pick from every
     candidate bisected."""
-    rate = trace_rate(items)
-    order = sorted(zip(jobs, brackets), key=lambda jb: -jb[1]["bracket"][1] / jb[0].candidate.num_gpus)
+    order = sorted(zip(jobs, brackets), key=lambda jb: -jb[1]["goodput_per_gpu_below"])
     found: dict[str, dict[str, Any]] = {}
 
     def beaten(job: Job, b: dict[str, Any]) -> bool:
         if b["bracket_capped"]:
             return False
-        top = b["bracket"][1] * rate / job.candidate.num_gpus  # it did not hold there
+        top = b["goodput_per_gpu_below"]  # it did not hold there
         fine = sorted((r["goodput_per_gpu"] for r in found.values() if r["capacity_refined"]), reverse=True)
         colocated = [r["goodput_per_gpu"] for r in found.values()
                      if r["capacity_refined"] and r["candidate"]["mode"] == "colocated"]
@@ -434,6 +487,7 @@ def staged(jobs: Sequence[Job], items: list[WorkloadRequest], screen: int = SCRE
     def stage(name: str) -> Callable[[dict[str, Any]], None] | None:
         return (lambda r: progress(name, r)) if progress else None
 
+    items = sliced(items, jobs[0].replicas if jobs else 1)  # one unit's share: every job's units are alike
     head = items[:screen]
     brackets = search([dataclasses.replace(j, kind="bracket") for j in jobs], head, workers, stage("bracket"))
     capacities = refined(jobs, brackets, head, keep, workers, stage("capacity"))

@@ -37,6 +37,10 @@ def add_parser(sub: Any) -> None:
     f = add_hardware_flags(s)
     f.add_argument("--num-gpus", type=int, default=8)
     f.add_argument("--max-model-len", type=int, default=131072)
+    f.add_argument("--unit-gpus", type=int, default=None,
+                   help="plan the fleet as equal units of this many GPUs, one simulated on its share of the trace "
+                        "(default: all of them up to 16 GPUs, else the smallest divisor of at least 16 that holds "
+                        "four workers of the widest TP degree)")
     g = s.add_argument_group("search")
     g.add_argument("--tp", type=_ints, default=None,
                    help="TP degrees to try per role, comma-separated (default: the two smallest the model fits at)")
@@ -71,6 +75,9 @@ def _plan(args: argparse.Namespace) -> int:
     span = (items[-1].at_s or 0) - (items[0].at_s or 0)
     console.print(f"plan: {len(items)} requests ({trace_rate(items):.2f}/s) over {span:.0f} s, prefill "
                   f"{share:.0%} of the work; {len(jobs)} candidates on {args.num_gpus} x {args.gpu}")
+    if jobs[0].replicas > 1:
+        console.print(f"each candidate as {jobs[0].replicas} equal units of {args.num_gpus // jobs[0].replicas} "
+                      f"GPUs, one simulated on its share of the requests (their prefix groups kept whole)")
     start = time.monotonic()
     screened = min(args.screen_requests, len(items))
     with Progress(console=console, transient=True) as bar:
@@ -87,6 +94,7 @@ def _plan(args: argparse.Namespace) -> int:
             "gpu": args.gpu, "num_gpus": args.num_gpus, "ttft_slo_ms": args.ttft_slo_ms,
             "itl_slo_ms": args.itl_slo_ms, "num_requests": len(items), "prefill_share": round(share, 3),
             "target_attainment": args.target_attainment, "tps": list(tps), "screen_requests": screened,
+            "unit_gpus": args.num_gpus // jobs[0].replicas,
             "search_s": round(time.monotonic() - start, 1)}
     plan = plan_file(results, meta, capacities)
     _report(console, plan)
@@ -102,20 +110,25 @@ def _plan(args: argparse.Namespace) -> int:
 def _jobs(args: argparse.Namespace) -> tuple[list[Any], float, tuple[int, ...], list[Any]]:
     """(the requests, the prefill share of their work, the TP degrees tried, a job per candidate)."""
     from sim.cli import workload
-    from sim.plan import Job, Space, auto_tps, candidates, prefill_share
+    from sim.plan import Job, Space, auto_tps, candidates, prefill_share, unit_gpus
 
     fp8 = (args.quantization == "fp8", args.kv_cache_dtype == "fp8")
     model = MODELS[args.model].in_fp8(*fp8)
     items = workload(args)
     share = prefill_share(model, args.gpu, items, max(args.budgets))
     tps = args.tp or auto_tps(model, args.gpu, args.max_model_len, args.num_gpus)
-    space = Space(args.num_gpus, tps, args.budgets, args.kv_store_gib, tuple(args.modes.split(",")))
-    grid = candidates(space, model, args.gpu, args.max_model_len, share)
+    space = Space(args.num_gpus, tps, args.budgets, args.kv_store_gib, tuple(args.modes.split(",")),
+                  args.unit_gpus or unit_gpus(args.num_gpus, tps))
+    try:
+        grid = candidates(space, model, args.gpu, args.max_model_len, share)
+    except ValueError as e:
+        raise SystemExit(f"--unit-gpus: {e}") from None
     if not grid:
         raise SystemExit(f"no candidate: {args.model} fits at none of TP {tps or TPS} within {args.num_gpus} GPUs "
                          f"and a {args.max_model_len}-token context")
     return items, share, tps, [Job(c, args.model, fp8, args.gpu, args.max_model_len, args.ttft_slo_ms / 1e3,
-                                   args.itl_slo_ms / 1e3, args.seed, target=args.target_attainment) for c in grid]
+                                   args.itl_slo_ms / 1e3, args.seed, target=args.target_attainment,
+                                   replicas=space.replicas) for c in grid]
 
 
 def _report(console: Any, plan: dict[str, Any]) -> None:

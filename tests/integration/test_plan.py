@@ -46,7 +46,7 @@ def test_the_pruned_search_finds_what_the_exhaustive_one_finds() -> None:
     fine = {r["label"]: r["goodput_per_gpu"] for r in every}
     for r in few:  # a bisected candidate's goodput is the exhaustive one's; a skipped one's is below it
         assert r["goodput_per_gpu"] == fine[r["label"]] if r["capacity_refined"] else \
-            r["goodput_per_gpu"] <= fine[r["label"]] < r["bracket"][1] * r["goodput_per_gpu"] / r["bracket"][0]
+            r["goodput_per_gpu"] <= fine[r["label"]] < r["goodput_per_gpu_below"]
     assert not all(r["capacity_refined"] for r in few)  # the pruning skipped some
 
 

@@ -9,7 +9,8 @@ import pytest
 
 from sim.cost_model import LLAMA3_70B, LLAMA3_8B
 from loadgen.workload import WorkloadRequest
-from sim.plan import Candidate, Space, at_rate, best, candidates, capacity, fits, pareto, plan_file, read_plan, repeated
+from sim.plan import (Candidate, Space, at_rate, best, candidates, capacity, fits, pareto, plan_file, read_plan, repeated,
+                      sliced, unit_gpus)
 
 
 def test_the_grid_holds_every_degree_that_fits_and_the_splits_near_the_work_s_share() -> None:
@@ -26,6 +27,28 @@ def test_the_grid_holds_every_degree_that_fits_and_the_splits_near_the_work_s_sh
     big = candidates(Space(8, tps=(1, 2, 4, 8), budgets=(2048,)), LLAMA3_70B, "h100-sxm", 131072, share=0.5)
     assert {c.decode_tp for c in big} == {4, 8} and all(c.num_gpus <= 8 for c in big)
     assert Candidate("disaggregated", 1, 1, 4, 4, 2048) in big and Candidate("colocated", 0, 2, 4, 4, 2048) in big
+
+
+def test_a_large_fleet_is_planned_as_equal_units_each_serving_its_prefix_groups() -> None:
+    assert unit_gpus(8, (1, 2)) == 8 and unit_gpus(16, (1, 2)) == 16
+    assert unit_gpus(64, (1, 2)) == 16 and unit_gpus(64, (4, 8)) == 32 and unit_gpus(24, (1,)) == 24
+    unit = candidates(Space(16, tps=(1,), budgets=(2048,)), LLAMA3_8B, "h100-sxm", 8192, share=0.5)
+    fleet = candidates(Space(64, tps=(1,), budgets=(2048,), unit_gpus=16), LLAMA3_8B, "h100-sxm", 8192, share=0.5)
+    assert [(c.mode, c.prefill * 4, c.decode * 4) for c in unit] == [(c.mode, c.prefill, c.decode) for c in fleet]
+    assert all(c.num_gpus == 64 for c in fleet)
+    # on 16 GPUs the splits within 2x of 8 prefill workers, kept 1.15x apart from the nearest out
+    assert [(c.prefill, c.decode) for c in unit if c.mode == "disaggregated"] == [
+        (4, 12), (5, 11), (6, 10), (8, 8), (10, 6), (12, 4), (14, 2)]  # 7 and 9 are 1.14x from 8, 11 1.1x from 10
+    with pytest.raises(ValueError, match="do not divide"):
+        candidates(Space(64, unit_gpus=24), LLAMA3_8B, "h100-sxm", 8192, share=0.5)
+    # a unit's share: whole prefix groups (the same first tokens), about a quarter, at their own times
+    items = [WorkloadRequest([1000 + i % 50] * 16 + [i], 4, at_s=float(i)) for i in range(400)]  # 50 groups of 8
+    quarter = sliced(items, 4)
+    groups = {i.prompt[0] for i in quarter}
+    assert all(sum(i.prompt[0] == g for i in quarter) == 8 for g in groups)  # each group whole
+    assert 0.1 < len(quarter) / len(items) < 0.4 and sliced(items, 1) == items
+    assert [i.at_s for i in quarter] == sorted(i.at_s for i in quarter)
+    assert len(sliced(items, 4, key_tokens=17)) != len(quarter)  # by request, not by group
 
 
 def result(label: str, goodput: float, attainment: float, mode: str = "disaggregated") -> dict:
