@@ -23,11 +23,15 @@ Pruning, so that an hour of trace on 8 GPUs is planned in minutes on two cores:
   the pools; the search tries the splits whose prefill share of the GPUs is within a factor
   `SPLIT_SPREAD` of it (at least the three nearest), not all of them;
 - the degrees: by default the two smallest TP degrees the model fits at (`auto_tps`);
+- a fleet of more than a node (`UNIT_GPUS`) is planned as equal units, one simulated on its
+  share of the trace (`sliced`: whole prefix groups), as DistServe replicates a placement;
 - a rate's run stops as soon as its verdict is settled (`loadgen.report.SloVerdict`: enough
   requests met both SLOs, or too many missed one), so an overloaded rate costs its first
   misses, not its whole queue;
-- three stages (`staged`), the first two on the trace's first `SCREEN_REQUESTS` requests:
-  every candidate's rate bracketed within a factor 2 (doubling or halving from the trace's);
+- three stages (`staged`), the first two at multiples of the rate of the trace's first
+  `SCREEN_REQUESTS` requests, each run on the requests from the trace's start that fill
+  `MIN_SPAN_S` of arrivals at that rate: every candidate's rate bracketed within a factor 2
+  (doubling or halving from the trace's);
   then, highest brackets first, bisected to 4 % (`BISECT_STEPS`) unless its bracket tops out
   at or below the `KEEP`-th goodput already found (it cannot be a finalist: `refined`); the
   `KEEP` of the most (and the colocated one of the most) then serve the whole trace once, at
@@ -58,8 +62,8 @@ DECODE_BATCH = 32
 SPLIT_SPREAD = 2.0
 SPLIT_STEP = 1.15
 """Kept splits differ by at least this factor in prefill workers (8 GPUs keep every one)."""
-UNIT_GPUS = 16
-"""Fleets larger than this are planned as equal units (`unit_gpus`), one simulated."""
+UNIT_GPUS = 8
+"""Fleets larger than this (a node) are planned as equal units (`unit_gpus`), one simulated."""
 ATTAINMENT_SLACK = 0.01
 SCREEN_REQUESTS = 600
 KEEP = 3
@@ -252,6 +256,9 @@ class Job:
     """A rate is tried over at least this long (a test's short trace may lower it)."""
     replicas: int = 1
     """The candidate is this many equal units, one simulated on its share (`sliced`) of the requests."""
+    screen: int | None = None
+    """`bracket` and `capacity`: the rate multiples are of the trace's first this many requests'
+    rate, and a run takes the requests from the trace's start that fill `min_span_s` (None: all)."""
 
 
 _ITEMS: list[WorkloadRequest] = []
@@ -313,20 +320,23 @@ def evaluate(job: Job, items: list[WorkloadRequest] | None = None) -> dict[str, 
 
     out: dict[str, Any] = {"candidate": dataclasses.asdict(c), "label": c.label, "num_gpus": c.num_gpus}
     if job.kind in ("bracket", "capacity"):
-        span, capped = (items[-1].at_s or 0.0) - (items[0].at_s or 0.0), []
+        head = items[:job.screen or len(items)]  # the rate multiples are of these requests' rate
+        span, capped = (head[-1].at_s or 0.0) - (head[0].at_s or 0.0), []
         highest = MAX_EXTEND * span / job.min_span_s  # the highest multiple the screen can try
 
         def holds(m: float) -> bool:
-            """Served at `m` times the rate, over at least `min_span_s` (the requests repeated to
-            fill it: a burst shorter than its requests' own service says nothing of a steady
-            rate); a rate that would take more than MAX_EXTEND times the requests is not tried."""
-            need = math.ceil(len(items) * job.min_span_s * m / span) if span > 0 else len(items)
-            if need > MAX_EXTEND * len(items):
+            """Served at `m` times the rate, over at least `min_span_s`: the trace's requests from
+            its start that fill it (repeated where the trace is shorter: a burst shorter than its
+            requests' own service says nothing of a steady rate); a rate that would take more
+            than MAX_EXTEND times the screen's requests is not tried."""
+            need = math.ceil(len(head) * job.min_span_s * m / span) if span > 0 else len(head)
+            if need > MAX_EXTEND * len(head):
                 capped.append(m)
                 return False
-            return held(repeated(items, max(need, len(items))), m)
+            need = max(need, len(head))
+            return held(items[:need] if need <= len(items) else repeated(items, need), m)
 
-        rate = trace_rate(items) * job.replicas  # the fleet's: its units' together
+        rate = trace_rate(head) * job.replicas  # the fleet's: its units' together
         if job.kind == "bracket":
             lo, hi = bracket(holds)
             return {**out, "bracket": (lo, hi), "bracket_capped": bool(capped),
@@ -480,17 +490,17 @@ def refined(jobs: Sequence[Job], brackets: Sequence[dict[str, Any]], items: list
 def staged(jobs: Sequence[Job], items: list[WorkloadRequest], screen: int = SCREEN_REQUESTS, keep: int = KEEP,
            workers: int | None = None, progress: Callable[[str, dict[str, Any]], None] | None = None,
            ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(the finalists' results, every candidate's capacity): each candidate's rate bracketed on
-    the trace's first `screen` requests, then bisected where it can still be a finalist
+    """(the finalists' results, every candidate's capacity): each candidate's rate (a multiple of
+    the trace's first `screen` requests' rate) bracketed, then bisected where it can still be a finalist
     (`refined`); the `keep` of the most goodput (and the colocated one of the most) then serve
     the whole trace at its own rate; a finalist's result has both."""
     def stage(name: str) -> Callable[[dict[str, Any]], None] | None:
         return (lambda r: progress(name, r)) if progress else None
 
     items = sliced(items, jobs[0].replicas if jobs else 1)  # one unit's share: every job's units are alike
-    head = items[:screen]
-    brackets = search([dataclasses.replace(j, kind="bracket") for j in jobs], head, workers, stage("bracket"))
-    capacities = refined(jobs, brackets, head, keep, workers, stage("capacity"))
+    screened = [dataclasses.replace(j, screen=screen) for j in jobs]
+    brackets = search([dataclasses.replace(j, kind="bracket") for j in screened], items, workers, stage("bracket"))
+    capacities = refined(screened, brackets, items, keep, workers, stage("capacity"))
     order = sorted(capacities, key=lambda r: -r["goodput_per_gpu"])
     colocated = [r for r in order if r["candidate"]["mode"] == "colocated"]
     chosen = {r["label"] for r in order[:keep]} | ({colocated[0]["label"]} if colocated else set())

@@ -39,7 +39,7 @@ def add_parser(sub: Any) -> None:
     f.add_argument("--max-model-len", type=int, default=131072)
     f.add_argument("--unit-gpus", type=int, default=None,
                    help="plan the fleet as equal units of this many GPUs, one simulated on its share of the trace "
-                        "(default: all of them up to 16 GPUs, else the smallest divisor of at least 16 that holds "
+                        "(default: all of them up to a node of 8, else the smallest divisor of at least 8 that holds "
                         "four workers of the widest TP degree)")
     g = s.add_argument_group("search")
     g.add_argument("--tp", type=_ints, default=None,
@@ -49,7 +49,8 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--kv-store-gib", type=_floats, default=(0.0,), help="KV-tier sizes per node to try (GiB)")
     g.add_argument("--modes", default="colocated,disaggregated", help="colocated, disaggregated, or both")
     g.add_argument("--screen-requests", type=int, default=SCREEN_REQUESTS,
-                   help="every candidate runs on the trace's first this many requests, the best --keep on all of it")
+                   help="goodput is searched at multiples of the rate of the trace's first this many requests "
+                        "(each run on the requests that fill 60 s at that rate), the best --keep serve all of it")
     g.add_argument("--keep", type=int, default=KEEP, help="candidates that run on the whole trace (and the best "
                                                           "colocated one)")
     g.add_argument("--workers", type=int, default=None, help="processes (default: every core)")

@@ -30,8 +30,8 @@ def test_the_grid_holds_every_degree_that_fits_and_the_splits_near_the_work_s_sh
 
 
 def test_a_large_fleet_is_planned_as_equal_units_each_serving_its_prefix_groups() -> None:
-    assert unit_gpus(8, (1, 2)) == 8 and unit_gpus(16, (1, 2)) == 16
-    assert unit_gpus(64, (1, 2)) == 16 and unit_gpus(64, (4, 8)) == 32 and unit_gpus(24, (1,)) == 24
+    assert unit_gpus(4, (1, 2)) == 4 and unit_gpus(8, (1, 2)) == 8 and unit_gpus(16, (1, 2)) == 8
+    assert unit_gpus(64, (1, 2)) == 8 and unit_gpus(64, (4, 8)) == 32 and unit_gpus(12, (1,)) == 12
     unit = candidates(Space(16, tps=(1,), budgets=(2048,)), LLAMA3_8B, "h100-sxm", 8192, share=0.5)
     fleet = candidates(Space(64, tps=(1,), budgets=(2048,), unit_gpus=16), LLAMA3_8B, "h100-sxm", 8192, share=0.5)
     assert [(c.mode, c.prefill * 4, c.decode * 4) for c in unit] == [(c.mode, c.prefill, c.decode) for c in fleet]
