@@ -149,6 +149,8 @@ def _apply_plan(args: argparse.Namespace) -> None:
     c = read_plan(args.plan)
     args.num_prefill, args.num_decode, args.mode = c.prefill, c.decode, c.mode
     args.prefill_tp, args.decode_tp, args.max_num_batched_tokens = c.prefill_tp, c.decode_tp, c.max_num_batched_tokens
+    if c.speculative:
+        args.speculative = "ngram"
 
 
 def _model_dir(model: str) -> str:

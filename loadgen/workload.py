@@ -42,14 +42,16 @@ def from_trace(path: Path, limit: int, block_tokens: int, max_prompt_tokens: int
                time_scale: float) -> list[WorkloadRequest]:
     scale = block_tokens / TRACE_BLOCK_TOKENS_ORIG
     items = []
+    import numpy as np  # here: bench's other paths start without it
+
     blocks: dict[int, list[int]] = {}
+    ids = list(range(vocab))  # one int object per token id, shared by every prompt (not 28 bytes a token)
     for line in path.read_text().splitlines()[:limit]:
         rec = json.loads(line)
         prompt: list[int] = []
         for h in rec["hash_ids"]:
-            if h not in blocks:
-                r = random.Random(h)
-                blocks[h] = [r.randrange(3, vocab) for _ in range(block_tokens)]
+            if h not in blocks:  # a block's tokens are drawn from its hash id: the same in every run
+                blocks[h] = [ids[t] for t in np.random.default_rng(h).integers(3, vocab, block_tokens).tolist()]
             prompt += blocks[h]
         prompt = prompt[:max(1, min(int(rec["input_length"] * scale), max_prompt_tokens))]
         items.append(WorkloadRequest(prompt, max(1, int(rec["output_length"] * scale)),

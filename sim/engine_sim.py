@@ -14,6 +14,12 @@
         and return blocks as a worker's do, and the decode side of a hand-off: `reserve` holds
         blocks for a prompt computed elsewhere (the scheduler's remote-KV admission, cached
         prefix reused), `landed` joins it to the batch, `end` ends it in any state
+    speculation (`speculative`): the engine's own SpecPolicy (engine/spec/spec_decode.py) picks
+        who proposes how many, priced by its own SpecCost fitted to the steps' priced
+        durations; the proposals are the workload's: each one right with probability
+        `spec_acceptance` if all before it were (a draft model's or prompt lookup's rate, a
+        property of the text), drawn per request and position; the scheduler verifies them and
+        rolls back the rest as it does a model's
 
 Nothing here decides anything: scheduling, admission to the batch, block accounting and
 eviction are the engine's own code; only the forward pass is a number.
@@ -25,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from engine.core.block_pool import BlockPool
-from engine.config import SchedulerConfig
+from engine.config import SchedulerConfig, SpeculativeConfig
 from engine.core.hashing import BlockHasher
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.output_builder import OutputBuilder
@@ -34,6 +40,9 @@ from engine.core.outputs import RemoteBlocks
 from engine.core.request import Request, SamplingParams
 from engine.core.roles import role_for
 from engine.core.scheduler import Scheduler
+from engine.spec.spec_cost import SpecCost
+from engine.spec.spec_decode import SpecPolicy
+from engine.spec.spec_verify import Verified
 from engine.types import BlockHash, EngineLoad, RequestId
 
 StepCost = Callable[[Sequence[tuple[int, int]], int], float]
@@ -55,7 +64,8 @@ class SimEngine:
     def __init__(self, cost: StepCost, num_blocks: int, block_size: int, vocab_size: int,
                  scheduler: SchedulerConfig | None = None, secret: bytes = b"sim", model_id: str = "sim",
                  max_model_len: int = 1 << 20, protected_fraction: float = 0.5, role: str = "both",
-                 kv_window: int = 0) -> None:
+                 kv_window: int = 0, speculative: SpeculativeConfig | None = None,
+                 spec_acceptance: float = 0.0) -> None:
         self.cost, self.vocab_size, self.role = cost, vocab_size, role
         self.block_size = block_size
         self.outputs = OutputBuilder(None, detokenize=False)
@@ -70,6 +80,11 @@ class SimEngine:
         self._role = role_for(role)
         self.busy_s = 0.0
         """Virtual seconds spent in steps (the worker's busy time)."""
+        on = speculative is not None and speculative.method != "off" and role != "prefill"
+        self.spec = SpecPolicy(speculative, self.scheduler.context_limit) if on and speculative else None
+        self.spec_cost = SpecCost()
+        self.spec_acceptance = spec_acceptance
+        self.num_proposed = self.num_accepted = 0
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int, priority: int = 0, tenant: str = "",
             block_hashes: list[BlockHash] | None = None) -> Request:
@@ -99,18 +114,26 @@ class SimEngine:
     def step(self, now: float) -> StepResult:
         """Runs one step starting at `now` (virtual seconds); it ends `duration_s` later."""
         self.now = now
+        if self.spec is not None:
+            self._propose()
         out = self.scheduler.schedule()
         if not out.scheduled:
             return StepResult(0.0, num_preempted=len(out.preempted_ids))
         chunks = [(s.num_new_tokens, s.request.num_computed_tokens) for s in out.scheduled]
         sampled = {s.request.request_id: (self.token_for(s.request), None) for s in out.scheduled
                    if s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens}
-        duration = self.cost(chunks, len(sampled))
+        verified = {s.request.request_id: self._verified(s.request, s.num_spec_tokens)
+                    for s in out.scheduled if s.num_spec_tokens}
+        duration = self.cost(chunks, len(sampled) + sum(1 + s.num_spec_tokens for s in out.scheduled
+                                                         if s.num_spec_tokens))
         if self.extra_s:  # work a request brings to its first step (a prefill worker's KV push)
             duration += sum(self.extra_s.pop(s.request.request_id, 0.0) for s in out.scheduled)
         self.busy_s += duration
         self.now = now + duration
-        updated = self.scheduler.update_after_step(out, sampled)
+        if self.spec is not None and out.decodes_only:  # the step's period, as the engine feeds its policy's fit
+            self.spec_cost.observe(sum(s.num_new_tokens for s in out.scheduled), sum(n + c for n, c in chunks),
+                                   bool(verified), duration)
+        updated = self.scheduler.update_after_step(out, sampled, verified)
         first = {}
         for r in updated:
             if len(r.output_token_ids) == 1:
@@ -119,10 +142,35 @@ class SimEngine:
         return StepResult(duration, {r.request_id: len(r.output_token_ids) for r in updated},
                           [r.request_id for r in updated if r.is_finished], len(out.preempted_ids), first)
 
-    def token_for(self, request: Request) -> int:
-        """The token a request gets at its next position: fixed by its id and the position."""
-        key = f"{request.request_id}:{request.num_tokens}".encode()
+    def token_for(self, request: Request, ahead: int = 0) -> int:
+        """The token a request gets `ahead` positions past its next one: fixed by its id and the position."""
+        key = f"{request.request_id}:{request.num_tokens + ahead}".encode()
         return zlib.crc32(key) % self.vocab_size
+
+    def _propose(self) -> None:
+        """The policy's proposals for the decoding requests (as `Speculator.propose`), stand-ins
+        for the tokens a proposer would give: only how many are kept matters here."""
+        assert self.spec is not None
+        decoding = []
+        for r in self.scheduler.running:
+            r.spec_token_ids = []
+            if r.num_computed_tokens == r.num_tokens - 1 and r.output_token_ids:
+                decoding.append(r)
+        for r, k in self.spec.plan(decoding, self.spec_cost.latest):
+            r.spec_token_ids = [self.token_for(r, j + 1) for j in range(k)]
+
+    def _verified(self, request: Request, k: int) -> Verified:
+        """The proposals kept: each with probability `spec_acceptance` if all before it were
+        (drawn from the request's id and position), and the target's own token after them."""
+        assert self.spec is not None
+        accepted = 0
+        while accepted < k and zlib.crc32(f"{request.request_id}@{request.num_tokens + accepted}".encode()) \
+                / 2**32 < self.spec_acceptance:
+            accepted += 1
+        self.spec.verified(request, k, accepted)
+        self.num_proposed += k
+        self.num_accepted += accepted
+        return Verified([(self.token_for(request, j), None) for j in range(accepted + 1)], accepted)
 
 
 class SimConnector(KVLoans):

@@ -176,7 +176,8 @@ class Fleet:
         self._next_gpu += c.gpus(role)
         hw = self.prefill_hw if role == "prefill" else self.hw
         engine = SimEngine(hw.for_worker(), c.blocks(role), c.block_size, VOCAB, c.scheduler, model_id="sim",
-                           max_model_len=c.max_model_len, role=role, kv_window=c.kv_window)
+                           max_model_len=c.max_model_len, role=role, kv_window=c.kv_window,
+                           speculative=c.speculative, spec_acceptance=c.spec_acceptance)
         w = self.workers[wid] = Worker(wid, role, engine, node, self.now)
         if role == "decode":
             w.table = ReservationTable(self.clock, c.kv_lease_s)

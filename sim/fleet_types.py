@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from control.autoscaler import AutoscaleConfig
-from engine.config import SchedulerConfig
+from engine.config import SchedulerConfig, SpeculativeConfig
 from router.admission import AdmissionConfig
 from router.policy import RoutingConfig
 
@@ -99,6 +99,10 @@ class FleetConfig:
     """Each node's shared KV store, in blocks (sim/fleet_tier.py); 0: no tier."""
     kv_store_disk_blocks: int = 0
     """Each node store's spill (an SSD), in blocks: what its memory evicts goes there."""
+    speculative: SpeculativeConfig | None = None
+    """Decode workers' speculative decoding (sim/engine_sim.py: the engine's own policy)."""
+    spec_acceptance: float = 0.0
+    """The workload's: the chance a proposal is right if all before it were."""
 
     def gpus(self, role: Role) -> int:
         """GPUs one worker of `role` spans (its tensor-parallel degree)."""

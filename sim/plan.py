@@ -3,7 +3,7 @@
     trace (Mooncake JSONL, or bench's workload flags), model, GPU kind and count, TTFT / ITL SLOs
       --(candidates: colocated workers at each TP degree; disaggregated pools at each P:D split
          in the range the trace's prefill and decode work set, each role's TP degree; step
-         token budgets; KV-tier sizes)-->
+         token budgets; KV-tier sizes; speculation off and on at the traffic's acceptance)-->
       --(each run on the virtual clock with the real router, scheduler and block pool,
          sim/fleet.py, on every core)-->
       the Pareto front of (goodput per GPU, SLO attainment), the best candidate, the best
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from engine.config import SchedulerConfig
+from engine.config import SchedulerConfig, SpeculativeConfig
 from loadgen import report
 from loadgen.workload import WorkloadRequest
 from router.admission import AdmissionConfig
@@ -93,6 +93,8 @@ class Candidate:
     decode_tp: int
     max_num_batched_tokens: int
     kv_store_gib: float = 0.0
+    speculative: bool = False
+    """Decode workers speculate (prompt lookup, the engine's priced policy; `serve --speculative ngram`)."""
 
     @property
     def num_gpus(self) -> int:
@@ -100,11 +102,12 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        tier = f", tier {self.kv_store_gib:g} GiB" if self.kv_store_gib else ""
+        extra = (f", tier {self.kv_store_gib:g} GiB" if self.kv_store_gib else "") + \
+            (", speculative" if self.speculative else "")
         if self.mode == "colocated":
-            return f"colocated {self.decode}x TP{self.decode_tp}, budget {self.max_num_batched_tokens}{tier}"
+            return f"colocated {self.decode}x TP{self.decode_tp}, budget {self.max_num_batched_tokens}{extra}"
         return (f"disaggregated {self.prefill}P(TP{self.prefill_tp}):{self.decode}D(TP{self.decode_tp}), "
-                f"budget {self.max_num_batched_tokens}{tier}")
+                f"budget {self.max_num_batched_tokens}{extra}")
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,8 @@ class Space:
     budgets: tuple[int, ...] = (2048, 8192)
     kv_store_gibs: tuple[float, ...] = (0.0,)
     modes: tuple[str, ...] = ("colocated", "disaggregated")
+    speculation: tuple[bool, ...] = (False,)
+    """Speculative decoding off and/or on (its acceptance is the workload's: `Job.spec_acceptance`)."""
     unit_gpus: int | None = None
     """The fleet as `num_gpus // unit_gpus` equal units of this many GPUs, each serving its share
     of the trace (`sliced`), one simulated (None: one unit of them all)."""
@@ -203,7 +208,8 @@ def candidates(space: Space, model: ModelShape, gpu: str, max_model_len: int, sh
                     if spread is not None:
                         keep = _apart(sorted(keep), near[0])
                     out += [Candidate("disaggregated", p, d, p_tp, d_tp, budget, gib) for p, d in sorted(keep)]
-    return sorted({dataclasses.replace(c, prefill=c.prefill * replicas, decode=c.decode * replicas) for c in out})
+    return sorted({dataclasses.replace(c, prefill=c.prefill * replicas, decode=c.decode * replicas, speculative=spec)
+                   for c in out for spec in space.speculation})
 
 
 def _apart(splits: list[tuple[int, int]], nearest: tuple[int, int]) -> set[tuple[int, int]]:
@@ -218,7 +224,8 @@ def _apart(splits: list[tuple[int, int]], nearest: tuple[int, int]) -> set[tuple
     return kept
 
 
-def fleet_config(c: Candidate, model: ModelShape, gpu: str, max_model_len: int, seed: int) -> FleetConfig:
+def fleet_config(c: Candidate, model: ModelShape, gpu: str, max_model_len: int, seed: int,
+                 spec_acceptance: float = 0.0) -> FleetConfig:
     d_hw, p_hw = Roofline(model, GPUS[gpu], c.decode_tp), Roofline(model, GPUS[gpu], c.prefill_tp)
     block_tokens = FleetConfig.block_size * model.kv_bytes_per_token
     return FleetConfig(
@@ -229,7 +236,8 @@ def fleet_config(c: Candidate, model: ModelShape, gpu: str, max_model_len: int, 
         if c.mode == "disaggregated" and c.prefill_tp != c.decode_tp else None,
         routing=RoutingConfig(mode=c.mode), admission=AdmissionConfig(), seed=seed,
         scheduler=SchedulerConfig(max_num_batched_tokens=c.max_num_batched_tokens),
-        kv_store_blocks=int(c.kv_store_gib * 2**30 // block_tokens))
+        kv_store_blocks=int(c.kv_store_gib * 2**30 // block_tokens),
+        speculative=SpeculativeConfig(method="ngram") if c.speculative else None, spec_acceptance=spec_acceptance)
 
 
 @dataclass(frozen=True)
@@ -256,6 +264,8 @@ class Job:
     """A rate is tried over at least this long (a test's short trace may lower it)."""
     replicas: int = 1
     """The candidate is this many equal units, one simulated on its share (`sliced`) of the requests."""
+    spec_acceptance: float = 0.0
+    """The workload's: the chance a speculative candidate's proposal is right if all before it were."""
     screen: int | None = None
     """`bracket` and `capacity`: the rate multiples are of the trace's first this many requests'
     rate, and a run takes the requests from the trace's start that fill `min_span_s` (None: all)."""
@@ -301,7 +311,7 @@ def evaluate(job: Job, items: list[WorkloadRequest] | None = None) -> dict[str, 
     model = MODELS[job.model].in_fp8(*job.quantization)
     c = job.candidate
     unit = dataclasses.replace(c, prefill=c.prefill // job.replicas, decode=c.decode // job.replicas)
-    cfg = fleet_config(unit, model, job.gpu, job.max_model_len, job.seed)
+    cfg = fleet_config(unit, model, job.gpu, job.max_model_len, job.seed, job.spec_acceptance)
     d_hw = Roofline(model, GPUS[job.gpu], c.decode_tp)
     p_hw = Roofline(model, GPUS[job.gpu], c.prefill_tp) if cfg.prefill_gpus_per_worker else None
 

@@ -48,6 +48,9 @@ def add_parser(sub: Any) -> None:
                    help="step token budgets (max_num_batched_tokens, also the prefill chunk) to try")
     g.add_argument("--kv-store-gib", type=_floats, default=(0.0,), help="KV-tier sizes per node to try (GiB)")
     g.add_argument("--modes", default="colocated,disaggregated", help="colocated, disaggregated, or both")
+    g.add_argument("--spec-acceptance", type=float, default=None, metavar="P",
+                   help="also try speculative decoding (prompt lookup, the engine's priced policy), each proposal "
+                        "right with probability P if all before it were: the traffic's own (default: not tried)")
     g.add_argument("--screen-requests", type=int, default=SCREEN_REQUESTS,
                    help="goodput is searched at multiples of the rate of the trace's first this many requests "
                         "(each run on the requests that fill 60 s at that rate), the best --keep serve all of it")
@@ -95,7 +98,7 @@ def _plan(args: argparse.Namespace) -> int:
             "gpu": args.gpu, "num_gpus": args.num_gpus, "ttft_slo_ms": args.ttft_slo_ms,
             "itl_slo_ms": args.itl_slo_ms, "num_requests": len(items), "prefill_share": round(share, 3),
             "target_attainment": args.target_attainment, "tps": list(tps), "screen_requests": screened,
-            "unit_gpus": args.num_gpus // jobs[0].replicas,
+            "unit_gpus": args.num_gpus // jobs[0].replicas, "spec_acceptance": args.spec_acceptance,
             "search_s": round(time.monotonic() - start, 1)}
     plan = plan_file(results, meta, capacities)
     _report(console, plan)
@@ -118,7 +121,10 @@ def _jobs(args: argparse.Namespace) -> tuple[list[Any], float, tuple[int, ...], 
     items = workload(args)
     share = prefill_share(model, args.gpu, items, max(args.budgets))
     tps = args.tp or auto_tps(model, args.gpu, args.max_model_len, args.num_gpus)
+    if args.spec_acceptance is not None and not 0.0 <= args.spec_acceptance <= 1.0:
+        raise SystemExit(f"--spec-acceptance is a probability, not {args.spec_acceptance}")
     space = Space(args.num_gpus, tps, args.budgets, args.kv_store_gib, tuple(args.modes.split(",")),
+                  (False, True) if args.spec_acceptance is not None else (False,),
                   args.unit_gpus or unit_gpus(args.num_gpus, tps))
     try:
         grid = candidates(space, model, args.gpu, args.max_model_len, share)
@@ -129,7 +135,7 @@ def _jobs(args: argparse.Namespace) -> tuple[list[Any], float, tuple[int, ...], 
                          f"and a {args.max_model_len}-token context")
     return items, share, tps, [Job(c, args.model, fp8, args.gpu, args.max_model_len, args.ttft_slo_ms / 1e3,
                                    args.itl_slo_ms / 1e3, args.seed, target=args.target_attainment,
-                                   replicas=space.replicas) for c in grid]
+                                   replicas=space.replicas, spec_acceptance=args.spec_acceptance or 0.0) for c in grid]
 
 
 def _report(console: Any, plan: dict[str, Any]) -> None:

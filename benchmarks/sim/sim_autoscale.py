@@ -1,14 +1,16 @@
 """Autoscaled vs fixed pools in the simulator under a rate that swings: 16 H100s serving
-Llama-3-8B, a sinusoid of --rate requests/s +-80 % with a 300 s period, 2,048-token prompts
-and 256-token answers. Arms: the fixed split `splitserve simulate` picks for the workload,
-and the autoscaler from 1P:1D (up to 15 workers a pool) with its step capped at
---old-max-step (1: one worker per action, the policy before scale-ups were sized to the
-deficit) and at its default, and the latter predictive too (launching for the load forecast
-a start-up ahead, control/forecast.py). One JSON line per arm: bench's summary keys, GPU-seconds,
-goodput per GPU-hour, scale actions and the largest pools; with --plots DIR, bench's PNGs
-with every arm.
+Llama-3-8B, 2,048-token prompts and 256-token answers, arriving (--shape) as a sinusoid of
+--rate requests/s +-80 % with a 300 s period (a day sped up), a ramp from a fifth of --rate
+to 1.8x it over the run, or Poisson at --rate with a burst of a tenth of a period's requests
+at once every 120 s (240 at the default rate: spikes a trend must not chase). Arms: the
+fixed split `splitserve simulate` picks for the workload, and the autoscaler from 1P:1D (up
+to 15 workers a pool) with its step capped at --old-max-step (1: one worker per action, the
+policy before scale-ups were sized to the deficit) and at its default, and the latter
+predictive too (launching for the load forecast a start-up ahead, control/forecast.py). One
+JSON line per arm: bench's summary keys, GPU-seconds, goodput per GPU-hour, scale actions
+and the largest pools; with --plots DIR, bench's PNGs with every arm.
 
-    ./dev python benchmarks/sim/sim_autoscale.py [--num-requests 18000] [--plots docs/sim]
+    ./dev python benchmarks/sim/sim_autoscale.py [--shape sinusoid|ramp|burst] [--num-requests 18000] [--plots docs/sim]
 """
 from __future__ import annotations
 
@@ -22,10 +24,18 @@ from sim import cli
 from sim.cost_model import Roofline
 from sim.fleet import Fleet
 
+SHAPES = {
+    "sinusoid": lambda rate: ["--rate", str(rate), "--arrival", "sinusoid", "--amplitude", "0.8", "--period-s", "300"],
+    "ramp": lambda rate: ["--rate", str(rate / 5), "--rate-to", str(rate * 1.8), "--arrival", "ramp"],
+    "burst": lambda rate: ["--rate", str(rate), "--arrival", "burst", "--amplitude", "0.1", "--period-s", "120"],
+}
+"""`simulate`'s arrival flags for each --shape."""
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rate", type=float, default=20.0)
+    ap.add_argument("--shape", choices=tuple(SHAPES), default="sinusoid")
     ap.add_argument("--num-requests", type=int, default=18000)
     ap.add_argument("--old-max-step", type=int, default=1)
     ap.add_argument("--plots", type=Path)
@@ -33,8 +43,8 @@ def main() -> None:
     args = ap.parse_args()
     parser = argparse.ArgumentParser()
     cli.add_parser(parser.add_subparsers())
-    sim_args = parser.parse_args(["simulate", "--rate", str(args.rate), "--arrival", "sinusoid", "--amplitude", "0.8",
-                                  "--period-s", "300", "--num-requests", str(args.num_requests), "--prompt-len",
+    sim_args = parser.parse_args(["simulate", *SHAPES[args.shape](args.rate), "--num-requests", str(args.num_requests),
+                                  "--prompt-len",
                                   "2048", "--output-len", "256", "--num-gpus", "16", "--mode", "disaggregated"])
     hw = Roofline(cli.MODELS[sim_args.model], cli.GPUS[sim_args.gpu], sim_args.tp)
     items = cli.workload(sim_args)

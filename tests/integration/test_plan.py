@@ -54,12 +54,14 @@ def test_a_plan_file_starts_a_cluster_of_its_pools(tmp_path: Path) -> None:
     plan = tmp_path / "plan.json"
     out = subprocess.run(CLI + ["plan", "--rate", "8", "--num-requests", "60", "--prompt-len", "2000",
                                 "--output-len", "100", "--num-gpus", "2", "--tp", "1", "--budgets", "2048",
-                                "--max-model-len", "8192", "--screen-requests", "60", "--out", str(plan)],
+                                "--max-model-len", "8192", "--screen-requests", "60", "--spec-acceptance", "0.8",
+                                "--out", str(plan)],
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr
     lines = [json.loads(line) for line in out.stdout.splitlines()]
     assert {r["label"] for r in lines if r.get("stage") == "capacity"} == {
-        "colocated 2x TP1, budget 2048", "disaggregated 1P(TP1):1D(TP1), budget 2048"}
+        "colocated 2x TP1, budget 2048", "disaggregated 1P(TP1):1D(TP1), budget 2048",
+        "colocated 2x TP1, budget 2048, speculative", "disaggregated 1P(TP1):1D(TP1), budget 2048, speculative"}
     written = json.loads(plan.read_text())
     chosen = written["best"]["candidate"]
     assert lines[-1]["plan"]["best"] == written["best"] and "best:" in out.stderr

@@ -34,7 +34,7 @@ BY_HAND = {
     "python benchmarks/serving/observe_overhead.py", "python benchmarks/serving/http_overhead.py",
     "python benchmarks/serving/serving_compare.py", "python benchmarks/serving/router_cpu.py",
     "python benchmarks/serving/agent_apis.py",
-    "python benchmarks/sim/sim_goodput.py",
+    "python benchmarks/sim/sim_goodput.py", "python benchmarks/sim/plan_validate.py",
     "python benchmarks/sim/sim_speed.py", "python benchmarks/sim/sim_validate.py", "python -m benchmarks.kv.tp_handoff",
     "python -m benchmarks.kv.kv_tier_trace", "python -m benchmarks.kv.kv_tier_hosts",
     "python -m benchmarks.kv.kv_tier_fetch",

@@ -3,14 +3,15 @@ round-tripping into serve's pools, the capacity bisection (the search itself, on
 simulator: tests/integration/test_plan.py)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from sim.cost_model import LLAMA3_70B, LLAMA3_8B
 from loadgen.workload import WorkloadRequest
-from sim.plan import (Candidate, Space, at_rate, best, candidates, capacity, fits, pareto, plan_file, read_plan, repeated,
-                      sliced, unit_gpus)
+from sim.plan import (Candidate, Space, at_rate, best, candidates, capacity, fits, fleet_config, pareto, plan_file,
+                      read_plan, repeated, sliced, unit_gpus)
 
 
 def test_the_grid_holds_every_degree_that_fits_and_the_splits_near_the_work_s_share() -> None:
@@ -39,6 +40,12 @@ def test_a_large_fleet_is_planned_as_equal_units_each_serving_its_prefix_groups(
     # on 16 GPUs the splits within 2x of 8 prefill workers, kept 1.15x apart from the nearest out
     assert [(c.prefill, c.decode) for c in unit if c.mode == "disaggregated"] == [
         (4, 12), (5, 11), (6, 10), (8, 8), (10, 6), (12, 4), (14, 2)]  # 7 and 9 are 1.14x from 8, 11 1.1x from 10
+    both = candidates(Space(8, tps=(1,), budgets=(2048,), speculation=(False, True)), LLAMA3_8B, "h100-sxm", 8192,
+                      share=0.5)
+    one = candidates(Space(8, tps=(1,), budgets=(2048,)), LLAMA3_8B, "h100-sxm", 8192, share=0.5)
+    assert sorted(both) == sorted(one + [dataclasses.replace(c, speculative=True) for c in one])
+    assert fleet_config(both[-1], LLAMA3_8B, "h100-sxm", 8192, 0, 0.6).spec_acceptance == 0.6
+    assert {fleet_config(c, LLAMA3_8B, "h100-sxm", 8192, 0).speculative is None for c in both} == {True, False}
     with pytest.raises(ValueError, match="do not divide"):
         candidates(Space(64, unit_gpus=24), LLAMA3_8B, "h100-sxm", 8192, share=0.5)
     # a unit's share: whole prefix groups (the same first tokens), about a quarter, at their own times
@@ -83,6 +90,12 @@ def test_serve_takes_the_plan_s_pools(tmp_path) -> None:  # type: ignore[no-unty
     _apply_plan(args)
     assert (args.num_prefill, args.num_decode, args.mode, args.prefill_tp, args.decode_tp,
             args.max_num_batched_tokens) == (3, 5, "disaggregated", 2, 1, 8192)
+    assert args.speculative == "off"
+    rs[0]["candidate"]["speculative"] = True
+    path.write_text(json.dumps(plan_file(rs, {})))
+    speculating = build_parser().parse_args(["serve", "--plan", str(path)])
+    _apply_plan(speculating)
+    assert speculating.speculative == "ngram"
     scaled = build_parser().parse_args(["serve", "--plan", str(path), "--autoscale", "--predictive-scaling"])
     _apply_plan(scaled)
     config = _autoscale_config(scaled)

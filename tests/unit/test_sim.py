@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import SchedulerConfig
+from engine.config import SchedulerConfig, SpeculativeConfig
 from sim.cost_model import H100_SXM, LLAMA3_8B, LLAMA3_70B, Roofline
 from sim.engine_sim import SimEngine
 
@@ -60,6 +60,35 @@ def test_the_real_scheduler_on_a_virtual_clock_gives_exact_step_times() -> None:
     assert first_token_at == pytest.approx(0.026 + 0.014)  # TTFT: the two prefill chunks
     assert now == pytest.approx(0.026 + 0.014 + 2 * 0.011)
     assert e.pool.usage().num_in_use == 0
+
+
+def test_speculation_runs_the_engine_s_policy_and_keeps_what_the_workload_s_acceptance_draws() -> None:
+    hw = Roofline(LLAMA3_8B, H100_SXM)
+
+    def served(batch: int, acceptance: float | None) -> tuple[int, float, SimEngine, list[int]]:
+        e = SimEngine(hw.for_worker(), 4000, 16, 128256, speculative=None if acceptance is None else
+                      SpeculativeConfig(method="ngram"), spec_acceptance=acceptance or 0.0)
+        for i in range(batch):
+            e.add(f"r{i}", list(range(i, i + 500)), max_tokens=200)
+        now, steps, lengths = 0.0, 0, {}
+        while e.has_work:
+            result = e.step(now)
+            now, steps = now + result.duration_s, steps + 1
+            lengths.update(result.tokens)
+        assert e.pool.usage().num_in_use == 0  # the proposals' blocks rolled back, every block home
+        return steps, now, e, sorted(lengths.values())
+
+    plain_steps, plain_s, _, plain_lengths = served(1, None)
+    assert plain_steps == 200 and plain_lengths == [200]
+    steps, seconds, e, lengths = served(1, 0.9)  # one request: a memory-bound step, proposals nearly free
+    assert lengths == [200] and steps < plain_steps / 3 and seconds < plain_s / 3
+    assert 0.75 < e.num_accepted / e.num_proposed <= 1.0
+    _, seconds, e, _ = served(1, 0.0)  # nothing kept: the policy backs off, the run costs what a plain one does
+    assert e.num_accepted == 0 and e.num_proposed < 60 and seconds < plain_s * 1.05
+    # 64 decoding: more than the policy's 32-token budget, no proposals (but while the first few
+    # decode before the rest are prefilled)
+    _, seconds, e, lengths = served(64, 0.9)
+    assert e.num_proposed < 0.01 * 64 * 200 and lengths == [200] * 64
 
 
 def test_a_shared_prefix_hits_the_real_prefix_cache_and_runs_are_deterministic() -> None:
