@@ -15,7 +15,7 @@ import pytest
 from loadgen.workload import synthetic
 from sim.arrivals import Shape, arrival_times, timed
 from sim.cost_model import LLAMA3_8B
-from sim.plan import Job, Space, best, candidates, prefill_share, staged
+from sim.plan import Job, Space, best, candidates, prefill_share, sliced, staged
 from tests.integration.test_cli import STARTUP_BUDGET_S, _wait_for_line
 
 CLI = [sys.executable, "-m", "cluster.cli"]
@@ -48,6 +48,24 @@ def test_the_pruned_search_finds_what_the_exhaustive_one_finds() -> None:
         assert r["goodput_per_gpu"] == fine[r["label"]] if r["capacity_refined"] else \
             r["goodput_per_gpu"] <= fine[r["label"]] < r["goodput_per_gpu_below"]
     assert not all(r["capacity_refined"] for r in few)  # the pruning skipped some
+
+
+def test_a_fleet_of_units_plans_as_one_unit_on_its_share_of_the_trace() -> None:
+    items = timed(synthetic(120, 3000, 100, 0.5, 8, 1024, 128256, seed=5), arrival_times(120, Shape(rate=16.0), seed=5))
+    share = prefill_share(LLAMA3_8B, "h100-sxm", items, 8192)
+
+    def plan(num_gpus: int, unit: int, requests: list) -> list[dict]:
+        space = Space(num_gpus, tps=(1,), budgets=(8192,), modes=("colocated",), unit_gpus=unit)
+        jobs = [Job(c, "llama-3-8b", (False, False), "h100-sxm", 8192, 1.0, 0.05, 0, min_span_s=2.0,
+                    replicas=space.replicas) for c in candidates(space, LLAMA3_8B, "h100-sxm", 8192, share)]
+        return staged(jobs, requests, screen=len(requests), keep=9, workers=1)[0]
+
+    [fleet], [unit] = plan(8, 4, items), plan(4, 4, sliced(items, 2))
+    assert fleet["label"] == "colocated 8x TP1, budget 8192" and unit["label"] == "colocated 4x TP1, budget 8192"
+    assert 0 < len(sliced(items, 2)) < len(items)
+    for key in ("goodput_per_gpu", "capacity_multiple", "slo_attainment", "ttft_p99_ms"):  # the same runs
+        assert fleet[key] == unit[key], key
+    assert fleet["capacity_rps"] == pytest.approx(2 * unit["capacity_rps"], rel=1e-3)
 
 
 def test_a_plan_file_starts_a_cluster_of_its_pools(tmp_path: Path) -> None:
