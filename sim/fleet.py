@@ -402,8 +402,12 @@ class Fleet:
         """D reserves the prompt's blocks under a lease, then P computes it."""
         if f.done:
             return True
-        n = len(f.item.prompt)
         assert f.booking is not None
+        if self.workers[p].stopped_at is not None:  # drained and stopped since the route (D was busy):
+            f.booking.end()  # its RPC fails and the router routes again
+            f.booking = f.decision = None
+            return self._dispatch(f)
+        n = len(f.item.prompt)
         request = d.engine.connector.reserve(f.rid, f.item.prompt, f.item.max_tokens, f.hashes)
         if request is None:  # the load book's view was stale: wait for room as the router does
             f.booking.end()

@@ -407,3 +407,26 @@ def test_a_verdict_needs_what_the_summary_s_rounded_attainment_needs() -> None:
         for target in (0.9, 0.95, 0.99, 0.5, 1.0):
             need = report.SloVerdict(n, target, 1.0, 1.0).need
             assert [report.attainment(k, n) >= target for k in range(n + 1)] == [k >= need for k in range(n + 1)]
+
+
+def test_a_reservation_deferred_past_its_prefill_worker_s_stop_is_routed_again() -> None:
+    """D reserves between its steps; a prefill worker the route named may have drained and
+    stopped meanwhile (an autoscaled fleet): the request is routed again, as a router retries
+    a failed prefill call, not handed to the stopped worker (where it would wait forever)."""
+    items = [WorkloadRequest(list(range(3, 503)), 8, 0.0)]
+    fleet = Fleet(FleetConfig(num_prefill=2, num_decode=1, num_blocks=1000, max_model_len=4096), Linear(), items)
+    for w in fleet.workers.values():
+        fleet._ready(w)
+    d = next(w for w in fleet.workers.values() if w.role == "decode")
+    d.busy = True  # mid-step: the reservation waits for the step's end
+    fleet._arrive(0, items[0])
+    [(reserve, f, _, p)] = d.calls
+    named = fleet.workers[p]
+    named.state = "draining"
+    fleet._stop_if_drained(named)
+    assert named.stopped_at is not None
+    d.calls.clear()
+    d.busy = False
+    reserve(f, d, p)
+    assert f.decision is not None and f.decision.prefill_worker != p
+    assert not named.engine.has_work and fleet.workers[f.decision.prefill_worker].busy and f.rid in fleet.pushing
