@@ -143,10 +143,12 @@ def _serve_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 def _apply_plan(args: argparse.Namespace) -> None:
     """serve --plan: the plan's best fleet in place of the pool flags (a KV tier it chose is
-    --kv-store-mib's to size: the plan's GiB are a GPU node's host memory)."""
-    from sim.plan import read_plan
+    --kv-store-mib's to size: the plan's GiB are a GPU node's host memory), and predictive
+    scaling where the plan found it ahead on its trace."""
+    from sim.plan import plan_scales_ahead, read_plan
 
     c = read_plan(args.plan)
+    args.predictive_scaling = args.predictive_scaling or plan_scales_ahead(args.plan)
     args.num_prefill, args.num_decode, args.mode = c.prefill, c.decode, c.mode
     args.prefill_tp, args.decode_tp, args.max_num_batched_tokens = c.prefill_tp, c.decode_tp, c.max_num_batched_tokens
     if c.speculative:

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from control.autoscaler import AutoscaleConfig
 from engine.config import SchedulerConfig, SpeculativeConfig
 from loadgen import report
 from loadgen.workload import WorkloadRequest
@@ -253,7 +254,7 @@ class Job:
     ttft_slo_s: float
     itl_slo_s: float
     seed: int
-    kind: Literal["bracket", "capacity", "attainment"] = "attainment"
+    kind: Literal["bracket", "capacity", "attainment", "scaling"] = "attainment"
     """`bracket`: the rates within a factor 2 of the highest it holds at (doubling or halving
     from the trace's); `capacity`: that rate by bisection (within `bracket`, else from scratch)."""
     bracket: tuple[float, float] | None = None
@@ -264,6 +265,8 @@ class Job:
     """A rate is tried over at least this long (a test's short trace may lower it)."""
     replicas: int = 1
     """The candidate is this many equal units, one simulated on its share (`sliced`) of the requests."""
+    predictive: bool = False
+    """`scaling`: the candidate's pools autoscaled within it (`autoscaled`), predictive or reactive."""
     spec_acceptance: float = 0.0
     """The workload's: the chance a speculative candidate's proposal is right if all before it were."""
     screen: int | None = None
@@ -319,6 +322,15 @@ def evaluate(job: Job, items: list[WorkloadRequest] | None = None) -> dict[str, 
         run = Fleet(cfg, d_hw, at_rate(requests, multiple), p_hw).run().run
         return report.summarize(run, job.ttft_slo_s, job.itl_slo_s)
 
+    if job.kind == "scaling":
+        cfg = dataclasses.replace(cfg, autoscale=autoscaled(unit, job))
+        result = Fleet(cfg, d_hw, items, p_hw).run()
+        s = report.summarize(result.run, job.ttft_slo_s, job.itl_slo_s)
+        return {"label": c.label, "predictive": job.predictive, "slo_attainment": s["slo_attainment"],
+                "gpu_seconds": round(result.gpu_seconds * job.replicas, 1),
+                "goodput_per_gpu_hour": round(s["goodput_rps"] * s["elapsed_s"] * 3600 / max(result.gpu_seconds, 1e-9),
+                                              1), "num_scale_actions": len(result.actions)}
+
     def held(requests: list[WorkloadRequest], multiple: float) -> bool:
         """Whether `target` of the requests meet the SLOs at `multiple` times their rate: the
         run stops as soon as that is settled (an overloaded rate is refused on its first misses)."""
@@ -360,6 +372,34 @@ def evaluate(job: Job, items: list[WorkloadRequest] | None = None) -> dict[str, 
             "ttft_p50_ms": s["ttft_ms"].get("p50"), "ttft_p99_ms": s["ttft_ms"].get("p99"),
             "itl_p50_ms": s["itl_ms"].get("p50"), "itl_p99_ms": s["itl_ms"].get("p99"),
             "num_failed": s["num_failed"]}
+
+
+def autoscaled(unit: Candidate, job: Job) -> AutoscaleConfig:
+    """The unit's pools scaled by the autoscaler between one worker and the plan's, at its P:D
+    ratio, on the job's SLOs; forecasting a start-up ahead where `job.predictive`."""
+    return AutoscaleConfig(prefill_min=min(unit.prefill, 1), prefill_max=unit.prefill, decode_min=1,
+                           decode_max=unit.decode, ttft_slo_ms=job.ttft_slo_s * 1e3, itl_slo_ms=job.itl_slo_s * 1e3,
+                           pd_ratio=unit.prefill / unit.decode if unit.prefill else None,
+                           predictive=job.predictive, startup_s=FleetConfig.startup_s)
+
+
+def scaling(job: Job, items: list[WorkloadRequest], workers: int | None = None) -> dict[str, Any]:
+    """The candidate of `job` autoscaled within its pools over the whole trace, reactive and
+    predictive (control/forecast.py), and whether predictive is ahead: it holds the target
+    attainment where reactive does not, or no less attainment (within ATTAINMENT_SLACK) at no
+    less goodput per GPU-hour. `serve --plan --autoscale` scales predictively where it is."""
+    reactive, predictive = search([dataclasses.replace(job, kind="scaling", predictive=p) for p in (False, True)],
+                                  sliced(items, job.replicas), workers)
+    return {"reactive": reactive, "predictive": predictive,
+            "predictive_ahead": ahead(reactive, predictive, job.target)}
+
+
+def ahead(reactive: dict[str, Any], predictive: dict[str, Any], target: float) -> bool:
+    """Predictive scaling holds `target` attainment where reactive does not, or as much
+    attainment (within ATTAINMENT_SLACK) at no less goodput per GPU-hour."""
+    holds = predictive["slo_attainment"] >= target > reactive["slo_attainment"]
+    return holds or (predictive["slo_attainment"] >= reactive["slo_attainment"] - ATTAINMENT_SLACK
+                     and predictive["goodput_per_gpu_hour"] >= reactive["goodput_per_gpu_hour"])
 
 
 def _goodput(multiple: float, c: Candidate, rate: float, capped: bool) -> dict[str, Any]:
@@ -561,3 +601,10 @@ def read_plan(path: str | Path) -> Candidate:
         return Candidate(**data["best"]["candidate"])
     except TypeError as e:
         raise ValueError(f"--plan {path}: its best candidate is malformed ({e})") from None
+
+
+
+def plan_scales_ahead(path: str | Path) -> bool:
+    """Whether the plan file found predictive scaling ahead of reactive on its trace (`scaling`)."""
+    data = json.loads(Path(path).read_text())
+    return bool((data.get("autoscale") or {}).get("predictive_ahead"))

@@ -72,7 +72,7 @@ def _plan(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import Progress
 
-    from sim.plan import plan_file, staged, trace_rate
+    from sim.plan import plan_file, scaling, staged, trace_rate
 
     items, share, tps, jobs = _jobs(args)
     console = Console(stderr=True)
@@ -101,6 +101,10 @@ def _plan(args: argparse.Namespace) -> int:
             "unit_gpus": args.num_gpus // jobs[0].replicas, "spec_acceptance": args.spec_acceptance,
             "search_s": round(time.monotonic() - start, 1)}
     plan = plan_file(results, meta, capacities)
+    chosen = next(j for j in jobs if j.candidate.label == plan["best"]["label"])
+    with console.status("the best autoscaled over the whole trace, reactive and predictive"):
+        plan["autoscale"] = scaling(chosen, items, args.workers)
+    meta["search_s"] = plan["search_s"] = round(time.monotonic() - start, 1)
     _report(console, plan)
     args.out.write_text(json.dumps(plan, indent=1))
     console.print(f"plan written to {args.out} (serve --plan {args.out}); searched in {meta['search_s']} s")
@@ -155,6 +159,12 @@ def _report(console: Any, plan: dict[str, Any]) -> None:
         if c and plan["gain_over_colocated"] else ""
     console.print(f"best: {b['label']}: {b['goodput_per_gpu']:.3f} req/s per GPU at attainment "
                   f"{b['slo_attainment']:.3f}{versus}")
+    if plan.get("autoscale"):
+        r, p = plan["autoscale"]["reactive"], plan["autoscale"]["predictive"]
+        verdict = "ahead (serve --plan --autoscale scales ahead)" if plan["autoscale"]["predictive_ahead"] \
+            else "not ahead (serve --plan --autoscale scales on what has arrived)"
+        console.print(f"autoscaled within it: reactive attainment {r['slo_attainment']:.3f} in {r['gpu_seconds']:.0f} "
+                      f"GPU-s, predictive {p['slo_attainment']:.3f} in {p['gpu_seconds']:.0f}: predictive {verdict}")
 
 
 def _plot(results: list[dict[str, Any]], plan: dict[str, Any], path: Path) -> None:

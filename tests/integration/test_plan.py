@@ -82,6 +82,10 @@ def test_a_plan_file_starts_a_cluster_of_its_pools(tmp_path: Path) -> None:
         "colocated 2x TP1, budget 2048, speculative", "disaggregated 1P(TP1):1D(TP1), budget 2048, speculative"}
     written = json.loads(plan.read_text())
     chosen = written["best"]["candidate"]
+    scaled = written["autoscale"]  # the best autoscaled over the trace, both ways, and the verdict
+    assert scaled["reactive"]["label"] == scaled["predictive"]["label"] == written["best"]["label"]
+    assert not scaled["reactive"]["predictive"] and scaled["predictive"]["predictive"]
+    assert 0 < scaled["reactive"]["gpu_seconds"] and isinstance(scaled["predictive_ahead"], bool)
     assert lines[-1]["plan"]["best"] == written["best"] and "best:" in out.stderr
     env = {**os.environ, "SPLITSERVE_CACHE": str(tmp_path / "cache")}
     serve = subprocess.Popen(CLI + ["serve", "--plan", str(plan), "--model", "tiny", "--port", "0", "--http-port",

@@ -10,8 +10,8 @@ import pytest
 
 from sim.cost_model import LLAMA3_70B, LLAMA3_8B
 from loadgen.workload import WorkloadRequest
-from sim.plan import (Candidate, Space, at_rate, best, candidates, capacity, fits, fleet_config, pareto, plan_file,
-                      read_plan, repeated, sliced, unit_gpus)
+from sim.plan import (Candidate, Space, ahead, at_rate, best, candidates, capacity, fits, fleet_config, pareto,
+                      plan_file, read_plan, repeated, sliced, unit_gpus)
 
 
 def test_the_grid_holds_every_degree_that_fits_and_the_splits_near_the_work_s_share() -> None:
@@ -103,6 +103,24 @@ def test_serve_takes_the_plan_s_pools(tmp_path) -> None:  # type: ignore[no-unty
     apart = build_parser().parse_args(["serve", "--plan", str(path), "--autoscale", "--independent-pools"])
     _apply_plan(apart)
     assert _autoscale_config(apart).pd_ratio is None and not _autoscale_config(apart).predictive
+    ahead = {**plan_file(rs, {}), "autoscale": {"predictive_ahead": True}}
+    path.write_text(json.dumps(ahead))
+    forecast = build_parser().parse_args(["serve", "--plan", str(path), "--autoscale"])
+    _apply_plan(forecast)
+    assert _autoscale_config(forecast).predictive  # the plan found it ahead on its trace
+
+
+def test_predictive_scaling_is_ahead_where_it_holds_the_target_or_serves_as_well_for_less() -> None:
+    def arm(attainment: float, per_gpu_hour: float) -> dict:
+        return {"slo_attainment": attainment, "goodput_per_gpu_hour": per_gpu_hour}
+
+    # benchmarks/sim/sim_autoscale.py's shapes: sinusoid (better and cheaper), ramp and bursts
+    # (the target held where reactive misses it, at a higher price per good request)
+    assert ahead(arm(0.801, 5519), arm(0.960, 8630), 0.9)
+    assert ahead(arm(0.857, 10432), arm(1.0, 9179), 0.9) and ahead(arm(0.863, 6847), arm(0.987, 4847), 0.9)
+    assert ahead(arm(0.95, 5000), arm(0.945, 5200), 0.9)  # as good, cheaper
+    assert not ahead(arm(0.95, 5000), arm(0.99, 4000), 0.9)  # both hold it: predictive only dearer
+    assert not ahead(arm(0.80, 5000), arm(0.85, 4000), 0.9)  # neither holds it, predictive dearer
 
 
 def test_capacity_is_the_largest_rate_multiple_that_holds_within_its_precision() -> None:
