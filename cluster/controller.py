@@ -50,7 +50,7 @@ from cluster.kv_stores import KVStores
 from cluster.processes import redacted
 from cluster.ray_calls import await_ref
 from cluster.router_pool import RouterPool
-from control.autoscaler import AutoscaleState, Decision, decide
+from control.autoscaler import AutoscaleState, Decision, decide, started
 from control.auth import metrics_token, registry_key
 from control.heartbeat import Heartbeat, Role, controller_key, hb_key, kv_key, target_key
 from control.metrics_http import MetricsServer
@@ -203,9 +203,12 @@ class Controller:
         worker = dataclasses.replace(self.config.worker, tensor_parallel=self.config.decode_tp if role == "decode"
                                      else self.config.prefill_tp,
                                      kv_store="local" if self.config.kv_store_mib else self.config.worker.kv_store)
+        launched = time.monotonic()
         w.actor = named_actors.create(cls, worker_id, self.config.namespace, self._worker_options(role),
                                       worker_id, worker, self.redis_url, self.config.namespace)
         await self._await_serving(w, timeout_s)
+        if w.state == "serving":  # the forecast reads as far ahead as a launch takes here
+            self._autoscale_state = started(self._autoscale_state, time.monotonic() - launched)
 
     async def _await_serving(self, w: Worker, timeout_s: float) -> None:
         """Its `start()` (idempotent: a restarted controller calls it again on a worker it finds starting)."""

@@ -23,7 +23,8 @@ Two more, each off unless configured:
   grows, the other grows to keep the ratio; when one shrinks, the other shrinks to it too,
   unless its own signal wants it larger.
 - `predictive`: each pool's demand (prefill: the prompt tokens arriving per second, served
-  plus queue growth; decode: the KV blocks in use) is forecast `startup_s` ahead by a trend
+  plus queue growth; decode: the KV blocks in use) is forecast a start-up ahead (the launches'
+  measured time to serving, `started`; `startup_s` before the first) by a trend
   (control/forecast.py), and a pool short for that load launches its workers now, so they
   serve when the load arrives rather than a start-up after it did. It never shrinks a pool,
   and a pool does not shrink below what its forecast needs.
@@ -71,10 +72,10 @@ class AutoscaleConfig:
     pd_ratio: float | None = None
     """Prefill workers per decode worker kept as the pools scale (None: each on its own signals)."""
     predictive: bool = False
-    """Also launch workers for the load forecast `startup_s` ahead (off by default: see the docs'
-    measurement of it against the reactive policy)."""
+    """Also launch workers for the load forecast a start-up ahead (off by default; `serve --plan`
+    turns it on where the plan found it ahead on its trace)."""
     startup_s: float = 30.0
-    """How long a launched worker takes to serve: how far ahead the forecast looks."""
+    """How long a launched worker takes to serve until one has been measured (`started`)."""
     forecast_alpha: float = 0.3
     forecast_beta: float = 0.1
     prefill_target_utilization: float = 0.8
@@ -169,6 +170,23 @@ class AutoscaleState:
     """(when, prefill tokens queued) at the last tick: the queue's growth is demand not served."""
     worker_rate: float = 0.0
     """The most prompt tokens per second one prefill worker was seen serving with a queue."""
+    startup_s: float | None = None
+    """A launched worker's time to serving as measured (`started`), None before the first:
+    how far ahead the forecast reads (`AutoscaleConfig.startup_s` until then)."""
+
+
+STARTUP_WEIGHT = 0.5
+"""Weight of the newest launch in the measured start-up time (`started`)."""
+
+
+def started(state: AutoscaleState, seconds: float) -> AutoscaleState:
+    """A launched worker served `seconds` after its launch: the measured start-up time moves
+    toward it (the first launch sets it)."""
+    if seconds < 0:
+        return state
+    known = state.startup_s
+    measured = seconds if known is None else known + STARTUP_WEIGHT * (seconds - known)
+    return dataclasses.replace(state, startup_s=measured)
 
 
 @dataclass(frozen=True)
@@ -300,7 +318,8 @@ def decide(snapshot: Snapshot, state: AutoscaleState, now: float, config: Autosc
 def _forecast(snapshot: Snapshot, state: AutoscaleState, now: float, c: AutoscaleConfig, targets: dict[str, int],
               reasons: list[str]) -> AutoscaleState:
     """Predictive: each pool's demand observed into its trend, and a pool short for the
-    forecast `startup_s` ahead raised to it (a step of at most `max_step`; never lowered)."""
+    forecast a start-up ahead (the measured one, else `startup_s`) raised to it (a step of at
+    most `max_step`; never lowered)."""
     p, d = snapshot.prefill, snapshot.decode
     arriving = p.prefill_tokens_per_s
     if state.queued is not None and now > state.queued[0]:
@@ -311,7 +330,8 @@ def _forecast(snapshot: Snapshot, state: AutoscaleState, now: float, c: Autoscal
     demand = {"prefill": observe(state.demand.get("prefill"), arriving, now, c.forecast_alpha, c.forecast_beta),
               "decode": observe(state.demand.get("decode"), float(d.num_used_blocks), now, c.forecast_alpha,
                                 c.forecast_beta)}
-    ahead = now + c.startup_s
+    horizon = state.startup_s if state.startup_s is not None else c.startup_s
+    ahead = now + horizon
     need = {"prefill": math.ceil(demand["prefill"].at_time(ahead) / (worker_rate * c.prefill_target_utilization))
             if worker_rate > 0 else 0,
             "decode": math.ceil(demand["decode"].at_time(ahead) / (c.kv_up * d.num_total_blocks / d.num_serving))
@@ -329,7 +349,7 @@ def _forecast(snapshot: Snapshot, state: AutoscaleState, now: float, c: Autoscal
             what = f"{demand[pool].at_time(ahead):.0f} prompt tokens/s" if pool == "prefill" else \
                 f"{demand[pool].at_time(ahead):.0f} KV blocks"
             reasons[:] = [r for r in reasons if not r.startswith(f"{pool} ")]
-            reasons.append(f"{pool} {current} -> {want}: forecast {what} in {c.startup_s:.0f} s")
+            reasons.append(f"{pool} {current} -> {want}: forecast {what} in {horizon:.0f} s")
             targets[pool] = want
     return dataclasses.replace(state, demand=demand, queued=(now, p.queued_prefill_tokens), worker_rate=worker_rate)
 

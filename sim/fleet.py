@@ -31,7 +31,7 @@ from typing import Any
 from loadgen.report import SloVerdict
 from loadgen.runner import Outcome, Run
 from loadgen.workload import WorkloadRequest
-from control.autoscaler import AutoscaleState, decide
+from control.autoscaler import AutoscaleState, decide, started
 from control.heartbeat import Heartbeat, ModelFacts
 from control.pool_gauge import PoolGauge, removal_cost
 from control.router_stats import RouterStats
@@ -188,6 +188,8 @@ class Fleet:
     def _ready(self, w: Worker) -> None:
         if w.state == "starting":
             w.state = "serving"
+            if self.now > w.created_at:  # a launch, not the fleet's first workers: as the controller measures it
+                self.scale_state = started(self.scale_state, self.now - w.created_at)
             self._record_sizes()
             self._retry_room()
 

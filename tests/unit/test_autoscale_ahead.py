@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from control.autoscaler import AutoscaleConfig, AutoscaleState, PoolMetrics, Snapshot, decide
+from control.autoscaler import AutoscaleConfig, AutoscaleState, PoolMetrics, Snapshot, decide, started
 from control.forecast import Trend, observe
 
 STARTUP_S = 30.0
@@ -118,3 +118,24 @@ def test_the_pools_keep_a_plan_s_ratio_as_one_grows_or_shrinks() -> None:
     assert d.prefill_target > 3  # its own signal wants it larger: it grows, the ratio does not shrink it
     with pytest.raises(ValueError, match="pd_ratio must be positive"):
         AutoscaleConfig(pd_ratio=0.0)
+
+
+def test_the_forecast_reads_as_far_ahead_as_launches_measured_take() -> None:
+    assert started(AutoscaleState(), 80.0).startup_s == 80.0  # the first launch sets it
+    assert started(started(AutoscaleState(), 80.0), 40.0).startup_s == 60.0  # then an average of the launches
+    assert started(AutoscaleState(), -1.0).startup_s is None  # a clock step back says nothing
+    # the decode ramp of 10 blocks a second over 2 x 1,000: with the 30 s configured the first
+    # launch comes later than with 90 s measured, which reads three times as far ahead
+    c = AutoscaleConfig(prefill_min=1, prefill_max=1, decode_min=1, decode_max=8, predictive=True, startup_s=30.0)
+
+    def first_launch(state: AutoscaleState) -> float:
+        for s in range(400):
+            snap = Snapshot(PoolMetrics(1), PoolMetrics(2, num_used_blocks=10 * s, num_total_blocks=2000))
+            d = decide(snap, state, float(s), c)
+            state = d.state
+            if d.decode_target > 2:
+                return float(s)
+        return float("inf")
+
+    configured, measured = first_launch(AutoscaleState()), first_launch(started(AutoscaleState(), 90.0))
+    assert measured + 50 <= configured < float("inf")
