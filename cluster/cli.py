@@ -394,7 +394,8 @@ def _add_autoscale_flags(s: argparse.ArgumentParser) -> None:
                    help="--autoscale: also launch workers for the load forecast --worker-startup-s ahead (a trend of "
                         "each pool's demand), not only for the load that has arrived")
     s.add_argument("--worker-startup-s", type=float, default=AutoscaleConfig.startup_s,
-                   help="--predictive-scaling: how long a launched worker takes to serve")
+                   help="--predictive-scaling: how far ahead the forecast reads until a launched worker's time to "
+                        "serving has been measured (then the launches' own)")
     s.add_argument("--min-prefill", type=int, default=0, help="--autoscale: (0 lets mode auto drop the prefill pool)")
     s.add_argument("--max-prefill", type=int, default=AutoscaleConfig.prefill_max)
     s.add_argument("--min-decode", type=int, default=AutoscaleConfig.decode_min)
