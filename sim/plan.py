@@ -385,9 +385,7 @@ def autoscaled(unit: Candidate, job: Job) -> AutoscaleConfig:
 
 def scaling(job: Job, items: list[WorkloadRequest], workers: int | None = None) -> dict[str, Any]:
     """The candidate of `job` autoscaled within its pools over the whole trace, reactive and
-    predictive (control/forecast.py), and whether predictive is ahead: it holds the target
-    attainment where reactive does not, or no less attainment (within ATTAINMENT_SLACK) at no
-    less goodput per GPU-hour. `serve --plan --autoscale` scales predictively where it is."""
+    predictive (control/forecast.py), and whether predictive is ahead (`ahead`). `serve --plan --autoscale` scales predictively where it is."""
     reactive, predictive = search([dataclasses.replace(job, kind="scaling", predictive=p) for p in (False, True)],
                                   sliced(items, job.replicas), workers)
     return {"reactive": reactive, "predictive": predictive,
@@ -396,10 +394,10 @@ def scaling(job: Job, items: list[WorkloadRequest], workers: int | None = None) 
 
 def ahead(reactive: dict[str, Any], predictive: dict[str, Any], target: float) -> bool:
     """Predictive scaling holds `target` attainment where reactive does not, or as much
-    attainment (within ATTAINMENT_SLACK) at no less goodput per GPU-hour."""
+    attainment (within ATTAINMENT_SLACK) at more goodput per GPU-hour (alike is not ahead)."""
     holds = predictive["slo_attainment"] >= target > reactive["slo_attainment"]
     return holds or (predictive["slo_attainment"] >= reactive["slo_attainment"] - ATTAINMENT_SLACK
-                     and predictive["goodput_per_gpu_hour"] >= reactive["goodput_per_gpu_hour"])
+                     and predictive["goodput_per_gpu_hour"] > reactive["goodput_per_gpu_hour"])
 
 
 def _goodput(multiple: float, c: Candidate, rate: float, capped: bool) -> dict[str, Any]:

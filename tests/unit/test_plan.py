@@ -121,6 +121,7 @@ def test_predictive_scaling_is_ahead_where_it_holds_the_target_or_serves_as_well
     assert ahead(arm(0.95, 5000), arm(0.945, 5200), 0.9)  # as good, cheaper
     assert not ahead(arm(0.95, 5000), arm(0.99, 4000), 0.9)  # both hold it: predictive only dearer
     assert not ahead(arm(0.80, 5000), arm(0.85, 4000), 0.9)  # neither holds it, predictive dearer
+    assert not ahead(arm(0.0, 0.0), arm(0.0, 0.0), 0.9) and not ahead(arm(0.99, 1604.7), arm(0.99, 1604.7), 0.9)
 
 
 def test_capacity_is_the_largest_rate_multiple_that_holds_within_its_precision() -> None:
