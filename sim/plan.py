@@ -385,7 +385,8 @@ def autoscaled(unit: Candidate, job: Job) -> AutoscaleConfig:
 
 def scaling(job: Job, items: list[WorkloadRequest], workers: int | None = None) -> dict[str, Any]:
     """The candidate of `job` autoscaled within its pools over the whole trace, reactive and
-    predictive (control/forecast.py), and whether predictive is ahead (`ahead`). `serve --plan --autoscale` scales predictively where it is."""
+    predictive (control/forecast.py), and whether predictive is ahead (`ahead`); `serve --plan
+    --autoscale` scales predictively where it is."""
     reactive, predictive = search([dataclasses.replace(job, kind="scaling", predictive=p) for p in (False, True)],
                                   sliced(items, job.replicas), workers)
     return {"reactive": reactive, "predictive": predictive,

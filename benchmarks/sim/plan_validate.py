@@ -111,7 +111,8 @@ def main() -> None:
 
         sim_m = goodput(lambda m: attained("sim", simulated, m), args.steps)
         workers = arm.num_prefill + arm.num_decode
-        found[arm.name] = {kind: round(m * args.base_rate / workers, 3) for kind, m in (("real", real_m), ("sim", sim_m))}
+        found[arm.name] = {kind: round(m * args.base_rate / workers, 3)
+                           for kind, m in (("real", real_m), ("sim", sim_m))}
         print(json.dumps({"bench": "plan_validate", "fleet": arm.name, "workers": workers,
                           "goodput_per_worker_rps": found[arm.name], "tried_multiple_attainment": tried,
                           "real_s": round(real_s, 1), "sim_s": round(time.perf_counter() - started, 1),
