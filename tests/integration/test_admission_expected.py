@@ -16,6 +16,7 @@ import pytest
 
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
 from cluster.local import LocalCluster
+from router.admission import AdmissionConfig
 from router.policy import RoutingConfig
 from tests.integration.cluster_checks import assert_idle
 
@@ -30,10 +31,14 @@ QUESTIONS = ["What is the capital of France?", "Name a fruit.", "What color is t
 
 @pytest.fixture(scope="module")
 def cluster(smollm2_gguf: str, smollm2_dir: str):  # type: ignore[no-untyped-def]
-    config = ClusterConfig(  # the defaults but the ports (and a small share of the 2 cores each)
+    # the defaults but the ports (and a small share of the 2 cores each), and the queue's wait
+    # limit: what is tested is the KV charge; on a loaded suite (a reversed fresh-clone run) the
+    # forecast wait of 64 chats at once reached 38 s and the default 30 s refused some
+    config = ClusterConfig(
         worker=WorkerConfig(model_dir=smollm2_gguf, step_profile_s=0), num_prefill=1, num_decode=1, worker_num_cpus=0.5,
         router=RouterConfig(port=0, http_port=0, served_model_name=MODEL, tokenizer_dir=smollm2_dir,
-                            routing=RoutingConfig(mode="disaggregated")))
+                            routing=RoutingConfig(mode="disaggregated"),
+                            admission=AdmissionConfig(max_queue_wait_s=300.0)))
     with LocalCluster(config) as c:
         yield c
 
