@@ -306,8 +306,10 @@ def trace_rate(items: Sequence[WorkloadRequest]) -> float:
 
 
 def evaluate(job: Job, items: list[WorkloadRequest] | None = None) -> dict[str, Any]:
-    """One candidate simulated (module docstring): its capacity per GPU, or its attainment and
-    latencies at the trace's own rate."""
+    """One candidate simulated (module docstring): by `job.kind`, its capacity per GPU
+    (`_capacity`), its attainment and latencies at the trace's own rate, or its pools
+    autoscaled over the trace."""
+    from sim.cli import summary
     from sim.fleet import Fleet  # the fleet pulls the router's and engine's modules: in the worker
 
     items = items if items is not None else _ITEMS
@@ -317,19 +319,12 @@ def evaluate(job: Job, items: list[WorkloadRequest] | None = None) -> dict[str, 
     cfg = fleet_config(unit, model, job.gpu, job.max_model_len, job.seed, job.spec_acceptance)
     d_hw = Roofline(model, GPUS[job.gpu], c.decode_tp)
     p_hw = Roofline(model, GPUS[job.gpu], c.prefill_tp) if cfg.prefill_gpus_per_worker else None
-
-    def served(requests: list[WorkloadRequest], multiple: float) -> dict[str, Any]:
-        run = Fleet(cfg, d_hw, at_rate(requests, multiple), p_hw).run().run
-        return report.summarize(run, job.ttft_slo_s, job.itl_slo_s)
-
     if job.kind == "scaling":
-        cfg = dataclasses.replace(cfg, autoscale=autoscaled(unit, job))
-        result = Fleet(cfg, d_hw, items, p_hw).run()
-        s = report.summarize(result.run, job.ttft_slo_s, job.itl_slo_s)
+        result = Fleet(dataclasses.replace(cfg, autoscale=autoscaled(unit, job)), d_hw, items, p_hw).run()
+        s = summary(result, job.ttft_slo_s, job.itl_slo_s)
         return {"label": c.label, "predictive": job.predictive, "slo_attainment": s["slo_attainment"],
                 "gpu_seconds": round(result.gpu_seconds * job.replicas, 1),
-                "goodput_per_gpu_hour": round(s["goodput_rps"] * s["elapsed_s"] * 3600 / max(result.gpu_seconds, 1e-9),
-                                              1), "num_scale_actions": len(result.actions)}
+                "goodput_per_gpu_hour": s["goodput_per_gpu_hour"], "num_scale_actions": s["num_scale_actions"]}
 
     def held(requests: list[WorkloadRequest], multiple: float) -> bool:
         """Whether `target` of the requests meet the SLOs at `multiple` times their rate: the
@@ -342,36 +337,44 @@ def evaluate(job: Job, items: list[WorkloadRequest] | None = None) -> dict[str, 
 
     out: dict[str, Any] = {"candidate": dataclasses.asdict(c), "label": c.label, "num_gpus": c.num_gpus}
     if job.kind in ("bracket", "capacity"):
-        head = items[:job.screen or len(items)]  # the rate multiples are of these requests' rate
-        span, capped = (head[-1].at_s or 0.0) - (head[0].at_s or 0.0), []
-        highest = MAX_EXTEND * span / job.min_span_s  # the highest multiple the screen can try
-
-        def holds(m: float) -> bool:
-            """Served at `m` times the rate, over at least `min_span_s`: the trace's requests from
-            its start that fill it (repeated where the trace is shorter: a burst shorter than its
-            requests' own service says nothing of a steady rate); a rate that would take more
-            than MAX_EXTEND times the screen's requests is not tried."""
-            need = math.ceil(len(head) * job.min_span_s * m / span) if span > 0 else len(head)
-            if need > MAX_EXTEND * len(head):
-                capped.append(m)
-                return False
-            need = max(need, len(head))
-            return held(items[:need] if need <= len(items) else repeated(items, need), m)
-
-        rate = trace_rate(head) * job.replicas  # the fleet's: its units' together
-        if job.kind == "bracket":
-            lo, hi = bracket(holds)
-            return {**out, "bracket": (lo, hi), "bracket_capped": bool(capped),
-                    "goodput_per_gpu_below": round(hi * rate / c.num_gpus, 4),
-                    **_goodput(lo, c, rate, bool(capped) and lo * 2 >= highest)}
-        multiple = refine(holds, *(job.bracket or bracket(holds)))
-        capped_now = (bool(capped) or job.bracket_capped) and multiple * 2 ** (2 / 2 ** BISECT_STEPS) >= highest
-        return {**out, **_goodput(multiple, c, rate, capped_now)}
-    s = served(items, 1.0)
+        return {**out, **_capacity(job, items, held)}
+    s = report.summarize(Fleet(cfg, d_hw, items, p_hw).run().run, job.ttft_slo_s, job.itl_slo_s)
     return {**out, "slo_attainment": s["slo_attainment"], "goodput_rps": s["goodput_rps"],
             "ttft_p50_ms": s["ttft_ms"].get("p50"), "ttft_p99_ms": s["ttft_ms"].get("p99"),
             "itl_p50_ms": s["itl_ms"].get("p50"), "itl_p99_ms": s["itl_ms"].get("p99"),
             "num_failed": s["num_failed"]}
+
+
+def _capacity(job: Job, items: list[WorkloadRequest],
+              held: Callable[[list[WorkloadRequest], float], bool]) -> dict[str, Any]:
+    """`bracket`: the rates within 2x of the highest that `held`; `capacity`: that rate by
+    bisection (within `job.bracket`, else from scratch); both as goodput per GPU."""
+    c = job.candidate
+    head = items[:job.screen or len(items)]  # the rate multiples are of these requests' rate
+    span, capped = (head[-1].at_s or 0.0) - (head[0].at_s or 0.0), []
+    highest = MAX_EXTEND * span / job.min_span_s  # the highest multiple the screen can try
+
+    def holds(m: float) -> bool:
+        """Served at `m` times the rate, over at least `min_span_s`: the trace's requests from
+        its start that fill it (repeated where the trace is shorter: a burst shorter than its
+        requests' own service says nothing of a steady rate); a rate that would take more
+        than MAX_EXTEND times the screen's requests is not tried."""
+        need = math.ceil(len(head) * job.min_span_s * m / span) if span > 0 else len(head)
+        if need > MAX_EXTEND * len(head):
+            capped.append(m)
+            return False
+        need = max(need, len(head))
+        return held(items[:need] if need <= len(items) else repeated(items, need), m)
+
+    rate = trace_rate(head) * job.replicas  # the fleet's: its units' together
+    if job.kind == "bracket":
+        lo, hi = bracket(holds)
+        return {"bracket": (lo, hi), "bracket_capped": bool(capped),
+                "goodput_per_gpu_below": round(hi * rate / c.num_gpus, 4),
+                **_goodput(lo, c, rate, bool(capped) and lo * 2 >= highest)}
+    multiple = refine(holds, *(job.bracket or bracket(holds)))
+    capped_now = (bool(capped) or job.bracket_capped) and multiple * 2 ** (2 / 2 ** BISECT_STEPS) >= highest
+    return _goodput(multiple, c, rate, capped_now)
 
 
 def autoscaled(unit: Candidate, job: Job) -> AutoscaleConfig:
