@@ -24,22 +24,20 @@ import json
 import math
 import random
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: `benchmarks.` imports
 
-from benchmarks.sim.sim_validate import COLOCATED, FLOOR, PD, VOCAB  # noqa: E402
-from benchmarks.sim.sim_validation import (Arm, calibrate, fit_engine, fleet_config,  # noqa: E402
-                                           fresh_cluster)
+from benchmarks.sim.sim_validate import COLOCATED, FLOOR, PD, VOCAB, fitted  # noqa: E402
+from benchmarks.sim.sim_validation import Arm, fleet_config, fresh_cluster  # noqa: E402
 from loadgen import report  # noqa: E402
 from loadgen.runner import Run, run  # noqa: E402
 from loadgen.workload import WorkloadRequest  # noqa: E402
-from engine.model.tiny_model import make_tiny_model  # noqa: E402
 from router.policy import RoutingConfig  # noqa: E402
 from sim.arrivals import Shape, arrival_times, timed  # noqa: E402
+from sim.cpu_fit import CpuCost  # noqa: E402
 from sim.fleet import Fleet  # noqa: E402
 from sim.plan import bracket, refine  # noqa: E402
 
@@ -76,47 +74,11 @@ def main() -> None:
     ap.add_argument("--itl-slo-ms", type=float, default=50.0)
     ap.add_argument("--target", type=float, default=0.9)
     args = ap.parse_args()
-    slo = (args.ttft_slo_ms / 1e3, args.itl_slo_ms / 1e3)
-    model = str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny", arch="llama", seed=0))
     began = time.perf_counter()
-    engine = fit_engine(model)
-    rng = random.Random(9)
-    calibration = [WorkloadRequest([rng.randrange(3, VOCAB) for _ in range(128)], 32) for _ in range(24)]
-    costs = calibrate(model, engine, calibration, PD, COLOCATED)
+    model, _, costs = fitted(0)
     print(json.dumps({"bench": "plan_validate_fit", "fit_and_calibration_s": round(time.perf_counter() - began, 1)}),
           flush=True)
-    found: dict[str, dict[str, float]] = {}
-    for arm in FLEETS:
-        # the floor holds the engine's step; what serving adds around it is the unheld arm's of the same mode
-        cost = dataclasses.replace(costs[PD.name if arm.num_prefill else COLOCATED.name], floor=FLOOR)
-        tried: dict[str, list[tuple[float, float]]] = {"real": [], "sim": []}
-
-        def attained(kind: str, served: Callable[[list[WorkloadRequest]], Run], m: float) -> bool:
-            items = workload(args.base_rate * m, args.span_s, seed=int(m * 1000))
-            s = report.summarize(served(items), *slo)
-            tried[kind].append((round(m, 3), s["slo_attainment"]))
-            return s["slo_attainment"] >= args.target
-
-        started = time.perf_counter()
-        with fresh_cluster(model, arm) as cluster:
-            def real(items: list[WorkloadRequest]) -> Run:
-                return asyncio.run(run(cluster.address, items, timeout_s=600))
-
-            real_m = goodput(lambda m: attained("real", real, m), args.steps)
-        real_s = time.perf_counter() - started
-        started = time.perf_counter()
-
-        def simulated(items: list[WorkloadRequest]) -> Run:
-            return Fleet(fleet_config(model, arm), cost, items).run().run
-
-        sim_m = goodput(lambda m: attained("sim", simulated, m), args.steps)
-        workers = arm.num_prefill + arm.num_decode
-        found[arm.name] = {kind: round(m * args.base_rate / workers, 3)
-                           for kind, m in (("real", real_m), ("sim", sim_m))}
-        print(json.dumps({"bench": "plan_validate", "fleet": arm.name, "workers": workers,
-                          "goodput_per_worker_rps": found[arm.name], "tried_multiple_attainment": tried,
-                          "real_s": round(real_s, 1), "sim_s": round(time.perf_counter() - started, 1),
-                          "slo_ms": [args.ttft_slo_ms, args.itl_slo_ms], "target": args.target}), flush=True)
+    found = {arm.name: measured(arm, model, costs, args) for arm in FLEETS}
     rankings = {kind: sorted(found, key=lambda name: -found[name][kind]) for kind in ("real", "sim")}
     pairs = []
     names = list(found)
@@ -128,6 +90,41 @@ def main() -> None:
     print(json.dumps({"bench": "plan_validate_rankings", "real": rankings["real"], "sim": rankings["sim"],
                       "same_order": rankings["real"] == rankings["sim"], "pairs": pairs,
                       "pairs_agreeing": sum(p["agree"] for p in pairs), "num_pairs": len(pairs)}), flush=True)
+
+
+def measured(arm: Arm, model: str, costs: dict[str, CpuCost], args: argparse.Namespace) -> dict[str, float]:
+    """`arm`'s goodput per worker, real and simulated, each found as `plan` finds it (one JSON line)."""
+    slo = (args.ttft_slo_ms / 1e3, args.itl_slo_ms / 1e3)
+    # the floor holds the engine's step; what serving adds around it is the unheld arm's of the same mode
+    cost = dataclasses.replace(costs[PD.name if arm.num_prefill else COLOCATED.name], floor=FLOOR)
+    tried: dict[str, list[tuple[float, float]]] = {"real": [], "sim": []}
+
+    def attained(kind: str, served: Callable[[list[WorkloadRequest]], Run], m: float) -> bool:
+        items = workload(args.base_rate * m, args.span_s, seed=int(m * 1000))
+        s = report.summarize(served(items), *slo)
+        tried[kind].append((round(m, 3), s["slo_attainment"]))
+        return s["slo_attainment"] >= args.target
+
+    started = time.perf_counter()
+    with fresh_cluster(model, arm) as cluster:
+        def real(items: list[WorkloadRequest]) -> Run:
+            return asyncio.run(run(cluster.address, items, timeout_s=600))
+
+        real_m = goodput(lambda m: attained("real", real, m), args.steps)
+    real_s = time.perf_counter() - started
+    started = time.perf_counter()
+
+    def simulated(items: list[WorkloadRequest]) -> Run:
+        return Fleet(fleet_config(model, arm), cost, items).run().run
+
+    sim_m = goodput(lambda m: attained("sim", simulated, m), args.steps)
+    workers = arm.num_prefill + arm.num_decode
+    found = {kind: round(m * args.base_rate / workers, 3) for kind, m in (("real", real_m), ("sim", sim_m))}
+    print(json.dumps({"bench": "plan_validate", "fleet": arm.name, "workers": workers,
+                      "goodput_per_worker_rps": found, "tried_multiple_attainment": tried,
+                      "real_s": round(real_s, 1), "sim_s": round(time.perf_counter() - started, 1),
+                      "slo_ms": [args.ttft_slo_ms, args.itl_slo_ms], "target": args.target}), flush=True)
+    return found
 
 
 def order(a: float, b: float) -> str:

@@ -43,6 +43,7 @@ from engine.config import StepFloor  # noqa: E402
 from engine.model.tiny_model import make_tiny_model  # noqa: E402
 from router.policy import RoutingConfig  # noqa: E402
 from sim.arrivals import Shape, arrival_times, timed, trace_items  # noqa: E402
+from sim.cpu_fit import CpuCost  # noqa: E402
 
 TRACE = Path(__file__).resolve().parents[1] / "traces" / "mooncake_synthetic_trace.jsonl"
 VOCAB = 500
@@ -63,6 +64,17 @@ FIXED = dataclasses.replace(FLOORED, name="fixed 1P:3D", num_decode=3)
 SCALED = dataclasses.replace(FLOORED, name="autoscaled 1P:1-3D", autoscale=AutoscaleConfig(
     prefill_min=1, prefill_max=1, decode_min=1, decode_max=3, ttft_slo_ms=1000.0, itl_slo_ms=50.0,
     up_delay_s=2.0, down_delay_s=10.0, cooldown_s=5.0))
+
+
+def fitted(seed: int) -> tuple[str, CpuCost, dict[str, CpuCost]]:
+    """The tiny model (written to a temporary directory), its engine's fitted step cost, and
+    what serving adds around it for the unheld 1P:1D and colocated arms, calibrated on the
+    real cluster with 24 requests of their own."""
+    model = str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny", arch="llama", seed=0))
+    engine = fit_engine(model)
+    rng = random.Random(seed + 9)
+    calibration = [WorkloadRequest([rng.randrange(3, VOCAB) for _ in range(128)], 32) for _ in range(24)]
+    return model, engine, calibrate(model, engine, calibration, PD, COLOCATED)
 
 
 def workloads(n: int, seed: int) -> dict[str, tuple[list[WorkloadRequest], list[Arm]]]:
@@ -91,12 +103,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     slo = (args.ttft_slo_ms / 1e3, args.itl_slo_ms / 1e3)
-    model = str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny", arch="llama", seed=0))
     began = time.perf_counter()
-    engine = fit_engine(model)
-    rng = random.Random(args.seed + 9)
-    calibration = [WorkloadRequest([rng.randrange(3, VOCAB) for _ in range(128)], 32) for _ in range(24)]
-    costs = calibrate(model, engine, calibration, PD, COLOCATED)
+    model, engine, costs = fitted(args.seed)
     costs[AWARE.name] = costs[ROUND_ROBIN.name] = costs[PD.name]
     startup_s = 0.0
     if "autoscale" in args.workloads.split(","):
