@@ -7,9 +7,9 @@ the engine through its connector (engine/kv_connector.py): `KVArrived` -> `lande
 request joins the continuous batch with its first token) -> `Landed`; `TransferFailed` ->
 `end` (its blocks freed or, when a one-sided writer may still write, quarantined);
 `BlocksFenced` -> `fenced` (the quarantined blocks freed).
-Events are matched to the reservation a request holds now: an arrival or failure of a
-reservation its request no longer holds (aborted after the sender's `ready`, perhaps
-reserved again under the same id) changes nothing.
+An abort is the request's last word: the receiver drops its arrival or failure not yet
+pumped (`FabricReceiver.cancel(final=True)`), so an aborted request, or one reserved again
+under the same id, never sees a stale one. What the request holds is the engine's to know.
 The engine's pool comes from `kvfabric.pools.kv_allocator`: shared memory on CPU (`shm`
 senders on this host copy straight into it, others use `tcp`), an IPC-exportable
 cudaMalloc on GPU (`cuda_ipc` on this host, `nccl` across hosts). A tensor-parallel
@@ -19,7 +19,6 @@ own pool, from whichever prefill rank holds them.
 """
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -33,8 +32,6 @@ from kvfabric.pools import exports, memory_pools, worker_pools
 if TYPE_CHECKING:  # annotations only: the module loads without torch (decode_worker/worker.py says why)
     from engine.llm_engine import LLMEngine
     from kvfabric.pools import KVAllocator
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -76,8 +73,6 @@ class RemoteKV:
         if "shm" in offered:
             offered["shm_ranks"] = self.pools.segments
         self.receiver = FabricReceiver(self.pools.layout, self.pools.regions, config, engine.clock, **offered)
-        self._reservations: dict[str, int] = {}
-        """Request id -> the reservation it holds now, until it lands, fails or is aborted."""
         self._results: list[Landed | RemoteFailure] = []
         """What the events `pump` is settling gave, until it returns them."""
 
@@ -89,9 +84,7 @@ class RemoteKV:
         res = self.connector.reserve(prompt, params, request_id, priority, tenant, tenant_weight)
         if res is None:
             return None
-        ticket = self.receiver.expect(res.request_id, [int(b) for b in res.block_ids], res.num_skip_blocks)
-        self._reservations[ticket.request_id] = ticket.reservation_id
-        return ticket
+        return self.receiver.expect(res.request_id, [int(b) for b in res.block_ids], res.num_skip_blocks)
 
     def pump(self, timeout_s: float = 0.0) -> list[Landed | RemoteFailure]:
         """Apply transfer events to the engine (`kvfabric.settle`); returns arrivals and failures."""
@@ -101,10 +94,9 @@ class RemoteKV:
 
     # -- kvfabric.EventOwner: the receiver's events, on the engine thread ---------------------
     def arrived(self, ev: KVArrived) -> None:
-        if self._current(ev):
-            rid = RequestId(ev.request_id)
-            for out in self.connector.landed(rid, ev.first_token_id, ev.choice_token_ids):
-                self._results.append(Landed(rid, out, ev.arrived_at - ev.opened_at, ev.trace))
+        rid = RequestId(ev.request_id)
+        for out in self.connector.landed(rid, ev.first_token_id, ev.choice_token_ids):
+            self._results.append(Landed(rid, out, ev.arrived_at - ev.opened_at, ev.trace))
 
     def failed(self, ev: TransferFailed) -> None:
         self._ended(ev, writer_may_write=False)
@@ -113,27 +105,15 @@ class RemoteKV:
         self._ended(ev, writer_may_write=True)
 
     def _ended(self, ev: TransferFailed, writer_may_write: bool) -> None:
-        if self._current(ev):
-            self.connector.end(ev.request_id, writer_may_write)
-            self._results.append(RemoteFailure(ev.request_id, ev.reason))
+        self.connector.end(ev.request_id, writer_may_write)
+        self._results.append(RemoteFailure(ev.request_id, ev.reason))
 
     def fenced(self, request_id: str) -> None:
         self.connector.fenced(request_id)
 
-    def _current(self, ev: KVArrived | TransferFailed) -> bool:
-        """Whether the event is of the reservation its request holds now (its last word on it);
-        else it changes nothing (aborted after the sender's `ready`, perhaps reserved again)."""
-        if self._reservations.get(ev.request_id) != ev.reservation_id:
-            logger.debug("%s of reservation %d for %s, which no longer holds it: dropped",
-                         type(ev).__name__, ev.reservation_id, ev.request_id)
-            return False
-        del self._reservations[ev.request_id]
-        return True
-
     def abort(self, request_id: str) -> bool:
         """End a request in any state; blocks a sender may still write stay held until fenced."""
-        self._reservations.pop(request_id, None)
-        held = self.receiver.cancel(request_id)
+        held = self.receiver.cancel(request_id, final=True)
         return self.connector.end(request_id, writer_may_write=bool(held))
 
     def close(self) -> None:

@@ -101,10 +101,11 @@ class FabricReceiver:
             res = self.table.add(request_id, block_ids, num_skip_blocks)
         return Ticket(self.address, res.reservation_id, request_id, tuple(block_ids), num_skip_blocks, self.config.lease_s)
 
-    def cancel(self, request_id: str, reason: str = "aborted") -> bool | None:
-        """Abort a reservation. None: none active; True: hold its blocks until `BlocksFenced`."""
+    def cancel(self, request_id: str, reason: str = "aborted", final: bool = False) -> bool | None:
+        """Abort a reservation. None: none active; True: hold its blocks until `BlocksFenced`.
+        `final`: no arrival or failure of it not yet polled comes (`ReservationTable.cancel`)."""
         with self._cond:
-            held = self.table.cancel(request_id, reason)
+            held = self.table.cancel(request_id, reason, final)
         self._send_revocations()
         return held
 

@@ -167,8 +167,13 @@ class ReservationTable:
             rid = secrets.randbits(62)
         return rid
 
-    def cancel(self, request_id: str, reason: str = "aborted") -> bool | None:
-        """Owner abort. None: nothing active; else whether the blocks must be held until fenced."""
+    def cancel(self, request_id: str, reason: str = "aborted", final: bool = False) -> bool | None:
+        """Owner abort. None: nothing active; else whether the blocks must be held until fenced.
+        `final`: the abort is the owner's last word on the request: its arrival or failure not
+        yet taken is dropped (a `BlocksFenced` still comes), so no event of the ended request
+        reaches the owner, nor of it when its id is reserved again."""
+        if final:
+            self._events = [e for e in self._events if isinstance(e, BlocksFenced) or e.request_id != request_id]
         rid = self._by_request.get(request_id)
         res = None if rid is None else self._by_id[rid]
         if res is None:

@@ -159,6 +159,37 @@ def test_cancel_and_rebinding_rules(table: ReservationTable) -> None:
         table.add("a", [2], 0)
 
 
+def test_a_final_cancel_drops_the_requests_events_not_yet_taken_but_its_fence(table: ReservationTable,
+                                                                              clock: FakeClock) -> None:
+    """The decode side's abort is its last word: an arrival queued before it, or a failure,
+    never reaches it (nor a retry under the same id); a fence still does, and an owner that
+    cancels without `final` (the KV tier, which waits for the event) still gets it."""
+    cut = table.add("cut", [3], 0)
+    table.bind(cut.reservation_id, SHM, one_sided=True)
+    clock.advance(LEASE_S)
+    table.expire()  # a one-sided writer's lease ran out: failed with its blocks held ...
+    table.writer_gone(SHM, "link cut")  # ... then fenced
+    done = table.add("done", [1, 2], 0)
+    table.bind(done.reservation_id, SHM, one_sided=True)
+    table.record_written(done.reservation_id, SHM, [(0, 2)])
+    assert table.ready(done.reservation_id, SHM, first_token_id=7, num_tokens=8) is None
+    other = table.add("other", [4], 0)
+    table.bind(other.reservation_id, TCP, one_sided=False)
+    table.fail(other.reservation_id, TCP, "prefill failed")
+    assert table.cancel("done", final=True) is None  # it arrived: nothing active, its arrival dropped
+    assert table.cancel("cut", final=True) is None
+    assert table.take_events() == [BlocksFenced("cut", cut.reservation_id),
+                                   TransferFailed("other", other.reservation_id, "prefill failed", blocks_held=False)]
+    again = table.add("done", [5], 0)  # the same id reserved again: only its own events come
+    table.bind(again.reservation_id, SHM, one_sided=True)
+    table.record_written(again.reservation_id, SHM, [(0, 1)])
+    table.ready(again.reservation_id, SHM, first_token_id=9, num_tokens=4)
+    assert table.cancel("nobody", final=False) is None
+    (arrived,) = table.take_events()
+    assert isinstance(arrived, KVArrived) and arrived.reservation_id == again.reservation_id
+    assert table.cancel("done") is None and len(table) == 0
+
+
 def test_a_writer_that_abandons_frees_the_blocks_at_once(table: ReservationTable) -> None:
     res = table.add("a", [3, 4], 0)
     table.bind(res.reservation_id, SHM, one_sided=True)
