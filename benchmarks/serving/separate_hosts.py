@@ -22,7 +22,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.local import free_port
+from cluster.redis_server import free_port
 from control.reader import RegistryReader
 
 SUBNET = "10.77"
@@ -197,13 +197,7 @@ class Hosts:
                                  "--host", "0.0.0.0", *self.common])
 
     def metrics_address(self, worker_id: str) -> str:
-        async def read() -> str:
-            reader = RegistryReader(self.redis_url("127.0.0.1"), "hosts")
-            try:
-                return (await reader.heartbeats())[worker_id].metrics_address
-            finally:
-                await reader.close()
-        return asyncio.run(read())
+        return metrics_address(self.redis_url("127.0.0.1"), "hosts", worker_id)
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
@@ -213,6 +207,17 @@ class Hosts:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def metrics_address(redis_url: str, namespace: str, worker_id: str) -> str:
+    """Where a worker serves /metrics, from its heartbeat."""
+    async def read() -> str:
+        reader = RegistryReader(redis_url, namespace)
+        try:
+            return (await reader.heartbeats())[worker_id].metrics_address
+        finally:
+            await reader.close()
+    return asyncio.run(read())
 
 
 def scrape(address: str, ns: str | None = None, token: str | None = None) -> dict[str, float]:

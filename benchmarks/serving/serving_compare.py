@@ -41,7 +41,8 @@ from load_gen import WorkloadRequest, run_load, synthetic  # noqa: E402
 from separate_hosts import SUBNET, Hosts, namespaces, scrape  # noqa: E402
 
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig  # noqa: E402
-from cluster.local import LocalCluster, free_port  # noqa: E402
+from cluster.local import LocalCluster  # noqa: E402
+from cluster.redis_server import free_port  # noqa: E402
 from control.auth import metrics_token  # noqa: E402
 from engine.model.tiny_model import make_tiny_model  # noqa: E402
 from router.admission import AdmissionConfig  # noqa: E402

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-import cluster.local as local
-from cluster.local import EmbeddedRedis, PortTaken
+import cluster.redis_server as redis_server
+from cluster.redis_server import EmbeddedRedis, PortTaken
 
 
 @pytest.fixture
@@ -26,9 +26,9 @@ def test_a_given_port_in_use_is_refused_and_nothing_is_left_running(held_port: i
 
 def test_a_chosen_port_taken_before_redis_binds_it_is_chosen_again(held_port: int,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    real = local.free_port
+    real = redis_server.free_port
     picks = iter([held_port])
-    monkeypatch.setattr(local, "free_port", lambda host="127.0.0.1": next(picks, None) or real(host))
+    monkeypatch.setattr(redis_server, "free_port", lambda host="127.0.0.1": next(picks, None) or real(host))
     server = EmbeddedRedis()
     try:
         assert server.port != held_port
@@ -69,7 +69,7 @@ def test_the_embedded_redis_refuses_a_client_without_its_password() -> None:
 
 
 def test_bound_to_every_interface_its_url_names_the_machines_address_and_still_needs_the_password() -> None:
-    address = local.route_address(local.DEFAULT_ROUTE_PROBE)
+    address = redis_server.route_address(redis_server.DEFAULT_ROUTE_PROBE)
     if address.startswith("127."):
         pytest.skip("this machine has no default route: no address other hosts could dial")
     server = EmbeddedRedis(host="0.0.0.0")

@@ -292,7 +292,7 @@ def test_a_worker_finds_its_hosts_restarted_store_in_redis(tiny_llama_dir: str) 
     """The host's store stops and another starts on a new port (a restarted store, empty): the
     worker's next lookup finds nothing listening, it reads the host's entry in Redis again,
     and its offloads and fetches go to the new store from then on."""
-    from cluster.local import EmbeddedRedis
+    from cluster.redis_server import EmbeddedRedis
     from kvstore.host import StoreConfig, StoreHost, find_store
 
     first, second, *others = random_prompts([41, 41, 38, 38, 38, 38], 512, seed=14)

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.local import EmbeddedRedis
+from cluster.redis_server import EmbeddedRedis
 from control.auth import metrics_token
 from control.metrics_http import MetricsServer
 

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from benchmarks.serving.separate_hosts import start_serving
-from cluster.local import EmbeddedRedis
+from cluster.redis_server import EmbeddedRedis
 from control.auth import cluster_token
 from control.tls import member_channel_sync, member_tls
 from engine.core.request import SamplingParams

@@ -20,7 +20,8 @@ from ray._private.services import get_node_ip_address
 from ray.cluster_utils import Cluster
 
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
-from cluster.local import LocalCluster, free_port
+from cluster.local import LocalCluster
+from cluster.redis_server import free_port
 from proto import generate_pb2_grpc as pb_grpc
 from router.policy import RoutingConfig
 from tests.integration.cluster_checks import assert_idle, generate, greedy, tokens, wait_for

@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from benchmarks.serving.separate_hosts import start_serving
-from cluster.local import free_port
+from cluster.redis_server import free_port
 from proto import generate_pb2_grpc as pb_grpc
 from tests.integration.cluster_checks import generate, greedy, tokens
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
-from cluster.local import EmbeddedRedis
+from cluster.redis_server import EmbeddedRedis
 from router.response_store import ResponseStore, ResponseTooLarge, StoredResponse, StoreUnavailable
 
 pytestmark = pytest.mark.timeout(120)

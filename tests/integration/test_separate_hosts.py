@@ -24,7 +24,8 @@ import redis as redis_client
 
 from benchmarks.serving.separate_hosts import SUBNET, Hosts, kill_all_in, namespaces, ray_node, scrape, sh, unavailable
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig
-from cluster.local import LocalCluster, free_port
+from cluster.local import LocalCluster
+from cluster.redis_server import free_port
 from control.auth import cluster_token, metrics_token
 from control.tls import member_channel_sync, member_tls
 from control.auth import unseal
