@@ -90,9 +90,13 @@ class Report:
 def preflight(device: str) -> dict[str, Any]:
     import torch
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    try:  # the device machine's copy of the tree may have no git, or no .git
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        commit = None
     found: dict[str, Any] = {"device": device, "torch": torch.__version__, "python": platform.python_version(),
-                             "commit": commit.stdout.strip() or None}
+                             "commit": commit}
     if device == "cuda":
         free, total = torch.cuda.mem_get_info()
         found.update(gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda,
