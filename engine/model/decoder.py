@@ -271,8 +271,8 @@ class LlamaForCausalLM:
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         if layer.moe is not None:
             assert self.config.moe is not None
-            # grouped GEMMs on GPUs (engine/kernels/triton_moe.py)
-            if self.kernels is not None and layer.moe.fp8 is None:
+            # grouped GEMMs on GPUs (engine/kernels/triton_moe.py), FP8 experts too
+            if self.kernels is not None:
                 return self._summed(self.kernels.moe(x, layer.moe, self.config.moe))
             return self._summed(moe_forward(x, layer.moe, self.config.moe))
         assert layer.gate_up is not None and layer.down is not None

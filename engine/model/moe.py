@@ -16,8 +16,9 @@ arguments on GPUs.
 
 FP8 experts (`Fp8Experts`: each projection's e4m3 values in the stacked weights, a float32
 scale per output row beside them) quantize each expert's input rows as an FP8 `Linear` does
-(engine/model/fp8.py) and scale the product; they run in this torch form on every device (the
-grouped-GEMM kernel has no FP8 form yet).
+(engine/model/fp8.py) and scale the product. On GPUs the stacked weights are stored as e4m3
+(one byte a value) and run through the grouped GEMM's FP8 form; this torch form widens an
+expert's values to the input's dtype (exact) where it runs.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.model.fp8 import Fp8Weight, fp8_product, quantize_weight
+from engine.model.fp8 import E4M3, Fp8Weight, fp8_product, quantize_weight
 from engine.model.model_config import MoEConfig
 
 Projection = Callable[[str], tuple[torch.Tensor, Fp8Weight | None]]
@@ -110,6 +111,8 @@ class MoEWeights:
             if not all(q is not None for q in scales):
                 raise ValueError(f"of {p}'s expert projections some are FP8, some not")
             weights.fp8 = _fp8_experts(parts, shared, inputs, scale_ub)  # type: ignore[arg-type]
+            if gate_up.is_cuda:  # one byte a value (they are e4m3 values: exact)
+                weights.gate_up, weights.down = gate_up.to(E4M3), down.to(E4M3)
         return weights
 
     @property
@@ -147,9 +150,10 @@ def _fp8_experts(parts: list[list[Fp8Weight]], shared: list[Fp8Weight], inputs: 
 
     fp8 = Fp8Experts(gate_up=torch.stack([torch.cat([g.scale, u.scale]) for g, u, _ in parts]),
                      down=torch.stack([d.scale for _, _, d in parts]), inputs=inputs, scale_ub=scale_ub)
-    if static:
-        fp8.gate_up_input = torch.tensor([fused_input(g, u) for g, u, _ in parts])
-        fp8.down_input = torch.tensor([d.input_scale or 0.0 for _, _, d in parts])
+    if static:  # beside the weights (the grouped GEMM gathers them per pair on the device)
+        device = fp8.gate_up.device
+        fp8.gate_up_input = torch.tensor([fused_input(g, u) for g, u, _ in parts], device=device)
+        fp8.down_input = torch.tensor([d.input_scale or 0.0 for _, _, d in parts], device=device)
     if shared:
         g, u, d = shared
         fp8.shared_gate_up, fp8.shared_down = torch.cat([g.scale, u.scale]), d.scale
@@ -187,10 +191,10 @@ def moe_forward(x: torch.Tensor, w: MoEWeights, config: MoEConfig) -> torch.Tens
         else:
             static = (float(q.gate_up_input[e]), float(q.down_input[e])) if q.gate_up_input is not None and \
                 q.down_input is not None else (None, None)
-            gate, up = fp8_product(x[rows], lambda v: F.linear(v, w.gate_up[e]), q.gate_up[e], q.inputs, static[0],
-                                   q.scale_ub).chunk(2, -1)
-            y = fp8_product(F.silu(gate) * up, lambda v: F.linear(v, w.down[e]), q.down[e], q.inputs, static[1],
-                            q.scale_ub)
+            gate, up = fp8_product(x[rows], lambda v: F.linear(v, w.gate_up[e].to(v.dtype)), q.gate_up[e], q.inputs,
+                                   static[0], q.scale_ub).chunk(2, -1)
+            y = fp8_product(F.silu(gate) * up, lambda v: F.linear(v, w.down[e].to(v.dtype)), q.down[e], q.inputs,
+                            static[1], q.scale_ub)
         out.index_add_(0, rows, y * scale[start:start + n, None])
         start += n
     add_shared_expert(out, x, w)

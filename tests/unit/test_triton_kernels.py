@@ -188,7 +188,39 @@ for dtype, tol, cases in ((torch.float32, 1e-5, CASES), (torch.float16, 3e-3, CA
         if dtype == torch.float32:  # the torch form in the same dtype: the same routing, rounding apart
             torch.testing.assert_close(got, moe.moe_forward(x, w, config), atol=1e-5, rtol=1e-5)
 
-# a Qwen2-MoE engine (routed and shared experts, a dense layer) on the GPU kernels gives the torch forms' tokens
+# FP8 experts: per-row e4m3 weights, inputs per token (dynamic), by each expert's static scale, or
+# left 16-bit (weights_only); the weights held in the model's dtype (as on CPU: the products of
+# widened e4m3) or as e4m3 (as on GPUs: e4m3 x e4m3 in tl.dot) -> the torch form's output
+from engine.model.fp8 import E4M3
+for tokens, hidden, inter, num, k, shared in ((9, 64, 32, 4, 2, 32), (23, 96, 64, 6, 3, 0)):
+    g = torch.Generator().manual_seed(tokens)
+    randn = lambda *shape, std=1.0: torch.randn(*shape, generator=g) * std
+    gate_up, down, parts = moe._quantized_stacked(randn(num, 2 * inter, hidden, std=hidden**-0.5),
+                                                 randn(num, hidden, inter, std=inter**-0.5))
+    config = MoEConfig(num, k, inter, True, (0,), shared)
+    x = randn(tokens, hidden)
+    for inputs in ("dynamic", "static", "weights_only"):
+        q = moe.Fp8Experts(gate_up=torch.stack([torch.cat([a.scale, b.scale]) for a, b, _ in parts]),
+                           down=torch.stack([d.scale for _, _, d in parts]), inputs=inputs)
+        if inputs == "static":
+            q.gate_up_input = torch.linspace(0.004, 0.01, num)
+            q.down_input = torch.linspace(0.0005, 0.001, num)
+        w = moe.MoEWeights(router=randn(num, hidden), gate_up=gate_up, down=down, fp8=q)
+        if shared:
+            w.shared_gate_up = randn(2 * shared, hidden, std=hidden**-0.5)
+            w.shared_down, w.shared_gate = randn(hidden, shared, std=shared**-0.5), randn(1, hidden, std=hidden**-0.5)
+        want = moe.moe_forward(x, w, config)
+        for stored in (torch.float32, E4M3):
+            w8 = moe.MoEWeights(w.router, gate_up.to(stored), down.to(stored), w.shared_gate_up, w.shared_down,
+                                w.shared_gate, q)
+            got = triton_moe.moe_forward(x, w8, config)
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4, msg=lambda m: f"{inputs} {stored}: {m}")
+            torch.testing.assert_close(moe.moe_forward(x, w8, config), want)  # the torch form widens e4m3 storage
+    assert (moe.moe_forward(x, w, config) - moe.moe_forward(x, moe.MoEWeights(
+        w.router, gate_up, down, w.shared_gate_up, w.shared_down, w.shared_gate), config)).abs().max() > 1e-3  # scaled
+
+# a Qwen2-MoE engine (routed and shared experts, a dense layer) on the GPU kernels gives the torch forms' tokens,
+# in FP8 too (--quantization fp8: its experts' grouped GEMMs take e4m3 inputs)
 import tempfile
 from pathlib import Path
 from engine.config import CacheConfig, EngineConfig
@@ -198,14 +230,18 @@ from engine.core.request import SamplingParams
 from engine.model.tiny_model import make_tiny_model
 
 model = str(make_tiny_model(Path(tempfile.mkdtemp()) / "moe", arch="qwen2_moe", seed=0))
-engine = LLMEngine(EngineConfig(model_dir=model, cache=CacheConfig(block_size=4, num_blocks=64, enable_prefix_caching=False)))
-kernels = engine.model.kernels
-assert isinstance(kernels, GpuKernels)
-prompts = [[5 + 7 * i % 300 for i in range(n)] for n in (3, 11)]
-params = SamplingParams(max_tokens=6, ignore_eos=True)
-fused = [c.token_ids for c in engine.generate(prompts, params)]
-engine.model.use_kernels(None)
-assert fused == [c.token_ids for c in engine.generate(prompts, params)]
+for quantization in (None, "fp8"):
+    engine = LLMEngine(EngineConfig(model_dir=model, quantization=quantization,
+                                    cache=CacheConfig(block_size=4, num_blocks=64, enable_prefix_caching=False)))
+    kernels = engine.model.kernels
+    assert isinstance(kernels, GpuKernels)
+    mixtures = [layer.moe for layer in engine.model.layers if layer.moe is not None]
+    assert mixtures and all((m.fp8 is not None) == (quantization == "fp8") for m in mixtures)
+    prompts = [[5 + 7 * i % 300 for i in range(n)] for n in (3, 11)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    fused = [c.token_ids for c in engine.generate(prompts, params)]
+    engine.model.use_kernels(None)
+    assert fused == [c.token_ids for c in engine.generate(prompts, params)], quantization
 print("ok")
 """
 
