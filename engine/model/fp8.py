@@ -25,6 +25,11 @@ E4M3_MAX = 448.0
 """The largest finite e4m3 (fn) value."""
 MIN_SCALE = 1.0 / (E4M3_MAX * 512.0)
 """The smallest dynamic scale: a row of zeros (or of denormal noise) quantizes to zeros."""
+FLOAT16_SHIFT = 2.0**-14
+"""What quantized inputs are multiplied by before a float16 product (and the product's scale
+divided by): every e4m3 value times it is still exact in float16 (2**-23 is its smallest,
+a float16 subnormal), and the e4m3 products, up to 448 x 448 each, no longer overflow
+float16's 65,504 when summed."""
 
 
 @dataclass
@@ -74,7 +79,8 @@ def fp8_product(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor]
     if inputs == "weights_only":
         return (product(x).float() * w_scale).to(x.dtype)
     xq, x_scale = quantize_input(x, static if inputs == "static" else None, ub)
-    return (product(xq.to(x.dtype)).float() * x_scale * w_scale).to(x.dtype)
+    shift = FLOAT16_SHIFT if x.dtype == torch.float16 else 1.0
+    return (product((xq.float() * shift).to(x.dtype)).float() * (x_scale / shift) * w_scale).to(x.dtype)
 
 
 def channel_scale(scale: torch.Tensor, out_features: int) -> torch.Tensor:

@@ -191,10 +191,8 @@ def moe_forward(x: torch.Tensor, w: MoEWeights, config: MoEConfig) -> torch.Tens
         else:
             static = (float(q.gate_up_input[e]), float(q.down_input[e])) if q.gate_up_input is not None and \
                 q.down_input is not None else (None, None)
-            gate, up = fp8_product(x[rows], lambda v: F.linear(v, w.gate_up[e].to(v.dtype)), q.gate_up[e], q.inputs,
-                                   static[0], q.scale_ub).chunk(2, -1)
-            y = fp8_product(F.silu(gate) * up, lambda v: F.linear(v, w.down[e].to(v.dtype)), q.down[e], q.inputs,
-                            static[1], q.scale_ub)
+            gate, up = _fp8_projection(x[rows], w.gate_up[e], q.gate_up[e], q, static[0]).chunk(2, -1)
+            y = _fp8_projection(F.silu(gate) * up, w.down[e], q.down[e], q, static[1])
         out.index_add_(0, rows, y * scale[start:start + n, None])
         start += n
     add_shared_expert(out, x, w)
@@ -206,11 +204,20 @@ def add_shared_expert(out: torch.Tensor, x: torch.Tensor, w: MoEWeights) -> None
     if w.shared_gate_up is not None and w.shared_down is not None and w.shared_gate is not None:
         q = w.fp8
         if q is not None and q.shared_gate_up is not None and q.shared_down is not None:
-            gate, up = fp8_product(x, lambda v: F.linear(v, w.shared_gate_up), q.shared_gate_up, q.inputs,
-                                   q.shared_inputs[0], q.scale_ub).chunk(2, dim=-1)
-            y = fp8_product(F.silu(gate) * up, lambda v: F.linear(v, w.shared_down), q.shared_down, q.inputs,
-                            q.shared_inputs[1], q.scale_ub)
+            gate, up = _fp8_projection(x, w.shared_gate_up, q.shared_gate_up, q, q.shared_inputs[0]).chunk(2, dim=-1)
+            y = _fp8_projection(F.silu(gate) * up, w.shared_down, q.shared_down, q, q.shared_inputs[1])
         else:
             gate, up = F.linear(x, w.shared_gate_up).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, w.shared_down)
         out += torch.sigmoid(F.linear(x, w.shared_gate)) * y
+
+
+def _fp8_projection(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, q: Fp8Experts,
+                    static: float | None) -> torch.Tensor:
+    """An FP8 expert projection in the torch form: `values` its e4m3 values (widened to x's
+    dtype here, exact), `scale` its scale per output row. With 16-bit inputs (weights_only) the
+    weight is dequantized first, as an FP8 Linear's is at load (the raw e4m3 product, up to
+    448 times the output, could overflow float16)."""
+    if q.inputs == "weights_only":
+        return F.linear(x, (values.float() * scale[:, None]).to(x.dtype))
+    return fp8_product(x, lambda v: F.linear(v, values.to(v.dtype)), scale, q.inputs, static, q.scale_ub)

@@ -117,7 +117,7 @@ def reference(x: torch.Tensor, q: Fp8Weight, inputs: str, bias: torch.Tensor | N
     return y
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("form", ["plain", "onednn", "native", "scaled_mm"])
 @pytest.mark.parametrize("inputs", ["dynamic", "static", "weights_only"])
 @pytest.mark.parametrize("swiglu", [False, True])
@@ -144,6 +144,35 @@ def test_an_fp8_projection_computes_its_formula_in_every_matmul_form(dtype: torc
     got = lin(x).double()
     assert got.shape == want.shape
     # the same e4m3 products summed in float32; in bfloat16 the product, its scaling and the bias
-    # add are each rounded to 8 bits (outputs here are of order 1)
-    tol = 1e-5 if dtype == torch.float32 else 2.0**-6
+    # add are each rounded to 8 bits, in float16 to 11 (outputs here are of order 1; float16's
+    # product of raw e4m3 values would overflow: fp8.FLOAT16_SHIFT)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2.0**-6, torch.float16: 2.0**-9}[dtype]
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("inputs", ["dynamic", "static", "weights_only"])
+def test_fp8_experts_in_float16_do_not_overflow_and_give_the_float32_output(inputs: str) -> None:
+    """The torch form of FP8 experts in float16: raw e4m3 products (up to 448 x 448 each) would
+    pass float16's largest value; shifted (quantized inputs) or dequantized (weights_only) they
+    do not."""
+    from engine.model import moe
+    from engine.model.model_config import MoEConfig
+
+    g = torch.Generator().manual_seed(2)
+    num, hidden, inter, tokens = 4, 256, 128, 9
+    gate_up, down, parts = moe._quantized_stacked(torch.randn(num, 2 * inter, hidden, generator=g) * 0.05,
+                                                 torch.randn(num, hidden, inter, generator=g) * 0.05)
+    q = moe.Fp8Experts(gate_up=torch.stack([torch.cat([a.scale, b.scale]) for a, b, _ in parts]),
+                       down=torch.stack([d.scale for _, _, d in parts]), inputs=inputs)
+    if inputs == "static":
+        q.gate_up_input, q.down_input = torch.full((num,), 0.01), torch.full((num,), 0.002)
+    router, x = torch.randn(num, hidden, generator=g), torch.randn(tokens, hidden, generator=g) * 2
+    config = MoEConfig(num, 2, inter, True, (0,), 0)
+    out = {dtype: moe.moe_forward(x.to(dtype), moe.MoEWeights(router.to(dtype), gate_up.to(dtype), down.to(dtype),
+                                                               fp8=q), config).float()
+           for dtype in (torch.float32, torch.float16)}
+    assert out[torch.float16].isfinite().all()
+    # an input requantized to e4m3 may round the other way after float16's rounding upstream (a
+    # step of 1/16): the mean and the largest difference are checked, not each element
+    diff, size = (out[torch.float16] - out[torch.float32]).abs(), out[torch.float32].abs()
+    assert (diff.mean() / size.mean()).item() < 0.03 and (diff.max() / size.max()).item() < 0.05
