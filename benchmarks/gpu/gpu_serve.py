@@ -20,8 +20,10 @@ each process's log is DIR/logs/ARM-NAME.log):
   each), `splitserve bench` over the trace, then TTFT and ITL p50 / p99, goodput under
   --ttft-slo-ms / --itl-slo-ms, the prefill worker's hand-offs (count, mean time from open to
   the decode worker's ack, bytes), the GPU's utilisation and memory sampled by nvidia-smi
-  through the run, and the start-up time; an arm the budget left cannot hold is skipped, saying so;
-- compare: P/D over colocated, figure by figure.
+  through the run, the start-up time, and each worker's KV id and pool (blocks); an arm the
+  budget left cannot hold is skipped, saying so;
+- compare: P/D over colocated, figure by figure (and FP8 over 16-bit where the `-fp8` arms ran:
+  MODE-fp8 is MODE with `--quantization fp8`).
 Without CUDA the same flow runs on the CPU with the tiny model (shm in place of cuda_ipc) and
 small shapes: tests/integration/test_gpu_serve.py runs it, so a device run only measures.
 """
@@ -50,15 +52,20 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.kv.kv_tier_trace import conversation_trace  # noqa: E402
-from benchmarks.serving.separate_hosts import metrics_address, scrape  # noqa: E402
+from benchmarks.serving.separate_hosts import heartbeats, scrape  # noqa: E402
 from cluster.redis_server import EmbeddedRedis, free_port  # noqa: E402
 
 CLI = [sys.executable, "-m", "cluster.cli"]
 SECRET = "gpu-serve-secret"
-ARMS = {  # arm -> the router's mode and its workers, started in this order
+MODES = {  # the router's mode and its workers, started in this order
     "pd": ("disaggregated", (("prefill", "prefill-0"), ("decode", "decode-0"))),
     "colocated": ("colocated", (("decode", "decode-0"), ("decode", "decode-1"))),
 }
+FP8 = "-fp8"
+"""An arm named MODE-fp8 runs MODE's workers with `--quantization fp8`."""
+ARMS = (*MODES, *(m + FP8 for m in MODES))
+PAIRS = (("pd", "colocated"), ("pd" + FP8, "colocated" + FP8), ("pd" + FP8, "pd"), ("colocated" + FP8, "colocated"))
+"""What `compare` divides, where both arms ran: P/D by colocated, FP8 by 16-bit."""
 FIGURES = (("ttft_ms", "p50"), ("ttft_ms", "p99"), ("itl_ms", "p50"), ("itl_ms", "p99"))
 TEARDOWN_S = 20.0
 
@@ -189,11 +196,12 @@ class Processes:
         self.redis.stop()
 
 
-def worker_args(args: argparse.Namespace, role: str, worker_id: str, model_dir: str) -> list[str]:
+def worker_args(args: argparse.Namespace, role: str, worker_id: str, model_dir: str, fp8: bool = False) -> list[str]:
     memory = (["--gpu-memory-utilization", str(args.gpu_memory_utilization)] if args.device == "cuda"
               else ["--kv-cache-mib", str(args.kv_cache_mib), "--num-threads", "1"])
-    passed = [f for flag in ("kv_transport", "quantization", "kv_cache_dtype")
-              if getattr(args, flag) for f in ("--" + flag.replace("_", "-"), getattr(args, flag))]
+    flags = {"kv_transport": args.kv_transport, "quantization": "fp8" if fp8 else args.quantization,
+             "kv_cache_dtype": args.kv_cache_dtype}
+    passed = [f for flag, value in flags.items() if value for f in ("--" + flag.replace("_", "-"), value)]
     return ["worker", role, "--worker-id", worker_id, "--namespace", "gpu-serve", "--model", model_dir,
             "--device", args.device, "--no-internal-tls", *memory, *passed]
 
@@ -232,13 +240,14 @@ def handoffs(metrics: dict[str, float]) -> dict[str, Any]:
 
 def run_arm(args: argparse.Namespace, arm: str, model_dir: str, vocab: int, trace: Path, out: Path,
             budget: Budget) -> dict[str, Any]:
-    mode, workers = ARMS[arm]
+    mode, workers = MODES[arm.removesuffix(FP8)]
     procs = Processes(out / "logs", arm)
     sampler: GpuSampler | None = None
     try:
         started = time.monotonic()
         for role, wid in workers:
-            procs.start(wid, worker_args(args, role, wid, model_dir), wait_s=min(args.start_s, budget.left()))
+            procs.start(wid, worker_args(args, role, wid, model_dir, arm.endswith(FP8)),
+                        wait_s=min(args.start_s, budget.left()))
         metrics = f"127.0.0.1:{free_port()}"
         address = procs.start("router", ["router", "--namespace", "gpu-serve", "--port", "0", "--http-port", "-1",
                                          "--metrics-port", metrics.rsplit(":", 1)[1], "--mode", mode,
@@ -249,9 +258,12 @@ def run_arm(args: argparse.Namespace, arm: str, model_dir: str, vocab: int, trac
         results = bench(args, address, trace, vocab, out / f"bench-{arm}.json", budget)
         gpu = sampler.stop()
         sampler = None
-        moved = handoffs(scrape(metrics_address(procs.redis.url, "gpu-serve", "prefill-0"))) if arm == "pd" else None
-        return {"mode": mode, "workers": [w for _, w in workers], "startup_s": round(startup_s, 1),
-                "results": results, "handoffs": moved, "gpu": gpu}
+        beats = heartbeats(procs.redis.url, "gpu-serve")
+        moved = handoffs(scrape(beats["prefill-0"].metrics_address)) if mode == "disaggregated" else None
+        pools = {w: {"kv_id": beats[w].facts.model_id, "kv_blocks": beats[w].facts.num_total_blocks,
+                     "block_size": beats[w].facts.block_size} for _, w in workers}
+        return {"mode": mode, "workers": pools, "startup_s": round(startup_s, 1), "results": results,
+                "handoffs": moved, "gpu": gpu}
     finally:
         if sampler is not None:
             sampler.stop()
@@ -259,15 +271,20 @@ def run_arm(args: argparse.Namespace, arm: str, model_dir: str, vocab: int, trac
 
 
 def compare(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """P/D over colocated for each figure (None where either is missing)."""
-    pd, co = (arms[a]["results"] for a in ("pd", "colocated"))
-    ratios: dict[str, float | None] = {}
-    for figure, q in FIGURES:
-        a, b = pd[figure][q], co[figure][q]
-        ratios[f"{figure}_{q}"] = round(a / b, 3) if a is not None and b else None
-    for key in ("goodput_rps", "slo_attainment", "output_tokens_per_s"):
-        ratios[key] = round(pd[key] / co[key], 3) if co[key] else None
-    return {"pd_over_colocated": ratios}
+    """For each of `PAIRS` that ran, "A/B": A's figures over B's (None where either is missing)."""
+    out = {}
+    for top, bottom in PAIRS:
+        if top not in arms or bottom not in arms:
+            continue
+        a, b = arms[top]["results"], arms[bottom]["results"]
+        ratios: dict[str, float | None] = {}
+        for figure, q in FIGURES:
+            x, y = a[figure][q], b[figure][q]
+            ratios[f"{figure}_{q}"] = round(x / y, 3) if x is not None and y else None
+        for key in ("goodput_rps", "slo_attainment", "output_tokens_per_s"):
+            ratios[key] = round(a[key] / b[key], 3) if b[key] else None
+        out[f"{top}/{bottom}"] = ratios
+    return out
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -277,7 +294,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     ap.add_argument("--model", help="a checkpoint directory (default: one made with --size)")
     ap.add_argument("--size", default=None, help="make-tiny-model size (default llama3-8b on CUDA, tiny on CPU)")
-    ap.add_argument("--arms", default="pd,colocated")
+    ap.add_argument("--arms", default="pd,colocated", help=f"of {', '.join(ARMS)}, in this order")
     ap.add_argument("--conversations", type=int, default=None, help="default 64 on CUDA, 4 on CPU")
     ap.add_argument("--turns", type=int, default=None, help="default 4 on CUDA, 2 on CPU")
     ap.add_argument("--num-requests", type=int, default=100_000, help="at most this many of the trace's")
@@ -349,8 +366,8 @@ def run_arms(args: argparse.Namespace, model_dir: str, vocab: int, trace: Path, 
         except Exception as e:  # noqa: BLE001 - written, and the next arm runs
             failed = True
             report.emit(arm, error=f"{type(e).__name__}: {e}", seconds=round(time.monotonic() - t0, 1))
-    if {"pd", "colocated"} <= done.keys():
-        report.emit("compare", **compare(done))
+    if ratios := compare(done):
+        report.emit("compare", ratios=ratios)
     return 1 if failed else 0
 
 

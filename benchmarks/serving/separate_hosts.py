@@ -23,6 +23,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.redis_server import free_port
+from control.heartbeat import Heartbeat
 from control.reader import RegistryReader
 
 SUBNET = "10.77"
@@ -209,15 +210,20 @@ class Hosts:
                 proc.kill()
 
 
-def metrics_address(redis_url: str, namespace: str, worker_id: str) -> str:
-    """Where a worker serves /metrics, from its heartbeat."""
-    async def read() -> str:
+def heartbeats(redis_url: str, namespace: str) -> dict[str, Heartbeat]:
+    """The cluster's workers' last heartbeats, by worker id."""
+    async def read() -> dict[str, Heartbeat]:
         reader = RegistryReader(redis_url, namespace)
         try:
-            return (await reader.heartbeats())[worker_id].metrics_address
+            return await reader.heartbeats()
         finally:
             await reader.close()
     return asyncio.run(read())
+
+
+def metrics_address(redis_url: str, namespace: str, worker_id: str) -> str:
+    """Where a worker serves /metrics, from its heartbeat."""
+    return heartbeats(redis_url, namespace)[worker_id].metrics_address
 
 
 def scrape(address: str, ns: str | None = None, token: str | None = None) -> dict[str, float]:

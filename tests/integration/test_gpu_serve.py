@@ -31,28 +31,34 @@ def run(out: Path, *flags: str) -> tuple[int, dict[str, dict]]:
 
 
 def test_pd_and_colocated_serve_the_same_trace_and_compare(tiny_llama_dir: str, tmp_path: Path) -> None:
-    code, phases = run(tmp_path, "--model", tiny_llama_dir, "--budget-s", "200")
+    code, phases = run(tmp_path, "--model", tiny_llama_dir, "--budget-s", "200", "--arms", "pd,colocated,pd-fp8")
     assert code == 0, phases
-    assert list(phases) == ["preflight", "model", "trace", "pd", "colocated", "compare"]
+    assert list(phases) == ["preflight", "model", "trace", "pd", "colocated", "pd-fp8", "compare"]
     n = phases["trace"]["requests"]
     assert n == 8 and len((tmp_path / "trace.jsonl").read_text().splitlines()) == n  # 4 conversations x 2 turns
-    pd, co = phases["pd"], phases["colocated"]
-    assert (pd["mode"], co["mode"]) == ("disaggregated", "colocated")
-    for arm in (pd, co):
+    pd, co, fp8 = phases["pd"], phases["colocated"], phases["pd-fp8"]
+    assert (pd["mode"], co["mode"], fp8["mode"]) == ("disaggregated", "colocated", "disaggregated")
+    for arm in (pd, co, fp8):
         assert arm["results"]["num_ok"] == arm["results"]["num_requests"] == n, arm["results"]["errors"]
         assert arm["results"]["ttft_ms"]["p50"] > 0 and arm["gpu"] is None  # no nvidia-smi on CPU
     block_bytes = make_engine(tiny_llama_dir, block_size=16, num_blocks=8).layout.block_bytes
     moved = pd["handoffs"]
     assert 1 <= moved["count"] <= n and moved["mean_ms"] > 0
     assert moved["bytes"] > 0 and moved["bytes"] % block_bytes == 0  # whole blocks, pushed over shm
-    assert co["handoffs"] is None
-    ratios = phases["compare"]["pd_over_colocated"]
-    assert set(ratios) == {"ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "goodput_rps",
-                           "slo_attainment", "output_tokens_per_s"}
-    assert ratios["slo_attainment"] == 1.0
+    assert co["handoffs"] is None and fp8["handoffs"]["bytes"] % block_bytes == 0  # FP8 weights: 16-bit KV
+    name, blocks = Path(tiny_llama_dir).name, 16 * 2**20 // block_bytes  # --kv-cache-mib 16 each
+    assert pd["workers"] == {w: {"kv_id": name, "kv_blocks": blocks, "block_size": 16}
+                             for w in ("prefill-0", "decode-0")}
+    assert {w["kv_id"] for w in fp8["workers"].values()} == {name + "+fp8"}  # quantized at load: KV of its own
+    ratios = phases["compare"]["ratios"]
+    assert set(ratios) == {"pd/colocated", "pd-fp8/pd"}  # the pairs both of whose arms ran
+    assert set(ratios["pd/colocated"]) == {"ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "goodput_rps",
+                                           "slo_attainment", "output_tokens_per_s"}
+    assert ratios["pd/colocated"]["slo_attainment"] == ratios["pd-fp8/pd"]["slo_attainment"] == 1.0
     logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
     assert logs == ["colocated-decode-0.log", "colocated-decode-1.log", "colocated-router.log",
-                    "pd-decode-0.log", "pd-prefill-0.log", "pd-router.log"]
+                    "pd-decode-0.log", "pd-fp8-decode-0.log", "pd-fp8-prefill-0.log", "pd-fp8-router.log",
+                    "pd-prefill-0.log", "pd-router.log"]
 
 
 def test_an_arm_the_budget_cannot_hold_is_skipped_and_the_run_still_reports(tiny_llama_dir: str,
@@ -78,6 +84,7 @@ def test_on_cuda_the_workers_share_the_gpu_by_utilization(tmp_path: Path) -> Non
     flags = gpu_serve.worker_args(args, "decode", "decode-0", "/m")
     assert flags[flags.index("--gpu-memory-utilization") + 1] == "0.45" and "--kv-cache-mib" not in flags
     assert flags[flags.index("--device") + 1] == "cuda" and flags[-2:] == ["--kv-transport", "nixl"]
+    assert gpu_serve.worker_args(args, "decode", "decode-0", "/m", fp8=True)[-2:] == ["--quantization", "fp8"]
 
 
 def test_nvidia_smis_samples_become_utilisation_and_peak_memory(tmp_path: Path,
