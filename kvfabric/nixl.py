@@ -125,6 +125,10 @@ class Agent:
         if "UCX" not in self.agent.backends:
             raise NixlUnavailable("NIXL's UCX backend did not start (see NIXL's log above)")
         self._registered = self.agent.register_memory([(base, n, dev, "") for base, n, dev in self.pools], self.kind)
+        self.calls = threading.Lock()
+        """Held around every call into the agent: the pacer's progress, posting and checking
+        writes, adding and removing peers, and its end are never concurrent (a progress call
+        racing a peer's removal, or the agent's end, crashed a process in NIXL once)."""
         self._remotes: dict[str, int] = {}
         """Remote agents added, and how many links use each."""
         self.closed = False
@@ -132,9 +136,9 @@ class Agent:
 
     def _progress(self) -> None:
         """One turn of the agent's UCX worker (NIXL progresses it when asked for notifications)."""
-        agent = self.agent
-        if agent is not None:
-            agent.get_new_notifs()
+        with self.calls:
+            if self.agent is not None:
+                self.agent.get_new_notifs()
 
     def live(self) -> Any:
         """The NIXL agent; PeerUnavailable once closed."""
@@ -145,13 +149,15 @@ class Agent:
 
     def metadata(self) -> bytes:
         """What a peer adds to reach this agent's registered memory (`add_remote`)."""
-        return bytes(self.live().get_agent_metadata())
+        with self.calls:
+            return bytes(self.live().get_agent_metadata())
 
     def add_remote(self, metadata: bytes) -> str:
         with _lock:
             self.pacer.attach()  # UCX wires the endpoint up now: both ends progress
             try:
-                name = self.live().add_remote_agent(metadata)
+                with self.calls:
+                    name = self.live().add_remote_agent(metadata)
             except BaseException:
                 self.pacer.detach()
                 raise
@@ -168,26 +174,27 @@ class Agent:
                 self._remotes[name] = left
                 return
             self._remotes.pop(name, None)
-            if self.agent is not None:
-                try:
-                    self.agent.remove_remote_agent(name)
-                except Exception as e:  # noqa: BLE001 - best effort at teardown
-                    logger.debug("kvfabric: NIXL remove_remote_agent(%s): %s", name, e)
+            with self.calls:
+                if self.agent is not None:
+                    try:
+                        self.agent.remove_remote_agent(name)
+                    except Exception as e:  # noqa: BLE001 - best effort at teardown
+                        logger.debug("kvfabric: NIXL remove_remote_agent(%s): %s", name, e)
 
     def close(self) -> None:
         """Deregisters the pools and ends the agent (its UCX worker and progress thread) now,
         not whenever the last reference happens to be collected."""
         self.pacer.stop()  # no progress call into the agent from here on
-        with _lock:
+        with _lock, self.calls:  # (one still in progress, had the pacer's join timed out, ends first)
             agent, self.agent = self.agent, None
             self.closed = True
-        if agent is None:
-            return
-        try:
-            agent.deregister_memory(self._registered)
-        except Exception as e:  # noqa: BLE001 - best effort at teardown
-            logger.debug("kvfabric: NIXL deregister_memory: %s", e)
-        del agent
+            if agent is None:
+                return
+            try:
+                agent.deregister_memory(self._registered)
+            except Exception as e:  # noqa: BLE001 - best effort at teardown
+                logger.debug("kvfabric: NIXL deregister_memory: %s", e)
+            del agent
 
 
 class Pacer:
@@ -302,18 +309,18 @@ class NixlLink:
             src = self._descs(self.agent.pools[piece.src_rank], self.heads.sender, piece.src_head, piece, runs, "src")
             dst = self._descs(self.remote_pools[piece.dst_rank], self.heads.receiver, piece.dst_head, piece, runs,
                               "dst")
-            try:
-                handle = nixl.initialize_xfer("WRITE", nixl.get_xfer_descs(src, self.agent.kind),
-                                              nixl.get_xfer_descs(dst, self.agent.kind), self.remote)
-                state = nixl.transfer(handle)
-            except Exception as e:  # noqa: BLE001 - nixlBind raises its own exception types
-                raise PeerUnavailable(f"NIXL write to {self.remote} not posted: {e}") from e
+            with self.agent.calls:
+                try:
+                    handle = nixl.initialize_xfer("WRITE", nixl.get_xfer_descs(src, self.agent.kind),
+                                                  nixl.get_xfer_descs(dst, self.agent.kind), self.remote)
+                    state = nixl.transfer(handle)
+                except Exception as e:  # noqa: BLE001 - nixlBind raises its own exception types
+                    raise PeerUnavailable(f"NIXL write to {self.remote} not posted: {e}") from e
+                if state in ("ERR", "DONE"):
+                    handle.release()
             if state == "ERR":
-                handle.release()
                 raise PeerUnavailable(f"NIXL write to {self.remote} failed at posting")
-            if state == "DONE":
-                handle.release()
-            else:
+            if state != "DONE":
                 posted.handles.append(handle)
                 self.agent.pacer.begin()
 
@@ -344,12 +351,14 @@ class NixlLink:
         try:
             while posted.handles:
                 handle = posted.handles[0]
-                try:
-                    state = nixl.check_xfer_state(handle)
-                except Exception as e:  # noqa: BLE001 - nixlBind raises its own (a peer gone: remote disconnect)
-                    raise PeerUnavailable(f"a NIXL write to {self.remote} failed: {e}") from e
+                with self.agent.calls:
+                    try:
+                        state = nixl.check_xfer_state(handle)
+                    except Exception as e:  # noqa: BLE001 - nixlBind raises its own (a peer gone: remote disconnect)
+                        raise PeerUnavailable(f"a NIXL write to {self.remote} failed: {e}") from e
+                    if state == "DONE":
+                        handle.release()
                 if state == "DONE":
-                    handle.release()
                     posted.handles.pop(0)
                     self.agent.pacer.end()
                 elif state == "ERR":
@@ -359,11 +368,12 @@ class NixlLink:
                 else:
                     time.sleep(POLL_S)
         except BaseException:
-            for handle in posted.handles:
-                try:
-                    handle.release()
-                except Exception:  # noqa: BLE001 - an in-flight request may refuse release; nothing more to do
-                    pass
+            with self.agent.calls:
+                for handle in posted.handles:
+                    try:
+                        handle.release()
+                    except Exception:  # noqa: BLE001 - an in-flight request may refuse release; nothing more to do
+                        pass
             self.agent.pacer.end(len(posted.handles))
             posted.handles.clear()
             raise
