@@ -51,6 +51,9 @@ def add_parser(sub: Any) -> None:
     b.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     b.add_argument("--itl-slo-ms", type=float, default=100.0, help="SLO on each request's mean time per output token")
     b.add_argument("--timeout-s", type=float, default=300.0, help="per request")
+    b.add_argument("--duration-s", type=float, default=None,
+                   help="end the run then: nothing is sent after it, requests still streaming are cut (counted "
+                        "apart, num_cut) and what ended is reported")
     b.add_argument("--output", type=Path, help="save the summary and every request's record (for `bench compare`)")
     b.add_argument("--plots", type=Path, metavar="DIR", help="write ttft_cdf.png, itl_cdf.png, timeline.png here")
     b.add_argument("--no-progress", action="store_true")
@@ -99,7 +102,7 @@ def _bench(args: argparse.Namespace) -> int:
             bar.update(task, completed=len(ended), description=f"sent {len(r.outcomes)}  done {len(ended) - failed}  "
                                                                f"failed {failed}  TTFT p50 {live}")
         result = asyncio.run(run(args.target, items, args.rate, args.concurrency, args.seed, args.timeout_s,
-                                 None if args.no_progress else show))
+                                 None if args.no_progress else show, args.duration_s))
         if not args.no_progress:
             show(result, force=True)
     summary = report.summarize(result, args.ttft_slo_ms / 1e3, args.itl_slo_ms / 1e3)
@@ -111,9 +114,10 @@ def _bench(args: argparse.Namespace) -> int:
     if args.plots:
         plots.plot({"run": plots.records(result)}, args.plots)
     print(json.dumps(line), flush=True)
-    if result.outcomes and summary["num_ok"] == 0:
+    if summary["num_requests"] and summary["num_ok"] == 0:
+        first = next(o for o in result.outcomes if not o.ok and o.code != report.CUT)
         print(f"all {summary['num_requests']} requests failed: {summary['errors']} "
-              f"(first: {result.outcomes[0].details[:200]})", file=sys.stderr)
+              f"(first: {first.details[:200]})", file=sys.stderr)
         return 1
     return 0
 

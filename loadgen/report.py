@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 
 QUANTILES = (50, 90, 99)
 
+CUT = "CUT"
+"""The code of a request still streaming when a run's `duration_s` ended (neither met nor failed)."""
+
 
 def pct(values: list[float], q: int) -> float | None:
     """Nearest-rank percentile (None for no values)."""
@@ -79,17 +82,20 @@ class SloVerdict:
 
 
 def summarize(run: Run, ttft_slo_s: float, itl_slo_s: float) -> dict[str, Any]:
-    ok = [o for o in run.outcomes if o.ok]
+    """The run's figures over the requests that ended; those a `duration_s` cut while they
+    streamed (`CUT`) are counted apart (`num_cut`), neither met nor failed."""
+    ended = [o for o in run.outcomes if o.code != CUT]
+    ok = [o for o in ended if o.ok]
     elapsed = max(run.elapsed_s, 1e-9)
     errors: dict[str, int] = {}
-    for o in run.outcomes:
+    for o in ended:
         if not o.ok:
             errors[o.code] = errors.get(o.code, 0) + 1
-    good = sum(met_slos(o, ttft_slo_s, itl_slo_s) for o in run.outcomes)
+    good = sum(met_slos(o, ttft_slo_s, itl_slo_s) for o in ended)
     prompt = sum(o.num_prompt for o in ok)
     return {
-        "num_requests": len(run.outcomes), "num_ok": len(ok), "num_failed": len(run.outcomes) - len(ok),
-        "errors": errors, "elapsed_s": round(run.elapsed_s, 3),
+        "num_requests": len(ended), "num_ok": len(ok), "num_failed": len(ended) - len(ok),
+        "num_cut": len(run.outcomes) - len(ended), "errors": errors, "elapsed_s": round(run.elapsed_s, 3),
         "ttft_ms": _ms([o.ttft_s for o in ok if o.ttft_s is not None]),
         "itl_ms": _ms([x for o in ok for x in o.itls_s]),
         "e2e_ms": _ms([o.e2e_s for o in ok]),
@@ -98,7 +104,7 @@ def summarize(run: Run, ttft_slo_s: float, itl_slo_s: float) -> dict[str, Any]:
         "prompt_tokens_per_s": round(prompt / elapsed, 1),
         "prefix_hit_rate": round(sum(o.num_cached for o in ok) / prompt, 4) if prompt else 0.0,
         "goodput_rps": round(good / elapsed, 3),
-        "slo_attainment": attainment(good, len(run.outcomes)),
+        "slo_attainment": attainment(good, len(ended)),
         "ttft_slo_ms": round(ttft_slo_s * 1e3, 1), "itl_slo_ms": round(itl_slo_s * 1e3, 1),
     }
 
@@ -122,12 +128,14 @@ def totals(summary: dict[str, Any]) -> Table:
     t.add_column("what")
     t.add_column("value", justify="right")
     s = summary
-    rows = [("requests", f"{s['num_ok']} ok / {s['num_requests']} sent"),
+    cut = s.get("num_cut", 0)  # (a run saved before --duration-s has none)
+    rows = [("requests", f"{s['num_ok']} ok / {s['num_requests'] + cut} sent"),
             ("throughput", f"{s['requests_per_s']} req/s, {s['output_tokens_per_s']} output tok/s"),
             ("prefix hit rate", f"{s['prefix_hit_rate']:.1%}"),
             ("goodput", f"{s['goodput_rps']} req/s (TTFT <= {s['ttft_slo_ms']} ms, TPOT <= {s['itl_slo_ms']} ms)"),
             ("SLO attainment", f"{s['slo_attainment']:.1%}")]
     rows += [(f"failed: {code}", str(n)) for code, n in sorted(s["errors"].items())]
+    rows += [("cut by --duration-s", str(cut))] if cut else []
     for r in rows:
         t.add_row(*r)
     return t

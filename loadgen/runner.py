@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import random
 import time
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import grpc
 
+from loadgen.report import CUT
 from loadgen.workload import WorkloadRequest
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
@@ -127,8 +129,11 @@ async def one_http(session: aiohttp.ClientSession, url: str, item: WorkloadReque
 
 
 async def run(target: str, items: list[WorkloadRequest], rate: float | None = None, concurrency: int | None = None,
-              seed: int = 0, timeout_s: float = 300.0, on_change: Callable[[Run], None] | None = None) -> Run:
-    """Runs the workload; with neither `rate` nor `concurrency`, items need their own times."""
+              seed: int = 0, timeout_s: float = 300.0, on_change: Callable[[Run], None] | None = None,
+              duration_s: float | None = None) -> Run:
+    """Runs the workload; with neither `rate` nor `concurrency`, items need their own times.
+    `duration_s`: the run ends then, whatever is left: no request is sent after it, and those
+    still streaming are cancelled and recorded as `CUT` (what ended is reported as ever)."""
     result = Run()
     notify = (lambda: on_change(result)) if on_change else (lambda: None)
     rng = random.Random(seed)
@@ -142,30 +147,53 @@ async def run(target: str, items: list[WorkloadRequest], rate: float | None = No
             stub = pb_grpc.GenerationStub(await stack.enter_async_context(grpc.aio.insecure_channel(target)))
         start = time.perf_counter()
 
+        end = math.inf if duration_s is None else start + duration_s
+
         async def send(item: WorkloadRequest) -> None:
             out = Outcome(sent_s=time.perf_counter() - start)
             result.outcomes.append(out)
             notify()
-            if http:
-                await one_http(session, url, item, timeout_s, start, out)
-            else:
-                await one_grpc(stub, item, timeout_s, start, out)
+            try:
+                if http:
+                    await one_http(session, url, item, timeout_s, start, out)
+                else:
+                    await one_grpc(stub, item, timeout_s, start, out)
+            except asyncio.CancelledError:
+                out.code, out.details, out.end_s = CUT, "still streaming when the run's duration ended", \
+                    time.perf_counter() - start
+                raise
             notify()
 
+        tasks: list[asyncio.Task[None]] = []
         if concurrency:
             queue = list(reversed(items))
 
             async def client() -> None:
-                while queue:
+                while queue and time.perf_counter() < end:
                     await send(queue.pop())
-            await asyncio.gather(*(client() for _ in range(concurrency)))
+            tasks = [asyncio.create_task(client()) for _ in range(concurrency)]
         else:
-            tasks, t = [], 0.0
+            t = 0.0
             for item in items:
                 t = item.at_s if item.at_s is not None else t + (rng.expovariate(rate) if rate else 0.0)
+                if start + t >= end:
+                    break
                 if (delay := start + t - time.perf_counter()) > 0:
                     await asyncio.sleep(delay)
                 tasks.append(asyncio.create_task(send(item)))
-            await asyncio.gather(*tasks)
+        await _until(tasks, end)
         result.elapsed_s = time.perf_counter() - start
     return result
+
+
+async def _until(tasks: list[asyncio.Task[None]], end: float) -> None:
+    """Waits for the tasks, cancelling those still running at `end` (perf_counter time)."""
+    if not tasks:
+        return
+    _, pending = await asyncio.wait(tasks, timeout=None if end == math.inf else max(end - time.perf_counter(), 0.0))
+    for task in pending:
+        task.cancel()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
+            raise r

@@ -17,7 +17,8 @@ each process's log is DIR/logs/ARM-NAME.log):
   --trace-block-tokens / 512 and times by --trace-time-scale;
 - pd, colocated: the arm's processes started one after another (each worker sizes its pool
   from what the GPU has free once the one before it holds its share, --gpu-memory-utilization
-  each), `splitserve bench` over the trace, then TTFT and ITL p50 / p99, goodput under
+  each), `splitserve bench` over the trace (its run ends where the budget would: what ended
+  is reported, what was still streaming counted apart), then TTFT and ITL p50 / p99, goodput under
   --ttft-slo-ms / --itl-slo-ms, the prefill worker's hand-offs (count, mean time from open to
   the decode worker's ack, bytes), the GPU's utilisation and memory sampled by nvidia-smi
   through the run, the start-up time, and each worker's KV id and pool (blocks); an arm the
@@ -68,6 +69,8 @@ PAIRS = (("pd", "colocated"), ("pd" + FP8, "colocated" + FP8), ("pd" + FP8, "pd"
 """What `compare` divides, where both arms ran: P/D by colocated, FP8 by 16-bit."""
 FIGURES = (("ttft_ms", "p50"), ("ttft_ms", "p99"), ("itl_ms", "p50"), ("itl_ms", "p99"))
 TEARDOWN_S = 20.0
+BENCH_OVERHEAD_S = 10.0
+"""A bench process's start (imports, connecting) and its report, beside its run."""
 
 
 @dataclass
@@ -214,14 +217,23 @@ def wait_for_workers(metrics: str, count: int, budget: Budget) -> None:
         time.sleep(0.2)
 
 
+def bench_command(args: argparse.Namespace, address: str, trace: Path, vocab: int, out: Path,
+                  budget: Budget) -> list[str]:
+    """`splitserve bench` over the trace, its run ending (`--duration-s`) where the budget
+    leaves the arm's teardown and the bench its own start and report."""
+    duration = max(budget.left() - TEARDOWN_S - BENCH_OVERHEAD_S, 1.0)
+    return CLI + ["bench", "--target", address, "--trace", str(trace), "--num-requests", str(args.num_requests),
+                  "--trace-block-tokens", str(args.trace_block_tokens), "--trace-time-scale",
+                  str(args.trace_time_scale), "--max-prompt-tokens", str(args.max_prompt_tokens),
+                  "--vocab", str(vocab), "--ttft-slo-ms", str(args.ttft_slo_ms), "--itl-slo-ms", str(args.itl_slo_ms),
+                  "--timeout-s", str(args.request_timeout_s), "--duration-s", f"{duration:.0f}", "--no-progress",
+                  "--output", str(out)]
+
+
 def bench(args: argparse.Namespace, address: str, trace: Path, vocab: int, out: Path, budget: Budget) -> dict:
-    """`splitserve bench` over the trace, cut where the budget ends: its results."""
-    cmd = CLI + ["bench", "--target", address, "--trace", str(trace), "--num-requests", str(args.num_requests),
-                 "--trace-block-tokens", str(args.trace_block_tokens), "--trace-time-scale",
-                 str(args.trace_time_scale), "--max-prompt-tokens", str(args.max_prompt_tokens),
-                 "--vocab", str(vocab), "--ttft-slo-ms", str(args.ttft_slo_ms), "--itl-slo-ms", str(args.itl_slo_ms),
-                 "--timeout-s", str(args.request_timeout_s), "--no-progress", "--output", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=max(budget.left() - TEARDOWN_S, 1.0),
+    """The bench's results (requests its duration cut counted apart: `num_cut`)."""
+    done = subprocess.run(bench_command(args, address, trace, vocab, out, budget), capture_output=True, text=True,
+                          timeout=max(budget.left() - TEARDOWN_S / 2, 1.0),
                           env={**os.environ, "SPLITSERVE_CLUSTER_SECRET": SECRET})
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if not lines:

@@ -93,3 +93,19 @@ def test_a_run_whose_requests_all_fail_says_so_and_exits_non_zero(tmp_path: Path
     assert out.returncode == 1
     assert json.loads(out.stdout.strip().splitlines()[-1])["results"]["errors"] == {"UNAVAILABLE": 3}
     assert "all 3 requests failed" in out.stderr
+
+
+def test_a_run_ends_at_its_duration_and_reports_what_ended(cluster: LocalCluster, tmp_path: Path) -> None:
+    """--duration-s: no request is sent after it, those still streaming are cut (counted apart,
+    saved with their code), and what ended is reported; in both arrival modes."""
+    for mode in (["--rate", "20"], ["--concurrency", "4"]):
+        saved = tmp_path / f"{mode[0][2:]}.json"
+        out = bench("--target", cluster.address, "--num-requests", "400", *mode, "--prompt-len", "40",
+                    "--output-len", "200", "--duration-s", "1.5", "--no-progress", "--output", str(saved))
+        assert out.returncode == 0, out.stderr
+        s = json.loads(out.stdout.strip().splitlines()[-1])["results"]
+        records = json.loads(saved.read_text())["requests"]
+        assert 1.5 <= s["elapsed_s"] < 10 and s["num_requests"] + s["num_cut"] == len(records) < 400
+        assert s["num_cut"] >= 1 and sum(r["code"] == "CUT" for r in records) == s["num_cut"]
+        assert s["errors"] == {} and s["num_ok"] == s["num_requests"]
+        assert all(r["sent_s"] < 1.5 for r in records)

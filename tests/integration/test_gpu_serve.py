@@ -85,6 +85,9 @@ def test_on_cuda_the_workers_share_the_gpu_by_utilization(tmp_path: Path) -> Non
     assert flags[flags.index("--gpu-memory-utilization") + 1] == "0.45" and "--kv-cache-mib" not in flags
     assert flags[flags.index("--device") + 1] == "cuda" and flags[-2:] == ["--kv-transport", "nixl"]
     assert gpu_serve.worker_args(args, "decode", "decode-0", "/m", fp8=True)[-2:] == ["--quantization", "fp8"]
+    budget = gpu_serve.Budget(100.0)
+    cmd = gpu_serve.bench_command(args, "127.0.0.1:1", tmp_path / "t.jsonl", 128256, tmp_path / "b.json", budget)
+    assert cmd[cmd.index("--duration-s") + 1] == "70"  # the budget less the arm's teardown and the bench's start
 
 
 def test_nvidia_smis_samples_become_utilisation_and_peak_memory(tmp_path: Path,
