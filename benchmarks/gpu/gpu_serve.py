@@ -127,31 +127,38 @@ def write_trace(path: Path, conversations: int, turns: int, seed: int) -> int:
 
 
 class GpuSampler:
-    """nvidia-smi's utilisation and memory every 500 ms while it runs (nothing without CUDA)."""
+    """nvidia-smi's utilisation and memory every 500 ms while it runs (nothing without CUDA);
+    a context manager: sampling stops as the block ends, however it ends."""
 
     def __init__(self, enabled: bool) -> None:
         self.samples: list[tuple[float, float]] = []
         self._proc: subprocess.Popen | None = None
-        self._thread: threading.Thread | None = None
-        if enabled and shutil.which("nvidia-smi"):
+        self._enabled = enabled and shutil.which("nvidia-smi") is not None
+
+    def __enter__(self) -> GpuSampler:
+        if self._enabled:
             self._proc = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu,memory.used",
                                            "--format=csv,noheader,nounits", "-lms", "500"],
                                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-            self._thread = threading.Thread(target=self._read, daemon=True)
-            self._thread.start()
+            threading.Thread(target=self._read, args=(self._proc,), daemon=True).start()
+        return self
 
-    def _read(self) -> None:
-        assert self._proc is not None and self._proc.stdout is not None
-        for line in self._proc.stdout:
+    def __exit__(self, *exc: object) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait(timeout=5)
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
             with contextlib.suppress(ValueError):
                 util, mem = (float(x) for x in line.split(",")[:2])
                 self.samples.append((util, mem))
 
-    def stop(self) -> dict[str, Any] | None:
-        if self._proc is None:
+    def summary(self) -> dict[str, Any] | None:
+        """None without CUDA (or nvidia-smi)."""
+        if not self._enabled:
             return None
-        self._proc.terminate()
-        self._proc.wait(timeout=5)
         if not self.samples:
             return {"samples": 0}
         utils = [u for u, _ in self.samples]
@@ -254,32 +261,38 @@ def run_arm(args: argparse.Namespace, arm: str, model_dir: str, vocab: int, trac
             budget: Budget) -> dict[str, Any]:
     mode, workers = MODES[arm.removesuffix(FP8)]
     procs = Processes(out / "logs", arm)
-    sampler: GpuSampler | None = None
     try:
         started = time.monotonic()
-        for role, wid in workers:
-            procs.start(wid, worker_args(args, role, wid, model_dir, arm.endswith(FP8)),
-                        wait_s=min(args.start_s, budget.left()))
-        metrics = f"127.0.0.1:{free_port()}"
-        address = procs.start("router", ["router", "--namespace", "gpu-serve", "--port", "0", "--http-port", "-1",
-                                         "--metrics-port", metrics.rsplit(":", 1)[1], "--mode", mode,
-                                         "--no-internal-tls"], wait_s=min(60.0, budget.left()))
-        wait_for_workers(metrics, len(workers), budget)
+        address = start_arm(args, procs, mode, workers, model_dir, arm.endswith(FP8), budget)
         startup_s = time.monotonic() - started
-        sampler = GpuSampler(args.device == "cuda")
-        results = bench(args, address, trace, vocab, out / f"bench-{arm}.json", budget)
-        gpu = sampler.stop()
-        sampler = None
-        beats = heartbeats(procs.redis.url, "gpu-serve")
-        moved = handoffs(scrape(beats["prefill-0"].metrics_address)) if mode == "disaggregated" else None
-        pools = {w: {"kv_id": beats[w].facts.model_id, "kv_blocks": beats[w].facts.num_total_blocks,
-                     "block_size": beats[w].facts.block_size} for _, w in workers}
-        return {"mode": mode, "workers": pools, "startup_s": round(startup_s, 1), "results": results,
-                "handoffs": moved, "gpu": gpu}
+        with GpuSampler(args.device == "cuda") as gpu:
+            results = bench(args, address, trace, vocab, out / f"bench-{arm}.json", budget)
+        return {"mode": mode, "startup_s": round(startup_s, 1), "results": results, "gpu": gpu.summary(),
+                **worker_facts(procs, mode, [w for _, w in workers])}
     finally:
-        if sampler is not None:
-            sampler.stop()
         procs.stop()
+
+
+def start_arm(args: argparse.Namespace, procs: Processes, mode: str, workers: tuple[tuple[str, str], ...],
+              model_dir: str, fp8: bool, budget: Budget) -> str:
+    """The arm's workers one after another, then its router once it sees them: its address."""
+    for role, wid in workers:
+        procs.start(wid, worker_args(args, role, wid, model_dir, fp8), wait_s=min(args.start_s, budget.left()))
+    metrics = f"127.0.0.1:{free_port()}"
+    address = procs.start("router", ["router", "--namespace", "gpu-serve", "--port", "0", "--http-port", "-1",
+                                     "--metrics-port", metrics.rsplit(":", 1)[1], "--mode", mode,
+                                     "--no-internal-tls"], wait_s=min(60.0, budget.left()))
+    wait_for_workers(metrics, len(workers), budget)
+    return address
+
+
+def worker_facts(procs: Processes, mode: str, worker_ids: list[str]) -> dict[str, Any]:
+    """Each worker's KV id and pool (from its heartbeat), and the prefill worker's hand-offs."""
+    beats = heartbeats(procs.redis.url, "gpu-serve")
+    pools = {w: {"kv_id": beats[w].facts.model_id, "kv_blocks": beats[w].facts.num_total_blocks,
+                 "block_size": beats[w].facts.block_size} for w in worker_ids}
+    moved = handoffs(scrape(beats["prefill-0"].metrics_address)) if mode == "disaggregated" else None
+    return {"workers": pools, "handoffs": moved}
 
 
 def compare(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:

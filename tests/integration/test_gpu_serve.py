@@ -96,9 +96,11 @@ def test_nvidia_smis_samples_become_utilisation_and_peak_memory(tmp_path: Path,
     fake.write_text("#!/bin/sh\nprintf '37, 1000\\n55, 1200\\nnot a sample\\n'\nexec sleep 30\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    sampler = gpu_serve.GpuSampler(enabled=True)
-    deadline = time.monotonic() + 10
-    while len(sampler.samples) < 2 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert sampler.stop() == {"samples": 2, "util_mean_pct": 46.0, "util_p50_pct": 46.0, "memory_max_mib": 1200.0}
-    assert gpu_serve.GpuSampler(enabled=False).stop() is None
+    with gpu_serve.GpuSampler(enabled=True) as sampler:
+        deadline = time.monotonic() + 10
+        while len(sampler.samples) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert sampler.summary() == {"samples": 2, "util_mean_pct": 46.0, "util_p50_pct": 46.0, "memory_max_mib": 1200.0}
+    with gpu_serve.GpuSampler(enabled=False) as off:
+        pass
+    assert off.summary() is None
