@@ -18,9 +18,10 @@ each process's log is DIR/logs/ARM-NAME.log):
 - pd, colocated: the arm's processes started one after another (each worker sizes its pool
   from what the GPU has free once the one before it holds its share, --gpu-memory-utilization
   each), `splitserve bench` over the trace (its run ends where the budget would: what ended
-  is reported, what was still streaming counted apart), then TTFT and ITL p50 / p99, goodput under
-  --ttft-slo-ms / --itl-slo-ms, the prefill worker's hand-offs (count, mean time from open to
-  the decode worker's ack, bytes), the GPU's utilisation and memory sampled by nvidia-smi
+  is reported, what was still streaming counted apart), then TTFT and ITL p50 / p99,
+  goodput under --ttft-slo-ms / --itl-slo-ms, where the requests were prefilled (the prefill
+  worker, or their decode worker), the prefill worker's hand-offs (count, mean time from open
+  to the decode worker's ack, bytes), the GPU's utilisation and memory sampled by nvidia-smi
   through the run, the start-up time, and each worker's KV id and pool (blocks); an arm the
   budget left cannot hold is skipped, saying so;
 - compare: P/D over colocated, figure by figure (and FP8 over 16-bit where the `-fp8` arms ran:
@@ -265,10 +266,11 @@ def run_arm(args: argparse.Namespace, arm: str, model_dir: str, vocab: int, trac
         started = time.monotonic()
         address = start_arm(args, procs, mode, workers, model_dir, arm.endswith(FP8), budget)
         startup_s = time.monotonic() - started
+        saved = out / f"bench-{arm}.json"
         with GpuSampler(args.device == "cuda") as gpu:
-            results = bench(args, address, trace, vocab, out / f"bench-{arm}.json", budget)
-        return {"mode": mode, "startup_s": round(startup_s, 1), "results": results, "gpu": gpu.summary(),
-                **worker_facts(procs, mode, [w for _, w in workers])}
+            results = bench(args, address, trace, vocab, saved, budget)
+        return {"mode": mode, "startup_s": round(startup_s, 1), "results": results, "prefills": prefills(saved),
+                "gpu": gpu.summary(), **worker_facts(procs, mode, [w for _, w in workers])}
     finally:
         procs.stop()
 
@@ -284,6 +286,15 @@ def start_arm(args: argparse.Namespace, procs: Processes, mode: str, workers: tu
                                      "--no-internal-tls"], wait_s=min(60.0, budget.left()))
     wait_for_workers(metrics, len(workers), budget)
     return address
+
+
+def prefills(saved: Path) -> dict[str, int]:
+    """Where the requests that ended well were prefilled, from the bench's saved routes: by
+    the prefill worker (handed off) or by their decode worker (colocated, or a P/D router's
+    short uncached part)."""
+    routes = [r["route"] for r in json.loads(saved.read_text())["requests"] if r["code"] == "OK"]
+    return {"prefill_worker": sum("<-" in r for r in routes),
+            "decode_worker": sum(r.endswith(" local") for r in routes)}
 
 
 def worker_facts(procs: Processes, mode: str, worker_ids: list[str]) -> dict[str, Any]:

@@ -44,6 +44,9 @@ def test_pd_and_colocated_serve_the_same_trace_and_compare(tiny_llama_dir: str, 
     block_bytes = make_engine(tiny_llama_dir, block_size=16, num_blocks=8).layout.block_bytes
     moved = pd["handoffs"]
     assert 1 <= moved["count"] <= n and moved["mean_ms"] > 0
+    routed = pd["prefills"]  # a request that ends at its first token (max_tokens 1 here) hands nothing off
+    assert routed["prefill_worker"] + routed["decode_worker"] == n and routed["prefill_worker"] >= moved["count"]
+    assert co["prefills"] == {"prefill_worker": 0, "decode_worker": n}
     assert moved["bytes"] > 0 and moved["bytes"] % block_bytes == 0  # whole blocks, pushed over shm
     assert co["handoffs"] is None and fp8["handoffs"]["bytes"] % block_bytes == 0  # FP8 weights: 16-bit KV
     name, blocks = Path(tiny_llama_dir).name, 16 * 2**20 // block_bytes  # --kv-cache-mib 16 each
