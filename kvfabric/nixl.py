@@ -126,9 +126,10 @@ class Agent:
             raise NixlUnavailable("NIXL's UCX backend did not start (see NIXL's log above)")
         self._registered = self.agent.register_memory([(base, n, dev, "") for base, n, dev in self.pools], self.kind)
         self.calls = threading.Lock()
-        """Held around every call into the agent: the pacer's progress, posting and checking
-        writes, adding and removing peers, and its end are never concurrent (a progress call
-        racing a peer's removal, or the agent's end, crashed a process in NIXL once)."""
+        """Held around every call into the agent and its own books (`_remotes`): the pacer's
+        progress, posting and checking writes, adding and removing peers, and its end are
+        never concurrent (a progress call racing a peer's removal, or the agent's end, crashed
+        a process in NIXL once)."""
         self._remotes: dict[str, int] = {}
         """Remote agents added, and how many links use each."""
         self.closed = False
@@ -153,11 +154,10 @@ class Agent:
             return bytes(self.live().get_agent_metadata())
 
     def add_remote(self, metadata: bytes) -> str:
-        with _lock:
+        with self.calls:
             self.pacer.attach()  # UCX wires the endpoint up now: both ends progress
             try:
-                with self.calls:
-                    name = self.live().add_remote_agent(metadata)
+                name = self.live().add_remote_agent(metadata)
             except BaseException:
                 self.pacer.detach()
                 raise
@@ -166,7 +166,7 @@ class Agent:
             return name
 
     def drop_remote(self, name: str) -> None:
-        with _lock:
+        with self.calls:
             left = self._remotes.get(name, 0) - 1
             if name in self._remotes:
                 self.pacer.detach()
@@ -174,18 +174,17 @@ class Agent:
                 self._remotes[name] = left
                 return
             self._remotes.pop(name, None)
-            with self.calls:
-                if self.agent is not None:
-                    try:
-                        self.agent.remove_remote_agent(name)
-                    except Exception as e:  # noqa: BLE001 - best effort at teardown
-                        logger.debug("kvfabric: NIXL remove_remote_agent(%s): %s", name, e)
+            if self.agent is not None:
+                try:
+                    self.agent.remove_remote_agent(name)
+                except Exception as e:  # noqa: BLE001 - best effort at teardown
+                    logger.debug("kvfabric: NIXL remove_remote_agent(%s): %s", name, e)
 
     def close(self) -> None:
         """Deregisters the pools and ends the agent (its UCX worker and progress thread) now,
         not whenever the last reference happens to be collected."""
         self.pacer.stop()  # no progress call into the agent from here on
-        with _lock, self.calls:  # (one still in progress, had the pacer's join timed out, ends first)
+        with self.calls:  # (one still in progress, had the pacer's join timed out, ends first)
             agent, self.agent = self.agent, None
             self.closed = True
             if agent is None:

@@ -36,8 +36,6 @@ import contextlib
 import json
 import os
 import platform
-import re
-import select
 import shutil
 import signal
 import statistics
@@ -54,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.kv.kv_tier_trace import conversation_trace  # noqa: E402
-from benchmarks.serving.separate_hosts import heartbeats, scrape  # noqa: E402
+from benchmarks.serving.separate_hosts import handoffs, heartbeats, scrape, start_serving  # noqa: E402
 from cluster.redis_server import EmbeddedRedis, free_port  # noqa: E402
 
 CLI = [sys.executable, "-m", "cluster.cli"]
@@ -176,23 +174,14 @@ class Processes:
         self.procs: list[subprocess.Popen] = []
 
     def start(self, name: str, args: list[str], wait_s: float) -> str:
-        """Starts `splitserve ARGS` and waits for its 'serving on HOST:PORT' line: the address."""
-        log = (self.logs / f"{self.arm}-{name}.log").open("w")
-        env = {**os.environ, "SPLITSERVE_CLUSTER_SECRET": SECRET, "SPLITSERVE_REDIS_URL": self.redis.url}
-        proc = subprocess.Popen(CLI + args, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+        """Starts `splitserve ARGS` (its log DIR/logs/ARM-NAME.log) and waits for it to serve: its address."""
+        try:
+            proc, address = start_serving(CLI + args, SECRET, self.logs / f"{self.arm}-{name}.log",
+                                          {"SPLITSERVE_REDIS_URL": self.redis.url}, wait_s)
+        except RuntimeError as e:
+            raise RuntimeError(f"{name} {e}") from None
         self.procs.append(proc)
-        assert proc.stdout is not None
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            if select.select([proc.stdout], [], [], 1.0)[0]:
-                line = proc.stdout.readline()
-                if found := re.search(r"serving on (\S+:\d+)", line):
-                    return found[1]
-                if not line and proc.poll() is not None:
-                    break
-        code = proc.poll()
-        raise RuntimeError(f"{name} {'exited with code ' + str(code) if code is not None else 'did not start'} "
-                           f"within {wait_s:.0f} s: see {log.name}")
+        return address
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
@@ -247,15 +236,6 @@ def bench(args: argparse.Namespace, address: str, trace: Path, vocab: int, out: 
     if not lines:
         raise RuntimeError(f"bench gave no result (exit code {done.returncode}): {done.stderr[-1500:]}")
     return json.loads(lines[-1])["results"]
-
-
-def handoffs(metrics: dict[str, float]) -> dict[str, Any]:
-    """The prefill worker's hand-offs from its /metrics: count, mean open -> ack, bytes."""
-    count, total = (sum(v for k, v in metrics.items() if k.startswith(f"splitserve:kv_transfer_seconds_{part},"))
-                    for part in ("count", "sum"))
-    sent = sum(v for k, v in metrics.items() if k.startswith("splitserve:kv_transfer_bytes_total"))
-    return {"count": int(count), "mean_ms": round(total / count * 1e3, 2) if count else None,
-            "bytes": int(sent), "bytes_per_handoff": int(sent / count) if count else None}
 
 
 def run_arm(args: argparse.Namespace, arm: str, model_dir: str, vocab: int, trace: Path, out: Path,

@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -139,13 +140,14 @@ def on_host(ns: str, argv: list[str], private_shm: bool = True) -> list[str]:
 
 
 def start_serving(cmd: list[str], secret: str, log: Path | None = None,
-                  env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+                  env: dict[str, str] | None = None, wait_s: float = 120.0) -> tuple[subprocess.Popen, str]:
     """Starts a process (stderr to `log`, `env` beside the cluster secret in its environment)
-    and waits up to 120 s for its 'serving on HOST:PORT' line."""
+    and waits up to `wait_s` for its 'serving on HOST:PORT' line; RuntimeError saying how it
+    ended (its exit code, and the log's tail) when it does not serve."""
     err = log.open("w") if log is not None else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
                             env={**os.environ, "SPLITSERVE_CLUSTER_SECRET": secret, **(env or {})})
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + wait_s
     assert proc.stdout is not None
     while time.monotonic() < deadline:
         if select.select([proc.stdout], [], [], 1.0)[0]:
@@ -154,9 +156,21 @@ def start_serving(cmd: list[str], secret: str, log: Path | None = None,
                 return proc, found[1]
             if not line and proc.poll() is not None:
                 break
+    code = proc.poll()
     proc.kill()
-    detail = log.read_text()[-2000:] if log is not None else ""
-    raise AssertionError(f"{cmd[:8]} did not start (exit code {proc.poll()}) {detail}")
+    what = f"exited with code {code}" if code is not None else f"did not serve within {wait_s:.0f} s"
+    where = f"see {log}: {log.read_text()[-2000:]}" if log is not None else f"({' '.join(cmd[:8])})"
+    raise RuntimeError(f"{what}: {where}")
+
+
+def handoffs(metrics: dict[str, float]) -> dict[str, Any]:
+    """A prefill worker's hand-offs from its scraped /metrics (`scrape`): how many moved KV,
+    their mean time from open to the decode worker's ack, and the bytes."""
+    count, total = (sum(v for k, v in metrics.items() if k.startswith(f"splitserve:kv_transfer_seconds_{part},"))
+                    for part in ("count", "sum"))
+    sent = sum(v for k, v in metrics.items() if k.startswith("splitserve:kv_transfer_bytes_total"))
+    return {"count": int(count), "mean_ms": round(total / count * 1e3, 3) if count else None,
+            "bytes": int(sent), "bytes_per_handoff": int(sent / count) if count else None}
 
 
 class Hosts:

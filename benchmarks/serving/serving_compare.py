@@ -38,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from load_gen import WorkloadRequest, run_load, synthetic  # noqa: E402
-from separate_hosts import SUBNET, Hosts, namespaces, scrape  # noqa: E402
+from separate_hosts import SUBNET, Hosts, handoffs, namespaces, scrape  # noqa: E402
 
 from cluster.config import ClusterConfig, RouterConfig, WorkerConfig  # noqa: E402
 from cluster.local import LocalCluster  # noqa: E402
@@ -225,11 +225,9 @@ def run_cross_host_arm(name: str, args: argparse.Namespace, model_dir: str, item
             asyncio.run(run_load(address, warm, None, 1))
             result = asyncio.run(run_load(address, items, None, 1))
             if first == "prefill":
-                m = scrape(h.metrics_address("prefill-p"), token=metrics_token(b"hosts-test-secret"))  # Hosts' secret
-                count, total = (sum(v for k, v in m.items() if k.startswith(f"splitserve:kv_transfer_seconds_{part},"))
-                                for part in ("count", "sum"))
-                result["handoff_ms"] = round(total / count * 1e3, 3) if count else None
-                result["handoffs"] = count
+                moved = handoffs(scrape(h.metrics_address("prefill-p"),
+                                        token=metrics_token(b"hosts-test-secret")))  # Hosts' secret
+                result["handoff_ms"], result["handoffs"] = moved["mean_ms"], moved["count"]
         finally:
             h.stop()
     print(json.dumps({"benchmark": "serving_compare", "arm": name, "cross_host": True, "mode": mode,
