@@ -176,3 +176,15 @@ def test_fp8_experts_in_float16_do_not_overflow_and_give_the_float32_output(inpu
     # step of 1/16): the mean and the largest difference are checked, not each element
     diff, size = (out[torch.float16] - out[torch.float32]).abs(), out[torch.float32].abs()
     assert (diff.mean() / size.mean()).item() < 0.03 and (diff.max() / size.max()).item() < 0.05
+
+
+def test_the_grouped_gemm_takes_e4m3_operands_on_gpus_of_capability_8_9_and_later(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What only CUDA answers (the device's compute capability), injected: e4m3 x e4m3 in tl.dot
+    on Ada and Hopper, widened to float32 on an A100; Triton's interpreter takes it on CPU."""
+    from engine.kernels import triton_moe
+
+    for capability, fp8_dot in (((8, 0), False), ((8, 9), True), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert triton_moe._fp8_tensor_cores(torch.device("cuda", 0)) is fp8_dot
+    assert triton_moe._fp8_tensor_cores(torch.device("cpu"))
