@@ -1,6 +1,7 @@
 """Fixtures shared by every test layer: tiny checkpoints and an injectable clock."""
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -104,6 +105,28 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
                                  "suite: test it under tests/integration/test_nixl_apart.py")
 
 
+HANG_GRACE_S = float(os.environ.get("SPLITSERVE_TEST_HANG_GRACE_S", "60"))
+"""How long past its timeout (pytest-timeout's, the marker's or the ini's) a test may still run
+before its process is ended: the timeout's SIGALRM is a Python exception in the main thread,
+which a thread stuck in C (holding the GIL or never returning to Python) never takes, and
+which asyncio.run answers by waiting on its executor's threads. One such hang held a CI run
+until its 90 minutes ran out, the test unknown. faulthandler's own watchdog thread (C, no
+GIL) then writes every thread's Python stack to the run's stderr and exits the process; the
+xdist controller reports the worker crashed in that test and ends the run
+(tests/unit/test_hang_backstop.py)."""
+_stderr_fd: list[int] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _stderr_fd.append(os.dup(2))  # (capture is suspended here: fd 2 is the run's own stderr)
+
+
+def _timeout_s(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("timeout")
+    value = marker.args[0] if marker is not None and marker.args else item.config.getini("timeout")
+    return float(value or 0)
+
+
 TIMELINE = "SPLITSERVE_TEST_TIMELINE"
 """A file: every test appends one JSON line to it (its xdist worker, id, wall-clock start and
 end, setup to teardown, and the CPU-seconds of the test process itself and of the processes it
@@ -118,8 +141,14 @@ def _cpu_s() -> tuple[float, float]:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    """A hang's end (`HANG_GRACE_S`) and the timeline's line (`TIMELINE`)."""
+    if (timeout := _timeout_s(item)) > 0 and _stderr_fd:
+        faulthandler.dump_traceback_later(timeout + HANG_GRACE_S, exit=True, file=_stderr_fd[0])
     began, (own, children) = time.time(), _cpu_s()
-    yield
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
     if path := os.environ.get(TIMELINE):
         worker = getattr(item.config, "workerinput", {}).get("workerid", "main")  # (a pytest a test runs: main)
         own_end, children_end = _cpu_s()
