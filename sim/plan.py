@@ -39,9 +39,11 @@ Pruning, so that an hour of trace on 8 GPUs is planned in minutes on two cores:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
+import multiprocessing
 import os
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -447,19 +449,31 @@ def refine(holds: Callable[[float], bool], lo: float, hi: float, steps: int = BI
 
 
 class _Runner:
-    """Jobs on `workers` processes (in this one where there is one), each answer a future."""
+    """Jobs on `workers` processes (in this one where there is one), each answer a future.
+    The processes are spawned, never forked: a fork copies a process's locks but not the
+    threads holding them (a Ray driver's, gRPC's), and a forked worker of a pytest process
+    that held a Ray node stalled; the executor's shutdown then waited on it forever, past the
+    test's timeout, until CI's 90 minutes ran out. Left by an exception (a timeout, ^C),
+    the workers are killed, not waited for."""
 
     def __init__(self, items: list[WorkloadRequest], workers: int) -> None:
         self.items, self.workers = items, workers
-        self.pool = ProcessPoolExecutor(max_workers=workers, initializer=_init, initargs=(items,)) \
-            if workers > 1 else None
+        self.pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                                        initializer=_init, initargs=(items,)) if workers > 1 else None
 
     def __enter__(self) -> _Runner:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        if self.pool is not None:
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        if self.pool is None:
+            return
+        if kind is None:
             self.pool.shutdown(cancel_futures=True)
+            return
+        processes = list((getattr(self.pool, "_processes", None) or {}).values())  # (3.14: terminate_workers)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for p in processes:
+            p.kill()
 
     def submit(self, job: Job) -> Future[dict[str, Any]]:
         if self.pool is not None:
@@ -474,11 +488,13 @@ def _workers(workers: int | None, num_jobs: int) -> int:
 
 
 def search(jobs: Sequence[Job], items: list[WorkloadRequest], workers: int | None = None,
-           progress: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
-    """Every job's result, in the jobs' order, on `workers` processes (default: every core)."""
-    with _Runner(items, _workers(workers, len(jobs))) as runner:
+           progress: Callable[[dict[str, Any]], None] | None = None,
+           runner: _Runner | None = None) -> list[dict[str, Any]]:
+    """Every job's result, in the jobs' order, on `workers` processes (default: every core), or
+    on `runner`'s (one of the caller's, over the same `items`)."""
+    with contextlib.nullcontext(runner) if runner is not None else _Runner(items, _workers(workers, len(jobs))) as run:
         results = []
-        for f in [runner.submit(j) for j in jobs]:
+        for f in [run.submit(j) for j in jobs]:
             results.append(f.result())
             if progress:
                 progress(results[-1])
@@ -499,7 +515,7 @@ def ranked(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def refined(jobs: Sequence[Job], brackets: Sequence[dict[str, Any]], items: list[WorkloadRequest], keep: int,
             workers: int | None = None, progress: Callable[[dict[str, Any]], None] | None = None,
-            ) -> list[dict[str, Any]]:
+            runner: _Runner | None = None) -> list[dict[str, Any]]:
     """Each candidate's goodput within its bracket, by bisection, highest brackets first; a
     candidate whose bracket tops out at or below the `keep`-th goodput found (and, colocated,
     below the best colocated one) cannot be a finalist and keeps its bracket's lower end
@@ -525,14 +541,14 @@ def refined(jobs: Sequence[Job], brackets: Sequence[dict[str, Any]], items: list
 
     pending: dict[Future[dict[str, Any]], dict[str, Any]] = {}
     queue = list(reversed(order))
-    with _Runner(items, _workers(workers, len(jobs))) as runner:
+    with contextlib.nullcontext(runner) if runner is not None else _Runner(items, _workers(workers, len(jobs))) as run:
         while queue or pending:
-            while queue and len(pending) < runner.workers:
+            while queue and len(pending) < run.workers:
                 job, b = queue.pop()
                 if beaten(job, b):
                     record({**b, "capacity_refined": False})
                     continue
-                pending[runner.submit(dataclasses.replace(job, kind="capacity", bracket=b["bracket"],
+                pending[run.submit(dataclasses.replace(job, kind="capacity", bracket=b["bracket"],
                                                           bracket_capped=b["bracket_capped"]))] = b
             for f in wait(list(pending), return_when=FIRST_COMPLETED).done if pending else ():
                 record({**pending.pop(f), **f.result(), "capacity_refined": True})
@@ -551,14 +567,16 @@ def staged(jobs: Sequence[Job], items: list[WorkloadRequest], screen: int = SCRE
 
     items = sliced(items, jobs[0].replicas if jobs else 1)  # one unit's share: every job's units are alike
     screened = [dataclasses.replace(j, screen=screen) for j in jobs]
-    brackets = search([dataclasses.replace(j, kind="bracket") for j in screened], items, workers, stage("bracket"))
-    capacities = refined(screened, brackets, items, keep, workers, stage("capacity"))
-    order = sorted(capacities, key=lambda r: -r["goodput_per_gpu"])
-    colocated = [r for r in order if r["candidate"]["mode"] == "colocated"]
-    chosen = {r["label"] for r in order[:keep]} | ({colocated[0]["label"]} if colocated else set())
-    finals = [dataclasses.replace(j, kind="attainment") for j in jobs if j.candidate.label in chosen]
-    by_label = {r["label"]: r for r in capacities}
-    results = [{**by_label[r["label"]], **r} for r in search(finals, items, workers, stage("attainment"))]
+    with _Runner(items, _workers(workers, len(jobs))) as runner:  # one set of processes for the three stages
+        brackets = search([dataclasses.replace(j, kind="bracket") for j in screened], items, workers,
+                          stage("bracket"), runner)
+        capacities = refined(screened, brackets, items, keep, workers, stage("capacity"), runner)
+        order = sorted(capacities, key=lambda r: -r["goodput_per_gpu"])
+        colocated = [r for r in order if r["candidate"]["mode"] == "colocated"]
+        chosen = {r["label"] for r in order[:keep]} | ({colocated[0]["label"]} if colocated else set())
+        finals = [dataclasses.replace(j, kind="attainment") for j in jobs if j.candidate.label in chosen]
+        by_label = {r["label"]: r for r in capacities}
+        results = [{**by_label[r["label"]], **r} for r in search(finals, items, workers, stage("attainment"), runner)]
     return results, capacities
 
 

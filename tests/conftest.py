@@ -109,8 +109,9 @@ HANG_GRACE_S = float(os.environ.get("SPLITSERVE_TEST_HANG_GRACE_S", "60"))
 """How long past its timeout (pytest-timeout's, the marker's or the ini's) a test may still run
 before its process is ended: the timeout's SIGALRM is a Python exception in the main thread,
 which a thread stuck in C (holding the GIL or never returning to Python) never takes, and
-which asyncio.run answers by waiting on its executor's threads. One such hang held a CI run
-until its 90 minutes ran out, the test unknown. faulthandler's own watchdog thread (C, no
+which asyncio.run answers by waiting on its executor's threads, as a process pool's shutdown
+waits on its workers (a forked one stalled: sim/plan.py `_Runner`, the likely hang that held a
+CI run until its 90 minutes ran out, 3 tests left). faulthandler's own watchdog thread (C, no
 GIL) then writes every thread's Python stack to the run's stderr and exits the process; the
 xdist controller reports the worker crashed in that test and ends the run
 (tests/unit/test_hang_backstop.py)."""

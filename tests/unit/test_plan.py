@@ -136,3 +136,33 @@ def test_requests_repeat_end_to_end_and_scale_in_time() -> None:
     assert [(r.prompt, r.at_s) for r in repeated(items, 7)] == [
         ([0], 0.0), ([1], 1.0), ([2], 3.0), ([0], 4.5), ([1], 5.5), ([2], 7.5), ([0], 9.0)]
     assert [r.at_s for r in at_rate(items, 2.0)] == [0.0, 0.5, 1.5] and repeated(items, 2) == items[:2]
+
+
+def test_the_searchs_processes_are_spawned_and_an_exception_kills_them_at_once() -> None:
+    """A fork of a process holding threads (a Ray driver's, gRPC's) copies their locks, held,
+    without them: a forked worker of a pytest process stalled, and the pool's shutdown waited
+    on it past the test's timeout. The workers are spawned; a search left by an exception (a
+    timeout, ^C) kills them instead of waiting."""
+    import os
+    import time
+    from pathlib import Path
+
+    from sim.plan import _Runner
+
+    with pytest.raises(KeyboardInterrupt), _Runner([], 2) as run:
+        assert run.pool is not None and run.workers == 2
+        pid = run.pool.submit(os.getpid).result(timeout=60)
+        assert pid != os.getpid() and b"multiprocessing.spawn" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        run.pool.submit(time.sleep, 600)
+        began = time.monotonic()
+        raise KeyboardInterrupt
+    assert time.monotonic() - began < 5
+
+    def gone() -> bool:
+        status = Path(f"/proc/{pid}/status")
+        return not status.exists() or "\nState:\tZ" in status.read_text()
+
+    deadline = time.monotonic() + 10
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone()
