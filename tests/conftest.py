@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -24,6 +25,12 @@ os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 os.environ.setdefault("RAY_task_events_report_interval_ms", "0")
 
 import torch  # noqa: E402 (after the thread count is set)
+
+# No test process forks a copy of itself: it may hold threads (a Ray driver's, gRPC's) whose
+# locks a fork copies held, without the threads to free them (a forked process-pool worker
+# stalled a CI run: sim/plan.py `_Runner`). Whatever takes multiprocessing's default starts
+# its processes from the fork server (a fresh interpreter), as Python 3.14 does by default.
+multiprocessing.set_start_method("forkserver", force=True)
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
