@@ -82,7 +82,7 @@ class DecodeWorker(HostedWorker, pb_grpc.DecodeWorkerServicer):
         self.worker_id = worker_id
         self.config = config = on_this_node(config)
         self.allocator = kv_allocator(config.device, config.kv_transport)
-        self.ranks = TensorRanks(config.tensor_parallel, rank_allocator(config.device)) \
+        self.ranks = TensorRanks(config.tensor_parallel, rank_allocator(config.device, config.kv_transport)) \
             if config.tensor_parallel > 1 else None
         """The model's other ranks (child processes) when it is split (engine/parallel/tp_ranks.py)."""
         engine_config = config.engine_config("decode")

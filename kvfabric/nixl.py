@@ -196,6 +196,49 @@ class Agent:
             del agent
 
 
+class RankPool:
+    """A further tensor-parallel rank's KV allocator (engine/parallel/tp_followers.py) whose pool
+    only NIXL reaches: private memory (huge pages on the host, the rank's own GPU) registered
+    with a NIXL agent of the rank's own, which `export` names to the worker's receiver
+    (`kvfabric.region.AgentRegion`), so a sender writes the rank's heads straight into it.
+    The agent is paced idly (`IDLE_S`) for its whole life: UCX completes a sender's wire-up
+    only as both ends progress, and nothing tells this process when a sender connects (the
+    first write of a new sender waited ~80 ms on these turns, later ones none)."""
+
+    def __init__(self) -> None:
+        self.tensor: Any = None
+        self.agent: Agent | None = None
+
+    def allocate(self, shape: tuple[int, ...], dtype: Any, device: str) -> Any:
+        from engine.model.kv_pool import TensorAllocator
+
+        if self.tensor is not None:
+            raise ValueError("a RankPool backs exactly one pool")
+        self.tensor = TensorAllocator().allocate(shape, dtype, device)
+        return self.tensor
+
+    def export(self) -> dict[str, Any]:
+        """{"nixl": the agent's metadata, "nixl_pool": (base, bytes, device)}; where NIXL cannot
+        start here, {"nixl_error": why} (the worker's receiver says it)."""
+        if self.tensor is None:
+            return {}
+        if self.agent is None:
+            from kvfabric.pools import pool_region
+
+            try:
+                self.agent = Agent("rank", [pool_region(self.tensor)])
+            except NixlUnavailable as e:
+                return {"nixl_error": str(e)}
+            self.agent.pacer.attach()
+        return {"nixl": self.agent.metadata(), "nixl_pool": list(self.agent.pools[0])}
+
+    def close(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None
+        self.tensor = None
+
+
 class Pacer:
     """Progresses one agent's UCX worker from a thread of its own, only as often as needed:
     every `FAST_S` while `busy` (writes in flight, counted by `begin` / `end`) or within
@@ -276,19 +319,32 @@ class Posted:
 
 
 class NixlLink:
-    """A sender's writes into one receiver's pools (`remote_pools`, one per receiver rank)."""
+    """A sender's writes into one receiver's pools (`remote_pools`, one per receiver rank), each
+    held by the receiver's agent or, where `rank_agents` names one, by that rank's own."""
 
-    def __init__(self, agent: Agent, remote_metadata: bytes, remote_pools: Sequence[Pool], heads: HeadMap) -> None:
-        if len(remote_pools) != heads.receiver.world:
-            raise FabricError(f"the receiver names {len(remote_pools)} NIXL pools for {heads.receiver.world} ranks")
+    def __init__(self, agent: Agent, remote_metadata: bytes, remote_pools: Sequence[Pool], heads: HeadMap,
+                 rank_agents: Sequence[bytes] = ()) -> None:
+        world = heads.receiver.world
+        if len(remote_pools) != world or (rank_agents and len(rank_agents) != world):
+            raise FabricError(f"the receiver names {len(remote_pools)} NIXL pools and {len(rank_agents)} agents "
+                              f"for {world} ranks")
         self.agent, self.heads = agent, heads
         self.remote_pools = [tuple(int(x) for x in p) for p in remote_pools]
         self._lock = threading.Lock()
+        metadata = [m or remote_metadata for m in rank_agents] if rank_agents else [remote_metadata] * world
+        names: dict[bytes, str] = {}
         try:
-            self.remote = agent.add_remote(remote_metadata)
+            for m in metadata:
+                if m not in names:
+                    names[m] = agent.add_remote(m)
         except Exception as e:  # noqa: BLE001 - nixlBind's own errors: UCX found no way to the receiver
+            for name in names.values():
+                agent.drop_remote(name)
             raise PeerUnavailable(f"NIXL cannot reach the receiver's agent ({e}): no UCX transport between the "
                                   "two (see UCX's message above)") from e
+        self.remotes = [names[m] for m in metadata]
+        """The agent holding each receiver rank's pool, as added here."""
+        self.remote = self.remotes[0]
         self._closed = False
 
     def post(self, posted: Posted, runs: Sequence[Run], after: Any = None, timeout_s: float = 10.0) -> None:
@@ -311,7 +367,8 @@ class NixlLink:
             with self.agent.calls:
                 try:
                     handle = nixl.initialize_xfer("WRITE", nixl.get_xfer_descs(src, self.agent.kind),
-                                                  nixl.get_xfer_descs(dst, self.agent.kind), self.remote)
+                                                  nixl.get_xfer_descs(dst, self.agent.kind),
+                                                  self.remotes[piece.dst_rank])
                     state = nixl.transfer(handle)
                 except Exception as e:  # noqa: BLE001 - nixlBind raises its own exception types
                     raise PeerUnavailable(f"NIXL write to {self.remote} not posted: {e}") from e
@@ -383,4 +440,5 @@ class NixlLink:
             if self._closed:
                 return
             self._closed = True
-        self.agent.drop_remote(self.remote)
+        for name in dict.fromkeys(self.remotes):
+            self.agent.drop_remote(name)

@@ -20,10 +20,12 @@ from typing import TYPE_CHECKING, Any
 from kvfabric.cuda import CudaIpcKVAllocator, DeviceRegion
 from kvfabric.errors import FabricError, HandshakeError
 from kvfabric.layout import FabricLayout
-from kvfabric.region import BlockRegion, ShmKVAllocator, ShmSegment
+from kvfabric.region import AgentRegion, BlockRegion, ShmKVAllocator, ShmSegment
 
 if TYPE_CHECKING:
     import torch
+
+    from kvfabric.nixl import RankPool
 
     from engine.kv_connector import KVMemory
     from engine.model.kv_pool import TensorAllocator
@@ -61,9 +63,17 @@ class WorkerPools:
     engine's own, the others' mapped here from what each rank exported."""
 
     layout: FabricLayout
-    regions: list[BlockRegion | DeviceRegion]
+    regions: list[BlockRegion | DeviceRegion | AgentRegion]
     segments: list[ShmSegment] = field(default_factory=list)
     """The further ranks' shared pools, mapped by this process (closed by `close`)."""
+
+    def local(self, what: str) -> list[BlockRegion | DeviceRegion]:
+        """The pools, each in this process's reach; FabricError naming `what` where a further
+        rank's is held by its own NIXL agent (only a NIXL receiver takes those)."""
+        if any(isinstance(r, AgentRegion) for r in self.regions):
+            raise FabricError(f"{what} needs every rank's KV pool in this process's reach; this split worker's "
+                              "further ranks hold theirs with NIXL agents of their own (it receives over nixl only)")
+        return self.regions  # type: ignore[return-value]
 
     def close(self) -> None:
         self.regions = self.regions[:1]
@@ -81,17 +91,30 @@ def worker_pools(model_id: str, pool: Any, model_kv_heads: int = 0, shards: Sequ
     if len(further) != layout.world - 1:
         raise ValueError(f"{len(further)} further pools for {layout.world} ranks")
     segments: list[ShmSegment] = []
+    own = pool_region(pool.tensor)
+    regions: list[BlockRegion | DeviceRegion | AgentRegion] = [own]
     try:
         for rank, export in enumerate(further, 1):
-            if not export.get("shm"):
+            if export.get("shm"):
+                segments.append(ShmSegment.open(export["shm"], export["nonce"], export["bytes"]))
+                regions.append(BlockRegion(segments[-1].data.reshape(-1, layout.block_bytes)))
+            elif export.get("nixl"):  # the rank's own agent holds it (`RankPool`): NIXL writes reach it
+                base, nbytes, device = (int(x) for x in export["nixl_pool"])
+                if nbytes != own.num_blocks * layout.block_bytes:
+                    raise FabricError(f"tensor-parallel rank {rank}'s pool is {nbytes} bytes, rank 0's "
+                                      f"{own.num_blocks} blocks of {layout.block_bytes}")
+                regions.append(AgentRegion(own.num_blocks, layout.block_bytes, bytes(export["nixl"]),
+                                           (base, nbytes, device)))
+            elif export.get("nixl_error"):
+                raise FabricError(f"tensor-parallel rank {rank}'s KV pool is for NIXL, which did not start there: "
+                                  f"{export['nixl_error']}")
+            else:
                 raise FabricError(f"tensor-parallel rank {rank}'s KV pool is not in memory this worker can map (on "
                                   "GPUs a split worker prefills its own prompts: serve it with --mode colocated)")
-            segments.append(ShmSegment.open(export["shm"], export["nonce"], export["bytes"]))
     except BaseException:
         for seg in segments:
             seg.close()
         raise
-    regions = [pool_region(pool.tensor), *(BlockRegion(s.data.reshape(-1, layout.block_bytes)) for s in segments)]
     return WorkerPools(layout, regions, segments)
 
 
@@ -100,10 +123,16 @@ def memory_pools(memory: KVMemory) -> WorkerPools:
     return worker_pools(memory.model_id, memory.pool, memory.num_kv_heads, memory.shards, memory.followers)
 
 
-def rank_allocator(device: str) -> type[ShmKVAllocator] | None:
+def rank_allocator(device: str, transport: str | None = None) -> type[ShmKVAllocator] | type[RankPool] | None:
     """What a tensor-parallel worker's further ranks put their pools in, so that the worker's
-    kvfabric maps them: shared memory on CPU; None on GPUs (their pools stay private)."""
-    return ShmKVAllocator if device_kind(device) == "cpu" else None
+    kvfabric reaches them: shared memory on CPU (mapped here); on GPUs, where the cluster's
+    transport is nixl, each rank's own memory registered with a NIXL agent of its own
+    (`RankPool`, which a CPU rank can take too: host memory); else None (private to the rank)."""
+    from kvfabric.nixl import RankPool
+
+    if device_kind(device) == "cpu":
+        return ShmKVAllocator
+    return RankPool if transport == "nixl" else None
 
 
 def exports(allocator: KVAllocator | None) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from kvfabric.cuda import DeviceRegion, NcclLink, gpu_identity, nccl_payload
 from kvfabric.errors import FabricError, PeerUnavailable, ProtocolError, ReservationRevoked
 from kvfabric.layout import FabricLayout, HeadMap
 from kvfabric.nixl import Agent, NixlUnavailable, Pacer
-from kvfabric.region import BlockRegion, ShmSegment
+from kvfabric.region import AgentRegion, BlockRegion, ShmSegment
 from kvfabric.reservations import FabricEvent, ReservationTable
 from kvfabric.wire import (MAX_HELLO_BYTES, Abort, Challenge, Conn, Data, Hello, HelloErr, HelloOk, Idle, Message,
                            NcclData, Open, OpenErr, OpenOk, Ready, ReadyAck, ReceiverMessage, Renew, Revoke, RevokeAck,
@@ -62,8 +62,19 @@ class FabricReceiver:
             raise ValueError(f"{len(shm_ranks)} shared pools for the {layout.world - 1} further ranks")
         self.layout, self.regions, self.config = layout, regions, config or ReceiverConfig()
         self.region = regions[0]
-        self.nixl = _nixl_agent(regions) if self.config.nixl else None
-        """The NIXL agent this receiver's pools are registered with, when it offers `nixl`."""
+        agents_of_their_own = any(isinstance(r, AgentRegion) for r in regions)
+        if agents_of_their_own and not self.config.nixl:
+            raise FabricError("further ranks whose pools their own NIXL agents hold receive over nixl only: "
+                              "this receiver does not offer nixl")
+        local = [r for r in regions if not isinstance(r, AgentRegion)]
+        self.nixl = _nixl_agent(local) if self.config.nixl else None
+        """The NIXL agent this receiver's pools are registered with, when it offers `nixl` (a
+        further rank's pool held by its own agent: not here, `AgentRegion`)."""
+        if agents_of_their_own and self.nixl is None:
+            raise FabricError("further ranks whose pools their own NIXL agents hold receive over nixl only, and "
+                              "NIXL did not start here (see the warning above)")
+        self._nixl_ranks = _nixl_ranks(regions, self.nixl)
+        """nixl's hello: each rank's registered pool, and (`AgentRegion`s) the agent holding it."""
         self.table = ReservationTable(clock, self.config.lease_s)
         self._cond = threading.Condition()
         self._conns: dict[int, Conn] = {}
@@ -84,7 +95,8 @@ class FabricReceiver:
         for x in listeners:
             x.settimeout(0.2)
         self.address = _offered_address(self.config, self._listener.getsockname()[1], receiver_id, self.region,
-                                        shm, shm_ranks, cuda_ipc_handle, local_name, self.nixl is not None)
+                                        shm, shm_ranks, cuda_ipc_handle, local_name, self.nixl is not None,
+                                        nixl_only=agents_of_their_own)
         self._accept_threads = [
             threading.Thread(target=self._accept_loop, args=(x,), name="kvfabric-accept", daemon=True)
             for x in listeners]
@@ -269,9 +281,10 @@ class FabricReceiver:
         if transport == "nccl" and hello.host_id == self.address.host_id and hello.gpu == self.address.gpu:
             refuse(conn, "transport", "nccl cannot join two processes on one GPU (NCCL refuses it): use cuda_ipc")
         nixl = self.nixl if transport == "nixl" else None
+        pools, rank_agents = self._nixl_ranks if nixl else ([], [])
         conn.send(HelloOk(self.address.receiver_id, self.layout.to_wire(),
                           prove(token, "receiver", nonce, hello.nonce) if token is not None else "",
-                          nixl.metadata() if nixl else b"", nixl.pools if nixl else []))
+                          nixl.metadata() if nixl else b"", pools, rank_agents))
         link = None
         if transport == "nccl":  # rank 1; joins the sender's rank 0 (bounded by NCCL's own init)
             assert isinstance(self.region, DeviceRegion)
@@ -413,8 +426,13 @@ def _rank_regions(layout: FabricLayout, region: BlockRegion | DeviceRegion | Seq
     regions = list(region) if isinstance(region, Sequence) else [region]
     if len(regions) != layout.world:
         raise ValueError(f"{len(regions)} pools for a layout of {layout.world} ranks")
-    if layout.world > 1 and not all(isinstance(r, BlockRegion) for r in regions):
-        raise ValueError("a tensor-parallel worker's pools receive in host memory (device pools: one rank)")
+    further = regions[1:]
+    if isinstance(regions[0], AgentRegion):
+        raise ValueError("rank 0's pool is this process's own")
+    if layout.world > 1 and not (all(isinstance(r, BlockRegion) for r in regions)
+                                 or all(isinstance(r, AgentRegion) for r in further)):
+        raise ValueError("a tensor-parallel worker's pools receive in host memory, or each further rank's through "
+                         "a NIXL agent of its own (device pools: one rank, or ranks with agents of their own)")
     for r in regions:
         if r.block_bytes != layout.block_bytes or r.num_blocks != regions[0].num_blocks:
             raise ValueError(f"region blocks are {r.block_bytes} bytes, layout says {layout.block_bytes}")
@@ -440,6 +458,18 @@ def _pace(pacer: Pacer, moving: set[int], msg: Message, reply: Message | None) -
         pacer.end()
 
 
+def _nixl_ranks(regions: Sequence[BlockRegion | DeviceRegion | AgentRegion],
+                agent: Agent | None) -> tuple[list[tuple[int, int, int]], list[bytes]]:
+    """Each rank's registered pool, and the agents holding them (b"": this receiver's own; none
+    at all where it holds every one)."""
+    if agent is None:
+        return [], []
+    own = iter(agent.pools)
+    pools = [r.pool if isinstance(r, AgentRegion) else next(own) for r in regions]
+    theirs = [r.metadata if isinstance(r, AgentRegion) else b"" for r in regions]
+    return pools, theirs if any(theirs) else []
+
+
 def _nixl_agent(regions: Sequence[BlockRegion | DeviceRegion]) -> Agent | None:
     """A NIXL agent with the pools registered; None (said once per process) where NIXL cannot
     load or start: the receiver then offers the other transports alone."""
@@ -458,13 +488,16 @@ _nixl_said = False
 
 def _offered_address(config: ReceiverConfig, port: int, receiver_id: str, region: BlockRegion | DeviceRegion,
                      shm: ShmSegment | None, shm_ranks: Sequence[ShmSegment], cuda_ipc_handle: bytes | None,
-                     local_name: str | None, nixl: bool = False) -> FabricAddress:
+                     local_name: str | None, nixl: bool = False, nixl_only: bool = False) -> FabricAddress:
     """What senders are told of a receiver: where to dial, and the transports its pool allows
     (a device pool: cuda_ipc when exported, and nccl; a host pool: shm when shared, and tcp;
-    either: nixl when registered with a NIXL agent)."""
+    either: nixl when registered with a NIXL agent; `nixl_only`: further ranks' pools that
+    only their own agents reach)."""
     on_device = isinstance(region, DeviceRegion)
-    if on_device:
-        transports: tuple[str, ...] = ("cuda_ipc", "nccl") if cuda_ipc_handle else ("nccl",)
+    if nixl_only:
+        transports: tuple[str, ...] = ()
+    elif on_device:
+        transports = ("cuda_ipc", "nccl") if cuda_ipc_handle else ("nccl",)
     else:
         transports = ("shm", "tcp") if shm is not None else ("tcp",)
     if nixl:

@@ -9,6 +9,7 @@ followed by the pool's bytes; `ShmKVAllocator` is the engine's `KVAllocator` ove
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import mmap
 import os
 import secrets
@@ -27,6 +28,20 @@ CopyBytes = Callable[[int, int, int], None]
 """copy(dst address, src address, nbytes) for non-overlapping memory, the GIL released
 (a ctypes function): `ctypes.memmove`, or one that streams past the cache (the engine's
 `copy_stream`)."""
+
+@dataclasses.dataclass(frozen=True)
+class AgentRegion:
+    """A further tensor-parallel rank's pool that this process cannot reach: private to the
+    rank's own process (as a GPU rank's is) and registered with a NIXL agent of its own there
+    (kvfabric/nixl.py `RankPool`). Only NIXL writes into it, through that agent."""
+
+    num_blocks: int
+    block_bytes: int
+    metadata: bytes
+    """The rank's agent's (`Agent.metadata`)."""
+    pool: tuple[int, int, int]
+    """Where the pool is registered there: (base address, bytes, device)."""
+
 
 _SHM_DIR = Path("/dev/shm")
 _HEADER_BYTES = mmap.PAGESIZE

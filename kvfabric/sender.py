@@ -238,7 +238,8 @@ class _Peer:
         if self.transport == "nixl":
             if not reply.nixl_agent:
                 raise HandshakeError(f"receiver {self.address.receiver_id} chose nixl but sent no NIXL agent", "transport")
-            self.nixl = NixlLink(self.sender.nixl_agent(), reply.nixl_agent, reply.nixl_pools, self.map)
+            self.nixl = NixlLink(self.sender.nixl_agent(), reply.nixl_agent, reply.nixl_pools, self.map,
+                                 reply.nixl_rank_agents)
         if self.transport == "nccl":
             src = self.sender.region
             assert isinstance(src, DeviceRegion)

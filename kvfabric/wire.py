@@ -170,6 +170,11 @@ class HelloOk(Message, tag="hello_ok"):
     nixl_pools: Annotated[list[tuple[int, int, int]], msgspec.Meta(max_length=256)] = msgspec.field(
         default_factory=list)
     """nixl: each receiver rank's registered pool (base address, bytes, device)."""
+    nixl_rank_agents: Annotated[list[Annotated[bytes, msgspec.Meta(max_length=MAX_NIXL_METADATA)]],
+                                msgspec.Meta(max_length=256)] = msgspec.field(default_factory=list)
+    """nixl, a split receiver whose further ranks registered their pools with NIXL agents of
+    their own (pools private to their processes, as GPU ranks' are): the metadata of the agent
+    holding each rank's pool, b"" where `nixl_agent` holds it; empty: `nixl_agent` holds all."""
 
 
 class HelloErr(Message, tag="hello_err"):

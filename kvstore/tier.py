@@ -90,6 +90,7 @@ class KVTier:
         self.tls = tls
         memory = engine.connector.memory
         self.pools = memory_pools(memory)
+        self.pools.local("the KV tier")
         self.staging = Staging(self.pools, staging_blocks)
         """Where fetched blocks land before the engine copies them into its pool."""
         if through_host is None:

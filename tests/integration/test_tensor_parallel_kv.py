@@ -17,7 +17,9 @@ from engine.llm_engine import LLMEngine
 from engine.core.request import SamplingParams
 from engine.parallel.tp_ranks import TensorRanks
 from kvfabric import ReceiverConfig
+from kvfabric.nixl import RankPool
 from kvfabric.pools import kv_allocator, rank_allocator
+from kvfabric.region import AgentRegion
 from tests.conftest import skip_without_nixl
 from tests.integration.fabric_peer import Peer
 from tests.integration.prefill_peer import prefill_main
@@ -30,19 +32,24 @@ MAX_TOKENS = 8
 PARAMS = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-@pytest.mark.parametrize("p,d,transport,kv", [(2, 1, "shm", "auto"), (1, 2, "tcp", "auto"), (2, 4, "shm", "auto"),
-                                                (2, 2, "tcp", "auto"), (2, 4, "nixl", "auto"), (2, 4, "shm", "fp8")])
+@pytest.mark.parametrize("p,d,transport,kv,rank_pools", [
+    (2, 1, "shm", "auto", "mapped"), (1, 2, "tcp", "auto", "mapped"), (2, 4, "shm", "auto", "mapped"),
+    (2, 2, "tcp", "auto", "mapped"), (2, 4, "nixl", "auto", "mapped"), (2, 4, "shm", "fp8", "mapped"),
+    (1, 2, "nixl", "auto", "own agents"), (2, 4, "nixl", "auto", "own agents")])
 def test_prefill_and_decode_at_different_degrees_give_the_whole_models_tokens(
-    tiny_llama_dir: str, p: int, d: int, transport: str, kv: str,
+    tiny_llama_dir: str, p: int, d: int, transport: str, kv: str, rank_pools: str,
 ) -> None:
     """(nixl at 2 -> 4: each piece narrower than a block, written one row of it at a time;
-    fp8: every rank's pool in e4m3, re-sharded byte for byte.)"""
+    fp8: every rank's pool in e4m3, re-sharded byte for byte; own agents: each further decode
+    rank's pool private to its process and registered with a NIXL agent of its own there, as a
+    GPU rank's is, `kvfabric.nixl.RankPool`: the sender writes each rank's heads through it.)"""
     skip_without_nixl(transport)
     prompts = random_prompts([5, 16, 23, 41], 512, seed=p * 10 + d)
     reference = make_engine(tiny_llama_dir, kv_cache_dtype=kv)
     want = {f"r{i}": c.token_ids for i, c in enumerate(reference.generate(prompts, PARAMS))}
     prefill = Peer(prefill_main, tiny_llama_dir, transport, 16, "cpu", 512, p, kv, daemon=False)
-    ranks = TensorRanks(d, rank_allocator("cpu")) if d > 1 else None
+    per_rank = RankPool if rank_pools == "own agents" else rank_allocator("cpu")
+    ranks = TensorRanks(d, per_rank) if d > 1 else None
     config = engine_config(tiny_llama_dir, role="decode", kv_cache_dtype=kv)
     allocator = kv_allocator("cpu", transport)
     remote = None
@@ -50,6 +57,9 @@ def test_prefill_and_decode_at_different_degrees_give_the_whole_models_tokens(
         engine = LLMEngine(ranks.start(config) if ranks else config, allocator=allocator)
         remote = RemoteKV(engine, allocator, ReceiverConfig(nixl=transport == "nixl"))
         assert remote.refusal is None and remote.receiver.layout.world == d
+        if rank_pools == "own agents":  # reachable through their agents alone
+            assert remote.receiver.address.transports == ("nixl",)
+            assert all(isinstance(r, AgentRegion) for r in remote.pools.regions[1:])
         tickets = [remote.reserve(prompt, PARAMS, request_id=f"r{i}") for i, prompt in enumerate(prompts)]
         assert set(prefill.call("attach", [t.to_wire() for t in tickets]).values()) == {None}
         reply = prefill.call("prefill", [(prompt, t.request_id, MAX_TOKENS) for prompt, t in zip(prompts, tickets)],

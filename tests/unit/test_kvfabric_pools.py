@@ -128,3 +128,42 @@ def test_a_nixl_clusters_cpu_pool_is_private_memory_on_huge_page_boundaries() ->
     small = allocator.allocate((5,), torch.int32, "cpu")  # under one huge page: plain pages, still zeroed
     assert small.tolist() == [0] * 5
     allocator.close()
+
+
+def test_a_further_rank_held_by_its_own_nixl_agent_is_named_not_mapped_and_only_nixl_receives() -> None:
+    """A split worker's further rank whose pool its own NIXL agent holds (`RankPool`, a GPU
+    rank's way: its memory is private to its process) exports the agent's metadata and where
+    the pool is registered; the worker sees an `AgentRegion` for it, which only a NIXL receiver
+    takes, and what must reach every pool itself (the KV tier, a prefill worker's push) is
+    refused naming the reason. On GPUs with the transport nixl the ranks take `RankPool`."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from engine.model.kv_pool import KVLayout, KVPool
+    from kvfabric import ReceiverConfig
+    from kvfabric.errors import FabricError
+    from kvfabric.nixl import RankPool
+    from kvfabric.pools import rank_allocator, worker_pools
+    from kvfabric.receiver import FabricReceiver
+    from kvfabric.region import AgentRegion
+
+    assert rank_allocator("cuda", "nixl") is RankPool and rank_allocator("cuda", "tcp") is None
+    assert rank_allocator("cpu", "nixl") is ShmKVAllocator  # host ranks are mapped: one agent registers them all
+    layout = KVLayout(2, 4, 1, 8, torch.float32)  # 2 layers, 4 tokens a block, 1 KV head each rank, 8 dims
+    pool = KVPool(layout, 6, "cpu")
+    block_bytes = pool.tensor[0].numel() * 4
+    theirs = {"nixl": b"rank-1-agent", "nixl_pool": [0x7F0000000000, 6 * block_bytes, 0]}
+    pools = worker_pools("m", SimpleNamespace(tensor=pool.tensor, layout=layout), 2, (0, 1), [theirs])
+    assert pools.regions[1] == AgentRegion(6, block_bytes, b"rank-1-agent", (0x7F0000000000, 6 * block_bytes, 0))
+    with pytest.raises(FabricError, match="the KV tier needs every rank's KV pool in this process's reach"):
+        pools.local("the KV tier")
+    with pytest.raises(FabricError, match="receive over nixl only: this receiver does not offer nixl"):
+        FabricReceiver(pools.layout, pools.regions, ReceiverConfig(nixl=False))
+    short = {**theirs, "nixl_pool": [0x7F0000000000, 5 * block_bytes, 0]}
+    with pytest.raises(FabricError, match=f"rank 1's pool is {5 * block_bytes} bytes, rank 0's 6 blocks"):
+        worker_pools("m", SimpleNamespace(tensor=pool.tensor, layout=layout), 2, (0, 1), [short])
+    with pytest.raises(FabricError, match="is for NIXL, which did not start there: no UCX"):
+        worker_pools("m", SimpleNamespace(tensor=pool.tensor, layout=layout), 2, (0, 1), [{"nixl_error": "no UCX"}])
+    mapped = worker_pools("m", SimpleNamespace(tensor=pool.tensor, layout=layout), 1, (0,), [])
+    assert mapped.local("the KV tier") == mapped.regions  # rank 0 alone: in reach
