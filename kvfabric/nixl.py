@@ -22,19 +22,24 @@ error detection), and not at all without peers.
 """
 from __future__ import annotations
 
+import hmac
 import importlib
+import itertools
 import logging
 import secrets
+import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from kvfabric.cuda import DeviceRegion
-from kvfabric.errors import FabricError, PeerUnavailable
+from kvfabric.errors import FabricError, PeerUnavailable, ProtocolError
 from kvfabric.layout import HeadMap, Run
 from kvfabric.region import BlockRegion
 
@@ -208,6 +213,7 @@ class RankPool:
     def __init__(self) -> None:
         self.tensor: Any = None
         self.agent: Agent | None = None
+        self.poster: RankPoster | None = None
 
     def allocate(self, shape: tuple[int, ...], dtype: Any, device: str) -> Any:
         from engine.model.kv_pool import TensorAllocator
@@ -230,13 +236,248 @@ class RankPool:
             except NixlUnavailable as e:
                 return {"nixl_error": str(e)}
             self.agent.pacer.attach()
-        return {"nixl": self.agent.metadata(), "nixl_pool": list(self.agent.pools[0])}
+            self.poster = RankPoster(self.agent)
+        return {"nixl": self.agent.metadata(), "nixl_pool": list(self.agent.pools[0]),
+                "nixl_post": self.poster.name, "nixl_token": self.poster.token}
 
     def close(self) -> None:
+        if self.poster is not None:
+            self.poster.close()
+            self.poster = None
         if self.agent is not None:
             self.agent.close()
             self.agent = None
         self.tensor = None
+
+
+class _Add(msgspec.Struct, tag="add"):
+    metadata: bytes
+
+
+class _Write(msgspec.Struct, tag="write"):
+    remote: str
+    src: bytes
+    """[n, 3] int64 (address, bytes, device), in this rank's pool."""
+    dst: bytes
+
+
+class _Check(msgspec.Struct, tag="check"):
+    handle: int
+
+
+class _Release(msgspec.Struct, tag="release"):
+    handles: list[int]
+
+
+class _Drop(msgspec.Struct, tag="drop"):
+    remote: str
+
+
+_Call = _Add | _Write | _Check | _Release | _Drop
+_decode_call = msgspec.msgpack.Decoder(_Call).decode
+
+
+class _Answer(msgspec.Struct):
+    value: str | int = 0
+    error: str = ""
+
+
+_decode_answer = msgspec.msgpack.Decoder(_Answer).decode
+_encode = msgspec.msgpack.Encoder().encode
+MAX_POST_FRAME = 64 << 20
+"""The largest call a rank's poster reads (a piece narrower than a block: a descriptor per row)."""
+
+
+def _send_frame(sock: socket.socket, payload: bytes) -> None:
+    sock.sendall(struct.pack("<I", len(payload)) + payload)
+
+
+def _recv_frame(sock: socket.socket) -> bytes:
+    head = _recv_exact(sock, 4)
+    (n,) = struct.unpack("<I", head)
+    if n > MAX_POST_FRAME:
+        raise ProtocolError(f"a {n}-byte frame from a rank's poster peer (at most {MAX_POST_FRAME})")
+    return _recv_exact(sock, n)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise PeerUnavailable("the rank's poster connection closed")
+        data += chunk
+    return bytes(data)
+
+
+class RankPoster:
+    """A further rank's writes, posted from its own agent for the worker's sender (rank 0),
+    which names them: its `RankClient` asks, over a Unix socket of this process (abstract,
+    answered only after the `token` it was given through the rank's export), to add a
+    receiver's agent, post a WRITE from this rank's pool (every source descriptor checked to
+    lie in it), check or release one, or drop the receiver's agent."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.token = secrets.token_hex(32)
+        self.name = f"splitserve-rank-{secrets.token_hex(8)}"
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind("\0" + self.name)
+        self._sock.listen(4)
+        self._sock.settimeout(0.2)
+        self._handles: dict[int, Any] = {}
+        self._ids = itertools.count(1)
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept, name="kvfabric-rank-poster", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except (TimeoutError, socket.timeout):
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="kvfabric-rank-post", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.settimeout(10.0)
+                if not hmac.compare_digest(_recv_frame(conn), self.token.encode()):
+                    return
+                conn.settimeout(None)
+                while not self._closed:
+                    try:
+                        answer = self._answer(_decode_call(_recv_frame(conn)))
+                    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+                        answer = _Answer(error=f"not a call: {e}")
+                    _send_frame(conn, _encode(answer))
+            except (OSError, PeerUnavailable, ProtocolError):
+                return
+
+    def _answer(self, call: _Call) -> _Answer:
+        try:
+            if isinstance(call, _Add):
+                return _Answer(self.agent.add_remote(call.metadata))
+            if isinstance(call, _Drop):
+                self.agent.drop_remote(call.remote)
+                return _Answer()
+            if isinstance(call, _Write):
+                return self._write(call)
+            if isinstance(call, _Check):
+                return self._check(call.handle)
+            self._release(call.handles)
+            return _Answer()
+        except Exception as e:  # noqa: BLE001 - nixlBind's own errors travel back to rank 0 as text
+            return _Answer(error=str(e) or type(e).__name__)
+
+    def _write(self, call: _Write) -> _Answer:
+        src = np.frombuffer(call.src, np.int64).reshape(-1, 3)
+        dst = np.frombuffer(call.dst, np.int64).reshape(-1, 3)
+        base, nbytes, device = self.agent.pools[0]
+        if len(src) != len(dst) or not len(src) or (src[:, 0] < base).any() or \
+                (src[:, 0] + src[:, 1] > base + nbytes).any() or (src[:, 2] != device).any():
+            return _Answer(error="source descriptors outside this rank's pool")
+        nixl = self.agent.live()
+        with self.agent.calls:
+            handle = nixl.initialize_xfer("WRITE", nixl.get_xfer_descs(src, self.agent.kind),
+                                          nixl.get_xfer_descs(dst, self.agent.kind), call.remote)
+            state = nixl.transfer(handle)
+            if state in ("ERR", "DONE"):
+                handle.release()
+        if state != "PROC":
+            return _Answer(state if state != "ERR" else 0, "" if state != "ERR" else "failed at posting")
+        hid = next(self._ids)
+        self._handles[hid] = handle
+        self.agent.pacer.begin()
+        return _Answer(hid)
+
+    def _check(self, hid: int) -> _Answer:
+        handle = self._handles.get(hid)
+        if handle is None:
+            return _Answer(error=f"no write {hid} in flight")
+        with self.agent.calls:
+            state = self.agent.live().check_xfer_state(handle)
+            if state == "DONE":
+                handle.release()
+        if state in ("DONE", "ERR"):
+            self._handles.pop(hid, None)
+            self.agent.pacer.end()
+        return _Answer(state) if state != "ERR" else _Answer(error="the write failed")
+
+    def _release(self, hids: Sequence[int]) -> None:
+        for hid in hids:
+            handle = self._handles.pop(hid, None)
+            if handle is None:
+                continue
+            with self.agent.calls:
+                try:
+                    handle.release()
+                except Exception:  # noqa: BLE001 - an in-flight request may refuse release; nothing more to do
+                    pass
+            self.agent.pacer.end()
+
+    def close(self) -> None:
+        self._closed = True
+        self._sock.close()
+        self._thread.join(timeout=2)
+
+
+class RankClient:
+    """Rank 0's side of a further rank's `RankPoster`: one connection, one call at a time."""
+
+    def __init__(self, name: str, token: str, timeout_s: float = 10.0) -> None:
+        self.name, self._token, self.timeout_s = name, token, timeout_s
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+
+    def call(self, call: _Call) -> str | int:
+        """The answer's value; PeerUnavailable with the rank's error, or when it is gone."""
+        with self._lock:
+            try:
+                if self._sock is None:
+                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    sock.settimeout(self.timeout_s)
+                    sock.connect("\0" + self.name)
+                    _send_frame(sock, self._token.encode())
+                    self._sock = sock
+                _send_frame(self._sock, _encode(call))
+                answer = _decode_answer(_recv_frame(self._sock))
+            except (OSError, ProtocolError, msgspec.DecodeError, msgspec.ValidationError) as e:
+                self._close()
+                raise PeerUnavailable(f"tensor-parallel rank's poster {self.name}: {e}") from e
+        if answer.error:
+            raise PeerUnavailable(f"tensor-parallel rank's poster {self.name}: {answer.error}")
+        return answer.value
+
+    def add_remote(self, metadata: bytes) -> str:
+        return str(self.call(_Add(metadata)))
+
+    def drop_remote(self, name: str) -> None:
+        self.call(_Drop(name))
+
+    def write(self, remote: str, src: np.ndarray, dst: np.ndarray) -> int | str:
+        """A posted write's id, or "DONE" where it completed at posting."""
+        return self.call(_Write(remote, np.ascontiguousarray(src, np.int64).tobytes(),
+                                np.ascontiguousarray(dst, np.int64).tobytes()))
+
+    def check(self, hid: int) -> str:
+        return str(self.call(_Check(hid)))
+
+    def release(self, hids: Sequence[int]) -> None:
+        if hids:
+            self.call(_Release(list(hids)))
+
+    def _close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._close()
 
 
 class Pacer:
@@ -312,38 +553,57 @@ class Pacer:
 
 
 class Posted:
-    """Writes posted for one transfer and not yet seen complete."""
+    """Writes posted for one transfer and not yet seen complete: this process's handles, and
+    (rank, id) of those a further rank posted (`RankPoster`)."""
 
     def __init__(self) -> None:
         self.handles: list[Any] = []
+        self.ranks: list[tuple[int, int]] = []
 
 
 class NixlLink:
     """A sender's writes into one receiver's pools (`remote_pools`, one per receiver rank), each
-    held by the receiver's agent or, where `rank_agents` names one, by that rank's own."""
+    held by the receiver's agent or, where `rank_agents` names one, by that rank's own; from
+    this process's pools (`agent`'s) or, for a sender rank with a `RankClient` in `sources`
+    (its pool private to its process), posted by that rank's own agent (`src_pools`: each
+    sender rank's registered pool)."""
 
     def __init__(self, agent: Agent, remote_metadata: bytes, remote_pools: Sequence[Pool], heads: HeadMap,
-                 rank_agents: Sequence[bytes] = ()) -> None:
+                 rank_agents: Sequence[bytes] = (), sources: Sequence[RankClient | None] = (),
+                 src_pools: Sequence[Pool] = ()) -> None:
         world = heads.receiver.world
         if len(remote_pools) != world or (rank_agents and len(rank_agents) != world):
             raise FabricError(f"the receiver names {len(remote_pools)} NIXL pools and {len(rank_agents)} agents "
                               f"for {world} ranks")
         self.agent, self.heads = agent, heads
         self.remote_pools = [tuple(int(x) for x in p) for p in remote_pools]
+        self.sources = list(sources) or [None] * heads.sender.world
+        self.src_pools = list(src_pools) or list(agent.pools)
         self._lock = threading.Lock()
         metadata = [m or remote_metadata for m in rank_agents] if rank_agents else [remote_metadata] * world
-        names: dict[bytes, str] = {}
+        self._added: list[tuple[RankClient | None, str]] = []
         try:
+            names: dict[bytes, str] = {}
             for m in metadata:
                 if m not in names:
                     names[m] = agent.add_remote(m)
+                    self._added.append((None, names[m]))
+            self.remotes = [names[m] for m in metadata]
+            """The agent holding each receiver rank's pool, as added here."""
+            self.rank_remotes: dict[int, list[str]] = {}
+            """A posting sender rank's names for them, as added by its own agent."""
+            for rank, client in enumerate(self.sources):
+                if client is not None:
+                    theirs: dict[bytes, str] = {}
+                    for m in metadata:
+                        if m not in theirs:
+                            theirs[m] = client.add_remote(m)
+                            self._added.append((client, theirs[m]))
+                    self.rank_remotes[rank] = [theirs[m] for m in metadata]
         except Exception as e:  # noqa: BLE001 - nixlBind's own errors: UCX found no way to the receiver
-            for name in names.values():
-                agent.drop_remote(name)
+            self._drop_added()
             raise PeerUnavailable(f"NIXL cannot reach the receiver's agent ({e}): no UCX transport between the "
                                   "two (see UCX's message above)") from e
-        self.remotes = [names[m] for m in metadata]
-        """The agent holding each receiver rank's pool, as added here."""
         self.remote = self.remotes[0]
         self._closed = False
 
@@ -361,9 +621,15 @@ class NixlLink:
                     raise PeerUnavailable(f"the step's CUDA event did not complete within {timeout_s:g} s")
                 time.sleep(POLL_S)
         for piece in self.heads.pieces:
-            src = self._descs(self.agent.pools[piece.src_rank], self.heads.sender, piece.src_head, piece, runs, "src")
+            src = self._descs(self.src_pools[piece.src_rank], self.heads.sender, piece.src_head, piece, runs, "src")
             dst = self._descs(self.remote_pools[piece.dst_rank], self.heads.receiver, piece.dst_head, piece, runs,
                               "dst")
+            client = self.sources[piece.src_rank]
+            if client is not None:  # that rank's own agent posts it
+                posted_id = client.write(self.rank_remotes[piece.src_rank][piece.dst_rank], src, dst)
+                if posted_id != "DONE":
+                    posted.ranks.append((piece.src_rank, int(posted_id)))
+                continue
             with self.agent.calls:
                 try:
                     handle = nixl.initialize_xfer("WRITE", nixl.get_xfer_descs(src, self.agent.kind),
@@ -400,7 +666,7 @@ class NixlLink:
     def settle(self, posted: Posted, timeout_s: float) -> None:
         """Waits until every posted write completed; PeerUnavailable when one failed or did not
         complete within `timeout_s` (those are released: NIXL cancels what is still queued)."""
-        if not posted.handles:
+        if not posted.handles and not posted.ranks:
             return
         nixl = self.agent.live()
         deadline = time.monotonic() + timeout_s
@@ -423,6 +689,17 @@ class NixlLink:
                     raise PeerUnavailable(f"NIXL writes to {self.remote} did not complete within {timeout_s:g} s")
                 else:
                     time.sleep(POLL_S)
+            while posted.ranks:
+                rank, hid = posted.ranks[0]
+                client = self.sources[rank]
+                assert client is not None
+                if client.check(hid) == "DONE":
+                    posted.ranks.pop(0)
+                elif time.monotonic() > deadline:
+                    raise PeerUnavailable(f"rank {rank}'s NIXL writes to {self.remote} did not complete within "
+                                          f"{timeout_s:g} s")
+                else:
+                    time.sleep(POLL_S)
         except BaseException:
             with self.agent.calls:
                 for handle in posted.handles:
@@ -432,6 +709,14 @@ class NixlLink:
                         pass
             self.agent.pacer.end(len(posted.handles))
             posted.handles.clear()
+            for rank in sorted({r for r, _ in posted.ranks}):
+                client = self.sources[rank]
+                try:
+                    assert client is not None
+                    client.release([hid for r, hid in posted.ranks if r == rank])
+                except PeerUnavailable:  # the rank is gone: its writes with it
+                    pass
+            posted.ranks.clear()
             raise
 
     def close(self) -> None:
@@ -440,5 +725,15 @@ class NixlLink:
             if self._closed:
                 return
             self._closed = True
-        for name in dict.fromkeys(self.remotes):
-            self.agent.drop_remote(name)
+        self._drop_added()
+
+    def _drop_added(self) -> None:
+        for client, name in self._added:
+            if client is None:
+                self.agent.drop_remote(name)
+            else:
+                try:
+                    client.drop_remote(name)
+                except PeerUnavailable:  # the rank is gone, its agent with it
+                    pass
+        self._added = []

@@ -104,7 +104,8 @@ def worker_pools(model_id: str, pool: Any, model_kv_heads: int = 0, shards: Sequ
                     raise FabricError(f"tensor-parallel rank {rank}'s pool is {nbytes} bytes, rank 0's "
                                       f"{own.num_blocks} blocks of {layout.block_bytes}")
                 regions.append(AgentRegion(own.num_blocks, layout.block_bytes, bytes(export["nixl"]),
-                                           (base, nbytes, device)))
+                                           (base, nbytes, device), export.get("nixl_post", ""),
+                                           export.get("nixl_token", "")))
             elif export.get("nixl_error"):
                 raise FabricError(f"tensor-parallel rank {rank}'s KV pool is for NIXL, which did not start there: "
                                   f"{export['nixl_error']}")

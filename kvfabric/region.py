@@ -41,6 +41,10 @@ class AgentRegion:
     """The rank's agent's (`Agent.metadata`)."""
     pool: tuple[int, int, int]
     """Where the pool is registered there: (base address, bytes, device)."""
+    post: str = ""
+    """The rank's `RankPoster` (a Unix socket's abstract name), which posts writes from the pool."""
+    token: str = ""
+    """What the poster asks of a caller first."""
 
 
 _SHM_DIR = Path("/dev/shm")

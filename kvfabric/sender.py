@@ -35,10 +35,10 @@ from kvfabric.cuda import (CopyInFlight, DeviceRegion, IpcMapping, NcclLink, gpu
                            when_done)
 from kvfabric.errors import FabricError, HandshakeError, PeerUnavailable, ProtocolError, ReservationRevoked
 from kvfabric.layout import FabricLayout, HeadMap, Run, coalesce, merge_spans
-from kvfabric.nixl import Agent, NixlLink, Posted
+from kvfabric.nixl import Agent, NixlLink, Posted, RankClient
 from kvfabric.nixl import unavailable as nixl_unavailable
 from kvfabric.pools import pick_transport
-from kvfabric.region import BlockRegion, CopyBytes, ShmSegment
+from kvfabric.region import AgentRegion, BlockRegion, CopyBytes, ShmSegment
 from kvfabric.wire import (MAX_HELLO_BYTES, Abort, Challenge, Conn, Data, Hello, HelloErr, HelloReply, Idle, Message,
                            NcclData, Open, OpenErr, OpenOk, Ready, ReadyAck, Renew, Revoke, RevokeAck, SenderMessage,
                            dial, new_nonce, prove, proven, start_tls)
@@ -179,8 +179,12 @@ class _Peer:
         offered = a.transports if a.shm_name and a.shm_nonce else tuple(t for t in a.transports if t != "shm")
         self.gpu = gpu_identity(src.device) if isinstance(src, DeviceRegion) else None
         same_gpu = same_host and self.gpu is not None and self.gpu == a.gpu
+        if self.sender.rank_posts and forced not in (None, "nixl"):
+            raise HandshakeError(f"this worker's further ranks post their own writes (their pools are private to "
+                                 f"their processes): nixl only, not {forced}", "transport")
         transport = pick_transport("cuda" if isinstance(src, DeviceRegion) else "cpu", a.device, same_host, offered,
-                                   forced, same_gpu, nixl_here="nixl" in offered and nixl_unavailable() is None)
+                                   "nixl" if self.sender.rank_posts else forced, same_gpu,
+                                   nixl_here="nixl" in offered and nixl_unavailable() is None)
         if transport == "cuda_ipc":
             assert isinstance(src, DeviceRegion) and a.cuda_ipc_handle is not None
             self.ipc = IpcMapping(a.cuda_ipc_handle, a.pool_blocks, self.sender.layout.block_bytes, src.device)
@@ -239,7 +243,7 @@ class _Peer:
             if not reply.nixl_agent:
                 raise HandshakeError(f"receiver {self.address.receiver_id} chose nixl but sent no NIXL agent", "transport")
             self.nixl = NixlLink(self.sender.nixl_agent(), reply.nixl_agent, reply.nixl_pools, self.map,
-                                 reply.nixl_rank_agents)
+                                 reply.nixl_rank_agents, *self.sender.nixl_sources())
         if self.transport == "nccl":
             src = self.sender.region
             assert isinstance(src, DeviceRegion)
@@ -439,13 +443,25 @@ class _Peer:
 class FabricSender:
     def __init__(self, layout: FabricLayout, region: BlockRegion | DeviceRegion | Sequence[BlockRegion],
                  config: SenderConfig | None = None, copy: CopyBytes = ctypes.memmove) -> None:
-        """`region`: the pool, or a tensor-parallel worker's pools in rank order (host memory);
-        `copy` moves `shm` pushes' bytes (the prefill worker passes the engine's copy_stream)."""
+        """`region`: the pool, or a tensor-parallel worker's pools in rank order (host memory, or
+        each further rank's held by its own NIXL agent, `AgentRegion`, which posts its own
+        writes: then over nixl alone); `copy` moves `shm` pushes' bytes (the prefill worker
+        passes the engine's copy_stream)."""
         self.regions = list(region) if isinstance(region, Sequence) else [region]
         if len(self.regions) != layout.world:
             raise ValueError(f"{len(self.regions)} pools for a layout of {layout.world} ranks")
-        if layout.world > 1 and not all(isinstance(r, BlockRegion) for r in self.regions):
-            raise ValueError("a tensor-parallel worker's pools move from host memory (device pools: one rank)")
+        further = self.regions[1:]
+        self.rank_posts = all(isinstance(r, AgentRegion) for r in further) and layout.world > 1
+        """Every further rank posts its own writes (its pool private to its process)."""
+        if layout.world > 1 and not (all(isinstance(r, BlockRegion) for r in self.regions) or self.rank_posts) \
+                or isinstance(self.regions[0], AgentRegion):
+            raise ValueError("a tensor-parallel worker's pools move from host memory, or from each further rank's "
+                             "own NIXL agent (device pools: one rank, or ranks with agents of their own)")
+        if self.rank_posts and not all(r.post for r in further):  # type: ignore[union-attr]
+            raise ValueError("a further rank's pool held by its own NIXL agent names no poster to write from it")
+        self.sources: list[RankClient | None] = [None] + [
+            RankClient(r.post, r.token) if isinstance(r, AgentRegion) else None for r in further]
+        """Each rank's poster where it posts its own writes (`kvfabric.nixl.RankPoster`)."""
         for r in self.regions:
             if r.block_bytes != layout.block_bytes:
                 raise ValueError(f"region blocks are {r.block_bytes} bytes, layout says {layout.block_bytes}")
@@ -467,8 +483,15 @@ class FabricSender:
         """This sender's NIXL agent, made (and its pools registered) on first use."""
         with self._lock:
             if self._nixl is None:
-                self._nixl = Agent("tx", self.regions)
+                self._nixl = Agent("tx", [r for r in self.regions if not isinstance(r, AgentRegion)])
             return self._nixl
+
+    def nixl_sources(self) -> tuple[list[RankClient | None], list[tuple[int, int, int]]]:
+        """Each rank's poster (None: this process posts) and registered pool, for `NixlLink`."""
+        agent = self.nixl_agent()
+        if not self.rank_posts:
+            return [], []
+        return self.sources, [agent.pools[0], *(r.pool for r in self.regions[1:])]  # type: ignore[union-attr]
 
     def _peer(self, address: FabricAddress) -> _Peer:
         with self._lock:
@@ -502,3 +525,6 @@ class FabricSender:
         if self._nixl is not None:
             self._nixl.close()
             self._nixl = None
+        for client in self.sources:
+            if client is not None:
+                client.close()

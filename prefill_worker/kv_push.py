@@ -197,7 +197,7 @@ class KVPusher:
         region = self.pools.regions[0]
         if isinstance(region, DeviceRegion):
             require_cupy()  # one clear error at start-up, naming the extra to install
-        self.sender = FabricSender(self.layout, self.pools.local("a prefill worker's push"), config, copy)
+        self.sender = FabricSender(self.layout, self.pools.regions, config, copy)  # (further ranks' own agents post)
         self._cuda_device = region.device if isinstance(region, DeviceRegion) else None
         """A device pool's GPU: each push waits on an event recorded after the step that wrote its blocks."""
         self.on_done = on_done or self._keep

@@ -91,7 +91,7 @@ class PrefillWorker(HostedWorker, pb_grpc.PrefillWorkerServicer):
         torch.set_num_threads(config.num_threads)
         self.worker_id = worker_id
         self.config = config = on_this_node(config)
-        self.ranks = TensorRanks(config.tensor_parallel, rank_allocator(config.device)) \
+        self.ranks = TensorRanks(config.tensor_parallel, rank_allocator(config.device, config.kv_transport)) \
             if config.tensor_parallel > 1 else None
         """The model's other ranks (child processes) when it is split (engine/parallel/tp_ranks.py): each
         pushes its KV heads from its own pool, which this process maps."""

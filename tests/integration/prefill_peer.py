@@ -11,19 +11,24 @@ from engine.llm_engine import LLMEngine
 from engine.core.request import SamplingParams
 from engine.parallel.tp_ranks import TensorRanks
 from kvfabric import SenderConfig, Ticket
+from kvfabric.nixl import RankPool
 from kvfabric.pools import rank_allocator
 from prefill_worker.kv_push import KVPusher
 from tests.integration.reference import engine_config
 
 
 def prefill_main(pipe: Connection, model_dir: str, transport: str, budget: int, device: str = "cpu",
-                 num_blocks: int = 512, world: int = 1, kv_cache_dtype: str = "auto") -> None:
+                 num_blocks: int = 512, world: int = 1, kv_cache_dtype: str = "auto",
+                 rank_pools: str = "mapped") -> None:
+    """`rank_pools`: "own agents": each further rank's pool private, held and written from by a
+    NIXL agent of its own (`kvfabric.nixl.RankPool`), as a GPU rank's is."""
     torch.set_num_threads(1)
     if device.startswith("cuda"):  # the GPU tests compare bytes: no TF32 in either engine
         torch.backends.cuda.matmul.allow_tf32 = False
     config = engine_config(model_dir, role="prefill", budget=budget, device=device, num_blocks=num_blocks,
                            kv_cache_dtype=kv_cache_dtype)
-    ranks = TensorRanks(world, rank_allocator(device)) if world > 1 else None
+    ranks = TensorRanks(world, RankPool if rank_pools == "own agents" else rank_allocator(device)) \
+        if world > 1 else None
     if ranks is not None:
         config = ranks.start(config)
     engine = LLMEngine(config)
@@ -73,4 +78,5 @@ def prefill_main(pipe: Connection, model_dir: str, transport: str, budget: int, 
                 done.append((d.request_id, firsts.get(d.request_id) if d.error is None else None, d.error,
                              d.num_pushes))
         in_use = engine.check_invariants().num_in_use - (engine.kv.null_block is not None)  # a window's null block
-        pipe.send(("ok", {"done": done, "in_use": in_use, "pool_bytes": pool_bytes, "pushed_blocks": pushed}))
+        pipe.send(("ok", {"done": done, "in_use": in_use, "pool_bytes": pool_bytes, "pushed_blocks": pushed,
+                          "rank_posts": pusher.sender.rank_posts}))

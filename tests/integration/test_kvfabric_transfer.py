@@ -428,3 +428,39 @@ def test_an_idle_nixl_agent_takes_no_core(transport: str, monkeypatch: pytest.Mo
             assert time.process_time() - began < 0.1, f"attached={attached}"
     finally:
         agent.close()
+
+
+@pytest.mark.parametrize("transport", ["nixl"])
+def test_a_ranks_poster_answers_only_its_token_and_writes_only_from_its_pool(transport: str) -> None:
+    """A further tensor-parallel rank's `RankPoster` (its pool private, held by its own agent)
+    posts writes for rank 0 alone: a caller without the token it exported is cut off, and a
+    write whose source lies outside the rank's pool, or a check of a write it never posted,
+    is refused with the reason; NIXL's own refusals come back as text."""
+    skip_without_nixl(transport)
+    import torch
+
+    from kvfabric.nixl import RankClient, RankPool
+
+    pool = RankPool()
+    pool.allocate((4, 4096), torch.uint8, "cpu")
+    export = pool.export()
+    wrong = RankClient(export["nixl_post"], "0" * 64, timeout_s=2)
+    client = RankClient(export["nixl_post"], export["nixl_token"], timeout_s=5)
+    try:
+        assert set(export) == {"nixl", "nixl_pool", "nixl_post", "nixl_token"}
+        assert export["nixl_pool"][1] == 4 * 4096
+        with pytest.raises(PeerUnavailable, match="poster connection closed|Connection reset"):  # cut off, unanswered
+            wrong.add_remote(b"anything")
+        base, nbytes, _ = export["nixl_pool"]
+        for src in ([[base + nbytes - 64, 128, 0]], [[base - 1, 64, 0]], [[base, 64, 3]]):
+            with pytest.raises(PeerUnavailable, match="source descriptors outside this rank's pool"):
+                client.write("someone", np.array(src, np.int64), np.array([[0, 64, 0]], np.int64))
+        with pytest.raises(PeerUnavailable, match="no write 7 in flight"):
+            client.check(7)
+        with pytest.raises(PeerUnavailable, match="tensor-parallel rank's poster"):
+            client.add_remote(b"not an agent's metadata")
+        client.release([7])  # nothing of it: nothing to do
+    finally:
+        wrong.close()
+        client.close()
+        pool.close()

@@ -35,19 +35,20 @@ PARAMS = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
 @pytest.mark.parametrize("p,d,transport,kv,rank_pools", [
     (2, 1, "shm", "auto", "mapped"), (1, 2, "tcp", "auto", "mapped"), (2, 4, "shm", "auto", "mapped"),
     (2, 2, "tcp", "auto", "mapped"), (2, 4, "nixl", "auto", "mapped"), (2, 4, "shm", "fp8", "mapped"),
-    (1, 2, "nixl", "auto", "own agents"), (2, 4, "nixl", "auto", "own agents")])
+    (1, 2, "nixl", "auto", "own agents"), (2, 1, "nixl", "auto", "own agents"), (2, 4, "nixl", "auto", "own agents")])
 def test_prefill_and_decode_at_different_degrees_give_the_whole_models_tokens(
     tiny_llama_dir: str, p: int, d: int, transport: str, kv: str, rank_pools: str,
 ) -> None:
     """(nixl at 2 -> 4: each piece narrower than a block, written one row of it at a time;
-    fp8: every rank's pool in e4m3, re-sharded byte for byte; own agents: each further decode
-    rank's pool private to its process and registered with a NIXL agent of its own there, as a
-    GPU rank's is, `kvfabric.nixl.RankPool`: the sender writes each rank's heads through it.)"""
+    fp8: every rank's pool in e4m3, re-sharded byte for byte; own agents: each further rank's
+    pool, on both sides, private to its process and registered with a NIXL agent of its own
+    there, as a GPU rank's is, `kvfabric.nixl.RankPool`: a further prefill rank's agent posts
+    the writes of its heads, into a further decode rank's pool through that rank's agent.)"""
     skip_without_nixl(transport)
     prompts = random_prompts([5, 16, 23, 41], 512, seed=p * 10 + d)
     reference = make_engine(tiny_llama_dir, kv_cache_dtype=kv)
     want = {f"r{i}": c.token_ids for i, c in enumerate(reference.generate(prompts, PARAMS))}
-    prefill = Peer(prefill_main, tiny_llama_dir, transport, 16, "cpu", 512, p, kv, daemon=False)
+    prefill = Peer(prefill_main, tiny_llama_dir, transport, 16, "cpu", 512, p, kv, rank_pools, daemon=False)
     per_rank = RankPool if rank_pools == "own agents" else rank_allocator("cpu")
     ranks = TensorRanks(d, per_rank) if d > 1 else None
     config = engine_config(tiny_llama_dir, role="decode", kv_cache_dtype=kv)
@@ -57,7 +58,7 @@ def test_prefill_and_decode_at_different_degrees_give_the_whole_models_tokens(
         engine = LLMEngine(ranks.start(config) if ranks else config, allocator=allocator)
         remote = RemoteKV(engine, allocator, ReceiverConfig(nixl=transport == "nixl"))
         assert remote.refusal is None and remote.receiver.layout.world == d
-        if rank_pools == "own agents":  # reachable through their agents alone
+        if rank_pools == "own agents" and d > 1:  # reachable through their agents alone
             assert remote.receiver.address.transports == ("nixl",)
             assert all(isinstance(r, AgentRegion) for r in remote.pools.regions[1:])
         tickets = [remote.reserve(prompt, PARAMS, request_id=f"r{i}") for i, prompt in enumerate(prompts)]
@@ -66,6 +67,7 @@ def test_prefill_and_decode_at_different_degrees_give_the_whole_models_tokens(
                              timeout_s=120)
         assert all(error is None for _, _, error, _ in reply["done"])
         assert reply["in_use"] == 0  # the prefill side's blocks (the same ids on each of its ranks) all free
+        assert reply["rank_posts"] == (rank_pools == "own agents" and p > 1)  # its further ranks posted their heads
         tokens: dict[str, list[int]] = {rid: [] for rid in want}
         assert run_decode(remote, tokens, len(prompts)) == []
         assert tokens == want

@@ -134,8 +134,9 @@ def test_a_further_rank_held_by_its_own_nixl_agent_is_named_not_mapped_and_only_
     """A split worker's further rank whose pool its own NIXL agent holds (`RankPool`, a GPU
     rank's way: its memory is private to its process) exports the agent's metadata and where
     the pool is registered; the worker sees an `AgentRegion` for it, which only a NIXL receiver
-    takes, and what must reach every pool itself (the KV tier, a prefill worker's push) is
-    refused naming the reason. On GPUs with the transport nixl the ranks take `RankPool`."""
+    takes (or a sender whose ranks post their own writes), and what must reach every pool
+    itself (the KV tier) is refused naming the reason. On GPUs with the transport nixl the
+    ranks take `RankPool`."""
     from types import SimpleNamespace
 
     import torch
