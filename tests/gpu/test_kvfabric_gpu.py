@@ -247,3 +247,108 @@ def test_nccl_abort_and_dropped_multi_run_frames_leave_nothing_hanging() -> None
         pipe.send(("exit",))
         proc.join(10)
         proc.kill()
+
+
+SPLIT = FabricLayout("gpu-test", "bfloat16", num_layers=4, block_size=16, num_kv_heads=1, head_dim=64, dtype_bytes=2,
+                     model_kv_heads=2, shards=(0, 1))
+"""A worker split over two ranks, a KV head each."""
+
+
+def rank_pool_child(pipe: Connection, seed: int | None) -> None:
+    """A further rank: its pool on this GPU, private to this process and held by a NIXL agent of
+    its own (`RankPool`); `seed`: filled with the sender's bytes, else zeros (a receiver's)."""
+    from kvfabric.nixl import RankPool
+
+    pool = RankPool()
+    blocks = pool.allocate((NUM_BLOCKS, SPLIT.block_bytes), torch.uint8, "cuda:0")
+    if seed is not None:
+        g = torch.Generator(device="cuda:0").manual_seed(seed)
+        blocks.copy_(torch.randint(0, 256, blocks.shape, dtype=torch.uint8, device="cuda:0", generator=g))
+    pipe.send(pool.export())
+    while True:
+        cmd = pipe.recv()
+        if cmd[0] == "bytes":
+            torch.cuda.synchronize()
+            pipe.send(blocks[cmd[1]].cpu().numpy().tobytes())
+        else:
+            pool.close()
+            pipe.send(None)
+            return
+
+
+def split_receiver_child(pipe: Connection, rank1: dict) -> None:
+    """Rank 0 of a split decode worker: its own pool, and rank 1's through that rank's agent."""
+    from kvfabric.region import AgentRegion
+
+    pool = torch.zeros((NUM_BLOCKS, SPLIT.block_bytes), dtype=torch.uint8, device="cuda:0")
+    further = AgentRegion(NUM_BLOCKS, SPLIT.block_bytes, rank1["nixl"], tuple(rank1["nixl_pool"]))
+    receiver = FabricReceiver(SPLIT, [DeviceRegion.from_tensor(pool), further], ReceiverConfig(nixl=True))
+    pipe.send(receiver.address.to_wire())
+    while True:
+        cmd = pipe.recv()
+        if cmd[0] == "expect":
+            pipe.send(receiver.expect(cmd[1], cmd[2], 0).to_wire())
+        elif cmd[0] == "poll":
+            pipe.send([(e.request_id, type(e).__name__) for e in receiver.poll(timeout_s=10)])
+        elif cmd[0] == "bytes":
+            torch.cuda.synchronize()
+            pipe.send(pool[cmd[1]].cpu().numpy().tobytes())
+        else:
+            receiver.close()
+            return
+
+
+def test_nixl_between_split_workers_whose_further_ranks_hold_their_pools_with_agents_of_their_own() -> None:
+    """The registration a split GPU worker needs (one GPU here, one agent per pool): a sender
+    split over two ranks, its rank 1 posting its own writes from its own agent, into a receiver
+    split over two, its rank 1's pool reached through that rank's agent; every rank's blocks
+    land byte for byte."""
+    from kvfabric.nixl import unavailable
+    from kvfabric.region import AgentRegion
+
+    if (why := unavailable()) is not None:
+        pytest.skip(why)
+    ctx = mp.get_context("spawn")
+    children = []
+    try:
+        pipes = []
+        for target, args in ((rank_pool_child, (None,)), (rank_pool_child, (1,))):
+            pipe, child = ctx.Pipe()
+            children.append(ctx.Process(target=target, args=(child, *args), daemon=True))
+            children[-1].start()
+            pipes.append(pipe)
+        assert all(p.poll(120) for p in pipes)
+        rx_rank1, tx_rank1 = (p.recv() for p in pipes)
+        rx_pipe, child = ctx.Pipe()
+        children.append(ctx.Process(target=split_receiver_child, args=(child, rx_rank1), daemon=True))
+        children[-1].start()
+        assert rx_pipe.poll(120)
+        FabricAddress.from_wire(rx_pipe.recv())
+        g = torch.Generator(device="cuda:0").manual_seed(0)
+        src0 = torch.randint(0, 256, (NUM_BLOCKS, SPLIT.block_bytes), dtype=torch.uint8, device="cuda:0", generator=g)
+        further = AgentRegion(NUM_BLOCKS, SPLIT.block_bytes, tx_rank1["nixl"], tuple(tx_rank1["nixl_pool"]),
+                              tx_rank1["nixl_post"], tx_rank1["nixl_token"])
+        sender = FabricSender(SPLIT, [DeviceRegion.from_tensor(src0), further], SenderConfig(transport="nixl"))
+        dst_ids, src_ids = [3, 4, 5, 9, 20], [7, 8, 9, 1, 30]
+        rx_pipe.send(("expect", "g", dst_ids))
+        transfer = sender.open(Ticket.from_wire(rx_pipe.recv()))
+        assert transfer.transport == "nixl" and sender.rank_posts
+        transfer.push(src_ids[:3], 0)
+        transfer.push(src_ids[3:], 3)
+        transfer.finish(5, len(dst_ids) * SPLIT.block_size)
+        rx_pipe.send(("poll",))
+        assert rx_pipe.recv() == [("g", KVArrived.__name__)]
+        rx_pipe.send(("bytes", dst_ids))
+        assert rx_pipe.recv() == src0[src_ids].cpu().numpy().tobytes()
+        pipes[1].send(("bytes", src_ids))
+        pipes[0].send(("bytes", dst_ids))
+        assert pipes[0].recv() == pipes[1].recv()  # rank 1's heads, from its agent into the other's
+        sender.close()
+        rx_pipe.send(("exit",))
+        for p in pipes:
+            p.send(("exit",))
+            assert p.poll(30) and p.recv() is None
+    finally:
+        for proc in children:
+            proc.join(10)
+            proc.kill()
