@@ -263,6 +263,8 @@ class _Write(msgspec.Struct, tag="write"):
 
 class _Check(msgspec.Struct, tag="check"):
     handle: int
+    wait_s: float = 0.0
+    """Answered once the write completed, failed, or this long passed (polled there, not here)."""
 
 
 class _Release(msgspec.Struct, tag="release"):
@@ -284,6 +286,9 @@ class _Answer(msgspec.Struct):
 
 _decode_answer = msgspec.msgpack.Decoder(_Answer).decode
 _encode = msgspec.msgpack.Encoder().encode
+RANK_CHECK_S = 0.005
+"""How long a rank's poster polls a write it posted before answering a check (one call per
+5 ms while a rank's writes are in flight, not one per `POLL_S`)."""
 MAX_POST_FRAME = 64 << 20
 """The largest call a rank's poster reads (a piece narrower than a block: a descriptor per row)."""
 
@@ -367,7 +372,10 @@ class RankPoster:
             if isinstance(call, _Write):
                 return self._write(call)
             if isinstance(call, _Check):
-                return self._check(call.handle)
+                deadline = time.monotonic() + min(max(call.wait_s, 0.0), 1.0)
+                while (answer := self._check(call.handle)).value == "PROC" and time.monotonic() < deadline:
+                    time.sleep(POLL_S)
+                return answer
             self._release(call.handles)
             return _Answer()
         except Exception as e:  # noqa: BLE001 - nixlBind's own errors travel back to rank 0 as text
@@ -463,8 +471,9 @@ class RankClient:
         return self.call(_Write(remote, np.ascontiguousarray(src, np.int64).tobytes(),
                                 np.ascontiguousarray(dst, np.int64).tobytes()))
 
-    def check(self, hid: int) -> str:
-        return str(self.call(_Check(hid)))
+    def check(self, hid: int, wait_s: float = RANK_CHECK_S) -> str:
+        """The write's state once it completed, or after `wait_s` (the rank polls it meanwhile)."""
+        return str(self.call(_Check(hid, wait_s)))
 
     def release(self, hids: Sequence[int]) -> None:
         if hids:
