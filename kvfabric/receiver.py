@@ -272,9 +272,10 @@ class FabricReceiver:
             heads = HeadMap.between(theirs, self.layout)
         except ValueError as e:
             refuse(conn, "model_kv_heads", str(e))
-        if isinstance(self.region, DeviceRegion) and not heads.whole_blocks:
-            refuse(conn, "shards", f"GPU pools move whole blocks between workers of one tensor-parallel degree; the "
-                                   f"sender splits the KV heads {theirs.world} ways, this receiver {self.layout.world}")
+        if isinstance(self.region, DeviceRegion) and not heads.whole_blocks and transport != "nixl":
+            refuse(conn, "shards", f"GPU pools move whole blocks between workers of one tensor-parallel degree but "
+                                   f"over nixl; the sender splits the KV heads {theirs.world} ways, this receiver "
+                                   f"{self.layout.world}")
         if transport not in self.address.transports:
             refuse(conn, "transport", f"transport {transport!r} not offered (receiver offers "
                                       f"{list(self.address.transports)})")

@@ -232,10 +232,10 @@ class _Peer:
         except (KeyError, TypeError, ValueError) as e:
             raise HandshakeError(f"the receiver's split of the KV heads cannot be filled from ours: {e}",
                                  "model_kv_heads") from e
-        if isinstance(self.sender.region, DeviceRegion) and not self.map.whole_blocks:
-            raise HandshakeError("GPU pools move whole blocks between workers of one tensor-parallel degree; this "
-                                 f"receiver splits the KV heads {theirs.world} ways, the sender {self.sender.layout.world}",
-                                 "shards")
+        if isinstance(self.sender.region, DeviceRegion) and not self.map.whole_blocks and self.transport != "nixl":
+            raise HandshakeError("GPU pools move whole blocks between workers of one tensor-parallel degree but over "
+                                 f"nixl; this receiver splits the KV heads {theirs.world} ways, the sender "
+                                 f"{self.sender.layout.world}", "shards")
         if len(self.shm) not in (0, theirs.world):
             raise HandshakeError(f"the receiver offers {len(self.shm)} shared pools for {theirs.world} ranks", "shards")
         self.dsts = [BlockRegion(seg.data.reshape(-1, theirs.block_bytes)) for seg in self.shm]

@@ -129,8 +129,9 @@ def test_a_split_of_another_model_is_refused_naming_the_heads() -> None:
 
 
 def test_a_device_pool_refuses_a_split_it_would_have_to_move_head_by_head() -> None:
-    """GPU pools move whole blocks between equal degrees only: a receiver over a device pool
-    (a stand-in region: nothing is copied) answers a TP-2 sender's hello with the reason."""
+    """GPU pools move whole blocks between equal degrees only, but over nixl: a receiver over a
+    device pool (a stand-in region: nothing is copied) answers a TP-2 sender's hello with the
+    reason, and a nixl hello is judged on its transport alone."""
     from kvfabric.cuda import DeviceRegion
     from kvfabric.wire import Challenge, Conn, Hello, HelloErr, HelloReply, dial
 
@@ -144,6 +145,12 @@ def test_a_device_pool_refuses_a_split_it_would_have_to_move_head_by_head() -> N
         reply = conn.recv(HelloReply)
         assert isinstance(reply, HelloErr) and reply.field == "shards"
         assert "GPU pools move whole blocks between workers of one tensor-parallel degree" in reply.error
+        conn.close()
+        conn = Conn(dial(a.host, a.port, None, 5), 5)  # nixl moves any split (a descriptor per row): not the shards
+        assert isinstance(conn.recv(Challenge), Challenge)
+        conn.send(Hello(layout(2).to_wire(), "nixl", host_id="another-host"))
+        reply = conn.recv(HelloReply)
+        assert isinstance(reply, HelloErr) and reply.field == "transport"  # (this one offers no nixl)
         conn.close()
     finally:
         receiver.close()
