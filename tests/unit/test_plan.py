@@ -158,9 +158,11 @@ def test_the_searchs_processes_are_spawned_and_an_exception_kills_them_at_once()
         raise KeyboardInterrupt
     assert time.monotonic() - began < 5
 
-    def gone() -> bool:
-        status = Path(f"/proc/{pid}/status")
-        return not status.exists() or "\nState:\tZ" in status.read_text()
+    def gone() -> bool:  # reaped, or a zombie not yet reaped
+        try:
+            return "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text()
+        except FileNotFoundError:
+            return True
 
     deadline = time.monotonic() + 10
     while not gone() and time.monotonic() < deadline:
