@@ -401,8 +401,10 @@ class RankPoster:
             state = nixl.transfer(handle)
             if state in ("ERR", "DONE"):
                 handle.release()
-        if state != "PROC":
-            return _Answer(state if state != "ERR" else 0, "" if state != "ERR" else "failed at posting")
+        if state == "ERR":
+            return _Answer(error="failed at posting")
+        if state == "DONE":
+            return _Answer("DONE")
         hid = next(self._ids)
         self._handles[hid] = handle
         self.agent.pacer.begin()

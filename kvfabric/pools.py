@@ -99,13 +99,11 @@ def worker_pools(model_id: str, pool: Any, model_kv_heads: int = 0, shards: Sequ
                 segments.append(ShmSegment.open(export["shm"], export["nonce"], export["bytes"]))
                 regions.append(BlockRegion(segments[-1].data.reshape(-1, layout.block_bytes)))
             elif export.get("nixl"):  # the rank's own agent holds it (`RankPool`): NIXL writes reach it
-                base, nbytes, device = (int(x) for x in export["nixl_pool"])
-                if nbytes != own.num_blocks * layout.block_bytes:
-                    raise FabricError(f"tensor-parallel rank {rank}'s pool is {nbytes} bytes, rank 0's "
+                theirs = AgentRegion.from_export(own.num_blocks, layout.block_bytes, export)
+                if theirs.pool[1] != own.num_blocks * layout.block_bytes:
+                    raise FabricError(f"tensor-parallel rank {rank}'s pool is {theirs.pool[1]} bytes, rank 0's "
                                       f"{own.num_blocks} blocks of {layout.block_bytes}")
-                regions.append(AgentRegion(own.num_blocks, layout.block_bytes, bytes(export["nixl"]),
-                                           (base, nbytes, device), export.get("nixl_post", ""),
-                                           export.get("nixl_token", "")))
+                regions.append(theirs)
             elif export.get("nixl_error"):
                 raise FabricError(f"tensor-parallel rank {rank}'s KV pool is for NIXL, which did not start there: "
                                   f"{export['nixl_error']}")

@@ -46,6 +46,13 @@ class AgentRegion:
     token: str = ""
     """What the poster asks of a caller first."""
 
+    @classmethod
+    def from_export(cls, num_blocks: int, block_bytes: int, export: dict) -> AgentRegion:
+        """From what the rank's `RankPool.export` gave."""
+        base, nbytes, device = (int(x) for x in export["nixl_pool"])
+        return cls(num_blocks, block_bytes, bytes(export["nixl"]), (base, nbytes, device),
+                   export.get("nixl_post", ""), export.get("nixl_token", ""))
+
 
 _SHM_DIR = Path("/dev/shm")
 _HEADER_BYTES = mmap.PAGESIZE

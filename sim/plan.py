@@ -483,6 +483,12 @@ class _Runner:
         return done
 
 
+def _runner_for(runner: _Runner | None, items: list[WorkloadRequest], workers: int | None,
+                num_jobs: int) -> contextlib.AbstractContextManager[_Runner]:
+    """The caller's runner (left open), or one of this call's own."""
+    return contextlib.nullcontext(runner) if runner is not None else _Runner(items, _workers(workers, num_jobs))
+
+
 def _workers(workers: int | None, num_jobs: int) -> int:
     return max(1, min(workers or os.cpu_count() or 1, num_jobs))
 
@@ -492,7 +498,7 @@ def search(jobs: Sequence[Job], items: list[WorkloadRequest], workers: int | Non
            runner: _Runner | None = None) -> list[dict[str, Any]]:
     """Every job's result, in the jobs' order, on `workers` processes (default: every core), or
     on `runner`'s (one of the caller's, over the same `items`)."""
-    with contextlib.nullcontext(runner) if runner is not None else _Runner(items, _workers(workers, len(jobs))) as run:
+    with _runner_for(runner, items, workers, len(jobs)) as run:
         results = []
         for f in [run.submit(j) for j in jobs]:
             results.append(f.result())
@@ -541,7 +547,7 @@ def refined(jobs: Sequence[Job], brackets: Sequence[dict[str, Any]], items: list
 
     pending: dict[Future[dict[str, Any]], dict[str, Any]] = {}
     queue = list(reversed(order))
-    with contextlib.nullcontext(runner) if runner is not None else _Runner(items, _workers(workers, len(jobs))) as run:
+    with _runner_for(runner, items, workers, len(jobs)) as run:
         while queue or pending:
             while queue and len(pending) < run.workers:
                 job, b = queue.pop()

@@ -32,6 +32,11 @@ def receiver_child(pipe: Connection, device: int, use_ipc: bool, lease_s: float 
     pool = allocator.allocate((NUM_BLOCKS, LAYOUT.block_bytes // 2), torch.bfloat16, f"cuda:{device}")
     receiver = FabricReceiver(LAYOUT, DeviceRegion.from_tensor(pool), ReceiverConfig(lease_s=lease_s, nixl=nixl),
                               cuda_ipc_handle=allocator.ipc_handle if use_ipc else None)
+    serve_receiver(pipe, receiver, pool)
+
+
+def serve_receiver(pipe: Connection, receiver: FabricReceiver, pool: torch.Tensor) -> None:
+    """A receiver child's commands from the test, until "exit"; `pool`: rank 0's."""
     pipe.send(receiver.address.to_wire())
     while True:
         cmd = pipe.recv()
@@ -281,21 +286,9 @@ def split_receiver_child(pipe: Connection, rank1: dict) -> None:
     from kvfabric.region import AgentRegion
 
     pool = torch.zeros((NUM_BLOCKS, SPLIT.block_bytes), dtype=torch.uint8, device="cuda:0")
-    further = AgentRegion(NUM_BLOCKS, SPLIT.block_bytes, rank1["nixl"], tuple(rank1["nixl_pool"]))
-    receiver = FabricReceiver(SPLIT, [DeviceRegion.from_tensor(pool), further], ReceiverConfig(nixl=True))
-    pipe.send(receiver.address.to_wire())
-    while True:
-        cmd = pipe.recv()
-        if cmd[0] == "expect":
-            pipe.send(receiver.expect(cmd[1], cmd[2], 0).to_wire())
-        elif cmd[0] == "poll":
-            pipe.send([(e.request_id, type(e).__name__) for e in receiver.poll(timeout_s=10)])
-        elif cmd[0] == "bytes":
-            torch.cuda.synchronize()
-            pipe.send(pool[cmd[1]].cpu().numpy().tobytes())
-        else:
-            receiver.close()
-            return
+    further = AgentRegion.from_export(NUM_BLOCKS, SPLIT.block_bytes, rank1)
+    serve_receiver(pipe, FabricReceiver(SPLIT, [DeviceRegion.from_tensor(pool), further], ReceiverConfig(nixl=True)),
+                   pool)
 
 
 def test_nixl_between_split_workers_whose_further_ranks_hold_their_pools_with_agents_of_their_own() -> None:
@@ -326,8 +319,7 @@ def test_nixl_between_split_workers_whose_further_ranks_hold_their_pools_with_ag
         FabricAddress.from_wire(rx_pipe.recv())
         g = torch.Generator(device="cuda:0").manual_seed(0)
         src0 = torch.randint(0, 256, (NUM_BLOCKS, SPLIT.block_bytes), dtype=torch.uint8, device="cuda:0", generator=g)
-        further = AgentRegion(NUM_BLOCKS, SPLIT.block_bytes, tx_rank1["nixl"], tuple(tx_rank1["nixl_pool"]),
-                              tx_rank1["nixl_post"], tx_rank1["nixl_token"])
+        further = AgentRegion.from_export(NUM_BLOCKS, SPLIT.block_bytes, tx_rank1)
         sender = FabricSender(SPLIT, [DeviceRegion.from_tensor(src0), further], SenderConfig(transport="nixl"))
         dst_ids, src_ids = [3, 4, 5, 9, 20], [7, 8, 9, 1, 30]
         rx_pipe.send(("expect", "g", dst_ids))
