@@ -156,7 +156,7 @@ def test_the_searchs_processes_are_spawned_and_an_exception_kills_them_at_once()
         run.pool.submit(time.sleep, 600)
         began = time.monotonic()
         raise KeyboardInterrupt
-    assert time.monotonic() - began < 5
+    assert time.monotonic() - began < 30  # not the 600 s sleep (a slowed machine took over 5)
 
     def gone() -> bool:  # reaped, or a zombie not yet reaped
         try:
