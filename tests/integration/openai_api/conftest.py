@@ -28,9 +28,11 @@ def cluster(smollm2_gguf: str, smollm2_dir: str):  # type: ignore[no-untyped-def
                             # charged the worst case, one long request holds the budget (the overload test)
                             # a queue wait limit no loaded machine's forecast reaches: the overload test's
                             # queued request waits behind a 1,200-token one, however slow the steps (300 s
-                            # was reached with the suite on three xdist workers on 2 cores: 0.25 s a token)
+                            # was reached with the suite on three xdist workers on 2 cores: 0.25 s a token),
+                            # nor the request deadline that also bounds it (ci14's forecast passed 600 s)
                             admission=AdmissionConfig(max_queued_per_priority=1, max_queue_wait_s=3600.0,
-                                                      charge_output="max")))
+                                                      charge_output="max"),
+                            request_timeout_s=3600.0))
     with LocalCluster(config) as c:
         yield c
 
