@@ -25,7 +25,7 @@ from kvfabric.region import AgentRegion, BlockRegion, ShmKVAllocator, ShmSegment
 if TYPE_CHECKING:
     import torch
 
-    from kvfabric.nixl import RankPool
+    from kvfabric.nixl_ranks import RankPool
 
     from engine.kv_connector import KVMemory
     from engine.model.kv_pool import TensorAllocator
@@ -127,7 +127,7 @@ def rank_allocator(device: str, transport: str | None = None) -> type[ShmKVAlloc
     kvfabric reaches them: shared memory on CPU (mapped here); on GPUs, where the cluster's
     transport is nixl, each rank's own memory registered with a NIXL agent of its own
     (`RankPool`, which a CPU rank can take too: host memory); else None (private to the rank)."""
-    from kvfabric.nixl import RankPool
+    from kvfabric.nixl_ranks import RankPool
 
     if device_kind(device) == "cpu":
         return ShmKVAllocator

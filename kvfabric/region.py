@@ -33,7 +33,7 @@ CopyBytes = Callable[[int, int, int], None]
 class AgentRegion:
     """A further tensor-parallel rank's pool that this process cannot reach: private to the
     rank's own process (as a GPU rank's is) and registered with a NIXL agent of its own there
-    (kvfabric/nixl.py `RankPool`). Only NIXL writes into it, through that agent."""
+    (kvfabric/nixl_ranks.py `RankPool`). Only NIXL writes into it, through that agent."""
 
     num_blocks: int
     block_bytes: int

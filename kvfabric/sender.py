@@ -35,7 +35,8 @@ from kvfabric.cuda import (CopyInFlight, DeviceRegion, IpcMapping, NcclLink, gpu
                            when_done)
 from kvfabric.errors import FabricError, HandshakeError, PeerUnavailable, ProtocolError, ReservationRevoked
 from kvfabric.layout import FabricLayout, HeadMap, Run, coalesce, merge_spans
-from kvfabric.nixl import Agent, NixlLink, Posted, RankClient
+from kvfabric.nixl import Agent, NixlLink, Posted
+from kvfabric.nixl_ranks import RankClient
 from kvfabric.nixl import unavailable as nixl_unavailable
 from kvfabric.pools import pick_transport
 from kvfabric.region import AgentRegion, BlockRegion, CopyBytes, ShmSegment
@@ -461,7 +462,7 @@ class FabricSender:
             raise ValueError("a further rank's pool held by its own NIXL agent names no poster to write from it")
         self.sources: list[RankClient | None] = [None] + [
             RankClient(r.post, r.token) if isinstance(r, AgentRegion) else None for r in further]
-        """Each rank's poster where it posts its own writes (`kvfabric.nixl.RankPoster`)."""
+        """Each rank's poster where it posts its own writes (`kvfabric.nixl_ranks.RankPoster`)."""
         for r in self.regions:
             if r.block_bytes != layout.block_bytes:
                 raise ValueError(f"region blocks are {r.block_bytes} bytes, layout says {layout.block_bytes}")

@@ -262,7 +262,7 @@ SPLIT = FabricLayout("gpu-test", "bfloat16", num_layers=4, block_size=16, num_kv
 def rank_pool_child(pipe: Connection, seed: int | None) -> None:
     """A further rank: its pool on this GPU, private to this process and held by a NIXL agent of
     its own (`RankPool`); `seed`: filled with the sender's bytes, else zeros (a receiver's)."""
-    from kvfabric.nixl import RankPool
+    from kvfabric.nixl_ranks import RankPool
 
     pool = RankPool()
     blocks = pool.allocate((NUM_BLOCKS, SPLIT.block_bytes), torch.uint8, "cuda:0")

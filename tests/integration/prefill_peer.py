@@ -11,7 +11,7 @@ from engine.llm_engine import LLMEngine
 from engine.core.request import SamplingParams
 from engine.parallel.tp_ranks import TensorRanks
 from kvfabric import SenderConfig, Ticket
-from kvfabric.nixl import RankPool
+from kvfabric.nixl_ranks import RankPool
 from kvfabric.pools import rank_allocator
 from prefill_worker.kv_push import KVPusher
 from tests.integration.reference import engine_config
@@ -21,7 +21,7 @@ def prefill_main(pipe: Connection, model_dir: str, transport: str, budget: int, 
                  num_blocks: int = 512, world: int = 1, kv_cache_dtype: str = "auto",
                  rank_pools: str = "mapped") -> None:
     """`rank_pools`: "own agents": each further rank's pool private, held and written from by a
-    NIXL agent of its own (`kvfabric.nixl.RankPool`), as a GPU rank's is."""
+    NIXL agent of its own (`kvfabric.nixl_ranks.RankPool`), as a GPU rank's is."""
     torch.set_num_threads(1)
     if device.startswith("cuda"):  # the GPU tests compare bytes: no TF32 in either engine
         torch.backends.cuda.matmul.allow_tf32 = False

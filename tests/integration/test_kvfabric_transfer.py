@@ -439,7 +439,7 @@ def test_a_ranks_poster_answers_only_its_token_and_writes_only_from_its_pool(tra
     skip_without_nixl(transport)
     import torch
 
-    from kvfabric.nixl import RankClient, RankPool
+    from kvfabric.nixl_ranks import RankClient, RankPool
 
     pool = RankPool()
     pool.allocate((4, 4096), torch.uint8, "cpu")

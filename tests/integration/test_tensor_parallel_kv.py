@@ -17,7 +17,7 @@ from engine.llm_engine import LLMEngine
 from engine.core.request import SamplingParams
 from engine.parallel.tp_ranks import TensorRanks
 from kvfabric import ReceiverConfig
-from kvfabric.nixl import RankPool
+from kvfabric.nixl_ranks import RankPool
 from kvfabric.pools import kv_allocator, rank_allocator
 from kvfabric.region import AgentRegion
 from tests.conftest import skip_without_nixl
@@ -42,7 +42,7 @@ def test_prefill_and_decode_at_different_degrees_give_the_whole_models_tokens(
     """(nixl at 2 -> 4: each piece narrower than a block, written one row of it at a time;
     fp8: every rank's pool in e4m3, re-sharded byte for byte; own agents: each further rank's
     pool, on both sides, private to its process and registered with a NIXL agent of its own
-    there, as a GPU rank's is, `kvfabric.nixl.RankPool`: a further prefill rank's agent posts
+    there, as a GPU rank's is, `kvfabric.nixl_ranks.RankPool`: a further prefill rank's agent posts
     the writes of its heads, into a further decode rank's pool through that rank's agent.)"""
     skip_without_nixl(transport)
     prompts = random_prompts([5, 16, 23, 41], 512, seed=p * 10 + d)

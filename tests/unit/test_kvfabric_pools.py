@@ -144,7 +144,7 @@ def test_a_further_rank_held_by_its_own_nixl_agent_is_named_not_mapped_and_only_
     from engine.model.kv_pool import KVLayout, KVPool
     from kvfabric import ReceiverConfig
     from kvfabric.errors import FabricError
-    from kvfabric.nixl import RankPool
+    from kvfabric.nixl_ranks import RankPool
     from kvfabric.pools import rank_allocator, worker_pools
     from kvfabric.receiver import FabricReceiver
     from kvfabric.region import AgentRegion

@@ -12,13 +12,12 @@ MODEL = "smollm2"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def post(base: str, path: str, body: bytes | dict, headers: dict | None = None,
-         timeout: float = 120) -> tuple[int, dict, dict]:
+def post(base: str, path: str, body: bytes | dict, headers: dict | None = None) -> tuple[int, dict, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     request = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json",
                                                                       **(headers or {})})
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as r:
+        with urllib.request.urlopen(request, timeout=120) as r:
             return r.status, dict(r.headers), json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, dict(e.headers), json.loads(e.read())
