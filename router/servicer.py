@@ -120,6 +120,9 @@ class Generation(pb_grpc.GenerationServicer):
         except RequestFailed as e:
             progress.status = e.code.value[0]
             raise
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away (or the router stops)
+            progress.status = grpc.StatusCode.CANCELLED.value[0]
+            raise
         finally:
             self._end_trace(progress)
             _access(ask.client_id, ask.tenant, ask.route, progress)

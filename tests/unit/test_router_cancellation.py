@@ -17,6 +17,7 @@ import pytest
 from proto import generate_pb2 as pb
 from router.admission import AdmissionConfig
 from router.attempt import Deadline, Prepared, WorkerFailed
+from router.reply import Reply
 from router.clients import WorkerCall
 from router.frontend import Frontend
 from router.gate import AdmissionGate
@@ -148,3 +149,56 @@ def test_each_request_ends_with_one_access_line(caplog: pytest.LogCaptureFixture
     first, second = [r.getMessage() for r in caplog.records if r.name == "splitserve.access"]
     assert "client_id='mine' tenant='gold' route=generate status=14 prompt=3 output=0" in first
     assert "status=3 prompt=0" in second and "\n" not in second  # refused; its newline forges no line
+
+
+class EndlessFlow:
+    """A flow that sends one token, then streams nothing more until it is cancelled."""
+
+    def cached_tokens(self, prep: Prepared) -> int:
+        return 0
+
+    async def run(self, prep: Prepared, deadline: Deadline, progress: object, out: object) -> AsyncIterator[Reply]:
+        progress.token_ids.append(9)  # type: ignore[attr-defined]
+        yield Reply(prep.shown_id, token_ids=[9])
+        await asyncio.Event().wait()
+
+
+def test_a_client_gone_mid_stream_is_cancelled_in_its_access_line(caplog: pytest.LogCaptureFixture) -> None:
+    """A caller who leaves mid-stream (grpc.aio cancels the handler; the HTTP door closes the
+    stream) is logged CANCELLED (1), not OK: an operator counting the requests that did not end
+    well counts it."""
+    members = Members(("*",))
+    members.update({"d0": heartbeat("d0", "decode", address="d0", model_id="m", block_size=16, vocab_size=1000,
+                                    max_model_len=512, num_total_blocks=64)})
+    gate = AdmissionGate(AdmissionConfig(), time.monotonic)
+    service = Generation(Frontend(None), gate, EndlessFlow(), members)  # type: ignore[arg-type]
+
+    async def cancelled() -> None:
+        request = pb.GenerateRequest(request_id="left", token_ids=pb.TokenIds(ids=[5, 6, 7]),
+                                     sampling=pb.SamplingParams(max_tokens=8))
+        first = asyncio.Event()
+
+        async def read() -> None:
+            async for _ in service.Generate(request, Context()):  # type: ignore[arg-type]
+                first.set()
+        task = asyncio.ensure_future(read())
+        await asyncio.wait_for(first.wait(), 5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    async def closed() -> None:  # the HTTP door's way: the stream it reads is closed
+        request = pb.GenerateRequest(request_id="closed", token_ids=pb.TokenIds(ids=[5, 6, 7]),
+                                     sampling=pb.SamplingParams(max_tokens=8))
+        stream = service.Generate(request, Context())  # type: ignore[arg-type]
+        await anext(stream)
+        await stream.aclose()
+
+    with caplog.at_level("INFO", logger="splitserve.access"):
+        asyncio.run(cancelled())
+        asyncio.run(closed())
+    lines = [r.getMessage() for r in caplog.records if r.name == "splitserve.access"]
+    assert len(lines) == 2, lines
+    assert "client_id='left' tenant='' route=generate status=1 prompt=3 output=1" in lines[0]
+    assert "client_id='closed' tenant='' route=generate status=1 prompt=3 output=1" in lines[1]
+    assert gate.queue.num_admitted == 0 and not service._named  # both released
