@@ -10,6 +10,7 @@ client going away cancels the flow, which cancels its worker calls.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -80,8 +81,9 @@ class Generation(pb_grpc.GenerationServicer):
             await _fail(context, RequestFailed(grpc.StatusCode.INVALID_ARGUMENT,
                                                f"the request is not a valid {SERVICE}.Generate request ({e}); "
                                                "string fields must be UTF-8"))
-        async for response in self.Generate(request, context):
-            yield response
+        async with contextlib.aclosing(self.Generate(request, context)) as responses:
+            async for response in responses:
+                yield response
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         try:
@@ -99,8 +101,10 @@ class Generation(pb_grpc.GenerationServicer):
                 _access(request.request_id, request.tenant, "generate",
                         Progress(time.perf_counter(), status=grpc.StatusCode.INVALID_ARGUMENT.value[0]))
                 raise
-            async for reply in self.stream(ask, context.invocation_metadata(), context.time_remaining()):
-                yield reply_to_pb(reply)
+            async with contextlib.aclosing(self.stream(ask, context.invocation_metadata(),
+                                                       context.time_remaining())) as replies:
+                async for reply in replies:
+                    yield reply_to_pb(reply)
         except RequestFailed as e:
             await _fail(context, e)
 
@@ -114,13 +118,14 @@ class Generation(pb_grpc.GenerationServicer):
             timeout_s = self.default_timeout_s
         progress = Progress(time.perf_counter(), span=tracing.child(
             "router.generate", tracing.extract(trace_metadata), tracing.SpanKind.SERVER))
-        try:
-            async for reply in self._generate(ask, progress, timeout_s):
-                yield reply
+        try:  # closed, it closes what it reads at once (not when collected): its end is logged as it was
+            async with contextlib.aclosing(self._generate(ask, progress, timeout_s)) as replies:
+                async for reply in replies:
+                    yield reply
         except RequestFailed as e:
             progress.status = e.code.value[0]
             raise
-        except (asyncio.CancelledError, GeneratorExit):  # the client went away (or the router stops)
+        except asyncio.CancelledError:  # the client went away (or the router stops)
             progress.status = grpc.StatusCode.CANCELLED.value[0]
             raise
         finally:
@@ -137,8 +142,9 @@ class Generation(pb_grpc.GenerationServicer):
         if ask.client_id:
             self._named.add(name)
         try:
-            async for reply in self._serve(ask, progress, timeout_s):
-                yield reply
+            async with contextlib.aclosing(self._serve(ask, progress, timeout_s)) as replies:
+                async for reply in replies:
+                    yield reply
         finally:
             if ask.client_id:
                 self._named.discard(name)
@@ -158,22 +164,31 @@ class Generation(pb_grpc.GenerationServicer):
             tracing.end(admit, splitserve__refused=e.message)
             self.stats["num_refused"] += 1
             raise
+        ended = 0  # choices whose last reply was sent
         try:
             progress.admitted = time.perf_counter()
             out = Choices(prep, progress, [self.frontend.detokenizer(prep) for _ in range(prep.params.n)], self.itl)
             observed = False
-            async for reply in self.flow.run(prep, deadline, progress, out):
-                self.gate.progress(prep.request_id, progress.num_sent)
-                if not observed and progress.first_token:
-                    observed = True
-                    self.gate.observe_ttft(progress.first_token - progress.admitted, cost)
-                progress.finish_reason = reply.finish_reason or progress.finish_reason
-                yield reply
-            if progress.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and not runs_to_the_end(prep):
-                self.gate.ended(prep, progress.num_sent)  # a length it chose: a sample of what is expected
-            self._count(prep, progress)
+            async with contextlib.aclosing(self.flow.run(prep, deadline, progress, out)) as replies:
+                async for reply in replies:
+                    self.gate.progress(prep.request_id, progress.num_sent)
+                    if not observed and progress.first_token:
+                        observed = True
+                        self.gate.observe_ttft(progress.first_token - progress.admitted, cost)
+                    progress.finish_reason = reply.finish_reason or progress.finish_reason
+                    ended += reply.last
+                    yield reply
+            self._ended(prep, progress)
+        except GeneratorExit:  # the HTTP door closed the stream: after its last reply, or as its client left
+            if ended == prep.params.n:
+                self._ended(prep, progress)
+            else:
+                progress.status = grpc.StatusCode.CANCELLED.value[0]
+                self._count(prep, progress, FinishReason.ABORT)
+            raise
         except asyncio.CancelledError:
             if (task := asyncio.current_task()) is None or task.cancelling():
+                self._count(prep, progress, FinishReason.ABORT)
                 raise  # the client went away, or the server is stopping
             # a cancellation from below (a bug): the client gets a status now, not silence until its deadline
             logger.exception("request %s: cancelled inside the router", prep.request_id)
@@ -216,7 +231,17 @@ class Generation(pb_grpc.GenerationServicer):
         prepare = functools.partial(self.frontend.prepare, ask, self.members.facts, self.members.max_decode_blocks())
         return await self.off_loop.run(prepare) if slow_to_prepare(ask) else prepare()
 
-    def _count(self, prep: Prepared, progress: Progress) -> None:
+    def _ended(self, prep: Prepared, progress: Progress) -> None:
+        """An admitted request sent its every last reply."""
+        if progress.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and not runs_to_the_end(prep):
+            self.gate.ended(prep, progress.num_sent)  # a length it chose: a sample of what is expected
+        self._count(prep, progress)
+
+    def _count(self, prep: Prepared, progress: Progress, reason: FinishReason | None = None) -> None:
+        """An admitted request's numbers as it ends: `reason` where given (ABORT for one whose
+        client went away: vLLM's `request_success_total{finished_reason="abort"}`), else its
+        last reply's finish reason."""
+        reason = reason or progress.finish_reason
         self.stats["num_requests"] += 1
         self.stats["num_prompt_tokens"] += len(prep.token_ids)
         self.stats["num_cached_tokens"] += progress.num_cached_tokens
@@ -225,7 +250,7 @@ class Generation(pb_grpc.GenerationServicer):
                 queue_s=progress.admitted - progress.arrived, e2e_s=time.perf_counter() - progress.arrived,
                 ttft_s=progress.first_token - progress.arrived if progress.first_token else None,
                 num_prompt=len(prep.token_ids), num_output=progress.num_sent, num_cached=progress.num_cached_tokens,
-                reason=progress.finish_reason.value if progress.finish_reason else "unknown")
+                reason=reason.value if reason else "unknown")
 
 
 access_log = logging.getLogger("splitserve.access")

@@ -17,7 +17,8 @@ import pytest
 from proto import generate_pb2 as pb
 from router.admission import AdmissionConfig
 from router.attempt import Deadline, Prepared, WorkerFailed
-from router.reply import Reply
+from engine.core.request import FinishReason
+from router.reply import Reply, Usage
 from router.clients import WorkerCall
 from router.frontend import Frontend
 from router.gate import AdmissionGate
@@ -152,14 +153,18 @@ def test_each_request_ends_with_one_access_line(caplog: pytest.LogCaptureFixture
 
 
 class EndlessFlow:
-    """A flow that sends one token, then streams nothing more until it is cancelled."""
+    """A flow that sends one token, then nothing more until it is cancelled; or, for a request
+    asking 1 token, that one as its last reply."""
 
     def cached_tokens(self, prep: Prepared) -> int:
         return 0
 
     async def run(self, prep: Prepared, deadline: Deadline, progress: object, out: object) -> AsyncIterator[Reply]:
         progress.token_ids.append(9)  # type: ignore[attr-defined]
-        yield Reply(prep.shown_id, token_ids=[9])
+        if prep.params.max_tokens == 1:
+            yield Reply(prep.shown_id, token_ids=[9], finish_reason=FinishReason.LENGTH, usage=Usage(3, 0, 1))
+        else:
+            yield Reply(prep.shown_id, token_ids=[9])
         await asyncio.Event().wait()
 
 
@@ -187,18 +192,21 @@ def test_a_client_gone_mid_stream_is_cancelled_in_its_access_line(caplog: pytest
         with pytest.raises(asyncio.CancelledError):
             await task
 
-    async def closed() -> None:  # the HTTP door's way: the stream it reads is closed
-        request = pb.GenerateRequest(request_id="closed", token_ids=pb.TokenIds(ids=[5, 6, 7]),
-                                     sampling=pb.SamplingParams(max_tokens=8))
+    async def closed(request_id: str, max_tokens: int) -> None:  # the HTTP door's way: it closes the stream
+        request = pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=[5, 6, 7]),
+                                     sampling=pb.SamplingParams(max_tokens=max_tokens))
         stream = service.Generate(request, Context())  # type: ignore[arg-type]
         await anext(stream)
         await stream.aclose()
 
     with caplog.at_level("INFO", logger="splitserve.access"):
         asyncio.run(cancelled())
-        asyncio.run(closed())
+        asyncio.run(closed("closed", 8))
+        asyncio.run(closed("ended", 1))  # closed after its last reply, as the Responses door does: it ended
     lines = [r.getMessage() for r in caplog.records if r.name == "splitserve.access"]
-    assert len(lines) == 2, lines
+    assert len(lines) == 3, lines
     assert "client_id='left' tenant='' route=generate status=1 prompt=3 output=1" in lines[0]
     assert "client_id='closed' tenant='' route=generate status=1 prompt=3 output=1" in lines[1]
+    assert "client_id='ended' tenant='' route=generate status=0 prompt=3 output=1" in lines[2]
+    assert service.stats["num_requests"] == 3  # each counted as it ended, the first two as aborted
     assert gate.queue.num_admitted == 0 and not service._named  # both released

@@ -208,7 +208,11 @@ def test_overload_is_429_with_retry_after(base: str, cluster: LocalCluster) -> N
 
 
 def test_a_client_disconnecting_mid_stream_frees_every_block(base: str, cluster: LocalCluster) -> None:
+    """Each door's request whose client goes mid-stream frees everything and is counted as
+    aborted (`request_success_total{finished_reason="abort"}`, as vLLM counts it)."""
     poem = [{"role": "user", "content": "Write a long poem about rivers."}]
+    address = cluster.router_stats()[0]["metrics_address"]
+    before = scrape(address)
     for path, body in (("/v1/completions", {"prompt": "Write a poem about rivers.", "max_tokens": 1000,
                                             "ignore_eos": True}),
                        ("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 1000, "ignore_eos": True}),
@@ -227,18 +231,31 @@ def test_a_client_disconnecting_mid_stream_frees_every_block(base: str, cluster:
         assert_idle(cluster, timeout_s=20)  # every block on P and D freed, nothing admitted at the router
     stats = cluster.router_stats()[0]
     assert stats["num_admitted"] == 0
+    after, name = scrape(address), "splitserve:request_success_total"
+    assert total(after, name, finished_reason="abort") - total(before, name, finished_reason="abort") == 4
 
 
-def test_http_and_grpc_requests_count_in_the_same_prometheus_series(client: openai.OpenAI, stub,
+def test_http_and_grpc_requests_count_in_the_same_prometheus_series(client: openai.OpenAI, stub, base: str,
                                                                     cluster: LocalCluster) -> None:  # type: ignore[no-untyped-def]
     address = cluster.router_stats()[0]["metrics_address"]
     before = scrape(address)
     client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
     grpc_generate(stub, "Hello", max_tokens=3, ignore_eos=True)
+    # the agent APIs' streams close after their last reply (they used to go uncounted): ended, not aborted
+    for path, body in (("/v1/responses", {"input": "Hello", "max_output_tokens": 3, "store": False}),
+                       ("/v1/messages", {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3})):
+        conn = http.client.HTTPConnection(*cluster.info["http_address"].split(":"), timeout=60)
+        conn.request("POST", path, json.dumps({"model": MODEL, "temperature": 0, "stream": True, **body}),
+                     {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        events = response.read().decode()
+        conn.close()
+        assert response.status == 200 and ("response.incomplete" in events or "message_stop" in events), events
     after = scrape(address)
     name = "splitserve:request_success_total"
-    assert total(after, name, finished_reason="length") - total(before, name, finished_reason="length") == 2
-    assert total(after, "splitserve:generation_tokens_total") - total(before, "splitserve:generation_tokens_total") == 6
+    assert total(after, name, finished_reason="length") - total(before, name, finished_reason="length") == 4
+    assert total(after, name, finished_reason="abort") == total(before, name, finished_reason="abort")
+    assert total(after, "splitserve:generation_tokens_total") - total(before, "splitserve:generation_tokens_total") == 12
 
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
