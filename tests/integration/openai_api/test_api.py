@@ -255,7 +255,8 @@ def test_http_and_grpc_requests_count_in_the_same_prometheus_series(client: open
     name = "splitserve:request_success_total"
     assert total(after, name, finished_reason="length") - total(before, name, finished_reason="length") == 4
     assert total(after, name, finished_reason="abort") == total(before, name, finished_reason="abort")
-    assert total(after, "splitserve:generation_tokens_total") - total(before, "splitserve:generation_tokens_total") == 12
+    tokens = "splitserve:generation_tokens_total"
+    assert total(after, tokens) - total(before, tokens) == 12
 
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
