@@ -90,8 +90,11 @@ class RequestFlow:
         avoid: set[str] = set()
         for n in range(self.config.max_attempts):
             try:
-                async for response in self._run(prep.attempt(n, progress.token_ids), deadline, progress, out, avoid):
-                    yield response
+                # closed, this try closes at once: its worker calls are cancelled now, not when it is collected
+                async with contextlib.aclosing(self._run(prep.attempt(n, progress.token_ids), deadline, progress, out,
+                                                         avoid)) as responses:
+                    async for response in responses:
+                        yield response
                 return
             except WorkerFailed as e:
                 if prep.params.n > 1 and out.started:  # n choices: what each sent cannot be re-prefilled as one prompt
@@ -148,8 +151,9 @@ class RequestFlow:
                 if out.finished:
                     return
                 await self._arrival(calls[1], decode, progress, first_at)
-            async for response in self._decode_tokens(progress, out, decode, booking):
-                yield response
+            async with contextlib.aclosing(self._decode_tokens(progress, out, decode, booking)) as responses:
+                async for response in responses:
+                    yield response
         except WorkerFailed:
             for w in (d, p) if p is not None else (d,):  # a retry must not be routed on blocks that never landed
                 self.index.retract(w, hashes)

@@ -143,6 +143,24 @@ def test_a_client_cancel_cancels_both_worker_calls_and_settles_the_booking() -> 
     assert_settled(flow, streams)
 
 
+def test_a_closed_stream_cancels_both_worker_calls_before_its_close_returns() -> None:
+    """The HTTP door closes a request's stream when its client goes (aclose): by the time the
+    close returns, both worker calls are cancelled and the booking settled, not once the
+    garbage collector finalizes the try."""
+    flow, streams = make_flow({"p0": lambda req: [first(100), HANG], "d0": lambda req: [reserved(), HANG]})
+
+    async def close_after_first() -> list[int]:
+        prep = Prepared("r1", PROMPT, SamplingParams(max_tokens=MAX_TOKENS), 0, "")
+        progress = Progress(time.perf_counter())
+        replies = flow.run(prep, Deadline(None), progress, Choices(prep, progress, [None]))
+        got = await anext(replies)
+        await replies.aclose()
+        assert_settled(flow, streams)  # at once: no turn of the loop in between
+        return got.token_ids
+
+    assert asyncio.run(close_after_first()) == [100]
+
+
 def test_no_decode_worker_left_is_unavailable_with_a_retry_hint() -> None:
     dead = lambda req: [rpc_error(grpc.StatusCode.UNAVAILABLE, "failed to connect")]  # noqa: E731
     flow, streams = make_flow({"d0": dead, "d1": dead}, mode="colocated")
