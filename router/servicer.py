@@ -41,6 +41,9 @@ from router.members import Members
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
 logger = logging.getLogger(__name__)
+ABORT, ERROR = FinishReason.ABORT.value, "error"
+"""`request_success_total`'s reasons for an admitted request that did not finish: its client
+went away, or it failed (both vLLM's labels)."""
 
 
 class Generation(pb_grpc.GenerationServicer):
@@ -184,14 +187,18 @@ class Generation(pb_grpc.GenerationServicer):
                 self._ended(prep, progress)
             else:
                 progress.status = grpc.StatusCode.CANCELLED.value[0]
-                self._count(prep, progress, FinishReason.ABORT)
+                self._count(prep, progress, ABORT)
+            raise
+        except RequestFailed:  # admitted, then failed (workers gone past the retries, its deadline, ...)
+            self._count(prep, progress, ERROR)
             raise
         except asyncio.CancelledError:
             if (task := asyncio.current_task()) is None or task.cancelling():
-                self._count(prep, progress, FinishReason.ABORT)
+                self._count(prep, progress, ABORT)
                 raise  # the client went away, or the server is stopping
             # a cancellation from below (a bug): the client gets a status now, not silence until its deadline
             logger.exception("request %s: cancelled inside the router", prep.request_id)
+            self._count(prep, progress, ERROR)
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, CUT_OFF, 1.0) from None
         finally:
             self.gate.release(prep.request_id)
@@ -237,11 +244,11 @@ class Generation(pb_grpc.GenerationServicer):
             self.gate.ended(prep, progress.num_sent)  # a length it chose: a sample of what is expected
         self._count(prep, progress)
 
-    def _count(self, prep: Prepared, progress: Progress, reason: FinishReason | None = None) -> None:
-        """An admitted request's numbers as it ends: `reason` where given (ABORT for one whose
-        client went away: vLLM's `request_success_total{finished_reason="abort"}`), else its
-        last reply's finish reason."""
-        reason = reason or progress.finish_reason
+    def _count(self, prep: Prepared, progress: Progress, reason: str | None = None) -> None:
+        """An admitted request's numbers as it ends: `reason` where given (`ABORT` for one whose
+        client went away, `ERROR` for one that failed: vLLM's `request_success_total` labels),
+        else its last reply's finish reason."""
+        reason = reason or (progress.finish_reason.value if progress.finish_reason else None)
         self.stats["num_requests"] += 1
         self.stats["num_prompt_tokens"] += len(prep.token_ids)
         self.stats["num_cached_tokens"] += progress.num_cached_tokens
@@ -250,7 +257,7 @@ class Generation(pb_grpc.GenerationServicer):
                 queue_s=progress.admitted - progress.arrived, e2e_s=time.perf_counter() - progress.arrived,
                 ttft_s=progress.first_token - progress.arrived if progress.first_token else None,
                 num_prompt=len(prep.token_ids), num_output=progress.num_sent, num_cached=progress.num_cached_tokens,
-                reason=reason.value if reason else "unknown")
+                reason=reason or "unknown")
 
 
 access_log = logging.getLogger("splitserve.access")

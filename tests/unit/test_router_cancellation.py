@@ -16,13 +16,14 @@ import pytest
 
 from proto import generate_pb2 as pb
 from router.admission import AdmissionConfig
-from router.attempt import Deadline, Prepared, WorkerFailed
+from router.attempt import Deadline, Prepared, RequestFailed, WorkerFailed
 from engine.core.request import FinishReason
 from router.reply import Reply, Usage
 from router.clients import WorkerCall
 from router.frontend import Frontend
 from router.gate import AdmissionGate
 from router.members import Members
+from router.metrics import RouterMetrics
 from router.servicer import Generation
 from tests.unit.helpers import heartbeat
 
@@ -210,3 +211,50 @@ def test_a_client_gone_mid_stream_is_cancelled_in_its_access_line(caplog: pytest
     assert "client_id='ended' tenant='' route=generate status=0 prompt=3 output=1" in lines[2]
     assert service.stats["num_requests"] == 3  # each counted as it ended, the first two as aborted
     assert gate.queue.num_admitted == 0 and not service._named  # both released
+
+
+class FailingFlow(EndlessFlow):
+    """A flow that sends one token, then fails as a request whose workers are all gone does."""
+
+    async def run(self, prep: Prepared, deadline: Deadline, progress: object, out: object) -> AsyncIterator[Reply]:
+        progress.token_ids.append(9)  # type: ignore[attr-defined]
+        yield Reply(prep.shown_id, token_ids=[9])
+        raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "no decode worker left")
+
+
+def test_each_admitted_request_is_counted_once_by_how_it_ended() -> None:
+    """request_success_total's reasons, as vLLM's: `length` for one that ran out its tokens,
+    `abort` for one whose client went, `error` for one that failed after admission (its
+    workers gone; a cancellation from below)."""
+    members = Members(("*",))
+    members.update({"d0": heartbeat("d0", "decode", address="d0", model_id="m", block_size=16, vocab_size=1000,
+                                    max_model_len=512, num_total_blocks=64)})
+    metrics = RouterMetrics()
+
+    def service(flow: object) -> Generation:
+        gate = AdmissionGate(AdmissionConfig(), time.monotonic)
+        return Generation(Frontend(None), gate, flow, members, metrics=metrics)  # type: ignore[arg-type]
+
+    async def call(flow: object, max_tokens: int, close_after_first: bool = False) -> None:
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7]),
+                                     sampling=pb.SamplingParams(max_tokens=max_tokens))
+        stream = service(flow).Generate(request, Context())  # type: ignore[arg-type]
+        try:
+            await anext(stream)
+            if not close_after_first:
+                await anext(stream)
+        except Aborted:  # the call's status, set by context.abort
+            pass
+        finally:
+            await stream.aclose()
+
+    asyncio.run(call(EndlessFlow(), 1, close_after_first=True))  # its last reply, then closed: ended
+    asyncio.run(call(EndlessFlow(), 8, close_after_first=True))  # closed mid-stream: aborted
+    asyncio.run(call(FailingFlow(), 8))  # UNAVAILABLE after its first token
+    asyncio.run(call(CancelledFlow(), 8))  # UNAVAILABLE before any
+
+    def count(reason: str) -> float | None:
+        return metrics.registry.get_sample_value("splitserve:request_success_total",
+                                                 {"model_name": "", "finished_reason": reason})
+    assert (count("length"), count("abort"), count("error")) == (1, 1, 2)
+    assert metrics.registry.get_sample_value("splitserve:generation_tokens_total", {"model_name": ""}) == 3
