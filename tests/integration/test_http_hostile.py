@@ -31,7 +31,8 @@ DEADLINES = HttpDeadlines(header_timeout_s=1.0, body_timeout_s=1.0, max_connecti
 STALL_BOUND_S = 10.0
 """Loose: it catches the stalls of seconds these cases caused (13 s, 19 s), not a loaded
 machine's scheduling (0.5 s seen beside a CI run; 2.75 s in the ten-thousand-connection flood
-of a fresh-clone run beside two more pytest workers, 6.8 s on a slowed machine); the measured stalls are the benchmark's."""
+of a fresh-clone run beside two more pytest workers, 6.8 s on a slowed machine); the measured
+stalls are the benchmark's."""
 
 
 class Served:

@@ -98,6 +98,14 @@ class Context:
         raise Aborted
 
 
+def one_decode_worker() -> Members:
+    """The membership a Generation sees: one decode worker, d0."""
+    members = Members(("*",))
+    members.update({"d0": heartbeat("d0", "decode", address="d0", model_id="m", block_size=16, vocab_size=1000,
+                                    max_model_len=512, num_total_blocks=64)})
+    return members
+
+
 class CancelledFlow:
     """A flow with a bug: its run is cancelled from below."""
 
@@ -110,9 +118,7 @@ class CancelledFlow:
 
 
 def test_a_cancellation_from_below_ends_the_call_with_a_status() -> None:
-    members = Members(("*",))
-    members.update({"d0": heartbeat("d0", "decode", address="d0", model_id="m", block_size=16, vocab_size=1000,
-                                    max_model_len=512, num_total_blocks=64)})
+    members = one_decode_worker()
     gate = AdmissionGate(AdmissionConfig(), time.monotonic)
     service = Generation(Frontend(None), gate, CancelledFlow(), members)  # type: ignore[arg-type]
     context = Context()
@@ -132,9 +138,7 @@ def test_a_cancellation_from_below_ends_the_call_with_a_status() -> None:
 def test_each_request_ends_with_one_access_line(caplog: pytest.LogCaptureFixture) -> None:
     """Who asked (the client's id, the tenant), by which door, and how it ended: one line a
     request, on the `splitserve.access` logger."""
-    members = Members(("*",))
-    members.update({"d0": heartbeat("d0", "decode", address="d0", model_id="m", block_size=16, vocab_size=1000,
-                                    max_model_len=512, num_total_blocks=64)})
+    members = one_decode_worker()
     service = Generation(Frontend(None), AdmissionGate(AdmissionConfig(), time.monotonic), CancelledFlow(),  # type: ignore[arg-type]
                          members)
 
@@ -169,23 +173,37 @@ class EndlessFlow:
         await asyncio.Event().wait()
 
 
+def ask(max_tokens: int, request_id: str = "") -> pb.GenerateRequest:
+    return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=[5, 6, 7]),
+                              sampling=pb.SamplingParams(max_tokens=max_tokens))
+
+
+async def read_then_close(service: Generation, request: pb.GenerateRequest, replies: int = 1) -> None:
+    """Reads up to `replies` replies (or the call's failure), then closes the stream, as the HTTP
+    door does when its client goes or after a last reply."""
+    stream = service.Generate(request, Context())  # type: ignore[arg-type]
+    try:
+        for _ in range(replies):
+            await anext(stream)
+    except Aborted:  # the call's status, set by context.abort
+        pass
+    finally:
+        await stream.aclose()
+
+
 def test_a_client_gone_mid_stream_is_cancelled_in_its_access_line(caplog: pytest.LogCaptureFixture) -> None:
     """A caller who leaves mid-stream (grpc.aio cancels the handler; the HTTP door closes the
     stream) is logged CANCELLED (1), not OK: an operator counting the requests that did not end
     well counts it."""
-    members = Members(("*",))
-    members.update({"d0": heartbeat("d0", "decode", address="d0", model_id="m", block_size=16, vocab_size=1000,
-                                    max_model_len=512, num_total_blocks=64)})
+    members = one_decode_worker()
     gate = AdmissionGate(AdmissionConfig(), time.monotonic)
     service = Generation(Frontend(None), gate, EndlessFlow(), members)  # type: ignore[arg-type]
 
     async def cancelled() -> None:
-        request = pb.GenerateRequest(request_id="left", token_ids=pb.TokenIds(ids=[5, 6, 7]),
-                                     sampling=pb.SamplingParams(max_tokens=8))
         first = asyncio.Event()
 
         async def read() -> None:
-            async for _ in service.Generate(request, Context()):  # type: ignore[arg-type]
+            async for _ in service.Generate(ask(8, "left"), Context()):  # type: ignore[arg-type]
                 first.set()
         task = asyncio.ensure_future(read())
         await asyncio.wait_for(first.wait(), 5)
@@ -193,17 +211,10 @@ def test_a_client_gone_mid_stream_is_cancelled_in_its_access_line(caplog: pytest
         with pytest.raises(asyncio.CancelledError):
             await task
 
-    async def closed(request_id: str, max_tokens: int) -> None:  # the HTTP door's way: it closes the stream
-        request = pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=[5, 6, 7]),
-                                     sampling=pb.SamplingParams(max_tokens=max_tokens))
-        stream = service.Generate(request, Context())  # type: ignore[arg-type]
-        await anext(stream)
-        await stream.aclose()
-
     with caplog.at_level("INFO", logger="splitserve.access"):
         asyncio.run(cancelled())
-        asyncio.run(closed("closed", 8))
-        asyncio.run(closed("ended", 1))  # closed after its last reply, as the Responses door does: it ended
+        asyncio.run(read_then_close(service, ask(8, "closed")))
+        asyncio.run(read_then_close(service, ask(1, "ended")))  # closed after its last reply: it ended
     lines = [r.getMessage() for r in caplog.records if r.name == "splitserve.access"]
     assert len(lines) == 3, lines
     assert "client_id='left' tenant='' route=generate status=1 prompt=3 output=1" in lines[0]
@@ -226,32 +237,17 @@ def test_each_admitted_request_is_counted_once_by_how_it_ended() -> None:
     """request_success_total's reasons, as vLLM's: `length` for one that ran out its tokens,
     `abort` for one whose client went, `error` for one that failed after admission (its
     workers gone; a cancellation from below)."""
-    members = Members(("*",))
-    members.update({"d0": heartbeat("d0", "decode", address="d0", model_id="m", block_size=16, vocab_size=1000,
-                                    max_model_len=512, num_total_blocks=64)})
+    members = one_decode_worker()
     metrics = RouterMetrics()
 
     def service(flow: object) -> Generation:
         gate = AdmissionGate(AdmissionConfig(), time.monotonic)
         return Generation(Frontend(None), gate, flow, members, metrics=metrics)  # type: ignore[arg-type]
 
-    async def call(flow: object, max_tokens: int, close_after_first: bool = False) -> None:
-        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7]),
-                                     sampling=pb.SamplingParams(max_tokens=max_tokens))
-        stream = service(flow).Generate(request, Context())  # type: ignore[arg-type]
-        try:
-            await anext(stream)
-            if not close_after_first:
-                await anext(stream)
-        except Aborted:  # the call's status, set by context.abort
-            pass
-        finally:
-            await stream.aclose()
-
-    asyncio.run(call(EndlessFlow(), 1, close_after_first=True))  # its last reply, then closed: ended
-    asyncio.run(call(EndlessFlow(), 8, close_after_first=True))  # closed mid-stream: aborted
-    asyncio.run(call(FailingFlow(), 8))  # UNAVAILABLE after its first token
-    asyncio.run(call(CancelledFlow(), 8))  # UNAVAILABLE before any
+    asyncio.run(read_then_close(service(EndlessFlow()), ask(1)))  # its last reply, then closed: ended
+    asyncio.run(read_then_close(service(EndlessFlow()), ask(8)))  # closed mid-stream: aborted
+    asyncio.run(read_then_close(service(FailingFlow()), ask(8), replies=2))  # UNAVAILABLE after its first token
+    asyncio.run(read_then_close(service(CancelledFlow()), ask(8)))  # UNAVAILABLE before any
 
     def count(reason: str) -> float | None:
         return metrics.registry.get_sample_value("splitserve:request_success_total",

@@ -2,6 +2,7 @@
 Generate."""
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -21,6 +22,15 @@ def post(base: str, path: str, body: bytes | dict, headers: dict | None = None) 
             return r.status, dict(r.headers), json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, dict(e.headers), json.loads(e.read())
+
+
+def open_stream(http_address: str, path: str, body: dict,
+                timeout: float = 60) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """POSTs `body` with `"stream": true` to the router's HTTP door at `http_address` (host:port):
+    the connection (the caller closes it) and its response, the head read, the body not."""
+    conn = http.client.HTTPConnection(*http_address.split(":"), timeout=timeout)
+    conn.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+    return conn, conn.getresponse()
 
 
 def grpc_generate(stub, prompt: str | list[int], **sampling) -> tuple[str, list[int], pb.GenerateResponse]:  # type: ignore[no-untyped-def]

@@ -6,7 +6,6 @@ responses_answers.py, on the same cluster."""
 from __future__ import annotations
 
 import concurrent.futures
-import http.client
 import json
 import time
 import urllib.error
@@ -19,7 +18,7 @@ import torch
 from cluster.local import LocalCluster
 from proto import generate_pb2 as pb
 from tests.integration.cluster_checks import assert_idle
-from tests.integration.openai_api.calls import MODEL, QUESTION, grpc_generate, post
+from tests.integration.openai_api.calls import MODEL, QUESTION, grpc_generate, open_stream, post
 from tests.integration.openai_api.messages_answers import (  # noqa: F401 (collected here, on this module's cluster)
     test_a_cut_at_max_tokens_and_a_stop_sequence_say_why_they_stopped,
     test_a_message_is_the_chat_answer_whole_and_streamed,
@@ -162,20 +161,18 @@ def test_the_openai_client_raises_its_own_error_types(client: openai.OpenAI) -> 
 def test_overload_is_429_with_retry_after(base: str, cluster: LocalCluster) -> None:
     """A long request holds most of the decode pool's KV budget; of the requests that cannot
     be admitted beside it, one may queue (max_queued_per_priority 1), the rest are refused at once."""
-    hold = http.client.HTTPConnection(*cluster.info["http_address"].split(":"), timeout=60)
-    hold.request("POST", "/v1/completions", json.dumps({"prompt": "Tell me a long story.", "max_tokens": 1200,
-                                                        "temperature": 0, "ignore_eos": True, "stream": True}),
-                 {"Content-Type": "application/json"})
-    assert hold.getresponse().status == 200  # admitted and streaming
-    body = json.dumps({"prompt": "Count to one hundred.", "max_tokens": 300, "ignore_eos": True, "stream": True})
+    hold, held = open_stream(cluster.info["http_address"], "/v1/completions",
+                             {"prompt": "Tell me a long story.", "max_tokens": 1200, "temperature": 0,
+                              "ignore_eos": True})
+    assert held.status == 200  # admitted and streaming
+    body = {"prompt": "Count to one hundred.", "max_tokens": 300, "ignore_eos": True}
 
     def one(_: int) -> tuple[int, dict, dict]:
         """The answer's status, headers and JSON: a refusal's error, or an admitted one's first chunk
         (then the connection closes, which aborts the rest: its 300 tokens took 60-84 s on this machine)."""
-        conn = http.client.HTTPConnection(*cluster.info["http_address"].split(":"), timeout=120)
+        conn = None
         try:
-            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-            r = conn.getresponse()
+            conn, r = open_stream(cluster.info["http_address"], "/v1/completions", body, timeout=120)
             if r.status != 200:
                 return r.status, dict(r.getheaders()), json.loads(r.read())
             while not (line := r.readline()).startswith(b"data: {"):
@@ -184,7 +181,8 @@ def test_overload_is_429_with_retry_after(base: str, cluster: LocalCluster) -> N
         except (TimeoutError, OSError) as e:
             return 0, {}, {"error": repr(e)}
         finally:
-            conn.close()
+            if conn is not None:
+                conn.close()
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(one, i) for i in range(4)]
         try:  # the refused come back at once (and any that fitted, once it streams): all but the queued one
@@ -218,10 +216,7 @@ def test_a_client_disconnecting_mid_stream_frees_every_block(base: str, cluster:
                        ("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 1000, "ignore_eos": True}),
                        ("/v1/responses", {"input": poem, "max_output_tokens": 1000, "store": False}),
                        ("/v1/messages", {"messages": poem, "max_tokens": 1000})):
-        conn = http.client.HTTPConnection(*cluster.info["http_address"].split(":"), timeout=60)
-        conn.request("POST", path, json.dumps({**body, "stream": True, "temperature": 0}),
-                     {"Content-Type": "application/json"})
-        response = conn.getresponse()
+        conn, response = open_stream(cluster.info["http_address"], path, {**body, "temperature": 0})
         assert response.status == 200 and response.headers["Content-Type"].startswith("text/event-stream")
         seen = b""
         while seen.count(b"data: ") < 6:  # past the agent APIs' opening events: tokens are coming
@@ -244,10 +239,7 @@ def test_http_and_grpc_requests_count_in_the_same_prometheus_series(client: open
     # the agent APIs' streams close after their last reply (they used to go uncounted): ended, not aborted
     for path, body in (("/v1/responses", {"input": "Hello", "max_output_tokens": 3, "store": False}),
                        ("/v1/messages", {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3})):
-        conn = http.client.HTTPConnection(*cluster.info["http_address"].split(":"), timeout=60)
-        conn.request("POST", path, json.dumps({"model": MODEL, "temperature": 0, "stream": True, **body}),
-                     {"Content-Type": "application/json"})
-        response = conn.getresponse()
+        conn, response = open_stream(cluster.info["http_address"], path, {"model": MODEL, "temperature": 0, **body})
         events = response.read().decode()
         conn.close()
         assert response.status == 200 and ("response.incomplete" in events or "message_stop" in events), events
