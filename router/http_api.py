@@ -31,21 +31,21 @@ from aiohttp import web
 
 from engine.checkpoints.quant_config import served_name
 from engine.types import InvalidRequestError
-from router.attempt import CUT_OFF, Ask, RequestFailed
+from router.attempt import CUT_OFF, Ask, Progress, RequestFailed
 from router.constraints import AutoToolOutput, ToolCallOutput, constraint_of, tool_plan
 from router.http_guard import HttpGuard, identity
 from router.config import HttpDeadlines
 from router.http_connections import BodyReader, ConnectionGuard
 from router.off_loop import OffLoop
 from router.request_limits import RequestLimits
-from router.http_errors import DONE, ERROR_TYPES, HTTP_STATUS, SSE_HEADERS, dumps, error, failed, sse
+from router.http_errors import DONE, ERROR_TYPES, HTTP_STATUS, SSE_HEADERS, dumps, error, failed, grpc_status, sse
 from router.frontend import (MAX_TEXT_CHARS_PER_TOKEN, NOT_SERVING, OFF_LOOP_CHARS, Frontend, check_vocabulary,
                              serving_facts)
 from router.members import Members
 from router.openai_output import Output, best, merged, new_id, sum_usage
 from router.openai_protocol import (BadRequest, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                     ask_of, messages_as_dicts, parse, prompts_of, sampling_of)
-from router.servicer import Generation
+from router.servicer import Generation, access
 from router.reasoning import ReasoningParser
 from router.agent_routes import AgentRoutes, NotFound
 from router.messages_api import anthropic_error
@@ -59,6 +59,11 @@ TOKENIZE_MAX_MODEL_LEN = 1 << 17
 """/tokenize before any worker reported the model's context: the text limit as for this context."""
 OFF_LOOP_TOKENS = 4096
 """/detokenize of more tokens than this runs off the event loop."""
+GENERATION_ROUTES = {"/v1/completions": "completion", "/v1/chat/completions": "chat", "/v1/responses": "responses",
+                     "/v1/messages": "messages"}
+"""The POST paths that generate, by the route name their access lines carry."""
+FLOWED = web.RequestKey("flowed", bool)
+"""Set on an HTTP request once it is handed to the flow, which writes its access line."""
 
 
 class ModelNotFound(Exception):
@@ -97,8 +102,8 @@ class OpenAIServer(AgentRoutes):
         self._runner: web.AppRunner | None = None
         guard = guard or HttpGuard()
         app = web.Application(client_max_size=max_request_bytes,
-                              middlewares=[self._anthropic_errors, self.connections.middleware, guard.middleware,
-                                           self._errors])
+                              middlewares=[self._refusals_logged, self._anthropic_errors, self.connections.middleware,
+                                           guard.middleware, self._errors])
         app.add_routes([web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
                         web.post("/v1/responses", self.responses), web.post("/v1/messages", self.messages),
                         web.get("/v1/responses/{response_id}", self.stored_response),
@@ -131,6 +136,20 @@ class OpenAIServer(AgentRoutes):
     def model_name(self) -> str | None:
         facts = self.members.facts
         return self.served_model_name or (served_name(facts.model_id) if facts else None)
+
+    @web.middleware
+    async def _refusals_logged(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """A generation request refused before it reached the flow (its key, the connection guard,
+        its body, its fields, its model) gets its access line here; one that reached the flow gets
+        the flow's (`Generation.stream`)."""
+        arrived = time.perf_counter()
+        response = await handler(request)
+        route = GENERATION_ROUTES.get(request.path) if request.method == "POST" else None
+        if route is not None and response.status >= 400 and not request.get(FLOWED):
+            who = identity(request)
+            access("", who.tenant or "" if who else "", route,
+                   Progress(arrived, status=grpc_status(response.status).value[0]))
+        return response
 
     @web.middleware
     async def _anthropic_errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -284,6 +303,7 @@ class OpenAIServer(AgentRoutes):
         """`Generation.stream` of `ask` under the HTTP request's identity (an API key's tenant,
         whatever the body says) and headers (for tracing; never the key)."""
         headers = [(k.lower(), v) for k, v in request.headers.items() if k.lower() != "authorization"]
+        request[FLOWED] = True  # its access line is the flow's
         who = identity(request)
         if who is not None and who.tenant is not None:
             ask = dataclasses.replace(ask, tenant=who.tenant)

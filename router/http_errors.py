@@ -20,6 +20,11 @@ HTTP_STATUS = {
     grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 """gRPC status -> HTTP status; anything else is 500 (never a caller's mistake)."""
+GRPC_STATUS = {401: grpc.StatusCode.UNAUTHENTICATED, 403: grpc.StatusCode.PERMISSION_DENIED,
+               404: grpc.StatusCode.NOT_FOUND, 408: grpc.StatusCode.DEADLINE_EXCEEDED,
+               409: grpc.StatusCode.ALREADY_EXISTS, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+               499: grpc.StatusCode.CANCELLED, 503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
+"""HTTP status -> the gRPC status an access line gives it; any other 4xx is INVALID_ARGUMENT, 5xx INTERNAL."""
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error", 409: "conflict_error",
                413: "invalid_request_error", 415: "invalid_request_error", 421: "invalid_request_error", 429: "rate_limit_error", 499: "cancelled",
@@ -39,6 +44,12 @@ def error(status: int, message: str, param: str | None = None, code: str | int |
 
 def failed(e: RequestFailed) -> web.Response:
     return error(HTTP_STATUS.get(e.code, 500), e.message, code=e.code.name.lower(), retry_after_s=e.retry_after_s)
+
+
+def grpc_status(http_status: int) -> grpc.StatusCode:
+    """What an HTTP answer's status is as a gRPC status (the access log's one scale)."""
+    fallback = grpc.StatusCode.INVALID_ARGUMENT if http_status < 500 else grpc.StatusCode.INTERNAL
+    return GRPC_STATUS.get(http_status, fallback)
 
 
 def dumps(value: Any) -> str:

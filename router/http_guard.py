@@ -22,7 +22,7 @@ from control.auth import LOOPBACK_NAMES, is_loopback
 from router.api_keys import ApiKeys, Identity, Unauthenticated
 from router.http_errors import error
 
-IDENTITY = "splitserve.identity"
+IDENTITY = web.RequestKey("identity", Identity)
 
 
 @dataclass(frozen=True)

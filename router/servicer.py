@@ -81,6 +81,7 @@ class Generation(pb_grpc.GenerationServicer):
             request = pb.GenerateRequest.FromString(raw)
         except DecodeError as e:
             self.stats["num_invalid"] += 1
+            access("", "", "generate", Progress(time.perf_counter(), status=grpc.StatusCode.INVALID_ARGUMENT.value[0]))
             await _fail(context, RequestFailed(grpc.StatusCode.INVALID_ARGUMENT,
                                                f"the request is not a valid {SERVICE}.Generate request ({e}); "
                                                "string fields must be UTF-8"))
@@ -94,6 +95,8 @@ class Generation(pb_grpc.GenerationServicer):
                 try:
                     who = self.api_keys.check(authorization(context.invocation_metadata()))
                 except Unauthenticated as e:
+                    access(request.request_id, "", "generate",
+                           Progress(time.perf_counter(), status=grpc.StatusCode.UNAUTHENTICATED.value[0]))
                     raise RequestFailed(grpc.StatusCode.UNAUTHENTICATED, str(e)) from None
                 if who.tenant is not None:
                     request.tenant = who.tenant
@@ -101,8 +104,8 @@ class Generation(pb_grpc.GenerationServicer):
                 ask = ask_from_pb(request)
             except RequestFailed:
                 self.stats["num_invalid"] += 1
-                _access(request.request_id, request.tenant, "generate",
-                        Progress(time.perf_counter(), status=grpc.StatusCode.INVALID_ARGUMENT.value[0]))
+                access(request.request_id, request.tenant, "generate",
+                       Progress(time.perf_counter(), status=grpc.StatusCode.INVALID_ARGUMENT.value[0]))
                 raise
             async with contextlib.aclosing(self.stream(ask, context.invocation_metadata(),
                                                        context.time_remaining())) as replies:
@@ -133,7 +136,7 @@ class Generation(pb_grpc.GenerationServicer):
             raise
         finally:
             self._end_trace(progress)
-            _access(ask.client_id, ask.tenant, ask.route, progress)
+            access(ask.client_id, ask.tenant, ask.route, progress)
 
     async def _generate(self, ask: Ask, progress: Progress, timeout_s: float | None
                         ) -> AsyncIterator[Reply]:
@@ -264,7 +267,7 @@ access_log = logging.getLogger("splitserve.access")
 """One line per request as it ends (who, what, how it ended); its own logger, to route or silence."""
 
 
-def _access(client_id: str, tenant: str, route: str, progress: Progress) -> None:
+def access(client_id: str, tenant: str, route: str, progress: Progress) -> None:
     prep = progress.prep
     access_log.info("request %s client_id=%r tenant=%r route=%s status=%d prompt=%d output=%d cached=%d %.3fs",
                     prep.request_id if prep else "-", client_id[:128], tenant[:128], route,

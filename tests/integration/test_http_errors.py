@@ -244,3 +244,51 @@ def test_a_fault_mid_stream_of_an_agent_api_is_its_error_event_then_the_end(path
                 assert answer["error"]["message"] == message
 
     asyncio.run(scenario())
+
+
+def test_a_request_refused_before_the_flow_has_an_access_line_of_its_own(caplog: pytest.LogCaptureFixture) -> None:
+    """The flow writes a request's access line; one refused at the door (its key, its body, its
+    model) never reaches the flow and gets its line from the door: route, the gRPC status its
+    HTTP answer stands for, the key's tenant. A request that reached the flow gets no second line."""
+    from router.api_keys import ApiKeys
+    from router.http_guard import HttpGuard
+
+    generation = Generation()
+    key = {"Authorization": "Bearer sk-aaaaaaaaaa"}
+    body = {"model": "m", "prompt": "hi", "max_tokens": 4}
+
+    async def scenario() -> list[int]:
+        guard = HttpGuard(api_keys=ApiKeys.parse(["sk-aaaaaaaaaa:acme"]))
+        server = OpenAIServer(generation, Frontend(None), Members(), None, 1 << 20,  # type: ignore[arg-type]
+                              guard=guard)
+        port = await server.start("127.0.0.1", 0, False)
+        url, statuses = f"http://127.0.0.1:{port}", []
+        try:
+            async with aiohttp.ClientSession() as http:
+                async def post(path: str, headers: dict | None = None, **kw: Any) -> None:
+                    async with http.post(url + path, headers=headers, **kw) as r:
+                        statuses.append(r.status)
+
+                await post("/v1/chat/completions", json=body)  # no key
+                await post("/v1/completions", {**key, "Content-Type": "application/json"}, data=b"{not json")
+                await post("/v1/messages", key, json={"model": "other", "max_tokens": 4,
+                                                      "messages": [{"role": "user", "content": "hi"}]})
+                await post("/v1/responses", {**key, "Content-Type": "text/plain"}, data=b"hi")
+                generation.script = ([token(5, "a")], None)
+                await post("/v1/completions", key, json=body)  # reached the flow: its line is the flow's
+                generation.script = ([], RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, "full", retry_after_s=1.0))
+                await post("/v1/completions", key, json=body)  # refused by the flow: the flow's line too
+                async with http.get(url + "/v1/models", headers=key) as r:  # not a generation: no line
+                    statuses.append(r.status)
+        finally:
+            await server.stop()
+        return statuses
+
+    with caplog.at_level("INFO", logger="splitserve.access"):
+        assert asyncio.run(scenario()) == [401, 400, 404, 415, 200, 429, 200]
+    lines = [r.getMessage().rsplit(" ", 1)[0] for r in caplog.records if r.name == "splitserve.access"]
+    assert lines == [
+        "request - client_id='' tenant='' route=chat status=16 prompt=0 output=0 cached=0",
+        "request - client_id='' tenant='acme' route=completion status=3 prompt=0 output=0 cached=0",
+        "request - client_id='' tenant='acme' route=messages status=5 prompt=0 output=0 cached=0",
+        "request - client_id='' tenant='acme' route=responses status=3 prompt=0 output=0 cached=0"]

@@ -157,6 +157,31 @@ def test_each_request_ends_with_one_access_line(caplog: pytest.LogCaptureFixture
     assert "status=3 prompt=0" in second and "\n" not in second  # refused; its newline forges no line
 
 
+def test_a_call_refused_at_the_door_has_its_access_line(caplog: pytest.LogCaptureFixture) -> None:
+    """Bytes that are no request, and a call without a key where keys are needed, never reach
+    the flow: the door writes their lines (the tenant a keyless call names is not believed)."""
+    from router.api_keys import ApiKeys
+
+    gate = AdmissionGate(AdmissionConfig(), time.monotonic)
+    service = Generation(Frontend(None), gate, CancelledFlow(), one_decode_worker(),  # type: ignore[arg-type]
+                         api_keys=ApiKeys.parse(["sk-aaaaaaaaaa"]))
+
+    async def call(raw: bytes) -> grpc.StatusCode | None:
+        context = Context()
+        with pytest.raises(Aborted):
+            async for _ in service.GenerateRaw(raw, context):  # type: ignore[arg-type]
+                pass
+        return context.status[0] if context.status else None
+
+    keyless = pb.GenerateRequest(request_id="r1", tenant="gold", text="hi").SerializeToString()
+    with caplog.at_level("INFO", logger="splitserve.access"):
+        assert asyncio.run(call(b"\x12\x02\xff\xfe")) == grpc.StatusCode.INVALID_ARGUMENT  # text not UTF-8
+        assert asyncio.run(call(keyless)) == grpc.StatusCode.UNAUTHENTICATED
+    lines = [r.getMessage().rsplit(" ", 1)[0] for r in caplog.records if r.name == "splitserve.access"]
+    assert lines == ["request - client_id='' tenant='' route=generate status=3 prompt=0 output=0 cached=0",
+                     "request - client_id='r1' tenant='' route=generate status=16 prompt=0 output=0 cached=0"]
+
+
 class EndlessFlow:
     """A flow that sends one token, then nothing more until it is cancelled; or, for a request
     asking 1 token, that one as its last reply."""
