@@ -17,6 +17,7 @@ measured alone and against what better rounding would buy:
   kv-head          the same with a scale per KV head (absmax over the text)
   kv-prerope       keys and values rounded before the rotary embedding (k_proj / v_proj outputs)
   both, gptq-both  w8a8 (or gptq-w8a8) and kv together
+  best             gptq-w8a8 and kv-prerope together: the least this script can make of both
 
     ./dev python -m benchmarks.engine.fp8_error_sources [--arms weights,gptq,kv,both] [--dtype float32]
 
@@ -41,7 +42,7 @@ from engine.checkpoints.gguf_checkpoint import resolve_model_dir  # noqa: E402
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 ARMS = ("weights", "noise:0.03", "gptq", "w8a8", "gptq-w8a8", "kv", "k", "v", "kv-head", "kv-prerope", "both",
-        "gptq-both")
+        "gptq-both", "best")
 TEXTS = (Path("/usr/share/common-licenses/GPL-3"), Path("/usr/share/common-licenses/Apache-2.0"))
 
 
@@ -159,7 +160,7 @@ def noisy(eps: float) -> Callable[[str, torch.Tensor], torch.Tensor]:
 
 
 KINDS = {"weights", "gptq", "w8a8", "gptq-w8a8", "kv", "k", "v", "kv-head", "kv-prerope", "both", "gptq-both",
-         "proj", "layer", "noise"}
+         "best", "proj", "layer", "noise"}
 
 
 def apply(r: Rounding, arm: str, gptq_weights: Callable[[], dict[str, torch.Tensor]]) -> None:
@@ -169,7 +170,7 @@ def apply(r: Rounding, arm: str, gptq_weights: Callable[[], dict[str, torch.Tens
         raise SystemExit(f"unknown arm {arm!r}: one of {sorted(KINDS)} (proj, layer and noise take ':VALUE')")
     if kind in ("weights", "w8a8", "both"):
         r.set_weights(rtn)
-    elif kind in ("gptq", "gptq-w8a8", "gptq-both"):
+    elif kind in ("gptq", "gptq-w8a8", "gptq-both", "best"):
         done = gptq_weights()
         r.set_weights(lambda name, w: done[name])
     elif kind == "proj":
@@ -178,7 +179,7 @@ def apply(r: Rounding, arm: str, gptq_weights: Callable[[], dict[str, torch.Tens
         r.set_weights(lambda name, w: rtn(name, w) if f"layers.{int(arg)}." in name else w)
     elif kind == "noise":
         r.set_weights(noisy(float(arg)))
-    r.inputs_in_fp8 = kind in ("w8a8", "gptq-w8a8", "both", "gptq-both")
+    r.inputs_in_fp8 = kind in ("w8a8", "gptq-w8a8", "both", "gptq-both", "best")
     if kind in ("kv", "k", "both", "gptq-both"):
         r.keys = lambda k: rounded(k, 1.0)
     if kind in ("kv", "v", "both", "gptq-both"):
@@ -187,7 +188,7 @@ def apply(r: Rounding, arm: str, gptq_weights: Callable[[], dict[str, torch.Tens
         def per_head(x: torch.Tensor) -> torch.Tensor:  # [batch, kv_heads, tokens, head_dim]
             return rounded(x, x.float().abs().amax(dim=(0, 2, 3), keepdim=True).clamp(min=1e-12) / E4M3_MAX)
         r.keys = r.values = per_head
-    r.prerope = kind == "kv-prerope"
+    r.prerope = kind in ("kv-prerope", "best")
 
 
 def main() -> None:
