@@ -15,6 +15,7 @@ in OpenAI's `tool_calls` shape.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -152,6 +153,34 @@ def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return functions
 
 
+_SPACE = re.compile(r"\s*")
+
+
+def _past_space(text: str, i: int) -> int:
+    match = _SPACE.match(text, i)
+    return match.end() if match else i
+
+
+def closed_calls(text: str) -> list[dict[str, Any]]:
+    """The calls of a `required` answer, a JSON list of {"name", "arguments"}: all of them, or of
+    a list cut short (max_tokens) the calls it closed; a call cut off in the middle has no name or
+    arguments a client could run, so it is left out (its finish reason, length, says so)."""
+    decoder, calls = json.JSONDecoder(), []
+    i = _past_space(text, 0)
+    if not text.startswith("[", i):
+        return []
+    while True:
+        try:
+            call, i = decoder.raw_decode(text, _past_space(text, i + 1))
+        except ValueError:
+            return calls
+        if isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(call.get("arguments"), dict):
+            calls.append(call)
+        i = _past_space(text, i)
+        if not text.startswith(",", i):
+            return calls
+
+
 def _finish(reason: str | None, calls: bool) -> str | None:
     """OpenAI's finish reason: tool_calls when the answer ended by itself in calls (a length
     cut stays length: the calls may be cut short)."""
@@ -172,17 +201,15 @@ class ToolCallOutput(Output):
     def _calls(self, text: str) -> list[dict[str, Any]]:
         if self.plan.name is not None:
             return [{"id": self.call_id, "type": "function", "function": {"name": self.plan.name, "arguments": text}}]
-        try:
-            value = json.loads(text)
-            return [ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)).as_openai() for c in value]
-        except (ValueError, KeyError, TypeError):  # cut short (max_tokens): what there is, as one call
-            return [{"id": self.call_id, "type": "function", "function": {"name": "", "arguments": text}}]
+        return [ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)).as_openai()
+                for c in closed_calls(text)]
 
     def _finish_reason(self) -> str | None:
         return _finish(self.finish_reason, True)
 
     def _message(self, content: str) -> dict[str, Any]:
-        return {"role": "assistant", "content": None, "tool_calls": self._calls(content)}
+        calls = self._calls(content)
+        return {"role": "assistant", "content": None, **({"tool_calls": calls} if calls else {})}
 
     def _delta(self, content: str, first: bool, last: bool) -> dict[str, Any]:
         """A named function streams its arguments as they come; required, the calls at the end."""
@@ -193,8 +220,8 @@ class ToolCallOutput(Output):
                 call["function"] = {"name": self.plan.name, "arguments": content}
             delta: dict[str, Any] = {"tool_calls": [call]} if (content or first) else {}
         else:
-            delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(self._calls("".join(self.text)))]} \
-                if last else {}
+            calls = self._calls("".join(self.text)) if last else []
+            delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]} if calls else {}
         return {"role": "assistant", "content": None, **delta} if first else delta
 
 

@@ -170,6 +170,8 @@ def parse(kind: type[_Body], body: bytes) -> Any:
                              f"that change nothing here are ignored: {', '.join(sorted(ignored))})", unknown[0])
         return req
     err = errors[0]
+    if (refusal := not_text(errors)) is not None:
+        raise BadRequest(refusal, str(err["loc"][0]))
     if err["type"] == "json_invalid":
         raise BadRequest(f"the body is not valid JSON in UTF-8: {err['msg']}")
     if err["type"] in ("json_type", "model_type"):
@@ -182,6 +184,21 @@ def parse(kind: type[_Body], body: bytes) -> Any:
         raise BadRequest(f"'{name}' must be {_type_name(field.annotation)} (got {_short(err.get('input'))})", name)
     where = ".".join(str(p) for p in err["loc"])
     raise BadRequest(f"'{where}': {err['msg']} (got {_short(err.get('input'))})", name)
+
+
+def not_text(errors: list[Any], where: str = "") -> str | None:
+    """What to say of a content part that is not text (an image, audio, a file) among a
+    validation's errors (None: there is none), so that it is named rather than lost in its
+    union's errors; `where`: the path of the errors' root."""
+    for e in errors:
+        loc = e["loc"]
+        if e["type"] == "literal_error" and loc[-1:] == ("type",) and any(
+                isinstance(p, str) and p.startswith("list[") and p.endswith("Part]") for p in loc):
+            path = where + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[:-1]
+                                   if not (isinstance(p, str) and p.startswith("list[")))
+            return (f"'{path.lstrip('.')}' is a content part of type {_short(e.get('input'))}: only text parts are "
+                    "served here (its models read text)")
+    return None
 
 
 def _type_name(annotation: Any) -> str:

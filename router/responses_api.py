@@ -29,7 +29,7 @@ from pydantic import Field, ValidationError
 
 from router.openai_output import Output
 from router.output_items import Item, ItemStream
-from router.openai_protocol import ChatRequest, _Body, _Request
+from router.openai_protocol import ChatRequest, _Body, _Request, not_text
 from router.request_limits import BadRequest
 
 IGNORED_FIELDS = frozenset({"service_tier", "prompt_cache_key", "safety_identifier", "include", "truncation"})
@@ -192,7 +192,10 @@ def _item(i: int, raw: dict[str, Any]) -> _Body:
     try:
         return model.model_validate(raw)
     except ValidationError as e:
-        err = e.errors(include_url=False)[0]
+        errors = e.errors(include_url=False)
+        if (refusal := not_text(errors, f"input[{i}]")) is not None:
+            raise BadRequest(refusal, "input") from None
+        err = errors[0]
         raise BadRequest(f"input[{i}].{'.'.join(str(p) for p in err['loc'])}: {err['msg']}", "input") from None
 
 

@@ -49,7 +49,11 @@ def bad(kind, body: dict | bytes) -> BadRequest:  # type: ignore[no-untyped-def]
         "name": "f", "arguments": "[1]"}}]}]}, "messages", "messages[0]: a tool call's arguments must be a JSON object"),
     (ChatRequest, {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice",
      "tool_choice needs tools"),
-    (ChatRequest, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages", "messages"),
+    (ChatRequest, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages",
+     "'messages[0].content[0]' is a content part of type 'image_url': only text parts are served here"),
+    (ChatRequest, {"messages": [{"role": "user", "content": "x"}, {"role": "user", "content": [
+        {"type": "text", "text": "y"}, {"type": "input_audio"}]}]}, "messages",
+     "'messages[1].content[1]' is a content part of type 'input_audio'"),
     (CompletionRequest, {"prompt": "x", "n": 17}, "n", "n=17: between 1 and 16 choices per request"),
     (CompletionRequest, {"prompt": "x", "n": 2, "best_of": 1}, "best_of", "best_of=1: between n=2 and 16"),
     (CompletionRequest, {"prompt": "x", "best_of": 3, "stream": True}, "best_of", "best_of > n cannot stream"),
@@ -231,6 +235,25 @@ def test_required_tool_calls_are_a_list_of_the_tools_the_model_chose() -> None:
     assert [c["index"] for c in chunks[-1]["choices"][0]["delta"]["tool_calls"]] == [0, 1]
     one = tool_plan(_tools_request("required", parallel=False), None)
     assert one is not None and one.constraint is not None and json.loads(one.constraint[1])["maxItems"] == 1
+
+
+def test_required_tool_calls_cut_short_keep_the_calls_they_closed() -> None:
+    """max_tokens cuts the list in its second call: the first comes back whole, the second,
+    with neither a name nor arguments a client could run, is left out; cut in the first, there
+    is no call. The finish reason, length, says the answer was cut."""
+    plan = tool_plan(_tools_request("required"), None)
+    assert plan is not None
+    cut = ['[{"name": "lookup", ', '"arguments": {"q": "x"}}, ', '{"name": "search", "arguments": {"q": "y']
+    whole, chunks = tool_output(plan, cut, finish=FinishReason.LENGTH)
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [{"name": "lookup", "arguments": '{"q": "x"}'}]
+    assert [(c["index"], c["function"]["name"]) for c in chunks[-1]["choices"][0]["delta"]["tool_calls"]] == [
+        (0, "lookup")]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    whole, chunks = tool_output(plan, ['[{"name": "lookup", "argu'], finish=FinishReason.LENGTH)
+    assert whole["choices"][0]["message"] == {"role": "assistant", "content": None}
+    assert all("tool_calls" not in c["choices"][0]["delta"] for c in chunks)
 
 
 def test_auto_reads_content_and_parallel_calls_out_of_the_model_s_text_whole_and_streamed() -> None:

@@ -80,6 +80,8 @@ def test_tools_tool_choice_and_reasoning_effort_as_chat_takes_them() -> None:
     ({"tool_choice": {"type": "file_search"}}, "tool_choice", "tool_choice must be"),
     ({"reasoning": {"effort": "low"}}, "reasoning", "no thinking switch"),
     ({"input": [{"type": "input_image"}]}, "input", "input[0]: items of type 'input_image' are not served here"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_image"}]}]}, "input",
+     "'input[0].content[1]' is a content part of type 'input_image': only text parts are served here"),
     ({"input": [{"type": "function_call", "name": "f"}]}, "input", "input[0].call_id: Field required"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input", "input[0].role"),
     ({"truncatio": "auto"}, "truncatio", "unknown field 'truncatio'"),
