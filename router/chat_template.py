@@ -13,6 +13,7 @@ special tokens, so it is tokenized without adding any (as transformers does).
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Mapping
 from datetime import datetime
 from functools import lru_cache
@@ -58,14 +59,34 @@ class ChatTemplate:
         return cls(source, specials) if isinstance(source, str) and source else None
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               kwargs: Mapping[str, Any] | None = None) -> str:
+               kwargs: Mapping[str, Any] | None = None, continue_final: bool = False) -> str:
         """The prompt text for `messages` (raises ChatTemplateError with the template's own message).
-        `kwargs` (a request's chat_template_kwargs) may not set what the call itself sets."""
+        `kwargs` (a request's chat_template_kwargs) may not set what the call itself sets.
+        `continue_final`: the text ends inside the final message, right after its text, so the
+        model goes on writing it (an assistant turn begun by the caller), as transformers'
+        `continue_final_message` renders it."""
         kwargs = kwargs or {}
         taken = sorted({"messages", "add_generation_prompt", *self.special_tokens}.intersection(kwargs))
         if taken:
             raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(taken)}: the request's own fields "
                                     "and the tokenizer's special tokens set them")
+        if not continue_final:
+            return self._render(messages, add_generation_prompt, kwargs)
+        if add_generation_prompt:
+            raise ChatTemplateError("continue_final_message continues the final message; a generation prompt would "
+                                    "open a new one: send add_generation_prompt false")
+        mark = f"<<continue {uuid.uuid4().hex}>> "  # where the final message's text ends; its space shows trimming
+        final = messages[-1] if messages else None
+        if final is None or not isinstance(final.get("content"), str):
+            raise ChatTemplateError("continue_final_message needs a final message with text to continue")
+        text = self._render([*messages[:-1], {**final, "content": final["content"] + mark}], False, kwargs)
+        at = text.rfind(mark.rstrip())
+        if at < 0:
+            raise ChatTemplateError("continue_final_message: this chat template does not write the final message's "
+                                    "text as it was sent, so the model cannot continue it")
+        return text[:at] if text.startswith(mark, at) else text[:at].rstrip()  # trimmed: the message's own end
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: Mapping[str, Any]) -> str:
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          **self.special_tokens, **kwargs)

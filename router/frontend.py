@@ -93,7 +93,7 @@ class Frontend:
         workers compile them again against the tokenizer."""
 
     def chat_token_ids(self, messages: list[dict[str, Any]], max_model_len: int, add_generation_prompt: bool = True,
-                       template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                       template_kwargs: dict[str, Any] | None = None, continue_final: bool = False) -> list[int]:
         """A conversation's prompt tokens: the model's chat template rendered, then tokenized
         without adding special tokens (the template holds them). Raises InvalidRequestError."""
         if self.chat_template is None or self.tokenizer is None:
@@ -104,7 +104,7 @@ class Frontend:
             raise InvalidRequestError(f"messages hold {num_chars} characters; the model's context is {max_model_len} "
                                       "tokens")
         try:
-            text = self.chat_template.render(messages, add_generation_prompt, template_kwargs)
+            text = self.chat_template.render(messages, add_generation_prompt, template_kwargs, continue_final)
         except ChatTemplateError as e:
             raise InvalidRequestError(str(e)) from None
         return self._encode(text, add_special_tokens=False)

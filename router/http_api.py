@@ -44,7 +44,7 @@ from router.frontend import (MAX_TEXT_CHARS_PER_TOKEN, NOT_SERVING, OFF_LOOP_CHA
 from router.members import Members
 from router.openai_output import Output, best, merged, new_id, sum_usage
 from router.openai_protocol import (BadRequest, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                                    ask_of, messages_as_dicts, parse, prompts_of, sampling_of)
+                                    ask_of, messages_as_dicts, parse, prompt_end, prompts_of, sampling_of)
 from router.servicer import Generation, access
 from router.reasoning import ReasoningParser
 from router.agent_routes import AgentRoutes, NotFound
@@ -246,8 +246,9 @@ class OpenAIServer(AgentRoutes):
             raise BadRequest("tool calls and a response_format or structured_outputs both shape the output; send "
                              "one (or tool_choice \"none\")", "tool_choice")
         kwargs = {"tools": req.tools, **(req.chat_template_kwargs or {})} if plan else req.chat_template_kwargs
+        generation_prompt, continue_final = prompt_end(req)
         render = functools.partial(self.frontend.chat_token_ids, messages, facts.max_model_len,
-                                   req.add_generation_prompt, kwargs)
+                                   generation_prompt, kwargs, continue_final)
         try:  # a long request (all it holds: messages, names, tools, kwargs) renders and tokenizes off the loop
             prompt_ids = await self.off_loop.run(render) if body_chars > OFF_LOOP_CHARS else render()
         except InvalidRequestError as e:
@@ -415,8 +416,9 @@ class OpenAIServer(AgentRoutes):
                 raise BadRequest("add_special_tokens with messages: the chat template adds them", "add_special_tokens")
             messages = messages_as_dicts(req.messages)
             num_chars = len(body)  # all it renders
-            work = functools.partial(self.frontend.chat_token_ids, messages, max_model_len,
-                                     req.add_generation_prompt)
+            generation_prompt, continue_final = prompt_end(req)
+            work = functools.partial(self.frontend.chat_token_ids, messages, max_model_len, generation_prompt, None,
+                                     continue_final)
         elif req.prompt is not None:
             num_chars = len(req.prompt)
             if num_chars > MAX_TEXT_CHARS_PER_TOKEN * max_model_len:

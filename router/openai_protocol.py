@@ -138,6 +138,8 @@ class ChatRequest(_Sampling):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    """vLLM's: the prompt ends inside the final message, which the model goes on writing."""
     chat_template_kwargs: dict[str, Any] | None = None
     modalities: list[str] | None = None
     """OpenAI's: the output's kinds; only ["text"] here."""
@@ -149,11 +151,24 @@ class TokenizeRequest(_Request):
     messages: list[Message] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
+
+
+def prompt_end(req: ChatRequest | TokenizeRequest) -> tuple[bool, bool]:
+    """How a conversation's prompt ends: (add_generation_prompt, continue_final_message). To
+    continue the final message is to open no new one: add_generation_prompt is then false
+    unless the request sent it true, which contradicts it (a 400)."""
+    if not req.continue_final_message:
+        return req.add_generation_prompt, False
+    if req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
+        raise BadRequest("continue_final_message continues the final message and add_generation_prompt opens a new "
+                         "one: send one of them", "continue_final_message")
+    return False, True
 
 
 def parse(kind: type[_Body], body: bytes) -> Any:

@@ -33,6 +33,40 @@ def test_prompt_tokens_equal_transformers_apply_chat_template(model: str, reques
             assert got == list(want), (model, messages)
 
 
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir", "smollm2_dir"])
+def test_continuing_the_final_message_renders_as_transformers_does(model: str, request: pytest.FixtureRequest) -> None:
+    """continue_final_message: the prompt ends right after the final message's text (its own
+    trailing space kept where the template keeps it), as transformers renders it."""
+    model_dir = request.getfixturevalue(model)
+    frontend = Frontend(model_dir)
+    reference = AutoTokenizer.from_pretrained(model_dir)
+    for begun in ("The capital of France is", "Sure, here it is: ", "", "Über ✨"):
+        messages = [{"role": "user", "content": "What is the capital of France?"},
+                    {"role": "assistant", "content": begun}]
+        want = reference.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True,
+                                             tokenize=True, return_dict=False)
+        got = frontend.chat_token_ids(messages, 8192, False, None, continue_final=True)
+        assert got == list(want), (model, begun)
+    with pytest.raises(InvalidRequestError, match="send add_generation_prompt false"):
+        frontend.chat_token_ids(messages, 8192, True, None, continue_final=True)
+
+
+def test_a_final_message_is_continued_where_its_template_wrote_it(tiny_llama_dir: str, tmp_path: Path) -> None:
+    """A template that trims the text ends the prompt at the trimmed text; one that rewrites
+    it (here: upper case) cannot be continued, and says so."""
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes and "}]
+    trims, rewrites = tmp_path / "trims.jinja", tmp_path / "rewrites.jinja"
+    trims.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content | trim }}\n{% endfor %}")
+    rewrites.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content | upper }}\n{% endfor %}")
+    template = ChatTemplate.load(tiny_llama_dir, str(trims))
+    assert template is not None and template.render(conversation, False, continue_final=True) == (
+        "[user] hi\n[assistant] yes and")
+    template = ChatTemplate.load(tiny_llama_dir, str(rewrites))
+    assert template is not None
+    with pytest.raises(ChatTemplateError, match="does not write the final message's text as it was sent"):
+        template.render(conversation, False, continue_final=True)
+
+
 def test_the_smollm2_template_comes_from_the_gguf_metadata(smollm2_dir: str) -> None:
     frontend = Frontend(smollm2_dir)
     text = frontend.chat_template.render([{"role": "user", "content": "Hi"}])

@@ -372,3 +372,18 @@ def test_an_unknown_field_is_refused_by_name_and_openai_s_own_no_op_fields_are_i
                                                    "modalities": ["text", "audio"]}).encode()), "r", [1], 4)
     with pytest.raises(BadRequest, match="unknown field 'suffixes'"):
         parse(CompletionRequest, b'{"prompt": "x", "suffixes": 1}')
+
+
+def test_continuing_the_final_message_opens_no_generation_prompt() -> None:
+    from router.openai_protocol import prompt_end
+
+    def chat(**fields: object) -> ChatRequest:
+        return parse(ChatRequest, json.dumps({"messages": [{"role": "assistant", "content": "x"}], **fields}).encode())
+
+    assert prompt_end(chat()) == (True, False)
+    assert prompt_end(chat(add_generation_prompt=False)) == (False, False)
+    assert prompt_end(chat(continue_final_message=True)) == (False, True)  # the default generation prompt yields
+    assert prompt_end(chat(continue_final_message=True, add_generation_prompt=False)) == (False, True)
+    with pytest.raises(BadRequest, match="send one of them") as e:
+        prompt_end(chat(continue_final_message=True, add_generation_prompt=True))
+    assert e.value.param == "continue_final_message"

@@ -65,6 +65,31 @@ def test_chat_answers_and_greedy_tokens_equal_transformers_on_the_gguf(client: o
     assert c.choices[0].finish_reason == "length" and c.usage.completion_tokens == 32
 
 
+def test_an_assistant_turn_begun_by_the_client_is_continued(client: openai.OpenAI, base: str, smollm2_dir: str,
+                                                            hf_gguf) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's continue_final_message: the prompt ends inside the final (assistant) message,
+    tokenized as transformers' apply_chat_template(continue_final_message=True) tokenizes it,
+    and the answer is the rest of that message, greedy as transformers writes it."""
+    from transformers import AutoTokenizer
+
+    begun = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
+    want_prompt = AutoTokenizer.from_pretrained(smollm2_dir).apply_chat_template(
+        begun, add_generation_prompt=False, continue_final_message=True, tokenize=True, return_dict=False)
+    status, _, tok = post(base, "/tokenize", {"messages": begun, "continue_final_message": True})
+    assert status == 200 and tok["tokens"] == list(want_prompt)
+    extra = {"continue_final_message": True, "add_generation_prompt": False, "return_token_ids": True}
+    r = client.chat.completions.create(model=MODEL, messages=begun, temperature=0, max_tokens=8,  # type: ignore[arg-type]
+                                       extra_body=extra)
+    with torch.inference_mode():
+        out = hf_gguf.generate(torch.tensor([want_prompt]), do_sample=False, max_new_tokens=8)
+    assert r.usage.prompt_tokens == len(want_prompt)
+    assert r.choices[0].model_extra["token_ids"] == out[0, len(want_prompt):].tolist()
+    assert r.choices[0].message.content.startswith(" Paris")
+    status, _, answer = post(base, "/v1/chat/completions", {"messages": begun, "continue_final_message": True,
+                                                            "add_generation_prompt": True})
+    assert status == 400 and answer["error"]["param"] == "continue_final_message"
+
+
 def test_streamed_chat_and_cached_tokens(client: openai.OpenAI) -> None:
     messages = [{"role": "system", "content": "You are a helpful assistant who answers in one sentence. " * 3},
                 {"role": "user", "content": "Why is the sky blue?"}]
