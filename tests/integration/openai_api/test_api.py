@@ -77,9 +77,9 @@ def test_an_assistant_turn_begun_by_the_client_is_continued(client: openai.OpenA
         begun, add_generation_prompt=False, continue_final_message=True, tokenize=True, return_dict=False)
     status, _, tok = post(base, "/tokenize", {"messages": begun, "continue_final_message": True})
     assert status == 200 and tok["tokens"] == list(want_prompt)
-    extra = {"continue_final_message": True, "add_generation_prompt": False, "return_token_ids": True}
-    r = client.chat.completions.create(model=MODEL, messages=begun, temperature=0, max_tokens=8,  # type: ignore[arg-type]
-                                       extra_body=extra)
+    kw: dict = {"model": MODEL, "messages": begun, "temperature": 0, "max_tokens": 8, "extra_body": {
+        "continue_final_message": True, "add_generation_prompt": False, "return_token_ids": True}}
+    r = client.chat.completions.create(**kw)
     with torch.inference_mode():
         out = hf_gguf.generate(torch.tensor([want_prompt]), do_sample=False, max_new_tokens=8)
     assert r.usage.prompt_tokens == len(want_prompt)
