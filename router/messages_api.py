@@ -146,6 +146,14 @@ class MessagesRequest(_Request):
             "user": self.metadata.user_id if self.metadata else None}
         if self.tools:
             fields["tools"] = [_chat_tool(i, t) for i, t in enumerate(self.tools)]
+        if self.messages[-1].role == "assistant":  # a prefill: the answer goes on from its text
+            begun = fields["messages"][-1]
+            if begun.get("tool_calls"):
+                raise BadRequest(f"messages[{len(self.messages) - 1}]: a final assistant message is continued; one "
+                                 "with tool_use blocks needs the user's tool_result blocks after it", "messages")
+            if (begun["content"] or "") != (begun["content"] or "").rstrip():
+                raise BadRequest("final assistant content cannot end with trailing whitespace", "messages")
+            fields["continue_final_message"], fields["add_generation_prompt"] = True, False
         if (choice := self.tool_choice) is not None:
             if choice.type == "tool" and choice.name is None:
                 raise BadRequest("tool_choice {\"type\": \"tool\"} needs the tool's name", "tool_choice")

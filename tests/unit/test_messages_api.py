@@ -50,6 +50,16 @@ def test_blocks_become_chat_messages_and_fields_chat_s() -> None:
     assert req(messages=LOOP[:1]).as_chat(True, True).chat_template_kwargs == {"enable_thinking": False}
 
 
+def test_a_final_assistant_message_is_a_prefill_the_answer_continues() -> None:
+    """Anthropic's prefill: the answer goes on from the final assistant message's text."""
+    chat = req(messages=[LOOP[0], {"role": "assistant", "content": [{"type": "text", "text": "It is"}]}]).as_chat(
+        False, False)
+    assert (chat.continue_final_message, chat.add_generation_prompt) == (True, False)
+    assert chat.messages[-1].model_dump(exclude_none=True) == {"role": "assistant", "content": "It is"}
+    plain = req(messages=LOOP[:1]).as_chat(False, False)
+    assert (plain.continue_final_message, plain.add_generation_prompt) == (False, True)
+
+
 @pytest.mark.parametrize(("fields", "switch", "thinks", "param", "message"), [
     ({"thinking": {"type": "enabled", "budget_tokens": 9}}, False, False, "thinking", "does not think"),
     ({}, False, True, "thinking", "always thinks"),
@@ -61,6 +71,9 @@ def test_blocks_become_chat_messages_and_fields_chat_s() -> None:
     ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "b", "input": {}}]}]}, True,
      True, "messages", "a user message holds no tool_use block"),
     ({"mcp_servers": []}, True, True, "mcp_servers", "unknown field 'mcp_servers'"),
+    ({"messages": [LOOP[0], {"role": "assistant", "content": "It is "}]}, False, False, "messages",
+     "final assistant content cannot end with trailing whitespace"),
+    ({"messages": LOOP[:2]}, False, False, "messages", "a final assistant message is continued; one with tool_use"),
 ])
 def test_what_it_does_not_take_is_refused_by_name(fields: dict, switch: bool, thinks: bool, param: str,
                                                   message: str) -> None:

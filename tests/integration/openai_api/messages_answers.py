@@ -1,6 +1,6 @@
 """Anthropic's Messages API with Anthropic's own client (`client.messages`): the chat answer,
 whole and streamed (the client's accumulator gives the whole call's message), a cut at
-max_tokens, a stop sequence, a named tool, and bad input as 400s in Anthropic's error shape.
+max_tokens, a stop sequence, a prefill, a named tool, and bad input as 400s in Anthropic's error shape.
 Collected by test_api.py, on its 1P+1D cluster (tool loops and thinking:
 tests/integration/test_openai_tools.py)."""
 from __future__ import annotations
@@ -54,6 +54,18 @@ def test_a_cut_at_max_tokens_and_a_stop_sequence_say_why_they_stopped(base: str)
         final = stream.get_final_message()
     assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", " Paris")
     assert [b.text for b in final.content] == [b.text for b in stopped.content]
+
+
+def test_a_final_assistant_message_is_continued_as_a_prefill(base: str, client: openai.OpenAI) -> None:
+    """Anthropic's prefill: the answer is the rest of the final assistant message, the tokens
+    chat's continue_final_message gives."""
+    begun = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
+    m = claude(base).messages.create(model=MODEL, messages=begun, extra_body=GREEDY,  # type: ignore[arg-type]
+                                     max_tokens=8)
+    chat = client.chat.completions.create(model=MODEL, messages=begun,  # type: ignore[arg-type]
+                                          temperature=0, max_tokens=8, extra_body={"continue_final_message": True})
+    assert [(b.type, b.text) for b in m.content] == [("text", chat.choices[0].message.content)]
+    assert m.content[0].text.startswith(" Paris") and m.usage.input_tokens == chat.usage.prompt_tokens
 
 
 def test_a_named_tool_is_one_tool_use(base: str) -> None:
