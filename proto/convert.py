@@ -34,6 +34,7 @@ def sampling_from_pb(s: pb.SamplingParams, keep_stop_strings: bool = True) -> Sa
         seed=s.seed if s.HasField("seed") else None,
         stop_token_ids=tuple(s.stop_token_ids),
         stop=tuple(s.stop) if keep_stop_strings else (),
+        include_stop_str_in_output=s.include_stop_str_in_output and keep_stop_strings,
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs,
         constraint=Constraint(s.constraint.kind, s.constraint.value) if s.HasField("constraint") else None,
@@ -62,6 +63,7 @@ def sampling_to_pb(p: SamplingParams, keep_stop_strings: bool = True) -> pb.Samp
         msg.constraint_prefix = p.constraint_prefix
     if keep_stop_strings:
         msg.stop.extend(p.stop)
+        msg.include_stop_str_in_output = p.include_stop_str_in_output
     if not p.skip_special_tokens:
         msg.skip_special_tokens = False
     msg.presence_penalty, msg.frequency_penalty, msg.min_p = p.presence_penalty, p.frequency_penalty, p.min_p

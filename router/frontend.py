@@ -182,7 +182,7 @@ class Frontend:
         if self.tokenizer is None:
             return None
         return IncrementalDetokenizer(self.tokenizer, prep.token_ids, prep.params.stop, prep.params.skip_special_tokens,
-                                      self.special_token_ids)
+                                      self.special_token_ids, prep.params.include_stop_str_in_output)
 
 
 def _check_fields(ask: Ask, facts: ModelFacts) -> None:

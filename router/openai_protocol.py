@@ -71,6 +71,8 @@ class _Sampling(_Request):
     """vLLM's extension: each choice (and stream chunk) also carries the generated token ids."""
     skip_special_tokens: bool = True
     """vLLM's extension: False keeps special tokens in the text (never the stop token)."""
+    include_stop_str_in_output: bool = False
+    """vLLM's extension: the stop string that ends the text is kept in it."""
     min_tokens: int = 0
     prompt_logprobs: int | None = None
     """vLLM's extension: each prompt token's log-probability and rank, and this many
@@ -291,6 +293,7 @@ def sampling_of(req: CompletionRequest | ChatRequest, max_tokens_default: int | 
             top_k=0 if req.top_k in (None, -1) else _within(req.top_k, "top_k", -INT32_MAX, INT32_MAX),  # -1: off
             seed=None if req.seed is None else _within(req.seed, "seed", 0, UINT64_MAX),
             stop=tuple([req.stop] if isinstance(req.stop, str) else req.stop or ()),
+            include_stop_str_in_output=req.include_stop_str_in_output,
             stop_token_ids=tuple(_token_ids(req.stop_token_ids or [], "stop_token_ids")),
             ignore_eos=req.ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs,
             prompt_logprobs=None if prompt_logprobs is None else _within(prompt_logprobs, "prompt_logprobs", 0,

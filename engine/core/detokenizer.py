@@ -15,7 +15,8 @@ _CONTEXT_TOKENS = 5
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...],
-                 skip_special_tokens: bool = True, special_ids: frozenset[int] = frozenset()) -> None:
+                 skip_special_tokens: bool = True, special_ids: frozenset[int] = frozenset(),
+                 keep_stop: bool = False) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.special_ids = special_ids
@@ -27,7 +28,12 @@ class IncrementalDetokenizer:
         self.text = ""
         self._emitted = 0
         self.stop = stop
+        self.keep_stop = keep_stop
+        """The stop string that ends the text stays in it."""
         self._max_stop_len = max((len(s) for s in stop), default=0)
+        self._held = 0 if keep_stop else self._max_stop_len - 1
+        """How much of the text's end may still turn out to be a stop string's start, and so is
+        not emitted yet (none when the stop string is kept: text before it is output either way)."""
 
     def ends_output(self, token_id: int, stop_token_ids: tuple[int, ...]) -> bool:
         """Whether `token_id`, the last of an output that stopped, is its stop token (a stop
@@ -72,11 +78,12 @@ class IncrementalDetokenizer:
             self._emitted = len(self.text)
             return delta, False
         search_from = max(0, start - self._max_stop_len + 1)
-        hits = [i for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+        hits = [(i, -len(s)) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            at, minus_length = min(hits)  # the first to start (of two there, the longer)
+            self.text = self.text[: at - minus_length if self.keep_stop else at]
             return self.flush(), True
-        safe = len(self.text) - self._max_stop_len + 1
+        safe = len(self.text) - self._held
         if safe <= self._emitted:
             return "", False
         out, self._emitted = self.text[self._emitted : safe], safe

@@ -28,7 +28,8 @@ class OutputBuilder:
         """A new request: its detokenizer, where there is a tokenizer to detokenize with."""
         if self.tokenizer is not None:
             self._detok[request.request_id] = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, request.params.stop)
+                self.tokenizer, request.prompt_token_ids, request.params.stop,
+                keep_stop=request.params.include_stop_str_in_output)
 
     def forget(self, request_id: RequestId) -> None:
         self._detok.pop(request_id, None)

@@ -104,6 +104,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     """Stop strings; the output text is cut before the first one found."""
+    include_stop_str_in_output: bool = False
+    """The stop string that ends the text is kept in it (the text is cut after it; vLLM's)."""
     ignore_eos: bool = False
     logprobs: bool = False
     """Return the log-probability of each chosen token (from the raw logits)."""

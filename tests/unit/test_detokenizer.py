@@ -6,13 +6,16 @@ from engine.model.tiny_tokenizer import build_tokenizer
 TOK = build_tokenizer(512)
 
 
-def stream(text: str, stop: tuple[str, ...] = ()) -> tuple[str, bool, IncrementalDetokenizer]:
+def stream(text: str, stop: tuple[str, ...] = (), keep_stop: bool = False,
+           deltas: list[str] | None = None) -> tuple[str, bool, IncrementalDetokenizer]:
     ids = TOK.encode(text).ids
-    d = IncrementalDetokenizer(TOK, TOK.encode("Prompt:").ids, stop)
+    d = IncrementalDetokenizer(TOK, TOK.encode("Prompt:").ids, stop, keep_stop=keep_stop)
     out = ""
     for t in ids:
         delta, stopped = d.append(t)
         out += delta
+        if deltas is not None:
+            deltas.append(delta)
         if stopped:
             return out, True, d
     return out + d.flush(), False, d
@@ -32,6 +35,20 @@ def test_stop_string_cuts_text_and_never_leaks_a_partial_stop() -> None:
 def test_stop_string_split_across_many_tokens() -> None:
     out, stopped, _ = stream("abc STOP def", stop=("STOP", "zzz"))
     assert stopped and out == "abc "
+
+
+def test_a_kept_stop_string_ends_the_text_and_nothing_is_held_back_before_it() -> None:
+    """include_stop_str_in_output: the text is cut after the stop string, not before; the first
+    to start wins (of two starting there, the longer); text streams as it comes (whatever
+    follows, it is output), so no token's text waits for the next."""
+    deltas: list[str] = []
+    out, stopped, d = stream("abc STOP def", stop=("zzz", "STOP"), keep_stop=True, deltas=deltas)
+    assert stopped and out == d.text == "abc STOP"
+    assert "".join(deltas) == out and all(deltas[:-1])  # each token's text at once, none held back
+    out, stopped, _ = stream("abc STOP def", stop=("STO", "STOP"), keep_stop=True)
+    assert stopped and out == "abc STO"  # it is complete a token before the longer one
+    out, stopped, _ = stream("abc STOP def", stop=("a", "ab", "bc"), keep_stop=True)  # "ab" is one token
+    assert stopped and out == "ab"
 
 
 def test_no_stop_found_flushes_held_back_text() -> None:

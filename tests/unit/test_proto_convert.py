@@ -1,4 +1,4 @@
-"""Finish reasons cross the wire and come back the same enum."""
+"""Finish reasons, KV tickets and sampling parameters cross the wire and come back the same."""
 from __future__ import annotations
 
 from engine.core.request import FinishReason
@@ -43,3 +43,15 @@ def test_a_kv_ticket_crosses_the_router_as_a_checked_protobuf_message() -> None:
                            "address.port, address.transports, num_skip_blocks, lease_s are missing or invalid")):
         with pytest.raises(InvalidRequestError, match=named):
             ticket_from_pb(broken)
+
+
+def test_stop_strings_and_keeping_them_cross_the_wire_only_where_asked() -> None:
+    """The router matches stop strings itself: what it sends a worker carries neither them nor
+    include_stop_str_in_output; a client's request carries both."""
+    from engine.core.request import SamplingParams
+    from proto.convert import sampling_from_pb, sampling_to_pb
+
+    params = SamplingParams(max_tokens=5, stop=("x", "yz"), include_stop_str_in_output=True)
+    assert sampling_from_pb(sampling_to_pb(params)) == params
+    to_worker = sampling_from_pb(sampling_to_pb(params, keep_stop_strings=False), keep_stop_strings=False)
+    assert (to_worker.stop, to_worker.include_stop_str_in_output) == ((), False)

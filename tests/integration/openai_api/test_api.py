@@ -116,6 +116,12 @@ def test_stop_strings_logprobs_and_the_default_length(client: openai.OpenAI) -> 
     assert all(c.logprob <= 0 and c.top_logprobs == [] for c in content)
     cut = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, stop=[" Paris", "xyz"])
     assert cut.choices[0].message.content == "The capital of France is" and cut.choices[0].finish_reason == "stop"
+    kept = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, stop=["xyz", " Par"],
+                                          extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].message.content == "The capital of France is Par" and kept.choices[0].finish_reason == "stop"
+    streamed = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, stop=[" Par"],
+                                              stream=True, extra_body={"include_stop_str_in_output": True})
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == "The capital of France is Par"
     short = client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0,
                                       extra_body={"ignore_eos": True})
     assert short.usage.completion_tokens == 16 and short.choices[0].finish_reason == "length"  # OpenAI's default 16
