@@ -199,7 +199,7 @@ class OpenAIServer(AgentRoutes):
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = parse(CompletionRequest, self._prescanned(await self.bodies.read(request)))
         model = self._check_model(req.model)
-        rid = new_id("completion")
+        rid = new_id("completion", req.request_id)
         prompts = prompts_of(req.prompt)
         params = sampling_of(req, None, constraint_of(req))  # once, whatever the prompts
         parts = []
@@ -257,7 +257,7 @@ class OpenAIServer(AgentRoutes):
         # a model that slides a window on every layer holds only that window, whatever its length)
         pool = self.members.max_decode_blocks() * facts.block_size if not facts.kv_window else facts.max_model_len
         room = min(facts.max_model_len, pool) - len(prompt_ids) - 1
-        rid = new_id("chat")
+        rid = new_id("chat", req.request_id)
         params = sampling_of(req, max(room, 1), plan.constraint if plan and plan.constraint else constraint)
         constrained = params.constraint is not None
         fields: dict[str, Any] = {"return_token_ids": req.return_token_ids,

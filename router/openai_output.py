@@ -219,6 +219,7 @@ def sum_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
     return {**total, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def new_id(kind: Literal["completion", "chat"]) -> str:
-    return ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
+def new_id(kind: Literal["completion", "chat"], request_id: str | None = None) -> str:
+    """A response's id: the client's `request_id` where it sent one (as vLLM names it), else a new one."""
+    return ("cmpl-" if kind == "completion" else "chatcmpl-") + (request_id or uuid.uuid4().hex)
 

@@ -127,6 +127,15 @@ def test_stop_strings_logprobs_and_the_default_length(client: openai.OpenAI) -> 
     assert short.usage.completion_tokens == 16 and short.choices[0].finish_reason == "length"  # OpenAI's default 16
 
 
+def test_a_clients_request_id_names_its_response(client: openai.OpenAI) -> None:
+    """vLLM's: the response's id is the client's request_id under the API's prefix."""
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1,
+                                          extra_body={"request_id": "trace-42"})
+    text = client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, extra_body={"request_id": "trace-43"})
+    plain = client.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+    assert (chat.id, text.id) == ("chatcmpl-trace-42", "cmpl-trace-43") and len(plain.id) == len("cmpl-") + 32
+
+
 def test_models_health_version_tokenize_detokenize(base: str, cluster: LocalCluster) -> None:
     with urllib.request.urlopen(base + "/v1/models", timeout=10) as r:
         models = json.loads(r.read())
