@@ -1,6 +1,6 @@
 """The agent APIs' routes of the HTTP door: OpenAI's Responses API (`POST /v1/responses`,
 `GET` / `DELETE /v1/responses/{id}`) and Anthropic's Messages API (`POST /v1/messages`), each
-a chat request underneath (router/responses_api.py, router/messages_api.py) answered whole or
+a chat request underneath, and `POST /v1/messages/count_tokens` (router/responses_api.py, router/messages_api.py) answered whole or
 as its typed events; stored responses in the cluster's Redis (router/response_store.py).
 
 A mixin of `OpenAIServer` (router/http_api.py), whose chat machinery it uses: `_chat_part`
@@ -21,7 +21,7 @@ from aiohttp import web
 from router.attempt import Ask, RequestFailed
 from router.http_errors import HTTP_STATUS, SSE_HEADERS, dumps, failed, sse
 from router.http_guard import identity
-from router.messages_api import MessageShape, MessagesRequest, anthropic_error
+from router.messages_api import CountTokensRequest, MessageShape, MessagesRequest, anthropic_error
 from router.openai_output import Output
 from router.openai_protocol import BadRequest, parse
 from router.reasoning import END
@@ -124,6 +124,14 @@ class AgentRoutes:
         return await self._answer(request, dataclasses.replace(ask, route="messages"), out, req.stream, whole,
                                   shape.opening, shape.feed, finish,
                                   lambda e: [anthropic_error(HTTP_STATUS.get(e.code, 500), e.message)])
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        """Anthropic's `POST /v1/messages/count_tokens`: the prompt tokens a Messages request of
+        these fields would take (rendered and tokenized as the request itself would be)."""
+        body = self._prescanned(await self.bodies.read(request))
+        req = parse(CountTokensRequest, body)
+        ask, _ = await self._chat_part(req.as_chat(self.thinking_switch, self.reasoning is not None), len(body))
+        return web.json_response({"input_tokens": len(ask.prompt)}, dumps=dumps)
 
     async def _answer(self, request: web.Request, ask: Ask, out: Output, stream: bool,
                       whole: Callable[[], Awaitable[dict[str, Any]]], opening: Callable[[], list[dict[str, Any]]],

@@ -33,7 +33,7 @@ from engine.checkpoints.quant_config import served_name
 from engine.types import InvalidRequestError
 from router.attempt import CUT_OFF, Ask, Progress, RequestFailed
 from router.constraints import AutoToolOutput, ToolCallOutput, constraint_of, tool_plan
-from router.http_guard import HttpGuard, identity
+from router.http_guard import ANTHROPIC_PATHS, HttpGuard, identity
 from router.config import HttpDeadlines
 from router.http_connections import BodyReader, ConnectionGuard
 from router.off_loop import OffLoop
@@ -106,6 +106,7 @@ class OpenAIServer(AgentRoutes):
                                            guard.middleware, self._errors])
         app.add_routes([web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
                         web.post("/v1/responses", self.responses), web.post("/v1/messages", self.messages),
+                        web.post("/v1/messages/count_tokens", self.count_tokens),
                         web.get("/v1/responses/{response_id}", self.stored_response),
                         web.delete("/v1/responses/{response_id}", self.delete_response),
                         web.get("/v1/models", self.models), web.get("/health", self.health),
@@ -153,10 +154,10 @@ class OpenAIServer(AgentRoutes):
 
     @web.middleware
     async def _anthropic_errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        """/v1/messages answers its errors, whoever refused (key, connections, body, handler), in
-        Anthropic's shape, with the same status and headers."""
+        """/v1/messages and /v1/messages/count_tokens answer their errors, whoever refused (key,
+        connections, body, handler), in Anthropic's shape, with the same status and headers."""
         response = await handler(request)
-        if request.path != "/v1/messages" or response.status < 400 or not isinstance(response, web.Response) \
+        if request.path not in ANTHROPIC_PATHS or response.status < 400 or not isinstance(response, web.Response) \
                 or response.content_type != "application/json" or not isinstance(response.body, bytes):
             return response
         try:

@@ -23,6 +23,8 @@ from router.api_keys import ApiKeys, Identity, Unauthenticated
 from router.http_errors import error
 
 IDENTITY = web.RequestKey("identity", Identity)
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
+"""Anthropic's routes: a key may come as `x-api-key`, and errors take Anthropic's shape."""
 
 
 @dataclass(frozen=True)
@@ -62,10 +64,10 @@ class HttpGuard:
 
 
 def _authorization(request: web.Request) -> str | None:
-    """The request's `Authorization`; on Anthropic's /v1/messages, `x-api-key: KEY` as Anthropic's
+    """The request's `Authorization`; on Anthropic's /v1/messages routes, `x-api-key: KEY` as Anthropic's
     clients send it, when there is no `Authorization`."""
     value = request.headers.get("Authorization")
-    if value is None and request.path == "/v1/messages" and (key := request.headers.get("x-api-key")):
+    if value is None and request.path in ANTHROPIC_PATHS and (key := request.headers.get("x-api-key")):
         return "Bearer " + key
     return value
 

@@ -176,6 +176,12 @@ class MessagesRequest(_Request):
             raise BadRequest(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}", "messages") from None
 
 
+class CountTokensRequest(MessagesRequest):
+    """`/v1/messages/count_tokens`: a Messages request's prompt fields, without max_tokens."""
+
+    max_tokens: int = 1
+
+
 def _block(i: int, j: int, raw: dict[str, Any]) -> _Body:
     model = BLOCKS.get(raw.get("type")) if isinstance(raw.get("type"), str) else None
     if model is None:

@@ -1,6 +1,6 @@
 """Anthropic's Messages API with Anthropic's own client (`client.messages`): the chat answer,
 whole and streamed (the client's accumulator gives the whole call's message), a cut at
-max_tokens, a stop sequence, a prefill, a named tool, and bad input as 400s in Anthropic's error shape.
+max_tokens, a stop sequence, a prefill, counting tokens, a named tool, and bad input as 400s in Anthropic's error shape.
 Collected by test_api.py, on its 1P+1D cluster (tool loops and thinking:
 tests/integration/test_openai_tools.py)."""
 from __future__ import annotations
@@ -66,6 +66,23 @@ def test_a_final_assistant_message_is_continued_as_a_prefill(base: str, client: 
                                           temperature=0, max_tokens=8, extra_body={"continue_final_message": True})
     assert [(b.type, b.text) for b in m.content] == [("text", chat.choices[0].message.content)]
     assert m.content[0].text.startswith(" Paris") and m.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_count_tokens_is_what_the_message_takes(base: str) -> None:
+    """`/v1/messages/count_tokens` with Anthropic's client: the input tokens the same request
+    is charged, with a system prompt and tools rendered as the request renders them."""
+    tool = {"name": "capital", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    fields = {"model": MODEL, "system": SYSTEM, "messages": QUESTION, "tools": [tool],
+              "tool_choice": {"type": "any"}}
+    counted = claude(base).messages.count_tokens(**fields)  # type: ignore[arg-type]
+    m = claude(base).messages.create(**fields, max_tokens=1, extra_body=GREEDY)  # type: ignore[arg-type]
+    assert counted.input_tokens == m.usage.input_tokens
+    plain = claude(base).messages.create(model=MODEL, messages=QUESTION, max_tokens=1, extra_body=GREEDY)
+    assert claude(base).messages.count_tokens(model=MODEL, messages=QUESTION).input_tokens == plain.usage.input_tokens
+    assert plain.usage.input_tokens != counted.input_tokens  # the template's own system prompt, not SYSTEM
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude(base).messages.count_tokens(model=MODEL, messages=[])
+    assert e.value.body["type"] == "error" and "messages" in e.value.body["error"]["message"]
 
 
 def test_a_named_tool_is_one_tool_use(base: str) -> None:

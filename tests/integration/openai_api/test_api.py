@@ -21,7 +21,7 @@ from tests.integration.cluster_checks import assert_idle
 from tests.integration.openai_api.calls import MODEL, QUESTION, grpc_generate, open_stream, post
 from tests.integration.openai_api.messages_answers import (  # noqa: F401 (collected here, on this module's cluster)
     test_a_cut_at_max_tokens_and_a_stop_sequence_say_why_they_stopped,
-    test_a_final_assistant_message_is_continued_as_a_prefill,
+    test_a_final_assistant_message_is_continued_as_a_prefill, test_count_tokens_is_what_the_message_takes,
     test_a_message_is_the_chat_answer_whole_and_streamed,
     test_a_named_tool_is_one_tool_use, test_bad_input_is_a_400_in_anthropic_s_shape)
 from tests.integration.openai_api.responses_answers import (  # noqa: F401 (collected here, on this module's cluster)
