@@ -120,10 +120,10 @@ def tool_plan(req: ChatRequest, parser: str | None) -> ToolPlan | None:
         if not isinstance(name, str) or name not in functions:
             raise BadRequest(f"tool_choice names {name!r}, which is not among the tools ({', '.join(functions)})",
                              "tool_choice")
-        return ToolPlan("named", ("json_schema", _json(functions[name])), name, max_calls=1)
+        return ToolPlan("named", ("json_schema", _json(closed(functions[name]))), name, max_calls=1)
     if choice == "required":
         call = {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                           "properties": {"name": {"const": name}, "arguments": params}}
+                           "properties": {"name": {"const": name}, "arguments": closed(params)}}
                           for name, params in functions.items()]}
         schema: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
         if max_calls is not None:
@@ -138,6 +138,35 @@ def tool_plan(req: ChatRequest, parser: str | None) -> ToolPlan | None:
                          f"has none the router knows; start the router with --tool-call-parser ({', '.join(PARSERS)}), "
                          "or send tool_choice \"required\" or a named function", "tool_choice")
     return ToolPlan("auto", parser=make_parser(parser), max_calls=max_calls)
+
+
+OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "anyOf", "oneOf", "$ref")
+"""An object schema with any of these says itself what else it holds, or composes with schemas
+that may (its properties are not all it can hold): it stays as it is."""
+
+
+def closed(schema: Any) -> Any:
+    """A function's parameters as constrained calls take them: an object schema that lists its
+    properties and says nothing of others holds no others (`additionalProperties: false`), at
+    every depth, as vLLM's default grammar backend (xgrammar's strict mode) reads a schema: a call
+    with an argument its function does not name cannot be run. A schema that says (or composes
+    with other schemas, or refers away) stays as it is, and so do the schemas it composes with;
+    alternatives alone (anyOf / oneOf beside no properties) are each closed. The caller's schema
+    is not changed."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    lists = isinstance(schema.get("properties"), dict)
+    alternatives = () if lists else ("anyOf", "oneOf")
+    out = {key: closed(value) if key in ("items", "prefixItems", *alternatives) else value
+           for key, value in schema.items()}
+    for key in ("properties", "$defs", "definitions"):
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: closed(s) for name, s in schema[key].items()}
+    if lists and not any(k in schema for k in OPEN_KEYS):
+        out["additionalProperties"] = False
+    return out
 
 
 def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -387,3 +387,35 @@ def test_continuing_the_final_message_opens_no_generation_prompt() -> None:
     with pytest.raises(BadRequest, match="send one of them") as e:
         prompt_end(chat(continue_final_message=True, add_generation_prompt=True))
     assert e.value.param == "continue_final_message"
+
+
+def test_a_calls_arguments_hold_only_the_properties_its_function_names() -> None:
+    """Constrained calls (named, required) close every object schema that lists its properties
+    and says nothing of others, as xgrammar's strict mode (vLLM's default) reads them; schemas
+    that say, compose or refer stay open; the request's own tools are not changed."""
+    from router.constraints import closed
+
+    point = {"type": "object", "properties": {"x": {"type": "number"}}}
+    params = {"type": "object", "properties": {"at": point, "path": {"type": "array", "items": point},
+                                               "tags": {"type": "object", "additionalProperties": {"type": "string"}},
+                                               "either": {"anyOf": [point, {"type": "string"}]},
+                                               "mixed": {"properties": {"a": {}}, "oneOf": [{"properties": {"b": {}}}]},
+                                               "ref": {"$ref": "#/$defs/p"}},
+              "$defs": {"p": point}}
+    shut = closed(params)
+    assert shut["additionalProperties"] is False
+    props = shut["properties"]
+    assert props["at"]["additionalProperties"] is False and props["path"]["items"]["additionalProperties"] is False
+    assert props["tags"] == params["properties"]["tags"]  # it says what else it holds
+    assert props["either"]["anyOf"][0]["additionalProperties"] is False  # alternatives alone: each closed
+    assert props["mixed"] == params["properties"]["mixed"]  # composed: the branch adds properties
+    assert props["ref"] == {"$ref": "#/$defs/p"} and shut["$defs"]["p"]["additionalProperties"] is False
+    assert "additionalProperties" not in params and "additionalProperties" not in point  # not changed
+    assert closed({"type": "object"}) == {"type": "object"}  # any object: nothing listed, nothing closed
+    plan = tool_plan(_tools_request({"type": "function", "function": {"name": "search"}}), None)
+    assert plan is not None and plan.constraint is not None
+    assert json.loads(plan.constraint[1])["additionalProperties"] is False
+    required = tool_plan(_tools_request("required"), None)
+    assert required is not None and required.constraint is not None
+    arguments = [a["properties"]["arguments"] for a in json.loads(required.constraint[1])["items"]["anyOf"]]
+    assert all(a["additionalProperties"] is False for a in arguments)
