@@ -109,7 +109,8 @@ class OpenAIServer(AgentRoutes):
                         web.post("/v1/messages/count_tokens", self.count_tokens),
                         web.get("/v1/responses/{response_id}", self.stored_response),
                         web.delete("/v1/responses/{response_id}", self.delete_response),
-                        web.get("/v1/models", self.models), web.get("/health", self.health),
+                        web.get("/v1/models", self.models), web.get("/v1/models/{model:.+}", self.model),
+                        web.get("/health", self.health),
                         web.get("/version", self.version), web.post("/tokenize", self.tokenize),
                         web.post("/detokenize", self.detokenize)])
         self.app = app
@@ -390,12 +391,23 @@ class OpenAIServer(AgentRoutes):
 
     # -- the rest ----------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
+        card = self._model_card()
+        return web.json_response({"object": "list", "data": [] if card is None else [card]}, dumps=dumps)
+
+    async def model(self, request: web.Request) -> web.Response:
+        """OpenAI's `GET /v1/models/{model}` (the SDK's `models.retrieve`)."""
+        card, asked = self._model_card(), request.match_info["model"]
+        if card is None or card["id"] != asked:
+            raise ModelNotFound(f"the model {asked[:200]!r} does not exist; this server serves "
+                                f"{repr(card['id']) if card else 'none yet'}")
+        return web.json_response(card, dumps=dumps)
+
+    def _model_card(self) -> dict[str, Any] | None:
         name, facts = self.model_name, self.members.facts
-        data = [] if name is None else [{
+        return None if name is None else {
             "id": name, "object": "model", "created": self.created, "owned_by": "splitserve",
             "root": served_name(facts.model_id) if facts else name, "parent": None,
-            "max_model_len": facts.max_model_len if facts else None}]
-        return web.json_response({"object": "list", "data": data}, dumps=dumps)
+            "max_model_len": facts.max_model_len if facts else None}
 
     async def health(self, request: web.Request) -> web.Response:
         if self.members.facts is None or not self.members.serving("decode"):

@@ -141,6 +141,11 @@ def test_models_health_version_tokenize_detokenize(base: str, cluster: LocalClus
         models = json.loads(r.read())
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
     assert models["data"][0]["max_model_len"] == 8192 and models["data"][0]["owned_by"] == "splitserve"
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    assert client.models.retrieve(MODEL).model_dump(exclude_none=True) == {
+        k: v for k, v in models["data"][0].items() if v is not None}
+    with pytest.raises(openai.NotFoundError, match="does not exist; this server serves"):
+        client.models.retrieve("org/other-model")
     with urllib.request.urlopen(base + "/health", timeout=10) as r:
         assert r.status == 200
     with urllib.request.urlopen(base + "/version", timeout=10) as r:
