@@ -24,6 +24,13 @@ def show_status(args: argparse.Namespace, cluster_redis: Callable[[argparse.Name
     try:
         beats, routers, controller = asyncio.run(read_cluster(redis_url, namespace))
     except Exception as e:  # noqa: BLE001 - any Redis failure is reported, not raised
+        from cluster import daemon
+
+        if args.redis_url is None and daemon.running_pid() is None:  # the last serve's record, and no serve runs
+            print(f"no cluster is running here: the last `splitserve serve` has stopped (its Redis at "
+                  f"{redacted(redis_url)} does not answer). Start one with `splitserve serve`, or name another "
+                  "cluster's with --redis-url.", file=sys.stderr)
+            return 1
         print(f"Redis at {redacted(redis_url)} is away ({e}): the cluster's state cannot be read now. Routers keep "
               "serving on the membership they last saw; an embedded Redis is started again by its cluster.",
               file=sys.stderr)

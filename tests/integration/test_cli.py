@@ -180,6 +180,11 @@ def test_serve_refuses_a_bad_model_or_a_taken_port_before_starting_anything(
     assert not (tmp_path / "cache" / "gguf").exists()  # said before converting the default model (~25 s)
     r = cli(["status", "--redis-url", "redis://127.0.0.1:1/0"])
     assert r.returncode == 1 and "Redis at redis://127.0.0.1:1/0 is away" in r.stderr
+    (tmp_path / "cache").mkdir(exist_ok=True)  # a serve that stopped without its record going (killed)
+    (tmp_path / "cache" / "serve.json").write_text(json.dumps({"address": "127.0.0.1:1", "namespace": "splitserve",
+                                                               "redis_url": "redis://127.0.0.1:1/0"}))
+    r = cli(["status"], cache)
+    assert r.returncode == 1 and "no cluster is running here: the last `splitserve serve` has stopped" in r.stderr
     no_secret = {"SPLITSERVE_CLUSTER_SECRET": None, "SPLITSERVE_CLUSTER_SECRET_FILE": None}
     for command in (["worker", "decode"], ["router"]):  # a plain process never falls back to a built-in secret
         r = cli([*command, "--redis-url", "redis://127.0.0.1:1/0"], no_secret)
