@@ -1,7 +1,8 @@
 """The agent APIs' routes of the HTTP door: OpenAI's Responses API (`POST /v1/responses`,
-`GET` / `DELETE /v1/responses/{id}`) and Anthropic's Messages API (`POST /v1/messages`), each
-a chat request underneath, and `POST /v1/messages/count_tokens` (router/responses_api.py, router/messages_api.py) answered whole or
-as its typed events; stored responses in the cluster's Redis (router/response_store.py).
+`GET` / `DELETE /v1/responses/{id}`) and Anthropic's Messages API (`POST /v1/messages`, and
+`/v1/messages/count_tokens`), each a chat request underneath (router/responses_api.py,
+router/messages_api.py) answered whole or as its typed events; stored responses in the
+cluster's Redis (router/response_store.py).
 
 A mixin of `OpenAIServer` (router/http_api.py), whose chat machinery it uses: `_chat_part`
 (template, tool plan, reasoning parser), `_stream_of` (the request under its key's identity),

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from router.openai_output import Output
 from router.openai_protocol import BadRequest, ChatRequest, CompletionRequest
-from router.tool_parsers import PARSERS, ToolCall, ToolParser, ToolStream, make_parser
+from router.tool_parsers import PARSERS, ToolCall, ToolParser, ToolStream, call_of, make_parser
 
 
 STRUCTURED_KEYS = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "choice": "choice",
@@ -190,7 +190,7 @@ def _past_space(text: str, i: int) -> int:
     return match.end() if match else i
 
 
-def closed_calls(text: str) -> list[dict[str, Any]]:
+def closed_calls(text: str) -> list[ToolCall]:
     """The calls of a `required` answer, a JSON list of {"name", "arguments"}: all of them, or of
     a list cut short (max_tokens) the calls it closed; a call cut off in the middle has no name or
     arguments a client could run, so it is left out (its finish reason, length, says so)."""
@@ -203,8 +203,8 @@ def closed_calls(text: str) -> list[dict[str, Any]]:
             call, i = decoder.raw_decode(text, _past_space(text, i + 1))
         except ValueError:
             return calls
-        if isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(call.get("arguments"), dict):
-            calls.append(call)
+        if (found := call_of(call)) is not None:
+            calls.append(found)
         i = _past_space(text, i)
         if not text.startswith(",", i):
             return calls
@@ -230,8 +230,7 @@ class ToolCallOutput(Output):
     def _calls(self, text: str) -> list[dict[str, Any]]:
         if self.plan.name is not None:
             return [{"id": self.call_id, "type": "function", "function": {"name": self.plan.name, "arguments": text}}]
-        return [ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)).as_openai()
-                for c in closed_calls(text)]
+        return [c.as_openai() for c in closed_calls(text)]
 
     def _finish_reason(self) -> str | None:
         return _finish(self.finish_reason, True)

@@ -31,7 +31,7 @@ from aiohttp import web
 
 from engine.checkpoints.quant_config import served_name
 from engine.types import InvalidRequestError
-from router.attempt import CUT_OFF, Ask, Progress, RequestFailed
+from router.attempt import CUT_OFF, Ask, RequestFailed
 from router.constraints import AutoToolOutput, ToolCallOutput, constraint_of, tool_plan
 from router.http_guard import ANTHROPIC_PATHS, HttpGuard, identity
 from router.config import HttpDeadlines
@@ -45,7 +45,7 @@ from router.members import Members
 from router.openai_output import Output, best, merged, new_id, sum_usage
 from router.openai_protocol import (BadRequest, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                     ask_of, messages_as_dicts, parse, prompt_end, prompts_of, sampling_of)
-from router.servicer import Generation, access
+from router.servicer import Generation, refused
 from router.reasoning import ReasoningParser
 from router.agent_routes import AgentRoutes, NotFound
 from router.messages_api import anthropic_error
@@ -149,8 +149,8 @@ class OpenAIServer(AgentRoutes):
         route = GENERATION_ROUTES.get(request.path) if request.method == "POST" else None
         if route is not None and response.status >= 400 and not request.get(FLOWED):
             who = identity(request)
-            access("", who.tenant or "" if who else "", route,
-                   Progress(arrived, status=grpc_status(response.status).value[0]))
+            tenant = who.tenant if who is not None and who.tenant is not None else ""
+            refused("", tenant, route, grpc_status(response.status), arrived)
         return response
 
     @web.middleware

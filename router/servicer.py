@@ -81,7 +81,7 @@ class Generation(pb_grpc.GenerationServicer):
             request = pb.GenerateRequest.FromString(raw)
         except DecodeError as e:
             self.stats["num_invalid"] += 1
-            access("", "", "generate", Progress(time.perf_counter(), status=grpc.StatusCode.INVALID_ARGUMENT.value[0]))
+            refused("", "", "generate", grpc.StatusCode.INVALID_ARGUMENT)
             await _fail(context, RequestFailed(grpc.StatusCode.INVALID_ARGUMENT,
                                                f"the request is not a valid {SERVICE}.Generate request ({e}); "
                                                "string fields must be UTF-8"))
@@ -95,8 +95,7 @@ class Generation(pb_grpc.GenerationServicer):
                 try:
                     who = self.api_keys.check(authorization(context.invocation_metadata()))
                 except Unauthenticated as e:
-                    access(request.request_id, "", "generate",
-                           Progress(time.perf_counter(), status=grpc.StatusCode.UNAUTHENTICATED.value[0]))
+                    refused(request.request_id, "", "generate", grpc.StatusCode.UNAUTHENTICATED)
                     raise RequestFailed(grpc.StatusCode.UNAUTHENTICATED, str(e)) from None
                 if who.tenant is not None:
                     request.tenant = who.tenant
@@ -104,8 +103,7 @@ class Generation(pb_grpc.GenerationServicer):
                 ask = ask_from_pb(request)
             except RequestFailed:
                 self.stats["num_invalid"] += 1
-                access(request.request_id, request.tenant, "generate",
-                       Progress(time.perf_counter(), status=grpc.StatusCode.INVALID_ARGUMENT.value[0]))
+                refused(request.request_id, request.tenant, "generate", grpc.StatusCode.INVALID_ARGUMENT)
                 raise
             async with contextlib.aclosing(self.stream(ask, context.invocation_metadata(),
                                                        context.time_remaining())) as replies:
@@ -273,6 +271,12 @@ def access(client_id: str, tenant: str, route: str, progress: Progress) -> None:
                     prep.request_id if prep else "-", client_id[:128], tenant[:128], route,
                     progress.status, len(prep.token_ids) if prep else 0, progress.num_sent, progress.num_cached_tokens,
                     time.perf_counter() - progress.arrived)
+
+
+def refused(client_id: str, tenant: str, route: str, code: grpc.StatusCode, arrived: float | None = None) -> None:
+    """The access line of a request refused at the door, before it had a request id."""
+    at = time.perf_counter() if arrived is None else arrived
+    access(client_id, tenant, route, Progress(at, status=code.value[0]))
 
 
 async def _fail(context: grpc.aio.ServicerContext, e: RequestFailed) -> None:

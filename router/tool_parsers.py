@@ -40,7 +40,7 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def _call(value: Any, args_key: str = "arguments") -> ToolCall | None:
+def call_of(value: Any, args_key: str = "arguments") -> ToolCall | None:
     """A call from its decoded JSON, {"name": str, args_key: object or its JSON text}; None if not one."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return None
@@ -58,7 +58,7 @@ def _call(value: Any, args_key: str = "arguments") -> ToolCall | None:
 def _calls(value: Any, args_key: str = "arguments") -> list[ToolCall] | None:
     """Calls from one JSON value: a call, or a non-empty list of calls; None if it is neither."""
     items = value if isinstance(value, list) else [value]
-    calls = [_call(v, args_key) for v in items]
+    calls = [call_of(v, args_key) for v in items]
     if not calls or any(c is None for c in calls):
         return None
     return calls  # type: ignore[return-value]
@@ -158,7 +158,7 @@ class Llama3JsonParser(ToolParser):
         values = _json_values(text)
         if not values:
             return None
-        calls = [_call(v, "parameters") for v in values]
+        calls = [call_of(v, "parameters") for v in values]
         return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
 
 
@@ -175,7 +175,7 @@ class MistralParser(ToolParser):
                 name, _, args = piece.partition("[ARGS]")
                 name = name.partition("[CALL_ID]")[0]
                 try:
-                    call = _call({"name": name.strip(), "arguments": json.loads(args)})
+                    call = call_of({"name": name.strip(), "arguments": json.loads(args)})
                 except ValueError:
                     return None
                 found = [call] if call is not None else None
