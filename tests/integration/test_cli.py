@@ -222,8 +222,8 @@ def test_serve_detached_outlives_its_controller_and_stop_stops_it(tmp_path: Path
     Ray restarts it (a new pid in `status`) and the cluster serves throughout; killed past its
     restarts, `serve` says so in its output within seconds, `status` says the controller is not
     reporting, requests are still served. `stop` still stops it, the way Ctrl-C does, and
-    waits; one that cannot start says why and returns 1. (The serves a process each, as `ray
-    up` runs them; the other commands through `main` here.)"""
+    waits. (The serves a process each, as `ray up` runs them; the other commands through
+    `main` here.)"""
     from cluster.daemon import alive
 
     env = {"SPLITSERVE_CACHE": str(tmp_path / "cache")}
@@ -276,6 +276,9 @@ def test_serve_detached_outlives_its_controller_and_stop_stops_it(tmp_path: Path
     assert stopped.returncode == 0 and "splitserve: stopped in" in stopped.stdout, stopped.stderr
     assert not alive(pid) and not (tmp_path / "cache" / "serve.pid").exists()
     assert "splitserve: stopped" in (tmp_path / "cache" / "serve.log").read_text()
+
+
+def test_a_detached_serve_that_cannot_start_says_why(tmp_path: Path) -> None:
     (tmp_path / "broken.gguf").write_bytes(b"not a gguf file")
-    bad = run(["serve", "--detach", "--model", str(tmp_path / "broken.gguf")], env)
+    bad = run(["serve", "--detach", "--model", str(tmp_path / "broken.gguf")], {"SPLITSERVE_CACHE": str(tmp_path)})
     assert bad.returncode == 1 and "exited (2) before serving" in bad.stderr and "--model" in bad.stderr, bad.stderr
