@@ -151,7 +151,7 @@ class MessagesRequest(_Request):
             if begun.get("tool_calls"):
                 raise BadRequest(f"messages[{len(self.messages) - 1}]: a final assistant message is continued; one "
                                  "with tool_use blocks needs the user's tool_result blocks after it", "messages")
-            if (begun["content"] or "") != (begun["content"] or "").rstrip():
+            if (text := begun["content"] or "") != text.rstrip():
                 raise BadRequest("final assistant content cannot end with trailing whitespace", "messages")
             fields["continue_final_message"], fields["add_generation_prompt"] = True, False
         if (choice := self.tool_choice) is not None:
